@@ -1,0 +1,66 @@
+# Resolves the third-party libraries into attnd::* interface targets, shared (default) or static
+# (ATTND_STATIC=ON). Debian's gRPC CMake package only describes its shared libraries, so the static mode
+# collects the .a archives itself and links them as one group, which makes their order irrelevant.
+find_package(Threads REQUIRED)
+find_package(PkgConfig REQUIRED)
+
+# spdlog and fmt ship no static archives on Debian: use them header-only in every mode.
+find_package(fmt CONFIG REQUIRED)
+find_package(spdlog CONFIG REQUIRED)
+add_library(attnd_logging INTERFACE)
+target_link_libraries(attnd_logging INTERFACE spdlog::spdlog_header_only fmt::fmt-header-only)
+add_library(attnd::logging ALIAS attnd_logging)
+
+find_program(ATTND_PROTOC protoc REQUIRED)
+find_program(ATTND_GRPC_CPP_PLUGIN grpc_cpp_plugin REQUIRED)
+
+if(NOT ATTND_STATIC)
+  find_package(absl CONFIG REQUIRED)
+  find_package(Protobuf REQUIRED)
+  find_package(gRPC CONFIG REQUIRED)
+  add_library(attnd_absl INTERFACE)
+  target_link_libraries(attnd_absl INTERFACE
+    absl::status absl::statusor absl::strings absl::str_format absl::synchronization absl::time
+    absl::flags absl::flags_parse absl::flags_usage absl::random_random absl::span absl::optional)
+  add_library(attnd_grpc INTERFACE)
+  target_link_libraries(attnd_grpc INTERFACE gRPC::grpc++ gRPC::grpc++_reflection protobuf::libprotobuf attnd_absl)
+  if(ATTND_BUILD_TESTS)
+    find_package(GTest REQUIRED)
+    add_library(attnd_gtest INTERFACE)
+    target_link_libraries(attnd_gtest INTERFACE GTest::gtest GTest::gmock Threads::Threads)
+  endif()
+else()
+  set(_libdir /usr/lib/${CMAKE_LIBRARY_ARCHITECTURE})
+  file(GLOB _absl_archives ${_libdir}/libabsl_*.a)
+  if(NOT _absl_archives)
+    message(FATAL_ERROR "ATTND_STATIC: no libabsl_*.a under ${_libdir}")
+  endif()
+  set(_grpc_names grpc++_reflection grpc++ grpc address_sorting upb re2 cares gpr protobuf ssl crypto z)
+  set(_grpc_archives)
+  foreach(_n IN LISTS _grpc_names)
+    set(_a ${_libdir}/lib${_n}.a)
+    if(NOT EXISTS ${_a})
+      message(FATAL_ERROR "ATTND_STATIC: missing ${_a}")
+    endif()
+    list(APPEND _grpc_archives ${_a})
+  endforeach()
+  find_path(_absl_inc absl/status/status.h REQUIRED)
+  add_library(attnd_absl INTERFACE)
+  target_include_directories(attnd_absl SYSTEM INTERFACE ${_absl_inc})
+  target_link_libraries(attnd_absl INTERFACE
+    "-Wl,--start-group" ${_absl_archives} "-Wl,--end-group" Threads::Threads ${CMAKE_DL_LIBS} rt atomic)
+  add_library(attnd_grpc INTERFACE)
+  # The whole set is one link group: gRPC, protobuf, OpenSSL and abseil refer to each other in cycles.
+  target_link_libraries(attnd_grpc INTERFACE
+    "-Wl,--start-group" ${_grpc_archives} ${_absl_archives} "-Wl,--end-group"
+    Threads::Threads ${CMAKE_DL_LIBS} rt atomic)
+  if(ATTND_BUILD_TESTS)
+    add_library(attnd_gtest INTERFACE)
+    target_link_libraries(attnd_gtest INTERFACE ${_libdir}/libgmock.a ${_libdir}/libgtest.a Threads::Threads)
+  endif()
+endif()
+add_library(attnd::absl ALIAS attnd_absl)
+add_library(attnd::grpc ALIAS attnd_grpc)
+if(TARGET attnd_gtest)
+  add_library(attnd::gtest ALIAS attnd_gtest)
+endif()

@@ -1,0 +1,194 @@
+#include "attnd/reference.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#include "attnd/half.h"
+
+namespace attnd {
+
+const char* DTypeName(DType t) { return t == DType::kBF16 ? "bf16" : "fp16"; }
+
+const char* MaskName(Mask m) {
+  switch (m) {
+    case Mask::kNone:
+      return "none";
+    case Mask::kCausalTopLeft:
+      return "causal";
+    case Mask::kCausalBottomRight:
+      return "causal_bottom_right";
+  }
+  return "?";
+}
+
+int64_t VisiblePairs(Mask m, int64_t q_len, int64_t kv_len) {
+  if (m == Mask::kNone) return q_len * kv_len;
+  int64_t pairs = 0;
+  for (int64_t i = 0; i < q_len; ++i) pairs += LastVisibleKey(m, q_len, kv_len, i) + 1;
+  return pairs;
+}
+
+float Fp16ToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while ((man & 0x400u) == 0) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+uint16_t FloatToFp16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t abs = bits & 0x7fffffffu;
+  if (abs >= 0x7f800000u) return sign | (abs > 0x7f800000u ? 0x7e00u : 0x7c00u);
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520: infinity
+  if (abs < 0x38800000u) {                        // below the smallest normal half: subnormal or zero
+    if (abs < 0x33000000u) return sign;           // below half the smallest subnormal
+    const uint32_t e = abs >> 23;
+    const uint32_t man = (abs & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - e;  // 14 + (113 - e) - 1 ... places the value in units of 2^-24
+    uint32_t res = man >> (shift);
+    const uint32_t rem = man & ((1u << shift) - 1);
+    const uint32_t half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (res & 1u))) ++res;
+    return sign | static_cast<uint16_t>(res);
+  }
+  uint32_t res = ((abs >> 13) - (112u << 10));
+  const uint32_t rem = abs & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (res & 1u))) ++res;
+  return sign | static_cast<uint16_t>(res);
+}
+
+namespace {
+
+// One task: query rows [row_begin, row_end) of one (batch, q_head).
+struct Task {
+  int64_t b, h, row_begin, row_end;
+};
+
+constexpr int64_t kRowsPerTask = 64;
+
+template <typename Acc, typename StoreO, typename StoreLse>
+void RunTasks(const Problem& p, const Layout& L, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+              const ReferenceOptions& opts, StoreO store_o, StoreLse store_lse) {
+  const Shape& s = p.shape;
+  const int64_t group = s.q_heads / s.kv_heads;
+  const int64_t d = s.head_dim;
+  std::vector<Task> tasks;
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t h = 0; h < s.q_heads; ++h)
+      for (int64_t r = 0; r < s.q_len; r += kRowsPerTask) tasks.push_back({b, h, r, std::min(s.q_len, r + kRowsPerTask)});
+
+  std::atomic<size_t> next{0};
+  auto worker = [&]() {
+    std::vector<Acc> kf, vf, qrow(d), scores(s.kv_len), acc(d);
+    int64_t cached_b = -1, cached_kvh = -1;
+    for (size_t t = next.fetch_add(1); t < tasks.size(); t = next.fetch_add(1)) {
+      const Task& task = tasks[t];
+      const int64_t kvh = task.h / group;
+      if (task.b != cached_b || kvh != cached_kvh) {  // widen this head's K and V once per task run
+        kf.resize(s.kv_len * d);
+        vf.resize(s.kv_len * d);
+        for (int64_t j = 0; j < s.kv_len; ++j) {
+          const uint16_t* kr = k + task.b * L.k.batch + j * L.k.seq + kvh * L.k.head;
+          const uint16_t* vr = v + task.b * L.v.batch + j * L.v.seq + kvh * L.v.head;
+          for (int64_t x = 0; x < d; ++x) {
+            kf[j * d + x] = static_cast<Acc>(HalfToFloat(p.dtype, kr[x]));
+            vf[j * d + x] = static_cast<Acc>(HalfToFloat(p.dtype, vr[x]));
+          }
+        }
+        cached_b = task.b;
+        cached_kvh = kvh;
+      }
+      for (int64_t i = task.row_begin; i < task.row_end; ++i) {
+        const uint16_t* qr = q + task.b * L.q.batch + i * L.q.seq + task.h * L.q.head;
+        for (int64_t x = 0; x < d; ++x) qrow[x] = static_cast<Acc>(HalfToFloat(p.dtype, qr[x]));
+        const int64_t last = LastVisibleKey(p.mask, s.q_len, s.kv_len, i);
+        std::fill(acc.begin(), acc.end(), Acc(0));
+        if (last < 0) {
+          store_o(task.b, i, task.h, acc.data(), Acc(1));
+          store_lse(task.b, task.h, i, -std::numeric_limits<Acc>::infinity());
+          continue;
+        }
+        Acc mx = -std::numeric_limits<Acc>::infinity();
+        for (int64_t j = 0; j <= last; ++j) {
+          const Acc* kr = &kf[j * d];
+          Acc dot = 0;
+          for (int64_t x = 0; x < d; ++x) dot += qrow[x] * kr[x];
+          scores[j] = dot * static_cast<Acc>(p.scale);
+          mx = std::max(mx, scores[j]);
+        }
+        Acc sum = 0;
+        for (int64_t j = 0; j <= last; ++j) {
+          const Acc e = std::exp(scores[j] - mx);
+          sum += e;
+          const Acc* vr = &vf[j * d];
+          for (int64_t x = 0; x < d; ++x) acc[x] += e * vr[x];
+        }
+        store_o(task.b, i, task.h, acc.data(), sum);
+        store_lse(task.b, task.h, i, mx + std::log(sum));
+      }
+    }
+  };
+  int threads = opts.num_threads > 0 ? opts.num_threads : static_cast<int>(std::thread::hardware_concurrency());
+  threads = std::max(1, std::min<int>(threads, static_cast<int>(tasks.size())));
+  std::vector<std::thread> pool;
+  for (int i = 1; i < threads; ++i) pool.emplace_back(worker);
+  worker();
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace
+
+void ReferenceAttention(const Problem& p, const Layout& layout, const uint16_t* q, const uint16_t* k,
+                        const uint16_t* v, uint16_t* o, float* lse, const ReferenceOptions& opts) {
+  const Shape& s = p.shape;
+  RunTasks<float>(
+      p, layout, q, k, v, opts,
+      [&](int64_t b, int64_t i, int64_t h, const float* acc, float sum) {
+        uint16_t* orow = o + b * layout.o.batch + i * layout.o.seq + h * layout.o.head;
+        const float inv = 1.0f / sum;
+        for (int64_t x = 0; x < s.head_dim; ++x) orow[x] = FloatToHalf(p.dtype, acc[x] * inv);
+      },
+      [&](int64_t b, int64_t h, int64_t i, float value) {
+        if (p.want_lse && lse != nullptr) lse[(b * s.q_heads + h) * s.q_len + i] = value;
+      });
+}
+
+void ReferenceAttentionF64(const Problem& p, const Layout& layout, const uint16_t* q, const uint16_t* k,
+                           const uint16_t* v, double* o, double* lse, const ReferenceOptions& opts) {
+  const Shape& s = p.shape;
+  RunTasks<double>(
+      p, layout, q, k, v, opts,
+      [&](int64_t b, int64_t i, int64_t h, const double* acc, double sum) {
+        double* orow = o + ((b * s.q_len + i) * s.q_heads + h) * s.head_dim;
+        for (int64_t x = 0; x < s.head_dim; ++x) orow[x] = acc[x] / sum;
+      },
+      [&](int64_t b, int64_t h, int64_t i, double value) {
+        if (lse != nullptr) lse[(b * s.q_heads + h) * s.q_len + i] = value;
+      });
+}
+
+}  // namespace attnd
