@@ -1,0 +1,129 @@
+// The narrow core API the gRPC layer delegates to. A backend owns its worker threads (CPU) or streams
+// (CUDA); Submit never blocks the caller, and `done` runs exactly once on a backend thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "attnd/problem.h"
+
+namespace attnd::server {
+
+// Where a tensor's bytes are. Inline tensors are host memory owned by the request (the gRPC message or the
+// streaming assembly buffer); references name a registered CUDA buffer (CUDA backend only).
+struct TensorSource {
+  const uint8_t* host = nullptr;  // inline bytes, or nullptr
+  uint64_t host_bytes = 0;
+  std::string buffer_id;          // registered buffer, when host == nullptr
+  uint64_t offset = 0;            // byte offset into the registered region
+  Strides strides;                // element strides (contiguous unless the reference said otherwise)
+};
+
+// Timings reported back in ForwardResponse.timing (microseconds).
+struct Timing {
+  double queue_us = 0, h2d_us = 0, kernel_us = 0, d2h_us = 0, total_us = 0;
+};
+
+// One validated forward request. The gRPC layer fills everything but the outputs; the backend fills
+// `o`/`lse` (inline) or writes O into `o_ref`, then calls `done`.
+struct ForwardJob {
+  std::string request_id;
+  Problem problem;
+  TensorSource q, k, v;
+  bool o_to_buffer = false;   // O goes to o_ref instead of `o`
+  TensorSource o_ref;
+  absl::Time accepted;        // when the gRPC layer accepted it (queue time starts here)
+  absl::Time deadline = absl::InfiniteFuture();  // work not started by then is answered DEADLINE_EXCEEDED
+  std::function<bool()> cancelled;               // true once the client went away; may be empty
+
+  // Outputs.
+  std::string o;    // O bytes when !o_to_buffer
+  std::string lse;  // fp32 LSE bytes when problem.want_lse
+  Timing timing;
+  std::string kernel;  // configuration that ran
+  int device = -1;
+
+  // Called once with the outcome; the job is still alive during the call.
+  std::function<void(absl::Status)> done;
+};
+
+struct DeviceDescription {
+  int index = 0;
+  std::string name;
+  int cc_major = 0, cc_minor = 0;
+  uint64_t total_memory_bytes = 0;
+  int multiprocessor_count = 0;
+};
+
+// A same-host CUDA buffer registration request (RegisterCudaBuffer).
+struct CudaBufferRegistration {
+  std::string ipc_handle;  // 64 bytes
+  int device = 0;
+  uint64_t offset = 0;
+  uint64_t byte_size = 0;
+  std::string name;
+};
+
+struct CudaBufferDescription {
+  std::string buffer_id, name;
+  int device = 0;
+  uint64_t offset = 0, byte_size = 0;
+  uint32_t requests_in_flight = 0;
+};
+
+struct BackendStats {
+  uint64_t tensor_map_cache_hits = 0, tensor_map_cache_misses = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual std::string name() const = 0;  // "cpu" or "cuda"
+  virtual std::vector<DeviceDescription> devices() const = 0;
+  virtual std::vector<int64_t> supported_head_dims() const = 0;
+  virtual std::vector<DType> supported_dtypes() const = 0;
+  virtual std::vector<std::string> kernels() const = 0;
+
+  // Backend-specific acceptance (head_dim, dtype, references) beyond the generic shape validation.
+  // INVALID_ARGUMENT / FAILED_PRECONDITION naming the field.
+  virtual absl::Status CheckSupported(const ForwardJob& job) const = 0;
+
+  // Queues the job. Returns RESOURCE_EXHAUSTED (and does not call done) when the queue is full; otherwise
+  // OK and `done` is called exactly once later, also across Shutdown.
+  virtual absl::Status Submit(std::unique_ptr<ForwardJob> job) = 0;
+
+  // Requests queued and not yet started / accepted and not yet done.
+  virtual uint32_t queue_depth() const = 0;
+  virtual uint32_t in_flight() const = 0;
+
+  // Finishes every accepted job, then stops the workers. Submit after Shutdown is UNAVAILABLE.
+  virtual void Shutdown() = 0;
+
+  // Same-host CUDA IPC. The CPU backend answers FAILED_PRECONDITION.
+  virtual absl::StatusOr<std::string> RegisterCudaBuffer(const CudaBufferRegistration& reg) = 0;
+  virtual absl::Status UnregisterCudaBuffer(const std::string& buffer_id) = 0;
+  virtual std::vector<CudaBufferDescription> ListCudaBuffers() const = 0;
+
+  virtual BackendStats stats() const { return {}; }
+};
+
+struct BackendOptions {
+  int threads = 0;                 // CPU backend worker threads (0: hardware concurrency)
+  uint32_t max_queue = 256;        // jobs waiting before RESOURCE_EXHAUSTED
+  std::vector<int> devices;        // CUDA devices to serve (empty: all)
+  int streams_per_device = 4;      // CUDA stream pool size per device
+  uint64_t memory_budget_bytes = 0;  // CUDA staging/device memory budget per device (0: 80% of free)
+  bool enable_cuda_ipc = false;
+};
+
+// "cpu", "cuda", or "auto" (CUDA when a usable GPU is present, else CPU).
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& kind, const BackendOptions& options);
+
+}  // namespace attnd::server

@@ -1,0 +1,35 @@
+// The gRPC server: listeners, the Attention service (thin over a Backend), health and reflection.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "attnd/server/backend.h"
+
+namespace attnd::server {
+
+struct ServerOptions {
+  std::string listen = "127.0.0.1:50051";  // host:port; ":0" port picks a free one; empty: no TCP listener
+  std::string unix_socket;                 // path of a unix-domain listener; empty: none
+  uint64_t max_request_bytes = 1ull << 32;  // Q+K+V+O(+LSE) bytes of one request
+  uint64_t max_message_bytes = 256ull << 20;  // one gRPC message
+  bool ipc_over_tcp = false;               // accept CUDA IPC registration over TCP too (off: unix socket only)
+};
+
+class Server {
+ public:
+  // Starts listening; the backend is owned by the server from here on.
+  static absl::StatusOr<std::unique_ptr<Server>> Create(const ServerOptions& options,
+                                                        std::unique_ptr<Backend> backend);
+  virtual ~Server() = default;
+
+  virtual int tcp_port() const = 0;  // the bound TCP port (after ":0"), 0 without a TCP listener
+  // Stop accepting, finish every accepted request (its reply is sent), then stop. Idempotent.
+  virtual void Shutdown() = 0;
+  // Blocks until Shutdown has completed.
+  virtual void Wait() = 0;
+};
+
+}  // namespace attnd::server
