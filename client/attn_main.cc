@@ -1,0 +1,373 @@
+// attn: the attnd command-line client.
+//   attn info                 what the server runs on and accepts
+//   attn stats                the server's counters
+//   attn call [--verify]      one Forward with random (seeded) or file inputs
+//   attn bench                a bounded load test with a live progress line and a final report
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "attnd/client/bench.h"
+#include "attnd/client/client.h"
+#include "attnd/client/tensors.h"
+
+// Connection.
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server: host:port, unix:/path/to/socket, or dns:///name:port");
+ABSL_FLAG(int64_t, deadline_ms, 60000, "per-call deadline in milliseconds");
+ABSL_FLAG(std::string, transport, "auto",
+          "auto (unary when it fits the server's message limit, else streaming) | unary | stream");
+ABSL_FLAG(uint64_t, chunk_bytes, 0, "ForwardStream chunk size in bytes (0: 1 MiB, capped by the server's limit)");
+ABSL_FLAG(bool, wait_for_ready, false, "wait for the server to come up instead of failing fast");
+
+// Problem.
+ABSL_FLAG(int64_t, batch, 1, "sequences per request");
+ABSL_FLAG(int64_t, q_len, 512, "query rows per sequence");
+ABSL_FLAG(int64_t, kv_len, 0, "key/value rows per sequence (0: q_len)");
+ABSL_FLAG(int64_t, q_heads, 8, "query heads");
+ABSL_FLAG(int64_t, kv_heads, 0, "key/value heads (0: q_heads; fewer for GQA/MQA)");
+ABSL_FLAG(int64_t, head_dim, 128, "head dimension");
+ABSL_FLAG(std::string, dtype, "bf16", "bf16 | fp16");
+ABSL_FLAG(std::string, mask, "none", "none | causal (top-left, torch is_causal) | causal_bottom_right (FlashAttention)");
+ABSL_FLAG(bool, causal, false, "shorthand for --mask=causal");
+ABSL_FLAG(std::string, scale, "", "softmax scale (empty: 1/sqrt(head_dim))");
+ABSL_FLAG(bool, lse, false, "also return the log-sum-exp");
+ABSL_FLAG(uint64_t, seed, 1, "seed of the random inputs");
+
+// call.
+ABSL_FLAG(std::string, q_file, "", "call: raw Q bytes [batch, q_len, q_heads, head_dim] (with --k_file, --v_file)");
+ABSL_FLAG(std::string, k_file, "", "call: raw K bytes [batch, kv_len, kv_heads, head_dim]");
+ABSL_FLAG(std::string, v_file, "", "call: raw V bytes [batch, kv_len, kv_heads, head_dim]");
+ABSL_FLAG(std::string, o_file, "", "call: write O here");
+ABSL_FLAG(std::string, lse_file, "", "call: write the LSE (fp32) here (implies --lse)");
+ABSL_FLAG(bool, verify, false, "call: recompute on the CPU reference (double) and check the error bound");
+ABSL_FLAG(std::string, request_id, "", "call: request id echoed by the server");
+
+// bench.
+ABSL_FLAG(int32_t, concurrency, 1, "bench: calls in flight");
+ABSL_FLAG(double, rate, 0, "bench: open-loop arrival rate in req/s (0: closed loop)");
+ABSL_FLAG(absl::Duration, duration, absl::Seconds(10), "bench: measured duration (ignored with --requests)");
+ABSL_FLAG(int64_t, requests, 0, "bench: number of measured requests (0: use --duration)");
+ABSL_FLAG(absl::Duration, warmup, absl::Seconds(1), "bench: unmeasured warmup before measuring");
+ABSL_FLAG(absl::Duration, max_duration, absl::Minutes(10), "bench: hard stop of the whole run");
+ABSL_FLAG(int64_t, verify_every, 0, "bench: verify every Nth reply against the reference (0: never)");
+ABSL_FLAG(std::string, json, "", "bench: write the report as JSON to this file");
+ABSL_FLAG(std::string, csv, "", "bench: write the report as CSV (header + one row) to this file");
+ABSL_FLAG(bool, progress, true, "bench: live progress line on stderr");
+
+namespace {
+
+using attnd::client::Client;
+using attnd::client::ClientOptions;
+using attnd::client::RequestSpec;
+
+constexpr int kExitFail = 1;
+constexpr int kExitUsage = 2;
+
+int Fail(const absl::Status& s, const std::string& what) {
+  std::cerr << "attn: " << what << ": " << s << "\n";
+  return kExitFail;
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Connect() {
+  ClientOptions o;
+  o.target = absl::GetFlag(FLAGS_target);
+  const int64_t ms = absl::GetFlag(FLAGS_deadline_ms);
+  if (ms <= 0) return absl::InvalidArgumentError("--deadline_ms: must be positive");
+  o.default_deadline = absl::Milliseconds(ms);
+  auto t = attnd::client::ParseTransport(absl::GetFlag(FLAGS_transport));
+  if (!t.ok()) return t.status();
+  o.transport = *t;
+  o.stream_chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
+  return Client::Create(o);
+}
+
+attnd::client::CallOptions CallOpts() {
+  attnd::client::CallOptions c;
+  c.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
+  return c;
+}
+
+absl::StatusOr<RequestSpec> SpecFromFlags() {
+  RequestSpec s;
+  s.shape.batch = absl::GetFlag(FLAGS_batch);
+  s.shape.q_len = absl::GetFlag(FLAGS_q_len);
+  s.shape.kv_len = absl::GetFlag(FLAGS_kv_len) ? absl::GetFlag(FLAGS_kv_len) : s.shape.q_len;
+  s.shape.q_heads = absl::GetFlag(FLAGS_q_heads);
+  s.shape.kv_heads = absl::GetFlag(FLAGS_kv_heads) ? absl::GetFlag(FLAGS_kv_heads) : s.shape.q_heads;
+  s.shape.head_dim = absl::GetFlag(FLAGS_head_dim);
+  const auto& sh = s.shape;
+  if (sh.batch <= 0 || sh.q_len <= 0 || sh.kv_len <= 0 || sh.q_heads <= 0 || sh.kv_heads <= 0 || sh.head_dim <= 0) {
+    return absl::InvalidArgumentError("--batch, --q_len, --kv_len, --q_heads, --kv_heads, --head_dim: must be positive");
+  }
+  if (sh.q_heads % sh.kv_heads != 0) return absl::InvalidArgumentError("--q_heads: must be a multiple of --kv_heads");
+  const std::string dtype = absl::GetFlag(FLAGS_dtype);
+  if (dtype == "bf16") {
+    s.dtype = attnd::DType::kBF16;
+  } else if (dtype == "fp16") {
+    s.dtype = attnd::DType::kFP16;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--dtype: '", dtype, "' is not bf16 or fp16"));
+  }
+  const std::string mask = absl::GetFlag(FLAGS_mask);
+  if (mask == "none") {
+    s.mask = attnd::Mask::kNone;
+  } else if (mask == "causal" || mask == "causal_top_left") {
+    s.mask = attnd::Mask::kCausalTopLeft;
+  } else if (mask == "causal_bottom_right") {
+    s.mask = attnd::Mask::kCausalBottomRight;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--mask: '", mask, "' is not none, causal or causal_bottom_right"));
+  }
+  if (absl::GetFlag(FLAGS_causal)) {
+    if (s.mask == attnd::Mask::kCausalBottomRight) {
+      return absl::InvalidArgumentError("--causal: conflicts with --mask=causal_bottom_right");
+    }
+    s.mask = attnd::Mask::kCausalTopLeft;
+  }
+  const std::string scale = absl::GetFlag(FLAGS_scale);
+  if (!scale.empty()) {
+    float f;
+    if (!absl::SimpleAtof(scale, &f) || !std::isfinite(f)) {
+      return absl::InvalidArgumentError(absl::StrCat("--scale: '", scale, "' is not a finite number"));
+    }
+    s.scale = f;
+  }
+  s.want_lse = absl::GetFlag(FLAGS_lse) || !absl::GetFlag(FLAGS_lse_file).empty();
+  s.request_id = absl::GetFlag(FLAGS_request_id);
+  return s;
+}
+
+struct Inputs {
+  std::string q, k, v;
+};
+
+absl::StatusOr<Inputs> InputsFromFlags(const RequestSpec& spec) {
+  const std::string qf = absl::GetFlag(FLAGS_q_file), kf = absl::GetFlag(FLAGS_k_file), vf = absl::GetFlag(FLAGS_v_file);
+  Inputs in;
+  if (qf.empty() && kf.empty() && vf.empty()) {
+    const uint64_t seed = absl::GetFlag(FLAGS_seed);
+    in.q = attnd::client::RandomTensor(spec.dtype, attnd::QElems(spec.shape), seed * 3 + 0);
+    in.k = attnd::client::RandomTensor(spec.dtype, attnd::KVElems(spec.shape), seed * 3 + 1);
+    in.v = attnd::client::RandomTensor(spec.dtype, attnd::KVElems(spec.shape), seed * 3 + 2);
+    return in;
+  }
+  if (qf.empty() || kf.empty() || vf.empty()) {
+    return absl::InvalidArgumentError("--q_file, --k_file, --v_file: give all three or none");
+  }
+  auto q = attnd::client::ReadTensorFile(qf, spec.q_bytes());
+  if (!q.ok()) return q.status();
+  auto k = attnd::client::ReadTensorFile(kf, spec.kv_bytes());
+  if (!k.ok()) return k.status();
+  auto v = attnd::client::ReadTensorFile(vf, spec.kv_bytes());
+  if (!v.ok()) return v.status();
+  in.q = *std::move(q);
+  in.k = *std::move(k);
+  in.v = *std::move(v);
+  return in;
+}
+
+std::string ShapeLine(const RequestSpec& s) {
+  const attnd::Problem p = s.ToProblem();
+  return absl::StrFormat("batch %d, q_len %d, kv_len %d, q_heads %d, kv_heads %d, head_dim %d, %s, mask %s, scale %.6g%s",
+                         s.shape.batch, s.shape.q_len, s.shape.kv_len, s.shape.q_heads, s.shape.kv_heads,
+                         s.shape.head_dim, attnd::DTypeName(s.dtype), attnd::MaskName(s.mask), p.scale,
+                         s.want_lse ? ", lse" : "");
+}
+
+int CmdInfo(Client& client) {
+  auto info = client.ServerInfo(true, CallOpts());
+  if (!info.ok()) return Fail(info.status(), "GetServerInfo");
+  std::cout << "server " << client.options().target << "\n";
+  std::cout << "  version: " << info->version() << "\n";
+  std::cout << "  backend: " << info->backend() << "\n";
+  for (const auto& d : info->devices()) {
+    std::cout << absl::StrFormat("  device %d: %s, sm_%d%d, %.1f GiB, %d SMs\n", d.index(), d.name(),
+                                 d.compute_capability_major(), d.compute_capability_minor(),
+                                 static_cast<double>(d.total_memory_bytes()) / (1ull << 30), d.multiprocessor_count());
+  }
+  std::cout << "  head dims: " << absl::StrJoin(info->supported_head_dims(), ", ") << "\n";
+  std::vector<std::string> dtypes;
+  for (int t : info->supported_dtypes()) dtypes.push_back(attnd::v1::DType_Name(static_cast<attnd::v1::DType>(t)));
+  std::cout << "  dtypes: " << absl::StrJoin(dtypes, ", ") << "\n";
+  const auto& l = info->limits();
+  std::cout << absl::StrFormat("  limits: max_request_bytes %d, max_message_bytes %d, max_queue %d, max_head_dim %d\n",
+                               l.max_request_bytes(), l.max_message_bytes(), l.max_queue(), l.max_head_dim());
+  std::cout << "  cuda ipc: " << (info->cuda_ipc_enabled() ? "enabled" : "disabled") << "\n";
+  std::cout << "  kernels: " << absl::StrJoin(info->kernels(), ", ") << "\n";
+  absl::Status health = client.CheckHealth("", CallOpts());
+  std::cout << "  health: " << (health.ok() ? "SERVING" : std::string(health.message())) << "\n";
+  return health.ok() ? 0 : kExitFail;
+}
+
+int CmdStats(Client& client) {
+  auto st = client.Stats(CallOpts());
+  if (!st.ok()) return Fail(st.status(), "GetStats");
+  std::cout << absl::StrFormat("uptime %.1f s, queue depth %d, in flight %d, bytes in %d, bytes out %d\n",
+                               st->uptime_s(), st->queue_depth(), st->in_flight(), st->bytes_in(), st->bytes_out());
+  std::cout << absl::StrFormat("tensor map cache: %d hits, %d misses\n", st->tensor_map_cache_hits(),
+                               st->tensor_map_cache_misses());
+  for (const auto& r : st->rpcs()) {
+    std::vector<std::string> codes;
+    for (const auto& [code, n] : r.errors_by_code()) codes.push_back(absl::StrCat(code, " ", n));
+    std::cout << absl::StrFormat("  %-22s %8d calls, %6d errors, mean %.3f ms%s\n", r.method(), r.count(), r.errors(),
+                                 r.count() ? r.total_duration_us() / static_cast<double>(r.count()) / 1e3 : 0.0,
+                                 codes.empty() ? "" : " (" + absl::StrJoin(codes, ", ") + ")");
+  }
+  return 0;
+}
+
+int CmdCall(Client& client) {
+  auto spec = SpecFromFlags();
+  if (!spec.ok()) return Fail(spec.status(), "flags");
+  auto inputs = InputsFromFlags(*spec);
+  if (!inputs.ok()) return Fail(inputs.status(), "inputs");
+  std::optional<attnd::client::Oracle> oracle;
+  if (absl::GetFlag(FLAGS_verify)) {
+    // Computed before sending so the inputs can be moved into the request.
+    auto o = attnd::client::Oracle::Compute(spec->ToProblem(), inputs->q, inputs->k, inputs->v);
+    if (!o.ok()) return Fail(o.status(), "reference");
+    oracle = *std::move(o);
+  }
+  const attnd::v1::ForwardRequest request =
+      attnd::client::MakeForwardRequest(*spec, std::move(inputs->q), std::move(inputs->k), std::move(inputs->v));
+  std::cout << "call: " << ShapeLine(*spec) << "\n";
+  auto res = client.Forward(request, CallOpts());
+  if (!res.ok()) return Fail(res.status(), "Forward");
+  const auto& t = res->timing;
+  const double flops = attnd::ForwardFlops(spec->ToProblem());
+  std::cout << absl::StrFormat("  reply: backend %s, kernel %s, device %d, transport %s, %d bytes of O%s\n",
+                               res->backend, res->kernel, res->device, attnd::client::TransportName(res->transport),
+                               res->o.size(), res->lse.empty() ? "" : absl::StrCat(", ", res->lse.size(), " bytes of LSE"));
+  std::cout << absl::StrFormat("  latency %.3f ms (client); server ms: queue %.3f, h2d %.3f, kernel %.3f, d2h %.3f, total %.3f\n",
+                               absl::ToDoubleMilliseconds(res->latency), t.queue_us() / 1e3, t.h2d_us() / 1e3,
+                               t.kernel_us() / 1e3, t.d2h_us() / 1e3, t.total_us() / 1e3);
+  if (t.kernel_us() > 0) {
+    std::cout << absl::StrFormat("  kernel throughput: %.4f TFLOP/s (%.3g FLOP)\n", flops / t.kernel_us() / 1e6, flops);
+  }
+  const std::string of = absl::GetFlag(FLAGS_o_file), lf = absl::GetFlag(FLAGS_lse_file);
+  if (!of.empty()) {
+    absl::Status s = attnd::client::WriteFile(of, res->o);
+    if (!s.ok()) return Fail(s, "--o_file");
+  }
+  if (!lf.empty()) {
+    absl::Status s = attnd::client::WriteFile(lf, res->lse);
+    if (!s.ok()) return Fail(s, "--lse_file");
+  }
+  if (oracle) {
+    const attnd::client::VerifyReport v = oracle->Check(res->o, res->lse);
+    std::cout << absl::StrFormat(
+        "verify: max_abs_err %.3e (bound %.3e), rel_l2_err %.3e (bound %.3e)%s; fp32 reference: %.3e, %.3e\n",
+        v.max_abs_err, v.bound_max_abs, v.rel_l2_err, v.bound_rel_l2,
+        res->lse.empty() ? "" : absl::StrFormat(", lse_max_abs_err %.3e (bound %.3e)", v.lse_max_abs_err, v.bound_lse),
+        v.ref_max_abs_err, v.ref_rel_l2_err);
+    std::cout << (v.pass ? "verify: PASS\n" : "verify: FAIL: " + v.detail + "\n");
+    if (!v.pass) return kExitFail;
+  }
+  return 0;
+}
+
+int CmdBench(Client& client) {
+  auto spec = SpecFromFlags();
+  if (!spec.ok()) return Fail(spec.status(), "flags");
+  if (!absl::GetFlag(FLAGS_q_file).empty()) {
+    return Fail(absl::InvalidArgumentError("--q_file: bench uses random inputs"), "flags");
+  }
+  auto inputs = InputsFromFlags(*spec);
+  if (!inputs.ok()) return Fail(inputs.status(), "inputs");
+  attnd::client::BenchOptions opt;
+  opt.concurrency = absl::GetFlag(FLAGS_concurrency);
+  opt.rate = absl::GetFlag(FLAGS_rate);
+  opt.duration = absl::GetFlag(FLAGS_duration);
+  opt.requests = absl::GetFlag(FLAGS_requests);
+  opt.warmup = absl::GetFlag(FLAGS_warmup);
+  opt.max_duration = absl::GetFlag(FLAGS_max_duration);
+  opt.verify_every = absl::GetFlag(FLAGS_verify_every);
+  opt.call = CallOpts();
+  std::optional<attnd::client::Oracle> oracle;
+  if (opt.verify_every > 0) {
+    auto o = attnd::client::Oracle::Compute(spec->ToProblem(), inputs->q, inputs->k, inputs->v);
+    if (!o.ok()) return Fail(o.status(), "reference");
+    oracle = *std::move(o);
+  }
+  if (absl::GetFlag(FLAGS_progress)) {
+    // A terminal gets one line rewritten in place; a pipe or file gets one line per second.
+    const bool tty = isatty(STDERR_FILENO);
+    opt.progress = [tty](const std::string& line) {
+      if (tty) {
+        std::fprintf(stderr, "\r\033[K%s", line.c_str());
+      } else {
+        std::fprintf(stderr, "%s\n", line.c_str());
+      }
+      std::fflush(stderr);
+    };
+  }
+  auto request = std::make_shared<const attnd::v1::ForwardRequest>(
+      attnd::client::MakeForwardRequest(*spec, std::move(inputs->q), std::move(inputs->k), std::move(inputs->v)));
+  std::cerr << "bench: " << ShapeLine(*spec) << "\n";
+  auto report = attnd::client::RunBench(client, request, oracle ? &*oracle : nullptr, opt);
+  if (opt.progress && isatty(STDERR_FILENO)) std::fprintf(stderr, "\n");
+  if (!report.ok()) return Fail(report.status(), "bench");
+  std::cout << attnd::client::FormatBenchReport(*report);
+  const std::string json = absl::GetFlag(FLAGS_json), csv = absl::GetFlag(FLAGS_csv);
+  if (!json.empty()) {
+    absl::Status s = attnd::client::WriteFile(json, attnd::client::BenchReportJson(*report));
+    if (!s.ok()) return Fail(s, "--json");
+  }
+  if (!csv.empty()) {
+    absl::Status s = attnd::client::WriteFile(csv, attnd::client::BenchReportCsv(*report));
+    if (!s.ok()) return Fail(s, "--csv");
+  }
+  if (report->ok == 0 || report->errors > 0 || report->verify_failures > 0) {
+    std::cerr << "attn: bench: " << report->errors << " errors, " << report->verify_failures
+              << " verification failures, " << report->ok << " ok\n";
+    return kExitFail;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "attnd client.\n"
+      "  attn info  [--target=host:port]             server, backend, devices, limits, health\n"
+      "  attn stats [--target=...]                   server counters\n"
+      "  attn call  [shape flags] [--verify]         one Forward (random or --q_file/--k_file/--v_file inputs)\n"
+      "  attn bench [shape flags] [--concurrency=N] [--rate=R] [--duration=10s | --requests=N] [--warmup=1s]\n"
+      "             [--verify_every=N] [--json=F] [--csv=F]   load test\n"
+      "Shape flags: --batch --q_len --kv_len --q_heads --kv_heads --head_dim --dtype --mask|--causal --scale --lse");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() != 2) {
+    std::cerr << "usage: attn info|stats|call|bench [flags]   (attn --help for the flags)\n";
+    return kExitUsage;
+  }
+  const std::string cmd = args[1];
+  if (cmd != "info" && cmd != "stats" && cmd != "call" && cmd != "bench") {
+    std::cerr << "attn: unknown command '" << cmd << "' (info, stats, call, bench)\n";
+    return kExitUsage;
+  }
+  auto client = Connect();
+  if (!client.ok()) {
+    std::cerr << "attn: " << client.status() << "\n";
+    return kExitUsage;
+  }
+  if (cmd == "info") return CmdInfo(**client);
+  if (cmd == "stats") return CmdStats(**client);
+  if (cmd == "call") return CmdCall(**client);
+  return CmdBench(**client);
+}

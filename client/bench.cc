@@ -1,0 +1,389 @@
+#include "attnd/client/bench.h"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+
+namespace attnd::client {
+namespace {
+
+// State shared by the dispatching thread and the completion callbacks (which run on gRPC threads).
+struct Run {
+  absl::Mutex mu;
+  int in_flight ABSL_GUARDED_BY(mu) = 0;
+  std::vector<double> latencies_us ABSL_GUARDED_BY(mu);  // successful measured calls
+  int64_t ok ABSL_GUARDED_BY(mu) = 0, errors ABSL_GUARDED_BY(mu) = 0, warmup_done ABSL_GUARDED_BY(mu) = 0;
+  int64_t verified ABSL_GUARDED_BY(mu) = 0, verify_failures ABSL_GUARDED_BY(mu) = 0;
+  std::map<std::string, int64_t> errors_by_code ABSL_GUARDED_BY(mu);
+  std::string first_error ABSL_GUARDED_BY(mu), first_verify_failure ABSL_GUARDED_BY(mu);
+  std::string backend ABSL_GUARDED_BY(mu), kernel ABSL_GUARDED_BY(mu), transport ABSL_GUARDED_BY(mu);
+  double bytes ABSL_GUARDED_BY(mu) = 0;
+  double queue_us ABSL_GUARDED_BY(mu) = 0, h2d_us ABSL_GUARDED_BY(mu) = 0, kernel_us ABSL_GUARDED_BY(mu) = 0,
+         d2h_us ABSL_GUARDED_BY(mu) = 0, total_us ABSL_GUARDED_BY(mu) = 0;
+  absl::Time last_done ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+  // Since the last progress line.
+  int64_t window_ok ABSL_GUARDED_BY(mu) = 0, window_err ABSL_GUARDED_BY(mu) = 0;
+  double window_lat_us ABSL_GUARDED_BY(mu) = 0;
+};
+
+std::string JsonEscape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          out += absl::StrFormat("\\u%04x", static_cast<int>(c));
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out;
+}
+
+std::string CsvField(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"') out += '"';
+    out += c;
+  }
+  return out + "\"";
+}
+
+// The report's fields in one ordered list, shared by the JSON and the CSV writers so the two cannot drift.
+std::vector<std::pair<std::string, std::string>> Fields(const BenchReport& r) {
+  const Shape& s = r.problem.shape;
+  auto num = [](double v) { return absl::StrFormat("%.6g", v); };
+  auto str = [](const std::string& v) { return "\"" + JsonEscape(v) + "\""; };
+  std::string codes;
+  for (const auto& [code, n] : r.errors_by_code) absl::StrAppend(&codes, codes.empty() ? "" : ";", code, "=", n);
+  return {
+      {"target", str(r.target)},
+      {"backend", str(r.backend)},
+      {"kernel", str(r.kernel)},
+      {"transport", str(r.transport)},
+      {"batch", absl::StrCat(s.batch)},
+      {"q_len", absl::StrCat(s.q_len)},
+      {"kv_len", absl::StrCat(s.kv_len)},
+      {"q_heads", absl::StrCat(s.q_heads)},
+      {"kv_heads", absl::StrCat(s.kv_heads)},
+      {"head_dim", absl::StrCat(s.head_dim)},
+      {"dtype", str(DTypeName(r.problem.dtype))},
+      {"mask", str(MaskName(r.problem.mask))},
+      {"lse", r.problem.want_lse ? "true" : "false"},
+      {"concurrency", absl::StrCat(r.concurrency)},
+      {"rate", num(r.rate)},
+      {"ok", absl::StrCat(r.ok)},
+      {"errors", absl::StrCat(r.errors)},
+      {"warmup_requests", absl::StrCat(r.warmup_requests)},
+      {"verified", absl::StrCat(r.verified)},
+      {"verify_failures", absl::StrCat(r.verify_failures)},
+      {"late_starts", absl::StrCat(r.late_starts)},
+      {"hit_max_duration", r.hit_max_duration ? "true" : "false"},
+      {"elapsed_s", num(r.elapsed_s)},
+      {"req_per_s", num(r.req_per_s)},
+      {"tflops", num(r.tflops)},
+      {"gbps", num(r.gbps)},
+      {"lat_min_us", num(r.lat_min_us)},
+      {"lat_mean_us", num(r.lat_mean_us)},
+      {"lat_p50_us", num(r.lat_p50_us)},
+      {"lat_p90_us", num(r.lat_p90_us)},
+      {"lat_p95_us", num(r.lat_p95_us)},
+      {"lat_p99_us", num(r.lat_p99_us)},
+      {"lat_max_us", num(r.lat_max_us)},
+      {"srv_queue_us", num(r.srv_queue_us)},
+      {"srv_h2d_us", num(r.srv_h2d_us)},
+      {"srv_kernel_us", num(r.srv_kernel_us)},
+      {"srv_d2h_us", num(r.srv_d2h_us)},
+      {"srv_total_us", num(r.srv_total_us)},
+      {"errors_by_code", str(codes)},
+      {"first_error", str(r.first_error)},
+  };
+}
+
+}  // namespace
+
+double Percentile(const std::vector<double>& sorted, double p) {
+  if (sorted.empty()) return 0;
+  const double rank = std::ceil(p / 100.0 * static_cast<double>(sorted.size()));
+  const size_t idx = rank < 1 ? 0 : std::min(sorted.size() - 1, static_cast<size_t>(rank) - 1);
+  return sorted[idx];
+}
+
+absl::StatusOr<BenchReport> RunBench(Client& client, std::shared_ptr<const v1::ForwardRequest> request,
+                                     const Oracle* oracle, const BenchOptions& opt) {
+  if (opt.concurrency < 1) return absl::InvalidArgumentError("concurrency: must be >= 1");
+  if (!(opt.rate >= 0) || !std::isfinite(opt.rate)) return absl::InvalidArgumentError("rate: must be >= 0");
+  if (opt.requests < 0) return absl::InvalidArgumentError("requests: must be >= 0");
+  if (opt.requests == 0 && opt.duration <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("duration: must be positive (or give requests)");
+  }
+  if (opt.warmup < absl::ZeroDuration()) return absl::InvalidArgumentError("warmup: must be >= 0");
+  if (opt.max_duration <= absl::ZeroDuration()) return absl::InvalidArgumentError("max_duration: must be positive");
+  if (opt.verify_every < 0) return absl::InvalidArgumentError("verify_every: must be >= 0");
+  if (opt.verify_every > 0 && oracle == nullptr) return absl::InvalidArgumentError("verify_every: needs an oracle");
+
+  BenchReport report;
+  report.target = client.options().target;
+  report.concurrency = opt.concurrency;
+  report.rate = opt.rate;
+  {
+    auto dtype = FromProto(request->dtype());
+    auto mask = FromProto(request->mask());
+    if (!dtype.ok()) return dtype.status();
+    if (!mask.ok()) return mask.status();
+    const auto& s = request->shape();
+    report.problem.shape = Shape{s.batch(), s.q_len(), s.kv_len(), s.q_heads(), s.kv_heads(), s.head_dim()};
+    report.problem.dtype = *dtype;
+    report.problem.mask = *mask;
+    report.problem.scale = request->has_softmax_scale() ? request->softmax_scale() : DefaultScale(s.head_dim());
+    report.problem.want_lse = request->return_lse();
+  }
+  if (opt.call.transport.value_or(client.options().transport) == Transport::kAuto) {
+    // Fetch the server's limits now so that no completion callback ever blocks on it.
+    auto info = client.ServerInfo(false, opt.call);
+    if (!info.ok()) return info.status();
+  }
+
+  // Shared with the completion callbacks: the last of them may still be unlocking the mutex when this
+  // function returns.
+  auto state = std::make_shared<Run>();
+  Run& run = *state;
+  const absl::Time start = absl::Now();
+  const absl::Time warmup_end = start + opt.warmup;
+  const absl::Time measure_end = opt.requests > 0 ? absl::InfiniteFuture() : warmup_end + opt.duration;
+  const absl::Time hard_end = start + opt.max_duration;
+  absl::Time first_measured = absl::InfiniteFuture();
+  int64_t started = 0, measured_started = 0;
+  absl::Time window_start = start;
+  absl::Time next_progress = start + absl::Seconds(1);
+  const int64_t verify_every = opt.verify_every;
+
+  auto on_done = [state, oracle, verify_every](bool measured, int64_t seq, absl::Time t0,
+                                               absl::StatusOr<ForwardResult> r) {
+    Run& run = *state;
+    const absl::Time now = absl::Now();
+    // Verification is O(elements) and runs outside the lock.
+    std::optional<VerifyReport> vr;
+    if (r.ok() && measured && verify_every > 0 && seq % verify_every == 0) vr = oracle->Check(r->o, r->lse);
+    absl::MutexLock lock(&run.mu);
+    --run.in_flight;
+    if (!measured) {
+      ++run.warmup_done;
+      return;
+    }
+    run.last_done = std::max(run.last_done, now);
+    if (!r.ok()) {
+      ++run.errors;
+      ++run.window_err;
+      ++run.errors_by_code[absl::StatusCodeToString(r.status().code())];
+      if (run.first_error.empty()) run.first_error = r.status().ToString();
+      return;
+    }
+    const double lat = absl::ToDoubleMicroseconds(now - t0);
+    ++run.ok;
+    ++run.window_ok;
+    run.window_lat_us += lat;
+    run.latencies_us.push_back(lat);
+    run.bytes += static_cast<double>(r->bytes_sent + r->bytes_received);
+    run.queue_us += r->timing.queue_us();
+    run.h2d_us += r->timing.h2d_us();
+    run.kernel_us += r->timing.kernel_us();
+    run.d2h_us += r->timing.d2h_us();
+    run.total_us += r->timing.total_us();
+    if (run.backend.empty()) {
+      run.backend = r->backend;
+      run.kernel = r->kernel;
+      run.transport = TransportName(r->transport);
+    }
+    if (vr) {
+      ++run.verified;
+      if (!vr->pass) {
+        ++run.verify_failures;
+        if (run.first_verify_failure.empty()) run.first_verify_failure = vr->detail;
+      }
+    }
+  };
+
+  const int concurrency = opt.concurrency;
+  auto slot_free = [&run, concurrency]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(run.mu) { return run.in_flight < concurrency; };
+  auto all_done = [&run]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(run.mu) { return run.in_flight == 0; };
+
+  run.mu.Lock();
+  for (;;) {
+    const absl::Time now = absl::Now();
+    if (now >= next_progress) {
+      if (opt.progress) {
+        const double avg_ms = run.window_ok ? run.window_lat_us / run.window_ok / 1000.0 : 0;
+        opt.progress(absl::StrFormat(
+            "[%6.1fs]%s %lld ok, %lld errors, %.1f req/s, mean latency %.2f ms, in flight %d",
+            absl::ToDoubleSeconds(now - start), now < warmup_end ? " warmup" : "", static_cast<long long>(run.ok),
+            static_cast<long long>(run.errors),
+            static_cast<double>(run.window_ok + run.window_err) / absl::ToDoubleSeconds(now - window_start), avg_ms,
+            run.in_flight));
+      }
+      run.window_ok = run.window_err = 0;
+      run.window_lat_us = 0;
+      window_start = now;
+      next_progress = now + absl::Seconds(1);
+    }
+    if (now >= hard_end) {
+      report.hit_max_duration = true;
+      break;
+    }
+    if (now >= measure_end) break;
+    if (opt.requests > 0 && measured_started >= opt.requests) break;
+    absl::Time wake = std::min({next_progress, hard_end, measure_end});
+    if (run.in_flight >= concurrency) {
+      run.mu.AwaitWithDeadline(absl::Condition(&slot_free), wake);
+      continue;
+    }
+    absl::Time scheduled = now;
+    if (opt.rate > 0) {
+      scheduled = start + absl::Seconds(static_cast<double>(started) / opt.rate);
+      if (scheduled > now) {
+        wake = std::min(wake, scheduled);
+        run.mu.Unlock();
+        absl::SleepFor(wake - now);
+        run.mu.Lock();
+        continue;
+      }
+      if (now - scheduled > absl::Milliseconds(1) && scheduled >= warmup_end) ++report.late_starts;
+    }
+    const bool measured = scheduled >= warmup_end;
+    if (measured) {
+      ++measured_started;
+      first_measured = std::min(first_measured, scheduled);
+    }
+    const int64_t seq = started++;
+    ++run.in_flight;
+    run.mu.Unlock();
+    // Open loop times a call from its scheduled start; closed loop from its actual start.
+    const absl::Time t0 = opt.rate > 0 ? scheduled : absl::Now();
+    client.ForwardAsync(
+        request, [on_done, measured, seq, t0](absl::StatusOr<ForwardResult> r) { on_done(measured, seq, t0, std::move(r)); },
+        opt.call);
+    run.mu.Lock();
+  }
+  // Every call ends by its deadline, so this wait is bounded too.
+  run.mu.Await(absl::Condition(&all_done));
+
+  std::sort(run.latencies_us.begin(), run.latencies_us.end());
+  report.ok = run.ok;
+  report.errors = run.errors;
+  report.warmup_requests = run.warmup_done;
+  report.verified = run.verified;
+  report.verify_failures = run.verify_failures;
+  report.errors_by_code = run.errors_by_code;
+  report.first_error = run.first_error;
+  report.first_verify_failure = run.first_verify_failure;
+  report.backend = run.backend;
+  report.kernel = run.kernel;
+  report.transport = run.transport.empty() ? TransportName(opt.call.transport.value_or(client.options().transport))
+                                           : run.transport;
+  if (run.ok + run.errors > 0 && run.last_done > first_measured) {
+    report.elapsed_s = absl::ToDoubleSeconds(run.last_done - first_measured);
+  }
+  if (report.elapsed_s > 0) {
+    report.req_per_s = static_cast<double>(run.ok) / report.elapsed_s;
+    report.tflops = ForwardFlops(report.problem) * static_cast<double>(run.ok) / report.elapsed_s / 1e12;
+    report.gbps = run.bytes / report.elapsed_s / 1e9;
+  }
+  if (!run.latencies_us.empty()) {
+    const auto& l = run.latencies_us;
+    double sum = 0;
+    for (double x : l) sum += x;
+    report.lat_min_us = l.front();
+    report.lat_max_us = l.back();
+    report.lat_mean_us = sum / static_cast<double>(l.size());
+    report.lat_p50_us = Percentile(l, 50);
+    report.lat_p90_us = Percentile(l, 90);
+    report.lat_p95_us = Percentile(l, 95);
+    report.lat_p99_us = Percentile(l, 99);
+    const double n = static_cast<double>(run.ok);
+    report.srv_queue_us = run.queue_us / n;
+    report.srv_h2d_us = run.h2d_us / n;
+    report.srv_kernel_us = run.kernel_us / n;
+    report.srv_d2h_us = run.d2h_us / n;
+    report.srv_total_us = run.total_us / n;
+  }
+  run.mu.Unlock();
+  return report;
+}
+
+std::string FormatBenchReport(const BenchReport& r) {
+  const Shape& s = r.problem.shape;
+  std::string out;
+  absl::StrAppendFormat(&out, "bench: %s, backend %s, kernel %s, transport %s\n", r.target, r.backend, r.kernel,
+                        r.transport);
+  absl::StrAppendFormat(&out,
+                        "  shape: batch %d, q_len %d, kv_len %d, q_heads %d, kv_heads %d, head_dim %d, %s, mask %s%s\n",
+                        s.batch, s.q_len, s.kv_len, s.q_heads, s.kv_heads, s.head_dim, DTypeName(r.problem.dtype),
+                        MaskName(r.problem.mask), r.problem.want_lse ? ", lse" : "");
+  absl::StrAppendFormat(&out, "  load: concurrency %d, %s\n", r.concurrency,
+                        r.rate > 0 ? absl::StrFormat("open loop at %.1f req/s (%d late starts)", r.rate, r.late_starts)
+                                   : std::string("closed loop"));
+  absl::StrAppendFormat(&out, "  requests: %d ok, %d errors, %d warmup%s\n", r.ok, r.errors, r.warmup_requests,
+                        r.hit_max_duration ? " (stopped by max_duration)" : "");
+  absl::StrAppendFormat(&out, "  throughput: %.2f req/s, %.4f TFLOP/s, %.4f GB/s over %.2f s\n", r.req_per_s, r.tflops,
+                        r.gbps, r.elapsed_s);
+  absl::StrAppendFormat(&out,
+                        "  latency ms: min %.3f, mean %.3f, p50 %.3f, p90 %.3f, p95 %.3f, p99 %.3f, max %.3f\n",
+                        r.lat_min_us / 1e3, r.lat_mean_us / 1e3, r.lat_p50_us / 1e3, r.lat_p90_us / 1e3,
+                        r.lat_p95_us / 1e3, r.lat_p99_us / 1e3, r.lat_max_us / 1e3);
+  absl::StrAppendFormat(&out, "  server ms (mean): queue %.3f, h2d %.3f, kernel %.3f, d2h %.3f, total %.3f\n",
+                        r.srv_queue_us / 1e3, r.srv_h2d_us / 1e3, r.srv_kernel_us / 1e3, r.srv_d2h_us / 1e3,
+                        r.srv_total_us / 1e3);
+  if (r.verified > 0) {
+    absl::StrAppendFormat(&out, "  verified: %d replies, %d failed%s\n", r.verified, r.verify_failures,
+                          r.first_verify_failure.empty() ? "" : " (first: " + r.first_verify_failure + ")");
+  }
+  if (!r.errors_by_code.empty()) {
+    std::vector<std::string> parts;
+    for (const auto& [code, n] : r.errors_by_code) parts.push_back(absl::StrCat(code, " ", n));
+    absl::StrAppend(&out, "  errors by code: ", absl::StrJoin(parts, ", "), "\n  first error: ", r.first_error, "\n");
+  }
+  return out;
+}
+
+std::string BenchReportJson(const BenchReport& r) {
+  std::vector<std::string> parts;
+  for (const auto& [k, v] : Fields(r)) parts.push_back(absl::StrCat("  \"", k, "\": ", v));
+  std::string codes;
+  for (const auto& [code, n] : r.errors_by_code) {
+    absl::StrAppend(&codes, codes.empty() ? "" : ", ", "\"", code, "\": ", n);
+  }
+  parts.push_back(absl::StrCat("  \"errors_by_code_map\": {", codes, "}"));
+  return absl::StrCat("{\n", absl::StrJoin(parts, ",\n"), "\n}\n");
+}
+
+std::string BenchReportCsv(const BenchReport& r) {
+  std::vector<std::string> keys, values;
+  for (const auto& [k, v] : Fields(r)) {
+    keys.push_back(k);
+    // Strings were JSON-quoted; CSV wants them plain (quoted only when needed).
+    std::string plain = v;
+    if (plain.size() >= 2 && plain.front() == '"' && plain.back() == '"') plain = plain.substr(1, plain.size() - 2);
+    values.push_back(CsvField(plain));
+  }
+  return absl::StrCat(absl::StrJoin(keys, ","), "\n", absl::StrJoin(values, ","), "\n");
+}
+
+}  // namespace attnd::client

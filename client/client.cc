@@ -1,0 +1,558 @@
+#include "attnd/client/client.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/channel_arguments.h"
+#include "grpcpp/support/client_callback.h"
+
+namespace attnd::client {
+namespace {
+
+// Room for the request's non-tensor fields and the framing of one message on top of its tensor bytes.
+constexpr uint64_t kMessageOverhead = 64 << 10;
+constexpr uint64_t kDefaultChunkBytes = 1 << 20;
+
+// a*b*... in uint64, or nullopt on a non-positive factor or overflow; shapes come from users and are only
+// validated by the server, so the client must not trust them for sizes.
+std::optional<uint64_t> CheckedProduct(std::initializer_list<int64_t> factors) {
+  uint64_t p = 1;
+  for (int64_t f : factors) {
+    if (f <= 0 || __builtin_mul_overflow(p, static_cast<uint64_t>(f), &p)) return std::nullopt;
+  }
+  return p;
+}
+
+std::optional<uint64_t> ExpectedOBytes(const v1::ForwardRequest& r) {
+  const auto& s = r.shape();
+  return CheckedProduct({s.batch(), s.q_len(), s.q_heads(), s.head_dim(), 2});
+}
+std::optional<uint64_t> ExpectedLseBytes(const v1::ForwardRequest& r) {
+  const auto& s = r.shape();
+  return CheckedProduct({s.batch(), s.q_heads(), s.q_len(), 4});
+}
+
+uint64_t InlineBytes(const v1::ForwardRequest& r) { return r.q().data().size() + r.k().data().size() + r.v().data().size(); }
+
+// Checks the reply's tensors have the sizes the request implies, so that a short or truncated answer is an
+// error here rather than a silent wrong result in the caller.
+absl::Status CheckReplySizes(const v1::ForwardRequest& r, const ForwardResult& res) {
+  if (!r.has_o_ref()) {
+    const auto want = ExpectedOBytes(r);
+    if (want && res.o.size() != *want) {
+      return absl::InternalError(absl::StrCat("server returned ", res.o.size(), " bytes of O, expected ", *want));
+    }
+  }
+  if (r.return_lse()) {
+    const auto want = ExpectedLseBytes(r);
+    if (want && res.lse.size() != *want) {
+      return absl::InternalError(absl::StrCat("server returned ", res.lse.size(), " bytes of LSE, expected ", *want));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void FillResultHeader(v1::ForwardResponse& header, ForwardResult& res) {
+  res.request_id = std::move(*header.mutable_request_id());
+  res.timing = header.timing();
+  res.backend = std::move(*header.mutable_backend());
+  res.kernel = std::move(*header.mutable_kernel());
+  res.device = header.device();
+}
+
+}  // namespace
+
+const char* TransportName(Transport t) {
+  switch (t) {
+    case Transport::kAuto:
+      return "auto";
+    case Transport::kUnary:
+      return "unary";
+    case Transport::kStream:
+      return "stream";
+  }
+  return "?";
+}
+
+absl::StatusOr<Transport> ParseTransport(const std::string& name) {
+  if (name == "auto") return Transport::kAuto;
+  if (name == "unary") return Transport::kUnary;
+  if (name == "stream") return Transport::kStream;
+  return absl::InvalidArgumentError(absl::StrCat("transport: '", name, "' is not one of auto, unary, stream"));
+}
+
+Problem RequestSpec::ToProblem() const {
+  Problem p;
+  p.shape = shape;
+  p.dtype = dtype;
+  p.mask = mask;
+  p.scale = scale ? *scale : DefaultScale(shape.head_dim);
+  p.want_lse = want_lse;
+  return p;
+}
+
+uint64_t RequestSpec::q_bytes() const { return static_cast<uint64_t>(QElems(shape)) * DTypeBytes(dtype); }
+uint64_t RequestSpec::kv_bytes() const { return static_cast<uint64_t>(KVElems(shape)) * DTypeBytes(dtype); }
+uint64_t RequestSpec::lse_bytes() const { return want_lse ? static_cast<uint64_t>(LseElems(shape)) * 4 : 0; }
+
+v1::DType ToProto(DType t) { return t == DType::kBF16 ? v1::DTYPE_BF16 : v1::DTYPE_FP16; }
+v1::MaskType ToProto(Mask m) {
+  switch (m) {
+    case Mask::kNone:
+      return v1::MASK_TYPE_NONE;
+    case Mask::kCausalTopLeft:
+      return v1::MASK_TYPE_CAUSAL_TOP_LEFT;
+    case Mask::kCausalBottomRight:
+      return v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT;
+  }
+  return v1::MASK_TYPE_NONE;
+}
+absl::StatusOr<DType> FromProto(v1::DType t) {
+  switch (t) {
+    case v1::DTYPE_BF16:
+      return DType::kBF16;
+    case v1::DTYPE_FP16:
+      return DType::kFP16;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("dtype: unknown value ", static_cast<int>(t)));
+  }
+}
+absl::StatusOr<Mask> FromProto(v1::MaskType m) {
+  switch (m) {
+    case v1::MASK_TYPE_NONE:
+      return Mask::kNone;
+    case v1::MASK_TYPE_CAUSAL_TOP_LEFT:
+      return Mask::kCausalTopLeft;
+    case v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT:
+      return Mask::kCausalBottomRight;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("mask: unknown value ", static_cast<int>(m)));
+  }
+}
+
+v1::ForwardRequest MakeForwardRequest(const RequestSpec& spec, std::string q, std::string k, std::string v) {
+  v1::ForwardRequest r;
+  r.set_request_id(spec.request_id);
+  auto* s = r.mutable_shape();
+  s->set_batch(spec.shape.batch);
+  s->set_q_len(spec.shape.q_len);
+  s->set_kv_len(spec.shape.kv_len);
+  s->set_q_heads(spec.shape.q_heads);
+  s->set_kv_heads(spec.shape.kv_heads);
+  s->set_head_dim(spec.shape.head_dim);
+  r.set_dtype(ToProto(spec.dtype));
+  r.set_mask(ToProto(spec.mask));
+  if (spec.scale) r.set_softmax_scale(*spec.scale);
+  r.set_return_lse(spec.want_lse);
+  *r.mutable_q()->mutable_data() = std::move(q);
+  *r.mutable_k()->mutable_data() = std::move(k);
+  *r.mutable_v()->mutable_data() = std::move(v);
+  return r;
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  // grpc::StatusCode and absl::StatusCode share their numeric values (both follow google.rpc.Code).
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Streaming call: header, then Q, K, V chunks in order; the reply is a header then O and LSE chunks.
+class Client::StreamCall final
+    : public grpc::ClientBidiReactor<v1::ForwardStreamRequest, v1::ForwardStreamResponse> {
+ public:
+  StreamCall(std::shared_ptr<const v1::ForwardRequest> request, ForwardCallback done, uint64_t chunk_bytes)
+      : request_(std::move(request)), done_(std::move(done)), chunk_bytes_(chunk_bytes), start_(absl::Now()) {}
+
+  void Start(v1::Attention::Stub* stub, const Client& client, const CallOptions& call) {
+    client.Prepare(&ctx_, call);
+    if (request_->return_lse()) {
+      if (auto n = ExpectedLseBytes(*request_)) want_lse_ = *n;
+    }
+    if (!request_->has_o_ref()) {
+      if (auto n = ExpectedOBytes(*request_)) want_o_ = *n;
+    }
+    stub->async()->ForwardStream(&ctx_, this);
+    BuildHeader(out_.mutable_header());
+    StartWrite(&out_);
+    StartRead(&in_);
+    StartCall();
+  }
+
+  void OnWriteDone(bool ok) override {
+    // !ok: the stream is broken (the server answered early, e.g. with a validation error); OnDone reports.
+    if (!ok) return;
+    if (NextChunk()) {
+      StartWrite(&out_);
+    } else {
+      StartWritesDone();
+    }
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;
+    absl::Status st = Absorb();
+    if (!st.ok()) {
+      if (protocol_error_.ok()) protocol_error_ = st;
+      ctx_.TryCancel();
+      return;
+    }
+    StartRead(&in_);
+  }
+
+  void OnDone(const grpc::Status& s) override {
+    absl::StatusOr<ForwardResult> out;
+    if (!protocol_error_.ok()) {
+      out = protocol_error_;
+    } else if (!s.ok()) {
+      out = FromGrpcStatus(s);
+    } else if (!have_header_) {
+      out = absl::InternalError("ForwardStream: the server closed the stream without a header");
+    } else {
+      result_.transport = Transport::kStream;
+      result_.latency = absl::Now() - start_;
+      result_.bytes_sent = InlineBytes(*request_);
+      result_.bytes_received = result_.o.size() + result_.lse.size();
+      absl::Status sizes = CheckReplySizes(*request_, result_);
+      if (sizes.ok()) {
+        out = std::move(result_);
+      } else {
+        out = sizes;
+      }
+    }
+    ForwardCallback done = std::move(done_);
+    delete this;
+    done(std::move(out));
+  }
+
+ private:
+  void BuildHeader(v1::ForwardRequest* h) const {
+    // Copy every field but the inline tensor bytes (those follow as chunks).
+    const v1::ForwardRequest& r = *request_;
+    h->set_request_id(r.request_id());
+    *h->mutable_shape() = r.shape();
+    h->set_dtype(r.dtype());
+    h->set_mask(r.mask());
+    if (r.has_softmax_scale()) h->set_softmax_scale(r.softmax_scale());
+    h->set_return_lse(r.return_lse());
+    if (r.q().has_ref()) *h->mutable_q()->mutable_ref() = r.q().ref();
+    if (r.k().has_ref()) *h->mutable_k()->mutable_ref() = r.k().ref();
+    if (r.v().has_ref()) *h->mutable_v()->mutable_ref() = r.v().ref();
+    if (r.has_o_ref()) *h->mutable_o_ref() = r.o_ref();
+  }
+
+  // Fills out_ with the next chunk; false when every inline byte has been sent.
+  bool NextChunk() {
+    static constexpr v1::TensorName kNames[3] = {v1::TENSOR_NAME_Q, v1::TENSOR_NAME_K, v1::TENSOR_NAME_V};
+    const v1::TensorInput* inputs[3] = {&request_->q(), &request_->k(), &request_->v()};
+    while (tensor_ < 3) {
+      const std::string& data = inputs[tensor_]->data();
+      if (offset_ < data.size()) {
+        const uint64_t n = std::min<uint64_t>(chunk_bytes_, data.size() - offset_);
+        v1::TensorChunk* c = out_.mutable_chunk();
+        c->set_tensor(kNames[tensor_]);
+        c->set_offset(offset_);
+        c->mutable_data()->assign(data.data() + offset_, n);
+        offset_ += n;
+        return true;
+      }
+      ++tensor_;
+      offset_ = 0;
+    }
+    return false;
+  }
+
+  absl::Status Absorb() {
+    if (in_.has_header()) {
+      if (have_header_) return absl::InternalError("ForwardStream: a second response header");
+      have_header_ = true;
+      FillResultHeader(*in_.mutable_header(), result_);
+      result_.o.reserve(want_o_);
+      result_.lse.reserve(want_lse_);
+      return absl::OkStatus();
+    }
+    if (!in_.has_chunk()) return absl::InternalError("ForwardStream: an empty response message");
+    if (!have_header_) return absl::InternalError("ForwardStream: a chunk before the response header");
+    const v1::TensorChunk& c = in_.chunk();
+    std::string* dst;
+    uint64_t limit;
+    if (c.tensor() == v1::TENSOR_NAME_O) {
+      dst = &result_.o;
+      limit = want_o_;
+    } else if (c.tensor() == v1::TENSOR_NAME_LSE) {
+      dst = &result_.lse;
+      limit = want_lse_;
+    } else {
+      return absl::InternalError(absl::StrCat("ForwardStream: a response chunk of tensor ", c.tensor()));
+    }
+    if (c.offset() != dst->size()) {
+      return absl::InternalError(absl::StrCat("ForwardStream: ", v1::TensorName_Name(c.tensor()), " chunk at offset ",
+                                              c.offset(), ", expected ", dst->size()));
+    }
+    if (dst->size() + c.data().size() > limit) {
+      return absl::InternalError(absl::StrCat("ForwardStream: ", v1::TensorName_Name(c.tensor()),
+                                              " longer than the ", limit, " bytes its shape implies"));
+    }
+    dst->append(c.data());
+    return absl::OkStatus();
+  }
+
+  grpc::ClientContext ctx_;
+  std::shared_ptr<const v1::ForwardRequest> request_;
+  ForwardCallback done_;
+  const uint64_t chunk_bytes_;
+  const absl::Time start_;
+  v1::ForwardStreamRequest out_;
+  v1::ForwardStreamResponse in_;
+  int tensor_ = 0;       // 0..2: Q, K, V being sent
+  uint64_t offset_ = 0;  // bytes of that tensor sent
+  uint64_t want_o_ = 0, want_lse_ = 0;
+  bool have_header_ = false;
+  ForwardResult result_;
+  absl::Status protocol_error_;  // written only from OnReadDone, read in OnDone (which follows every reaction)
+};
+
+// ---------------------------------------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& options) {
+  if (options.target.empty()) return absl::InvalidArgumentError("target: empty");
+  if (options.default_deadline <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("default_deadline: must be positive");
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(options.max_send_message_bytes);
+  args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
+  if (absl::StartsWith(options.target, "dns:") && !options.dns_load_balancing.empty()) {
+    args.SetLoadBalancingPolicyName(options.dns_load_balancing);
+  }
+  if (options.own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto channel = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  if (!channel) return absl::InvalidArgumentError(absl::StrCat("target: cannot create a channel to '", options.target, "'"));
+  return std::unique_ptr<Client>(new Client(options, std::move(channel)));
+}
+
+Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
+    : options_(std::move(options)), channel_(std::move(channel)), stub_(v1::Attention::NewStub(channel_)) {}
+
+Client::~Client() = default;
+
+void Client::Prepare(grpc::ClientContext* ctx, const CallOptions& call) const {
+  const absl::Duration d = call.deadline ? *call.deadline : options_.default_deadline;
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + d));
+  ctx->set_wait_for_ready(call.wait_for_ready);
+}
+
+uint64_t Client::ChunkBytes(uint64_t max_message_bytes) const {
+  uint64_t c = options_.stream_chunk_bytes ? options_.stream_chunk_bytes : kDefaultChunkBytes;
+  if (max_message_bytes > 0) {
+    const uint64_t fit = max_message_bytes > 2 * kMessageOverhead ? max_message_bytes - kMessageOverhead
+                                                                  : std::max<uint64_t>(1, max_message_bytes / 2);
+    c = std::min(c, fit);
+  }
+  return c;
+}
+
+absl::StatusOr<Transport> Client::ChooseTransport(const v1::ForwardRequest& request) {
+  auto info = ServerInfo();
+  if (!info.ok()) {
+    return absl::Status(info.status().code(), absl::StrCat("fetching the server's limits: ", info.status().message()));
+  }
+  const uint64_t limit = info->limits().max_message_bytes();
+  if (limit == 0) return Transport::kUnary;  // the server states no limit
+  const uint64_t reply = ExpectedOBytes(request).value_or(0) + (request.return_lse() ? ExpectedLseBytes(request).value_or(0) : 0);
+  const bool fits = request.ByteSizeLong() + kMessageOverhead <= limit && reply + kMessageOverhead <= limit;
+  return fits ? Transport::kUnary : Transport::kStream;
+}
+
+void Client::ForwardAsync(std::shared_ptr<const v1::ForwardRequest> request, ForwardCallback done,
+                          const CallOptions& call) {
+  Transport t = call.transport ? *call.transport : options_.transport;
+  if (t == Transport::kAuto) {
+    auto chosen = ChooseTransport(*request);
+    if (!chosen.ok()) {
+      done(chosen.status());
+      return;
+    }
+    t = *chosen;
+  }
+  if (t == Transport::kUnary) {
+    StartUnary(std::move(request), std::move(done), call);
+    return;
+  }
+  // Chunks must fit the server's message limit; without the info (unreachable server) the call itself
+  // reports the failure, so the default chunk size is as good as any.
+  uint64_t max_message = 0;
+  {
+    absl::MutexLock lock(&info_mu_);
+    if (info_) max_message = info_->limits().max_message_bytes();
+  }
+  if (max_message == 0) {
+    auto info = ServerInfo(false, call);
+    if (info.ok()) max_message = info->limits().max_message_bytes();
+  }
+  StartStream(std::move(request), std::move(done), call, max_message);
+}
+
+void Client::StartUnary(std::shared_ptr<const v1::ForwardRequest> request, ForwardCallback done,
+                        const CallOptions& call) {
+  struct Call {
+    grpc::ClientContext ctx;
+    std::shared_ptr<const v1::ForwardRequest> request;
+    v1::ForwardResponse response;
+    ForwardCallback done;
+    absl::Time start;
+  };
+  auto* c = new Call;
+  c->request = std::move(request);
+  c->done = std::move(done);
+  Prepare(&c->ctx, call);
+  c->start = absl::Now();
+  stub_->async()->Forward(&c->ctx, c->request.get(), &c->response, [c](grpc::Status s) {
+    std::unique_ptr<Call> owned(c);
+    absl::StatusOr<ForwardResult> out;
+    if (!s.ok()) {
+      out = FromGrpcStatus(s);
+    } else {
+      ForwardResult res;
+      FillResultHeader(c->response, res);
+      res.o = std::move(*c->response.mutable_o());
+      res.lse = std::move(*c->response.mutable_lse());
+      res.transport = Transport::kUnary;
+      res.latency = absl::Now() - c->start;
+      res.bytes_sent = InlineBytes(*c->request);
+      res.bytes_received = res.o.size() + res.lse.size();
+      absl::Status sizes = CheckReplySizes(*c->request, res);
+      if (sizes.ok()) {
+        out = std::move(res);
+      } else {
+        out = sizes;
+      }
+    }
+    ForwardCallback cb = std::move(c->done);
+    owned.reset();
+    cb(std::move(out));
+  });
+}
+
+void Client::StartStream(std::shared_ptr<const v1::ForwardRequest> request, ForwardCallback done,
+                         const CallOptions& call, uint64_t max_message_bytes) {
+  auto* s = new StreamCall(std::move(request), std::move(done), ChunkBytes(max_message_bytes));
+  s->Start(stub_.get(), *this, call);
+}
+
+absl::StatusOr<ForwardResult> Client::Forward(const v1::ForwardRequest& request, const CallOptions& call) {
+  // The caller keeps `request` alive for the whole (blocking) call, so a non-owning pointer is enough.
+  std::shared_ptr<const v1::ForwardRequest> alias(std::shared_ptr<void>(), &request);
+  return ForwardFuture(std::move(alias), call).get();
+}
+
+std::future<absl::StatusOr<ForwardResult>> Client::ForwardFuture(std::shared_ptr<const v1::ForwardRequest> request,
+                                                                 const CallOptions& call) {
+  auto promise = std::make_shared<std::promise<absl::StatusOr<ForwardResult>>>();
+  auto future = promise->get_future();
+  ForwardAsync(
+      std::move(request), [promise](absl::StatusOr<ForwardResult> r) { promise->set_value(std::move(r)); }, call);
+  return future;
+}
+
+absl::StatusOr<v1::ServerInfo> Client::ServerInfo(bool refresh, const CallOptions& call) {
+  if (!refresh) {
+    absl::MutexLock lock(&info_mu_);
+    if (info_) return *info_;
+  }
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  v1::ServerInfo info;
+  absl::Status st = FromGrpcStatus(stub_->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info));
+  if (!st.ok()) return st;
+  absl::MutexLock lock(&info_mu_);
+  info_ = info;
+  return info;
+}
+
+absl::StatusOr<v1::ServerStats> Client::Stats(const CallOptions& call) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  v1::ServerStats stats;
+  absl::Status st = FromGrpcStatus(stub_->GetStats(&ctx, v1::GetStatsRequest(), &stats));
+  if (!st.ok()) return st;
+  return stats;
+}
+
+absl::StatusOr<std::string> Client::RegisterCudaBuffer(const v1::RegisterCudaBufferRequest& request,
+                                                       const CallOptions& call) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  v1::RegisterCudaBufferResponse resp;
+  absl::Status st = FromGrpcStatus(stub_->RegisterCudaBuffer(&ctx, request, &resp));
+  if (!st.ok()) return st;
+  return resp.buffer_id();
+}
+
+absl::Status Client::UnregisterCudaBuffer(const std::string& buffer_id, const CallOptions& call) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  v1::UnregisterCudaBufferRequest req;
+  req.set_buffer_id(buffer_id);
+  v1::UnregisterCudaBufferResponse resp;
+  return FromGrpcStatus(stub_->UnregisterCudaBuffer(&ctx, req, &resp));
+}
+
+absl::StatusOr<std::vector<v1::CudaBufferInfo>> Client::ListCudaBuffers(const CallOptions& call) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  v1::ListCudaBuffersResponse resp;
+  absl::Status st = FromGrpcStatus(stub_->ListCudaBuffers(&ctx, v1::ListCudaBuffersRequest(), &resp));
+  if (!st.ok()) return st;
+  return std::vector<v1::CudaBufferInfo>(resp.buffers().begin(), resp.buffers().end());
+}
+
+absl::Status Client::CheckHealth(const std::string& service, const CallOptions& call) {
+  // grpc.health.v1 is called generically: Debian ships neither health.proto nor its generated stubs, and the
+  // two messages are one field each (HealthCheckRequest.service = 1, HealthCheckResponse.status = 1).
+  std::string req;
+  if (!service.empty()) {
+    req.push_back(0x0a);  // field 1, length-delimited
+    uint64_t n = service.size();
+    while (n >= 0x80) {
+      req.push_back(static_cast<char>((n & 0x7f) | 0x80));
+      n >>= 7;
+    }
+    req.push_back(static_cast<char>(n));
+    req += service;
+  }
+  grpc::Slice slice(req);
+  grpc::ByteBuffer request_buf(&slice, 1), response_buf;
+  grpc::GenericStub generic(channel_);
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  absl::Notification finished;
+  grpc::Status status;
+  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request_buf, &response_buf,
+                    [&](grpc::Status s) {
+                      status = std::move(s);
+                      finished.Notify();
+                    });
+  finished.WaitForNotification();
+  if (!status.ok()) return FromGrpcStatus(status);
+  std::vector<grpc::Slice> slices;
+  if (!response_buf.Dump(&slices).ok()) return absl::InternalError("health: unreadable response");
+  std::string resp;
+  for (const auto& s : slices) resp.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  // The response is empty (status 0 = UNKNOWN) or holds field 1 as a one-byte varint.
+  int serving_status = 0;
+  if (resp.size() >= 2 && resp[0] == 0x08) serving_status = static_cast<unsigned char>(resp[1]);
+  static constexpr const char* kNames[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
+  if (serving_status == 1) return absl::OkStatus();
+  return absl::UnavailableError(
+      absl::StrCat("health: '", service, "' is ", serving_status < 4 ? kNames[serving_status] : "an unknown status"));
+}
+
+}  // namespace attnd::client

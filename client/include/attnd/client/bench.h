@@ -1,0 +1,67 @@
+// The load-test engine behind `attn bench`: N calls in flight (closed loop) or a fixed arrival rate (open
+// loop), a warmup that is not measured, exact latency percentiles, the server-side breakdown averaged from
+// the replies' timing metadata, and errors by status code. Always bounded in time.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "attnd/client/client.h"
+#include "attnd/client/tensors.h"
+
+namespace attnd::client {
+
+struct BenchOptions {
+  int concurrency = 1;                           // calls in flight at most
+  double rate = 0;                               // open loop: requests started per second; 0: closed loop
+  absl::Duration duration = absl::Seconds(10);   // measured phase, when requests == 0
+  int64_t requests = 0;                          // measured requests; > 0 overrides duration
+  absl::Duration warmup = absl::Seconds(1);      // calls started in this first span are not measured
+  int64_t verify_every = 0;                      // check every Nth reply against the oracle (needs one); 0: none
+  absl::Duration max_duration = absl::Minutes(10);  // hard stop of the whole run, whatever else is asked
+  CallOptions call;                              // per-call deadline and transport
+  // Called about once a second with a one-line progress summary; empty: silent.
+  std::function<void(const std::string&)> progress;
+};
+
+struct BenchReport {
+  // What ran.
+  std::string target, transport, backend, kernel;
+  Problem problem;
+  int concurrency = 0;
+  double rate = 0;
+  // Counts of measured calls (warmup calls are only counted in warmup_requests).
+  int64_t ok = 0, errors = 0, warmup_requests = 0;
+  int64_t verified = 0, verify_failures = 0;
+  int64_t late_starts = 0;     // open loop: starts more than 1 ms behind schedule (concurrency cap reached)
+  bool hit_max_duration = false;
+  std::string first_error, first_verify_failure;
+  std::map<std::string, int64_t> errors_by_code;
+  // Throughput over the measured span (first measured start to last measured completion).
+  double elapsed_s = 0, req_per_s = 0, tflops = 0, gbps = 0;
+  // Client-side latency of successful calls, microseconds. Open loop measures from the scheduled start, so a
+  // server that falls behind shows it (no coordinated omission).
+  double lat_min_us = 0, lat_mean_us = 0, lat_p50_us = 0, lat_p90_us = 0, lat_p95_us = 0, lat_p99_us = 0,
+         lat_max_us = 0;
+  // Server-reported timing averaged over successful calls, microseconds.
+  double srv_queue_us = 0, srv_h2d_us = 0, srv_kernel_us = 0, srv_d2h_us = 0, srv_total_us = 0;
+};
+
+// Sends `request` repeatedly as `options` says. `oracle` may be null unless options.verify_every > 0.
+// Fails only on bad options; call failures are counted in the report.
+absl::StatusOr<BenchReport> RunBench(Client& client, std::shared_ptr<const v1::ForwardRequest> request,
+                                     const Oracle* oracle, const BenchOptions& options);
+
+// Nearest-rank percentile (p in (0, 100]) of an ascending vector; 0 for an empty one.
+double Percentile(const std::vector<double>& sorted, double p);
+
+std::string FormatBenchReport(const BenchReport& r);  // human-readable, several lines
+std::string BenchReportJson(const BenchReport& r);
+std::string BenchReportCsv(const BenchReport& r);     // a header line and one data line
+
+}  // namespace attnd::client

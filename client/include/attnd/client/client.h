@@ -1,0 +1,158 @@
+// The attnd client library: one channel to a server, sync and async Forward that pick the unary or the
+// streaming RPC by payload size, and passthroughs for the other RPCs. Every result is absl::Status(Or);
+// grpc::Status is translated in exactly one place (FromGrpcStatus).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "attnd/problem.h"
+#include "attnd/v1/attention.grpc.pb.h"
+#include "attnd/v1/attention.pb.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/support/status.h"
+
+namespace attnd::client {
+
+// Which RPC carries a Forward call.
+enum class Transport {
+  kAuto,    // unary when request and reply fit the server's message limit, streaming otherwise
+  kUnary,   // always Attention.Forward (fails with the server's RESOURCE_EXHAUSTED when too large)
+  kStream,  // always Attention.ForwardStream
+};
+const char* TransportName(Transport t);
+// "auto" | "unary" | "stream".
+absl::StatusOr<Transport> ParseTransport(const std::string& name);
+
+struct ClientOptions {
+  // host:port, unix:/path (or unix:///abs/path), dns:///name:port (round-robin over the resolved addresses),
+  // or any other gRPC target URI.
+  std::string target = "127.0.0.1:50051";
+  // Deadline of a call that does not give its own (CallOptions::deadline).
+  absl::Duration default_deadline = absl::Seconds(120);
+  Transport transport = Transport::kAuto;
+  // Bytes of tensor data per ForwardStream chunk; 0: 1 MiB, always clamped below the server's message limit.
+  uint64_t stream_chunk_bytes = 0;
+  // Largest message this client sends/accepts; -1: no client-side limit (the server enforces its own).
+  int max_send_message_bytes = -1;
+  int max_receive_message_bytes = -1;
+  // Load-balancing policy for targets that resolve to several addresses ("dns:///..."); empty: gRPC's default.
+  std::string dns_load_balancing = "round_robin";
+  // Give this client its own connection instead of sharing one with other clients of the same target
+  // (in-process load tests and "N clients" tests want N real connections).
+  bool own_connection = false;
+};
+
+struct CallOptions {
+  std::optional<absl::Duration> deadline;  // unset: ClientOptions::default_deadline
+  std::optional<Transport> transport;      // unset: ClientOptions::transport
+  bool wait_for_ready = false;             // queue the call while the channel connects instead of failing fast
+};
+
+// The shape and semantics of a request, in host form (Problem plus the optional scale).
+struct RequestSpec {
+  Shape shape;
+  DType dtype = DType::kBF16;
+  Mask mask = Mask::kNone;
+  std::optional<float> scale;  // unset: the server's default 1/sqrt(head_dim)
+  bool want_lse = false;
+  std::string request_id;
+
+  // The Problem this request computes (scale resolved to its default).
+  Problem ToProblem() const;
+  // Bytes of Q, K (= V), O and LSE.
+  uint64_t q_bytes() const;
+  uint64_t kv_bytes() const;
+  uint64_t o_bytes() const { return q_bytes(); }
+  uint64_t lse_bytes() const;
+};
+
+// A ForwardRequest with inline tensors (the bytes are moved in, not copied).
+v1::ForwardRequest MakeForwardRequest(const RequestSpec& spec, std::string q, std::string k, std::string v);
+// The proto enums of the host ones and back.
+v1::DType ToProto(DType t);
+v1::MaskType ToProto(Mask m);
+absl::StatusOr<DType> FromProto(v1::DType t);
+absl::StatusOr<Mask> FromProto(v1::MaskType m);
+
+struct ForwardResult {
+  std::string request_id;
+  std::string o;    // [batch, q_len, q_heads, head_dim], request dtype
+  std::string lse;  // fp32 [batch, q_heads, q_len] when asked for
+  v1::Timing timing;
+  std::string backend, kernel;
+  int device = -1;
+  Transport transport = Transport::kUnary;  // the RPC that carried it
+  absl::Duration latency;                   // client-side, call start to completion
+  uint64_t bytes_sent = 0, bytes_received = 0;  // tensor payload bytes (Q+K+V out, O+LSE in)
+};
+
+using ForwardCallback = std::function<void(absl::StatusOr<ForwardResult>)>;
+
+// The one translation of a gRPC status into an absl::Status (codes are numerically identical).
+absl::Status FromGrpcStatus(const grpc::Status& s);
+
+class Client {
+ public:
+  // Creates the channel; does not wait for the server (the first call connects).
+  static absl::StatusOr<std::unique_ptr<Client>> Create(const ClientOptions& options);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  const ClientOptions& options() const { return options_; }
+
+  // Blocks until the call completes. `request` must carry inline tensors (or references) and stays owned by
+  // the caller.
+  absl::StatusOr<ForwardResult> Forward(const v1::ForwardRequest& request, const CallOptions& call = {});
+  // Starts the call and returns; `done` runs exactly once on a gRPC thread (it must not block long). The
+  // request is shared so that a load test can send one request many times without copying it. With
+  // Transport::kAuto the first call may block once to fetch GetServerInfo (cached afterwards); call
+  // ServerInfo() beforehand to avoid even that.
+  void ForwardAsync(std::shared_ptr<const v1::ForwardRequest> request, ForwardCallback done,
+                    const CallOptions& call = {});
+  std::future<absl::StatusOr<ForwardResult>> ForwardFuture(std::shared_ptr<const v1::ForwardRequest> request,
+                                                           const CallOptions& call = {});
+
+  // The transport kAuto picks for this request (fetches and caches the server info when needed).
+  absl::StatusOr<Transport> ChooseTransport(const v1::ForwardRequest& request);
+
+  // GetServerInfo, cached after the first success unless `refresh`.
+  absl::StatusOr<v1::ServerInfo> ServerInfo(bool refresh = false, const CallOptions& call = {});
+  absl::StatusOr<v1::ServerStats> Stats(const CallOptions& call = {});
+  absl::StatusOr<std::string> RegisterCudaBuffer(const v1::RegisterCudaBufferRequest& request,
+                                                 const CallOptions& call = {});
+  absl::Status UnregisterCudaBuffer(const std::string& buffer_id, const CallOptions& call = {});
+  absl::StatusOr<std::vector<v1::CudaBufferInfo>> ListCudaBuffers(const CallOptions& call = {});
+
+  // Standard grpc.health.v1 check of `service` ("" = the whole server): OK when SERVING.
+  absl::Status CheckHealth(const std::string& service = "", const CallOptions& call = {});
+
+  std::shared_ptr<grpc::Channel> channel() const { return channel_; }
+
+ private:
+  class StreamCall;
+  Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+  void Prepare(grpc::ClientContext* ctx, const CallOptions& call) const;
+  uint64_t ChunkBytes(uint64_t max_message_bytes) const;
+  void StartUnary(std::shared_ptr<const v1::ForwardRequest> request, ForwardCallback done, const CallOptions& call);
+  void StartStream(std::shared_ptr<const v1::ForwardRequest> request, ForwardCallback done, const CallOptions& call,
+                   uint64_t max_message_bytes);
+
+  const ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Attention::Stub> stub_;
+  mutable absl::Mutex info_mu_;
+  std::optional<v1::ServerInfo> info_ ABSL_GUARDED_BY(info_mu_);
+};
+
+}  // namespace attnd::client

@@ -1,0 +1,57 @@
+// Host-side tensor helpers of the CLI and the tests: seeded random inputs, raw files, and the oracle that
+// checks a server's answer against a double-precision reference with a bf16-fit error bound.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "attnd/problem.h"
+
+namespace attnd::client {
+
+// `elems` elements of `dtype` drawn from N(0, 1) with `seed` (deterministic for a given seed), as raw
+// little-endian bytes. Random, never constant: a kernel that ignores part of its input must show up.
+std::string RandomTensor(DType dtype, int64_t elems, uint64_t seed);
+
+// The whole file, which must hold exactly `expected_bytes` bytes (the shape's size).
+absl::StatusOr<std::string> ReadTensorFile(const std::string& path, uint64_t expected_bytes);
+absl::Status WriteFile(const std::string& path, const std::string& bytes);
+
+// The result of checking one answer.
+struct VerifyReport {
+  double max_abs_err = 0;      // max |O - O_f64| over all elements
+  double rel_l2_err = 0;       // ||O - O_f64||_2 / ||O_f64||_2
+  double lse_max_abs_err = 0;  // max |LSE - LSE_f64| over finite rows (when LSE was asked for)
+  // The same measures for the plain reference (fp32 accumulation, O rounded once to the dtype): the error
+  // any correct 16-bit implementation is expected to be within a small factor of.
+  double ref_max_abs_err = 0, ref_rel_l2_err = 0, ref_lse_max_abs_err = 0;
+  double bound_max_abs = 0, bound_rel_l2 = 0, bound_lse = 0;
+  int64_t bad_values = 0;  // NaN/inf in O, or LSE finite where it must be -inf (or the reverse)
+  bool pass = false;
+  std::string detail;  // why it failed
+};
+
+// The reference answer of one problem and its inputs, computed once and then used to check any number of
+// replies (a load test verifies many responses to the same inputs).
+class Oracle {
+ public:
+  // q, k, v: contiguous inline bytes of p's shape. Runs the double-precision and the fp32 reference.
+  static absl::StatusOr<Oracle> Compute(const Problem& p, const std::string& q, const std::string& k,
+                                        const std::string& v, int num_threads = 0);
+
+  // Error bound: FA3's rule, |err| <= 2 x (error of the plain reference) + atol, with atol twice the dtype's
+  // rounding step near 0.3 (the magnitude of typical outputs).
+  VerifyReport Check(const std::string& o, const std::string& lse) const;
+
+  const Problem& problem() const { return problem_; }
+
+ private:
+  Problem problem_;
+  std::vector<double> o64_, lse64_;
+  double ref_max_abs_ = 0, ref_rel_l2_ = 0, ref_lse_ = 0;
+};
+
+}  // namespace attnd::client

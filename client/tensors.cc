@@ -1,0 +1,169 @@
+#include "attnd/client/tensors.h"
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "attnd/half.h"
+#include "attnd/reference.h"
+
+namespace attnd::client {
+namespace {
+
+const uint16_t* Halves(const std::string& s) { return reinterpret_cast<const uint16_t*>(s.data()); }
+
+struct Errors {
+  double max_abs = 0, rel_l2 = 0;
+  int64_t bad = 0;
+};
+
+Errors CompareO(DType dtype, const uint16_t* o, const std::vector<double>& ref) {
+  Errors e;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double x = HalfToFloat(dtype, o[i]);
+    if (!std::isfinite(x)) {
+      ++e.bad;
+      continue;
+    }
+    const double d = x - ref[i];
+    e.max_abs = std::max(e.max_abs, std::abs(d));
+    num += d * d;
+    den += ref[i] * ref[i];
+  }
+  e.rel_l2 = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  return e;
+}
+
+Errors CompareLse(const float* lse, const std::vector<double>& ref) {
+  Errors e;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const bool want_inf = std::isinf(ref[i]);
+    if (std::isnan(lse[i]) || want_inf != std::isinf(lse[i])) {
+      ++e.bad;
+      continue;
+    }
+    if (!want_inf) e.max_abs = std::max(e.max_abs, std::abs(static_cast<double>(lse[i]) - ref[i]));
+  }
+  return e;
+}
+
+// Twice the rounding step of the dtype at 0.3: the absolute slack FA3's tests give a 16-bit output.
+double Atol(DType dtype) { return dtype == DType::kBF16 ? 2.0 * std::ldexp(1.0, -10) : 2.0 * std::ldexp(1.0, -13); }
+
+}  // namespace
+
+std::string RandomTensor(DType dtype, int64_t elems, uint64_t seed) {
+  std::string out(static_cast<size_t>(elems) * 2, '\0');
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  auto* p = reinterpret_cast<uint16_t*>(out.data());
+  for (int64_t i = 0; i < elems; ++i) p[i] = FloatToHalf(dtype, dist(rng));
+  return out;
+}
+
+absl::StatusOr<std::string> ReadTensorFile(const std::string& path, uint64_t expected_bytes) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  const std::streamoff size = in.tellg();
+  if (size < 0 || static_cast<uint64_t>(size) != expected_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": holds ", size, " bytes, the shape needs ", expected_bytes));
+  }
+  std::string out(static_cast<size_t>(size), '\0');
+  in.seekg(0);
+  if (!in.read(out.data(), size)) return absl::DataLossError(absl::StrCat(path, ": read failed"));
+  return out;
+}
+
+absl::Status WriteFile(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) return absl::PermissionDeniedError(absl::StrCat(path, ": cannot create"));
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  out.close();
+  if (!out) return absl::DataLossError(absl::StrCat(path, ": write failed"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Oracle> Oracle::Compute(const Problem& p, const std::string& q, const std::string& k,
+                                       const std::string& v, int num_threads) {
+  const Shape& s = p.shape;
+  if (s.batch <= 0 || s.q_len <= 0 || s.kv_len <= 0 || s.q_heads <= 0 || s.kv_heads <= 0 || s.head_dim <= 0 ||
+      s.q_heads % s.kv_heads != 0) {
+    return absl::InvalidArgumentError("shape: every dim must be positive and q_heads a multiple of kv_heads");
+  }
+  const uint64_t qb = static_cast<uint64_t>(QElems(s)) * 2, kvb = static_cast<uint64_t>(KVElems(s)) * 2;
+  if (q.size() != qb) return absl::InvalidArgumentError(absl::StrCat("q: ", q.size(), " bytes, expected ", qb));
+  if (k.size() != kvb) return absl::InvalidArgumentError(absl::StrCat("k: ", k.size(), " bytes, expected ", kvb));
+  if (v.size() != kvb) return absl::InvalidArgumentError(absl::StrCat("v: ", v.size(), " bytes, expected ", kvb));
+
+  Oracle o;
+  o.problem_ = p;
+  o.problem_.want_lse = true;  // always computed: LSE checks cost nothing extra here
+  const Layout layout = ContiguousLayout(s);
+  ReferenceOptions opts;
+  opts.num_threads = num_threads;
+  o.o64_.assign(static_cast<size_t>(QElems(s)), std::numeric_limits<double>::quiet_NaN());
+  o.lse64_.assign(static_cast<size_t>(LseElems(s)), std::numeric_limits<double>::quiet_NaN());
+  ReferenceAttentionF64(o.problem_, layout, Halves(q), Halves(k), Halves(v), o.o64_.data(), o.lse64_.data(), opts);
+
+  // The plain reference, poisoned first so that an element it fails to write cannot pass unnoticed.
+  std::vector<uint16_t> o16(static_cast<size_t>(QElems(s)), 0x7fc1);
+  std::vector<float> lse32(static_cast<size_t>(LseElems(s)), std::numeric_limits<float>::quiet_NaN());
+  ReferenceAttention(o.problem_, layout, Halves(q), Halves(k), Halves(v), o16.data(), lse32.data(), opts);
+  const Errors eo = CompareO(p.dtype, o16.data(), o.o64_);
+  const Errors el = CompareLse(lse32.data(), o.lse64_);
+  if (eo.bad || el.bad) return absl::InternalError("the fp32 reference produced non-finite values");
+  o.ref_max_abs_ = eo.max_abs;
+  o.ref_rel_l2_ = eo.rel_l2;
+  o.ref_lse_ = el.max_abs;
+  return o;
+}
+
+VerifyReport Oracle::Check(const std::string& o, const std::string& lse) const {
+  VerifyReport r;
+  r.ref_max_abs_err = ref_max_abs_;
+  r.ref_rel_l2_err = ref_rel_l2_;
+  r.ref_lse_max_abs_err = ref_lse_;
+  const double atol = Atol(problem_.dtype);
+  r.bound_max_abs = 2 * ref_max_abs_ + atol;
+  r.bound_rel_l2 = 2 * ref_rel_l2_ + atol;
+  r.bound_lse = 2 * ref_lse_ + 1e-3;
+  if (o.size() != o64_.size() * 2) {
+    r.detail = absl::StrCat("O has ", o.size(), " bytes, expected ", o64_.size() * 2);
+    return r;
+  }
+  const Errors eo = CompareO(problem_.dtype, Halves(o), o64_);
+  r.max_abs_err = eo.max_abs;
+  r.rel_l2_err = eo.rel_l2;
+  r.bad_values = eo.bad;
+  if (!lse.empty()) {
+    if (lse.size() != lse64_.size() * 4) {
+      r.detail = absl::StrCat("LSE has ", lse.size(), " bytes, expected ", lse64_.size() * 4);
+      return r;
+    }
+    std::vector<float> l(lse64_.size());
+    std::memcpy(l.data(), lse.data(), lse.size());
+    const Errors el = CompareLse(l.data(), lse64_);
+    r.lse_max_abs_err = el.max_abs;
+    r.bad_values += el.bad;
+  }
+  if (r.bad_values > 0) {
+    r.detail = absl::StrCat(r.bad_values, " non-finite or wrongly (non-)infinite values");
+  } else if (r.max_abs_err > r.bound_max_abs) {
+    r.detail = absl::StrFormat("max abs error %.3g above the bound %.3g", r.max_abs_err, r.bound_max_abs);
+  } else if (r.rel_l2_err > r.bound_rel_l2) {
+    r.detail = absl::StrFormat("relative L2 error %.3g above the bound %.3g", r.rel_l2_err, r.bound_rel_l2);
+  } else if (r.lse_max_abs_err > r.bound_lse) {
+    r.detail = absl::StrFormat("LSE max abs error %.3g above the bound %.3g", r.lse_max_abs_err, r.bound_lse);
+  } else {
+    r.pass = true;
+  }
+  return r;
+}
+
+}  // namespace attnd::client
