@@ -112,6 +112,11 @@ class Backend {
   virtual std::vector<CudaBufferDescription> ListCudaBuffers() const = 0;
 
   virtual BackendStats stats() const { return {}; }
+
+  // Reported by GetServerInfo: the queue bound behind RESOURCE_EXHAUSTED, and whether RegisterCudaBuffer
+  // can succeed at all.
+  virtual uint32_t max_queue() const { return 0; }
+  virtual bool cuda_ipc_enabled() const { return false; }
 };
 
 struct BackendOptions {

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "attnd/server/backend.h"
 
 namespace attnd::server {
@@ -16,6 +17,9 @@ struct ServerOptions {
   uint64_t max_request_bytes = 1ull << 32;  // Q+K+V+O(+LSE) bytes of one request
   uint64_t max_message_bytes = 256ull << 20;  // one gRPC message
   bool ipc_over_tcp = false;               // accept CUDA IPC registration over TCP too (off: unix socket only)
+  // Shutdown waits this long for accepted calls (a stream still uploading included) before gRPC cancels what
+  // is left; an infinite grace would let one stalled client hold a SIGTERM forever.
+  absl::Duration shutdown_grace = absl::Seconds(60);
 };
 
 class Server {

@@ -1,0 +1,75 @@
+// The CPU backend: a bounded queue in front of worker threads that run attnd::ReferenceAttention
+// (fp32 accumulation, bf16/fp16 in and out). It serves machines without a GPU and is the oracle of the tests.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "attnd/server/backend.h"
+
+namespace attnd::server {
+
+// Test seams. Production code leaves them empty.
+struct CpuBackendHooks {
+  // Runs on the worker right before the computation of a job that passed its deadline/cancel checks;
+  // tests block here to hold a worker busy deterministically.
+  std::function<void(const ForwardJob&)> before_compute;
+};
+
+class CpuBackend final : public Backend {
+ public:
+  static constexpr const char* kKernelName = "cpu_reference_fp32";
+
+  explicit CpuBackend(const BackendOptions& options, CpuBackendHooks hooks = {});
+  ~CpuBackend() override;  // Shutdown()
+  CpuBackend(const CpuBackend&) = delete;
+  CpuBackend& operator=(const CpuBackend&) = delete;
+
+  std::string name() const override { return "cpu"; }
+  std::vector<DeviceDescription> devices() const override { return {}; }
+  std::vector<int64_t> supported_head_dims() const override;
+  std::vector<DType> supported_dtypes() const override { return {DType::kBF16, DType::kFP16}; }
+  std::vector<std::string> kernels() const override { return {kKernelName}; }
+
+  absl::Status CheckSupported(const ForwardJob& job) const override;
+  absl::Status Submit(std::unique_ptr<ForwardJob> job) override;
+  uint32_t queue_depth() const override;
+  uint32_t in_flight() const override;
+  void Shutdown() override;
+
+  absl::StatusOr<std::string> RegisterCudaBuffer(const CudaBufferRegistration& reg) override;
+  absl::Status UnregisterCudaBuffer(const std::string& buffer_id) override;
+  std::vector<CudaBufferDescription> ListCudaBuffers() const override { return {}; }
+  uint32_t max_queue() const override { return max_queue_; }
+
+  // Jobs whose computation ran (not those answered DEADLINE_EXCEEDED/CANCELLED before starting).
+  uint64_t jobs_computed() const;
+  int worker_count() const { return static_cast<int>(workers_.size()); }
+
+ private:
+  void WorkerLoop();
+  // Deadline/cancel checks, then the computation; fills the job's outputs and timing.
+  absl::Status Run(ForwardJob& job, int compute_threads);
+
+  const uint32_t max_queue_;
+  const int threads_;
+  const CpuBackendHooks hooks_;
+
+  mutable absl::Mutex mu_;
+  std::deque<std::unique_ptr<ForwardJob>> queue_ ABSL_GUARDED_BY(mu_);
+  uint32_t running_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t computed_ ABSL_GUARDED_BY(mu_) = 0;
+
+  absl::Mutex shutdown_mu_;  // serialises Shutdown so a second caller waits for the first to finish
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace attnd::server

@@ -1,0 +1,44 @@
+// Turns a ForwardRequest (unary, or the header of a ForwardStream) into a ForwardJob, or an error whose
+// message starts with the offending field: "shape.head_dim: 96 is not supported (supported: 64, 128, 256)".
+// Sizes are uint64 and every product is overflow-checked, so no request can wrap an allocation size.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "attnd/server/backend.h"
+#include "attnd/v1/attention.pb.h"
+
+namespace attnd::server {
+
+// Byte sizes of one request's tensors.
+struct RequestBytes {
+  uint64_t q = 0, k = 0, v = 0, o = 0, lse = 0;
+  uint64_t total() const { return q + k + v + o + lse; }  // cannot wrap: checked by ValidateForwardRequest
+};
+
+// How the tensors travel: inline in one message, or as chunks after a stream header.
+enum class Transport { kUnary, kStream };
+
+struct ValidationLimits {
+  uint64_t max_request_bytes = 1ull << 32;    // Q+K+V+O(+LSE) -> RESOURCE_EXHAUSTED beyond
+  uint64_t max_message_bytes = 256ull << 20;  // a unary request or reply must fit one message
+  std::vector<int64_t> supported_head_dims;   // from the backend
+  std::vector<DType> supported_dtypes;        // from the backend
+};
+
+// Bytes of gRPC/protobuf framing allowed for next to the tensor bytes when checking the message limit.
+inline constexpr uint64_t kMessageOverheadBytes = 64 * 1024;
+
+// Validates `request` and fills job->{request_id, problem, q, k, v, o_to_buffer, o_ref}. For kUnary inline
+// tensors point into `request` (which must outlive the job); for kStream inline tensors are left empty (their
+// chunks come later) and inline bytes in the header are an error. INVALID_ARGUMENT naming the field for bad
+// input; RESOURCE_EXHAUSTED when the request exceeds a limit.
+absl::Status ValidateForwardRequest(const v1::ForwardRequest& request, Transport transport,
+                                    const ValidationLimits& limits, ForwardJob* job, RequestBytes* bytes);
+
+// Field-level checks shared with RegisterCudaBuffer.
+absl::Status ValidateRegisterCudaBuffer(const v1::RegisterCudaBufferRequest& request);
+
+}  // namespace attnd::server

@@ -1,0 +1,97 @@
+// attnd: the attention server binary. Flags pick the listeners, the backend and the limits; SIGINT/SIGTERM
+// start a graceful shutdown (stop accepting, answer every accepted request, exit 0).
+#include <signal.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "attnd/server/backend.h"
+#include "attnd/server/server.h"
+#include "spdlog/spdlog.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "TCP listener host:port (port 0 picks one); empty: none");
+ABSL_FLAG(std::string, unix_socket, "", "path of a unix-domain socket listener; empty: none");
+ABSL_FLAG(std::string, backend, "auto", "auto (cuda when a GPU is usable, else cpu), cpu or cuda");
+ABSL_FLAG(uint64_t, max_request_bytes, 1ull << 32, "largest request, Q+K+V+O(+LSE) bytes, any transport");
+ABSL_FLAG(uint64_t, max_message_bytes, 256ull << 20,
+          "largest gRPC message; bigger tensors must use ForwardStream (capped at 2 GiB - 1 by gRPC)");
+ABSL_FLAG(uint32_t, max_queue, 256, "requests waiting for the backend before RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, threads, 0, "CPU backend compute threads (0: all cores)");
+ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, critical or off");
+ABSL_FLAG(std::string, devices, "", "CUDA devices to serve, comma-separated indices (empty: all)");
+ABSL_FLAG(int, streams, 4, "CUDA streams per device");
+ABSL_FLAG(bool, enable_cuda_ipc, false, "accept RegisterCudaBuffer (CUDA IPC, same host) on the cuda backend");
+ABSL_FLAG(bool, ipc_over_tcp, false, "serve CUDA IPC registration over TCP too (default: the unix socket only)");
+ABSL_FLAG(double, shutdown_grace_s, 60, "seconds a shutdown waits for accepted calls before cancelling the rest");
+
+namespace {
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "attnd: %s\n", message.c_str());
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("attnd: fused attention as a gRPC service.\n  attnd --listen=0.0.0.0:50051 [--backend=auto]");
+  absl::ParseCommandLine(argc, argv);
+
+  const spdlog::level::level_enum level = spdlog::level::from_str(absl::GetFlag(FLAGS_log_level));
+  if (level == spdlog::level::off && absl::GetFlag(FLAGS_log_level) != "off") {
+    return Fail("--log_level: unknown value '" + absl::GetFlag(FLAGS_log_level) + "'");
+  }
+  spdlog::set_level(level);
+
+  // Block the shutdown signals before any thread exists so that every thread inherits the mask and only
+  // sigwait below receives them: no work happens inside a signal handler.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  attnd::server::BackendOptions backend_options;
+  backend_options.threads = absl::GetFlag(FLAGS_threads);
+  backend_options.max_queue = absl::GetFlag(FLAGS_max_queue);
+  backend_options.streams_per_device = absl::GetFlag(FLAGS_streams);
+  backend_options.enable_cuda_ipc = absl::GetFlag(FLAGS_enable_cuda_ipc);
+  for (absl::string_view d : absl::StrSplit(absl::GetFlag(FLAGS_devices), ',', absl::SkipWhitespace())) {
+    int index;
+    if (!absl::SimpleAtoi(d, &index) || index < 0) {
+      return Fail("--devices: '" + std::string(d) + "' is not a device index");
+    }
+    backend_options.devices.push_back(index);
+  }
+  if (backend_options.streams_per_device < 1) return Fail("--streams: must be >= 1");
+  const double grace = absl::GetFlag(FLAGS_shutdown_grace_s);
+  if (!(grace >= 0)) return Fail("--shutdown_grace_s: must be >= 0");
+
+  auto backend = attnd::server::MakeBackend(absl::GetFlag(FLAGS_backend), backend_options);
+  if (!backend.ok()) return Fail(std::string(backend.status().message()));
+
+  attnd::server::ServerOptions options;
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.unix_socket = absl::GetFlag(FLAGS_unix_socket);
+  options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.ipc_over_tcp = absl::GetFlag(FLAGS_ipc_over_tcp);
+  options.shutdown_grace = absl::Seconds(grace);
+  auto server = attnd::server::Server::Create(options, std::move(*backend));
+  if (!server.ok()) return Fail(std::string(server.status().message()));
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  spdlog::info("received {}, finishing accepted requests", sig == SIGINT ? "SIGINT" : "SIGTERM");
+  (*server)->Shutdown();
+  return 0;
+}

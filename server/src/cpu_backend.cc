@@ -1,0 +1,173 @@
+#include "attnd/server/cpu_backend.h"
+
+#include <algorithm>
+#include <new>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "attnd/reference.h"
+
+namespace attnd::server {
+namespace {
+
+double Micros(absl::Duration d) { return absl::ToDoubleMicroseconds(d); }
+
+int ResolveThreads(int requested) {
+  if (requested > 0) return requested;
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw == 0 ? 1 : static_cast<int>(hw);
+}
+
+}  // namespace
+
+CpuBackend::CpuBackend(const BackendOptions& options, CpuBackendHooks hooks)
+    : max_queue_(options.max_queue), threads_(ResolveThreads(options.threads)), hooks_(std::move(hooks)) {
+  // One worker per thread: under load every core runs its own request; a lone request fans out over all
+  // cores inside ReferenceAttention (see Run), so latency stays low when the server is idle.
+  workers_.reserve(threads_);
+  for (int i = 0; i < threads_; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+}
+
+CpuBackend::~CpuBackend() { Shutdown(); }
+
+std::vector<int64_t> CpuBackend::supported_head_dims() const {
+  // The reference handles any head_dim; the list matches the CUDA kernels so that a client sees the same
+  // API whichever backend answers.
+  return {64, 128, 256};
+}
+
+absl::Status CpuBackend::CheckSupported(const ForwardJob& job) const {
+  const auto ref_error = [](absl::string_view field) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, ": tensor references (registered CUDA buffers) need the cuda backend; this server runs the cpu "
+               "backend, send the bytes inline"));
+  };
+  if (job.q.host == nullptr && !job.q.buffer_id.empty()) return ref_error("q.ref");
+  if (job.k.host == nullptr && !job.k.buffer_id.empty()) return ref_error("k.ref");
+  if (job.v.host == nullptr && !job.v.buffer_id.empty()) return ref_error("v.ref");
+  if (job.o_to_buffer) return ref_error("o_ref");
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Submit(std::unique_ptr<ForwardJob> job) {
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("the server is shutting down");
+  if (queue_.size() >= max_queue_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("queue full: ", queue_.size(), " requests waiting (--max_queue=", max_queue_, ")"));
+  }
+  queue_.push_back(std::move(job));
+  return absl::OkStatus();
+}
+
+uint32_t CpuBackend::queue_depth() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<uint32_t>(queue_.size());
+}
+
+uint32_t CpuBackend::in_flight() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<uint32_t>(queue_.size()) + running_;
+}
+
+uint64_t CpuBackend::jobs_computed() const {
+  absl::MutexLock lock(&mu_);
+  return computed_;
+}
+
+void CpuBackend::Shutdown() {
+  absl::MutexLock shutdown_lock(&shutdown_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  // Workers drain the queue before they exit, so every accepted job gets its `done`.
+  for (auto& w : workers_) {
+    if (w.joinable()) w.join();
+  }
+}
+
+void CpuBackend::WorkerLoop() {
+  for (;;) {
+    std::unique_ptr<ForwardJob> job;
+    int compute_threads = 1;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](CpuBackend* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+            return !self->queue_.empty() || self->stopping_;
+          },
+          this));
+      if (queue_.empty()) return;  // stopping and drained
+      job = std::move(queue_.front());
+      queue_.pop_front();
+      ++running_;
+      // Share the cores among the jobs running now; a lone job gets all of them.
+      compute_threads = std::max(1, threads_ / static_cast<int>(running_));
+    }
+    const absl::Status status = Run(*job, compute_threads);
+    job->done(status);
+    job.reset();
+    absl::MutexLock lock(&mu_);
+    --running_;
+  }
+}
+
+absl::Status CpuBackend::Run(ForwardJob& job, int compute_threads) {
+  const absl::Time start = absl::Now();
+  job.timing.queue_us = Micros(start - job.accepted);
+  job.kernel = kKernelName;
+  job.device = -1;
+  if (job.cancelled && job.cancelled()) {
+    return absl::CancelledError("the call was cancelled before its computation started");
+  }
+  if (start >= job.deadline) {
+    return absl::DeadlineExceededError(absl::StrCat("the deadline expired after ", Micros(start - job.accepted),
+                                                    " us in the queue; the computation was not started"));
+  }
+  if (hooks_.before_compute) hooks_.before_compute(job);
+
+  const Problem& p = job.problem;
+  const Shape& s = p.shape;
+  const uint64_t o_bytes = static_cast<uint64_t>(QElems(s)) * DTypeBytes(p.dtype);
+  try {
+    job.o.resize(o_bytes);
+    if (p.want_lse) job.lse.resize(static_cast<uint64_t>(LseElems(s)) * sizeof(float));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat("out of host memory for O (", o_bytes, " bytes)"));
+  }
+  Layout layout;
+  layout.q = job.q.strides;
+  layout.k = job.k.strides;
+  layout.v = job.v.strides;
+  layout.o = ContiguousStrides(s.q_len, s.q_heads, s.head_dim);
+  ReferenceOptions opts;
+  opts.num_threads = compute_threads;
+  const absl::Time compute_start = absl::Now();
+  ReferenceAttention(p, layout, reinterpret_cast<const uint16_t*>(job.q.host),
+                     reinterpret_cast<const uint16_t*>(job.k.host), reinterpret_cast<const uint16_t*>(job.v.host),
+                     reinterpret_cast<uint16_t*>(job.o.data()),
+                     p.want_lse ? reinterpret_cast<float*>(job.lse.data()) : nullptr, opts);
+  const absl::Time end = absl::Now();
+  job.timing.kernel_us = Micros(end - compute_start);
+  job.timing.h2d_us = job.timing.d2h_us = 0;
+  job.timing.total_us = Micros(end - job.accepted);
+  {
+    absl::MutexLock lock(&mu_);
+    ++computed_;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> CpuBackend::RegisterCudaBuffer(const CudaBufferRegistration&) {
+  return absl::FailedPreconditionError(
+      "RegisterCudaBuffer: CUDA IPC needs the cuda backend; this server runs the cpu backend");
+}
+
+absl::Status CpuBackend::UnregisterCudaBuffer(const std::string&) {
+  return absl::FailedPreconditionError(
+      "UnregisterCudaBuffer: CUDA IPC needs the cuda backend; this server runs the cpu backend");
+}
+
+}  // namespace attnd::server

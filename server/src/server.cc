@@ -1,0 +1,132 @@
+#include "attnd/server/server.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <climits>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "service.h"
+#include "spdlog/spdlog.h"
+
+namespace attnd::server {
+namespace {
+
+constexpr const char* kServiceName = "attnd.v1.Attention";
+
+int ClampToInt(uint64_t v) { return v > static_cast<uint64_t>(INT_MAX) ? INT_MAX : static_cast<int>(v); }
+
+// A socket file left by a server that died would make bind fail; anything that is not a socket is left alone.
+void RemoveStaleSocket(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) ::unlink(path.c_str());
+}
+
+class ServerImpl final : public Server {
+ public:
+  ServerImpl(const ServerOptions& options, std::unique_ptr<Backend> backend)
+      : options_(options), backend_(std::move(backend)), service_(options_, backend_.get()) {}
+
+  ~ServerImpl() override { Shutdown(); }
+
+  absl::Status Start() {
+    // Both must be set before the builder exists: they install server-builder plugins.
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    grpc::ServerBuilder builder;
+    if (!options_.listen.empty()) {
+      builder.AddListeningPort(options_.listen, grpc::InsecureServerCredentials(), &tcp_port_);
+    }
+    if (!options_.unix_socket.empty()) {
+      RemoveStaleSocket(options_.unix_socket);
+      builder.AddListeningPort("unix:" + options_.unix_socket, grpc::InsecureServerCredentials());
+    }
+    builder.SetMaxReceiveMessageSize(ClampToInt(options_.max_message_bytes));
+    builder.SetMaxSendMessageSize(ClampToInt(options_.max_message_bytes));
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+    if (server_ == nullptr || (!options_.listen.empty() && tcp_port_ == 0)) {
+      if (server_ != nullptr) server_->Shutdown();
+      server_.reset();
+      backend_->Shutdown();
+      return absl::UnavailableError(absl::StrCat("cannot listen on '", options_.listen, "'",
+                                                 options_.unix_socket.empty() ? "" : " and unix:",
+                                                 options_.unix_socket, " (address in use or invalid?)"));
+    }
+    grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+    if (health != nullptr) {
+      health->SetServingStatus(true);
+      health->SetServingStatus(kServiceName, true);
+    }
+    spdlog::info("attnd listening on {}{}{} (backend {}, max_message_bytes {}, max_request_bytes {})",
+                 options_.listen.empty() ? "" : absl::StrCat(options_.listen, " [port ", tcp_port_, "]"),
+                 options_.listen.empty() || options_.unix_socket.empty() ? "" : " and ",
+                 options_.unix_socket.empty() ? "" : "unix:" + options_.unix_socket, backend_->name(),
+                 options_.max_message_bytes, options_.max_request_bytes);
+    return absl::OkStatus();
+  }
+
+  int tcp_port() const override { return tcp_port_; }
+
+  void Shutdown() override {
+    absl::MutexLock lock(&shutdown_mu_);  // a second caller waits here until the first has finished
+    if (done_.HasBeenNotified() || server_ == nullptr) return;
+    spdlog::info("attnd shutting down: {} requests in flight", backend_->in_flight());
+    grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+    if (health != nullptr) {
+      health->SetServingStatus(false);
+      health->SetServingStatus(kServiceName, false);
+    }
+    service_.BeginShutdown();
+    // gRPC stops accepting calls and waits for every started one; our reactors finish when the backend
+    // answers, so this returns once every accepted request has its reply.
+    const auto deadline =
+        std::chrono::system_clock::now() + absl::ToChronoSeconds(options_.shutdown_grace);
+    server_->Shutdown(options_.shutdown_grace == absl::InfiniteDuration() ? std::chrono::system_clock::time_point::max()
+                                                                           : deadline);
+    backend_->Shutdown();
+    if (!options_.unix_socket.empty()) RemoveStaleSocket(options_.unix_socket);
+    spdlog::info("attnd stopped");
+    done_.Notify();
+  }
+
+  void Wait() override { done_.WaitForNotification(); }
+
+ private:
+  const ServerOptions options_;
+  std::unique_ptr<Backend> backend_;
+  AttentionService service_;
+  std::unique_ptr<grpc::Server> server_;
+  int tcp_port_ = 0;
+  absl::Mutex shutdown_mu_;
+  absl::Notification done_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& options, std::unique_ptr<Backend> backend) {
+  if (backend == nullptr) return absl::InvalidArgumentError("backend: null");
+  if (options.listen.empty() && options.unix_socket.empty()) {
+    return absl::InvalidArgumentError("listen: no listener (set listen and/or unix_socket)");
+  }
+  if (options.max_message_bytes < 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("max_message_bytes: ", options.max_message_bytes, " is below 4096"));
+  }
+  if (options.max_request_bytes == 0) return absl::InvalidArgumentError("max_request_bytes: must be > 0");
+  auto server = std::make_unique<ServerImpl>(options, std::move(backend));
+  absl::Status s = server->Start();
+  if (!s.ok()) return s;
+  return std::unique_ptr<Server>(std::move(server));
+}
+
+}  // namespace attnd::server

@@ -1,0 +1,432 @@
+#include "service.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "attnd/server/status_util.h"
+#include "spdlog/spdlog.h"
+
+#ifndef ATTND_VERSION
+#define ATTND_VERSION "unknown"
+#endif
+
+namespace attnd::server {
+namespace {
+
+v1::DType ToProto(DType t) { return t == DType::kFP16 ? v1::DTYPE_FP16 : v1::DTYPE_BF16; }
+
+// Reply chunks stay well under the message limit and small enough that a client with gRPC's default 4 MiB
+// receive limit can read them.
+uint64_t ChunkBytes(uint64_t max_message_bytes) {
+  return std::clamp<uint64_t>(max_message_bytes / 2, 4096, 1u << 20);
+}
+
+void LogOutcome(const char* method, const std::string& request_id, const absl::Status& status, absl::Time start) {
+  const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  if (status.ok()) {
+    spdlog::debug("{} id='{}' ok in {:.0f} us", method, request_id, us);
+  } else {
+    spdlog::debug("{} id='{}' {} in {:.0f} us: {}", method, request_id, absl::StatusCodeToString(status.code()), us,
+                  std::string(status.message()));
+  }
+}
+
+// Lifecycle of one ForwardStream call; each state is entered once, in this order (Failed from any).
+enum class StreamState {
+  kAwaitingHeader,  // nothing received yet
+  kReceiving,       // header validated, assembling Q/K/V chunks
+  kComputing,       // submitted to the backend
+  kReplying,        // writing the header then O/LSE chunks
+  kFinished,        // Finish called
+};
+
+class ForwardStreamReactor final
+    : public grpc::ServerBidiReactor<v1::ForwardStreamRequest, v1::ForwardStreamResponse> {
+ public:
+  ForwardStreamReactor(AttentionService* service, grpc::CallbackServerContext* ctx)
+      : service_(service), ctx_(ctx), start_(absl::Now()) {
+    StartRead(&in_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client half-closed, or the call died
+      if (ctx_->IsCancelled()) return End(absl::CancelledError("the call was cancelled while receiving"));
+      const absl::Status complete = CheckComplete();
+      if (!complete.ok()) return End(complete);
+      return Submit();
+    }
+    const absl::Status s = Consume();
+    if (!s.ok()) return End(s);
+    StartRead(&in_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) return End(absl::CancelledError("the client went away while the reply was being sent"));
+    WriteNext();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  struct Input {
+    Input(const char* n, v1::TensorName t) : name(n), tensor(t) {}
+    const char* name;
+    v1::TensorName tensor;
+    bool chunked = false;  // bytes come as chunks (false: a reference)
+    uint64_t size = 0, received = 0;
+    std::string bytes;
+  };
+
+  absl::Status Consume() {
+    if (in_.message_case() == v1::ForwardStreamRequest::kHeader) {
+      if (state_ != StreamState::kAwaitingHeader) {
+        return absl::InvalidArgumentError("header: sent twice (only the first message may be a header)");
+      }
+      return AcceptHeader();
+    }
+    if (in_.message_case() != v1::ForwardStreamRequest::kChunk) {
+      return absl::InvalidArgumentError("message: empty ForwardStreamRequest (set header or chunk)");
+    }
+    if (state_ != StreamState::kReceiving) {
+      return absl::InvalidArgumentError("header: the first ForwardStream message must be a header, got a chunk");
+    }
+    const v1::TensorChunk& c = in_.chunk();
+    Input* t = nullptr;
+    for (Input& in : inputs_) {
+      if (in.tensor == c.tensor()) t = &in;
+    }
+    if (t == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk.tensor: ", v1::TensorName_IsValid(c.tensor())
+                                                                            ? v1::TensorName_Name(c.tensor())
+                                                                            : absl::StrCat(c.tensor()),
+                                                     " is not an input (expected TENSOR_NAME_Q, _K or _V)"));
+    }
+    if (!t->chunked) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk.tensor: ", t->name, " is given as a reference in the header and takes no chunks"));
+    }
+    if (c.offset() != t->received) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          t->name, " chunk.offset: ", c.offset(), ", expected ", t->received,
+          " (a tensor's chunks must arrive in order, without gaps or overlaps)"));
+    }
+    if (c.data().size() > t->size - t->received) {
+      return absl::InvalidArgumentError(absl::StrCat(t->name, " chunk.data: bytes up to ", c.offset(), "+",
+                                                     c.data().size(), " run past the tensor's ", t->size, " bytes"));
+    }
+    std::memcpy(t->bytes.data() + t->received, c.data().data(), c.data().size());
+    t->received += c.data().size();
+    bytes_in_ += c.data().size();
+    return absl::OkStatus();
+  }
+
+  absl::Status AcceptHeader() {
+    header_ = std::move(*in_.mutable_header());
+    job_ = std::make_unique<ForwardJob>();
+    job_->accepted = start_;
+    ATTND_RETURN_IF_ERROR(service_->Prepare(header_, Transport::kStream, ctx_, job_.get(), &bytes_));
+    TensorSource* sources[3] = {&job_->q, &job_->k, &job_->v};
+    const uint64_t sizes[3] = {bytes_.q, bytes_.k, bytes_.v};
+    for (int i = 0; i < 3; ++i) {
+      Input& in = inputs_[i];
+      in.size = sizes[i];
+      in.chunked = sources[i]->buffer_id.empty();
+      if (!in.chunked) continue;
+      try {
+        // The validated size is bounded by --max_request_bytes, so this allocation is too.
+        in.bytes.resize(in.size);
+      } catch (const std::bad_alloc&) {
+        return absl::ResourceExhaustedError(absl::StrCat(in.name, ": out of host memory for ", in.size, " bytes"));
+      }
+    }
+    state_ = StreamState::kReceiving;
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckComplete() {
+    if (state_ == StreamState::kAwaitingHeader) {
+      return absl::InvalidArgumentError("header: missing (the stream ended before a header)");
+    }
+    for (const Input& in : inputs_) {
+      if (in.chunked && in.received != in.size) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(in.name, ": the stream ended after ", in.received, " of ", in.size, " bytes"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  void Submit() {
+    TensorSource* sources[3] = {&job_->q, &job_->k, &job_->v};
+    for (int i = 0; i < 3; ++i) {
+      if (!inputs_[i].chunked) continue;
+      sources[i]->host = reinterpret_cast<const uint8_t*>(inputs_[i].bytes.data());
+      sources[i]->host_bytes = inputs_[i].size;
+    }
+    // The deadline may have passed while the bytes arrived.
+    if (absl::Now() >= job_->deadline) {
+      return End(absl::DeadlineExceededError("the deadline expired while the request was being received"));
+    }
+    ForwardJob* job = job_.get();
+    job->done = [this, job](absl::Status status) { OnJobDone(*job, status); };
+    state_ = StreamState::kComputing;
+    const absl::Status s = service_->backend()->Submit(std::move(job_));
+    if (!s.ok()) End(s);
+  }
+
+  // On a backend thread. After StartWrite this object may be deleted at any moment by OnDone, so nothing of
+  // `this` is touched after WriteNext.
+  void OnJobDone(ForwardJob& job, const absl::Status& status) {
+    for (Input& in : inputs_) std::string().swap(in.bytes);  // inputs are no longer needed
+    if (!status.ok()) return End(status);
+    service_->FillResponseHeader(job, out_.mutable_header());
+    o_ = std::move(job.o);
+    lse_ = std::move(job.lse);
+    state_ = StreamState::kReplying;
+    WriteNext();
+  }
+
+  void WriteNext() {
+    if (!header_sent_) {
+      header_sent_ = true;
+      return StartWrite(&out_);
+    }
+    const uint64_t chunk = service_->stream_chunk_bytes();
+    struct {
+      const std::string* bytes;
+      v1::TensorName name;
+    } outputs[2] = {{&o_, v1::TENSOR_NAME_O}, {&lse_, v1::TENSOR_NAME_LSE}};
+    while (out_index_ < 2 && out_offset_ >= outputs[out_index_].bytes->size()) {
+      ++out_index_;
+      out_offset_ = 0;
+    }
+    if (out_index_ == 2) return End(absl::OkStatus());
+    const std::string& src = *outputs[out_index_].bytes;
+    const uint64_t n = std::min<uint64_t>(chunk, src.size() - out_offset_);
+    out_.Clear();
+    v1::TensorChunk* c = out_.mutable_chunk();
+    c->set_tensor(outputs[out_index_].name);
+    c->set_offset(out_offset_);
+    c->set_data(src.data() + out_offset_, n);
+    out_offset_ += n;
+    bytes_out_ += n;
+    StartWrite(&out_);
+  }
+
+  void End(const absl::Status& status) {
+    state_ = StreamState::kFinished;
+    service_->stats().AddBytes(bytes_in_, bytes_out_);
+    service_->stats().Record("ForwardStream", status, absl::Now() - start_);
+    LogOutcome("ForwardStream", header_.request_id(), status, start_);
+    Finish(ToGrpcStatus(status));
+  }
+
+  AttentionService* const service_;
+  grpc::CallbackServerContext* const ctx_;
+  const absl::Time start_;
+  StreamState state_ = StreamState::kAwaitingHeader;
+  v1::ForwardStreamRequest in_;
+  v1::ForwardRequest header_;
+  std::unique_ptr<ForwardJob> job_;
+  RequestBytes bytes_;
+  Input inputs_[3] = {{"q", v1::TENSOR_NAME_Q}, {"k", v1::TENSOR_NAME_K}, {"v", v1::TENSOR_NAME_V}};
+  uint64_t bytes_in_ = 0, bytes_out_ = 0;
+  // Reply.
+  v1::ForwardStreamResponse out_;
+  std::string o_, lse_;
+  bool header_sent_ = false;
+  int out_index_ = 0;
+  uint64_t out_offset_ = 0;
+};
+
+}  // namespace
+
+AttentionService::AttentionService(const ServerOptions& options, Backend* backend)
+    : options_(options),
+      backend_(backend),
+      limits_{options.max_request_bytes, options.max_message_bytes, backend->supported_head_dims(),
+              backend->supported_dtypes()},
+      stream_chunk_bytes_(ChunkBytes(options.max_message_bytes)) {}
+
+absl::Status AttentionService::Prepare(const v1::ForwardRequest& request, Transport transport,
+                                       grpc::CallbackServerContext* ctx, ForwardJob* job, RequestBytes* bytes) const {
+  if (shutting_down_.load()) return absl::UnavailableError("the server is shutting down");
+  ATTND_RETURN_IF_ERROR(ValidateForwardRequest(request, transport, limits_, job, bytes));
+  ATTND_RETURN_IF_ERROR(backend_->CheckSupported(*job));
+  job->deadline = absl::FromChrono(ctx->deadline());
+  if (absl::Now() >= job->deadline) {
+    return absl::DeadlineExceededError("the deadline had expired when the request arrived; nothing was computed");
+  }
+  if (ctx->IsCancelled()) return absl::CancelledError("the call was cancelled before it was queued");
+  job->cancelled = [ctx] { return ctx->IsCancelled(); };
+  return absl::OkStatus();
+}
+
+void AttentionService::FillResponseHeader(const ForwardJob& job, v1::ForwardResponse* response) const {
+  response->set_request_id(job.request_id);
+  v1::Timing* t = response->mutable_timing();
+  t->set_queue_us(job.timing.queue_us);
+  t->set_h2d_us(job.timing.h2d_us);
+  t->set_kernel_us(job.timing.kernel_us);
+  t->set_d2h_us(job.timing.d2h_us);
+  t->set_total_us(job.timing.total_us);
+  response->set_backend(backend_->name());
+  response->set_kernel(job.kernel);
+  response->set_device(job.device);
+}
+
+grpc::ServerUnaryReactor* AttentionService::FinishNow(grpc::CallbackServerContext* ctx, const char* method,
+                                                      absl::Time start, const absl::Status& status) {
+  stats_.Record(method, status, absl::Now() - start);
+  if (!status.ok()) LogOutcome(method, "", status, start);
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext* ctx,
+                                                    const v1::ForwardRequest* request,
+                                                    v1::ForwardResponse* response) {
+  const absl::Time start = absl::Now();
+  auto job = std::make_unique<ForwardJob>();
+  job->accepted = start;
+  RequestBytes bytes;
+  const absl::Status prepared = Prepare(*request, Transport::kUnary, ctx, job.get(), &bytes);
+  if (!prepared.ok()) {
+    LogOutcome("Forward", request->request_id(), prepared, start);
+    return FinishNow(ctx, "Forward", start, prepared);
+  }
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  ForwardJob* j = job.get();
+  const uint64_t in_bytes = bytes.q + bytes.k + bytes.v;
+  j->done = [this, reactor, response, j, start, in_bytes](absl::Status status) {
+    if (status.ok()) {
+      FillResponseHeader(*j, response);
+      response->set_o(std::move(j->o));
+      response->set_lse(std::move(j->lse));
+      stats_.AddBytes(in_bytes, response->o().size() + response->lse().size());
+    }
+    stats_.Record("Forward", status, absl::Now() - start);
+    LogOutcome("Forward", j->request_id, status, start);
+    reactor->Finish(ToGrpcStatus(status));
+  };
+  const absl::Status submitted = backend_->Submit(std::move(job));
+  if (!submitted.ok()) {
+    stats_.Record("Forward", submitted, absl::Now() - start);
+    LogOutcome("Forward", request->request_id(), submitted, start);
+    reactor->Finish(ToGrpcStatus(submitted));
+  }
+  return reactor;
+}
+
+grpc::ServerBidiReactor<v1::ForwardStreamRequest, v1::ForwardStreamResponse>* AttentionService::ForwardStream(
+    grpc::CallbackServerContext* ctx) {
+  return new ForwardStreamReactor(this, ctx);
+}
+
+absl::Status AttentionService::CheckIpcTransport(grpc::CallbackServerContext* ctx, const char* method) const {
+  // A CUDA IPC handle only means something to a process on the same host: by default registration is
+  // served over the unix socket only, so a remote peer cannot make the server map memory.
+  if (options_.ipc_over_tcp || backend_->name() != "cuda") return absl::OkStatus();
+  if (absl::StartsWith(ctx->peer(), "unix:")) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      method, ": CUDA IPC is served only over the server's unix socket (--unix_socket); this call came from ",
+      ctx->peer()));
+}
+
+grpc::ServerUnaryReactor* AttentionService::RegisterCudaBuffer(grpc::CallbackServerContext* ctx,
+                                                               const v1::RegisterCudaBufferRequest* request,
+                                                               v1::RegisterCudaBufferResponse* response) {
+  const absl::Time start = absl::Now();
+  absl::Status s = ValidateRegisterCudaBuffer(*request);
+  if (s.ok()) s = CheckIpcTransport(ctx, "RegisterCudaBuffer");
+  if (s.ok()) {
+    CudaBufferRegistration reg;
+    reg.ipc_handle = request->ipc_handle();
+    reg.device = request->device();
+    reg.offset = request->offset();
+    reg.byte_size = request->byte_size();
+    reg.name = request->name();
+    absl::StatusOr<std::string> id = backend_->RegisterCudaBuffer(reg);
+    if (id.ok()) response->set_buffer_id(*id);
+    s = id.status();
+  }
+  return FinishNow(ctx, "RegisterCudaBuffer", start, s);
+}
+
+grpc::ServerUnaryReactor* AttentionService::UnregisterCudaBuffer(grpc::CallbackServerContext* ctx,
+                                                                 const v1::UnregisterCudaBufferRequest* request,
+                                                                 v1::UnregisterCudaBufferResponse*) {
+  const absl::Time start = absl::Now();
+  absl::Status s = request->buffer_id().empty() ? absl::InvalidArgumentError("buffer_id: empty")
+                                                : CheckIpcTransport(ctx, "UnregisterCudaBuffer");
+  if (s.ok()) s = backend_->UnregisterCudaBuffer(request->buffer_id());
+  return FinishNow(ctx, "UnregisterCudaBuffer", start, s);
+}
+
+grpc::ServerUnaryReactor* AttentionService::ListCudaBuffers(grpc::CallbackServerContext* ctx,
+                                                            const v1::ListCudaBuffersRequest*,
+                                                            v1::ListCudaBuffersResponse* response) {
+  const absl::Time start = absl::Now();
+  for (const CudaBufferDescription& d : backend_->ListCudaBuffers()) {
+    v1::CudaBufferInfo* b = response->add_buffers();
+    b->set_buffer_id(d.buffer_id);
+    b->set_name(d.name);
+    b->set_device(d.device);
+    b->set_offset(d.offset);
+    b->set_byte_size(d.byte_size);
+    b->set_requests_in_flight(d.requests_in_flight);
+  }
+  return FinishNow(ctx, "ListCudaBuffers", start, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* ctx,
+                                                          const v1::GetServerInfoRequest*, v1::ServerInfo* info) {
+  const absl::Time start = absl::Now();
+  info->set_version(ATTND_VERSION);
+  info->set_backend(backend_->name());
+  for (const DeviceDescription& d : backend_->devices()) {
+    v1::DeviceInfo* p = info->add_devices();
+    p->set_index(d.index);
+    p->set_name(d.name);
+    p->set_compute_capability_major(d.cc_major);
+    p->set_compute_capability_minor(d.cc_minor);
+    p->set_total_memory_bytes(d.total_memory_bytes);
+    p->set_multiprocessor_count(d.multiprocessor_count);
+  }
+  int64_t max_hd = 0;
+  for (int64_t hd : limits_.supported_head_dims) {
+    info->add_supported_head_dims(hd);
+    max_hd = std::max(max_hd, hd);
+  }
+  for (DType t : limits_.supported_dtypes) info->add_supported_dtypes(ToProto(t));
+  v1::Limits* l = info->mutable_limits();
+  l->set_max_request_bytes(options_.max_request_bytes);
+  l->set_max_message_bytes(options_.max_message_bytes);
+  l->set_max_queue(backend_->max_queue());
+  l->set_max_head_dim(max_hd);
+  info->set_cuda_ipc_enabled(backend_->cuda_ipc_enabled());
+  for (const std::string& k : backend_->kernels()) info->add_kernels(k);
+  return FinishNow(ctx, "GetServerInfo", start, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AttentionService::GetStats(grpc::CallbackServerContext* ctx, const v1::GetStatsRequest*,
+                                                     v1::ServerStats* out) {
+  const absl::Time start = absl::Now();
+  stats_.Fill(out);
+  out->set_queue_depth(backend_->queue_depth());
+  out->set_in_flight(backend_->in_flight());
+  const BackendStats b = backend_->stats();
+  out->set_tensor_map_cache_hits(b.tensor_map_cache_hits);
+  out->set_tensor_map_cache_misses(b.tensor_map_cache_misses);
+  return FinishNow(ctx, "GetStats", start, absl::OkStatus());
+}
+
+}  // namespace attnd::server

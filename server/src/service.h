@@ -1,0 +1,68 @@
+// The attnd.v1.Attention service on the gRPC callback API. Handlers validate, translate to a ForwardJob and
+// hand it to the Backend; the backend's `done` (on a backend thread) finishes the reactor, so no gRPC thread
+// ever waits for a computation.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "attnd/server/backend.h"
+#include "attnd/server/server.h"
+#include "attnd/server/validation.h"
+#include "attnd/v1/attention.grpc.pb.h"
+#include "rpc_stats.h"
+
+namespace attnd::server {
+
+class AttentionService final : public v1::Attention::CallbackService {
+ public:
+  AttentionService(const ServerOptions& options, Backend* backend);
+
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const v1::ForwardRequest* request,
+                                    v1::ForwardResponse* response) override;
+  grpc::ServerBidiReactor<v1::ForwardStreamRequest, v1::ForwardStreamResponse>* ForwardStream(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerUnaryReactor* RegisterCudaBuffer(grpc::CallbackServerContext* ctx,
+                                               const v1::RegisterCudaBufferRequest* request,
+                                               v1::RegisterCudaBufferResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterCudaBuffer(grpc::CallbackServerContext* ctx,
+                                                 const v1::UnregisterCudaBufferRequest* request,
+                                                 v1::UnregisterCudaBufferResponse* response) override;
+  grpc::ServerUnaryReactor* ListCudaBuffers(grpc::CallbackServerContext* ctx,
+                                            const v1::ListCudaBuffersRequest* request,
+                                            v1::ListCudaBuffersResponse* response) override;
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx, const v1::GetServerInfoRequest* request,
+                                          v1::ServerInfo* response) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx, const v1::GetStatsRequest* request,
+                                     v1::ServerStats* response) override;
+
+  // From here on new Forward calls are answered UNAVAILABLE (those already accepted still complete).
+  void BeginShutdown() { shutting_down_.store(true); }
+
+  // Validation + backend acceptance + deadline/cancel check of a request about to be submitted.
+  absl::Status Prepare(const v1::ForwardRequest& request, Transport transport, grpc::CallbackServerContext* ctx,
+                       ForwardJob* job, RequestBytes* bytes) const;
+  // Fills the response header fields (request_id, timing, backend, kernel, device) from a finished job.
+  void FillResponseHeader(const ForwardJob& job, v1::ForwardResponse* response) const;
+
+  Backend* backend() const { return backend_; }
+  RpcStatsTable& stats() { return stats_; }
+  uint64_t stream_chunk_bytes() const { return stream_chunk_bytes_; }
+
+ private:
+  grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* ctx, const char* method, absl::Time start,
+                                      const absl::Status& status);
+  absl::Status CheckIpcTransport(grpc::CallbackServerContext* ctx, const char* method) const;
+
+  const ServerOptions options_;
+  Backend* const backend_;
+  const ValidationLimits limits_;
+  const uint64_t stream_chunk_bytes_;
+  RpcStatsTable stats_;
+  std::atomic<bool> shutting_down_{false};
+};
+
+}  // namespace attnd::server
