@@ -1,0 +1,257 @@
+// A table of bad requests: each must be refused with the right status code and a message that starts with
+// the offending field. Checked on the validation function (unary and stream header) and, for every row,
+// through a running server so that the status survives the trip over gRPC.
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "attnd/server/cpu_backend.h"
+#include "attnd/server/status_util.h"
+#include "attnd/server/validation.h"
+#include "gtest/gtest.h"
+#include "server_test_util.h"
+
+namespace attnd {
+namespace {
+
+using server::Transport;
+using server::ValidationLimits;
+
+constexpr Shape kShape{2, 17, 33, 4, 2, 64};
+
+struct BadCase {
+  std::string name;
+  std::function<void(v1::ForwardRequest&)> mutate;
+  absl::StatusCode code;
+  std::string field;  // the message must start with "<field>:"
+};
+
+v1::TensorRef Ref(const std::string& id, uint64_t offset = 0) {
+  v1::TensorRef r;
+  r.set_buffer_id(id);
+  r.set_offset(offset);
+  return r;
+}
+
+std::vector<BadCase> BadCases() {
+  using C = absl::StatusCode;
+  const C kInv = C::kInvalidArgument;
+  std::vector<BadCase> t = {
+      {"no_shape", [](auto& r) { r.clear_shape(); }, kInv, "shape"},
+      {"batch_zero", [](auto& r) { r.mutable_shape()->set_batch(0); }, kInv, "shape.batch"},
+      {"batch_negative", [](auto& r) { r.mutable_shape()->set_batch(-2); }, kInv, "shape.batch"},
+      {"q_len_zero", [](auto& r) { r.mutable_shape()->set_q_len(0); }, kInv, "shape.q_len"},
+      {"kv_len_negative", [](auto& r) { r.mutable_shape()->set_kv_len(-1); }, kInv, "shape.kv_len"},
+      {"q_heads_zero", [](auto& r) { r.mutable_shape()->set_q_heads(0); }, kInv, "shape.q_heads"},
+      {"kv_heads_negative", [](auto& r) { r.mutable_shape()->set_kv_heads(-4); }, kInv, "shape.kv_heads"},
+      {"head_dim_zero", [](auto& r) { r.mutable_shape()->set_head_dim(0); }, kInv, "shape.head_dim"},
+      {"head_dim_96", [](auto& r) { r.mutable_shape()->set_head_dim(96); }, kInv, "shape.head_dim"},
+      {"head_dim_min_int64",
+       [](auto& r) { r.mutable_shape()->set_head_dim(std::numeric_limits<int64_t>::min()); }, kInv, "shape.head_dim"},
+      {"q_heads_not_multiple", [](auto& r) { r.mutable_shape()->set_q_heads(5); }, kInv, "shape.q_heads"},
+      {"kv_heads_above_q_heads", [](auto& r) { r.mutable_shape()->set_kv_heads(8); }, kInv, "shape.q_heads"},
+      {"dims_overflow_int64",
+       [](auto& r) {
+         r.mutable_shape()->set_batch(int64_t{1} << 40);
+         r.mutable_shape()->set_q_len(int64_t{1} << 40);
+       },
+       kInv, "shape"},
+      {"dims_overflow_wrap_to_small",
+       [](auto& r) {  // 2^62 * 4 * 2 * 64 wraps to 0 in 64-bit arithmetic
+         r.mutable_shape()->set_batch(int64_t{1} << 62);
+         r.mutable_shape()->set_q_len(1);
+         r.mutable_shape()->set_kv_len(1);
+       },
+       kInv, "shape"},
+      {"kv_len_max", [](auto& r) { r.mutable_shape()->set_kv_len(std::numeric_limits<int64_t>::max()); }, kInv,
+       "shape"},
+      {"over_max_request_bytes", [](auto& r) { r.mutable_shape()->set_kv_len(1 << 20); }, C::kResourceExhausted,
+       "shape"},
+      {"unknown_dtype", [](auto& r) { r.set_dtype(static_cast<v1::DType>(7)); }, kInv, "dtype"},
+      {"unknown_mask", [](auto& r) { r.set_mask(static_cast<v1::MaskType>(-1)); }, kInv, "mask"},
+      {"scale_nan", [](auto& r) { r.set_softmax_scale(std::nanf("")); }, kInv, "softmax_scale"},
+      {"scale_inf", [](auto& r) { r.set_softmax_scale(std::numeric_limits<float>::infinity()); }, kInv,
+       "softmax_scale"},
+      {"scale_minus_inf", [](auto& r) { r.set_softmax_scale(-std::numeric_limits<float>::infinity()); }, kInv,
+       "softmax_scale"},
+      {"q_missing", [](auto& r) { r.clear_q(); }, kInv, "q"},
+      {"k_empty_input", [](auto& r) { r.mutable_k()->Clear(); }, kInv, "k"},
+      {"v_missing", [](auto& r) { r.clear_v(); }, kInv, "v"},
+      {"q_short",
+       [](auto& r) { r.mutable_q()->mutable_data()->pop_back(); }, kInv, "q.data"},
+      {"k_long", [](auto& r) { r.mutable_k()->mutable_data()->append("xy"); }, kInv, "k.data"},
+      {"v_empty_bytes", [](auto& r) { r.mutable_v()->set_data(""); }, kInv, "v.data"},
+      {"v_odd_bytes", [](auto& r) { r.mutable_v()->mutable_data()->append("x"); }, kInv, "v.data"},
+      {"request_id_too_long", [](auto& r) { r.set_request_id(std::string(1000, 'x')); }, kInv, "request_id"},
+      {"q_ref_no_id", [](auto& r) { *r.mutable_q()->mutable_ref() = Ref(""); }, kInv, "q.ref.buffer_id"},
+      {"k_ref_misaligned", [](auto& r) { *r.mutable_k()->mutable_ref() = Ref("b1", 3); }, kInv, "k.ref.offset"},
+      {"v_ref_two_strides",
+       [](auto& r) {
+         *r.mutable_v()->mutable_ref() = Ref("b1");
+         r.mutable_v()->mutable_ref()->add_strides(1);
+         r.mutable_v()->mutable_ref()->add_strides(1);
+       },
+       kInv, "v.ref.strides"},
+      {"q_ref_zero_stride",
+       [](auto& r) {
+         *r.mutable_q()->mutable_ref() = Ref("b1");
+         for (int64_t s : {4096, 0, 64}) r.mutable_q()->mutable_ref()->add_strides(s);
+       },
+       kInv, "q.ref.strides[1]"},
+      {"o_ref_no_id", [](auto& r) { *r.mutable_o_ref() = Ref(""); }, kInv, "o_ref.buffer_id"},
+      // Well-formed references, refused by the CPU backend.
+      {"q_ref_on_cpu", [](auto& r) { *r.mutable_q()->mutable_ref() = Ref("b1"); }, C::kFailedPrecondition, "q.ref"},
+      {"v_ref_on_cpu", [](auto& r) { *r.mutable_v()->mutable_ref() = Ref("b1", 32); }, C::kFailedPrecondition,
+       "v.ref"},
+      {"o_ref_on_cpu", [](auto& r) { *r.mutable_o_ref() = Ref("b2"); }, C::kFailedPrecondition, "o_ref"},
+  };
+  return t;
+}
+
+ValidationLimits Limits() {
+  ValidationLimits l;
+  l.max_request_bytes = 8u << 20;
+  l.max_message_bytes = 16u << 20;
+  server::CpuBackend probe({}, {});
+  l.supported_head_dims = probe.supported_head_dims();
+  l.supported_dtypes = probe.supported_dtypes();
+  return l;
+}
+
+// Validation plus the backend's own acceptance, as the service runs them.
+absl::Status Check(const v1::ForwardRequest& r, Transport transport, const ValidationLimits& limits) {
+  server::ForwardJob job;
+  server::RequestBytes bytes;
+  absl::Status s = server::ValidateForwardRequest(r, transport, limits, &job, &bytes);
+  if (!s.ok()) return s;
+  server::BackendOptions o;
+  o.threads = 1;
+  return server::CpuBackend(o).CheckSupported(job);
+}
+
+class BadRequest : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(BadRequest, RefusedNamingTheField) {
+  const BadCase& c = GetParam();
+  v1::ForwardRequest r = testing::MakeRequest(kShape);
+  c.mutate(r);
+  const absl::Status s = Check(r, Transport::kUnary, Limits());
+  EXPECT_EQ(s.code(), c.code) << s;
+  EXPECT_TRUE(absl::StartsWith(s.message(), c.field + ":")) << "message '" << s.message() << "' should name "
+                                                            << c.field;
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, BadRequest, ::testing::ValuesIn(BadCases()),
+                         [](const ::testing::TestParamInfo<BadCase>& info) { return info.param.name; });
+
+TEST(Validation, ValidRequestPassesAndFillsTheJob) {
+  v1::ForwardRequest r = testing::MakeRequest(kShape, v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT, true);
+  r.set_softmax_scale(0.25f);
+  server::ForwardJob job;
+  server::RequestBytes bytes;
+  ASSERT_TRUE(server::ValidateForwardRequest(r, Transport::kUnary, Limits(), &job, &bytes).ok());
+  EXPECT_EQ(job.problem.shape.kv_len, 33);
+  EXPECT_EQ(job.problem.mask, Mask::kCausalBottomRight);
+  EXPECT_EQ(job.problem.scale, 0.25f);
+  EXPECT_TRUE(job.problem.want_lse);
+  EXPECT_EQ(bytes.q, 2u * 17 * 4 * 64 * 2);
+  EXPECT_EQ(bytes.k, 2u * 33 * 2 * 64 * 2);
+  EXPECT_EQ(bytes.lse, 2u * 4 * 17 * 4);
+  EXPECT_EQ(job.q.host, reinterpret_cast<const uint8_t*>(r.q().data().data()));
+  EXPECT_EQ(job.request_id, r.request_id());
+  r.clear_softmax_scale();
+  ASSERT_TRUE(server::ValidateForwardRequest(r, Transport::kUnary, Limits(), &job, &bytes).ok());
+  EXPECT_FLOAT_EQ(job.problem.scale, 0.125f);  // 1/sqrt(64)
+}
+
+TEST(Validation, HeadDimMessageListsSupportedValues) {
+  v1::ForwardRequest r = testing::MakeRequest(kShape);
+  r.mutable_shape()->set_head_dim(96);
+  EXPECT_EQ(Check(r, Transport::kUnary, Limits()).message(),
+            "shape.head_dim: 96 is not supported (supported: 64, 128, 256)");
+}
+
+TEST(Validation, UnaryMessageLimitIsResourceExhausted) {
+  ValidationLimits l = Limits();
+  l.max_message_bytes = 64 * 1024;  // below the tensors plus framing allowance
+  const absl::Status s = Check(testing::MakeRequest(kShape), Transport::kUnary, l);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "ForwardStream")) << s;
+  // The same shape is fine as a stream.
+  v1::ForwardRequest header = testing::MakeRequest(kShape);
+  header.clear_q();
+  header.clear_k();
+  header.clear_v();
+  EXPECT_TRUE(Check(header, Transport::kStream, l).ok());
+}
+
+TEST(Validation, StreamHeaderRefusesInlineBytes) {
+  v1::ForwardRequest header = testing::MakeRequest(kShape);
+  header.clear_q();
+  header.clear_v();
+  const absl::Status s = Check(header, Transport::kStream, Limits());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(s.message(), "k.data:")) << s;
+}
+
+TEST(Validation, RegisterCudaBuffer) {
+  v1::RegisterCudaBufferRequest r;
+  r.set_ipc_handle(std::string(64, 'h'));
+  r.set_byte_size(1024);
+  EXPECT_TRUE(server::ValidateRegisterCudaBuffer(r).ok());
+  auto expect = [](const v1::RegisterCudaBufferRequest& bad, const std::string& field) {
+    const absl::Status s = server::ValidateRegisterCudaBuffer(bad);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StartsWith(s.message(), field + ":")) << s;
+  };
+  v1::RegisterCudaBufferRequest bad = r;
+  bad.set_ipc_handle("short");
+  expect(bad, "ipc_handle");
+  bad = r;
+  bad.set_byte_size(0);
+  expect(bad, "byte_size");
+  bad = r;
+  bad.set_device(-1);
+  expect(bad, "device");
+  bad = r;
+  bad.set_offset(~uint64_t{0});
+  expect(bad, "offset");
+}
+
+TEST(StatusMapping, EveryCanonicalCodeKeepsItsNumberAndMessage) {
+  for (int c = 1; c <= 16; ++c) {
+    const grpc::Status g = server::ToGrpcStatus(absl::Status(static_cast<absl::StatusCode>(c), "why"));
+    EXPECT_EQ(static_cast<int>(g.error_code()), c);
+    EXPECT_EQ(g.error_message(), "why");
+  }
+  EXPECT_TRUE(server::ToGrpcStatus(absl::OkStatus()).ok());
+  EXPECT_EQ(server::ToGrpcStatus(absl::Status(static_cast<absl::StatusCode>(99), "x")).error_code(),
+            grpc::StatusCode::UNKNOWN);
+}
+
+// The whole table once more through a running server: the code and the field survive the trip.
+TEST(ValidationOverGrpc, EveryBadRequestGetsItsStatus) {
+  server::ServerOptions options;
+  options.max_request_bytes = 8u << 20;
+  testing::TestServer ts(options);
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  for (const BadCase& c : BadCases()) {
+    SCOPED_TRACE(c.name);
+    v1::ForwardRequest r = testing::MakeRequest(kShape);
+    c.mutate(r);
+    grpc::ClientContext ctx;
+    v1::ForwardResponse resp;
+    const grpc::Status s = stub->Forward(&ctx, r, &resp);
+    EXPECT_EQ(static_cast<int>(s.error_code()), static_cast<int>(c.code)) << s.error_message();
+    EXPECT_TRUE(absl::StartsWith(s.error_message(), c.field + ":")) << s.error_message();
+  }
+  EXPECT_EQ(ts.cpu->jobs_computed(), 0u);
+  ts.server->Shutdown();
+}
+
+}  // namespace
+}  // namespace attnd
