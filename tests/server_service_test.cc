@@ -1,0 +1,481 @@
+// The Attention service in-process over loopback TCP and a unix socket, called with the generated stub:
+// correct results, the streaming path beyond the unary limit, its error handling, health, reflection,
+// GetServerInfo and GetStats.
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+#include "server_raw_call.h"
+#include "server_test_util.h"
+
+namespace attnd {
+namespace {
+
+using testing::ExpectCorrect;
+using testing::MakeRequest;
+using testing::TestServer;
+
+struct FwdCase {
+  Shape shape;
+  v1::MaskType mask;
+  bool lse;
+  v1::DType dtype;
+};
+
+TEST(ServerForward, CorrectOverTcp) {
+  TestServer ts;
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  const FwdCase cases[] = {
+      {{1, 1, 1, 1, 1, 64}, v1::MASK_TYPE_NONE, false, v1::DTYPE_BF16},
+      {{2, 65, 65, 8, 2, 128}, v1::MASK_TYPE_CAUSAL_TOP_LEFT, true, v1::DTYPE_BF16},
+      {{1, 127, 64, 8, 1, 64}, v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT, true, v1::DTYPE_BF16},  // fully masked rows
+      {{2, 17, 100, 4, 4, 64}, v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT, true, v1::DTYPE_BF16},
+      {{1, 33, 47, 4, 1, 256}, v1::MASK_TYPE_NONE, true, v1::DTYPE_FP16},
+  };
+  uint64_t seed = 10;
+  for (const FwdCase& c : cases) {
+    SCOPED_TRACE(seed);
+    const v1::ForwardRequest r = MakeRequest(c.shape, c.mask, c.lse, ++seed, c.dtype);
+    grpc::ClientContext ctx;
+    v1::ForwardResponse resp;
+    const grpc::Status s = stub->Forward(&ctx, r, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ExpectCorrect(r, resp.o(), resp.lse());
+    EXPECT_EQ(resp.request_id(), r.request_id());
+    EXPECT_EQ(resp.backend(), "cpu");
+    EXPECT_EQ(resp.kernel(), server::CpuBackend::kKernelName);
+    EXPECT_EQ(resp.device(), -1);
+    EXPECT_GT(resp.timing().kernel_us(), 0);
+    EXPECT_GE(resp.timing().total_us(), resp.timing().kernel_us() + resp.timing().queue_us());
+  }
+  // A custom scale is honoured (and differs from the default).
+  v1::ForwardRequest r = MakeRequest({1, 20, 20, 2, 2, 64}, v1::MASK_TYPE_NONE, true, 99);
+  r.set_softmax_scale(0.9f);
+  grpc::ClientContext ctx;
+  v1::ForwardResponse resp;
+  ASSERT_TRUE(stub->Forward(&ctx, r, &resp).ok());
+  ExpectCorrect(r, resp.o(), resp.lse());
+  v1::ForwardRequest d = r;
+  d.clear_softmax_scale();
+  grpc::ClientContext ctx2;
+  v1::ForwardResponse resp2;
+  ASSERT_TRUE(stub->Forward(&ctx2, d, &resp2).ok());
+  EXPECT_NE(resp.o(), resp2.o());
+}
+
+TEST(ServerForward, CorrectOverUnixSocket) {
+  server::ServerOptions o;
+  o.listen = "";
+  o.unix_socket = "/tmp/attnd_test_" + std::to_string(::getpid()) + ".sock";
+  TestServer ts(o);
+  ASSERT_NE(ts.server, nullptr);
+  EXPECT_EQ(ts.server->tcp_port(), 0);
+  auto stub = ts.Stub("unix:" + o.unix_socket);
+  const v1::ForwardRequest r = MakeRequest({2, 40, 70, 4, 2, 128}, v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT, true, 5);
+  grpc::ClientContext ctx;
+  v1::ForwardResponse resp;
+  const grpc::Status s = stub->Forward(&ctx, r, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ExpectCorrect(r, resp.o(), resp.lse());
+  ts.server->Shutdown();
+  EXPECT_NE(::access(o.unix_socket.c_str(), F_OK), 0) << "socket file left behind";
+}
+
+TEST(ServerForward, SixteenConcurrentClientsAllCorrect) {
+  server::BackendOptions bo;
+  bo.threads = 2;
+  TestServer ts({}, bo);
+  ASSERT_NE(ts.server, nullptr);
+  std::atomic<int> correct{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 16; ++c) {
+    clients.emplace_back([&, c] {
+      auto stub = ts.Stub();  // own channel each: 16 connections
+      for (int i = 0; i < 3; ++i) {
+        const v1::ForwardRequest r =
+            MakeRequest({1, 30 + c, 50 + i, 4, 1, 64}, static_cast<v1::MaskType>(i % 3), true, 1000 + c * 10 + i);
+        grpc::ClientContext ctx;
+        v1::ForwardResponse resp;
+        const grpc::Status s = stub->Forward(&ctx, r, &resp);
+        EXPECT_TRUE(s.ok()) << s.error_message();
+        if (!s.ok()) return;
+        ExpectCorrect(r, resp.o(), resp.lse());
+        if (!::testing::Test::HasFailure()) correct.fetch_add(1);
+      }
+    });
+  }
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(correct.load(), 48);
+}
+
+// ---- streaming --------------------------------------------------------------------------------------------
+
+using Stream = grpc::ClientReaderWriter<v1::ForwardStreamRequest, v1::ForwardStreamResponse>;
+
+v1::ForwardStreamRequest Header(const v1::ForwardRequest& r) {
+  v1::ForwardStreamRequest m;
+  *m.mutable_header() = r;
+  m.mutable_header()->clear_q();
+  m.mutable_header()->clear_k();
+  m.mutable_header()->clear_v();
+  return m;
+}
+
+v1::ForwardStreamRequest Chunk(v1::TensorName t, const std::string& bytes, uint64_t offset, uint64_t n) {
+  v1::ForwardStreamRequest m;
+  m.mutable_chunk()->set_tensor(t);
+  m.mutable_chunk()->set_offset(offset);
+  m.mutable_chunk()->set_data(bytes.substr(offset, n));
+  return m;
+}
+
+TEST(ServerStream, TensorsLargerThanTheUnaryLimit) {
+  server::ServerOptions opts;
+  opts.max_message_bytes = 256 * 1024;
+  TestServer ts(opts);
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  // Q and O are 1 MiB each, four times the message limit; LSE is 32 KiB.
+  const v1::ForwardRequest r = MakeRequest({1, 2048, 300, 4, 1, 64}, v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT, true, 77);
+  {
+    grpc::ClientContext ctx;
+    v1::ForwardResponse resp;
+    const grpc::Status s = stub->Forward(&ctx, r, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  }
+  grpc::ClientContext ctx;
+  std::unique_ptr<Stream> stream = stub->ForwardStream(&ctx);
+  ASSERT_TRUE(stream->Write(Header(r)));
+  // Chunks of the three tensors interleaved; each tensor's own chunks in order.
+  const std::string* bytes[3] = {&r.q().data(), &r.k().data(), &r.v().data()};
+  const v1::TensorName names[3] = {v1::TENSOR_NAME_Q, v1::TENSOR_NAME_K, v1::TENSOR_NAME_V};
+  uint64_t sent[3] = {0, 0, 0};
+  const uint64_t chunk = 100 * 1000;  // not a divisor of any tensor size
+  for (bool more = true; more;) {
+    more = false;
+    for (int t = 0; t < 3; ++t) {
+      if (sent[t] == bytes[t]->size()) continue;
+      const uint64_t n = std::min<uint64_t>(chunk, bytes[t]->size() - sent[t]);
+      ASSERT_TRUE(stream->Write(Chunk(names[t], *bytes[t], sent[t], n)));
+      sent[t] += n;
+      more = true;
+    }
+  }
+  ASSERT_TRUE(stream->WritesDone());
+  v1::ForwardStreamResponse m;
+  ASSERT_TRUE(stream->Read(&m));
+  ASSERT_TRUE(m.has_header());
+  EXPECT_EQ(m.header().request_id(), r.request_id());
+  EXPECT_EQ(m.header().backend(), "cpu");
+  EXPECT_TRUE(m.header().o().empty());
+  EXPECT_GT(m.header().timing().kernel_us(), 0);
+  std::string o, lse;
+  int chunks = 0;
+  while (stream->Read(&m)) {
+    ASSERT_TRUE(m.has_chunk());
+    std::string& dst = m.chunk().tensor() == v1::TENSOR_NAME_O ? o : lse;
+    ASSERT_TRUE(m.chunk().tensor() == v1::TENSOR_NAME_O || m.chunk().tensor() == v1::TENSOR_NAME_LSE);
+    if (m.chunk().tensor() == v1::TENSOR_NAME_O) {
+      ASSERT_TRUE(lse.empty()) << "O chunks must all come before LSE";
+    }
+    ASSERT_EQ(m.chunk().offset(), dst.size());
+    ASSERT_LT(m.ByteSizeLong(), ts.max_message_bytes);
+    dst += m.chunk().data();
+    ++chunks;
+  }
+  const grpc::Status s = stream->Finish();
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_GT(chunks, 4);
+  ExpectCorrect(r, o, lse);
+}
+
+// Sends `messages` then half-closes; returns the final status (replies are drained).
+grpc::Status RunStream(v1::Attention::Stub* stub, const std::vector<v1::ForwardStreamRequest>& messages) {
+  grpc::ClientContext ctx;
+  std::unique_ptr<Stream> stream = stub->ForwardStream(&ctx);
+  for (const auto& m : messages) {
+    if (!stream->Write(m)) break;  // the server already answered
+  }
+  stream->WritesDone();
+  v1::ForwardStreamResponse reply;
+  while (stream->Read(&reply)) {
+  }
+  return stream->Finish();
+}
+
+TEST(ServerStream, MalformedStreamsNameTheTensor) {
+  TestServer ts;
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  const v1::ForwardRequest r = MakeRequest({1, 8, 8, 2, 1, 64}, v1::MASK_TYPE_NONE, false, 3);
+  const std::string& q = r.q().data();
+  const std::string& k = r.k().data();
+  const std::string& v = r.v().data();
+  const uint64_t qn = q.size(), kn = k.size(), vn = v.size();
+  auto full = [&](int skip = -1) {
+    std::vector<v1::ForwardStreamRequest> m;
+    if (skip != 0) m.push_back(Chunk(v1::TENSOR_NAME_Q, q, 0, qn));
+    if (skip != 1) m.push_back(Chunk(v1::TENSOR_NAME_K, k, 0, kn));
+    if (skip != 2) m.push_back(Chunk(v1::TENSOR_NAME_V, v, 0, vn));
+    return m;
+  };
+  struct Bad {
+    const char* name;
+    std::vector<v1::ForwardStreamRequest> messages;
+    std::string prefix;
+  };
+  std::vector<Bad> bad;
+  bad.push_back({"chunk_before_header", {Chunk(v1::TENSOR_NAME_Q, q, 0, qn)}, "header:"});
+  bad.push_back({"no_messages", {}, "header:"});
+  {
+    auto m = full();
+    m.insert(m.begin(), Header(r));
+    m.insert(m.begin() + 1, Header(r));
+    bad.push_back({"two_headers", m, "header:"});
+  }
+  {
+    std::vector<v1::ForwardStreamRequest> m = {Header(r), Chunk(v1::TENSOR_NAME_Q, q, 0, 100),
+                                               Chunk(v1::TENSOR_NAME_Q, q, 200, 100)};
+    bad.push_back({"gap", m, "q chunk.offset:"});
+  }
+  {
+    std::vector<v1::ForwardStreamRequest> m = {Header(r), Chunk(v1::TENSOR_NAME_K, k, 0, 100),
+                                               Chunk(v1::TENSOR_NAME_K, k, 50, 100)};
+    bad.push_back({"overlap", m, "k chunk.offset:"});
+  }
+  {
+    std::vector<v1::ForwardStreamRequest> m = {Header(r), Chunk(v1::TENSOR_NAME_V, v, 0, vn)};
+    m.push_back(Chunk(v1::TENSOR_NAME_V, v, 0, 10));
+    m.back().mutable_chunk()->set_offset(vn);
+    bad.push_back({"duplicate_past_end", m, "v chunk.data:"});
+  }
+  {
+    std::vector<v1::ForwardStreamRequest> m = {Header(r), Chunk(v1::TENSOR_NAME_Q, q, 0, qn)};
+    m.back().mutable_chunk()->mutable_data()->append("extra");
+    bad.push_back({"too_long", m, "q chunk.data:"});
+  }
+  {
+    auto m = full(/*skip=*/1);
+    m.insert(m.begin(), Header(r));
+    bad.push_back({"k_missing", m, "k:"});
+  }
+  {
+    auto m = full();
+    m.insert(m.begin(), Header(r));
+    m.back() = Chunk(v1::TENSOR_NAME_V, v, 0, vn - 2);
+    bad.push_back({"v_short_at_end", m, "v:"});
+  }
+  {
+    auto m = full();
+    m.insert(m.begin(), Header(r));
+    m.push_back(Chunk(v1::TENSOR_NAME_O, q, 0, 16));
+    bad.push_back({"output_tensor", m, "chunk.tensor:"});
+  }
+  {
+    auto m = full();
+    m.insert(m.begin(), Header(r));
+    m.push_back(Chunk(static_cast<v1::TensorName>(42), q, 0, 16));
+    bad.push_back({"unknown_tensor", m, "chunk.tensor:"});
+  }
+  {
+    auto m = full();
+    v1::ForwardStreamRequest h = Header(r);
+    *h.mutable_header()->mutable_q() = r.q();
+    m.insert(m.begin(), h);
+    bad.push_back({"inline_in_header", m, "q.data:"});
+  }
+  {
+    v1::ForwardStreamRequest h = Header(r);
+    h.mutable_header()->mutable_shape()->set_head_dim(80);
+    bad.push_back({"bad_header_shape", {h}, "shape.head_dim:"});
+  }
+  bad.push_back({"empty_message", {Header(r), v1::ForwardStreamRequest()}, "message:"});
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(b.name);
+    const grpc::Status s = RunStream(stub.get(), b.messages);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_TRUE(absl::StartsWith(s.error_message(), b.prefix)) << s.error_message();
+  }
+  EXPECT_EQ(ts.cpu->jobs_computed(), 0u);
+  // And the well-formed stream of the same request works, with empty chunks tolerated.
+  auto good = full();
+  good.insert(good.begin(), Header(r));
+  good.insert(good.begin() + 1, Chunk(v1::TENSOR_NAME_Q, q, 0, 0));
+  EXPECT_TRUE(RunStream(stub.get(), good).ok());
+}
+
+// ---- health, reflection, info, stats ---------------------------------------------------------------------
+
+TEST(ServerMeta, HealthServing) {
+  TestServer ts;
+  ASSERT_NE(ts.server, nullptr);
+  for (const std::string service : {"", "attnd.v1.Attention"}) {
+    const testing::RawResult r =
+        testing::RawCall(ts.Channel(), "/grpc.health.v1.Health/Check", testing::HealthRequest(service));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    ASSERT_EQ(r.messages.size(), 1u);
+    EXPECT_EQ(testing::HealthStatus(r.messages[0]), 1) << "service '" << service << "' not SERVING";
+  }
+  const testing::RawResult unknown =
+      testing::RawCall(ts.Channel(), "/grpc.health.v1.Health/Check", testing::HealthRequest("no.such.Service"));
+  EXPECT_EQ(unknown.status.error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST(ServerMeta, ReflectionListsTheServices) {
+  TestServer ts;
+  ASSERT_NE(ts.server, nullptr);
+  // ServerReflectionRequest{list_services: ""}: field 7, length-delimited, empty.
+  const std::string list_services("\x3a\x00", 2);
+  const testing::RawResult r = testing::RawCall(
+      ts.Channel(), "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", list_services);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_EQ(r.messages.size(), 1u);
+  EXPECT_TRUE(absl::StrContains(r.messages[0], "attnd.v1.Attention"));
+  EXPECT_TRUE(absl::StrContains(r.messages[0], "grpc.health.v1.Health"));
+  // file_containing_symbol (field 4) returns the descriptor of attention.proto.
+  const std::string sym = "attnd.v1.Attention";
+  const std::string file_req = std::string("\x22", 1) + static_cast<char>(sym.size()) + sym;
+  const testing::RawResult f = testing::RawCall(
+      ts.Channel(), "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", file_req);
+  ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+  ASSERT_EQ(f.messages.size(), 1u);
+  EXPECT_TRUE(absl::StrContains(f.messages[0], "attnd/v1/attention.proto"));
+  EXPECT_TRUE(absl::StrContains(f.messages[0], "ForwardStream"));
+}
+
+TEST(ServerMeta, ServerInfoDescribesTheCpuBackend) {
+  server::ServerOptions o;
+  o.max_request_bytes = 123456789;
+  o.max_message_bytes = 1 << 20;
+  server::BackendOptions bo;
+  bo.max_queue = 17;
+  TestServer ts(o, bo);
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  grpc::ClientContext ctx;
+  v1::ServerInfo info;
+  ASSERT_TRUE(stub->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
+  EXPECT_FALSE(info.version().empty());
+  EXPECT_EQ(info.backend(), "cpu");
+  EXPECT_EQ(info.devices_size(), 0);
+  EXPECT_EQ(std::vector<int64_t>(info.supported_head_dims().begin(), info.supported_head_dims().end()),
+            (std::vector<int64_t>{64, 128, 256}));
+  EXPECT_EQ(info.supported_dtypes_size(), 2);
+  EXPECT_EQ(info.limits().max_request_bytes(), 123456789u);
+  EXPECT_EQ(info.limits().max_message_bytes(), 1u << 20);
+  EXPECT_EQ(info.limits().max_queue(), 17u);
+  EXPECT_EQ(info.limits().max_head_dim(), 256);
+  EXPECT_FALSE(info.cuda_ipc_enabled());
+  ASSERT_EQ(info.kernels_size(), 1);
+  EXPECT_EQ(info.kernels(0), server::CpuBackend::kKernelName);
+}
+
+TEST(ServerMeta, CudaIpcIsRefusedOnTheCpuBackend) {
+  TestServer ts;
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  v1::RegisterCudaBufferRequest reg;
+  reg.set_ipc_handle(std::string(64, '\1'));
+  reg.set_byte_size(4096);
+  grpc::ClientContext c1;
+  v1::RegisterCudaBufferResponse r1;
+  grpc::Status s = stub->RegisterCudaBuffer(&c1, reg, &r1);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  reg.set_ipc_handle("short");
+  grpc::ClientContext c2;
+  s = stub->RegisterCudaBuffer(&c2, reg, &r1);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  v1::UnregisterCudaBufferRequest un;
+  un.set_buffer_id("x");
+  grpc::ClientContext c3;
+  v1::UnregisterCudaBufferResponse r3;
+  EXPECT_EQ(stub->UnregisterCudaBuffer(&c3, un, &r3).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  grpc::ClientContext c4;
+  v1::ListCudaBuffersResponse r4;
+  ASSERT_TRUE(stub->ListCudaBuffers(&c4, v1::ListCudaBuffersRequest(), &r4).ok());
+  EXPECT_EQ(r4.buffers_size(), 0);
+}
+
+TEST(ServerMeta, StatsCountCallsErrorsAndBytes) {
+  TestServer ts;
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  const v1::ForwardRequest good = MakeRequest({1, 16, 16, 2, 2, 64}, v1::MASK_TYPE_NONE, false, 8);
+  for (int i = 0; i < 3; ++i) {
+    grpc::ClientContext ctx;
+    v1::ForwardResponse resp;
+    ASSERT_TRUE(stub->Forward(&ctx, good, &resp).ok());
+  }
+  v1::ForwardRequest bad = good;
+  bad.mutable_shape()->set_head_dim(7);
+  for (int i = 0; i < 2; ++i) {
+    grpc::ClientContext ctx;
+    v1::ForwardResponse resp;
+    ASSERT_FALSE(stub->Forward(&ctx, bad, &resp).ok());
+  }
+  grpc::ClientContext ctx;
+  v1::ServerStats stats;
+  ASSERT_TRUE(stub->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+  const v1::RpcStats* fwd = nullptr;
+  for (const auto& r : stats.rpcs()) {
+    if (r.method() == "Forward") fwd = &r;
+  }
+  ASSERT_NE(fwd, nullptr);
+  EXPECT_EQ(fwd->count(), 5u);
+  EXPECT_EQ(fwd->errors(), 2u);
+  ASSERT_EQ(fwd->errors_by_code().count("INVALID_ARGUMENT"), 1u);
+  EXPECT_EQ(fwd->errors_by_code().at("INVALID_ARGUMENT"), 2u);
+  EXPECT_GT(fwd->total_duration_us(), 0);
+  const uint64_t in = good.q().data().size() + good.k().data().size() + good.v().data().size();
+  EXPECT_EQ(stats.bytes_in(), 3 * in);
+  EXPECT_EQ(stats.bytes_out(), 3 * good.q().data().size());
+  EXPECT_EQ(stats.queue_depth(), 0u);
+  EXPECT_EQ(stats.in_flight(), 0u);
+  EXPECT_GT(stats.uptime_s(), 0);
+  EXPECT_EQ(stats.rpcs_size(), 7);
+}
+
+TEST(ServerCreate, RefusesBadOptions) {
+  server::BackendOptions bo;
+  bo.threads = 1;
+  server::ServerOptions none;
+  none.listen = "";
+  EXPECT_EQ(server::Server::Create(none, std::make_unique<server::CpuBackend>(bo)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  server::ServerOptions bad_addr;
+  bad_addr.listen = "256.1.1.1:99999";
+  EXPECT_EQ(server::Server::Create(bad_addr, std::make_unique<server::CpuBackend>(bo)).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(server::Server::Create({}, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(MakeBackend, Kinds) {
+  server::BackendOptions bo;
+  bo.threads = 1;
+  auto cpu = server::MakeBackend("cpu", bo);
+  ASSERT_TRUE(cpu.ok());
+  EXPECT_EQ((*cpu)->name(), "cpu");
+  auto automatic = server::MakeBackend("auto", bo);
+  ASSERT_TRUE(automatic.ok()) << automatic.status();
+  auto cuda = server::MakeBackend("cuda", bo);
+  if (!cuda.ok()) {
+    // Without a CUDA backend in the build (or without a GPU) the answer is explicit, never a CPU fallback.
+    EXPECT_TRUE(absl::IsFailedPrecondition(cuda.status()) || absl::IsUnavailable(cuda.status())) << cuda.status();
+    EXPECT_EQ((*automatic)->name(), "cpu");
+  } else {
+    EXPECT_EQ((*cuda)->name(), "cuda");
+  }
+  EXPECT_TRUE(absl::IsInvalidArgument(server::MakeBackend("tpu", bo).status()));
+  bo.max_queue = 0;
+  EXPECT_TRUE(absl::IsInvalidArgument(server::MakeBackend("cpu", bo).status()));
+}
+
+}  // namespace
+}  // namespace attnd
