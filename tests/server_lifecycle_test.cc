@@ -1,0 +1,292 @@
+// Admission and lifecycle: a full queue answers RESOURCE_EXHAUSTED, an expired deadline or a cancelled
+// call starts no computation, and a shutdown with requests in flight answers every one of them. A hook on
+// the CPU backend holds its single worker so that each situation is set up deterministically.
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "server_raw_call.h"
+#include "server_test_util.h"
+
+namespace attnd {
+namespace {
+
+using testing::ExpectCorrect;
+using testing::MakeRequest;
+using testing::TestServer;
+
+// Blocks the backend's worker inside before_compute until Open().
+class Gate {
+ public:
+  server::CpuBackendHooks Hooks() {
+    server::CpuBackendHooks h;
+    h.before_compute = [this](const server::ForwardJob&) {
+      entered_.fetch_add(1);
+      open_.WaitForNotification();
+    };
+    return h;
+  }
+  void Open() {
+    if (!open_.HasBeenNotified()) open_.Notify();
+  }
+  int entered() const { return entered_.load(); }
+
+ private:
+  absl::Notification open_;
+  std::atomic<int> entered_{0};
+};
+
+// Polls `cond` for up to 10 s.
+bool WaitFor(const std::function<bool()>& cond) {
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  while (!cond()) {
+    if (absl::Now() > end) return false;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  return true;
+}
+
+// A Forward call on its own thread.
+struct AsyncCall {
+  AsyncCall(v1::Attention::Stub* stub, v1::ForwardRequest req,
+            std::function<void(grpc::ClientContext&)> setup = nullptr)
+      : request(std::move(req)) {
+    if (setup) setup(ctx);
+    thread = std::thread([this, stub] { status = stub->Forward(&ctx, request, &response); });
+  }
+  ~AsyncCall() {
+    if (thread.joinable()) thread.join();
+  }
+  void Join() { thread.join(); }
+
+  v1::ForwardRequest request;
+  grpc::ClientContext ctx;
+  v1::ForwardResponse response;
+  grpc::Status status;
+  std::thread thread;
+};
+
+server::BackendOptions OneWorker(uint32_t max_queue) {
+  server::BackendOptions o;
+  o.threads = 1;
+  o.max_queue = max_queue;
+  return o;
+}
+
+TEST(Admission, FullQueueIsResourceExhausted) {
+  Gate gate;
+  TestServer ts({}, OneWorker(1), gate.Hooks());
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  AsyncCall running(stub.get(), MakeRequest({1, 16, 16, 2, 1, 64}, v1::MASK_TYPE_NONE, false, 1));
+  ASSERT_TRUE(WaitFor([&] { return gate.entered() == 1; }));
+  AsyncCall queued(stub.get(), MakeRequest({1, 16, 16, 2, 1, 64}, v1::MASK_TYPE_NONE, false, 2));
+  ASSERT_TRUE(WaitFor([&] { return ts.cpu->queue_depth() == 1; }));
+  // The queue (1) is full and the worker busy: the third is refused at once.
+  grpc::ClientContext ctx;
+  v1::ForwardResponse resp;
+  const grpc::Status s = stub->Forward(&ctx, MakeRequest({1, 16, 16, 2, 1, 64}, v1::MASK_TYPE_NONE, false, 3), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_NE(s.error_message().find("max_queue"), std::string::npos) << s.error_message();
+  gate.Open();
+  running.Join();
+  queued.Join();
+  ASSERT_TRUE(running.status.ok()) << running.status.error_message();
+  ASSERT_TRUE(queued.status.ok()) << queued.status.error_message();
+  ExpectCorrect(running.request, running.response.o(), running.response.lse());
+  ExpectCorrect(queued.request, queued.response.o(), queued.response.lse());
+  EXPECT_GT(queued.response.timing().queue_us(), 0);
+  EXPECT_EQ(ts.cpu->jobs_computed(), 2u);
+}
+
+TEST(Admission, ExpiredDeadlineStartsNoWork) {
+  Gate gate;
+  TestServer ts({}, OneWorker(8), gate.Hooks());
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  AsyncCall running(stub.get(), MakeRequest({1, 16, 16, 2, 1, 64}, v1::MASK_TYPE_NONE, false, 1));
+  ASSERT_TRUE(WaitFor([&] { return gate.entered() == 1; }));
+  // Queued behind the held worker with a 300 ms deadline: it expires while waiting.
+  AsyncCall late(stub.get(), MakeRequest({1, 16, 16, 2, 1, 64}, v1::MASK_TYPE_NONE, false, 2),
+                 [](grpc::ClientContext& c) {
+                   c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+                 });
+  ASSERT_TRUE(WaitFor([&] { return ts.cpu->queue_depth() == 1; }));
+  late.Join();
+  EXPECT_EQ(late.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  gate.Open();
+  running.Join();
+  ASSERT_TRUE(running.status.ok());
+  ASSERT_TRUE(WaitFor([&] { return ts.cpu->in_flight() == 0; }));
+  EXPECT_EQ(ts.cpu->jobs_computed(), 1u) << "the expired request was computed";
+  EXPECT_EQ(gate.entered(), 1);
+  // The server recorded the refusal under Forward.
+  grpc::ClientContext ctx;
+  v1::ServerStats stats;
+  ASSERT_TRUE(stub->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+  for (const auto& r : stats.rpcs()) {
+    if (r.method() == "Forward") {
+      EXPECT_EQ(r.count(), 2u);
+      EXPECT_EQ(r.errors_by_code().count("DEADLINE_EXCEEDED") + r.errors_by_code().count("CANCELLED"), 1u);
+    }
+  }
+}
+
+TEST(Admission, CancelledCallStartsNoWork) {
+  Gate gate;
+  TestServer ts({}, OneWorker(8), gate.Hooks());
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  AsyncCall running(stub.get(), MakeRequest({1, 16, 16, 2, 1, 64}, v1::MASK_TYPE_NONE, false, 1));
+  ASSERT_TRUE(WaitFor([&] { return gate.entered() == 1; }));
+  AsyncCall cancelled(stub.get(), MakeRequest({1, 16, 16, 2, 1, 64}, v1::MASK_TYPE_NONE, false, 2));
+  ASSERT_TRUE(WaitFor([&] { return ts.cpu->queue_depth() == 1; }));
+  cancelled.ctx.TryCancel();
+  cancelled.Join();
+  EXPECT_EQ(cancelled.status.error_code(), grpc::StatusCode::CANCELLED);
+  absl::SleepFor(absl::Milliseconds(50));  // let the cancellation reach the server
+  gate.Open();
+  running.Join();
+  ASSERT_TRUE(running.status.ok());
+  ASSERT_TRUE(WaitFor([&] { return ts.cpu->in_flight() == 0; }));
+  EXPECT_EQ(ts.cpu->jobs_computed(), 1u) << "the cancelled request was computed";
+}
+
+TEST(Shutdown, RequestsInFlightAreAllAnswered) {
+  Gate gate;
+  TestServer ts({}, OneWorker(64), gate.Hooks());
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  constexpr int kCalls = 8;
+  std::vector<std::unique_ptr<AsyncCall>> calls;
+  for (int i = 0; i < kCalls; ++i) {
+    calls.push_back(std::make_unique<AsyncCall>(
+        stub.get(), MakeRequest({1, 20 + i, 24, 4, 2, 64}, v1::MASK_TYPE_CAUSAL_TOP_LEFT, true, 100 + i)));
+  }
+  ASSERT_TRUE(WaitFor([&] { return ts.cpu->in_flight() == kCalls; }));
+
+  // Health is watched from before the shutdown: it must turn NOT_SERVING.
+  testing::RawResult watch;
+  std::thread watcher([&] {
+    watch = testing::RawCall(ts.Channel(), "/grpc.health.v1.Health/Watch", testing::HealthRequest(""), 2);
+  });
+  absl::SleepFor(absl::Milliseconds(100));  // the watch has its first (SERVING) reply
+
+  std::atomic<bool> shutdown_returned{false};
+  std::thread stopper([&] {
+    ts.server->Shutdown();
+    shutdown_returned = true;
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_FALSE(shutdown_returned.load()) << "Shutdown returned with requests unanswered";
+  // A new call is refused while the accepted ones wait.
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::ForwardResponse resp;
+    const grpc::Status s = stub->Forward(&ctx, MakeRequest({1, 8, 8, 2, 1, 64}), &resp);
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << "a new call hung during shutdown";
+  }
+  gate.Open();
+  for (auto& c : calls) c->Join();
+  stopper.join();
+  watcher.join();
+  EXPECT_TRUE(shutdown_returned.load());
+  for (auto& c : calls) {
+    ASSERT_TRUE(c->status.ok()) << c->status.error_message();
+    ExpectCorrect(c->request, c->response.o(), c->response.lse());
+  }
+  EXPECT_EQ(ts.cpu->jobs_computed(), static_cast<uint64_t>(kCalls));
+  ASSERT_GE(watch.messages.size(), 1u);
+  EXPECT_EQ(testing::HealthStatus(watch.messages[0]), 1);
+  ASSERT_EQ(watch.messages.size(), 2u) << "no health update during shutdown";
+  EXPECT_EQ(testing::HealthStatus(watch.messages[1]), 2);
+  ts.server->Wait();   // returns at once: Shutdown completed
+  ts.server->Shutdown();  // idempotent
+}
+
+TEST(Shutdown, StreamInFlightIsAnswered) {
+  Gate gate;
+  TestServer ts({}, OneWorker(4), gate.Hooks());
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  const v1::ForwardRequest r = MakeRequest({1, 64, 64, 4, 1, 128}, v1::MASK_TYPE_NONE, true, 9);
+  grpc::ClientContext ctx;
+  auto stream = stub->ForwardStream(&ctx);
+  v1::ForwardStreamRequest h;
+  *h.mutable_header() = r;
+  h.mutable_header()->clear_q();
+  h.mutable_header()->clear_k();
+  h.mutable_header()->clear_v();
+  ASSERT_TRUE(stream->Write(h));
+  const std::pair<v1::TensorName, const std::string*> parts[] = {
+      {v1::TENSOR_NAME_Q, &r.q().data()}, {v1::TENSOR_NAME_K, &r.k().data()}, {v1::TENSOR_NAME_V, &r.v().data()}};
+  for (const auto& [name, bytes] : parts) {
+    v1::ForwardStreamRequest c;
+    c.mutable_chunk()->set_tensor(name);
+    c.mutable_chunk()->set_data(*bytes);
+    ASSERT_TRUE(stream->Write(c));
+  }
+  ASSERT_TRUE(stream->WritesDone());
+  ASSERT_TRUE(WaitFor([&] { return gate.entered() == 1; }));
+  std::thread stopper([&] { ts.server->Shutdown(); });
+  absl::SleepFor(absl::Milliseconds(100));
+  gate.Open();
+  v1::ForwardStreamResponse m;
+  std::string o, lse;
+  ASSERT_TRUE(stream->Read(&m));
+  ASSERT_TRUE(m.has_header());
+  while (stream->Read(&m)) (m.chunk().tensor() == v1::TENSOR_NAME_O ? o : lse) += m.chunk().data();
+  const grpc::Status s = stream->Finish();
+  stopper.join();
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ExpectCorrect(r, o, lse);
+}
+
+TEST(Shutdown, BackendDrainsItsQueue) {
+  // Directly on the backend: Shutdown runs every queued job's done, and Submit afterwards is UNAVAILABLE.
+  Gate gate;
+  server::CpuBackend backend(OneWorker(16), gate.Hooks());
+  std::vector<v1::ForwardRequest> requests;
+  for (int i = 0; i < 5; ++i) requests.push_back(MakeRequest({1, 10, 12, 2, 2, 64}, v1::MASK_TYPE_NONE, false, 50 + i));
+  std::atomic<int> ok{0};
+  std::vector<std::string> outputs(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    auto job = std::make_unique<server::ForwardJob>();
+    job->problem = testing::ProblemOf(requests[i]);
+    const Layout L = ContiguousLayout(job->problem.shape);
+    for (auto [src, in, strides] : {std::tuple{&job->q, &requests[i].q(), L.q}, std::tuple{&job->k, &requests[i].k(), L.k},
+                                    std::tuple{&job->v, &requests[i].v(), L.v}}) {
+      src->host = reinterpret_cast<const uint8_t*>(in->data().data());
+      src->host_bytes = in->data().size();
+      src->strides = strides;
+    }
+    job->accepted = absl::Now();
+    server::ForwardJob* j = job.get();
+    job->done = [&, i, j](absl::Status s) {
+      if (s.ok()) ok.fetch_add(1);
+      outputs[i] = std::move(j->o);
+    };
+    ASSERT_TRUE(backend.Submit(std::move(job)).ok());
+  }
+  std::thread stopper([&] { backend.Shutdown(); });
+  ASSERT_TRUE(WaitFor([&] { return gate.entered() == 1; }));
+  gate.Open();
+  stopper.join();
+  EXPECT_EQ(ok.load(), 5);
+  for (size_t i = 0; i < requests.size(); ++i) ExpectCorrect(requests[i], outputs[i], "");
+  EXPECT_EQ(backend.in_flight(), 0u);
+  EXPECT_TRUE(absl::IsUnavailable(backend.Submit(std::make_unique<server::ForwardJob>())));
+}
+
+}  // namespace
+}  // namespace attnd
