@@ -1,0 +1,49 @@
+// The table of compiled kernel configurations: what each is (shape, budget) and how to launch it.
+// Each fwd_*.cu contributes the entries of its tile shapes; AllEntries() gathers them in a fixed order.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <vector>
+
+#include "attnd/kernels/attention.h"
+
+namespace attnd::kernels {
+
+using LaunchFn = cudaError_t (*)(const Plan& plan, cudaStream_t stream);
+using PrepareFn = cudaError_t (*)();
+
+struct KernelEntry {
+  const char* name;
+  Family family;
+  int head_dim, block_m, block_n, stages, threads;
+  size_t smem_bytes;
+  bool sm120;
+  LaunchFn launch[2];    // by DType: bf16, fp16
+  PrepareFn prepare[2];  // raises the dynamic shared-memory limit; once per device
+};
+
+struct EntryList {
+  const KernelEntry* entries;
+  int count;
+};
+
+namespace seed {
+EntryList Sm120D64Entries();
+EntryList Sm120D128Entries();
+EntryList Sm120D256Entries();
+EntryList Sm90D64Entries();
+EntryList Sm90D128Entries();
+EntryList Sm90D256Entries();
+}  // namespace seed
+
+namespace hopper {  // src/hopper/attention_sm90_d*.cu (sm_90a only)
+EntryList Sm90D64Entries();
+EntryList Sm90D128Entries();
+EntryList Sm90D256Entries();
+}  // namespace hopper
+
+const std::vector<KernelEntry>& AllEntries();
+
+}  // namespace attnd::kernels

@@ -1,0 +1,15 @@
+// Instantiates the Hopper family for head_dim 256 (tile_size_sm90.h). sm_90a only.
+#include "flash_fwd_launch_sm90.cuh"
+#include "tile_size_sm90.h"
+
+namespace attnd::kernels::hopper {
+
+EntryList Sm90D256Entries() {
+  static const KernelEntry kEntries[] = {
+      Entry<HopperD256N64S2>("hopper_sm90_d256_m128n64s2"),
+      Entry<HopperD256N80S2>("hopper_sm90_d256_m128n80s2"),
+  };
+  return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
+}
+
+}  // namespace attnd::kernels::hopper

@@ -1,0 +1,14 @@
+// Instantiates the Hopper family for head_dim 64 (tile_size_sm90.h). sm_90a only.
+#include "flash_fwd_launch_sm90.cuh"
+#include "tile_size_sm90.h"
+
+namespace attnd::kernels::hopper {
+
+EntryList Sm90D64Entries() {
+  static const KernelEntry kEntries[] = {
+      Entry<HopperD64N128S4>("hopper_sm90_d64_m128n128s4"),
+  };
+  return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
+}
+
+}  // namespace attnd::kernels::hopper

@@ -1,0 +1,92 @@
+// The Hopper-family forward kernel: warp-role orchestration of the mainloop (TMA producer + wgmma
+// consumers), the epilogue and the persistent tile scheduler.
+//
+//   warpgroup 0       producer: gives its registers away (setmaxnreg 24); one thread issues every TMA copy
+//   warpgroups 1, 2   consumers (setmaxnreg 240): 64 query rows each;
+//                       S = Q K^T   wgmma, Q and K from shared memory
+//                       P = softmax(S) in registers (online, exp2, lazy rescale)
+//                       O += P V    wgmma, P from registers, V from shared memory
+//                     in ping-pong (one warpgroup's softmax under the other's GEMMs) and, inside each, the
+//                     softmax of block j under the P V of block j+1 (tile_size_sm90.h flags).
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "attnd/kernels/attention.h"
+#include "epilogue_fwd_sm90.cuh"
+#include "mainloop_fwd_sm90_tma_wgmma_ws.cuh"
+#include "named_barrier_sm90.h"
+#include "tile_scheduler_sm90.cuh"
+#include "wgmma_desc_sm90.h"
+
+namespace attnd::kernels::hopper {
+
+template <typename Tile, typename Elem>
+__global__ void __launch_bounds__(Tile::kThreads, 1)
+    HopperFwdKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                    const __grid_constant__ CUtensorMap v_map, const LaunchParams p, const SchedulerParams sp) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const SharedStorageSm90<Tile> smem(base);
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    seed::PrefetchTensorMap(&q_map);
+    seed::PrefetchTensorMap(&k_map);
+    seed::PrefetchTensorMap(&v_map);
+    seed::MbarInit(smem.q_full, 1);
+    seed::MbarInit(smem.q_empty, 4 * Tile::kConsumerWarpgroups);  // one arrival per consumer warp
+#pragma unroll
+    for (int st = 0; st < Tile::kStages; ++st) {
+      seed::MbarInit(&smem.k_full[st], 1);
+      seed::MbarInit(&smem.v_full[st], 1);
+      seed::MbarInit(&smem.kv_empty[st], 4 * Tile::kConsumerWarpgroups);
+    }
+    seed::FenceBarrierInit();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    SetMaxRegsDec<Tile::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      ProducerSm90<Tile> producer{&q_map, &k_map, &v_map, smem};
+      for (int t = blockIdx.x; t < sp.total_tiles; t += gridDim.x) {
+        const TileCoord c = TileAt(sp, t);
+        producer.LoadTile(p, c.q_tile, c.head, c.batch);
+      }
+    }
+  } else {
+    SetMaxRegsInc<Tile::kConsumerRegs>();
+    ConsumerSm90<Tile, Elem> consumer{smem, warpgroup - 1};
+    // Warpgroup 0 takes the first turn; the matching extra wait is at the end.
+    if constexpr (Tile::kPingPong) {
+      if (consumer.wg == 1) PassTurn(1);
+    }
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+    for (int t = blockIdx.x; t < sp.total_tiles; t += gridDim.x) {
+      const TileCoord c = TileAt(sp, t);
+      const int q0 = c.q_tile * Tile::kBlockM;
+      const int row0 = q0 + consumer.wg * 64 + warp * 16 + (lane >> 2);
+      const KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, q0);
+      float o[Tile::kHeadDim / 2];
+      typename ConsumerSm90<Tile, Elem>::Softmax sm;
+      if (r.n_blocks == 0) {
+#pragma unroll
+        for (int i = 0; i < Tile::kHeadDim / 2; ++i) o[i] = 0.f;
+        sm.Init();
+      } else {
+        consumer.Run(p, r, row0, o, sm);
+      }
+      StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
+    }
+    if constexpr (Tile::kPingPong) {
+      if (consumer.wg == 0) WaitTurn(0);
+    }
+  }
+#endif
+}
+
+}  // namespace attnd::kernels::hopper

@@ -1,0 +1,52 @@
+// Launch role of the Hopper family: one launcher and one attribute setter per (tile shape, element type),
+// gathered into registry entries. The plan's grid (q_tiles, heads, batch) is the tile space; the launcher
+// turns it into a persistent grid of at most one block per SM.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "../config_registry.h"
+#include "flash_fwd_kernel_sm90.cuh"
+#include "tile_scheduler_sm90.cuh"
+
+namespace attnd::kernels::hopper {
+
+template <typename Tile, typename Elem>
+cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
+  int sms = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, plan.device);
+  if (err != cudaSuccess) return err;
+  const LaunchParams& lp = plan.params;
+  const SchedulerParams sp =
+      MakeSchedulerParams(static_cast<int>(plan.grid[0]), static_cast<int>(plan.grid[1]),
+                          static_cast<int>(plan.grid[2]), lp.kv_len, Tile::kHeadDim, lp.group);
+  const int blocks = sp.total_tiles < sms ? sp.total_tiles : sms;
+  HopperFwdKernel<Tile, Elem><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(plan.q_map, plan.k_map,
+                                                                                   plan.v_map, lp, sp);
+  return cudaGetLastError();
+}
+
+template <typename Tile, typename Elem>
+cudaError_t PrepareFwd() {
+  return cudaFuncSetAttribute(HopperFwdKernel<Tile, Elem>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(Tile::kSmemBytes));
+}
+
+template <typename Tile>
+constexpr KernelEntry Entry(const char* name) {
+  return KernelEntry{name,
+                     Family::kHopper,
+                     Tile::kHeadDim,
+                     Tile::kBlockM,
+                     Tile::kBlockN,
+                     Tile::kStages,
+                     Tile::kThreads,
+                     Tile::kSmemBytes,
+                     false,
+                     {&LaunchFwd<Tile, __nv_bfloat16>, &LaunchFwd<Tile, __half>},
+                     {&PrepareFwd<Tile, __nv_bfloat16>, &PrepareFwd<Tile, __half>}};
+}
+
+}  // namespace attnd::kernels::hopper

@@ -1,0 +1,292 @@
+// Mainloop role: the producer's TMA loads and the consumers' wgmma GEMMs + softmax over one tile's key blocks.
+//
+// Shared memory: Q (block_m x head_dim, loaded once per tile) and a ring of `stages` K/V stages, all as
+// 128-byte-swizzled 64-element panels written by TMA. Barriers (mbarrier):
+//   q_full           TMA -> consumers: Q of the current tile has landed (transaction count)
+//   q_empty          consumers -> producer: both warpgroups' last Q K^T is done, Q may be overwritten
+//   k_full/v_full[s] TMA -> consumers, separately, so Q K^T starts while V is still in flight
+//   kv_empty[s]      consumers -> producer: every consumer warp's P V on stage s has completed
+// Key blocks are visited last to first, so the masked ones (diagonal, kv tail) come first and the loop
+// body after them runs unmasked. The producer and both consumer warpgroups count K/V loads with one
+// running index across tiles, which gives each its stage and mbarrier phase.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "../seed/load_tma_sm90.cuh"
+#include "../seed/mma_sm80.cuh"
+#include "attnd/kernels/attention.h"
+#include "named_barrier_sm90.h"
+#include "softmax_sm90.cuh"
+#include "wgmma_desc_sm90.h"
+#include "wgmma_sm90.h"
+
+namespace attnd::kernels::hopper {
+
+using seed::MbarArrive;
+using seed::MbarArriveExpectTx;
+using seed::MbarWait;
+using seed::SmemAddr;
+using seed::TmaLoad4d;
+
+// Which key blocks a tile visits: [0, n_blocks), of which [n_full, n_blocks) need the element-wise mask.
+struct KeyRange {
+  int n_blocks, n_full;
+};
+
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ KeyRange KeyRangeFor(const LaunchParams& p, int q0) {
+  int kv_end = p.kv_len;
+  int n_full = p.kv_len / kBlockN;
+  if (p.causal) {
+    const int last_row = min(q0 + kBlockM, p.q_len) - 1;
+    const int64_t end = static_cast<int64_t>(last_row) + p.causal_offset + 1;
+    kv_end = static_cast<int>(end < 0 ? 0 : (end > p.kv_len ? p.kv_len : end));
+    const int64_t first = static_cast<int64_t>(q0) + p.causal_offset + 1;  // keys < first: every row sees them
+    n_full = min(n_full, static_cast<int>(first < 0 ? 0 : (first > p.kv_len ? p.kv_len : first)) / kBlockN);
+  }
+  const int n_blocks = (kv_end + kBlockN - 1) / kBlockN;
+  return KeyRange{n_blocks, min(n_full, n_blocks)};
+}
+
+// Last key a query row may see (-1: none).
+__device__ __forceinline__ int RowLimit(const LaunchParams& p, int row) {
+  if (!p.causal) return p.kv_len - 1;
+  const int64_t lim = static_cast<int64_t>(row) + p.causal_offset;
+  return static_cast<int>(lim < -1 ? -1 : (lim > p.kv_len - 1 ? p.kv_len - 1 : lim));
+}
+
+template <typename Tile>
+struct SharedStorageSm90 {
+  static constexpr int kQPanelBytes = Tile::kBlockM * 128;
+  static constexpr int kKVPanelBytes = Tile::kBlockN * 128;
+  uint8_t* q;
+  uint8_t* k;  // stage s at k + s * kKVTileBytes
+  uint8_t* v;
+  uint64_t* q_full;
+  uint64_t* q_empty;
+  uint64_t* k_full;
+  uint64_t* v_full;
+  uint64_t* kv_empty;
+
+  __device__ __forceinline__ explicit SharedStorageSm90(uint8_t* base) {
+    q = base;
+    k = q + Tile::kQBytes;
+    v = k + Tile::kStages * Tile::kKVTileBytes;
+    uint64_t* bars = reinterpret_cast<uint64_t*>(v + Tile::kStages * Tile::kKVTileBytes);
+    q_full = bars;
+    q_empty = bars + 1;
+    k_full = bars + 2;
+    v_full = k_full + Tile::kStages;
+    kv_empty = v_full + Tile::kStages;
+  }
+};
+
+// Producer: one thread. Issues the K/V blocks of a tile (last to first) into the ring and Q once per tile.
+template <typename Tile>
+struct ProducerSm90 {
+  const CUtensorMap* q_map;
+  const CUtensorMap* k_map;
+  const CUtensorMap* v_map;
+  SharedStorageSm90<Tile> smem;
+  int load = 0;   // K/V loads issued so far (all tiles)
+  int q_tiles = 0;  // Q loads issued so far
+
+  __device__ __forceinline__ void LoadKV(int block, int kv_head, int batch) {
+    const int st = load % Tile::kStages;
+    // Load `load - stages` must have left the stage: its release completed phase load / stages - 1.
+    if (load >= Tile::kStages) MbarWait(&smem.kv_empty[st], ((load / Tile::kStages) + 1) & 1);
+    MbarArriveExpectTx(&smem.k_full[st], Tile::kKVTileBytes);
+#pragma unroll
+    for (int pn = 0; pn < Tile::kPanels; ++pn) {
+      TmaLoad4d(smem.k + st * Tile::kKVTileBytes + pn * SharedStorageSm90<Tile>::kKVPanelBytes, k_map,
+                &smem.k_full[st], pn * 64, kv_head, block * Tile::kBlockN, batch);
+    }
+    MbarArriveExpectTx(&smem.v_full[st], Tile::kKVTileBytes);
+#pragma unroll
+    for (int pn = 0; pn < Tile::kPanels; ++pn) {
+      TmaLoad4d(smem.v + st * Tile::kKVTileBytes + pn * SharedStorageSm90<Tile>::kKVPanelBytes, v_map,
+                &smem.v_full[st], pn * 64, kv_head, block * Tile::kBlockN, batch);
+    }
+    ++load;
+  }
+
+  __device__ __forceinline__ void LoadQ(int q0, int head, int batch) {
+    // The previous tile's consumers must be done with Q (both warpgroups' last Q K^T).
+    if (q_tiles > 0) MbarWait(smem.q_empty, (q_tiles - 1) & 1);
+    MbarArriveExpectTx(smem.q_full, Tile::kQBytes);
+#pragma unroll
+    for (int pn = 0; pn < Tile::kPanels; ++pn) {
+      TmaLoad4d(smem.q + pn * SharedStorageSm90<Tile>::kQPanelBytes, q_map, smem.q_full, pn * 64, head, q0, batch);
+    }
+    ++q_tiles;
+  }
+
+  __device__ __forceinline__ void LoadTile(const LaunchParams& p, int q_tile, int head, int batch) {
+    const KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, q_tile * Tile::kBlockM);
+    if (r.n_blocks == 0) return;
+    const int kv_head = head / p.group;
+    // The first K/V block before Q: it waits only on the ring, so the ring keeps filling while the
+    // consumers finish the previous tile and release Q.
+    LoadKV(r.n_blocks - 1, kv_head, batch);
+    LoadQ(q_tile * Tile::kBlockM, head, batch);
+    for (int b = r.n_blocks - 2; b >= 0; --b) LoadKV(b, kv_head, batch);
+  }
+};
+
+// Consumer warpgroup: 64 query rows of the tile.
+template <typename Tile, typename Elem>
+struct ConsumerSm90 {
+  static constexpr int D = Tile::kHeadDim, BM = Tile::kBlockM, BN = Tile::kBlockN, S = Tile::kStages;
+  static constexpr int kSRegs = BN / 2, kORegs = D / 2, kPSteps = BN / 16;
+  using Softmax = SoftmaxSm90<BN>;
+
+  SharedStorageSm90<Tile> smem;
+  int wg;        // 0 or 1: which 64 rows of the tile
+  int load = 0;  // K/V loads consumed so far (all tiles), mirrors the producer's count
+  int q_tiles = 0;
+
+  // S = Q K^T over head_dim in k16 steps. A k16 step inside a 128-byte swizzled row moves the descriptors'
+  // start by 32 bytes; the next 64 head_dim values are the next panel.
+  __device__ __forceinline__ void IssueQK(float (&s)[kSRegs], int st) const {
+    const uint32_t q_base = SmemAddr(smem.q) + wg * 64 * 128;
+    const uint32_t k_base = SmemAddr(smem.k + st * Tile::kKVTileBytes);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t off = (kk % 4) * 32;
+      const uint64_t da = MakeSmemDesc(q_base + (kk / 4) * SharedStorageSm90<Tile>::kQPanelBytes + off, 16, 1024);
+      const uint64_t db = MakeSmemDesc(k_base + (kk / 4) * SharedStorageSm90<Tile>::kKVPanelBytes + off, 16, 1024);
+      Wgmma<BN, Elem>::SS(s, da, db, kk > 0 ? 1 : 0);
+    }
+    WgmmaCommit();
+  }
+
+  // O += P V over the block's keys in k16 steps: 16 keys are 2048 bytes of every V panel.
+  __device__ __forceinline__ void IssuePV(float (&o)[kORegs], const uint32_t (&pf)[kPSteps][4], int st) const {
+    const uint32_t v_base = SmemAddr(smem.v + st * Tile::kKVTileBytes);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk) {
+      const uint64_t db = MakeSmemDesc(v_base + kk * 16 * 128, SharedStorageSm90<Tile>::kKVPanelBytes, 1024);
+      Wgmma<D, Elem>::RS(o, pf[kk], db);
+    }
+    WgmmaCommit();
+  }
+
+  // The S accumulators of keys 16kk..16kk+15 are, register for register, the A fragment of P.
+  __device__ __forceinline__ static void ConvertP(const float (&s)[kSRegs], uint32_t (&pf)[kPSteps][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pf[kk][e] = seed::ElemTraits<Elem>::Pack(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+    }
+  }
+
+  __device__ __forceinline__ void Release(int st) const {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) MbarArrive(&smem.kv_empty[st]);
+  }
+
+  __device__ __forceinline__ void TurnBegin() const {
+    if constexpr (Tile::kPingPong) WaitTurn(wg);
+  }
+  __device__ __forceinline__ void TurnEnd() const {
+    if constexpr (Tile::kPingPong) PassTurn(wg);
+  }
+
+  __device__ __forceinline__ bool SoftmaxStep(Softmax& sm, float (&s)[kSRegs], const LaunchParams& p, int block,
+                                              const KeyRange& r, int limit0, int limit1, float (&f)[2]) const {
+    if (block >= r.n_full) return sm.template Step<true>(s, p.scale_log2, block * BN, limit0, limit1, f);
+    return sm.template Step<false>(s, p.scale_log2, block * BN, limit0, limit1, f);
+  }
+
+  // Runs one tile's key blocks; on return o holds the unnormalised output and sm the row max / sums.
+  __device__ __forceinline__ void Run(const LaunchParams& p, const KeyRange& r, int row0, float (&o)[kORegs],
+                                      Softmax& sm) {
+    const int limit0 = RowLimit(p, row0), limit1 = RowLimit(p, row0 + 8);
+#pragma unroll
+    for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+    sm.Init();
+    MbarWait(smem.q_full, q_tiles & 1);
+    ++q_tiles;
+
+    float s[kSRegs];
+    uint32_t pf[kPSteps][4];
+    float f[2];
+
+    if constexpr (Tile::kIntraOverlap) {
+      // Block n-1: S alone.
+      int st = load % S;
+      MbarWait(&smem.k_full[st], (load / S) & 1);
+      TurnBegin();
+      IssueQK(s, st);
+      TurnEnd();
+      WgmmaWait<0>();
+      FenceOperand(s);
+      SoftmaxStep(sm, s, p, r.n_blocks - 1, r, limit0, limit1, f);  // O is still zero: no rescale
+      ConvertP(s, pf);
+      int prev_st = st, prev_phase = (load / S) & 1;
+      ++load;
+      // Blocks n-2 .. 0: S of block b and P V of block b+1 in flight together; softmax of b runs under P V.
+      for (int b = r.n_blocks - 2; b >= 0; --b) {
+        st = load % S;
+        MbarWait(&smem.k_full[st], (load / S) & 1);
+        TurnBegin();
+        IssueQK(s, st);
+        MbarWait(&smem.v_full[prev_st], prev_phase);
+        IssuePV(o, pf, prev_st);
+        TurnEnd();
+        WgmmaWait<1>();
+        FenceOperand(s);
+        const bool rescale = SoftmaxStep(sm, s, p, b, r, limit0, limit1, f);
+        WgmmaWait<0>();
+        FenceOperand(o);
+        FenceOperand(pf);
+        Release(prev_st);
+        if (rescale) Softmax::Rescale(o, f);
+        ConvertP(s, pf);
+        prev_st = st;
+        prev_phase = (load / S) & 1;
+        ++load;
+      }
+      MbarWait(&smem.v_full[prev_st], prev_phase);
+      TurnBegin();
+      IssuePV(o, pf, prev_st);
+      TurnEnd();
+      WgmmaWait<0>();
+      FenceOperand(o);
+      FenceOperand(pf);
+      Release(prev_st);
+    } else {
+      for (int b = r.n_blocks - 1; b >= 0; --b) {
+        const int st = load % S;
+        const uint32_t phase = (load / S) & 1;
+        ++load;
+        MbarWait(&smem.k_full[st], phase);
+        TurnBegin();
+        IssueQK(s, st);
+        TurnEnd();
+        WgmmaWait<0>();
+        FenceOperand(s);
+        if (SoftmaxStep(sm, s, p, b, r, limit0, limit1, f)) Softmax::Rescale(o, f);
+        ConvertP(s, pf);
+        MbarWait(&smem.v_full[st], phase);
+        TurnBegin();
+        IssuePV(o, pf, st);
+        TurnEnd();
+        WgmmaWait<0>();
+        FenceOperand(o);
+        FenceOperand(pf);
+        Release(st);
+      }
+    }
+    // Every Q K^T of this warpgroup has completed: Q may be reloaded for the next tile.
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) MbarArrive(smem.q_empty);
+  }
+};
+
+}  // namespace attnd::kernels::hopper

@@ -1,0 +1,98 @@
+// Softmax role of the Hopper family: online softmax over wgmma's m64nN accumulator layout, exp2 domain,
+// with the seed's lazy rescale (the reference max only moves when a block's max beats it by 2^8).
+//
+// Layout: warp w of a consumer warpgroup holds rows 16w..16w+15; lane 4g+t holds rows g and g+8 and, of
+// each 8-column group i, columns 8i+2t and 8i+2t+1: s[4i+0..1] are row g, s[4i+2..3] row g+8. So a row's
+// reductions are two xor-shuffles across the quad, as in the seed (m16n8k16 has the same fragment).
+//
+// Unlike the seed's, Step() does not touch O: with intra-warpgroup overlap the previous block's P V is still
+// accumulating into O while this block's softmax runs, so Step() returns the factor and the caller applies
+// it once that GEMM has completed.
+#pragma once
+
+#include <math_constants.h>
+
+#include "../seed/softmax.cuh"  // QuadMax, QuadSum, Exp2, kRescaleThresholdLog2
+
+namespace attnd::kernels::hopper {
+
+using seed::Exp2;
+using seed::QuadMax;
+using seed::QuadSum;
+
+template <int kBlockN>
+struct SoftmaxSm90 {
+  static constexpr int kRegs = kBlockN / 2;
+  float m[2];  // reference max (scaled, log2 domain); -inf until the row has seen a visible key
+  float l[2];  // this thread's share of the row sum; reduced over the quad at the end
+
+  __device__ __forceinline__ void Init() {
+    m[0] = m[1] = -CUDART_INF_F;
+    l[0] = l[1] = 0.f;
+  }
+
+  // s: raw scores in, P = exp2(s * scale_log2 - m) out. kMasked: keys past a row's limit are removed (key of
+  // s[4i+e] = key0 + 8i + 2t + (e & 1)). Returns true (warp-uniform) when O must be scaled by f[0] / f[1].
+  template <bool kMasked>
+  __device__ __forceinline__ bool Step(float (&s)[kRegs], float scale_log2, int key0, int limit0, int limit1,
+                                       float (&f)[2]) {
+    const int t = threadIdx.x & 3;
+    float mx0 = -CUDART_INF_F, mx1 = -CUDART_INF_F;
+#pragma unroll
+    for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[4 * i + e] *= scale_log2;
+      if constexpr (kMasked) {
+        const int key = key0 + 8 * i + 2 * t;
+        if (key > limit0) s[4 * i + 0] = -CUDART_INF_F;
+        if (key + 1 > limit0) s[4 * i + 1] = -CUDART_INF_F;
+        if (key > limit1) s[4 * i + 2] = -CUDART_INF_F;
+        if (key + 1 > limit1) s[4 * i + 3] = -CUDART_INF_F;
+      }
+      mx0 = fmaxf(mx0, fmaxf(s[4 * i + 0], s[4 * i + 1]));
+      mx1 = fmaxf(mx1, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+    }
+    mx0 = QuadMax(mx0);
+    mx1 = QuadMax(mx1);
+    const bool move0 = mx0 > m[0] + seed::kRescaleThresholdLog2;
+    const bool move1 = mx1 > m[1] + seed::kRescaleThresholdLog2;
+    f[0] = f[1] = 1.f;
+    // exp2(-inf - mx) = 0 on a row's first visible block, where O and l are still zero.
+    if (move0) {
+      f[0] = Exp2(m[0] - mx0);
+      m[0] = mx0;
+      l[0] *= f[0];
+    }
+    if (move1) {
+      f[1] = Exp2(m[1] - mx1);
+      m[1] = mx1;
+      l[1] *= f[1];
+    }
+    // A row with no visible key yet keeps m = -inf; its scores are -inf and exp2(-inf - 0) = 0.
+    const float b0 = m[0] == -CUDART_INF_F ? 0.f : m[0];
+    const float b1 = m[1] == -CUDART_INF_F ? 0.f : m[1];
+#pragma unroll
+    for (int i = 0; i < kBlockN / 8; ++i) {
+      s[4 * i + 0] = Exp2(s[4 * i + 0] - b0);
+      s[4 * i + 1] = Exp2(s[4 * i + 1] - b0);
+      s[4 * i + 2] = Exp2(s[4 * i + 2] - b1);
+      s[4 * i + 3] = Exp2(s[4 * i + 3] - b1);
+      l[0] += s[4 * i + 0] + s[4 * i + 1];
+      l[1] += s[4 * i + 2] + s[4 * i + 3];
+    }
+    return __any_sync(0xffffffffu, move0 || move1);
+  }
+
+  template <int kORegs>
+  __device__ __forceinline__ static void Rescale(float (&o)[kORegs], const float (&f)[2]) {
+#pragma unroll
+    for (int i = 0; i < kORegs / 4; ++i) {
+      o[4 * i + 0] *= f[0];
+      o[4 * i + 1] *= f[0];
+      o[4 * i + 2] *= f[1];
+      o[4 * i + 3] *= f[1];
+    }
+  }
+};
+
+}  // namespace attnd::kernels::hopper

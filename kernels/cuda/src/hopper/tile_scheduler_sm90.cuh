@@ -1,0 +1,50 @@
+// Tile scheduler role: a persistent grid (one block per SM) walks the (q_tile, head, batch) tiles with a
+// static stride. Order: (batch, head) pairs are taken a section at a time, a section being as many heads as
+// keep their K and V inside about half of L2, so the ~132 blocks in flight share K/V through L2; inside a
+// section the longest tiles (causal: the highest q_tile) come first, so the short ones fill the tail.
+#pragma once
+
+#include <cstdint>
+
+namespace attnd::kernels::hopper {
+
+struct SchedulerParams {
+  int num_q_tiles = 0;
+  int q_heads = 0;
+  int total_bh = 0;    // batch * q_heads
+  int section_bh = 1;  // (batch, head) pairs per L2 section
+  int total_tiles = 0;
+};
+
+struct TileCoord {
+  int q_tile, head, batch;
+};
+
+inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int batch, int kv_len, int head_dim,
+                                           int kv_group) {
+  SchedulerParams sp;
+  sp.num_q_tiles = num_q_tiles;
+  sp.q_heads = q_heads;
+  sp.total_bh = q_heads * batch;
+  // K + V of one kv head; the q heads of one GQA group share it, so a section counts q heads.
+  const int64_t kv_bytes = static_cast<int64_t>(kv_len) * head_dim * 2 * 2;
+  const int64_t budget = int64_t{24} << 20;
+  int64_t section = kv_bytes > 0 ? budget / kv_bytes * kv_group : sp.total_bh;
+  if (section < 1) section = 1;
+  if (section > sp.total_bh) section = sp.total_bh;
+  sp.section_bh = static_cast<int>(section);
+  sp.total_tiles = num_q_tiles * sp.total_bh;
+  return sp;
+}
+
+__device__ __forceinline__ TileCoord TileAt(const SchedulerParams& sp, int t) {
+  const int per_section = sp.section_bh * sp.num_q_tiles;
+  const int section = t / per_section;
+  const int base_bh = section * sp.section_bh;
+  const int size = min(sp.section_bh, sp.total_bh - base_bh);
+  const int idx = t - section * per_section;
+  const int bh = base_bh + idx % size;
+  return TileCoord{sp.num_q_tiles - 1 - idx / size, bh % sp.q_heads, bh / sp.q_heads};
+}
+
+}  // namespace attnd::kernels::hopper

@@ -1,0 +1,55 @@
+// Tile shapes of the Hopper (wgmma, warp-specialized) family, chosen in one place.
+//
+// One block = 1 producer warpgroup (one thread issues every TMA copy) + 2 consumer warpgroups, each owning
+// 64 query rows (wgmma's M), so block_m = 128. block_n keys per K/V stage is wgmma's N of S = Q K^T; the whole
+// head_dim is wgmma's N of O += P V. Per consumer thread: O is head_dim / 2 fp32 registers, S block_n / 2,
+// P block_n / 4 — the budget the setmaxnreg split (producer 24, consumers 240) has to hold.
+#pragma once
+
+#include <cstddef>
+
+namespace attnd::kernels::hopper {
+
+template <int HeadDim, int BlockN, int Stages, bool PingPong = true, bool IntraOverlap = true>
+struct TileShape {
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = BlockN;
+  static constexpr int kStages = Stages;
+  // PingPong: the two consumer warpgroups take turns issuing GEMMs (named barriers), so one's softmax runs
+  // under the other's GEMMs. IntraOverlap: inside a warpgroup, softmax of block j runs under P V of block j+1.
+  static constexpr bool kPingPong = PingPong;
+  static constexpr bool kIntraOverlap = IntraOverlap;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  // head_dim is stored as 64-element (128-byte) panels: the widest row TMA's 128-byte swizzle allows, and
+  // exactly one wgmma K-major swizzle atom row.
+  static constexpr int kPanels = HeadDim / 64;
+  static constexpr int kQBytes = kBlockM * HeadDim * 2;
+  static constexpr int kKVTileBytes = BlockN * HeadDim * 2;  // one K or one V stage
+  // Q full/empty; per stage K full, V full, K/V empty.
+  static constexpr int kBarriers = 2 + 3 * Stages;
+  // +1024: the dynamic shared-memory base is re-aligned to the 1024 bytes of a 128-byte swizzle atom, which
+  // wgmma's descriptors (base offset 0) and TMA both rely on.
+  static constexpr size_t kSmemBytes = 1024 + kQBytes + 2 * Stages * kKVTileBytes + 8 * kBarriers;
+
+  static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "head_dim 64, 128 or 256");
+  static_assert(BlockN % 16 == 0 && BlockN >= 64 && BlockN <= 256, "block_n: wgmma N of S and k16 steps of P V");
+  static_assert((BlockN * 128) % 1024 == 0, "each K/V panel must keep the 1024-byte swizzle-atom alignment");
+  static_assert(Stages >= 2, "the producer needs at least two stages to run ahead of the consumers");
+  static_assert(HeadDim / 2 + BlockN / 2 + BlockN / 4 + 40 <= kConsumerRegs, "O + S + P must fit the consumer budget");
+  static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= 65536 / 128, "register file per SM");
+  static_assert(kSmemBytes <= 232448, "Hopper allows 227 KB of shared memory per block");
+};
+
+// The configurations that are compiled. Names: hopper_sm90_d<head_dim>_m128n<block_n>s<stages>[_variant].
+using HopperD64N128S4 = TileShape<64, 128, 4>;
+using HopperD128N128S2 = TileShape<128, 128, 2>;
+using HopperD128N128S2Plain = TileShape<128, 128, 2, false, false>;  // no ping-pong, no overlap: baseline
+using HopperD128N176S2 = TileShape<128, 176, 2>;
+using HopperD256N64S2 = TileShape<256, 64, 2>;
+using HopperD256N80S2 = TileShape<256, 80, 2>;
+
+}  // namespace attnd::kernels::hopper

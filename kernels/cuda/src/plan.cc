@@ -1,0 +1,369 @@
+// Host side: device checks, validation, configuration choice, tensor-map keys, plans and the launch.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <set>
+#include <tuple>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "attnd/kernels/attention.h"
+#include "config_registry.h"
+
+namespace attnd::kernels {
+
+const char* FamilyName(Family f) {
+  switch (f) {
+    case Family::kAuto: return "auto";
+    case Family::kSeed: return "seed";
+    case Family::kHopper: return "hopper";
+  }
+  return "?";
+}
+
+const std::vector<ConfigInfo>& Configs() {
+  static const std::vector<ConfigInfo> kConfigs = [] {
+    std::vector<ConfigInfo> out;
+    for (const KernelEntry& e : AllEntries()) {
+      out.push_back(ConfigInfo{e.name, e.family, e.head_dim, e.block_m, e.block_n, e.stages, e.threads,
+                               e.smem_bytes, e.sm120});
+    }
+    return out;
+  }();
+  return kConfigs;
+}
+
+std::vector<std::string> ConfigNames() {
+  std::vector<std::string> names;
+  for (const ConfigInfo& c : Configs()) names.push_back(c.name);
+  return names;
+}
+
+namespace {
+
+struct DeviceCaps {
+  int major = 0, minor = 0;
+  int smem_optin = 0;
+};
+
+absl::StatusOr<int> ResolveDevice(int device) {
+  if (device >= 0) return device;
+  int current = 0;
+  const cudaError_t err = cudaGetDevice(&current);
+  if (err != cudaSuccess) return absl::UnavailableError(absl::StrCat("no CUDA device: ", cudaGetErrorString(err)));
+  return current;
+}
+
+absl::StatusOr<DeviceCaps> Caps(int device) {
+  DeviceCaps caps;
+  cudaError_t err = cudaDeviceGetAttribute(&caps.major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&caps.minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&caps.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  }
+  if (err != cudaSuccess) {
+    return absl::UnavailableError(absl::StrCat("CUDA device ", device, " is not usable: ", cudaGetErrorString(err)));
+  }
+  return caps;
+}
+
+bool Runs(const KernelEntry& e, const DeviceCaps& caps) {
+  if (caps.major == 9 && caps.minor == 0) return static_cast<int>(e.smem_bytes) <= caps.smem_optin;
+  if (caps.major == 12 && caps.minor == 0) return e.sm120 && static_cast<int>(e.smem_bytes) <= caps.smem_optin;
+  return false;
+}
+
+// The tuned choice per (compute capability, head_dim); see docs/kernel-notes.md for the measurements.
+const char* DefaultConfig(const DeviceCaps& caps, int64_t head_dim) {
+  if (caps.major == 9) {
+    switch (head_dim) {
+      case 64: return "seed_sm90_d64_m64n64s3";
+      case 128: return "seed_sm90_d128_m64n64s2";
+      case 256: return "seed_sm90_d256_m64n64s2";
+    }
+  } else {
+    switch (head_dim) {
+      case 64: return "seed_sm120_d64_m64n64s2";
+      case 128: return "seed_sm120_d128_m64n64s1";
+      case 256: return "seed_sm120_d256_m64n64s1";
+    }
+  }
+  return nullptr;
+}
+
+// The hopper family's tuned choice per head_dim (docs/hopper-kernel-notes.md).
+const char* DefaultHopperConfig(int64_t head_dim) {
+  switch (head_dim) {
+    case 64: return "hopper_sm90_d64_m128n128s4";
+    case 128: return "hopper_sm90_d128_m128n128s2";
+    case 256: return "hopper_sm90_d256_m128n64s2";
+  }
+  return nullptr;
+}
+
+// Raises each kernel's dynamic shared-memory limit once per device (a planning-time cost, not a launch one).
+absl::Status Prepare(int entry, DType dtype, int device) {
+  static std::mutex mu;
+  static std::set<std::tuple<int, int, int>> done;
+  const auto key = std::make_tuple(entry, static_cast<int>(dtype), device);
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count(key)) return absl::OkStatus();
+  const KernelEntry& e = AllEntries()[entry];
+  const cudaError_t err = e.prepare[dtype == DType::kBF16 ? 0 : 1]();
+  if (err != cudaSuccess) {
+    return absl::InternalError(
+        absl::StrCat("cudaFuncSetAttribute(", e.name, ", ", e.smem_bytes, " bytes): ", cudaGetErrorString(err)));
+  }
+  done.insert(key);
+  return absl::OkStatus();
+}
+
+absl::Status CheckStrides(const char* tensor, const Strides& st, int64_t seq_len, int64_t heads, bool output) {
+  const struct {
+    const char* name;
+    int64_t stride, extent;
+  } dims[] = {{"batch", st.batch, 2}, {"seq", st.seq, seq_len}, {"head", st.head, heads}};
+  for (const auto& d : dims) {
+    if (d.extent <= 1 && std::string(d.name) != "batch") continue;  // a size-1 dim's stride is never used
+    if (d.stride < 0 || (output && d.stride == 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layout.", tensor, ".", d.name, " stride ", d.stride, " must be positive"));
+    }
+    if (d.stride % 8 != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("layout.", tensor, ".", d.name, " stride ", d.stride,
+                                                     " is not a multiple of 8 elements (16 bytes), which the "
+                                                     "kernel's TMA loads and 16-byte stores require"));
+    }
+    if (d.stride >= (int64_t{1} << 39)) {
+      return absl::InvalidArgumentError(absl::StrCat("layout.", tensor, ".", d.name, " stride ", d.stride, " is too large"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateProblem(const Problem& p, const Layout& layout) {
+  const Shape& s = p.shape;
+  const struct {
+    const char* name;
+    int64_t value, max;
+  } fields[] = {{"batch", s.batch, 65535},
+                {"q_len", s.q_len, std::numeric_limits<int32_t>::max() / 2},
+                {"kv_len", s.kv_len, std::numeric_limits<int32_t>::max() / 2},
+                {"q_heads", s.q_heads, 65535},
+                {"kv_heads", s.kv_heads, 65535},
+                {"head_dim", s.head_dim, 256}};
+  for (const auto& f : fields) {
+    if (f.value <= 0) return absl::InvalidArgumentError(absl::StrCat("shape.", f.name, " must be > 0, got ", f.value));
+    if (f.value > f.max) {
+      return absl::InvalidArgumentError(absl::StrCat("shape.", f.name, " ", f.value, " exceeds the limit ", f.max));
+    }
+  }
+  if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shape.head_dim ", s.head_dim, " is not supported (supported: 64, 128, 256)"));
+  }
+  if (s.q_heads % s.kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("shape.q_heads (", s.q_heads,
+                                                   ") must be a multiple of shape.kv_heads (", s.kv_heads, ")"));
+  }
+  if (!std::isfinite(p.scale)) return absl::InvalidArgumentError("scale must be finite");
+  if (p.dtype != DType::kBF16 && p.dtype != DType::kFP16) return absl::InvalidArgumentError("dtype is not supported");
+  if (auto st = CheckStrides("q", layout.q, s.q_len, s.q_heads, false); !st.ok()) return st;
+  if (auto st = CheckStrides("k", layout.k, s.kv_len, s.kv_heads, false); !st.ok()) return st;
+  if (auto st = CheckStrides("v", layout.v, s.kv_len, s.kv_heads, false); !st.ok()) return st;
+  if (auto st = CheckStrides("o", layout.o, s.q_len, s.q_heads, true); !st.ok()) return st;
+  return absl::OkStatus();
+}
+
+// A size-1 dimension's stride is never stepped over, but TMA still wants it a multiple of 16 bytes.
+uint64_t StrideBytes(int64_t stride, int64_t extent, uint64_t fallback_bytes) {
+  return extent <= 1 ? fallback_bytes : static_cast<uint64_t>(stride) * 2;
+}
+
+TensorMapKey KeyFor(const void* ptr, DType dtype, const Strides& st, int64_t seq_len, int64_t heads, int64_t batch,
+                    int64_t head_dim, int box_rows) {
+  TensorMapKey key;
+  key.address = reinterpret_cast<uint64_t>(ptr);
+  key.dtype = dtype;
+  key.dims[0] = static_cast<uint64_t>(head_dim);
+  key.dims[1] = static_cast<uint64_t>(heads);
+  key.dims[2] = static_cast<uint64_t>(seq_len);
+  key.dims[3] = static_cast<uint64_t>(batch);
+  const uint64_t row_bytes = static_cast<uint64_t>(head_dim) * 2;
+  key.strides_bytes[0] = StrideBytes(st.head, heads, row_bytes);
+  key.strides_bytes[1] = StrideBytes(st.seq, seq_len, row_bytes * heads);
+  key.strides_bytes[2] = StrideBytes(st.batch, batch, row_bytes * heads * seq_len);
+  // One box is a 64-element (128-byte) panel of box_rows rows of one head of one sequence.
+  key.box[0] = 64;
+  key.box[1] = 1;
+  key.box[2] = static_cast<uint32_t>(box_rows);
+  key.box[3] = 1;
+  key.swizzle_bytes = 128;
+  return key;
+}
+
+absl::Status CheckPointer(const char* name, const void* ptr) {
+  if (ptr == nullptr) return absl::InvalidArgumentError(absl::StrCat(name, " pointer is null"));
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " pointer is not 16-byte aligned"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckDevice(int device) {
+  absl::StatusOr<int> dev = ResolveDevice(device);
+  if (!dev.ok()) return dev.status();
+  absl::StatusOr<DeviceCaps> caps = Caps(*dev);
+  if (!caps.ok()) return caps.status();
+  const bool ok = (caps->major == 9 && caps->minor == 0) || (caps->major == 12 && caps->minor == 0);
+  if (!ok) {
+    return absl::FailedPreconditionError(absl::StrCat("CUDA device ", *dev, " has compute capability ", caps->major,
+                                                      ".", caps->minor,
+                                                      "; attnd's kernels are built for sm_90a (9.0) and sm_120a "
+                                                      "(12.0) only"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<ConfigInfo>> ConfigsForDevice(int device) {
+  absl::StatusOr<int> dev = ResolveDevice(device);
+  if (!dev.ok()) return dev.status();
+  if (absl::Status st = CheckDevice(*dev); !st.ok()) return st;
+  absl::StatusOr<DeviceCaps> caps = Caps(*dev);
+  if (!caps.ok()) return caps.status();
+  std::vector<ConfigInfo> out;
+  for (size_t i = 0; i < AllEntries().size(); ++i) {
+    if (Runs(AllEntries()[i], *caps)) out.push_back(Configs()[i]);
+  }
+  return out;
+}
+
+absl::StatusOr<Selection> Select(const Problem& problem, const Layout& layout, const PlanOptions& options) {
+  if (absl::Status st = ValidateProblem(problem, layout); !st.ok()) return st;
+  absl::StatusOr<int> dev = ResolveDevice(options.device);
+  if (!dev.ok()) return dev.status();
+  if (absl::Status st = CheckDevice(*dev); !st.ok()) return st;
+  absl::StatusOr<DeviceCaps> caps = Caps(*dev);
+  if (!caps.ok()) return caps.status();
+
+  const std::vector<KernelEntry>& entries = AllEntries();
+  int chosen = -1;
+  if (!options.config.empty()) {
+    for (size_t i = 0; i < entries.size(); ++i) {
+      if (options.config == entries[i].name) chosen = static_cast<int>(i);
+    }
+    if (chosen < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("kernel configuration '", options.config,
+                                                     "' is unknown; known: ", absl::StrJoin(ConfigNames(), ", ")));
+    }
+    if (entries[chosen].head_dim != problem.shape.head_dim) {
+      return absl::InvalidArgumentError(absl::StrCat("kernel configuration ", options.config, " is for head_dim ",
+                                                     entries[chosen].head_dim, ", the problem has shape.head_dim ",
+                                                     problem.shape.head_dim));
+    }
+    if (!Runs(entries[chosen], *caps)) {
+      return absl::FailedPreconditionError(absl::StrCat("kernel configuration ", options.config,
+                                                        " cannot run on device ", *dev, " (compute capability ",
+                                                        caps->major, ".", caps->minor, ")"));
+    }
+  } else {
+    const char* name = DefaultConfig(*caps, problem.shape.head_dim);
+    if (options.family == Family::kHopper) {
+      if (caps->major != 9 || caps->minor != 0) {
+        return absl::FailedPreconditionError(absl::StrCat("the hopper (wgmma) kernel family needs compute capability "
+                                                          "9.0; device ", *dev, " has ", caps->major, ".",
+                                                          caps->minor));
+      }
+      name = DefaultHopperConfig(problem.shape.head_dim);
+    }
+    for (size_t i = 0; name != nullptr && i < entries.size(); ++i) {
+      if (std::string(name) == entries[i].name) chosen = static_cast<int>(i);
+    }
+    if (chosen < 0) return absl::InternalError("no default kernel configuration for this head_dim");
+  }
+  Selection sel;
+  sel.problem = problem;
+  sel.layout = layout;
+  sel.config = chosen;
+  sel.device = *dev;
+  return sel;
+}
+
+absl::StatusOr<TensorMapKeys> MapKeys(const Selection& sel, const DeviceTensors& t) {
+  if (absl::Status st = CheckPointer("q", t.q); !st.ok()) return st;
+  if (absl::Status st = CheckPointer("k", t.k); !st.ok()) return st;
+  if (absl::Status st = CheckPointer("v", t.v); !st.ok()) return st;
+  const Shape& s = sel.problem.shape;
+  const KernelEntry& e = AllEntries()[sel.config];
+  TensorMapKeys keys;
+  keys.q = KeyFor(t.q, sel.problem.dtype, sel.layout.q, s.q_len, s.q_heads, s.batch, s.head_dim, e.block_m);
+  keys.k = KeyFor(t.k, sel.problem.dtype, sel.layout.k, s.kv_len, s.kv_heads, s.batch, s.head_dim, e.block_n);
+  keys.v = KeyFor(t.v, sel.problem.dtype, sel.layout.v, s.kv_len, s.kv_heads, s.batch, s.head_dim, e.block_n);
+  return keys;
+}
+
+absl::StatusOr<Plan> MakePlanFromMaps(const Selection& sel, const DeviceTensors& t, const CUtensorMap& q_map,
+                                      const CUtensorMap& k_map, const CUtensorMap& v_map) {
+  if (absl::Status st = CheckPointer("o", t.o); !st.ok()) return st;
+  const Problem& p = sel.problem;
+  const Shape& s = p.shape;
+  if (p.want_lse && t.lse == nullptr) return absl::InvalidArgumentError("want_lse is set but the lse pointer is null");
+  if (absl::Status st = Prepare(sel.config, p.dtype, sel.device); !st.ok()) return st;
+  const KernelEntry& e = AllEntries()[sel.config];
+  Plan plan;
+  plan.config = sel.config;
+  plan.device = sel.device;
+  plan.dtype = p.dtype;
+  plan.q_map = q_map;
+  plan.k_map = k_map;
+  plan.v_map = v_map;
+  LaunchParams& lp = plan.params;
+  lp.o = t.o;
+  lp.lse = p.want_lse ? t.lse : nullptr;
+  lp.o_stride_b = sel.layout.o.batch;
+  lp.o_stride_s = sel.layout.o.seq;
+  lp.o_stride_h = sel.layout.o.head;
+  lp.q_len = static_cast<int>(s.q_len);
+  lp.kv_len = static_cast<int>(s.kv_len);
+  lp.q_heads = static_cast<int>(s.q_heads);
+  lp.kv_heads = static_cast<int>(s.kv_heads);
+  lp.group = static_cast<int>(s.q_heads / s.kv_heads);
+  lp.causal = p.mask == Mask::kNone ? 0 : 1;
+  lp.causal_offset = p.mask == Mask::kCausalBottomRight ? static_cast<int>(s.kv_len - s.q_len) : 0;
+  lp.num_q_tiles = static_cast<int>((s.q_len + e.block_m - 1) / e.block_m);
+  lp.scale_log2 = static_cast<float>(static_cast<double>(p.scale) * 1.4426950408889634);
+  plan.grid[0] = static_cast<unsigned>(lp.num_q_tiles);
+  plan.grid[1] = static_cast<unsigned>(s.q_heads);
+  plan.grid[2] = static_cast<unsigned>(s.batch);
+  return plan;
+}
+
+absl::StatusOr<Plan> MakePlan(const Problem& problem, const Layout& layout, const DeviceTensors& tensors,
+                              const PlanOptions& options) {
+  absl::StatusOr<Selection> sel = Select(problem, layout, options);
+  if (!sel.ok()) return sel.status();
+  absl::StatusOr<TensorMapKeys> keys = MapKeys(*sel, tensors);
+  if (!keys.ok()) return keys.status();
+  absl::StatusOr<CUtensorMap> q = EncodeTensorMap(keys->q);
+  if (!q.ok()) return absl::Status(q.status().code(), absl::StrCat("q: ", q.status().message()));
+  absl::StatusOr<CUtensorMap> k = EncodeTensorMap(keys->k);
+  if (!k.ok()) return absl::Status(k.status().code(), absl::StrCat("k: ", k.status().message()));
+  absl::StatusOr<CUtensorMap> v = EncodeTensorMap(keys->v);
+  if (!v.ok()) return absl::Status(v.status().code(), absl::StrCat("v: ", v.status().message()));
+  return MakePlanFromMaps(*sel, tensors, *q, *k, *v);
+}
+
+absl::Status Launch(const Plan& plan, cudaStream_t stream) {
+  const KernelEntry& e = AllEntries()[plan.config];
+  const cudaError_t err = e.launch[plan.dtype == DType::kBF16 ? 0 : 1](plan, stream);
+  if (err != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("launch of ", e.name, ": ", cudaGetErrorString(err)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attnd::kernels

@@ -1,0 +1,212 @@
+// The seed-design forward kernel, composed of the load (TMA), compute (mma.sync), softmax and epilogue
+// roles. One block computes block_m query rows of one (batch, head); each warp owns 16 of them.
+//
+//   S = Q K^T          Q from registers (or shared memory at d=256), K from a swizzled stage via ldmatrix
+//   P = softmax(S)     online, exp2 domain, lazy rescale (softmax.cuh); masked only on tiles that need it
+//   O += P V           P reused in registers as the A operand; V via ldmatrix.trans
+//
+// Pipeline: thread 0 issues TMA copies; K and V of a stage complete on separate barriers so QK^T starts while
+// V is in flight. Tile j + stages - 1 is issued at the start of step j into the stage tile j - 1 used, once
+// every thread has arrived on that stage's empty barrier.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "attnd/kernels/attention.h"
+#include "epilogue.cuh"
+#include "load_tma_sm90.cuh"
+#include "mma_sm80.cuh"
+#include "softmax.cuh"
+
+namespace attnd::kernels::seed {
+
+template <typename Tile, typename Elem>
+__global__ void __launch_bounds__(Tile::kThreads)
+    SeedFwdKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                  const __grid_constant__ CUtensorMap v_map, const LaunchParams p) {
+  constexpr int D = Tile::kHeadDim, BM = Tile::kBlockM, BN = Tile::kBlockN, S = Tile::kStages;
+  constexpr int kPanels = Tile::kPanels;
+  constexpr int kQPanelBytes = BM * 128, kKVPanelBytes = BN * 128;
+  constexpr int kKTiles = D / 16;   // k-steps of QK^T
+  constexpr int kNTiles = BN / 8;   // 8-column tiles of S
+  constexpr int kDTiles = D / 8;    // 8-column tiles of O
+
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* q_s = smem;
+  uint8_t* k_s = q_s + Tile::kQBytes;             // stage st at k_s + st * kKVTileBytes
+  uint8_t* v_s = k_s + S * Tile::kKVTileBytes;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(v_s + S * Tile::kKVTileBytes);
+  uint64_t* q_full = bars;
+  uint64_t* k_full = bars + 1;
+  uint64_t* v_full = bars + 1 + S;
+  uint64_t* kv_empty = bars + 1 + 2 * S;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // Heaviest causal tiles first, so the short ones fill the tail of the grid.
+  const int q_tile = p.num_q_tiles - 1 - static_cast<int>(blockIdx.x);
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int kv_head = head / p.group;
+  const int q0 = q_tile * BM;
+
+  // Key range: tiles [0, n_full) are visible to every row of the block and need no mask; tiles
+  // [n_full, n_tiles) hold the diagonal and/or the kv_len tail and are masked element-wise.
+  int kv_end = p.kv_len;
+  int n_full = p.kv_len / BN;
+  if (p.causal) {
+    const int last_row = min(q0 + BM, p.q_len) - 1;
+    const int64_t end = static_cast<int64_t>(last_row) + p.causal_offset + 1;
+    kv_end = static_cast<int>(end < 0 ? 0 : (end > p.kv_len ? p.kv_len : end));
+    const int64_t first = static_cast<int64_t>(q0) + p.causal_offset + 1;  // keys < first: all rows see them
+    n_full = min(n_full, static_cast<int>(first < 0 ? 0 : (first > p.kv_len ? p.kv_len : first)) / BN);
+  }
+  const int n_tiles = (kv_end + BN - 1) / BN;
+  n_full = min(n_full, n_tiles);
+
+  auto issue_kv = [&](int tile) {
+    const int st = tile % S;
+    MbarArriveExpectTx(&k_full[st], Tile::kKVTileBytes);
+#pragma unroll
+    for (int pn = 0; pn < kPanels; ++pn)
+      TmaLoad4d(k_s + st * Tile::kKVTileBytes + pn * kKVPanelBytes, &k_map, &k_full[st], pn * 64, kv_head,
+                tile * BN, batch);
+    MbarArriveExpectTx(&v_full[st], Tile::kKVTileBytes);
+#pragma unroll
+    for (int pn = 0; pn < kPanels; ++pn)
+      TmaLoad4d(v_s + st * Tile::kKVTileBytes + pn * kKVPanelBytes, &v_map, &v_full[st], pn * 64, kv_head,
+                tile * BN, batch);
+  };
+
+  if (tid == 0) {
+    PrefetchTensorMap(&q_map);
+    PrefetchTensorMap(&k_map);
+    PrefetchTensorMap(&v_map);
+    MbarInit(q_full, 1);
+#pragma unroll
+    for (int st = 0; st < S; ++st) {
+      MbarInit(&k_full[st], 1);
+      MbarInit(&v_full[st], 1);
+      MbarInit(&kv_empty[st], Tile::kThreads);
+    }
+    FenceBarrierInit();
+  }
+  __syncthreads();
+  if (tid == 0) {
+    MbarArriveExpectTx(q_full, Tile::kQBytes);
+#pragma unroll
+    for (int pn = 0; pn < kPanels; ++pn) TmaLoad4d(q_s + pn * kQPanelBytes, &q_map, q_full, pn * 64, head, q0, batch);
+    for (int tile = 0; tile < S - 1 && tile < n_tiles; ++tile) issue_kv(tile);
+  }
+  __syncwarp();
+
+  // Per-lane ldmatrix offsets. A 16x16 operand is four 8x8 matrices; lane l supplies one row address.
+  // Q (A operand, rows x d): matrices (rows 0-7 | 8-15) x (d 0-7 | 8-15), row = l % 16, d-chunk = l / 16.
+  const int q_row = warp * 16 + (lane & 15);
+  const int q_chunk = lane >> 4;
+  // K (B operand of QK^T, non-transposed): key = l % 8 + 8 * (l / 16), d-chunk = (l / 8) % 2.
+  const int k_row = (lane & 7) + ((lane >> 4) << 3);
+  const int k_chunk = (lane >> 3) & 1;
+  // V (B operand of PV, transposed): key = l % 8 + 8 * ((l / 8) % 2), d-chunk = l / 16.
+  const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3);
+  const int v_chunk = lane >> 4;
+  const uint32_t q_base = SmemAddr(q_s);
+
+  auto q_frag_addr = [&](int kk) {
+    const int chunk = kk * 2 + q_chunk;
+    return q_base + (chunk / 8) * kQPanelBytes + Swizzle128(q_row, chunk % 8);
+  };
+
+  MbarWait(q_full, 0);
+  uint32_t q_frag[Tile::kQInRegs ? kKTiles : 1][4];
+  if constexpr (Tile::kQInRegs) {
+#pragma unroll
+    for (int kk = 0; kk < kKTiles; ++kk) LdMatrixX4(q_frag[kk], q_frag_addr(kk));
+  }
+
+  float acc_o[kDTiles][4];
+#pragma unroll
+  for (int d = 0; d < kDTiles; ++d) acc_o[d][0] = acc_o[d][1] = acc_o[d][2] = acc_o[d][3] = 0.f;
+  OnlineSoftmax<kNTiles> softmax;
+  softmax.Init();
+
+  const int g = lane >> 2;
+  // Last key each of this thread's two rows may see.
+  auto row_limit = [&](int row) {
+    if (!p.causal) return p.kv_len - 1;
+    const int64_t lim = static_cast<int64_t>(row) + p.causal_offset;
+    return static_cast<int>(lim < -1 ? -1 : (lim > p.kv_len - 1 ? p.kv_len - 1 : lim));
+  };
+  const int limit0 = row_limit(q0 + warp * 16 + g);
+  const int limit1 = row_limit(q0 + warp * 16 + g + 8);
+
+  auto step = [&](int j, auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
+    const int st = j % S;
+    const uint32_t parity = (j / S) & 1;
+    if (tid == 0 && j + S - 1 < n_tiles) {
+      const int tile = j + S - 1;
+      if (tile >= S) MbarWait(&kv_empty[tile % S], ((tile / S) - 1) & 1);  // tile - S has left the stage
+      issue_kv(tile);
+    }
+    __syncwarp();
+
+    // S = Q K^T
+    float s[kNTiles][4];
+#pragma unroll
+    for (int i = 0; i < kNTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    const uint32_t k_base = SmemAddr(k_s + st * Tile::kKVTileBytes);
+    MbarWait(&k_full[st], parity);
+#pragma unroll
+    for (int kk = 0; kk < kKTiles; ++kk) {
+      uint32_t a[4];
+      if constexpr (Tile::kQInRegs) {
+        a[0] = q_frag[kk][0], a[1] = q_frag[kk][1], a[2] = q_frag[kk][2], a[3] = q_frag[kk][3];
+      } else {
+        LdMatrixX4(a, q_frag_addr(kk));
+      }
+      const int chunk = kk * 2 + k_chunk;
+#pragma unroll
+      for (int nn = 0; nn < BN / 16; ++nn) {
+        uint32_t b[4];
+        LdMatrixX4(b, k_base + (chunk / 8) * kKVPanelBytes + Swizzle128(nn * 16 + k_row, chunk % 8));
+        ElemTraits<Elem>::Mma(s[2 * nn], a, b[0], b[1]);
+        ElemTraits<Elem>::Mma(s[2 * nn + 1], a, b[2], b[3]);
+      }
+    }
+
+    // P = exp2(S * scale_log2 - m), O rescaled when m moves
+    softmax.template Step<kMasked>(s, acc_o, p.scale_log2, j * BN, limit0, limit1);
+
+    // O += P V
+    const uint32_t v_base = SmemAddr(v_s + st * Tile::kKVTileBytes);
+    MbarWait(&v_full[st], parity);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      // The S accumulators of columns 16kk..16kk+15 are, register for register, the A fragment of P.
+      const uint32_t a[4] = {ElemTraits<Elem>::Pack(s[2 * kk][0], s[2 * kk][1]),
+                             ElemTraits<Elem>::Pack(s[2 * kk][2], s[2 * kk][3]),
+                             ElemTraits<Elem>::Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             ElemTraits<Elem>::Pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int dd = 0; dd < D / 16; ++dd) {
+        const int chunk = dd * 2 + v_chunk;
+        uint32_t b[4];
+        LdMatrixX4Trans(b, v_base + (chunk / 8) * kKVPanelBytes + Swizzle128(kk * 16 + v_row, chunk % 8));
+        ElemTraits<Elem>::Mma(acc_o[2 * dd], a, b[0], b[1]);
+        ElemTraits<Elem>::Mma(acc_o[2 * dd + 1], a, b[2], b[3]);
+      }
+    }
+    MbarArrive(&kv_empty[st]);  // this thread's reads of the stage are done (arrive has release semantics)
+  };
+
+  int j = 0;
+  for (; j < n_full; ++j) step(j, std::false_type{});
+  for (; j < n_tiles; ++j) step(j, std::true_type{});
+
+  StoreOutput<Tile, Elem>(p, acc_o, softmax, q_s, warp, lane, q0, batch, head);
+}
+
+}  // namespace attnd::kernels::seed

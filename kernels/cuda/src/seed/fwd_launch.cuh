@@ -1,0 +1,43 @@
+// Launch role: one launcher and one attribute setter per (tile shape, element type), gathered into the
+// registry entries that fwd_*.cu instantiate.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "config_registry.h"
+#include "fwd_kernel.cuh"
+
+namespace attnd::kernels::seed {
+
+template <typename Tile, typename Elem>
+cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
+  const dim3 grid(plan.grid[0], plan.grid[1], plan.grid[2]);
+  SeedFwdKernel<Tile, Elem><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(plan.q_map, plan.k_map,
+                                                                                plan.v_map, plan.params);
+  return cudaGetLastError();
+}
+
+template <typename Tile, typename Elem>
+cudaError_t PrepareFwd() {
+  return cudaFuncSetAttribute(SeedFwdKernel<Tile, Elem>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(Tile::kSmemBytes));
+}
+
+template <typename Tile>
+constexpr KernelEntry Entry(const char* name) {
+  return KernelEntry{name,
+                     Family::kSeed,
+                     Tile::kHeadDim,
+                     Tile::kBlockM,
+                     Tile::kBlockN,
+                     Tile::kStages,
+                     Tile::kThreads,
+                     Tile::kSmemBytes,
+                     Tile::kSm120,
+                     {&LaunchFwd<Tile, __nv_bfloat16>, &LaunchFwd<Tile, __half>},
+                     {&PrepareFwd<Tile, __nv_bfloat16>, &PrepareFwd<Tile, __half>}};
+}
+
+}  // namespace attnd::kernels::seed

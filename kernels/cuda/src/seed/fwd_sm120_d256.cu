@@ -1,0 +1,15 @@
+// Instantiates the seed kernel for the sm120-budget head_dim 256 tile shapes (tile_size.h).
+// Compiled for sm_90a and sm_120a.
+#include "fwd_launch.cuh"
+#include "tile_size.h"
+
+namespace attnd::kernels::seed {
+
+EntryList Sm120D256Entries() {
+  static const KernelEntry kEntries[] = {
+      Entry<SeedSm120D256>("seed_sm120_d256_m64n64s1"),
+  };
+  return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
+}
+
+}  // namespace attnd::kernels::seed

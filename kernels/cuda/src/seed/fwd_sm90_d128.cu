@@ -1,0 +1,17 @@
+// Instantiates the seed kernel for the sm90-budget head_dim 128 tile shapes (tile_size.h).
+// Compiled for sm_90a only.
+#include "fwd_launch.cuh"
+#include "tile_size.h"
+
+namespace attnd::kernels::seed {
+
+EntryList Sm90D128Entries() {
+  static const KernelEntry kEntries[] = {
+      Entry<SeedSm90D128M64S2>("seed_sm90_d128_m64n64s2"),
+      Entry<SeedSm90D128M64S3>("seed_sm90_d128_m64n64s3"),
+      Entry<SeedSm90D128M128S2>("seed_sm90_d128_m128n64s2"),
+  };
+  return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
+}
+
+}  // namespace attnd::kernels::seed

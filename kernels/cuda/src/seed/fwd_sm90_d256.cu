@@ -1,0 +1,16 @@
+// Instantiates the seed kernel for the sm90-budget head_dim 256 tile shapes (tile_size.h).
+// Compiled for sm_90a only.
+#include "fwd_launch.cuh"
+#include "tile_size.h"
+
+namespace attnd::kernels::seed {
+
+EntryList Sm90D256Entries() {
+  static const KernelEntry kEntries[] = {
+      Entry<SeedSm90D256M64S2>("seed_sm90_d256_m64n64s2"),
+      Entry<SeedSm90D256M64N32S2>("seed_sm90_d256_m64n32s2"),
+  };
+  return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
+}
+
+}  // namespace attnd::kernels::seed

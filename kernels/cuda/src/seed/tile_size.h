@@ -1,0 +1,53 @@
+// Tile shapes of the seed family, chosen in one place. Each shape is one configuration; the *_sm120 ones fit
+// the 99 KB of shared memory a block may have on sm_120 and are compiled for sm_120a as well as sm_90a, the
+// *_sm90 ones use Hopper's 227 KB and are compiled for sm_90a only.
+#pragma once
+
+#include <cstddef>
+
+namespace attnd::kernels::seed {
+
+// kHeadDim: the whole head_dim is one tile (online softmax needs full dot products).
+// kBlockM: query rows per block; each warp owns 16 rows, so kBlockM / 16 warps.
+// kBlockN: key rows per K/V stage. kStages: K/V pipeline depth (1 = the seed's single buffer).
+// kQInRegs: Q fragments live in registers for the whole KV loop (64 registers at d=256 do not fit).
+template <int HeadDim, int BlockM, int BlockN, int Stages, bool Sm120>
+struct TileShape {
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kBlockM = BlockM;
+  static constexpr int kBlockN = BlockN;
+  static constexpr int kStages = Stages;
+  static constexpr bool kSm120 = Sm120;
+  static constexpr bool kQInRegs = HeadDim <= 128;
+  static constexpr int kWarps = BlockM / 16;
+  static constexpr int kThreads = kWarps * 32;
+  // head_dim is split into 64-element (128-byte) panels: the widest row TMA's 128-byte swizzle allows.
+  static constexpr int kPanels = HeadDim / 64;
+  static constexpr int kQBytes = BlockM * HeadDim * 2;
+  static constexpr int kKVTileBytes = BlockN * HeadDim * 2;  // one K or one V stage
+  static constexpr int kBarriers = 1 + 3 * Stages;           // Q full; K full, V full, K/V empty per stage
+  // +1024: the dynamic shared-memory base is re-aligned to the 1024 bytes the 128-byte swizzle pattern needs.
+  static constexpr size_t kSmemBytes = 1024 + kQBytes + 2 * Stages * kKVTileBytes + 8 * kBarriers;
+
+  static_assert(HeadDim % 64 == 0, "head_dim must be a multiple of the 64-element panel");
+  static_assert(BlockM % 16 == 0 && BlockN % 16 == 0, "tiles are made of 16x16 mma steps");
+  static_assert(BlockM <= 256 && BlockN <= 256, "one TMA box spans at most 256 rows");
+  static_assert(!Sm120 || kSmemBytes <= 101376, "an sm_120 configuration must fit 99 KB per block");
+  static_assert(kSmemBytes <= 232448, "Hopper allows 227 KB per block");
+};
+
+// The configurations that are compiled. Names: seed_<budget>_d<head_dim>_m<BlockM>n<BlockN>s<Stages>.
+// Sm120 budget (also run and tested on the H200):
+using SeedSm120D64 = TileShape<64, 64, 64, 2, true>;
+using SeedSm120D128 = TileShape<128, 64, 64, 1, true>;  // the seed's own 48 KB shape
+using SeedSm120D256 = TileShape<256, 64, 64, 1, true>;
+// Hopper budget (candidates timed on the H200; Select() names the tuned one per head_dim):
+using SeedSm90D64M64S3 = TileShape<64, 64, 64, 3, false>;
+using SeedSm90D64M128S2 = TileShape<64, 128, 64, 2, false>;
+using SeedSm90D128M64S2 = TileShape<128, 64, 64, 2, false>;
+using SeedSm90D128M64S3 = TileShape<128, 64, 64, 3, false>;
+using SeedSm90D128M128S2 = TileShape<128, 128, 64, 2, false>;
+using SeedSm90D256M64S2 = TileShape<256, 64, 64, 2, false>;
+using SeedSm90D256M64N32S2 = TileShape<256, 64, 32, 2, false>;
+
+}  // namespace attnd::kernels::seed

@@ -1,0 +1,460 @@
+// GPU tests of attnd::kernels, parameterised over every compiled configuration (so another kernel family
+// is covered by adding its configurations), against the double-precision CPU reference.
+//
+// Each case: random inputs (never zeros), O and LSE poisoned with NaN before the launch, then
+//   max|O - O_f64| <= kTolFactor * max|O_bf16ref - O_f64| + kAtol
+// where O_bf16ref is the plain reference (fp32 math, O rounded once to the element type), no NaN anywhere
+// (so every element was written), rows that see no key exactly 0 with LSE -inf, and LSE close to the f64 one.
+// Without a GPU (CI) the GPU tests skip; the validation tests run everywhere.
+// ATTND_GPU_TEST_SMALL=1 keeps only small shapes (for compute-sanitizer).
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnd/half.h"
+#include "attnd/kernels/attention.h"
+#include "attnd/problem.h"
+#include "attnd/reference.h"
+
+namespace attnd::kernels {
+namespace {
+
+constexpr double kTolFactor = 3.0;
+constexpr double kAtol = 1e-3;
+constexpr double kLseAtol = 1e-3;
+
+bool HaveGpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+bool SmallOnly() {
+  const char* v = std::getenv("ATTND_GPU_TEST_SMALL");
+  return v != nullptr && std::string(v) == "1";
+}
+
+#define CUDA_OK(expr)                                                      \
+  do {                                                                     \
+    const cudaError_t err_ = (expr);                                       \
+    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
+  } while (0)
+
+enum class Storage {
+  kContiguous,  // [B, S, H, D] each
+  kPackedQkv,   // one [B, S, 3, H, D] buffer; O as a [B, H, S, D] tensor (torch's transposed view)
+  kBhsd,        // Q/K/V stored [B, H, S, D] (strided [B, S, H, D] views); O with padded heads (D + 8)
+};
+
+struct Case {
+  std::string name;
+  Shape shape;
+  Mask mask = Mask::kNone;
+  DType dtype = DType::kBF16;
+  bool lse = false;
+  Storage storage = Storage::kContiguous;
+  double q_gain = 1.0;   // > 1 sharpens the softmax
+  bool key_ramp = false;  // key norms grow along the sequence: the running max keeps moving (lazy rescale)
+  float scale = 0;        // 0: 1/sqrt(head_dim)
+  uint32_t seed = 1;
+};
+
+std::string Name(const Case& c) { return c.name; }
+
+std::vector<Case> CasesFor(int64_t d) {
+  std::vector<Case> out;
+  uint32_t seed = static_cast<uint32_t>(d) * 1000;
+  auto add = [&](std::string name, int64_t b, int64_t q, int64_t kv, int64_t hq, int64_t hkv, Mask m, bool lse,
+                 Storage st = Storage::kContiguous) {
+    Case c;
+    c.name = "d" + std::to_string(d) + "_" + name;
+    c.shape = Shape{b, q, kv, hq, hkv, d};
+    c.mask = m;
+    c.lse = lse;
+    c.storage = st;
+    c.seed = ++seed;
+    out.push_back(c);
+    return &out.back();
+  };
+  const Mask masks[] = {Mask::kNone, Mask::kCausalTopLeft, Mask::kCausalBottomRight};
+  const char* mask_names[] = {"none", "tl", "br"};
+  const int64_t lens[] = {1, 17, 63, 65, 127, 129, 1000};
+  for (int mi = 0; mi < 3; ++mi) {
+    int i = 0;
+    for (int64_t n : lens) {
+      add("sq" + std::to_string(n) + "_" + mask_names[mi], 1, n, n, 2, 2, masks[mi], (i++ + mi) % 2 == 0);
+    }
+    const int64_t pairs[][2] = {{1, 1000}, {17, 129}, {65, 63}, {129, 17}, {1000, 65}, {63, 4097}};
+    for (const auto& pq : pairs) {
+      add("q" + std::to_string(pq[0]) + "kv" + std::to_string(pq[1]) + "_" + mask_names[mi], 1, pq[0], pq[1], 2, 2,
+          masks[mi], true);
+    }
+  }
+  add("b3_gqa8to2_tl", 3, 127, 127, 8, 2, Mask::kCausalTopLeft, true);
+  add("b2_gqa8to2_none", 2, 65, 200, 8, 2, Mask::kNone, false);
+  add("b2_mqa4to1_br", 2, 200, 300, 4, 1, Mask::kCausalBottomRight, true);
+  add("packed_qkv_tl", 2, 129, 129, 3, 3, Mask::kCausalTopLeft, true, Storage::kPackedQkv);
+  add("bhsd_none", 2, 100, 257, 4, 2, Mask::kNone, true, Storage::kBhsd);
+  add("bhsd_br", 1, 300, 77, 2, 1, Mask::kCausalBottomRight, true, Storage::kBhsd);
+  add("long4097_tl", 1, 4097, 4097, 1, 1, Mask::kCausalTopLeft, true);
+  add("long4097_none", 1, 4097, 4097, 1, 1, Mask::kNone, false);
+  add("sharp_none", 1, 1000, 1000, 2, 1, Mask::kNone, true)->q_gain = 4.0;
+  Case* ramp = add("ramp_tl", 1, 1000, 1000, 2, 2, Mask::kCausalTopLeft, true);
+  ramp->key_ramp = true;
+  ramp->q_gain = 2.0;
+  add("neg_scale", 1, 65, 130, 2, 2, Mask::kNone, true)->scale = -0.2f;
+  add("zero_scale_tl", 1, 65, 65, 2, 2, Mask::kCausalTopLeft, true)->scale = 0.f;
+  add("fp16_tl", 1, 129, 129, 2, 2, Mask::kCausalTopLeft, true)->dtype = DType::kFP16;
+  add("fp16_b2_gqa_br", 2, 70, 140, 4, 2, Mask::kCausalBottomRight, true)->dtype = DType::kFP16;
+  return out;
+}
+
+struct Param {
+  std::string config;  // "" runs the default (auto) choice
+  Case c;
+};
+
+std::vector<Param> AllParams() {
+  std::vector<Param> out;
+  for (const ConfigInfo& info : Configs()) {
+    for (const Case& c : CasesFor(info.head_dim)) out.push_back({info.name, c});
+  }
+  for (int64_t d : {64, 128, 256}) {
+    for (const Case& c : CasesFor(d)) {
+      if (c.name.find("sq65_") != std::string::npos || c.name.find("gqa") != std::string::npos) {
+        out.push_back({"", c});
+      }
+    }
+  }
+  return out;
+}
+
+// Host-side tensors of one case, in their storage layout.
+struct HostData {
+  Problem problem;
+  Layout layout;
+  std::vector<uint16_t> qkv;  // packed storage, or Q, K, V back to back
+  size_t q_off = 0, k_off = 0, v_off = 0;
+  size_t o_elems = 0;
+  std::vector<double> ref_o;   // f64, contiguous [B, Sq, Hq, D]
+  std::vector<double> ref_lse;
+  double ref_err = 0;          // max |bf16/fp16 reference - f64|
+};
+
+std::shared_ptr<const HostData> Prepare(const Case& c) {
+  static std::mutex mu;
+  static std::map<std::string, std::shared_ptr<const HostData>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(c.name);
+  if (it != cache.end()) return it->second;
+
+  auto h = std::make_shared<HostData>();
+  const Shape& s = c.shape;
+  const int64_t D = s.head_dim;
+  h->problem.shape = s;
+  h->problem.dtype = c.dtype;
+  h->problem.mask = c.mask;
+  h->problem.scale = c.name.find("scale") != std::string::npos ? c.scale : DefaultScale(D);
+  h->problem.want_lse = c.lse;
+  size_t q_elems = QElems(s), kv_elems = KVElems(s);
+  switch (c.storage) {
+    case Storage::kContiguous:
+      h->layout = ContiguousLayout(s);
+      h->q_off = 0;
+      h->k_off = q_elems;
+      h->v_off = q_elems + kv_elems;
+      h->qkv.resize(q_elems + 2 * kv_elems);
+      h->o_elems = q_elems;
+      break;
+    case Storage::kPackedQkv: {
+      const int64_t H = s.q_heads;
+      const Strides st{s.q_len * 3 * H * D, 3 * H * D, D};
+      h->layout.q = h->layout.k = h->layout.v = st;
+      h->layout.o = Strides{H * s.q_len * D, D, s.q_len * D};
+      h->q_off = 0;
+      h->k_off = H * D;
+      h->v_off = 2 * H * D;
+      h->qkv.resize(3 * q_elems);
+      h->o_elems = q_elems;
+      break;
+    }
+    case Storage::kBhsd:
+      h->layout.q = Strides{s.q_heads * s.q_len * D, D, s.q_len * D};
+      h->layout.k = h->layout.v = Strides{s.kv_heads * s.kv_len * D, D, s.kv_len * D};
+      h->layout.o = Strides{s.q_len * s.q_heads * (D + 8), s.q_heads * (D + 8), D + 8};
+      h->q_off = 0;
+      h->k_off = q_elems;
+      h->v_off = q_elems + kv_elems;
+      h->qkv.resize(q_elems + 2 * kv_elems);
+      h->o_elems = s.batch * s.q_len * s.q_heads * (D + 8);
+      break;
+  }
+  // Fill every storage element (padding too) with N(0,1)-like values; K rows may be ramped, Q sharpened.
+  std::mt19937 rng(c.seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (auto& x : h->qkv) x = FloatToHalf(c.dtype, normal(rng));
+  auto scale_tensor = [&](size_t off, const Strides& st, int64_t len, int64_t heads, auto gain_of_row) {
+    for (int64_t b = 0; b < s.batch; ++b)
+      for (int64_t r = 0; r < len; ++r)
+        for (int64_t hh = 0; hh < heads; ++hh) {
+          uint16_t* row = &h->qkv[off + b * st.batch + r * st.seq + hh * st.head];
+          const float gain = gain_of_row(r);
+          for (int64_t x = 0; x < D; ++x) row[x] = FloatToHalf(c.dtype, HalfToFloat(c.dtype, row[x]) * gain);
+        }
+  };
+  if (c.q_gain != 1.0) scale_tensor(h->q_off, h->layout.q, s.q_len, s.q_heads, [&](int64_t) { return float(c.q_gain); });
+  if (c.key_ramp) {
+    scale_tensor(h->k_off, h->layout.k, s.kv_len, s.kv_heads,
+                 [&](int64_t r) { return 0.25f + 3.0f * static_cast<float>(r) / static_cast<float>(s.kv_len); });
+  }
+
+  const uint16_t* q = &h->qkv[h->q_off];
+  const uint16_t* k = &h->qkv[h->k_off];
+  const uint16_t* v = &h->qkv[h->v_off];
+  h->ref_o.resize(q_elems);
+  h->ref_lse.resize(LseElems(s));
+  ReferenceAttentionF64(h->problem, h->layout, q, k, v, h->ref_o.data(), h->ref_lse.data());
+  // The plain reference writes O in the layout's O strides: give it a contiguous O instead.
+  Layout plain = h->layout;
+  plain.o = ContiguousStrides(s.q_len, s.q_heads, D);
+  std::vector<uint16_t> o16(q_elems);
+  std::vector<float> lse32(LseElems(s));
+  Problem p32 = h->problem;
+  p32.want_lse = true;
+  ReferenceAttention(p32, plain, q, k, v, o16.data(), lse32.data());
+  for (size_t i = 0; i < q_elems; ++i) {
+    h->ref_err = std::max(h->ref_err, std::abs(static_cast<double>(HalfToFloat(c.dtype, o16[i])) - h->ref_o[i]));
+  }
+  cache[c.name] = h;
+  return h;
+}
+
+class GpuAttentionTest : public ::testing::TestWithParam<Param> {};
+
+TEST_P(GpuAttentionTest, MatchesDoubleReference) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  const Param& param = GetParam();
+  const Case& c = param.c;
+  if (SmallOnly() && c.shape.q_len * c.shape.kv_len * c.shape.batch * c.shape.q_heads > 300000) {
+    GTEST_SKIP() << "large shape skipped (ATTND_GPU_TEST_SMALL=1)";
+  }
+  PlanOptions options;
+  options.config = param.config;
+  if (!param.config.empty()) {
+    absl::StatusOr<std::vector<ConfigInfo>> runnable = ConfigsForDevice(-1);
+    ASSERT_TRUE(runnable.ok()) << runnable.status();
+    const bool runs = std::any_of(runnable->begin(), runnable->end(),
+                                  [&](const ConfigInfo& i) { return i.name == param.config; });
+    if (!runs) GTEST_SKIP() << param.config << " does not run on this device";
+  }
+  std::shared_ptr<const HostData> h = Prepare(c);
+  const Shape& s = c.shape;
+  const int64_t D = s.head_dim;
+
+  uint16_t* d_qkv = nullptr;
+  uint16_t* d_o = nullptr;
+  float* d_lse = nullptr;
+  CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&d_qkv), h->qkv.size() * 2));
+  CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&d_o), h->o_elems * 2));
+  CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&d_lse), LseElems(s) * 4));
+  std::unique_ptr<void, void (*)(void*)> free_qkv(d_qkv, [](void* p) { cudaFree(p); });
+  std::unique_ptr<void, void (*)(void*)> free_o(d_o, [](void* p) { cudaFree(p); });
+  std::unique_ptr<void, void (*)(void*)> free_lse(d_lse, [](void* p) { cudaFree(p); });
+  CUDA_OK(cudaMemcpy(d_qkv, h->qkv.data(), h->qkv.size() * 2, cudaMemcpyHostToDevice));
+  // Poison: 0xFFFF is a NaN in bf16 and fp16, 0xFFFFFFFF a NaN in fp32.
+  CUDA_OK(cudaMemset(d_o, 0xFF, h->o_elems * 2));
+  CUDA_OK(cudaMemset(d_lse, 0xFF, LseElems(s) * 4));
+
+  DeviceTensors t{d_qkv + h->q_off, d_qkv + h->k_off, d_qkv + h->v_off, d_o, c.lse ? d_lse : nullptr};
+  absl::StatusOr<Plan> plan;
+  if (param.config.empty()) {
+    plan = MakePlan(h->problem, h->layout, t, options);  // the one-call path
+  } else {
+    // The cached-map path a server takes: select, key, encode, assemble.
+    absl::StatusOr<Selection> sel = Select(h->problem, h->layout, options);
+    ASSERT_TRUE(sel.ok()) << sel.status();
+    absl::StatusOr<TensorMapKeys> keys = MapKeys(*sel, t);
+    ASSERT_TRUE(keys.ok()) << keys.status();
+    absl::StatusOr<CUtensorMap> qm = EncodeTensorMap(keys->q), km = EncodeTensorMap(keys->k),
+                                vm = EncodeTensorMap(keys->v);
+    ASSERT_TRUE(qm.ok() && km.ok() && vm.ok()) << qm.status() << km.status() << vm.status();
+    plan = MakePlanFromMaps(*sel, t, *qm, *km, *vm);
+  }
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  if (!param.config.empty()) {
+    EXPECT_EQ(plan->info().name, param.config);
+  }
+  absl::Status launched = Launch(*plan, nullptr);
+  ASSERT_TRUE(launched.ok()) << launched;
+  CUDA_OK(cudaDeviceSynchronize());
+
+  std::vector<uint16_t> o(h->o_elems);
+  std::vector<float> lse(LseElems(s));
+  CUDA_OK(cudaMemcpy(o.data(), d_o, o.size() * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(lse.data(), d_lse, lse.size() * 4, cudaMemcpyDeviceToHost));
+
+  double max_err = 0, max_lse_err = 0;
+  int64_t nan_count = 0, empty_row_errors = 0;
+  const Strides& os = h->layout.o;
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t i = 0; i < s.q_len; ++i) {
+      const bool empty_row = LastVisibleKey(c.mask, s.q_len, s.kv_len, i) < 0;
+      for (int64_t hh = 0; hh < s.q_heads; ++hh) {
+        const uint16_t* row = &o[b * os.batch + i * os.seq + hh * os.head];
+        const double* ref = &h->ref_o[((b * s.q_len + i) * s.q_heads + hh) * D];
+        for (int64_t x = 0; x < D; ++x) {
+          const double got = HalfToFloat(c.dtype, row[x]);
+          if (!std::isfinite(got)) {
+            ++nan_count;
+            continue;
+          }
+          if (empty_row && got != 0.0) ++empty_row_errors;
+          max_err = std::max(max_err, std::abs(got - ref[x]));
+        }
+        if (c.lse) {
+          const int64_t li = (b * s.q_heads + hh) * s.q_len + i;
+          const double want = h->ref_lse[li];
+          if (empty_row || std::isinf(want)) {
+            if (!(std::isinf(lse[li]) && lse[li] < 0)) ++empty_row_errors;
+          } else if (!std::isfinite(lse[li])) {
+            ++nan_count;
+          } else {
+            max_lse_err = std::max(max_lse_err, std::abs(lse[li] - want) / std::max(1.0, std::abs(want)));
+          }
+        }
+      }
+    }
+  const double tol = kTolFactor * h->ref_err + kAtol;
+  EXPECT_EQ(nan_count, 0) << "unwritten (poisoned) or non-finite outputs";
+  EXPECT_EQ(empty_row_errors, 0) << "rows that see no key must be 0 with LSE -inf";
+  EXPECT_LE(max_err, tol) << "max |O - O_f64| = " << max_err << ", plain reference error " << h->ref_err;
+  EXPECT_LE(max_lse_err, kLseAtol) << "LSE error";
+  RecordProperty("max_err", std::to_string(max_err));
+  RecordProperty("ref_err", std::to_string(h->ref_err));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllConfigs, GpuAttentionTest, ::testing::ValuesIn(AllParams()),
+                         [](const ::testing::TestParamInfo<Param>& info) {
+                           return (info.param.config.empty() ? std::string("auto") : info.param.config) + "_" +
+                                  Name(info.param.c);
+                         });
+
+// --- Host API behaviour (no GPU needed for validation) ---
+
+Problem Valid() {
+  Problem p;
+  p.shape = Shape{1, 128, 128, 4, 2, 128};
+  p.scale = DefaultScale(128);
+  return p;
+}
+
+void ExpectInvalid(const Problem& p, const Layout& l, const std::string& field) {
+  absl::StatusOr<Selection> sel = Select(p, l);
+  ASSERT_FALSE(sel.ok());
+  EXPECT_EQ(sel.status().code(), absl::StatusCode::kInvalidArgument) << sel.status();
+  EXPECT_NE(sel.status().message().find(field), std::string::npos) << sel.status();
+}
+
+TEST(KernelApi, RejectsBadProblemsNamingTheField) {
+  Problem p = Valid();
+  p.shape.head_dim = 96;
+  ExpectInvalid(p, ContiguousLayout(p.shape), "shape.head_dim");
+  p = Valid();
+  p.shape.q_heads = 5;
+  ExpectInvalid(p, ContiguousLayout(p.shape), "shape.kv_heads");
+  p = Valid();
+  p.shape.q_len = 0;
+  ExpectInvalid(p, ContiguousLayout(p.shape), "shape.q_len");
+  p = Valid();
+  p.shape.batch = -1;
+  ExpectInvalid(p, ContiguousLayout(p.shape), "shape.batch");
+  p = Valid();
+  p.scale = std::numeric_limits<float>::quiet_NaN();
+  ExpectInvalid(p, ContiguousLayout(p.shape), "scale");
+  p = Valid();
+  Layout l = ContiguousLayout(p.shape);
+  l.k.seq = 260;  // not a multiple of 8 elements
+  ExpectInvalid(p, l, "layout.k.seq");
+  l = ContiguousLayout(p.shape);
+  l.o.head = 0;
+  ExpectInvalid(p, l, "layout.o.head");
+}
+
+TEST(KernelApi, ConfigTableIsConsistent) {
+  ASSERT_FALSE(Configs().empty());
+  for (const ConfigInfo& c : Configs()) {
+    EXPECT_TRUE(c.head_dim == 64 || c.head_dim == 128 || c.head_dim == 256) << c.name;
+    if (c.family == Family::kHopper) {
+      EXPECT_EQ(c.threads, 128 + 128 * c.block_m / 64) << c.name;  // producer + one consumer warpgroup per 64 rows
+    } else {
+      EXPECT_EQ(c.threads, c.block_m / 16 * 32) << c.name;
+    }
+    if (c.sm120) {
+      EXPECT_LE(c.smem_bytes, 99u * 1024) << c.name;
+    }
+  }
+  for (int64_t d : {64, 128, 256}) {
+    bool has_sm120 = false;
+    for (const ConfigInfo& c : Configs()) has_sm120 |= c.head_dim == d && c.sm120;
+    EXPECT_TRUE(has_sm120) << "head_dim " << d << " needs a configuration that fits sm_120";
+  }
+}
+
+TEST(KernelApi, TensorMapKeyEqualityAndHash) {
+  TensorMapKey a;
+  a.address = 0x1000;
+  a.dims[0] = 128;
+  TensorMapKey b = a;
+  EXPECT_TRUE(a == b);
+  EXPECT_EQ(a.Hash(), b.Hash());
+  b.strides_bytes[1] = 16;
+  EXPECT_FALSE(a == b);
+}
+
+TEST(KernelApi, WithoutGpuReportsUnavailable) {
+  if (HaveGpu()) GTEST_SKIP() << "a GPU is present";
+  absl::Status st = CheckDevice(-1);
+  EXPECT_FALSE(st.ok());
+  Problem p = Valid();
+  EXPECT_FALSE(Select(p, ContiguousLayout(p.shape)).ok());
+}
+
+TEST(KernelApi, DeviceChecksAndFamilies) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(CheckDevice(-1).ok()) << CheckDevice(-1);
+  Problem p = Valid();
+  PlanOptions hopper;
+  hopper.family = Family::kHopper;
+  absl::StatusOr<Selection> sel = Select(p, ContiguousLayout(p.shape), hopper);
+  ASSERT_FALSE(sel.ok());
+  EXPECT_EQ(sel.status().code(), absl::StatusCode::kUnimplemented);
+  PlanOptions unknown;
+  unknown.config = "no_such_config";
+  EXPECT_EQ(Select(p, ContiguousLayout(p.shape), unknown).status().code(), absl::StatusCode::kInvalidArgument);
+  PlanOptions wrong_dim;
+  wrong_dim.config = "seed_sm120_d64_m64n64s2";
+  EXPECT_EQ(Select(p, ContiguousLayout(p.shape), wrong_dim).status().code(), absl::StatusCode::kInvalidArgument);
+  PlanOptions seed;
+  seed.family = Family::kSeed;
+  EXPECT_TRUE(Select(p, ContiguousLayout(p.shape), seed).ok());
+  // Misaligned pointer and missing LSE are refused at planning time.
+  absl::StatusOr<Selection> ok = Select(p, ContiguousLayout(p.shape));
+  ASSERT_TRUE(ok.ok());
+  DeviceTensors bad{reinterpret_cast<const void*>(0x1002), reinterpret_cast<const void*>(0x2000),
+                    reinterpret_cast<const void*>(0x3000), reinterpret_cast<void*>(0x4000), nullptr};
+  EXPECT_EQ(MapKeys(*ok, bad).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace attnd::kernels
