@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Times attnd's kernels (through libattnd_kernels_c.so) against torch SDPA's CUDNN_ATTENTION and
+FLASH_ATTENTION backends on the same inputs, in one process, and prints a table.
+
+Rows follow FlashAttention-3's convention (batch x seq = 16k tokens, hidden 2048, heads = 2048 / head_dim)
+plus GQA rows. All tensors are stored [batch, seq, heads, head_dim] (attnd's layout); SDPA gets transposed
+views of the same storage. Inputs are random normal (never zeros); attnd's output is checked against cuDNN's
+on every row (max abs difference) before it is timed. Timing: triton.testing.do_bench (CUDA events, L2
+flushed between runs), median.
+
+  python3 hopper_bench.py --lib path/libattnd_kernels_c.so --configs hopper,seed [--quick] [--json out.json]
+"""
+import argparse
+import ctypes
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+import triton.testing
+
+
+class Attnd:
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(path)
+        L = self.lib
+        L.attnd_kernels_plan_create.restype = ctypes.c_int
+        L.attnd_kernels_plan_create.argtypes = [
+            ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.c_int, ctypes.c_float,
+            ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
+        L.attnd_kernels_plan_launch.restype = ctypes.c_int
+        L.attnd_kernels_plan_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+        L.attnd_kernels_plan_config.restype = ctypes.c_char_p
+        L.attnd_kernels_plan_config.argtypes = [ctypes.c_void_p]
+        L.attnd_kernels_plan_destroy.argtypes = [ctypes.c_void_p]
+
+    def plan(self, q, k, v, o, causal, config):
+        b, sq, hq, d = q.shape
+        skv, hkv = k.shape[1], k.shape[2]
+        shape = (ctypes.c_int64 * 6)(b, sq, skv, hq, hkv, d)
+        strides = (ctypes.c_int64 * 12)(*[s for t in (q, k, v, o) for s in (t.stride(0), t.stride(1), t.stride(2))])
+        out = ctypes.c_void_p()
+        err = ctypes.create_string_buffer(512)
+        rc = self.lib.attnd_kernels_plan_create(shape, 0, 1 if causal else 0, d ** -0.5, strides, q.data_ptr(),
+                                                k.data_ptr(), v.data_ptr(), o.data_ptr(), None,
+                                                config.encode(), ctypes.byref(out), err, 512)
+        if rc != 0:
+            raise RuntimeError(f"plan_create({config}): {err.value.decode()}")
+        name = self.lib.attnd_kernels_plan_config(out).decode()
+        return out, name
+
+    def launch(self, plan):
+        err = ctypes.create_string_buffer(256)
+        rc = self.lib.attnd_kernels_plan_launch(plan, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), err,
+                                                256)
+        if rc != 0:
+            raise RuntimeError(err.value.decode())
+
+
+def rows(quick):
+    out = []
+    seqs = [1024, 4096, 16384] if quick else [512, 1024, 2048, 4096, 8192, 16384]
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for s in seqs:
+                out.append(dict(batch=16384 // s, seq=s, hq=2048 // d, hkv=2048 // d, d=d, causal=causal))
+    for causal in (False, True):  # GQA: 16 query heads over 2 kv heads (Llama-style group of 8)
+        for s in ([4096, 16384] if quick else [1024, 4096, 16384]):
+            out.append(dict(batch=16384 // s, seq=s, hq=16, hkv=2, d=128, causal=causal))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--configs", default="hopper,seed", help="attnd configs/families, comma-separated")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    args = ap.parse_args()
+    attnd = Attnd(args.lib)
+    configs = [c for c in args.configs.split(",") if c]
+    torch.manual_seed(0)
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, cudnn {torch.backends.cudnn.version()}",
+          flush=True)
+    results = []
+    header = f"{'d':>4} {'causal':>6} {'batch':>5} {'seq':>6} {'hq/hkv':>7} {'cuDNN':>7} {'FA2':>7}"
+    for c in configs:
+        header += f" {c[:18]:>18}"
+    header += "  (TFLOP/s)   vs cuDNN"
+    lines = [header]
+    print(header, flush=True)
+    for r in rows(args.quick):
+        b, s, hq, hkv, d, causal = r["batch"], r["seq"], r["hq"], r["hkv"], r["d"], r["causal"]
+        q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16)
+        flops = 4.0 * b * hq * s * s * d * (0.5 if causal else 1.0)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        gqa = hq != hkv
+        res = dict(r)
+
+        def sdpa(backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
+
+        ref = None
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
+            try:
+                o = sdpa(backend)
+                if ref is None:
+                    ref = o.transpose(1, 2).float()
+                ms = triton.testing.do_bench(lambda: sdpa(backend), rep=args.rep, return_mode="median")
+                res[name] = flops / ms / 1e9
+            except Exception as e:  # a backend that refuses the shape (e.g. GQA) is reported, not fatal
+                res[name] = None
+                res[name + "_error"] = str(e).splitlines()[0][:200]
+        if ref is None:
+            ref = torch.nn.functional.scaled_dot_product_attention(qt.float(), kt.float(), vt.float(),
+                                                                   is_causal=causal, enable_gqa=gqa).transpose(1, 2)
+        for c in configs:
+            if "_d" in c and f"_d{d}_" not in c:  # a named configuration of another head_dim
+                res[c] = None
+                continue
+            o = torch.full_like(q, float("nan"))
+            try:
+                plan, name = attnd.plan(q, k, v, o, causal, c)
+            except RuntimeError as e:
+                res[c] = None
+                res[c + "_error"] = str(e)[:200]
+                continue
+            attnd.launch(plan)
+            torch.cuda.synchronize()
+            err = (o.float() - ref).abs().max().item()
+            res[c + "_config"] = name
+            res[c + "_maxdiff_vs_ref"] = err
+            if not (err < 0.05):
+                res[c] = None
+                res[c + "_error"] = f"max |O - ref| = {err}"
+            else:
+                ms = triton.testing.do_bench(lambda: attnd.launch(plan), rep=args.rep, return_mode="median")
+                res[c] = flops / ms / 1e9
+            attnd.lib.attnd_kernels_plan_destroy(plan)
+        results.append(res)
+
+        def f(x):
+            return f"{x:7.1f}" if x is not None else "    n/a"
+
+        line = f"{d:>4} {str(causal):>6} {b:>5} {s:>6} {f'{hq}/{hkv}':>7} {f(res['cudnn'])} {f(res['fa2'])}"
+        for c in configs:
+            x = res.get(c)
+            failed = (c + "_error") in res
+            line += f" {(f'{x:18.1f}' if x is not None else ('FAIL' if failed else '-').rjust(18))}"
+        if res.get("cudnn") and res.get(configs[0]):
+            line += f"   {res[configs[0]] / res['cudnn']:.2f}x"
+        lines.append(line)
+        print(line, flush=True)
+        del q, k, v
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

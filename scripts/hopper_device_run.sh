@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One device call for the Hopper kernel family (run on the GPU machine from the repo root, binaries built
+# here with -DATTND_STATIC=ON and copied to .carry-hopper/): GPU tests of the hopper configurations,
+# compute-sanitizer on small shapes, the SASS check (HGMMA, no local memory) and the benchmark against
+# torch SDPA (cuDNN, FA2). Logs go to $OUT (at most 8 files come back).
+#   scripts/hopper_device_run.sh [tests|sanitize|sass|bench|quickbench]...   (default: all but quickbench)
+set -uo pipefail
+C=.carry-hopper
+OUT=${OUT:-/tmp/hopper-out}
+mkdir -p "$OUT"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests sanitize sass bench)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv \
+  | tee "$OUT/env.txt"
+python3 -c 'import torch; print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version())' >> "$OUT/env.txt"
+for step in "${steps[@]}"; do
+  case $step in
+    tests)
+      # Every hopper configuration on the whole case list, the auto choice, and the host-API tests.
+      timeout 420 "$C/gpu_attention_test" --gtest_filter='*hopper_*:*auto_*:KernelApi*' \
+        --gtest_output=xml:"$OUT/gpu_test.xml" > "$OUT/gpu_test.log" 2>&1
+      echo "tests rc=$?"; grep -E '^\[  (PASSED|FAILED) |tests? ran|FAILED  \]' "$OUT/gpu_test.log" | tail -40 ;;
+    sanitize)
+      for tool in memcheck racecheck synccheck; do
+        ATTND_GPU_TEST_SMALL=1 timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 "$C/gpu_attention_test" \
+          --gtest_filter='*hopper_sm90_d128_m128n128s2_d128_sq129_tl*:*hopper_sm90_d64_m128n128s4_d64_q17kv129_br*:*hopper_sm90_d256_m128n64s2_d256_b2_mqa4to1_br*' \
+          >> "$OUT/sanitizer.log" 2>&1
+        echo "sanitizer $tool rc=$?" | tee -a "$OUT/sanitizer.log"
+      done
+      grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/sanitizer.log" | tail -12 ;;
+    sass)
+      cuobjdump --dump-sass "$C/gpu_attention_test" > /tmp/all.sass 2>&1
+      python3 - "$OUT/sass_summary.txt" <<'PY'
+import re, sys
+text = open('/tmp/all.sass').read()
+funcs = re.split(r'\n\s*Function : ', text)
+out = []
+for f in funcs[1:]:
+    name = f.split('\n', 1)[0].strip()
+    if 'HopperFwdKernel' not in name:
+        continue
+    ops = re.findall(r'/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)', f)
+    count = lambda p: sum(1 for o in ops if o.startswith(p))
+    out.append(f"{name}\n  instructions {len(ops)}  HGMMA {count('HGMMA')}  HMMA {count('HMMA')}  LDL {count('LDL')}  "
+               f"STL {count('STL')}  BAR {count('BAR')}  SYNCS {count('SYNCS')}  UTMALDG {count('UTMALDG')}  "
+               f"MUFU.EX2 {count('MUFU.EX2')}  USETMAXREG {count('USETMAXREG')}")
+open(sys.argv[1], 'w').write('\n'.join(out) + '\n')
+print('\n'.join(out))
+PY
+      # One kernel's full SASS for the notes (the d128 default, bf16).
+      awk '/Function : .*HopperFwdKernel.*TileShapeILi128ELi128ELi2ELb1ELb1EEE13__nv_bfloat16/{p=1} p&&/Function : /&&!/TileShapeILi128ELi128ELi2ELb1ELb1EEE13__nv_bfloat16/{p=0} p' /tmp/all.sass > "$OUT/sass_d128.txt"
+      wc -l "$OUT/sass_d128.txt" ;;
+    bench|quickbench)
+      extra=""; [ "$step" = quickbench ] && extra="--quick"
+      PYTHONUNBUFFERED=1 timeout 400 python3 kernels/bench/hopper_bench.py --lib "$C/libattnd_kernels_c.so" \
+        --configs "${HOPPER_BENCH_CONFIGS:-hopper,seed}" --json "$OUT/bench.json" $extra > "$OUT/bench.log" 2>&1
+      echo "bench rc=$?"; tail -45 "$OUT/bench.log" ;;
+  esac
+done
