@@ -1,0 +1,26 @@
+#!/bin/sh
+# Prints the distribution packages that hold the shared libraries the given binaries load, one per line.
+# The build stage runs it and the runtime stage installs exactly that list, so the same Dockerfile works on
+# Debian (the CPU base) and Ubuntu (NVIDIA's CUDA bases), whose package names differ (libgrpc++1.51 vs
+# libgrpc++1.51t64, ...). libcuda is not listed: the NVIDIA container runtime mounts the host's driver.
+set -eu
+libs=$(for b in "$@"; do ldd "$b"; done | awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u)
+missing=$(for b in "$@"; do ldd "$b"; done | awk '$2 == "=>" && $3 == "not" { print $1 }' | grep -v '^libcuda\.so' || true)
+if [ -n "$missing" ]; then
+  echo "runtime-packages: unresolved libraries: $missing" >&2
+  exit 1
+fi
+for lib in $libs; do
+  case "$lib" in */libcuda.so*) continue ;; esac
+  real=$(readlink -f "$lib")
+  # With merged /usr a library is found under /lib but registered under /usr/lib, or the other way round.
+  pkg=""
+  for candidate in "$lib" "$real" "/usr$lib" "${lib#/usr}" "/usr$real" "${real#/usr}"; do
+    pkg=$(dpkg-query -S "$candidate" 2>/dev/null | head -n1 | cut -d: -f1) && [ -n "$pkg" ] && break
+  done
+  if [ -z "$pkg" ]; then
+    echo "runtime-packages: no package owns $lib" >&2
+    exit 1
+  fi
+  echo "$pkg"
+done | sort -u
