@@ -47,15 +47,17 @@ else()
     list(APPEND _grpc_archives ${_a})
   endforeach()
   find_path(_absl_inc absl/status/status.h REQUIRED)
-  add_library(attnd_absl INTERFACE)
-  target_include_directories(attnd_absl SYSTEM INTERFACE ${_absl_inc})
-  target_link_libraries(attnd_absl INTERFACE
-    "-Wl,--start-group" ${_absl_archives} "-Wl,--end-group" Threads::Threads ${CMAKE_DL_LIBS} rt atomic)
-  add_library(attnd_grpc INTERFACE)
-  # The whole set is one link group: gRPC, protobuf, OpenSSL and abseil refer to each other in cycles.
-  target_link_libraries(attnd_grpc INTERFACE
+  # Every archive sits in ONE link group owned by one target: gRPC, protobuf, OpenSSL and abseil refer to each
+  # other in cycles, and CMake de-duplicates archives listed by two targets, which would empty one group.
+  add_library(attnd_static_deps INTERFACE)
+  target_include_directories(attnd_static_deps SYSTEM INTERFACE ${_absl_inc})
+  target_link_libraries(attnd_static_deps INTERFACE
     "-Wl,--start-group" ${_grpc_archives} ${_absl_archives} "-Wl,--end-group"
     Threads::Threads ${CMAKE_DL_LIBS} rt atomic)
+  add_library(attnd_absl INTERFACE)
+  target_link_libraries(attnd_absl INTERFACE attnd_static_deps)
+  add_library(attnd_grpc INTERFACE)
+  target_link_libraries(attnd_grpc INTERFACE attnd_static_deps)
   if(ATTND_BUILD_TESTS)
     add_library(attnd_gtest INTERFACE)
     target_link_libraries(attnd_gtest INTERFACE ${_libdir}/libgmock.a ${_libdir}/libgtest.a Threads::Threads)

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <memory>
@@ -90,10 +91,13 @@ class ServerImpl final : public Server {
     service_.BeginShutdown();
     // gRPC stops accepting calls and waits for every started one; our reactors finish when the backend
     // answers, so this returns once every accepted request has its reply.
-    const auto deadline =
-        std::chrono::system_clock::now() + absl::ToChronoSeconds(options_.shutdown_grace);
-    server_->Shutdown(options_.shutdown_grace == absl::InfiniteDuration() ? std::chrono::system_clock::time_point::max()
-                                                                           : deadline);
+    // Graces beyond a year (infinite included) mean "wait for ever"; clamping avoids time_point overflow.
+    auto deadline = std::chrono::system_clock::time_point::max();
+    if (options_.shutdown_grace < absl::Hours(24 * 365)) {
+      deadline = std::chrono::system_clock::now() +
+                 std::chrono::microseconds(absl::ToInt64Microseconds(std::max(options_.shutdown_grace, absl::ZeroDuration())));
+    }
+    server_->Shutdown(deadline);
     backend_->Shutdown();
     if (!options_.unix_socket.empty()) RemoveStaleSocket(options_.unix_socket);
     spdlog::info("attnd stopped");
