@@ -43,7 +43,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     for (int st = 0; st < Tile::kStages; ++st) {
       seed::MbarInit(&smem.k_full[st], 1);
       seed::MbarInit(&smem.v_full[st], 1);
-      seed::MbarInit(&smem.kv_empty[st], 4 * Tile::kConsumerWarpgroups);
+      seed::MbarInit(&smem.k_empty[st], 4 * Tile::kConsumerWarpgroups);  // one arrival per consumer warp
+      seed::MbarInit(&smem.v_empty[st], 4 * Tile::kConsumerWarpgroups);
     }
     seed::FenceBarrierInit();
   }

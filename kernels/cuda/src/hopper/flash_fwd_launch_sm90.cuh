@@ -21,7 +21,7 @@ cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
   const LaunchParams& lp = plan.params;
   const SchedulerParams sp =
       MakeSchedulerParams(static_cast<int>(plan.grid[0]), static_cast<int>(plan.grid[1]),
-                          static_cast<int>(plan.grid[2]), lp.kv_len, Tile::kHeadDim, lp.group);
+                          static_cast<int>(plan.grid[2]), lp.kv_len, Tile::kHeadDim, lp.group, lp.causal != 0);
   const int blocks = sp.total_tiles < sms ? sp.total_tiles : sms;
   HopperFwdKernel<Tile, Elem><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(plan.q_map, plan.k_map,
                                                                                    plan.v_map, lp, sp);

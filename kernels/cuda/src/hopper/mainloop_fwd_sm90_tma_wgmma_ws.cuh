@@ -5,10 +5,15 @@
 //   q_full           TMA -> consumers: Q of the current tile has landed (transaction count)
 //   q_empty          consumers -> producer: both warpgroups' last Q K^T is done, Q may be overwritten
 //   k_full/v_full[s] TMA -> consumers, separately, so Q K^T starts while V is still in flight
-//   kv_empty[s]      consumers -> producer: every consumer warp's P V on stage s has completed
+//   k_empty[s]       consumers -> producer: every consumer warp's Q K^T on stage s has completed
+//   v_empty[s]       consumers -> producer: every consumer warp's P V on stage s has completed
+// K and V are two rings with their own empty barriers: with the softmax/PV overlap, V of block b+1 is held
+// until the middle of block b's step, but K of block b+1 is free as soon as S of b+1 is; one shared ring
+// would delay the next K load by that much and expose the TMA latency on every block (v1: 55% of peak).
+// The producer accordingly issues K one block ahead of V.
 // Key blocks are visited last to first, so the masked ones (diagonal, kv tail) come first and the loop
-// body after them runs unmasked. The producer and both consumer warpgroups count K/V loads with one
-// running index across tiles, which gives each its stage and mbarrier phase.
+// body after them runs unmasked. The producer and both consumer warpgroups count blocks with one running
+// index across tiles, which gives each load its stage and mbarrier phase in both rings.
 #pragma once
 
 #include <cuda.h>
@@ -69,7 +74,8 @@ struct SharedStorageSm90 {
   uint64_t* q_empty;
   uint64_t* k_full;
   uint64_t* v_full;
-  uint64_t* kv_empty;
+  uint64_t* k_empty;
+  uint64_t* v_empty;
 
   __device__ __forceinline__ explicit SharedStorageSm90(uint8_t* base) {
     q = base;
@@ -80,7 +86,8 @@ struct SharedStorageSm90 {
     q_empty = bars + 1;
     k_full = bars + 2;
     v_full = k_full + Tile::kStages;
-    kv_empty = v_full + Tile::kStages;
+    k_empty = v_full + Tile::kStages;
+    v_empty = k_empty + Tile::kStages;
   }
 };
 
@@ -91,26 +98,29 @@ struct ProducerSm90 {
   const CUtensorMap* k_map;
   const CUtensorMap* v_map;
   SharedStorageSm90<Tile> smem;
-  int load = 0;   // K/V loads issued so far (all tiles)
+  int k_load = 0;  // K blocks issued so far (all tiles)
+  int v_load = 0;  // V blocks issued so far (all tiles)
   int q_tiles = 0;  // Q loads issued so far
 
-  __device__ __forceinline__ void LoadKV(int block, int kv_head, int batch) {
-    const int st = load % Tile::kStages;
-    // Load `load - stages` must have left the stage: its release completed phase load / stages - 1.
-    if (load >= Tile::kStages) MbarWait(&smem.kv_empty[st], ((load / Tile::kStages) + 1) & 1);
-    MbarArriveExpectTx(&smem.k_full[st], Tile::kKVTileBytes);
+  // One block of K or V into its ring. Load n must wait for load n - stages to leave the stage: that
+  // release completed phase n / stages - 1 of the stage's empty barrier.
+  __device__ __forceinline__ void LoadBlock(int& n, uint8_t* ring, const CUtensorMap* map, uint64_t* full,
+                                            uint64_t* empty, int block, int kv_head, int batch) {
+    const int st = n % Tile::kStages;
+    if (n >= Tile::kStages) MbarWait(&empty[st], ((n / Tile::kStages) + 1) & 1);
+    MbarArriveExpectTx(&full[st], Tile::kKVTileBytes);
 #pragma unroll
     for (int pn = 0; pn < Tile::kPanels; ++pn) {
-      TmaLoad4d(smem.k + st * Tile::kKVTileBytes + pn * SharedStorageSm90<Tile>::kKVPanelBytes, k_map,
-                &smem.k_full[st], pn * 64, kv_head, block * Tile::kBlockN, batch);
+      TmaLoad4d(ring + st * Tile::kKVTileBytes + pn * SharedStorageSm90<Tile>::kKVPanelBytes, map, &full[st],
+                pn * 64, kv_head, block * Tile::kBlockN, batch);
     }
-    MbarArriveExpectTx(&smem.v_full[st], Tile::kKVTileBytes);
-#pragma unroll
-    for (int pn = 0; pn < Tile::kPanels; ++pn) {
-      TmaLoad4d(smem.v + st * Tile::kKVTileBytes + pn * SharedStorageSm90<Tile>::kKVPanelBytes, v_map,
-                &smem.v_full[st], pn * 64, kv_head, block * Tile::kBlockN, batch);
-    }
-    ++load;
+    ++n;
+  }
+  __device__ __forceinline__ void LoadK(int block, int kv_head, int batch) {
+    LoadBlock(k_load, smem.k, k_map, smem.k_full, smem.k_empty, block, kv_head, batch);
+  }
+  __device__ __forceinline__ void LoadV(int block, int kv_head, int batch) {
+    LoadBlock(v_load, smem.v, v_map, smem.v_full, smem.v_empty, block, kv_head, batch);
   }
 
   __device__ __forceinline__ void LoadQ(int q0, int head, int batch) {
@@ -128,11 +138,16 @@ struct ProducerSm90 {
     const KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, q_tile * Tile::kBlockM);
     if (r.n_blocks == 0) return;
     const int kv_head = head / p.group;
-    // The first K/V block before Q: it waits only on the ring, so the ring keeps filling while the
-    // consumers finish the previous tile and release Q.
-    LoadKV(r.n_blocks - 1, kv_head, batch);
+    // The first K block before Q: it waits only on the ring, so the ring keeps filling while the
+    // consumers finish the previous tile and release Q. Then K runs one block ahead of V, the order in
+    // which the consumers need them (S of block b is computed together with P V of block b+1).
+    LoadK(r.n_blocks - 1, kv_head, batch);
     LoadQ(q_tile * Tile::kBlockM, head, batch);
-    for (int b = r.n_blocks - 2; b >= 0; --b) LoadKV(b, kv_head, batch);
+    for (int b = r.n_blocks - 2; b >= 0; --b) {
+      LoadK(b, kv_head, batch);
+      LoadV(b + 1, kv_head, batch);
+    }
+    LoadV(0, kv_head, batch);
   }
 };
 
@@ -185,9 +200,17 @@ struct ConsumerSm90 {
     }
   }
 
-  __device__ __forceinline__ void Release(int st) const {
+  // This warp's last Q K^T of the tile has completed: Q may be reloaded for the next tile while this
+  // warpgroup finishes P V and the epilogue.
+  __device__ __forceinline__ void ReleaseQ() const {
     __syncwarp();
-    if ((threadIdx.x & 31) == 0) MbarArrive(&smem.kv_empty[st]);
+    if ((threadIdx.x & 31) == 0) MbarArrive(smem.q_empty);
+  }
+
+  // This warp's reads of a stage are done (its wgmma group has completed): one arrival per warp.
+  __device__ __forceinline__ static void Release(uint64_t* empty, int st) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) MbarArrive(&empty[st]);
   }
 
   __device__ __forceinline__ void TurnBegin() const {
@@ -226,6 +249,8 @@ struct ConsumerSm90 {
       TurnEnd();
       WgmmaWait<0>();
       FenceOperand(s);
+      Release(smem.k_empty, st);
+      if (r.n_blocks == 1) ReleaseQ();
       SoftmaxStep(sm, s, p, r.n_blocks - 1, r, limit0, limit1, f);  // O is still zero: no rescale
       ConvertP(s, pf);
       int prev_st = st, prev_phase = (load / S) & 1;
@@ -239,13 +264,15 @@ struct ConsumerSm90 {
         MbarWait(&smem.v_full[prev_st], prev_phase);
         IssuePV(o, pf, prev_st);
         TurnEnd();
-        WgmmaWait<1>();
+        WgmmaWait<1>();  // groups complete in order: S of block b is done, P V of b+1 may still run
         FenceOperand(s);
+        Release(smem.k_empty, st);
+        if (b == 0) ReleaseQ();
         const bool rescale = SoftmaxStep(sm, s, p, b, r, limit0, limit1, f);
         WgmmaWait<0>();
         FenceOperand(o);
         FenceOperand(pf);
-        Release(prev_st);
+        Release(smem.v_empty, prev_st);
         if (rescale) Softmax::Rescale(o, f);
         ConvertP(s, pf);
         prev_st = st;
@@ -259,7 +286,7 @@ struct ConsumerSm90 {
       WgmmaWait<0>();
       FenceOperand(o);
       FenceOperand(pf);
-      Release(prev_st);
+      Release(smem.v_empty, prev_st);
     } else {
       for (int b = r.n_blocks - 1; b >= 0; --b) {
         const int st = load % S;
@@ -271,6 +298,8 @@ struct ConsumerSm90 {
         TurnEnd();
         WgmmaWait<0>();
         FenceOperand(s);
+        Release(smem.k_empty, st);
+        if (b == 0) ReleaseQ();
         if (SoftmaxStep(sm, s, p, b, r, limit0, limit1, f)) Softmax::Rescale(o, f);
         ConvertP(s, pf);
         MbarWait(&smem.v_full[st], phase);
@@ -280,12 +309,9 @@ struct ConsumerSm90 {
         WgmmaWait<0>();
         FenceOperand(o);
         FenceOperand(pf);
-        Release(st);
+        Release(smem.v_empty, st);
       }
     }
-    // Every Q K^T of this warpgroup has completed: Q may be reloaded for the next tile.
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) MbarArrive(smem.q_empty);
   }
 };
 

@@ -37,11 +37,17 @@ struct SoftmaxSm90 {
   __device__ __forceinline__ bool Step(float (&s)[kRegs], float scale_log2, int key0, int limit0, int limit1,
                                        float (&f)[2]) {
     const int t = threadIdx.x & 3;
+    // A positive scale commutes with the max: take it over the raw scores and fold the scale into the
+    // exponent's FFMA (one FP32 op per score fewer, and the softmax is what bounds this kernel between
+    // GEMMs). Zero or negative scales (allowed by the API) scale first.
+    const bool fold = scale_log2 > 0.f;
     float mx0 = -CUDART_INF_F, mx1 = -CUDART_INF_F;
 #pragma unroll
     for (int i = 0; i < kBlockN / 8; ++i) {
+      if (!fold) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[4 * i + e] *= scale_log2;
+        for (int e = 0; e < 4; ++e) s[4 * i + e] *= scale_log2;
+      }
       if constexpr (kMasked) {
         const int key = key0 + 8 * i + 2 * t;
         if (key > limit0) s[4 * i + 0] = -CUDART_INF_F;
@@ -54,6 +60,10 @@ struct SoftmaxSm90 {
     }
     mx0 = QuadMax(mx0);
     mx1 = QuadMax(mx1);
+    if (fold) {  // -inf stays -inf
+      mx0 *= scale_log2;
+      mx1 *= scale_log2;
+    }
     const bool move0 = mx0 > m[0] + seed::kRescaleThresholdLog2;
     const bool move1 = mx1 > m[1] + seed::kRescaleThresholdLog2;
     f[0] = f[1] = 1.f;
@@ -71,12 +81,13 @@ struct SoftmaxSm90 {
     // A row with no visible key yet keeps m = -inf; its scores are -inf and exp2(-inf - 0) = 0.
     const float b0 = m[0] == -CUDART_INF_F ? 0.f : m[0];
     const float b1 = m[1] == -CUDART_INF_F ? 0.f : m[1];
+    const float k = fold ? scale_log2 : 1.f;  // masked scores are -inf either way: exp2 gives 0
 #pragma unroll
     for (int i = 0; i < kBlockN / 8; ++i) {
-      s[4 * i + 0] = Exp2(s[4 * i + 0] - b0);
-      s[4 * i + 1] = Exp2(s[4 * i + 1] - b0);
-      s[4 * i + 2] = Exp2(s[4 * i + 2] - b1);
-      s[4 * i + 3] = Exp2(s[4 * i + 3] - b1);
+      s[4 * i + 0] = Exp2(fmaf(s[4 * i + 0], k, -b0));
+      s[4 * i + 1] = Exp2(fmaf(s[4 * i + 1], k, -b0));
+      s[4 * i + 2] = Exp2(fmaf(s[4 * i + 2], k, -b1));
+      s[4 * i + 3] = Exp2(fmaf(s[4 * i + 3], k, -b1));
       l[0] += s[4 * i + 0] + s[4 * i + 1];
       l[1] += s[4 * i + 2] + s[4 * i + 3];
     }

@@ -1,7 +1,12 @@
 // Tile scheduler role: a persistent grid (one block per SM) walks the (q_tile, head, batch) tiles with a
-// static stride. Order: (batch, head) pairs are taken a section at a time, a section being as many heads as
-// keep their K and V inside about half of L2, so the ~132 blocks in flight share K/V through L2; inside a
-// section the longest tiles (causal: the highest q_tile) come first, so the short ones fill the tail.
+// static stride: block i takes tiles i, i + grid, i + 2 grid, ...
+// Order: (batch, head) pairs are taken a section at a time; inside a section the q_tile is the slow index,
+// highest first. Without a mask every tile costs the same, and a section is as many heads as keep their
+// K and V inside about half of L2, so the ~132 blocks in flight share K/V through L2. With a causal mask
+// the cost of a tile grows with its q_tile; sections there made the strided assignment hand one block all
+// long tiles and another all short ones (v1: d256 causal 16k at 0.5x cuDNN), so a causal problem is one
+// section: each stride-round of `grid` tiles is a run of nearly equal cost, longest first (LPT), and the
+// blocks in flight sweep the same key range of a few heads together, which L2 still serves.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +26,7 @@ struct TileCoord {
 };
 
 inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int batch, int kv_len, int head_dim,
-                                           int kv_group) {
+                                           int kv_group, bool causal) {
   SchedulerParams sp;
   sp.num_q_tiles = num_q_tiles;
   sp.q_heads = q_heads;
@@ -31,7 +36,7 @@ inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int bat
   const int64_t budget = int64_t{24} << 20;
   int64_t section = kv_bytes > 0 ? budget / kv_bytes * kv_group : sp.total_bh;
   if (section < 1) section = 1;
-  if (section > sp.total_bh) section = sp.total_bh;
+  if (section > sp.total_bh || causal) section = sp.total_bh;
   sp.section_bh = static_cast<int>(section);
   sp.total_tiles = num_q_tiles * sp.total_bh;
   return sp;

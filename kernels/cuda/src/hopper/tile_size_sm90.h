@@ -29,8 +29,8 @@ struct TileShape {
   static constexpr int kPanels = HeadDim / 64;
   static constexpr int kQBytes = kBlockM * HeadDim * 2;
   static constexpr int kKVTileBytes = BlockN * HeadDim * 2;  // one K or one V stage
-  // Q full/empty; per stage K full, V full, K/V empty.
-  static constexpr int kBarriers = 2 + 3 * Stages;
+  // Q full/empty; per stage K full, V full, K empty, V empty.
+  static constexpr int kBarriers = 2 + 4 * Stages;
   // +1024: the dynamic shared-memory base is re-aligned to the 1024 bytes of a 128-byte swizzle atom, which
   // wgmma's descriptors (base offset 0) and TMA both rely on.
   static constexpr size_t kSmemBytes = 1024 + kQBytes + 2 * Stages * kKVTileBytes + 8 * kBarriers;
@@ -48,7 +48,8 @@ struct TileShape {
 using HopperD64N128S4 = TileShape<64, 128, 4>;
 using HopperD128N128S2 = TileShape<128, 128, 2>;
 using HopperD128N128S2Plain = TileShape<128, 128, 2, false, false>;  // no ping-pong, no overlap: baseline
-using HopperD128N176S2 = TileShape<128, 176, 2>;
+using HopperD128N128S3 = TileShape<128, 128, 3>;
+// Not compiled: 128x176 (FA3's non-causal d128 shape) spilled 64-80 bytes with S + P + O = 196 registers.
 using HopperD256N64S2 = TileShape<256, 64, 2>;
 using HopperD256N80S2 = TileShape<256, 80, 2>;
 
