@@ -1,0 +1,259 @@
+// End to end through the client library against an in-process server, over a loopback port and a unix
+// socket: answers checked against the double-precision reference for every mask, GQA ratio and head dim,
+// async calls, statuses of bad requests as the client sees them, health, reflection and the IPC RPCs.
+#include <future>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/synchronization/notification.h"
+#include "e2e_util.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/client_callback.h"
+
+namespace attnd::e2e {
+namespace {
+
+class ForwardTest : public ::testing::TestWithParam<Listener> {
+ protected:
+  static void SetUpTestSuite() {
+    server_ = new TestServer;
+    StartServer(server_);
+  }
+  static void TearDownTestSuite() {
+    if (server_->server) server_->server->Shutdown();
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_NE(server_->server, nullptr);
+    client_ = Connect(server_->Target(GetParam()));
+    ASSERT_NE(client_, nullptr);
+  }
+
+  static TestServer* server_;
+  std::unique_ptr<client::Client> client_;
+};
+TestServer* ForwardTest::server_ = nullptr;
+
+TEST_P(ForwardTest, MatchesReferenceAcrossMasksGqaHeadDimsAndLengths) {
+  struct Shape6 {
+    int64_t b, lq, lk, hq, hkv, d;
+  };
+  const std::vector<Shape6> shapes = {
+      {1, 1, 1, 1, 1, 64},     {2, 17, 17, 4, 1, 64},   {1, 64, 65, 8, 8, 128}, {1, 65, 127, 8, 1, 64},
+      {2, 127, 64, 4, 4, 128}, {1, 100, 33, 8, 2, 128},
+  };
+  const Mask masks[] = {Mask::kNone, Mask::kCausalTopLeft, Mask::kCausalBottomRight};
+  uint64_t seed = 100;
+  for (const auto& s : shapes) {
+    for (Mask m : masks) {
+      for (bool lse : {false, true}) {
+        const Case c = MakeCase(Spec(s.b, s.lq, s.lk, s.hq, s.hkv, s.d, m, lse), ++seed);
+        auto r = client_->Forward(*c.request);
+        SCOPED_TRACE(absl::StrCat("b=", s.b, " lq=", s.lq, " lk=", s.lk, " hq=", s.hq, " hkv=", s.hkv, " d=", s.d,
+                                  " mask=", MaskName(m), " lse=", lse));
+        EXPECT_EQ(CheckReply(c, r), "");
+        if (r.ok()) {
+          EXPECT_EQ(r->backend, "cpu");
+          EXPECT_EQ(r->transport, client::Transport::kUnary);  // small requests go unary
+          EXPECT_GE(r->timing.total_us(), r->timing.kernel_us());
+          EXPECT_GT(r->timing.kernel_us(), 0);
+        }
+      }
+    }
+  }
+}
+
+TEST_P(ForwardTest, ExplicitScaleAndFp16) {
+  client::RequestSpec s = Spec(1, 33, 48, 4, 2, 64, Mask::kCausalBottomRight, true);
+  s.scale = 0.37f;
+  Case c = MakeCase(s, 7);
+  EXPECT_EQ(CheckReply(c, client_->Forward(*c.request)), "");
+
+  client::RequestSpec h = Spec(1, 40, 40, 2, 2, 128, Mask::kCausalTopLeft);
+  h.dtype = DType::kFP16;
+  auto info = client_->ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  bool fp16 = false;
+  for (int t : info->supported_dtypes()) fp16 |= t == v1::DTYPE_FP16;
+  if (!fp16) GTEST_SKIP() << "server does not accept fp16";
+  Case hc = MakeCase(h, 8);
+  EXPECT_EQ(CheckReply(hc, client_->Forward(*hc.request)), "");
+}
+
+TEST_P(ForwardTest, RequestIdIsEchoed) {
+  client::RequestSpec s = Spec(1, 8, 8, 2, 2, 64);
+  s.request_id = "req-e2e-42";
+  Case c = MakeCase(s, 9);
+  auto r = client_->Forward(*c.request);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->request_id, "req-e2e-42");
+}
+
+TEST_P(ForwardTest, AsyncCallbacksAndFuturesAllCorrect) {
+  std::vector<Case> cases;
+  for (int i = 0; i < 8; ++i) {
+    cases.push_back(MakeCase(Spec(1, 40 + i, 70 - i, 4, i % 2 ? 1 : 4, i % 3 ? 64 : 128,
+                                  static_cast<Mask>(i % 3), i % 2 == 0),
+                             200 + i));
+  }
+  std::vector<std::promise<std::string>> verdicts(cases.size());
+  for (size_t i = 0; i < cases.size(); ++i) {
+    client_->ForwardAsync(cases[i].request, [&, i](absl::StatusOr<client::ForwardResult> r) {
+      verdicts[i].set_value(CheckReply(cases[i], r));
+    });
+  }
+  std::vector<std::future<absl::StatusOr<client::ForwardResult>>> futures;
+  for (const auto& c : cases) futures.push_back(client_->ForwardFuture(c.request));
+  for (size_t i = 0; i < cases.size(); ++i) {
+    EXPECT_EQ(verdicts[i].get_future().get(), "") << "callback call " << i;
+    EXPECT_EQ(CheckReply(cases[i], futures[i].get()), "") << "future call " << i;
+  }
+}
+
+// The server validates; the client must hand its status through unchanged (code and field name).
+TEST_P(ForwardTest, BadRequestsKeepTheirStatusThroughTheClient) {
+  Case c = MakeCase(Spec(1, 16, 16, 4, 4, 64), 11);
+  struct Bad {
+    std::string name;
+    std::function<void(v1::ForwardRequest&)> mutate;
+    absl::StatusCode code;
+    std::string field;
+  };
+  const std::vector<Bad> bad = {
+      {"short q", [](v1::ForwardRequest& r) { r.mutable_q()->mutable_data()->resize(10); },
+       absl::StatusCode::kInvalidArgument, "q"},
+      {"zero batch", [](v1::ForwardRequest& r) { r.mutable_shape()->set_batch(0); }, absl::StatusCode::kInvalidArgument,
+       "batch"},
+      {"gqa", [](v1::ForwardRequest& r) { r.mutable_shape()->set_kv_heads(3); }, absl::StatusCode::kInvalidArgument,
+       "kv_heads"},
+      {"head_dim", [](v1::ForwardRequest& r) { r.mutable_shape()->set_head_dim(7); },
+       absl::StatusCode::kInvalidArgument, "head_dim"},
+      {"nan scale", [](v1::ForwardRequest& r) { r.set_softmax_scale(std::nanf("")); },
+       absl::StatusCode::kInvalidArgument, "softmax_scale"},
+      {"mask enum", [](v1::ForwardRequest& r) { r.set_mask(static_cast<v1::MaskType>(9)); },
+       absl::StatusCode::kInvalidArgument, "mask"},
+      {"missing v", [](v1::ForwardRequest& r) { r.clear_v(); }, absl::StatusCode::kInvalidArgument, "v"},
+  };
+  for (client::Transport t : {client::Transport::kUnary, client::Transport::kStream}) {
+    for (const Bad& b : bad) {
+      v1::ForwardRequest r = *c.request;
+      b.mutate(r);
+      client::CallOptions call;
+      call.transport = t;
+      auto res = client_->Forward(r, call);
+      SCOPED_TRACE(absl::StrCat(b.name, " over ", client::TransportName(t)));
+      ASSERT_FALSE(res.ok());
+      EXPECT_EQ(res.status().code(), b.code) << res.status();
+      EXPECT_TRUE(absl::StrContains(res.status().message(), b.field)) << res.status();
+    }
+  }
+}
+
+TEST_P(ForwardTest, ExpiredDeadlineIsDeadlineExceeded) {
+  Case c = MakeCase(Spec(1, 256, 256, 8, 8, 128), 12);
+  client::CallOptions call;
+  call.deadline = absl::Microseconds(1);
+  auto r = client_->Forward(*c.request, call);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+}
+
+TEST_P(ForwardTest, ServerInfoStatsAndIpcPassthroughs) {
+  auto info = client_->ServerInfo(/*refresh=*/true);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->backend(), "cpu");
+  EXPECT_FALSE(info->version().empty());
+  EXPECT_GT(info->limits().max_message_bytes(), 0u);
+  EXPECT_FALSE(info->supported_head_dims().empty());
+
+  Case c = MakeCase(Spec(1, 8, 8, 2, 2, 64), 13);
+  ASSERT_TRUE(client_->Forward(*c.request).ok());
+  auto stats = client_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  uint64_t forwards = 0;
+  for (const auto& rpc : stats->rpcs()) {
+    if (rpc.method() == "Forward") forwards = rpc.count();
+  }
+  EXPECT_GE(forwards, 1u);
+
+  v1::RegisterCudaBufferRequest reg;
+  reg.set_ipc_handle(std::string(64, '\1'));
+  reg.set_byte_size(1024);
+  auto id = client_->RegisterCudaBuffer(reg);
+  ASSERT_FALSE(id.ok());
+  EXPECT_EQ(id.status().code(), absl::StatusCode::kFailedPrecondition) << id.status();
+  absl::Status un = client_->UnregisterCudaBuffer("nope");
+  EXPECT_FALSE(un.ok());
+  auto list = client_->ListCudaBuffers();
+  if (list.ok()) {
+    EXPECT_TRUE(list->empty());
+  } else {
+    EXPECT_EQ(list.status().code(), absl::StatusCode::kFailedPrecondition) << list.status();
+  }
+}
+
+TEST_P(ForwardTest, HealthAnswersServing) {
+  EXPECT_TRUE(client_->CheckHealth("").ok());
+  EXPECT_TRUE(client_->CheckHealth("attnd.v1.Attention").ok());
+  absl::Status unknown = client_->CheckHealth("no.such.Service");
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound) << unknown;
+}
+
+// Reflection is checked with a hand-encoded ServerReflectionRequest{list_services: ""} over a generic bidi
+// call: Debian ships no reflection.proto for the client side.
+TEST_P(ForwardTest, ReflectionListsTheService) {
+  class Reactor : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+   public:
+    explicit Reactor(std::shared_ptr<grpc::Channel> ch) : stub_(std::move(ch)) {
+      ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+      const std::string req("\x3a\x00", 2);  // field 7 (list_services), length 0
+      grpc::Slice slice(req);
+      out_ = grpc::ByteBuffer(&slice, 1);
+      stub_.PrepareBidiStreamingCall(&ctx_, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                                     grpc::StubOptions(), this);
+      StartWrite(&out_);
+      StartRead(&in_);
+      StartCall();
+    }
+    void OnWriteDone(bool ok) override {
+      if (ok) StartWritesDone();
+    }
+    void OnReadDone(bool ok) override {
+      if (!ok) return;
+      std::vector<grpc::Slice> slices;
+      if (in_.Dump(&slices).ok()) {
+        for (const auto& s : slices) reply_.append(reinterpret_cast<const char*>(s.begin()), s.size());
+      }
+      StartRead(&in_);
+    }
+    void OnDone(const grpc::Status& s) override {
+      status_ = s;
+      done_.Notify();
+    }
+    std::string Wait() {
+      done_.WaitForNotification();
+      EXPECT_TRUE(status_.ok()) << status_.error_message();
+      return reply_;
+    }
+
+   private:
+    grpc::GenericStub stub_;
+    grpc::ClientContext ctx_;
+    grpc::ByteBuffer out_, in_;
+    std::string reply_;
+    grpc::Status status_;
+    absl::Notification done_;
+  };
+  Reactor reactor(client_->channel());
+  const std::string reply = reactor.Wait();
+  EXPECT_TRUE(absl::StrContains(reply, "attnd.v1.Attention")) << "reflection reply of " << reply.size() << " bytes";
+}
+
+INSTANTIATE_TEST_SUITE_P(Listeners, ForwardTest, ::testing::Values(Listener::kTcp, Listener::kUnix),
+                         [](const auto& info) { return std::string(ListenerName(info.param)); });
+
+}  // namespace
+}  // namespace attnd::e2e
