@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# CI scenario for the container image (docker/Dockerfile), on a host that reaches no container registry:
+#   1. make the Debian base image locally with debootstrap, tagged as the name the Dockerfile's CPU variant uses
+#   2. build the CPU-only image with podman
+#   3. run it, wait (bounded) until its own HEALTHCHECK (grpc.health.v1) reports SERVING
+#   4. verified `attn call`s into it: from a second container over TCP, and inside it over the unix socket
+#   5. stop it with SIGTERM and check that attnd exited 0 and logged its clean shutdown
+# Self-contained: installs podman & co. from Debian's packages. Run as root (CI is); ~20-25 min from a clean
+# machine on 2 cores, most of it compiling inside the image; a rerun reuses the base image and podman's layer
+# cache. Everything this host needs (runc, cgroupfs, ulimits within the host's hard limits, host network) is
+# given here on the podman command line; none of it is baked into the image.
+#
+# Environment: ATTND_TEST_IMAGE (image tag), ATTND_TEST_WORKDIR (scratch), ATTND_REBUILD_BASE=1 (debootstrap
+# again even if the base image exists), ATTND_BUILD_JOBS (compile jobs inside the image, default 2).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+IMAGE=${ATTND_TEST_IMAGE:-localhost/attnd:cpu-test}
+BASE=docker.io/library/debian:bookworm-slim   # what FROM debian:bookworm-slim resolves to
+WORKDIR=${ATTND_TEST_WORKDIR:-/var/tmp/attnd-container-test}
+JOBS=${ATTND_BUILD_JOBS:-2}
+NAME=attnd-ci-$$
+passed=0
+failed=0
+
+log() { echo "container_test: $*"; }
+die() { log "FAIL: $*"; echo "container_test: ${passed} passed, $((failed + 1)) failed"; exit 1; }
+ok() { passed=$((passed + 1)); log "ok: $*"; }
+
+if [ "$(id -u)" != 0 ]; then
+  die "must run as root (rootful podman; CI runs as root)"
+fi
+
+# --- tools -----------------------------------------------------------------------------------------------
+need=()
+for p in podman runc conmon debootstrap uidmap containernetworking-plugins python3; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
+done
+if [ "${#need[@]}" -gt 0 ]; then
+  log "installing ${need[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+# This host: no systemd (cgroupfs, events to a file), runc (crun cannot apply rlimits here), and ulimits no
+# higher than what the host lets a process raise itself to: podman's defaults (nofile 1M) are above the hard
+# limit and the OCI runtime then fails with EPERM. Host networking: CNI bridges need iptables, which a sandboxed
+# CI host may not have; the listener is bound to 127.0.0.1 on a free port instead.
+nofile=$(ulimit -Hn)
+if [ "$nofile" = unlimited ] || [ "$nofile" -gt 65536 ]; then nofile=65536; fi
+ULIMITS=(--ulimit "nofile=${nofile}:${nofile}" --ulimit "nproc=4096:4096")
+PODMAN=(podman --runtime runc --cgroup-manager cgroupfs --events-backend file)
+pm() { "${PODMAN[@]}" "$@"; }
+
+mkdir -p "$WORKDIR"
+cleanup() {
+  pm rm -f --time 5 "$NAME" >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
+
+# --- 1. base image ---------------------------------------------------------------------------------------
+t0=$(date +%s)
+if [ "${ATTND_REBUILD_BASE:-0}" != 1 ] && pm image exists "$BASE" &&
+   [ "$(pm image inspect --format '{{index .Labels "org.attnd.base"}}' "$BASE" 2>/dev/null)" = debootstrap ]; then
+  log "reusing base image $BASE (made by an earlier run; ATTND_REBUILD_BASE=1 makes it again)"
+else
+  rootfs="$WORKDIR/rootfs"
+  rm -rf "$rootfs"
+  log "debootstrap bookworm (minbase) -> $BASE"
+  timeout 900 debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian \
+    > "$WORKDIR/debootstrap.log" 2>&1 || { tail -20 "$WORKDIR/debootstrap.log"; die "debootstrap failed"; }
+  # The same suites as the host, so the build stage gets the current point release and security fixes.
+  cat > "$rootfs/etc/apt/sources.list" <<'EOF'
+deb http://deb.debian.org/debian bookworm main
+deb http://deb.debian.org/debian bookworm-updates main
+deb http://deb.debian.org/debian-security bookworm-security main
+EOF
+  # Trimmed like the official -slim image: no apt lists, docs or man pages.
+  rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/*.bin "$rootfs"/usr/share/doc/* \
+         "$rootfs"/usr/share/man/* "$rootfs"/usr/share/info/*
+  tar -C "$rootfs" --numeric-owner -c . |
+    pm import -q --change 'CMD ["bash"]' --change 'LABEL org.attnd.base=debootstrap' - "$BASE" >/dev/null
+  rm -rf "$rootfs"
+fi
+pm run --rm --network host "${ULIMITS[@]}" "$BASE" sh -c 'grep -q "VERSION_CODENAME=bookworm" /etc/os-release' ||
+  die "the base image does not run"
+ok "base image $BASE ($(( $(date +%s) - t0 ))s)"
+
+# --- 2. build the CPU variant ----------------------------------------------------------------------------
+t0=$(date +%s)
+log "building $IMAGE (CPU variant, -j${JOBS}); log: $WORKDIR/build.log"
+# docker format: the OCI image format has no HEALTHCHECK field, and the check below runs the image's own.
+if ! timeout 2400 "${PODMAN[@]}" build --format docker --pull=never --network host "${ULIMITS[@]}" \
+      -f docker/Dockerfile -t "$IMAGE" \
+      --build-arg BUILD_BASE=debian:bookworm-slim --build-arg RUNTIME_BASE=debian:bookworm-slim \
+      --build-arg ATTND_CUDA=OFF --build-arg ATTND_BACKEND=cpu --build-arg JOBS="$JOBS" \
+      . > "$WORKDIR/build.log" 2>&1; then
+  tail -40 "$WORKDIR/build.log"
+  die "image build failed"
+fi
+user=$(pm image inspect --format '{{.Config.User}}' "$IMAGE")
+[ -n "$user" ] && [ "${user%%:*}" != 0 ] && [ "${user%%:*}" != root ] || die "image runs as '$user', not a non-root user"
+pm image inspect --format '{{json .Config.Healthcheck}}' "$IMAGE" | grep -q -- '--healthcheck' ||
+  die "image has no HEALTHCHECK"
+ok "image built ($(( $(date +%s) - t0 ))s, $(pm image inspect --format '{{.Size}}' "$IMAGE") bytes, user $user)"
+
+# --- 3. run and wait for SERVING -------------------------------------------------------------------------
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+sockdir="$WORKDIR/sock-$$"
+rm -rf "$sockdir"
+install -d -o 10001 -g 10001 -m 0750 "$sockdir"
+# Small limits so the run also shows that flags arrive from the environment: the server must report them.
+# --health-interval disable: podman schedules health checks with systemd timers, and there is no systemd here;
+# the loop below runs the image's check itself. (podman still logs that it cannot reach systemd: harmless.)
+pm run -d --name "$NAME" --network host "${ULIMITS[@]}" --health-interval disable \
+  -e ATTND_LISTEN="127.0.0.1:${port}" -e ATTND_HEALTHCHECK_TARGET="127.0.0.1:${port}" \
+  -e ATTND_THREADS=1 -e ATTND_MAX_QUEUE=17 \
+  -v "$sockdir:/run/attnd" "$IMAGE" >/dev/null || die "podman run failed"
+deadline=$(( $(date +%s) + 120 ))
+health=""
+while :; do
+  state=$(pm inspect --format '{{.State.Status}}' "$NAME")
+  if [ "$state" != running ]; then
+    pm logs "$NAME" 2>&1 | tail -30
+    die "container is '$state' before it became healthy"
+  fi
+  # Runs the image's HEALTHCHECK command inside the container (no systemd timer here to do it).
+  if pm healthcheck run "$NAME" >/dev/null 2>&1; then
+    health=$(pm inspect --format '{{.State.Health.Status}}' "$NAME" 2>/dev/null ||
+             pm inspect --format '{{.State.Healthcheck.Status}}' "$NAME" 2>/dev/null || true)
+    break
+  fi
+  [ "$(date +%s)" -lt "$deadline" ] || { pm logs "$NAME" 2>&1 | tail -30; die "not SERVING after 120 s"; }
+  sleep 1
+done
+[ "$health" = healthy ] || die "health check passed but podman reports '$health'"
+ok "SERVING on 127.0.0.1:${port} (HEALTHCHECK: $health)"
+
+# --- 4. verified calls -----------------------------------------------------------------------------------
+# From a separate container, as a client on the same host would be; random inputs, checked against the
+# double-precision CPU reference by attn itself (non-zero exit on a wrong answer).
+call=(attn call --verify --batch 2 --q_len 96 --kv_len 160 --q_heads 4 --kv_heads 2 --head_dim 64 --seed 7)
+out=$(timeout 300 "${PODMAN[@]}" run --rm --no-healthcheck --network host "${ULIMITS[@]}" "$IMAGE" \
+        "${call[@]}" --target "127.0.0.1:${port}" --request_id ci-tcp 2>&1) || { echo "$out"; die "verified call over TCP"; }
+echo "$out" | sed 's/^/  /'
+echo "$out" | grep -q '^verify: PASS' || die "attn call over TCP did not report verify: PASS"
+ok "verified attn call over TCP from a second container"
+
+out=$(timeout 300 "${PODMAN[@]}" exec "$NAME" "${call[@]}" --causal --target unix:/run/attnd/attnd.sock \
+        --request_id ci-unix 2>&1) || { echo "$out"; die "verified call over the unix socket"; }
+echo "$out" | sed 's/^/  /'
+echo "$out" | grep -q '^verify: PASS' || die "attn call over the unix socket did not report verify: PASS"
+[ -S "$sockdir/attnd.sock" ] || die "no unix socket on the shared volume"
+ok "verified causal attn call over the unix socket (socket visible on the host volume)"
+
+# The environment's flags reached the server: GetServerInfo reports the queue limit set above.
+out=$(timeout 60 "${PODMAN[@]}" exec "$NAME" attn info --target "127.0.0.1:${port}" 2>&1) || { echo "$out"; die "attn info"; }
+echo "$out" | grep -q -E '(max_queue|queue)[^0-9]*17\b' || { echo "$out"; die "ATTND_MAX_QUEUE=17 not reported by attn info"; }
+echo "$out" | grep -q -i 'cpu' || { echo "$out"; die "attn info does not report the cpu backend"; }
+ok "flags from the environment reached the server (backend cpu, max_queue 17)"
+
+# --- 5. SIGTERM while a request is in flight, clean exit -------------------------------------------------
+# A call big enough to take seconds on one CPU thread, from its own container (a client inside attnd's
+# container would die with it). SIGTERM is sent only once the server reports it in flight, and the call must
+# still come back verified: an accepted request survives the shutdown.
+drain_log="$WORKDIR/drain-$$.log"
+timeout 600 "${PODMAN[@]}" run --rm --no-healthcheck --network host "${ULIMITS[@]}" "$IMAGE" \
+  attn call --verify --batch 1 --q_len 1024 --kv_len 2048 --q_heads 8 --head_dim 128 --seed 11 \
+  --target "127.0.0.1:${port}" --request_id ci-drain > "$drain_log" 2>&1 &
+drain_pid=$!
+deadline=$(( $(date +%s) + 180 ))
+until pm exec "$NAME" attn stats --target "127.0.0.1:${port}" 2>/dev/null | grep -q -E 'in flight [1-9]'; do
+  kill -0 "$drain_pid" 2>/dev/null || { cat "$drain_log"; die "the drain call ended before it was seen in flight"; }
+  [ "$(date +%s)" -lt "$deadline" ] || die "the drain call never showed up in flight"
+  sleep 0.2
+done
+t0=$(date +%s)
+# podman stop sends the image's STOPSIGNAL (SIGTERM) and would SIGKILL after --time: exit code 137 then.
+pm stop --time 90 "$NAME" >/dev/null || die "podman stop failed"
+code=$(pm inspect --format '{{.State.ExitCode}}' "$NAME")
+logs=$(pm logs "$NAME" 2>&1)
+[ "$code" = 0 ] || { echo "$logs" | tail -30; die "attnd exited with $code after SIGTERM"; }
+echo "$logs" | grep -q 'received SIGTERM' || { echo "$logs" | tail -30; die "no SIGTERM shutdown in the log"; }
+echo "$logs" | grep -q -E 'shutting down: [1-9][0-9]* requests? in flight' ||
+  { echo "$logs" | tail -30; die "the server did not report the drain call in flight at shutdown"; }
+echo "$logs" | tail -n1 | grep -q 'attnd stopped' || { echo "$logs" | tail -30; die "the log does not end with 'attnd stopped'"; }
+if echo "$logs" | grep -q -E '\[(error|critical)\]'; then
+  echo "$logs" | tail -30; die "errors in the server log"
+fi
+echo "$logs" | tail -4 | sed 's/^/  /'
+ok "SIGTERM: exit code 0 after $(( $(date +%s) - t0 ))s, clean shutdown logged"
+
+wait "$drain_pid" || { cat "$drain_log"; die "the call in flight at SIGTERM failed"; }
+sed 's/^/  /' "$drain_log"
+grep -q '^verify: PASS' "$drain_log" || die "the call in flight at SIGTERM was not verified"
+ok "the call in flight at SIGTERM was answered and verified"
+rm -f "$drain_log"
+
+rm -rf "$sockdir"
+echo "container_test: ${passed} passed, ${failed} failed"
