@@ -340,6 +340,14 @@ int CmdBench(Client& client) {
   return 0;
 }
 
+// `attn health`: the grpc.health.v1 check alone, for container HEALTHCHECKs and scripts (exit 0 only when
+// SERVING). Unlike `attn info` it calls no Attention RPC, so it needs nothing a health check is exempt from.
+int CmdHealth(Client& client) {
+  absl::Status health = client.CheckHealth("", CallOpts());
+  std::cout << client.options().target << ": " << (health.ok() ? "SERVING" : std::string(health.message())) << "\n";
+  return health.ok() ? 0 : kExitFail;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -347,18 +355,19 @@ int main(int argc, char** argv) {
       "attnd client.\n"
       "  attn info  [--target=host:port]             server, backend, devices, limits, health\n"
       "  attn stats [--target=...]                   server counters\n"
+      "  attn health [--target=...]                  grpc.health.v1 check: exit 0 when SERVING\n"
       "  attn call  [shape flags] [--verify]         one Forward (random or --q_file/--k_file/--v_file inputs)\n"
       "  attn bench [shape flags] [--concurrency=N] [--rate=R] [--duration=10s | --requests=N] [--warmup=1s]\n"
       "             [--verify_every=N] [--json=F] [--csv=F]   load test\n"
       "Shape flags: --batch --q_len --kv_len --q_heads --kv_heads --head_dim --dtype --mask|--causal --scale --lse");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
-    std::cerr << "usage: attn info|stats|call|bench [flags]   (attn --help for the flags)\n";
+    std::cerr << "usage: attn info|stats|call|bench|health [flags]   (attn --help for the flags)\n";
     return kExitUsage;
   }
   const std::string cmd = args[1];
-  if (cmd != "info" && cmd != "stats" && cmd != "call" && cmd != "bench") {
-    std::cerr << "attn: unknown command '" << cmd << "' (info, stats, call, bench)\n";
+  if (cmd != "info" && cmd != "stats" && cmd != "call" && cmd != "bench" && cmd != "health") {
+    std::cerr << "attn: unknown command '" << cmd << "' (info, stats, call, bench, health)\n";
     return kExitUsage;
   }
   auto client = Connect();
@@ -369,5 +378,6 @@ int main(int argc, char** argv) {
   if (cmd == "info") return CmdInfo(**client);
   if (cmd == "stats") return CmdStats(**client);
   if (cmd == "call") return CmdCall(**client);
+  if (cmd == "health") return CmdHealth(**client);
   return CmdBench(**client);
 }
