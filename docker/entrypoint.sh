@@ -9,22 +9,17 @@
 set -eu
 
 if [ "${1:-}" = "--healthcheck" ]; then
-  target="--target=${ATTND_HEALTHCHECK_TARGET:-127.0.0.1:50051}"
-  # `attn health` asks grpc.health.v1 alone (no token needed once auth exists). A CLI without that command:
-  # `attn info`, which also exits non-zero unless the same health check answers SERVING.
-  if /usr/local/bin/attn --help 2>&1 | grep -q 'attn health'; then
-    exec /usr/local/bin/attn health "$target"
-  fi
-  exec /usr/local/bin/attn info "$target" >/dev/null
+  # grpc.health.v1 alone; the deadline stays inside the HEALTHCHECK's 3 s timeout so a hung server reads as
+  # unhealthy rather than as a killed check.
+  exec /usr/local/bin/attn health --target="${ATTND_HEALTHCHECK_TARGET:-127.0.0.1:50051}" --deadline_ms=2500
 fi
 if [ "$#" -gt 0 ] && [ "${1#-}" = "$1" ]; then
   exec "$@"
 fi
 
-# Variables read by this script itself, not server flags.
 for name in $(env | sed -n 's/^\(ATTND_[A-Z0-9_]*\)=.*/\1/p' | sort -r); do
   case "$name" in
-    ATTND_HEALTHCHECK_TARGET) continue ;;
+    ATTND_HEALTHCHECK_TARGET) continue ;;  # read by this script, not a server flag
   esac
   flag=$(printf '%s' "${name#ATTND_}" | tr 'A-Z' 'a-z')
   eval "value=\${$name}"

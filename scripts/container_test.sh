@@ -134,7 +134,11 @@ while :; do
   sleep 1
 done
 [ "$health" = healthy ] || die "health check passed but podman reports '$health'"
-ok "SERVING on 127.0.0.1:${port} (HEALTHCHECK: $health)"
+# ...and the same check fails where nothing serves, so "healthy" above means something.
+if pm exec -e ATTND_HEALTHCHECK_TARGET=127.0.0.1:1 "$NAME" /usr/local/bin/attnd-entrypoint --healthcheck >/dev/null 2>&1; then
+  die "the health check passes against a port where nothing listens"
+fi
+ok "SERVING on 127.0.0.1:${port} (HEALTHCHECK: $health; fails against a closed port)"
 
 # --- 4. verified calls -----------------------------------------------------------------------------------
 # From a separate container, as a client on the same host would be; random inputs, checked against the
