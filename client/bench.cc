@@ -187,6 +187,13 @@ absl::StatusOr<BenchReport> RunBench(Client& client, std::shared_ptr<const v1::F
     --run.in_flight;
     if (!measured) {
       ++run.warmup_done;
+      // The progress line shows the warmup's pace too.
+      if (r.ok()) {
+        ++run.window_ok;
+        run.window_lat_us += absl::ToDoubleMicroseconds(now - t0);
+      } else {
+        ++run.window_err;
+      }
       return;
     }
     run.last_done = std::max(run.last_done, now);
@@ -233,8 +240,10 @@ absl::StatusOr<BenchReport> RunBench(Client& client, std::shared_ptr<const v1::F
       if (opt.progress) {
         const double avg_ms = run.window_ok ? run.window_lat_us / run.window_ok / 1000.0 : 0;
         opt.progress(absl::StrFormat(
-            "[%6.1fs]%s %lld ok, %lld errors, %.1f req/s, mean latency %.2f ms, in flight %d",
-            absl::ToDoubleSeconds(now - start), now < warmup_end ? " warmup" : "", static_cast<long long>(run.ok),
+            "[%6.1fs] %s%lld ok, %lld errors, %.1f req/s, mean latency %.2f ms, in flight %d",
+            absl::ToDoubleSeconds(now - start),
+            now < warmup_end ? absl::StrCat("warmup ", run.warmup_done, " done, ") : std::string(),
+            static_cast<long long>(run.ok),
             static_cast<long long>(run.errors),
             static_cast<double>(run.window_ok + run.window_err) / absl::ToDoubleSeconds(now - window_start), avg_ms,
             run.in_flight));
