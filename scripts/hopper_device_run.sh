@@ -9,22 +9,29 @@ C=.carry-hopper
 OUT=${OUT:-/tmp/hopper-out}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests sanitize sass bench)
+[ ${#steps[@]} -eq 0 ] && steps=(sass smoke tests sanitize bench)
+export LD_LIBRARY_PATH="$PWD/$C/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # Debian's absl .so for the C ABI
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv \
   | tee "$OUT/env.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version())' >> "$OUT/env.txt"
 for step in "${steps[@]}"; do
   case $step in
+    smoke)
+      # One small case per head_dim first: a hang here costs 30 s, not the whole call.
+      timeout 30 "$C/gpu_attention_test" --gtest_filter='*hopper_sm90_d*_sq129_tl*' 2>&1 | tail -15
+      echo "smoke rc=$?" ;;
     tests)
       # Every hopper configuration on the whole case list, the auto choice, and the host-API tests.
-      timeout 420 "$C/gpu_attention_test" --gtest_filter='*hopper_*:*auto_*:KernelApi*' \
+      timeout ${TEST_TIMEOUT:-200} "$C/gpu_attention_test" --gtest_filter='*hopper_*:*auto_*:KernelApi*' \
         --gtest_output=xml:"$OUT/gpu_test.xml" > "$OUT/gpu_test.log" 2>&1
       echo "tests rc=$?"; grep -E '^\[  (PASSED|FAILED) |tests? ran|FAILED  \]' "$OUT/gpu_test.log" | tail -40 ;;
     sanitize)
-      for tool in memcheck racecheck synccheck; do
-        ATTND_GPU_TEST_SMALL=1 timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 "$C/gpu_attention_test" \
-          --gtest_filter='*hopper_sm90_d128_m128n128s2_d128_sq129_tl*:*hopper_sm90_d64_m128n128s4_d64_q17kv129_br*:*hopper_sm90_d256_m128n64s2_d256_b2_mqa4to1_br*' \
-          >> "$OUT/sanitizer.log" 2>&1
+      small='*hopper_sm90_d128_m128n128s3_d128_sq129_tl*:*hopper_sm90_d64_m128n128s4_d64_q17kv129_br*:*hopper_sm90_d256_m128n64s2_d256_q17kv129_none*:*hopper_sm90_d128_m128n128s2_d128_b3_gqa8to2_tl*:*hopper_sm90_d64_m192n128s4_polyexp_d64_sq129_br*:*hopper_sm90_d64_m192n128s4_d64_b3_gqa8to2_tl*'
+      for tool in ${SANITIZE_TOOLS:-memcheck synccheck racecheck}; do
+        # racecheck instruments every shared-memory access: one tiny case only (v1: 90 s were not enough).
+        filter=$small; [ $tool = racecheck ] && filter='*hopper_sm90_d128_m128n128s2_d128_sq17_none*'
+        ATTND_GPU_TEST_SMALL=1 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 "$C/gpu_attention_test" \
+          --gtest_filter="$filter" >> "$OUT/sanitizer.log" 2>&1
         echo "sanitizer $tool rc=$?" | tee -a "$OUT/sanitizer.log"
       done
       grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/sanitizer.log" | tail -12 ;;
@@ -52,8 +59,8 @@ PY
       wc -l "$OUT/sass_d128.txt" ;;
     bench|quickbench)
       extra=""; [ "$step" = quickbench ] && extra="--quick"
-      PYTHONUNBUFFERED=1 timeout 400 python3 kernels/bench/hopper_bench.py --lib "$C/libattnd_kernels_c.so" \
-        --configs "${HOPPER_BENCH_CONFIGS:-hopper,seed}" --json "$OUT/bench.json" $extra > "$OUT/bench.log" 2>&1
+      PYTHONUNBUFFERED=1 timeout ${BENCH_TIMEOUT:-200} python3 kernels/bench/hopper_bench.py --lib "$C/libattnd_kernels_c.so" \
+        --configs "${HOPPER_BENCH_CONFIGS:-hopper,seed}" --rep "${BENCH_REP:-100}" --json "$OUT/bench.json" $extra > "$OUT/bench.log" 2>&1
       echo "bench rc=$?"; tail -45 "$OUT/bench.log" ;;
   esac
 done

@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     SetMaxRegsDec<Tile::kProducerRegs>();
     if (threadIdx.x == 0) {
       ProducerSm90<Tile> producer{&q_map, &k_map, &v_map, smem};
-      for (int t = blockIdx.x; t < sp.total_tiles; t += gridDim.x) {
+      for (int round = 0, t; (t = TileOfRound(sp, round, blockIdx.x, gridDim.x)) >= 0; ++round) {
         const TileCoord c = TileAt(sp, t);
         producer.LoadTile(p, c.q_tile, c.head, c.batch);
       }
@@ -62,12 +62,13 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   } else {
     SetMaxRegsInc<Tile::kConsumerRegs>();
     ConsumerSm90<Tile, Elem> consumer{smem, warpgroup - 1};
-    // Warpgroup 0 takes the first turn; the matching extra wait is at the end.
+    // Warpgroup 0 takes the first turn (the last one hands it over up front); the matching extra wait is at
+    // the end, so no barrier is left half-arrived when the block exits.
     if constexpr (Tile::kPingPong) {
-      if (consumer.wg == 1) PassTurn(1);
+      if (consumer.wg == Tile::kConsumerWarpgroups - 1) PassTurn<Tile::kConsumerWarpgroups>(consumer.wg);
     }
     const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-    for (int t = blockIdx.x; t < sp.total_tiles; t += gridDim.x) {
+    for (int round = 0, t; (t = TileOfRound(sp, round, blockIdx.x, gridDim.x)) >= 0; ++round) {
       const TileCoord c = TileAt(sp, t);
       const int q0 = c.q_tile * Tile::kBlockM;
       const int row0 = q0 + consumer.wg * 64 + warp * 16 + (lane >> 2);
@@ -84,7 +85,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
     }
     if constexpr (Tile::kPingPong) {
-      if (consumer.wg == 0) WaitTurn(0);
+      if (consumer.wg == 0) WaitTurn<Tile::kConsumerWarpgroups>(0);
     }
   }
 #endif

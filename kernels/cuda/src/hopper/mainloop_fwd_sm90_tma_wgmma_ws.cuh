@@ -159,7 +159,7 @@ struct ConsumerSm90 {
   using Softmax = SoftmaxSm90<BN>;
 
   SharedStorageSm90<Tile> smem;
-  int wg;        // 0 or 1: which 64 rows of the tile
+  int wg;        // which 64 rows of the tile
   int load = 0;  // K/V loads consumed so far (all tiles), mirrors the producer's count
   int q_tiles = 0;
 
@@ -214,16 +214,18 @@ struct ConsumerSm90 {
   }
 
   __device__ __forceinline__ void TurnBegin() const {
-    if constexpr (Tile::kPingPong) WaitTurn(wg);
+    if constexpr (Tile::kPingPong) WaitTurn<Tile::kConsumerWarpgroups>(wg);
   }
   __device__ __forceinline__ void TurnEnd() const {
-    if constexpr (Tile::kPingPong) PassTurn(wg);
+    if constexpr (Tile::kPingPong) PassTurn<Tile::kConsumerWarpgroups>(wg);
   }
 
   __device__ __forceinline__ bool SoftmaxStep(Softmax& sm, float (&s)[kSRegs], const LaunchParams& p, int block,
                                               const KeyRange& r, int limit0, int limit1, float (&f)[2]) const {
-    if (block >= r.n_full) return sm.template Step<true>(s, p.scale_log2, block * BN, limit0, limit1, f);
-    return sm.template Step<false>(s, p.scale_log2, block * BN, limit0, limit1, f);
+    if (block >= r.n_full) {
+      return sm.template Step<true, Tile::kPolyExpEvery>(s, p.scale_log2, block * BN, limit0, limit1, f);
+    }
+    return sm.template Step<false, Tile::kPolyExpEvery>(s, p.scale_log2, block * BN, limit0, limit1, f);
   }
 
   // Runs one tile's key blocks; on return o holds the unnormalised output and sm the row max / sums.

@@ -1,6 +1,6 @@
 // Named barriers of the Hopper family (bar.sync / bar.arrive with an id and a thread count). Id 0 is
-// __syncthreads'; the ping-pong pair lets consumer warpgroup w wait for its turn to issue GEMMs
-// (bar.sync on its own id, 256 threads) while the other signals it (bar.arrive on that id).
+// __syncthreads'; the scheduler barriers let consumer warpgroup w wait for its turn to issue GEMMs
+// (bar.sync on its own id, 256 threads) while the one before it signals it (bar.arrive on that id).
 #pragma once
 
 namespace attnd::kernels::hopper {
@@ -8,6 +8,7 @@ namespace attnd::kernels::hopper {
 enum class FwdNamedBarrier : int {
   kWarpSchedulerWG1 = 1,  // consumer warpgroup 0 may issue its next GEMMs
   kWarpSchedulerWG2 = 2,  // consumer warpgroup 1 may issue its next GEMMs
+  kWarpSchedulerWG3 = 3,  // consumer warpgroup 2 may issue its next GEMMs (3-warpgroup tiles)
 };
 
 // Ids are immediates, so ptxas reserves only the barriers named here (a register id reserves all 16).
@@ -21,21 +22,36 @@ __device__ __forceinline__ void NamedBarrierArrive() {
   asm volatile("bar.arrive %0, %1;" ::"n"(static_cast<int>(kId)), "n"(kThreads) : "memory");
 }
 
-// Consumer warpgroup `wg` waits for its turn to issue GEMMs / hands the turn to the other one.
-__device__ __forceinline__ void WaitTurn(int wg) {
+// Turns go round the consumer warpgroups 0, 1, .., n-1, 0, ...: warpgroup wg waits on its own barrier
+// (its 128 threads plus the 128 of the one handing over) and hands over on the next one's.
+__device__ __forceinline__ void SyncSchedulerBarrier(int wg) {
   if (wg == 0) {
     NamedBarrierSync<FwdNamedBarrier::kWarpSchedulerWG1, 256>();
-  } else {
+  } else if (wg == 1) {
     NamedBarrierSync<FwdNamedBarrier::kWarpSchedulerWG2, 256>();
+  } else {
+    NamedBarrierSync<FwdNamedBarrier::kWarpSchedulerWG3, 256>();
   }
 }
 
-__device__ __forceinline__ void PassTurn(int wg) {
+__device__ __forceinline__ void ArriveSchedulerBarrier(int wg) {
   if (wg == 0) {
+    NamedBarrierArrive<FwdNamedBarrier::kWarpSchedulerWG1, 256>();
+  } else if (wg == 1) {
     NamedBarrierArrive<FwdNamedBarrier::kWarpSchedulerWG2, 256>();
   } else {
-    NamedBarrierArrive<FwdNamedBarrier::kWarpSchedulerWG1, 256>();
+    NamedBarrierArrive<FwdNamedBarrier::kWarpSchedulerWG3, 256>();
   }
+}
+
+template <int kConsumerWGs>
+__device__ __forceinline__ void WaitTurn(int wg) {
+  SyncSchedulerBarrier(wg);
+}
+
+template <int kConsumerWGs>
+__device__ __forceinline__ void PassTurn(int wg) {
+  ArriveSchedulerBarrier(wg + 1 == kConsumerWGs ? 0 : wg + 1);
 }
 
 }  // namespace attnd::kernels::hopper

@@ -10,20 +10,26 @@
 
 namespace attnd::kernels::hopper {
 
-template <int HeadDim, int BlockN, int Stages, bool PingPong = true, bool IntraOverlap = true>
+template <int HeadDim, int BlockN, int Stages, bool PingPong = true, bool IntraOverlap = true,
+          int ConsumerWarpgroups = 2, int PolyExpEvery = 0>
 struct TileShape {
   static constexpr int kHeadDim = HeadDim;
-  static constexpr int kBlockM = 128;
+  static constexpr int kBlockM = 64 * ConsumerWarpgroups;
   static constexpr int kBlockN = BlockN;
   static constexpr int kStages = Stages;
   // PingPong: the two consumer warpgroups take turns issuing GEMMs (named barriers), so one's softmax runs
   // under the other's GEMMs. IntraOverlap: inside a warpgroup, softmax of block j runs under P V of block j+1.
   static constexpr bool kPingPong = PingPong;
   static constexpr bool kIntraOverlap = IntraOverlap;
-  static constexpr int kConsumerWarpgroups = 2;
+  // Three consumer warpgroups (FA3's choice at head_dim 64, where the softmax outlasts the GEMMs): two can
+  // be in softmax while the third runs its GEMMs.
+  static constexpr int kConsumerWarpgroups = ConsumerWarpgroups;
+  // Every kPolyExpEvery-th 8-column group of S is exponentiated on the FMA pipe (softmax_sm90.cuh); 0: none.
+  static constexpr int kPolyExpEvery = PolyExpEvery;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  // setmaxnreg split of the 64K-register file (multiples of 8): producer + consumers <= 512 per thread slot.
+  static constexpr int kProducerRegs = ConsumerWarpgroups == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = ConsumerWarpgroups == 2 ? 240 : 160;
   // head_dim is stored as 64-element (128-byte) panels: the widest row TMA's 128-byte swizzle allows, and
   // exactly one wgmma K-major swizzle atom row.
   static constexpr int kPanels = HeadDim / 64;
@@ -36,19 +42,28 @@ struct TileShape {
   static constexpr size_t kSmemBytes = 1024 + kQBytes + 2 * Stages * kKVTileBytes + 8 * kBarriers;
 
   static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "head_dim 64, 128 or 256");
+  static_assert(ConsumerWarpgroups == 2 || ConsumerWarpgroups == 3, "2 or 3 consumer warpgroups (named barriers)");
+  static_assert(PingPong || ConsumerWarpgroups == 2, "3 consumer warpgroups only make sense taking turns");
+  static_assert(kBlockM <= 256, "one TMA box spans at most 256 rows");
   static_assert(BlockN % 16 == 0 && BlockN >= 64 && BlockN <= 256, "block_n: wgmma N of S and k16 steps of P V");
   static_assert((BlockN * 128) % 1024 == 0, "each K/V panel must keep the 1024-byte swizzle-atom alignment");
   static_assert(Stages >= 2, "the producer needs at least two stages to run ahead of the consumers");
-  static_assert(HeadDim / 2 + BlockN / 2 + BlockN / 4 + 40 <= kConsumerRegs, "O + S + P must fit the consumer budget");
+  // O + S + P plus ~32 for addresses, softmax state and loop counters (ptxas -v must still show no spills).
+  static_assert(HeadDim / 2 + BlockN / 2 + BlockN / 4 + 32 <= kConsumerRegs, "O + S + P must fit the consumer budget");
   static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= 65536 / 128, "register file per SM");
+  static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
   static_assert(kSmemBytes <= 232448, "Hopper allows 227 KB of shared memory per block");
 };
 
-// The configurations that are compiled. Names: hopper_sm90_d<head_dim>_m128n<block_n>s<stages>[_variant].
+// The configurations that are compiled. Names: hopper_sm90_d<head_dim>_m<block_m>n<block_n>s<stages>[_variant].
 using HopperD64N128S4 = TileShape<64, 128, 4>;
+using HopperD64M192N128S4 = TileShape<64, 128, 4, true, true, 3>;
+using HopperD64M192N128S4Poly = TileShape<64, 128, 4, true, true, 3, 4>;
+using HopperD64N128S4Poly = TileShape<64, 128, 4, true, true, 2, 4>;
 using HopperD128N128S2 = TileShape<128, 128, 2>;
 using HopperD128N128S2Plain = TileShape<128, 128, 2, false, false>;  // no ping-pong, no overlap: baseline
 using HopperD128N128S3 = TileShape<128, 128, 3>;
+using HopperD128N160S2 = TileShape<128, 160, 2>;
 // Not compiled: 128x176 (FA3's non-causal d128 shape) spilled 64-80 bytes with S + P + O = 196 registers.
 using HopperD256N64S2 = TileShape<256, 64, 2>;
 using HopperD256N80S2 = TileShape<256, 80, 2>;
