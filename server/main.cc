@@ -30,6 +30,11 @@ ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, crit
 ABSL_FLAG(std::string, devices, "", "CUDA devices to serve, comma-separated indices (empty: all)");
 ABSL_FLAG(int, streams, 4, "CUDA streams per device");
 ABSL_FLAG(bool, enable_cuda_ipc, false, "accept RegisterCudaBuffer (CUDA IPC, same host) on the cuda backend");
+ABSL_FLAG(uint64_t, memory_budget_mb, 0,
+          "CUDA device (and pinned staging) memory the stream pool may hold per device, MiB (0: 80% of free)");
+ABSL_FLAG(std::string, warm_shapes, "",
+          "CUDA: shapes BxLqxLkxHqxHkxD,... pre-allocated and with tensor maps pre-encoded at start");
+ABSL_FLAG(uint64_t, tensor_map_cache, 4096, "CUDA: encoded TMA tensor maps kept in the LRU cache");
 ABSL_FLAG(bool, ipc_over_tcp, false, "serve CUDA IPC registration over TCP too (default: the unix socket only)");
 ABSL_FLAG(double, shutdown_grace_s, 60, "seconds a shutdown waits for accepted calls before cancelling the rest");
 
@@ -65,6 +70,9 @@ int main(int argc, char** argv) {
   backend_options.max_queue = absl::GetFlag(FLAGS_max_queue);
   backend_options.streams_per_device = absl::GetFlag(FLAGS_streams);
   backend_options.enable_cuda_ipc = absl::GetFlag(FLAGS_enable_cuda_ipc);
+  backend_options.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_mb) << 20;
+  backend_options.warm_shapes = absl::GetFlag(FLAGS_warm_shapes);
+  backend_options.tensor_map_cache_entries = absl::GetFlag(FLAGS_tensor_map_cache);
   for (absl::string_view d : absl::StrSplit(absl::GetFlag(FLAGS_devices), ',', absl::SkipWhitespace())) {
     int index;
     if (!absl::SimpleAtoi(d, &index) || index < 0) {

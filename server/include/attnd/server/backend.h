@@ -126,6 +126,10 @@ struct BackendOptions {
   int streams_per_device = 4;      // CUDA stream pool size per device
   uint64_t memory_budget_bytes = 0;  // CUDA staging/device memory budget per device (0: 80% of free)
   bool enable_cuda_ipc = false;
+  // CUDA: shapes "BxLqxLkxHqxHkxD,..." whose buffers are pre-allocated and tensor maps pre-encoded at start.
+  std::string warm_shapes;
+  size_t tensor_map_cache_entries = 4096;  // CUDA: encoded tensor maps kept (LRU)
+  bool poison_outputs = false;             // CUDA, tests: NaN-fill output buffers before each launch
 };
 
 // "cpu", "cuda", or "auto" (CUDA when a usable GPU is present, else CPU).

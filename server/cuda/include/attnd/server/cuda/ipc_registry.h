@@ -1,0 +1,108 @@
+// Same-host zero-copy buffers (CUDA IPC), in the manner of Triton's shared-memory manager: a non-copyable,
+// mutex-guarded map of shared_ptr regions. A caller's cudaIpcMemHandle is opened once per handle (several
+// regions of one allocation share the mapping), the region is checked against the real allocation size,
+// and every use is bounds- and overflow-checked. A request holds a Lease on each region it touches, so an
+// Unregister during the request drops the name at once but unmaps only after the request has finished.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "attnd/problem.h"
+#include "attnd/server/backend.h"
+
+namespace attnd::server::cuda {
+
+// Bytes spanned by a [batch, seq, heads, head_dim] tensor with element strides `st` (head_dim contiguous):
+// from its first element to one past its last. INVALID_ARGUMENT naming `field` when it overflows.
+absl::StatusOr<uint64_t> TensorSpanBytes(const std::string& field, int64_t batch, int64_t seq, int64_t heads,
+                                         int64_t head_dim, const Strides& st, uint64_t elem_bytes);
+
+// OK when [offset, offset + bytes) lies inside a region of `region_bytes`; INVALID_ARGUMENT naming `field`
+// otherwise (overflow included).
+absl::Status CheckInRegion(const std::string& field, uint64_t offset, uint64_t bytes, uint64_t region_bytes);
+
+// One opened cudaIpcMemHandle; closed when the last region using it is gone.
+class IpcMapping {
+ public:
+  IpcMapping(int device, void* base, uint64_t allocation_bytes) : device_(device), base_(base), bytes_(allocation_bytes) {}
+  ~IpcMapping();
+  IpcMapping(const IpcMapping&) = delete;
+  IpcMapping& operator=(const IpcMapping&) = delete;
+  int device() const { return device_; }
+  uint8_t* base() const { return static_cast<uint8_t*>(base_); }
+  uint64_t allocation_bytes() const { return bytes_; }
+
+ private:
+  const int device_;
+  void* const base_;
+  const uint64_t bytes_;
+};
+
+struct IpcRegion {
+  std::string id, name;
+  int device = 0;
+  uint64_t offset = 0, byte_size = 0;  // within the allocation
+  std::shared_ptr<IpcMapping> mapping;
+  std::atomic<uint32_t> in_flight{0};
+  uint8_t* data() const { return mapping->base() + offset; }
+};
+
+// Keeps a region mapped (and counted in requests_in_flight) while a request uses it.
+class Lease {
+ public:
+  Lease() = default;
+  explicit Lease(std::shared_ptr<IpcRegion> r) : region_(std::move(r)) { region_->in_flight.fetch_add(1); }
+  ~Lease() { Reset(); }
+  Lease(Lease&& o) noexcept : region_(std::move(o.region_)) {}
+  Lease& operator=(Lease&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      region_ = std::move(o.region_);
+    }
+    return *this;
+  }
+  Lease(const Lease&) = delete;
+  Lease& operator=(const Lease&) = delete;
+  const IpcRegion* operator->() const { return region_.get(); }
+  explicit operator bool() const { return region_ != nullptr; }
+
+ private:
+  void Reset() {
+    if (region_) region_->in_flight.fetch_sub(1);
+    region_.reset();
+  }
+  std::shared_ptr<IpcRegion> region_;
+};
+
+class IpcRegistry {
+ public:
+  // `devices`: the CUDA devices this server serves (a registration on another one is INVALID_ARGUMENT).
+  explicit IpcRegistry(std::vector<int> devices);
+  ~IpcRegistry();
+  IpcRegistry(const IpcRegistry&) = delete;
+  IpcRegistry& operator=(const IpcRegistry&) = delete;
+
+  absl::StatusOr<std::string> Register(const CudaBufferRegistration& reg);
+  absl::Status Unregister(const std::string& id);
+  std::vector<CudaBufferDescription> List() const;
+  // INVALID_ARGUMENT naming `field` for an unknown id.
+  absl::StatusOr<Lease> Acquire(const std::string& field, const std::string& id) const;
+
+ private:
+  const std::vector<int> devices_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<IpcRegion>> regions_ ABSL_GUARDED_BY(mu_);
+  // The 64 handle bytes -> the open mapping, so one handle is opened once however many regions use it.
+  std::map<std::string, std::weak_ptr<IpcMapping>> mappings_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace attnd::server::cuda

@@ -1,0 +1,737 @@
+// The CUDA backend: per served device a warm primary context, a pool of slots (one stream, four timing
+// events and one worker thread each), caching allocators for device buffers and pinned staging bounded by
+// the memory budget, and a shared tensor-map cache. A slot's worker waits for its own stream's events, so
+// no gRPC thread ever waits for the GPU; `done` runs on the worker once the kernel (and the copy back) has
+// finished.
+#include "attnd/server/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "attnd/kernels/attention.h"
+#include "attnd/server/cuda/block_cache.h"
+#include "attnd/server/cuda/ipc_registry.h"
+#include "attnd/server/cuda/tensor_map_cache.h"
+#include "attnd/server/status_util.h"
+#include "spdlog/spdlog.h"
+
+namespace attnd::server {
+namespace {
+
+using cuda::Block;
+using cuda::BlockCache;
+using cuda::Lease;
+using cuda::TensorMapCache;
+
+absl::Status CudaStatus(const char* what, cudaError_t err) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
+}
+
+double Micros(absl::Duration d) { return absl::ToDoubleMicroseconds(d); }
+
+// Buffer placement inside a slot's device block (and, at the same offsets, its pinned staging block): the
+// inline inputs first, so one H2D copy moves them all, then the outputs, so one D2H copy returns them.
+struct Placement {
+  static constexpr uint64_t kAbsent = ~uint64_t{0};
+  uint64_t q = kAbsent, k = kAbsent, v = kAbsent, o = kAbsent, lse = kAbsent;
+  uint64_t in_bytes = 0;     // [0, in_bytes): inline Q/K/V
+  uint64_t out_offset = 0;   // [out_offset, total): O (when inline) and LSE
+  uint64_t total = 0;
+};
+
+// TMA wants 16-byte aligned bases; 1 KiB keeps each tensor on its own cache lines and swizzle atoms.
+uint64_t Align(uint64_t x) { return (x + 1023) & ~uint64_t{1023}; }
+
+Placement Place(const Shape& s, bool q_inline, bool k_inline, bool v_inline, bool o_inline, bool lse) {
+  const uint64_t qb = static_cast<uint64_t>(QElems(s)) * 2, kvb = static_cast<uint64_t>(KVElems(s)) * 2;
+  Placement p;
+  uint64_t at = 0;
+  if (q_inline) p.q = at, at = Align(at + qb);
+  if (k_inline) p.k = at, at = Align(at + kvb);
+  if (v_inline) p.v = at, at = Align(at + kvb);
+  p.in_bytes = at;
+  p.out_offset = at;
+  if (o_inline) p.o = at, at = Align(at + qb);
+  if (lse) p.lse = at, at = Align(at + static_cast<uint64_t>(LseElems(s)) * sizeof(float));
+  p.total = at;
+  return p;
+}
+
+absl::StatusOr<std::vector<Shape>> ParseWarmShapes(const std::string& spec) {
+  std::vector<Shape> out;
+  for (absl::string_view item : absl::StrSplit(spec, ',', absl::SkipWhitespace())) {
+    std::vector<absl::string_view> parts = absl::StrSplit(item, 'x');
+    int64_t v[6];
+    bool ok = parts.size() == 6;
+    for (size_t i = 0; ok && i < 6; ++i) ok = absl::SimpleAtoi(parts[i], &v[i]) && v[i] >= 1;
+    if (!ok || v[3] % v[4] != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "warm_shapes: '", item, "' is not batch x q_len x kv_len x q_heads x kv_heads x head_dim, e.g. 1x4096x4096x32x8x128"));
+    }
+    out.push_back(Shape{v[0], v[1], v[2], v[3], v[4], v[5]});
+  }
+  return out;
+}
+
+// Waits for `ev` without holding a core forever: polls (yielding) through the first 2 ms, where nearly every
+// request of a serving workload completes and wake-up latency matters, then backs off.
+absl::Status WaitEvent(cudaEvent_t ev) {
+  const absl::Time start = absl::Now();
+  for (;;) {
+    const cudaError_t e = cudaEventQuery(ev);
+    if (e == cudaSuccess) return absl::OkStatus();
+    if (e != cudaErrorNotReady) return CudaStatus("the GPU work of this request failed", e);
+    if (absl::Now() - start < absl::Milliseconds(2)) {
+      std::this_thread::yield();
+    } else {
+      absl::SleepFor(absl::Microseconds(50));
+    }
+  }
+}
+
+// What Submit resolved for one job: the job, the leases on the registered buffers it names (held until the
+// job is done, so they cannot be unmapped under it) and their device pointers.
+struct Pending {
+  std::unique_ptr<ForwardJob> job;
+  std::vector<Lease> leases;  // one per distinct region, so requests_in_flight counts requests
+  const uint8_t *q_ptr = nullptr, *k_ptr = nullptr, *v_ptr = nullptr;
+  uint8_t* o_ptr = nullptr;
+};
+
+class CudaBackendImpl;
+
+// One served GPU.
+class CudaDevice {
+ public:
+  // `queued_total`: the backend-wide count of waiting jobs, decremented when a worker takes one.
+  CudaDevice(int index, const BackendOptions& options, TensorMapCache* maps, std::atomic<uint32_t>* queued_total)
+      : index_(index), options_(options), maps_(maps), queued_total_(queued_total) {}
+  ~CudaDevice();
+
+  // Context, warm-up launches, slots, pools, warm shapes, then the workers.
+  absl::Status Start(const std::vector<Shape>& warm_shapes);
+  void Enqueue(Pending p);
+  // Drains the queue (every job gets its `done`) and joins the workers.
+  void Stop();
+
+  int index() const { return index_; }
+  const DeviceDescription& description() const { return desc_; }
+  const std::vector<std::string>& kernel_names() const { return kernel_names_; }
+  uint32_t queued() const { return queued_.load(); }
+  uint32_t load() const { return queued_.load() + running_.load(); }
+  uint32_t running() const { return running_.load(); }
+
+ private:
+  struct Slot {
+    cudaStream_t stream = nullptr;
+    cudaEvent_t ev[4] = {};  // before H2D, before kernel, after kernel, after D2H
+  };
+
+  absl::Status WarmUpKernels();
+  absl::Status WarmShape(const Shape& s);
+  void SlotLoop(Slot* slot);
+  absl::Status Run(Slot& slot, Pending& p);
+
+  const int index_;
+  const BackendOptions options_;
+  TensorMapCache* const maps_;
+  std::atomic<uint32_t>* const queued_total_;
+  DeviceDescription desc_;
+  std::vector<std::string> kernel_names_;
+  std::unique_ptr<BlockCache> device_mem_, pinned_mem_;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  std::vector<std::thread> workers_;
+
+  absl::Mutex mu_;
+  std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<uint32_t> queued_{0}, running_{0};
+};
+
+CudaDevice::~CudaDevice() {
+  Stop();
+  cudaSetDevice(index_);
+  for (auto& s : slots_) {
+    for (cudaEvent_t e : s->ev) {
+      if (e) cudaEventDestroy(e);
+    }
+    if (s->stream) cudaStreamDestroy(s->stream);
+  }
+}
+
+absl::Status CudaDevice::Start(const std::vector<Shape>& warm_shapes) {
+  const absl::Time t0 = absl::Now();
+  ATTND_RETURN_IF_ERROR(CudaStatus("cudaSetDevice", cudaSetDevice(index_)));
+  // The primary context is created here, not by the first request.
+  ATTND_RETURN_IF_ERROR(CudaStatus("creating the CUDA context", cudaFree(nullptr)));
+  cudaDeviceProp prop{};
+  ATTND_RETURN_IF_ERROR(CudaStatus("cudaGetDeviceProperties", cudaGetDeviceProperties(&prop, index_)));
+  desc_ = DeviceDescription{index_, prop.name, prop.major, prop.minor, static_cast<uint64_t>(prop.totalGlobalMem),
+                            prop.multiProcessorCount};
+
+  size_t free_bytes = 0, total_bytes = 0;
+  ATTND_RETURN_IF_ERROR(CudaStatus("cudaMemGetInfo", cudaMemGetInfo(&free_bytes, &total_bytes)));
+  const uint64_t budget = options_.memory_budget_bytes ? options_.memory_budget_bytes : free_bytes / 10 * 8;
+  // Pinned staging is host RAM locked for DMA: never more than a quarter of the machine's memory.
+  const uint64_t host_ram = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t pinned_budget = std::min<uint64_t>(budget, host_ram / 4);
+  const int dev = index_;
+  device_mem_ = std::make_unique<BlockCache>(
+      cuda::RawAllocator{"device memory",
+                         [dev](uint64_t n) -> absl::StatusOr<void*> {
+                           void* p = nullptr;
+                           cudaSetDevice(dev);
+                           const cudaError_t e = cudaMalloc(&p, n);
+                           if (e != cudaSuccess) {
+                             cudaGetLastError();
+                             return CudaStatus("cudaMalloc", e);
+                           }
+                           return p;
+                         },
+                         [dev](void* p) {
+                           cudaSetDevice(dev);
+                           cudaFree(p);
+                         }},
+      budget);
+  pinned_mem_ = std::make_unique<BlockCache>(
+      cuda::RawAllocator{"pinned host memory",
+                         [](uint64_t n) -> absl::StatusOr<void*> {
+                           void* p = nullptr;
+                           const cudaError_t e = cudaMallocHost(&p, n);
+                           if (e != cudaSuccess) {
+                             cudaGetLastError();
+                             return CudaStatus("cudaMallocHost", e);
+                           }
+                           return p;
+                         },
+                         [](void* p) { cudaFreeHost(p); }},
+      pinned_budget);
+
+  for (int i = 0; i < options_.streams_per_device; ++i) {
+    auto slot = std::make_unique<Slot>();
+    ATTND_RETURN_IF_ERROR(
+        CudaStatus("cudaStreamCreate", cudaStreamCreateWithFlags(&slot->stream, cudaStreamNonBlocking)));
+    for (cudaEvent_t& e : slot->ev) ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventCreate", cudaEventCreate(&e)));
+    slots_.push_back(std::move(slot));
+  }
+  ATTND_RETURN_IF_ERROR(WarmUpKernels());
+  for (const Shape& s : warm_shapes) ATTND_RETURN_IF_ERROR(WarmShape(s));
+
+  for (auto& s : slots_) workers_.emplace_back([this, slot = s.get()] { SlotLoop(slot); });
+  spdlog::info("cuda device {} ({}, sm_{}{}, {} SMs): ready in {:.0f} ms; {} streams, budget {} MiB device / {} MiB "
+               "pinned, {} warm shapes",
+               index_, desc_.name, desc_.cc_major, desc_.cc_minor, desc_.multiprocessor_count,
+               absl::ToDoubleMilliseconds(absl::Now() - t0), slots_.size(), budget >> 20, pinned_budget >> 20,
+               warm_shapes.size());
+  return absl::OkStatus();
+}
+
+// One launch of every configuration this device runs, in both dtypes: loads the module, sets the shared-
+// memory attributes and pays every first-launch cost before the first request.
+absl::Status CudaDevice::WarmUpKernels() {
+  absl::StatusOr<std::vector<kernels::ConfigInfo>> configs = kernels::ConfigsForDevice(index_);
+  if (!configs.ok()) return configs.status();
+  const Shape s{1, 128, 128, 1, 1, 256};
+  const uint64_t bytes = static_cast<uint64_t>(QElems(s)) * 2;
+  void* buf = nullptr;
+  ATTND_RETURN_IF_ERROR(CudaStatus("cudaMalloc (warm-up)", cudaMalloc(&buf, 4 * bytes + 4096)));
+  ATTND_RETURN_IF_ERROR(CudaStatus("cudaMemset (warm-up)", cudaMemset(buf, 0, 4 * bytes + 4096)));
+  uint8_t* base = static_cast<uint8_t*>(buf);
+  absl::Status status;
+  for (const kernels::ConfigInfo& c : *configs) {
+    bool usable = true;
+    for (DType dt : {DType::kBF16, DType::kFP16}) {
+      Problem p;
+      p.shape = s;
+      p.shape.head_dim = c.head_dim;
+      p.dtype = dt;
+      p.scale = DefaultScale(c.head_dim);
+      p.want_lse = true;
+      kernels::DeviceTensors t{base, base + bytes, base + 2 * bytes, base + 3 * bytes,
+                               reinterpret_cast<float*>(base + 4 * bytes)};
+      kernels::PlanOptions po;
+      po.config = c.name;
+      po.device = index_;
+      absl::StatusOr<kernels::Plan> plan = kernels::MakePlan(p, ContiguousLayout(p.shape), t, po);
+      if (!plan.ok()) {
+        // A configuration the library lists but cannot plan (a family not built yet) is left out, not fatal.
+        spdlog::warn("device {}: warm-up skips {} ({}): {}", index_, c.name, DTypeName(dt),
+                     std::string(plan.status().message()));
+        usable = false;
+        break;
+      }
+      status = kernels::Launch(*plan, slots_[0]->stream);
+      if (!status.ok()) break;
+    }
+    if (!status.ok()) break;
+    if (usable) kernel_names_.push_back(c.name);
+  }
+  if (status.ok()) status = CudaStatus("warm-up launches", cudaStreamSynchronize(slots_[0]->stream));
+  cudaFree(buf);
+  if (!status.ok()) return absl::InternalError(absl::StrCat("device ", index_, " warm-up: ", status.message()));
+  return absl::OkStatus();
+}
+
+// Pre-allocates one block set per slot for shape `s` (LSE included, so requests with or without LSE reuse
+// it) and pre-encodes the tensor maps the kernel will use on those blocks, in both dtypes.
+absl::Status CudaDevice::WarmShape(const Shape& s) {
+  const Placement pl = Place(s, true, true, true, true, true);
+  std::vector<std::pair<Block, Block>> held;
+  absl::Status status;
+  for (size_t i = 0; i < slots_.size() && status.ok(); ++i) {
+    absl::StatusOr<Block> d = device_mem_->Acquire(pl.total);
+    if (!d.ok()) {
+      status = d.status();
+      break;
+    }
+    absl::StatusOr<Block> h = pinned_mem_->Acquire(pl.total);
+    if (!h.ok()) {
+      device_mem_->Release(*d);
+      status = h.status();
+      break;
+    }
+    held.emplace_back(*d, *h);
+    uint8_t* base = static_cast<uint8_t*>(d->ptr);
+    for (DType dt : {DType::kBF16, DType::kFP16}) {
+      Problem p;
+      p.shape = s;
+      p.dtype = dt;
+      p.scale = DefaultScale(s.head_dim);
+      kernels::PlanOptions po;
+      po.device = index_;
+      absl::StatusOr<kernels::Selection> sel = kernels::Select(p, ContiguousLayout(s), po);
+      if (!sel.ok()) {
+        status = sel.status();
+        break;
+      }
+      kernels::DeviceTensors t{base + pl.q, base + pl.k, base + pl.v, base + pl.o, nullptr};
+      absl::StatusOr<kernels::TensorMapKeys> keys = kernels::MapKeys(*sel, t);
+      if (!keys.ok()) {
+        status = keys.status();
+        break;
+      }
+      for (const kernels::TensorMapKey* k : {&keys->q, &keys->k, &keys->v}) {
+        if (absl::StatusOr<CUtensorMap> m = maps_->Get(*k); !m.ok()) status = m.status();
+      }
+    }
+  }
+  for (auto& [d, h] : held) {
+    device_mem_->Release(d);
+    pinned_mem_->Release(h);
+  }
+  if (!status.ok()) {
+    return absl::Status(status.code(), absl::StrCat("warm_shapes: ", s.batch, "x", s.q_len, "x", s.kv_len, "x",
+                                                    s.q_heads, "x", s.kv_heads, "x", s.head_dim, " on device ",
+                                                    index_, ": ", status.message()));
+  }
+  return absl::OkStatus();
+}
+
+void CudaDevice::Enqueue(Pending p) {
+  absl::MutexLock lock(&mu_);
+  queue_.push_back(std::move(p));
+  queued_.fetch_add(1);
+}
+
+void CudaDevice::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  for (std::thread& w : workers_) {
+    if (w.joinable()) w.join();
+  }
+}
+
+void CudaDevice::SlotLoop(Slot* slot) {
+  cudaSetDevice(index_);
+  for (;;) {
+    Pending p;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](CudaDevice* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+            return !self->queue_.empty() || self->stopping_;
+          },
+          this));
+      if (queue_.empty()) return;  // stopping, and every accepted job has been taken
+      p = std::move(queue_.front());
+      queue_.pop_front();
+      running_.fetch_add(1);
+      queued_.fetch_sub(1);
+      queued_total_->fetch_sub(1);
+    }
+    const absl::Status status = Run(*slot, p);
+    // The leases go before the reply, so a client that unregisters right after its reply finds the buffer
+    // idle.
+    p.leases.clear();
+    p.job->done(status);
+    p.job.reset();
+    running_.fetch_sub(1);
+  }
+}
+
+absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
+  ForwardJob& job = *p.job;
+  const absl::Time start = absl::Now();
+  job.timing.queue_us = Micros(start - job.accepted);
+  job.device = index_;
+  if (job.cancelled && job.cancelled()) {
+    return absl::CancelledError("the call was cancelled before its computation started");
+  }
+  if (start >= job.deadline) {
+    return absl::DeadlineExceededError(absl::StrCat("the deadline expired after ", Micros(start - job.accepted),
+                                                    " us in the queue; the computation was not started"));
+  }
+  const Problem& pr = job.problem;
+  const Shape& s = pr.shape;
+  const Layout layout{job.q.strides, job.k.strides, job.v.strides,
+                      job.o_to_buffer ? job.o_ref.strides : ContiguousStrides(s.q_len, s.q_heads, s.head_dim)};
+  kernels::PlanOptions po;
+  po.device = index_;
+  absl::StatusOr<kernels::Selection> sel = kernels::Select(pr, layout, po);
+  if (!sel.ok()) return sel.status();
+  job.kernel = sel->info().name;
+
+  const bool qi = p.q_ptr == nullptr, ki = p.k_ptr == nullptr, vi = p.v_ptr == nullptr, oi = !job.o_to_buffer;
+  const Placement pl = Place(s, qi, ki, vi, oi, pr.want_lse);
+  Block dblock, hblock;
+  if (pl.total > 0) {
+    absl::StatusOr<Block> d = device_mem_->Acquire(pl.total);
+    if (!d.ok()) return d.status();
+    dblock = *d;
+    absl::StatusOr<Block> h = pinned_mem_->Acquire(pl.total);
+    if (!h.ok()) {
+      device_mem_->Release(dblock);
+      return h.status();
+    }
+    hblock = *h;
+  }
+  uint8_t* dev = static_cast<uint8_t*>(dblock.ptr);
+  uint8_t* host = static_cast<uint8_t*>(hblock.ptr);
+  bool enqueued = false;  // GPU work may be in flight on this slot's stream: wait before freeing the blocks
+  auto release = [&] {
+    if (enqueued) cudaStreamSynchronize(slot.stream);
+    device_mem_->Release(dblock);
+    pinned_mem_->Release(hblock);
+  };
+
+  kernels::DeviceTensors t;
+  t.q = qi ? dev + pl.q : p.q_ptr;
+  t.k = ki ? dev + pl.k : p.k_ptr;
+  t.v = vi ? dev + pl.v : p.v_ptr;
+  t.o = oi ? dev + pl.o : p.o_ptr;
+  t.lse = pr.want_lse ? reinterpret_cast<float*>(dev + pl.lse) : nullptr;
+  // Staging: the request's bytes into pinned memory, so the H2D copy runs at full DMA speed and async.
+  if (qi) std::memcpy(host + pl.q, job.q.host, job.q.host_bytes);
+  if (ki) std::memcpy(host + pl.k, job.k.host, job.k.host_bytes);
+  if (vi) std::memcpy(host + pl.v, job.v.host, job.v.host_bytes);
+
+  absl::Status status;
+  cudaStream_t st = slot.stream;
+  status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[0], st));
+  if (status.ok() && pl.in_bytes > 0) {
+    enqueued = true;
+    status = CudaStatus("H2D copy", cudaMemcpyAsync(dev, host, pl.in_bytes, cudaMemcpyHostToDevice, st));
+  }
+  if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[1], st));
+  if (status.ok() && options_.poison_outputs && pl.total > pl.out_offset) {
+    // Test mode: NaN-fill the outputs so that a launch that writes nothing cannot pass on stale results.
+    status = CudaStatus("poison", cudaMemsetAsync(dev + pl.out_offset, 0xFF, pl.total - pl.out_offset, st));
+  }
+  absl::StatusOr<kernels::TensorMapKeys> keys;
+  if (status.ok()) {
+    keys = kernels::MapKeys(*sel, t);
+    if (!keys.ok()) status = keys.status();
+  }
+  absl::StatusOr<CUtensorMap> qm, km, vm;
+  if (status.ok()) {
+    qm = maps_->Get(keys->q);
+    km = maps_->Get(keys->k);
+    vm = maps_->Get(keys->v);
+    for (const auto* m : {&qm, &km, &vm}) {
+      if (status.ok() && !m->ok()) status = m->status();
+    }
+  }
+  absl::StatusOr<kernels::Plan> plan;
+  if (status.ok()) {
+    plan = kernels::MakePlanFromMaps(*sel, t, *qm, *km, *vm);
+    if (!plan.ok()) status = plan.status();
+  }
+  if (status.ok()) {
+    enqueued = true;
+    status = kernels::Launch(*plan, st);
+  }
+  if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[2], st));
+  const uint64_t out_bytes = pl.total - pl.out_offset;
+  if (status.ok() && out_bytes > 0) {
+    status = CudaStatus("D2H copy", cudaMemcpyAsync(host + pl.out_offset, dev + pl.out_offset, out_bytes,
+                                                    cudaMemcpyDeviceToHost, st));
+  }
+  if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[3], st));
+  if (status.ok()) status = WaitEvent(slot.ev[3]);
+  if (!status.ok()) {
+    release();
+    if (absl::IsInternal(status)) spdlog::error("device {}: request '{}': {}", index_, job.request_id, std::string(status.message()));
+    return status;
+  }
+  float h2d = 0, kernel = 0, d2h = 0;
+  cudaEventElapsedTime(&h2d, slot.ev[0], slot.ev[1]);
+  cudaEventElapsedTime(&kernel, slot.ev[1], slot.ev[2]);
+  cudaEventElapsedTime(&d2h, slot.ev[2], slot.ev[3]);
+  // Back-to-back events still read a few nanoseconds apart: report exactly 0 when nothing was copied.
+  job.timing.h2d_us = pl.in_bytes > 0 ? h2d * 1e3 : 0;
+  job.timing.kernel_us = kernel * 1e3;
+  job.timing.d2h_us = out_bytes > 0 ? d2h * 1e3 : 0;
+  if (oi) job.o.assign(reinterpret_cast<const char*>(host + pl.o), static_cast<uint64_t>(QElems(s)) * 2);
+  if (pr.want_lse) {
+    job.lse.assign(reinterpret_cast<const char*>(host + pl.lse), static_cast<uint64_t>(LseElems(s)) * sizeof(float));
+  }
+  enqueued = false;  // the stream is idle: ev[3] was the last work on it
+  release();
+  job.timing.total_us = Micros(absl::Now() - job.accepted);
+  return absl::OkStatus();
+}
+
+class CudaBackendImpl final : public Backend {
+ public:
+  CudaBackendImpl(const BackendOptions& options, std::vector<int> devices)
+      : options_(options),
+        maps_(options.tensor_map_cache_entries),
+        registry_(devices) {}
+  ~CudaBackendImpl() override {
+    Shutdown();
+    devices_.clear();  // before the registry: workers are gone, leases released
+  }
+
+  absl::Status Start(const std::vector<int>& devices) {
+    absl::StatusOr<std::vector<Shape>> warm = ParseWarmShapes(options_.warm_shapes);
+    if (!warm.ok()) return warm.status();
+    for (int d : devices) {
+      auto dev = std::make_unique<CudaDevice>(d, options_, &maps_, &queued_total_);
+      ATTND_RETURN_IF_ERROR(dev->Start(*warm));
+      devices_.push_back(std::move(dev));
+    }
+    return absl::OkStatus();
+  }
+
+  std::string name() const override { return "cuda"; }
+  std::vector<DeviceDescription> devices() const override {
+    std::vector<DeviceDescription> out;
+    for (const auto& d : devices_) out.push_back(d->description());
+    return out;
+  }
+  std::vector<int64_t> supported_head_dims() const override { return {64, 128, 256}; }
+  std::vector<DType> supported_dtypes() const override { return {DType::kBF16, DType::kFP16}; }
+  std::vector<std::string> kernels() const override {
+    std::vector<std::string> out;
+    for (const auto& d : devices_) {
+      for (const std::string& k : d->kernel_names()) {
+        if (std::find(out.begin(), out.end(), k) == out.end()) out.push_back(k);
+      }
+    }
+    return out;
+  }
+
+  absl::Status CheckSupported(const ForwardJob& job) const override {
+    const bool refs = !job.q.buffer_id.empty() || !job.k.buffer_id.empty() || !job.v.buffer_id.empty() ||
+                      job.o_to_buffer;
+    if (refs && !options_.enable_cuda_ipc) {
+      return absl::FailedPreconditionError(
+          "ref: tensor references need CUDA IPC, which this server does not enable (start attnd with "
+          "--enable_cuda_ipc)");
+    }
+    // The kernel's own layout rules (strides in 16-byte units, limits), checked before the job is queued.
+    const Shape& s = job.problem.shape;
+    const Layout layout{job.q.strides, job.k.strides, job.v.strides,
+                        job.o_to_buffer ? job.o_ref.strides : ContiguousStrides(s.q_len, s.q_heads, s.head_dim)};
+    kernels::PlanOptions po;
+    po.device = devices_.front()->index();
+    absl::StatusOr<kernels::Selection> sel = kernels::Select(job.problem, layout, po);
+    return sel.status();
+  }
+
+  absl::Status Submit(std::unique_ptr<ForwardJob> job) override {
+    // Held shared until the job is enqueued: Shutdown cannot stop the workers between the check and the
+    // enqueue, so an accepted job is always drained.
+    absl::ReaderMutexLock lock(&submit_mu_);
+    if (stopping_) return absl::UnavailableError("the server is shutting down");
+    Pending p;
+    int ref_device = -1;
+    const Shape& s = job->problem.shape;
+    struct RefUse {
+      const char* field;
+      const TensorSource* src;
+      int64_t seq, heads;
+      uint8_t* ptr = nullptr;
+    } uses[4] = {{"q.ref", &job->q, s.q_len, s.q_heads},
+                 {"k.ref", &job->k, s.kv_len, s.kv_heads},
+                 {"v.ref", &job->v, s.kv_len, s.kv_heads},
+                 {"o_ref", &job->o_ref, s.q_len, s.q_heads}};
+    for (int i = 0; i < 4; ++i) {
+      RefUse& u = uses[i];
+      if (i < 3 ? u.src->host != nullptr || u.src->buffer_id.empty() : !job->o_to_buffer) continue;
+      if (!options_.enable_cuda_ipc) {
+        return absl::FailedPreconditionError(absl::StrCat(u.field, ": CUDA IPC is not enabled (--enable_cuda_ipc)"));
+      }
+      const cuda::IpcRegion* r = nullptr;
+      for (const Lease& held : p.leases) {
+        if (held->id == u.src->buffer_id) r = held.operator->();
+      }
+      if (r == nullptr) {
+        absl::StatusOr<Lease> lease = registry_.Acquire(u.field, u.src->buffer_id);
+        if (!lease.ok()) return lease.status();
+        p.leases.push_back(std::move(*lease));
+        r = p.leases.back().operator->();
+      }
+      if (ref_device >= 0 && r->device != ref_device) {
+        return absl::InvalidArgumentError(absl::StrCat(u.field, ".buffer_id: on device ", r->device,
+                                                       ", but the request's other buffers are on device ",
+                                                       ref_device, " (one request runs on one GPU)"));
+      }
+      ref_device = r->device;
+      absl::StatusOr<uint64_t> span =
+          cuda::TensorSpanBytes(u.field, s.batch, u.seq, u.heads, s.head_dim, u.src->strides, DTypeBytes(job->problem.dtype));
+      if (!span.ok()) return span.status();
+      ATTND_RETURN_IF_ERROR(cuda::CheckInRegion(absl::StrCat(u.field, ".offset"), u.src->offset, *span, r->byte_size));
+      u.ptr = r->data() + u.src->offset;
+      if (reinterpret_cast<uintptr_t>(u.ptr) % 16 != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            u.field, ".offset: the tensor starts at a device address that is not 16-byte aligned (the "
+                     "registration's offset plus this offset must be a multiple of 16)"));
+      }
+    }
+    p.q_ptr = uses[0].ptr;
+    p.k_ptr = uses[1].ptr;
+    p.v_ptr = uses[2].ptr;
+    p.o_ptr = uses[3].ptr;
+
+    CudaDevice* target = nullptr;
+    if (ref_device >= 0) {
+      for (const auto& d : devices_) {
+        if (d->index() == ref_device) target = d.get();
+      }
+    } else {
+      // Inline work goes to the device with the fewest requests queued or running.
+      for (const auto& d : devices_) {
+        if (target == nullptr || d->load() < target->load()) target = d.get();
+      }
+    }
+    if (target == nullptr) return absl::InternalError("no device to run on");
+    // Bound the waiting jobs across devices; the check and the increment are one step so that concurrent
+    // submitters cannot overshoot.
+    uint32_t q = queued_total_.load();
+    do {
+      if (q >= options_.max_queue) {
+        return absl::ResourceExhaustedError(absl::StrCat("queue full: ", q, " requests waiting (--max_queue=",
+                                                         options_.max_queue, ")"));
+      }
+    } while (!queued_total_.compare_exchange_weak(q, q + 1));
+    p.job = std::move(job);
+    target->Enqueue(std::move(p));
+    return absl::OkStatus();
+  }
+
+  uint32_t queue_depth() const override {
+    uint32_t n = 0;
+    for (const auto& d : devices_) n += d->queued();
+    return n;
+  }
+  uint32_t in_flight() const override {
+    uint32_t n = 0;
+    for (const auto& d : devices_) n += d->load();
+    return n;
+  }
+
+  void Shutdown() override {
+    {
+      absl::WriterMutexLock lock(&submit_mu_);
+      stopping_ = true;
+    }
+    absl::MutexLock lock(&shutdown_mu_);
+    for (auto& d : devices_) d->Stop();
+  }
+
+  absl::StatusOr<std::string> RegisterCudaBuffer(const CudaBufferRegistration& reg) override {
+    if (!options_.enable_cuda_ipc) {
+      return absl::FailedPreconditionError(
+          "RegisterCudaBuffer: CUDA IPC is disabled on this server (start attnd with --enable_cuda_ipc)");
+    }
+    return registry_.Register(reg);
+  }
+  absl::Status UnregisterCudaBuffer(const std::string& buffer_id) override {
+    if (!options_.enable_cuda_ipc) {
+      return absl::FailedPreconditionError("UnregisterCudaBuffer: CUDA IPC is disabled on this server");
+    }
+    return registry_.Unregister(buffer_id);
+  }
+  std::vector<CudaBufferDescription> ListCudaBuffers() const override { return registry_.List(); }
+
+  BackendStats stats() const override { return BackendStats{maps_.hits(), maps_.misses()}; }
+  uint32_t max_queue() const override { return options_.max_queue; }
+  bool cuda_ipc_enabled() const override { return options_.enable_cuda_ipc; }
+
+ private:
+  const BackendOptions options_;
+  mutable TensorMapCache maps_;
+  cuda::IpcRegistry registry_;
+  std::vector<std::unique_ptr<CudaDevice>> devices_;
+  absl::Mutex submit_mu_;
+  bool stopping_ ABSL_GUARDED_BY(submit_mu_) = false;
+  std::atomic<uint32_t> queued_total_{0};  // jobs waiting on any device, bounded by max_queue
+  absl::Mutex shutdown_mu_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const BackendOptions& options) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return absl::UnavailableError(
+        absl::StrCat("no CUDA device (", err == cudaSuccess ? "none found" : cudaGetErrorString(err), ")"));
+  }
+  std::vector<int> devices = options.devices;
+  if (devices.empty()) {
+    for (int d = 0; d < count; ++d) {
+      if (kernels::CheckDevice(d).ok()) devices.push_back(d);
+    }
+    if (devices.empty()) {
+      return absl::UnavailableError(absl::StrCat("none of the ", count,
+                                                 " CUDA devices is supported by attnd's kernels (sm_90 / sm_120)"));
+    }
+  }
+  for (int d : devices) {
+    if (d >= count) {
+      return absl::InvalidArgumentError(absl::StrCat("devices: ", d, " does not exist (", count, " CUDA devices)"));
+    }
+    if (absl::Status st = kernels::CheckDevice(d); !st.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat("devices: ", st.message()));
+    }
+  }
+  if (options.streams_per_device < 1) return absl::InvalidArgumentError("streams: must be >= 1");
+  auto backend = std::make_unique<CudaBackendImpl>(options, devices);
+  ATTND_RETURN_IF_ERROR(backend->Start(devices));
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+}  // namespace attnd::server

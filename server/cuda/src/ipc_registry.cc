@@ -1,0 +1,204 @@
+#include "attnd/server/cuda/ipc_registry.h"
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cstring>
+#include <iterator>
+#include <mutex>
+#include <utility>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "spdlog/spdlog.h"
+
+namespace attnd::server::cuda {
+namespace {
+
+bool MulU64(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_mul_overflow(a, b, out); }
+bool AddU64(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_add_overflow(a, b, out); }
+
+// cuMemGetAddressRange through the runtime's driver entry point: libcuda is never linked, so the binaries
+// still start (and report no GPU) on a machine without a driver.
+absl::StatusOr<PFN_cuMemGetAddressRange_v3020> AddressRangeFn() {
+  static std::once_flag once;
+  static PFN_cuMemGetAddressRange_v3020 fn = nullptr;
+  std::call_once(once, [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult result = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &ptr, 12000, cudaEnableDefault, &result) ==
+            cudaSuccess &&
+        result == cudaDriverEntryPointSuccess) {
+      fn = reinterpret_cast<PFN_cuMemGetAddressRange_v3020>(ptr);
+    }
+  });
+  if (fn == nullptr) return absl::UnavailableError("cuMemGetAddressRange is not available from the driver");
+  return fn;
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> TensorSpanBytes(const std::string& field, int64_t batch, int64_t seq, int64_t heads,
+                                         int64_t head_dim, const Strides& st, uint64_t elem_bytes) {
+  // Index of the last element: sum over dims of (extent - 1) * stride, all non-negative (validated >= 1).
+  const struct {
+    int64_t extent, stride;
+  } dims[] = {{batch, st.batch}, {seq, st.seq}, {heads, st.head}, {head_dim, 1}};
+  uint64_t last = 0;
+  for (const auto& d : dims) {
+    uint64_t term;
+    if (d.extent < 1 || d.stride < 0 || !MulU64(static_cast<uint64_t>(d.extent - 1), static_cast<uint64_t>(d.stride), &term) ||
+        !AddU64(last, term, &last)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": the tensor's extent overflows (shape x strides)"));
+    }
+  }
+  uint64_t bytes;
+  if (!AddU64(last, 1, &last) || !MulU64(last, elem_bytes, &bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": the tensor's extent overflows (shape x strides)"));
+  }
+  return bytes;
+}
+
+absl::Status CheckInRegion(const std::string& field, uint64_t offset, uint64_t bytes, uint64_t region_bytes) {
+  uint64_t end;
+  if (!AddU64(offset, bytes, &end) || end > region_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": bytes [", offset, ", ", offset, "+", bytes,
+                                                   ") run past the registered region of ", region_bytes, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+IpcMapping::~IpcMapping() {
+  int prev = 0;
+  cudaGetDevice(&prev);
+  cudaSetDevice(device_);
+  const cudaError_t err = cudaIpcCloseMemHandle(base_);
+  if (err != cudaSuccess) spdlog::warn("cudaIpcCloseMemHandle: {}", cudaGetErrorString(err));
+  cudaSetDevice(prev);
+}
+
+IpcRegistry::IpcRegistry(std::vector<int> devices) : devices_(std::move(devices)) {}
+
+IpcRegistry::~IpcRegistry() = default;
+
+absl::StatusOr<std::string> IpcRegistry::Register(const CudaBufferRegistration& reg) {
+  if (reg.ipc_handle.size() != sizeof(cudaIpcMemHandle_t)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ipc_handle: ", reg.ipc_handle.size(), " bytes, expected ", sizeof(cudaIpcMemHandle_t)));
+  }
+  if (std::find(devices_.begin(), devices_.end(), reg.device) == devices_.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device: ", reg.device, " is not a device this server serves (--devices)"));
+  }
+  uint64_t end;
+  if (reg.byte_size == 0 || !AddU64(reg.offset, reg.byte_size, &end)) {
+    return absl::InvalidArgumentError("byte_size: must be > 0 and offset + byte_size must not overflow");
+  }
+
+  absl::MutexLock lock(&mu_);
+  for (auto it = mappings_.begin(); it != mappings_.end();) {  // forget handles whose regions are all gone
+    it = it->second.expired() ? mappings_.erase(it) : std::next(it);
+  }
+  std::shared_ptr<IpcMapping> mapping;
+  if (auto it = mappings_.find(reg.ipc_handle); it != mappings_.end()) mapping = it->second.lock();
+  if (mapping == nullptr) {
+    cudaIpcMemHandle_t handle;
+    std::memcpy(&handle, reg.ipc_handle.data(), sizeof handle);
+    cudaError_t err = cudaSetDevice(reg.device);
+    void* base = nullptr;
+    if (err == cudaSuccess) err = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // IPC open errors are not sticky; clear the per-thread error
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ipc_handle: cannot be opened on device ", reg.device, " (", cudaGetErrorString(err),
+          "); it must come from cudaIpcGetMemHandle in another live process on this host"));
+    }
+    // The handle may name an allocation on a device other than the one claimed; refuse it rather than run
+    // the kernel on memory of another GPU.
+    cudaPointerAttributes attrs{};
+    err = cudaPointerGetAttributes(&attrs, base);
+    uint64_t alloc_bytes = 0;
+    absl::Status size_status;
+    if (err != cudaSuccess || attrs.device != reg.device) {
+      size_status = absl::InvalidArgumentError(absl::StrCat("device: the handle's allocation is on device ",
+                                                            err == cudaSuccess ? attrs.device : -1, ", not ",
+                                                            reg.device));
+    } else {
+      absl::StatusOr<PFN_cuMemGetAddressRange_v3020> range = AddressRangeFn();
+      CUdeviceptr alloc_base = 0;
+      size_t size = 0;
+      if (!range.ok()) {
+        size_status = range.status();
+      } else if ((*range)(&alloc_base, &size, reinterpret_cast<CUdeviceptr>(base)) != CUDA_SUCCESS) {
+        size_status = absl::InvalidArgumentError("ipc_handle: the driver cannot size the opened allocation");
+      } else {
+        alloc_bytes = size - (reinterpret_cast<CUdeviceptr>(base) - alloc_base);
+      }
+    }
+    if (!size_status.ok()) {
+      cudaIpcCloseMemHandle(base);
+      cudaGetLastError();
+      return size_status;
+    }
+    mapping = std::make_shared<IpcMapping>(reg.device, base, alloc_bytes);
+    mappings_[reg.ipc_handle] = mapping;
+  } else if (mapping->device() != reg.device) {
+    return absl::InvalidArgumentError(absl::StrCat("device: this handle is already registered on device ",
+                                                   mapping->device(), ", not ", reg.device));
+  }
+  if (end > mapping->allocation_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("byte_size: offset ", reg.offset, " + byte_size ", reg.byte_size,
+                                                   " runs past the allocation's ", mapping->allocation_bytes(),
+                                                   " bytes"));
+  }
+  // Ids are not guessable, so one same-host client cannot name another's buffer by counting.
+  static absl::BitGen* gen = new absl::BitGen();
+  auto region = std::make_shared<IpcRegion>();
+  region->id = absl::StrFormat("cuda-%d-%016x", next_id_++, absl::Uniform<uint64_t>(*gen));
+  region->name = reg.name;
+  region->device = reg.device;
+  region->offset = reg.offset;
+  region->byte_size = reg.byte_size;
+  region->mapping = std::move(mapping);
+  regions_[region->id] = region;
+  spdlog::info("registered CUDA buffer {} '{}' on device {}: {} bytes at offset {}", region->id, region->name,
+               region->device, region->byte_size, region->offset);
+  return region->id;
+}
+
+absl::Status IpcRegistry::Unregister(const std::string& id) {
+  std::shared_ptr<IpcRegion> region;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = regions_.find(id);
+    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("buffer_id: '", id, "' is not registered"));
+    region = std::move(it->second);
+    regions_.erase(it);
+  }
+  // `region` may be the last owner of the mapping: it closes the handle here, outside the lock. Requests
+  // holding a Lease keep it open until they finish.
+  return absl::OkStatus();
+}
+
+std::vector<CudaBufferDescription> IpcRegistry::List() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<CudaBufferDescription> out;
+  for (const auto& [id, r] : regions_) {
+    out.push_back(CudaBufferDescription{r->id, r->name, r->device, r->offset, r->byte_size, r->in_flight.load()});
+  }
+  return out;
+}
+
+absl::StatusOr<Lease> IpcRegistry::Acquire(const std::string& field, const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".buffer_id: '", id, "' is not registered"));
+  }
+  return Lease(it->second);
+}
+
+}  // namespace attnd::server::cuda

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One device session of the CUDA backend (issue 4): the GPU tests, then the service measurements of
+# docs/benchmarks.md ("Service"). Runs on the GPU host from the repo root, over binaries built statically
+# here and carried as .carry-cuda/bins.tar.xz (see server/cuda/tools/pack_carry.sh). Writes under $OUT:
+# env.txt, tests.log, attnd.log, bench.txt (all measurements, CSV rows).
+set -u
+OUT=${OUT:-/tmp/attnd-out}
+mkdir -p "$OUT" /tmp/bins
+tar xJf .carry-cuda/bins.tar.xz -C /tmp/bins
+B=/tmp/bins
+{
+  date -u +"date %Y-%m-%dT%H:%M:%SZ"
+  echo "commit $(cat .carry-cuda/commit 2>/dev/null)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+  nvcc --version 2>/dev/null | tail -1
+  nproc; uname -r
+} > "$OUT/env.txt" 2>&1
+
+# 1. Tests (each bounded, so the measurements always run).
+export ATTND_IPC_PEER=$B/ipc_peer
+for t in gpu_server_parts_test gpu_server_forward_test gpu_server_ipc_test; do
+  echo "=== $t" >> "$OUT/tests.log"
+  timeout 150 "$B/$t" >> "$OUT/tests.log" 2>&1
+  echo "=== $t rc=$?" >> "$OUT/tests.log"
+done
+grep -E "^\[  (PASSED|FAILED|SKIPPED) |=== .* rc=|^FAIL" "$OUT/tests.log"
+
+# 2. Measurements: one server, warm shapes for the measured problems.
+SOCK=/tmp/attnd_bench.sock
+"$B/attnd" --listen=127.0.0.1:50051 --unix_socket=$SOCK --enable_cuda_ipc --streams=${STREAMS:-8} \
+  --warm_shapes=1x1024x1024x32x32x128,1x4096x4096x32x32x128 --log_level=info > "$OUT/attnd.log" 2>&1 &
+SERVER=$!
+for i in $(seq 1 100); do
+  "$B/attn" info --target=unix:$SOCK > /tmp/info.txt 2>&1 && break
+  sleep 0.2
+done
+R="$OUT/bench.txt"
+cat /tmp/info.txt > "$R"
+DUR=${DUR:-2s}
+timeout 120 "$B/ipc_peer" bench --target=unix:$SOCK --seqs=1024,4096 --concurrency=1,16 --duration_s=${DUR%s} \
+  --warmup_s=0.5 --verify_every=25 >> "$R" 2>&1
+timeout 60 "$B/ipc_peer" tcp --seqs=1024,4096 --tcp_iters=20 >> "$R" 2>&1
+for seq in 1024 4096; do
+  for tr in unary stream; do
+    for c in 1 16; do
+      timeout 60 "$B/attn" bench --target=127.0.0.1:50051 --transport=$tr --q_len=$seq --q_heads=32 --head_dim=128 \
+        --causal --concurrency=$c --duration=$DUR --warmup=0.5s --verify_every=25 --progress=false \
+        --csv=/tmp/b.csv > /tmp/b.txt 2>&1
+      echo "attn_bench,$tr,$seq,$c,rc=$?" >> "$R"
+      cat /tmp/b.csv >> "$R" 2>/dev/null || cat /tmp/b.txt >> "$R"
+      grep -E "verified|error" /tmp/b.txt >> "$R"
+    done
+  done
+done
+"$B/attn" stats --target=unix:$SOCK >> "$R" 2>&1
+kill -TERM $SERVER
+wait $SERVER
+echo "attnd exit rc=$?" >> "$R"
+cat "$R"

@@ -1,0 +1,196 @@
+// End to end over gRPC with the CUDA backend: every mask x GQA x head_dim against the double-precision
+// oracle on both inline transports, the tensor-map cache on repeated shapes, 32 concurrent clients, the memory
+// budget, and a shutdown with requests in flight. Skipped without a usable GPU.
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "attnd/client/client.h"
+#include "gpu_server_util.h"
+#include "gtest/gtest.h"
+
+namespace attnd::gpu {
+namespace {
+
+using client::Transport;
+
+TEST(GpuServerTest, ServerInfoReportsTheWarmDevice) {
+  TestServer s;
+  ATTND_START_CUDA_SERVER(s, CudaServerOptions{});
+  auto c = Connect(s.Target(Listener::kTcp));
+  auto info = c->ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->backend(), "cuda");
+  ASSERT_GE(info->devices_size(), 1);
+  EXPECT_FALSE(info->devices(0).name().empty());
+  EXPECT_GT(info->devices(0).multiprocessor_count(), 0);
+  EXPECT_GE(info->kernels_size(), 3);  // one configuration per head_dim at least
+  EXPECT_FALSE(info->cuda_ipc_enabled());
+}
+
+TEST(GpuServerTest, EveryMaskGqaAndHeadDimMatchesTheOracle) {
+  TestServer s;
+  ATTND_START_CUDA_SERVER(s, CudaServerOptions{});
+  auto unary = Connect(s.Target(Listener::kTcp), Transport::kUnary);
+  auto stream = Connect(s.Target(Listener::kUnix), Transport::kStream, 256 * 1024);
+  int n = 0;
+  for (int64_t hd : {64, 128, 256}) {
+    for (Mask m : {Mask::kNone, Mask::kCausalTopLeft, Mask::kCausalBottomRight}) {
+      for (int64_t kvh : {8, 2, 1}) {
+        // Lengths off the 64-row tiles; bottom-right with q_len > kv_len has rows that see no key.
+        const bool more_queries = m == Mask::kCausalBottomRight && kvh == 1;
+        client::RequestSpec spec = Spec(2, more_queries ? 333 : 200, more_queries ? 200 : 333, 8, kvh, hd, m, n % 2 == 0);
+        if (n % 4 == 3) spec.dtype = DType::kFP16;
+        const Case c = MakeCase(spec, 10 + n);
+        client::Client& cl = n % 2 ? *stream : *unary;
+        auto r = cl.Forward(*c.request);
+        SCOPED_TRACE(absl::StrCat("head_dim ", hd, " ", MaskName(m), " kv_heads ", kvh, " ", DTypeName(spec.dtype),
+                                  n % 2 ? " stream" : " unary", spec.want_lse ? " +lse" : ""));
+        EXPECT_EQ(CheckReply(c, r), "");
+        if (r.ok()) {
+          EXPECT_EQ(r->backend, "cuda");
+          EXPECT_EQ(r->device, 0);
+          EXPECT_NE(r->kernel.find(absl::StrCat("d", hd)), std::string::npos) << r->kernel;
+          EXPECT_GT(r->timing.kernel_us(), 0);
+          EXPECT_GT(r->timing.h2d_us(), 0);
+          EXPECT_GE(r->timing.total_us(), r->timing.kernel_us());
+        }
+        ++n;
+      }
+    }
+  }
+}
+
+TEST(GpuServerTest, RepeatedShapesHitTheTensorMapCache) {
+  TestServer s;
+  ATTND_START_CUDA_SERVER(s, CudaServerOptions{});
+  auto c = Connect(s.Target(Listener::kTcp), Transport::kUnary);
+  const client::RequestSpec spec = Spec(1, 512, 512, 8, 8, 128, Mask::kCausalTopLeft);
+  auto before = c->Stats();
+  ASSERT_TRUE(before.ok());
+  const int kCalls = 8;
+  for (int i = 0; i < kCalls; ++i) {
+    const Case k = MakeCase(spec, 500 + i);  // new inputs every time: stale outputs cannot pass
+    EXPECT_EQ(CheckReply(k, c->Forward(*k.request)), "") << i;
+  }
+  auto after = c->Stats();
+  ASSERT_TRUE(after.ok());
+  const uint64_t misses = after->tensor_map_cache_misses() - before->tensor_map_cache_misses();
+  const uint64_t hits = after->tensor_map_cache_hits() - before->tensor_map_cache_hits();
+  // Three maps (Q, K, V) per call; only the first call of the shape may encode.
+  EXPECT_LE(misses, 3u);
+  EXPECT_GE(hits, 3u * (kCalls - 1));
+}
+
+TEST(GpuServerTest, WarmShapesAreEncodedBeforeTheFirstRequest) {
+  TestServer s;
+  CudaServerOptions o;
+  o.warm_shapes = "1x1024x1024x16x16x128";
+  ATTND_START_CUDA_SERVER(s, o);
+  auto c = Connect(s.Target(Listener::kTcp), Transport::kUnary);
+  auto before = c->Stats();
+  ASSERT_TRUE(before.ok());
+  const Case k = MakeCase(Spec(1, 1024, 1024, 16, 16, 128, Mask::kCausalTopLeft), 77);
+  EXPECT_EQ(CheckReply(k, c->Forward(*k.request)), "");
+  auto after = c->Stats();
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->tensor_map_cache_misses(), before->tensor_map_cache_misses());
+  EXPECT_EQ(after->tensor_map_cache_hits() - before->tensor_map_cache_hits(), 3u);
+}
+
+TEST(GpuServerTest, ThirtyTwoConcurrentClientsAllCorrect) {
+  TestServer s;
+  ATTND_START_CUDA_SERVER(s, CudaServerOptions{});
+  const int kClients = 32, kPerClient = 3;
+  std::vector<std::thread> threads;
+  std::vector<std::string> failures(kClients);
+  for (int t = 0; t < kClients; ++t) {
+    threads.emplace_back([&, t] {
+      auto c = Connect(s.Target(t % 2 ? Listener::kUnix : Listener::kTcp), t % 3 ? Transport::kUnary : Transport::kStream,
+                       128 * 1024, /*own_connection=*/true);
+      for (int i = 0; i < kPerClient; ++i) {
+        const client::RequestSpec spec =
+            Spec(1 + t % 2, 64 + 37 * ((t + i) % 7), 96 + 53 * (t % 5), 4, t % 4 ? 4 : 1, 64 << (t % 3),
+                 static_cast<Mask>((t + i) % 3), i == 1);
+        const Case k = MakeCase(spec, 1000 + t * 10 + i);
+        const std::string why = CheckReply(k, c->Forward(*k.request));
+        if (!why.empty() && failures[t].empty()) failures[t] = absl::StrCat("client ", t, " call ", i, ": ", why);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const std::string& f : failures) EXPECT_EQ(f, "");
+}
+
+TEST(GpuServerTest, OverTheMemoryBudgetIsResourceExhausted) {
+  TestServer s;
+  CudaServerOptions o;
+  o.memory_budget_bytes = 8 << 20;
+  ATTND_START_CUDA_SERVER(s, o);
+  auto c = Connect(s.Target(Listener::kTcp), Transport::kUnary);
+  const Case big = MakeCase(Spec(1, 2048, 2048, 8, 8, 128), 3);  // 4 MiB per tensor: 16 MiB in all
+  auto r = c->Forward(*big.request);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_NE(r.status().message().find("budget"), std::string::npos) << r.status();
+  const Case small = MakeCase(Spec(1, 256, 256, 8, 8, 128), 4);
+  EXPECT_EQ(CheckReply(small, c->Forward(*small.request)), "");
+}
+
+TEST(GpuServerTest, ReferencesWithoutIpcAreRefused) {
+  TestServer s;
+  ATTND_START_CUDA_SERVER(s, CudaServerOptions{});
+  auto c = Connect(s.Target(Listener::kUnix), Transport::kUnary);
+  Case k = MakeCase(Spec(1, 64, 64, 2, 2, 64), 5);
+  v1::ForwardRequest req = *k.request;
+  req.mutable_q()->mutable_ref()->set_buffer_id("cuda-1-0000000000000000");
+  auto r = c->Forward(req);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  v1::RegisterCudaBufferRequest reg;
+  reg.set_ipc_handle(std::string(64, 'x'));
+  reg.set_byte_size(1024);
+  EXPECT_EQ(c->RegisterCudaBuffer(reg).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(GpuServerTest, ShutdownWithRequestsInFlightLosesNone) {
+  TestServer s;
+  CudaServerOptions o;
+  o.streams = 2;
+  ATTND_START_CUDA_SERVER(s, o);
+  auto c = Connect(s.Target(Listener::kTcp), Transport::kUnary, 0, true);
+  const int kCalls = 24;
+  // One input set for all calls keeps the CPU oracle affordable; the server NaN-fills every output before
+  // its launch (poison_outputs), so a call cannot pass on another call's result.
+  const Case k = MakeCase(Spec(1, 2048, 2048, 16, 4, 128, Mask::kNone), 900);
+  std::vector<std::future<absl::StatusOr<client::ForwardResult>>> futures;
+  for (int i = 0; i < kCalls; ++i) futures.push_back(c->ForwardFuture(k.request));
+  // Shut down once the server holds requests (queued or running).
+  uint32_t seen = 0;
+  for (absl::Time until = absl::Now() + absl::Seconds(20); absl::Now() < until && seen < 4;) {
+    auto st = c->Stats();
+    if (st.ok()) seen = std::max(seen, st->in_flight());
+  }
+  ASSERT_GE(seen, 4u) << "the requests never reached the server";
+  s.server->Shutdown();
+  int ok = 0, refused = 0;
+  for (int i = 0; i < kCalls; ++i) {
+    auto r = futures[i].get();
+    if (r.ok()) {
+      EXPECT_EQ(CheckReply(k, r), "") << i;
+      ++ok;
+    } else {
+      // Only calls that had not been accepted yet may be turned away, and only as UNAVAILABLE.
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << i << ": " << r.status();
+      ++refused;
+    }
+  }
+  EXPECT_GE(ok, static_cast<int>(seen));
+  EXPECT_EQ(ok + refused, kCalls);
+}
+
+}  // namespace
+}  // namespace attnd::gpu

@@ -1,0 +1,134 @@
+// Shared pieces of the GPU server tests: an in-process server on the CUDA backend (skipped when no usable
+// GPU is present), with outputs poisoned before every launch so that a kernel that writes nothing fails.
+#pragma once
+
+#include <unistd.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "attnd/server/backend.h"
+#include "attnd/server/server.h"
+#include "attnd/client/client.h"
+#include "attnd/client/tensors.h"
+#include "gtest/gtest.h"
+
+namespace attnd::gpu {
+
+// The same helpers as the CPU end-to-end tests (e2e_util.h), kept here so the GPU tests stand alone.
+enum class Listener { kTcp, kUnix };
+
+struct TestServer {
+  std::unique_ptr<server::Server> server;
+  std::string unix_path;
+  int port = 0;
+  std::string Target(Listener l) const {
+    return l == Listener::kTcp ? absl::StrCat("127.0.0.1:", port) : absl::StrCat("unix:", unix_path);
+  }
+};
+
+inline std::unique_ptr<client::Client> Connect(const std::string& target,
+                                               client::Transport transport = client::Transport::kAuto,
+                                               uint64_t chunk_bytes = 0, bool own_connection = false) {
+  client::ClientOptions o;
+  o.target = target;
+  o.transport = transport;
+  o.stream_chunk_bytes = chunk_bytes;
+  o.own_connection = own_connection;
+  o.default_deadline = absl::Seconds(120);
+  auto c = client::Client::Create(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+// A request with random inputs (distinct per seed) and the oracle of its answer.
+struct Case {
+  client::RequestSpec spec;
+  std::shared_ptr<const v1::ForwardRequest> request;
+  std::shared_ptr<const client::Oracle> oracle;
+};
+
+inline client::RequestSpec Spec(int64_t batch, int64_t q_len, int64_t kv_len, int64_t q_heads, int64_t kv_heads,
+                                int64_t head_dim, Mask mask = Mask::kNone, bool lse = false) {
+  client::RequestSpec s;
+  s.shape = Shape{batch, q_len, kv_len, q_heads, kv_heads, head_dim};
+  s.mask = mask;
+  s.want_lse = lse;
+  return s;
+}
+
+inline Case MakeCase(const client::RequestSpec& spec, uint64_t seed) {
+  Case c;
+  c.spec = spec;
+  std::string q = client::RandomTensor(spec.dtype, QElems(spec.shape), seed * 3);
+  std::string k = client::RandomTensor(spec.dtype, KVElems(spec.shape), seed * 3 + 1);
+  std::string v = client::RandomTensor(spec.dtype, KVElems(spec.shape), seed * 3 + 2);
+  auto oracle = client::Oracle::Compute(spec.ToProblem(), q, k, v);
+  EXPECT_TRUE(oracle.ok()) << oracle.status();
+  if (oracle.ok()) c.oracle = std::make_shared<const client::Oracle>(*std::move(oracle));
+  c.request = std::make_shared<const v1::ForwardRequest>(
+      client::MakeForwardRequest(spec, std::move(q), std::move(k), std::move(v)));
+  return c;
+}
+
+// Empty when the reply is correct; otherwise why not.
+inline std::string CheckReply(const Case& c, const absl::StatusOr<client::ForwardResult>& r) {
+  if (!r.ok()) return absl::StrCat("call failed: ", r.status().ToString());
+  if (c.oracle == nullptr) return "no oracle";
+  if (c.spec.want_lse && r->lse.empty()) return "LSE missing";
+  if (!c.spec.want_lse && !r->lse.empty()) return "LSE returned unasked";
+  const client::VerifyReport v = c.oracle->Check(r->o, r->lse);
+  if (!v.pass) return absl::StrCat("wrong answer: ", v.detail);
+  return "";
+}
+
+struct CudaServerOptions {
+  bool enable_ipc = false;
+  int streams = 4;
+  uint32_t max_queue = 256;
+  uint64_t memory_budget_bytes = 0;
+  uint64_t max_message_bytes = 256ull << 20;
+  std::string warm_shapes;
+};
+
+// Starts the server, or sets *skip with the reason when there is no usable GPU.
+inline void StartCudaServer(TestServer* out, const CudaServerOptions& o, std::string* skip) {
+  static std::atomic<int> counter{0};
+  server::BackendOptions bo;
+  bo.streams_per_device = o.streams;
+  bo.max_queue = o.max_queue;
+  bo.enable_cuda_ipc = o.enable_ipc;
+  bo.memory_budget_bytes = o.memory_budget_bytes;
+  bo.warm_shapes = o.warm_shapes;
+  bo.poison_outputs = true;
+  auto backend = server::MakeBackend("cuda", bo);
+  if (!backend.ok() && (absl::IsUnavailable(backend.status()) || absl::IsFailedPrecondition(backend.status()))) {
+    *skip = absl::StrCat("no usable GPU: ", backend.status().ToString());
+    return;
+  }
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  server::ServerOptions so;
+  so.listen = "127.0.0.1:0";
+  out->unix_path = absl::StrCat(::testing::TempDir(), "/attnd_gpu_", ::getpid(), "_", counter++, ".sock");
+  so.unix_socket = out->unix_path;
+  so.max_message_bytes = o.max_message_bytes;
+  auto s = server::Server::Create(so, std::move(*backend));
+  ASSERT_TRUE(s.ok()) << s.status();
+  out->server = std::move(*s);
+  out->port = out->server->tcp_port();
+  ASSERT_GT(out->port, 0);
+}
+
+}  // namespace attnd::gpu
+
+// Skips the test when the server could not start for lack of a GPU.
+#define ATTND_START_CUDA_SERVER(server, options)                \
+  do {                                                          \
+    std::string _skip;                                          \
+    ::attnd::gpu::StartCudaServer(&(server), (options), &_skip); \
+    if (!_skip.empty()) GTEST_SKIP() << _skip;                  \
+    if (::testing::Test::HasFatalFailure()) return;             \
+  } while (0)
