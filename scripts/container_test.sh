@@ -3,9 +3,10 @@
 #   1. make the Debian base image locally with debootstrap, tagged as the name the Dockerfile's CPU variant uses
 #   2. build the CPU-only image with podman
 #   3. run it, wait (bounded) until its own HEALTHCHECK (grpc.health.v1) reports SERVING
-#   4. verified `attn call`s into it: from a second container over TCP, and inside it over the unix socket
-#   5. stop it with SIGTERM and check that attnd exited 0 and logged its clean shutdown
-# Self-contained: installs podman & co. from Debian's packages. Run as root (CI is); ~20-25 min from a clean
+#   4. verified `attn call`s into it: from a second container over TCP, and inside it over the unix socket;
+#      attn bench over dns:/// spreading calls round-robin over two more servers (as a headless Service does)
+#   5. stop it with SIGTERM while a call is in flight: attnd exits 0, logs a clean shutdown, the call is answered
+# Self-contained: installs podman & co. from Debian's packages. Run as root (CI is); ~10 min from a clean
 # machine on 2 cores, most of it compiling inside the image; a rerun reuses the base image and podman's layer
 # cache. Everything this host needs (runc, cgroupfs, ulimits within the host's hard limits, host network) is
 # given here on the podman command line; none of it is baked into the image.
@@ -54,7 +55,7 @@ pm() { "${PODMAN[@]}" "$@"; }
 
 mkdir -p "$WORKDIR"
 cleanup() {
-  pm rm -f --time 5 "$NAME" >/dev/null 2>&1 || true
+  pm rm -f --time 5 "$NAME" "$NAME-pool1" "$NAME-pool2" >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
 
@@ -162,6 +163,42 @@ out=$(timeout 60 "${PODMAN[@]}" exec "$NAME" attn info --target "127.0.0.1:${por
 echo "$out" | grep -q -E '(max_queue|queue)[^0-9]*17\b' || { echo "$out"; die "ATTND_MAX_QUEUE=17 not reported by attn info"; }
 echo "$out" | grep -q -i 'cpu' || { echo "$out"; die "attn info does not report the cpu backend"; }
 ok "flags from the environment reached the server (backend cpu, max_queue 17)"
+
+# --- 4b. dns:/// round robin over several servers ---------------------------------------------------------
+# What a headless Kubernetes Service gives clients: one name, several addresses. Two more server containers on
+# 127.0.0.2 and 127.0.0.3 (loopback, same port) behind one name in the client container's /etc/hosts; attn bench
+# over dns:///name:port must spread its calls over both.
+for i in 1 2; do
+  pm run -d --name "$NAME-pool$i" --network host "${ULIMITS[@]}" --health-interval disable \
+    -e ATTND_LISTEN="127.0.0.$((i + 1)):${port}" -e ATTND_HEALTHCHECK_TARGET="127.0.0.$((i + 1)):${port}" \
+    -e ATTND_UNIX_SOCKET= -e ATTND_THREADS=1 "$IMAGE" >/dev/null || die "podman run (pool server $i) failed"
+done
+for i in 1 2; do
+  deadline=$(( $(date +%s) + 60 ))
+  until pm healthcheck run "$NAME-pool$i" >/dev/null 2>&1; do
+    [ "$(date +%s)" -lt "$deadline" ] || { pm logs "$NAME-pool$i" 2>&1 | tail -20; die "pool server $i not SERVING"; }
+    sleep 1
+  done
+done
+requests=40
+out=$(timeout 300 "${PODMAN[@]}" run --rm --no-healthcheck --network host "${ULIMITS[@]}" \
+        --add-host "attnd-pool:127.0.0.2" --add-host "attnd-pool:127.0.0.3" "$IMAGE" \
+        attn bench --target "dns:///attnd-pool:${port}" --requests "$requests" --concurrency 4 --warmup 0s \
+        --batch 1 --q_len 64 --q_heads 2 --head_dim 64 --verify_every 5 --progress=false 2>&1) ||
+  { echo "$out"; die "attn bench over dns:///"; }
+echo "$out" | grep -E 'requests:|throughput:' | sed 's/^/  /'
+counts=()
+for i in 1 2; do
+  n=$(pm exec "$NAME-pool$i" attn stats --target "127.0.0.$((i + 1)):${port}" | awk '$1 == "Forward" { print $2 }')
+  counts+=("${n:-0}")
+done
+log "Forward calls per server: ${counts[0]} + ${counts[1]}"
+[ $(( counts[0] + counts[1] )) -eq "$requests" ] || die "the servers saw ${counts[0]} + ${counts[1]} calls, not $requests"
+for n in "${counts[@]}"; do
+  [ "$n" -ge $(( requests / 4 )) ] || die "round robin left a server with $n of $requests calls"
+done
+pm rm -f --time 30 "$NAME-pool1" "$NAME-pool2" >/dev/null 2>&1 || true
+ok "attn bench over dns:/// spread ${requests} calls (every 5th verified) over two servers: ${counts[0]} / ${counts[1]}"
 
 # --- 5. SIGTERM while a request is in flight, clean exit -------------------------------------------------
 # A call big enough to take seconds on one CPU thread, from its own container (a client inside attnd's
