@@ -122,6 +122,9 @@ TEST(Admission, ExpiredDeadlineStartsNoWork) {
   ASSERT_TRUE(WaitFor([&] { return ts.cpu->queue_depth() == 1; }));
   late.Join();
   EXPECT_EQ(late.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  // The server's copy of the deadline runs from when the call reached it, a little after the client's: give
+  // it time to expire there too before the worker is released.
+  absl::SleepFor(absl::Milliseconds(500));
   gate.Open();
   running.Join();
   ASSERT_TRUE(running.status.ok());
@@ -152,7 +155,7 @@ TEST(Admission, CancelledCallStartsNoWork) {
   cancelled.ctx.TryCancel();
   cancelled.Join();
   EXPECT_EQ(cancelled.status.error_code(), grpc::StatusCode::CANCELLED);
-  absl::SleepFor(absl::Milliseconds(50));  // let the cancellation reach the server
+  absl::SleepFor(absl::Milliseconds(500));  // let the cancellation reach the server
   gate.Open();
   running.Join();
   ASSERT_TRUE(running.status.ok());
@@ -286,6 +289,33 @@ TEST(Shutdown, BackendDrainsItsQueue) {
   for (size_t i = 0; i < requests.size(); ++i) ExpectCorrect(requests[i], outputs[i], "");
   EXPECT_EQ(backend.in_flight(), 0u);
   EXPECT_TRUE(absl::IsUnavailable(backend.Submit(std::make_unique<server::ForwardJob>())));
+}
+
+TEST(Admission, WorkingMemoryOverBudgetIsResourceExhausted) {
+  // The reference widens one head's K and V to fp32 per thread: with a tiny budget a long kv_len is refused
+  // cleanly instead of failing an allocation inside a compute thread.
+  server::BackendOptions o = OneWorker(4);
+  o.memory_budget_bytes = 64 * 1024;
+  server::CpuBackend backend(o);
+  const v1::ForwardRequest r = MakeRequest({1, 4, 1024, 1, 1, 64}, v1::MASK_TYPE_NONE, false, 5);
+  auto job = std::make_unique<server::ForwardJob>();
+  job->problem = testing::ProblemOf(r);
+  const Layout L = ContiguousLayout(job->problem.shape);
+  job->q = {reinterpret_cast<const uint8_t*>(r.q().data().data()), r.q().data().size(), "", 0, L.q};
+  job->k = {reinterpret_cast<const uint8_t*>(r.k().data().data()), r.k().data().size(), "", 0, L.k};
+  job->v = {reinterpret_cast<const uint8_t*>(r.v().data().data()), r.v().data().size(), "", 0, L.v};
+  job->accepted = absl::Now();
+  absl::Notification done;
+  absl::Status status;
+  job->done = [&](absl::Status s) {
+    status = s;
+    done.Notify();
+  };
+  ASSERT_TRUE(backend.Submit(std::move(job)).ok());
+  done.WaitForNotification();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_EQ(status.message().substr(0, 13), "shape.kv_len:") << status;
+  EXPECT_EQ(backend.jobs_computed(), 0u);
 }
 
 }  // namespace

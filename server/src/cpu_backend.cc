@@ -1,6 +1,9 @@
 #include "attnd/server/cpu_backend.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <exception>
 #include <new>
 #include <utility>
 
@@ -13,6 +16,15 @@ namespace {
 
 double Micros(absl::Duration d) { return absl::ToDoubleMicroseconds(d); }
 
+// Working memory the reference may use at once: a quarter of physical memory (the rest holds requests,
+// replies and everything else on the host), or the configured budget.
+uint64_t ResolveMemoryBudget(uint64_t configured) {
+  if (configured > 0) return configured;
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return 1ull << 30;
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 4;
+}
+
 int ResolveThreads(int requested) {
   if (requested > 0) return requested;
   const unsigned hw = std::thread::hardware_concurrency();
@@ -22,7 +34,10 @@ int ResolveThreads(int requested) {
 }  // namespace
 
 CpuBackend::CpuBackend(const BackendOptions& options, CpuBackendHooks hooks)
-    : max_queue_(options.max_queue), threads_(ResolveThreads(options.threads)), hooks_(std::move(hooks)) {
+    : max_queue_(options.max_queue),
+      threads_(ResolveThreads(options.threads)),
+      memory_budget_(ResolveMemoryBudget(options.memory_budget_bytes)),
+      hooks_(std::move(hooks)) {
   // One worker per thread: under load every core runs its own request; a lone request fans out over all
   // cores inside ReferenceAttention (see Run), so latency stays low when the server is idle.
   workers_.reserve(threads_);
@@ -137,6 +152,16 @@ absl::Status CpuBackend::Run(ForwardJob& job, int compute_threads) {
   } catch (const std::bad_alloc&) {
     return absl::ResourceExhaustedError(absl::StrCat("out of host memory for O (", o_bytes, " bytes)"));
   }
+  // ReferenceAttention widens one head's K and V to fp32 in every compute thread; a bad_alloc there would
+  // terminate the process, so the thread count is fitted to a memory budget first.
+  const uint64_t per_thread = (2 * static_cast<uint64_t>(s.kv_len) * s.head_dim + s.kv_len + 3 * s.head_dim) * 4;
+  const uint64_t fit = memory_budget_ / per_thread;
+  if (fit == 0) {
+    return absl::ResourceExhaustedError(absl::StrCat("shape.kv_len: ", s.kv_len, " needs ", per_thread,
+                                                     " bytes of working memory per head, over the cpu backend's budget of ",
+                                                     memory_budget_));
+  }
+  compute_threads = static_cast<int>(std::min<uint64_t>(compute_threads, fit));
   Layout layout;
   layout.q = job.q.strides;
   layout.k = job.k.strides;
@@ -145,10 +170,14 @@ absl::Status CpuBackend::Run(ForwardJob& job, int compute_threads) {
   ReferenceOptions opts;
   opts.num_threads = compute_threads;
   const absl::Time compute_start = absl::Now();
-  ReferenceAttention(p, layout, reinterpret_cast<const uint16_t*>(job.q.host),
-                     reinterpret_cast<const uint16_t*>(job.k.host), reinterpret_cast<const uint16_t*>(job.v.host),
-                     reinterpret_cast<uint16_t*>(job.o.data()),
-                     p.want_lse ? reinterpret_cast<float*>(job.lse.data()) : nullptr, opts);
+  try {
+    ReferenceAttention(p, layout, reinterpret_cast<const uint16_t*>(job.q.host),
+                       reinterpret_cast<const uint16_t*>(job.k.host), reinterpret_cast<const uint16_t*>(job.v.host),
+                       reinterpret_cast<uint16_t*>(job.o.data()),
+                       p.want_lse ? reinterpret_cast<float*>(job.lse.data()) : nullptr, opts);
+  } catch (const std::exception& e) {  // thread creation or allocation on the calling thread
+    return absl::ResourceExhaustedError(absl::StrCat("cpu backend: ", e.what()));
+  }
   const absl::Time end = absl::Now();
   job.timing.kernel_us = Micros(end - compute_start);
   job.timing.h2d_us = job.timing.d2h_us = 0;

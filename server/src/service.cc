@@ -8,9 +8,11 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "attnd/server/status_util.h"
+#include "call_observer.h"
 #include "spdlog/spdlog.h"
 
 #ifndef ATTND_VERSION
@@ -28,13 +30,16 @@ uint64_t ChunkBytes(uint64_t max_message_bytes) {
   return std::clamp<uint64_t>(max_message_bytes / 2, 4096, 1u << 20);
 }
 
+// request_id is client text: escaped so that it cannot forge log lines.
 void LogOutcome(const char* method, const std::string& request_id, const absl::Status& status, absl::Time start) {
+  if (!spdlog::should_log(spdlog::level::debug)) return;
   const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  const std::string id = absl::CHexEscape(request_id);
   if (status.ok()) {
-    spdlog::debug("{} id='{}' ok in {:.0f} us", method, request_id, us);
+    spdlog::debug("{} id='{}' ok in {:.0f} us", method, id, us);
   } else {
-    spdlog::debug("{} id='{}' {} in {:.0f} us: {}", method, request_id, absl::StatusCodeToString(status.code()), us,
-                  std::string(status.message()));
+    spdlog::debug("{} id='{}' {} in {:.0f} us: {}", method, id, absl::StatusCodeToString(status.code()), us,
+                  absl::CHexEscape(status.message()));
   }
 }
 
@@ -175,6 +180,8 @@ class ForwardStreamReactor final
       return End(absl::DeadlineExceededError("the deadline expired while the request was being received"));
     }
     ForwardJob* job = job_.get();
+    // Queue time starts once every byte is in: the upload is the client's time, not the server's queue.
+    job->accepted = absl::Now();
     job->done = [this, job](absl::Status status) { OnJobDone(*job, status); };
     state_ = StreamState::kComputing;
     const absl::Status s = service_->backend()->Submit(std::move(job_));
@@ -258,6 +265,7 @@ AttentionService::AttentionService(const ServerOptions& options, Backend* backen
 absl::Status AttentionService::Prepare(const v1::ForwardRequest& request, Transport transport,
                                        grpc::CallbackServerContext* ctx, ForwardJob* job, RequestBytes* bytes) const {
   if (shutting_down_.load()) return absl::UnavailableError("the server is shutting down");
+  if (peer_calls_ != nullptr) ATTND_RETURN_IF_ERROR(peer_calls_->Admit(ctx->peer()));
   ATTND_RETURN_IF_ERROR(ValidateForwardRequest(request, transport, limits_, job, bytes));
   ATTND_RETURN_IF_ERROR(backend_->CheckSupported(*job));
   job->deadline = absl::FromChrono(ctx->deadline());
@@ -283,9 +291,10 @@ void AttentionService::FillResponseHeader(const ForwardJob& job, v1::ForwardResp
 }
 
 grpc::ServerUnaryReactor* AttentionService::FinishNow(grpc::CallbackServerContext* ctx, const char* method,
-                                                      absl::Time start, const absl::Status& status) {
+                                                      absl::Time start, const absl::Status& status,
+                                                      const std::string& request_id) {
   stats_.Record(method, status, absl::Now() - start);
-  if (!status.ok()) LogOutcome(method, "", status, start);
+  if (!status.ok()) LogOutcome(method, request_id, status, start);
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
@@ -299,10 +308,7 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
   job->accepted = start;
   RequestBytes bytes;
   const absl::Status prepared = Prepare(*request, Transport::kUnary, ctx, job.get(), &bytes);
-  if (!prepared.ok()) {
-    LogOutcome("Forward", request->request_id(), prepared, start);
-    return FinishNow(ctx, "Forward", start, prepared);
-  }
+  if (!prepared.ok()) return FinishNow(ctx, "Forward", start, prepared, request->request_id());
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   ForwardJob* j = job.get();
   const uint64_t in_bytes = bytes.q + bytes.k + bytes.v;

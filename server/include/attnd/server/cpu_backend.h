@@ -1,5 +1,7 @@
 // The CPU backend: a bounded queue in front of worker threads that run attnd::ReferenceAttention
 // (fp32 accumulation, bf16/fp16 in and out). It serves machines without a GPU and is the oracle of the tests.
+// Of BackendOptions it uses threads, max_queue and memory_budget_bytes (fp32 working memory of one
+// computation; 0: a quarter of physical memory).
 #pragma once
 
 #include <cstdint>
@@ -60,6 +62,7 @@ class CpuBackend final : public Backend {
 
   const uint32_t max_queue_;
   const int threads_;
+  const uint64_t memory_budget_;  // bytes of fp32 working memory the computation may take (all threads)
   const CpuBackendHooks hooks_;
 
   mutable absl::Mutex mu_;
