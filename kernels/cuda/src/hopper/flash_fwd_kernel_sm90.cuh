@@ -1,13 +1,14 @@
 // The Hopper-family forward kernel: warp-role orchestration of the mainloop (TMA producer + wgmma
 // consumers), the epilogue and the persistent tile scheduler.
 //
-//   warpgroup 0       producer: gives its registers away (setmaxnreg 24); one thread issues every TMA copy
-//   warpgroups 1, 2   consumers (setmaxnreg 240): 64 query rows each;
+//   warpgroup 0       producer: gives its registers away (setmaxnreg 24, or 32 beside 3 consumers); one
+//                     thread issues every TMA copy
+//   warpgroups 1..n   consumers (setmaxnreg 240 for n = 2, 160 for n = 3): 64 query rows each;
 //                       S = Q K^T   wgmma, Q and K from shared memory
 //                       P = softmax(S) in registers (online, exp2, lazy rescale)
 //                       O += P V    wgmma, P from registers, V from shared memory
-//                     in ping-pong (one warpgroup's softmax under the other's GEMMs) and, inside each, the
-//                     softmax of block j under the P V of block j+1 (tile_size_sm90.h flags).
+//                     taking turns to issue GEMMs (one warpgroup's softmax under another's GEMMs) and,
+//                     inside each, the softmax of block j under the P V of block j+1 (tile_size_sm90.h flags).
 #pragma once
 
 #include <cuda.h>

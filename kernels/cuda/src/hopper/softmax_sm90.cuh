@@ -35,6 +35,11 @@ __device__ __forceinline__ float Exp2Poly(float x) {
   return x < -125.f ? 0.f : r;  // also -inf (masked) -> exactly 0, as ex2.approx gives
 }
 
+// Whether 8-column group i is exponentiated by Exp2Poly (every `every`-th group; every = 0: none).
+__host__ __device__ constexpr bool PolyGroup(int i, int every) {
+  return every > 0 && i % (every > 0 ? every : 1) == every - 1;
+}
+
 template <int kBlockN>
 struct SoftmaxSm90 {
   static constexpr int kRegs = kBlockN / 2;
@@ -99,7 +104,7 @@ struct SoftmaxSm90 {
     const float k = fold ? scale_log2 : 1.f;  // masked scores are -inf either way: exp2 gives 0
 #pragma unroll
     for (int i = 0; i < kBlockN / 8; ++i) {
-      if (kPolyEvery > 0 && i % kPolyEvery == kPolyEvery - 1) {
+      if (PolyGroup(i, kPolyEvery)) {
         s[4 * i + 0] = Exp2Poly(fmaf(s[4 * i + 0], k, -b0));
         s[4 * i + 1] = Exp2Poly(fmaf(s[4 * i + 1], k, -b0));
         s[4 * i + 2] = Exp2Poly(fmaf(s[4 * i + 2], k, -b1));

@@ -1,8 +1,9 @@
 // Tile scheduler role: a persistent grid (one block per SM) walks the (q_tile, head, batch) tiles in rounds
 // of `grid` tiles, block i taking the i-th tile of even rounds and the i-th from the end of odd ones
 // (boustrophedon). With costs falling along the order (causal), plain striding gave block 0 the longest
-// tile of every round: at 16k, 15 rounds x ~8 q-tiles of difference, ~12% of the run (v2: causal d128 16k
-// at 555 TFLOP/s against 621 without the mask); snaking cancels it round by round.
+// tile of every round (d128 16k: the busiest block 6.3% over the mean, 0.3% snaking); measured on the H200,
+// snaking took causal d128 16k from 553 to 669 TFLOP/s (more than that imbalance explains; see
+// docs/hopper-kernel-notes.md).
 // Order: (batch, head) pairs are taken a section at a time; inside a section the q_tile is the slow index,
 // highest first. Without a mask every tile costs the same, and a section is as many heads as keep their
 // K and V inside about half of L2, so the ~132 blocks in flight share K/V through L2. With a causal mask
@@ -11,6 +12,8 @@
 // section: each stride-round of `grid` tiles is a run of nearly equal cost, longest first (LPT), and the
 // blocks in flight sweep the same key range of a few heads together, which L2 still serves.
 #pragma once
+
+#include <cuda_runtime.h>  // __host__ __device__ (host compilers too: tests/hopper_scheduler_test.cc)
 
 #include <cstdint>
 
@@ -46,18 +49,20 @@ inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int bat
 }
 
 // The tile block `block` runs in round `round`, or -1 when it has none (only the last round is partial).
-__device__ __forceinline__ int TileOfRound(const SchedulerParams& sp, int round, int block, int grid) {
+__host__ __device__ __forceinline__ int TileOfRound(const SchedulerParams& sp, int round, int block, int grid) {
   const int base = round * grid;
-  const int count = min(grid, sp.total_tiles - base);
+  const int left = sp.total_tiles - base;
+  const int count = grid < left ? grid : left;
   if (block >= count) return -1;
   return base + ((round & 1) ? count - 1 - block : block);
 }
 
-__device__ __forceinline__ TileCoord TileAt(const SchedulerParams& sp, int t) {
+__host__ __device__ __forceinline__ TileCoord TileAt(const SchedulerParams& sp, int t) {
   const int per_section = sp.section_bh * sp.num_q_tiles;
   const int section = t / per_section;
   const int base_bh = section * sp.section_bh;
-  const int size = min(sp.section_bh, sp.total_bh - base_bh);
+  const int left = sp.total_bh - base_bh;
+  const int size = sp.section_bh < left ? sp.section_bh : left;
   const int idx = t - section * per_section;
   const int bh = base_bh + idx % size;
   return TileCoord{sp.num_q_tiles - 1 - idx / size, bh % sp.q_heads, bh / sp.q_heads};

@@ -1,9 +1,10 @@
 // Tile shapes of the Hopper (wgmma, warp-specialized) family, chosen in one place.
 //
-// One block = 1 producer warpgroup (one thread issues every TMA copy) + 2 consumer warpgroups, each owning
-// 64 query rows (wgmma's M), so block_m = 128. block_n keys per K/V stage is wgmma's N of S = Q K^T; the whole
-// head_dim is wgmma's N of O += P V. Per consumer thread: O is head_dim / 2 fp32 registers, S block_n / 2,
-// P block_n / 4 — the budget the setmaxnreg split (producer 24, consumers 240) has to hold.
+// One block = 1 producer warpgroup (one thread issues every TMA copy) + 2 or 3 consumer warpgroups, each
+// owning 64 query rows (wgmma's M), so block_m = 128 or 192. block_n keys per K/V stage is wgmma's N of
+// S = Q K^T; the whole head_dim is wgmma's N of O += P V. Per consumer thread: O is head_dim / 2 fp32
+// registers, S block_n / 2, P block_n / 4 — the budget the setmaxnreg split (producer 24 / consumers 240, or
+// 32 / 160 with three consumers) has to hold.
 #pragma once
 
 #include <cstddef>
@@ -17,8 +18,8 @@ struct TileShape {
   static constexpr int kBlockM = 64 * ConsumerWarpgroups;
   static constexpr int kBlockN = BlockN;
   static constexpr int kStages = Stages;
-  // PingPong: the two consumer warpgroups take turns issuing GEMMs (named barriers), so one's softmax runs
-  // under the other's GEMMs. IntraOverlap: inside a warpgroup, softmax of block j runs under P V of block j+1.
+  // PingPong: the consumer warpgroups take turns issuing GEMMs (named barriers), so one's softmax runs
+  // under another's GEMMs. IntraOverlap: inside a warpgroup, softmax of block j runs under P V of block j+1.
   static constexpr bool kPingPong = PingPong;
   static constexpr bool kIntraOverlap = IntraOverlap;
   // Three consumer warpgroups (FA3's choice at head_dim 64, where the softmax outlasts the GEMMs): two can
