@@ -55,7 +55,10 @@ pm() { "${PODMAN[@]}" "$@"; }
 
 mkdir -p "$WORKDIR"
 cleanup() {
-  pm rm -f --time 5 "$NAME" "$NAME-pool1" "$NAME-pool2" >/dev/null 2>&1 || true
+  # One at a time: `podman rm` of several names stops at the first that is already gone.
+  for c in "$NAME" "$NAME-pool1" "$NAME-pool2"; do
+    pm rm -f --ignore --time 5 "$c" >/dev/null 2>&1 || true
+  done
 }
 trap cleanup EXIT
 
@@ -194,8 +197,9 @@ for i in 1 2; do
 done
 log "Forward calls per server: ${counts[0]} + ${counts[1]}"
 [ $(( counts[0] + counts[1] )) -eq "$requests" ] || die "the servers saw ${counts[0]} + ${counts[1]} calls, not $requests"
+# Not an exact half: round_robin starts picking as soon as one connection is ready (seen: 20/20 and 18/22).
 for n in "${counts[@]}"; do
-  [ "$n" -ge $(( requests / 4 )) ] || die "round robin left a server with $n of $requests calls"
+  [ "$n" -ge $(( requests / 5 )) ] || die "round robin left a server with $n of $requests calls"
 done
 pm rm -f --time 30 "$NAME-pool1" "$NAME-pool2" >/dev/null 2>&1 || true
 ok "attn bench over dns:/// spread ${requests} calls (every 5th verified) over two servers: ${counts[0]} / ${counts[1]}"
