@@ -54,8 +54,9 @@ for f in funcs[1:]:
 open(sys.argv[1], 'w').write('\n'.join(out) + '\n')
 print('\n'.join(out))
 PY
-      # One kernel's full SASS for the notes (the d128 default, bf16).
-      awk '/Function : .*HopperFwdKernel.*TileShapeILi128ELi128ELi2ELb1ELb1EEE13__nv_bfloat16/{p=1} p&&/Function : /&&!/TileShapeILi128ELi128ELi2ELb1ELb1EEE13__nv_bfloat16/{p=0} p' /tmp/all.sass > "$OUT/sass_d128.txt"
+      # One kernel's full SASS for the notes (the d128 default m128n128s3, bf16).
+      want='HopperFwdKernel.*TileShapeILi128ELi128ELi3ELb1ELb1E.*__nv_bfloat16'
+      awk -v w="$want" '/Function : /{p = ($0 ~ w)} p' /tmp/all.sass > "$OUT/sass_d128.txt"
       wc -l "$OUT/sass_d128.txt" ;;
     bench|quickbench)
       extra=""; [ "$step" = quickbench ] && extra="--quick"
