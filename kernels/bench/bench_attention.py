@@ -9,7 +9,7 @@ while the calls are queued (so host overhead does not leak into the events), inp
 calls do not run out of L2, median reported. TFLOP/s count 4*B*Hq*Sq*Skv*D, halved for causal.
 
   python3 kernels/bench/bench_attention.py --lib .carry/libattnd_kernels_c.so [--tables seed,fa3,gqa]
-      [--configs auto|all|name,name] [--json out.json]
+      [--configs seed|all|name,name] [--json out.json]
 """
 import argparse
 import ctypes
@@ -178,7 +178,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", default=".carry/libattnd_kernels_c.so")
     ap.add_argument("--tables", default="seed,fa3,gqa")
-    ap.add_argument("--configs", default="auto", help="auto, all (every config of the head_dim), or names")
+    ap.add_argument("--configs", default="seed",
+                    help="seed (the seed family's tuned choice), all (that plus every seed shape of the head_dim), "
+                         "or a comma-separated list of names / auto / seed / hopper")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -196,11 +198,11 @@ def main():
     print("# env:", json.dumps(env), flush=True)
 
     def cfgs_for(D):
-        if args.configs == "auto":
-            return ["auto"]
+        if args.configs == "seed":
+            return ["seed"]
         if args.configs == "all":  # every seed-family shape of this head_dim (tuning)
-            return ["auto"] + [c for c in all_cfgs if f"_d{D}_" in c and c.startswith("seed_")]
-        return [c for c in args.configs.split(",") if f"_d{D}_" in c or c in ("auto", "seed")]
+            return ["seed"] + [c for c in all_cfgs if f"_d{D}_" in c and c.startswith("seed_")]
+        return [c for c in args.configs.split(",") if f"_d{D}_" in c or c in ("auto", "seed", "hopper")]
 
     tables = []
     want = args.tables.split(",")
@@ -211,6 +213,10 @@ def main():
             for causal in (False, True):
                 tables.append((f"FA3 convention: B*S=16k, H={H}, D={D}, causal={causal}",
                                [(16384 // S, S, H, H, D, causal) for S in (512, 1024, 2048, 4096, 8192, 16384)]))
+    if "d256" in want:
+        for causal in (False, True):
+            tables.append((f"D=256, H=16, B*S=16k, causal={causal}",
+                           [(16384 // S, S, 16, 16, 256, causal) for S in (1024, 4096, 16384)]))
     if "gqa" in want:
         for hq in (32, 64):
             tables.append((f"GQA {hq}:8, D=128, B*S=16k, causal",

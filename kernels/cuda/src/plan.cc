@@ -1,4 +1,5 @@
 // Host side: device checks, validation, configuration choice, tensor-map keys, plans and the launch.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -46,6 +47,7 @@ namespace {
 struct DeviceCaps {
   int major = 0, minor = 0;
   int smem_optin = 0;
+  int sms = 0;
 };
 
 absl::StatusOr<int> ResolveDevice(int device) {
@@ -63,6 +65,7 @@ absl::StatusOr<DeviceCaps> Caps(int device) {
   if (err == cudaSuccess) {
     err = cudaDeviceGetAttribute(&caps.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   }
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&caps.sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) {
     return absl::UnavailableError(absl::StrCat("CUDA device ", device, " is not usable: ", cudaGetErrorString(err)));
   }
@@ -75,16 +78,24 @@ bool Runs(const KernelEntry& e, const DeviceCaps& caps) {
   return false;
 }
 
-// The tuned choice per (compute capability, head_dim); see docs/kernel-notes.md for the measurements.
-const char* DefaultConfig(const DeviceCaps& caps, int64_t head_dim) {
+// The seed family's tuned choice (measurements: docs/kernel-notes.md). On the H200 the 32-rows-a-warp shapes
+// ("w4": half the shared-memory reads per mma) win once 128-row blocks fill two per SM; smaller problems run
+// faster on 64-row blocks of 16-row warps (twice the blocks). At d=64 the 64-row shape also wins below 2k.
+const char* DefaultConfig(const DeviceCaps& caps, const Problem& p) {
+  const Shape& s = p.shape;
   if (caps.major == 9) {
-    switch (head_dim) {
-      case 64: return "seed_sm90_d64_m64n64s3";
-      case 128: return "seed_sm90_d128_m64n64s2";
-      case 256: return "seed_sm90_d256_m64n64s2";
+    const int64_t blocks128 = (s.q_len + 127) / 128 * s.q_heads * s.batch;
+    const bool fills = blocks128 >= 2 * static_cast<int64_t>(caps.sms);
+    switch (s.head_dim) {
+      case 64:
+        return fills && s.q_len >= 2048 ? "seed_sm90_d64_m128n64s2w4" : "seed_sm120_d64_m64n64s2";
+      case 128:
+        return fills ? "seed_sm90_d128_m128n64s2w4" : "seed_sm90_d128_m64n64s2";
+      case 256:  // 96 KB single-stage blocks, two per SM, beat the 2-stage shape (one per SM) on every row
+        return "seed_sm120_d256_m64n64s1";
     }
   } else {
-    switch (head_dim) {
+    switch (s.head_dim) {
       case 64: return "seed_sm120_d64_m64n64s2";
       case 128: return "seed_sm120_d128_m64n64s1";
       case 256: return "seed_sm120_d256_m64n64s1";
@@ -275,7 +286,7 @@ absl::StatusOr<Selection> Select(const Problem& problem, const Layout& layout, c
                                                         caps->major, ".", caps->minor, ")"));
     }
   } else {
-    const char* name = DefaultConfig(*caps, problem.shape.head_dim);
+    const char* name = DefaultConfig(*caps, problem);
     if (options.family == Family::kHopper) {
       if (caps->major != 9 || caps->minor != 0) {
         return absl::FailedPreconditionError(absl::StrCat("the hopper (wgmma) kernel family needs compute capability "
@@ -344,6 +355,20 @@ absl::StatusOr<Plan> MakePlanFromMaps(const Selection& sel, const DeviceTensors&
   lp.causal_offset = p.mask == Mask::kCausalBottomRight ? static_cast<int>(s.kv_len - s.q_len) : 0;
   lp.num_q_tiles = static_cast<int>((s.q_len + e.block_m - 1) / e.block_m);
   lp.scale_log2 = static_cast<float>(static_cast<double>(p.scale) * 1.4426950408889634);
+  lp.batch = static_cast<int>(s.batch);
+  {
+    // Causal block sections: (head, batch) pairs whose K/V (shared by a GQA group) fit half the L2, balanced.
+    int l2 = 0;
+    if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, sel.device) != cudaSuccess || l2 <= 0) l2 = 50 << 20;
+    const int64_t kv_bytes_per_q_head = std::max<int64_t>(1, s.kv_len * s.head_dim * 4 / lp.group);
+    const int64_t pairs = s.q_heads * s.batch;
+    const int64_t max_section = std::max<int64_t>(1, (l2 / 2) / kv_bytes_per_q_head);
+    const int64_t sections = (pairs + max_section - 1) / max_section;
+    lp.section = static_cast<int>((pairs + sections - 1) / sections);
+  }
+  if (static_cast<int64_t>(lp.num_q_tiles) * s.q_heads * s.batch > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError("shape: batch * q_heads * query tiles exceeds the grid limit");
+  }
   plan.grid[0] = static_cast<unsigned>(lp.num_q_tiles);
   plan.grid[1] = static_cast<unsigned>(s.q_heads);
   plan.grid[2] = static_cast<unsigned>(s.batch);

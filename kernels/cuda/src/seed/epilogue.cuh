@@ -16,7 +16,7 @@ namespace attnd::kernels::seed {
 
 template <typename Tile, typename Elem, int kDTiles, int kNTiles>
 __device__ __forceinline__ void StoreOutput(const LaunchParams& p, float (&acc_o)[kDTiles][4],
-                                            OnlineSoftmax<kNTiles>& sm, uint8_t* q_smem, int warp, int lane,
+                                            OnlineSoftmax<kNTiles>& sm, uint8_t* q_smem, int row16, int lane,
                                             int q0, int batch, int head) {
   constexpr int kPanelBytes = Tile::kBlockM * 128;
   const int g = lane >> 2, t = lane & 3;
@@ -25,10 +25,10 @@ __device__ __forceinline__ void StoreOutput(const LaunchParams& p, float (&acc_o
   // A row that saw no key (bottom-right causal with q_len > kv_len) has l = 0: O = 0, LSE = -inf.
   const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
   const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  const int row_a = warp * 16 + g;  // row within the block
+  const int row_a = row16 + g;  // row within the block (row16: first of this 16-row atom)
   const int row_b = row_a + 8;
 
-  // This warp's Q rows are dead here (the last QK^T is done), so its 16 rows of the buffer hold O.
+  // This warp's Q rows are dead here (the last QK^T is done), so these 16 rows of the buffer hold O.
   __syncwarp();
 #pragma unroll
   for (int d = 0; d < kDTiles; ++d) {
@@ -45,7 +45,7 @@ __device__ __forceinline__ void StoreOutput(const LaunchParams& p, float (&acc_o
 #pragma unroll
   for (int it = 0; it < 16 * kChunksPerRow / 32; ++it) {
     const int idx = it * 32 + lane;
-    const int r = warp * 16 + idx / kChunksPerRow;
+    const int r = row16 + idx / kChunksPerRow;
     const int c = idx % kChunksPerRow;
     const int q_row = q0 + r;
     if (q_row < p.q_len) {

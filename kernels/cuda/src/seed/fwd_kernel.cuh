@@ -1,5 +1,5 @@
 // The seed-design forward kernel, composed of the load (TMA), compute (mma.sync), softmax and epilogue
-// roles. One block computes block_m query rows of one (batch, head); each warp owns 16 of them.
+// roles. One block computes block_m query rows of one (batch, head); each warp owns 16 * kMRep of them.
 //
 //   S = Q K^T          Q from registers (or shared memory at d=256), K from a swizzled stage via ldmatrix
 //   P = softmax(S)     online, exp2 domain, lazy rescale (softmax.cuh); masked only on tiles that need it
@@ -33,6 +33,7 @@ __global__ void __launch_bounds__(Tile::kThreads)
   constexpr int kKTiles = D / 16;   // k-steps of QK^T
   constexpr int kNTiles = BN / 8;   // 8-column tiles of S
   constexpr int kDTiles = D / 8;    // 8-column tiles of O
+  constexpr int MR = Tile::kMRep;   // 16-row atoms per warp
 
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -46,9 +47,27 @@ __global__ void __launch_bounds__(Tile::kThreads)
   uint64_t* kv_empty = bars + 1 + 2 * S;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  // Heaviest causal tiles first, so the short ones fill the tail of the grid.
-  const int q_tile = p.num_q_tiles - 1 - static_cast<int>(blockIdx.x);
-  const int head = blockIdx.y, batch = blockIdx.z;
+  // Block order (blocks start in index order). Causal: (head, batch) pairs are cut into sections whose K/V fit
+  // about half the L2 (p.section pairs); inside a section the longest q tiles of all its heads go first (rank
+  // slowest, heads fastest), so a section's last wave holds short blocks and no head's long blocks start late,
+  // while the section's K/V prefixes stay in L2 for all its blocks.
+  // Non-causal: equal blocks, the seed's q-tile-fastest order (neighbouring blocks read the same K/V tiles).
+  const int lin = static_cast<int>(blockIdx.x);
+  int q_tile, hb;
+  if (p.causal) {
+    const int heads_batches = p.q_heads * p.batch;
+    const int per_section = p.section * p.num_q_tiles;  // blocks of each full section
+    const int sec = lin / per_section;
+    const int within = lin - sec * per_section;
+    const int sec_hb0 = sec * p.section;
+    const int sec_size = min(p.section, heads_batches - sec_hb0);
+    q_tile = p.num_q_tiles - 1 - within / sec_size;
+    hb = sec_hb0 + within % sec_size;
+  } else {
+    q_tile = lin % p.num_q_tiles;
+    hb = lin / p.num_q_tiles;
+  }
+  const int head = hb % p.q_heads, batch = hb / p.q_heads;
   const int kv_head = head / p.group;
   const int q0 = q_tile * BM;
 
@@ -104,7 +123,8 @@ __global__ void __launch_bounds__(Tile::kThreads)
 
   // Per-lane ldmatrix offsets. A 16x16 operand is four 8x8 matrices; lane l supplies one row address.
   // Q (A operand, rows x d): matrices (rows 0-7 | 8-15) x (d 0-7 | 8-15), row = l % 16, d-chunk = l / 16.
-  const int q_row = warp * 16 + (lane & 15);
+  const int warp_row0 = warp * 16 * MR;  // the warp's first row in the block
+  const int q_row = warp_row0 + (lane & 15);
   const int q_chunk = lane >> 4;
   // K (B operand of QK^T, non-transposed): key = l % 8 + 8 * (l / 16), d-chunk = (l / 8) % 2.
   const int k_row = (lane & 7) + ((lane >> 4) << 3);
@@ -114,23 +134,28 @@ __global__ void __launch_bounds__(Tile::kThreads)
   const int v_chunk = lane >> 4;
   const uint32_t q_base = SmemAddr(q_s);
 
-  auto q_frag_addr = [&](int kk) {
+  auto q_frag_addr = [&](int ma, int kk) {
     const int chunk = kk * 2 + q_chunk;
-    return q_base + (chunk / 8) * kQPanelBytes + Swizzle128(q_row, chunk % 8);
+    return q_base + (chunk / 8) * kQPanelBytes + Swizzle128(q_row + ma * 16, chunk % 8);
   };
 
   MbarWait(q_full, 0);
-  uint32_t q_frag[Tile::kQInRegs ? kKTiles : 1][4];
+  uint32_t q_frag[MR][Tile::kQInRegs ? kKTiles : 1][4];
   if constexpr (Tile::kQInRegs) {
 #pragma unroll
-    for (int kk = 0; kk < kKTiles; ++kk) LdMatrixX4(q_frag[kk], q_frag_addr(kk));
+    for (int ma = 0; ma < MR; ++ma)
+#pragma unroll
+      for (int kk = 0; kk < kKTiles; ++kk) LdMatrixX4(q_frag[ma][kk], q_frag_addr(ma, kk));
   }
 
-  float acc_o[kDTiles][4];
+  float acc_o[MR][kDTiles][4];
+  OnlineSoftmax<kNTiles> softmax[MR];
 #pragma unroll
-  for (int d = 0; d < kDTiles; ++d) acc_o[d][0] = acc_o[d][1] = acc_o[d][2] = acc_o[d][3] = 0.f;
-  OnlineSoftmax<kNTiles> softmax;
-  softmax.Init();
+  for (int ma = 0; ma < MR; ++ma) {
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d) acc_o[ma][d][0] = acc_o[ma][d][1] = acc_o[ma][d][2] = acc_o[ma][d][3] = 0.f;
+    softmax[ma].Init();
+  }
 
   const int g = lane >> 2;
   // Last key each of this thread's two rows may see.
@@ -139,8 +164,6 @@ __global__ void __launch_bounds__(Tile::kThreads)
     const int64_t lim = static_cast<int64_t>(row) + p.causal_offset;
     return static_cast<int>(lim < -1 ? -1 : (lim > p.kv_len - 1 ? p.kv_len - 1 : lim));
   };
-  const int limit0 = row_limit(q0 + warp * 16 + g);
-  const int limit1 = row_limit(q0 + warp * 16 + g + 8);
 
   auto step = [&](int j, auto masked) {
     constexpr bool kMasked = decltype(masked)::value;
@@ -154,49 +177,75 @@ __global__ void __launch_bounds__(Tile::kThreads)
     __syncwarp();
 
     // S = Q K^T
-    float s[kNTiles][4];
+    float s[MR][kNTiles][4];
 #pragma unroll
-    for (int i = 0; i < kNTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    for (int ma = 0; ma < MR; ++ma)
+#pragma unroll
+      for (int i = 0; i < kNTiles; ++i) s[ma][i][0] = s[ma][i][1] = s[ma][i][2] = s[ma][i][3] = 0.f;
     const uint32_t k_base = SmemAddr(k_s + st * Tile::kKVTileBytes);
     MbarWait(&k_full[st], parity);
 #pragma unroll
     for (int kk = 0; kk < kKTiles; ++kk) {
-      uint32_t a[4];
-      if constexpr (Tile::kQInRegs) {
-        a[0] = q_frag[kk][0], a[1] = q_frag[kk][1], a[2] = q_frag[kk][2], a[3] = q_frag[kk][3];
-      } else {
-        LdMatrixX4(a, q_frag_addr(kk));
+      uint32_t a[MR][4];
+#pragma unroll
+      for (int ma = 0; ma < MR; ++ma) {
+        if constexpr (Tile::kQInRegs) {
+          a[ma][0] = q_frag[ma][kk][0], a[ma][1] = q_frag[ma][kk][1];
+          a[ma][2] = q_frag[ma][kk][2], a[ma][3] = q_frag[ma][kk][3];
+        } else {
+          LdMatrixX4(a[ma], q_frag_addr(ma, kk));
+        }
       }
       const int chunk = kk * 2 + k_chunk;
 #pragma unroll
       for (int nn = 0; nn < BN / 16; ++nn) {
         uint32_t b[4];
         LdMatrixX4(b, k_base + (chunk / 8) * kKVPanelBytes + Swizzle128(nn * 16 + k_row, chunk % 8));
-        ElemTraits<Elem>::Mma(s[2 * nn], a, b[0], b[1]);
-        ElemTraits<Elem>::Mma(s[2 * nn + 1], a, b[2], b[3]);
+#pragma unroll
+        for (int ma = 0; ma < MR; ++ma) {  // one K fragment, MR mma
+          ElemTraits<Elem>::Mma(s[ma][2 * nn], a[ma], b[0], b[1]);
+          ElemTraits<Elem>::Mma(s[ma][2 * nn + 1], a[ma], b[2], b[3]);
+        }
       }
     }
 
     // P = exp2(S * scale_log2 - m), O rescaled when m moves
-    softmax.template Step<kMasked>(s, acc_o, p.scale_log2, j * BN, limit0, limit1);
+#pragma unroll
+    for (int ma = 0; ma < MR; ++ma) {
+      // Row limits only matter on masked tiles; recomputing them there keeps registers free on the others.
+      const int row = q0 + warp_row0 + ma * 16 + g;
+      softmax[ma].template Step<kMasked>(s[ma], acc_o[ma], p.scale_log2, j * BN, kMasked ? row_limit(row) : 0,
+                                         kMasked ? row_limit(row + 8) : 0);
+    }
+
+    // The S accumulators of columns 16kk..16kk+15 are, register for register, the A fragment of P. Packing
+    // all of P to 16 bits before waiting for V halves the registers S holds across the wait.
+    uint32_t p_frag[MR][BN / 16][4];
+#pragma unroll
+    for (int ma = 0; ma < MR; ++ma)
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        p_frag[ma][kk][0] = ElemTraits<Elem>::Pack(s[ma][2 * kk][0], s[ma][2 * kk][1]);
+        p_frag[ma][kk][1] = ElemTraits<Elem>::Pack(s[ma][2 * kk][2], s[ma][2 * kk][3]);
+        p_frag[ma][kk][2] = ElemTraits<Elem>::Pack(s[ma][2 * kk + 1][0], s[ma][2 * kk + 1][1]);
+        p_frag[ma][kk][3] = ElemTraits<Elem>::Pack(s[ma][2 * kk + 1][2], s[ma][2 * kk + 1][3]);
+      }
 
     // O += P V
     const uint32_t v_base = SmemAddr(v_s + st * Tile::kKVTileBytes);
     MbarWait(&v_full[st], parity);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      // The S accumulators of columns 16kk..16kk+15 are, register for register, the A fragment of P.
-      const uint32_t a[4] = {ElemTraits<Elem>::Pack(s[2 * kk][0], s[2 * kk][1]),
-                             ElemTraits<Elem>::Pack(s[2 * kk][2], s[2 * kk][3]),
-                             ElemTraits<Elem>::Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             ElemTraits<Elem>::Pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
       for (int dd = 0; dd < D / 16; ++dd) {
         const int chunk = dd * 2 + v_chunk;
         uint32_t b[4];
         LdMatrixX4Trans(b, v_base + (chunk / 8) * kKVPanelBytes + Swizzle128(kk * 16 + v_row, chunk % 8));
-        ElemTraits<Elem>::Mma(acc_o[2 * dd], a, b[0], b[1]);
-        ElemTraits<Elem>::Mma(acc_o[2 * dd + 1], a, b[2], b[3]);
+#pragma unroll
+        for (int ma = 0; ma < MR; ++ma) {  // one V fragment, MR mma
+          ElemTraits<Elem>::Mma(acc_o[ma][2 * dd], p_frag[ma][kk], b[0], b[1]);
+          ElemTraits<Elem>::Mma(acc_o[ma][2 * dd + 1], p_frag[ma][kk], b[2], b[3]);
+        }
       }
     }
     MbarArrive(&kv_empty[st]);  // this thread's reads of the stage are done (arrive has release semantics)
@@ -206,7 +255,10 @@ __global__ void __launch_bounds__(Tile::kThreads)
   for (; j < n_full; ++j) step(j, std::false_type{});
   for (; j < n_tiles; ++j) step(j, std::true_type{});
 
-  StoreOutput<Tile, Elem>(p, acc_o, softmax, q_s, warp, lane, q0, batch, head);
+#pragma unroll
+  for (int ma = 0; ma < MR; ++ma) {
+    StoreOutput<Tile, Elem>(p, acc_o[ma], softmax[ma], q_s, warp_row0 + ma * 16, lane, q0, batch, head);
+  }
 }
 
 }  // namespace attnd::kernels::seed

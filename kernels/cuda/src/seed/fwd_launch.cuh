@@ -13,7 +13,8 @@ namespace attnd::kernels::seed {
 
 template <typename Tile, typename Elem>
 cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
-  const dim3 grid(plan.grid[0], plan.grid[1], plan.grid[2]);
+  // plan.grid is (q tiles, heads, batch); the seed kernel takes it flattened and orders blocks itself.
+  const dim3 grid(plan.grid[0] * plan.grid[1] * plan.grid[2]);
   SeedFwdKernel<Tile, Elem><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(plan.q_map, plan.k_map,
                                                                                 plan.v_map, plan.params);
   return cudaGetLastError();

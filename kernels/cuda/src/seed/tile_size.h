@@ -10,16 +10,21 @@ namespace attnd::kernels::seed {
 // kHeadDim: the whole head_dim is one tile (online softmax needs full dot products).
 // kBlockM: query rows per block; each warp owns 16 rows, so kBlockM / 16 warps.
 // kBlockN: key rows per K/V stage. kStages: K/V pipeline depth (1 = the seed's single buffer).
-// kQInRegs: Q fragments live in registers for the whole KV loop (64 registers at d=256 do not fit).
-template <int HeadDim, int BlockM, int BlockN, int Stages, bool Sm120>
+// kMRep: 16-row mma atoms per warp. 2 gives each warp 32 rows, so every K/V fragment read from shared memory
+//   feeds two mma instead of one (shared-memory bandwidth, not the tensor cores, limits 16-row warps on H200),
+//   at the price of twice the accumulator registers.
+// kQInRegs: Q fragments live in registers for the whole KV loop when they fit (not at d=256 or with kMRep=2
+//   at d=128); otherwise they are re-read from shared memory at each k-step.
+template <int HeadDim, int BlockM, int BlockN, int Stages, bool Sm120, int MRep = 1>
 struct TileShape {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = BlockM;
   static constexpr int kBlockN = BlockN;
   static constexpr int kStages = Stages;
   static constexpr bool kSm120 = Sm120;
-  static constexpr bool kQInRegs = HeadDim <= 128;
-  static constexpr int kWarps = BlockM / 16;
+  static constexpr int kMRep = MRep;
+  static constexpr bool kQInRegs = HeadDim * MRep <= 128;
+  static constexpr int kWarps = BlockM / (16 * MRep);
   static constexpr int kThreads = kWarps * 32;
   // head_dim is split into 64-element (128-byte) panels: the widest row TMA's 128-byte swizzle allows.
   static constexpr int kPanels = HeadDim / 64;
@@ -30,7 +35,7 @@ struct TileShape {
   static constexpr size_t kSmemBytes = 1024 + kQBytes + 2 * Stages * kKVTileBytes + 8 * kBarriers;
 
   static_assert(HeadDim % 64 == 0, "head_dim must be a multiple of the 64-element panel");
-  static_assert(BlockM % 16 == 0 && BlockN % 16 == 0, "tiles are made of 16x16 mma steps");
+  static_assert(BlockM % (16 * MRep) == 0 && BlockN % 16 == 0, "tiles are made of 16x16 mma steps");
   static_assert(BlockM <= 256 && BlockN <= 256, "one TMA box spans at most 256 rows");
   static_assert(!Sm120 || kSmemBytes <= 101376, "an sm_120 configuration must fit 99 KB per block");
   static_assert(kSmemBytes <= 232448, "Hopper allows 227 KB per block");
@@ -41,12 +46,15 @@ struct TileShape {
 using SeedSm120D64 = TileShape<64, 64, 64, 2, true>;
 using SeedSm120D128 = TileShape<128, 64, 64, 1, true>;  // the seed's own 48 KB shape
 using SeedSm120D256 = TileShape<256, 64, 64, 1, true>;
-// Hopper budget (candidates timed on the H200; Select() names the tuned one per head_dim):
+// Hopper budget (candidates timed on the H200; Select() names the tuned one per head_dim). Two blocks of
+// up to ~113 KB share an SM's 228 KB; a 3-stage d=128 shape (113 KB + alignment) fits only one.
 using SeedSm90D64M64S3 = TileShape<64, 64, 64, 3, false>;
 using SeedSm90D64M128S2 = TileShape<64, 128, 64, 2, false>;
+using SeedSm90D64M128S2R2 = TileShape<64, 128, 64, 2, false, 2>;
 using SeedSm90D128M64S2 = TileShape<128, 64, 64, 2, false>;
-using SeedSm90D128M64S3 = TileShape<128, 64, 64, 3, false>;
 using SeedSm90D128M128S2 = TileShape<128, 128, 64, 2, false>;
+using SeedSm90D128M128S2R2 = TileShape<128, 128, 64, 2, false, 2>;
+using SeedSm90D128M128N48S2R2 = TileShape<128, 128, 48, 2, false, 2>;
 using SeedSm90D256M64S2 = TileShape<256, 64, 64, 2, false>;
 using SeedSm90D256M64N32S2 = TileShape<256, 64, 32, 2, false>;
 

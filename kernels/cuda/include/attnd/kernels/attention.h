@@ -115,6 +115,8 @@ struct LaunchParams {
   int causal_offset = 0;  // 0: top-left; kv_len - q_len: bottom-right
   int num_q_tiles = 0;
   float scale_log2 = 0;   // softmax scale * log2(e): the kernel works in the exp2 domain
+  int batch = 0;
+  int section = 1;        // causal block order: (head, batch) pairs per L2-sized section (seed family)
 };
 
 // Everything Launch needs; built once, launched any number of times (the pointers are baked in).
