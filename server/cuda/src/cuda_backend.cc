@@ -91,19 +91,17 @@ absl::StatusOr<std::vector<Shape>> ParseWarmShapes(const std::string& spec) {
   return out;
 }
 
-// Waits for `ev` without holding a core forever: polls (yielding) through the first 2 ms, where nearly every
-// request of a serving workload completes and wake-up latency matters, then backs off.
+// Waits for `ev` (created with cudaEventBlockingSync). Polls, yielding, through the first 300 us, where a
+// short kernel completes and the cost of a sleep/wake-up (tens of us) would show in the latency; then
+// sleeps in the driver, so that under load the workers waiting on a busy GPU leave the cores to gRPC.
 absl::Status WaitEvent(cudaEvent_t ev) {
-  const absl::Time start = absl::Now();
+  const absl::Time until = absl::Now() + absl::Microseconds(300);
   for (;;) {
     const cudaError_t e = cudaEventQuery(ev);
     if (e == cudaSuccess) return absl::OkStatus();
     if (e != cudaErrorNotReady) return CudaStatus("the GPU work of this request failed", e);
-    if (absl::Now() - start < absl::Milliseconds(2)) {
-      std::this_thread::yield();
-    } else {
-      absl::SleepFor(absl::Microseconds(50));
-    }
+    if (absl::Now() >= until) return CudaStatus("the GPU work of this request failed", cudaEventSynchronize(ev));
+    std::this_thread::yield();
   }
 }
 
@@ -164,6 +162,7 @@ class CudaDevice {
   std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<uint32_t> queued_{0}, running_{0};
+  std::atomic<bool> spinner_{false};  // an idle worker is polling the queue
 };
 
 CudaDevice::~CudaDevice() {
@@ -229,7 +228,9 @@ absl::Status CudaDevice::Start(const std::vector<Shape>& warm_shapes) {
     auto slot = std::make_unique<Slot>();
     ATTND_RETURN_IF_ERROR(
         CudaStatus("cudaStreamCreate", cudaStreamCreateWithFlags(&slot->stream, cudaStreamNonBlocking)));
-    for (cudaEvent_t& e : slot->ev) ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventCreate", cudaEventCreate(&e)));
+    for (cudaEvent_t& e : slot->ev) {
+      ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventCreate", cudaEventCreateWithFlags(&e, cudaEventBlockingSync)));
+    }
     slots_.push_back(std::move(slot));
   }
   ATTND_RETURN_IF_ERROR(WarmUpKernels());
@@ -365,6 +366,14 @@ void CudaDevice::SlotLoop(Slot* slot) {
   cudaSetDevice(index_);
   for (;;) {
     Pending p;
+    // One idle worker at a time polls the queue for a moment before sleeping on the mutex: a request that
+    // arrives right after the previous one finished (a closed-loop caller) starts without a wake-up.
+    bool expected = false;
+    if (queued_.load(std::memory_order_relaxed) == 0 && spinner_.compare_exchange_strong(expected, true)) {
+      const absl::Time until = absl::Now() + absl::Milliseconds(1);
+      while (queued_.load(std::memory_order_relaxed) == 0 && absl::Now() < until) std::this_thread::yield();
+      spinner_.store(false);
+    }
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
@@ -685,7 +694,12 @@ class CudaBackendImpl final : public Backend {
   }
   std::vector<CudaBufferDescription> ListCudaBuffers() const override { return registry_.List(); }
 
-  BackendStats stats() const override { return BackendStats{maps_.hits(), maps_.misses()}; }
+  BackendStats stats() const override {
+    BackendStats st;
+    st.tensor_map_cache_hits = maps_.hits();
+    st.tensor_map_cache_misses = maps_.misses();
+    return st;
+  }
   uint32_t max_queue() const override { return options_.max_queue; }
   bool cuda_ipc_enabled() const override { return options_.enable_cuda_ipc; }
 
