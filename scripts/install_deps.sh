@@ -9,6 +9,7 @@ pkgs=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev
+  prometheus-cpp-dev libcivetweb-dev openssl
 )
 missing=()
 for p in "${pkgs[@]}"; do

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -37,6 +38,17 @@ ABSL_FLAG(std::string, warm_shapes, "",
 ABSL_FLAG(uint64_t, tensor_map_cache, 4096, "CUDA: encoded TMA tensor maps kept in the LRU cache");
 ABSL_FLAG(bool, ipc_over_tcp, false, "serve CUDA IPC registration over TCP too (default: the unix socket only)");
 ABSL_FLAG(double, shutdown_grace_s, 60, "seconds a shutdown waits for accepted calls before cancelling the rest");
+// Security and observability (docs/security-and-metrics.md).
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS on the TCP listener (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA bundle: require client certificates signed by it (mutual TLS)");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "file of bearer tokens, one a line: every RPC but grpc.health.v1 needs 'authorization: Bearer <token>'");
+ABSL_FLAG(std::string, metrics_listen, "", "host:port of the Prometheus endpoint (HTTP GET /metrics); empty: none");
+ABSL_FLAG(bool, access_log, true, "log one info line per RPC (method, peer, request id, shape, status, times, bytes)");
+ABSL_FLAG(uint32_t, max_calls_per_client, 0,
+          "Forward/ForwardStream calls one connection may have in progress (0: no limit); more: RESOURCE_EXHAUSTED");
+ABSL_FLAG(std::string, unix_socket_mode, "0660", "permission bits of the --unix_socket file, octal");
 
 namespace {
 
@@ -94,6 +106,22 @@ int main(int argc, char** argv) {
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.ipc_over_tcp = absl::GetFlag(FLAGS_ipc_over_tcp);
   options.shutdown_grace = absl::Seconds(grace);
+  options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key = absl::GetFlag(FLAGS_tls_key);
+  options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.access_log = absl::GetFlag(FLAGS_access_log);
+  options.max_calls_per_client = absl::GetFlag(FLAGS_max_calls_per_client);
+  {
+    const std::string mode = absl::GetFlag(FLAGS_unix_socket_mode);
+    char* end = nullptr;
+    const unsigned long bits = std::strtoul(mode.c_str(), &end, 8);
+    if (mode.empty() || *end != '\0' || bits > 0777) {
+      return Fail("--unix_socket_mode: '" + mode + "' is not octal permission bits (e.g. 0660)");
+    }
+    options.unix_socket_mode = static_cast<uint32_t>(bits);
+  }
   auto server = attnd::server::Server::Create(options, std::move(*backend));
   if (!server.ok()) return Fail(std::string(server.status().message()));
 

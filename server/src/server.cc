@@ -9,16 +9,22 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "attnd/server/status_util.h"
+#include "auth.h"
+#include "call_observer.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "metrics.h"
 #include "service.h"
 #include "spdlog/spdlog.h"
+#include "tls.h"
 
 namespace attnd::server {
 namespace {
@@ -36,22 +42,32 @@ void RemoveStaleSocket(const std::string& path) {
 class ServerImpl final : public Server {
  public:
   ServerImpl(const ServerOptions& options, std::unique_ptr<Backend> backend)
-      : options_(options), backend_(std::move(backend)), service_(options_, backend_.get()) {}
+      : options_(options),
+        backend_(std::move(backend)),
+        peers_(options_.max_calls_per_client),
+        service_(options_, backend_.get()) {}
 
   ~ServerImpl() override { Shutdown(); }
 
   absl::Status Start() {
+    const absl::Status secured = StartSecurityAndMetrics();
+    if (!secured.ok()) {
+      backend_->Shutdown();
+      return secured;
+    }
     // Both must be set before the builder exists: they install server-builder plugins.
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
-    if (!options_.listen.empty()) {
-      builder.AddListeningPort(options_.listen, grpc::InsecureServerCredentials(), &tcp_port_);
-    }
+    if (!options_.listen.empty()) builder.AddListeningPort(options_.listen, tcp_credentials_, &tcp_port_);
     if (!options_.unix_socket.empty()) {
       RemoveStaleSocket(options_.unix_socket);
-      builder.AddListeningPort("unix:" + options_.unix_socket, grpc::InsecureServerCredentials());
+      builder.AddListeningPort("unix:" + options_.unix_socket, UnixListenerCredentials(auth_));
     }
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> observers;
+    observers.push_back(std::make_unique<CallObserverFactory>(metrics_.get(), &peers_, options_.access_log));
+    builder.experimental().SetInterceptorCreators(std::move(observers));
+    service_.set_peer_calls(&peers_);
     builder.SetMaxReceiveMessageSize(ClampToInt(options_.max_message_bytes));
     builder.SetMaxSendMessageSize(ClampToInt(options_.max_message_bytes));
     builder.RegisterService(&service_);
@@ -63,6 +79,13 @@ class ServerImpl final : public Server {
       return absl::UnavailableError(absl::StrCat("cannot listen on '", options_.listen, "'",
                                                  options_.unix_socket.empty() ? "" : " and unix:",
                                                  options_.unix_socket, " (address in use or invalid?)"));
+    }
+    // gRPC binds with the process umask; narrow it to the configured mode before anyone is told we are up.
+    if (!options_.unix_socket.empty() && ::chmod(options_.unix_socket.c_str(), options_.unix_socket_mode) != 0) {
+      server_->Shutdown();
+      server_.reset();
+      backend_->Shutdown();
+      return absl::PermissionDeniedError(absl::StrCat("unix_socket_mode: cannot chmod ", options_.unix_socket));
     }
     grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
     if (health != nullptr) {
@@ -78,6 +101,7 @@ class ServerImpl final : public Server {
   }
 
   int tcp_port() const override { return tcp_port_; }
+  int metrics_port() const override { return metrics_ != nullptr ? metrics_->port() : 0; }
 
   void Shutdown() override {
     absl::MutexLock lock(&shutdown_mu_);  // a second caller waits here until the first has finished
@@ -107,8 +131,42 @@ class ServerImpl final : public Server {
   void Wait() override { done_.WaitForNotification(); }
 
  private:
+  // Credentials, the token check and the metrics endpoint: everything that can fail on a bad flag is done
+  // before a port is bound.
+  absl::Status StartSecurityAndMetrics() {
+    if (!options_.metrics_listen.empty()) {
+      metrics_ = std::make_unique<ServerMetrics>(backend_.get());
+      ATTND_RETURN_IF_ERROR(metrics_->Serve(options_.metrics_listen));
+      spdlog::info("attnd metrics on http://{}/metrics [port {}]", options_.metrics_listen, metrics_->port());
+    }
+    if (!options_.auth_token_file.empty()) {
+      absl::StatusOr<std::vector<std::string>> tokens = LoadAuthTokens(options_.auth_token_file);
+      if (!tokens.ok()) return tokens.status();
+      ServerMetrics* metrics = metrics_.get();
+      auth_ = std::make_shared<BearerTokenProcessor>(std::move(*tokens), [metrics] {
+        if (metrics != nullptr) metrics->RecordAuthFailure();
+      });
+    }
+    if (!options_.listen.empty()) {
+      const TlsFiles tls{options_.tls_cert, options_.tls_key, options_.tls_client_ca};
+      absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds =
+          TcpListenerCredentials(options_.listen, tls, auth_);
+      if (!creds.ok()) return creds.status();
+      tcp_credentials_ = std::move(*creds);
+      spdlog::info("attnd TCP listener security: {}{}", !tls.enabled() ? "plaintext" : tls.client_ca.empty() ? "TLS" : "mutual TLS",
+                   auth_ != nullptr ? ", bearer tokens" : "");
+    }
+    return absl::OkStatus();
+  }
+
   const ServerOptions options_;
   std::unique_ptr<Backend> backend_;
+  // Used by gRPC's threads (interceptors, the token check) and the metrics HTTP threads: declared before
+  // server_ so that they outlive it.
+  std::unique_ptr<ServerMetrics> metrics_;
+  PeerCalls peers_;
+  std::shared_ptr<grpc::AuthMetadataProcessor> auth_;
+  std::shared_ptr<grpc::ServerCredentials> tcp_credentials_;
   AttentionService service_;
   std::unique_ptr<grpc::Server> server_;
   int tcp_port_ = 0;

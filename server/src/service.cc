@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "attnd/server/status_util.h"
+#include "call_observer.h"
 #include "spdlog/spdlog.h"
 
 #ifndef ATTND_VERSION
@@ -264,6 +265,7 @@ AttentionService::AttentionService(const ServerOptions& options, Backend* backen
 absl::Status AttentionService::Prepare(const v1::ForwardRequest& request, Transport transport,
                                        grpc::CallbackServerContext* ctx, ForwardJob* job, RequestBytes* bytes) const {
   if (shutting_down_.load()) return absl::UnavailableError("the server is shutting down");
+  if (peer_calls_ != nullptr) ATTND_RETURN_IF_ERROR(peer_calls_->Admit(ctx->peer()));
   ATTND_RETURN_IF_ERROR(ValidateForwardRequest(request, transport, limits_, job, bytes));
   ATTND_RETURN_IF_ERROR(backend_->CheckSupported(*job));
   job->deadline = absl::FromChrono(ctx->deadline());

@@ -17,6 +17,8 @@
 
 namespace attnd::server {
 
+class PeerCalls;
+
 class AttentionService final : public v1::Attention::CallbackService {
  public:
   AttentionService(const ServerOptions& options, Backend* backend);
@@ -41,6 +43,8 @@ class AttentionService final : public v1::Attention::CallbackService {
 
   // From here on new Forward calls are answered UNAVAILABLE (those already accepted still complete).
   void BeginShutdown() { shutting_down_.store(true); }
+  // Per-connection limit on Forward/ForwardStream calls (call_observer.h); null: none. Set before serving.
+  void set_peer_calls(const PeerCalls* peers) { peer_calls_ = peers; }
 
   // Validation + backend acceptance + deadline/cancel check of a request about to be submitted.
   absl::Status Prepare(const v1::ForwardRequest& request, Transport transport, grpc::CallbackServerContext* ctx,
@@ -64,6 +68,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   const uint64_t stream_chunk_bytes_;
   RpcStatsTable stats_;
   std::atomic<bool> shutting_down_{false};
+  const PeerCalls* peer_calls_ = nullptr;
 };
 
 }  // namespace attnd::server

@@ -77,6 +77,12 @@ struct CudaBufferDescription {
   uint32_t requests_in_flight = 0;
 };
 
+// Device memory one served device holds for this server (exported as attnd_device_memory_used_bytes{device}).
+struct DeviceMemoryUse {
+  int device = 0;
+  uint64_t used_bytes = 0;
+};
+
 struct BackendStats {
   uint64_t tensor_map_cache_hits = 0, tensor_map_cache_misses = 0;
 };
@@ -112,6 +118,9 @@ class Backend {
   virtual std::vector<CudaBufferDescription> ListCudaBuffers() const = 0;
 
   virtual BackendStats stats() const { return {}; }
+  // Device memory held per served device, read at every metrics scrape (cheap, no device sync); empty on the
+  // CPU backend.
+  virtual std::vector<DeviceMemoryUse> device_memory() const { return {}; }
 
   // Reported by GetServerInfo: the queue bound behind RESOURCE_EXHAUSTED, and whether RegisterCudaBuffer
   // can succeed at all.

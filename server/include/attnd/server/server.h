@@ -20,6 +20,15 @@ struct ServerOptions {
   // Shutdown waits this long for accepted calls (a stream still uploading included) before gRPC cancels what
   // is left; an infinite grace would let one stalled client hold a SIGTERM forever.
   absl::Duration shutdown_grace = absl::Seconds(60);
+
+  // Security and observability (docs/security-and-metrics.md).
+  std::string tls_cert, tls_key;  // PEM files: TLS on the TCP listener (the unix socket stays plaintext)
+  std::string tls_client_ca;      // PEM CA bundle: require and verify client certificates (mutual TLS)
+  std::string auth_token_file;    // tokens, one a line: every RPC but grpc.health.v1 needs "Bearer <token>"
+  std::string metrics_listen;     // host:port of the Prometheus endpoint (HTTP GET /metrics); empty: none
+  bool access_log = true;         // one info-level line per RPC (health checks excepted)
+  uint32_t max_calls_per_client = 0;  // Forward/ForwardStream calls in progress per connection; 0: no limit
+  uint32_t unix_socket_mode = 0660;   // permission bits the unix socket gets once bound
 };
 
 class Server {
@@ -30,6 +39,7 @@ class Server {
   virtual ~Server() = default;
 
   virtual int tcp_port() const = 0;  // the bound TCP port (after ":0"), 0 without a TCP listener
+  virtual int metrics_port() const { return 0; }  // the bound metrics HTTP port, 0 without metrics_listen
   // Stop accepting, finish every accepted request (its reply is sent), then stop. Idempotent.
   virtual void Shutdown() = 0;
   // Blocks until Shutdown has completed.

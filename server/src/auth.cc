@@ -1,0 +1,78 @@
+#include "auth.h"
+
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace attnd::server {
+
+absl::StatusOr<std::vector<std::string>> LoadAuthTokens(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("auth_token_file: cannot read '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  std::vector<std::string> tokens;
+  for (absl::string_view line : absl::StrSplit(text.str(), '\n')) {
+    line = absl::StripAsciiWhitespace(line);
+    if (line.empty() || line[0] == '#') continue;
+    tokens.emplace_back(line);
+  }
+  if (tokens.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("auth_token_file: '", path, "' holds no token (one per line)"));
+  }
+  return tokens;
+}
+
+bool ConstantTimeEquals(absl::string_view presented, absl::string_view secret) {
+  // Walks all of `presented` whatever the secret's length; a length mismatch is folded into the result
+  // instead of returning early.
+  volatile unsigned char diff = presented.size() != secret.size();
+  for (size_t i = 0; i < presented.size(); ++i) {
+    const unsigned char s = i < secret.size() ? static_cast<unsigned char>(secret[i]) : 0;
+    diff = diff | (static_cast<unsigned char>(presented[i]) ^ s);
+  }
+  return diff == 0;
+}
+
+bool BearerTokenProcessor::Known(absl::string_view token) const {
+  bool found = false;
+  for (const std::string& t : tokens_) found |= ConstantTimeEquals(token, t);  // no early exit either
+  return found;
+}
+
+grpc::Status BearerTokenProcessor::Process(const InputMetadata& auth_metadata, grpc::AuthContext*,
+                                           OutputMetadata* consumed_auth_metadata, OutputMetadata*) {
+  // Health stays open: orchestrators' probes (kubelet, HEALTHCHECK) carry no credentials.
+  auto path = auth_metadata.find(":path");
+  if (path != auth_metadata.end() &&
+      absl::StartsWith(absl::string_view(path->second.data(), path->second.size()), "/grpc.health.v1.Health/")) {
+    return grpc::Status::OK;
+  }
+  auto header = auth_metadata.find("authorization");
+  if (header != auth_metadata.end()) {
+    const absl::string_view value(header->second.data(), header->second.size());
+    absl::string_view token = value;
+    // RFC 6750: the scheme is case-insensitive.
+    if (value.size() > 7 && absl::EqualsIgnoreCase(value.substr(0, 7), "bearer ")) {
+      token = absl::StripLeadingAsciiWhitespace(value.substr(7));
+      if (Known(token)) {
+        consumed_auth_metadata->insert(std::make_pair(std::string(header->first.data(), header->first.size()),
+                                                      std::string(value)));
+        return grpc::Status::OK;
+      }
+    }
+  }
+  if (on_reject_) on_reject_();
+  // The message never repeats what was presented: tokens must not reach clients' logs either.
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                      header == auth_metadata.end()
+                          ? "authorization: missing; this server needs 'authorization: Bearer <token>' metadata"
+                          : "authorization: not a valid bearer token for this server");
+}
+
+}  // namespace attnd::server

@@ -1,0 +1,199 @@
+#include "call_observer.h"
+
+#include <atomic>
+#include <optional>
+#include <random>
+#include <string>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "attnd/v1/attention.pb.h"
+#include "grpcpp/server_context.h"
+#include "spdlog/spdlog.h"
+
+namespace attnd::server {
+
+void PeerCalls::Add(const std::string& peer) {
+  absl::MutexLock lock(&mu_);
+  ++calls_[peer];
+}
+
+void PeerCalls::Remove(const std::string& peer) {
+  absl::MutexLock lock(&mu_);
+  auto it = calls_.find(peer);
+  if (it == calls_.end()) return;
+  if (--it->second == 0) calls_.erase(it);  // connections come and go: keep only live peers
+}
+
+uint32_t PeerCalls::Count(const std::string& peer) const {
+  absl::MutexLock lock(&mu_);
+  auto it = calls_.find(peer);
+  return it == calls_.end() ? 0 : it->second;
+}
+
+absl::Status PeerCalls::Admit(const std::string& peer) const {
+  if (max_per_peer_ == 0) return absl::OkStatus();
+  const uint32_t n = Count(peer);
+  if (n <= max_per_peer_) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat("max_calls_per_client: this connection already has ", n - 1,
+                                                   " Forward calls in progress (limit ", max_per_peer_,
+                                                   "); retry when one finishes"));
+}
+
+std::string GenerateRequestId() {
+  static const std::string prefix = [] {
+    std::random_device rd;
+    return absl::StrFormat("%08x", rd());
+  }();
+  static std::atomic<uint64_t> next{1};
+  return absl::StrCat("attnd-", prefix, "-", next.fetch_add(1, std::memory_order_relaxed));
+}
+
+namespace {
+
+using grpc::experimental::InterceptionHookPoints;
+
+constexpr absl::string_view kAttentionPrefix = "/attnd.v1.Attention/";
+
+enum class Kind { kForward, kForwardStream, kHealth, kOther };
+
+std::string ShapeText(const v1::ForwardRequest& r) {
+  const v1::AttentionShape& s = r.shape();
+  return absl::StrCat(s.batch(), "x", s.q_len(), "x", s.kv_len(), "x", s.q_heads(), "x", s.kv_heads(), "x",
+                      s.head_dim(), "/", v1::DType_Name(r.dtype()), "/", v1::MaskType_Name(r.mask()));
+}
+
+class CallObserver final : public grpc::experimental::Interceptor {
+ public:
+  CallObserver(grpc::experimental::ServerRpcInfo* info, ServerMetrics* metrics, PeerCalls* peers, bool access_log)
+      : info_(info), metrics_(metrics), peers_(peers), access_log_(access_log), start_(absl::Now()) {
+    const absl::string_view path = info->method() != nullptr ? info->method() : "";
+    if (absl::StartsWith(path, kAttentionPrefix)) {
+      method_ = std::string(path.substr(kAttentionPrefix.size()));
+      if (method_ == "Forward") kind_ = Kind::kForward;
+      if (method_ == "ForwardStream") kind_ = Kind::kForwardStream;
+    } else {
+      method_ = std::string(absl::StripPrefix(path, "/"));
+      if (absl::StartsWith(path, "/grpc.health.v1.Health/")) kind_ = Kind::kHealth;
+    }
+  }
+
+  ~CallObserver() override {
+    // A call torn down without a status (the server stopped under it) still leaves the books balanced.
+    if (!finished_) Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the call ended without a status"));
+  }
+
+  void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
+    if (m->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_INITIAL_METADATA)) {
+      peer_ = info_->server_context()->peer();
+      if (peers_ != nullptr && (kind_ == Kind::kForward || kind_ == Kind::kForwardStream)) {
+        peers_->Add(peer_);
+        counted_ = true;
+      }
+    }
+    if (m->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
+      if (void* msg = m->GetRecvMessage(); msg != nullptr) OnRequest(msg);
+    }
+    if (m->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_MESSAGE)) {
+      if (const void* msg = m->GetSendMessage(); msg != nullptr) OnReply(msg);
+    }
+    if (m->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) Finish(m->GetSendStatus());
+    m->Proceed();
+  }
+
+ private:
+  // The message types are known from the method: the interceptor sees the handler's own message objects.
+  void OnRequest(void* msg) {
+    v1::ForwardRequest* header = nullptr;
+    if (kind_ == Kind::kForward) {
+      header = static_cast<v1::ForwardRequest*>(msg);
+      bytes_in_ += header->ByteSizeLong();
+    } else if (kind_ == Kind::kForwardStream) {
+      auto* r = static_cast<v1::ForwardStreamRequest*>(msg);
+      bytes_in_ += r->ByteSizeLong();
+      if (r->has_header()) header = r->mutable_header();
+    }
+    if (header == nullptr) return;
+    // Runs before the handler: the id given here is the one the service logs and echoes in the reply.
+    if (header->request_id().empty()) header->set_request_id(GenerateRequestId());
+    if (request_id_.empty()) request_id_ = header->request_id();
+    if (shape_.empty()) shape_ = ShapeText(*header);
+  }
+
+  void OnReply(const void* msg) {
+    const v1::ForwardResponse* header = nullptr;
+    if (kind_ == Kind::kForward) {
+      header = static_cast<const v1::ForwardResponse*>(msg);
+      bytes_out_ += header->ByteSizeLong();
+    } else if (kind_ == Kind::kForwardStream) {
+      const auto* r = static_cast<const v1::ForwardStreamResponse*>(msg);
+      bytes_out_ += r->ByteSizeLong();
+      if (r->has_header()) header = &r->header();
+    }
+    if (header == nullptr || !header->has_timing()) return;
+    queue_ = absl::Microseconds(header->timing().queue_us());
+    kernel_ = absl::Microseconds(header->timing().kernel_us());
+  }
+
+  void Finish(const grpc::Status& status) {
+    if (finished_) return;
+    finished_ = true;
+    // Before the status leaves: a client that starts its next call on seeing this one end must find the slot free.
+    if (counted_) peers_->Remove(peer_);
+    const absl::Duration total = absl::Now() - start_;
+    const std::string code = absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code()));
+    if (metrics_ != nullptr) {
+      CallRecord r;
+      r.method = method_;
+      r.code = code;
+      r.total = total;
+      if (status.ok()) {
+        r.queue = queue_;
+        r.kernel = kernel_;
+      }
+      r.bytes_in = bytes_in_;
+      r.bytes_out = bytes_out_;
+      metrics_->RecordCall(r);
+    }
+    // Health probes come every few seconds from orchestrators: logging them would bury the requests.
+    if (!access_log_ || kind_ == Kind::kHealth || !spdlog::should_log(spdlog::level::info)) return;
+    std::string line = absl::StrFormat("access method=%s peer=%s request_id=\"%s\" code=%s total_ms=%.3f", method_,
+                                       peer_.empty() ? "-" : peer_, absl::CHexEscape(request_id_), code,
+                                       absl::ToDoubleMilliseconds(total));
+    if (!shape_.empty()) absl::StrAppend(&line, " shape=", shape_);
+    if (status.ok() && queue_) {
+      absl::StrAppendFormat(&line, " queue_ms=%.3f kernel_ms=%.3f", absl::ToDoubleMilliseconds(*queue_),
+                            absl::ToDoubleMilliseconds(*kernel_));
+    }
+    if (kind_ == Kind::kForward || kind_ == Kind::kForwardStream) {
+      absl::StrAppend(&line, " bytes_in=", bytes_in_, " bytes_out=", bytes_out_);
+    }
+    if (!status.ok()) absl::StrAppend(&line, " error=\"", absl::CHexEscape(status.error_message()), "\"");
+    spdlog::info("{}", line);
+  }
+
+  grpc::experimental::ServerRpcInfo* const info_;
+  ServerMetrics* const metrics_;
+  PeerCalls* const peers_;
+  const bool access_log_;
+  const absl::Time start_;
+  Kind kind_ = Kind::kOther;
+  std::string method_, peer_, request_id_, shape_;
+  bool counted_ = false, finished_ = false;
+  uint64_t bytes_in_ = 0, bytes_out_ = 0;
+  std::optional<absl::Duration> queue_, kernel_;
+};
+
+}  // namespace
+
+grpc::experimental::Interceptor* CallObserverFactory::CreateServerInterceptor(
+    grpc::experimental::ServerRpcInfo* info) {
+  return new CallObserver(info, metrics_, peers_, access_log_);
+}
+
+}  // namespace attnd::server

@@ -1,0 +1,58 @@
+// Prometheus metrics of one server and their HTTP endpoint (GET /metrics, text format 0.0.4).
+//
+// Per-call series are recorded by the call observer (call_observer.h) as each RPC ends; the backend's gauges
+// (queue depth, in flight, tensor-map cache, device memory) are read from the Backend at scrape time, so a
+// scrape always sees the current value and nothing polls in between.
+//
+// Built on prometheus-cpp where it is available (ATTND_HAVE_METRICS: the shared build). The static build has
+// no prometheus-cpp archive: there RecordCall is a no-op and Serve answers UNIMPLEMENTED.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "attnd/server/backend.h"
+
+namespace attnd::server {
+
+// One finished RPC.
+struct CallRecord {
+  std::string method;  // "Forward", ..., or the full path for services other than attnd.v1.Attention
+  std::string code;    // gRPC status code name: "OK", "INVALID_ARGUMENT", ...
+  absl::Duration total;               // call start to status sent, as the server saw it
+  std::optional<absl::Duration> queue, kernel;  // from the reply's timing (Forward/ForwardStream that computed)
+  uint64_t bytes_in = 0, bytes_out = 0;          // request/reply message bytes (Forward/ForwardStream)
+};
+
+class ServerMetrics {
+ public:
+  // `backend` is sampled at scrape time and must outlive this object.
+  explicit ServerMetrics(const Backend* backend);
+  ~ServerMetrics();
+  ServerMetrics(const ServerMetrics&) = delete;
+  ServerMetrics& operator=(const ServerMetrics&) = delete;
+
+  // False in builds without prometheus-cpp.
+  static bool Available();
+
+  void RecordCall(const CallRecord& call);
+  // A call refused by the bearer-token check (it never reaches a handler, so RecordCall does not see it).
+  void RecordAuthFailure();
+
+  // Everything GET /metrics answers, in the text exposition format.
+  std::string Scrape() const;
+
+  // Starts the HTTP endpoint on host:port (port 0 picks one). Call at most once.
+  absl::Status Serve(const std::string& listen);
+  int port() const;  // the bound port after Serve, else 0
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace attnd::server
