@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -17,6 +18,7 @@
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -33,6 +35,13 @@ ABSL_FLAG(std::string, transport, "auto",
           "auto (unary when it fits the server's message limit, else streaming) | unary | stream");
 ABSL_FLAG(uint64_t, chunk_bytes, 0, "ForwardStream chunk size in bytes (0: 1 MiB, capped by the server's limit)");
 ABSL_FLAG(bool, wait_for_ready, false, "wait for the server to come up instead of failing fast");
+// Security (docs/security-and-metrics.md).
+ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle that signed the server's certificate: connect with TLS");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate for mutual TLS (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_server_name, "", "name to verify the server's certificate against (default: the target's host)");
+ABSL_FLAG(std::string, auth_token_file, "", "file whose first non-comment line is the bearer token to send");
+ABSL_FLAG(std::string, auth_token, "", "bearer token to send (prefer --auth_token_file: flags show in ps)");
 
 // Problem.
 ABSL_FLAG(int64_t, batch, 1, "sequences per request");
@@ -93,6 +102,22 @@ absl::StatusOr<std::unique_ptr<Client>> Connect() {
   if (!t.ok()) return t.status();
   o.transport = *t;
   o.stream_chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
+  o.tls_ca_file = absl::GetFlag(FLAGS_tls_ca);
+  o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  o.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  o.auth_token = absl::GetFlag(FLAGS_auth_token);
+  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
+    std::ifstream in(path);
+    if (!in) return absl::InvalidArgumentError("--auth_token_file: cannot read '" + path + "'");
+    std::string line;
+    o.auth_token.clear();
+    while (o.auth_token.empty() && std::getline(in, line)) {
+      const absl::string_view t = absl::StripAsciiWhitespace(line);
+      if (!t.empty() && t[0] != '#') o.auth_token = std::string(t);
+    }
+    if (o.auth_token.empty()) return absl::InvalidArgumentError("--auth_token_file: '" + path + "' holds no token");
+  }
   return Client::Create(o);
 }
 

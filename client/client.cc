@@ -1,6 +1,8 @@
 #include "attnd/client/client.h"
 
 #include <algorithm>
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -15,6 +17,28 @@
 
 namespace attnd::client {
 namespace {
+
+// The channel's credentials: TLS when any tls_* file is given (client.h), plaintext otherwise.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(const ClientOptions& o) {
+  if (o.tls_ca_file.empty() && o.tls_cert_file.empty() && o.tls_key_file.empty()) {
+    return grpc::InsecureChannelCredentials();
+  }
+  if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("tls_cert/tls_key: a client certificate needs both files");
+  }
+  grpc::SslCredentialsOptions ssl;
+  const std::pair<const std::string*, std::string*> files[] = {
+      {&o.tls_ca_file, &ssl.pem_root_certs}, {&o.tls_cert_file, &ssl.pem_cert_chain}, {&o.tls_key_file, &ssl.pem_private_key}};
+  for (const auto& [path, pem] : files) {
+    if (path->empty()) continue;
+    std::ifstream in(*path, std::ios::binary);
+    if (!in) return absl::InvalidArgumentError(absl::StrCat("tls: cannot read '", *path, "'"));
+    std::stringstream text;
+    text << in.rdbuf();
+    *pem = text.str();
+  }
+  return grpc::SslCredentials(ssl);
+}
 
 // Room for the request's non-tensor fields and the framing of one message on top of its tensor bytes.
 constexpr uint64_t kMessageOverhead = 64 << 10;
@@ -333,7 +357,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
     args.SetLoadBalancingPolicyName(options.dns_load_balancing);
   }
   if (options.own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  auto channel = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds = ChannelCredentials(options);
+  if (!creds.ok()) return creds.status();
+  auto channel = grpc::CreateCustomChannel(options.target, *creds, args);
   if (!channel) return absl::InvalidArgumentError(absl::StrCat("target: cannot create a channel to '", options.target, "'"));
   return std::unique_ptr<Client>(new Client(options, std::move(channel)));
 }
@@ -347,6 +374,7 @@ void Client::Prepare(grpc::ClientContext* ctx, const CallOptions& call) const {
   const absl::Duration d = call.deadline ? *call.deadline : options_.default_deadline;
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + d));
   ctx->set_wait_for_ready(call.wait_for_ready);
+  if (!options_.auth_token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.auth_token);
 }
 
 uint64_t Client::ChunkBytes(uint64_t max_message_bytes) const {

@@ -50,6 +50,13 @@ struct ClientOptions {
   // Give this client its own connection instead of sharing one with other clients of the same target
   // (in-process load tests and "N clients" tests want N real connections).
   bool own_connection = false;
+
+  // Security (docs/security-and-metrics.md). Any tls_* set: the channel speaks TLS.
+  std::string tls_ca_file;    // PEM CA bundle the server's certificate must chain to (empty: the system roots)
+  std::string tls_cert_file;  // PEM client certificate, for servers that require mutual TLS (with tls_key_file)
+  std::string tls_key_file;
+  std::string tls_server_name;  // name checked against the server's certificate instead of the target's host
+  std::string auth_token;       // sent as "authorization: Bearer <token>" with every call
 };
 
 struct CallOptions {
