@@ -1,0 +1,328 @@
+// TLS, mutual TLS and bearer tokens on a live server, with a CA and certificates made by the openssl CLI at
+// test time; the per-connection call limit; the unix socket's permissions; the token file and comparison.
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/synchronization/notification.h"
+#include "attnd/client/client.h"
+#include "auth.h"
+#include "server_test_util.h"
+
+namespace attnd::testing {
+namespace {
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+void WriteFile(const std::string& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
+
+int Shell(const std::string& cmd) {
+  const int rc = std::system(cmd.c_str());
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+// A throwaway PKI: ca signs the server and a client; other_ca signs a client of its own (the "wrong CA").
+struct Pki {
+  std::string dir;
+  std::string Path(const std::string& name) const { return dir + "/" + name; }
+};
+
+Pki* pki = nullptr;
+
+class SecurityTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    char tmpl[] = "/tmp/attnd_security_XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    pki = new Pki{tmpl};
+    const std::string d = pki->dir;
+    WriteFile(d + "/server.ext", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n");
+    WriteFile(d + "/client.ext", "extendedKeyUsage=clientAuth\n");
+    const std::string key = " -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes ";
+    std::string script = "set -e; cd " + d + "\n";
+    for (const char* ca : {"ca", "other_ca"}) {
+      script += std::string("openssl req -x509") + key + "-keyout " + ca + ".key -out " + ca + ".pem -days 2 -subj /CN=" +
+                ca + " -addext basicConstraints=critical,CA:TRUE -addext keyUsage=keyCertSign,cRLSign\n";
+    }
+    auto leaf = [&](const std::string& name, const std::string& ca, const std::string& cn, const std::string& ext) {
+      script += "openssl req" + key + "-keyout " + name + ".key -out " + name + ".csr -subj /CN=" + cn + "\n";
+      script += "openssl x509 -req -in " + name + ".csr -CA " + ca + ".pem -CAkey " + ca + ".key -CAcreateserial -out " +
+                name + ".pem -days 2 -extfile " + ext + "\n";
+    };
+    leaf("server", "ca", "localhost", "server.ext");
+    leaf("client", "ca", "attnd-client", "client.ext");
+    leaf("other_client", "other_ca", "intruder", "client.ext");
+    WriteFile(d + "/make.sh", script);
+    ASSERT_EQ(Shell("bash " + d + "/make.sh > " + d + "/make.log 2>&1"), 0) << ReadAll(d + "/make.log");
+    WriteFile(d + "/tokens", "# attnd tokens\n\n  tok-alpha-0123456789  \ntok-beta-abcdef\n");
+  }
+  static void TearDownTestSuite() {
+    Shell("rm -rf " + pki->dir);
+    delete pki;
+    pki = nullptr;
+  }
+
+  // A TLS channel to the server's TCP port trusting `ca`, with a client certificate when `client` is set.
+  static std::shared_ptr<grpc::Channel> TlsChannel(const TestServer& s, const std::string& ca,
+                                                   const std::string& client = "", bool own_connection = false) {
+    grpc::SslCredentialsOptions o;
+    o.pem_root_certs = ReadAll(pki->Path(ca + ".pem"));
+    if (!client.empty()) {
+      o.pem_cert_chain = ReadAll(pki->Path(client + ".pem"));
+      o.pem_private_key = ReadAll(pki->Path(client + ".key"));
+    }
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);
+    if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    return grpc::CreateCustomChannel("localhost:" + std::to_string(s.server->tcp_port()), grpc::SslCredentials(o),
+                                     args);
+  }
+
+  static server::ServerOptions TlsOptions(bool mutual) {
+    server::ServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.tls_cert = pki->Path("server.pem");
+    o.tls_key = pki->Path("server.key");
+    if (mutual) o.tls_client_ca = pki->Path("ca.pem");
+    return o;
+  }
+
+  // One small Forward; checks the answer when it succeeds.
+  static grpc::Status Call(const std::shared_ptr<grpc::Channel>& channel, const std::string& token = "",
+                           const std::string& request_id = "") {
+    auto stub = v1::Attention::NewStub(channel);
+    v1::ForwardRequest r = MakeRequest({1, 16, 16, 2, 1, 64}, v1::MASK_TYPE_CAUSAL_TOP_LEFT, true, 77);
+    if (!request_id.empty()) r.set_request_id(request_id);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    if (!token.empty()) ctx.AddMetadata("authorization", token);
+    v1::ForwardResponse resp;
+    const grpc::Status s = stub->Forward(&ctx, r, &resp);
+    if (s.ok()) ExpectCorrect(r, resp.o(), resp.lse());
+    return s;
+  }
+};
+
+TEST_F(SecurityTest, TlsCallWorksPlaintextAndUntrustedServerAreRefused) {
+  TestServer s(TlsOptions(false));
+  ASSERT_NE(s.server, nullptr);
+  EXPECT_TRUE(Call(TlsChannel(s, "ca")).ok());
+  const grpc::Status plain = Call(s.Channel());  // plaintext client against the TLS port
+  EXPECT_EQ(plain.error_code(), grpc::StatusCode::UNAVAILABLE) << plain.error_message();
+  const grpc::Status wrong_ca = Call(TlsChannel(s, "other_ca"));  // the server's chain is not trusted
+  EXPECT_EQ(wrong_ca.error_code(), grpc::StatusCode::UNAVAILABLE) << wrong_ca.error_message();
+}
+
+TEST_F(SecurityTest, MutualTlsNeedsAClientCertificateFromTheClientCa) {
+  TestServer s(TlsOptions(true));
+  ASSERT_NE(s.server, nullptr);
+  EXPECT_TRUE(Call(TlsChannel(s, "ca", "client")).ok());
+  const grpc::Status none = Call(TlsChannel(s, "ca"));
+  EXPECT_EQ(none.error_code(), grpc::StatusCode::UNAVAILABLE) << none.error_message();
+  const grpc::Status other = Call(TlsChannel(s, "ca", "other_client"));
+  EXPECT_EQ(other.error_code(), grpc::StatusCode::UNAVAILABLE) << other.error_message();
+  EXPECT_EQ(Call(s.Channel()).error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST_F(SecurityTest, BearerTokenOnEveryRpcButHealth) {
+  server::ServerOptions o = TlsOptions(false);
+  o.auth_token_file = pki->Path("tokens");
+  TestServer s(o);
+  ASSERT_NE(s.server, nullptr);
+  auto channel = TlsChannel(s, "ca");
+  const grpc::Status missing = Call(channel);
+  EXPECT_EQ(missing.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(absl::StrContains(missing.error_message(), "authorization")) << missing.error_message();
+  const grpc::Status wrong = Call(channel, "Bearer tok-alpha-012345678X");
+  EXPECT_EQ(wrong.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_FALSE(absl::StrContains(wrong.error_message(), "tok-alpha")) << "the presented token is never echoed";
+  EXPECT_EQ(Call(channel, "tok-beta-abcdef").error_code(), grpc::StatusCode::UNAUTHENTICATED);  // no scheme
+  EXPECT_EQ(Call(channel, "Bearer tok-alpha-0123456789x").error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(Call(channel, "Bearer tok-alpha-012345678").error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(Call(channel, "Bearer tok-alpha-0123456789").ok());
+  EXPECT_TRUE(Call(channel, "bearer tok-beta-abcdef").ok());  // the scheme is case-insensitive
+
+  // The metadata RPCs need it too; health does not (probes carry no credentials).
+  auto stub = v1::Attention::NewStub(channel);
+  grpc::ClientContext info_ctx;
+  v1::ServerInfo info;
+  EXPECT_EQ(stub->GetServerInfo(&info_ctx, v1::GetServerInfoRequest(), &info).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  client::ClientOptions co;
+  co.target = "localhost:" + std::to_string(s.server->tcp_port());
+  co.tls_ca_file = pki->Path("ca.pem");
+  auto c = client::Client::Create(co);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE((*c)->CheckHealth().ok());
+  EXPECT_TRUE((*c)->CheckHealth("attnd.v1.Attention").ok());
+  EXPECT_EQ((*c)->Stats().status().code(), absl::StatusCode::kUnauthenticated);
+}
+
+TEST_F(SecurityTest, TokensOnPlaintextLoopbackAndTheUnixSocket) {
+  server::ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.unix_socket = pki->Path("attnd.sock");
+  o.auth_token_file = pki->Path("tokens");
+  TestServer s(o);
+  ASSERT_NE(s.server, nullptr);
+  for (const std::string& target : {std::string(""), "unix:" + o.unix_socket}) {
+    SCOPED_TRACE(target);
+    EXPECT_EQ(Call(s.Channel(target)).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_TRUE(Call(s.Channel(target), "Bearer tok-beta-abcdef").ok());
+  }
+}
+
+TEST_F(SecurityTest, TokensOnAPlaintextNetworkListenerAreRefusedAtStart) {
+  server::ServerOptions o;
+  o.listen = "0.0.0.0:0";
+  o.auth_token_file = pki->Path("tokens");
+  auto created = server::Server::Create(o, std::make_unique<server::CpuBackend>(server::BackendOptions{}));
+  ASSERT_FALSE(created.ok());
+  EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(created.status().message(), "auth_token_file")) << created.status();
+  EXPECT_TRUE(absl::StrContains(created.status().message(), "--tls_cert")) << created.status();
+}
+
+TEST_F(SecurityTest, BadSecurityOptionsFailTheStartNamingTheFlag) {
+  struct Case {
+    std::string cert, key, client_ca, tokens, expect;
+  };
+  WriteFile(pki->Path("empty_tokens"), "# none yet\n\n");
+  const Case cases[] = {
+      {"", pki->Path("server.key"), "", "", "tls_cert"},
+      {pki->Path("server.pem"), "", "", "", "tls_key"},
+      {"", "", pki->Path("ca.pem"), "", "tls_cert"},
+      {pki->Path("missing.pem"), pki->Path("server.key"), "", "", "tls_cert"},
+      {pki->Path("server.pem"), pki->Path("tokens"), "", "", "tls_key"},  // not PEM
+      {pki->Path("server.pem"), pki->Path("server.key"), pki->Path("nope.pem"), "", "tls_client_ca"},
+      {"", "", "", pki->Path("empty_tokens"), "auth_token_file"},
+      {"", "", "", pki->Path("no_such_file"), "auth_token_file"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.expect + " " + c.cert + " " + c.key + " " + c.client_ca + " " + c.tokens);
+    server::ServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.tls_cert = c.cert;
+    o.tls_key = c.key;
+    o.tls_client_ca = c.client_ca;
+    o.auth_token_file = c.tokens;
+    auto created = server::Server::Create(o, std::make_unique<server::CpuBackend>(server::BackendOptions{}));
+    ASSERT_FALSE(created.ok());
+    EXPECT_TRUE(absl::StartsWith(created.status().message(), c.expect)) << created.status();
+  }
+}
+
+TEST_F(SecurityTest, ClientLibraryAndAttnSpeakMutualTlsWithAToken) {
+  server::ServerOptions o = TlsOptions(true);
+  o.auth_token_file = pki->Path("tokens");
+  TestServer s(o);
+  ASSERT_NE(s.server, nullptr);
+  const std::string target = "localhost:" + std::to_string(s.server->tcp_port());
+  client::ClientOptions co;
+  co.target = target;
+  co.tls_ca_file = pki->Path("ca.pem");
+  co.tls_cert_file = pki->Path("client.pem");
+  co.tls_key_file = pki->Path("client.key");
+  co.auth_token = "tok-alpha-0123456789";
+  for (client::Transport t : {client::Transport::kUnary, client::Transport::kStream}) {
+    co.transport = t;
+    co.stream_chunk_bytes = 4096;
+    auto c = client::Client::Create(co);
+    ASSERT_TRUE(c.ok()) << c.status();
+    const v1::ForwardRequest r = MakeRequest({2, 40, 40, 2, 2, 64}, v1::MASK_TYPE_NONE, true, 31);
+    auto res = (*c)->Forward(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    ExpectCorrect(r, res->o, res->lse);
+  }
+  co.tls_key_file.clear();
+  EXPECT_EQ(client::Client::Create(co).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // The attn binary with the same credentials: --verify checks the answer against the f64 reference.
+  WriteFile(pki->Path("client_token"), "# mine\ntok-beta-abcdef\n");
+  const std::string base = std::string(ATTN_BINARY) + " call --target=" + target + " --tls_ca=" + pki->Path("ca.pem") +
+                           " --tls_cert=" + pki->Path("client.pem") + " --tls_key=" + pki->Path("client.key") +
+                           " --batch=1 --q_len=24 --q_heads=2 --head_dim=64 --verify";
+  EXPECT_EQ(Shell(base + " --auth_token_file=" + pki->Path("client_token") + " > /dev/null 2>&1"), 0);
+  EXPECT_NE(Shell(base + " > /dev/null 2>&1"), 0) << "no token: refused";
+}
+
+TEST_F(SecurityTest, PerConnectionCallLimit) {
+  absl::Notification release;
+  absl::Notification held;
+  server::CpuBackendHooks hooks;
+  hooks.before_compute = [&](const server::ForwardJob& job) {
+    if (job.request_id != "hold") return;
+    held.Notify();
+    release.WaitForNotification();
+  };
+  server::ServerOptions o;
+  o.max_calls_per_client = 1;
+  TestServer s(o, server::BackendOptions{}, hooks);
+  ASSERT_NE(s.server, nullptr);
+  auto mine = s.Channel();
+  std::thread holder([&] { EXPECT_TRUE(Call(mine, "", "hold").ok()); });
+  held.WaitForNotification();
+  // The same connection is at its limit; another connection is not.
+  const grpc::Status over = Call(mine);
+  EXPECT_EQ(over.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_TRUE(absl::StrContains(over.error_message(), "max_calls_per_client")) << over.error_message();
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto other = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(s.server->tcp_port()),
+                                         grpc::InsecureChannelCredentials(), args);
+  EXPECT_TRUE(Call(other).ok());
+  release.Notify();
+  holder.join();
+  EXPECT_TRUE(Call(mine).ok()) << "the slot is free again once the call ended";
+}
+
+TEST_F(SecurityTest, UnixSocketPermissions) {
+  for (uint32_t mode : {0660u, 0600u}) {
+    server::ServerOptions o;
+    o.listen = "";
+    o.unix_socket = pki->Path("perm.sock");
+    o.unix_socket_mode = mode;
+    TestServer s(o);
+    ASSERT_NE(s.server, nullptr);
+    struct stat st;
+    ASSERT_EQ(::stat(o.unix_socket.c_str(), &st), 0);
+    EXPECT_TRUE(S_ISSOCK(st.st_mode));
+    EXPECT_EQ(st.st_mode & 0777, mode);
+    EXPECT_TRUE(Call(s.Channel("unix:" + o.unix_socket)).ok());
+  }
+}
+
+TEST(AuthTokensTest, FileParsingAndConstantTimeComparison) {
+  char tmpl[] = "/tmp/attnd_tokens_XXXXXX";
+  const int fd = ::mkstemp(tmpl);
+  ASSERT_GE(fd, 0);
+  ::close(fd);
+  WriteFile(tmpl, "# comment\n\n  a-token \r\nsecond\n#not-a-token\n");
+  auto tokens = server::LoadAuthTokens(tmpl);
+  ASSERT_TRUE(tokens.ok()) << tokens.status();
+  EXPECT_EQ(*tokens, (std::vector<std::string>{"a-token", "second"}));
+  ::unlink(tmpl);
+
+  EXPECT_TRUE(server::ConstantTimeEquals("secret", "secret"));
+  EXPECT_FALSE(server::ConstantTimeEquals("secreT", "secret"));
+  EXPECT_FALSE(server::ConstantTimeEquals("secret", "secret2"));
+  EXPECT_FALSE(server::ConstantTimeEquals("secret2", "secret"));
+  EXPECT_FALSE(server::ConstantTimeEquals("", "secret"));
+  EXPECT_FALSE(server::ConstantTimeEquals(std::string("sec\0et", 6), "secret"));
+}
+
+}  // namespace
+}  // namespace attnd::testing
