@@ -7,6 +7,8 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -85,6 +87,50 @@ inline std::string CheckReply(const Case& c, const absl::StatusOr<client::Forwar
   return "";
 }
 
+// Counts what the backend accepted (Submit returned OK) and how those jobs ended, so a test can tell an
+// accepted request from one turned away before acceptance.
+struct AcceptCounter {
+  std::atomic<int> accepted{0}, done_ok{0}, done_error{0};
+};
+
+// Forwards everything to the real backend, counting into an AcceptCounter.
+class CountingBackend final : public server::Backend {
+ public:
+  CountingBackend(std::unique_ptr<server::Backend> inner, AcceptCounter* counter)
+      : inner_(std::move(inner)), counter_(counter) {}
+  std::string name() const override { return inner_->name(); }
+  std::vector<server::DeviceDescription> devices() const override { return inner_->devices(); }
+  std::vector<int64_t> supported_head_dims() const override { return inner_->supported_head_dims(); }
+  std::vector<DType> supported_dtypes() const override { return inner_->supported_dtypes(); }
+  std::vector<std::string> kernels() const override { return inner_->kernels(); }
+  absl::Status CheckSupported(const server::ForwardJob& job) const override { return inner_->CheckSupported(job); }
+  absl::Status Submit(std::unique_ptr<server::ForwardJob> job) override {
+    AcceptCounter* c = counter_;
+    job->done = [c, done = std::move(job->done)](absl::Status st) {
+      ++(st.ok() ? c->done_ok : c->done_error);
+      done(std::move(st));
+    };
+    const absl::Status st = inner_->Submit(std::move(job));
+    if (st.ok()) ++c->accepted;
+    return st;
+  }
+  uint32_t queue_depth() const override { return inner_->queue_depth(); }
+  uint32_t in_flight() const override { return inner_->in_flight(); }
+  void Shutdown() override { inner_->Shutdown(); }
+  absl::StatusOr<std::string> RegisterCudaBuffer(const server::CudaBufferRegistration& r) override {
+    return inner_->RegisterCudaBuffer(r);
+  }
+  absl::Status UnregisterCudaBuffer(const std::string& id) override { return inner_->UnregisterCudaBuffer(id); }
+  std::vector<server::CudaBufferDescription> ListCudaBuffers() const override { return inner_->ListCudaBuffers(); }
+  server::BackendStats stats() const override { return inner_->stats(); }
+  uint32_t max_queue() const override { return inner_->max_queue(); }
+  bool cuda_ipc_enabled() const override { return inner_->cuda_ipc_enabled(); }
+
+ private:
+  std::unique_ptr<server::Backend> inner_;
+  AcceptCounter* const counter_;
+};
+
 struct CudaServerOptions {
   bool enable_ipc = false;
   int streams = 4;
@@ -92,6 +138,7 @@ struct CudaServerOptions {
   uint64_t memory_budget_bytes = 0;
   uint64_t max_message_bytes = 256ull << 20;
   std::string warm_shapes;
+  AcceptCounter* counter = nullptr;  // when set, the backend is wrapped in a CountingBackend
 };
 
 // Starts the server, or sets *skip with the reason when there is no usable GPU.
@@ -115,7 +162,9 @@ inline void StartCudaServer(TestServer* out, const CudaServerOptions& o, std::st
   out->unix_path = absl::StrCat(::testing::TempDir(), "/attnd_gpu_", ::getpid(), "_", counter++, ".sock");
   so.unix_socket = out->unix_path;
   so.max_message_bytes = o.max_message_bytes;
-  auto s = server::Server::Create(so, std::move(*backend));
+  std::unique_ptr<server::Backend> b = std::move(*backend);
+  if (o.counter != nullptr) b = std::make_unique<CountingBackend>(std::move(b), o.counter);
+  auto s = server::Server::Create(so, std::move(b));
   ASSERT_TRUE(s.ok()) << s.status();
   out->server = std::move(*s);
   out->port = out->server->tcp_port();
