@@ -6,11 +6,10 @@
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "absl/synchronization/notification.h"
 #include "e2e_util.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/byte_buffer.h"
-#include "grpcpp/support/client_callback.h"
+#include "grpcpp/completion_queue.h"
 
 namespace attnd::e2e {
 namespace {
@@ -203,53 +202,67 @@ TEST_P(ForwardTest, HealthAnswersServing) {
 }
 
 // Reflection is checked with a hand-encoded ServerReflectionRequest{list_services: ""} over a generic bidi
-// call: Debian ships no reflection.proto for the client side.
+// call on a completion queue: Debian ships no reflection.proto for the client side.
 TEST_P(ForwardTest, ReflectionListsTheService) {
-  class Reactor : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
-   public:
-    explicit Reactor(std::shared_ptr<grpc::Channel> ch) : stub_(std::move(ch)) {
-      ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-      const std::string req("\x3a\x00", 2);  // field 7 (list_services), length 0
-      grpc::Slice slice(req);
-      out_ = grpc::ByteBuffer(&slice, 1);
-      stub_.PrepareBidiStreamingCall(&ctx_, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-                                     grpc::StubOptions(), this);
-      StartWrite(&out_);
-      StartRead(&in_);
-      StartCall();
-    }
-    void OnWriteDone(bool ok) override {
-      if (ok) StartWritesDone();
-    }
-    void OnReadDone(bool ok) override {
-      if (!ok) return;
-      std::vector<grpc::Slice> slices;
-      if (in_.Dump(&slices).ok()) {
-        for (const auto& s : slices) reply_.append(reinterpret_cast<const char*>(s.begin()), s.size());
-      }
-      StartRead(&in_);
-    }
-    void OnDone(const grpc::Status& s) override {
-      status_ = s;
-      done_.Notify();
-    }
-    std::string Wait() {
-      done_.WaitForNotification();
-      EXPECT_TRUE(status_.ok()) << status_.error_message();
-      return reply_;
-    }
-
-   private:
-    grpc::GenericStub stub_;
-    grpc::ClientContext ctx_;
-    grpc::ByteBuffer out_, in_;
-    std::string reply_;
-    grpc::Status status_;
-    absl::Notification done_;
+  grpc::GenericStub stub(client_->channel());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  grpc::CompletionQueue cq;
+  // Each step is started and then awaited on the queue before the next (one tag at a time).
+  auto await = [&cq](intptr_t want) {
+    void* tag = nullptr;
+    bool ok = false;
+    if (!cq.Next(&tag, &ok)) return false;
+    return reinterpret_cast<intptr_t>(tag) == want && ok;
   };
-  Reactor reactor(client_->channel());
-  const std::string reply = reactor.Wait();
+  auto call = stub.PrepareCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  ASSERT_NE(call, nullptr);
+  call->StartCall(reinterpret_cast<void*>(1));
+  ASSERT_TRUE(await(1));
+  const std::string req("\x3a\x00", 2);  // field 7 (list_services), length 0
+  grpc::Slice slice(req);
+  grpc::ByteBuffer out(&slice, 1), in;
+  call->Write(out, reinterpret_cast<void*>(2));
+  ASSERT_TRUE(await(2));
+  call->WritesDone(reinterpret_cast<void*>(3));
+  ASSERT_TRUE(await(3));
+  call->Read(&in, reinterpret_cast<void*>(4));
+  ASSERT_TRUE(await(4));
+  std::string reply;
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(in.Dump(&slices).ok());
+  for (const auto& sl : slices) reply.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  // Drain to the end of the stream, then the status.
+  for (;;) {
+    call->Read(&in, reinterpret_cast<void*>(5));
+    if (!await(5)) break;
+  }
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(6));
+  ASSERT_TRUE(await(6));
+  EXPECT_TRUE(status.ok()) << status.error_message();
   EXPECT_TRUE(absl::StrContains(reply, "attnd.v1.Attention")) << "reflection reply of " << reply.size() << " bytes";
+  cq.Shutdown();
+  void* tag;
+  bool ok;
+  while (cq.Next(&tag, &ok)) {
+  }
+}
+
+// The resolver-based targets users give: dns:/// (with the round-robin policy the client configures for
+// it), ipv4: and a unix socket in URI form.
+TEST(E2eTargets, DnsIpv4AndUnixUriTargets) {
+  TestServer srv;
+  StartServer(&srv);
+  ASSERT_NE(srv.server, nullptr);
+  const Case c = MakeCase(Spec(1, 20, 30, 4, 2, 64, Mask::kCausalTopLeft), 300);
+  for (const std::string& target : {absl::StrCat("dns:///127.0.0.1:", srv.port), absl::StrCat("ipv4:127.0.0.1:", srv.port),
+                                    absl::StrCat("unix://", srv.unix_path)}) {
+    auto client = Connect(target);
+    ASSERT_NE(client, nullptr);
+    EXPECT_EQ(CheckReply(c, client->Forward(*c.request)), "") << target;
+  }
+  srv.server->Shutdown();
 }
 
 INSTANTIATE_TEST_SUITE_P(Listeners, ForwardTest, ::testing::Values(Listener::kTcp, Listener::kUnix),
