@@ -68,6 +68,7 @@ ABSL_FLAG(std::string, request_id, "", "call: request id echoed by the server");
 
 // bench.
 ABSL_FLAG(int32_t, concurrency, 1, "bench: calls in flight");
+ABSL_FLAG(int32_t, connections, 1, "bench: connections (channels) the calls rotate over");
 ABSL_FLAG(double, rate, 0, "bench: open-loop arrival rate in req/s (0: closed loop)");
 ABSL_FLAG(absl::Duration, duration, absl::Seconds(10), "bench: measured duration (ignored with --requests)");
 ABSL_FLAG(int64_t, requests, 0, "bench: number of measured requests (0: use --duration)");
@@ -92,8 +93,9 @@ int Fail(const absl::Status& s, const std::string& what) {
   return kExitFail;
 }
 
-absl::StatusOr<std::unique_ptr<Client>> Connect() {
+absl::StatusOr<std::unique_ptr<Client>> Connect(bool own_connection = false) {
   ClientOptions o;
+  o.own_connection = own_connection;
   o.target = absl::GetFlag(FLAGS_target);
   const int64_t ms = absl::GetFlag(FLAGS_deadline_ms);
   if (ms <= 0) return absl::InvalidArgumentError("--deadline_ms: must be positive");
@@ -343,8 +345,18 @@ int CmdBench(Client& client) {
   }
   auto request = std::make_shared<const attnd::v1::ForwardRequest>(
       attnd::client::MakeForwardRequest(*spec, std::move(inputs->q), std::move(inputs->k), std::move(inputs->v)));
+  const int connections = absl::GetFlag(FLAGS_connections);
+  if (connections < 1) return Fail(absl::InvalidArgumentError("--connections: must be >= 1"), "flags");
+  std::vector<std::unique_ptr<Client>> extra;
+  std::vector<Client*> clients = {&client};
+  for (int i = 1; i < connections; ++i) {
+    auto c = Connect(/*own_connection=*/true);
+    if (!c.ok()) return Fail(c.status(), "connect");
+    extra.push_back(*std::move(c));
+    clients.push_back(extra.back().get());
+  }
   std::cerr << "bench: " << ShapeLine(*spec) << "\n";
-  auto report = attnd::client::RunBench(client, request, oracle ? &*oracle : nullptr, opt);
+  auto report = attnd::client::RunBench(clients, request, oracle ? &*oracle : nullptr, opt);
   if (opt.progress && isatty(STDERR_FILENO)) std::fprintf(stderr, "\n");
   if (!report.ok()) return Fail(report.status(), "bench");
   std::cout << attnd::client::FormatBenchReport(*report);
@@ -382,7 +394,7 @@ int main(int argc, char** argv) {
       "  attn stats [--target=...]                   server counters\n"
       "  attn health [--target=...]                  grpc.health.v1 check: exit 0 when SERVING\n"
       "  attn call  [shape flags] [--verify]         one Forward (random or --q_file/--k_file/--v_file inputs)\n"
-      "  attn bench [shape flags] [--concurrency=N] [--rate=R] [--duration=10s | --requests=N] [--warmup=1s]\n"
+      "  attn bench [shape flags] [--concurrency=N] [--connections=C] [--rate=R] [--duration=10s | --requests=N] [--warmup=1s]\n"
       "             [--verify_every=N] [--json=F] [--csv=F]   load test\n"
       "Shape flags: --batch --q_len --kv_len --q_heads --kv_heads --head_dim --dtype --mask|--causal --scale --lse");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);

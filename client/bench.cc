@@ -89,6 +89,7 @@ std::vector<std::pair<std::string, std::string>> Fields(const BenchReport& r) {
       {"mask", str(MaskName(r.problem.mask))},
       {"lse", r.problem.want_lse ? "true" : "false"},
       {"concurrency", absl::StrCat(r.concurrency)},
+      {"connections", absl::StrCat(r.connections)},
       {"rate", num(r.rate)},
       {"ok", absl::StrCat(r.ok)},
       {"errors", absl::StrCat(r.errors)},
@@ -129,6 +130,16 @@ double Percentile(const std::vector<double>& sorted, double p) {
 
 absl::StatusOr<BenchReport> RunBench(Client& client, std::shared_ptr<const v1::ForwardRequest> request,
                                      const Oracle* oracle, const BenchOptions& opt) {
+  return RunBench(std::vector<Client*>{&client}, std::move(request), oracle, opt);
+}
+
+absl::StatusOr<BenchReport> RunBench(const std::vector<Client*>& clients,
+                                     std::shared_ptr<const v1::ForwardRequest> request, const Oracle* oracle,
+                                     const BenchOptions& opt) {
+  if (clients.empty() || std::find(clients.begin(), clients.end(), nullptr) != clients.end()) {
+    return absl::InvalidArgumentError("clients: at least one, none null");
+  }
+  Client& client = *clients.front();
   if (opt.concurrency < 1) return absl::InvalidArgumentError("concurrency: must be >= 1");
   if (!(opt.rate >= 0) || !std::isfinite(opt.rate)) return absl::InvalidArgumentError("rate: must be >= 0");
   if (opt.requests < 0) return absl::InvalidArgumentError("requests: must be >= 0");
@@ -143,6 +154,7 @@ absl::StatusOr<BenchReport> RunBench(Client& client, std::shared_ptr<const v1::F
   BenchReport report;
   report.target = client.options().target;
   report.concurrency = opt.concurrency;
+  report.connections = static_cast<int>(clients.size());
   report.rate = opt.rate;
   {
     auto dtype = FromProto(request->dtype());
@@ -158,8 +170,10 @@ absl::StatusOr<BenchReport> RunBench(Client& client, std::shared_ptr<const v1::F
   }
   if (opt.call.transport.value_or(client.options().transport) == Transport::kAuto) {
     // Fetch the server's limits now so that no completion callback ever blocks on it.
-    auto info = client.ServerInfo(false, opt.call);
-    if (!info.ok()) return info.status();
+    for (Client* c : clients) {
+      auto info = c->ServerInfo(false, opt.call);
+      if (!info.ok()) return info.status();
+    }
   }
 
   // Shared with the completion callbacks: the last of them may still be unlocking the mutex when this
@@ -286,7 +300,8 @@ absl::StatusOr<BenchReport> RunBench(Client& client, std::shared_ptr<const v1::F
     run.mu.Unlock();
     // Open loop times a call from its scheduled start; closed loop from its actual start.
     const absl::Time t0 = opt.rate > 0 ? scheduled : absl::Now();
-    client.ForwardAsync(
+    // Calls rotate over the clients (connections) so that no single HTTP/2 connection carries all the bytes.
+    clients[static_cast<size_t>(seq) % clients.size()]->ForwardAsync(
         request, [on_done, measured, seq, t0](absl::StatusOr<ForwardResult> r) { on_done(measured, seq, t0, std::move(r)); },
         opt.call);
     run.mu.Lock();
@@ -346,7 +361,8 @@ std::string FormatBenchReport(const BenchReport& r) {
                         "  shape: batch %d, q_len %d, kv_len %d, q_heads %d, kv_heads %d, head_dim %d, %s, mask %s%s\n",
                         s.batch, s.q_len, s.kv_len, s.q_heads, s.kv_heads, s.head_dim, DTypeName(r.problem.dtype),
                         MaskName(r.problem.mask), r.problem.want_lse ? ", lse" : "");
-  absl::StrAppendFormat(&out, "  load: concurrency %d, %s\n", r.concurrency,
+  absl::StrAppendFormat(&out, "  load: concurrency %d over %d connection%s, %s\n", r.concurrency, r.connections,
+                        r.connections == 1 ? "" : "s",
                         r.rate > 0 ? absl::StrFormat("open loop at %.1f req/s (%d late starts)", r.rate, r.late_starts)
                                    : std::string("closed loop"));
   absl::StrAppendFormat(&out, "  requests: %d ok, %d errors, %d warmup%s\n", r.ok, r.errors, r.warmup_requests,

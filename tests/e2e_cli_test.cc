@@ -221,6 +221,26 @@ TEST_F(BenchTest, AttnBinaryInfoCallVerifyAndBench) {
   std::ifstream of(ofile, std::ios::binary | std::ios::ate);
   EXPECT_EQ(static_cast<int64_t>(of.tellg()), 77 * 4 * 64 * 2);
 
+  // Inputs from raw files: the right sizes verify; a file of the wrong size is refused before any call.
+  const client::RequestSpec fs = Spec(1, 50, 70, 4, 2, 64);
+  const std::string dir = ::testing::TempDir();
+  const std::string qf = absl::StrCat(dir, "/attn_q_", ::getpid()), kf = absl::StrCat(dir, "/attn_k_", ::getpid()),
+                    vf = absl::StrCat(dir, "/attn_v_", ::getpid());
+  ASSERT_TRUE(client::WriteFile(qf, client::RandomTensor(fs.dtype, QElems(fs.shape), 21)).ok());
+  ASSERT_TRUE(client::WriteFile(kf, client::RandomTensor(fs.dtype, KVElems(fs.shape), 22)).ok());
+  ASSERT_TRUE(client::WriteFile(vf, client::RandomTensor(fs.dtype, KVElems(fs.shape), 23)).ok());
+  const std::string file_args = absl::StrCat(" --q_file=", qf, " --k_file=", kf, " --v_file=", vf);
+  auto [f_rc, f_out] = RunCommand(absl::StrCat(attn, " call --verify --target=", target,
+                                               " --q_len=50 --kv_len=70 --q_heads=4 --kv_heads=2 --head_dim=64",
+                                               file_args));
+  EXPECT_EQ(f_rc, 0) << f_out;
+  EXPECT_TRUE(absl::StrContains(f_out, "verify: PASS")) << f_out;
+  auto [fw_rc, fw_out] = RunCommand(absl::StrCat(attn, " call --target=", target,
+                                                 " --q_len=51 --kv_len=70 --q_heads=4 --kv_heads=2 --head_dim=64",
+                                                 file_args));
+  EXPECT_EQ(fw_rc, 1) << fw_out;
+  EXPECT_TRUE(absl::StrContains(fw_out, "the shape needs")) << fw_out;
+
   // A shape the server refuses: non-zero exit and the server's message.
   auto [bad_rc, bad] = RunCommand(absl::StrCat(attn, " call --target=", target, " --q_len=8 --head_dim=7"));
   EXPECT_NE(bad_rc, 0) << bad;
@@ -230,11 +250,12 @@ TEST_F(BenchTest, AttnBinaryInfoCallVerifyAndBench) {
   const std::string json = absl::StrCat(::testing::TempDir(), "/attn_bench_", ::getpid(), ".json");
   const std::string csv = absl::StrCat(::testing::TempDir(), "/attn_bench_", ::getpid(), ".csv");
   auto [b_rc, b_out] = RunCommand(absl::StrCat(attn, " bench --target=", target,
-                                        " --q_len=64 --q_heads=4 --head_dim=64 --concurrency=2 --requests=10 "
+                                        " --q_len=64 --q_heads=4 --head_dim=64 --concurrency=2 --connections=2 --requests=10 "
                                         "--warmup=0s --verify_every=2 --json=",
                                         json, " --csv=", csv));
   EXPECT_EQ(b_rc, 0) << b_out;
   EXPECT_TRUE(absl::StrContains(b_out, "10 ok, 0 errors")) << b_out;
+  EXPECT_TRUE(absl::StrContains(b_out, "concurrency 2 over 2 connections")) << b_out;
   EXPECT_TRUE(absl::StrContains(b_out, "verified: 5 replies, 0 failed")) << b_out;
   std::stringstream js;
   js << std::ifstream(json).rdbuf();

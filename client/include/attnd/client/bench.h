@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -34,6 +35,7 @@ struct BenchReport {
   std::string target, transport, backend, kernel;
   Problem problem;
   int concurrency = 0;
+  int connections = 1;
   double rate = 0;
   // Counts of measured calls (warmup calls are only counted in warmup_requests).
   int64_t ok = 0, errors = 0, warmup_requests = 0;
@@ -56,6 +58,11 @@ struct BenchReport {
 // Fails only on bad options; call failures are counted in the report.
 absl::StatusOr<BenchReport> RunBench(Client& client, std::shared_ptr<const v1::ForwardRequest> request,
                                      const Oracle* oracle, const BenchOptions& options);
+// The same over several clients (each its own connection: ClientOptions::own_connection), calls rotating
+// among them, so that large tensors are not all funnelled through one HTTP/2 connection.
+absl::StatusOr<BenchReport> RunBench(const std::vector<Client*>& clients,
+                                     std::shared_ptr<const v1::ForwardRequest> request, const Oracle* oracle,
+                                     const BenchOptions& options);
 
 // Nearest-rank percentile (p in (0, 100]) of an ascending vector; 0 for an empty one.
 double Percentile(const std::vector<double>& sorted, double p);
