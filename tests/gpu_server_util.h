@@ -123,6 +123,7 @@ class CountingBackend final : public server::Backend {
   absl::Status UnregisterCudaBuffer(const std::string& id) override { return inner_->UnregisterCudaBuffer(id); }
   std::vector<server::CudaBufferDescription> ListCudaBuffers() const override { return inner_->ListCudaBuffers(); }
   server::BackendStats stats() const override { return inner_->stats(); }
+  std::vector<server::DeviceMemoryUse> device_memory() const override { return inner_->device_memory(); }
   uint32_t max_queue() const override { return inner_->max_queue(); }
   bool cuda_ipc_enabled() const override { return inner_->cuda_ipc_enabled(); }
 

@@ -136,6 +136,8 @@ class CudaDevice {
   uint32_t queued() const { return queued_.load(); }
   uint32_t load() const { return queued_.load() + running_.load(); }
   uint32_t running() const { return running_.load(); }
+  // Device memory the pool holds (in use + cached for reuse); IPC buffers belong to their callers.
+  uint64_t device_bytes_held() const { return device_mem_ ? device_mem_->stats().held_bytes : 0; }
 
  private:
   struct Slot {
@@ -699,6 +701,11 @@ class CudaBackendImpl final : public Backend {
     st.tensor_map_cache_hits = maps_.hits();
     st.tensor_map_cache_misses = maps_.misses();
     return st;
+  }
+  std::vector<DeviceMemoryUse> device_memory() const override {
+    std::vector<DeviceMemoryUse> out;
+    for (const auto& d : devices_) out.push_back(DeviceMemoryUse{d->index(), d->device_bytes_held()});
+    return out;
   }
   uint32_t max_queue() const override { return options_.max_queue; }
   bool cuda_ipc_enabled() const override { return options_.enable_cuda_ipc; }
