@@ -442,6 +442,17 @@ TEST(ServerMeta, StatsCountCallsErrorsAndBytes) {
   EXPECT_EQ(stats.rpcs_size(), 7);
 }
 
+TEST(ServerCreate, MessageLimitIsCappedAtWhatGrpcCanCount) {
+  server::ServerOptions o;
+  o.max_message_bytes = 8ull << 30;
+  TestServer ts(o);
+  ASSERT_NE(ts.server, nullptr);
+  grpc::ClientContext ctx;
+  v1::ServerInfo info;
+  ASSERT_TRUE(ts.Stub()->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
+  EXPECT_EQ(info.limits().max_message_bytes(), 2147483647u);
+}
+
 TEST(ServerCreate, RefusesBadOptions) {
   server::BackendOptions bo;
   bo.threads = 1;

@@ -185,7 +185,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
     return absl::InvalidArgumentError(absl::StrCat("max_message_bytes: ", options.max_message_bytes, " is below 4096"));
   }
   if (options.max_request_bytes == 0) return absl::InvalidArgumentError("max_request_bytes: must be > 0");
-  auto server = std::make_unique<ServerImpl>(options, std::move(backend));
+  // gRPC counts message sizes in int: a larger limit would be silently capped by gRPC while validation and
+  // GetServerInfo promised more, so the effective value is used everywhere.
+  ServerOptions effective = options;
+  effective.max_message_bytes = std::min<uint64_t>(options.max_message_bytes, static_cast<uint64_t>(INT_MAX));
+  auto server = std::make_unique<ServerImpl>(effective, std::move(backend));
   absl::Status s = server->Start();
   if (!s.ok()) return s;
   return std::unique_ptr<Server>(std::move(server));
