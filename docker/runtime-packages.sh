@@ -3,6 +3,11 @@
 # The build stage runs it and the runtime stage installs exactly that list, so the same Dockerfile works on
 # Debian (the CPU base) and Ubuntu (NVIDIA's CUDA bases), whose package names differ (libgrpc++1.51 vs
 # libgrpc++1.51t64, ...). libcuda is not listed: the NVIDIA container runtime mounts the host's driver.
+# The /metrics endpoint's libraries come out as libprometheus-cpp-core1.0, libprometheus-cpp-pull1.0 and
+# libcivetweb1 (libcivetweb.so.1 and libcivetweb-cpp.so.1) on bookworm; Ubuntu 24.04 has the same names, in
+# universe like gRPC (the Ubuntu side is not built here: no registry serves the CUDA images to this project).
+# Both register the files under /usr/lib while ldd prints /lib (seen on bookworm), hence the merged-/usr
+# candidates below.
 set -eu
 libs=$(for b in "$@"; do ldd "$b"; done | awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u)
 missing=$(for b in "$@"; do ldd "$b"; done | awk '$2 == "=>" && $3 == "not" { print $1 }' | grep -v '^libcuda\.so' || true)

@@ -4,6 +4,8 @@
 #   2. build the CPU-only image with podman
 #   3. run it, wait (bounded) until its own HEALTHCHECK (grpc.health.v1) reports SERVING
 #   4. verified `attn call`s into it: from a second container over TCP, and inside it over the unix socket;
+#      its Prometheus endpoint (ATTND_METRICS_LISTEN) scraped from the host: the Forward OK counter moved, and
+#      by exactly what the server's own GetStats counted;
 #      attn bench over dns:/// spreading calls round-robin over two more servers (as a headless Service does)
 #   5. stop it with SIGTERM while a call is in flight: attnd exits 0, logs a clean shutdown, the call is answered
 # Self-contained: installs podman & co. from Debian's packages. Run as root (CI is); ~10 min from a clean
@@ -109,7 +111,10 @@ pm image inspect --format '{{json .Config.Healthcheck}}' "$IMAGE" | grep -q -- '
 ok "image built ($(( $(date +%s) - t0 ))s, $(pm image inspect --format '{{.Size}}' "$IMAGE") bytes, user $user)"
 
 # --- 3. run and wait for SERVING -------------------------------------------------------------------------
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+port=$(free_port)
+mport=$(free_port)
+while [ "$mport" = "$port" ]; do mport=$(free_port); done
 sockdir="$WORKDIR/sock-$$"
 rm -rf "$sockdir"
 install -d -o 10001 -g 10001 -m 0750 "$sockdir"
@@ -118,7 +123,7 @@ install -d -o 10001 -g 10001 -m 0750 "$sockdir"
 # the loop below runs the image's check itself. (podman still logs that it cannot reach systemd: harmless.)
 pm run -d --name "$NAME" --network host "${ULIMITS[@]}" --health-interval disable \
   -e ATTND_LISTEN="127.0.0.1:${port}" -e ATTND_HEALTHCHECK_TARGET="127.0.0.1:${port}" \
-  -e ATTND_THREADS=1 -e ATTND_MAX_QUEUE=17 \
+  -e ATTND_THREADS=1 -e ATTND_MAX_QUEUE=17 -e ATTND_METRICS_LISTEN="127.0.0.1:${mport}" \
   -v "$sockdir:/run/attnd" "$IMAGE" >/dev/null || die "podman run failed"
 deadline=$(( $(date +%s) + 120 ))
 health=""
@@ -166,6 +171,36 @@ out=$(timeout 60 "${PODMAN[@]}" exec "$NAME" attn info --target "127.0.0.1:${por
 echo "$out" | grep -q -E '(max_queue|queue)[^0-9]*17\b' || { echo "$out"; die "ATTND_MAX_QUEUE=17 not reported by attn info"; }
 echo "$out" | grep -q -i 'cpu' || { echo "$out"; die "attn info does not report the cpu backend"; }
 ok "flags from the environment reached the server (backend cpu, max_queue 17)"
+
+# --- 4a. Prometheus /metrics -----------------------------------------------------------------------------
+# Scraped from the host, as Prometheus would (host network: the container's 127.0.0.1 is the host's). The two
+# verified calls above were Forward RPCs, so attnd_requests_total{method="Forward",code="OK"} must be at least
+# 2, and equal to the OK Forward calls that GetStats counts (the same RPCs through a second, independent path).
+scrape=$(python3 - "127.0.0.1:${mport}" <<'EOF'
+import re, sys, urllib.request
+with urllib.request.urlopen(f"http://{sys.argv[1]}/metrics", timeout=10) as r:
+    ctype, body = r.headers.get("Content-Type", ""), r.read().decode()
+if not ctype.startswith("text/plain"):
+    sys.exit(f"Content-Type {ctype!r}, not the Prometheus text format")
+value = None
+for line in body.splitlines():
+    m = re.match(r'attnd_requests_total\{([^}]*)\} (\S+)$', line)
+    if m:
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if labels.get("method") == "Forward" and labels.get("code") == "OK":
+            value = float(m.group(2))
+if value is None:
+    sys.exit('no attnd_requests_total{method="Forward",code="OK"} series')
+print(int(value))
+EOF
+) || die "scraping http://127.0.0.1:${mport}/metrics"
+stats=$(timeout 60 "${PODMAN[@]}" exec "$NAME" attn stats --target "127.0.0.1:${port}" 2>&1) || { echo "$stats"; die "attn stats"; }
+read -r st_calls st_errors < <(echo "$stats" | awk '$1 == "Forward" { print $2, $4 }')
+log "attnd_requests_total{method=\"Forward\",code=\"OK\"} = ${scrape}; GetStats: ${st_calls:-?} Forward calls, ${st_errors:-?} errors"
+[ "$scrape" -ge 2 ] || die "the Forward OK counter is ${scrape} after two verified Forward calls"
+[ -n "${st_calls:-}" ] && [ "$scrape" -eq $(( st_calls - st_errors )) ] ||
+  { echo "$stats"; die "/metrics (${scrape}) and GetStats (${st_calls:-?} - ${st_errors:-?}) disagree on OK Forward calls"; }
+ok "/metrics on 127.0.0.1:${mport}: Forward OK counter ${scrape}, as GetStats counts"
 
 # --- 4b. dns:/// round robin over several servers ---------------------------------------------------------
 # What a headless Kubernetes Service gives clients: one name, several addresses. Two more server containers on
