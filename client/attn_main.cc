@@ -234,6 +234,10 @@ int CmdInfo(Client& client) {
   const auto& l = info->limits();
   std::cout << absl::StrFormat("  limits: max_request_bytes %d, max_message_bytes %d, max_queue %d, max_head_dim %d\n",
                                l.max_request_bytes(), l.max_message_bytes(), l.max_queue(), l.max_head_dim());
+  auto limit = [](int64_t v) { return v > 0 ? absl::StrCat(v) : std::string("none"); };
+  std::cout << absl::StrFormat("  shape limits: max_batch %s, max_q_len %s, max_kv_len %s, max_heads %s\n",
+                               limit(l.max_batch()), limit(l.max_q_len()), limit(l.max_kv_len()),
+                               limit(l.max_heads()));
   std::cout << "  cuda ipc: " << (info->cuda_ipc_enabled() ? "enabled" : "disabled") << "\n";
   std::cout << "  kernels: " << absl::StrJoin(info->kernels(), ", ") << "\n";
   absl::Status health = client.CheckHealth("", CallOpts());

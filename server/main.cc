@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -25,6 +26,10 @@ ABSL_FLAG(std::string, backend, "auto", "auto (cuda when a GPU is usable, else c
 ABSL_FLAG(uint64_t, max_request_bytes, 1ull << 32, "largest request, Q+K+V+O(+LSE) bytes, any transport");
 ABSL_FLAG(uint64_t, max_message_bytes, 256ull << 20,
           "largest gRPC message; bigger tensors must use ForwardStream (capped at 2 GiB - 1 by gRPC)");
+ABSL_FLAG(int64_t, max_batch, 0, "largest shape.batch of one request (0: no limit); more: RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_q_len, 0, "largest shape.q_len of one request (0: no limit); more: RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_kv_len, 0, "largest shape.kv_len of one request (0: no limit); more: RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_heads, 0, "largest shape.q_heads of one request (0: no limit); more: RESOURCE_EXHAUSTED");
 ABSL_FLAG(uint32_t, max_queue, 256, "requests waiting for the backend before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, threads, 0, "CPU backend compute threads (0: all cores)");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, critical or off");
@@ -95,6 +100,12 @@ int main(int argc, char** argv) {
   if (backend_options.streams_per_device < 1) return Fail("--streams: must be >= 1");
   const double grace = absl::GetFlag(FLAGS_shutdown_grace_s);
   if (!(grace >= 0)) return Fail("--shutdown_grace_s: must be >= 0");
+  for (const auto& [name, value] : {std::pair{"max_batch", absl::GetFlag(FLAGS_max_batch)},
+                                    std::pair{"max_q_len", absl::GetFlag(FLAGS_max_q_len)},
+                                    std::pair{"max_kv_len", absl::GetFlag(FLAGS_max_kv_len)},
+                                    std::pair{"max_heads", absl::GetFlag(FLAGS_max_heads)}}) {
+    if (value < 0) return Fail(std::string("--") + name + ": must be >= 0 (0: no limit)");
+  }
 
   auto backend = attnd::server::MakeBackend(absl::GetFlag(FLAGS_backend), backend_options);
   if (!backend.ok()) return Fail(std::string(backend.status().message()));
@@ -104,6 +115,10 @@ int main(int argc, char** argv) {
   options.unix_socket = absl::GetFlag(FLAGS_unix_socket);
   options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.max_batch = absl::GetFlag(FLAGS_max_batch);
+  options.max_q_len = absl::GetFlag(FLAGS_max_q_len);
+  options.max_kv_len = absl::GetFlag(FLAGS_max_kv_len);
+  options.max_heads = absl::GetFlag(FLAGS_max_heads);
   options.ipc_over_tcp = absl::GetFlag(FLAGS_ipc_over_tcp);
   options.shutdown_grace = absl::Seconds(grace);
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);

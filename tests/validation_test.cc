@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "attnd/server/cpu_backend.h"
 #include "attnd/server/status_util.h"
 #include "attnd/server/validation.h"
@@ -21,6 +22,9 @@ using server::Transport;
 using server::ValidationLimits;
 
 constexpr Shape kShape{2, 17, 33, 4, 2, 64};
+// Shape limits of the table's server: well above kShape, and small enough that each is hit before the
+// 8 MiB byte limit (a shape at every limit at once would need far more than 8 MiB).
+constexpr int64_t kMaxBatch = 16, kMaxQLen = 8192, kMaxKvLen = 8192, kMaxHeads = 64;
 
 struct BadCase {
   std::string name;
@@ -68,8 +72,19 @@ std::vector<BadCase> BadCases() {
        kInv, "shape"},
       {"kv_len_max", [](auto& r) { r.mutable_shape()->set_kv_len(std::numeric_limits<int64_t>::max()); }, kInv,
        "shape"},
-      {"over_max_request_bytes", [](auto& r) { r.mutable_shape()->set_kv_len(1 << 20); }, C::kResourceExhausted,
+      // K+V alone are 8 MiB at kv_len 8192, within --max_kv_len but over the 8 MiB byte limit.
+      {"over_max_request_bytes", [](auto& r) { r.mutable_shape()->set_kv_len(kMaxKvLen); }, C::kResourceExhausted,
        "shape"},
+      {"batch_over_max_batch", [](auto& r) { r.mutable_shape()->set_batch(kMaxBatch + 1); }, C::kResourceExhausted,
+       "shape.batch"},
+      {"q_len_over_max_q_len", [](auto& r) { r.mutable_shape()->set_q_len(kMaxQLen + 1); }, C::kResourceExhausted,
+       "shape.q_len"},
+      {"kv_len_over_max_kv_len", [](auto& r) { r.mutable_shape()->set_kv_len(kMaxKvLen + 1); },
+       C::kResourceExhausted, "shape.kv_len"},
+      {"q_heads_over_max_heads", [](auto& r) { r.mutable_shape()->set_q_heads(kMaxHeads * 2); },
+       C::kResourceExhausted, "shape.q_heads"},
+      {"kv_len_huge_over_max_kv_len", [](auto& r) { r.mutable_shape()->set_kv_len(int64_t{1} << 40); },
+       C::kResourceExhausted, "shape.kv_len"},
       {"unknown_dtype", [](auto& r) { r.set_dtype(static_cast<v1::DType>(7)); }, kInv, "dtype"},
       {"unknown_mask", [](auto& r) { r.set_mask(static_cast<v1::MaskType>(-1)); }, kInv, "mask"},
       {"scale_nan", [](auto& r) { r.set_softmax_scale(std::nanf("")); }, kInv, "softmax_scale"},
@@ -115,6 +130,10 @@ ValidationLimits Limits() {
   ValidationLimits l;
   l.max_request_bytes = 8u << 20;
   l.max_message_bytes = 16u << 20;
+  l.max_batch = kMaxBatch;
+  l.max_q_len = kMaxQLen;
+  l.max_kv_len = kMaxKvLen;
+  l.max_heads = kMaxHeads;
   server::CpuBackend probe({}, {});
   l.supported_head_dims = probe.supported_head_dims();
   l.supported_dtypes = probe.supported_dtypes();
@@ -172,6 +191,41 @@ TEST(Validation, HeadDimMessageListsSupportedValues) {
   r.mutable_shape()->set_head_dim(96);
   EXPECT_EQ(Check(r, Transport::kUnary, Limits()).message(),
             "shape.head_dim: 96 is not supported (supported: 64, 128, 256)");
+}
+
+TEST(Validation, ShapeLimitMessageNamesFieldAndFlag) {
+  v1::ForwardRequest r = testing::MakeRequest(kShape);
+  r.mutable_shape()->set_q_len(65536);
+  ValidationLimits l = Limits();
+  l.max_q_len = 32768;
+  EXPECT_EQ(Check(r, Transport::kUnary, l).message(), "shape.q_len: 65536 exceeds the server limit --max_q_len=32768");
+  r = testing::MakeRequest(kShape);
+  r.mutable_shape()->set_q_heads(kMaxHeads + 2);
+  EXPECT_EQ(Check(r, Transport::kUnary, Limits()).message(),
+            absl::StrCat("shape.q_heads: ", kMaxHeads + 2, " exceeds the server limit --max_heads=", kMaxHeads));
+}
+
+// A shape exactly at each limit is accepted (the limit is inclusive), and 0 means no shape limit: the same
+// over-limit shape then runs into the byte limit instead.
+TEST(Validation, ShapeLimitsAreInclusiveAndZeroMeansNone) {
+  ValidationLimits l = Limits();
+  l.max_request_bytes = l.max_message_bytes = 1ull << 40;
+  const Shape at{kMaxBatch, 5, 7, kMaxHeads, 2, 64};
+  EXPECT_TRUE(Check(testing::MakeRequest(at), Transport::kUnary, l).ok());
+  v1::ForwardRequest header = testing::MakeRequest(Shape{3, kMaxQLen, kMaxKvLen, 4, 2, 64});
+  header.clear_q();
+  header.clear_k();
+  header.clear_v();
+  EXPECT_TRUE(Check(header, Transport::kStream, l).ok());
+  header.mutable_shape()->set_kv_len(kMaxKvLen + 1);
+  EXPECT_EQ(Check(header, Transport::kStream, l).code(), absl::StatusCode::kResourceExhausted);  // stream too
+
+  l = Limits();
+  l.max_batch = l.max_q_len = l.max_kv_len = l.max_heads = 0;
+  header.mutable_shape()->set_kv_len(int64_t{1} << 30);
+  const absl::Status s = Check(header, Transport::kStream, l);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "--max_request_bytes")) << s;
 }
 
 TEST(Validation, UnaryMessageLimitIsResourceExhausted) {
@@ -236,9 +290,22 @@ TEST(StatusMapping, EveryCanonicalCodeKeepsItsNumberAndMessage) {
 TEST(ValidationOverGrpc, EveryBadRequestGetsItsStatus) {
   server::ServerOptions options;
   options.max_request_bytes = 8u << 20;
+  options.max_batch = kMaxBatch;
+  options.max_q_len = kMaxQLen;
+  options.max_kv_len = kMaxKvLen;
+  options.max_heads = kMaxHeads;
   testing::TestServer ts(options);
   ASSERT_NE(ts.server, nullptr);
   auto stub = ts.Stub();
+  {  // The limits a client can plan with are the ones enforced below.
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    ASSERT_TRUE(stub->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
+    EXPECT_EQ(info.limits().max_batch(), kMaxBatch);
+    EXPECT_EQ(info.limits().max_q_len(), kMaxQLen);
+    EXPECT_EQ(info.limits().max_kv_len(), kMaxKvLen);
+    EXPECT_EQ(info.limits().max_heads(), kMaxHeads);
+  }
   for (const BadCase& c : BadCases()) {
     SCOPED_TRACE(c.name);
     v1::ForwardRequest r = testing::MakeRequest(kShape);
@@ -250,6 +317,20 @@ TEST(ValidationOverGrpc, EveryBadRequestGetsItsStatus) {
     EXPECT_TRUE(absl::StartsWith(s.error_message(), c.field + ":")) << s.error_message();
   }
   EXPECT_EQ(ts.cpu->jobs_computed(), 0u);
+  ts.server->Shutdown();
+}
+
+TEST(ValidationOverGrpc, ShapeLimitsDefaultToNone) {
+  testing::TestServer ts(server::ServerOptions{});
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  grpc::ClientContext ctx;
+  v1::ServerInfo info;
+  ASSERT_TRUE(stub->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
+  EXPECT_EQ(info.limits().max_batch(), 0);
+  EXPECT_EQ(info.limits().max_q_len(), 0);
+  EXPECT_EQ(info.limits().max_kv_len(), 0);
+  EXPECT_EQ(info.limits().max_heads(), 0);
   ts.server->Shutdown();
 }
 

@@ -259,7 +259,8 @@ AttentionService::AttentionService(const ServerOptions& options, Backend* backen
     : options_(options),
       backend_(backend),
       limits_{options.max_request_bytes, options.max_message_bytes, backend->supported_head_dims(),
-              backend->supported_dtypes()},
+              backend->supported_dtypes(), options.max_batch, options.max_q_len, options.max_kv_len,
+              options.max_heads},
       stream_chunk_bytes_(ChunkBytes(options.max_message_bytes)) {}
 
 absl::Status AttentionService::Prepare(const v1::ForwardRequest& request, Transport transport,
@@ -418,6 +419,10 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   l->set_max_message_bytes(options_.max_message_bytes);
   l->set_max_queue(backend_->max_queue());
   l->set_max_head_dim(max_hd);
+  l->set_max_batch(limits_.max_batch);
+  l->set_max_q_len(limits_.max_q_len);
+  l->set_max_kv_len(limits_.max_kv_len);
+  l->set_max_heads(limits_.max_heads);
   info->set_cuda_ipc_enabled(backend_->cuda_ipc_enabled());
   for (const std::string& k : backend_->kernels()) info->add_kernels(k);
   return FinishNow(ctx, "GetServerInfo", start, absl::OkStatus());

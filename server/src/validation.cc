@@ -40,6 +40,14 @@ absl::Status CheckDim(absl::string_view name, int64_t value) {
   return absl::OkStatus();
 }
 
+// RESOURCE_EXHAUSTED rather than INVALID_ARGUMENT: the shape is well-formed and another server (or this one
+// with other flags) would run it; the refusal is this server's policy, as with --max_request_bytes.
+absl::Status CheckLimit(absl::string_view name, int64_t value, int64_t limit, absl::string_view flag) {
+  if (limit <= 0 || value <= limit) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat("shape.", name, ": ", value, " exceeds the server limit --", flag, "=", limit));
+}
+
 absl::Status CheckRef(absl::string_view field, const v1::TensorRef& ref) {
   if (ref.buffer_id().empty()) return Invalid(absl::StrCat(field, ".buffer_id"), "empty");
   if (ref.offset() % kTensorRefAlignment != 0) {
@@ -157,6 +165,12 @@ absl::Status ValidateForwardRequest(const v1::ForwardRequest& req, Transport tra
   for (uint64_t part : {b.q, b.k, b.v, b.o, b.lse}) {
     if (__builtin_add_overflow(total, part, &total)) return Invalid("shape", "request size overflows");
   }
+  // After the overflow checks (a shape no server could address is INVALID_ARGUMENT, whatever the flags) and
+  // before the byte limit, whose message cannot say which dimension to shrink.
+  ATTND_RETURN_IF_ERROR(CheckLimit("batch", sh.batch(), limits.max_batch, "max_batch"));
+  ATTND_RETURN_IF_ERROR(CheckLimit("q_len", sh.q_len(), limits.max_q_len, "max_q_len"));
+  ATTND_RETURN_IF_ERROR(CheckLimit("kv_len", sh.kv_len(), limits.max_kv_len, "max_kv_len"));
+  ATTND_RETURN_IF_ERROR(CheckLimit("q_heads", sh.q_heads(), limits.max_heads, "max_heads"));
   if (total > limits.max_request_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("shape: the request needs ", total,
                                                      " bytes (Q+K+V+O+LSE), over the server's limit of ",

@@ -16,6 +16,11 @@ struct ServerOptions {
   std::string unix_socket;                 // path of a unix-domain listener; empty: none
   uint64_t max_request_bytes = 1ull << 32;  // Q+K+V+O(+LSE) bytes of one request
   uint64_t max_message_bytes = 256ull << 20;  // one gRPC message
+  // Per-request shape limits (RESOURCE_EXHAUSTED beyond); 0: none beyond what the byte limits imply.
+  int64_t max_batch = 0;
+  int64_t max_q_len = 0;
+  int64_t max_kv_len = 0;
+  int64_t max_heads = 0;  // shape.q_heads
   bool ipc_over_tcp = false;               // accept CUDA IPC registration over TCP too (off: unix socket only)
   // Shutdown waits this long for accepted calls (a stream still uploading included) before gRPC cancels what
   // is left; an infinite grace would let one stalled client hold a SIGTERM forever.

@@ -26,6 +26,13 @@ struct ValidationLimits {
   uint64_t max_message_bytes = 256ull << 20;  // a unary request or reply must fit one message
   std::vector<int64_t> supported_head_dims;   // from the backend
   std::vector<DType> supported_dtypes;        // from the backend
+  // Shape limits (--max_batch, --max_q_len, --max_kv_len, --max_heads); 0: none beyond what the byte limits
+  // imply. The byte limits alone let one client send, say, q_len 2M with one head, which costs quadratic
+  // time and work buffers sized by the sequence; these bound each dimension on its own.
+  int64_t max_batch = 0;
+  int64_t max_q_len = 0;
+  int64_t max_kv_len = 0;
+  int64_t max_heads = 0;  // of shape.q_heads (kv_heads <= q_heads follows)
 };
 
 // Bytes of gRPC/protobuf framing allowed for next to the tensor bytes when checking the message limit.
