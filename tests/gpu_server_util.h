@@ -16,76 +16,19 @@
 #include "attnd/server/server.h"
 #include "attnd/client/client.h"
 #include "attnd/client/tensors.h"
+#include "e2e_util.h"
 #include "gtest/gtest.h"
 
 namespace attnd::gpu {
 
-// The same helpers as the CPU end-to-end tests (e2e_util.h), kept here so the GPU tests stand alone.
-enum class Listener { kTcp, kUnix };
-
-struct TestServer {
-  std::unique_ptr<server::Server> server;
-  std::string unix_path;
-  int port = 0;
-  std::string Target(Listener l) const {
-    return l == Listener::kTcp ? absl::StrCat("127.0.0.1:", port) : absl::StrCat("unix:", unix_path);
-  }
-};
-
-inline std::unique_ptr<client::Client> Connect(const std::string& target,
-                                               client::Transport transport = client::Transport::kAuto,
-                                               uint64_t chunk_bytes = 0, bool own_connection = false) {
-  client::ClientOptions o;
-  o.target = target;
-  o.transport = transport;
-  o.stream_chunk_bytes = chunk_bytes;
-  o.own_connection = own_connection;
-  o.default_deadline = absl::Seconds(120);
-  auto c = client::Client::Create(o);
-  EXPECT_TRUE(c.ok()) << c.status();
-  return c.ok() ? std::move(*c) : nullptr;
-}
-
-// A request with random inputs (distinct per seed) and the oracle of its answer.
-struct Case {
-  client::RequestSpec spec;
-  std::shared_ptr<const v1::ForwardRequest> request;
-  std::shared_ptr<const client::Oracle> oracle;
-};
-
-inline client::RequestSpec Spec(int64_t batch, int64_t q_len, int64_t kv_len, int64_t q_heads, int64_t kv_heads,
-                                int64_t head_dim, Mask mask = Mask::kNone, bool lse = false) {
-  client::RequestSpec s;
-  s.shape = Shape{batch, q_len, kv_len, q_heads, kv_heads, head_dim};
-  s.mask = mask;
-  s.want_lse = lse;
-  return s;
-}
-
-inline Case MakeCase(const client::RequestSpec& spec, uint64_t seed) {
-  Case c;
-  c.spec = spec;
-  std::string q = client::RandomTensor(spec.dtype, QElems(spec.shape), seed * 3);
-  std::string k = client::RandomTensor(spec.dtype, KVElems(spec.shape), seed * 3 + 1);
-  std::string v = client::RandomTensor(spec.dtype, KVElems(spec.shape), seed * 3 + 2);
-  auto oracle = client::Oracle::Compute(spec.ToProblem(), q, k, v);
-  EXPECT_TRUE(oracle.ok()) << oracle.status();
-  if (oracle.ok()) c.oracle = std::make_shared<const client::Oracle>(*std::move(oracle));
-  c.request = std::make_shared<const v1::ForwardRequest>(
-      client::MakeForwardRequest(spec, std::move(q), std::move(k), std::move(v)));
-  return c;
-}
-
-// Empty when the reply is correct; otherwise why not.
-inline std::string CheckReply(const Case& c, const absl::StatusOr<client::ForwardResult>& r) {
-  if (!r.ok()) return absl::StrCat("call failed: ", r.status().ToString());
-  if (c.oracle == nullptr) return "no oracle";
-  if (c.spec.want_lse && r->lse.empty()) return "LSE missing";
-  if (!c.spec.want_lse && !r->lse.empty()) return "LSE returned unasked";
-  const client::VerifyReport v = c.oracle->Check(r->o, r->lse);
-  if (!v.pass) return absl::StrCat("wrong answer: ", v.detail);
-  return "";
-}
+// The CPU end-to-end tests' helpers (listeners, clients, random requests with their oracle), shared as is.
+using e2e::CheckReply;
+using e2e::Connect;
+using e2e::Case;
+using e2e::Listener;
+using e2e::MakeCase;
+using e2e::Spec;
+using e2e::TestServer;
 
 // Counts what the backend accepted (Submit returned OK) and how those jobs ended, so a test can tell an
 // accepted request from one turned away before acceptance.
