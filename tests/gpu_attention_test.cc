@@ -20,6 +20,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -128,6 +129,9 @@ struct Param {
   std::string config;  // "" runs the default (auto) choice, "seed" the seed family's choice
   Case c;
 };
+
+// Without this GoogleTest prints each parameter as a raw byte dump in every test's line (also when skipped).
+void PrintTo(const Param& p, std::ostream* os) { *os << (p.config.empty() ? "auto" : p.config) << "/" << Name(p.c); }
 
 std::vector<Param> AllParams() {
   std::vector<Param> out;
