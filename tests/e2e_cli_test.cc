@@ -67,21 +67,7 @@ TEST(Oracle, RejectsWrongAnswers) {
   EXPECT_FALSE(oracle->Check(o.substr(2), lse).pass);
 }
 
-class BenchTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    server_ = new TestServer;
-    StartServer(server_);
-  }
-  static void TearDownTestSuite() {
-    if (server_->server) server_->server->Shutdown();
-    delete server_;
-    server_ = nullptr;
-  }
-  void SetUp() override { ASSERT_NE(server_->server, nullptr); }
-  static TestServer* server_;
-};
-TestServer* BenchTest::server_ = nullptr;
+class BenchTest : public SharedServerSuite<> {};
 
 TEST_F(BenchTest, ClosedLoopRequestsReportSaneNumbers) {
   auto client = Connect(server_->Target(Listener::kTcp));

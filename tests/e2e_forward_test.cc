@@ -14,27 +14,17 @@
 namespace attnd::e2e {
 namespace {
 
-class ForwardTest : public ::testing::TestWithParam<Listener> {
+class ForwardTest : public SharedServerSuite<::testing::TestWithParam<Listener>> {
  protected:
-  static void SetUpTestSuite() {
-    server_ = new TestServer;
-    StartServer(server_);
-  }
-  static void TearDownTestSuite() {
-    if (server_->server) server_->server->Shutdown();
-    delete server_;
-    server_ = nullptr;
-  }
   void SetUp() override {
-    ASSERT_NE(server_->server, nullptr);
+    SharedServerSuite::SetUp();
+    if (HasFatalFailure()) return;
     client_ = Connect(server_->Target(GetParam()));
     ASSERT_NE(client_, nullptr);
   }
 
-  static TestServer* server_;
   std::unique_ptr<client::Client> client_;
 };
-TestServer* ForwardTest::server_ = nullptr;
 
 TEST_P(ForwardTest, MatchesReferenceAcrossMasksGqaHeadDimsAndLengths) {
   struct Shape6 {

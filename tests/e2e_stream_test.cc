@@ -9,22 +9,7 @@ namespace {
 
 constexpr uint64_t kLimit = 1 << 20;
 
-class StreamTest : public ::testing::TestWithParam<Listener> {
- protected:
-  static void SetUpTestSuite() {
-    server_ = new TestServer;
-    StartServer(server_, kLimit);
-  }
-  static void TearDownTestSuite() {
-    if (server_->server) server_->server->Shutdown();
-    delete server_;
-    server_ = nullptr;
-  }
-  void SetUp() override { ASSERT_NE(server_->server, nullptr); }
-
-  static TestServer* server_;
-};
-TestServer* StreamTest::server_ = nullptr;
+class StreamTest : public SharedServerSuite<::testing::TestWithParam<Listener>, kLimit> {};
 
 // Q 512 KiB, K and V 1 MiB each: 2.5 MiB of request against a 1 MiB message limit.
 client::RequestSpec BigSpec() { return Spec(1, 512, 1024, 4, 4, 128, Mask::kCausalBottomRight, /*lse=*/true); }

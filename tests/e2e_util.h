@@ -51,6 +51,24 @@ inline void StartServer(TestServer* out, uint64_t max_message_bytes = 64ull << 2
   ASSERT_GT(out->port, 0);
 }
 
+// One in-process server for a whole test suite: starting one per test would dominate the suites' time.
+template <typename Base = ::testing::Test, uint64_t kMaxMessageBytes = (64ull << 20)>
+class SharedServerSuite : public Base {
+ protected:
+  static void SetUpTestSuite() {
+    server_ = new TestServer;
+    StartServer(server_, kMaxMessageBytes);
+  }
+  static void TearDownTestSuite() {
+    if (server_->server) server_->server->Shutdown();
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override { ASSERT_NE(server_->server, nullptr); }
+
+  static inline TestServer* server_ = nullptr;
+};
+
 inline std::unique_ptr<client::Client> Connect(const std::string& target, client::Transport transport = client::Transport::kAuto,
                                                uint64_t chunk_bytes = 0, bool own_connection = false) {
   client::ClientOptions o;
