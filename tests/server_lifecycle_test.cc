@@ -255,6 +255,31 @@ TEST(Shutdown, StreamInFlightIsAnswered) {
   ExpectCorrect(r, o, lse);
 }
 
+TEST(Shutdown, GraceRunsOutAndTheUnfinishedCallIsCancelledNotHung) {
+  // The worker is held past --shutdown_grace: the client gets an error once the grace is spent, not a hang,
+  // and the server still stops once the backend lets go.
+  Gate gate;
+  server::ServerOptions options;
+  options.shutdown_grace = absl::Milliseconds(300);
+  TestServer ts(options, OneWorker(4), gate.Hooks());
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  AsyncCall call(stub.get(), MakeRequest({1, 8, 8, 2, 1, 64}, v1::MASK_TYPE_NONE, false, 31));
+  ASSERT_TRUE(WaitFor([&] { return gate.entered() == 1; }));
+  const absl::Time start = absl::Now();
+  std::thread stopper([&] { ts.server->Shutdown(); });
+  call.Join();
+  const absl::Duration waited = absl::Now() - start;
+  gate.Open();
+  stopper.join();
+  EXPECT_FALSE(call.status.ok());
+  EXPECT_TRUE(call.status.error_code() == grpc::StatusCode::CANCELLED ||
+              call.status.error_code() == grpc::StatusCode::UNAVAILABLE)
+      << call.status.error_code() << " " << call.status.error_message();
+  EXPECT_GE(waited, absl::Milliseconds(250)) << "cancelled before the grace was spent";
+  EXPECT_LT(waited, absl::Seconds(5));
+}
+
 TEST(Shutdown, BackendDrainsItsQueue) {
   // Directly on the backend: Shutdown runs every queued job's done, and Submit afterwards is UNAVAILABLE.
   Gate gate;

@@ -45,6 +45,34 @@ absl::Status PeerCalls::Admit(const std::string& peer) const {
                                                    "); retry when one finishes"));
 }
 
+bool DrainTracker::Add() {
+  absl::MutexLock lock(&mu_);
+  if (draining_) return false;
+  ++live_;
+  return true;
+}
+
+void DrainTracker::Remove() {
+  absl::MutexLock lock(&mu_);
+  --live_;
+}
+
+void DrainTracker::BeginDrain() {
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+}
+
+bool DrainTracker::AwaitDrained(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return live_ == 0; };
+  return mu_.AwaitWithDeadline(absl::Condition(&drained), deadline);
+}
+
+uint32_t DrainTracker::live() const {
+  absl::MutexLock lock(&mu_);
+  return live_;
+}
+
 std::string GenerateRequestId() {
   static const std::string prefix = [] {
     std::random_device rd;
@@ -70,8 +98,9 @@ std::string ShapeText(const v1::ForwardRequest& r) {
 
 class CallObserver final : public grpc::experimental::Interceptor {
  public:
-  CallObserver(grpc::experimental::ServerRpcInfo* info, ServerMetrics* metrics, PeerCalls* peers, bool access_log)
-      : info_(info), metrics_(metrics), peers_(peers), access_log_(access_log), start_(absl::Now()) {
+  CallObserver(grpc::experimental::ServerRpcInfo* info, ServerMetrics* metrics, PeerCalls* peers,
+               DrainTracker* drain, bool access_log)
+      : info_(info), metrics_(metrics), peers_(peers), drain_(drain), access_log_(access_log), start_(absl::Now()) {
     const absl::string_view path = info->method() != nullptr ? info->method() : "";
     if (absl::StartsWith(path, kAttentionPrefix)) {
       method_ = std::string(path.substr(kAttentionPrefix.size()));
@@ -86,6 +115,8 @@ class CallObserver final : public grpc::experimental::Interceptor {
   ~CallObserver() override {
     // A call torn down without a status (the server stopped under it) still leaves the books balanced.
     if (!finished_) Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the call ended without a status"));
+    // gRPC destroys interceptors with the call, after its last operation (the status) completed.
+    if (draining_counted_) drain_->Remove();
   }
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
@@ -95,6 +126,9 @@ class CallObserver final : public grpc::experimental::Interceptor {
         peers_->Add(peer_);
         counted_ = true;
       }
+      if (drain_ != nullptr && (kind_ == Kind::kForward || kind_ == Kind::kForwardStream)) {
+        draining_counted_ = drain_->Add();
+      }
     }
     if (m->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
       if (void* msg = m->GetRecvMessage(); msg != nullptr) OnRequest(msg);
@@ -102,7 +136,14 @@ class CallObserver final : public grpc::experimental::Interceptor {
     if (m->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_MESSAGE)) {
       if (const void* msg = m->GetSendMessage(); msg != nullptr) OnReply(msg);
     }
-    if (m->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) Finish(m->GetSendStatus());
+    if (m->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+      // A reply finished after the call was cancelled (deadline, client gone, shutdown grace spent) never
+      // reaches the client: the books say what the client saw.
+      const grpc::Status sent = m->GetSendStatus();
+      Finish(sent.ok() && info_->server_context()->IsCancelled()
+                 ? grpc::Status(grpc::StatusCode::CANCELLED, "the call was cancelled before its reply was sent")
+                 : sent);
+    }
     m->Proceed();
   }
 
@@ -180,11 +221,12 @@ class CallObserver final : public grpc::experimental::Interceptor {
   grpc::experimental::ServerRpcInfo* const info_;
   ServerMetrics* const metrics_;
   PeerCalls* const peers_;
+  DrainTracker* const drain_;
   const bool access_log_;
   const absl::Time start_;
   Kind kind_ = Kind::kOther;
   std::string method_, peer_, request_id_, shape_;
-  bool counted_ = false, finished_ = false;
+  bool counted_ = false, draining_counted_ = false, finished_ = false;
   uint64_t bytes_in_ = 0, bytes_out_ = 0;
   std::optional<absl::Duration> queue_, kernel_;
 };
@@ -193,7 +235,7 @@ class CallObserver final : public grpc::experimental::Interceptor {
 
 grpc::experimental::Interceptor* CallObserverFactory::CreateServerInterceptor(
     grpc::experimental::ServerRpcInfo* info) {
-  return new CallObserver(info, metrics_, peers_, access_log_);
+  return new CallObserver(info, metrics_, peers_, drain_, access_log_);
 }
 
 }  // namespace attnd::server

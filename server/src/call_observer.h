@@ -11,6 +11,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "metrics.h"
 
@@ -34,17 +35,40 @@ class PeerCalls {
   std::unordered_map<std::string, uint32_t> calls_ ABSL_GUARDED_BY(mu_);
 };
 
+// Forward/ForwardStream calls that began before shutdown and whose gRPC call still exists, so whose reply,
+// status included, has not yet been handed over to the transport. Shutdown waits for these before letting
+// gRPC send GOAWAY: gRPC closes a connection the moment its last stream ends after a GOAWAY, and a client
+// frame still unread then (the WINDOW_UPDATE for the reply) turns the close into a TCP reset that can cost
+// the client the tail of a reply it was owed.
+class DrainTracker {
+ public:
+  // False once draining: later calls are refused UNAVAILABLE by the service and are not waited for, so
+  // clients that keep calling cannot hold shutdown open.
+  bool Add();
+  void Remove();
+  void BeginDrain();
+  // True when every counted call has ended; false when `deadline` came first.
+  bool AwaitDrained(absl::Time deadline);
+  uint32_t live() const;
+
+ private:
+  mutable absl::Mutex mu_;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  uint32_t live_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 class CallObserverFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  // `metrics` and `peers` may be null (not kept); both must outlive the gRPC server.
-  CallObserverFactory(ServerMetrics* metrics, PeerCalls* peers, bool access_log)
-      : metrics_(metrics), peers_(peers), access_log_(access_log) {}
+  // `metrics`, `peers` and `drain` may be null (not kept); all must outlive the gRPC server.
+  CallObserverFactory(ServerMetrics* metrics, PeerCalls* peers, DrainTracker* drain, bool access_log)
+      : metrics_(metrics), peers_(peers), drain_(drain), access_log_(access_log) {}
 
   grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override;
 
  private:
   ServerMetrics* const metrics_;
   PeerCalls* const peers_;
+  DrainTracker* const drain_;
   const bool access_log_;
 };
 

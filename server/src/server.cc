@@ -30,6 +30,8 @@ namespace attnd::server {
 namespace {
 
 constexpr const char* kServiceName = "attnd.v1.Attention";
+// Loopback and LAN round trips are far below this; it bounds what every shutdown pays.
+constexpr absl::Duration kDrainLinger = absl::Milliseconds(50);
 
 int ClampToInt(uint64_t v) { return v > static_cast<uint64_t>(INT_MAX) ? INT_MAX : static_cast<int>(v); }
 
@@ -65,7 +67,7 @@ class ServerImpl final : public Server {
       builder.AddListeningPort("unix:" + options_.unix_socket, UnixListenerCredentials(auth_));
     }
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> observers;
-    observers.push_back(std::make_unique<CallObserverFactory>(metrics_.get(), &peers_, options_.access_log));
+    observers.push_back(std::make_unique<CallObserverFactory>(metrics_.get(), &peers_, &drain_, options_.access_log));
     builder.experimental().SetInterceptorCreators(std::move(observers));
     service_.set_peer_calls(&peers_);
     builder.SetMaxReceiveMessageSize(ClampToInt(options_.max_message_bytes));
@@ -112,16 +114,23 @@ class ServerImpl final : public Server {
       health->SetServingStatus(false);
       health->SetServingStatus(kServiceName, false);
     }
+    drain_.BeginDrain();
     service_.BeginShutdown();
-    // gRPC stops accepting calls and waits for every started one; our reactors finish when the backend
-    // answers, so this returns once every accepted request has its reply.
     // Graces beyond a year (infinite included) mean "wait for ever"; clamping avoids time_point overflow.
-    auto deadline = std::chrono::system_clock::time_point::max();
-    if (options_.shutdown_grace < absl::Hours(24 * 365)) {
-      deadline = std::chrono::system_clock::now() +
-                 std::chrono::microseconds(absl::ToInt64Microseconds(std::max(options_.shutdown_grace, absl::ZeroDuration())));
+    const bool forever = options_.shutdown_grace >= absl::Hours(24 * 365);
+    const absl::Time deadline =
+        forever ? absl::InfiniteFuture() : absl::Now() + std::max(options_.shutdown_grace, absl::ZeroDuration());
+    // Every accepted Forward ends (its reply handed to the transport) before gRPC is told to stop: see
+    // DrainTracker for the connection reset that telling it earlier invites.
+    if (drain_.AwaitDrained(deadline)) {
+      // The clients' last frames for those replies (flow-control updates) arrive and are read before the
+      // connections close, so the close is a FIN, not a reset.
+      absl::SleepFor(std::min(kDrainLinger, std::max(deadline - absl::Now(), absl::ZeroDuration())));
+    } else {
+      spdlog::warn("attnd shutdown_grace ran out with {} calls unfinished; cancelling them", drain_.live());
     }
-    server_->Shutdown(deadline);
+    // gRPC stops accepting calls and waits for every started one up to the deadline, then cancels the rest.
+    server_->Shutdown(forever ? std::chrono::system_clock::time_point::max() : absl::ToChronoTime(deadline));
     backend_->Shutdown();
     if (!options_.unix_socket.empty()) RemoveStaleSocket(options_.unix_socket);
     spdlog::info("attnd stopped");
@@ -165,6 +174,7 @@ class ServerImpl final : public Server {
   // server_ so that they outlive it.
   std::unique_ptr<ServerMetrics> metrics_;
   PeerCalls peers_;
+  DrainTracker drain_;
   std::shared_ptr<grpc::AuthMetadataProcessor> auth_;
   std::shared_ptr<grpc::ServerCredentials> tcp_credentials_;
   AttentionService service_;
