@@ -78,6 +78,9 @@ ABSL_FLAG(int64_t, verify_every, 0, "bench: verify every Nth reply against the r
 ABSL_FLAG(std::string, json, "", "bench: write the report as JSON to this file");
 ABSL_FLAG(std::string, csv, "", "bench: write the report as CSV (header + one row) to this file");
 ABSL_FLAG(bool, progress, true, "bench: live progress line on stderr");
+ABSL_FLAG(bool, tcp_baseline, false,
+          "bench: first time a plain TCP loopback transfer of the same bytes (no RPC layer) and report the "
+          "transport's rate against it (meaningful when the server is on this host)");
 
 namespace {
 
@@ -359,8 +362,18 @@ int CmdBench(Client& client) {
     extra.push_back(*std::move(c));
     clients.push_back(extra.back().get());
   }
+  double tcp_p50_us = 0;
+  if (absl::GetFlag(FLAGS_tcp_baseline)) {
+    // Before the bench, not beside it: the two would share the cores and each would slow the other.
+    const uint64_t up = spec->q_bytes() + 2 * spec->kv_bytes();
+    const uint64_t down = spec->o_bytes() + (spec->want_lse ? spec->lse_bytes() : 0);
+    absl::StatusOr<double> tcp = attnd::client::MeasureTcpLoopback(up, down, 20);
+    if (!tcp.ok()) return Fail(tcp.status(), "--tcp_baseline");
+    tcp_p50_us = *tcp;
+  }
   std::cerr << "bench: " << ShapeLine(*spec) << "\n";
   auto report = attnd::client::RunBench(clients, request, oracle ? &*oracle : nullptr, opt);
+  if (report.ok()) report->tcp_p50_us = tcp_p50_us;
   if (opt.progress && isatty(STDERR_FILENO)) std::fprintf(stderr, "\n");
   if (!report.ok()) return Fail(report.status(), "bench");
   std::cout << attnd::client::FormatBenchReport(*report);

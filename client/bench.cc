@@ -1,8 +1,18 @@
 #include "attnd/client/bench.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <optional>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -10,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 
 namespace attnd::client {
 namespace {
@@ -114,6 +125,8 @@ std::vector<std::pair<std::string, std::string>> Fields(const BenchReport& r) {
       {"srv_kernel_us", num(r.srv_kernel_us)},
       {"srv_d2h_us", num(r.srv_d2h_us)},
       {"srv_total_us", num(r.srv_total_us)},
+      {"bytes_per_request", num(r.bytes_per_request)},
+      {"tcp_p50_us", num(r.tcp_p50_us)},
       {"errors_by_code", str(codes)},
       {"first_error", str(r.first_error)},
   };
@@ -347,9 +360,94 @@ absl::StatusOr<BenchReport> RunBench(const std::vector<Client*>& clients,
     report.srv_kernel_us = run.kernel_us / n;
     report.srv_d2h_us = run.d2h_us / n;
     report.srv_total_us = run.total_us / n;
+    report.bytes_per_request = run.bytes / n;
   }
   run.mu.Unlock();
   return report;
+}
+
+namespace {
+
+absl::Status Errno(const char* what) {
+  return absl::UnavailableError(absl::StrCat("tcp loopback baseline: ", what, ": ", std::strerror(errno)));
+}
+
+// Closes a socket on every path out.
+struct Fd {
+  explicit Fd(int f) : fd(f) {}
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int fd;
+};
+
+bool SendAll(int fd, const char* p, uint64_t n) {
+  while (n > 0) {
+    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    p += w;
+    n -= static_cast<uint64_t>(w);
+  }
+  return true;
+}
+
+bool RecvAll(int fd, char* p, uint64_t n) {
+  while (n > 0) {
+    const ssize_t r = ::recv(fd, p, n, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<uint64_t>(r);
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<double> MeasureTcpLoopback(uint64_t up, uint64_t down, int iters) {
+  if (iters < 1) return absl::InvalidArgumentError("tcp loopback baseline: iters must be >= 1");
+  Fd listener(::socket(AF_INET, SOCK_STREAM, 0));
+  if (listener.fd < 0) return Errno("socket");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  if (::bind(listener.fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return Errno("bind");
+  if (::listen(listener.fd, 1) != 0) return Errno("listen");
+  if (::getsockname(listener.fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return Errno("getsockname");
+  Fd client(::socket(AF_INET, SOCK_STREAM, 0));
+  if (client.fd < 0) return Errno("socket");
+  if (::connect(client.fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return Errno("connect");
+  Fd peer(::accept(listener.fd, nullptr, nullptr));
+  if (peer.fd < 0) return Errno("accept");
+  const int one = 1;
+  // Like gRPC's own sockets: the last segment of each direction leaves at once.
+  ::setsockopt(client.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  ::setsockopt(peer.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  const int rounds = iters + 2;
+  std::thread server([&peer, up, down, rounds] {
+    std::string in(up, '\0'), out(down, 'o');
+    for (int i = 0; i < rounds; ++i) {
+      if (!RecvAll(peer.fd, in.data(), up) || !SendAll(peer.fd, out.data(), down)) break;
+    }
+    ::shutdown(peer.fd, SHUT_RDWR);
+  });
+  std::string out(up, 'q'), in(down, '\0');
+  std::vector<double> lat;
+  bool ok = true;
+  for (int i = 0; i < rounds && ok; ++i) {
+    const absl::Time t0 = absl::Now();
+    ok = SendAll(client.fd, out.data(), up) && RecvAll(client.fd, in.data(), down);
+    if (ok && i >= 2) lat.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
+  }
+  ::shutdown(client.fd, SHUT_RDWR);
+  server.join();
+  if (!ok) return absl::UnavailableError("tcp loopback baseline: the transfer failed");
+  std::sort(lat.begin(), lat.end());
+  return Percentile(lat, 50);
 }
 
 std::string FormatBenchReport(const BenchReport& r) {
@@ -376,6 +474,15 @@ std::string FormatBenchReport(const BenchReport& r) {
   absl::StrAppendFormat(&out, "  server ms (mean): queue %.3f, h2d %.3f, kernel %.3f, d2h %.3f, total %.3f\n",
                         r.srv_queue_us / 1e3, r.srv_h2d_us / 1e3, r.srv_kernel_us / 1e3, r.srv_d2h_us / 1e3,
                         r.srv_total_us / 1e3);
+  if (r.tcp_p50_us > 0 && r.bytes_per_request > 0 && r.lat_p50_us > 0) {
+    const double tcp_gbps = r.bytes_per_request / r.tcp_p50_us / 1e3;
+    const double call_gbps = r.bytes_per_request / r.lat_p50_us / 1e3;
+    absl::StrAppendFormat(&out,
+                          "  vs TCP loopback of the same %.1f MB: TCP p50 %.3f ms = %.3f GB/s; this transport %.3f GB/s "
+                          "per call at p50 (%.2fx), %.3f GB/s aggregate (%.2fx)\n",
+                          r.bytes_per_request / 1e6, r.tcp_p50_us / 1e3, tcp_gbps, call_gbps, call_gbps / tcp_gbps,
+                          r.gbps, r.gbps / tcp_gbps);
+  }
   if (r.verified > 0) {
     absl::StrAppendFormat(&out, "  verified: %d replies, %d failed%s\n", r.verified, r.verify_failures,
                           r.first_verify_failure.empty() ? "" : " (first: " + r.first_verify_failure + ")");

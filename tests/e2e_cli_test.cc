@@ -106,6 +106,12 @@ TEST_F(BenchTest, ClosedLoopRequestsReportSaneNumbers) {
   EXPECT_EQ(r->transport, "unary");
   // Throughput is consistent with the count and the span.
   EXPECT_NEAR(r->req_per_s * r->elapsed_s, 24, 0.01);
+  // Q+K+V up, O and LSE down: exactly the tensors' bytes.
+  EXPECT_EQ(r->bytes_per_request, static_cast<double>(c.spec.q_bytes() + 2 * c.spec.kv_bytes() + c.spec.o_bytes() +
+                                                      c.spec.lse_bytes()));
+  EXPECT_NEAR(r->gbps, r->bytes_per_request * r->req_per_s / 1e9, 1e-9 + 1e-6 * r->gbps);
+  EXPECT_EQ(r->tcp_p50_us, 0);
+  EXPECT_FALSE(absl::StrContains(client::FormatBenchReport(*r), "TCP loopback"));
   const double flops = ForwardFlops(c.spec.ToProblem());
   EXPECT_NEAR(r->tflops, flops * r->req_per_s / 1e12, 1e-9 + 1e-6 * r->tflops);
 
@@ -118,6 +124,28 @@ TEST_F(BenchTest, ClosedLoopRequestsReportSaneNumbers) {
   EXPECT_EQ(std::vector<std::string>(absl::StrSplit(lines[0], ',')).size(),
             std::vector<std::string>(absl::StrSplit(lines[1], ',')).size());
   EXPECT_TRUE(absl::StrContains(client::FormatBenchReport(*r), "p99"));
+}
+
+TEST(TcpLoopback, MovesTheBytesAndTimesTheRoundTrip) {
+  // 3 MB up and 1 MB back, several times: a p50 that is positive and not absurd for loopback.
+  absl::StatusOr<double> p50 = client::MeasureTcpLoopback(3 << 20, 1 << 20, 5);
+  ASSERT_TRUE(p50.ok()) << p50.status();
+  EXPECT_GT(*p50, 0);
+  EXPECT_LT(*p50, 5e6);
+  // Sizes of zero in one direction are a valid (one-way) transfer.
+  absl::StatusOr<double> one_way = client::MeasureTcpLoopback(1 << 20, 0, 3);
+  ASSERT_TRUE(one_way.ok()) << one_way.status();
+  EXPECT_EQ(client::MeasureTcpLoopback(1, 1, 0).status().code(), absl::StatusCode::kInvalidArgument);
+
+  client::BenchReport r;
+  r.bytes_per_request = 4e6;
+  r.lat_p50_us = 8000;  // 0.5 GB/s
+  r.gbps = 1.0;
+  r.tcp_p50_us = 2000;  // 2 GB/s
+  const std::string text = client::FormatBenchReport(r);
+  EXPECT_TRUE(absl::StrContains(text, "TCP p50 2.000 ms = 2.000 GB/s")) << text;
+  EXPECT_TRUE(absl::StrContains(text, "0.500 GB/s per call at p50 (0.25x)")) << text;
+  EXPECT_TRUE(absl::StrContains(text, "1.000 GB/s aggregate (0.50x)")) << text;
 }
 
 TEST_F(BenchTest, OpenLoopDurationIsBoundedAndPaced) {
@@ -238,12 +266,13 @@ TEST_F(BenchTest, AttnBinaryInfoCallVerifyAndBench) {
   const std::string csv = absl::StrCat(::testing::TempDir(), "/attn_bench_", ::getpid(), ".csv");
   auto [b_rc, b_out] = RunCommand(absl::StrCat(attn, " bench --target=", target,
                                         " --q_len=64 --q_heads=4 --head_dim=64 --concurrency=2 --connections=2 --requests=10 "
-                                        "--warmup=0s --verify_every=2 --json=",
+                                        "--warmup=0s --verify_every=2 --tcp_baseline --json=",
                                         json, " --csv=", csv));
   EXPECT_EQ(b_rc, 0) << b_out;
   EXPECT_TRUE(absl::StrContains(b_out, "10 ok, 0 errors")) << b_out;
   EXPECT_TRUE(absl::StrContains(b_out, "concurrency 2 over 2 connections")) << b_out;
   EXPECT_TRUE(absl::StrContains(b_out, "verified: 5 replies, 0 failed")) << b_out;
+  EXPECT_TRUE(absl::StrContains(b_out, "vs TCP loopback of the same")) << b_out;
   std::stringstream js;
   js << std::ifstream(json).rdbuf();
   EXPECT_TRUE(absl::StrContains(js.str(), "\"ok\": 10")) << js.str();

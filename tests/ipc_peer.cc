@@ -9,12 +9,7 @@
 //   tcp                          a plain TCP loopback transfer of the bytes an inline request moves (Q+K+V up,
 //                                O down): the baseline of the inline transport's payload rate.
 // Prints one line per finding; `bench` and `tcp` also print CSV rows prefixed "csv,".
-#include <arpa/inet.h>
 #include <cuda_runtime_api.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -474,69 +469,18 @@ int Bench(client::Client& c) {
   return failures == 0 ? 0 : 1;
 }
 
-bool SendAll(int fd, const char* p, size_t n) {
-  while (n > 0) {
-    const ssize_t w = ::send(fd, p, n, 0);
-    if (w <= 0) return false;
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
-
-bool RecvAll(int fd, char* p, size_t n) {
-  while (n > 0) {
-    const ssize_t r = ::recv(fd, p, n, 0);
-    if (r <= 0) return false;
-    p += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
-
-// Request/response over one TCP loopback connection: `up` bytes to a peer thread, `down` bytes back.
+// The TCP loopback baseline for the sizes an inline request of each --seqs moves (Q+K+V up, O down).
 int Tcp() {
   std::printf("csv,mode,seq,bytes_up,bytes_down,p50_us,rate_gb_per_s\n");
   for (int64_t seq : Ints(absl::GetFlag(FLAGS_seqs))) {
     const Shape s{1, seq, seq, 32, 32, 128};
-    const size_t q = static_cast<size_t>(attnd::QElems(s)) * 2, kv = static_cast<size_t>(attnd::KVElems(s)) * 2;
-    const size_t up = q + 2 * kv, down = q;
-    const int iters = absl::GetFlag(FLAGS_tcp_iters);
-    const int ls = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof addr;
-    if (::bind(ls, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(ls, 1) != 0 ||
-        ::getsockname(ls, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-      return Fail("tcp: cannot listen on loopback"), 1;
-    }
-    std::thread server([&] {
-      const int fd = ::accept(ls, nullptr, nullptr);
-      std::string in(up, '\0'), out(down, 'o');
-      for (int i = 0; i < iters + 2; ++i) {
-        if (!RecvAll(fd, in.data(), up) || !SendAll(fd, out.data(), down)) break;
-      }
-      ::close(fd);
-    });
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return Fail("tcp: connect"), 1;
-    const int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    std::string out = client::RandomTensor(DType::kBF16, static_cast<int64_t>(up / 2), 5), in(down, '\0');
-    std::vector<double> lat;
-    for (int i = 0; i < iters + 2; ++i) {
-      const absl::Time t0 = absl::Now();
-      if (!SendAll(fd, out.data(), up) || !RecvAll(fd, in.data(), down)) return Fail("tcp: transfer"), 1;
-      if (i >= 2) lat.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
-    }
-    ::close(fd);
-    server.join();
-    ::close(ls);
-    std::sort(lat.begin(), lat.end());
-    const double p50 = client::Percentile(lat, 50);
-    std::printf("csv,tcp_loopback,%d,%zu,%zu,%.1f,%.3f\n", static_cast<int>(seq), up, down, p50,
-                (up + down) / p50 / 1e3);
+    const uint64_t q = static_cast<uint64_t>(attnd::QElems(s)) * 2, kv = static_cast<uint64_t>(attnd::KVElems(s)) * 2;
+    const uint64_t up = q + 2 * kv, down = q;
+    absl::StatusOr<double> p50 = client::MeasureTcpLoopback(up, down, absl::GetFlag(FLAGS_tcp_iters));
+    if (!p50.ok()) return Fail(std::string(p50.status().message())), 1;
+    std::printf("csv,tcp_loopback,%d,%llu,%llu,%.1f,%.3f\n", static_cast<int>(seq),
+                static_cast<unsigned long long>(up), static_cast<unsigned long long>(down), *p50,
+                static_cast<double>(up + down) / *p50 / 1e3);
   }
   return 0;
 }

@@ -52,7 +52,16 @@ struct BenchReport {
          lat_max_us = 0;
   // Server-reported timing averaged over successful calls, microseconds.
   double srv_queue_us = 0, srv_h2d_us = 0, srv_kernel_us = 0, srv_d2h_us = 0, srv_total_us = 0;
+  // Payload (tensor bytes up and down) of one successful call, averaged.
+  double bytes_per_request = 0;
+  // The plain-TCP baseline of the same bytes (MeasureTcpLoopback), when the caller measured one; 0: none.
+  double tcp_p50_us = 0;
 };
+
+// One request/response over a TCP loopback connection with no RPC layer: `up` bytes to a peer thread, `down`
+// bytes back, `iters` times after two unmeasured rounds. The yardstick for the inline transport: the same
+// bytes, the same host, the same run. Returns the p50 round trip in microseconds.
+absl::StatusOr<double> MeasureTcpLoopback(uint64_t up, uint64_t down, int iters);
 
 // Sends `request` repeatedly as `options` says. `oracle` may be null unless options.verify_every > 0.
 // Fails only on bad options; call failures are counted in the report.
