@@ -8,12 +8,14 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "attnd/client/zero_copy.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/support/client_callback.h"
+#include "grpcpp/support/proto_buffer_reader.h"
 
 namespace attnd::client {
 namespace {
@@ -39,6 +41,8 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(con
   }
   return grpc::SslCredentials(ssl);
 }
+
+const std::string kForwardMethod = absl::StrCat("/", v1::Attention::service_full_name(), "/Forward");
 
 // Room for the request's non-tensor fields and the framing of one message on top of its tensor bytes.
 constexpr uint64_t kMessageOverhead = 64 << 10;
@@ -366,7 +370,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
 }
 
 Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
-    : options_(std::move(options)), channel_(std::move(channel)), stub_(v1::Attention::NewStub(channel_)) {}
+    : options_(std::move(options)),
+      channel_(std::move(channel)),
+      stub_(v1::Attention::NewStub(channel_)),
+      generic_(std::make_unique<grpc::GenericStub>(channel_)) {}
 
 Client::~Client() = default;
 
@@ -433,40 +440,63 @@ void Client::StartUnary(std::shared_ptr<const v1::ForwardRequest> request, Forwa
   struct Call {
     grpc::ClientContext ctx;
     std::shared_ptr<const v1::ForwardRequest> request;
+    grpc::ByteBuffer request_buf, response_buf;
     v1::ForwardResponse response;
     ForwardCallback done;
     absl::Time start;
+
+    void Finish(grpc::Status s, bool from_buffer) {
+      std::unique_ptr<Call> owned(this);
+      if (s.ok() && from_buffer) {
+        s = grpc::SerializationTraits<v1::ForwardResponse>::Deserialize(&response_buf, &response);
+      }
+      absl::StatusOr<ForwardResult> out;
+      if (!s.ok()) {
+        out = FromGrpcStatus(s);
+      } else {
+        ForwardResult res;
+        FillResultHeader(response, res);
+        res.o = std::move(*response.mutable_o());
+        res.lse = std::move(*response.mutable_lse());
+        res.transport = Transport::kUnary;
+        res.latency = absl::Now() - start;
+        res.bytes_sent = InlineBytes(*request);
+        res.bytes_received = res.o.size() + res.lse.size();
+        absl::Status sizes = CheckReplySizes(*request, res);
+        if (sizes.ok()) {
+          out = std::move(res);
+        } else {
+          out = sizes;
+        }
+      }
+      ForwardCallback cb = std::move(done);
+      owned.reset();
+      cb(std::move(out));
+    }
   };
   auto* c = new Call;
   c->request = std::move(request);
   c->done = std::move(done);
   Prepare(&c->ctx, call);
   c->start = absl::Now();
-  stub_->async()->Forward(&c->ctx, c->request.get(), &c->response, [c](grpc::Status s) {
-    std::unique_ptr<Call> owned(c);
-    absl::StatusOr<ForwardResult> out;
-    if (!s.ok()) {
-      out = FromGrpcStatus(s);
-    } else {
-      ForwardResult res;
-      FillResultHeader(c->response, res);
-      res.o = std::move(*c->response.mutable_o());
-      res.lse = std::move(*c->response.mutable_lse());
-      res.transport = Transport::kUnary;
-      res.latency = absl::Now() - c->start;
-      res.bytes_sent = InlineBytes(*c->request);
-      res.bytes_received = res.o.size() + res.lse.size();
-      absl::Status sizes = CheckReplySizes(*c->request, res);
-      if (sizes.ok()) {
-        out = std::move(res);
-      } else {
-        out = sizes;
-      }
+  // A request we share ownership of goes out by reference (zero_copy.h): the tensors are not copied into
+  // a serialised message. A borrowed one (the blocking Forward) cannot outlive its caller's frame, while
+  // gRPC may still hold the slices after the call completed, so it is serialised the usual way.
+  if (c->request.use_count() > 0) {
+    absl::StatusOr<grpc::ByteBuffer> buf = SerializeByReference(c->request);
+    if (!buf.ok()) {
+      ForwardCallback cb = std::move(c->done);
+      delete c;
+      cb(buf.status());
+      return;
     }
-    ForwardCallback cb = std::move(c->done);
-    owned.reset();
-    cb(std::move(out));
-  });
+    c->request_buf = *std::move(buf);
+    generic_->UnaryCall(&c->ctx, kForwardMethod, grpc::StubOptions(), &c->request_buf, &c->response_buf,
+                        [c](grpc::Status s) { c->Finish(std::move(s), /*from_buffer=*/true); });
+    return;
+  }
+  stub_->async()->Forward(&c->ctx, c->request.get(), &c->response,
+                          [c](grpc::Status s) { c->Finish(std::move(s), /*from_buffer=*/false); });
 }
 
 void Client::StartStream(std::shared_ptr<const v1::ForwardRequest> request, ForwardCallback done,

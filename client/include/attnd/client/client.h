@@ -19,6 +19,7 @@
 #include "attnd/v1/attention.grpc.pb.h"
 #include "attnd/v1/attention.pb.h"
 #include "grpcpp/channel.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/status.h"
 
 namespace attnd::client {
@@ -158,6 +159,7 @@ class Client {
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
+  std::unique_ptr<grpc::GenericStub> generic_;  // Forward with a request serialised by reference
   mutable absl::Mutex info_mu_;
   std::optional<v1::ServerInfo> info_ ABSL_GUARDED_BY(info_mu_);
 };
