@@ -78,6 +78,9 @@ ABSL_FLAG(int64_t, verify_every, 0, "bench: verify every Nth reply against the r
 ABSL_FLAG(std::string, json, "", "bench: write the report as JSON to this file");
 ABSL_FLAG(std::string, csv, "", "bench: write the report as CSV (header + one row) to this file");
 ABSL_FLAG(bool, progress, true, "bench: live progress line on stderr");
+ABSL_FLAG(bool, rpc_floor, false,
+          "bench: first time 500 GetStats round trips (the service's smallest RPC) on the same channel and report "
+          "how far above that floor the Forward latency is");
 ABSL_FLAG(bool, tcp_baseline, false,
           "bench: first time a plain TCP loopback transfer of the same bytes (no RPC layer) and report the "
           "transport's rate against it (meaningful when the server is on this host)");
@@ -371,9 +374,18 @@ int CmdBench(Client& client) {
     if (!tcp.ok()) return Fail(tcp.status(), "--tcp_baseline");
     tcp_p50_us = *tcp;
   }
+  double rpc_floor_us = 0;
+  if (absl::GetFlag(FLAGS_rpc_floor)) {
+    absl::StatusOr<double> floor = attnd::client::MeasureRpcFloor(client, 500);
+    if (!floor.ok()) return Fail(floor.status(), "--rpc_floor");
+    rpc_floor_us = *floor;
+  }
   std::cerr << "bench: " << ShapeLine(*spec) << "\n";
   auto report = attnd::client::RunBench(clients, request, oracle ? &*oracle : nullptr, opt);
-  if (report.ok()) report->tcp_p50_us = tcp_p50_us;
+  if (report.ok()) {
+    report->tcp_p50_us = tcp_p50_us;
+    report->rpc_floor_us = rpc_floor_us;
+  }
   if (opt.progress && isatty(STDERR_FILENO)) std::fprintf(stderr, "\n");
   if (!report.ok()) return Fail(report.status(), "bench");
   std::cout << attnd::client::FormatBenchReport(*report);

@@ -127,6 +127,7 @@ std::vector<std::pair<std::string, std::string>> Fields(const BenchReport& r) {
       {"srv_total_us", num(r.srv_total_us)},
       {"bytes_per_request", num(r.bytes_per_request)},
       {"tcp_p50_us", num(r.tcp_p50_us)},
+      {"rpc_floor_us", num(r.rpc_floor_us)},
       {"errors_by_code", str(codes)},
       {"first_error", str(r.first_error)},
   };
@@ -450,6 +451,21 @@ absl::StatusOr<double> MeasureTcpLoopback(uint64_t up, uint64_t down, int iters)
   return Percentile(lat, 50);
 }
 
+absl::StatusOr<double> MeasureRpcFloor(Client& client, int calls) {
+  if (calls < 1) return absl::InvalidArgumentError("rpc floor: calls must be >= 1");
+  std::vector<double> lat;
+  for (int i = 0; i < calls + 50; ++i) {
+    const absl::Time t0 = absl::Now();
+    absl::StatusOr<v1::ServerStats> stats = client.Stats();
+    if (!stats.ok()) {
+      return absl::Status(stats.status().code(), absl::StrCat("rpc floor: GetStats: ", stats.status().message()));
+    }
+    if (i >= 50) lat.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
+  }
+  std::sort(lat.begin(), lat.end());
+  return Percentile(lat, 50);
+}
+
 std::string FormatBenchReport(const BenchReport& r) {
   const Shape& s = r.problem.shape;
   std::string out;
@@ -482,6 +498,10 @@ std::string FormatBenchReport(const BenchReport& r) {
                           "per call at p50 (%.2fx), %.3f GB/s aggregate (%.2fx)\n",
                           r.bytes_per_request / 1e6, r.tcp_p50_us / 1e3, tcp_gbps, call_gbps, call_gbps / tcp_gbps,
                           r.gbps, r.gbps / tcp_gbps);
+  }
+  if (r.rpc_floor_us > 0 && r.lat_p50_us > 0) {
+    absl::StrAppendFormat(&out, "  RPC floor (GetStats round trip on this channel) p50 %.3f ms; this call's p50 is %.3f ms above it\n",
+                          r.rpc_floor_us / 1e3, (r.lat_p50_us - r.rpc_floor_us) / 1e3);
   }
   if (r.verified > 0) {
     absl::StrAppendFormat(&out, "  verified: %d replies, %d failed%s\n", r.verified, r.verify_failures,

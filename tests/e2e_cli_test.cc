@@ -112,6 +112,20 @@ TEST_F(BenchTest, ClosedLoopRequestsReportSaneNumbers) {
   EXPECT_NEAR(r->gbps, r->bytes_per_request * r->req_per_s / 1e9, 1e-9 + 1e-6 * r->gbps);
   EXPECT_EQ(r->tcp_p50_us, 0);
   EXPECT_FALSE(absl::StrContains(client::FormatBenchReport(*r), "TCP loopback"));
+  EXPECT_FALSE(absl::StrContains(client::FormatBenchReport(*r), "RPC floor"));
+
+  // The floor of the same channel: a real round trip (timing comparisons with the bench would be flaky on
+  // a loaded CI machine, so only sanity bounds).
+  absl::StatusOr<double> floor = client::MeasureRpcFloor(*client, 100);
+  ASSERT_TRUE(floor.ok()) << floor.status();
+  EXPECT_GT(*floor, 0);
+  EXPECT_LT(*floor, 5e6);
+  EXPECT_EQ(client::MeasureRpcFloor(*client, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  client::BenchReport f;
+  f.lat_p50_us = 900;
+  f.rpc_floor_us = 300;
+  EXPECT_TRUE(absl::StrContains(client::FormatBenchReport(f), "p50 0.300 ms; this call's p50 is 0.600 ms above it"))
+      << client::FormatBenchReport(f);
   const double flops = ForwardFlops(c.spec.ToProblem());
   EXPECT_NEAR(r->tflops, flops * r->req_per_s / 1e12, 1e-9 + 1e-6 * r->tflops);
 
@@ -266,13 +280,14 @@ TEST_F(BenchTest, AttnBinaryInfoCallVerifyAndBench) {
   const std::string csv = absl::StrCat(::testing::TempDir(), "/attn_bench_", ::getpid(), ".csv");
   auto [b_rc, b_out] = RunCommand(absl::StrCat(attn, " bench --target=", target,
                                         " --q_len=64 --q_heads=4 --head_dim=64 --concurrency=2 --connections=2 --requests=10 "
-                                        "--warmup=0s --verify_every=2 --tcp_baseline --json=",
+                                        "--warmup=0s --verify_every=2 --tcp_baseline --rpc_floor --json=",
                                         json, " --csv=", csv));
   EXPECT_EQ(b_rc, 0) << b_out;
   EXPECT_TRUE(absl::StrContains(b_out, "10 ok, 0 errors")) << b_out;
   EXPECT_TRUE(absl::StrContains(b_out, "concurrency 2 over 2 connections")) << b_out;
   EXPECT_TRUE(absl::StrContains(b_out, "verified: 5 replies, 0 failed")) << b_out;
   EXPECT_TRUE(absl::StrContains(b_out, "vs TCP loopback of the same")) << b_out;
+  EXPECT_TRUE(absl::StrContains(b_out, "RPC floor (GetStats round trip on this channel)")) << b_out;
   std::stringstream js;
   js << std::ifstream(json).rdbuf();
   EXPECT_TRUE(absl::StrContains(js.str(), "\"ok\": 10")) << js.str();

@@ -373,6 +373,10 @@ double KernelOnlyUs(const attnd::Problem& p, const Buffers& b, void* o) {
 }
 
 int Bench(client::Client& c) {
+  // What any RPC costs on this connection, to split the IPC latency into RPC floor and server work.
+  absl::StatusOr<double> floor = client::MeasureRpcFloor(c, 1000);
+  if (!floor.ok()) return Fail(floor.status().ToString()), 1;
+  std::printf("csv,mode,rpc_floor_p50_us\ncsv,rpc_floor,%.1f\n", *floor);
   std::printf("csv,mode,seq,concurrency,requests,p50_us,p99_us,mean_us,req_per_s,kernel_only_us,kernel_only_req_per_s,"
               "p50_minus_kernel_us,gpu_busy_ratio,verified,verify_failures,srv_queue_us,srv_kernel_us,srv_total_us\n");
   const std::vector<int64_t> concs = Ints(absl::GetFlag(FLAGS_concurrency));

@@ -56,12 +56,19 @@ struct BenchReport {
   double bytes_per_request = 0;
   // The plain-TCP baseline of the same bytes (MeasureTcpLoopback), when the caller measured one; 0: none.
   double tcp_p50_us = 0;
+  // The service's RPC floor on the same channel (MeasureRpcFloor), when measured; 0: none.
+  double rpc_floor_us = 0;
 };
 
 // One request/response over a TCP loopback connection with no RPC layer: `up` bytes to a peer thread, `down`
 // bytes back, `iters` times after two unmeasured rounds. The yardstick for the inline transport: the same
 // bytes, the same host, the same run. Returns the p50 round trip in microseconds.
 absl::StatusOr<double> MeasureTcpLoopback(uint64_t up, uint64_t down, int iters);
+
+// The round trip of the service's smallest RPC (GetStats: no backend, a few hundred bytes) on `client`'s
+// channel, p50 of `calls` after 50 unmeasured: what every Forward pays before the server does any work, so
+// that a latency can be split into RPC floor and the rest. Fails if any call fails.
+absl::StatusOr<double> MeasureRpcFloor(Client& client, int calls);
 
 // Sends `request` repeatedly as `options` says. `oracle` may be null unless options.verify_every > 0.
 // Fails only on bad options; call failures are counted in the report.
