@@ -87,6 +87,16 @@ absl::Status CheckReplySizes(const v1::ForwardRequest& r, const ForwardResult& r
   return absl::OkStatus();
 }
 
+// The result of a call whose reply arrived in full: its accounting filled in and its sizes checked.
+absl::StatusOr<ForwardResult> Completed(const v1::ForwardRequest& r, ForwardResult res, Transport t, absl::Time start) {
+  res.transport = t;
+  res.latency = absl::Now() - start;
+  res.bytes_sent = InlineBytes(r);
+  res.bytes_received = res.o.size() + res.lse.size();
+  if (absl::Status sizes = CheckReplySizes(r, res); !sizes.ok()) return sizes;
+  return res;
+}
+
 void FillResultHeader(v1::ForwardResponse& header, ForwardResult& res) {
   res.request_id = std::move(*header.mutable_request_id());
   res.timing = header.timing();
@@ -244,16 +254,7 @@ class Client::StreamCall final
     } else if (!have_header_) {
       out = absl::InternalError("ForwardStream: the server closed the stream without a header");
     } else {
-      result_.transport = Transport::kStream;
-      result_.latency = absl::Now() - start_;
-      result_.bytes_sent = InlineBytes(*request_);
-      result_.bytes_received = result_.o.size() + result_.lse.size();
-      absl::Status sizes = CheckReplySizes(*request_, result_);
-      if (sizes.ok()) {
-        out = std::move(result_);
-      } else {
-        out = sizes;
-      }
+      out = Completed(*request_, std::move(result_), Transport::kStream, start_);
     }
     ForwardCallback done = std::move(done_);
     delete this;
@@ -458,16 +459,7 @@ void Client::StartUnary(std::shared_ptr<const v1::ForwardRequest> request, Forwa
         FillResultHeader(response, res);
         res.o = std::move(*response.mutable_o());
         res.lse = std::move(*response.mutable_lse());
-        res.transport = Transport::kUnary;
-        res.latency = absl::Now() - start;
-        res.bytes_sent = InlineBytes(*request);
-        res.bytes_received = res.o.size() + res.lse.size();
-        absl::Status sizes = CheckReplySizes(*request, res);
-        if (sizes.ok()) {
-          out = std::move(res);
-        } else {
-          out = sizes;
-        }
+        out = Completed(*request, std::move(res), Transport::kUnary, start);
       }
       ForwardCallback cb = std::move(done);
       owned.reset();
