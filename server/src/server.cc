@@ -114,8 +114,9 @@ class ServerImpl final : public Server {
       health->SetServingStatus(false);
       health->SetServingStatus(kServiceName, false);
     }
-    drain_.BeginDrain();
+    // In this order: a call the service still accepts has had its metadata, so DrainTracker counted it.
     service_.BeginShutdown();
+    drain_.BeginDrain();
     // Graces beyond a year (infinite included) mean "wait for ever"; clamping avoids time_point overflow.
     const bool forever = options_.shutdown_grace >= absl::Hours(24 * 365);
     const absl::Time deadline =

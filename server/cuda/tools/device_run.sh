@@ -48,10 +48,10 @@ for seq in ${INLINE_SEQS-1024 4096}; do
     for c in 1 16; do
       timeout 60 "$B/attn" bench --target=127.0.0.1:50051 --transport=$tr --q_len=$seq --q_heads=32 --head_dim=128 \
         --causal --concurrency=$c --duration=$DUR --warmup=0.5s --verify_every=5 --progress=false \
-        --csv=/tmp/b.csv > /tmp/b.txt 2>&1
+        --tcp_baseline --rpc_floor --csv=/tmp/b.csv > /tmp/b.txt 2>&1
       echo "attn_bench,$tr,$seq,$c,rc=$?" >> "$R"
       cat /tmp/b.csv >> "$R" 2>/dev/null || cat /tmp/b.txt >> "$R"
-      grep -E "verified|error" /tmp/b.txt >> "$R"
+      grep -E "verified|error|TCP loopback|RPC floor" /tmp/b.txt >> "$R"
     done
   done
 done
