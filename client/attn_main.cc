@@ -34,6 +34,9 @@ ABSL_FLAG(int64_t, deadline_ms, 60000, "per-call deadline in milliseconds");
 ABSL_FLAG(std::string, transport, "auto",
           "auto (unary when it fits the server's message limit, else streaming) | unary | stream");
 ABSL_FLAG(uint64_t, chunk_bytes, 0, "ForwardStream chunk size in bytes (0: 1 MiB, capped by the server's limit)");
+ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
+          "transport tuning: gRPC channel arguments, comma-separated name=value (e.g. "
+          "grpc.http2.lookahead_bytes=8388608); applied last");
 ABSL_FLAG(bool, wait_for_ready, false, "wait for the server to come up instead of failing fast");
 // Security (docs/security-and-metrics.md).
 ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle that signed the server's certificate: connect with TLS");
@@ -115,6 +118,7 @@ absl::StatusOr<std::unique_ptr<Client>> Connect(bool own_connection = false) {
   o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   o.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   o.auth_token = absl::GetFlag(FLAGS_auth_token);
+  o.grpc_args = absl::GetFlag(FLAGS_grpc_arg);
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
     std::ifstream in(path);
     if (!in) return absl::InvalidArgumentError("--auth_token_file: cannot read '" + path + "'");

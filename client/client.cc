@@ -4,10 +4,13 @@
 #include <fstream>
 #include <sstream>
 #include <utility>
+#include <type_traits>
+#include <variant>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "attnd/channel_args.h"
 #include "attnd/client/zero_copy.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -355,14 +358,33 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
   if (options.default_deadline <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("default_deadline: must be positive");
   }
+  absl::StatusOr<std::vector<ChannelArg>> extra = ParseChannelArgs(options.grpc_args, "grpc_arg");
+  if (!extra.ok()) return extra.status();
+  auto ours = [&extra](absl::string_view name) { return !SetsChannelArg(*extra, name); };
   grpc::ChannelArguments args;
-  args.SetMaxSendMessageSize(options.max_send_message_bytes);
-  args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
-  if (absl::StartsWith(options.target, "dns:") && !options.dns_load_balancing.empty()) {
+  if (ours(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH)) args.SetMaxSendMessageSize(options.max_send_message_bytes);
+  if (ours(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH)) args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
+  if (absl::StartsWith(options.target, "dns:") && !options.dns_load_balancing.empty() &&
+      ours(GRPC_ARG_LB_POLICY_NAME)) {
     args.SetLoadBalancingPolicyName(options.dns_load_balancing);
   }
-  if (options.own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  if (options.own_connection && ours(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL)) {
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  }
+  if (!options.tls_server_name.empty() && ours(GRPC_SSL_TARGET_NAME_OVERRIDE_ARG)) {
+    args.SetSslTargetNameOverride(options.tls_server_name);
+  }
+  for (const ChannelArg& arg : *extra) {
+    std::visit(
+        [&](const auto& v) {
+          if constexpr (std::is_same_v<std::decay_t<decltype(v)>, int>) {
+            args.SetInt(arg.name, v);
+          } else {
+            args.SetString(arg.name, v);
+          }
+        },
+        arg.value);
+  }
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds = ChannelCredentials(options);
   if (!creds.ok()) return creds.status();
   auto channel = grpc::CreateCustomChannel(options.target, *creds, args);

@@ -54,6 +54,9 @@ ABSL_FLAG(bool, access_log, true, "log one info line per RPC (method, peer, requ
 ABSL_FLAG(uint32_t, max_calls_per_client, 0,
           "Forward/ForwardStream calls one connection may have in progress (0: no limit); more: RESOURCE_EXHAUSTED");
 ABSL_FLAG(std::string, unix_socket_mode, "0660", "permission bits of the --unix_socket file, octal");
+ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
+          "transport tuning: gRPC channel arguments, comma-separated name=value (e.g. "
+          "grpc.http2.lookahead_bytes=8388608,grpc.http2.bdp_probe=0); applied last");
 
 namespace {
 
@@ -128,6 +131,7 @@ int main(int argc, char** argv) {
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.access_log = absl::GetFlag(FLAGS_access_log);
   options.max_calls_per_client = absl::GetFlag(FLAGS_max_calls_per_client);
+  options.grpc_args = absl::GetFlag(FLAGS_grpc_arg);
   {
     const std::string mode = absl::GetFlag(FLAGS_unix_socket_mode);
     char* end = nullptr;

@@ -261,6 +261,29 @@ TEST_P(ForwardTest, ReflectionListsTheService) {
 
 // The resolver-based targets users give: dns:/// (with the round-robin policy the client configures for
 // it), ipv4: and a unix socket in URI form.
+TEST_P(ForwardTest, ClientGrpcArgsApplyAndOverrideTheLibrarysOwn) {
+  client::ClientOptions o;
+  o.target = server_->Target(GetParam());
+  o.grpc_args = {"grpc.max_receive_message_length=100"};  // the library sets no limit; this one wins
+  absl::StatusOr<std::unique_ptr<client::Client>> tight = client::Client::Create(o);
+  ASSERT_TRUE(tight.ok()) << tight.status();
+  Case c = MakeCase(Spec(1, 16, 16, 2, 2, 64), 14);  // a 4 KiB reply
+  client::CallOptions unary;
+  unary.transport = client::Transport::kUnary;
+  auto r = (*tight)->Forward(*c.request, unary);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  o.grpc_args = {"grpc.primary_user_agent=attn-test", "grpc.http2.lookahead_bytes=8388608"};
+  absl::StatusOr<std::unique_ptr<client::Client>> tuned = client::Client::Create(o);
+  ASSERT_TRUE(tuned.ok()) << tuned.status();
+  EXPECT_EQ(CheckReply(c, (*tuned)->Forward(*c.request, unary)), "");
+  o.grpc_args = {"lookahead"};
+  absl::StatusOr<std::unique_ptr<client::Client>> bad = client::Client::Create(o);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "grpc_arg")) << bad.status();
+}
+
 TEST(E2eTargets, DnsIpv4AndUnixUriTargets) {
   TestServer srv;
   StartServer(&srv);

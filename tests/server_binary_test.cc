@@ -149,6 +149,7 @@ TEST(BinaryFlags, BadFlagsExitTwo) {
       {ATTND_BINARY, "--devices=0,x"},
       {ATTND_BINARY, "--listen=", "--unix_socket="},
       {ATTND_BINARY, "--max_queue=0"},
+      {ATTND_BINARY, "--grpc_arg=not-a-pair"},
   };
   for (const auto& args : bad) {
     SCOPED_TRACE(args.back());

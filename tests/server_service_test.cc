@@ -467,6 +467,39 @@ TEST(ServerCreate, RefusesBadOptions) {
   EXPECT_EQ(server::Server::Create({}, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(ServerCreate, GrpcArgsReachTheServerAndBadOnesAreRefused) {
+  // A header limit of one byte: the server refuses every call, which shows the argument was applied.
+  server::ServerOptions tight;
+  tight.grpc_args = {"grpc.max_metadata_size=1"};
+  TestServer ts(tight);
+  ASSERT_NE(ts.server, nullptr);
+  {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    EXPECT_FALSE(ts.Stub()->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
+  }
+  server::ServerOptions tuned;  // a string and an integer argument that leave the service working
+  tuned.grpc_args = {"grpc.primary_user_agent=attnd-test", "grpc.http2.lookahead_bytes=8388608"};
+  TestServer ok(tuned);
+  ASSERT_NE(ok.server, nullptr);
+  {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    EXPECT_TRUE(ok.Stub()->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
+  }
+  server::BackendOptions bo;
+  bo.threads = 1;
+  for (const char* bad : {"no_equals", "=5", "grpc.max_receive_message_length=1000"}) {
+    server::ServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.grpc_args = {bad};
+    absl::StatusOr<std::unique_ptr<server::Server>> s = server::Server::Create(o, std::make_unique<server::CpuBackend>(bo));
+    ASSERT_FALSE(s.ok()) << bad;
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
+    EXPECT_TRUE(absl::StrContains(s.status().message(), "grpc_arg")) << s.status();
+  }
+}
+
 TEST(MakeBackend, Kinds) {
   server::BackendOptions bo;
   bo.threads = 1;

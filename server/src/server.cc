@@ -9,12 +9,14 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "attnd/channel_args.h"
 #include "attnd/server/status_util.h"
 #include "auth.h"
 #include "call_observer.h"
@@ -73,6 +75,9 @@ class ServerImpl final : public Server {
     builder.SetMaxReceiveMessageSize(ClampToInt(options_.max_message_bytes));
     builder.SetMaxSendMessageSize(ClampToInt(options_.max_message_bytes));
     builder.RegisterService(&service_);
+    for (const ChannelArg& arg : grpc_args_) {
+      std::visit([&](const auto& v) { builder.AddChannelArgument(arg.name, v); }, arg.value);
+    }
     server_ = builder.BuildAndStart();
     if (server_ == nullptr || (!options_.listen.empty() && tcp_port_ == 0)) {
       if (server_ != nullptr) server_->Shutdown();
@@ -144,6 +149,15 @@ class ServerImpl final : public Server {
   // Credentials, the token check and the metrics endpoint: everything that can fail on a bad flag is done
   // before a port is bound.
   absl::Status StartSecurityAndMetrics() {
+    absl::StatusOr<std::vector<ChannelArg>> grpc_args = ParseChannelArgs(options_.grpc_args, "grpc_arg");
+    if (!grpc_args.ok()) return grpc_args.status();
+    grpc_args_ = *std::move(grpc_args);
+    // One source of truth for the message limit: GetServerInfo reports --max_message_bytes to clients.
+    for (const char* owned : {GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH}) {
+      if (SetsChannelArg(grpc_args_, owned)) {
+        return absl::InvalidArgumentError(absl::StrCat("grpc_arg: ", owned, " is set by --max_message_bytes; use that"));
+      }
+    }
     if (!options_.metrics_listen.empty()) {
       metrics_ = std::make_unique<ServerMetrics>(backend_.get());
       ATTND_RETURN_IF_ERROR(metrics_->Serve(options_.metrics_listen));
@@ -179,6 +193,7 @@ class ServerImpl final : public Server {
   std::shared_ptr<grpc::AuthMetadataProcessor> auth_;
   std::shared_ptr<grpc::ServerCredentials> tcp_credentials_;
   AttentionService service_;
+  std::vector<ChannelArg> grpc_args_;
   std::unique_ptr<grpc::Server> server_;
   int tcp_port_ = 0;
   absl::Mutex shutdown_mu_;

@@ -58,6 +58,9 @@ struct ClientOptions {
   std::string tls_key_file;
   std::string tls_server_name;  // name checked against the server's certificate instead of the target's host
   std::string auth_token;       // sent as "authorization: Bearer <token>" with every call
+
+  // gRPC channel arguments "name=value" applied last (attnd/channel_args.h); a malformed one fails Create.
+  std::vector<std::string> grpc_args;
 };
 
 struct CallOptions {

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -34,6 +35,8 @@ struct ServerOptions {
   bool access_log = true;         // one info-level line per RPC (health checks excepted)
   uint32_t max_calls_per_client = 0;  // Forward/ForwardStream calls in progress per connection; 0: no limit
   uint32_t unix_socket_mode = 0660;   // permission bits the unix socket gets once bound
+  // gRPC channel arguments "name=value" applied last (channel_args.h); a malformed one fails Create.
+  std::vector<std::string> grpc_args;
 };
 
 class Server {
