@@ -2,7 +2,8 @@
 # One device session of the CUDA backend (issue 4): the GPU tests, then the service measurements of
 # docs/benchmarks.md ("Service"). Runs on the GPU host from the repo root, over binaries built statically
 # here and carried as .carry-cuda/bins.tar.xz (see server/cuda/tools/pack_carry.sh). Writes under $OUT:
-# env.txt, tests.log, attnd.log, bench.txt (all measurements, CSV rows).
+# env.txt, tests.log, attnd.log, bench.txt (all measurements, CSV rows). SERVER_GRPC_ARGS / CLIENT_GRPC_ARGS
+# (comma-separated name=value) go to --grpc_arg of attnd / attn, to compare transport settings.
 set -u
 OUT=${OUT:-/tmp/attnd-out}
 mkdir -p "$OUT" /tmp/bins
@@ -31,7 +32,8 @@ grep -E "^\[  (PASSED|FAILED|SKIPPED) |=== .* rc=|^FAIL" "$OUT/tests.log"
 # 2. Measurements: one server, warm shapes for the measured problems.
 SOCK=/tmp/attnd_bench.sock
 "$B/attnd" --listen=127.0.0.1:50051 --unix_socket=$SOCK --enable_cuda_ipc --streams=${STREAMS:-8} \
-  --warm_shapes=1x1024x1024x32x32x128,1x4096x4096x32x32x128 --log_level=info > "$OUT/attnd.log" 2>&1 &
+  --warm_shapes=1x1024x1024x32x32x128,1x4096x4096x32x32x128 --log_level=info \
+  ${SERVER_GRPC_ARGS:+--grpc_arg=$SERVER_GRPC_ARGS} > "$OUT/attnd.log" 2>&1 &
 SERVER=$!
 for i in $(seq 1 100); do
   "$B/attn" info --target=unix:$SOCK > /tmp/info.txt 2>&1 && break
@@ -48,7 +50,7 @@ for seq in ${INLINE_SEQS-1024 4096}; do
     for c in 1 16; do
       timeout 60 "$B/attn" bench --target=127.0.0.1:50051 --transport=$tr --q_len=$seq --q_heads=32 --head_dim=128 \
         --causal --concurrency=$c --duration=$DUR --warmup=0.5s --verify_every=5 --progress=false \
-        --tcp_baseline --rpc_floor --csv=/tmp/b.csv > /tmp/b.txt 2>&1
+        --tcp_baseline --rpc_floor ${CLIENT_GRPC_ARGS:+--grpc_arg=$CLIENT_GRPC_ARGS} --csv=/tmp/b.csv > /tmp/b.txt 2>&1
       echo "attn_bench,$tr,$seq,$c,rc=$?" >> "$R"
       cat /tmp/b.csv >> "$R" 2>/dev/null || cat /tmp/b.txt >> "$R"
       grep -E "verified|error|TCP loopback|RPC floor" /tmp/b.txt >> "$R"
