@@ -46,6 +46,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(con
 }
 
 const std::string kForwardMethod = absl::StrCat("/", v1::Attention::service_full_name(), "/Forward");
+const std::string kForwardStreamMethod = absl::StrCat("/", v1::Attention::service_full_name(), "/ForwardStream");
 
 // Room for the request's non-tensor fields and the framing of one message on top of its tensor bytes.
 constexpr uint64_t kMessageOverhead = 64 << 10;
@@ -206,13 +207,13 @@ absl::Status FromGrpcStatus(const grpc::Status& s) {
 
 // ---------------------------------------------------------------------------------------------------------
 // Streaming call: header, then Q, K, V chunks in order; the reply is a header then O and LSE chunks.
-class Client::StreamCall final
-    : public grpc::ClientBidiReactor<v1::ForwardStreamRequest, v1::ForwardStreamResponse> {
+class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   StreamCall(std::shared_ptr<const v1::ForwardRequest> request, ForwardCallback done, uint64_t chunk_bytes)
       : request_(std::move(request)), done_(std::move(done)), chunk_bytes_(chunk_bytes), start_(absl::Now()) {}
 
-  void Start(v1::Attention::Stub* stub, const Client& client, const CallOptions& call) {
+  // Takes ownership of itself: deleted in OnDone, or here when nothing could be started.
+  void Start(grpc::GenericStub* stub, const Client& client, const CallOptions& call) {
     client.Prepare(&ctx_, call);
     if (request_->return_lse()) {
       if (auto n = ExpectedLseBytes(*request_)) want_lse_ = *n;
@@ -220,10 +221,23 @@ class Client::StreamCall final
     if (!request_->has_o_ref()) {
       if (auto n = ExpectedOBytes(*request_)) want_o_ = *n;
     }
-    stub->async()->ForwardStream(&ctx_, this);
-    BuildHeader(out_.mutable_header());
+    // Chunks point into the request's tensors when we share its ownership; a borrowed request (the blocking
+    // Forward) cannot outlive its caller while gRPC may still hold a chunk, so each chunk copies its bytes.
+    if (request_.use_count() > 0) owner_ = request_;
+    v1::ForwardStreamRequest header;
+    BuildHeader(header.mutable_header());
+    bool own_buffer = false;
+    const grpc::Status serialized =
+        grpc::SerializationTraits<v1::ForwardStreamRequest>::Serialize(header, &out_, &own_buffer);
+    if (!serialized.ok()) {
+      ForwardCallback done = std::move(done_);
+      delete this;
+      done(FromGrpcStatus(serialized));
+      return;
+    }
+    stub->PrepareBidiStreamingCall(&ctx_, kForwardStreamMethod, grpc::StubOptions(), this);
     StartWrite(&out_);
-    StartRead(&in_);
+    StartRead(&in_buf_);
     StartCall();
   }
 
@@ -239,13 +253,16 @@ class Client::StreamCall final
 
   void OnReadDone(bool ok) override {
     if (!ok) return;
-    absl::Status st = Absorb();
+    const grpc::Status parsed = grpc::SerializationTraits<v1::ForwardStreamResponse>::Deserialize(&in_buf_, &in_);
+    absl::Status st = parsed.ok() ? Absorb()
+                                  : absl::InternalError(absl::StrCat("ForwardStream: an unreadable response message: ",
+                                                                     parsed.error_message()));
     if (!st.ok()) {
       if (protocol_error_.ok()) protocol_error_ = st;
       ctx_.TryCancel();
       return;
     }
-    StartRead(&in_);
+    StartRead(&in_buf_);
   }
 
   void OnDone(const grpc::Status& s) override {
@@ -288,10 +305,7 @@ class Client::StreamCall final
       const std::string& data = inputs[tensor_]->data();
       if (offset_ < data.size()) {
         const uint64_t n = std::min<uint64_t>(chunk_bytes_, data.size() - offset_);
-        v1::TensorChunk* c = out_.mutable_chunk();
-        c->set_tensor(kNames[tensor_]);
-        c->set_offset(offset_);
-        c->mutable_data()->assign(data.data() + offset_, n);
+        out_ = SerializeStreamChunk(kNames[tensor_], offset_, data.data() + offset_, n, owner_);
         offset_ += n;
         return true;
       }
@@ -341,7 +355,8 @@ class Client::StreamCall final
   ForwardCallback done_;
   const uint64_t chunk_bytes_;
   const absl::Time start_;
-  v1::ForwardStreamRequest out_;
+  std::shared_ptr<const void> owner_;  // the request, when chunks may reference it; else null
+  grpc::ByteBuffer out_, in_buf_;
   v1::ForwardStreamResponse in_;
   int tensor_ = 0;       // 0..2: Q, K, V being sent
   uint64_t offset_ = 0;  // bytes of that tensor sent
@@ -516,7 +531,7 @@ void Client::StartUnary(std::shared_ptr<const v1::ForwardRequest> request, Forwa
 void Client::StartStream(std::shared_ptr<const v1::ForwardRequest> request, ForwardCallback done,
                          const CallOptions& call, uint64_t max_message_bytes) {
   auto* s = new StreamCall(std::move(request), std::move(done), ChunkBytes(max_message_bytes));
-  s->Start(stub_.get(), *this, call);
+  s->Start(generic_.get(), *this, call);
 }
 
 absl::StatusOr<ForwardResult> Client::Forward(const v1::ForwardRequest& request, const CallOptions& call) {

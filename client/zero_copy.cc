@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "grpcpp/support/slice.h"
 
 namespace attnd::client {
@@ -15,11 +16,21 @@ namespace {
 
 using google::protobuf::MessageLite;
 
+// A length-delimited field's tag (protobuf wire type 2).
+uint32_t LengthDelimitedTag(int field) { return static_cast<uint32_t>(field) << 3 | 2; }
+
+// A slice over `n` bytes at `data` that holds a share of their owner until gRPC drops it.
+grpc::Slice ReferenceSlice(const char* data, size_t n, std::shared_ptr<const void> owner) {
+  auto* share = new std::shared_ptr<const void>(std::move(owner));
+  return grpc::Slice(const_cast<char*>(data), n, [](void* p) { delete static_cast<std::shared_ptr<const void>*>(p); },
+                     share);
+}
+
 // Copied bytes go to a growing buffer that becomes one slice whenever a reference interrupts it; referenced
 // bytes become slices of their own.
 class SliceWriter final : public google::protobuf::io::ZeroCopyOutputStream {
  public:
-  explicit SliceWriter(std::shared_ptr<const MessageLite> owner) : owner_(std::move(owner)) {}
+  explicit SliceWriter(std::shared_ptr<const void> owner) : owner_(std::move(owner)) {}
 
   bool Next(void** data, int* size) override {
     const size_t used = pending_.size();
@@ -37,10 +48,7 @@ class SliceWriter final : public google::protobuf::io::ZeroCopyOutputStream {
 
   bool WriteAliasedRaw(const void* data, int size) override {
     Flush();
-    // The slice's destructor callback drops this share of the message.
-    auto* share = new std::shared_ptr<const MessageLite>(owner_);
-    slices_.emplace_back(const_cast<void*>(data), static_cast<size_t>(size),
-                         [](void* p) { delete static_cast<std::shared_ptr<const MessageLite>*>(p); }, share);
+    slices_.push_back(ReferenceSlice(static_cast<const char*>(data), static_cast<size_t>(size), owner_));
     flushed_ += size;
     return true;
   }
@@ -60,13 +68,43 @@ class SliceWriter final : public google::protobuf::io::ZeroCopyOutputStream {
     pending_.clear();
   }
 
-  const std::shared_ptr<const MessageLite> owner_;
+  const std::shared_ptr<const void> owner_;
   std::string pending_;
   std::vector<grpc::Slice> slices_;
   int64_t flushed_ = 0;
 };
 
 }  // namespace
+
+grpc::ByteBuffer SerializeStreamChunk(v1::TensorName tensor, uint64_t offset, const char* data, size_t n,
+                                      std::shared_ptr<const void> owner) {
+  v1::TensorChunk fields;  // everything but data: protobuf encodes those
+  fields.set_tensor(tensor);
+  fields.set_offset(offset);
+  const size_t fields_size = fields.ByteSizeLong();
+  using google::protobuf::io::CodedOutputStream;
+  // TensorChunk = fields, then data (field 3) as tag, length, bytes; an empty data is left out, as protobuf
+  // leaves out an empty proto3 scalar.
+  const uint32_t data_tag = LengthDelimitedTag(v1::TensorChunk::kDataFieldNumber);
+  const size_t data_head = n == 0 ? 0 : CodedOutputStream::VarintSize32(data_tag) + CodedOutputStream::VarintSize64(n);
+  const uint64_t chunk_size = fields_size + data_head + n;
+  std::string head;
+  {
+    google::protobuf::io::StringOutputStream sink(&head);
+    CodedOutputStream out(&sink);
+    out.WriteVarint32(LengthDelimitedTag(v1::ForwardStreamRequest::kChunkFieldNumber));
+    out.WriteVarint64(chunk_size);
+    fields.SerializeWithCachedSizes(&out);
+    if (n > 0) {
+      out.WriteVarint32(data_tag);
+      out.WriteVarint64(n);
+    }
+  }
+  grpc::Slice slices[2] = {grpc::Slice(head), n == 0      ? grpc::Slice()
+                                              : owner     ? ReferenceSlice(data, n, std::move(owner))
+                                                          : grpc::Slice(data, n)};
+  return grpc::ByteBuffer(slices, n == 0 ? 1 : 2);
+}
 
 absl::StatusOr<grpc::ByteBuffer> SerializeByReference(std::shared_ptr<const MessageLite> message) {
   const size_t size = message->ByteSizeLong();

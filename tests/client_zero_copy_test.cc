@@ -78,5 +78,40 @@ TEST(SerializeByReference, TheSlicesKeepTheMessageAliveUntilTheyGo) {
   EXPECT_TRUE(watch.expired()) << "the slices did not release the message";
 }
 
+TEST(SerializeStreamChunk, SameBytesAsTheMessageForEverySizeAndOffset) {
+  const std::string tensor = RandomTensor(DType::kBF16, 1 << 19, 4);  // 1 MiB
+  for (size_t n : {size_t{0}, size_t{1}, size_t{127}, size_t{128}, size_t{300}, size_t{16384}, tensor.size()}) {
+    for (uint64_t offset : {uint64_t{0}, uint64_t{5}, uint64_t{1} << 40}) {
+      for (v1::TensorName name : {v1::TENSOR_NAME_Q, v1::TENSOR_NAME_V}) {
+        v1::ForwardStreamRequest m;
+        m.mutable_chunk()->set_tensor(name);
+        m.mutable_chunk()->set_offset(offset);
+        m.mutable_chunk()->set_data(tensor.data(), n);
+        for (bool by_reference : {false, true}) {
+          SCOPED_TRACE(testing::Message() << "n=" << n << " offset=" << offset << " ref=" << by_reference);
+          auto owner = by_reference ? std::make_shared<const std::string>(tensor) : nullptr;
+          const char* data = by_reference ? owner->data() : tensor.data();
+          grpc::ByteBuffer buf = SerializeStreamChunk(name, offset, data, n, owner);
+          std::vector<grpc::Slice> slices;
+          EXPECT_EQ(Flatten(buf, &slices), m.SerializeAsString());
+          bool referenced = false;
+          for (const grpc::Slice& s : slices) referenced |= reinterpret_cast<const char*>(s.begin()) == data;
+          EXPECT_EQ(referenced, by_reference && n > 0);
+        }
+      }
+    }
+  }
+}
+
+TEST(SerializeStreamChunk, AReferencedChunkKeepsItsOwnerUntilReleased) {
+  auto owner = std::make_shared<const std::string>(RandomTensor(DType::kBF16, 4096, 5));
+  std::weak_ptr<const std::string> watch = owner;
+  auto buf = std::make_unique<grpc::ByteBuffer>(SerializeStreamChunk(v1::TENSOR_NAME_K, 0, owner->data(), 8192, owner));
+  owner.reset();
+  EXPECT_FALSE(watch.expired());
+  buf.reset();
+  EXPECT_TRUE(watch.expired());
+}
+
 }  // namespace
 }  // namespace attnd::client

@@ -162,7 +162,7 @@ class Client {
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
-  std::unique_ptr<grpc::GenericStub> generic_;  // Forward with a request serialised by reference
+  std::unique_ptr<grpc::GenericStub> generic_;  // Forward and ForwardStream with tensors by reference (zero_copy.h)
   mutable absl::Mutex info_mu_;
   std::optional<v1::ServerInfo> info_ ABSL_GUARDED_BY(info_mu_);
 };
