@@ -3,15 +3,15 @@
 #include <algorithm>
 #include <fstream>
 #include <sstream>
-#include <utility>
 #include <type_traits>
+#include <utility>
 #include <variant>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "attnd/channel_args.h"
-#include "attnd/client/zero_copy.h"
+#include "attnd/zero_copy.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/security/credentials.h"
@@ -253,10 +253,7 @@ class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer
 
   void OnReadDone(bool ok) override {
     if (!ok) return;
-    const grpc::Status parsed = grpc::SerializationTraits<v1::ForwardStreamResponse>::Deserialize(&in_buf_, &in_);
-    absl::Status st = parsed.ok() ? Absorb()
-                                  : absl::InternalError(absl::StrCat("ForwardStream: an unreadable response message: ",
-                                                                     parsed.error_message()));
+    absl::Status st = Receive();
     if (!st.ok()) {
       if (protocol_error_.ok()) protocol_error_ = st;
       ctx_.TryCancel();
@@ -315,7 +312,32 @@ class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer
     return false;
   }
 
-  absl::Status Absorb() {
+  // O and LSE chunks are copied from gRPC's slices straight onto the result (ReadStreamChunk); the header
+  // and anything unusual go through protobuf.
+  absl::Status Receive() {
+    if (have_header_) {
+      absl::Status refused;
+      std::string* grown = nullptr;
+      size_t before = 0;
+      const ChunkRead r = ReadStreamChunk(in_buf_, [&](const ChunkHead& h) -> char* {
+        absl::StatusOr<std::string*> dst = Place(h);
+        if (!dst.ok()) {
+          refused = dst.status();
+          return nullptr;
+        }
+        grown = *dst;
+        before = grown->size();
+        grown->resize(before + h.size);  // within the capacity reserved at the header
+        return grown->data() + before;
+      });
+      if (r == ChunkRead::kDone) return absl::OkStatus();
+      if (r == ChunkRead::kRefused) return refused;
+      if (grown != nullptr) grown->resize(before);
+    }
+    const grpc::Status parsed = grpc::SerializationTraits<v1::ForwardStreamResponse>::Deserialize(&in_buf_, &in_);
+    if (!parsed.ok()) {
+      return absl::InternalError(absl::StrCat("ForwardStream: an unreadable response message: ", parsed.error_message()));
+    }
     if (in_.has_header()) {
       if (have_header_) return absl::InternalError("ForwardStream: a second response header");
       have_header_ = true;
@@ -325,30 +347,38 @@ class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer
       return absl::OkStatus();
     }
     if (!in_.has_chunk()) return absl::InternalError("ForwardStream: an empty response message");
-    if (!have_header_) return absl::InternalError("ForwardStream: a chunk before the response header");
     const v1::TensorChunk& c = in_.chunk();
+    absl::StatusOr<std::string*> dst = Place({c.tensor(), c.offset(), c.data().size()});
+    if (!dst.ok()) return dst.status();
+    (*dst)->append(c.data());
+    return absl::OkStatus();
+  }
+
+  // The result tensor a reply chunk extends, after checking it follows on and fits the shape.
+  absl::StatusOr<std::string*> Place(const ChunkHead& c) {
+    if (!have_header_) return absl::InternalError("ForwardStream: a chunk before the response header");
     std::string* dst;
     uint64_t limit;
-    if (c.tensor() == v1::TENSOR_NAME_O) {
+    if (c.tensor == v1::TENSOR_NAME_O) {
       dst = &result_.o;
       limit = want_o_;
-    } else if (c.tensor() == v1::TENSOR_NAME_LSE) {
+    } else if (c.tensor == v1::TENSOR_NAME_LSE) {
       dst = &result_.lse;
       limit = want_lse_;
     } else {
-      return absl::InternalError(absl::StrCat("ForwardStream: a response chunk of tensor ", c.tensor()));
+      return absl::InternalError(absl::StrCat("ForwardStream: a response chunk of tensor ", c.tensor));
     }
-    if (c.offset() != dst->size()) {
-      return absl::InternalError(absl::StrCat("ForwardStream: ", v1::TensorName_Name(c.tensor()), " chunk at offset ",
-                                              c.offset(), ", expected ", dst->size()));
+    if (c.offset != dst->size()) {
+      return absl::InternalError(absl::StrCat("ForwardStream: ", v1::TensorName_Name(c.tensor), " chunk at offset ",
+                                              c.offset, ", expected ", dst->size()));
     }
-    if (dst->size() + c.data().size() > limit) {
-      return absl::InternalError(absl::StrCat("ForwardStream: ", v1::TensorName_Name(c.tensor()),
+    if (c.size > limit - dst->size()) {
+      return absl::InternalError(absl::StrCat("ForwardStream: ", v1::TensorName_Name(c.tensor),
                                               " longer than the ", limit, " bytes its shape implies"));
     }
-    dst->append(c.data());
-    return absl::OkStatus();
+    return dst;
   }
+
 
   grpc::ClientContext ctx_;
   std::shared_ptr<const v1::ForwardRequest> request_;

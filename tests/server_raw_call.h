@@ -25,10 +25,10 @@ inline std::string ToString(const grpc::ByteBuffer& buffer) {
   return out;
 }
 
-// Sends `request` (serialized protobuf) to `method` ("/pkg.Service/Method"), half-closes, and reads up to
-// `max_messages` replies; stops early (cancelling the call) once that many have arrived.
+// Sends `requests` (serialized protobuf, in order) to `method` ("/pkg.Service/Method"), half-closes, and
+// reads up to `max_messages` replies; stops early (cancelling the call) once that many have arrived.
 inline RawResult RawCall(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
-                         const std::string& request, size_t max_messages = 16,
+                         const std::vector<std::string>& requests, size_t max_messages = 16,
                          std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
   RawResult result;
   grpc::GenericStub stub(channel);
@@ -41,10 +41,14 @@ inline RawResult RawCall(const std::shared_ptr<grpc::Channel>& channel, const st
   auto step = [&](int id) { return cq.Next(&tag, &ok) && tag == reinterpret_cast<void*>(static_cast<intptr_t>(id)) && ok; };
   call->StartCall(reinterpret_cast<void*>(1));
   if (step(1)) {
-    grpc::Slice slice(request);
-    grpc::ByteBuffer req(&slice, 1);
-    call->Write(req, reinterpret_cast<void*>(2));
-    if (step(2)) {
+    bool written = true;
+    for (const std::string& request : requests) {
+      grpc::Slice slice(request);
+      grpc::ByteBuffer req(&slice, 1);
+      call->Write(req, reinterpret_cast<void*>(2));
+      if (!(written = step(2))) break;
+    }
+    if (written) {
       call->WritesDone(reinterpret_cast<void*>(3));
       step(3);
     }
@@ -63,6 +67,12 @@ inline RawResult RawCall(const std::shared_ptr<grpc::Channel>& channel, const st
   while (cq.Next(&tag, &ok)) {
   }
   return result;
+}
+
+inline RawResult RawCall(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                         const std::string& request, size_t max_messages = 16,
+                         std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+  return RawCall(channel, method, std::vector<std::string>{request}, max_messages, timeout);
 }
 
 // grpc.health.v1.HealthCheckRequest{service} encoded by hand: field 1, length-delimited.

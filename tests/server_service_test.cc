@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "gtest/gtest.h"
 #include "server_raw_call.h"
 #include "server_test_util.h"
@@ -312,6 +314,53 @@ TEST(ServerStream, MalformedStreamsNameTheTensor) {
 }
 
 // ---- health, reflection, info, stats ---------------------------------------------------------------------
+
+TEST(ServerStream, EveryProtobufEncodingOfAChunkIsAccepted) {
+  // The server reads chunks written the canonical way straight from gRPC's slices and leaves any other
+  // valid encoding to protobuf: both must give the same answer.
+  TestServer ts;
+  ASSERT_NE(ts.server, nullptr);
+  const v1::ForwardRequest r = MakeRequest({1, 40, 40, 2, 2, 64}, v1::MASK_TYPE_CAUSAL_TOP_LEFT, true, 21);
+  const std::string& q = r.q().data();
+  const uint64_t half = q.size() / 2;
+  // Q's first half with the fields in reverse order, its second half with `offset` given twice (protobuf:
+  // the last one counts).
+  std::string reversed;
+  {
+    v1::TensorChunk data_only, head_only;
+    data_only.set_data(q.substr(0, half));
+    head_only.set_tensor(v1::TENSOR_NAME_Q);
+    const std::string inner = data_only.SerializeAsString() + head_only.SerializeAsString();
+    google::protobuf::io::StringOutputStream sink(&reversed);
+    google::protobuf::io::CodedOutputStream out(&sink);
+    out.WriteVarint32(2 << 3 | 2);
+    out.WriteVarint32(static_cast<uint32_t>(inner.size()));
+    out.WriteString(inner);
+  }
+  v1::ForwardStreamRequest second = Chunk(v1::TENSOR_NAME_Q, q, half, q.size() - half);
+  v1::TensorChunk wrong_offset;
+  wrong_offset.set_offset(12345);
+  const std::string twice = [&] {
+    // chunk{offset: 12345} then chunk{tensor, offset: half, data}: the two chunk fields merge, the later
+    // offset wins.
+    v1::ForwardStreamRequest first;
+    *first.mutable_chunk() = wrong_offset;
+    return first.SerializeAsString() + second.SerializeAsString();
+  }();
+  const std::vector<std::string> messages = {Header(r).SerializeAsString(), reversed, twice,
+                                             Chunk(v1::TENSOR_NAME_K, r.k().data(), 0, r.k().data().size()).SerializeAsString(),
+                                             Chunk(v1::TENSOR_NAME_V, r.v().data(), 0, r.v().data().size()).SerializeAsString()};
+  const testing::RawResult res = testing::RawCall(ts.Channel(), "/attnd.v1.Attention/ForwardStream", messages);
+  ASSERT_TRUE(res.status.ok()) << res.status.error_message();
+  std::string o, lse;
+  ASSERT_GE(res.messages.size(), 2u);
+  for (size_t i = 1; i < res.messages.size(); ++i) {
+    v1::ForwardStreamResponse m;
+    ASSERT_TRUE(m.ParseFromString(res.messages[i]));
+    (m.chunk().tensor() == v1::TENSOR_NAME_O ? o : lse) += m.chunk().data();
+  }
+  ExpectCorrect(r, o, lse);
+}
 
 TEST(ServerMeta, HealthServing) {
   TestServer ts;

@@ -14,6 +14,8 @@
 #include "absl/time/time.h"
 #include "attnd/v1/attention.pb.h"
 #include "grpcpp/server_context.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
 #include "spdlog/spdlog.h"
 
 namespace attnd::server {
@@ -148,37 +150,50 @@ class CallObserver final : public grpc::experimental::Interceptor {
   }
 
  private:
-  // The message types are known from the method: the interceptor sees the handler's own message objects.
+  // The message types are known from the method: Forward's are the handler's own protobuf objects;
+  // ForwardStream runs on the raw API (service.h), so its are the serialised ByteBuffers.
   void OnRequest(void* msg) {
     v1::ForwardRequest* header = nullptr;
+    v1::ForwardStreamRequest first;  // a stream's first message, parsed from a copy (it is the header)
     if (kind_ == Kind::kForward) {
       header = static_cast<v1::ForwardRequest*>(msg);
       bytes_in_ += header->ByteSizeLong();
     } else if (kind_ == Kind::kForwardStream) {
-      auto* r = static_cast<v1::ForwardStreamRequest*>(msg);
-      bytes_in_ += r->ByteSizeLong();
-      if (r->has_header()) header = r->mutable_header();
+      auto* b = static_cast<grpc::ByteBuffer*>(msg);
+      bytes_in_ += b->Length();
+      if (messages_in_++ == 0 && ParseCopy(*b, &first) && first.has_header()) header = first.mutable_header();
     }
     if (header == nullptr) return;
-    // Runs before the handler: the id given here is the one the service logs and echoes in the reply.
-    if (header->request_id().empty()) header->set_request_id(GenerateRequestId());
+    // Runs before the Forward handler: the id given here is the one the service logs and echoes. (A stream
+    // without an id gets one from the service, and the reply header tells us.)
+    if (kind_ == Kind::kForward && header->request_id().empty()) header->set_request_id(GenerateRequestId());
     if (request_id_.empty()) request_id_ = header->request_id();
     if (shape_.empty()) shape_ = ShapeText(*header);
   }
 
   void OnReply(const void* msg) {
     const v1::ForwardResponse* header = nullptr;
+    v1::ForwardStreamResponse first;
     if (kind_ == Kind::kForward) {
       header = static_cast<const v1::ForwardResponse*>(msg);
       bytes_out_ += header->ByteSizeLong();
     } else if (kind_ == Kind::kForwardStream) {
-      const auto* r = static_cast<const v1::ForwardStreamResponse*>(msg);
-      bytes_out_ += r->ByteSizeLong();
-      if (r->has_header()) header = &r->header();
+      const auto* b = static_cast<const grpc::ByteBuffer*>(msg);
+      bytes_out_ += b->Length();
+      if (messages_out_++ == 0 && ParseCopy(*b, &first) && first.has_header()) header = &first.header();
     }
-    if (header == nullptr || !header->has_timing()) return;
+    if (header == nullptr) return;
+    if (request_id_.empty()) request_id_ = header->request_id();
+    if (!header->has_timing()) return;
     queue_ = absl::Microseconds(header->timing().queue_us());
     kernel_ = absl::Microseconds(header->timing().kernel_us());
+  }
+
+  // Parses a message of the call without consuming it (a copy of a ByteBuffer shares its slices).
+  template <typename M>
+  static bool ParseCopy(const grpc::ByteBuffer& b, M* m) {
+    grpc::ByteBuffer copy(b);
+    return grpc::SerializationTraits<M>::Deserialize(&copy, m).ok();
   }
 
   void Finish(const grpc::Status& status) {
@@ -228,6 +243,7 @@ class CallObserver final : public grpc::experimental::Interceptor {
   std::string method_, peer_, request_id_, shape_;
   bool counted_ = false, draining_counted_ = false, finished_ = false;
   uint64_t bytes_in_ = 0, bytes_out_ = 0;
+  uint64_t messages_in_ = 0, messages_out_ = 0;
   std::optional<absl::Duration> queue_, kernel_;
 };
 

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "attnd/server/status_util.h"
+#include "attnd/zero_copy.h"
 #include "call_observer.h"
 #include "spdlog/spdlog.h"
 
@@ -52,12 +53,14 @@ enum class StreamState {
   kFinished,        // Finish called
 };
 
-class ForwardStreamReactor final
-    : public grpc::ServerBidiReactor<v1::ForwardStreamRequest, v1::ForwardStreamResponse> {
+// On the raw (ByteBuffer) API, so that tensor bytes are copied once on the way in (from gRPC's slices into
+// the job's buffers: ReadStreamChunk) and not at all on the way out (O and LSE chunks point into the
+// reply's buffers: SerializeStreamChunk). Headers and anything unusual go through protobuf.
+class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   ForwardStreamReactor(AttentionService* service, grpc::CallbackServerContext* ctx)
       : service_(service), ctx_(ctx), start_(absl::Now()) {
-    StartRead(&in_);
+    StartRead(&in_buf_);
   }
 
   void OnReadDone(bool ok) override {
@@ -67,9 +70,9 @@ class ForwardStreamReactor final
       if (!complete.ok()) return End(complete);
       return Submit();
     }
-    const absl::Status s = Consume();
+    const absl::Status s = Receive();
     if (!s.ok()) return End(s);
-    StartRead(&in_);
+    StartRead(&in_buf_);
   }
 
   void OnWriteDone(bool ok) override {
@@ -89,6 +92,29 @@ class ForwardStreamReactor final
     std::string bytes;
   };
 
+  absl::Status Receive() {
+    if (state_ == StreamState::kReceiving) {
+      absl::Status refused;
+      Input* into = nullptr;
+      uint64_t size = 0;
+      const ChunkRead r = ReadStreamChunk(in_buf_, [&](const ChunkHead& h) -> char* {
+        absl::StatusOr<Input*> t = Place(h);
+        if (!t.ok()) {
+          refused = t.status();
+          return nullptr;
+        }
+        into = *t;
+        size = h.size;
+        return into->bytes.data() + into->received;
+      });
+      if (r == ChunkRead::kDone) return Received(*into, size);
+      if (r == ChunkRead::kRefused) return refused;
+    }
+    const grpc::Status parsed = grpc::SerializationTraits<v1::ForwardStreamRequest>::Deserialize(&in_buf_, &in_);
+    if (!parsed.ok()) return absl::InvalidArgumentError("message: not a ForwardStreamRequest (unparseable)");
+    return Consume();
+  }
+
   absl::Status Consume() {
     if (in_.message_case() == v1::ForwardStreamRequest::kHeader) {
       if (state_ != StreamState::kAwaitingHeader) {
@@ -99,41 +125,55 @@ class ForwardStreamReactor final
     if (in_.message_case() != v1::ForwardStreamRequest::kChunk) {
       return absl::InvalidArgumentError("message: empty ForwardStreamRequest (set header or chunk)");
     }
+    const v1::TensorChunk& c = in_.chunk();
+    absl::StatusOr<Input*> t = Place({c.tensor(), c.offset(), c.data().size()});
+    if (!t.ok()) return t.status();
+    std::memcpy((*t)->bytes.data() + (*t)->received, c.data().data(), c.data().size());
+    return Received(**t, c.data().size());
+  }
+
+  absl::Status Received(Input& t, uint64_t size) {
+    t.received += size;
+    bytes_in_ += size;
+    return absl::OkStatus();
+  }
+
+  // The input a chunk's bytes go to (at its `received`), after checking the chunk against the header.
+  absl::StatusOr<Input*> Place(const ChunkHead& c) {
     if (state_ != StreamState::kReceiving) {
       return absl::InvalidArgumentError("header: the first ForwardStream message must be a header, got a chunk");
     }
-    const v1::TensorChunk& c = in_.chunk();
     Input* t = nullptr;
     for (Input& in : inputs_) {
-      if (in.tensor == c.tensor()) t = &in;
+      if (in.tensor == c.tensor) t = &in;
     }
     if (t == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("chunk.tensor: ", v1::TensorName_IsValid(c.tensor())
-                                                                            ? v1::TensorName_Name(c.tensor())
-                                                                            : absl::StrCat(c.tensor()),
+      return absl::InvalidArgumentError(absl::StrCat("chunk.tensor: ", v1::TensorName_IsValid(c.tensor)
+                                                                            ? v1::TensorName_Name(c.tensor)
+                                                                            : absl::StrCat(c.tensor),
                                                      " is not an input (expected TENSOR_NAME_Q, _K or _V)"));
     }
     if (!t->chunked) {
       return absl::InvalidArgumentError(
           absl::StrCat("chunk.tensor: ", t->name, " is given as a reference in the header and takes no chunks"));
     }
-    if (c.offset() != t->received) {
+    if (c.offset != t->received) {
       return absl::InvalidArgumentError(absl::StrCat(
-          t->name, " chunk.offset: ", c.offset(), ", expected ", t->received,
+          t->name, " chunk.offset: ", c.offset, ", expected ", t->received,
           " (a tensor's chunks must arrive in order, without gaps or overlaps)"));
     }
-    if (c.data().size() > t->size - t->received) {
-      return absl::InvalidArgumentError(absl::StrCat(t->name, " chunk.data: bytes up to ", c.offset(), "+",
-                                                     c.data().size(), " run past the tensor's ", t->size, " bytes"));
+    if (c.size > t->size - t->received) {
+      return absl::InvalidArgumentError(absl::StrCat(t->name, " chunk.data: bytes up to ", c.offset, "+", c.size,
+                                                     " run past the tensor's ", t->size, " bytes"));
     }
-    std::memcpy(t->bytes.data() + t->received, c.data().data(), c.data().size());
-    t->received += c.data().size();
-    bytes_in_ += c.data().size();
-    return absl::OkStatus();
+    return t;
   }
 
   absl::Status AcceptHeader() {
     header_ = std::move(*in_.mutable_header());
+    // On the raw API the call observer cannot fill in a missing id before we see the header (as it does
+    // for Forward); it learns this one from the reply header.
+    if (header_.request_id().empty()) header_.set_request_id(GenerateRequestId());
     job_ = std::make_unique<ForwardJob>();
     job_->accepted = start_;
     ATTND_RETURN_IF_ERROR(service_->Prepare(header_, Transport::kStream, ctx_, job_.get(), &bytes_));
@@ -193,38 +233,35 @@ class ForwardStreamReactor final
   void OnJobDone(ForwardJob& job, const absl::Status& status) {
     for (Input& in : inputs_) std::string().swap(in.bytes);  // inputs are no longer needed
     if (!status.ok()) return End(status);
-    service_->FillResponseHeader(job, out_.mutable_header());
-    o_ = std::move(job.o);
-    lse_ = std::move(job.lse);
+    v1::ForwardStreamResponse header;
+    service_->FillResponseHeader(job, header.mutable_header());
+    bool own_buffer = false;
+    const grpc::Status serialized =
+        grpc::SerializationTraits<v1::ForwardStreamResponse>::Serialize(header, &out_buf_, &own_buffer);
+    if (!serialized.ok()) return End(absl::InternalError("ForwardStream: the reply header did not serialise"));
+    // Shared: the chunk slices point into these and keep them alive, possibly past this reactor.
+    o_ = std::make_shared<const std::string>(std::move(job.o));
+    lse_ = std::make_shared<const std::string>(std::move(job.lse));
     state_ = StreamState::kReplying;
-    WriteNext();
+    StartWrite(&out_buf_);
   }
 
+  // After the header: the next O or LSE chunk, or the end.
   void WriteNext() {
-    if (!header_sent_) {
-      header_sent_ = true;
-      return StartWrite(&out_);
-    }
     const uint64_t chunk = service_->stream_chunk_bytes();
-    struct {
-      const std::string* bytes;
-      v1::TensorName name;
-    } outputs[2] = {{&o_, v1::TENSOR_NAME_O}, {&lse_, v1::TENSOR_NAME_LSE}};
-    while (out_index_ < 2 && out_offset_ >= outputs[out_index_].bytes->size()) {
+    const std::pair<const std::shared_ptr<const std::string>*, v1::TensorName> outputs[2] = {
+        {&o_, v1::TENSOR_NAME_O}, {&lse_, v1::TENSOR_NAME_LSE}};
+    while (out_index_ < 2 && out_offset_ >= (*outputs[out_index_].first)->size()) {
       ++out_index_;
       out_offset_ = 0;
     }
     if (out_index_ == 2) return End(absl::OkStatus());
-    const std::string& src = *outputs[out_index_].bytes;
-    const uint64_t n = std::min<uint64_t>(chunk, src.size() - out_offset_);
-    out_.Clear();
-    v1::TensorChunk* c = out_.mutable_chunk();
-    c->set_tensor(outputs[out_index_].name);
-    c->set_offset(out_offset_);
-    c->set_data(src.data() + out_offset_, n);
+    const std::shared_ptr<const std::string>& src = *outputs[out_index_].first;
+    const uint64_t n = std::min<uint64_t>(chunk, src->size() - out_offset_);
+    out_buf_ = SerializeStreamChunk(outputs[out_index_].second, out_offset_, src->data() + out_offset_, n, src);
     out_offset_ += n;
     bytes_out_ += n;
-    StartWrite(&out_);
+    StartWrite(&out_buf_);
   }
 
   void End(const absl::Status& status) {
@@ -239,16 +276,16 @@ class ForwardStreamReactor final
   grpc::CallbackServerContext* const ctx_;
   const absl::Time start_;
   StreamState state_ = StreamState::kAwaitingHeader;
-  v1::ForwardStreamRequest in_;
+  grpc::ByteBuffer in_buf_;
+  v1::ForwardStreamRequest in_;  // a message protobuf parses (headers, unusual encodings)
   v1::ForwardRequest header_;
   std::unique_ptr<ForwardJob> job_;
   RequestBytes bytes_;
   Input inputs_[3] = {{"q", v1::TENSOR_NAME_Q}, {"k", v1::TENSOR_NAME_K}, {"v", v1::TENSOR_NAME_V}};
   uint64_t bytes_in_ = 0, bytes_out_ = 0;
   // Reply.
-  v1::ForwardStreamResponse out_;
-  std::string o_, lse_;
-  bool header_sent_ = false;
+  grpc::ByteBuffer out_buf_;
+  std::shared_ptr<const std::string> o_, lse_;
   int out_index_ = 0;
   uint64_t out_offset_ = 0;
 };
@@ -333,7 +370,7 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
   return reactor;
 }
 
-grpc::ServerBidiReactor<v1::ForwardStreamRequest, v1::ForwardStreamResponse>* AttentionService::ForwardStream(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::ForwardStream(
     grpc::CallbackServerContext* ctx) {
   return new ForwardStreamReactor(this, ctx);
 }

@@ -19,14 +19,21 @@ namespace attnd::server {
 
 class PeerCalls;
 
-class AttentionService final : public v1::Attention::CallbackService {
+// Every method on the callback API; ForwardStream raw (ByteBuffer messages) so that its tensor chunks are
+// read and written without protobuf's copies (attnd/zero_copy.h). The wire format is unchanged.
+using AttentionServiceBase = v1::Attention::WithCallbackMethod_Forward<
+    v1::Attention::WithRawCallbackMethod_ForwardStream<v1::Attention::WithCallbackMethod_RegisterCudaBuffer<
+        v1::Attention::WithCallbackMethod_UnregisterCudaBuffer<v1::Attention::WithCallbackMethod_ListCudaBuffers<
+            v1::Attention::WithCallbackMethod_GetServerInfo<v1::Attention::WithCallbackMethod_GetStats<
+                v1::Attention::Service>>>>>>>;
+
+class AttentionService final : public AttentionServiceBase {
  public:
   AttentionService(const ServerOptions& options, Backend* backend);
 
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const v1::ForwardRequest* request,
                                     v1::ForwardResponse* response) override;
-  grpc::ServerBidiReactor<v1::ForwardStreamRequest, v1::ForwardStreamResponse>* ForwardStream(
-      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ForwardStream(grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* RegisterCudaBuffer(grpc::CallbackServerContext* ctx,
                                                const v1::RegisterCudaBufferRequest* request,
                                                v1::RegisterCudaBufferResponse* response) override;

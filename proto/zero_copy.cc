@@ -1,5 +1,7 @@
-#include "attnd/client/zero_copy.h"
+#include "attnd/zero_copy.h"
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -9,9 +11,10 @@
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/slice.h"
 
-namespace attnd::client {
+namespace attnd {
 namespace {
 
 using google::protobuf::MessageLite;
@@ -106,6 +109,53 @@ grpc::ByteBuffer SerializeStreamChunk(v1::TensorName tensor, uint64_t offset, co
   return grpc::ByteBuffer(slices, n == 0 ? 1 : 2);
 }
 
+ChunkRead ReadStreamChunk(grpc::ByteBuffer& message, absl::FunctionRef<char*(const ChunkHead&)> place) {
+  static_assert(v1::ForwardStreamRequest::kChunkFieldNumber == v1::ForwardStreamResponse::kChunkFieldNumber);
+  const uint64_t total = message.Length();
+  grpc::ProtoBufferReader reader(&message);  // reads the slices; `message` keeps them
+  google::protobuf::io::CodedInputStream in(&reader);
+  in.SetTotalBytesLimit(INT_MAX);
+  uint64_t chunk_size = 0;
+  if (in.ReadTag() != LengthDelimitedTag(v1::ForwardStreamRequest::kChunkFieldNumber) ||
+      !in.ReadVarint64(&chunk_size)) {
+    return ChunkRead::kOther;
+  }
+  // The chunk must fill the rest of the message: one chunk field, nothing after it.
+  if (chunk_size != total - static_cast<uint64_t>(in.CurrentPosition())) return ChunkRead::kOther;
+  ChunkHead head;
+  int last_field = 0;
+  for (;;) {
+    const uint64_t at = static_cast<uint64_t>(in.CurrentPosition());
+    if (at == total) break;  // no data field: an empty chunk
+    const uint32_t tag = in.ReadTag();
+    const int field = static_cast<int>(tag >> 3);
+    if (field <= last_field) return ChunkRead::kOther;  // out of order or repeated: protobuf's rules apply
+    last_field = field;
+    uint64_t v = 0;
+    if (tag == (v1::TensorChunk::kTensorFieldNumber << 3) && in.ReadVarint64(&v)) {
+      head.tensor = static_cast<int32_t>(v);
+    } else if (tag == (v1::TensorChunk::kOffsetFieldNumber << 3) && in.ReadVarint64(&v)) {
+      head.offset = v;
+    } else if (tag == LengthDelimitedTag(v1::TensorChunk::kDataFieldNumber) && in.ReadVarint64(&v)) {
+      // The data runs exactly to the end of the message.
+      if (v != total - static_cast<uint64_t>(in.CurrentPosition())) return ChunkRead::kOther;
+      head.size = v;
+      break;
+    } else {
+      return ChunkRead::kOther;
+    }
+  }
+  char* dst = place(head);
+  if (dst == nullptr) return ChunkRead::kRefused;
+  // ReadRaw takes an int: copy in pieces (a message is below 2 GiB, but the type says nothing of that).
+  for (uint64_t done = 0; done < head.size;) {
+    const int n = static_cast<int>(std::min<uint64_t>(head.size - done, 1 << 30));
+    if (!in.ReadRaw(dst + done, n)) return ChunkRead::kOther;
+    done += static_cast<uint64_t>(n);
+  }
+  return ChunkRead::kDone;
+}
+
 absl::StatusOr<grpc::ByteBuffer> SerializeByReference(std::shared_ptr<const MessageLite> message) {
   const size_t size = message->ByteSizeLong();
   if (size > static_cast<size_t>(INT32_MAX)) {
@@ -125,4 +175,4 @@ absl::StatusOr<grpc::ByteBuffer> SerializeByReference(std::shared_ptr<const Mess
   return writer.Finish();
 }
 
-}  // namespace attnd::client
+}  // namespace attnd

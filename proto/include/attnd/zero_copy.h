@@ -1,0 +1,53 @@
+// Moving tensors through gRPC without extra copies. gRPC's protobuf serialiser copies every byte of a
+// message into fresh slices (for a 25 MB request: a 25 MB allocation, its page faults and a memcpy, on every
+// call), and its parser copies every byte out of them. Protobuf can hand `bytes` fields to the output stream
+// by reference (CodedOutputStream::EnableAliasing + ZeroCopyOutputStream::WriteAliasedRaw): the stream here
+// turns each such reference into a gRPC slice over the owner's memory, so the transport writes the tensors
+// from where they are. ForwardStream chunks are written and read here field by field, so that their data
+// goes from the caller's tensor to the wire, and from the wire to the receiver's tensor, in one copy.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/statusor.h"
+#include "attnd/v1/attention.pb.h"
+#include "google/protobuf/message_lite.h"
+#include "grpcpp/support/byte_buffer.h"
+
+namespace attnd {
+
+// `message` in wire format as gRPC slices: its large bytes fields by reference, the rest (tags, lengths,
+// small fields) copied. Every referencing slice holds a share of `message`, so the message lives until gRPC
+// has let go of the last of them, which may be after the call that sent it has completed.
+absl::StatusOr<grpc::ByteBuffer> SerializeByReference(std::shared_ptr<const google::protobuf::MessageLite> message);
+
+// The ForwardStreamRequest {chunk {tensor, offset, data}} in wire format without building the message, so
+// that `data` (n bytes inside a tensor the caller holds) is copied once at most: referenced when `owner` is
+// set (each slice holding a share of it), copied into gRPC's slice otherwise. The same bytes as protobuf's
+// serialisation of that message.
+// ForwardStreamRequest and ForwardStreamResponse both carry `TensorChunk chunk = 2`, so this serves either.
+grpc::ByteBuffer SerializeStreamChunk(v1::TensorName tensor, uint64_t offset, const char* data, size_t n,
+                                      std::shared_ptr<const void> owner);
+
+struct ChunkHead {
+  int32_t tensor = 0;  // a v1::TensorName value, unchecked
+  uint64_t offset = 0;
+  uint64_t size = 0;  // bytes of data
+};
+
+enum class ChunkRead {
+  kDone,     // the data was copied where `place` said
+  kRefused,  // `place` returned null (it has recorded why)
+  kOther,    // not a chunk in protobuf's canonical encoding (a header, unknown or repeated fields, ...):
+             // parse the message with protobuf instead
+};
+
+// Reads a ForwardStream(Request|Response) that holds a chunk written the way protobuf and
+// SerializeStreamChunk write one (fields in order, each once, nothing else): the head first, then
+// `place(head)` says where its `size` data bytes go (null: refuse) and they are copied there straight from
+// gRPC's slices. `message` is left as it was, so kOther can fall back to protobuf.
+ChunkRead ReadStreamChunk(grpc::ByteBuffer& message, absl::FunctionRef<char*(const ChunkHead&)> place);
+
+}  // namespace attnd
