@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -360,6 +361,38 @@ TEST(ServerStream, EveryProtobufEncodingOfAChunkIsAccepted) {
     (m.chunk().tensor() == v1::TENSOR_NAME_O ? o : lse) += m.chunk().data();
   }
   ExpectCorrect(r, o, lse);
+}
+
+TEST(ServerStream, GarbledChunksAreRefusedAndTheServerCarriesOn) {
+  // Random bytes, and valid chunks with bits flipped, after a valid header: each stream ends with an error
+  // status (never OK: the tensors are never complete) and the server keeps serving.
+  TestServer ts;
+  ASSERT_NE(ts.server, nullptr);
+  const v1::ForwardRequest r = MakeRequest({1, 8, 8, 2, 1, 64}, v1::MASK_TYPE_NONE, false, 22);
+  const std::string header = Header(r).SerializeAsString();
+  const std::string chunk = Chunk(v1::TENSOR_NAME_Q, r.q().data(), 0, 64).SerializeAsString();
+  std::mt19937 rng(7);
+  for (int i = 0; i < 60; ++i) {
+    std::string garbled;
+    if (i % 2 == 0) {
+      garbled.resize(rng() % 80);
+      for (char& c : garbled) c = static_cast<char>(rng());
+    } else {
+      garbled = chunk;
+      for (int flips = 1 + static_cast<int>(rng() % 3); flips > 0; --flips) {
+        garbled[rng() % garbled.size()] ^= static_cast<char>(1u << (rng() % 8));
+      }
+    }
+    const testing::RawResult res =
+        testing::RawCall(ts.Channel(), "/attnd.v1.Attention/ForwardStream", {header, garbled});
+    EXPECT_FALSE(res.status.ok()) << "message " << i;
+    EXPECT_NE(res.status.error_code(), grpc::StatusCode::UNKNOWN) << "message " << i << ": " << res.status.error_message();
+  }
+  auto stub = ts.Stub();
+  grpc::ClientContext ctx;
+  v1::ForwardResponse resp;
+  ASSERT_TRUE(stub->Forward(&ctx, r, &resp).ok());
+  ExpectCorrect(r, resp.o(), resp.lse());
 }
 
 TEST(ServerMeta, HealthServing) {
