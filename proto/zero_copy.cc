@@ -156,6 +156,57 @@ ChunkRead ReadStreamChunk(grpc::ByteBuffer& message, absl::FunctionRef<char*(con
   return ChunkRead::kDone;
 }
 
+bool ParseSmallFields(const grpc::ByteBuffer& message, MessageLite* out, uint32_t max_field_bytes) {
+  grpc::ByteBuffer view(message);  // shares the slices; the reader below needs a mutable buffer
+  grpc::ProtoBufferReader reader(&view);
+  google::protobuf::io::CodedInputStream in(&reader);
+  in.SetTotalBytesLimit(INT_MAX);
+  std::string kept;  // the small fields, re-encoded exactly as they came
+  google::protobuf::io::StringOutputStream sink(&kept);
+  {
+    google::protobuf::io::CodedOutputStream copy(&sink);
+    for (uint32_t tag; (tag = in.ReadTag()) != 0;) {
+      uint64_t v = 0;
+      uint32_t len = 0;
+      std::string bytes;
+      switch (tag & 7) {
+        case 0:  // varint
+          if (!in.ReadVarint64(&v)) return false;
+          copy.WriteVarint32(tag);
+          copy.WriteVarint64(v);
+          break;
+        case 1:  // 64-bit
+          if (!in.ReadLittleEndian64(&v)) return false;
+          copy.WriteVarint32(tag);
+          copy.WriteLittleEndian64(v);
+          break;
+        case 2:  // length-delimited
+          if (!in.ReadVarint32(&len)) return false;
+          if (len > max_field_bytes) {
+            if (!in.Skip(static_cast<int>(len))) return false;
+            break;
+          }
+          if (!in.ReadString(&bytes, static_cast<int>(len))) return false;
+          copy.WriteVarint32(tag);
+          copy.WriteVarint32(len);
+          copy.WriteString(bytes);
+          break;
+        case 5: {  // 32-bit
+          uint32_t w = 0;
+          if (!in.ReadLittleEndian32(&w)) return false;
+          copy.WriteVarint32(tag);
+          copy.WriteLittleEndian32(w);
+          break;
+        }
+        default:  // groups (not in proto3) and invalid wire types
+          return false;
+      }
+    }
+    if (!in.ConsumedEntireMessage() || copy.HadError()) return false;
+  }
+  return out->ParseFromString(kept);
+}
+
 absl::StatusOr<grpc::ByteBuffer> SerializeByReference(std::shared_ptr<const MessageLite> message) {
   const size_t size = message->ByteSizeLong();
   if (size > static_cast<size_t>(INT32_MAX)) {

@@ -351,8 +351,23 @@ TEST_F(AccessLogTest, OneLinePerRequestWithItsIdShapeStatusAndBytes) {
     v1::ForwardResponse resp;
     EXPECT_EQ(stub->Forward(&ctx, bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   }
+  std::string named_failure;  // a failing request without an id: the id still reaches client and log
+  {
+    v1::ForwardRequest bad = r;
+    bad.mutable_shape()->set_q_heads(3);
+    bad.clear_request_id();
+    grpc::ClientContext ctx;
+    v1::ForwardResponse resp;
+    EXPECT_EQ(stub->Forward(&ctx, bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    const auto& trailing = ctx.GetServerTrailingMetadata();
+    const auto it = trailing.find("attnd-request-id");
+    ASSERT_NE(it, trailing.end());
+    named_failure = std::string(it->second.data(), it->second.size());
+  }
+  EXPECT_TRUE(absl::StartsWith(named_failure, "attnd-")) << named_failure;
   const std::vector<std::string> lines = AccessLines();
-  ASSERT_EQ(lines.size(), 3u) << log_.str();
+  ASSERT_EQ(lines.size(), 4u) << log_.str();
+  EXPECT_TRUE(absl::StrContains(lines[3], "request_id=\"" + named_failure + "\" code=INVALID_ARGUMENT")) << lines[3];
   EXPECT_TRUE(absl::StrContains(lines[0], "request_id=\"log-me\\n forged=1\"")) << lines[0];
   EXPECT_TRUE(absl::StrContains(lines[0], "method=Forward peer=ipv4:127.0.0.1:")) << lines[0];
   EXPECT_TRUE(absl::StrContains(lines[0], "code=OK")) << lines[0];

@@ -200,5 +200,29 @@ TEST(ReadStreamChunk, AnythingElseIsLeftToProtobufAndARefusalCopiesNothing) {
   EXPECT_EQ(out, "------");
 }
 
+TEST(ParseSmallFields, HeaderFieldsWithoutTheTensors) {
+  auto request = Request(Shape{1, 64, 64, 4, 4, 64}, true);  // 32 KiB tensors
+  grpc::ByteBuffer buf = *SerializeByReference(request);
+  v1::ForwardRequest header;
+  ASSERT_TRUE(ParseSmallFields(buf, &header));
+  EXPECT_EQ(header.request_id(), "zero-copy");
+  EXPECT_EQ(header.shape().q_len(), 64);
+  EXPECT_EQ(header.softmax_scale(), 0.125f);  // a fixed32 field
+  EXPECT_TRUE(header.return_lse());
+  EXPECT_FALSE(header.has_q());  // skipped, not copied
+  EXPECT_FALSE(header.has_v());
+  // Under the threshold a tensor is kept; the buffer itself is untouched.
+  v1::ForwardRequest whole;
+  ASSERT_TRUE(ParseSmallFields(buf, &whole, 1 << 20));
+  EXPECT_EQ(whole.q().data(), request->q().data());
+  std::vector<grpc::Slice> slices;
+  EXPECT_EQ(Flatten(buf, &slices), request->SerializeAsString());
+  // Malformed bytes: a length past the end, a bad wire type.
+  for (const std::string bad : {std::string("\x0a\x05" "ab", 4), std::string("\x0f\x01", 2)}) {
+    v1::ForwardRequest m;
+    EXPECT_FALSE(ParseSmallFields(Sliced(bad, 1), &m));
+  }
+}
+
 }  // namespace
 }  // namespace attnd::client

@@ -1,6 +1,7 @@
 #include "call_observer.h"
 
 #include <atomic>
+#include <map>
 #include <optional>
 #include <random>
 #include <string>
@@ -15,7 +16,7 @@
 #include "attnd/v1/attention.pb.h"
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/byte_buffer.h"
-#include "grpcpp/impl/codegen/proto_utils.h"
+#include "attnd/zero_copy.h"
 #include "spdlog/spdlog.h"
 
 namespace attnd::server {
@@ -139,6 +140,11 @@ class CallObserver final : public grpc::experimental::Interceptor {
       if (const void* msg = m->GetSendMessage(); msg != nullptr) OnReply(msg);
     }
     if (m->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+      if (request_id_.empty()) {  // a request that came without one: the service named it (service.h)
+        const std::multimap<std::string, std::string>* trailing = m->GetSendTrailingMetadata();
+        const auto it = trailing->find(std::string(kRequestIdMetadata));
+        if (it != trailing->end()) request_id_ = it->second;
+      }
       // A reply finished after the call was cancelled (deadline, client gone, shutdown grace spent) never
       // reaches the client: the books say what the client saw.
       const grpc::Status sent = m->GetSendStatus();
@@ -150,50 +156,43 @@ class CallObserver final : public grpc::experimental::Interceptor {
   }
 
  private:
-  // The message types are known from the method: Forward's are the handler's own protobuf objects;
-  // ForwardStream runs on the raw API (service.h), so its are the serialised ByteBuffers.
+  // Forward and ForwardStream run on the raw API (service.h): their messages are the serialised
+  // ByteBuffers. Only their small fields are parsed here (ParseSmallFields skips the tensors), and for a
+  // stream only the first message each way (the headers).
   void OnRequest(void* msg) {
-    v1::ForwardRequest* header = nullptr;
-    v1::ForwardStreamRequest first;  // a stream's first message, parsed from a copy (it is the header)
+    if (kind_ != Kind::kForward && kind_ != Kind::kForwardStream) return;
+    const auto* b = static_cast<const grpc::ByteBuffer*>(msg);
+    bytes_in_ += b->Length();
+    if (messages_in_++ > 0) return;
+    v1::ForwardRequest forward;
+    v1::ForwardStreamRequest stream;
+    const v1::ForwardRequest* header = nullptr;
     if (kind_ == Kind::kForward) {
-      header = static_cast<v1::ForwardRequest*>(msg);
-      bytes_in_ += header->ByteSizeLong();
-    } else if (kind_ == Kind::kForwardStream) {
-      auto* b = static_cast<grpc::ByteBuffer*>(msg);
-      bytes_in_ += b->Length();
-      if (messages_in_++ == 0 && ParseCopy(*b, &first) && first.has_header()) header = first.mutable_header();
+      if (ParseSmallFields(*b, &forward)) header = &forward;
+    } else if (ParseSmallFields(*b, &stream) && stream.has_header()) {
+      header = &stream.header();
     }
     if (header == nullptr) return;
-    // Runs before the Forward handler: the id given here is the one the service logs and echoes. (A stream
-    // without an id gets one from the service, and the reply header tells us.)
-    if (kind_ == Kind::kForward && header->request_id().empty()) header->set_request_id(GenerateRequestId());
     if (request_id_.empty()) request_id_ = header->request_id();
-    if (shape_.empty()) shape_ = ShapeText(*header);
+    shape_ = ShapeText(*header);
   }
 
   void OnReply(const void* msg) {
+    if (kind_ != Kind::kForward && kind_ != Kind::kForwardStream) return;
+    const auto* b = static_cast<const grpc::ByteBuffer*>(msg);
+    bytes_out_ += b->Length();
+    if (messages_out_++ > 0) return;
+    v1::ForwardResponse forward;
+    v1::ForwardStreamResponse stream;
     const v1::ForwardResponse* header = nullptr;
-    v1::ForwardStreamResponse first;
     if (kind_ == Kind::kForward) {
-      header = static_cast<const v1::ForwardResponse*>(msg);
-      bytes_out_ += header->ByteSizeLong();
-    } else if (kind_ == Kind::kForwardStream) {
-      const auto* b = static_cast<const grpc::ByteBuffer*>(msg);
-      bytes_out_ += b->Length();
-      if (messages_out_++ == 0 && ParseCopy(*b, &first) && first.has_header()) header = &first.header();
+      if (ParseSmallFields(*b, &forward)) header = &forward;
+    } else if (ParseSmallFields(*b, &stream) && stream.has_header()) {
+      header = &stream.header();
     }
-    if (header == nullptr) return;
-    if (request_id_.empty()) request_id_ = header->request_id();
-    if (!header->has_timing()) return;
+    if (header == nullptr || !header->has_timing()) return;
     queue_ = absl::Microseconds(header->timing().queue_us());
     kernel_ = absl::Microseconds(header->timing().kernel_us());
-  }
-
-  // Parses a message of the call without consuming it (a copy of a ByteBuffer shares its slices).
-  template <typename M>
-  static bool ParseCopy(const grpc::ByteBuffer& b, M* m) {
-    grpc::ByteBuffer copy(b);
-    return grpc::SerializationTraits<M>::Deserialize(&copy, m).ok();
   }
 
   void Finish(const grpc::Status& status) {

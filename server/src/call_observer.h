@@ -10,6 +10,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/support/server_interceptor.h"
@@ -74,5 +75,9 @@ class CallObserverFactory final : public grpc::experimental::ServerInterceptorFa
 
 // "attnd-<process prefix>-<counter>": unique within a process and across restarts with high probability.
 std::string GenerateRequestId();
+
+// Trailing metadata of a Forward/ForwardStream reply to a request that came without an id: the id the
+// service gave it, so that the client and the access log have it also when the call fails.
+inline constexpr absl::string_view kRequestIdMetadata = "attnd-request-id";
 
 }  // namespace attnd::server

@@ -171,9 +171,7 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
 
   absl::Status AcceptHeader() {
     header_ = std::move(*in_.mutable_header());
-    // On the raw API the call observer cannot fill in a missing id before we see the header (as it does
-    // for Forward); it learns this one from the reply header.
-    if (header_.request_id().empty()) header_.set_request_id(GenerateRequestId());
+    service_->NameRequest(ctx_, header_);
     job_ = std::make_unique<ForwardJob>();
     job_->accepted = start_;
     ATTND_RETURN_IF_ERROR(service_->Prepare(header_, Transport::kStream, ctx_, job_.get(), &bytes_));
@@ -339,9 +337,18 @@ grpc::ServerUnaryReactor* AttentionService::FinishNow(grpc::CallbackServerContex
 }
 
 grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext* ctx,
-                                                    const v1::ForwardRequest* request,
-                                                    v1::ForwardResponse* response) {
+                                                    const grpc::ByteBuffer* request_bytes,
+                                                    grpc::ByteBuffer* response_bytes) {
   const absl::Time start = absl::Now();
+  // Shared with the job's `done`: the job's inputs point into it until the backend has finished.
+  auto request = std::make_shared<v1::ForwardRequest>();
+  {
+    grpc::ByteBuffer copy(*request_bytes);  // shares the slices; parsing consumes the buffer it is given
+    if (!grpc::SerializationTraits<v1::ForwardRequest>::Deserialize(&copy, request.get()).ok()) {
+      return FinishNow(ctx, "Forward", start, absl::InvalidArgumentError("request: not a ForwardRequest (unparseable)"));
+    }
+  }
+  NameRequest(ctx, *request);
   auto job = std::make_unique<ForwardJob>();
   job->accepted = start;
   RequestBytes bytes;
@@ -350,12 +357,20 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   ForwardJob* j = job.get();
   const uint64_t in_bytes = bytes.q + bytes.k + bytes.v;
-  j->done = [this, reactor, response, j, start, in_bytes](absl::Status status) {
+  j->done = [this, reactor, request, response_bytes, j, start, in_bytes](absl::Status status) {
     if (status.ok()) {
-      FillResponseHeader(*j, response);
+      // O and LSE go out by reference (attnd/zero_copy.h): the slices keep the response alive.
+      auto response = std::make_shared<v1::ForwardResponse>();
+      FillResponseHeader(*j, response.get());
       response->set_o(std::move(j->o));
       response->set_lse(std::move(j->lse));
       stats_.AddBytes(in_bytes, response->o().size() + response->lse().size());
+      absl::StatusOr<grpc::ByteBuffer> out = SerializeByReference(response);
+      if (out.ok()) {
+        *response_bytes = *std::move(out);
+      } else {
+        status = out.status();
+      }
     }
     stats_.Record("Forward", status, absl::Now() - start);
     LogOutcome("Forward", j->request_id, status, start);
@@ -368,6 +383,13 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
     reactor->Finish(ToGrpcStatus(submitted));
   }
   return reactor;
+}
+
+void AttentionService::NameRequest(grpc::CallbackServerContext* ctx, v1::ForwardRequest& request) {
+  if (!request.request_id().empty()) return;  // the client's own: it knows it (and it may be any bytes)
+  request.set_request_id(GenerateRequestId());
+  // Also on errors, where no reply header carries it; the call observer logs it from here.
+  ctx->AddTrailingMetadata(std::string(kRequestIdMetadata), request.request_id());
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::ForwardStream(

@@ -19,9 +19,10 @@ namespace attnd::server {
 
 class PeerCalls;
 
-// Every method on the callback API; ForwardStream raw (ByteBuffer messages) so that its tensor chunks are
-// read and written without protobuf's copies (attnd/zero_copy.h). The wire format is unchanged.
-using AttentionServiceBase = v1::Attention::WithCallbackMethod_Forward<
+// Every method on the callback API; Forward and ForwardStream raw (ByteBuffer messages) so that their
+// tensors are written by reference and stream chunks read with one copy (attnd/zero_copy.h). The wire
+// format is unchanged.
+using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_Forward<
     v1::Attention::WithRawCallbackMethod_ForwardStream<v1::Attention::WithCallbackMethod_RegisterCudaBuffer<
         v1::Attention::WithCallbackMethod_UnregisterCudaBuffer<v1::Attention::WithCallbackMethod_ListCudaBuffers<
             v1::Attention::WithCallbackMethod_GetServerInfo<v1::Attention::WithCallbackMethod_GetStats<
@@ -31,8 +32,8 @@ class AttentionService final : public AttentionServiceBase {
  public:
   AttentionService(const ServerOptions& options, Backend* backend);
 
-  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const v1::ForwardRequest* request,
-                                    v1::ForwardResponse* response) override;
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* response) override;
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ForwardStream(grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* RegisterCudaBuffer(grpc::CallbackServerContext* ctx,
                                                const v1::RegisterCudaBufferRequest* request,
@@ -56,6 +57,8 @@ class AttentionService final : public AttentionServiceBase {
   // Validation + backend acceptance + deadline/cancel check of a request about to be submitted.
   absl::Status Prepare(const v1::ForwardRequest& request, Transport transport, grpc::CallbackServerContext* ctx,
                        ForwardJob* job, RequestBytes* bytes) const;
+  // Gives a request without an id one, and sends that id back in trailing metadata (kRequestIdMetadata).
+  void NameRequest(grpc::CallbackServerContext* ctx, v1::ForwardRequest& request);
   // Fills the response header fields (request_id, timing, backend, kernel, device) from a finished job.
   void FillResponseHeader(const ForwardJob& job, v1::ForwardResponse* response) const;
 

@@ -50,4 +50,10 @@ enum class ChunkRead {
 // gRPC's slices. `message` is left as it was, so kOther can fall back to protobuf.
 ChunkRead ReadStreamChunk(grpc::ByteBuffer& message, absl::FunctionRef<char*(const ChunkHead&)> place);
 
+// Parses `message` into `out` leaving out every top-level length-delimited field longer than
+// `max_field_bytes` (the tensors), which are skipped, not copied: to look at a request's or reply's
+// header fields cheaply. False if the bytes are not a well-formed message.
+bool ParseSmallFields(const grpc::ByteBuffer& message, google::protobuf::MessageLite* out,
+                      uint32_t max_field_bytes = 4096);
+
 }  // namespace attnd
