@@ -22,9 +22,10 @@ struct Shape {
 };
 
 // Runs the schedule as the kernel's blocks do; returns per-tile visit counts and per-block causal work.
-void Walk(const Shape& s, std::vector<int>& visits, std::vector<int64_t>& work) {
+void Walk(const Shape& s, std::vector<int>& visits, std::vector<int64_t>& work,
+          int64_t section_budget = kDefaultSectionBudgetBytes) {
   const SchedulerParams sp =
-      MakeSchedulerParams(s.q_tiles, s.heads, s.batch, s.kv_len, s.head_dim, s.group, s.causal);
+      MakeSchedulerParams(s.q_tiles, s.heads, s.batch, s.kv_len, s.head_dim, s.group, s.causal, section_budget);
   ASSERT_EQ(sp.total_tiles, s.q_tiles * s.heads * s.batch);
   visits.assign(sp.total_tiles, 0);
   work.assign(s.grid, 0);
@@ -48,13 +49,16 @@ TEST(HopperScheduler, EveryTileExactlyOnce) {
       {3, 5, 7, 300, 128, 5, true, 100},      {33, 3, 1, 70000, 256, 1, false, 99},
       {11, 1, 1, 1408, 128, 1, true, 11},     {2, 65535 / 1024, 3, 64, 64, 1, false, 132},
   };
-  for (const Shape& s : shapes) {
-    std::vector<int> visits;
-    std::vector<int64_t> work;
-    Walk(s, visits, work);
-    for (size_t i = 0; i < visits.size(); ++i) {
-      ASSERT_EQ(visits[i], 1) << "tile " << i << " of " << s.q_tiles << "x" << s.heads << "x" << s.batch
-                              << " causal=" << s.causal << " grid=" << s.grid;
+  // Whatever section budget a tuning run sets (ATTND_HOPPER_L2_SECTION_MB): none, tiny, default, huge.
+  for (const int64_t budget : {int64_t{0}, int64_t{1} << 20, kDefaultSectionBudgetBytes, int64_t{1} << 40}) {
+    for (const Shape& s : shapes) {
+      std::vector<int> visits;
+      std::vector<int64_t> work;
+      Walk(s, visits, work, budget);
+      for (size_t i = 0; i < visits.size(); ++i) {
+        ASSERT_EQ(visits[i], 1) << "tile " << i << " of " << s.q_tiles << "x" << s.heads << "x" << s.batch
+                                << " causal=" << s.causal << " grid=" << s.grid << " budget=" << budget;
+      }
     }
   }
 }
@@ -86,6 +90,9 @@ TEST(HopperScheduler, NonCausalSectionsKeepKvInL2) {
   // Never more than the problem has, never less than one.
   EXPECT_EQ(MakeSchedulerParams(4, 2, 1, 64, 64, 1, false).section_bh, 2);
   EXPECT_EQ(MakeSchedulerParams(1, 4, 1, 1 << 24, 256, 1, false).section_bh, 1);
+  // A tuning budget: 0 turns sections off, 48 MiB doubles them.
+  EXPECT_EQ(MakeSchedulerParams(128, 16, 1, 16384, 128, 1, false, 0).section_bh, 16);
+  EXPECT_EQ(MakeSchedulerParams(128, 16, 1, 16384, 128, 1, false, int64_t{48} << 20).section_bh, 6);
 }
 
 }  // namespace

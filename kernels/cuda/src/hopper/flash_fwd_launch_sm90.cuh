@@ -7,11 +7,28 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <cstdlib>
+
 #include "../config_registry.h"
 #include "flash_fwd_kernel_sm90.cuh"
 #include "tile_scheduler_sm90.cuh"
 
 namespace attnd::kernels::hopper {
+
+// The non-causal L2 section budget: kDefaultSectionBudgetBytes, or ATTND_HOPPER_L2_SECTION_MB for tuning
+// runs (0: no sections). Read once per process: benchmarks sweep it one run per value.
+inline int64_t SectionBudgetBytes() {
+  static const int64_t budget = [] {
+    const char* mb = std::getenv("ATTND_HOPPER_L2_SECTION_MB");
+    if (mb == nullptr || *mb == '\0') return kDefaultSectionBudgetBytes;
+    char* end = nullptr;
+    const long long v = std::strtoll(mb, &end, 10);
+    return (*end == '\0' && v >= 0 && v < (int64_t{1} << 20)) ? static_cast<int64_t>(v) << 20
+                                                                : kDefaultSectionBudgetBytes;
+  }();
+  return budget;
+}
 
 template <typename Tile, typename Elem>
 cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
@@ -21,7 +38,8 @@ cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
   const LaunchParams& lp = plan.params;
   const SchedulerParams sp =
       MakeSchedulerParams(static_cast<int>(plan.grid[0]), static_cast<int>(plan.grid[1]),
-                          static_cast<int>(plan.grid[2]), lp.kv_len, Tile::kHeadDim, lp.group, lp.causal != 0);
+                          static_cast<int>(plan.grid[2]), lp.kv_len, Tile::kHeadDim, lp.group, lp.causal != 0,
+                          SectionBudgetBytes());
   const int blocks = sp.total_tiles < sms ? sp.total_tiles : sms;
   HopperFwdKernel<Tile, Elem><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(plan.q_map, plan.k_map,
                                                                                    plan.v_map, lp, sp);

@@ -31,16 +31,21 @@ struct TileCoord {
   int q_tile, head, batch;
 };
 
+// About half of the H200's 50 MiB L2 (v1 onwards; docs/hopper-kernel-notes.md).
+constexpr int64_t kDefaultSectionBudgetBytes = int64_t{24} << 20;
+
+// `section_budget_bytes`: the K + V bytes a non-causal section may span; <= 0: no sections (one, as causal).
 inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int batch, int kv_len, int head_dim,
-                                           int kv_group, bool causal) {
+                                           int kv_group, bool causal,
+                                           int64_t section_budget_bytes = kDefaultSectionBudgetBytes) {
   SchedulerParams sp;
   sp.num_q_tiles = num_q_tiles;
   sp.q_heads = q_heads;
   sp.total_bh = q_heads * batch;
   // K + V of one kv head; the q heads of one GQA group share it, so a section counts q heads.
   const int64_t kv_bytes = static_cast<int64_t>(kv_len) * head_dim * 2 * 2;
-  const int64_t budget = int64_t{24} << 20;
-  int64_t section = kv_bytes > 0 ? budget / kv_bytes * kv_group : sp.total_bh;
+  int64_t section = kv_bytes > 0 && section_budget_bytes > 0 ? section_budget_bytes / kv_bytes * kv_group
+                                                              : sp.total_bh;
   if (section < 1) section = 1;
   if (section > sp.total_bh || causal) section = sp.total_bh;
   sp.section_bh = static_cast<int>(section);
