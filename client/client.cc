@@ -71,8 +71,6 @@ std::optional<uint64_t> ExpectedLseBytes(const v1::ForwardRequest& r) {
   return CheckedProduct({s.batch(), s.q_heads(), s.q_len(), 4});
 }
 
-uint64_t InlineBytes(const v1::ForwardRequest& r) { return r.q().data().size() + r.k().data().size() + r.v().data().size(); }
-
 // Checks the reply's tensors have the sizes the request implies, so that a short or truncated answer is an
 // error here rather than a silent wrong result in the caller.
 absl::Status CheckReplySizes(const v1::ForwardRequest& r, const ForwardResult& res) {
@@ -91,13 +89,58 @@ absl::Status CheckReplySizes(const v1::ForwardRequest& r, const ForwardResult& r
   return absl::OkStatus();
 }
 
+}  // namespace
+
+// What one Forward call sends: every request field but the inline tensor bytes, and those bytes, which
+// go out by reference while `owner` keeps them alive (zero_copy.h) or are copied when it is null.
+struct Client::Outgoing {
+  v1::ForwardRequest header;                   // q, k, v unset or references
+  std::optional<std::string_view> tensors[3];  // Q, K, V inline bytes; nullopt: not inline
+  std::shared_ptr<const void> owner;
+
+  uint64_t inline_bytes() const {
+    uint64_t n = 0;
+    for (const auto& t : tensors) n += t ? t->size() : 0;
+    return n;
+  }
+};
+
+namespace {
+
+// A request split into header and tensors. A request we share ownership of owns its tensors' slices; a
+// borrowed one (the blocking Forward) cannot outlive its caller's frame while gRPC may still hold a slice
+// after the call completed, so its bytes are copied.
+std::shared_ptr<Client::Outgoing> SplitRequest(std::shared_ptr<const v1::ForwardRequest> request) {
+  auto out = std::make_shared<Client::Outgoing>();
+  const v1::ForwardRequest& r = *request;
+  v1::ForwardRequest& h = out->header;
+  h.set_request_id(r.request_id());
+  *h.mutable_shape() = r.shape();
+  h.set_dtype(r.dtype());
+  h.set_mask(r.mask());
+  if (r.has_softmax_scale()) h.set_softmax_scale(r.softmax_scale());
+  h.set_return_lse(r.return_lse());
+  if (r.has_o_ref()) *h.mutable_o_ref() = r.o_ref();
+  const v1::TensorInput* inputs[3] = {&r.q(), &r.k(), &r.v()};
+  for (int i = 0; i < 3; ++i) {
+    if (inputs[i]->has_ref()) {
+      *(i == 0 ? h.mutable_q() : i == 1 ? h.mutable_k() : h.mutable_v())->mutable_ref() = inputs[i]->ref();
+    } else if (inputs[i]->source_case() == v1::TensorInput::kData) {
+      out->tensors[i] = inputs[i]->data();
+    }
+  }
+  if (request.use_count() > 0) out->owner = std::move(request);
+  return out;
+}
+
 // The result of a call whose reply arrived in full: its accounting filled in and its sizes checked.
-absl::StatusOr<ForwardResult> Completed(const v1::ForwardRequest& r, ForwardResult res, Transport t, absl::Time start) {
+absl::StatusOr<ForwardResult> Completed(const Client::Outgoing& sent, ForwardResult res, Transport t,
+                                        absl::Time start) {
   res.transport = t;
   res.latency = absl::Now() - start;
-  res.bytes_sent = InlineBytes(r);
+  res.bytes_sent = sent.inline_bytes();
   res.bytes_received = res.o.size() + res.lse.size();
-  if (absl::Status sizes = CheckReplySizes(r, res); !sizes.ok()) return sizes;
+  if (absl::Status sizes = CheckReplySizes(sent.header, res); !sizes.ok()) return sizes;
   return res;
 }
 
@@ -209,23 +252,20 @@ absl::Status FromGrpcStatus(const grpc::Status& s) {
 // Streaming call: header, then Q, K, V chunks in order; the reply is a header then O and LSE chunks.
 class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  StreamCall(std::shared_ptr<const v1::ForwardRequest> request, ForwardCallback done, uint64_t chunk_bytes)
-      : request_(std::move(request)), done_(std::move(done)), chunk_bytes_(chunk_bytes), start_(absl::Now()) {}
+  StreamCall(std::shared_ptr<const Outgoing> sent, ForwardCallback done, uint64_t chunk_bytes)
+      : sent_(std::move(sent)), done_(std::move(done)), chunk_bytes_(chunk_bytes), start_(absl::Now()) {}
 
   // Takes ownership of itself: deleted in OnDone, or here when nothing could be started.
   void Start(grpc::GenericStub* stub, const Client& client, const CallOptions& call) {
     client.Prepare(&ctx_, call);
-    if (request_->return_lse()) {
-      if (auto n = ExpectedLseBytes(*request_)) want_lse_ = *n;
+    if (sent_->header.return_lse()) {
+      if (auto n = ExpectedLseBytes(sent_->header)) want_lse_ = *n;
     }
-    if (!request_->has_o_ref()) {
-      if (auto n = ExpectedOBytes(*request_)) want_o_ = *n;
+    if (!sent_->header.has_o_ref()) {
+      if (auto n = ExpectedOBytes(sent_->header)) want_o_ = *n;
     }
-    // Chunks point into the request's tensors when we share its ownership; a borrowed request (the blocking
-    // Forward) cannot outlive its caller while gRPC may still hold a chunk, so each chunk copies its bytes.
-    if (request_.use_count() > 0) owner_ = request_;
     v1::ForwardStreamRequest header;
-    BuildHeader(header.mutable_header());
+    *header.mutable_header() = sent_->header;
     bool own_buffer = false;
     const grpc::Status serialized =
         grpc::SerializationTraits<v1::ForwardStreamRequest>::Serialize(header, &out_, &own_buffer);
@@ -271,7 +311,7 @@ class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer
     } else if (!have_header_) {
       out = absl::InternalError("ForwardStream: the server closed the stream without a header");
     } else {
-      out = Completed(*request_, std::move(result_), Transport::kStream, start_);
+      out = Completed(*sent_, std::move(result_), Transport::kStream, start_);
     }
     ForwardCallback done = std::move(done_);
     delete this;
@@ -279,30 +319,15 @@ class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer
   }
 
  private:
-  void BuildHeader(v1::ForwardRequest* h) const {
-    // Copy every field but the inline tensor bytes (those follow as chunks).
-    const v1::ForwardRequest& r = *request_;
-    h->set_request_id(r.request_id());
-    *h->mutable_shape() = r.shape();
-    h->set_dtype(r.dtype());
-    h->set_mask(r.mask());
-    if (r.has_softmax_scale()) h->set_softmax_scale(r.softmax_scale());
-    h->set_return_lse(r.return_lse());
-    if (r.q().has_ref()) *h->mutable_q()->mutable_ref() = r.q().ref();
-    if (r.k().has_ref()) *h->mutable_k()->mutable_ref() = r.k().ref();
-    if (r.v().has_ref()) *h->mutable_v()->mutable_ref() = r.v().ref();
-    if (r.has_o_ref()) *h->mutable_o_ref() = r.o_ref();
-  }
-
   // Fills out_ with the next chunk; false when every inline byte has been sent.
   bool NextChunk() {
     static constexpr v1::TensorName kNames[3] = {v1::TENSOR_NAME_Q, v1::TENSOR_NAME_K, v1::TENSOR_NAME_V};
-    const v1::TensorInput* inputs[3] = {&request_->q(), &request_->k(), &request_->v()};
     while (tensor_ < 3) {
-      const std::string& data = inputs[tensor_]->data();
+      const std::string_view data = sent_->tensors[tensor_].value_or(std::string_view());
       if (offset_ < data.size()) {
+        // By reference while the owner lives on in the slices; copied into them when there is none.
         const uint64_t n = std::min<uint64_t>(chunk_bytes_, data.size() - offset_);
-        out_ = SerializeStreamChunk(kNames[tensor_], offset_, data.data() + offset_, n, owner_);
+        out_ = SerializeStreamChunk(kNames[tensor_], offset_, data.data() + offset_, n, sent_->owner);
         offset_ += n;
         return true;
       }
@@ -381,11 +406,10 @@ class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer
 
 
   grpc::ClientContext ctx_;
-  std::shared_ptr<const v1::ForwardRequest> request_;
+  std::shared_ptr<const Outgoing> sent_;
   ForwardCallback done_;
   const uint64_t chunk_bytes_;
   const absl::Time start_;
-  std::shared_ptr<const void> owner_;  // the request, when chunks may reference it; else null
   grpc::ByteBuffer out_, in_buf_;
   v1::ForwardStreamResponse in_;
   int tensor_ = 0;       // 0..2: Q, K, V being sent
@@ -463,6 +487,10 @@ uint64_t Client::ChunkBytes(uint64_t max_message_bytes) const {
 }
 
 absl::StatusOr<Transport> Client::ChooseTransport(const v1::ForwardRequest& request) {
+  return ChooseTransportFor(request.ByteSizeLong(), request);
+}
+
+absl::StatusOr<Transport> Client::ChooseTransportFor(uint64_t request_bytes, const v1::ForwardRequest& request) {
   auto info = ServerInfo();
   if (!info.ok()) {
     return absl::Status(info.status().code(), absl::StrCat("fetching the server's limits: ", info.status().message()));
@@ -470,15 +498,48 @@ absl::StatusOr<Transport> Client::ChooseTransport(const v1::ForwardRequest& requ
   const uint64_t limit = info->limits().max_message_bytes();
   if (limit == 0) return Transport::kUnary;  // the server states no limit
   const uint64_t reply = ExpectedOBytes(request).value_or(0) + (request.return_lse() ? ExpectedLseBytes(request).value_or(0) : 0);
-  const bool fits = request.ByteSizeLong() + kMessageOverhead <= limit && reply + kMessageOverhead <= limit;
+  const bool fits = request_bytes + kMessageOverhead <= limit && reply + kMessageOverhead <= limit;
   return fits ? Transport::kUnary : Transport::kStream;
 }
 
 void Client::ForwardAsync(std::shared_ptr<const v1::ForwardRequest> request, ForwardCallback done,
                           const CallOptions& call) {
+  Dispatch(SplitRequest(std::move(request)), std::move(done), call);
+}
+
+void Client::ForwardAsync(const RequestSpec& spec, ForwardInputs inputs, ForwardCallback done,
+                          const CallOptions& call) {
+  if (inputs.keep_alive == nullptr) {
+    done(absl::InvalidArgumentError("inputs.keep_alive: required (it keeps q, k, v alive while gRPC sends them)"));
+    return;
+  }
+  auto sent = std::make_shared<Outgoing>();
+  sent->header = MakeForwardRequest(spec, "", "", "");
+  sent->header.clear_q();
+  sent->header.clear_k();
+  sent->header.clear_v();
+  sent->tensors[0] = inputs.q;
+  sent->tensors[1] = inputs.k;
+  sent->tensors[2] = inputs.v;
+  sent->owner = std::move(inputs.keep_alive);
+  Dispatch(std::move(sent), std::move(done), call);
+}
+
+std::future<absl::StatusOr<ForwardResult>> Client::ForwardFuture(const RequestSpec& spec, ForwardInputs inputs,
+                                                                 const CallOptions& call) {
+  auto promise = std::make_shared<std::promise<absl::StatusOr<ForwardResult>>>();
+  auto future = promise->get_future();
+  ForwardAsync(
+      spec, std::move(inputs), [promise](absl::StatusOr<ForwardResult> r) { promise->set_value(std::move(r)); },
+      call);
+  return future;
+}
+
+void Client::Dispatch(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call) {
   Transport t = call.transport ? *call.transport : options_.transport;
   if (t == Transport::kAuto) {
-    auto chosen = ChooseTransport(*request);
+    // The message size: the header, the tensors and their few bytes of tags and lengths each.
+    auto chosen = ChooseTransportFor(sent->header.ByteSizeLong() + sent->inline_bytes() + 3 * 24, sent->header);
     if (!chosen.ok()) {
       done(chosen.status());
       return;
@@ -486,7 +547,7 @@ void Client::ForwardAsync(std::shared_ptr<const v1::ForwardRequest> request, For
     t = *chosen;
   }
   if (t == Transport::kUnary) {
-    StartUnary(std::move(request), std::move(done), call);
+    StartUnary(std::move(sent), std::move(done), call);
     return;
   }
   // Chunks must fit the server's message limit; without the info (unreachable server) the call itself
@@ -500,24 +561,21 @@ void Client::ForwardAsync(std::shared_ptr<const v1::ForwardRequest> request, For
     auto info = ServerInfo(false, call);
     if (info.ok()) max_message = info->limits().max_message_bytes();
   }
-  StartStream(std::move(request), std::move(done), call, max_message);
+  StartStream(std::move(sent), std::move(done), call, max_message);
 }
 
-void Client::StartUnary(std::shared_ptr<const v1::ForwardRequest> request, ForwardCallback done,
-                        const CallOptions& call) {
+void Client::StartUnary(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call) {
   struct Call {
     grpc::ClientContext ctx;
-    std::shared_ptr<const v1::ForwardRequest> request;
+    std::shared_ptr<const Outgoing> sent;
     grpc::ByteBuffer request_buf, response_buf;
-    v1::ForwardResponse response;
     ForwardCallback done;
     absl::Time start;
 
-    void Finish(grpc::Status s, bool from_buffer) {
+    void Finish(grpc::Status s) {
       std::unique_ptr<Call> owned(this);
-      if (s.ok() && from_buffer) {
-        s = grpc::SerializationTraits<v1::ForwardResponse>::Deserialize(&response_buf, &response);
-      }
+      v1::ForwardResponse response;
+      if (s.ok()) s = grpc::SerializationTraits<v1::ForwardResponse>::Deserialize(&response_buf, &response);
       absl::StatusOr<ForwardResult> out;
       if (!s.ok()) {
         out = FromGrpcStatus(s);
@@ -526,7 +584,7 @@ void Client::StartUnary(std::shared_ptr<const v1::ForwardRequest> request, Forwa
         FillResultHeader(response, res);
         res.o = std::move(*response.mutable_o());
         res.lse = std::move(*response.mutable_lse());
-        out = Completed(*request, std::move(res), Transport::kUnary, start);
+        out = Completed(*sent, std::move(res), Transport::kUnary, start);
       }
       ForwardCallback cb = std::move(done);
       owned.reset();
@@ -534,33 +592,18 @@ void Client::StartUnary(std::shared_ptr<const v1::ForwardRequest> request, Forwa
     }
   };
   auto* c = new Call;
-  c->request = std::move(request);
+  c->sent = std::move(sent);
   c->done = std::move(done);
   Prepare(&c->ctx, call);
   c->start = absl::Now();
-  // A request we share ownership of goes out by reference (zero_copy.h): the tensors are not copied into
-  // a serialised message. A borrowed one (the blocking Forward) cannot outlive its caller's frame, while
-  // gRPC may still hold the slices after the call completed, so it is serialised the usual way.
-  if (c->request.use_count() > 0) {
-    absl::StatusOr<grpc::ByteBuffer> buf = SerializeByReference(c->request);
-    if (!buf.ok()) {
-      ForwardCallback cb = std::move(c->done);
-      delete c;
-      cb(buf.status());
-      return;
-    }
-    c->request_buf = *std::move(buf);
-    generic_->UnaryCall(&c->ctx, kForwardMethod, grpc::StubOptions(), &c->request_buf, &c->response_buf,
-                        [c](grpc::Status s) { c->Finish(std::move(s), /*from_buffer=*/true); });
-    return;
-  }
-  stub_->async()->Forward(&c->ctx, c->request.get(), &c->response,
-                          [c](grpc::Status s) { c->Finish(std::move(s), /*from_buffer=*/false); });
+  c->request_buf = SerializeForwardRequest(c->sent->header, c->sent->tensors, c->sent->owner);
+  generic_->UnaryCall(&c->ctx, kForwardMethod, grpc::StubOptions(), &c->request_buf, &c->response_buf,
+                      [c](grpc::Status s) { c->Finish(std::move(s)); });
 }
 
-void Client::StartStream(std::shared_ptr<const v1::ForwardRequest> request, ForwardCallback done,
-                         const CallOptions& call, uint64_t max_message_bytes) {
-  auto* s = new StreamCall(std::move(request), std::move(done), ChunkBytes(max_message_bytes));
+void Client::StartStream(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call,
+                         uint64_t max_message_bytes) {
+  auto* s = new StreamCall(std::move(sent), std::move(done), ChunkBytes(max_message_bytes));
   s->Start(generic_.get(), *this, call);
 }
 

@@ -109,6 +109,37 @@ grpc::ByteBuffer SerializeStreamChunk(v1::TensorName tensor, uint64_t offset, co
   return grpc::ByteBuffer(slices, n == 0 ? 1 : 2);
 }
 
+grpc::ByteBuffer SerializeForwardRequest(const v1::ForwardRequest& header,
+                                         const std::optional<std::string_view> (&tensors)[3],
+                                         std::shared_ptr<const void> owner) {
+  static constexpr int kFields[3] = {v1::ForwardRequest::kQFieldNumber, v1::ForwardRequest::kKFieldNumber,
+                                     v1::ForwardRequest::kVFieldNumber};
+  using google::protobuf::io::CodedOutputStream;
+  std::vector<grpc::Slice> slices;
+  slices.emplace_back(header.SerializeAsString());
+  // Fields may come in any order and a message field may repeat (its parts merge), so the tensors can
+  // follow the header as fields of their own.
+  const uint32_t data_tag = LengthDelimitedTag(v1::TensorInput::kDataFieldNumber);
+  for (int i = 0; i < 3; ++i) {
+    if (!tensors[i]) continue;
+    const uint64_t n = tensors[i]->size();
+    const uint64_t input_size = CodedOutputStream::VarintSize32(data_tag) + CodedOutputStream::VarintSize64(n) + n;
+    std::string prefix;
+    {
+      google::protobuf::io::StringOutputStream sink(&prefix);
+      CodedOutputStream out(&sink);
+      out.WriteVarint32(LengthDelimitedTag(kFields[i]));
+      out.WriteVarint64(input_size);
+      out.WriteVarint32(data_tag);
+      out.WriteVarint64(n);
+    }
+    slices.emplace_back(prefix);
+    if (n == 0) continue;
+    slices.push_back(owner ? ReferenceSlice(tensors[i]->data(), n, owner) : grpc::Slice(tensors[i]->data(), n));
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
 ChunkRead ReadStreamChunk(grpc::ByteBuffer& message, absl::FunctionRef<char*(const ChunkHead&)> place) {
   static_assert(v1::ForwardStreamRequest::kChunkFieldNumber == v1::ForwardStreamResponse::kChunkFieldNumber);
   const uint64_t total = message.Length();

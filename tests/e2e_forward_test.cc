@@ -261,6 +261,40 @@ TEST_P(ForwardTest, ReflectionListsTheService) {
 
 // The resolver-based targets users give: dns:/// (with the round-robin policy the client configures for
 // it), ipv4: and a unix socket in URI form.
+TEST_P(ForwardTest, TensorsInTheCallersOwnMemoryGoUncopiedOverBothRpcs) {
+  Case c = MakeCase(Spec(1, 256, 320, 8, 2, 128, Mask::kCausalBottomRight, true), 15);
+  // The caller's buffer: Q, K and V back to back in one allocation it manages itself.
+  struct Buffer {
+    std::string bytes;
+  };
+  auto buffer = std::make_shared<Buffer>();
+  buffer->bytes = c.request->q().data() + c.request->k().data() + c.request->v().data();
+  const std::string_view all = buffer->bytes;
+  const size_t qn = c.request->q().data().size(), kn = c.request->k().data().size();
+  std::weak_ptr<Buffer> watch = buffer;
+  for (client::Transport t : {client::Transport::kUnary, client::Transport::kStream}) {
+    client::ForwardInputs in{all.substr(0, qn), all.substr(qn, kn), all.substr(qn + kn), buffer};
+    client::CallOptions call;
+    call.transport = t;
+    EXPECT_EQ(CheckReply(c, client_->ForwardFuture(c.spec, std::move(in), call).get()), "")
+        << client::TransportName(t);
+  }
+  buffer.reset();
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  while (!watch.expired() && absl::Now() < end) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_TRUE(watch.expired()) << "the client kept the caller's buffer after the calls";
+  // Without something to keep the bytes alive the call is refused before anything is sent.
+  auto r = client_->ForwardFuture(c.spec, client::ForwardInputs{"q", "k", "v", nullptr}).get();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "keep_alive")) << r.status();
+  // Wrong sizes are the server's to refuse, naming the tensor.
+  auto owner = std::make_shared<std::string>("0123456789");
+  auto w = client_->ForwardFuture(c.spec, client::ForwardInputs{*owner, *owner, *owner, owner}).get();
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument) << w.status();
+}
+
 TEST_P(ForwardTest, ClientGrpcArgsApplyAndOverrideTheLibrarysOwn) {
   client::ClientOptions o;
   o.target = server_->Target(GetParam());

@@ -4,6 +4,8 @@
 #include "attnd/zero_copy.h"
 
 #include <memory>
+#include <optional>
+#include <string_view>
 #include <string>
 #include <vector>
 
@@ -198,6 +200,38 @@ TEST(ReadStreamChunk, AnythingElseIsLeftToProtobufAndARefusalCopiesNothing) {
             }),
             ChunkRead::kRefused);
   EXPECT_EQ(out, "------");
+}
+
+TEST(SerializeForwardRequest, ParsesToTheRequestItDescribes) {
+  auto full = Request(Shape{1, 32, 48, 4, 2, 64}, true);
+  v1::ForwardRequest header = *full;
+  header.clear_q();
+  header.clear_k();
+  header.clear_v();
+  const std::optional<std::string_view> tensors[3] = {full->q().data(), full->k().data(), full->v().data()};
+  for (bool by_reference : {false, true}) {
+    auto owner = by_reference ? std::shared_ptr<const void>(full) : nullptr;
+    grpc::ByteBuffer buf = SerializeForwardRequest(header, tensors, owner);
+    std::vector<grpc::Slice> slices;
+    v1::ForwardRequest parsed;
+    ASSERT_TRUE(parsed.ParseFromString(Flatten(buf, &slices)));
+    EXPECT_EQ(parsed.SerializeAsString(), full->SerializeAsString()) << "by_reference=" << by_reference;
+    bool referenced = false;
+    for (const grpc::Slice& sl : slices) referenced |= reinterpret_cast<const char*>(sl.begin()) == full->k().data().data();
+    EXPECT_EQ(referenced, by_reference);
+  }
+  // A reference stays in the header, an empty tensor is present but empty, a missing one stays missing.
+  v1::ForwardRequest mixed = header;
+  mixed.mutable_q()->mutable_ref()->set_buffer_id("buf-1");
+  const std::optional<std::string_view> partial[3] = {std::nullopt, std::string_view(), std::nullopt};
+  grpc::ByteBuffer buf = SerializeForwardRequest(mixed, partial, nullptr);
+  std::vector<grpc::Slice> slices;
+  v1::ForwardRequest parsed;
+  ASSERT_TRUE(parsed.ParseFromString(Flatten(buf, &slices)));
+  EXPECT_EQ(parsed.q().ref().buffer_id(), "buf-1");
+  EXPECT_EQ(parsed.k().source_case(), v1::TensorInput::kData);
+  EXPECT_TRUE(parsed.k().data().empty());
+  EXPECT_FALSE(parsed.has_v());
 }
 
 TEST(ParseSmallFields, HeaderFieldsWithoutTheTensors) {

@@ -9,6 +9,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string_view>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
@@ -30,6 +32,14 @@ absl::StatusOr<grpc::ByteBuffer> SerializeByReference(std::shared_ptr<const goog
 // ForwardStreamRequest and ForwardStreamResponse both carry `TensorChunk chunk = 2`, so this serves either.
 grpc::ByteBuffer SerializeStreamChunk(v1::TensorName tensor, uint64_t offset, const char* data, size_t n,
                                       std::shared_ptr<const void> owner);
+
+// A ForwardRequest in wire format: `header` (every field but the inline tensor bytes; its q, k, v must be
+// unset or references) followed by q, k, v as TensorInput{data} for each tensor given in `tensors`
+// (an empty view is an empty but present tensor). The bytes by reference when `owner` is set (each slice
+// holding a share of it), copied otherwise. Parses to the request they describe.
+grpc::ByteBuffer SerializeForwardRequest(const v1::ForwardRequest& header,
+                                         const std::optional<std::string_view> (&tensors)[3],
+                                         std::shared_ptr<const void> owner);
 
 struct ChunkHead {
   int32_t tensor = 0;  // a v1::TensorName value, unchecked

@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -109,6 +110,15 @@ struct ForwardResult {
 
 using ForwardCallback = std::function<void(absl::StatusOr<ForwardResult>)>;
 
+// Inline tensors in the caller's own memory ([batch, len, heads, head_dim] bytes as the RequestSpec says),
+// sent without being copied into a request.
+struct ForwardInputs {
+  std::string_view q, k, v;
+  // Keeps q, k and v valid and unchanged. gRPC holds shares of it until it no longer reads them, which may
+  // be after the call's `done` has run. Required.
+  std::shared_ptr<const void> keep_alive;
+};
+
 // The one translation of a gRPC status into an absl::Status (codes are numerically identical).
 absl::Status FromGrpcStatus(const grpc::Status& s);
 
@@ -133,6 +143,10 @@ class Client {
                     const CallOptions& call = {});
   std::future<absl::StatusOr<ForwardResult>> ForwardFuture(std::shared_ptr<const v1::ForwardRequest> request,
                                                            const CallOptions& call = {});
+  // The same from a spec and tensors the caller keeps (ForwardInputs): no copy of them is made.
+  void ForwardAsync(const RequestSpec& spec, ForwardInputs inputs, ForwardCallback done, const CallOptions& call = {});
+  std::future<absl::StatusOr<ForwardResult>> ForwardFuture(const RequestSpec& spec, ForwardInputs inputs,
+                                                           const CallOptions& call = {});
 
   // The transport kAuto picks for this request (fetches and caches the server info when needed).
   absl::StatusOr<Transport> ChooseTransport(const v1::ForwardRequest& request);
@@ -152,11 +166,18 @@ class Client {
 
  private:
   class StreamCall;
+
+ public:
+  struct Outgoing;  // what one call sends (client.cc)
+
+ private:
   Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
   void Prepare(grpc::ClientContext* ctx, const CallOptions& call) const;
   uint64_t ChunkBytes(uint64_t max_message_bytes) const;
-  void StartUnary(std::shared_ptr<const v1::ForwardRequest> request, ForwardCallback done, const CallOptions& call);
-  void StartStream(std::shared_ptr<const v1::ForwardRequest> request, ForwardCallback done, const CallOptions& call,
+  absl::StatusOr<Transport> ChooseTransportFor(uint64_t request_bytes, const v1::ForwardRequest& request);
+  void Dispatch(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call);
+  void StartUnary(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call);
+  void StartStream(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call,
                    uint64_t max_message_bytes);
 
   const ClientOptions options_;
