@@ -89,6 +89,14 @@ absl::Status CheckReplySizes(const v1::ForwardRequest& r, const ForwardResult& r
   return absl::OkStatus();
 }
 
+void FillResultHeader(v1::ForwardResponse& header, ForwardResult& res) {
+  res.request_id = std::move(*header.mutable_request_id());
+  res.timing = header.timing();
+  res.backend = std::move(*header.mutable_backend());
+  res.kernel = std::move(*header.mutable_kernel());
+  res.device = header.device();
+}
+
 }  // namespace
 
 // What one Forward call sends: every request field but the inline tensor bytes, and those bytes, which
@@ -105,13 +113,11 @@ struct Client::Outgoing {
   }
 };
 
-namespace {
-
-// A request split into header and tensors. A request we share ownership of owns its tensors' slices; a
-// borrowed one (the blocking Forward) cannot outlive its caller's frame while gRPC may still hold a slice
-// after the call completed, so its bytes are copied.
-std::shared_ptr<Client::Outgoing> SplitRequest(std::shared_ptr<const v1::ForwardRequest> request) {
-  auto out = std::make_shared<Client::Outgoing>();
+// A request we share ownership of owns its tensors' slices; a borrowed one (the blocking Forward) cannot
+// outlive its caller's frame while gRPC may still hold a slice after the call completed, so its bytes are
+// copied.
+std::shared_ptr<Client::Outgoing> Client::Split(std::shared_ptr<const v1::ForwardRequest> request) {
+  auto out = std::make_shared<Outgoing>();
   const v1::ForwardRequest& r = *request;
   v1::ForwardRequest& h = out->header;
   h.set_request_id(r.request_id());
@@ -133,9 +139,8 @@ std::shared_ptr<Client::Outgoing> SplitRequest(std::shared_ptr<const v1::Forward
   return out;
 }
 
-// The result of a call whose reply arrived in full: its accounting filled in and its sizes checked.
-absl::StatusOr<ForwardResult> Completed(const Client::Outgoing& sent, ForwardResult res, Transport t,
-                                        absl::Time start) {
+absl::StatusOr<ForwardResult> Client::Completed(const Outgoing& sent, ForwardResult res, Transport t,
+                                                absl::Time start) {
   res.transport = t;
   res.latency = absl::Now() - start;
   res.bytes_sent = sent.inline_bytes();
@@ -143,16 +148,6 @@ absl::StatusOr<ForwardResult> Completed(const Client::Outgoing& sent, ForwardRes
   if (absl::Status sizes = CheckReplySizes(sent.header, res); !sizes.ok()) return sizes;
   return res;
 }
-
-void FillResultHeader(v1::ForwardResponse& header, ForwardResult& res) {
-  res.request_id = std::move(*header.mutable_request_id());
-  res.timing = header.timing();
-  res.backend = std::move(*header.mutable_backend());
-  res.kernel = std::move(*header.mutable_kernel());
-  res.device = header.device();
-}
-
-}  // namespace
 
 const char* TransportName(Transport t) {
   switch (t) {
@@ -504,7 +499,7 @@ absl::StatusOr<Transport> Client::ChooseTransportFor(uint64_t request_bytes, con
 
 void Client::ForwardAsync(std::shared_ptr<const v1::ForwardRequest> request, ForwardCallback done,
                           const CallOptions& call) {
-  Dispatch(SplitRequest(std::move(request)), std::move(done), call);
+  Dispatch(Split(std::move(request)), std::move(done), call);
 }
 
 void Client::ForwardAsync(const RequestSpec& spec, ForwardInputs inputs, ForwardCallback done,

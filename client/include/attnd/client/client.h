@@ -166,11 +166,12 @@ class Client {
 
  private:
   class StreamCall;
+  struct Outgoing;  // what one call sends: a header and the inline tensors (client.cc)
 
- public:
-  struct Outgoing;  // what one call sends (client.cc)
-
- private:
+  // A request as an Outgoing; the result of a call whose reply arrived in full, accounted and size-checked.
+  static std::shared_ptr<Outgoing> Split(std::shared_ptr<const v1::ForwardRequest> request);
+  static absl::StatusOr<ForwardResult> Completed(const Outgoing& sent, ForwardResult res, Transport t,
+                                                 absl::Time start);
   Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
   void Prepare(grpc::ClientContext* ctx, const CallOptions& call) const;
   uint64_t ChunkBytes(uint64_t max_message_bytes) const;
