@@ -284,10 +284,11 @@ int CmdCall(Client& client) {
     if (!o.ok()) return Fail(o.status(), "reference");
     oracle = *std::move(o);
   }
-  const attnd::v1::ForwardRequest request =
-      attnd::client::MakeForwardRequest(*spec, std::move(inputs->q), std::move(inputs->k), std::move(inputs->v));
+  // Shared, so that the tensors go out by reference rather than being copied into the message.
+  const auto request = std::make_shared<const attnd::v1::ForwardRequest>(
+      attnd::client::MakeForwardRequest(*spec, std::move(inputs->q), std::move(inputs->k), std::move(inputs->v)));
   std::cout << "call: " << ShapeLine(*spec) << "\n";
-  auto res = client.Forward(request, CallOpts());
+  auto res = client.ForwardFuture(request, CallOpts()).get();
   if (!res.ok()) return Fail(res.status(), "Forward");
   const auto& t = res->timing;
   const double flops = attnd::ForwardFlops(spec->ToProblem());
