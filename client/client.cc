@@ -18,7 +18,6 @@
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/support/client_callback.h"
-#include "grpcpp/support/proto_buffer_reader.h"
 
 namespace attnd::client {
 namespace {

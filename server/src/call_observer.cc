@@ -14,9 +14,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "attnd/v1/attention.pb.h"
+#include "attnd/zero_copy.h"
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/byte_buffer.h"
-#include "attnd/zero_copy.h"
 #include "spdlog/spdlog.h"
 
 namespace attnd::server {
@@ -164,15 +164,8 @@ class CallObserver final : public grpc::experimental::Interceptor {
     const auto* b = static_cast<const grpc::ByteBuffer*>(msg);
     bytes_in_ += b->Length();
     if (messages_in_++ > 0) return;
-    v1::ForwardRequest forward;
-    v1::ForwardStreamRequest stream;
-    const v1::ForwardRequest* header = nullptr;
-    if (kind_ == Kind::kForward) {
-      if (ParseSmallFields(*b, &forward)) header = &forward;
-    } else if (ParseSmallFields(*b, &stream) && stream.has_header()) {
-      header = &stream.header();
-    }
-    if (header == nullptr) return;
+    const std::optional<v1::ForwardRequest> header = HeaderOf<v1::ForwardRequest, v1::ForwardStreamRequest>(*b);
+    if (!header) return;
     if (request_id_.empty()) request_id_ = header->request_id();
     shape_ = ShapeText(*header);
   }
@@ -182,17 +175,23 @@ class CallObserver final : public grpc::experimental::Interceptor {
     const auto* b = static_cast<const grpc::ByteBuffer*>(msg);
     bytes_out_ += b->Length();
     if (messages_out_++ > 0) return;
-    v1::ForwardResponse forward;
-    v1::ForwardStreamResponse stream;
-    const v1::ForwardResponse* header = nullptr;
-    if (kind_ == Kind::kForward) {
-      if (ParseSmallFields(*b, &forward)) header = &forward;
-    } else if (ParseSmallFields(*b, &stream) && stream.has_header()) {
-      header = &stream.header();
-    }
-    if (header == nullptr || !header->has_timing()) return;
+    const std::optional<v1::ForwardResponse> header = HeaderOf<v1::ForwardResponse, v1::ForwardStreamResponse>(*b);
+    if (!header || !header->has_timing()) return;
     queue_ = absl::Microseconds(header->timing().queue_us());
     kernel_ = absl::Microseconds(header->timing().kernel_us());
+  }
+
+  // A Forward message is its own header; a stream's first message holds one (or is a protocol error).
+  template <typename Header, typename StreamMessage>
+  std::optional<Header> HeaderOf(const grpc::ByteBuffer& b) const {
+    if (kind_ == Kind::kForward) {
+      Header h;
+      if (ParseSmallFields(b, &h)) return h;
+      return std::nullopt;
+    }
+    StreamMessage m;
+    if (ParseSmallFields(b, &m) && m.has_header()) return std::move(*m.mutable_header());
+    return std::nullopt;
   }
 
   void Finish(const grpc::Status& status) {
