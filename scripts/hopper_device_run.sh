@@ -3,7 +3,7 @@
 # here with -DATTND_STATIC=ON and copied to .carry-hopper/): GPU tests of the hopper configurations,
 # compute-sanitizer on small shapes, the SASS check (HGMMA, no local memory) and the benchmark against
 # torch SDPA (cuDNN, FA2). Logs go to $OUT (at most 8 files come back).
-#   scripts/hopper_device_run.sh [tests|sanitize|sass|bench|quickbench]...   (default: all but quickbench)
+#   scripts/hopper_device_run.sh [smoke|tests|sanitize|sass|sweep|bench|quickbench]...   (default: all but quickbench)
 set -uo pipefail
 C=.carry-hopper
 OUT=${OUT:-/tmp/hopper-out}
@@ -58,6 +58,17 @@ PY
       want='HopperFwdKernel.*TileShapeILi128ELi128ELi3ELb1ELb1E.*__nv_bfloat16'
       awk -v w="$want" '/Function : /{p = ($0 ~ w)} p' /tmp/all.sass > "$OUT/sass_d128.txt"
       wc -l "$OUT/sass_d128.txt" ;;
+    sweep)
+      # The non-causal L2 section budget, one process per value (read once per process): SWEEP_MB in MiB,
+      # 0 = no sections (the causal order); unset = the default (24).
+      for mb in ${SWEEP_MB:-0 12 24 48}; do
+        echo "== ATTND_HOPPER_L2_SECTION_MB=$mb" | tee -a "$OUT/sweep.log"
+        ATTND_HOPPER_L2_SECTION_MB=$mb PYTHONUNBUFFERED=1 timeout ${SWEEP_TIMEOUT:-90} python3 kernels/bench/hopper_bench.py \
+          --lib "$C/libattnd_kernels_c.so" --configs hopper --causal no --head_dims ${SWEEP_DIMS:-64,128,256} \
+          --seqs ${SWEEP_SEQS:-4096,16384} --no-gqa --peers cudnn --rep "${BENCH_REP:-60}" \
+          2>&1 | grep -v '^device' | sort -u >> "$OUT/sweep.log"
+      done
+      cat "$OUT/sweep.log" ;;
     bench|quickbench)
       extra=""; [ "$step" = quickbench ] && extra="--quick"
       PYTHONUNBUFFERED=1 timeout ${BENCH_TIMEOUT:-200} python3 kernels/bench/hopper_bench.py --lib "$C/libattnd_kernels_c.so" \

@@ -59,16 +59,21 @@ class Attnd:
             raise RuntimeError(err.value.decode())
 
 
-def rows(quick):
+def rows(args):
     out = []
-    seqs = [1024, 4096, 16384] if quick else [512, 1024, 2048, 4096, 8192, 16384]
-    for d in (64, 128, 256):
-        for causal in (False, True):
+    seqs = [1024, 4096, 16384] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    if args.seqs:
+        seqs = [int(x) for x in args.seqs.split(",")]
+    masks = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
+    for d in (int(x) for x in args.head_dims.split(",")):
+        for causal in masks:
             for s in seqs:
                 out.append(dict(batch=16384 // s, seq=s, hq=2048 // d, hkv=2048 // d, d=d, causal=causal))
-    for causal in (False, True):  # GQA: 16 query heads over 2 kv heads (Llama-style group of 8)
-        for s in ([4096, 16384] if quick else [1024, 4096, 16384]):
-            out.append(dict(batch=16384 // s, seq=s, hq=16, hkv=2, d=128, causal=causal))
+    if args.gqa and "128" in args.head_dims.split(","):
+        for causal in masks:  # GQA: 16 query heads over 2 kv heads (Llama-style group of 8)
+            for s in ([4096, 16384] if args.quick else [1024, 4096, 16384]):
+                if not args.seqs or s in seqs:
+                    out.append(dict(batch=16384 // s, seq=s, hq=16, hkv=2, d=128, causal=causal))
     return out
 
 
@@ -79,6 +84,12 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default="")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    # Narrowing, for sweeps that need a few rows in many processes (e.g. one per ATTND_HOPPER_L2_SECTION_MB).
+    ap.add_argument("--head_dims", default="64,128,256")
+    ap.add_argument("--causal", choices=("both", "no", "yes"), default="both")
+    ap.add_argument("--seqs", default="", help="comma-separated; default: the full (or --quick) list")
+    ap.add_argument("--gqa", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--peers", default="cudnn,fa2", help="torch SDPA backends timed beside attnd (cudnn, fa2)")
     args = ap.parse_args()
     attnd = Attnd(args.lib)
     configs = [c for c in args.configs.split(",") if c]
@@ -92,7 +103,7 @@ def main():
     header += "  (TFLOP/s)   vs cuDNN"
     lines = [header]
     print(header, flush=True)
-    for r in rows(args.quick):
+    for r in rows(args):
         b, s, hq, hkv, d, causal = r["batch"], r["seq"], r["hq"], r["hkv"], r["d"], r["causal"]
         q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -107,11 +118,15 @@ def main():
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
 
         ref = None
+        peers = [x for x in args.peers.split(",") if x]
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
+            res[name] = None
             try:
                 o = sdpa(backend)
                 if ref is None:
                     ref = o.transpose(1, 2).float()
+                if name not in peers:
+                    continue
                 ms = triton.testing.do_bench(lambda: sdpa(backend), rep=args.rep, return_mode="median")
                 res[name] = flops / ms / 1e9
             except Exception as e:  # a backend that refuses the shape (e.g. GQA) is reported, not fatal
