@@ -3,7 +3,8 @@
 # docs/benchmarks.md ("Service"). Runs on the GPU host from the repo root, over binaries built statically
 # here and carried as .carry-cuda/bins.tar.xz (see server/cuda/tools/pack_carry.sh). Writes under $OUT:
 # env.txt, tests.log, attnd.log, bench.txt (all measurements, CSV rows). SERVER_GRPC_ARGS / CLIENT_GRPC_ARGS
-# (comma-separated name=value) go to --grpc_arg of attnd / attn, to compare transport settings.
+# (comma-separated name=value) go to --grpc_arg of attnd / attn, to compare transport settings. SKIP_TESTS,
+# SKIP_IPC, STREAMS, PORT, DUR: further variants in one device call.
 set -u
 OUT=${OUT:-/tmp/attnd-out}
 mkdir -p "$OUT" /tmp/bins
@@ -20,18 +21,19 @@ B=/tmp/bins
 # 1. Tests (each bounded, so the measurements always run).
 export ATTND_IPC_PEER=$B/ipc_peer
 # FORWARD_FILTER narrows the longest suite (a gtest filter) when device time is short.
-for t in gpu_server_parts_test gpu_server_forward_test gpu_server_ipc_test; do
+# SKIP_TESTS=1: measurements only (a second configuration in the same device call).
+for t in $([ -n "${SKIP_TESTS:-}" ] || echo gpu_server_parts_test gpu_server_forward_test gpu_server_ipc_test); do
   echo "=== $t" >> "$OUT/tests.log"
   f=""
   [ "$t" = gpu_server_forward_test ] && [ -n "${FORWARD_FILTER:-}" ] && f="--gtest_filter=$FORWARD_FILTER"
   timeout 100 "$B/$t" $f >> "$OUT/tests.log" 2>&1
   echo "=== $t rc=$?" >> "$OUT/tests.log"
 done
-grep -E "^\[  (PASSED|FAILED|SKIPPED) |=== .* rc=|^FAIL" "$OUT/tests.log"
+[ -n "${SKIP_TESTS:-}" ] || grep -E "^\[  (PASSED|FAILED|SKIPPED) |=== .* rc=|^FAIL" "$OUT/tests.log"
 
 # 2. Measurements: one server, warm shapes for the measured problems.
-SOCK=/tmp/attnd_bench.sock
-"$B/attnd" --listen=127.0.0.1:50051 --unix_socket=$SOCK --enable_cuda_ipc --streams=${STREAMS:-8} \
+SOCK=/tmp/attnd_bench_${PORT:-50051}.sock
+"$B/attnd" --listen=127.0.0.1:${PORT:-50051} --unix_socket=$SOCK --enable_cuda_ipc --streams=${STREAMS:-8} \
   --warm_shapes=1x1024x1024x32x32x128,1x4096x4096x32x32x128 --log_level=info \
   ${SERVER_GRPC_ARGS:+--grpc_arg=$SERVER_GRPC_ARGS} > "$OUT/attnd.log" 2>&1 &
 SERVER=$!
@@ -42,13 +44,13 @@ done
 R="$OUT/bench.txt"
 cat /tmp/info.txt > "$R"
 DUR=${DUR:-2s}
-timeout 120 "$B/ipc_peer" bench --target=unix:$SOCK --seqs=1024,4096 --concurrency=1,16 --duration_s=${DUR%s} \
+[ -n "${SKIP_IPC:-}" ] || timeout 120 "$B/ipc_peer" bench --target=unix:$SOCK --seqs=1024,4096 --concurrency=1,16 --duration_s=${DUR%s} \
   --warmup_s=${WARM_S:-0.5} --verify_every=25 >> "$R" 2>&1
 [ -n "${SKIP_INLINE:-}" ] || timeout 60 "$B/ipc_peer" tcp --seqs=1024,4096 --tcp_iters=20 >> "$R" 2>&1
 for seq in ${INLINE_SEQS-1024 4096}; do
   for tr in unary stream; do
     for c in 1 16; do
-      timeout 60 "$B/attn" bench --target=127.0.0.1:50051 --transport=$tr --q_len=$seq --q_heads=32 --head_dim=128 \
+      timeout 60 "$B/attn" bench --target=127.0.0.1:${PORT:-50051} --transport=$tr --q_len=$seq --q_heads=32 --head_dim=128 \
         --causal --concurrency=$c --duration=$DUR --warmup=0.5s --verify_every=5 --progress=false \
         --tcp_baseline --rpc_floor ${CLIENT_GRPC_ARGS:+--grpc_arg=$CLIENT_GRPC_ARGS} --csv=/tmp/b.csv > /tmp/b.txt 2>&1
       echo "attn_bench,$tr,$seq,$c,rc=$?" >> "$R"
