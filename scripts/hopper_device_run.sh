@@ -3,7 +3,7 @@
 # here with -DATTND_STATIC=ON and copied to .carry-hopper/): GPU tests of the hopper configurations,
 # compute-sanitizer on small shapes, the SASS check (HGMMA, no local memory) and the benchmark against
 # torch SDPA (cuDNN, FA2). Logs go to $OUT (at most 8 files come back).
-#   scripts/hopper_device_run.sh [smoke|tests|sanitize|sass|sweep|bench|quickbench]...   (default: all but quickbench)
+#   scripts/hopper_device_run.sh [smoke|tests|fewblocks|sanitize|sass|sweep|bench|quickbench]...   (default: all but quickbench)
 set -uo pipefail
 C=.carry-hopper
 OUT=${OUT:-/tmp/hopper-out}
@@ -25,12 +25,18 @@ for step in "${steps[@]}"; do
       timeout ${TEST_TIMEOUT:-200} "$C/gpu_attention_test" --gtest_filter='*hopper_*:*auto_*:KernelApi*' \
         --gtest_output=xml:"$OUT/gpu_test.xml" > "$OUT/gpu_test.log" 2>&1
       echo "tests rc=$?"; grep -E '^\[  (PASSED|FAILED) |tests? ran|FAILED  \]' "$OUT/gpu_test.log" | tail -40 ;;
+    fewblocks)
+      # The same cases on a grid of 3 blocks, so every block runs several tiles back to back (the cross-tile
+      # handover, Q buffer alternation, empty tiles between full ones).
+      ATTND_HOPPER_MAX_BLOCKS=3 timeout ${TEST_TIMEOUT:-200} "$C/gpu_attention_test" --gtest_filter='*hopper_*' \
+        > "$OUT/gpu_test_fewblocks.log" 2>&1
+      echo "fewblocks rc=$?"; grep -E '^\[  (PASSED|FAILED) |tests? ran|FAILED  \]' "$OUT/gpu_test_fewblocks.log" | tail -40 ;;
     sanitize)
-      small='*hopper_sm90_d128_m128n128s3_d128_sq129_tl*:*hopper_sm90_d64_m128n128s4_d64_q17kv129_br*:*hopper_sm90_d256_m128n64s2_d256_q17kv129_none*:*hopper_sm90_d128_m128n128s2_d128_b3_gqa8to2_tl*:*hopper_sm90_d64_m192n128s4_polyexp_d64_sq129_br*:*hopper_sm90_d64_m192n128s4_d64_b3_gqa8to2_tl*'
+      small='*hopper_sm90_d128_m128n128s2_x_d128_bhsd_none*:*hopper_sm90_d64_m128n128s4_x_d64_q1000kv65_tl*:*hopper_sm90_d128_m128n128s2_x_d128_q1000kv65_br*:*hopper_sm90_d128_m128n128s3_d128_sq129_tl*:*hopper_sm90_d64_m128n128s4_d64_q17kv129_br*:*hopper_sm90_d256_m128n64s2_d256_q17kv129_none*:*hopper_sm90_d128_m128n128s2_d128_b3_gqa8to2_tl*:*hopper_sm90_d64_m192n128s4_polyexp_d64_sq129_br*:*hopper_sm90_d64_m192n128s4_d64_b3_gqa8to2_tl*'
       for tool in ${SANITIZE_TOOLS:-memcheck synccheck racecheck}; do
         # racecheck instruments every shared-memory access: one tiny case only (v1: 90 s were not enough).
-        filter=$small; [ $tool = racecheck ] && filter='*hopper_sm90_d128_m128n128s2_d128_sq17_none*'
-        ATTND_GPU_TEST_SMALL=1 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 "$C/gpu_attention_test" \
+        filter=$small; [ $tool = racecheck ] && filter=${RACE_FILTER:-'*hopper_sm90_d128_m128n128s2_d128_sq17_none*'}
+        ATTND_HOPPER_MAX_BLOCKS=${SANITIZE_MAX_BLOCKS:-} ATTND_GPU_TEST_SMALL=1 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 "$C/gpu_attention_test" \
           --gtest_filter="$filter" >> "$OUT/sanitizer.log" 2>&1
         echo "sanitizer $tool rc=$?" | tee -a "$OUT/sanitizer.log"
       done
@@ -64,7 +70,7 @@ PY
       for mb in ${SWEEP_MB:-0 12 24 48}; do
         echo "== ATTND_HOPPER_L2_SECTION_MB=$mb" | tee -a "$OUT/sweep.log"
         ATTND_HOPPER_L2_SECTION_MB=$mb PYTHONUNBUFFERED=1 timeout ${SWEEP_TIMEOUT:-90} python3 kernels/bench/hopper_bench.py \
-          --lib "$C/libattnd_kernels_c.so" --configs hopper --causal no --head_dims ${SWEEP_DIMS:-64,128,256} \
+          --lib "$C/libattnd_kernels_c.so" --configs "${SWEEP_CONFIGS:-hopper}" --causal no --head_dims ${SWEEP_DIMS:-64,128,256} \
           --seqs ${SWEEP_SEQS:-4096,16384} --no-gqa --peers cudnn --rep "${BENCH_REP:-60}" \
           2>&1 | grep -v '^device' | sort -u >> "$OUT/sweep.log"
       done

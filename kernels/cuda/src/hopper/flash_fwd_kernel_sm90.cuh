@@ -24,6 +24,76 @@
 
 namespace attnd::kernels::hopper {
 
+// A consumer warpgroup's whole persistent loop for the cross-tile variant: while a tile has key blocks and
+// the next tile this block runs has some too, the two are joined by one CrossStep (the next tile's first
+// S with this tile's last P V), and this tile's epilogue runs right after it, while the next tile's P sits
+// in registers. A tile without key blocks (rows before every key, bottom-right causal) breaks the chain: its
+// neighbours take the plain first / last steps, and its zero output is written directly.
+template <typename Tile, typename Elem>
+__device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>& consumer, const LaunchParams& p,
+                                                       const SchedulerParams& sp) {
+  using Consumer = ConsumerSm90<Tile, Elem>;
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+  const int row_in_tile = consumer.wg * 64 + warp * 16 + (lane >> 2);
+  float o[Consumer::kORegs];
+  float s[Consumer::kSRegs];
+  uint32_t pf[Consumer::kPSteps][4];
+  typename Consumer::Softmax sm, sm_next;
+  bool running = false;  // o / s / pf / sm hold tile c's state after its first block
+  TileCoord c{};
+  TileWork w{};
+  int row0 = 0;
+  int round = 0;
+  for (int t = TileOfRound(sp, 0, blockIdx.x, gridDim.x); t >= 0;) {
+    if (!running) {
+      c = TileAt(sp, t);
+      row0 = c.q_tile * Tile::kBlockM + row_in_tile;
+      const KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, c.q_tile * Tile::kBlockM);
+#pragma unroll
+      for (int i = 0; i < Consumer::kORegs; ++i) o[i] = 0.f;
+      sm.Init();
+      if (r.n_blocks == 0) {
+        StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
+        t = TileOfRound(sp, ++round, blockIdx.x, gridDim.x);
+        continue;
+      }
+      w = consumer.Work(p, r, row0);
+      w.q_slot = consumer.WaitQ();
+      consumer.FirstBlock(p, w, s, pf, sm);
+      running = true;
+    }
+    consumer.MiddleBlocks(p, w, o, s, pf, sm);
+    const int t_next = TileOfRound(sp, round + 1, blockIdx.x, gridDim.x);
+    TileCoord cn{};
+    KeyRange rn{0, 0};
+    if (t_next >= 0) {
+      cn = TileAt(sp, t_next);
+      rn = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, cn.q_tile * Tile::kBlockM);
+    }
+    if (rn.n_blocks > 0) {
+      const int row0n = cn.q_tile * Tile::kBlockM + row_in_tile;
+      TileWork wn = consumer.Work(p, rn, row0n);
+      wn.q_slot = consumer.WaitQ();
+      sm_next.Init();
+      consumer.CrossStep(p, wn, o, s, pf, sm_next);
+      Consumer::ConvertP(s, pf);  // first: S is dead during the epilogue
+      StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
+#pragma unroll
+      for (int i = 0; i < Consumer::kORegs; ++i) o[i] = 0.f;
+      sm = sm_next;
+      c = cn;
+      w = wn;
+      row0 = row0n;
+    } else {
+      consumer.LastPV(o, pf);
+      StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
+      running = false;
+    }
+    t = t_next;
+    ++round;
+  }
+}
+
 template <typename Tile, typename Elem>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     HopperFwdKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
@@ -38,8 +108,11 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     seed::PrefetchTensorMap(&q_map);
     seed::PrefetchTensorMap(&k_map);
     seed::PrefetchTensorMap(&v_map);
-    seed::MbarInit(smem.q_full, 1);
-    seed::MbarInit(smem.q_empty, 4 * Tile::kConsumerWarpgroups);  // one arrival per consumer warp
+#pragma unroll
+    for (int i = 0; i < Tile::kQBuffers; ++i) {
+      seed::MbarInit(&smem.q_full[i], 1);
+      seed::MbarInit(&smem.q_empty[i], 4 * Tile::kConsumerWarpgroups);  // one arrival per consumer warp
+    }
 #pragma unroll
     for (int st = 0; st < Tile::kStages; ++st) {
       seed::MbarInit(&smem.k_full[st], 1);
@@ -68,22 +141,26 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     if constexpr (Tile::kPingPong) {
       if (consumer.wg == Tile::kConsumerWarpgroups - 1) PassTurn<Tile::kConsumerWarpgroups>(consumer.wg);
     }
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-    for (int round = 0, t; (t = TileOfRound(sp, round, blockIdx.x, gridDim.x)) >= 0; ++round) {
-      const TileCoord c = TileAt(sp, t);
-      const int q0 = c.q_tile * Tile::kBlockM;
-      const int row0 = q0 + consumer.wg * 64 + warp * 16 + (lane >> 2);
-      const KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, q0);
-      float o[Tile::kHeadDim / 2];
-      typename ConsumerSm90<Tile, Elem>::Softmax sm;
-      if (r.n_blocks == 0) {
+    if constexpr (Tile::kCrossTile) {
+      ConsumerTilesCrossTile(consumer, p, sp);
+    } else {
+      const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+      for (int round = 0, t; (t = TileOfRound(sp, round, blockIdx.x, gridDim.x)) >= 0; ++round) {
+        const TileCoord c = TileAt(sp, t);
+        const int q0 = c.q_tile * Tile::kBlockM;
+        const int row0 = q0 + consumer.wg * 64 + warp * 16 + (lane >> 2);
+        const KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, q0);
+        float o[Tile::kHeadDim / 2];
+        typename ConsumerSm90<Tile, Elem>::Softmax sm;
+        if (r.n_blocks == 0) {
 #pragma unroll
-        for (int i = 0; i < Tile::kHeadDim / 2; ++i) o[i] = 0.f;
-        sm.Init();
-      } else {
-        consumer.Run(p, r, row0, o, sm);
+          for (int i = 0; i < Tile::kHeadDim / 2; ++i) o[i] = 0.f;
+          sm.Init();
+        } else {
+          consumer.Run(p, r, row0, o, sm);
+        }
+        StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
       }
-      StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
     }
     if constexpr (Tile::kPingPong) {
       if (consumer.wg == 0) WaitTurn<Tile::kConsumerWarpgroups>(0);

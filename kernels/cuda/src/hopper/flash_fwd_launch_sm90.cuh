@@ -30,6 +30,19 @@ inline int64_t SectionBudgetBytes() {
   return budget;
 }
 
+// ATTND_HOPPER_MAX_BLOCKS caps the persistent grid (unset or 0: one block per SM). For tests: with a few
+// blocks, small shapes make every block run several tiles, the path the tile-to-tile handover takes.
+inline int MaxBlocksOverride() {
+  static const int cap = [] {
+    const char* v = std::getenv("ATTND_HOPPER_MAX_BLOCKS");
+    if (v == nullptr || *v == '\0') return 0;
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    return (*end == '\0' && n > 0 && n < (1 << 20)) ? static_cast<int>(n) : 0;
+  }();
+  return cap;
+}
+
 template <typename Tile, typename Elem>
 cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
   int sms = 0;
@@ -40,7 +53,8 @@ cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
       MakeSchedulerParams(static_cast<int>(plan.grid[0]), static_cast<int>(plan.grid[1]),
                           static_cast<int>(plan.grid[2]), lp.kv_len, Tile::kHeadDim, lp.group, lp.causal != 0,
                           SectionBudgetBytes());
-  const int blocks = sp.total_tiles < sms ? sp.total_tiles : sms;
+  int blocks = sp.total_tiles < sms ? sp.total_tiles : sms;
+  if (const int cap = MaxBlocksOverride(); cap > 0 && blocks > cap) blocks = cap;
   HopperFwdKernel<Tile, Elem><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(plan.q_map, plan.k_map,
                                                                                    plan.v_map, lp, sp);
   return cudaGetLastError();

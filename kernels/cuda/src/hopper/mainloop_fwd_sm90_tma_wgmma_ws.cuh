@@ -1,9 +1,10 @@
 // Mainloop role: the producer's TMA loads and the consumers' wgmma GEMMs + softmax over one tile's key blocks.
 //
-// Shared memory: Q (block_m x head_dim, loaded once per tile) and a ring of `stages` K/V stages, all as
-// 128-byte-swizzled 64-element panels written by TMA. Barriers (mbarrier):
-//   q_full           TMA -> consumers: Q of the current tile has landed (transaction count)
-//   q_empty          consumers -> producer: both warpgroups' last Q K^T is done, Q may be overwritten
+// Shared memory: Q (block_m x head_dim, loaded once per tile; two buffers, tiles alternating, for the
+// cross-tile variant) and a ring of `stages` K/V stages, all as 128-byte-swizzled 64-element panels written
+// by TMA. Barriers (mbarrier):
+//   q_full[i]        TMA -> consumers: Q of a tile has landed in buffer i (transaction count)
+//   q_empty[i]       consumers -> producer: all warpgroups' last Q K^T on buffer i is done, it may be refilled
 //   k_full/v_full[s] TMA -> consumers, separately, so Q K^T starts while V is still in flight
 //   k_empty[s]       consumers -> producer: every consumer warp's Q K^T on stage s has completed
 //   v_empty[s]       consumers -> producer: every consumer warp's P V on stage s has completed
@@ -70,8 +71,8 @@ struct SharedStorageSm90 {
   uint8_t* q;
   uint8_t* k;  // stage s at k + s * kKVTileBytes
   uint8_t* v;
-  uint64_t* q_full;
-  uint64_t* q_empty;
+  uint64_t* q_full;   // [kQBuffers]
+  uint64_t* q_empty;  // [kQBuffers]
   uint64_t* k_full;
   uint64_t* v_full;
   uint64_t* k_empty;
@@ -79,12 +80,12 @@ struct SharedStorageSm90 {
 
   __device__ __forceinline__ explicit SharedStorageSm90(uint8_t* base) {
     q = base;
-    k = q + Tile::kQBytes;
+    k = q + Tile::kQBuffers * Tile::kQBytes;
     v = k + Tile::kStages * Tile::kKVTileBytes;
     uint64_t* bars = reinterpret_cast<uint64_t*>(v + Tile::kStages * Tile::kKVTileBytes);
     q_full = bars;
-    q_empty = bars + 1;
-    k_full = bars + 2;
+    q_empty = bars + Tile::kQBuffers;
+    k_full = bars + 2 * Tile::kQBuffers;
     v_full = k_full + Tile::kStages;
     k_empty = v_full + Tile::kStages;
     v_empty = k_empty + Tile::kStages;
@@ -124,12 +125,16 @@ struct ProducerSm90 {
   }
 
   __device__ __forceinline__ void LoadQ(int q0, int head, int batch) {
-    // The previous tile's consumers must be done with Q (both warpgroups' last Q K^T).
-    if (q_tiles > 0) MbarWait(smem.q_empty, (q_tiles - 1) & 1);
-    MbarArriveExpectTx(smem.q_full, Tile::kQBytes);
+    // The consumers of the tile that last used this buffer must be done with it (every warpgroup's last
+    // Q K^T there): with one buffer that is the previous tile, with two the one before it.
+    constexpr int kQB = Tile::kQBuffers;
+    const int slot = q_tiles % kQB;
+    if (q_tiles >= kQB) MbarWait(&smem.q_empty[slot], ((q_tiles / kQB) + 1) & 1);
+    MbarArriveExpectTx(&smem.q_full[slot], Tile::kQBytes);
+    uint8_t* q = smem.q + slot * Tile::kQBytes;
 #pragma unroll
     for (int pn = 0; pn < Tile::kPanels; ++pn) {
-      TmaLoad4d(smem.q + pn * SharedStorageSm90<Tile>::kQPanelBytes, q_map, smem.q_full, pn * 64, head, q0, batch);
+      TmaLoad4d(q + pn * SharedStorageSm90<Tile>::kQPanelBytes, q_map, &smem.q_full[slot], pn * 64, head, q0, batch);
     }
     ++q_tiles;
   }
@@ -151,6 +156,13 @@ struct ProducerSm90 {
   }
 };
 
+// One tile as a consumer warpgroup sees it: its key blocks, its rows' last visible keys, its Q buffer.
+struct TileWork {
+  KeyRange r;
+  int limit0, limit1;  // RowLimit of this thread's two rows
+  int q_slot;
+};
+
 // Consumer warpgroup: 64 query rows of the tile.
 template <typename Tile, typename Elem>
 struct ConsumerSm90 {
@@ -162,11 +174,26 @@ struct ConsumerSm90 {
   int wg;        // which 64 rows of the tile
   int load = 0;  // K/V loads consumed so far (all tiles), mirrors the producer's count
   int q_tiles = 0;
+  // The block whose P V is still to be issued (overlapped variant): its V stage and that stage's phase.
+  int prev_st = 0;
+  uint32_t prev_phase = 0;
+
+  // Waits for the next tile's Q (the producer loads one per tile with key blocks, in tile order).
+  __device__ __forceinline__ int WaitQ() {
+    const int slot = q_tiles % Tile::kQBuffers;
+    MbarWait(&smem.q_full[slot], (q_tiles / Tile::kQBuffers) & 1);
+    ++q_tiles;
+    return slot;
+  }
+
+  __device__ __forceinline__ TileWork Work(const LaunchParams& p, const KeyRange& r, int row0) const {
+    return TileWork{r, RowLimit(p, row0), RowLimit(p, row0 + 8), 0};
+  }
 
   // S = Q K^T over head_dim in k16 steps. A k16 step inside a 128-byte swizzled row moves the descriptors'
   // start by 32 bytes; the next 64 head_dim values are the next panel.
-  __device__ __forceinline__ void IssueQK(float (&s)[kSRegs], int st) const {
-    const uint32_t q_base = SmemAddr(smem.q) + wg * 64 * 128;
+  __device__ __forceinline__ void IssueQK(float (&s)[kSRegs], int st, int q_slot) const {
+    const uint32_t q_base = SmemAddr(smem.q + q_slot * Tile::kQBytes) + wg * 64 * 128;
     const uint32_t k_base = SmemAddr(smem.k + st * Tile::kKVTileBytes);
     WgmmaFence();
 #pragma unroll
@@ -200,11 +227,11 @@ struct ConsumerSm90 {
     }
   }
 
-  // This warp's last Q K^T of the tile has completed: Q may be reloaded for the next tile while this
-  // warpgroup finishes P V and the epilogue.
-  __device__ __forceinline__ void ReleaseQ() const {
+  // This warp's last Q K^T on a Q buffer has completed: the producer may refill it while this warpgroup
+  // finishes P V and the epilogue.
+  __device__ __forceinline__ void ReleaseQ(int q_slot) const {
     __syncwarp();
-    if ((threadIdx.x & 31) == 0) MbarArrive(smem.q_empty);
+    if ((threadIdx.x & 31) == 0) MbarArrive(&smem.q_empty[q_slot]);
   }
 
   // This warp's reads of a stage are done (its wgmma group has completed): one arrival per warp.
@@ -221,74 +248,120 @@ struct ConsumerSm90 {
   }
 
   __device__ __forceinline__ bool SoftmaxStep(Softmax& sm, float (&s)[kSRegs], const LaunchParams& p, int block,
-                                              const KeyRange& r, int limit0, int limit1, float (&f)[2]) const {
-    if (block >= r.n_full) {
-      return sm.template Step<true, Tile::kPolyExpEvery>(s, p.scale_log2, block * BN, limit0, limit1, f);
+                                              const TileWork& w, float (&f)[2]) const {
+    if (block >= w.r.n_full) {
+      return sm.template Step<true, Tile::kPolyExpEvery>(s, p.scale_log2, block * BN, w.limit0, w.limit1, f);
     }
-    return sm.template Step<false, Tile::kPolyExpEvery>(s, p.scale_log2, block * BN, limit0, limit1, f);
+    return sm.template Step<false, Tile::kPolyExpEvery>(s, p.scale_log2, block * BN, w.limit0, w.limit1, f);
+  }
+
+  // Overlapped variant, in three parts a tile's blocks run through (the cross-tile kernel loop fuses the
+  // last part of one tile with the first of the next, see CrossStep).
+  // First: the tile's first block (the last in key order), S alone; O is still zero, so no rescale.
+  __device__ __forceinline__ void FirstBlock(const LaunchParams& p, const TileWork& w, float (&s)[kSRegs],
+                                             uint32_t (&pf)[kPSteps][4], Softmax& sm) {
+    float f[2];
+    const int st = load % S;
+    MbarWait(&smem.k_full[st], (load / S) & 1);
+    TurnBegin();
+    IssueQK(s, st, w.q_slot);
+    TurnEnd();
+    WgmmaWait<0>();
+    FenceOperand(s);
+    Release(smem.k_empty, st);
+    if (w.r.n_blocks == 1) ReleaseQ(w.q_slot);
+    SoftmaxStep(sm, s, p, w.r.n_blocks - 1, w, f);
+    ConvertP(s, pf);
+    prev_st = st;
+    prev_phase = (load / S) & 1;
+    ++load;
+  }
+
+  // Blocks n-2 .. 0: S of block b and P V of block b+1 in flight together; softmax of b runs under P V.
+  __device__ __forceinline__ void MiddleBlocks(const LaunchParams& p, const TileWork& w, float (&o)[kORegs],
+                                               float (&s)[kSRegs], uint32_t (&pf)[kPSteps][4], Softmax& sm) {
+    float f[2];
+    for (int b = w.r.n_blocks - 2; b >= 0; --b) {
+      const int st = load % S;
+      MbarWait(&smem.k_full[st], (load / S) & 1);
+      TurnBegin();
+      IssueQK(s, st, w.q_slot);
+      MbarWait(&smem.v_full[prev_st], prev_phase);
+      IssuePV(o, pf, prev_st);
+      TurnEnd();
+      WgmmaWait<1>();  // groups complete in order: S of block b is done, P V of b+1 may still run
+      FenceOperand(s);
+      Release(smem.k_empty, st);
+      if (b == 0) ReleaseQ(w.q_slot);
+      const bool rescale = SoftmaxStep(sm, s, p, b, w, f);
+      WgmmaWait<0>();
+      FenceOperand(o);
+      FenceOperand(pf);
+      Release(smem.v_empty, prev_st);
+      if (rescale) Softmax::Rescale(o, f);
+      ConvertP(s, pf);
+      prev_st = st;
+      prev_phase = (load / S) & 1;
+      ++load;
+    }
+  }
+
+  // The tile's last P V, alone.
+  __device__ __forceinline__ void LastPV(float (&o)[kORegs], uint32_t (&pf)[kPSteps][4]) {
+    MbarWait(&smem.v_full[prev_st], prev_phase);
+    TurnBegin();
+    IssuePV(o, pf, prev_st);
+    TurnEnd();
+    WgmmaWait<0>();
+    FenceOperand(o);
+    FenceOperand(pf);
+    Release(smem.v_empty, prev_st);
+  }
+
+  // Cross-tile step: S of the next tile's first block (Q in the other buffer) and this tile's last P V in
+  // one turn; the next tile's softmax runs under that P V. On return o holds this tile's finished
+  // (unnormalised) output for the epilogue, s / pf / sm_next the next tile's first block.
+  __device__ __forceinline__ void CrossStep(const LaunchParams& p, const TileWork& next, float (&o)[kORegs],
+                                            float (&s)[kSRegs], uint32_t (&pf)[kPSteps][4], Softmax& sm_next) {
+    float f[2];
+    const int st = load % S;
+    MbarWait(&smem.k_full[st], (load / S) & 1);
+    TurnBegin();
+    IssueQK(s, st, next.q_slot);
+    MbarWait(&smem.v_full[prev_st], prev_phase);
+    IssuePV(o, pf, prev_st);
+    TurnEnd();
+    WgmmaWait<1>();
+    FenceOperand(s);
+    Release(smem.k_empty, st);
+    if (next.r.n_blocks == 1) ReleaseQ(next.q_slot);
+    SoftmaxStep(sm_next, s, p, next.r.n_blocks - 1, next, f);  // the next tile's O starts at zero: no rescale
+    WgmmaWait<0>();
+    FenceOperand(o);
+    FenceOperand(pf);
+    Release(smem.v_empty, prev_st);
+    prev_st = st;
+    prev_phase = (load / S) & 1;
+    ++load;
   }
 
   // Runs one tile's key blocks; on return o holds the unnormalised output and sm the row max / sums.
   __device__ __forceinline__ void Run(const LaunchParams& p, const KeyRange& r, int row0, float (&o)[kORegs],
                                       Softmax& sm) {
-    const int limit0 = RowLimit(p, row0), limit1 = RowLimit(p, row0 + 8);
+    TileWork w = Work(p, r, row0);
 #pragma unroll
     for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
     sm.Init();
-    MbarWait(smem.q_full, q_tiles & 1);
-    ++q_tiles;
+    w.q_slot = WaitQ();
 
     float s[kSRegs];
     uint32_t pf[kPSteps][4];
     float f[2];
 
     if constexpr (Tile::kIntraOverlap) {
-      // Block n-1: S alone.
-      int st = load % S;
-      MbarWait(&smem.k_full[st], (load / S) & 1);
-      TurnBegin();
-      IssueQK(s, st);
-      TurnEnd();
-      WgmmaWait<0>();
-      FenceOperand(s);
-      Release(smem.k_empty, st);
-      if (r.n_blocks == 1) ReleaseQ();
-      SoftmaxStep(sm, s, p, r.n_blocks - 1, r, limit0, limit1, f);  // O is still zero: no rescale
-      ConvertP(s, pf);
-      int prev_st = st, prev_phase = (load / S) & 1;
-      ++load;
-      // Blocks n-2 .. 0: S of block b and P V of block b+1 in flight together; softmax of b runs under P V.
-      for (int b = r.n_blocks - 2; b >= 0; --b) {
-        st = load % S;
-        MbarWait(&smem.k_full[st], (load / S) & 1);
-        TurnBegin();
-        IssueQK(s, st);
-        MbarWait(&smem.v_full[prev_st], prev_phase);
-        IssuePV(o, pf, prev_st);
-        TurnEnd();
-        WgmmaWait<1>();  // groups complete in order: S of block b is done, P V of b+1 may still run
-        FenceOperand(s);
-        Release(smem.k_empty, st);
-        if (b == 0) ReleaseQ();
-        const bool rescale = SoftmaxStep(sm, s, p, b, r, limit0, limit1, f);
-        WgmmaWait<0>();
-        FenceOperand(o);
-        FenceOperand(pf);
-        Release(smem.v_empty, prev_st);
-        if (rescale) Softmax::Rescale(o, f);
-        ConvertP(s, pf);
-        prev_st = st;
-        prev_phase = (load / S) & 1;
-        ++load;
-      }
-      MbarWait(&smem.v_full[prev_st], prev_phase);
-      TurnBegin();
-      IssuePV(o, pf, prev_st);
-      TurnEnd();
-      WgmmaWait<0>();
-      FenceOperand(o);
-      FenceOperand(pf);
-      Release(smem.v_empty, prev_st);
+      FirstBlock(p, w, s, pf, sm);
+      MiddleBlocks(p, w, o, s, pf, sm);
+      LastPV(o, pf);
     } else {
       for (int b = r.n_blocks - 1; b >= 0; --b) {
         const int st = load % S;
@@ -296,13 +369,13 @@ struct ConsumerSm90 {
         ++load;
         MbarWait(&smem.k_full[st], phase);
         TurnBegin();
-        IssueQK(s, st);
+        IssueQK(s, st, w.q_slot);
         TurnEnd();
         WgmmaWait<0>();
         FenceOperand(s);
         Release(smem.k_empty, st);
-        if (b == 0) ReleaseQ();
-        if (SoftmaxStep(sm, s, p, b, r, limit0, limit1, f)) Softmax::Rescale(o, f);
+        if (b == 0) ReleaseQ(w.q_slot);
+        if (SoftmaxStep(sm, s, p, b, w, f)) Softmax::Rescale(o, f);
         ConvertP(s, pf);
         MbarWait(&smem.v_full[st], phase);
         TurnBegin();

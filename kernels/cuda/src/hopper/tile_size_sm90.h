@@ -12,7 +12,7 @@
 namespace attnd::kernels::hopper {
 
 template <int HeadDim, int BlockN, int Stages, bool PingPong = true, bool IntraOverlap = true,
-          int ConsumerWarpgroups = 2, int PolyExpEvery = 0>
+          int ConsumerWarpgroups = 2, int PolyExpEvery = 0, bool CrossTile = false>
 struct TileShape {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = 64 * ConsumerWarpgroups;
@@ -27,6 +27,11 @@ struct TileShape {
   static constexpr int kConsumerWarpgroups = ConsumerWarpgroups;
   // Every kPolyExpEvery-th 8-column group of S is exponentiated on the FMA pipe (softmax_sm90.cuh); 0: none.
   static constexpr int kPolyExpEvery = PolyExpEvery;
+  // CrossTile: a tile's last P V is issued together with the next tile's first Q K^T (one GEMM turn instead
+  // of two at every tile change), and its epilogue runs while that P V completes. The next tile's Q must be
+  // resident by then, so Q is double-buffered. Pays where tiles are short (few key blocks per tile).
+  static constexpr bool kCrossTile = CrossTile;
+  static constexpr int kQBuffers = CrossTile ? 2 : 1;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // setmaxnreg split of the 64K-register file (multiples of 8): producer + consumers <= 512 per thread slot.
   static constexpr int kProducerRegs = ConsumerWarpgroups == 2 ? 24 : 32;
@@ -34,17 +39,18 @@ struct TileShape {
   // head_dim is stored as 64-element (128-byte) panels: the widest row TMA's 128-byte swizzle allows, and
   // exactly one wgmma K-major swizzle atom row.
   static constexpr int kPanels = HeadDim / 64;
-  static constexpr int kQBytes = kBlockM * HeadDim * 2;
+  static constexpr int kQBytes = kBlockM * HeadDim * 2;       // one tile's Q (one buffer)
   static constexpr int kKVTileBytes = BlockN * HeadDim * 2;  // one K or one V stage
-  // Q full/empty; per stage K full, V full, K empty, V empty.
-  static constexpr int kBarriers = 2 + 4 * Stages;
+  // Per Q buffer full/empty; per stage K full, V full, K empty, V empty.
+  static constexpr int kBarriers = 2 * kQBuffers + 4 * Stages;
   // +1024: the dynamic shared-memory base is re-aligned to the 1024 bytes of a 128-byte swizzle atom, which
   // wgmma's descriptors (base offset 0) and TMA both rely on.
-  static constexpr size_t kSmemBytes = 1024 + kQBytes + 2 * Stages * kKVTileBytes + 8 * kBarriers;
+  static constexpr size_t kSmemBytes = 1024 + kQBuffers * kQBytes + 2 * Stages * kKVTileBytes + 8 * kBarriers;
 
   static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "head_dim 64, 128 or 256");
   static_assert(ConsumerWarpgroups == 2 || ConsumerWarpgroups == 3, "2 or 3 consumer warpgroups (named barriers)");
   static_assert(PingPong || ConsumerWarpgroups == 2, "3 consumer warpgroups only make sense taking turns");
+  static_assert(!CrossTile || IntraOverlap, "the cross-tile step is the overlapped step spanning two tiles");
   static_assert(kBlockM <= 256, "one TMA box spans at most 256 rows");
   static_assert(BlockN % 16 == 0 && BlockN >= 64 && BlockN <= 256, "block_n: wgmma N of S and k16 steps of P V");
   static_assert((BlockN * 128) % 1024 == 0, "each K/V panel must keep the 1024-byte swizzle-atom alignment");
@@ -56,17 +62,22 @@ struct TileShape {
   static_assert(kSmemBytes <= 232448, "Hopper allows 227 KB of shared memory per block");
 };
 
-// The configurations that are compiled. Names: hopper_sm90_d<head_dim>_m<block_m>n<block_n>s<stages>[_variant].
+// The configurations that are compiled. Names: hopper_sm90_d<head_dim>_m<block_m>n<block_n>s<stages>[_variant]
+// (_x: cross-tile).
 using HopperD64N128S4 = TileShape<64, 128, 4>;
 using HopperD64M192N128S4 = TileShape<64, 128, 4, true, true, 3>;
+using HopperD64N128S4X = TileShape<64, 128, 4, true, true, 2, 0, true>;
+// Not compiled: d64 m192 cross-tile (92 bytes of spills under the 160-register consumer budget).
 using HopperD64M192N128S4Poly = TileShape<64, 128, 4, true, true, 3, 4>;
 using HopperD64N128S4Poly = TileShape<64, 128, 4, true, true, 2, 4>;
 using HopperD128N128S2 = TileShape<128, 128, 2>;
 using HopperD128N128S2Plain = TileShape<128, 128, 2, false, false>;  // no ping-pong, no overlap: baseline
 using HopperD128N128S3 = TileShape<128, 128, 3>;
+using HopperD128N128S2X = TileShape<128, 128, 2, true, true, 2, 0, true>;  // 2 Q buffers: s3 would not fit
 using HopperD128N160S2 = TileShape<128, 160, 2>;
 // Not compiled: 128x176 (FA3's non-causal d128 shape) spilled 64-80 bytes with S + P + O = 196 registers.
 using HopperD256N64S2 = TileShape<256, 64, 2>;
 using HopperD256N80S2 = TileShape<256, 80, 2>;
+// Not compiled: d256 cross-tile (two 64 KB Q buffers + two 64 KB K/V stages exceed 227 KB).
 
 }  // namespace attnd::kernels::hopper
