@@ -82,11 +82,12 @@ TEST(HopperScheduler, CausalRoundsAreLongestFirstAndBalanced) {
 }
 
 TEST(HopperScheduler, NonCausalSectionsKeepKvInL2) {
-  // d128, 16k keys: K + V of one head are 8 MiB, so a section is 3 heads (24 MiB budget).
+  // d128, 16k keys: K + V of one head are 8 MiB, so a section is 1 head (12 MiB budget); at 4k, 6 heads.
   const SchedulerParams sp = MakeSchedulerParams(128, 16, 1, 16384, 128, 1, false);
-  EXPECT_EQ(sp.section_bh, 3);
+  EXPECT_EQ(sp.section_bh, 1);
+  EXPECT_EQ(MakeSchedulerParams(32, 16, 4, 4096, 128, 1, false).section_bh, 6);
   // GQA: the q heads of one kv head share its K/V, so a section counts group x as many q heads.
-  EXPECT_EQ(MakeSchedulerParams(128, 16, 1, 16384, 128, 8, false).section_bh, 16);
+  EXPECT_EQ(MakeSchedulerParams(128, 16, 1, 16384, 128, 8, false).section_bh, 8);
   // Never more than the problem has, never less than one.
   EXPECT_EQ(MakeSchedulerParams(4, 2, 1, 64, 64, 1, false).section_bh, 2);
   EXPECT_EQ(MakeSchedulerParams(1, 4, 1, 1 << 24, 256, 1, false).section_bh, 1);

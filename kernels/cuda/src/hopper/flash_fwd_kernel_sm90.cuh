@@ -35,62 +35,57 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
   using Consumer = ConsumerSm90<Tile, Elem>;
   const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
   const int row_in_tile = consumer.wg * 64 + warp * 16 + (lane >> 2);
+  // Only the tile index stays live across the chain; coordinates and key ranges are recomputed where
+  // needed (a few integer ops), which keeps the uniform registers free for the mainloop's descriptors.
+  const auto range = [&](int t) { return KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, TileAt(sp, t).q_tile * Tile::kBlockM); };
+  const auto store = [&](int t, const float(&o)[Consumer::kORegs], const typename Consumer::Softmax& sm) {
+    const TileCoord c = TileAt(sp, t);
+    StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, c.q_tile * Tile::kBlockM + row_in_tile, c.head,
+                                                          c.batch);
+  };
   float o[Consumer::kORegs];
   float s[Consumer::kSRegs];
   uint32_t pf[Consumer::kPSteps][4];
   typename Consumer::Softmax sm, sm_next;
-  bool running = false;  // o / s / pf / sm hold tile c's state after its first block
-  TileCoord c{};
-  TileWork w{};
-  int row0 = 0;
   int round = 0;
   for (int t = TileOfRound(sp, 0, blockIdx.x, gridDim.x); t >= 0;) {
-    if (!running) {
-      c = TileAt(sp, t);
-      row0 = c.q_tile * Tile::kBlockM + row_in_tile;
-      const KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, c.q_tile * Tile::kBlockM);
+    // A chain starts at tile t.
 #pragma unroll
-      for (int i = 0; i < Consumer::kORegs; ++i) o[i] = 0.f;
-      sm.Init();
-      if (r.n_blocks == 0) {
-        StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
-        t = TileOfRound(sp, ++round, blockIdx.x, gridDim.x);
-        continue;
+    for (int i = 0; i < Consumer::kORegs; ++i) o[i] = 0.f;
+    sm.Init();
+    const KeyRange r = range(t);
+    if (r.n_blocks == 0) {
+      store(t, o, sm);
+      t = TileOfRound(sp, ++round, blockIdx.x, gridDim.x);
+      continue;
+    }
+    TileWork w = consumer.Work(p, r, TileAt(sp, t).q_tile * Tile::kBlockM + row_in_tile);
+    w.q_slot = consumer.WaitQ();
+    consumer.FirstBlock(p, w, s, pf, sm);
+    for (;;) {
+      consumer.MiddleBlocks(p, w, o, s, pf, sm);
+      const int tn = TileOfRound(sp, round + 1, blockIdx.x, gridDim.x);
+      const KeyRange rn = tn >= 0 ? range(tn) : KeyRange{0, 0};
+      if (rn.n_blocks == 0) {
+        consumer.LastPV(o, pf);
+        store(t, o, sm);
+        t = tn;
+        ++round;
+        break;
       }
-      w = consumer.Work(p, r, row0);
-      w.q_slot = consumer.WaitQ();
-      consumer.FirstBlock(p, w, s, pf, sm);
-      running = true;
-    }
-    consumer.MiddleBlocks(p, w, o, s, pf, sm);
-    const int t_next = TileOfRound(sp, round + 1, blockIdx.x, gridDim.x);
-    TileCoord cn{};
-    KeyRange rn{0, 0};
-    if (t_next >= 0) {
-      cn = TileAt(sp, t_next);
-      rn = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, cn.q_tile * Tile::kBlockM);
-    }
-    if (rn.n_blocks > 0) {
-      const int row0n = cn.q_tile * Tile::kBlockM + row_in_tile;
-      TileWork wn = consumer.Work(p, rn, row0n);
+      TileWork wn = consumer.Work(p, rn, TileAt(sp, tn).q_tile * Tile::kBlockM + row_in_tile);
       wn.q_slot = consumer.WaitQ();
       sm_next.Init();
       consumer.CrossStep(p, wn, o, s, pf, sm_next);
       Consumer::ConvertP(s, pf);  // first: S is dead during the epilogue
-      StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
+      store(t, o, sm);
 #pragma unroll
       for (int i = 0; i < Consumer::kORegs; ++i) o[i] = 0.f;
       sm = sm_next;
-      c = cn;
       w = wn;
-      row0 = row0n;
-    } else {
-      consumer.LastPV(o, pf);
-      StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
-      running = false;
+      t = tn;
+      ++round;
     }
-    t = t_next;
-    ++round;
   }
 }
 

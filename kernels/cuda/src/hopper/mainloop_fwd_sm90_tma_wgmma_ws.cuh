@@ -193,8 +193,10 @@ struct ConsumerSm90 {
   // S = Q K^T over head_dim in k16 steps. A k16 step inside a 128-byte swizzled row moves the descriptors'
   // start by 32 bytes; the next 64 head_dim values are the next panel.
   __device__ __forceinline__ void IssueQK(float (&s)[kSRegs], int st, int q_slot) const {
-    const uint32_t q_base = SmemAddr(smem.q + q_slot * Tile::kQBytes) + wg * 64 * 128;
-    const uint32_t k_base = SmemAddr(smem.k + st * Tile::kKVTileBytes);
+    // Offsets are added after the conversion to a shared-window address: 32-bit arithmetic the compiler keeps
+    // in uniform registers, instead of redoing the generic-to-shared conversion per dynamic index.
+    const uint32_t q_base = SmemAddr(smem.q) + q_slot * Tile::kQBytes + wg * 64 * 128;
+    const uint32_t k_base = SmemAddr(smem.k) + st * Tile::kKVTileBytes;
     WgmmaFence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -208,7 +210,7 @@ struct ConsumerSm90 {
 
   // O += P V over the block's keys in k16 steps: 16 keys are 2048 bytes of every V panel.
   __device__ __forceinline__ void IssuePV(float (&o)[kORegs], const uint32_t (&pf)[kPSteps][4], int st) const {
-    const uint32_t v_base = SmemAddr(smem.v + st * Tile::kKVTileBytes);
+    const uint32_t v_base = SmemAddr(smem.v) + st * Tile::kKVTileBytes;
     WgmmaFence();
 #pragma unroll
     for (int kk = 0; kk < kPSteps; ++kk) {

@@ -6,7 +6,7 @@
 // docs/hopper-kernel-notes.md).
 // Order: (batch, head) pairs are taken a section at a time; inside a section the q_tile is the slow index,
 // highest first. Without a mask every tile costs the same, and a section is as many heads as keep their
-// K and V inside about half of L2, so the ~132 blocks in flight share K/V through L2. With a causal mask
+// K and V inside about a quarter of L2, so the ~132 blocks in flight share K/V through L2. With a causal mask
 // the cost of a tile grows with its q_tile; sections there made the strided assignment hand one block all
 // long tiles and another all short ones (v1: d256 causal 16k at 0.5x cuDNN), so a causal problem is one
 // section: each stride-round of `grid` tiles is a run of nearly equal cost, longest first (LPT), and the
@@ -31,8 +31,9 @@ struct TileCoord {
   int q_tile, head, batch;
 };
 
-// About half of the H200's 50 MiB L2 (v1 onwards; docs/hopper-kernel-notes.md).
-constexpr int64_t kDefaultSectionBudgetBytes = int64_t{24} << 20;
+// About a quarter of the H200's 50 MiB L2: swept 0/8/12/16/24/48 MiB on the H200 (docs/hopper-kernel-notes.md,
+// v4), 12 was best or level at d128 and d256 (24, half of L2, from v1 to v3).
+constexpr int64_t kDefaultSectionBudgetBytes = int64_t{12} << 20;
 
 // `section_budget_bytes`: the K + V bytes a non-causal section may span; <= 0: no sections (one, as causal).
 inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int batch, int kv_len, int head_dim,
