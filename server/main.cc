@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "attnd/heap_tuning.h"
 #include "attnd/server/backend.h"
 #include "attnd/server/server.h"
 #include "spdlog/spdlog.h"
@@ -54,6 +55,9 @@ ABSL_FLAG(bool, access_log, true, "log one info line per RPC (method, peer, requ
 ABSL_FLAG(uint32_t, max_calls_per_client, 0,
           "Forward/ForwardStream calls one connection may have in progress (0: no limit); more: RESOURCE_EXHAUSTED");
 ABSL_FLAG(std::string, unix_socket_mode, "0660", "permission bits of the --unix_socket file, octal");
+ABSL_FLAG(bool, retain_heap, true,
+          "keep freed tensor-sized heap memory mapped (no page faults on the next request; resident size stays "
+          "near its peak); false: glibc's defaults");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "transport tuning: gRPC channel arguments, comma-separated name=value (e.g. "
           "grpc.http2.lookahead_bytes=8388608,grpc.http2.bdp_probe=0); applied last");
@@ -76,6 +80,9 @@ int main(int argc, char** argv) {
     return Fail("--log_level: unknown value '" + absl::GetFlag(FLAGS_log_level) + "'");
   }
   spdlog::set_level(level);
+  if (absl::GetFlag(FLAGS_retain_heap) && !attnd::RetainFreedHeapMemory()) {
+    spdlog::warn("--retain_heap: this C library's allocator cannot be tuned; running with its defaults");
+  }
 
   // Block the shutdown signals before any thread exists so that every thread inherits the mask and only
   // sigwait below receives them: no work happens inside a signal handler.
