@@ -42,6 +42,9 @@ ABSL_FLAG(uint64_t, memory_budget_mb, 0,
 ABSL_FLAG(std::string, warm_shapes, "",
           "CUDA: shapes BxLqxLkxHqxHkxD,... pre-allocated and with tensor maps pre-encoded at start");
 ABSL_FLAG(uint64_t, tensor_map_cache, 4096, "CUDA: encoded TMA tensor maps kept in the LRU cache");
+ABSL_FLAG(int64_t, completion_spin_us, 300,
+          "CUDA: microseconds a worker polls its request's completion before sleeping, while at most one other "
+          "request runs on the device (0: always sleep)");
 ABSL_FLAG(bool, ipc_over_tcp, false, "serve CUDA IPC registration over TCP too (default: the unix socket only)");
 ABSL_FLAG(double, shutdown_grace_s, 60, "seconds a shutdown waits for accepted calls before cancelling the rest");
 // Security and observability (docs/security-and-metrics.md).
@@ -100,6 +103,8 @@ int main(int argc, char** argv) {
   backend_options.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_mb) << 20;
   backend_options.warm_shapes = absl::GetFlag(FLAGS_warm_shapes);
   backend_options.tensor_map_cache_entries = absl::GetFlag(FLAGS_tensor_map_cache);
+  if (absl::GetFlag(FLAGS_completion_spin_us) < 0) return Fail("--completion_spin_us: must be >= 0");
+  backend_options.completion_spin = absl::Microseconds(absl::GetFlag(FLAGS_completion_spin_us));
   for (absl::string_view d : absl::StrSplit(absl::GetFlag(FLAGS_devices), ',', absl::SkipWhitespace())) {
     int index;
     if (!absl::SimpleAtoi(d, &index) || index < 0) {

@@ -47,6 +47,10 @@ absl::Status CudaStatus(const char* what, cudaError_t err) {
 
 double Micros(absl::Duration d) { return absl::ToDoubleMicroseconds(d); }
 
+// A worker spins on its completion (BackendOptions::completion_spin) only while the device runs at most
+// this many requests, its own included.
+constexpr uint32_t kSpinWhileRunning = 2;
+
 // Buffer placement inside a slot's device block (and, at the same offsets, its pinned staging block): the
 // inline inputs first, so one H2D copy moves them all, then the outputs, so one D2H copy returns them.
 struct Placement {
@@ -91,11 +95,12 @@ absl::StatusOr<std::vector<Shape>> ParseWarmShapes(const std::string& spec) {
   return out;
 }
 
-// Waits for `ev` (created with cudaEventBlockingSync). Polls, yielding, through the first 300 us, where a
-// short kernel completes and the cost of a sleep/wake-up (tens of us) would show in the latency; then
-// sleeps in the driver, so that under load the workers waiting on a busy GPU leave the cores to gRPC.
-absl::Status WaitEvent(cudaEvent_t ev) {
-  const absl::Time until = absl::Now() + absl::Microseconds(300);
+// Waits for `ev` (created with cudaEventBlockingSync). Polls, yielding, for up to `spin`, where a short
+// kernel completes and the cost of a sleep/wake-up (tens of us) would show in the latency; then sleeps in
+// the driver. The caller passes no spin when the device is busy: waiters polling a queue of GPU work only
+// take cores from gRPC and the clients (seen on the H200 host: IPC at concurrency 16 kept the GPU half busy).
+absl::Status WaitEvent(cudaEvent_t ev, absl::Duration spin) {
+  const absl::Time until = absl::Now() + spin;
   for (;;) {
     const cudaError_t e = cudaEventQuery(ev);
     if (e == cudaSuccess) return absl::OkStatus();
@@ -498,7 +503,12 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
                                                     cudaMemcpyDeviceToHost, st));
   }
   if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[3], st));
-  if (status.ok()) status = WaitEvent(slot.ev[3]);
+  // Spin only while this request has the GPU (nearly) to itself; behind others it would poll a queue.
+  if (status.ok()) {
+    status = WaitEvent(slot.ev[3], running_.load(std::memory_order_relaxed) <= kSpinWhileRunning
+                                       ? options_.completion_spin
+                                       : absl::ZeroDuration());
+  }
   if (!status.ok()) {
     release();
     if (absl::IsInternal(status)) spdlog::error("device {}: request '{}': {}", index_, job.request_id, std::string(status.message()));

@@ -4,7 +4,8 @@
 # here and carried as .carry-cuda/bins.tar.xz (see server/cuda/tools/pack_carry.sh). Writes under $OUT:
 # env.txt, tests.log, attnd.log, bench.txt (all measurements, CSV rows). SERVER_GRPC_ARGS / CLIENT_GRPC_ARGS
 # (comma-separated name=value) go to --grpc_arg of attnd / attn, to compare transport settings. SKIP_TESTS,
-# SKIP_IPC, STREAMS, PORT, DUR: further variants in one device call.
+# SKIP_IPC, STREAMS, PORT, DUR, SERVER_FLAGS (more attnd flags), CONNECTIONS (attn bench --connections):
+# further variants in one device call.
 set -u
 OUT=${OUT:-/tmp/attnd-out}
 mkdir -p "$OUT" /tmp/bins
@@ -35,7 +36,7 @@ done
 SOCK=/tmp/attnd_bench_${PORT:-50051}.sock
 "$B/attnd" --listen=127.0.0.1:${PORT:-50051} --unix_socket=$SOCK --enable_cuda_ipc --streams=${STREAMS:-8} \
   --warm_shapes=1x1024x1024x32x32x128,1x4096x4096x32x32x128 --log_level=info \
-  ${SERVER_GRPC_ARGS:+--grpc_arg=$SERVER_GRPC_ARGS} > "$OUT/attnd.log" 2>&1 &
+  ${SERVER_GRPC_ARGS:+--grpc_arg=$SERVER_GRPC_ARGS} ${SERVER_FLAGS:-} > "$OUT/attnd.log" 2>&1 &
 SERVER=$!
 for i in $(seq 1 100); do
   "$B/attn" info --target=unix:$SOCK > /tmp/info.txt 2>&1 && break
@@ -52,7 +53,8 @@ for seq in ${INLINE_SEQS-1024 4096}; do
     for c in 1 16; do
       timeout 60 "$B/attn" bench --target=127.0.0.1:${PORT:-50051} --transport=$tr --q_len=$seq --q_heads=32 --head_dim=128 \
         --causal --concurrency=$c --duration=$DUR --warmup=0.5s --verify_every=5 --progress=false \
-        --tcp_baseline --rpc_floor ${CLIENT_GRPC_ARGS:+--grpc_arg=$CLIENT_GRPC_ARGS} --csv=/tmp/b.csv > /tmp/b.txt 2>&1
+        --tcp_baseline --rpc_floor ${CLIENT_GRPC_ARGS:+--grpc_arg=$CLIENT_GRPC_ARGS} ${CONNECTIONS:+--connections=$CONNECTIONS} \
+        --csv=/tmp/b.csv > /tmp/b.txt 2>&1
       echo "attn_bench,$tr,$seq,$c,rc=$?" >> "$R"
       cat /tmp/b.csv >> "$R" 2>/dev/null || cat /tmp/b.txt >> "$R"
       grep -E "verified|error|TCP loopback|RPC floor" /tmp/b.txt >> "$R"

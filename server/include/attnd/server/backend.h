@@ -139,6 +139,9 @@ struct BackendOptions {
   std::string warm_shapes;
   size_t tensor_map_cache_entries = 4096;  // CUDA: encoded tensor maps kept (LRU)
   bool poison_outputs = false;             // CUDA, tests: NaN-fill output buffers before each launch
+  // CUDA: how long a worker polls its request's completion before sleeping in the driver, while at most one
+  // other request runs on the device (busier: it sleeps at once). Zero: always sleep.
+  absl::Duration completion_spin = absl::Microseconds(300);
 };
 
 // "cpu", "cuda", or "auto" (CUDA when a usable GPU is present, else CPU).
