@@ -257,6 +257,17 @@ struct ConsumerSm90 {
     return sm.template Step<false, Tile::kPolyExpEvery>(s, p.scale_log2, block * BN, w.limit0, w.limit1, f);
   }
 
+  // S alone (its own turn), on K stage st once that stage's load of phase `phase` has landed.
+  __device__ __forceinline__ void SAlone(float (&s)[kSRegs], int st, uint32_t phase, int q_slot) {
+    MbarWait(&smem.k_full[st], phase);
+    TurnBegin();
+    IssueQK(s, st, q_slot);
+    TurnEnd();
+    WgmmaWait<0>();
+    FenceOperand(s);
+    Release(smem.k_empty, st);
+  }
+
   // Overlapped variant, in three parts a tile's blocks run through (the cross-tile kernel loop fuses the
   // last part of one tile with the first of the next, see CrossStep).
   // First: the tile's first block (the last in key order), S alone; O is still zero, so no rescale.
@@ -264,16 +275,37 @@ struct ConsumerSm90 {
                                              uint32_t (&pf)[kPSteps][4], Softmax& sm) {
     float f[2];
     const int st = load % S;
-    MbarWait(&smem.k_full[st], (load / S) & 1);
-    TurnBegin();
-    IssueQK(s, st, w.q_slot);
-    TurnEnd();
-    WgmmaWait<0>();
-    FenceOperand(s);
-    Release(smem.k_empty, st);
+    SAlone(s, st, (load / S) & 1, w.q_slot);
     if (w.r.n_blocks == 1) ReleaseQ(w.q_slot);
     SoftmaxStep(sm, s, p, w.r.n_blocks - 1, w, f);
     ConvertP(s, pf);
+    prev_st = st;
+    prev_phase = (load / S) & 1;
+    ++load;
+  }
+
+  // The overlapped step, first half: S of the block in K stage `st` (Q buffer q_slot) and P V of the
+  // previous block in one turn. Returns once S has completed; the P V may still run.
+  __device__ __forceinline__ void IssueSWithPrevPV(float (&s)[kSRegs], float (&o)[kORegs],
+                                                   const uint32_t (&pf)[kPSteps][4], int st, int q_slot) {
+    MbarWait(&smem.k_full[st], (load / S) & 1);
+    TurnBegin();
+    IssueQK(s, st, q_slot);
+    MbarWait(&smem.v_full[prev_st], prev_phase);
+    IssuePV(o, pf, prev_st);
+    TurnEnd();
+    WgmmaWait<1>();  // groups complete in order: S is done, the P V may still run
+    FenceOperand(s);
+    Release(smem.k_empty, st);
+  }
+
+  // Second half, after the softmax: the previous block's P V has completed and its V stage is free; the
+  // block in `st` becomes the previous one.
+  __device__ __forceinline__ void FinishPrevPV(float (&o)[kORegs], uint32_t (&pf)[kPSteps][4], int st) {
+    WgmmaWait<0>();
+    FenceOperand(o);
+    FenceOperand(pf);
+    Release(smem.v_empty, prev_st);
     prev_st = st;
     prev_phase = (load / S) & 1;
     ++load;
@@ -285,39 +317,30 @@ struct ConsumerSm90 {
     float f[2];
     for (int b = w.r.n_blocks - 2; b >= 0; --b) {
       const int st = load % S;
-      MbarWait(&smem.k_full[st], (load / S) & 1);
-      TurnBegin();
-      IssueQK(s, st, w.q_slot);
-      MbarWait(&smem.v_full[prev_st], prev_phase);
-      IssuePV(o, pf, prev_st);
-      TurnEnd();
-      WgmmaWait<1>();  // groups complete in order: S of block b is done, P V of b+1 may still run
-      FenceOperand(s);
-      Release(smem.k_empty, st);
+      IssueSWithPrevPV(s, o, pf, st, w.q_slot);
       if (b == 0) ReleaseQ(w.q_slot);
       const bool rescale = SoftmaxStep(sm, s, p, b, w, f);
-      WgmmaWait<0>();
-      FenceOperand(o);
-      FenceOperand(pf);
-      Release(smem.v_empty, prev_st);
+      FinishPrevPV(o, pf, st);
       if (rescale) Softmax::Rescale(o, f);
       ConvertP(s, pf);
-      prev_st = st;
-      prev_phase = (load / S) & 1;
-      ++load;
     }
   }
 
-  // The tile's last P V, alone.
-  __device__ __forceinline__ void LastPV(float (&o)[kORegs], uint32_t (&pf)[kPSteps][4]) {
-    MbarWait(&smem.v_full[prev_st], prev_phase);
+  // One P V alone (its own turn), on V stage st once that stage's load of phase `phase` has landed.
+  __device__ __forceinline__ void PVAlone(float (&o)[kORegs], uint32_t (&pf)[kPSteps][4], int st, uint32_t phase) {
+    MbarWait(&smem.v_full[st], phase);
     TurnBegin();
-    IssuePV(o, pf, prev_st);
+    IssuePV(o, pf, st);
     TurnEnd();
     WgmmaWait<0>();
     FenceOperand(o);
     FenceOperand(pf);
-    Release(smem.v_empty, prev_st);
+    Release(smem.v_empty, st);
+  }
+
+  // The tile's last P V, alone.
+  __device__ __forceinline__ void LastPV(float (&o)[kORegs], uint32_t (&pf)[kPSteps][4]) {
+    PVAlone(o, pf, prev_st, prev_phase);
   }
 
   // Cross-tile step: S of the next tile's first block (Q in the other buffer) and this tile's last P V in
@@ -327,25 +350,12 @@ struct ConsumerSm90 {
                                             float (&s)[kSRegs], uint32_t (&pf)[kPSteps][4], Softmax& sm_next) {
     float f[2];
     const int st = load % S;
-    MbarWait(&smem.k_full[st], (load / S) & 1);
-    TurnBegin();
-    IssueQK(s, st, next.q_slot);
-    MbarWait(&smem.v_full[prev_st], prev_phase);
-    IssuePV(o, pf, prev_st);
-    TurnEnd();
-    WgmmaWait<1>();
-    FenceOperand(s);
-    Release(smem.k_empty, st);
+    IssueSWithPrevPV(s, o, pf, st, next.q_slot);
     if (next.r.n_blocks == 1) ReleaseQ(next.q_slot);
     SoftmaxStep(sm_next, s, p, next.r.n_blocks - 1, next, f);  // the next tile's O starts at zero: no rescale
-    WgmmaWait<0>();
-    FenceOperand(o);
-    FenceOperand(pf);
-    Release(smem.v_empty, prev_st);
-    prev_st = st;
-    prev_phase = (load / S) & 1;
-    ++load;
+    FinishPrevPV(o, pf, st);
   }
+
 
   // Runs one tile's key blocks; on return o holds the unnormalised output and sm the row max / sums.
   __device__ __forceinline__ void Run(const LaunchParams& p, const KeyRange& r, int row0, float (&o)[kORegs],
@@ -369,24 +379,11 @@ struct ConsumerSm90 {
         const int st = load % S;
         const uint32_t phase = (load / S) & 1;
         ++load;
-        MbarWait(&smem.k_full[st], phase);
-        TurnBegin();
-        IssueQK(s, st, w.q_slot);
-        TurnEnd();
-        WgmmaWait<0>();
-        FenceOperand(s);
-        Release(smem.k_empty, st);
+        SAlone(s, st, phase, w.q_slot);
         if (b == 0) ReleaseQ(w.q_slot);
         if (SoftmaxStep(sm, s, p, b, w, f)) Softmax::Rescale(o, f);
         ConvertP(s, pf);
-        MbarWait(&smem.v_full[st], phase);
-        TurnBegin();
-        IssuePV(o, pf, st);
-        TurnEnd();
-        WgmmaWait<0>();
-        FenceOperand(o);
-        FenceOperand(pf);
-        Release(smem.v_empty, st);
+        PVAlone(o, pf, st, phase);
       }
     }
   }
