@@ -36,8 +36,11 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
   const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
   const int row_in_tile = consumer.wg * 64 + warp * 16 + (lane >> 2);
   // Only the tile index stays live across the chain; coordinates and key ranges are recomputed where
-  // needed (a few integer ops), which keeps the uniform registers free for the mainloop's descriptors.
-  const auto range = [&](int t) { return KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, TileAt(sp, t).q_tile * Tile::kBlockM); };
+  // needed (a few integer ops). Meant to leave uniform registers to the mainloop's descriptors; the SASS
+  // still builds them in vector registers (docs/hopper-kernel-notes.md, v4).
+  const auto range = [&](int t) {
+    return KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, TileAt(sp, t).q_tile * Tile::kBlockM);
+  };
   const auto store = [&](int t, const float(&o)[Consumer::kORegs], const typename Consumer::Softmax& sm) {
     const TileCoord c = TileAt(sp, t);
     StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, c.q_tile * Tile::kBlockM + row_in_tile, c.head,
