@@ -1,6 +1,6 @@
 #include "attnd/heap_tuning.h"
 
-#include <cstdlib>  // defines __GLIBC__ on glibc, which the test below needs
+#include <cstdlib>  // any libc header defines __GLIBC__, which the #if below checks
 
 #if defined(__GLIBC__)
 #include <malloc.h>
