@@ -23,7 +23,7 @@ struct Shape {
 
 // Runs the schedule as the kernel's blocks do; returns per-tile visit counts and per-block causal work.
 void Walk(const Shape& s, std::vector<int>& visits, std::vector<int64_t>& work,
-          int64_t section_budget = kDefaultSectionBudgetBytes) {
+          int64_t section_budget = -1) {
   const SchedulerParams sp =
       MakeSchedulerParams(s.q_tiles, s.heads, s.batch, s.kv_len, s.head_dim, s.group, s.causal, section_budget);
   ASSERT_EQ(sp.total_tiles, s.q_tiles * s.heads * s.batch);
@@ -49,7 +49,7 @@ TEST(HopperScheduler, EveryTileExactlyOnce) {
       {3, 5, 7, 300, 128, 5, true, 100},      {33, 3, 1, 70000, 256, 1, false, 99},
       {11, 1, 1, 1408, 128, 1, true, 11},     {2, 65535 / 1024, 3, 64, 64, 1, false, 132},
   };
-  // Whatever section budget a tuning run sets (ATTND_HOPPER_L2_SECTION_MB): none, tiny, default, huge.
+  // Whatever section budget a tuning run sets (ATTND_HOPPER_[L2|CAUSAL]_SECTION_MB): none, tiny, default, huge.
   for (const int64_t budget : {int64_t{0}, int64_t{1} << 20, kDefaultSectionBudgetBytes, int64_t{1} << 40}) {
     for (const Shape& s : shapes) {
       std::vector<int> visits;

@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 
@@ -16,30 +17,34 @@
 
 namespace attnd::kernels::hopper {
 
-// The non-causal L2 section budget: kDefaultSectionBudgetBytes, or ATTND_HOPPER_L2_SECTION_MB for tuning
-// runs (0: no sections). Read once per process: benchmarks sweep it one run per value.
-inline int64_t SectionBudgetBytes() {
-  static const int64_t budget = [] {
-    const char* mb = std::getenv("ATTND_HOPPER_L2_SECTION_MB");
-    if (mb == nullptr || *mb == '\0') return kDefaultSectionBudgetBytes;
-    char* end = nullptr;
-    const long long v = std::strtoll(mb, &end, 10);
-    return (*end == '\0' && v >= 0 && v < (int64_t{1} << 20)) ? static_cast<int64_t>(v) << 20
-                                                                : kDefaultSectionBudgetBytes;
+// Tuning knobs, read from the environment once per process (benchmarks sweep one run per value): a
+// non-negative integer below `limit`, or -1 when unset or malformed.
+inline int64_t EnvCount(const char* name, int64_t limit) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return -1;
+  char* end = nullptr;
+  const long long n = std::strtoll(v, &end, 10);
+  return (*end == '\0' && n >= 0 && n < limit) ? static_cast<int64_t>(n) : -1;
+}
+
+// The L2 section budgets: kDefault[Causal]SectionBudgetBytes, or ATTND_HOPPER_L2_SECTION_MB (non-causal) /
+// ATTND_HOPPER_CAUSAL_SECTION_MB (causal) in MiB (0: no sections).
+inline int64_t SectionBudgetBytes(bool causal) {
+  static const int64_t plain = [] {
+    const int64_t mb = EnvCount("ATTND_HOPPER_L2_SECTION_MB", int64_t{1} << 20);
+    return mb >= 0 ? mb << 20 : kDefaultSectionBudgetBytes;
   }();
-  return budget;
+  static const int64_t masked = [] {
+    const int64_t mb = EnvCount("ATTND_HOPPER_CAUSAL_SECTION_MB", int64_t{1} << 20);
+    return mb >= 0 ? mb << 20 : kDefaultCausalSectionBudgetBytes;
+  }();
+  return causal ? masked : plain;
 }
 
 // ATTND_HOPPER_MAX_BLOCKS caps the persistent grid (unset or 0: one block per SM). For tests: with a few
 // blocks, small shapes make every block run several tiles, the path the tile-to-tile handover takes.
 inline int MaxBlocksOverride() {
-  static const int cap = [] {
-    const char* v = std::getenv("ATTND_HOPPER_MAX_BLOCKS");
-    if (v == nullptr || *v == '\0') return 0;
-    char* end = nullptr;
-    const long n = std::strtol(v, &end, 10);
-    return (*end == '\0' && n > 0 && n < (1 << 20)) ? static_cast<int>(n) : 0;
-  }();
+  static const int cap = static_cast<int>(std::max<int64_t>(0, EnvCount("ATTND_HOPPER_MAX_BLOCKS", 1 << 20)));
   return cap;
 }
 
@@ -52,7 +57,7 @@ cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
   const SchedulerParams sp =
       MakeSchedulerParams(static_cast<int>(plan.grid[0]), static_cast<int>(plan.grid[1]),
                           static_cast<int>(plan.grid[2]), lp.kv_len, Tile::kHeadDim, lp.group, lp.causal != 0,
-                          SectionBudgetBytes());
+                          SectionBudgetBytes(lp.causal != 0));
   int blocks = sp.total_tiles < sms ? sp.total_tiles : sms;
   if (const int cap = MaxBlocksOverride(); cap > 0 && blocks > cap) blocks = cap;
   HopperFwdKernel<Tile, Elem><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(plan.q_map, plan.k_map,

@@ -25,6 +25,9 @@ struct SchedulerParams {
   int total_bh = 0;    // batch * q_heads
   int section_bh = 1;  // (batch, head) pairs per L2 section
   int total_tiles = 0;
+  // Causal sections run alternately longest-first and shortest-first: the snake then pairs long tiles with
+  // short ones across a section boundary too (a sawtooth of lengths would not).
+  bool mirror_odd_sections = false;
 };
 
 struct TileCoord {
@@ -35,10 +38,14 @@ struct TileCoord {
 // v4), 12 was best or level at d128 and d256 (24, half of L2, from v1 to v3).
 constexpr int64_t kDefaultSectionBudgetBytes = int64_t{12} << 20;
 
-// `section_budget_bytes`: the K + V bytes a non-causal section may span; <= 0: no sections (one, as causal).
+// Causal problems: one section (0) unless a tuning run sets ATTND_HOPPER_CAUSAL_SECTION_MB.
+constexpr int64_t kDefaultCausalSectionBudgetBytes = 0;
+
+// `section_budget_bytes`: the K + V bytes a section may span; 0: no sections (one); < 0: the default for the
+// mask (kDefaultSectionBudgetBytes, or kDefaultCausalSectionBudgetBytes with a causal mask).
 inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int batch, int kv_len, int head_dim,
-                                           int kv_group, bool causal,
-                                           int64_t section_budget_bytes = kDefaultSectionBudgetBytes) {
+                                           int kv_group, bool causal, int64_t section_budget_bytes = -1) {
+  if (section_budget_bytes < 0) section_budget_bytes = causal ? kDefaultCausalSectionBudgetBytes : kDefaultSectionBudgetBytes;
   SchedulerParams sp;
   sp.num_q_tiles = num_q_tiles;
   sp.q_heads = q_heads;
@@ -48,9 +55,10 @@ inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int bat
   int64_t section = kv_bytes > 0 && section_budget_bytes > 0 ? section_budget_bytes / kv_bytes * kv_group
                                                               : sp.total_bh;
   if (section < 1) section = 1;
-  if (section > sp.total_bh || causal) section = sp.total_bh;
+  if (section > sp.total_bh) section = sp.total_bh;
   sp.section_bh = static_cast<int>(section);
   sp.total_tiles = num_q_tiles * sp.total_bh;
+  sp.mirror_odd_sections = causal;
   return sp;
 }
 
@@ -69,7 +77,8 @@ __host__ __device__ __forceinline__ TileCoord TileAt(const SchedulerParams& sp, 
   const int base_bh = section * sp.section_bh;
   const int left = sp.total_bh - base_bh;
   const int size = sp.section_bh < left ? sp.section_bh : left;
-  const int idx = t - section * per_section;
+  int idx = t - section * per_section;
+  if (sp.mirror_odd_sections && (section & 1)) idx = size * sp.num_q_tiles - 1 - idx;
   const int bh = base_bh + idx % size;
   return TileCoord{sp.num_q_tiles - 1 - idx / size, bh % sp.q_heads, bh / sp.q_heads};
 }
