@@ -3,7 +3,8 @@
 # here with -DATTND_STATIC=ON and copied to .carry-hopper/): GPU tests of the hopper configurations,
 # compute-sanitizer on small shapes, the SASS check (HGMMA, no local memory) and the benchmark against
 # torch SDPA (cuDNN, FA2). Logs go to $OUT (at most 8 files come back).
-#   scripts/hopper_device_run.sh [smoke|tests|fewblocks|sanitize|sass|sweep|bench|quickbench]...   (default: all but quickbench)
+#   scripts/hopper_device_run.sh [smoke|tests|fewblocks|sanitize|sass|sweep|bench|quickbench|trace]...
+#   (default: all but quickbench and trace)
 set -uo pipefail
 C=.carry-hopper
 OUT=${OUT:-/tmp/hopper-out}
@@ -75,6 +76,11 @@ PY
           2>&1 | grep -v '^device' | sort -u >> "$OUT/sweep.log"
       done
       cat "$OUT/sweep.log" ;;
+    trace)
+      # Per-phase cycles of a tile (kernels/cuda/tools/hopper_trace.cu, built by name and copied to $C):
+      # TRACE_ARGS is its "config B S H causal" list; empty: d128 s3 at 1k/4k/16k, causal and not.
+      timeout ${TRACE_TIMEOUT:-120} "$C/hopper_trace" ${TRACE_ARGS:-} > "$OUT/trace.log" 2>&1
+      echo "trace rc=$?"; grep -E '^==|^steady|producer' "$OUT/trace.log" ;;
     bench|quickbench)
       extra=""; [ "$step" = quickbench ] && extra="--quick"
       PYTHONUNBUFFERED=1 timeout ${BENCH_TIMEOUT:-200} python3 kernels/bench/hopper_bench.py --lib "$C/libattnd_kernels_c.so" \

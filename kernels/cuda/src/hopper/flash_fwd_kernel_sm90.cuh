@@ -128,6 +128,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       ProducerSm90<Tile> producer{&q_map, &k_map, &v_map, smem};
       for (int round = 0, t; (t = TileOfRound(sp, round, blockIdx.x, gridDim.x)) >= 0; ++round) {
         const TileCoord c = TileAt(sp, t);
+        ATTND_HOPPER_TRACE_SET_ROUND(producer, round);
         producer.LoadTile(p, c.q_tile, c.head, c.batch);
       }
     }
@@ -145,6 +146,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
       for (int round = 0, t; (t = TileOfRound(sp, round, blockIdx.x, gridDim.x)) >= 0; ++round) {
         const TileCoord c = TileAt(sp, t);
+        ATTND_HOPPER_TRACE_AT(1 + consumer.wg, round, trace::kTileStart);
+        ATTND_HOPPER_TRACE_SET_ROUND(consumer, round);
         const int q0 = c.q_tile * Tile::kBlockM;
         const int row0 = q0 + consumer.wg * 64 + warp * 16 + (lane >> 2);
         const KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, q0);
@@ -158,6 +161,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           consumer.Run(p, r, row0, o, sm);
         }
         StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
+        ATTND_HOPPER_TRACE_AT(1 + consumer.wg, round, trace::kStored);
       }
     }
     if constexpr (Tile::kPingPong) {

@@ -26,6 +26,7 @@
 #include "attnd/kernels/attention.h"
 #include "named_barrier_sm90.h"
 #include "softmax_sm90.cuh"
+#include "trace_sm90.cuh"
 #include "wgmma_desc_sm90.h"
 #include "wgmma_sm90.h"
 
@@ -102,6 +103,7 @@ struct ProducerSm90 {
   int k_load = 0;  // K blocks issued so far (all tiles)
   int v_load = 0;  // V blocks issued so far (all tiles)
   int q_tiles = 0;  // Q loads issued so far
+  ATTND_HOPPER_TRACE_ROUND_MEMBER  // the round being loaded (timeline probes only)
 
   // One block of K or V into its ring. Load n must wait for load n - stages to leave the stage: that
   // release completed phase n / stages - 1 of the stage's empty barrier.
@@ -146,13 +148,17 @@ struct ProducerSm90 {
     // The first K block before Q: it waits only on the ring, so the ring keeps filling while the
     // consumers finish the previous tile and release Q. Then K runs one block ahead of V, the order in
     // which the consumers need them (S of block b is computed together with P V of block b+1).
+    ATTND_HOPPER_TRACE_AT(0, trace_round, trace::kPTileStart);
     LoadK(r.n_blocks - 1, kv_head, batch);
+    ATTND_HOPPER_TRACE_AT(0, trace_round, trace::kPFirstKIssued);
     LoadQ(q_tile * Tile::kBlockM, head, batch);
+    ATTND_HOPPER_TRACE_AT(0, trace_round, trace::kPQIssued);
     for (int b = r.n_blocks - 2; b >= 0; --b) {
       LoadK(b, kv_head, batch);
       LoadV(b + 1, kv_head, batch);
     }
     LoadV(0, kv_head, batch);
+    ATTND_HOPPER_TRACE_AT(0, trace_round, trace::kPTileIssued);
   }
 };
 
@@ -177,6 +183,7 @@ struct ConsumerSm90 {
   // The block whose P V is still to be issued (overlapped variant): its V stage and that stage's phase.
   int prev_st = 0;
   uint32_t prev_phase = 0;
+  ATTND_HOPPER_TRACE_ROUND_MEMBER  // the tile's round (timeline probes only)
 
   // Waits for the next tile's Q (the producer loads one per tile with key blocks, in tile order).
   __device__ __forceinline__ int WaitQ() {
@@ -365,6 +372,8 @@ struct ConsumerSm90 {
     for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
     sm.Init();
     w.q_slot = WaitQ();
+    ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kQReady);
+    ATTND_HOPPER_TRACE_VALUE(1 + wg, trace_round, trace::kBlocks, r.n_blocks);
 
     float s[kSRegs];
     uint32_t pf[kPSteps][4];
@@ -372,8 +381,11 @@ struct ConsumerSm90 {
 
     if constexpr (Tile::kIntraOverlap) {
       FirstBlock(p, w, s, pf, sm);
+      ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kFirstDone);
       MiddleBlocks(p, w, o, s, pf, sm);
+      ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kMiddleDone);
       LastPV(o, pf);
+      ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kLastPVDone);
     } else {
       for (int b = r.n_blocks - 1; b >= 0; --b) {
         const int st = load % S;

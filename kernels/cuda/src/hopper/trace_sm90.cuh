@@ -1,0 +1,57 @@
+// Timeline probes of the Hopper family, for kernels/cuda/tools/hopper_trace.cu only.
+//
+// The throughput tables say how much a tile costs beyond its key blocks (about two block-steps, v4 notes),
+// not where the cycles go; one clock64 stamp per phase and tile, taken by the first thread of each warp
+// role, does. In the library build (ATTND_HOPPER_TRACE undefined) every probe expands to nothing, so the
+// kernels it ships are the ones without probes.
+#pragma once
+
+#include <cstdint>
+
+#if defined(ATTND_HOPPER_TRACE)
+
+namespace attnd::kernels::hopper::trace {
+
+// Stamps per block: [role][round][event]. Role 0 is the producer, role 1 + w consumer warpgroup w.
+constexpr int kRoles = 4, kRounds = 64, kEvents = 8;
+
+// Consumer events, in the order a tile passes them; kBlocks stores the tile's key-block count, not a time.
+enum ConsumerEvent : int { kTileStart, kQReady, kFirstDone, kMiddleDone, kLastPVDone, kStored, kBlocks };
+// Producer events.
+enum ProducerEvent : int { kPTileStart, kPFirstKIssued, kPQIssued, kPTileIssued };
+
+// Set by the tool (cudaMemcpyToSymbol); null: probes are off. In constant memory: a global load here would
+// queue behind the epilogue's stores and charge their drain to the next phase.
+__constant__ uint64_t* g_buffer = nullptr;
+
+__device__ __forceinline__ uint64_t Clock() {
+  uint64_t c;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(c)::"memory");
+  return c;
+}
+
+__device__ __forceinline__ void Put(int role, int round, int event, uint64_t value) {
+  if (g_buffer != nullptr && (threadIdx.x & 127) == 0 && round < kRounds) {
+    g_buffer[((static_cast<int64_t>(blockIdx.x) * kRoles + role) * kRounds + round) * kEvents + event] = value;
+  }
+}
+
+}  // namespace attnd::kernels::hopper::trace
+
+#define ATTND_HOPPER_TRACE_AT(role, round, event) \
+  ::attnd::kernels::hopper::trace::Put((role), (round), (event), ::attnd::kernels::hopper::trace::Clock())
+#define ATTND_HOPPER_TRACE_VALUE(role, round, event, value) \
+  ::attnd::kernels::hopper::trace::Put((role), (round), (event), static_cast<uint64_t>(value))
+// The producer and consumers learn their tile's round through a member that exists only in probed builds: an
+// extra member, even unused, changed the order of two instructions in the shipped kernels.
+#define ATTND_HOPPER_TRACE_ROUND_MEMBER int trace_round = 0;
+#define ATTND_HOPPER_TRACE_SET_ROUND(role_object, round) ((role_object).trace_round = (round))
+
+#else
+
+#define ATTND_HOPPER_TRACE_AT(role, round, event) ((void)0)
+#define ATTND_HOPPER_TRACE_VALUE(role, round, event, value) ((void)0)
+#define ATTND_HOPPER_TRACE_ROUND_MEMBER
+#define ATTND_HOPPER_TRACE_SET_ROUND(role_object, round) ((void)0)
+
+#endif

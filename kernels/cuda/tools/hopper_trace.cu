@@ -1,0 +1,249 @@
+// hopper_trace: where a Hopper-family tile's cycles go.
+//
+// Builds its own instantiations of the Hopper kernel with the timeline probes on (trace_sm90.cuh), plans each
+// problem through the library (same tensor maps, parameters and persistent grid as Launch), runs the library's
+// kernel and the probed one on the same inputs, checks that their outputs are bit-identical, and prints per
+// key-block count the mean cycles of each phase of a tile:
+//   qwait  tile start -> Q resident          first  the first block (S alone + softmax)
+//   middle the overlapped steps (per step)   lastpv the last P V alone
+//   epi    normalise + store O               gap    store -> next tile's start (scheduler)
+// and the overhead of a tile beyond n_blocks steady-state steps, in steps. Round 0 (pipeline fill) and a
+// block's last traced round are left out. Usage: hopper_trace [config B S H causal]... (defaults below).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#define ATTND_HOPPER_TRACE 1
+#include "attnd/kernels/attention.h"
+#include "hopper/flash_fwd_launch_sm90.cuh"
+#include "hopper/tile_size_sm90.h"
+
+namespace hk = attnd::kernels::hopper;
+
+namespace {
+
+#define CHECK_CUDA(x)                                                                           \
+  do {                                                                                          \
+    const cudaError_t e_ = (x);                                                                 \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
+
+struct Case {
+  std::string config;
+  int b, s, h, causal;
+};
+
+using Launcher = void (*)(const attnd::kernels::Plan&, int blocks, const hk::SchedulerParams&);
+
+template <typename Tile>
+void LaunchProbed(const attnd::kernels::Plan& plan, int blocks, const hk::SchedulerParams& sp) {
+  auto* k = hk::HopperFwdKernel<Tile, __nv_bfloat16>;
+  CHECK_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Tile::kSmemBytes)));
+  k<<<blocks, Tile::kThreads, Tile::kSmemBytes>>>(plan.q_map, plan.k_map, plan.v_map, plan.params, sp);
+  CHECK_CUDA(cudaGetLastError());
+}
+
+// The configurations the tool instantiates (the defaults `auto` picks, plus d128 s2).
+const std::map<std::string, Launcher>& Launchers() {
+  static const std::map<std::string, Launcher> m = {
+      {"hopper_sm90_d128_m128n128s3", &LaunchProbed<hk::HopperD128N128S3>},
+      {"hopper_sm90_d128_m128n128s2", &LaunchProbed<hk::HopperD128N128S2>},
+      {"hopper_sm90_d64_m192n128s4", &LaunchProbed<hk::HopperD64M192N128S4>},
+      {"hopper_sm90_d256_m128n64s2", &LaunchProbed<hk::HopperD256N64S2>},
+  };
+  return m;
+}
+
+struct Acc {
+  double sum[8] = {};
+  int n = 0;
+};
+
+void RunCase(const Case& c, int sms) {
+  const auto it = Launchers().find(c.config);
+  if (it == Launchers().end()) {
+    std::fprintf(stderr, "unknown config %s\n", c.config.c_str());
+    std::exit(2);
+  }
+  attnd::Problem pr;
+  int d = 0;
+  std::sscanf(c.config.c_str(), "hopper_sm90_d%d", &d);
+  pr.shape = attnd::Shape{c.b, c.s, c.s, c.h, c.h, d};
+  pr.dtype = attnd::DType::kBF16;
+  pr.mask = c.causal ? attnd::Mask::kCausalTopLeft : attnd::Mask::kNone;
+  pr.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const size_t elems = static_cast<size_t>(c.b) * c.s * c.h * d;
+  std::vector<__nv_bfloat16> host(elems);
+  std::mt19937 rng(1234);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  void *q, *k, *v, *o1, *o2;
+  for (void** p : {&q, &k, &v}) {
+    for (auto& x : host) x = __float2bfloat16(nd(rng));
+    CHECK_CUDA(cudaMalloc(p, elems * 2));
+    CHECK_CUDA(cudaMemcpy(*p, host.data(), elems * 2, cudaMemcpyHostToDevice));
+  }
+  CHECK_CUDA(cudaMalloc(&o1, elems * 2));
+  CHECK_CUDA(cudaMalloc(&o2, elems * 2));
+  CHECK_CUDA(cudaMemset(o1, 0xFF, elems * 2));
+  CHECK_CUDA(cudaMemset(o2, 0xFF, elems * 2));
+  attnd::kernels::PlanOptions po;
+  po.config = c.config;
+  const attnd::kernels::DeviceTensors t{q, k, v, o1, nullptr};
+  absl::StatusOr<attnd::kernels::Plan> plan = attnd::kernels::MakePlan(pr, attnd::ContiguousLayout(pr.shape), t, po);
+  if (!plan.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(plan.status().message()).c_str());
+    std::exit(1);
+  }
+  attnd::kernels::Plan probed = *plan;
+  probed.params.o = o2;
+  const attnd::kernels::LaunchParams& lp = plan->params;
+  const hk::SchedulerParams sp = hk::MakeSchedulerParams(
+      static_cast<int>(plan->grid[0]), static_cast<int>(plan->grid[1]), static_cast<int>(plan->grid[2]), lp.kv_len,
+      d, lp.group, lp.causal != 0, hk::SectionBudgetBytes(lp.causal != 0));
+  const int blocks = std::min(sp.total_tiles, sms);
+
+  const size_t words = static_cast<size_t>(blocks) * hk::trace::kRoles * hk::trace::kRounds * hk::trace::kEvents;
+  uint64_t* buf = nullptr;
+  CHECK_CUDA(cudaMalloc(&buf, words * 8));
+  CHECK_CUDA(cudaMemset(buf, 0, words * 8));
+
+  cudaEvent_t e0, e1, e2;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  CHECK_CUDA(cudaEventCreate(&e2));
+  // Warm both, then time one of each; the probed run is the one traced.
+  if (absl::Status st = attnd::kernels::Launch(*plan, nullptr); !st.ok()) {
+    std::fprintf(stderr, "launch: %s\n", std::string(st.message()).c_str());
+    std::exit(1);
+  }
+  it->second(probed, blocks, sp);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  CHECK_CUDA(cudaMemcpyToSymbol(hk::trace::g_buffer, &buf, sizeof(buf)));
+  CHECK_CUDA(cudaEventRecord(e0));
+  if (absl::Status st = attnd::kernels::Launch(*plan, nullptr); !st.ok()) std::exit(1);
+  CHECK_CUDA(cudaEventRecord(e1));
+  it->second(probed, blocks, sp);
+  CHECK_CUDA(cudaEventRecord(e2));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  uint64_t* none = nullptr;
+  CHECK_CUDA(cudaMemcpyToSymbol(hk::trace::g_buffer, &none, sizeof(none)));
+  float ms_lib = 0, ms_probed = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&ms_lib, e0, e1));
+  CHECK_CUDA(cudaEventElapsedTime(&ms_probed, e1, e2));
+
+  std::vector<uint8_t> a(elems * 2), b2(elems * 2);
+  CHECK_CUDA(cudaMemcpy(a.data(), o1, elems * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(b2.data(), o2, elems * 2, cudaMemcpyDeviceToHost));
+  const bool same = std::memcmp(a.data(), b2.data(), a.size()) == 0;
+  std::vector<uint64_t> tr(words);
+  CHECK_CUDA(cudaMemcpy(tr.data(), buf, words * 8, cudaMemcpyDeviceToHost));
+
+  const double flops = 4.0 * c.b * c.h * static_cast<double>(c.s) * c.s * d * (c.causal ? 0.5 : 1.0);
+  std::printf("\n== %s B=%d S=%d H=%d causal=%d: %d tiles on %d blocks; library %.1f us (%.0f TFLOP/s), probed %.1f us; "
+              "outputs %s\n",
+              c.config.c_str(), c.b, c.s, c.h, c.causal, sp.total_tiles, blocks, ms_lib * 1e3,
+              flops / (ms_lib * 1e-3) / 1e12, ms_probed * 1e3, same ? "bit-identical" : "DIFFER");
+
+  auto at = [&](int blk, int role, int round, int ev) {
+    return tr[((static_cast<size_t>(blk) * hk::trace::kRoles + role) * hk::trace::kRounds + round) *
+                  hk::trace::kEvents + ev];
+  };
+  // Per n_blocks: qwait, first, middle, lastpv, epi, gap, total (cycles); middle steps counted apart.
+  std::map<int, Acc> by_n;
+  Acc prod;  // producer: first-K wait, Q wait (q_empty), Q issue -> consumer WG0 Q ready
+  double middle_cycles = 0, middle_steps = 0;
+  for (int blk = 0; blk < blocks; ++blk) {
+    for (int role = 1; role < hk::trace::kRoles; ++role) {
+      for (int r = 1; r + 1 < hk::trace::kRounds; ++r) {
+        const uint64_t start = at(blk, role, r, hk::trace::kTileStart);
+        const uint64_t next = at(blk, role, r + 1, hk::trace::kTileStart);
+        if (start == 0 || next == 0) break;
+        const int n = static_cast<int>(at(blk, role, r, hk::trace::kBlocks));
+        if (n < 1) continue;
+        const double ev[6] = {static_cast<double>(start),
+                              static_cast<double>(at(blk, role, r, hk::trace::kQReady)),
+                              static_cast<double>(at(blk, role, r, hk::trace::kFirstDone)),
+                              static_cast<double>(at(blk, role, r, hk::trace::kMiddleDone)),
+                              static_cast<double>(at(blk, role, r, hk::trace::kLastPVDone)),
+                              static_cast<double>(at(blk, role, r, hk::trace::kStored))};
+        Acc& acc = by_n[n];
+        for (int i = 0; i < 5; ++i) acc.sum[i] += ev[i + 1] - ev[i];
+        acc.sum[5] += static_cast<double>(next) - ev[5];
+        acc.sum[6] += static_cast<double>(next) - ev[0];
+        ++acc.n;
+        if (n >= 4) {
+          middle_cycles += ev[3] - ev[2];
+          middle_steps += n - 1;
+        }
+      }
+    }
+    for (int r = 1; r + 1 < hk::trace::kRounds; ++r) {
+      const uint64_t ps = at(blk, 0, r, hk::trace::kPTileStart);
+      const uint64_t ready = at(blk, 1, r, hk::trace::kQReady);
+      if (ps == 0 || ready == 0 || at(blk, 1, r + 1, hk::trace::kTileStart) == 0) break;
+      const double k1 = static_cast<double>(at(blk, 0, r, hk::trace::kPFirstKIssued));
+      const double qi = static_cast<double>(at(blk, 0, r, hk::trace::kPQIssued));
+      prod.sum[0] += k1 - static_cast<double>(ps);
+      prod.sum[1] += qi - k1;
+      prod.sum[2] += static_cast<double>(ready) - qi;
+      // When the Q load went out, relative to the consumer's start of this tile (negative: before it).
+      prod.sum[3] += qi - static_cast<double>(at(blk, 1, r, hk::trace::kTileStart));
+      ++prod.n;
+    }
+  }
+  const double step = middle_steps > 0 ? middle_cycles / middle_steps : 0;
+  std::printf("steady-state step (tiles with >= 4 blocks): %.0f cycles\n", step);
+  std::printf("%8s %6s %8s %8s %8s %8s %8s %8s %9s %10s\n", "n_blocks", "tiles", "qwait", "first", "middle/st",
+              "lastpv", "epi", "gap", "total", "over(st)");
+  for (const auto& [n, acc] : by_n) {
+    const double m = 1.0 / acc.n;
+    const double total = acc.sum[6] * m;
+    std::printf("%8d %6d %8.0f %8.0f %8.0f %8.0f %8.0f %8.0f %9.0f %10.2f\n", n, acc.n, acc.sum[0] * m,
+                acc.sum[1] * m, n > 1 ? acc.sum[2] * m / (n - 1) : 0.0, acc.sum[3] * m, acc.sum[4] * m,
+                acc.sum[5] * m, total, step > 0 ? (total - n * step) / step : 0.0);
+  }
+  if (prod.n > 0) {
+    const double m = 1.0 / prod.n;
+    std::printf("producer: first-K slot wait %.0f, then q_empty wait %.0f, Q issue -> WG0 Q ready %.0f, Q issued "
+                "%.0f cycles after WG0's tile start (%d tiles)\n",
+                prod.sum[0] * m, prod.sum[1] * m, prod.sum[2] * m, prod.sum[3] * m, prod.n);
+  }
+  CHECK_CUDA(cudaFree(buf));
+  for (void* p : {q, k, v, o1, o2}) CHECK_CUDA(cudaFree(p));
+  CHECK_CUDA(cudaEventDestroy(e0));
+  CHECK_CUDA(cudaEventDestroy(e1));
+  CHECK_CUDA(cudaEventDestroy(e2));
+  if (!same) std::exit(3);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<Case> cases;
+  for (int i = 1; i + 4 < argc; i += 5) {
+    cases.push_back(Case{argv[i], std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3]),
+                         std::atoi(argv[i + 4])});
+  }
+  if (cases.empty()) {
+    for (int causal : {0, 1}) {
+      for (int s : {1024, 4096, 16384}) cases.push_back(Case{"hopper_sm90_d128_m128n128s3", 16384 / s, s, 16, causal});
+    }
+  }
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  for (const Case& c : cases) RunCase(c, sms);
+  return 0;
+}
