@@ -1,6 +1,9 @@
 // Epilogue role: normalise O by the row sums and write it, and the LSE (natural log), straight from the
-// accumulator registers. Each quad writes 16 contiguous bytes of a row per 8-column group; staging through
-// shared memory would widen that, but the Q buffer is already being refilled for the next tile by then.
+// accumulator registers. Shared memory is all K/V ring and Q (already being refilled for the next tile), so O
+// does not go through it: instead a 4x4 transpose inside each quad (shuffles) gives every thread 16 contiguous
+// bytes of its row, and a warp's store writes 64 contiguous bytes of 8 rows. The 4-byte stores this replaces
+// made the epilogue the largest per-tile cost (hopper_trace, v5: ~3,000 cycles of d128's ~2,500-cycle block
+// step, 9,000+ at d256), bound by the number of store instructions, not by bytes.
 #pragma once
 
 #include <math_constants.h>
@@ -13,10 +16,34 @@
 
 namespace attnd::kernels::hopper {
 
-// row0: this thread's first row (the second is row0 + 8); zero: the block saw no key at all.
+// The quad's four threads each hold 4 bytes of four consecutive 8-column groups (a[k]: group k, columns
+// 2t, 2t+1); returns the 16 bytes of group t (columns 0..7, in order). Two butterfly rounds, two shuffles each:
+// after the round on bit m, element k comes from the thread and slot with bit m swapped where t and k differ.
+__device__ __forceinline__ uint4 QuadTranspose(const uint32_t (&a)[4], int t) {
+  uint32_t x[4], y[4];
+  const bool odd = (t & 1) != 0;
+#pragma unroll
+  for (int k = 0; k < 4; k += 2) {
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? a[k] : a[k + 1], 1);
+    x[k] = odd ? got : a[k];
+    x[k + 1] = odd ? a[k + 1] : got;
+  }
+  const bool high = (t & 2) != 0;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, high ? x[k] : x[k + 2], 2);
+    y[k] = high ? got : x[k];
+    y[k + 2] = high ? x[k + 2] : got;
+  }
+  return make_uint4(y[0], y[1], y[2], y[3]);
+}
+
+// row0: this thread's first row (the second is row0 + 8); zero: the block saw no key at all. O's pointer and
+// strides are 16-byte multiples (plan.cc checks them).
 template <int kHeadDim, typename Elem, int kBlockN>
 __device__ __forceinline__ void StoreOutputSm90(const LaunchParams& p, const float (&o)[kHeadDim / 2],
                                                 const SoftmaxSm90<kBlockN>& sm, int row0, int head, int batch) {
+  static_assert(kHeadDim % 32 == 0, "the quad transpose takes four 8-column groups at a time");
   const int t = threadIdx.x & 3;
   const float l0 = QuadSum(sm.l[0]);
   const float l1 = QuadSum(sm.l[1]);
@@ -26,18 +53,23 @@ __device__ __forceinline__ void StoreOutputSm90(const LaunchParams& p, const flo
   const int row1 = row0 + 8;
   Elem* out = static_cast<Elem*>(p.o);
   const int64_t head_off = static_cast<int64_t>(batch) * p.o_stride_b + static_cast<int64_t>(head) * p.o_stride_h;
-  Elem* r0 = out + head_off + static_cast<int64_t>(row0) * p.o_stride_s + 2 * t;
-  Elem* r1 = out + head_off + static_cast<int64_t>(row1) * p.o_stride_s + 2 * t;
+  Elem* r0 = out + head_off + static_cast<int64_t>(row0) * p.o_stride_s;
+  Elem* r1 = out + head_off + static_cast<int64_t>(row1) * p.o_stride_s;
   const bool in0 = row0 < p.q_len, in1 = row1 < p.q_len;
+  // Every lane shuffles (the row guards only skip stores).
 #pragma unroll
-  for (int i = 0; i < kHeadDim / 8; ++i) {
-    if (in0) {
-      *reinterpret_cast<uint32_t*>(r0 + 8 * i) = seed::ElemTraits<Elem>::Pack(o[4 * i] * inv0, o[4 * i + 1] * inv0);
+  for (int j = 0; j < kHeadDim / 32; ++j) {
+    uint32_t a0[4], a1[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int i = 4 * j + k;  // 8-column group
+      a0[k] = seed::ElemTraits<Elem>::Pack(o[4 * i] * inv0, o[4 * i + 1] * inv0);
+      a1[k] = seed::ElemTraits<Elem>::Pack(o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
     }
-    if (in1) {
-      *reinterpret_cast<uint32_t*>(r1 + 8 * i) =
-          seed::ElemTraits<Elem>::Pack(o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
-    }
+    const uint4 w0 = QuadTranspose(a0, t);
+    const uint4 w1 = QuadTranspose(a1, t);
+    if (in0) *reinterpret_cast<uint4*>(r0 + 8 * (4 * j + t)) = w0;
+    if (in1) *reinterpret_cast<uint4*>(r1 + 8 * (4 * j + t)) = w1;
   }
   if (p.lse != nullptr && t == 0) {
     constexpr float kLn2 = 0.693147180559945309f;
