@@ -1,10 +1,12 @@
 // The Hopper family's persistent tile scheduler (kernels/cuda/src/hopper/tile_scheduler_sm90.cuh), on the
-// host: every (q_tile, head, batch) tile is run exactly once whatever the grid, causal problems come
-// longest-first round by round, and the boustrophedon rounds keep the per-block causal work balanced.
+// host: every (q_tile, head, batch) tile is run exactly once whatever the grid, long causal problems come
+// longest-first round by round with the boustrophedon rounds keeping the per-block work balanced, and short
+// ones run as balanced pairs of q tiles, head by head.
 // A tile the schedule skipped would leave rows of O unwritten; the GPU suite sees that only for its shapes.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <tuple>
@@ -23,7 +25,7 @@ struct Shape {
 
 // Runs the schedule as the kernel's blocks do; returns per-tile visit counts and per-block causal work.
 void Walk(const Shape& s, std::vector<int>& visits, std::vector<int64_t>& work,
-          int64_t section_budget = -1) {
+          int64_t section_budget = kDefaultSectionBudgetBytes) {
   const SchedulerParams sp =
       MakeSchedulerParams(s.q_tiles, s.heads, s.batch, s.kv_len, s.head_dim, s.group, s.causal, section_budget);
   ASSERT_EQ(sp.total_tiles, s.q_tiles * s.heads * s.batch);
@@ -49,7 +51,7 @@ TEST(HopperScheduler, EveryTileExactlyOnce) {
       {3, 5, 7, 300, 128, 5, true, 100},      {33, 3, 1, 70000, 256, 1, false, 99},
       {11, 1, 1, 1408, 128, 1, true, 11},     {2, 65535 / 1024, 3, 64, 64, 1, false, 132},
   };
-  // Whatever section budget a tuning run sets (ATTND_HOPPER_[L2|CAUSAL]_SECTION_MB): none, tiny, default, huge.
+  // Whatever section budget a tuning run sets (ATTND_HOPPER_L2_SECTION_MB): none, tiny, default, huge.
   for (const int64_t budget : {int64_t{0}, int64_t{1} << 20, kDefaultSectionBudgetBytes, int64_t{1} << 40}) {
     for (const Shape& s : shapes) {
       std::vector<int> visits;
@@ -79,6 +81,54 @@ TEST(HopperScheduler, CausalRoundsAreLongestFirstAndBalanced) {
   // Plain striding (block i always the i-th tile of a round) gives the busiest block 6.3% more than the mean
   // here; the snake 0.3%.
   EXPECT_LE(static_cast<double>(most), 1.01 * static_cast<double>(total) / s.grid);
+}
+
+TEST(HopperScheduler, ShortCausalProblemsArePairedHeadByHead) {
+  for (const Shape& s : {Shape{8, 16, 16, 1024, 128, 1, true, 132}, Shape{11, 32, 8, 2048, 64, 1, true, 132},
+                         Shape{16, 8, 8, 2048, 256, 1, true, 132}}) {
+    const SchedulerParams sp = MakeSchedulerParams(s.q_tiles, s.heads, s.batch, s.kv_len, s.head_dim, s.group, true);
+    ASSERT_EQ(sp.pairs_per_head, s.q_tiles / 2);
+    for (int block = 0; block < s.grid; ++block) {
+      for (int round = 0;; round += 2) {
+        const int a = TileOfRound(sp, round, block, s.grid);
+        if (a < 0) break;
+        const int b = TileOfRound(sp, round + 1, block, s.grid);
+        if (b < 0) {
+          EXPECT_EQ(a, sp.total_tiles - 1) << "only the last pair of an odd tile count has one tile";
+          break;
+        }
+        const TileCoord x = TileAt(sp, a), y = TileAt(sp, b);
+        // Every pair is nq + 1 key blocks: q tiles i and nq-1-i of one head, or two heads' middle tiles.
+        EXPECT_EQ(x.q_tile + 1 + y.q_tile + 1, s.q_tiles + 1) << "block " << block << " round " << round;
+        if (x.q_tile != y.q_tile) EXPECT_EQ(x.head + x.batch * s.heads, y.head + y.batch * s.heads);
+      }
+    }
+    // The pairs in flight at once cover few heads: K and V stay in L2 across their q tiles.
+    for (int round = 0; round < 4; round += 2) {
+      std::vector<bool> seen(s.heads * s.batch, false);
+      int heads = 0;
+      for (int block = 0; block < s.grid; ++block) {
+        const int t = TileOfRound(sp, round, block, s.grid);
+        if (t < 0) continue;
+        const TileCoord c = TileAt(sp, t);
+        if (!seen[c.batch * s.heads + c.head]) ++heads;
+        seen[c.batch * s.heads + c.head] = true;
+      }
+      EXPECT_LE(heads, s.grid / sp.pairs_per_head + 2) << "round " << round;
+    }
+    std::vector<int> visits;
+    std::vector<int64_t> work;
+    Walk(s, visits, work);
+    const int64_t total = std::accumulate(work.begin(), work.end(), int64_t{0});
+    const int64_t most = *std::max_element(work.begin(), work.end());
+    // Only the last round's granularity: ceil(pairs / grid) of them against the mean.
+    const double pairs = static_cast<double>(sp.total_tiles) / 2;
+    EXPECT_LE(static_cast<double>(most) / (static_cast<double>(total) / s.grid),
+              std::ceil(pairs / s.grid) / (pairs / s.grid) + 1e-9);
+  }
+  // Longer causal problems keep the LPT snake.
+  EXPECT_EQ(MakeSchedulerParams(32, 16, 4, 4096, 128, 1, true).pairs_per_head, 0);
+  EXPECT_EQ(MakeSchedulerParams(1, 16, 4, 100, 128, 1, true).pairs_per_head, 0);
 }
 
 TEST(HopperScheduler, NonCausalSectionsKeepKvInL2) {

@@ -112,7 +112,7 @@ void RunCase(const Case& c, int sms) {
   const attnd::kernels::LaunchParams& lp = plan->params;
   const hk::SchedulerParams sp = hk::MakeSchedulerParams(
       static_cast<int>(plan->grid[0]), static_cast<int>(plan->grid[1]), static_cast<int>(plan->grid[2]), lp.kv_len,
-      d, lp.group, lp.causal != 0, hk::SectionBudgetBytes(lp.causal != 0));
+      d, lp.group, lp.causal != 0, hk::SectionBudgetBytes());
   const int blocks = std::min(sp.total_tiles, sms);
 
   const size_t words = static_cast<size_t>(blocks) * hk::trace::kRoles * hk::trace::kRounds * hk::trace::kEvents;

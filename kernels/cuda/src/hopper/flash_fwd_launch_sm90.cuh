@@ -27,18 +27,14 @@ inline int64_t EnvCount(const char* name, int64_t limit) {
   return (*end == '\0' && n >= 0 && n < limit) ? static_cast<int64_t>(n) : -1;
 }
 
-// The L2 section budgets: kDefault[Causal]SectionBudgetBytes, or ATTND_HOPPER_L2_SECTION_MB (non-causal) /
-// ATTND_HOPPER_CAUSAL_SECTION_MB (causal) in MiB (0: no sections).
-inline int64_t SectionBudgetBytes(bool causal) {
-  static const int64_t plain = [] {
+// The non-causal L2 section budget: kDefaultSectionBudgetBytes, or ATTND_HOPPER_L2_SECTION_MB for tuning runs
+// (0: no sections).
+inline int64_t SectionBudgetBytes() {
+  static const int64_t budget = [] {
     const int64_t mb = EnvCount("ATTND_HOPPER_L2_SECTION_MB", int64_t{1} << 20);
     return mb >= 0 ? mb << 20 : kDefaultSectionBudgetBytes;
   }();
-  static const int64_t masked = [] {
-    const int64_t mb = EnvCount("ATTND_HOPPER_CAUSAL_SECTION_MB", int64_t{1} << 20);
-    return mb >= 0 ? mb << 20 : kDefaultCausalSectionBudgetBytes;
-  }();
-  return causal ? masked : plain;
+  return budget;
 }
 
 // ATTND_HOPPER_MAX_BLOCKS caps the persistent grid (unset or 0: one block per SM). For tests: with a few
@@ -57,7 +53,7 @@ cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
   const SchedulerParams sp =
       MakeSchedulerParams(static_cast<int>(plan.grid[0]), static_cast<int>(plan.grid[1]),
                           static_cast<int>(plan.grid[2]), lp.kv_len, Tile::kHeadDim, lp.group, lp.causal != 0,
-                          SectionBudgetBytes(lp.causal != 0));
+                          SectionBudgetBytes());
   int blocks = sp.total_tiles < sms ? sp.total_tiles : sms;
   if (const int cap = MaxBlocksOverride(); cap > 0 && blocks > cap) blocks = cap;
   HopperFwdKernel<Tile, Elem><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(plan.q_map, plan.k_map,

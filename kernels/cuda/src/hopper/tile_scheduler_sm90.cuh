@@ -8,9 +8,13 @@
 // highest first. Without a mask every tile costs the same, and a section is as many heads as keep their
 // K and V inside about a quarter of L2, so the ~132 blocks in flight share K/V through L2. With a causal mask
 // the cost of a tile grows with its q_tile; sections there made the strided assignment hand one block all
-// long tiles and another all short ones (v1: d256 causal 16k at 0.5x cuDNN), so a causal problem is one
-// section: each stride-round of `grid` tiles is a run of nearly equal cost, longest first (LPT), and the
-// blocks in flight sweep the same key range of a few heads together, which L2 still serves.
+// long tiles and another all short ones (v1: d256 causal 16k at 0.5x cuDNN), so a long causal problem is one
+// section: each stride-round of `grid` tiles is a run of nearly equal cost, longest first (LPT).
+// Short causal problems (at most kMaxPairedQTiles q tiles per head) are paired instead: a block runs q tiles
+// nq-1-i and i of one head back to back, nq + 1 key blocks whatever i, so plain striding over these pairs is
+// balanced, and the pairs go head by head, so the blocks in flight share a few heads' K and V through L2. One
+// LPT section there had every round touch ~130 heads, K and V came from DRAM again for each q tile (d128 1k:
+// ~600 MB for a 68 GFLOP problem), and sections of the LPT order could not be balanced by a static snake.
 #pragma once
 
 #include <cuda_runtime.h>  // __host__ __device__ (host compilers too: tests/hopper_scheduler_test.cc)
@@ -25,9 +29,7 @@ struct SchedulerParams {
   int total_bh = 0;    // batch * q_heads
   int section_bh = 1;  // (batch, head) pairs per L2 section
   int total_tiles = 0;
-  // Causal sections run alternately longest-first and shortest-first: the snake then pairs long tiles with
-  // short ones across a section boundary too (a sawtooth of lengths would not).
-  bool mirror_odd_sections = false;
+  int pairs_per_head = 0;  // > 0: paired causal order (num_q_tiles / 2 pairs per head, then the middle tiles)
 };
 
 struct TileCoord {
@@ -38,14 +40,15 @@ struct TileCoord {
 // v4), 12 was best or level at d128 and d256 (24, half of L2, from v1 to v3).
 constexpr int64_t kDefaultSectionBudgetBytes = int64_t{12} << 20;
 
-// Causal problems: one section (0) unless a tuning run sets ATTND_HOPPER_CAUSAL_SECTION_MB.
-constexpr int64_t kDefaultCausalSectionBudgetBytes = 0;
+// Causal problems with at most this many q tiles per head are paired (d128: q_len <= 2048). Longer ones stay
+// one LPT section: the snake balances them to ~0.5% where pairs, each a whole head's worth of key blocks,
+// leave up to one pair of the last round's granularity (~3% at 16k).
+constexpr int kMaxPairedQTiles = 16;
 
-// `section_budget_bytes`: the K + V bytes a section may span; 0: no sections (one); < 0: the default for the
-// mask (kDefaultSectionBudgetBytes, or kDefaultCausalSectionBudgetBytes with a causal mask).
+// `section_budget_bytes`: the K + V bytes a non-causal section may span; <= 0: no sections (one, as causal).
 inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int batch, int kv_len, int head_dim,
-                                           int kv_group, bool causal, int64_t section_budget_bytes = -1) {
-  if (section_budget_bytes < 0) section_budget_bytes = causal ? kDefaultCausalSectionBudgetBytes : kDefaultSectionBudgetBytes;
+                                           int kv_group, bool causal,
+                                           int64_t section_budget_bytes = kDefaultSectionBudgetBytes) {
   SchedulerParams sp;
   sp.num_q_tiles = num_q_tiles;
   sp.q_heads = q_heads;
@@ -55,15 +58,21 @@ inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int bat
   int64_t section = kv_bytes > 0 && section_budget_bytes > 0 ? section_budget_bytes / kv_bytes * kv_group
                                                               : sp.total_bh;
   if (section < 1) section = 1;
-  if (section > sp.total_bh) section = sp.total_bh;
+  if (section > sp.total_bh || causal) section = sp.total_bh;
   sp.section_bh = static_cast<int>(section);
   sp.total_tiles = num_q_tiles * sp.total_bh;
-  sp.mirror_odd_sections = causal;
+  if (causal && num_q_tiles >= 2 && num_q_tiles <= kMaxPairedQTiles) sp.pairs_per_head = num_q_tiles / 2;
   return sp;
 }
 
 // The tile block `block` runs in round `round`, or -1 when it has none (only the last round is partial).
+// Paired order: rounds 2r and 2r + 1 are the two tiles of pair r * grid + block.
 __host__ __device__ __forceinline__ int TileOfRound(const SchedulerParams& sp, int round, int block, int grid) {
+  if (sp.pairs_per_head > 0) {
+    const int pair = (round >> 1) * grid + block;
+    const int t = 2 * pair + (round & 1);
+    return t < sp.total_tiles ? t : -1;  // the last pair of an odd tile count has one tile
+  }
   const int base = round * grid;
   const int left = sp.total_tiles - base;
   const int count = grid < left ? grid : left;
@@ -72,13 +81,28 @@ __host__ __device__ __forceinline__ int TileOfRound(const SchedulerParams& sp, i
 }
 
 __host__ __device__ __forceinline__ TileCoord TileAt(const SchedulerParams& sp, int t) {
+  if (sp.pairs_per_head > 0) {
+    // Pairs (nq-1-i, i) head by head; with an odd nq the middle tiles follow, two heads' to a pair (again
+    // nq + 1 key blocks).
+    const int pairs = sp.pairs_per_head;
+    const int paired_tiles = 2 * pairs * sp.total_bh;
+    int bh, q_tile;
+    if (t < paired_tiles) {
+      const int pair = t >> 1, i = pair % pairs;
+      bh = pair / pairs;
+      q_tile = (t & 1) ? i : sp.num_q_tiles - 1 - i;
+    } else {
+      bh = t - paired_tiles;
+      q_tile = pairs;
+    }
+    return TileCoord{q_tile, bh % sp.q_heads, bh / sp.q_heads};
+  }
   const int per_section = sp.section_bh * sp.num_q_tiles;
   const int section = t / per_section;
   const int base_bh = section * sp.section_bh;
   const int left = sp.total_bh - base_bh;
   const int size = sp.section_bh < left ? sp.section_bh : left;
-  int idx = t - section * per_section;
-  if (sp.mirror_odd_sections && (section & 1)) idx = size * sp.num_q_tiles - 1 - idx;
+  const int idx = t - section * per_section;
   const int bh = base_bh + idx % size;
   return TileCoord{sp.num_q_tiles - 1 - idx / size, bh % sp.q_heads, bh / sp.q_heads};
 }
