@@ -36,6 +36,9 @@ ABSL_FLAG(int, threads, 0, "CPU backend compute threads (0: all cores)");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, critical or off");
 ABSL_FLAG(std::string, devices, "", "CUDA devices to serve, comma-separated indices (empty: all)");
 ABSL_FLAG(int, streams, 4, "CUDA streams per device");
+ABSL_FLAG(bool, shared_compute_stream, false,
+          "CUDA: run the kernels of all streams of a device back to back on one compute stream, each stream keeping "
+          "its own host<->device copies (false: each stream runs its own kernels, concurrently with the others')");
 ABSL_FLAG(bool, enable_cuda_ipc, false, "accept RegisterCudaBuffer (CUDA IPC, same host) on the cuda backend");
 ABSL_FLAG(uint64_t, memory_budget_mb, 0,
           "CUDA device (and pinned staging) memory the stream pool may hold per device, MiB (0: 80% of free)");
@@ -99,6 +102,7 @@ int main(int argc, char** argv) {
   backend_options.threads = absl::GetFlag(FLAGS_threads);
   backend_options.max_queue = absl::GetFlag(FLAGS_max_queue);
   backend_options.streams_per_device = absl::GetFlag(FLAGS_streams);
+  backend_options.shared_compute_stream = absl::GetFlag(FLAGS_shared_compute_stream);
   backend_options.enable_cuda_ipc = absl::GetFlag(FLAGS_enable_cuda_ipc);
   backend_options.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_mb) << 20;
   backend_options.warm_shapes = absl::GetFlag(FLAGS_warm_shapes);

@@ -78,6 +78,7 @@ class CountingBackend final : public server::Backend {
 struct CudaServerOptions {
   bool enable_ipc = false;
   int streams = 4;
+  bool shared_compute_stream = false;
   uint32_t max_queue = 256;
   uint64_t memory_budget_bytes = 0;
   uint64_t max_message_bytes = 256ull << 20;
@@ -90,6 +91,7 @@ inline void StartCudaServer(TestServer* out, const CudaServerOptions& o, std::st
   static std::atomic<int> counter{0};
   server::BackendOptions bo;
   bo.streams_per_device = o.streams;
+  bo.shared_compute_stream = o.shared_compute_stream;
   bo.max_queue = o.max_queue;
   bo.enable_cuda_ipc = o.enable_ipc;
   bo.memory_budget_bytes = o.memory_budget_bytes;

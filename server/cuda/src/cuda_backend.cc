@@ -1,8 +1,9 @@
 // The CUDA backend: per served device a warm primary context, a pool of slots (one stream, four timing
-// events and one worker thread each), caching allocators for device buffers and pinned staging bounded by
-// the memory budget, and a shared tensor-map cache. A slot's worker waits for its own stream's events, so
-// no gRPC thread ever waits for the GPU; `done` runs on the worker once the kernel (and the copy back) has
-// finished.
+// events and one worker thread each), optionally one compute stream that all slots' kernels share
+// (BackendOptions::shared_compute_stream), caching allocators for device buffers and pinned staging bounded
+// by the memory budget, and a shared tensor-map cache. A slot's worker waits for its own stream's events,
+// so no gRPC thread ever waits for the GPU; `done` runs on the worker once the kernel (and the copy back)
+// has finished.
 #include "attnd/server/cuda_backend.h"
 
 #include <cuda_runtime_api.h>
@@ -148,6 +149,10 @@ class CudaDevice {
   struct Slot {
     cudaStream_t stream = nullptr;
     cudaEvent_t ev[4] = {};  // before H2D, before kernel, after kernel, after D2H
+    // With the shared compute stream, ev[1] only says when the inputs arrived; the kernel may then wait
+    // behind other requests' kernels. This event, recorded on the compute stream right before the launch,
+    // makes the reported kernel time the kernel's own.
+    cudaEvent_t kernel_start = nullptr;
   };
 
   absl::Status WarmUpKernels();
@@ -164,6 +169,10 @@ class CudaDevice {
   std::unique_ptr<BlockCache> device_mem_, pinned_mem_;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<std::thread> workers_;
+  cudaStream_t compute_ = nullptr;  // the shared compute stream (BackendOptions::shared_compute_stream)
+  // Held while one request enqueues its compute-stream work, so that no other request's work lands between
+  // its kernel_start event and its launch (which would count into its kernel time).
+  absl::Mutex compute_mu_;
 
   absl::Mutex mu_;
   std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
@@ -179,8 +188,10 @@ CudaDevice::~CudaDevice() {
     for (cudaEvent_t e : s->ev) {
       if (e) cudaEventDestroy(e);
     }
+    if (s->kernel_start) cudaEventDestroy(s->kernel_start);
     if (s->stream) cudaStreamDestroy(s->stream);
   }
+  if (compute_) cudaStreamDestroy(compute_);
 }
 
 absl::Status CudaDevice::Start(const std::vector<Shape>& warm_shapes) {
@@ -231,6 +242,11 @@ absl::Status CudaDevice::Start(const std::vector<Shape>& warm_shapes) {
                          [](void* p) { cudaFreeHost(p); }},
       pinned_budget);
 
+  if (options_.shared_compute_stream) {
+    // Non-blocking like the slot streams: the legacy default stream must not serialise it with them.
+    ATTND_RETURN_IF_ERROR(
+        CudaStatus("cudaStreamCreate (compute)", cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking)));
+  }
   for (int i = 0; i < options_.streams_per_device; ++i) {
     auto slot = std::make_unique<Slot>();
     ATTND_RETURN_IF_ERROR(
@@ -238,17 +254,22 @@ absl::Status CudaDevice::Start(const std::vector<Shape>& warm_shapes) {
     for (cudaEvent_t& e : slot->ev) {
       ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventCreate", cudaEventCreateWithFlags(&e, cudaEventBlockingSync)));
     }
+    if (compute_) {
+      // Only read for the timing, never waited on by the host: no blocking-sync flag needed.
+      ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventCreate", cudaEventCreate(&slot->kernel_start)));
+    }
     slots_.push_back(std::move(slot));
   }
   ATTND_RETURN_IF_ERROR(WarmUpKernels());
   for (const Shape& s : warm_shapes) ATTND_RETURN_IF_ERROR(WarmShape(s));
 
   for (auto& s : slots_) workers_.emplace_back([this, slot = s.get()] { SlotLoop(slot); });
-  spdlog::info("cuda device {} ({}, sm_{}{}, {} SMs): ready in {:.0f} ms; {} streams, budget {} MiB device / {} MiB "
-               "pinned, {} warm shapes",
+  spdlog::info("cuda device {} ({}, sm_{}{}, {} SMs): ready in {:.0f} ms; {} streams, {}, budget {} MiB device / "
+               "{} MiB pinned, {} warm shapes",
                index_, desc_.name, desc_.cc_major, desc_.cc_minor, desc_.multiprocessor_count,
-               absl::ToDoubleMilliseconds(absl::Now() - t0), slots_.size(), budget >> 20, pinned_budget >> 20,
-               warm_shapes.size());
+               absl::ToDoubleMilliseconds(absl::Now() - t0), slots_.size(),
+               compute_ ? "kernels on one shared compute stream" : "kernels on each stream", budget >> 20,
+               pinned_budget >> 20, warm_shapes.size());
   return absl::OkStatus();
 }
 
@@ -443,8 +464,15 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
   }
   uint8_t* dev = static_cast<uint8_t*>(dblock.ptr);
   uint8_t* host = static_cast<uint8_t*>(hblock.ptr);
+  const bool shared = compute_ != nullptr;
   bool enqueued = false;  // GPU work may be in flight on this slot's stream: wait before freeing the blocks
+  bool on_compute = false;  // the same on the shared compute stream
   auto release = [&] {
+    // An error may leave this request's memset or kernel queued on the compute stream, still writing the
+    // blocks. Synchronising the whole stream waits for other requests' kernels as well, but it needs no
+    // further call to succeed (recording ev[2] after a failed launch for the slot stream to wait on may
+    // fail too, and a wait on a stale record would free the blocks early), and errors are rare.
+    if (on_compute) cudaStreamSynchronize(compute_);
     if (enqueued) cudaStreamSynchronize(slot.stream);
     device_mem_->Release(dblock);
     pinned_mem_->Release(hblock);
@@ -469,7 +497,7 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
     status = CudaStatus("H2D copy", cudaMemcpyAsync(dev, host, pl.in_bytes, cudaMemcpyHostToDevice, st));
   }
   if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[1], st));
-  if (status.ok() && options_.poison_outputs && pl.total > pl.out_offset) {
+  if (status.ok() && !shared && options_.poison_outputs && pl.total > pl.out_offset) {
     // Test mode: NaN-fill the outputs so that a launch that writes nothing cannot pass on stale results.
     status = CudaStatus("poison", cudaMemsetAsync(dev + pl.out_offset, 0xFF, pl.total - pl.out_offset, st));
   }
@@ -492,11 +520,36 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
     plan = kernels::MakePlanFromMaps(*sel, t, *qm, *km, *vm);
     if (!plan.ok()) status = plan.status();
   }
-  if (status.ok()) {
-    enqueued = true;
-    status = kernels::Launch(*plan, st);
+  cudaEvent_t kernel_start = slot.ev[1];
+  if (!shared) {
+    if (status.ok()) {
+      enqueued = true;
+      status = kernels::Launch(*plan, st);
+    }
+    if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[2], st));
+  } else {
+    if (status.ok()) {
+      kernel_start = slot.kernel_start;
+      on_compute = true;
+      // Enqueued together, after the host-side planning, so that the lock is held for a few API calls only.
+      absl::MutexLock lock(&compute_mu_);
+      status = CudaStatus("cudaStreamWaitEvent (inputs)", cudaStreamWaitEvent(compute_, slot.ev[1], 0));
+      if (status.ok() && options_.poison_outputs && pl.total > pl.out_offset) {
+        // Test mode, as above; on the compute stream, so that it lands before this launch without another
+        // cross-stream dependency.
+        status = CudaStatus("poison", cudaMemsetAsync(dev + pl.out_offset, 0xFF, pl.total - pl.out_offset, compute_));
+      }
+      if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.kernel_start, compute_));
+      if (status.ok()) status = kernels::Launch(*plan, compute_);
+      if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[2], compute_));
+    }
+    if (status.ok()) {
+      // From here the slot stream holds this request's last work (the copy back, behind the kernel), also
+      // when nothing was copied in.
+      enqueued = true;
+      status = CudaStatus("cudaStreamWaitEvent (kernel)", cudaStreamWaitEvent(st, slot.ev[2], 0));
+    }
   }
-  if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[2], st));
   const uint64_t out_bytes = pl.total - pl.out_offset;
   if (status.ok() && out_bytes > 0) {
     status = CudaStatus("D2H copy", cudaMemcpyAsync(host + pl.out_offset, dev + pl.out_offset, out_bytes,
@@ -516,7 +569,7 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
   }
   float h2d = 0, kernel = 0, d2h = 0;
   cudaEventElapsedTime(&h2d, slot.ev[0], slot.ev[1]);
-  cudaEventElapsedTime(&kernel, slot.ev[1], slot.ev[2]);
+  cudaEventElapsedTime(&kernel, kernel_start, slot.ev[2]);
   cudaEventElapsedTime(&d2h, slot.ev[2], slot.ev[3]);
   // Back-to-back events still read a few nanoseconds apart: report exactly 0 when nothing was copied.
   job.timing.h2d_us = pl.in_bytes > 0 ? h2d * 1e3 : 0;
@@ -527,6 +580,9 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
     job.lse.assign(reinterpret_cast<const char*>(host + pl.lse), static_cast<uint64_t>(LseElems(s)) * sizeof(float));
   }
   enqueued = false;  // the stream is idle: ev[3] was the last work on it
+  // This request's compute-stream work is done too (the slot stream waited for ev[2] before ev[3]); a
+  // synchronisation here would wait for other requests' kernels.
+  on_compute = false;
   release();
   job.timing.total_us = Micros(absl::Now() - job.accepted);
   return absl::OkStatus();
