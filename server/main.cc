@@ -60,7 +60,12 @@ ABSL_FLAG(std::string, metrics_listen, "", "host:port of the Prometheus endpoint
 ABSL_FLAG(bool, access_log, true, "log one info line per RPC (method, peer, request id, shape, status, times, bytes)");
 ABSL_FLAG(uint32_t, max_calls_per_client, 0,
           "Forward/ForwardStream calls one connection may have in progress (0: no limit); more: RESOURCE_EXHAUSTED");
-ABSL_FLAG(std::string, unix_socket_mode, "0660", "permission bits of the --unix_socket file, octal");
+ABSL_FLAG(std::string, unix_socket_mode, "0660", "permission bits of the --unix_socket (and --shm_socket) file, octal");
+ABSL_FLAG(std::string, shm_socket, "",
+          "unix socket for same-host shared-memory channels (Forward without gRPC; docs/transport.md); empty: off");
+ABSL_FLAG(uint64_t, shm_max_bytes, 64ull << 20, "largest request or reply area a shared-memory channel may have");
+ABSL_FLAG(uint32_t, shm_max_channels, 64, "shared-memory channels open at once (each has a server thread)");
+ABSL_FLAG(int64_t, shm_spin_us, 50, "how long a shared-memory channel's thread polls for a request before sleeping");
 ABSL_FLAG(bool, retain_heap, true,
           "keep freed tensor-sized heap memory mapped (no page faults on the next request; resident size stays "
           "near its peak); false: glibc's defaults");
@@ -148,6 +153,11 @@ int main(int argc, char** argv) {
   options.access_log = absl::GetFlag(FLAGS_access_log);
   options.max_calls_per_client = absl::GetFlag(FLAGS_max_calls_per_client);
   options.grpc_args = absl::GetFlag(FLAGS_grpc_arg);
+  options.shm_socket = absl::GetFlag(FLAGS_shm_socket);
+  options.shm_max_bytes = absl::GetFlag(FLAGS_shm_max_bytes);
+  options.shm_max_channels = absl::GetFlag(FLAGS_shm_max_channels);
+  if (absl::GetFlag(FLAGS_shm_spin_us) < 0) return Fail("--shm_spin_us: must be >= 0");
+  options.shm_spin = absl::Microseconds(absl::GetFlag(FLAGS_shm_spin_us));
   {
     const std::string mode = absl::GetFlag(FLAGS_unix_socket_mode);
     char* end = nullptr;

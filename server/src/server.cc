@@ -25,6 +25,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "metrics.h"
 #include "service.h"
+#include "shm_listener.h"
 #include "spdlog/spdlog.h"
 #include "tls.h"
 
@@ -99,6 +100,23 @@ class ServerImpl final : public Server {
       health->SetServingStatus(true);
       health->SetServingStatus(kServiceName, true);
     }
+    if (!options_.shm_socket.empty()) {
+      ShmListenerOptions so;
+      so.path = options_.shm_socket;
+      so.mode = options_.unix_socket_mode;
+      so.max_area_bytes = options_.shm_max_bytes;
+      so.max_channels = options_.shm_max_channels;
+      so.spin = options_.shm_spin;
+      so.tokens = auth_tokens_;
+      absl::StatusOr<std::unique_ptr<ShmListener>> shm = ShmListener::Start(so, &service_);
+      if (!shm.ok()) {
+        server_->Shutdown();
+        server_.reset();
+        backend_->Shutdown();
+        return shm.status();
+      }
+      shm_ = *std::move(shm);
+    }
     spdlog::info("attnd listening on {}{}{} (backend {}, max_message_bytes {}, max_request_bytes {})",
                  options_.listen.empty() ? "" : absl::StrCat(options_.listen, " [port ", tcp_port_, "]"),
                  options_.listen.empty() || options_.unix_socket.empty() ? "" : " and ",
@@ -121,6 +139,8 @@ class ServerImpl final : public Server {
     }
     // In this order: a call the service still accepts has had its metadata, so DrainTracker counted it.
     service_.BeginShutdown();
+    // Shared-memory channels finish the requests they hold (the backend still runs) and close.
+    if (shm_ != nullptr) shm_->Stop();
     drain_.BeginDrain();
     // Graces beyond a year (infinite included) mean "wait for ever"; clamping avoids time_point overflow.
     const bool forever = options_.shutdown_grace >= absl::Hours(24 * 365);
@@ -167,6 +187,7 @@ class ServerImpl final : public Server {
       absl::StatusOr<std::vector<std::string>> tokens = LoadAuthTokens(options_.auth_token_file);
       if (!tokens.ok()) return tokens.status();
       ServerMetrics* metrics = metrics_.get();
+      auth_tokens_ = *tokens;
       auth_ = std::make_shared<BearerTokenProcessor>(std::move(*tokens), [metrics] {
         if (metrics != nullptr) metrics->RecordAuthFailure();
       });
@@ -195,6 +216,8 @@ class ServerImpl final : public Server {
   AttentionService service_;
   std::vector<ChannelArg> grpc_args_;
   std::unique_ptr<grpc::Server> server_;
+  std::vector<std::string> auth_tokens_;  // for the shared-memory channels' hello
+  std::unique_ptr<ShmListener> shm_;
   int tcp_port_ = 0;
   absl::Mutex shutdown_mu_;
   absl::Notification done_;

@@ -385,6 +385,43 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
   return reactor;
 }
 
+void AttentionService::ForwardLocal(std::shared_ptr<v1::ForwardRequest> request, LocalReply reply) {
+  constexpr const char* kMethod = "ForwardShm";
+  const absl::Time start = absl::Now();
+  if (request->request_id().empty()) request->set_request_id(GenerateRequestId());
+  auto refuse = [&](const absl::Status& status) {
+    stats_.Record(kMethod, status, absl::Now() - start);
+    LogOutcome(kMethod, request->request_id(), status, start);
+    reply(status, nullptr);
+  };
+  if (shutting_down_.load()) return refuse(absl::UnavailableError("the server is shutting down"));
+  auto job = std::make_unique<ForwardJob>();
+  job->accepted = start;
+  RequestBytes bytes;
+  absl::Status prepared = ValidateForwardRequest(*request, Transport::kUnary, limits_, job.get(), &bytes);
+  if (prepared.ok()) prepared = backend_->CheckSupported(*job);
+  if (!prepared.ok()) return refuse(prepared);
+  // No deadline travels on the channel: the caller's own wait bounds it, and a caller that gives up closes it.
+  job->deadline = absl::InfiniteFuture();
+  ForwardJob* j = job.get();
+  const uint64_t in_bytes = bytes.q + bytes.k + bytes.v;
+  j->done = [this, request, reply, j, start, in_bytes](absl::Status status) {
+    std::shared_ptr<v1::ForwardResponse> response;
+    if (status.ok()) {
+      response = std::make_shared<v1::ForwardResponse>();
+      FillResponseHeader(*j, response.get());
+      response->set_o(std::move(j->o));
+      response->set_lse(std::move(j->lse));
+      stats_.AddBytes(in_bytes, response->o().size() + response->lse().size());
+    }
+    stats_.Record(kMethod, status, absl::Now() - start);
+    LogOutcome(kMethod, j->request_id, status, start);
+    reply(status, std::move(response));
+  };
+  const absl::Status submitted = backend_->Submit(std::move(job));
+  if (!submitted.ok()) refuse(submitted);
+}
+
 void AttentionService::NameRequest(grpc::CallbackServerContext* ctx, v1::ForwardRequest& request) {
   if (!request.request_id().empty()) return;  // the client's own: it knows it (and it may be any bytes)
   request.set_request_id(GenerateRequestId());

@@ -5,6 +5,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
@@ -59,6 +61,11 @@ class AttentionService final : public AttentionServiceBase {
                        ForwardJob* job, RequestBytes* bytes) const;
   // Gives a request without an id one, and sends that id back in trailing metadata (kRequestIdMetadata).
   void NameRequest(grpc::CallbackServerContext* ctx, v1::ForwardRequest& request);
+  // Forward from the same-host shared-memory channel (shm_listener.h): the same validation, backend and response
+  // as Forward, without a gRPC call. `reply` runs exactly once: on a backend thread, or inline when the request is
+  // refused before it reaches the backend.
+  using LocalReply = std::function<void(absl::Status, std::shared_ptr<v1::ForwardResponse>)>;
+  void ForwardLocal(std::shared_ptr<v1::ForwardRequest> request, LocalReply reply);
   // Fills the response header fields (request_id, timing, backend, kernel, device) from a finished job.
   void FillResponseHeader(const ForwardJob& job, v1::ForwardResponse* response) const;
 

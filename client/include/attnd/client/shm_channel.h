@@ -1,0 +1,51 @@
+// The caller's side of the same-host shared-memory channel (attnd/shm_channel.h; the server's --shm_socket):
+// Forward without gRPC for a process on the server's host, typically with CUDA IPC buffer references, whose
+// request and reply are a few hundred bytes. Buffers are registered over gRPC (Client::RegisterCudaBuffer) first.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "attnd/shm_channel.h"
+#include "attnd/v1/attention.pb.h"
+
+namespace attnd::client {
+
+struct ShmChannelOptions {
+  std::string socket_path;                 // the server's --shm_socket
+  uint64_t request_capacity = 1ull << 20;  // largest serialized ForwardRequest this channel can carry
+  uint64_t reply_capacity = 1ull << 20;    // largest serialized ForwardResponse (inline O travels here)
+  std::string auth_token;                  // the server's --auth_token_file token, if it has one
+  // Polling for the reply before sleeping on the futex: an IPC call's reply comes about a kernel's time later,
+  // and a wake-up from sleep costs more than that poll.
+  absl::Duration spin = absl::Microseconds(300);
+};
+
+// One request at a time (not thread-safe: open one channel per caller thread, as with connections).
+class ShmChannel {
+ public:
+  // Creates the memfd, hands it to the server and waits for its answer (UNAVAILABLE, PERMISSION_DENIED,
+  // UNAUTHENTICATED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT as the server says).
+  static absl::StatusOr<std::unique_ptr<ShmChannel>> Connect(const ShmChannelOptions& options);
+  ~ShmChannel();
+  ShmChannel(const ShmChannel&) = delete;
+  ShmChannel& operator=(const ShmChannel&) = delete;
+
+  // Sends the request and waits for the reply: the server's status as the error, else the ForwardResponse.
+  // After a DEADLINE_EXCEEDED or UNAVAILABLE the channel is unusable (a late reply may still land): open another.
+  absl::StatusOr<v1::ForwardResponse> Forward(const v1::ForwardRequest& request,
+                                              absl::Duration timeout = absl::InfiniteDuration());
+
+ private:
+  ShmChannel(const ShmChannelOptions& options, int socket, shm::Mapping mapping)
+      : options_(options), socket_(socket), map_(mapping) {}
+  const ShmChannelOptions options_;
+  const int socket_;
+  const shm::Mapping map_;
+  bool broken_ = false;
+};
+
+}  // namespace attnd::client

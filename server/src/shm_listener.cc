@@ -1,0 +1,231 @@
+#include "shm_listener.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "attnd/server/status_util.h"
+#include "attnd/shm_channel.h"
+#include "auth.h"
+#include "spdlog/spdlog.h"
+
+namespace attnd::server {
+namespace {
+
+// While a channel is idle its thread sleeps on the state word; it wakes this often to notice a closed socket
+// or a shutdown.
+constexpr absl::Duration kIdlePoll = absl::Milliseconds(50);
+// A caller that connects and then sends nothing must not hold a thread for ever.
+constexpr int kHandshakeTimeoutSeconds = 5;
+
+// True once the caller has closed its end (or sent anything after the hello, which the protocol does not allow).
+bool PeerGone(int socket) {
+  pollfd p{socket, POLLIN | POLLRDHUP, 0};
+  if (::poll(&p, 1, 0) <= 0) return false;
+  return (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL | POLLIN)) != 0;
+}
+
+void SendHelloReply(int socket, const absl::Status& status) {
+  std::string message(status.message().substr(0, shm::kMaxHelloMessageBytes));
+  const shm::HelloReply r{static_cast<int32_t>(status.code()), static_cast<uint32_t>(message.size())};
+  if (shm::SendAll(socket, &r, sizeof(r)).ok() && !message.empty()) (void)shm::SendAll(socket, message.data(), message.size());
+}
+
+// Writes the reply into the channel (or the error if the response does not fit) and hands the word back.
+void WriteReply(const shm::Mapping& m, absl::Status status, const v1::ForwardResponse* response) {
+  shm::Header* h = m.header;
+  if (status.ok()) {
+    const size_t n = response->ByteSizeLong();
+    if (n <= m.reply_capacity && response->SerializeToArray(m.reply(), static_cast<int>(n))) {
+      h->reply_bytes = n;
+      h->status_code = 0;
+      shm::Publish(&h->state, shm::kReply, &h->client_sleeping);
+      return;
+    }
+    status = absl::ResourceExhaustedError(absl::StrCat("reply: ", n, " bytes do not fit the channel's reply area of ",
+                                                       m.reply_capacity, " bytes (open the channel with a larger one)"));
+  }
+  const std::string message(status.message().substr(0, m.reply_capacity));
+  std::memcpy(m.reply(), message.data(), message.size());
+  h->reply_bytes = message.size();
+  h->status_code = static_cast<int32_t>(status.code());
+  shm::Publish(&h->state, shm::kReply, &h->client_sleeping);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShmListener>> ShmListener::Start(const ShmListenerOptions& options,
+                                                                AttentionService* service) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (options.path.empty() || options.path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("shm_socket: '", options.path, "' is empty or longer than ",
+                                                   sizeof(addr.sun_path) - 1, " bytes"));
+  }
+  std::memcpy(addr.sun_path, options.path.c_str(), options.path.size() + 1);
+  // A socket file left by a server that died would make bind fail; anything else at the path is left alone.
+  struct stat st;
+  if (::lstat(options.path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) ::unlink(options.path.c_str());
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("shm_socket: socket: ", std::strerror(errno)));
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd, 64) != 0) {
+    const int e = errno;
+    ::close(fd);
+    return absl::UnavailableError(absl::StrCat("shm_socket: cannot listen on ", options.path, ": ", std::strerror(e)));
+  }
+  if (::chmod(options.path.c_str(), options.mode) != 0) {
+    ::close(fd);
+    ::unlink(options.path.c_str());
+    return absl::PermissionDeniedError(absl::StrCat("shm_socket: cannot chmod ", options.path));
+  }
+  std::unique_ptr<ShmListener> l(new ShmListener(options, service, fd));
+  l->acceptor_ = std::thread([p = l.get()] { p->AcceptLoop(); });
+  spdlog::info("attnd shared-memory channels on {} (up to {}, {} MiB areas)", options.path, options.max_channels,
+               options.max_area_bytes >> 20);
+  return l;
+}
+
+ShmListener::~ShmListener() { Stop(); }
+
+void ShmListener::Stop() {
+  if (stopping_.exchange(true)) return;
+  if (acceptor_.joinable()) acceptor_.join();
+  ::close(listen_fd_);
+  ::unlink(options_.path.c_str());
+  absl::MutexLock lock(&mu_);
+  for (auto& c : channels_) c->thread.join();
+  channels_.clear();
+}
+
+void ShmListener::ReapFinished() {
+  absl::MutexLock lock(&mu_);
+  for (auto it = channels_.begin(); it != channels_.end();) {
+    if ((*it)->finished.load()) {
+      (*it)->thread.join();
+      it = channels_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void ShmListener::AcceptLoop() {
+  while (!stopping_.load()) {
+    ReapFinished();
+    pollfd p{listen_fd_, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(kIdlePoll))) <= 0) continue;
+    const int s = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (s < 0) continue;
+    if (open_.load() >= static_cast<int>(options_.max_channels)) {
+      SendHelloReply(s, absl::ResourceExhaustedError(absl::StrCat("shm channel: ", options_.max_channels,
+                                                                  " channels are open (--shm_max_channels)")));
+      ::close(s);
+      continue;
+    }
+    open_.fetch_add(1);
+    auto c = std::make_unique<Channel>();
+    Channel* raw = c.get();
+    absl::MutexLock lock(&mu_);
+    c->thread = std::thread([this, s, raw] {
+      Serve(s);
+      open_.fetch_sub(1);
+      raw->finished.store(true);
+    });
+    channels_.push_back(std::move(c));
+  }
+}
+
+absl::Status ShmListener::Handshake(int socket, uid_t* uid, int* memfd) {
+  timeval tv{kHandshakeTimeoutSeconds, 0};
+  ::setsockopt(socket, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (::getsockopt(socket, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return absl::PermissionDeniedError("shm channel: cannot read the caller's credentials");
+  }
+  *uid = cred.uid;
+  // Like the unix socket's file mode: the caller shares memory with the server, so only its own user (or root).
+  if (cred.uid != ::geteuid() && cred.uid != 0) {
+    return absl::PermissionDeniedError(absl::StrCat("shm channel: uid ", cred.uid, " is not the server's (", ::geteuid(), ")"));
+  }
+  shm::Hello hello{};
+  ATTND_RETURN_IF_ERROR(shm::ReceiveWithFd(socket, &hello, sizeof(hello), memfd));
+  if (hello.magic != shm::kMagic || hello.version != shm::kVersion) {
+    return absl::InvalidArgumentError(absl::StrCat("shm channel: hello version ", hello.version, ", this server speaks ",
+                                                   shm::kVersion));
+  }
+  if (hello.token_bytes > shm::kMaxTokenBytes) return absl::InvalidArgumentError("shm channel: token too long");
+  std::string token(hello.token_bytes, '\0');
+  if (!token.empty()) ATTND_RETURN_IF_ERROR(shm::ReceiveAll(socket, token.data(), token.size()));
+  if (!options_.tokens.empty()) {
+    bool known = false;
+    for (const std::string& t : options_.tokens) known |= ConstantTimeEquals(token, t);
+    if (!known) return absl::UnauthenticatedError("shm channel: missing or unknown token");
+  }
+  if (*memfd < 0) return absl::InvalidArgumentError("shm channel: the hello carried no memfd");
+  return absl::OkStatus();
+}
+
+void ShmListener::Serve(int socket) {
+  uid_t uid = 0;
+  int memfd = -1;
+  absl::Status status = Handshake(socket, &uid, &memfd);
+  absl::StatusOr<shm::Mapping> mapped = status.ok() ? shm::MapServerSide(memfd, options_.max_area_bytes) : status;
+  if (memfd >= 0) ::close(memfd);  // the mapping keeps the memory
+  SendHelloReply(socket, mapped.status());
+  if (!mapped.ok()) {
+    spdlog::warn("shm channel refused (uid {}): {}", uid, std::string(mapped.status().message()));
+    ::close(socket);
+    return;
+  }
+  const shm::Mapping m = *mapped;
+  shm::Header* h = m.header;
+  spdlog::info("shm channel opened (uid {}, {} + {} bytes)", uid, m.request_capacity, m.reply_capacity);
+  for (;;) {
+    const bool got = shm::AwaitState(&h->state, shm::kRequest, &h->server_sleeping, options_.spin,
+                                     absl::InfiniteFuture(), kIdlePoll,
+                                     [&] { return stopping_.load() || PeerGone(socket); });
+    if (!got) break;
+    // Copied out before anything reads it: the caller can write to the mapping at any time.
+    const uint64_t n = h->request_bytes;
+    if (n > m.request_capacity) {
+      WriteReply(m, absl::InvalidArgumentError(absl::StrCat("request_bytes: ", n, " exceeds the channel's request area (",
+                                                            m.request_capacity, " bytes)")), nullptr);
+      continue;
+    }
+    auto request = std::make_shared<v1::ForwardRequest>();
+    {
+      std::string bytes(reinterpret_cast<const char*>(m.request()), n);
+      if (!request->ParseFromString(bytes)) {
+        WriteReply(m, absl::InvalidArgumentError("request: not a ForwardRequest (unparseable)"), nullptr);
+        continue;
+      }
+    }
+    // One request at a time: the reply is written before this thread looks at the word again.
+    absl::Notification replied;
+    service_->ForwardLocal(std::move(request), [&](absl::Status s, std::shared_ptr<v1::ForwardResponse> response) {
+      WriteReply(m, std::move(s), response.get());
+      replied.Notify();
+    });
+    replied.WaitForNotification();
+  }
+  // A request published after the last look, during a shutdown, is answered rather than dropped.
+  if (stopping_.load() && h->state.load(std::memory_order_acquire) == shm::kRequest) {
+    WriteReply(m, absl::UnavailableError("the server is shutting down"), nullptr);
+  }
+  ::munmap(h, m.bytes);
+  ::close(socket);
+  spdlog::info("shm channel closed (uid {})", uid);
+}
+
+}  // namespace attnd::server

@@ -1,0 +1,65 @@
+// The server side of the same-host shared-memory channel (attnd/shm_channel.h, --shm_socket): a unix socket
+// where callers hand over their channel's memfd, and one thread per channel that waits on the channel's state
+// word, runs each request through AttentionService::ForwardLocal and writes the reply back.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "service.h"
+
+namespace attnd::server {
+
+struct ShmListenerOptions {
+  std::string path;                 // the unix socket
+  uint32_t mode = 0660;             // its permission bits
+  uint64_t max_area_bytes = 64ull << 20;  // per channel, request and reply area each
+  uint32_t max_channels = 64;       // open channels; more are refused with RESOURCE_EXHAUSTED
+  absl::Duration spin = absl::Microseconds(50);  // a channel thread polls this long before sleeping
+  std::vector<std::string> tokens;  // non-empty: the hello must carry one of them (--auth_token_file)
+};
+
+class ShmListener {
+ public:
+  static absl::StatusOr<std::unique_ptr<ShmListener>> Start(const ShmListenerOptions& options,
+                                                           AttentionService* service);
+  ~ShmListener();
+  // Stops accepting channels; each open channel finishes the request it holds (the reply is written), answers
+  // one that arrives meanwhile UNAVAILABLE, and closes. Blocks until all have. Idempotent.
+  void Stop();
+  int open_channels() const { return open_.load(); }
+
+ private:
+  ShmListener(const ShmListenerOptions& options, AttentionService* service, int fd)
+      : options_(options), service_(service), listen_fd_(fd) {}
+  void AcceptLoop();
+  void Serve(int socket);
+  absl::Status Handshake(int socket, uid_t* uid, int* memfd);
+
+  const ShmListenerOptions options_;
+  AttentionService* const service_;
+  int listen_fd_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<int> open_{0};
+  std::thread acceptor_;
+  struct Channel {
+    std::thread thread;
+    std::atomic<bool> finished{false};
+  };
+  absl::Mutex mu_;
+  // Finished ones are joined by the acceptor as it goes (a thread's stack stays until it is joined).
+  std::list<std::unique_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  void ReapFinished();
+};
+
+}  // namespace attnd::server

@@ -1,0 +1,286 @@
+// The same-host shared-memory channel (--shm_socket; attnd/shm_channel.h): Forward without gRPC. Runs on the CPU
+// backend with inline tensors (the channel carries any ForwardRequest that fits its areas), so it needs no GPU:
+// correct answers, errors with the field named, a reply too large for the channel, refused handshakes (token,
+// unsealed or mis-sized memfd, too many channels), many channels at once, a caller that vanishes mid-request,
+// and a shutdown that still answers the request it holds.
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "attnd/client/shm_channel.h"
+#include "attnd/shm_channel.h"
+#include "gtest/gtest.h"
+#include "server_test_util.h"
+
+namespace attnd {
+namespace {
+
+using client::ShmChannel;
+using client::ShmChannelOptions;
+using testing::ExpectCorrect;
+using testing::MakeRequest;
+using testing::TestServer;
+
+std::string SocketPath(const char* tag) {
+  return absl::StrCat(::testing::TempDir(), "attnd_shm_", tag, "_", ::getpid(), ".sock");
+}
+
+server::ServerOptions WithShm(const std::string& path) {
+  server::ServerOptions o;
+  o.shm_socket = path;
+  return o;
+}
+
+ShmChannelOptions Opts(const std::string& path) {
+  ShmChannelOptions o;
+  o.socket_path = path;
+  return o;
+}
+
+bool WaitFor(const std::function<bool()>& cond) {
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  while (!cond()) {
+    if (absl::Now() > end) return false;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  return true;
+}
+
+TEST(ShmChannel, ForwardMatchesTheReference) {
+  const std::string path = SocketPath("fwd");
+  TestServer ts(WithShm(path));
+  ASSERT_NE(ts.server, nullptr);
+  auto ch = ShmChannel::Connect(Opts(path));
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  const struct {
+    Shape shape;
+    v1::MaskType mask;
+    bool lse;
+  } cases[] = {{{1, 33, 33, 2, 2, 64}, v1::MASK_TYPE_NONE, false},
+               {{2, 17, 40, 4, 2, 128}, v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT, true},
+               {{1, 64, 64, 2, 1, 64}, v1::MASK_TYPE_CAUSAL_TOP_LEFT, true}};
+  uint64_t seed = 7;
+  for (const auto& c : cases) {
+    const v1::ForwardRequest req = MakeRequest(c.shape, c.mask, c.lse, ++seed);
+    absl::StatusOr<v1::ForwardResponse> r = (*ch)->Forward(req);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->request_id(), req.request_id());
+    EXPECT_EQ(r->backend(), "cpu");
+    EXPECT_GT(r->timing().total_us(), 0);
+    ExpectCorrect(req, r->o(), r->lse());
+  }
+}
+
+TEST(ShmChannel, BadRequestsGetTheFieldNamed) {
+  const std::string path = SocketPath("bad");
+  TestServer ts(WithShm(path));
+  auto ch = ShmChannel::Connect(Opts(path));
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  v1::ForwardRequest req = MakeRequest({1, 16, 16, 2, 2, 64});
+  req.mutable_shape()->set_head_dim(96);
+  absl::StatusOr<v1::ForwardResponse> r = (*ch)->Forward(req);
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("head_dim"), std::string::npos) << r.status();
+  req = MakeRequest({1, 16, 16, 2, 2, 64});
+  req.mutable_k()->mutable_data()->resize(10);
+  r = (*ch)->Forward(req);
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("k"), std::string::npos) << r.status();
+  // The channel stays usable after errors.
+  const v1::ForwardRequest good = MakeRequest({1, 16, 16, 2, 2, 64}, v1::MASK_TYPE_NONE, false, 3);
+  r = (*ch)->Forward(good);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ExpectCorrect(good, r->o(), r->lse());
+}
+
+TEST(ShmChannel, ReplyLargerThanTheChannelIsResourceExhausted) {
+  const std::string path = SocketPath("big");
+  TestServer ts(WithShm(path));
+  ShmChannelOptions o = Opts(path);
+  o.reply_capacity = 4096;  // O of the request below is 64 KiB
+  auto ch = ShmChannel::Connect(o);
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  absl::StatusOr<v1::ForwardResponse> r = (*ch)->Forward(MakeRequest({1, 128, 128, 4, 4, 64}));
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_NE(r.status().message().find("reply area"), std::string::npos) << r.status();
+  // And a request larger than the caller's own request area never leaves the caller.
+  ShmChannelOptions small = Opts(path);
+  small.request_capacity = 1024;
+  auto ch2 = ShmChannel::Connect(small);
+  ASSERT_TRUE(ch2.ok()) << ch2.status();
+  r = (*ch2)->Forward(MakeRequest({1, 64, 64, 2, 2, 64}));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+}
+
+TEST(ShmChannel, HandshakeChecksTokenSealsSizeAndChannelCount) {
+  const std::string token_file = absl::StrCat(::testing::TempDir(), "attnd_shm_tokens_", ::getpid());
+  std::ofstream(token_file) << "s3cret\n";
+  const std::string path = SocketPath("auth");
+  server::ServerOptions so = WithShm(path);
+  so.auth_token_file = token_file;
+  so.shm_max_channels = 2;
+  so.shm_max_bytes = 1 << 20;
+  TestServer ts(so);
+  ASSERT_NE(ts.server, nullptr);
+  EXPECT_EQ(ShmChannel::Connect(Opts(path)).status().code(), absl::StatusCode::kUnauthenticated);
+  ShmChannelOptions o = Opts(path);
+  o.auth_token = "wrong";
+  EXPECT_EQ(ShmChannel::Connect(o).status().code(), absl::StatusCode::kUnauthenticated);
+  o.auth_token = "s3cret";
+  o.reply_capacity = 2 << 20;  // over --shm_max_bytes
+  EXPECT_EQ(ShmChannel::Connect(o).status().code(), absl::StatusCode::kResourceExhausted);
+  o.reply_capacity = 1 << 20;
+  auto a = ShmChannel::Connect(o);
+  auto b = ShmChannel::Connect(o);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
+  absl::Status third = ShmChannel::Connect(o).status();
+  EXPECT_EQ(third.code(), absl::StatusCode::kResourceExhausted) << third;
+  EXPECT_NE(third.message().find("shm_max_channels"), std::string::npos) << third;
+  a->reset();  // a closed channel frees its place
+  ASSERT_TRUE(WaitFor([&] { return ShmChannel::Connect(o).ok(); }));
+
+  // A hand-made hello with an unsealed memfd is refused: the caller could shrink it under the server.
+  const int fd = static_cast<int>(syscall(SYS_memfd_create, "unsealed", MFD_CLOEXEC));
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, static_cast<off_t>(shm::ChannelBytes(4096, 4096))), 0);
+  b->reset();
+  const auto hand_hello = [&]() -> int32_t {
+    const int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path.c_str());
+    shm::HelloReply reply{-1, 0};
+    const shm::Hello hello{shm::kMagic, shm::kVersion, 6, 0};
+    if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+      // A server that refuses at once (too many channels) has answered and closed: the sends may fail then, and
+      // the answer is still there to read.
+      (void)shm::SendWithFd(s, &hello, sizeof(hello), fd);
+      (void)shm::SendAll(s, "s3cret", 6);
+      (void)shm::ReceiveAll(s, &reply, sizeof(reply));
+    }
+    ::close(s);
+    return reply.status_code;
+  };
+  int32_t code = -1;
+  // The closed channels' places come back once the server has noticed (it polls every 50 ms).
+  ASSERT_TRUE(WaitFor([&] {
+    code = hand_hello();
+    return code != static_cast<int32_t>(absl::StatusCode::kResourceExhausted);
+  }));
+  EXPECT_EQ(code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  ::close(fd);
+  std::remove(token_file.c_str());
+}
+
+TEST(ShmChannel, ManyChannelsAtOnceAllCorrect) {
+  const std::string path = SocketPath("many");
+  server::BackendOptions bo;
+  bo.threads = 4;
+  TestServer ts(WithShm(path), bo);
+  constexpr int kChannels = 8, kCalls = 12;
+  std::atomic<int> good{0}, bad{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kChannels; ++t) {
+    threads.emplace_back([&, t] {
+      auto ch = ShmChannel::Connect(Opts(path));
+      if (!ch.ok()) {
+        bad.fetch_add(kCalls);
+        return;
+      }
+      for (int i = 0; i < kCalls; ++i) {
+        const v1::ForwardRequest req =
+            MakeRequest({1, 24 + t, 24 + i, 2, 2, 64}, i % 2 ? v1::MASK_TYPE_CAUSAL_TOP_LEFT : v1::MASK_TYPE_NONE,
+                        i % 3 == 0, 100 * t + i);
+        absl::StatusOr<v1::ForwardResponse> r = (*ch)->Forward(req);
+        if (!r.ok()) {
+          bad.fetch_add(1);
+          continue;
+        }
+        ExpectCorrect(req, r->o(), r->lse());
+        good.fetch_add(1);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_EQ(good.load(), kChannels * kCalls);
+}
+
+// Holds the CPU backend's worker until opened.
+struct Gate {
+  server::CpuBackendHooks Hooks() {
+    server::CpuBackendHooks h;
+    h.before_compute = [this](const server::ForwardJob&) {
+      entered.fetch_add(1);
+      open.WaitForNotification();
+    };
+    return h;
+  }
+  absl::Notification open;
+  std::atomic<int> entered{0};
+};
+
+TEST(ShmChannel, ShutdownAnswersTheRequestItHolds) {
+  const std::string path = SocketPath("down");
+  Gate gate;
+  server::BackendOptions bo;
+  bo.threads = 1;
+  TestServer ts(WithShm(path), bo, gate.Hooks());
+  auto ch = ShmChannel::Connect(Opts(path));
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  const v1::ForwardRequest req = MakeRequest({1, 32, 32, 2, 2, 64}, v1::MASK_TYPE_NONE, false, 9);
+  absl::StatusOr<v1::ForwardResponse> r;
+  std::thread caller([&] { r = (*ch)->Forward(req); });
+  ASSERT_TRUE(WaitFor([&] { return gate.entered.load() == 1; }));
+  std::thread stopper([&] { ts.server->Shutdown(); });
+  absl::SleepFor(absl::Milliseconds(50));  // the shutdown is waiting for the held request
+  gate.open.Notify();
+  caller.join();
+  stopper.join();
+  ASSERT_TRUE(r.ok()) << r.status();
+  ExpectCorrect(req, r->o(), r->lse());
+  // The channel is closed now: a further call fails instead of hanging.
+  EXPECT_FALSE((*ch)->Forward(req).ok());
+  EXPECT_FALSE(ShmChannel::Connect(Opts(path)).ok());
+}
+
+TEST(ShmChannel, CallerVanishingMidRequestLeavesTheServerServing) {
+  const std::string path = SocketPath("gone");
+  Gate gate;
+  server::BackendOptions bo;
+  bo.threads = 1;
+  TestServer ts(WithShm(path), bo, gate.Hooks());
+  {
+    auto ch = ShmChannel::Connect(Opts(path));
+    ASSERT_TRUE(ch.ok()) << ch.status();
+    // Gives up after 20 ms while the server holds the request; then the channel goes away entirely.
+    EXPECT_EQ((*ch)->Forward(MakeRequest({1, 16, 16, 2, 2, 64}), absl::Milliseconds(20)).status().code(),
+              absl::StatusCode::kDeadlineExceeded);
+    EXPECT_EQ((*ch)->Forward(MakeRequest({1, 16, 16, 2, 2, 64})).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
+  gate.open.Notify();
+  auto ch = ShmChannel::Connect(Opts(path));
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  const v1::ForwardRequest req = MakeRequest({1, 16, 16, 2, 2, 64}, v1::MASK_TYPE_NONE, false, 4);
+  absl::StatusOr<v1::ForwardResponse> r = (*ch)->Forward(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ExpectCorrect(req, r->o(), r->lse());
+}
+
+}  // namespace
+}  // namespace attnd
