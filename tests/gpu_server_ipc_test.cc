@@ -52,12 +52,16 @@ TEST(GpuServerIpcTest, ZeroCopyFromAnotherProcessWithInlineClientsAlongside) {
   TestServer s;
   CudaServerOptions o;
   o.enable_ipc = true;
+  o.shm = true;
   ATTND_START_CUDA_SERVER(s, o);
-  // 8 IPC callers in the peer + 24 inline callers here = 32 concurrent clients across the transports.
+  // 8 IPC callers in the peer + 24 inline callers here = 32 concurrent clients across the transports; the peer
+  // also runs every correctness case over the shared-memory channel.
   std::string peer_output;
   int peer_rc = -1;
   std::thread peer([&] {
-    peer_rc = RunPeer(absl::StrCat("check --target=unix:", s.unix_path, " --clients=8 --requests=6"), &peer_output);
+    peer_rc = RunPeer(absl::StrCat("check --target=unix:", s.unix_path, " --shm_socket=", s.unix_path,
+                                   ".shm --clients=8 --requests=6"),
+                      &peer_output);
   });
   const int kInline = 24;
   std::vector<std::thread> threads;

@@ -79,6 +79,7 @@ struct CudaServerOptions {
   bool enable_ipc = false;
   int streams = 4;
   bool shared_compute_stream = false;
+  bool shm = false;  // also serve shared-memory channels, on TestServer::unix_path + ".shm"
   uint32_t max_queue = 256;
   uint64_t memory_budget_bytes = 0;
   uint64_t max_message_bytes = 256ull << 20;
@@ -107,6 +108,7 @@ inline void StartCudaServer(TestServer* out, const CudaServerOptions& o, std::st
   so.listen = "127.0.0.1:0";
   out->unix_path = absl::StrCat(::testing::TempDir(), "/attnd_gpu_", ::getpid(), "_", counter++, ".sock");
   so.unix_socket = out->unix_path;
+  if (o.shm) so.shm_socket = out->unix_path + ".shm";
   so.max_message_bytes = o.max_message_bytes;
   std::unique_ptr<server::Backend> b = std::move(*backend);
   if (o.counter != nullptr) b = std::make_unique<CountingBackend>(std::move(b), o.counter);

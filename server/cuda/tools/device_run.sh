@@ -4,8 +4,8 @@
 # here and carried as .carry-cuda/bins.tar.xz (see server/cuda/tools/pack_carry.sh). Writes under $OUT:
 # env.txt, tests.log, attnd.log, bench.txt (all measurements, CSV rows). SERVER_GRPC_ARGS / CLIENT_GRPC_ARGS
 # (comma-separated name=value) go to --grpc_arg of attnd / attn, to compare transport settings. SKIP_TESTS,
-# SKIP_IPC, STREAMS, PORT, DUR, SERVER_FLAGS (more attnd flags), CONNECTIONS (attn bench --connections):
-# further variants in one device call.
+# SKIP_IPC, SKIP_SHM (the IPC bench over the shared-memory channel), STREAMS, PORT, DUR, SERVER_FLAGS (more attnd
+# flags), CONNECTIONS (attn bench --connections): further variants in one device call.
 set -u
 OUT=${OUT:-/tmp/attnd-out}
 mkdir -p "$OUT" /tmp/bins
@@ -34,7 +34,8 @@ done
 
 # 2. Measurements: one server, warm shapes for the measured problems.
 SOCK=/tmp/attnd_bench_${PORT:-50051}.sock
-"$B/attnd" --listen=127.0.0.1:${PORT:-50051} --unix_socket=$SOCK --enable_cuda_ipc --streams=${STREAMS:-8} \
+SHM=/tmp/attnd_shm_${PORT:-50051}.sock
+"$B/attnd" --listen=127.0.0.1:${PORT:-50051} --unix_socket=$SOCK --shm_socket=$SHM --enable_cuda_ipc --streams=${STREAMS:-8} \
   --warm_shapes=1x1024x1024x32x32x128,1x4096x4096x32x32x128 --log_level=info \
   ${SERVER_GRPC_ARGS:+--grpc_arg=$SERVER_GRPC_ARGS} ${SERVER_FLAGS:-} > "$OUT/attnd.log" 2>&1 &
 SERVER=$!
@@ -47,6 +48,8 @@ cat /tmp/info.txt > "$R"
 DUR=${DUR:-2s}
 [ -n "${SKIP_IPC:-}" ] || timeout 120 "$B/ipc_peer" bench --target=unix:$SOCK --seqs=1024,4096 --concurrency=1,16 --duration_s=${DUR%s} \
   --warmup_s=${WARM_S:-0.5} --verify_every=25 >> "$R" 2>&1
+[ -n "${SKIP_SHM:-}" ] || timeout 120 "$B/ipc_peer" bench --target=unix:$SOCK --transport=shm --shm_socket=$SHM \
+  --seqs=1024,4096 --concurrency=1,16 --duration_s=${DUR%s} --warmup_s=${WARM_S:-0.5} --verify_every=25 >> "$R" 2>&1
 [ -n "${SKIP_INLINE:-}" ] || timeout 60 "$B/ipc_peer" tcp --seqs=1024,4096 --tcp_iters=20 >> "$R" 2>&1
 for seq in ${INLINE_SEQS-1024 4096}; do
   for tr in unary stream; do
