@@ -26,6 +26,7 @@
 #include "absl/time/time.h"
 #include "attnd/client/bench.h"
 #include "attnd/client/client.h"
+#include "attnd/client/shm_channel.h"
 #include "attnd/client/tensors.h"
 #include "attnd/heap_tuning.h"
 
@@ -33,12 +34,19 @@
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server: host:port, unix:/path/to/socket, or dns:///name:port");
 ABSL_FLAG(int64_t, deadline_ms, 60000, "per-call deadline in milliseconds");
 ABSL_FLAG(std::string, transport, "auto",
-          "auto (unary when it fits the server's message limit, else streaming) | unary | stream");
+          "auto (unary when it fits the server's message limit, else streaming) | unary | stream | shm (call and "
+          "bench: Forward over a same-host shared-memory channel at --shm_socket instead of gRPC)");
 ABSL_FLAG(uint64_t, chunk_bytes, 0, "ForwardStream chunk size in bytes (0: 1 MiB, capped by the server's limit)");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "transport tuning: gRPC channel arguments, comma-separated name=value (e.g. "
           "grpc.http2.lookahead_bytes=8388608); applied last");
 ABSL_FLAG(bool, wait_for_ready, false, "wait for the server to come up instead of failing fast");
+ABSL_FLAG(std::string, shm_socket, "",
+          "--transport=shm: the server's --shm_socket (a unix socket on this host); call and bench send their Forward "
+          "calls over shared-memory channels there, everything else still goes to --target");
+ABSL_FLAG(uint64_t, shm_max_bytes, 64ull << 20,
+          "--transport=shm: largest request or reply area a channel may ask for (the server's --shm_max_bytes must "
+          "allow it too); areas are sized from the request");
 // Security (docs/security-and-metrics.md).
 ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle that signed the server's certificate: connect with TLS");
 ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate for mutual TLS (with --tls_key)");
@@ -94,6 +102,7 @@ namespace {
 using attnd::client::Client;
 using attnd::client::ClientOptions;
 using attnd::client::RequestSpec;
+using attnd::client::Transport;
 
 constexpr int kExitFail = 1;
 constexpr int kExitUsage = 2;
@@ -138,6 +147,18 @@ attnd::client::CallOptions CallOpts() {
   attnd::client::CallOptions c;
   c.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
   return c;
+}
+
+// --transport=shm: Forward calls go over shared-memory channels at --shm_socket, not through `client`.
+bool UseShm(const Client& client) { return client.options().transport == Transport::kShm; }
+
+// Options of a channel that carries `request` (its areas sized from it), with the gRPC client's token.
+absl::StatusOr<attnd::client::ShmChannelOptions> ShmOptions(const Client& client,
+                                                            const attnd::v1::ForwardRequest& request) {
+  auto o = attnd::client::ShmChannelOptionsFor(request, absl::GetFlag(FLAGS_shm_socket),
+                                               absl::GetFlag(FLAGS_shm_max_bytes));
+  if (o.ok()) o->auth_token = client.options().auth_token;
+  return o;
 }
 
 absl::StatusOr<RequestSpec> SpecFromFlags() {
@@ -289,7 +310,16 @@ int CmdCall(Client& client) {
   const auto request = std::make_shared<const attnd::v1::ForwardRequest>(
       attnd::client::MakeForwardRequest(*spec, std::move(inputs->q), std::move(inputs->k), std::move(inputs->v)));
   std::cout << "call: " << ShapeLine(*spec) << "\n";
-  auto res = client.ForwardFuture(request, CallOpts()).get();
+  absl::StatusOr<attnd::client::ForwardResult> res;
+  if (UseShm(client)) {
+    auto so = ShmOptions(client, *request);
+    if (!so.ok()) return Fail(so.status(), "flags");
+    auto channel = attnd::client::ShmChannel::Connect(*so);
+    if (!channel.ok()) return Fail(channel.status(), "--shm_socket");
+    res = attnd::client::ForwardOverShm(**channel, *request, client.options().default_deadline);
+  } else {
+    res = client.ForwardFuture(request, CallOpts()).get();
+  }
   if (!res.ok()) return Fail(res.status(), "Forward");
   const auto& t = res->timing;
   const double flops = attnd::ForwardFlops(spec->ToProblem());
@@ -363,9 +393,30 @@ int CmdBench(Client& client) {
       attnd::client::MakeForwardRequest(*spec, std::move(inputs->q), std::move(inputs->k), std::move(inputs->v)));
   const int connections = absl::GetFlag(FLAGS_connections);
   if (connections < 1) return Fail(absl::InvalidArgumentError("--connections: must be >= 1"), "flags");
+  const bool shm = UseShm(client);
+  // --transport=shm: one channel per call in flight (a channel carries one request at a time), opened before
+  // the clock starts. --connections does not apply, and --rpc_floor (a gRPC round trip) has nothing to compare
+  // with: both are ignored with a note, so one command line can sweep every transport.
+  std::vector<attnd::client::SyncForward> shm_callers;
+  if (shm) {
+    if (opt.concurrency < 1) return Fail(absl::InvalidArgumentError("--concurrency: must be >= 1"), "flags");
+    if (connections != 1) {
+      std::cerr << "attn: note: --connections ignored with --transport=shm (each of the --concurrency callers has "
+                   "its own channel)\n";
+    }
+    if (absl::GetFlag(FLAGS_rpc_floor)) {
+      std::cerr << "attn: note: --rpc_floor ignored with --transport=shm (it times a gRPC round trip; the "
+                   "shared-memory channel has no RPC layer)\n";
+    }
+    auto so = ShmOptions(client, *request);
+    if (!so.ok()) return Fail(so.status(), "flags");
+    auto opened = attnd::client::OpenShmCallers(*so, opt.concurrency, client.options().default_deadline);
+    if (!opened.ok()) return Fail(opened.status(), "--shm_socket");
+    shm_callers = *std::move(opened);
+  }
   std::vector<std::unique_ptr<Client>> extra;
   std::vector<Client*> clients = {&client};
-  for (int i = 1; i < connections; ++i) {
+  for (int i = 1; i < connections && !shm; ++i) {
     auto c = Connect(/*own_connection=*/true);
     if (!c.ok()) return Fail(c.status(), "connect");
     extra.push_back(*std::move(c));
@@ -381,13 +432,15 @@ int CmdBench(Client& client) {
     tcp_p50_us = *tcp;
   }
   double rpc_floor_us = 0;
-  if (absl::GetFlag(FLAGS_rpc_floor)) {
+  if (absl::GetFlag(FLAGS_rpc_floor) && !shm) {
     absl::StatusOr<double> floor = attnd::client::MeasureRpcFloor(client, 500);
     if (!floor.ok()) return Fail(floor.status(), "--rpc_floor");
     rpc_floor_us = *floor;
   }
   std::cerr << "bench: " << ShapeLine(*spec) << "\n";
-  auto report = attnd::client::RunBench(clients, request, oracle ? &*oracle : nullptr, opt);
+  auto report = shm ? attnd::client::RunBench(shm_callers, absl::GetFlag(FLAGS_shm_socket), request,
+                                              oracle ? &*oracle : nullptr, opt)
+                    : attnd::client::RunBench(clients, request, oracle ? &*oracle : nullptr, opt);
   if (report.ok()) {
     report->tcp_p50_us = tcp_p50_us;
     report->rpc_floor_us = rpc_floor_us;
@@ -431,6 +484,7 @@ int main(int argc, char** argv) {
       "  attn call  [shape flags] [--verify]         one Forward (random or --q_file/--k_file/--v_file inputs)\n"
       "  attn bench [shape flags] [--concurrency=N] [--connections=C] [--rate=R] [--duration=10s | --requests=N] [--warmup=1s]\n"
       "             [--verify_every=N] [--json=F] [--csv=F]   load test\n"
+      "  call and bench: --transport=auto|unary|stream over gRPC, or --transport=shm --shm_socket=PATH (same host)\n"
       "Shape flags: --batch --q_len --kv_len --q_heads --kv_heads --head_dim --dtype --mask|--causal --scale --lse");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
@@ -449,6 +503,15 @@ int main(int argc, char** argv) {
   if (!client.ok()) {
     std::cerr << "attn: " << client.status() << "\n";
     return kExitUsage;
+  }
+  if (cmd == "call" || cmd == "bench") {
+    const bool shm = UseShm(**client), socket = !absl::GetFlag(FLAGS_shm_socket).empty();
+    if (shm && !socket) {
+      std::cerr << "attn: --transport=shm needs --shm_socket=PATH (the server's --shm_socket, a unix socket on "
+                   "this host)\n";
+      return kExitUsage;
+    }
+    if (!shm && socket) std::cerr << "attn: note: --shm_socket is ignored without --transport=shm\n";
   }
   if (cmd == "info") return CmdInfo(**client);
   if (cmd == "stats") return CmdStats(**client);

@@ -133,6 +133,157 @@ std::vector<std::pair<std::string, std::string>> Fields(const BenchReport& r) {
   };
 }
 
+absl::Status CheckOptions(const BenchOptions& opt, const Oracle* oracle) {
+  if (opt.concurrency < 1) return absl::InvalidArgumentError("concurrency: must be >= 1");
+  if (!(opt.rate >= 0) || !std::isfinite(opt.rate)) return absl::InvalidArgumentError("rate: must be >= 0");
+  if (opt.requests < 0) return absl::InvalidArgumentError("requests: must be >= 0");
+  if (opt.requests == 0 && opt.duration <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("duration: must be positive (or give requests)");
+  }
+  if (opt.warmup < absl::ZeroDuration()) return absl::InvalidArgumentError("warmup: must be >= 0");
+  if (opt.max_duration <= absl::ZeroDuration()) return absl::InvalidArgumentError("max_duration: must be positive");
+  if (opt.verify_every < 0) return absl::InvalidArgumentError("verify_every: must be >= 0");
+  if (opt.verify_every > 0 && oracle == nullptr) return absl::InvalidArgumentError("verify_every: needs an oracle");
+  return absl::OkStatus();
+}
+
+// The report's "what ran" from the options and the request.
+absl::StatusOr<BenchReport> NewReport(const std::string& target, int connections, const v1::ForwardRequest& request,
+                                      const BenchOptions& opt) {
+  BenchReport report;
+  report.target = target;
+  report.concurrency = opt.concurrency;
+  report.connections = connections;
+  report.rate = opt.rate;
+  auto dtype = FromProto(request.dtype());
+  auto mask = FromProto(request.mask());
+  if (!dtype.ok()) return dtype.status();
+  if (!mask.ok()) return mask.status();
+  const auto& s = request.shape();
+  report.problem.shape = Shape{s.batch(), s.q_len(), s.kv_len(), s.q_heads(), s.kv_heads(), s.head_dim()};
+  report.problem.dtype = *dtype;
+  report.problem.mask = *mask;
+  report.problem.scale = request.has_softmax_scale() ? request.softmax_scale() : DefaultScale(s.head_dim());
+  report.problem.want_lse = request.return_lse();
+  return report;
+}
+
+// One finished call into the counts (measured or warmup); verification runs outside the lock.
+void Record(Run& run, const Oracle* oracle, int64_t verify_every, bool measured, int64_t seq, absl::Time t0,
+            absl::StatusOr<ForwardResult> r) ABSL_LOCKS_EXCLUDED(run.mu) {
+  const absl::Time now = absl::Now();
+  std::optional<VerifyReport> vr;
+  if (r.ok() && measured && verify_every > 0 && seq % verify_every == 0) vr = oracle->Check(r->o, r->lse);
+  absl::MutexLock lock(&run.mu);
+  --run.in_flight;
+  if (!measured) {
+    ++run.warmup_done;
+    // The progress line shows the warmup's pace too.
+    if (r.ok()) {
+      ++run.window_ok;
+      run.window_lat_us += absl::ToDoubleMicroseconds(now - t0);
+    } else {
+      ++run.window_err;
+    }
+    return;
+  }
+  run.last_done = std::max(run.last_done, now);
+  if (!r.ok()) {
+    ++run.errors;
+    ++run.window_err;
+    ++run.errors_by_code[absl::StatusCodeToString(r.status().code())];
+    if (run.first_error.empty()) run.first_error = r.status().ToString();
+    return;
+  }
+  const double lat = absl::ToDoubleMicroseconds(now - t0);
+  ++run.ok;
+  ++run.window_ok;
+  run.window_lat_us += lat;
+  run.latencies_us.push_back(lat);
+  run.bytes += static_cast<double>(r->bytes_sent + r->bytes_received);
+  run.queue_us += r->timing.queue_us();
+  run.h2d_us += r->timing.h2d_us();
+  run.kernel_us += r->timing.kernel_us();
+  run.d2h_us += r->timing.d2h_us();
+  run.total_us += r->timing.total_us();
+  if (run.backend.empty()) {
+    run.backend = r->backend;
+    run.kernel = r->kernel;
+    run.transport = TransportName(r->transport);
+  }
+  if (vr) {
+    ++run.verified;
+    if (!vr->pass) {
+      ++run.verify_failures;
+      if (run.first_verify_failure.empty()) run.first_verify_failure = vr->detail;
+    }
+  }
+}
+
+// The once-a-second progress line (when asked for), and a new window for the next one.
+void Progress(Run& run, const BenchOptions& opt, absl::Time now, absl::Time start, absl::Time warmup_end,
+              absl::Time* window_start, absl::Time* next_progress) ABSL_EXCLUSIVE_LOCKS_REQUIRED(run.mu) {
+  if (opt.progress) {
+    const double avg_ms = run.window_ok ? run.window_lat_us / run.window_ok / 1000.0 : 0;
+    opt.progress(absl::StrFormat(
+        "[%6.1fs] %s%lld ok, %lld errors, %.1f req/s, mean latency %.2f ms, in flight %d",
+        absl::ToDoubleSeconds(now - start),
+        now < warmup_end ? absl::StrCat("warmup ", run.warmup_done, " done, ") : std::string(),
+        static_cast<long long>(run.ok),
+        static_cast<long long>(run.errors),
+        static_cast<double>(run.window_ok + run.window_err) / absl::ToDoubleSeconds(now - *window_start), avg_ms,
+        run.in_flight));
+  }
+  run.window_ok = run.window_err = 0;
+  run.window_lat_us = 0;
+  *window_start = now;
+  *next_progress = now + absl::Seconds(1);
+}
+
+// The counts of a finished run into the report. `transport`: shown when no call succeeded to say which carried it.
+void Finish(Run& run, absl::Time first_measured, const std::string& transport, BenchReport& report)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(run.mu) {
+  std::sort(run.latencies_us.begin(), run.latencies_us.end());
+  report.ok = run.ok;
+  report.errors = run.errors;
+  report.warmup_requests = run.warmup_done;
+  report.verified = run.verified;
+  report.verify_failures = run.verify_failures;
+  report.errors_by_code = run.errors_by_code;
+  report.first_error = run.first_error;
+  report.first_verify_failure = run.first_verify_failure;
+  report.backend = run.backend;
+  report.kernel = run.kernel;
+  report.transport = run.transport.empty() ? transport : run.transport;
+  if (run.ok + run.errors > 0 && run.last_done > first_measured) {
+    report.elapsed_s = absl::ToDoubleSeconds(run.last_done - first_measured);
+  }
+  if (report.elapsed_s > 0) {
+    report.req_per_s = static_cast<double>(run.ok) / report.elapsed_s;
+    report.tflops = ForwardFlops(report.problem) * static_cast<double>(run.ok) / report.elapsed_s / 1e12;
+    report.gbps = run.bytes / report.elapsed_s / 1e9;
+  }
+  if (!run.latencies_us.empty()) {
+    const auto& l = run.latencies_us;
+    double sum = 0;
+    for (double x : l) sum += x;
+    report.lat_min_us = l.front();
+    report.lat_max_us = l.back();
+    report.lat_mean_us = sum / static_cast<double>(l.size());
+    report.lat_p50_us = Percentile(l, 50);
+    report.lat_p90_us = Percentile(l, 90);
+    report.lat_p95_us = Percentile(l, 95);
+    report.lat_p99_us = Percentile(l, 99);
+    const double n = static_cast<double>(run.ok);
+    report.srv_queue_us = run.queue_us / n;
+    report.srv_h2d_us = run.h2d_us / n;
+    report.srv_kernel_us = run.kernel_us / n;
+    report.srv_d2h_us = run.d2h_us / n;
+    report.srv_total_us = run.total_us / n;
+    report.bytes_per_request = run.bytes / n;
+  }
+}
+
 }  // namespace
 
 double Percentile(const std::vector<double>& sorted, double p) {
@@ -153,36 +304,20 @@ absl::StatusOr<BenchReport> RunBench(const std::vector<Client*>& clients,
   if (clients.empty() || std::find(clients.begin(), clients.end(), nullptr) != clients.end()) {
     return absl::InvalidArgumentError("clients: at least one, none null");
   }
+  if (request == nullptr) return absl::InvalidArgumentError("request: required");
   Client& client = *clients.front();
-  if (opt.concurrency < 1) return absl::InvalidArgumentError("concurrency: must be >= 1");
-  if (!(opt.rate >= 0) || !std::isfinite(opt.rate)) return absl::InvalidArgumentError("rate: must be >= 0");
-  if (opt.requests < 0) return absl::InvalidArgumentError("requests: must be >= 0");
-  if (opt.requests == 0 && opt.duration <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("duration: must be positive (or give requests)");
+  if (absl::Status s = CheckOptions(opt, oracle); !s.ok()) return s;
+  const Transport transport = opt.call.transport.value_or(client.options().transport);
+  if (transport == Transport::kShm) {
+    return absl::InvalidArgumentError(
+        "transport: shm is not carried by gRPC clients; bench shared-memory channels as blocking callers "
+        "(OpenShmCallers)");
   }
-  if (opt.warmup < absl::ZeroDuration()) return absl::InvalidArgumentError("warmup: must be >= 0");
-  if (opt.max_duration <= absl::ZeroDuration()) return absl::InvalidArgumentError("max_duration: must be positive");
-  if (opt.verify_every < 0) return absl::InvalidArgumentError("verify_every: must be >= 0");
-  if (opt.verify_every > 0 && oracle == nullptr) return absl::InvalidArgumentError("verify_every: needs an oracle");
-
-  BenchReport report;
-  report.target = client.options().target;
-  report.concurrency = opt.concurrency;
-  report.connections = static_cast<int>(clients.size());
-  report.rate = opt.rate;
-  {
-    auto dtype = FromProto(request->dtype());
-    auto mask = FromProto(request->mask());
-    if (!dtype.ok()) return dtype.status();
-    if (!mask.ok()) return mask.status();
-    const auto& s = request->shape();
-    report.problem.shape = Shape{s.batch(), s.q_len(), s.kv_len(), s.q_heads(), s.kv_heads(), s.head_dim()};
-    report.problem.dtype = *dtype;
-    report.problem.mask = *mask;
-    report.problem.scale = request->has_softmax_scale() ? request->softmax_scale() : DefaultScale(s.head_dim());
-    report.problem.want_lse = request->return_lse();
-  }
-  if (opt.call.transport.value_or(client.options().transport) == Transport::kAuto) {
+  absl::StatusOr<BenchReport> described =
+      NewReport(client.options().target, static_cast<int>(clients.size()), *request, opt);
+  if (!described.ok()) return described.status();
+  BenchReport& report = *described;
+  if (transport == Transport::kAuto) {
     // Fetch the server's limits now so that no completion callback ever blocks on it.
     for (Client* c : clients) {
       auto info = c->ServerInfo(false, opt.call);
@@ -206,55 +341,7 @@ absl::StatusOr<BenchReport> RunBench(const std::vector<Client*>& clients,
 
   auto on_done = [state, oracle, verify_every](bool measured, int64_t seq, absl::Time t0,
                                                absl::StatusOr<ForwardResult> r) {
-    Run& run = *state;
-    const absl::Time now = absl::Now();
-    // Verification is O(elements) and runs outside the lock.
-    std::optional<VerifyReport> vr;
-    if (r.ok() && measured && verify_every > 0 && seq % verify_every == 0) vr = oracle->Check(r->o, r->lse);
-    absl::MutexLock lock(&run.mu);
-    --run.in_flight;
-    if (!measured) {
-      ++run.warmup_done;
-      // The progress line shows the warmup's pace too.
-      if (r.ok()) {
-        ++run.window_ok;
-        run.window_lat_us += absl::ToDoubleMicroseconds(now - t0);
-      } else {
-        ++run.window_err;
-      }
-      return;
-    }
-    run.last_done = std::max(run.last_done, now);
-    if (!r.ok()) {
-      ++run.errors;
-      ++run.window_err;
-      ++run.errors_by_code[absl::StatusCodeToString(r.status().code())];
-      if (run.first_error.empty()) run.first_error = r.status().ToString();
-      return;
-    }
-    const double lat = absl::ToDoubleMicroseconds(now - t0);
-    ++run.ok;
-    ++run.window_ok;
-    run.window_lat_us += lat;
-    run.latencies_us.push_back(lat);
-    run.bytes += static_cast<double>(r->bytes_sent + r->bytes_received);
-    run.queue_us += r->timing.queue_us();
-    run.h2d_us += r->timing.h2d_us();
-    run.kernel_us += r->timing.kernel_us();
-    run.d2h_us += r->timing.d2h_us();
-    run.total_us += r->timing.total_us();
-    if (run.backend.empty()) {
-      run.backend = r->backend;
-      run.kernel = r->kernel;
-      run.transport = TransportName(r->transport);
-    }
-    if (vr) {
-      ++run.verified;
-      if (!vr->pass) {
-        ++run.verify_failures;
-        if (run.first_verify_failure.empty()) run.first_verify_failure = vr->detail;
-      }
-    }
+    Record(*state, oracle, verify_every, measured, seq, t0, std::move(r));
   };
 
   const int concurrency = opt.concurrency;
@@ -264,23 +351,7 @@ absl::StatusOr<BenchReport> RunBench(const std::vector<Client*>& clients,
   run.mu.Lock();
   for (;;) {
     const absl::Time now = absl::Now();
-    if (now >= next_progress) {
-      if (opt.progress) {
-        const double avg_ms = run.window_ok ? run.window_lat_us / run.window_ok / 1000.0 : 0;
-        opt.progress(absl::StrFormat(
-            "[%6.1fs] %s%lld ok, %lld errors, %.1f req/s, mean latency %.2f ms, in flight %d",
-            absl::ToDoubleSeconds(now - start),
-            now < warmup_end ? absl::StrCat("warmup ", run.warmup_done, " done, ") : std::string(),
-            static_cast<long long>(run.ok),
-            static_cast<long long>(run.errors),
-            static_cast<double>(run.window_ok + run.window_err) / absl::ToDoubleSeconds(now - window_start), avg_ms,
-            run.in_flight));
-      }
-      run.window_ok = run.window_err = 0;
-      run.window_lat_us = 0;
-      window_start = now;
-      next_progress = now + absl::Seconds(1);
-    }
+    if (now >= next_progress) Progress(run, opt, now, start, warmup_end, &window_start, &next_progress);
     if (now >= hard_end) {
       report.hit_max_duration = true;
       break;
@@ -322,49 +393,172 @@ absl::StatusOr<BenchReport> RunBench(const std::vector<Client*>& clients,
   }
   // Every call ends by its deadline, so this wait is bounded too.
   run.mu.Await(absl::Condition(&all_done));
-
-  std::sort(run.latencies_us.begin(), run.latencies_us.end());
-  report.ok = run.ok;
-  report.errors = run.errors;
-  report.warmup_requests = run.warmup_done;
-  report.verified = run.verified;
-  report.verify_failures = run.verify_failures;
-  report.errors_by_code = run.errors_by_code;
-  report.first_error = run.first_error;
-  report.first_verify_failure = run.first_verify_failure;
-  report.backend = run.backend;
-  report.kernel = run.kernel;
-  report.transport = run.transport.empty() ? TransportName(opt.call.transport.value_or(client.options().transport))
-                                           : run.transport;
-  if (run.ok + run.errors > 0 && run.last_done > first_measured) {
-    report.elapsed_s = absl::ToDoubleSeconds(run.last_done - first_measured);
-  }
-  if (report.elapsed_s > 0) {
-    report.req_per_s = static_cast<double>(run.ok) / report.elapsed_s;
-    report.tflops = ForwardFlops(report.problem) * static_cast<double>(run.ok) / report.elapsed_s / 1e12;
-    report.gbps = run.bytes / report.elapsed_s / 1e9;
-  }
-  if (!run.latencies_us.empty()) {
-    const auto& l = run.latencies_us;
-    double sum = 0;
-    for (double x : l) sum += x;
-    report.lat_min_us = l.front();
-    report.lat_max_us = l.back();
-    report.lat_mean_us = sum / static_cast<double>(l.size());
-    report.lat_p50_us = Percentile(l, 50);
-    report.lat_p90_us = Percentile(l, 90);
-    report.lat_p95_us = Percentile(l, 95);
-    report.lat_p99_us = Percentile(l, 99);
-    const double n = static_cast<double>(run.ok);
-    report.srv_queue_us = run.queue_us / n;
-    report.srv_h2d_us = run.h2d_us / n;
-    report.srv_kernel_us = run.kernel_us / n;
-    report.srv_d2h_us = run.d2h_us / n;
-    report.srv_total_us = run.total_us / n;
-    report.bytes_per_request = run.bytes / n;
-  }
+  Finish(run, first_measured, TransportName(transport), report);
   run.mu.Unlock();
   return report;
+}
+
+absl::StatusOr<BenchReport> RunBench(const std::vector<SyncForward>& callers, const std::string& target,
+                                     std::shared_ptr<const v1::ForwardRequest> request, const Oracle* oracle,
+                                     const BenchOptions& opt) {
+  if (callers.empty() || std::any_of(callers.begin(), callers.end(), [](const SyncForward& f) { return !f; })) {
+    return absl::InvalidArgumentError("callers: at least one, none empty");
+  }
+  if (request == nullptr) return absl::InvalidArgumentError("request: required");
+  if (absl::Status s = CheckOptions(opt, oracle); !s.ok()) return s;
+  if (static_cast<size_t>(opt.concurrency) != callers.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("concurrency: ", opt.concurrency, ", but ", callers.size(),
+                                                   " callers (one per call in flight)"));
+  }
+  absl::StatusOr<BenchReport> described = NewReport(target, static_cast<int>(callers.size()), *request, opt);
+  if (!described.ok()) return described.status();
+  BenchReport& report = *described;
+
+  Run run;
+  const absl::Time start = absl::Now();
+  const absl::Time warmup_end = start + opt.warmup;
+  const absl::Time measure_end = opt.requests > 0 ? absl::InfiniteFuture() : warmup_end + opt.duration;
+  const absl::Time hard_end = start + opt.max_duration;
+  // The schedule, shared by the callers' threads under run.mu.
+  absl::Time first_measured = absl::InfiniteFuture();
+  int64_t started = 0, measured_started = 0, late_starts = 0;
+  bool hit_max_duration = false;
+  int running = static_cast<int>(callers.size());
+
+  auto caller_loop = [&](const SyncForward& forward) {
+    run.mu.Lock();
+    for (;;) {
+      const absl::Time now = absl::Now();
+      if (now >= hard_end) {
+        hit_max_duration = true;
+        break;
+      }
+      if (now >= measure_end) break;
+      if (opt.requests > 0 && measured_started >= opt.requests) break;
+      absl::Time scheduled = now;
+      if (opt.rate > 0) {
+        scheduled = start + absl::Seconds(static_cast<double>(started) / opt.rate);
+        if (scheduled > now) {
+          // Not yet: another free caller may take it first, so the schedule is looked at again after the sleep.
+          const absl::Time wake = std::min({scheduled, hard_end, measure_end});
+          run.mu.Unlock();
+          absl::SleepFor(wake - now);
+          run.mu.Lock();
+          continue;
+        }
+        if (now - scheduled > absl::Milliseconds(1) && scheduled >= warmup_end) ++late_starts;
+      }
+      const bool measured = scheduled >= warmup_end;
+      if (measured) {
+        ++measured_started;
+        first_measured = std::min(first_measured, scheduled);
+      }
+      const int64_t seq = started++;
+      ++run.in_flight;
+      run.mu.Unlock();
+      // Open loop times a call from its scheduled start; closed loop from its actual start.
+      const absl::Time t0 = opt.rate > 0 ? scheduled : absl::Now();
+      absl::StatusOr<ForwardResult> r = forward(*request);
+      Record(run, oracle, opt.verify_every, measured, seq, t0, std::move(r));
+      run.mu.Lock();
+    }
+    --running;
+    run.mu.Unlock();
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(callers.size());
+  for (const SyncForward& f : callers) threads.emplace_back(caller_loop, std::cref(f));
+
+  // This thread writes the progress lines until every caller is done (each call ends by its timeout).
+  absl::Time window_start = start;
+  absl::Time next_progress = start + absl::Seconds(1);
+  auto all_done = [&running]() { return running == 0; };
+  run.mu.Lock();
+  for (;;) {
+    const absl::Time now = absl::Now();
+    if (now >= next_progress) Progress(run, opt, now, start, warmup_end, &window_start, &next_progress);
+    if (running == 0) break;
+    run.mu.AwaitWithDeadline(absl::Condition(&all_done), next_progress);
+  }
+  run.mu.Unlock();
+  for (std::thread& t : threads) t.join();
+
+  run.mu.Lock();
+  report.late_starts = late_starts;
+  report.hit_max_duration = hit_max_duration;
+  Finish(run, first_measured, TransportName(Transport::kShm), report);
+  run.mu.Unlock();
+  return report;
+}
+
+absl::StatusOr<ShmChannelOptions> ShmChannelOptionsFor(const v1::ForwardRequest& request, const std::string& socket_path,
+                                                       uint64_t max_area_bytes) {
+  if (socket_path.empty()) return absl::InvalidArgumentError("--shm_socket: required with --transport=shm");
+  const uint64_t request_bytes = request.ByteSizeLong();
+  // O and LSE as the shape says; a shape that overflows cannot be sized (the server refuses it anyway).
+  const auto& s = request.shape();
+  uint64_t reply_bytes = kShmReplySlackBytes + request.request_id().size();
+  bool overflow = false;
+  auto add_product = [&](std::initializer_list<int64_t> factors) {
+    uint64_t p = 1;
+    for (int64_t f : factors) {
+      if (f < 0 || __builtin_mul_overflow(p, static_cast<uint64_t>(f), &p)) overflow = true;
+    }
+    if (__builtin_add_overflow(reply_bytes, p, &reply_bytes)) overflow = true;
+  };
+  if (!request.has_o_ref()) add_product({s.batch(), s.q_len(), s.q_heads(), s.head_dim(), 2});
+  if (request.return_lse()) add_product({s.batch(), s.q_heads(), s.q_len(), 4});
+  if (overflow) return absl::InvalidArgumentError("shape: O and LSE sizes overflow (cannot size the reply area)");
+  auto too_big = [&](const char* area, uint64_t bytes, const char* what) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "--transport=shm: the channel's %s area would need %d bytes (%s), above --shm_max_bytes=%d; raise "
+        "--shm_max_bytes here and on the server, or use --transport=auto (gRPC streams any size)",
+        area, bytes, what, max_area_bytes));
+  };
+  if (request_bytes > max_area_bytes) return too_big("request", request_bytes, "the serialized ForwardRequest");
+  if (reply_bytes > max_area_bytes) return too_big("reply", reply_bytes, "O and LSE plus the reply's other fields");
+  ShmChannelOptions o;
+  o.socket_path = socket_path;
+  o.request_capacity = request_bytes;
+  o.reply_capacity = reply_bytes;
+  return o;
+}
+
+absl::StatusOr<std::vector<SyncForward>> OpenShmCallers(const ShmChannelOptions& options, int n,
+                                                        absl::Duration timeout) {
+  if (n < 1) return absl::InvalidArgumentError("concurrency: must be >= 1");
+  // One caller's channel: used by one thread at a time (RunBench gives each caller its own).
+  struct Caller {
+    ShmChannelOptions options;
+    std::unique_ptr<ShmChannel> channel;
+  };
+  std::vector<SyncForward> out;
+  out.reserve(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    absl::StatusOr<std::unique_ptr<ShmChannel>> ch = ShmChannel::Connect(options);
+    if (!ch.ok()) {
+      return absl::Status(ch.status().code(), absl::StrCat("shm channel ", i + 1, " of ", n, " on ",
+                                                           options.socket_path, ": ", ch.status().message()));
+    }
+    auto caller = std::make_shared<Caller>(Caller{options, *std::move(ch)});
+    out.push_back([caller, timeout](const v1::ForwardRequest& request) -> absl::StatusOr<ForwardResult> {
+      if (caller->channel == nullptr) {
+        absl::StatusOr<std::unique_ptr<ShmChannel>> reopened = ShmChannel::Connect(caller->options);
+        if (!reopened.ok()) {
+          return absl::Status(reopened.status().code(),
+                              absl::StrCat("reopening the shm channel: ", reopened.status().message()));
+        }
+        caller->channel = *std::move(reopened);
+      }
+      absl::StatusOr<ForwardResult> r = ForwardOverShm(*caller->channel, request, timeout);
+      if (!r.ok() && (r.status().code() == absl::StatusCode::kDeadlineExceeded ||
+                      r.status().code() == absl::StatusCode::kUnavailable)) {
+        caller->channel.reset();
+      }
+      return r;
+    });
+  }
+  return out;
 }
 
 namespace {

@@ -70,8 +70,16 @@ std::optional<uint64_t> ExpectedLseBytes(const v1::ForwardRequest& r) {
   return CheckedProduct({s.batch(), s.q_heads(), s.q_len(), 4});
 }
 
-// Checks the reply's tensors have the sizes the request implies, so that a short or truncated answer is an
-// error here rather than a silent wrong result in the caller.
+void FillResultHeader(v1::ForwardResponse& header, ForwardResult& res) {
+  res.request_id = std::move(*header.mutable_request_id());
+  res.timing = header.timing();
+  res.backend = std::move(*header.mutable_backend());
+  res.kernel = std::move(*header.mutable_kernel());
+  res.device = header.device();
+}
+
+}  // namespace
+
 absl::Status CheckReplySizes(const v1::ForwardRequest& r, const ForwardResult& res) {
   if (!r.has_o_ref()) {
     const auto want = ExpectedOBytes(r);
@@ -87,16 +95,6 @@ absl::Status CheckReplySizes(const v1::ForwardRequest& r, const ForwardResult& r
   }
   return absl::OkStatus();
 }
-
-void FillResultHeader(v1::ForwardResponse& header, ForwardResult& res) {
-  res.request_id = std::move(*header.mutable_request_id());
-  res.timing = header.timing();
-  res.backend = std::move(*header.mutable_backend());
-  res.kernel = std::move(*header.mutable_kernel());
-  res.device = header.device();
-}
-
-}  // namespace
 
 // What one Forward call sends: every request field but the inline tensor bytes, and those bytes, which
 // go out by reference while `owner` keeps them alive (zero_copy.h) or are copied when it is null.
@@ -156,6 +154,8 @@ const char* TransportName(Transport t) {
       return "unary";
     case Transport::kStream:
       return "stream";
+    case Transport::kShm:
+      return "shm";
   }
   return "?";
 }
@@ -164,7 +164,8 @@ absl::StatusOr<Transport> ParseTransport(const std::string& name) {
   if (name == "auto") return Transport::kAuto;
   if (name == "unary") return Transport::kUnary;
   if (name == "stream") return Transport::kStream;
-  return absl::InvalidArgumentError(absl::StrCat("transport: '", name, "' is not one of auto, unary, stream"));
+  if (name == "shm") return Transport::kShm;
+  return absl::InvalidArgumentError(absl::StrCat("transport: '", name, "' is not one of auto, unary, stream, shm"));
 }
 
 Problem RequestSpec::ToProblem() const {
@@ -539,6 +540,11 @@ void Client::Dispatch(std::shared_ptr<const Outgoing> sent, ForwardCallback done
       return;
     }
     t = *chosen;
+  }
+  if (t == Transport::kShm) {
+    done(absl::InvalidArgumentError(
+        "transport: shm is not carried by the gRPC client; Forward over a ShmChannel (attnd/client/shm_channel.h)"));
+    return;
   }
   if (t == Transport::kUnary) {
     StartUnary(std::move(sent), std::move(done), call);

@@ -43,24 +43,36 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Connect(const ShmChannel
     ::close(*memfd);
     return absl::UnavailableError(absl::StrCat("shm channel: cannot connect to ", options.socket_path, ": ", why));
   }
+  // A server that accepted (the listen backlog) but never answers must not hold the caller for ever.
+  const timeval handshake_timeout{5, 0};
+  ::setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &handshake_timeout, sizeof(handshake_timeout));
   auto fail = [&](absl::Status st) {
     ::close(s);
     ::close(*memfd);
     return st;
   };
-  const shm::Hello hello{shm::kMagic, shm::kVersion, static_cast<uint32_t>(options.auth_token.size()), 0};
-  if (absl::Status st = shm::SendWithFd(s, &hello, sizeof(hello), *memfd); !st.ok()) return fail(st);
-  if (!options.auth_token.empty()) {
-    if (absl::Status st = shm::SendAll(s, options.auth_token.data(), options.auth_token.size()); !st.ok()) return fail(st);
-  }
-  shm::HelloReply reply{};
-  if (absl::Status st = shm::ReceiveAll(s, &reply, sizeof(reply)); !st.ok()) return fail(st);
-  if (reply.status_code != 0) {
+  // The server's answer: OK or its refusal; *answered false when none could be read (the read's error).
+  auto answer = [&](bool* answered) {
+    shm::HelloReply reply{};
+    absl::Status got = shm::ReceiveAll(s, &reply, sizeof(reply));
+    *answered = got.ok();
+    if (!got.ok() || reply.status_code == 0) return got;
     std::string message(std::min(reply.message_bytes, shm::kMaxHelloMessageBytes), '\0');
     if (!message.empty()) (void)shm::ReceiveAll(s, message.data(), message.size());
-    return fail(absl::Status(static_cast<absl::StatusCode>(reply.status_code), message));
+    return absl::Status(static_cast<absl::StatusCode>(reply.status_code), message);
+  };
+  const shm::Hello hello{shm::kMagic, shm::kVersion, static_cast<uint32_t>(options.auth_token.size()), 0};
+  absl::Status sent = shm::SendWithFd(s, &hello, sizeof(hello), *memfd);
+  if (sent.ok() && !options.auth_token.empty()) sent = shm::SendAll(s, options.auth_token.data(), options.auth_token.size());
+  bool answered = false;
+  if (!sent.ok()) {
+    // A server that refuses at once (--shm_max_channels reached) answers and closes without reading the hello,
+    // so the send can fail with the refusal already waiting to be read: that is the reason to report.
+    const absl::Status refusal = answer(&answered);
+    return fail(answered && !refusal.ok() ? refusal : sent);
   }
-  absl::StatusOr<shm::Mapping> m = shm::MapClientSide(*memfd);
+  if (absl::Status st = answer(&answered); !st.ok()) return fail(st);
+  absl::StatusOr<shm::Mapping> m = shm::MapClientSide(*memfd, options.request_capacity, options.reply_capacity);
   ::close(*memfd);
   if (!m.ok()) {
     ::close(s);
@@ -97,7 +109,11 @@ absl::StatusOr<v1::ForwardResponse> ShmChannel::Forward(const v1::ForwardRequest
                 : absl::DeadlineExceededError("shm channel: no reply before the timeout");
   }
   const uint64_t bytes = std::min<uint64_t>(h->reply_bytes, map_.reply_capacity);
-  const auto code = static_cast<absl::StatusCode>(h->status_code);
+  const int32_t raw = h->status_code;
+  if (raw < 0 || raw > static_cast<int32_t>(absl::StatusCode::kUnauthenticated)) {
+    return absl::InternalError(absl::StrCat("shm channel: the reply carries an unknown status code ", raw));
+  }
+  const auto code = static_cast<absl::StatusCode>(raw);
   if (code != absl::StatusCode::kOk) {
     return absl::Status(code, std::string(reinterpret_cast<const char*>(map_.reply()), bytes));
   }
@@ -106,6 +122,29 @@ absl::StatusOr<v1::ForwardResponse> ShmChannel::Forward(const v1::ForwardRequest
     return absl::InternalError("shm channel: unparseable reply");
   }
   return response;
+}
+
+absl::StatusOr<ForwardResult> ForwardOverShm(ShmChannel& channel, const v1::ForwardRequest& request,
+                                             absl::Duration timeout) {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::ForwardResponse> r = channel.Forward(request, timeout);
+  if (!r.ok()) return r.status();
+  ForwardResult res;
+  res.request_id = std::move(*r->mutable_request_id());
+  res.o = std::move(*r->mutable_o());
+  res.lse = std::move(*r->mutable_lse());
+  res.timing = r->timing();
+  res.backend = std::move(*r->mutable_backend());
+  res.kernel = std::move(*r->mutable_kernel());
+  res.device = r->device();
+  res.transport = Transport::kShm;
+  res.latency = absl::Now() - start;
+  for (const v1::TensorInput* t : {&request.q(), &request.k(), &request.v()}) {
+    if (t->source_case() == v1::TensorInput::kData) res.bytes_sent += t->data().size();
+  }
+  res.bytes_received = res.o.size() + res.lse.size();
+  if (absl::Status sizes = CheckReplySizes(request, res); !sizes.ok()) return sizes;
+  return res;
 }
 
 }  // namespace attnd::client

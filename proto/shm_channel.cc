@@ -10,6 +10,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <new>
@@ -30,6 +31,9 @@ void FutexWakeAll(std::atomic<uint32_t>* word) {
 }
 
 absl::StatusOr<int> CreateChannelMemfd(uint64_t request_capacity, uint64_t reply_capacity) {
+  if (request_capacity > kMaxAreaBytes || reply_capacity > kMaxAreaBytes) {
+    return absl::InvalidArgumentError("shm channel: request/reply capacity above 1 TiB");
+  }
   const uint64_t bytes = ChannelBytes(request_capacity, reply_capacity);
   const int fd = static_cast<int>(syscall(SYS_memfd_create, "attnd-shm-channel", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (fd < 0) return absl::UnavailableError(absl::StrCat("memfd_create: ", std::strerror(errno)));
@@ -70,6 +74,7 @@ absl::StatusOr<Mapping> MapServerSide(int fd, uint64_t max_area_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("shm channel: bad magic/version (version ", probe.version,
                                                    ", this server speaks ", kVersion, ")"));
   }
+  max_area_bytes = std::min(max_area_bytes, kMaxAreaBytes);
   if (probe.request_capacity > max_area_bytes || probe.reply_capacity > max_area_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("shm channel: request/reply areas of ", probe.request_capacity,
                                                      " / ", probe.reply_capacity, " bytes exceed --shm_max_bytes=",
@@ -84,14 +89,11 @@ absl::StatusOr<Mapping> MapServerSide(int fd, uint64_t max_area_bytes) {
   return Mapping{static_cast<Header*>(p), size, probe.request_capacity, probe.reply_capacity};
 }
 
-absl::StatusOr<Mapping> MapClientSide(int fd) {
-  struct stat st;
-  if (::fstat(fd, &st) != 0) return absl::UnavailableError(absl::StrCat("fstat: ", std::strerror(errno)));
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
+absl::StatusOr<Mapping> MapClientSide(int fd, uint64_t request_capacity, uint64_t reply_capacity) {
+  const uint64_t size = ChannelBytes(request_capacity, reply_capacity);
   void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) return absl::UnavailableError(absl::StrCat("mmap: ", std::strerror(errno)));
-  Header* h = static_cast<Header*>(p);
-  return Mapping{h, size, h->request_capacity, h->reply_capacity};
+  return Mapping{static_cast<Header*>(p), size, request_capacity, reply_capacity};
 }
 
 absl::Status SendWithFd(int socket, const void* data, size_t bytes, int fd) {

@@ -1,16 +1,21 @@
 // The CLI's pieces end to end: the bench engine against a live server (closed and open loop, bounded), its
-// reports, percentiles, the oracle's ability to reject wrong answers, and the built `attn` binary itself.
+// reports, percentiles, the oracle's ability to reject wrong answers, and the built `attn` binary itself; the
+// same over the same-host shared-memory channel (--transport=shm --shm_socket).
 #include <sys/wait.h>
 
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "attnd/client/bench.h"
+#include "attnd/client/shm_channel.h"
 #include "attnd/half.h"
 #include "attnd/reference.h"
 #include "e2e_util.h"
@@ -304,6 +309,267 @@ TEST_F(BenchTest, AttnBinaryInfoCallVerifyAndBench) {
   auto [down_rc, down] = RunCommand(absl::StrCat(attn, " info --deadline_ms=3000 --target=127.0.0.1:1"));
   EXPECT_EQ(down_rc, 1) << down;
   EXPECT_TRUE(absl::StrContains(down, "UNAVAILABLE")) << down;
+}
+
+// --transport=shm: a server with shared-memory channels (--shm_socket) beside its gRPC listeners.
+class ShmCliTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    server_ = new TestServer;
+    StartServer(server_, 64ull << 20, /*threads=*/2, /*max_queue=*/256, /*shm=*/true);
+  }
+  static void TearDownTestSuite() {
+    if (server_->server) server_->server->Shutdown();
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_NE(server_->server, nullptr);
+    ASSERT_FALSE(server_->shm_path.empty());
+  }
+
+  static inline TestServer* server_ = nullptr;
+};
+
+// The CSV report (header + one row) as column -> value; fails the test when the two lines do not match.
+std::map<std::string, std::string> CsvRow(const std::string& csv) {
+  std::vector<std::string> lines = absl::StrSplit(csv, '\n', absl::SkipEmpty());
+  EXPECT_EQ(lines.size(), 2u) << csv;
+  if (lines.size() != 2) return {};
+  const std::vector<std::string> keys = absl::StrSplit(lines[0], ','), values = absl::StrSplit(lines[1], ',');
+  EXPECT_EQ(keys.size(), values.size()) << csv;
+  std::map<std::string, std::string> row;
+  for (size_t i = 0; i < keys.size() && i < values.size(); ++i) row[keys[i]] = values[i];
+  return row;
+}
+
+int64_t CsvInt(const std::map<std::string, std::string>& row, const std::string& key) {
+  int64_t v = -1;
+  auto it = row.find(key);
+  EXPECT_TRUE(it != row.end() && absl::SimpleAtoi(it->second, &v)) << key << " missing or not an integer";
+  return v;
+}
+
+TEST_F(ShmCliTest, CallOverShmVerifiesAgainstTheReference) {
+  const Case c = MakeCase(Spec(2, 40, 56, 4, 2, 64, Mask::kCausalBottomRight, true), 31);
+  auto so = client::ShmChannelOptionsFor(*c.request, server_->shm_path, 64ull << 20);
+  ASSERT_TRUE(so.ok()) << so.status();
+  // Sized from the request: its serialization exactly, O and LSE plus slack for the reply.
+  EXPECT_EQ(so->request_capacity, c.request->ByteSizeLong());
+  EXPECT_EQ(so->reply_capacity, c.spec.o_bytes() + c.spec.lse_bytes() + client::kShmReplySlackBytes +
+                                    c.request->request_id().size());
+  auto ch = client::ShmChannel::Connect(*so);
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<client::ForwardResult> r = client::ForwardOverShm(**ch, *c.request, absl::Seconds(60));
+    EXPECT_EQ(CheckReply(c, r), "");
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->transport, client::Transport::kShm);
+    EXPECT_EQ(r->backend, "cpu");
+    EXPECT_EQ(r->bytes_sent, c.spec.q_bytes() + 2 * c.spec.kv_bytes());
+    EXPECT_EQ(r->bytes_received, c.spec.o_bytes() + c.spec.lse_bytes());
+    EXPECT_GT(r->timing.kernel_us(), 0);
+    EXPECT_GT(r->latency, absl::ZeroDuration());
+  }
+  // A server error comes back as the status, field named, and the channel stays usable.
+  v1::ForwardRequest bad = *c.request;
+  bad.mutable_shape()->set_head_dim(7);
+  absl::StatusOr<client::ForwardResult> refused = client::ForwardOverShm(**ch, bad, absl::Seconds(60));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "head_dim")) << refused.status();
+  EXPECT_EQ(CheckReply(c, client::ForwardOverShm(**ch, *c.request, absl::Seconds(60))), "");
+
+  // Areas above the cap are refused before any channel is opened, naming the flag.
+  auto capped = client::ShmChannelOptionsFor(*c.request, server_->shm_path, 4096);
+  EXPECT_EQ(capped.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(capped.status().message(), "--shm_max_bytes=4096")) << capped.status();
+  EXPECT_TRUE(absl::StrContains(capped.status().message(), "request area")) << capped.status();
+
+  // The gRPC client does not carry shm: a clear refusal rather than a hang or a silent fallback.
+  auto grpc_client = Connect(server_->Target(Listener::kTcp), client::Transport::kShm);
+  ASSERT_NE(grpc_client, nullptr);
+  absl::StatusOr<client::ForwardResult> via_grpc = grpc_client->Forward(*c.request);
+  EXPECT_EQ(via_grpc.status().code(), absl::StatusCode::kInvalidArgument) << via_grpc.status();
+  EXPECT_TRUE(absl::StrContains(via_grpc.status().message(), "ShmChannel")) << via_grpc.status();
+  client::BenchOptions opt;
+  opt.requests = 1;
+  EXPECT_EQ(client::RunBench(*grpc_client, c.request, nullptr, opt).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ShmCliTest, BenchOverShmClosedLoopHasNoErrorsAndVerifies) {
+  const Case c = MakeCase(Spec(1, 48, 64, 4, 2, 64, Mask::kCausalTopLeft, true), 32);
+  auto so = client::ShmChannelOptionsFor(*c.request, server_->shm_path, 64ull << 20);
+  ASSERT_TRUE(so.ok()) << so.status();
+  auto callers = client::OpenShmCallers(*so, 4, absl::Seconds(60));
+  ASSERT_TRUE(callers.ok()) << callers.status();
+  ASSERT_EQ(callers->size(), 4u);
+  client::BenchOptions opt;
+  opt.concurrency = 4;
+  opt.duration = absl::Milliseconds(1500);
+  opt.warmup = absl::Milliseconds(100);
+  opt.verify_every = 1;
+  int progress_lines = 0;
+  opt.progress = [&](const std::string&) { ++progress_lines; };
+  const absl::Time t0 = absl::Now();
+  auto r = client::RunBench(*callers, server_->shm_path, c.request, c.oracle.get(), opt);
+  const absl::Duration took = absl::Now() - t0;
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_GE(took, absl::Milliseconds(1600));
+  EXPECT_LT(took, absl::Seconds(30));
+  EXPECT_GE(progress_lines, 1);
+  EXPECT_EQ(r->errors, 0) << r->first_error;
+  EXPECT_GT(r->ok, 4);
+  EXPECT_EQ(r->verified, r->ok);  // every measured reply checked against the oracle
+  EXPECT_EQ(r->verify_failures, 0) << r->first_verify_failure;
+  EXPECT_EQ(r->transport, "shm");
+  EXPECT_EQ(r->target, server_->shm_path);
+  EXPECT_EQ(r->backend, "cpu");
+  EXPECT_EQ(r->concurrency, 4);
+  EXPECT_EQ(r->connections, 4);
+  EXPECT_FALSE(r->hit_max_duration);
+  EXPECT_GT(r->lat_min_us, 0);
+  EXPECT_LE(r->lat_min_us, r->lat_p50_us);
+  EXPECT_LE(r->lat_p50_us, r->lat_p99_us);
+  EXPECT_LE(r->lat_p99_us, r->lat_max_us);
+  EXPECT_GT(r->srv_kernel_us, 0);
+  EXPECT_GE(r->lat_mean_us, r->srv_total_us * 0.99);
+  EXPECT_NEAR(r->req_per_s * r->elapsed_s, static_cast<double>(r->ok), 0.01);
+  EXPECT_EQ(r->bytes_per_request, static_cast<double>(c.spec.q_bytes() + 2 * c.spec.kv_bytes() + c.spec.o_bytes() +
+                                                      c.spec.lse_bytes()));
+  const std::map<std::string, std::string> row = CsvRow(client::BenchReportCsv(*r));
+  EXPECT_EQ(row.at("transport"), "shm");
+  EXPECT_EQ(CsvInt(row, "ok"), r->ok);
+  EXPECT_EQ(CsvInt(row, "errors"), 0);
+
+  // The engine's own checks: one caller per call in flight.
+  opt.concurrency = 3;
+  EXPECT_EQ(client::RunBench(*callers, server_->shm_path, c.request, c.oracle.get(), opt).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ShmCliTest, BenchOverShmOpenLoopIsPaced) {
+  const Case c = MakeCase(Spec(1, 32, 32, 2, 2, 64), 33);
+  auto so = client::ShmChannelOptionsFor(*c.request, server_->shm_path, 64ull << 20);
+  ASSERT_TRUE(so.ok()) << so.status();
+  auto callers = client::OpenShmCallers(*so, 4, absl::Seconds(60));
+  ASSERT_TRUE(callers.ok()) << callers.status();
+  client::BenchOptions opt;
+  opt.concurrency = 4;
+  opt.rate = 40;
+  opt.duration = absl::Seconds(1);
+  opt.warmup = absl::Milliseconds(200);
+  const absl::Time t0 = absl::Now();
+  auto r = client::RunBench(*callers, server_->shm_path, c.request, nullptr, opt);
+  const absl::Duration took = absl::Now() - t0;
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_GE(took, absl::Milliseconds(1150));
+  EXPECT_LT(took, absl::Seconds(10));
+  EXPECT_EQ(r->errors, 0) << r->first_error;
+  // 40 req/s for 1 s, as over gRPC (OpenLoopDurationIsBoundedAndPaced).
+  EXPECT_GE(r->ok, 30);
+  EXPECT_LE(r->ok, 42);
+  EXPECT_GE(r->warmup_requests, 4);
+  EXPECT_LE(r->warmup_requests, 10);
+}
+
+TEST_F(ShmCliTest, ATimedOutChannelIsReplacedForTheNextCall) {
+  // Big enough that the CPU backend takes far longer than the channel's 300 us of polling (milliseconds).
+  const Case c = MakeCase(Spec(1, 256, 256, 4, 4, 64), 34);
+  auto so = client::ShmChannelOptionsFor(*c.request, server_->shm_path, 64ull << 20);
+  ASSERT_TRUE(so.ok()) << so.status();
+  auto callers = client::OpenShmCallers(*so, 1, absl::Microseconds(1));
+  ASSERT_TRUE(callers.ok()) << callers.status();
+  const client::SyncForward& forward = (*callers)[0];
+  // Abandoned calls leave their channel unusable (FAILED_PRECONDITION were it reused): each next call gets a
+  // fresh channel and times out the same way.
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<client::ForwardResult> r = forward(*c.request);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << i << ": " << r.status();
+  }
+  auto patient = client::OpenShmCallers(*so, 1, absl::Seconds(60));
+  ASSERT_TRUE(patient.ok()) << patient.status();
+  EXPECT_EQ(CheckReply(c, (*patient)[0](*c.request)), "");
+}
+
+TEST_F(ShmCliTest, AttnBinaryCallAndBenchOverShm) {
+  const std::string attn = ATTN_BINARY;
+  const std::string common = absl::StrCat(" --target=", server_->Target(Listener::kTcp),
+                                          " --transport=shm --shm_socket=", server_->shm_path);
+
+  auto [call_rc, call] = RunCommand(absl::StrCat(attn, " call --verify", common,
+                                                 " --batch=2 --q_len=100 --kv_len=130 --q_heads=8 --kv_heads=2 "
+                                                 "--head_dim=128 --mask=causal_bottom_right --lse"));
+  EXPECT_EQ(call_rc, 0) << call;
+  EXPECT_TRUE(absl::StrContains(call, "transport shm")) << call;
+  EXPECT_TRUE(absl::StrContains(call, "verify: PASS")) << call;
+  EXPECT_TRUE(absl::StrContains(call, absl::StrCat(2 * 100 * 8 * 128 * 2, " bytes of O"))) << call;
+
+  const std::string csv = absl::StrCat(::testing::TempDir(), "/attn_shm_bench_", ::getpid(), ".csv");
+  auto [b_rc, b_out] = RunCommand(absl::StrCat(attn, " bench", common,
+                                               " --q_len=64 --q_heads=4 --head_dim=64 --lse --concurrency=4 "
+                                               "--duration=1s --warmup=0s --verify_every=1 --connections=3 "
+                                               "--rpc_floor --progress=false --csv=",
+                                               csv));
+  EXPECT_EQ(b_rc, 0) << b_out;
+  EXPECT_TRUE(absl::StrContains(b_out, "transport shm")) << b_out;
+  EXPECT_TRUE(absl::StrContains(b_out, "concurrency 4 over 4 connections")) << b_out;
+  EXPECT_TRUE(absl::StrContains(b_out, "note: --connections ignored with --transport=shm")) << b_out;
+  EXPECT_TRUE(absl::StrContains(b_out, "note: --rpc_floor ignored with --transport=shm")) << b_out;
+  EXPECT_FALSE(absl::StrContains(b_out, "RPC floor (GetStats")) << b_out;
+  std::stringstream cs;
+  cs << std::ifstream(csv).rdbuf();
+  const std::map<std::string, std::string> row = CsvRow(cs.str());
+  ASSERT_FALSE(row.empty()) << cs.str();
+  EXPECT_EQ(row.at("transport"), "shm");
+  EXPECT_EQ(row.at("target"), server_->shm_path);
+  EXPECT_EQ(row.at("backend"), "cpu");
+  EXPECT_EQ(CsvInt(row, "concurrency"), 4);
+  EXPECT_EQ(CsvInt(row, "errors"), 0);
+  EXPECT_EQ(CsvInt(row, "verify_failures"), 0);
+  const int64_t ok = CsvInt(row, "ok");
+  EXPECT_GT(ok, 4);
+  EXPECT_EQ(CsvInt(row, "verified"), ok);
+  EXPECT_EQ(row.at("rpc_floor_us"), "0");
+  EXPECT_TRUE(absl::StrContains(b_out, absl::StrCat(ok, " ok, 0 errors"))) << b_out;
+  EXPECT_TRUE(absl::StrContains(b_out, absl::StrCat("verified: ", ok, " replies, 0 failed"))) << b_out;
+  // The same columns as any other run's report.
+  const std::string header = cs.str().substr(0, cs.str().find('\n'));
+  const std::string any = client::BenchReportCsv(client::BenchReport{});
+  EXPECT_EQ(header, any.substr(0, any.find('\n')));
+
+  // A server error is printed as a gRPC one is: "attn: Forward: CODE: message".
+  auto [bad_rc, bad] = RunCommand(absl::StrCat(attn, " call", common, " --q_len=8 --head_dim=7"));
+  EXPECT_EQ(bad_rc, 1) << bad;
+  EXPECT_TRUE(absl::StrContains(bad, "attn: Forward: INVALID_ARGUMENT")) << bad;
+  EXPECT_TRUE(absl::StrContains(bad, "head_dim")) << bad;
+
+  // A request larger than the channel cap: refused before anything is sent, naming the flag.
+  auto [big_rc, big] = RunCommand(absl::StrCat(attn, " call", common, " --q_len=64 --shm_max_bytes=65536"));
+  EXPECT_EQ(big_rc, 1) << big;
+  EXPECT_TRUE(absl::StrContains(big, "--shm_max_bytes=65536")) << big;
+
+  // No server at the socket: the path and the reason.
+  auto [gone_rc, gone] = RunCommand(absl::StrCat(attn, " call --transport=shm --q_len=8 --shm_socket=",
+                                                 ::testing::TempDir(), "/attnd_no_such_", ::getpid(), ".shm"));
+  EXPECT_EQ(gone_rc, 1) << gone;
+  EXPECT_TRUE(absl::StrContains(gone, "attn: --shm_socket: UNAVAILABLE")) << gone;
+  EXPECT_TRUE(absl::StrContains(gone, "attnd_no_such_")) << gone;
+}
+
+TEST(AttnBinary, ShmTransportWithoutSocketIsAUsageError) {
+  const std::string attn = ATTN_BINARY;
+  for (const char* cmd : {"call --verify", "bench --requests=1"}) {
+    SCOPED_TRACE(cmd);
+    // No server is needed (and none is at the target): the flags are refused first.
+    auto [rc, out] = RunCommand(absl::StrCat(attn, " ", cmd, " --transport=shm --target=127.0.0.1:1 --q_len=8"));
+    EXPECT_EQ(rc, 2) << out;
+    EXPECT_TRUE(absl::StrContains(out, "--shm_socket")) << out;
+    EXPECT_TRUE(absl::StrContains(out, "--transport=shm")) << out;
+  }
+  auto [rc, out] = RunCommand(absl::StrCat(attn, " call --transport=carrier-pigeon --target=127.0.0.1:1"));
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_TRUE(absl::StrContains(out, "auto, unary, stream, shm")) << out;
 }
 
 }  // namespace

@@ -23,6 +23,7 @@ inline const char* ListenerName(Listener l) { return l == Listener::kTcp ? "tcp"
 struct TestServer {
   std::unique_ptr<server::Server> server;
   std::string unix_path;
+  std::string shm_path;  // the --shm_socket of shared-memory channels, when started with them
   int port = 0;
 
   std::string Target(Listener l) const {
@@ -30,14 +31,19 @@ struct TestServer {
   }
 };
 
-// A server on 127.0.0.1:<free port> and on a fresh unix socket. Fails the test (fatally) if it cannot start.
+// A server on 127.0.0.1:<free port> and on a fresh unix socket (and, with `shm`, shared-memory channels on
+// another). Fails the test (fatally) if it cannot start.
 inline void StartServer(TestServer* out, uint64_t max_message_bytes = 64ull << 20, int threads = 2,
-                        uint32_t max_queue = 256) {
+                        uint32_t max_queue = 256, bool shm = false) {
   static std::atomic<int> counter{0};
   server::ServerOptions so;
   so.listen = "127.0.0.1:0";
   out->unix_path = absl::StrCat(::testing::TempDir(), "/attnd_e2e_", ::getpid(), "_", counter++, ".sock");
   so.unix_socket = out->unix_path;
+  if (shm) {
+    out->shm_path = absl::StrCat(::testing::TempDir(), "/attnd_e2e_", ::getpid(), "_", counter++, ".shm");
+    so.shm_socket = out->shm_path;
+  }
   so.max_message_bytes = max_message_bytes;
   server::BackendOptions bo;
   bo.threads = threads;

@@ -165,23 +165,6 @@ Inputs Upload(const client::RequestSpec& spec, const Buffers& b, uint64_t seed) 
 // Poisons O (all-ones bf16/fp16 is NaN), calls, reads O back and checks it.
 using ForwardFn = std::function<absl::StatusOr<client::ForwardResult>(const v1::ForwardRequest&)>;
 
-// A reply from the shared-memory channel in the gRPC client's result type.
-absl::StatusOr<client::ForwardResult> ShmForward(client::ShmChannel& ch, const v1::ForwardRequest& req) {
-  const absl::Time t0 = absl::Now();
-  absl::StatusOr<v1::ForwardResponse> r = ch.Forward(req);
-  if (!r.ok()) return r.status();
-  client::ForwardResult out;
-  out.request_id = r->request_id();
-  out.o = std::move(*r->mutable_o());
-  out.lse = std::move(*r->mutable_lse());
-  out.timing = r->timing();
-  out.backend = r->backend();
-  out.kernel = r->kernel();
-  out.device = r->device();
-  out.latency = absl::Now() - t0;
-  return out;
-}
-
 std::string CallAndCheck(const ForwardFn& forward, const v1::ForwardRequest& req, const Buffers& b, int out,
                          const client::Oracle& oracle) {
   // cudaMemset is asynchronous to the host: finish it before the server writes O, or it lands after.
@@ -251,7 +234,7 @@ int Check(client::Client& c) {
         why.empty() ? Pass(what) : Fail(absl::StrCat(what, ": ", why));
         if (shm != nullptr) {
           const std::string why_shm = CallAndCheck(
-              [&](const v1::ForwardRequest& r) { return ShmForward(*shm, r); }, RefRequest(spec, b, 0), b, 0, *oracle);
+              [&](const v1::ForwardRequest& r) { return client::ForwardOverShm(*shm, r); }, RefRequest(spec, b, 0), b, 0, *oracle);
           why_shm.empty() ? Pass(what + " (shm)") : Fail(absl::StrCat(what, " (shm): ", why_shm));
         }
         ++cases;
@@ -309,7 +292,7 @@ int Check(client::Client& c) {
     req.mutable_k()->mutable_ref()->set_buffer_id("cuda-1-0000000000000000");
     ExpectCode("unknown buffer id", c.Forward(req).status(), absl::StatusCode::kInvalidArgument, "k.ref");
     if (shm != nullptr) {
-      ExpectCode("unknown buffer id (shm)", ShmForward(*shm, req).status(), absl::StatusCode::kInvalidArgument, "k.ref");
+      ExpectCode("unknown buffer id (shm)", client::ForwardOverShm(*shm, req).status(), absl::StatusCode::kInvalidArgument, "k.ref");
     }
     req = RefRequest(spec, b, 0);
     // Valid strides (multiples of 16 bytes) whose span, 8x the contiguous one, runs past the region.
@@ -498,7 +481,7 @@ int Bench(client::Client& c) {
             shm = *std::move(opened);
           }
           const ForwardFn forward = [&](const v1::ForwardRequest& r) -> absl::StatusOr<client::ForwardResult> {
-            return shm != nullptr ? ShmForward(*shm, r) : cl.Forward(r);
+            return shm != nullptr ? client::ForwardOverShm(*shm, r) : cl.Forward(r);
           };
           const v1::ForwardRequest req = RefRequest(spec, b, t);
           for (;;) {

@@ -98,6 +98,7 @@ absl::StatusOr<std::unique_ptr<ShmListener>> ShmListener::Start(const ShmListene
 ShmListener::~ShmListener() { Stop(); }
 
 void ShmListener::Stop() {
+  absl::MutexLock stop_lock(&stop_mu_);
   if (stopping_.exchange(true)) return;
   if (acceptor_.joinable()) acceptor_.join();
   ::close(listen_fd_);

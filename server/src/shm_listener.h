@@ -50,6 +50,7 @@ class ShmListener {
   AttentionService* const service_;
   int listen_fd_;
   std::atomic<bool> stopping_{false};
+  absl::Mutex stop_mu_;  // a second Stop() waits for the first to finish
   std::atomic<int> open_{0};
   std::thread acceptor_;
   struct Channel {

@@ -53,6 +53,8 @@ struct Header {
 };
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "the state word is shared between processes");
 constexpr uint64_t kHeaderBytes = 4096;
+// Largest request or reply area either side accepts: keeps ChannelBytes far from wrapping.
+constexpr uint64_t kMaxAreaBytes = uint64_t{1} << 40;
 static_assert(sizeof(Header) <= kHeaderBytes, "header page");
 
 inline uint64_t ChannelBytes(uint64_t request_capacity, uint64_t reply_capacity) {
@@ -102,7 +104,7 @@ inline void CpuRelax() {
 template <typename GiveUp>
 bool AwaitState(std::atomic<uint32_t>* word, uint32_t want, std::atomic<uint32_t>* sleeping, absl::Duration spin,
                 absl::Time deadline, absl::Duration poll, GiveUp give_up) {
-  const absl::Time spin_end = absl::Now() + spin;
+  const absl::Time spin_end = std::min(absl::Now() + spin, deadline);
   while (word->load(std::memory_order_acquire) != want) {
     if (absl::Now() < spin_end) {
       CpuRelax();
@@ -132,8 +134,9 @@ absl::StatusOr<int> CreateChannelMemfd(uint64_t request_capacity, uint64_t reply
 // Server side: checks that `fd` is a memfd sealed against shrinking and growing, whose size matches its header's
 // capacities (each at most `max_area_bytes`), and maps it (munmap(header, bytes) to undo).
 absl::StatusOr<Mapping> MapServerSide(int fd, uint64_t max_area_bytes);
-// Caller side: maps a memfd from CreateChannelMemfd.
-absl::StatusOr<Mapping> MapClientSide(int fd);
+// Caller side: maps a memfd from CreateChannelMemfd with the capacities it was created with (never the ones in
+// the shared header, which the server could overwrite).
+absl::StatusOr<Mapping> MapClientSide(int fd, uint64_t request_capacity, uint64_t reply_capacity);
 
 // Socket helpers for the hello: one message carrying `data` and optionally one fd; and its receiving side
 // (*fd = -1 when none came). Both retry on EINTR and return UNAVAILABLE on a closed or failed socket.

@@ -1,6 +1,7 @@
 // The load-test engine behind `attn bench`: N calls in flight (closed loop) or a fixed arrival rate (open
 // loop), a warmup that is not measured, exact latency percentiles, the server-side breakdown averaged from
-// the replies' timing metadata, and errors by status code. Always bounded in time.
+// the replies' timing metadata, and errors by status code. Always bounded in time. Runs over the gRPC client
+// (Client::ForwardAsync) or over blocking callers such as shared-memory channels (--transport=shm).
 #pragma once
 
 #include <cstdint>
@@ -13,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attnd/client/client.h"
+#include "attnd/client/shm_channel.h"
 #include "attnd/client/tensors.h"
 
 namespace attnd::client {
@@ -25,13 +27,13 @@ struct BenchOptions {
   absl::Duration warmup = absl::Seconds(1);      // calls started in this first span are not measured
   int64_t verify_every = 0;                      // check every Nth reply against the oracle (needs one); 0: none
   absl::Duration max_duration = absl::Minutes(10);  // hard stop of the whole run, whatever else is asked
-  CallOptions call;                              // per-call deadline and transport
+  CallOptions call;                              // per-call deadline and transport (gRPC clients only)
   // Called about once a second with a one-line progress summary; empty: silent.
   std::function<void(const std::string&)> progress;
 };
 
 struct BenchReport {
-  // What ran.
+  // What ran. Over shared-memory channels: target is the channel socket's path, connections the channels.
   std::string target, transport, backend, kernel;
   Problem problem;
   int concurrency = 0;
@@ -79,6 +81,37 @@ absl::StatusOr<BenchReport> RunBench(Client& client, std::shared_ptr<const v1::F
 absl::StatusOr<BenchReport> RunBench(const std::vector<Client*>& clients,
                                      std::shared_ptr<const v1::ForwardRequest> request, const Oracle* oracle,
                                      const BenchOptions& options);
+
+// A Forward that blocks until its reply, for one caller making one call at a time (a shared-memory channel's:
+// OpenShmCallers). Called from one thread only.
+using SyncForward = std::function<absl::StatusOr<ForwardResult>(const v1::ForwardRequest&)>;
+
+// The same load over blocking callers, one thread per caller: options.concurrency must equal callers.size()
+// (each caller is one call in flight). Closed loop: each thread calls again as soon as its reply is in. Open loop:
+// a free thread takes the next start of the schedule (late_starts counts those taken more than 1 ms behind it:
+// all callers were busy). A call is timed from its scheduled start (open) or from its actual start (closed).
+// options.call is not used (the callers carry their own timeouts). `target` names the callers in the report;
+// the report's transport is that of the results (ForwardResult::transport; "shm" when none succeeded).
+absl::StatusOr<BenchReport> RunBench(const std::vector<SyncForward>& callers, const std::string& target,
+                                     std::shared_ptr<const v1::ForwardRequest> request, const Oracle* oracle,
+                                     const BenchOptions& options);
+
+// --transport=shm (`attn call` and `attn bench`).
+// Reply-area room for the ForwardResponse's fields besides O and LSE (request id, backend and kernel names,
+// timing, tags and lengths); the request id is added on top, since the reply echoes it.
+constexpr uint64_t kShmReplySlackBytes = 64 << 10;
+// Channel options for sending `request` to the server's --shm_socket at `socket_path`: a request area of the
+// request's serialized size, a reply area for its O (unless o_ref) and LSE (when asked for) plus the slack.
+// RESOURCE_EXHAUSTED naming --shm_max_bytes when either area would exceed max_area_bytes (the server refuses
+// areas above its own --shm_max_bytes as well). auth_token is left empty: the caller sets it.
+absl::StatusOr<ShmChannelOptions> ShmChannelOptionsFor(const v1::ForwardRequest& request, const std::string& socket_path,
+                                                       uint64_t max_area_bytes);
+// `n` shared-memory channels opened now, one per concurrent caller, as SyncForwards (ForwardOverShm) whose calls
+// time out after `timeout`. A call that leaves its channel unusable (DEADLINE_EXCEEDED or UNAVAILABLE: the
+// server gone, or a reply abandoned) closes it, and that caller's next call opens a new one (failing, with the
+// reason, when it cannot). Fails, naming the channel, when any of the `n` cannot be opened.
+absl::StatusOr<std::vector<SyncForward>> OpenShmCallers(const ShmChannelOptions& options, int n,
+                                                        absl::Duration timeout);
 
 // Nearest-rank percentile (p in (0, 100]) of an ascending vector; 0 for an empty one.
 double Percentile(const std::vector<double>& sorted, double p);

@@ -30,9 +30,12 @@ enum class Transport {
   kAuto,    // unary when request and reply fit the server's message limit, streaming otherwise
   kUnary,   // always Attention.Forward (fails with the server's RESOURCE_EXHAUSTED when too large)
   kStream,  // always Attention.ForwardStream
+  // The same-host shared-memory channel (the server's --shm_socket), no RPC at all: carried by a ShmChannel
+  // (attnd/client/shm_channel.h, ForwardOverShm), never by Client, whose Forward calls fail INVALID_ARGUMENT.
+  kShm,
 };
 const char* TransportName(Transport t);
-// "auto" | "unary" | "stream".
+// "auto" | "unary" | "stream" | "shm".
 absl::StatusOr<Transport> ParseTransport(const std::string& name);
 
 struct ClientOptions {
@@ -121,6 +124,10 @@ struct ForwardInputs {
 
 // The one translation of a gRPC status into an absl::Status (codes are numerically identical).
 absl::Status FromGrpcStatus(const grpc::Status& s);
+
+// INTERNAL unless the reply's O (when inline) and LSE (when asked for) have the sizes `request` implies: a
+// short or truncated answer is an error rather than a silent wrong result. Every Forward result passes it.
+absl::Status CheckReplySizes(const v1::ForwardRequest& request, const ForwardResult& result);
 
 class Client {
  public:

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "attnd/client/client.h"
 #include "attnd/shm_channel.h"
 #include "attnd/v1/attention.pb.h"
 
@@ -47,5 +48,11 @@ class ShmChannel {
   const shm::Mapping map_;
   bool broken_ = false;
 };
+
+// ShmChannel::Forward with the reply as the gRPC client's ForwardResult: transport kShm, the client-side
+// latency, the inline tensor bytes each way, and the reply's sizes checked as Client checks them (CheckReplySizes).
+// What `attn call` and `attn bench` use with --transport=shm.
+absl::StatusOr<ForwardResult> ForwardOverShm(ShmChannel& channel, const v1::ForwardRequest& request,
+                                             absl::Duration timeout = absl::InfiniteDuration());
 
 }  // namespace attnd::client
