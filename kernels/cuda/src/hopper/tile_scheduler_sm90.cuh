@@ -30,6 +30,7 @@ struct SchedulerParams {
   int section_bh = 1;  // (batch, head) pairs per L2 section
   int total_tiles = 0;
   int pairs_per_head = 0;  // > 0: paired causal order (num_q_tiles / 2 pairs per head, then the middle tiles)
+  int paired_tiles = 0;    // 2 * pairs_per_head * total_bh: where the middle tiles of an odd num_q_tiles start
 };
 
 struct TileCoord {
@@ -44,6 +45,9 @@ constexpr int64_t kDefaultSectionBudgetBytes = int64_t{12} << 20;
 // one LPT section: the snake balances them to ~0.5% where pairs, each a whole head's worth of key blocks,
 // leave up to one pair of the last round's granularity (~3% at 16k).
 constexpr int kMaxPairedQTiles = 16;
+// Only head_dim >= 128 pairs: at 64 pairing measured no gain (d64 causal 1k 293 -> 296, 2k 372 -> 365 TFLOP/s)
+// and its arithmetic spilled 12-16 bytes in the d64 kernels, which therefore compile the plain order only.
+__host__ __device__ constexpr bool MayPair(int head_dim) { return head_dim >= 128; }
 
 // `section_budget_bytes`: the K + V bytes a non-causal section may span; <= 0: no sections (one, as causal).
 inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int batch, int kv_len, int head_dim,
@@ -61,14 +65,18 @@ inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int bat
   if (section > sp.total_bh || causal) section = sp.total_bh;
   sp.section_bh = static_cast<int>(section);
   sp.total_tiles = num_q_tiles * sp.total_bh;
-  if (causal && num_q_tiles >= 2 && num_q_tiles <= kMaxPairedQTiles) sp.pairs_per_head = num_q_tiles / 2;
+  if (causal && MayPair(head_dim) && num_q_tiles >= 2 && num_q_tiles <= kMaxPairedQTiles) {
+    sp.pairs_per_head = num_q_tiles / 2;
+    sp.paired_tiles = 2 * sp.pairs_per_head * sp.total_bh;
+  }
   return sp;
 }
 
 // The tile block `block` runs in round `round`, or -1 when it has none (only the last round is partial).
 // Paired order: rounds 2r and 2r + 1 are the two tiles of pair r * grid + block.
+template <bool kMayPair = true>
 __host__ __device__ __forceinline__ int TileOfRound(const SchedulerParams& sp, int round, int block, int grid) {
-  if (sp.pairs_per_head > 0) {
+  if (kMayPair && sp.pairs_per_head > 0) {
     const int pair = (round >> 1) * grid + block;
     const int t = 2 * pair + (round & 1);
     return t < sp.total_tiles ? t : -1;  // the last pair of an odd tile count has one tile
@@ -80,21 +88,16 @@ __host__ __device__ __forceinline__ int TileOfRound(const SchedulerParams& sp, i
   return base + ((round & 1) ? count - 1 - block : block);
 }
 
+template <bool kMayPair = true>
 __host__ __device__ __forceinline__ TileCoord TileAt(const SchedulerParams& sp, int t) {
-  if (sp.pairs_per_head > 0) {
+  if (kMayPair && sp.pairs_per_head > 0) {
     // Pairs (nq-1-i, i) head by head; with an odd nq the middle tiles follow, two heads' to a pair (again
     // nq + 1 key blocks).
-    const int pairs = sp.pairs_per_head;
-    const int paired_tiles = 2 * pairs * sp.total_bh;
-    int bh, q_tile;
-    if (t < paired_tiles) {
-      const int pair = t >> 1, i = pair % pairs;
-      bh = pair / pairs;
-      q_tile = (t & 1) ? i : sp.num_q_tiles - 1 - i;
-    } else {
-      bh = t - paired_tiles;
-      q_tile = pairs;
-    }
+    const int pair = t >> 1;
+    const bool middle = t >= sp.paired_tiles;
+    const int bh = middle ? t - sp.paired_tiles : pair / sp.pairs_per_head;
+    const int i = middle ? sp.pairs_per_head : pair - bh * sp.pairs_per_head;
+    const int q_tile = (t & 1) || middle ? i : sp.num_q_tiles - 1 - i;
     return TileCoord{q_tile, bh % sp.q_heads, bh / sp.q_heads};
   }
   const int per_section = sp.section_bh * sp.num_q_tiles;
