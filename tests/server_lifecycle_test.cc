@@ -20,39 +20,10 @@ namespace attnd {
 namespace {
 
 using testing::ExpectCorrect;
+using testing::Gate;
+using testing::WaitFor;
 using testing::MakeRequest;
 using testing::TestServer;
-
-// Blocks the backend's worker inside before_compute until Open().
-class Gate {
- public:
-  server::CpuBackendHooks Hooks() {
-    server::CpuBackendHooks h;
-    h.before_compute = [this](const server::ForwardJob&) {
-      entered_.fetch_add(1);
-      open_.WaitForNotification();
-    };
-    return h;
-  }
-  void Open() {
-    if (!open_.HasBeenNotified()) open_.Notify();
-  }
-  int entered() const { return entered_.load(); }
-
- private:
-  absl::Notification open_;
-  std::atomic<int> entered_{0};
-};
-
-// Polls `cond` for up to 10 s.
-bool WaitFor(const std::function<bool()>& cond) {
-  const absl::Time end = absl::Now() + absl::Seconds(10);
-  while (!cond()) {
-    if (absl::Now() > end) return false;
-    absl::SleepFor(absl::Milliseconds(2));
-  }
-  return true;
-}
 
 // A Forward call on its own thread.
 struct AsyncCall {

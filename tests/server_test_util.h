@@ -2,15 +2,19 @@
 // reference, and an in-process server on a loopback port.
 #pragma once
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "attnd/half.h"
 #include "attnd/problem.h"
 #include "attnd/reference.h"
@@ -133,5 +137,36 @@ struct TestServer {
   server::CpuBackend* cpu = nullptr;  // owned by the server
   uint64_t max_message_bytes = 0;
 };
+
+// Blocks the backend's worker inside before_compute until Open().
+class Gate {
+ public:
+  server::CpuBackendHooks Hooks() {
+    server::CpuBackendHooks h;
+    h.before_compute = [this](const server::ForwardJob&) {
+      entered_.fetch_add(1);
+      open_.WaitForNotification();
+    };
+    return h;
+  }
+  void Open() {
+    if (!open_.HasBeenNotified()) open_.Notify();
+  }
+  int entered() const { return entered_.load(); }
+
+ private:
+  absl::Notification open_;
+  std::atomic<int> entered_{0};
+};
+
+// Polls `cond` for up to 10 s.
+inline bool WaitFor(const std::function<bool()>& cond) {
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  while (!cond()) {
+    if (absl::Now() > end) return false;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  return true;
+}
 
 }  // namespace attnd::testing

@@ -32,8 +32,10 @@ namespace {
 using client::ShmChannel;
 using client::ShmChannelOptions;
 using testing::ExpectCorrect;
+using testing::Gate;
 using testing::MakeRequest;
 using testing::TestServer;
+using testing::WaitFor;
 
 std::string SocketPath(const char* tag) {
   return absl::StrCat(::testing::TempDir(), "attnd_shm_", tag, "_", ::getpid(), ".sock");
@@ -49,15 +51,6 @@ ShmChannelOptions Opts(const std::string& path) {
   ShmChannelOptions o;
   o.socket_path = path;
   return o;
-}
-
-bool WaitFor(const std::function<bool()>& cond) {
-  const absl::Time end = absl::Now() + absl::Seconds(10);
-  while (!cond()) {
-    if (absl::Now() > end) return false;
-    absl::SleepFor(absl::Milliseconds(2));
-  }
-  return true;
 }
 
 TEST(ShmChannel, ForwardMatchesTheReference) {
@@ -220,20 +213,6 @@ TEST(ShmChannel, ManyChannelsAtOnceAllCorrect) {
   EXPECT_EQ(good.load(), kChannels * kCalls);
 }
 
-// Holds the CPU backend's worker until opened.
-struct Gate {
-  server::CpuBackendHooks Hooks() {
-    server::CpuBackendHooks h;
-    h.before_compute = [this](const server::ForwardJob&) {
-      entered.fetch_add(1);
-      open.WaitForNotification();
-    };
-    return h;
-  }
-  absl::Notification open;
-  std::atomic<int> entered{0};
-};
-
 TEST(ShmChannel, ShutdownAnswersTheRequestItHolds) {
   const std::string path = SocketPath("down");
   Gate gate;
@@ -245,10 +224,10 @@ TEST(ShmChannel, ShutdownAnswersTheRequestItHolds) {
   const v1::ForwardRequest req = MakeRequest({1, 32, 32, 2, 2, 64}, v1::MASK_TYPE_NONE, false, 9);
   absl::StatusOr<v1::ForwardResponse> r;
   std::thread caller([&] { r = (*ch)->Forward(req); });
-  ASSERT_TRUE(WaitFor([&] { return gate.entered.load() == 1; }));
+  ASSERT_TRUE(WaitFor([&] { return gate.entered() == 1; }));
   std::thread stopper([&] { ts.server->Shutdown(); });
   absl::SleepFor(absl::Milliseconds(50));  // the shutdown is waiting for the held request
-  gate.open.Notify();
+  gate.Open();
   caller.join();
   stopper.join();
   ASSERT_TRUE(r.ok()) << r.status();
@@ -273,7 +252,7 @@ TEST(ShmChannel, CallerVanishingMidRequestLeavesTheServerServing) {
     EXPECT_EQ((*ch)->Forward(MakeRequest({1, 16, 16, 2, 2, 64})).status().code(),
               absl::StatusCode::kFailedPrecondition);
   }
-  gate.open.Notify();
+  gate.Open();
   auto ch = ShmChannel::Connect(Opts(path));
   ASSERT_TRUE(ch.ok()) << ch.status();
   const v1::ForwardRequest req = MakeRequest({1, 16, 16, 2, 2, 64}, v1::MASK_TYPE_NONE, false, 4);

@@ -138,8 +138,7 @@ void ShmListener::AcceptLoop() {
     Channel* raw = c.get();
     absl::MutexLock lock(&mu_);
     c->thread = std::thread([this, s, raw] {
-      Serve(s);
-      open_.fetch_sub(1);
+      Serve(s);  // gives its place back (open_) itself
       raw->finished.store(true);
     });
     channels_.push_back(std::move(c));
@@ -183,12 +182,16 @@ void ShmListener::Serve(int socket) {
   absl::Status status = Handshake(socket, &uid, &memfd);
   absl::StatusOr<shm::Mapping> mapped = status.ok() ? shm::MapServerSide(memfd, options_.max_area_bytes) : status;
   if (memfd >= 0) ::close(memfd);  // the mapping keeps the memory
-  SendHelloReply(socket, mapped.status());
   if (!mapped.ok()) {
+    // The place is free before the caller hears the refusal, so that a caller retrying at once is not counted
+    // against --shm_max_channels by a channel that never opened.
+    open_.fetch_sub(1);
+    SendHelloReply(socket, mapped.status());
     spdlog::warn("shm channel refused (uid {}): {}", uid, std::string(mapped.status().message()));
     ::close(socket);
     return;
   }
+  SendHelloReply(socket, absl::OkStatus());
   const shm::Mapping m = *mapped;
   shm::Header* h = m.header;
   spdlog::info("shm channel opened (uid {}, {} + {} bytes)", uid, m.request_capacity, m.reply_capacity);
@@ -225,6 +228,7 @@ void ShmListener::Serve(int socket) {
     WriteReply(m, absl::UnavailableError("the server is shutting down"), nullptr);
   }
   ::munmap(h, m.bytes);
+  open_.fetch_sub(1);
   ::close(socket);
   spdlog::info("shm channel closed (uid {})", uid);
 }
