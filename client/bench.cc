@@ -44,6 +44,55 @@ struct Run {
   double window_lat_us ABSL_GUARDED_BY(mu) = 0;
 };
 
+// When calls start, shared by both engines (guarded by Run::mu): closed loop starts a call whenever the caller
+// asks, open loop (--rate) at start + n / rate; calls scheduled after the warm-up are the measured ones.
+struct Schedule {
+  Schedule(const BenchOptions& opt, absl::Time start)
+      : opt(opt),
+        start(start),
+        warmup_end(start + opt.warmup),
+        measure_end(opt.requests > 0 ? absl::InfiniteFuture() : warmup_end + opt.duration),
+        hard_end(start + opt.max_duration) {}
+
+  struct Start {
+    bool measured;
+    int64_t seq;
+    absl::Time t0;  // what its latency counts from: the scheduled start (open loop) or now (closed loop)
+  };
+  enum class Next { kStart, kWait, kStop };
+  // kStart: the call `*call` may start now (counted as started); kWait: not before *wake; kStop: no more calls.
+  Next Take(absl::Time now, Start* call, absl::Time* wake) {
+    if (now >= hard_end) {
+      hit_max_duration = true;
+      return Next::kStop;
+    }
+    if (now >= measure_end || (opt.requests > 0 && measured_started >= opt.requests)) return Next::kStop;
+    absl::Time scheduled = now;
+    if (opt.rate > 0) {
+      scheduled = start + absl::Seconds(static_cast<double>(started) / opt.rate);
+      if (scheduled > now) {
+        *wake = std::min({scheduled, hard_end, measure_end});
+        return Next::kWait;
+      }
+      if (now - scheduled > absl::Milliseconds(1) && scheduled >= warmup_end) ++late_starts;
+    }
+    call->measured = scheduled >= warmup_end;
+    if (call->measured) {
+      ++measured_started;
+      first_measured = std::min(first_measured, scheduled);
+    }
+    call->seq = started++;
+    call->t0 = opt.rate > 0 ? scheduled : now;
+    return Next::kStart;
+  }
+
+  const BenchOptions& opt;
+  const absl::Time start, warmup_end, measure_end, hard_end;
+  absl::Time first_measured = absl::InfiniteFuture();
+  int64_t started = 0, measured_started = 0, late_starts = 0;
+  bool hit_max_duration = false;
+};
+
 std::string JsonEscape(const std::string& s) {
   std::string out;
   for (char c : s) {
@@ -330,11 +379,7 @@ absl::StatusOr<BenchReport> RunBench(const std::vector<Client*>& clients,
   auto state = std::make_shared<Run>();
   Run& run = *state;
   const absl::Time start = absl::Now();
-  const absl::Time warmup_end = start + opt.warmup;
-  const absl::Time measure_end = opt.requests > 0 ? absl::InfiniteFuture() : warmup_end + opt.duration;
-  const absl::Time hard_end = start + opt.max_duration;
-  absl::Time first_measured = absl::InfiniteFuture();
-  int64_t started = 0, measured_started = 0;
+  Schedule sched(opt, start);
   absl::Time window_start = start;
   absl::Time next_progress = start + absl::Seconds(1);
   const int64_t verify_every = opt.verify_every;
@@ -351,49 +396,35 @@ absl::StatusOr<BenchReport> RunBench(const std::vector<Client*>& clients,
   run.mu.Lock();
   for (;;) {
     const absl::Time now = absl::Now();
-    if (now >= next_progress) Progress(run, opt, now, start, warmup_end, &window_start, &next_progress);
-    if (now >= hard_end) {
-      report.hit_max_duration = true;
-      break;
-    }
-    if (now >= measure_end) break;
-    if (opt.requests > 0 && measured_started >= opt.requests) break;
-    absl::Time wake = std::min({next_progress, hard_end, measure_end});
-    if (run.in_flight >= concurrency) {
-      run.mu.AwaitWithDeadline(absl::Condition(&slot_free), wake);
+    if (now >= next_progress) Progress(run, opt, now, start, sched.warmup_end, &window_start, &next_progress);
+    if (run.in_flight >= concurrency && now < std::min({sched.hard_end, sched.measure_end})) {
+      run.mu.AwaitWithDeadline(absl::Condition(&slot_free), std::min({next_progress, sched.hard_end, sched.measure_end}));
       continue;
     }
-    absl::Time scheduled = now;
-    if (opt.rate > 0) {
-      scheduled = start + absl::Seconds(static_cast<double>(started) / opt.rate);
-      if (scheduled > now) {
-        wake = std::min(wake, scheduled);
-        run.mu.Unlock();
-        absl::SleepFor(wake - now);
-        run.mu.Lock();
-        continue;
-      }
-      if (now - scheduled > absl::Milliseconds(1) && scheduled >= warmup_end) ++report.late_starts;
+    Schedule::Start call;
+    absl::Time wake;
+    const Schedule::Next next = sched.Take(now, &call, &wake);
+    if (next == Schedule::Next::kStop) break;
+    if (next == Schedule::Next::kWait) {
+      run.mu.Unlock();
+      absl::SleepFor(std::min(wake, next_progress) - now);
+      run.mu.Lock();
+      continue;
     }
-    const bool measured = scheduled >= warmup_end;
-    if (measured) {
-      ++measured_started;
-      first_measured = std::min(first_measured, scheduled);
-    }
-    const int64_t seq = started++;
     ++run.in_flight;
     run.mu.Unlock();
-    // Open loop times a call from its scheduled start; closed loop from its actual start.
-    const absl::Time t0 = opt.rate > 0 ? scheduled : absl::Now();
     // Calls rotate over the clients (connections) so that no single HTTP/2 connection carries all the bytes.
-    clients[static_cast<size_t>(seq) % clients.size()]->ForwardAsync(
-        request, [on_done, measured, seq, t0](absl::StatusOr<ForwardResult> r) { on_done(measured, seq, t0, std::move(r)); },
+    clients[static_cast<size_t>(call.seq) % clients.size()]->ForwardAsync(
+        request,
+        [on_done, call](absl::StatusOr<ForwardResult> r) { on_done(call.measured, call.seq, call.t0, std::move(r)); },
         opt.call);
     run.mu.Lock();
   }
   // Every call ends by its deadline, so this wait is bounded too.
   run.mu.Await(absl::Condition(&all_done));
-  Finish(run, first_measured, TransportName(transport), report);
+  report.late_starts = sched.late_starts;
+  report.hit_max_duration = sched.hit_max_duration;
+  Finish(run, sched.first_measured, TransportName(transport), report);
   run.mu.Unlock();
   return report;
 }
@@ -416,50 +447,28 @@ absl::StatusOr<BenchReport> RunBench(const std::vector<SyncForward>& callers, co
 
   Run run;
   const absl::Time start = absl::Now();
-  const absl::Time warmup_end = start + opt.warmup;
-  const absl::Time measure_end = opt.requests > 0 ? absl::InfiniteFuture() : warmup_end + opt.duration;
-  const absl::Time hard_end = start + opt.max_duration;
-  // The schedule, shared by the callers' threads under run.mu.
-  absl::Time first_measured = absl::InfiniteFuture();
-  int64_t started = 0, measured_started = 0, late_starts = 0;
-  bool hit_max_duration = false;
+  Schedule sched(opt, start);  // shared by the callers' threads under run.mu
   int running = static_cast<int>(callers.size());
 
   auto caller_loop = [&](const SyncForward& forward) {
     run.mu.Lock();
     for (;;) {
       const absl::Time now = absl::Now();
-      if (now >= hard_end) {
-        hit_max_duration = true;
-        break;
+      Schedule::Start call;
+      absl::Time wake;
+      const Schedule::Next next = sched.Take(now, &call, &wake);
+      if (next == Schedule::Next::kStop) break;
+      if (next == Schedule::Next::kWait) {
+        // Not yet: another free caller may take it first, so the schedule is looked at again after the sleep.
+        run.mu.Unlock();
+        absl::SleepFor(wake - now);
+        run.mu.Lock();
+        continue;
       }
-      if (now >= measure_end) break;
-      if (opt.requests > 0 && measured_started >= opt.requests) break;
-      absl::Time scheduled = now;
-      if (opt.rate > 0) {
-        scheduled = start + absl::Seconds(static_cast<double>(started) / opt.rate);
-        if (scheduled > now) {
-          // Not yet: another free caller may take it first, so the schedule is looked at again after the sleep.
-          const absl::Time wake = std::min({scheduled, hard_end, measure_end});
-          run.mu.Unlock();
-          absl::SleepFor(wake - now);
-          run.mu.Lock();
-          continue;
-        }
-        if (now - scheduled > absl::Milliseconds(1) && scheduled >= warmup_end) ++late_starts;
-      }
-      const bool measured = scheduled >= warmup_end;
-      if (measured) {
-        ++measured_started;
-        first_measured = std::min(first_measured, scheduled);
-      }
-      const int64_t seq = started++;
       ++run.in_flight;
       run.mu.Unlock();
-      // Open loop times a call from its scheduled start; closed loop from its actual start.
-      const absl::Time t0 = opt.rate > 0 ? scheduled : absl::Now();
       absl::StatusOr<ForwardResult> r = forward(*request);
-      Record(run, oracle, opt.verify_every, measured, seq, t0, std::move(r));
+      Record(run, oracle, opt.verify_every, call.measured, call.seq, call.t0, std::move(r));
       run.mu.Lock();
     }
     --running;
@@ -476,7 +485,7 @@ absl::StatusOr<BenchReport> RunBench(const std::vector<SyncForward>& callers, co
   run.mu.Lock();
   for (;;) {
     const absl::Time now = absl::Now();
-    if (now >= next_progress) Progress(run, opt, now, start, warmup_end, &window_start, &next_progress);
+    if (now >= next_progress) Progress(run, opt, now, start, sched.warmup_end, &window_start, &next_progress);
     if (running == 0) break;
     run.mu.AwaitWithDeadline(absl::Condition(&all_done), next_progress);
   }
@@ -484,9 +493,9 @@ absl::StatusOr<BenchReport> RunBench(const std::vector<SyncForward>& callers, co
   for (std::thread& t : threads) t.join();
 
   run.mu.Lock();
-  report.late_starts = late_starts;
-  report.hit_max_duration = hit_max_duration;
-  Finish(run, first_measured, TransportName(Transport::kShm), report);
+  report.late_starts = sched.late_starts;
+  report.hit_max_duration = sched.hit_max_duration;
+  Finish(run, sched.first_measured, TransportName(Transport::kShm), report);
   run.mu.Unlock();
   return report;
 }
