@@ -18,7 +18,9 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
+#include "absl/strings/str_cat.h"
 #include "attnd/client/client.h"
+#include "attnd/client/shm_channel.h"
 #include "metrics.h"
 #include "server_test_util.h"
 #include "spdlog/sinks/ostream_sink.h"
@@ -92,9 +94,10 @@ std::string Series(const std::string& name, const std::string& labels) { return 
 
 class MetricsTest : public ::testing::Test {
  protected:
-  void Start(server::CpuBackendHooks hooks = {}) {
+  void Start(server::CpuBackendHooks hooks = {}, const std::string& shm_socket = "") {
     server::ServerOptions o;
     o.metrics_listen = "127.0.0.1:0";
+    o.shm_socket = shm_socket;
     server_ = std::make_unique<TestServer>(o, server::BackendOptions{}, std::move(hooks));
     ASSERT_NE(server_->server, nullptr);
     port_ = server_->server->metrics_port();
@@ -193,6 +196,39 @@ TEST_F(MetricsTest, CountersMoveByTheCallsAndBytesSent) {
 
   // Anything but /metrics is not the endpoint.
   EXPECT_FALSE(absl::StartsWith(HttpGet(port_, "/nothing-here"), "HTTP/1.1 200"));
+}
+
+TEST_F(MetricsTest, SharedMemoryChannelCallsAreCountedAsForwardShm) {
+  const std::string shm = absl::StrCat(::testing::TempDir(), "attnd_metrics_shm_", ::getpid(), ".sock");
+  Start({}, shm);
+  client::ShmChannelOptions so;
+  so.socket_path = shm;
+  auto ch = client::ShmChannel::Connect(so);
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  uint64_t sent = 0, received = 0;
+  for (uint64_t seed : {201, 202}) {
+    const v1::ForwardRequest r = MakeRequest({1, 16, 24, 2, 1, 64}, v1::MASK_TYPE_CAUSAL_TOP_LEFT, seed % 2 == 0, seed);
+    absl::StatusOr<v1::ForwardResponse> resp = (*ch)->Forward(r);
+    ASSERT_TRUE(resp.ok()) << resp.status();
+    ExpectCorrect(r, resp->o(), resp->lse());
+    sent += r.ByteSizeLong();
+    received += resp->ByteSizeLong();
+  }
+  v1::ForwardRequest bad = MakeRequest({1, 4, 4, 1, 1, 64}, v1::MASK_TYPE_NONE, false, 7);
+  bad.mutable_shape()->set_head_dim(96);
+  EXPECT_EQ((*ch)->Forward(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  sent += bad.ByteSizeLong();
+
+  const Scrape after = Get();
+  EXPECT_EQ(after.Get(Series("attnd_requests_total", "code=\"OK\",method=\"ForwardShm\"")), 2);
+  EXPECT_EQ(after.Get(Series("attnd_requests_total", "code=\"INVALID_ARGUMENT\",method=\"ForwardShm\"")), 1);
+  EXPECT_EQ(after.Get(Series("attnd_bytes_received_total", "method=\"ForwardShm\"")), static_cast<double>(sent));
+  EXPECT_EQ(after.Get(Series("attnd_bytes_sent_total", "method=\"ForwardShm\"")), static_cast<double>(received));
+  const std::string h = "attnd_request_duration_seconds";
+  EXPECT_EQ(after.Get(Series(h + "_count", "method=\"ForwardShm\",phase=\"total\"")), 3);
+  EXPECT_EQ(after.Get(Series(h + "_count", "method=\"ForwardShm\",phase=\"kernel\"")), 2);
+  // Not counted as gRPC Forward calls.
+  EXPECT_LE(after.Get(Series("attnd_requests_total", "code=\"OK\",method=\"Forward\"")), 0);
 }
 
 TEST_F(MetricsTest, ForwardStreamIsCountedUnderItsOwnMethod) {

@@ -108,6 +108,7 @@ class ServerImpl final : public Server {
       so.max_channels = options_.shm_max_channels;
       so.spin = options_.shm_spin;
       so.tokens = auth_tokens_;
+      so.metrics = metrics_.get();
       absl::StatusOr<std::unique_ptr<ShmListener>> shm = ShmListener::Start(so, &service_);
       if (!shm.ok()) {
         server_->Shutdown();

@@ -41,8 +41,15 @@ void SendHelloReply(int socket, const absl::Status& status) {
   if (shm::SendAll(socket, &r, sizeof(r)).ok() && !message.empty()) (void)shm::SendAll(socket, message.data(), message.size());
 }
 
-// Writes the reply into the channel (or the error if the response does not fit) and hands the word back.
-void WriteReply(const shm::Mapping& m, absl::Status status, const v1::ForwardResponse* response) {
+// What a reply said: its status and its size in the reply area.
+struct Replied {
+  absl::StatusCode code;
+  uint64_t bytes;
+};
+
+// Writes the reply into the channel (or the error if the response does not fit) and hands the word back. The
+// mapping is the caller's again after that, so what was written is returned, not read back.
+Replied WriteReply(const shm::Mapping& m, absl::Status status, const v1::ForwardResponse* response) {
   shm::Header* h = m.header;
   if (status.ok()) {
     const size_t n = response->ByteSizeLong();
@@ -50,7 +57,7 @@ void WriteReply(const shm::Mapping& m, absl::Status status, const v1::ForwardRes
       h->reply_bytes = n;
       h->status_code = 0;
       shm::Publish(&h->state, shm::kReply, &h->client_sleeping);
-      return;
+      return Replied{absl::StatusCode::kOk, n};
     }
     status = absl::ResourceExhaustedError(absl::StrCat("reply: ", n, " bytes do not fit the channel's reply area of ",
                                                        m.reply_capacity, " bytes (open the channel with a larger one)"));
@@ -60,6 +67,7 @@ void WriteReply(const shm::Mapping& m, absl::Status status, const v1::ForwardRes
   h->reply_bytes = message.size();
   h->status_code = static_cast<int32_t>(status.code());
   shm::Publish(&h->state, shm::kReply, &h->client_sleeping);
+  return Replied{status.code(), message.size()};
 }
 
 }  // namespace
@@ -200,25 +208,42 @@ void ShmListener::Serve(int socket) {
                                      absl::InfiniteFuture(), kIdlePoll,
                                      [&] { return stopping_.load() || PeerGone(socket); });
     if (!got) break;
+    const absl::Time start = absl::Now();
     // Copied out before anything reads it: the caller can write to the mapping at any time.
     const uint64_t n = h->request_bytes;
+    // Writes the reply and, with --metrics_listen, records the call as the gRPC methods are recorded.
+    const auto finish = [&](absl::Status s, const v1::ForwardResponse* response) {
+      const Replied sent = WriteReply(m, s, response);
+      if (options_.metrics == nullptr) return;
+      CallRecord r;
+      r.method = "ForwardShm";
+      r.code = absl::StatusCodeToString(sent.code);
+      r.total = absl::Now() - start;
+      if (sent.code == absl::StatusCode::kOk) {
+        r.queue = absl::Microseconds(response->timing().queue_us());
+        r.kernel = absl::Microseconds(response->timing().kernel_us());
+        r.bytes_out = sent.bytes;
+      }
+      r.bytes_in = n <= m.request_capacity ? n : 0;
+      options_.metrics->RecordCall(r);
+    };
     if (n > m.request_capacity) {
-      WriteReply(m, absl::InvalidArgumentError(absl::StrCat("request_bytes: ", n, " exceeds the channel's request area (",
-                                                            m.request_capacity, " bytes)")), nullptr);
+      finish(absl::InvalidArgumentError(absl::StrCat("request_bytes: ", n, " exceeds the channel's request area (",
+                                                     m.request_capacity, " bytes)")), nullptr);
       continue;
     }
     auto request = std::make_shared<v1::ForwardRequest>();
     {
       std::string bytes(reinterpret_cast<const char*>(m.request()), n);
       if (!request->ParseFromString(bytes)) {
-        WriteReply(m, absl::InvalidArgumentError("request: not a ForwardRequest (unparseable)"), nullptr);
+        finish(absl::InvalidArgumentError("request: not a ForwardRequest (unparseable)"), nullptr);
         continue;
       }
     }
     // One request at a time: the reply is written before this thread looks at the word again.
     absl::Notification replied;
     service_->ForwardLocal(std::move(request), [&](absl::Status s, std::shared_ptr<v1::ForwardResponse> response) {
-      WriteReply(m, std::move(s), response.get());
+      finish(std::move(s), response.get());
       replied.Notify();
     });
     replied.WaitForNotification();

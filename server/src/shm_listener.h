@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "metrics.h"
 #include "service.h"
 
 namespace attnd::server {
@@ -27,6 +28,7 @@ struct ShmListenerOptions {
   uint32_t max_channels = 64;       // open channels; more are refused with RESOURCE_EXHAUSTED
   absl::Duration spin = absl::Microseconds(50);  // a channel thread polls this long before sleeping
   std::vector<std::string> tokens;  // non-empty: the hello must carry one of them (--auth_token_file)
+  ServerMetrics* metrics = nullptr;  // --metrics_listen: each call is recorded as method "ForwardShm"
 };
 
 class ShmListener {
