@@ -78,6 +78,20 @@ TEST(ShmChannel, ForwardMatchesTheReference) {
   }
 }
 
+TEST(ShmChannel, GrpcMessageLimitDoesNotApply) {
+  const std::string path = SocketPath("msg");
+  server::ServerOptions o = WithShm(path);
+  o.max_message_bytes = 64 * 1024;  // the request below is ~200 KB: too large for one gRPC message
+  TestServer ts(o);
+  auto ch = ShmChannel::Connect(Opts(path));
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  const v1::ForwardRequest req = MakeRequest({1, 256, 256, 2, 2, 64}, v1::MASK_TYPE_NONE, false, 11);
+  ASSERT_GT(req.ByteSizeLong(), o.max_message_bytes);
+  absl::StatusOr<v1::ForwardResponse> r = (*ch)->Forward(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ExpectCorrect(req, r->o(), r->lse());
+}
+
 TEST(ShmChannel, BadRequestsGetTheFieldNamed) {
   const std::string path = SocketPath("bad");
   TestServer ts(WithShm(path));

@@ -234,12 +234,18 @@ TEST(Validation, UnaryMessageLimitIsResourceExhausted) {
   const absl::Status s = Check(testing::MakeRequest(kShape), Transport::kUnary, l);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   EXPECT_TRUE(absl::StrContains(s.message(), "ForwardStream")) << s;
-  // The same shape is fine as a stream.
+  // The same shape is fine as a stream, and inline in a shared-memory channel (no gRPC message there).
   v1::ForwardRequest header = testing::MakeRequest(kShape);
   header.clear_q();
   header.clear_k();
   header.clear_v();
   EXPECT_TRUE(Check(header, Transport::kStream, l).ok());
+  EXPECT_TRUE(Check(testing::MakeRequest(kShape), Transport::kLocal, l).ok());
+  // The request limit still holds there.
+  l.max_request_bytes = 1024;
+  const absl::Status local = Check(testing::MakeRequest(kShape), Transport::kLocal, l);
+  EXPECT_EQ(local.code(), absl::StatusCode::kResourceExhausted) << local;
+  EXPECT_TRUE(absl::StrContains(local.message(), "--max_request_bytes")) << local;
 }
 
 TEST(Validation, StreamHeaderRefusesInlineBytes) {

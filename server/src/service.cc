@@ -398,7 +398,7 @@ void AttentionService::ForwardLocal(std::shared_ptr<v1::ForwardRequest> request,
   auto job = std::make_unique<ForwardJob>();
   job->accepted = start;
   RequestBytes bytes;
-  absl::Status prepared = ValidateForwardRequest(*request, Transport::kUnary, limits_, job.get(), &bytes);
+  absl::Status prepared = ValidateForwardRequest(*request, Transport::kLocal, limits_, job.get(), &bytes);
   if (prepared.ok()) prepared = backend_->CheckSupported(*job);
   if (!prepared.ok()) return refuse(prepared);
   // No deadline travels on the channel: the caller's own wait bounds it, and a caller that gives up closes it.
