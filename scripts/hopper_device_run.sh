@@ -3,7 +3,7 @@
 # here with -DATTND_STATIC=ON and copied to .carry-hopper/): GPU tests of the hopper configurations,
 # compute-sanitizer on small shapes, the SASS check (HGMMA, no local memory) and the benchmark against
 # torch SDPA (cuDNN, FA2). Logs go to $OUT (at most 8 files come back).
-#   scripts/hopper_device_run.sh [smoke|tests|fewblocks|sanitize|sass|sweep|bench|quickbench|trace]...
+#   scripts/hopper_device_run.sh [smoke|tests|fewblocks|sanitize|sass|sweep|pairsweep|bench|quickbench|trace]...
 #   (default: all but quickbench and trace)
 set -uo pipefail
 C=.carry-hopper
@@ -29,11 +29,12 @@ for step in "${steps[@]}"; do
     fewblocks)
       # The same cases on a grid of 3 blocks, so every block runs several tiles back to back (the cross-tile
       # handover, Q buffer alternation, empty tiles between full ones).
-      ATTND_HOPPER_MAX_BLOCKS=3 timeout ${TEST_TIMEOUT:-200} "$C/gpu_attention_test" --gtest_filter='*hopper_*' \
+      ATTND_HOPPER_MAX_BLOCKS=3 timeout ${TEST_TIMEOUT:-200} "$C/gpu_attention_test" --gtest_filter="${FEWBLOCKS_FILTER:-*hopper_*}" \
         > "$OUT/gpu_test_fewblocks.log" 2>&1
       echo "fewblocks rc=$?"; grep -E '^\[  (PASSED|FAILED) |tests? ran|FAILED  \]' "$OUT/gpu_test_fewblocks.log" | tail -40 ;;
     sanitize)
       small='*hopper_sm90_d128_m128n128s2_x_d128_bhsd_none*:*hopper_sm90_d64_m128n128s4_x_d64_q1000kv65_tl*:*hopper_sm90_d128_m128n128s2_x_d128_q1000kv65_br*:*hopper_sm90_d128_m128n128s3_d128_sq129_tl*:*hopper_sm90_d64_m128n128s4_d64_q17kv129_br*:*hopper_sm90_d256_m128n64s2_d256_q17kv129_none*:*hopper_sm90_d128_m128n128s2_d128_b3_gqa8to2_tl*:*hopper_sm90_d64_m192n128s4_polyexp_d64_sq129_br*:*hopper_sm90_d64_m192n128s4_d64_b3_gqa8to2_tl*'
+      small=${SANITIZE_FILTER:-$small}
       for tool in ${SANITIZE_TOOLS:-memcheck synccheck racecheck}; do
         # racecheck instruments every shared-memory access: one tiny case only (v1: 90 s were not enough).
         filter=$small; [ $tool = racecheck ] && filter=${RACE_FILTER:-'*hopper_sm90_d128_m128n128s2_d128_sq17_none*'}
@@ -76,6 +77,17 @@ PY
           2>&1 | grep -v '^device' | sort -u >> "$OUT/sweep.log"
       done
       cat "$OUT/sweep.log" ;;
+    pairsweep)
+      # The longest causal problem run in the paired order (q tiles per head), one process per value:
+      # PAIR_SWEEP values, 0 = never paired (the LPT snake), unset = the default (16).
+      for n in ${PAIR_SWEEP:-16 64 128}; do
+        echo "== ATTND_HOPPER_PAIR_MAX_QTILES=$n" | tee -a "$OUT/pairsweep.log"
+        ATTND_HOPPER_PAIR_MAX_QTILES=$n PYTHONUNBUFFERED=1 timeout ${SWEEP_TIMEOUT:-90} python3 kernels/bench/hopper_bench.py \
+          --lib "$C/libattnd_kernels_c.so" --configs "${SWEEP_CONFIGS:-hopper}" --causal yes --head_dims ${SWEEP_DIMS:-128,256} \
+          --seqs ${SWEEP_SEQS:-2048,4096,8192,16384} --peers cudnn --rep "${BENCH_REP:-60}" \
+          2>&1 | grep -v '^device' | sort -u >> "$OUT/pairsweep.log"
+      done
+      cat "$OUT/pairsweep.log" ;;
     trace)
       # Per-phase cycles of a tile (kernels/cuda/tools/hopper_trace.cu, built by name and copied to $C):
       # TRACE_ARGS is its "config B S H causal" list; empty: d128 s3 at 1k/4k/16k, causal and not.

@@ -1,7 +1,7 @@
 // The Hopper family's persistent tile scheduler (kernels/cuda/src/hopper/tile_scheduler_sm90.cuh), on the
-// host: every (q_tile, head, batch) tile is run exactly once whatever the grid, long causal problems come
-// longest-first round by round with the boustrophedon rounds keeping the per-block work balanced, and short
-// ones run as balanced pairs of q tiles, head by head.
+// host: every (q_tile, head, batch) tile is run exactly once whatever the grid, long causal problems whose K
+// and V fit L2 come longest-first round by round with the boustrophedon rounds keeping the per-block work
+// balanced, and short ones and those with more K and V run as balanced pairs of q tiles, head by head.
 // A tile the schedule skipped would leave rows of O unwritten; the GPU suite sees that only for its shapes.
 #include <gtest/gtest.h>
 
@@ -66,8 +66,9 @@ TEST(HopperScheduler, EveryTileExactlyOnce) {
 }
 
 TEST(HopperScheduler, CausalRoundsAreLongestFirstAndBalanced) {
-  // The headline causal shape: d128, 16k tokens, 16 heads, 128-row tiles, one block per SM of an H200.
-  const Shape s{128, 16, 1, 16384, 128, 1, true, 132};
+  // d128, 16k tokens, 16 query heads over 2 kv heads (16 MB of K and V: fits L2, so not paired), 128-row tiles,
+  // one block per SM of an H200.
+  const Shape s{128, 16, 1, 16384, 128, 8, true, 132};
   const SchedulerParams sp = MakeSchedulerParams(s.q_tiles, s.heads, s.batch, s.kv_len, s.head_dim, s.group, true);
   EXPECT_EQ(sp.section_bh, sp.total_bh) << "causal problems are one LPT section";
   for (int t = 1; t < sp.total_tiles; ++t) {
@@ -79,13 +80,15 @@ TEST(HopperScheduler, CausalRoundsAreLongestFirstAndBalanced) {
   const int64_t total = std::accumulate(work.begin(), work.end(), int64_t{0});
   const int64_t most = *std::max_element(work.begin(), work.end());
   // Plain striding (block i always the i-th tile of a round) gives the busiest block 6.3% more than the mean
-  // here; the snake 0.3%.
+  // at this length; the snake 0.3%.
   EXPECT_LE(static_cast<double>(most), 1.01 * static_cast<double>(total) / s.grid);
 }
 
-TEST(HopperScheduler, ShortCausalProblemsArePairedHeadByHead) {
+TEST(HopperScheduler, PairedCausalProblemsGoHeadByHead) {
+  // Short ones, and long ones whose K and V (here 128 MB) exceed L2.
   for (const Shape& s : {Shape{8, 16, 16, 1024, 128, 1, true, 132}, Shape{11, 32, 8, 1408, 128, 1, true, 132},
-                         Shape{16, 8, 8, 2048, 256, 1, true, 132}}) {
+                         Shape{16, 8, 8, 2048, 256, 1, true, 132}, Shape{32, 16, 4, 4096, 128, 1, true, 132},
+                         Shape{128, 16, 1, 16384, 128, 1, true, 132}, Shape{33, 8, 4, 8448, 256, 1, true, 132}}) {
     const SchedulerParams sp = MakeSchedulerParams(s.q_tiles, s.heads, s.batch, s.kv_len, s.head_dim, s.group, true);
     ASSERT_EQ(sp.pairs_per_head, s.q_tiles / 2);
     for (int block = 0; block < s.grid; ++block) {
@@ -126,9 +129,14 @@ TEST(HopperScheduler, ShortCausalProblemsArePairedHeadByHead) {
     EXPECT_LE(static_cast<double>(most) / (static_cast<double>(total) / s.grid),
               std::ceil(pairs / s.grid) / (pairs / s.grid) + 1e-9);
   }
-  // head_dim 64 does not pair (no gain measured; its kernels compile the plain order only), nor do longer problems.
+  // head_dim 64 does not pair (no gain measured; its kernels compile the plain order only), nor do longer
+  // problems whose K and V fit L2 (GQA 16:2 at 4k: 16 MB), nor any when told not to.
   EXPECT_EQ(MakeSchedulerParams(8, 32, 16, 1024, 64, 1, true).pairs_per_head, 0);
-  EXPECT_EQ(MakeSchedulerParams(32, 16, 4, 4096, 128, 1, true).pairs_per_head, 0);
+  EXPECT_EQ(MakeSchedulerParams(32, 16, 4, 4096, 128, 8, true).pairs_per_head, 0);
+  EXPECT_EQ(MakeSchedulerParams(32, 16, 4, 4096, 128, 1, true, kDefaultSectionBudgetBytes, kMaxPairedQTiles, -1)
+                .pairs_per_head,
+            0);
+  EXPECT_EQ(MakeSchedulerParams(8, 16, 16, 1024, 128, 1, true, kDefaultSectionBudgetBytes, 0, -1).pairs_per_head, 0);
   EXPECT_EQ(MakeSchedulerParams(1, 16, 4, 100, 128, 1, true).pairs_per_head, 0);
 }
 

@@ -50,7 +50,11 @@ using Launcher = void (*)(const attnd::kernels::Plan&, int blocks, const hk::Sch
 
 template <typename Tile>
 void LaunchProbed(const attnd::kernels::Plan& plan, int blocks, const hk::SchedulerParams& sp) {
-  auto* k = hk::HopperFwdKernel<Tile, __nv_bfloat16>;
+  // The instantiation the library's launcher picks for this schedule.
+  auto* k = hk::HopperFwdKernel<Tile, __nv_bfloat16, false>;
+  if constexpr (hk::MayPair(Tile::kHeadDim)) {
+    if (sp.pairs_per_head > 0) k = hk::HopperFwdKernel<Tile, __nv_bfloat16, true>;
+  }
   CHECK_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Tile::kSmemBytes)));
   k<<<blocks, Tile::kThreads, Tile::kSmemBytes>>>(plan.q_map, plan.k_map, plan.v_map, plan.params, sp);
   CHECK_CUDA(cudaGetLastError());
@@ -112,7 +116,7 @@ void RunCase(const Case& c, int sms) {
   const attnd::kernels::LaunchParams& lp = plan->params;
   const hk::SchedulerParams sp = hk::MakeSchedulerParams(
       static_cast<int>(plan->grid[0]), static_cast<int>(plan->grid[1]), static_cast<int>(plan->grid[2]), lp.kv_len,
-      d, lp.group, lp.causal != 0, hk::SectionBudgetBytes());
+      d, lp.group, lp.causal != 0, hk::SectionBudgetBytes(), hk::MaxPairedQTiles(), hk::PairedKvBytes());
   const int blocks = std::min(sp.total_tiles, sms);
 
   const size_t words = static_cast<size_t>(blocks) * hk::trace::kRoles * hk::trace::kRounds * hk::trace::kEvents;

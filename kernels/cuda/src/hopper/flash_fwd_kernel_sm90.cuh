@@ -29,7 +29,7 @@ namespace attnd::kernels::hopper {
 // S with this tile's last P V), and this tile's epilogue runs right after it, while the next tile's P sits
 // in registers. A tile without key blocks (rows before every key, bottom-right causal) breaks the chain: its
 // neighbours take the plain first / last steps, and its zero output is written directly.
-template <typename Tile, typename Elem>
+template <typename Tile, typename Elem, bool kPaired>
 __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>& consumer, const LaunchParams& p,
                                                        const SchedulerParams& sp) {
   using Consumer = ConsumerSm90<Tile, Elem>;
@@ -39,10 +39,10 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
   // needed (a few integer ops). Meant to leave uniform registers to the mainloop's descriptors; the SASS
   // still builds them in vector registers (docs/hopper-kernel-notes.md, v4).
   const auto range = [&](int t) {
-    return KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, TileAt<MayPair(Tile::kHeadDim)>(sp, t).q_tile * Tile::kBlockM);
+    return KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, TileAt<kPaired>(sp, t).q_tile * Tile::kBlockM);
   };
   const auto store = [&](int t, const float(&o)[Consumer::kORegs], const typename Consumer::Softmax& sm) {
-    const TileCoord c = TileAt<MayPair(Tile::kHeadDim)>(sp, t);
+    const TileCoord c = TileAt<kPaired>(sp, t);
     StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, c.q_tile * Tile::kBlockM + row_in_tile, c.head,
                                                           c.batch);
   };
@@ -51,7 +51,7 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
   uint32_t pf[Consumer::kPSteps][4];
   typename Consumer::Softmax sm, sm_next;
   int round = 0;
-  for (int t = TileOfRound<MayPair(Tile::kHeadDim)>(sp, 0, blockIdx.x, gridDim.x); t >= 0;) {
+  for (int t = TileOfRound<kPaired>(sp, 0, blockIdx.x, gridDim.x); t >= 0;) {
     // A chain starts at tile t.
 #pragma unroll
     for (int i = 0; i < Consumer::kORegs; ++i) o[i] = 0.f;
@@ -59,15 +59,15 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
     const KeyRange r = range(t);
     if (r.n_blocks == 0) {
       store(t, o, sm);
-      t = TileOfRound<MayPair(Tile::kHeadDim)>(sp, ++round, blockIdx.x, gridDim.x);
+      t = TileOfRound<kPaired>(sp, ++round, blockIdx.x, gridDim.x);
       continue;
     }
-    TileWork w = consumer.Work(p, r, TileAt<MayPair(Tile::kHeadDim)>(sp, t).q_tile * Tile::kBlockM + row_in_tile);
+    TileWork w = consumer.Work(p, r, TileAt<kPaired>(sp, t).q_tile * Tile::kBlockM + row_in_tile);
     w.q_slot = consumer.WaitQ();
     consumer.FirstBlock(p, w, s, pf, sm);
     for (;;) {
       consumer.MiddleBlocks(p, w, o, s, pf, sm);
-      const int tn = TileOfRound<MayPair(Tile::kHeadDim)>(sp, round + 1, blockIdx.x, gridDim.x);
+      const int tn = TileOfRound<kPaired>(sp, round + 1, blockIdx.x, gridDim.x);
       const KeyRange rn = tn >= 0 ? range(tn) : KeyRange{0, 0};
       if (rn.n_blocks == 0) {
         consumer.LastPV(o, pf);
@@ -76,7 +76,7 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
         ++round;
         break;
       }
-      TileWork wn = consumer.Work(p, rn, TileAt<MayPair(Tile::kHeadDim)>(sp, tn).q_tile * Tile::kBlockM + row_in_tile);
+      TileWork wn = consumer.Work(p, rn, TileAt<kPaired>(sp, tn).q_tile * Tile::kBlockM + row_in_tile);
       wn.q_slot = consumer.WaitQ();
       sm_next.Init();
       consumer.CrossStep(p, wn, o, s, pf, sm_next);
@@ -92,7 +92,11 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
   }
 }
 
-template <typename Tile, typename Elem>
+// kPaired: the paired causal tile order (tile_scheduler_sm90.cuh), a separate instantiation so that the
+// plain order's kernel is the one it was before pairing existed: with both orders in one kernel, non-causal
+// d128 ran 3-6% below the pre-pairing library in the same H200 call (session 5, call 4), though the pairs'
+// arithmetic only runs once per tile; split, the two were level within the run-to-run spread (call 5).
+template <typename Tile, typename Elem, bool kPaired>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     HopperFwdKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                     const __grid_constant__ CUtensorMap v_map, const LaunchParams p, const SchedulerParams sp) {
@@ -126,8 +130,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     SetMaxRegsDec<Tile::kProducerRegs>();
     if (threadIdx.x == 0) {
       ProducerSm90<Tile> producer{&q_map, &k_map, &v_map, smem};
-      for (int round = 0, t; (t = TileOfRound<MayPair(Tile::kHeadDim)>(sp, round, blockIdx.x, gridDim.x)) >= 0; ++round) {
-        const TileCoord c = TileAt<MayPair(Tile::kHeadDim)>(sp, t);
+      for (int round = 0, t; (t = TileOfRound<kPaired>(sp, round, blockIdx.x, gridDim.x)) >= 0; ++round) {
+        const TileCoord c = TileAt<kPaired>(sp, t);
         ATTND_HOPPER_TRACE_SET_ROUND(producer, round);
         producer.LoadTile(p, c.q_tile, c.head, c.batch);
       }
@@ -141,11 +145,11 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       if (consumer.wg == Tile::kConsumerWarpgroups - 1) PassTurn<Tile::kConsumerWarpgroups>(consumer.wg);
     }
     if constexpr (Tile::kCrossTile) {
-      ConsumerTilesCrossTile(consumer, p, sp);
+      ConsumerTilesCrossTile<Tile, Elem, kPaired>(consumer, p, sp);
     } else {
       const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-      for (int round = 0, t; (t = TileOfRound<MayPair(Tile::kHeadDim)>(sp, round, blockIdx.x, gridDim.x)) >= 0; ++round) {
-        const TileCoord c = TileAt<MayPair(Tile::kHeadDim)>(sp, t);
+      for (int round = 0, t; (t = TileOfRound<kPaired>(sp, round, blockIdx.x, gridDim.x)) >= 0; ++round) {
+        const TileCoord c = TileAt<kPaired>(sp, t);
         ATTND_HOPPER_TRACE_AT(1 + consumer.wg, round, trace::kTileStart);
         ATTND_HOPPER_TRACE_SET_ROUND(consumer, round);
         const int q0 = c.q_tile * Tile::kBlockM;

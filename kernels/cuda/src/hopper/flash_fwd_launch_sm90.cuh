@@ -37,6 +37,26 @@ inline int64_t SectionBudgetBytes() {
   return budget;
 }
 
+// ATTND_HOPPER_PAIR_MAX_QTILES: the longest causal problem (q tiles per head) run in the paired order, for
+// tuning runs (unset: kMaxPairedQTiles; 0: never paired).
+inline int MaxPairedQTiles() {
+  static const int n = [] {
+    const int64_t v = EnvCount("ATTND_HOPPER_PAIR_MAX_QTILES", 1 << 20);
+    return v >= 0 ? static_cast<int>(v) : kMaxPairedQTiles;
+  }();
+  return n;
+}
+
+// ATTND_HOPPER_PAIR_KV_MB: longer causal problems are paired when their K and V exceed this many MiB, for
+// tuning runs (unset: kPairedKvBytes; a huge value: never).
+inline int64_t PairedKvBytes() {
+  static const int64_t bytes = [] {
+    const int64_t mb = EnvCount("ATTND_HOPPER_PAIR_KV_MB", int64_t{1} << 30);
+    return mb >= 0 ? mb << 20 : kPairedKvBytes;
+  }();
+  return bytes;
+}
+
 // ATTND_HOPPER_MAX_BLOCKS caps the persistent grid (unset or 0: one block per SM). For tests: with a few
 // blocks, small shapes make every block run several tiles, the path the tile-to-tile handover takes.
 inline int MaxBlocksOverride() {
@@ -53,18 +73,30 @@ cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
   const SchedulerParams sp =
       MakeSchedulerParams(static_cast<int>(plan.grid[0]), static_cast<int>(plan.grid[1]),
                           static_cast<int>(plan.grid[2]), lp.kv_len, Tile::kHeadDim, lp.group, lp.causal != 0,
-                          SectionBudgetBytes());
+                          SectionBudgetBytes(), MaxPairedQTiles(), PairedKvBytes());
   int blocks = sp.total_tiles < sms ? sp.total_tiles : sms;
   if (const int cap = MaxBlocksOverride(); cap > 0 && blocks > cap) blocks = cap;
-  HopperFwdKernel<Tile, Elem><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(plan.q_map, plan.k_map,
-                                                                                   plan.v_map, lp, sp);
+  if constexpr (MayPair(Tile::kHeadDim)) {
+    if (sp.pairs_per_head > 0) {
+      HopperFwdKernel<Tile, Elem, true><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+          plan.q_map, plan.k_map, plan.v_map, lp, sp);
+      return cudaGetLastError();
+    }
+  }
+  HopperFwdKernel<Tile, Elem, false><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(plan.q_map, plan.k_map,
+                                                                                          plan.v_map, lp, sp);
   return cudaGetLastError();
 }
 
 template <typename Tile, typename Elem>
 cudaError_t PrepareFwd() {
-  return cudaFuncSetAttribute(HopperFwdKernel<Tile, Elem>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(Tile::kSmemBytes));
+  const int smem = static_cast<int>(Tile::kSmemBytes);
+  if constexpr (MayPair(Tile::kHeadDim)) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(HopperFwdKernel<Tile, Elem, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaFuncSetAttribute(HopperFwdKernel<Tile, Elem, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
 }
 
 template <typename Tile>

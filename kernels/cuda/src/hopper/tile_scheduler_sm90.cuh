@@ -10,10 +10,11 @@
 // the cost of a tile grows with its q_tile; sections there made the strided assignment hand one block all
 // long tiles and another all short ones (v1: d256 causal 16k at 0.5x cuDNN), so a long causal problem is one
 // section: each stride-round of `grid` tiles is a run of nearly equal cost, longest first (LPT).
-// Short causal problems (at most kMaxPairedQTiles q tiles per head) are paired instead: a block runs q tiles
-// nq-1-i and i of one head back to back, nq + 1 key blocks whatever i, so plain striding over these pairs is
-// balanced, and the pairs go head by head, so the blocks in flight share a few heads' K and V through L2. One
-// LPT section there had every round touch ~130 heads, K and V came from DRAM again for each q tile (d128 1k:
+// Short causal problems (at most kMaxPairedQTiles q tiles per head), and longer ones whose K and V exceed
+// kPairedKvBytes, are paired instead: a block runs q tiles nq-1-i and i of one head back to back, nq + 1 key
+// blocks whatever i, so plain striding over these pairs is balanced, and the pairs go head by head, so the
+// blocks in flight share a few heads' K and V through L2. One LPT section there had every round touch ~130
+// heads (a round is the same q tile of every head), K and V came from DRAM again for each q tile (d128 1k:
 // ~600 MB for a 68 GFLOP problem), and sections of the LPT order could not be balanced by a static snake.
 #pragma once
 
@@ -41,18 +42,26 @@ struct TileCoord {
 // v4), 12 was best or level at d128 and d256 (24, half of L2, from v1 to v3).
 constexpr int64_t kDefaultSectionBudgetBytes = int64_t{12} << 20;
 
-// Causal problems with at most this many q tiles per head are paired (d128: q_len <= 2048). Longer ones stay
-// one LPT section: the snake balances them to ~0.5% where pairs, each a whole head's worth of key blocks,
-// leave up to one pair of the last round's granularity (~3% at 16k).
+// Causal problems with at most this many q tiles per head are paired (d128: q_len <= 2048).
 constexpr int kMaxPairedQTiles = 16;
+// Longer causal problems are paired when all their K and V (batch x kv heads) exceed this: the LPT snake's
+// rounds then cycle through more K/V than L2 holds. Pairs leave up to one pair of granularity in the last
+// round (~3% at 1024 pairs on 132 SMs) where the snake balances to ~0.5%, so problems whose K/V fit L2 keep
+// the snake. H200, call 1 of session 5 (d128 causal, pairs vs snake): 16 heads 4k +14%, 8k +6%, 16k +2%
+// (128 MB of K/V each); d256 4k +17%; GQA 16:2 (16 MB) 16k -3%, 4k level.
+constexpr int64_t kPairedKvBytes = int64_t{32} << 20;
 // Only head_dim >= 128 pairs: at 64 pairing measured no gain (d64 causal 1k 293 -> 296, 2k 372 -> 365 TFLOP/s)
 // and its arithmetic spilled 12-16 bytes in the d64 kernels, which therefore compile the plain order only.
 __host__ __device__ constexpr bool MayPair(int head_dim) { return head_dim >= 128; }
 
 // `section_budget_bytes`: the K + V bytes a non-causal section may span; <= 0: no sections (one, as causal).
+// Causal problems are paired with 2..`max_paired_q_tiles` q tiles per head, or more when their K and V
+// exceed `paired_kv_bytes` (< 0: never for that reason).
 inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int batch, int kv_len, int head_dim,
                                            int kv_group, bool causal,
-                                           int64_t section_budget_bytes = kDefaultSectionBudgetBytes) {
+                                           int64_t section_budget_bytes = kDefaultSectionBudgetBytes,
+                                           int max_paired_q_tiles = kMaxPairedQTiles,
+                                           int64_t paired_kv_bytes = kPairedKvBytes) {
   SchedulerParams sp;
   sp.num_q_tiles = num_q_tiles;
   sp.q_heads = q_heads;
@@ -65,7 +74,9 @@ inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int bat
   if (section > sp.total_bh || causal) section = sp.total_bh;
   sp.section_bh = static_cast<int>(section);
   sp.total_tiles = num_q_tiles * sp.total_bh;
-  if (causal && MayPair(head_dim) && num_q_tiles >= 2 && num_q_tiles <= kMaxPairedQTiles) {
+  const int64_t all_kv_bytes = kv_bytes * (sp.total_bh / (kv_group > 0 ? kv_group : 1));
+  const bool kv_past_l2 = paired_kv_bytes >= 0 && all_kv_bytes > paired_kv_bytes;
+  if (causal && MayPair(head_dim) && num_q_tiles >= 2 && (num_q_tiles <= max_paired_q_tiles || kv_past_l2)) {
     sp.pairs_per_head = num_q_tiles / 2;
     sp.paired_tiles = 2 * sp.pairs_per_head * sp.total_bh;
   }
