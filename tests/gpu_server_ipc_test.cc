@@ -1,10 +1,12 @@
 // CUDA IPC from a second process (tests/ipc_peer.cc allocates, exports and registers its own buffers):
 // zero-copy correctness for every mask/GQA/head_dim, bad handles and out-of-range references rejected,
 // and 32 concurrent clients mixed across transports (the peer's IPC callers next to inline unary and
-// streaming callers in this process). Skipped without a usable GPU.
+// streaming callers in this process); with two GPUs, inline work spread over both and IPC work on the device
+// of its buffers. Skipped without a usable GPU (the two-GPU case without a second one).
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -90,6 +92,59 @@ TEST(GpuServerIpcTest, ZeroCopyFromAnotherProcessWithInlineClientsAlongside) {
   auto list = c->ListCudaBuffers();
   ASSERT_TRUE(list.ok()) << list.status();
   EXPECT_TRUE(list->empty()) << list->size() << " buffers still registered";
+}
+
+// Multi-GPU (--devices): inline requests go to the least-loaded device, IPC requests to the device that owns
+// their buffers (the peer checks every reply's device against its own, on each transport). Skipped with one GPU.
+TEST(GpuServerIpcTest, TwoDevicesInlineSpreadsAndIpcRunsWhereItsBuffersLive) {
+  TestServer s;
+  CudaServerOptions o;
+  o.enable_ipc = true;
+  o.shm = true;
+  ATTND_START_CUDA_SERVER(s, o);
+  {
+    auto info = Connect(s.Target(Listener::kUnix))->ServerInfo();
+    ASSERT_TRUE(info.ok()) << info.status();
+    if (info->devices_size() < 2) GTEST_SKIP() << "needs two GPUs; the server found " << info->devices_size();
+  }
+  std::string out[2];
+  int rc[2] = {-1, -1};
+  std::vector<std::thread> peers;
+  for (int d = 0; d < 2; ++d) {
+    peers.emplace_back([&, d] {
+      rc[d] = RunPeer(absl::StrCat("check --target=unix:", s.unix_path, " --shm_socket=", s.unix_path, ".shm --device=",
+                                   d, " --clients=4 --requests=4"),
+                      &out[d]);
+    });
+  }
+  const int kInline = 16;
+  std::vector<std::thread> threads;
+  std::vector<std::string> failures(kInline);
+  std::atomic<int> on_device[2] = {0, 0};
+  for (int t = 0; t < kInline; ++t) {
+    threads.emplace_back([&, t] {
+      auto c = Connect(s.Target(t % 2 ? Listener::kUnix : Listener::kTcp), Transport::kUnary, 64 * 1024, true);
+      for (int i = 0; i < 6; ++i) {
+        const Case k = MakeCase(Spec(2, 512, 512, 8, 2, 128, static_cast<Mask>(i % 3)), 7000 + t * 10 + i);
+        auto r = c->Forward(*k.request);
+        const std::string why = CheckReply(k, r);
+        if (!why.empty() && failures[t].empty()) failures[t] = absl::StrCat("inline client ", t, ": ", why);
+        if (r.ok() && r->device >= 0 && r->device < 2) ++on_device[r->device];
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (auto& th : peers) th.join();
+  for (const std::string& f : failures) EXPECT_EQ(f, "");
+  for (int d = 0; d < 2; ++d) {
+    EXPECT_EQ(rc[d], 0) << out[d];
+    EXPECT_NE(out[d].find("PASS: 0 failures"), std::string::npos) << out[d];
+    std::printf("peer on device %d:\n%s", d, out[d].c_str());
+  }
+  // 16 callers at once, ties between idle devices broken in turn: each device takes a fair share.
+  EXPECT_GE(on_device[0].load(), kInline * 6 / 4);
+  EXPECT_GE(on_device[1].load(), kInline * 6 / 4);
+  std::printf("inline requests by device: %d / %d\n", on_device[0].load(), on_device[1].load());
 }
 
 TEST(GpuServerIpcTest, RegistrationOverTcpIsRefusedByDefault) {

@@ -176,6 +176,9 @@ std::string CallAndCheck(const ForwardFn& forward, const v1::ForwardRequest& req
   if (r->timing.h2d_us() != 0 || (r->timing.d2h_us() != 0 && !req.return_lse())) {
     return absl::StrCat("the zero-copy path copied: h2d ", r->timing.h2d_us(), " us, d2h ", r->timing.d2h_us(), " us");
   }
+  if (r->device != absl::GetFlag(FLAGS_device)) {
+    return absl::StrCat("ran on device ", r->device, " but the buffers are on device ", absl::GetFlag(FLAGS_device));
+  }
   std::string o(b.q_bytes, '\0');
   CUDA_OR_DIE(cudaMemcpy(o.data(), b.out(out), b.q_bytes, cudaMemcpyDeviceToHost));
   const client::VerifyReport v = oracle.Check(o, r->lse);
