@@ -50,8 +50,9 @@ constexpr int kMaxPairedQTiles = 16;
 // the snake. H200, call 1 of session 5 (d128 causal, pairs vs snake): 16 heads 4k +14%, 8k +6%, 16k +2%
 // (128 MB of K/V each); d256 4k +17%; GQA 16:2 (16 MB) 16k -3%, 4k level.
 constexpr int64_t kPairedKvBytes = int64_t{32} << 20;
-// Only head_dim >= 128 pairs: at 64 pairing measured no gain (d64 causal 1k 293 -> 296, 2k 372 -> 365 TFLOP/s)
-// and its arithmetic spilled 12-16 bytes in the d64 kernels, which therefore compile the plain order only.
+// Only head_dim >= 128 pairs: at 64 pairing measured no gain (d64 causal 1k 293 -> 296, 2k 372 -> 365 TFLOP/s),
+// and the d64 kernels' paired instantiations spill 4-16 bytes (the producer's 24 registers, m192's 32), so d64
+// compiles the plain order only.
 __host__ __device__ constexpr bool MayPair(int head_dim) { return head_dim >= 128; }
 
 // `section_budget_bytes`: the K + V bytes a non-causal section may span; <= 0: no sections (one, as causal).
