@@ -78,11 +78,12 @@ PY
       done
       cat "$OUT/sweep.log" ;;
     pairsweep)
-      # The longest causal problem run in the paired order (q tiles per head), one process per value:
-      # PAIR_SWEEP values, 0 = never paired (the LPT snake), unset = the default (16).
+      # The longest causal problem run in the paired order for its length (q tiles per head), one process per
+      # PAIR_SWEEP value (default 16). Longer ones still pair when their K/V exceed ATTND_HOPPER_PAIR_KV_MB
+      # (PAIR_KV_MB here; default 32; a huge value turns that rule off, so 0 here then means the snake only).
       for n in ${PAIR_SWEEP:-16 64 128}; do
-        echo "== ATTND_HOPPER_PAIR_MAX_QTILES=$n" | tee -a "$OUT/pairsweep.log"
-        ATTND_HOPPER_PAIR_MAX_QTILES=$n PYTHONUNBUFFERED=1 timeout ${SWEEP_TIMEOUT:-90} python3 kernels/bench/hopper_bench.py \
+        echo "== ATTND_HOPPER_PAIR_MAX_QTILES=$n ATTND_HOPPER_PAIR_KV_MB=${PAIR_KV_MB:-}" | tee -a "$OUT/pairsweep.log"
+        ATTND_HOPPER_PAIR_KV_MB=${PAIR_KV_MB:-} ATTND_HOPPER_PAIR_MAX_QTILES=$n PYTHONUNBUFFERED=1 timeout ${SWEEP_TIMEOUT:-90} python3 kernels/bench/hopper_bench.py \
           --lib "$C/libattnd_kernels_c.so" --configs "${SWEEP_CONFIGS:-hopper}" --causal yes --head_dims ${SWEEP_DIMS:-128,256} \
           --seqs ${SWEEP_SEQS:-2048,4096,8192,16384} --peers cudnn --rep "${BENCH_REP:-60}" \
           2>&1 | grep -v '^device' | sort -u >> "$OUT/pairsweep.log"

@@ -37,8 +37,8 @@ inline int64_t SectionBudgetBytes() {
   return budget;
 }
 
-// ATTND_HOPPER_PAIR_MAX_QTILES: the longest causal problem (q tiles per head) run in the paired order, for
-// tuning runs (unset: kMaxPairedQTiles; 0: never paired).
+// ATTND_HOPPER_PAIR_MAX_QTILES: the longest causal problem (q tiles per head) paired for its length alone, for
+// tuning runs (unset: kMaxPairedQTiles; 0: none; the K/V-size rule below still applies).
 inline int MaxPairedQTiles() {
   static const int n = [] {
     const int64_t v = EnvCount("ATTND_HOPPER_PAIR_MAX_QTILES", 1 << 20);
