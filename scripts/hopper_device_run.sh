@@ -3,7 +3,7 @@
 # here with -DATTND_STATIC=ON and copied to .carry-hopper/): GPU tests of the hopper configurations,
 # compute-sanitizer on small shapes, the SASS check (HGMMA, no local memory) and the benchmark against
 # torch SDPA (cuDNN, FA2). Logs go to $OUT (at most 8 files come back).
-#   scripts/hopper_device_run.sh [smoke|tests|fewblocks|sanitize|sass|sweep|pairsweep|bench|quickbench|trace]...
+#   scripts/hopper_device_run.sh [smoke|tests|fewblocks|sanitize|sass|sweep|pairsweep|schedsweep|bench|quickbench|trace]...
 #   (default: all but quickbench and trace)
 set -uo pipefail
 C=.carry-hopper
@@ -38,7 +38,7 @@ for step in "${steps[@]}"; do
       for tool in ${SANITIZE_TOOLS:-memcheck synccheck racecheck}; do
         # racecheck instruments every shared-memory access: one tiny case only (v1: 90 s were not enough).
         filter=$small; [ $tool = racecheck ] && filter=${RACE_FILTER:-'*hopper_sm90_d128_m128n128s2_d128_sq17_none*'}
-        ATTND_HOPPER_MAX_BLOCKS=${SANITIZE_MAX_BLOCKS:-} ATTND_GPU_TEST_SMALL=1 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 "$C/gpu_attention_test" \
+        ATTND_HOPPER_MAX_BLOCKS=${SANITIZE_MAX_BLOCKS:-} ATTND_GPU_TEST_SMALL=1 timeout ${SANITIZE_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 9 "$C/gpu_attention_test" \
           --gtest_filter="$filter" >> "$OUT/sanitizer.log" 2>&1
         echo "sanitizer $tool rc=$?" | tee -a "$OUT/sanitizer.log"
       done
@@ -89,6 +89,20 @@ PY
           2>&1 | grep -v '^device' | sort -u >> "$OUT/pairsweep.log"
       done
       cat "$OUT/pairsweep.log" ;;
+    schedsweep)
+      # How causal problems find their tiles, one process per setting (each knob is read once per process):
+      # SCHED_SWEEP entries are space-separated, each a comma-separated list of VAR=value for the environment
+      # (default: the static order, the dynamic default, a longer dynamic tail, one dynamic LPT section, the
+      # static order again for drift).
+      sweep=${SCHED_SWEEP:-"ATTND_HOPPER_SCHEDULE=static ATTND_HOPPER_SCHEDULE=dynamic ATTND_HOPPER_TAIL_TILES=8 ATTND_HOPPER_L2_SECTION_MB=0 ATTND_HOPPER_SCHEDULE=static"}
+      for setting in $sweep; do
+        echo "== $setting" | tee -a "$OUT/schedsweep.log"
+        env ${setting//,/ } PYTHONUNBUFFERED=1 timeout ${SWEEP_TIMEOUT:-90} python3 kernels/bench/hopper_bench.py \
+          --lib "$C/libattnd_kernels_c.so" --configs "${SWEEP_CONFIGS:-hopper}" --causal yes --head_dims ${SWEEP_DIMS:-64,128,256} \
+          ${SWEEP_SEQS:+--seqs $SWEEP_SEQS} --peers cudnn --rep "${BENCH_REP:-60}" \
+          2>&1 | grep -v '^device' | sort -u >> "$OUT/schedsweep.log"
+      done
+      cat "$OUT/schedsweep.log" ;;
     trace)
       # Per-phase cycles of a tile (kernels/cuda/tools/hopper_trace.cu, built by name and copied to $C):
       # TRACE_ARGS is its "config B S H causal" list; empty: d128 s3 at 1k/4k/16k, causal and not.

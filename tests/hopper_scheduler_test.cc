@@ -7,8 +7,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <cstdint>
 #include <numeric>
+#include <deque>
+#include <queue>
 #include <tuple>
 #include <vector>
 
@@ -37,6 +40,10 @@ void Walk(const Shape& s, std::vector<int>& visits, std::vector<int64_t>& work,
       const TileCoord c = TileAt(sp, t);
       ASSERT_TRUE(c.q_tile >= 0 && c.q_tile < s.q_tiles && c.head >= 0 && c.head < s.heads && c.batch >= 0 &&
                   c.batch < s.batch);
+      if (sp.pairs_per_head == 0) {  // the static kernels' shorter form of the section order: the same tiles
+        const TileCoord k = SectionTileAt<false>(sp, t);
+        ASSERT_TRUE(k.q_tile == c.q_tile && k.head == c.head && k.batch == c.batch) << "tile " << t;
+      }
       ++visits[(c.batch * s.heads + c.head) * s.q_tiles + c.q_tile];
       work[block] += s.causal ? c.q_tile + 1 : s.q_tiles;  // key blocks of a causal tile grow with q_tile
     }
@@ -153,6 +160,92 @@ TEST(HopperScheduler, NonCausalSectionsKeepKvInL2) {
   // A tuning budget: 0 turns sections off, 48 MiB doubles them.
   EXPECT_EQ(MakeSchedulerParams(128, 16, 1, 16384, 128, 1, false, 0).section_bh, 16);
   EXPECT_EQ(MakeSchedulerParams(128, 16, 1, 16384, 128, 1, false, int64_t{48} << 20).section_bh, 6);
+}
+
+// The dynamic order as the kernel runs it: blocks start on tiles 0..grid-1, and a block's scheduler thread
+// takes the next index from the counter whenever its ring of two has room, i.e. when the block starts a tile
+// it takes the one two ahead (the first two at once). Returns the time the last block finishes, each tile
+// costing its key blocks plus `overhead`; `visits` counts each tile's runs.
+double WalkDynamic(const SchedulerParams& sp, int grid, double overhead, std::vector<int>& visits) {
+  visits.assign(sp.total_tiles, 0);
+  struct Event {
+    double at;
+    int block;
+    bool operator>(const Event& o) const { return at != o.at ? at > o.at : block > o.block; }
+  };
+  int counter = 0;
+  const auto take = [&] {
+    const int t = counter++ + grid;  // TakeDynamicTile
+    return t < sp.total_tiles ? t : -1;
+  };
+  const int blocks = std::min(grid, sp.total_tiles);
+  std::vector<std::deque<int>> queued(blocks);  // tiles a block holds, not yet started
+  std::priority_queue<Event, std::vector<Event>, std::greater<Event>> starts;  // a block starts its next tile
+  for (int b = 0; b < blocks; ++b) queued[b].push_back(b);
+  for (int b = 0; b < blocks; ++b) queued[b].push_back(take());
+  for (int b = 0; b < blocks; ++b) starts.push({0.0, b});
+  double end = 0;
+  while (!starts.empty()) {
+    const Event e = starts.top();
+    starts.pop();
+    std::deque<int>& q = queued[e.block];
+    const int tile = q.front();
+    q.pop_front();
+    if (tile < 0) continue;
+    if (q.back() >= 0) q.push_back(take());  // its slot is free now
+    const TileCoord c = SectionTileAt<true>(sp, tile);
+    ++visits[(c.batch * sp.q_heads + c.head) * sp.num_q_tiles + c.q_tile];
+    const double done = e.at + c.q_tile + 1 + overhead;
+    end = std::max(end, done);
+    starts.push({done, e.block});
+  }
+  return end;
+}
+
+TEST(HopperScheduler, DynamicCausalOrderRunsEveryTileOnceAndBalances) {
+  // head_dim 64 (the only one run this way; MayRunDynamic): the FA3-convention causal rows (16k tokens, 32 heads;
+  // 128-row tiles below 2k, 192 from 2k), the seed table's 8k (1 x 32 heads), GQA, and a tiny grid; all with
+  // at least kDynamicMinTilesPerBlock tiles per block, as the launcher requires.
+  EXPECT_TRUE(MayRunDynamic(64));
+  EXPECT_FALSE(MayRunDynamic(128) || MayRunDynamic(256));
+  const Shape shapes[] = {{86, 32, 1, 16384, 64, 1, true, 132}, {43, 32, 2, 8192, 64, 1, true, 132},
+                          {22, 32, 4, 4096, 64, 1, true, 132},  {11, 32, 8, 2048, 64, 1, true, 132},
+                          {8, 32, 16, 1024, 64, 1, true, 132},  {4, 32, 32, 512, 64, 1, true, 132},
+                          {43, 32, 1, 8192, 64, 1, true, 132},  {86, 32, 1, 16384, 64, 8, true, 132},
+                          {3, 5, 7, 300, 64, 5, true, 3}};
+  for (const Shape& s : shapes) {
+    ASSERT_GE(s.q_tiles * s.heads * s.batch, kDynamicMinTilesPerBlock * s.grid);
+    const SchedulerParams sp = MakeSchedulerParams(s.q_tiles, s.heads, s.batch, s.kv_len, s.head_dim, s.group,
+                                                   true, kDefaultSectionBudgetBytes, kMaxPairedQTiles,
+                                                   kPairedKvBytes, /*dynamic=*/true);
+    EXPECT_EQ(sp.pairs_per_head, 0);
+    // Sections of heads sized to the L2 budget, as without a mask, longest first inside each.
+    const int64_t kv_head_bytes = int64_t{s.kv_len} * s.head_dim * 4;
+    if (kv_head_bytes * (s.heads * s.batch / s.group) > 2 * kDefaultSectionBudgetBytes) {
+      EXPECT_LT(sp.section_bh, sp.total_bh);
+    }
+    const int per_section = sp.section_bh * sp.num_q_tiles, tail_tile = sp.tail_bh * sp.num_q_tiles;
+    for (int t = 1; t < sp.total_tiles; ++t) {
+      const bool starts_section = t < tail_tile ? t % per_section == 0 : t == tail_tile;
+      if (!starts_section) EXPECT_LE(SectionTileAt<true>(sp, t).q_tile, SectionTileAt<true>(sp, t - 1).q_tile) << "tile " << t;
+    }
+    std::vector<int> visits;
+    const double overhead = 1.4;  // block-steps of a tile beyond its key blocks (docs/hopper-kernel-notes.md)
+    const double end = WalkDynamic(sp, s.grid, overhead, visits);
+    for (size_t i = 0; i < visits.size(); ++i) ASSERT_EQ(visits[i], 1) << "tile " << i;
+    double total = 0;
+    for (int t = 0; t < sp.total_tiles; ++t) total += SectionTileAt<true>(sp, t).q_tile + 1 + overhead;
+    // Within 3% of the mean (the paired order's last-round granularity at the FA3 shapes); the model gives
+    // 0.4-1.1% for these shapes.
+    const double mean = total / std::min(s.grid, sp.total_tiles);
+    EXPECT_LE(end, 1.03 * mean) << s.q_tiles << "x" << s.heads << "x" << s.batch;
+  }
+  // The static order is untouched when the dynamic one is not asked for: causal is one section, paired or not.
+  EXPECT_EQ(MakeSchedulerParams(86, 32, 1, 16384, 64, 1, true).section_bh, 32);
+  EXPECT_EQ(MakeSchedulerParams(86, 32, 1, 16384, 64, 1, true, kDefaultSectionBudgetBytes, kMaxPairedQTiles,
+                                kPairedKvBytes, true)
+                .section_bh,
+            3);
 }
 
 }  // namespace

@@ -50,10 +50,13 @@ using Launcher = void (*)(const attnd::kernels::Plan&, int blocks, const hk::Sch
 
 template <typename Tile>
 void LaunchProbed(const attnd::kernels::Plan& plan, int blocks, const hk::SchedulerParams& sp) {
-  // The instantiation the library's launcher picks for this schedule.
-  auto* k = hk::HopperFwdKernel<Tile, __nv_bfloat16, false>;
+  // The instantiation the library's launcher picks for this schedule (a counter: the dynamic one).
+  auto* k = hk::HopperFwdKernel<Tile, __nv_bfloat16, hk::kStatic>;
   if constexpr (hk::MayPair(Tile::kHeadDim)) {
-    if (sp.pairs_per_head > 0) k = hk::HopperFwdKernel<Tile, __nv_bfloat16, true>;
+    if (sp.pairs_per_head > 0) k = hk::HopperFwdKernel<Tile, __nv_bfloat16, hk::kPaired>;
+  }
+  if constexpr (hk::MayRunDynamic(Tile::kHeadDim)) {
+    if (sp.counter != nullptr) k = hk::HopperFwdKernel<Tile, __nv_bfloat16, hk::kDynamic>;
   }
   CHECK_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Tile::kSmemBytes)));
   k<<<blocks, Tile::kThreads, Tile::kSmemBytes>>>(plan.q_map, plan.k_map, plan.v_map, plan.params, sp);
@@ -114,10 +117,24 @@ void RunCase(const Case& c, int sms) {
   attnd::kernels::Plan probed = *plan;
   probed.params.o = o2;
   const attnd::kernels::LaunchParams& lp = plan->params;
-  const hk::SchedulerParams sp = hk::MakeSchedulerParams(
+  const int64_t tiles = int64_t{plan->grid[0]} * plan->grid[1] * plan->grid[2];
+  const int blocks = static_cast<int>(std::min<int64_t>(tiles, sms));
+  const bool dynamic = hk::MayRunDynamic(d) && lp.causal != 0 && hk::DynamicCausalSchedule() &&
+                       tiles >= int64_t{hk::DynamicMinTilesPerBlock()} * blocks;
+  hk::SchedulerParams sp = hk::MakeSchedulerParams(
       static_cast<int>(plan->grid[0]), static_cast<int>(plan->grid[1]), static_cast<int>(plan->grid[2]), lp.kv_len,
-      d, lp.group, lp.causal != 0, hk::SectionBudgetBytes(), hk::MaxPairedQTiles(), hk::PairedKvBytes());
-  const int blocks = std::min(sp.total_tiles, sms);
+      d, lp.group, lp.causal != 0, hk::SectionBudgetBytes(), hk::MaxPairedQTiles(), hk::PairedKvBytes(), dynamic,
+      blocks, hk::TailTilesPerBlock());
+  if (dynamic) {
+    // The probed launches run one after another on the default stream; each leaves the counters zeroed.
+    static unsigned* counter = [] {
+      unsigned* c = nullptr;
+      CHECK_CUDA(cudaMalloc(&c, 2 * sizeof(unsigned)));
+      CHECK_CUDA(cudaMemset(c, 0, 2 * sizeof(unsigned)));
+      return c;
+    }();
+    sp.counter = counter;
+  }
 
   const size_t words = static_cast<size_t>(blocks) * hk::trace::kRoles * hk::trace::kRounds * hk::trace::kEvents;
   uint64_t* buf = nullptr;

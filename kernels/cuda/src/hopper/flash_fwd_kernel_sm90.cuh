@@ -24,12 +24,35 @@
 
 namespace attnd::kernels::hopper {
 
+// The dynamic order's tile ring, declared only in the kernels that use it (static shared memory, whose
+// addresses are constants). The static kernels get null, which they never use.
+template <bool kDynamicOrder>
+__device__ __forceinline__ TileRingSm90* TileRingStorage() {
+  if constexpr (kDynamicOrder) {
+    __shared__ TileRingSm90 ring;
+    return &ring;
+  } else {
+    return nullptr;
+  }
+}
+
+// The static orders, as the instantiation runs them.
+template <bool kPairedOrder>
+__device__ __forceinline__ int TileOfRoundFor(const SchedulerParams& sp, int round) {
+  return kPairedOrder ? PairedTileOfRound(sp, round, blockIdx.x, gridDim.x)
+                      : StaticTileOfRound(sp, round, blockIdx.x, gridDim.x);
+}
+template <bool kPairedOrder>
+__device__ __forceinline__ TileCoord TileAtFor(const SchedulerParams& sp, int t) {
+  return kPairedOrder ? PairedTileAt(sp, t) : SectionTileAt<false>(sp, t);
+}
+
 // A consumer warpgroup's whole persistent loop for the cross-tile variant: while a tile has key blocks and
 // the next tile this block runs has some too, the two are joined by one CrossStep (the next tile's first
 // S with this tile's last P V), and this tile's epilogue runs right after it, while the next tile's P sits
 // in registers. A tile without key blocks (rows before every key, bottom-right causal) breaks the chain: its
 // neighbours take the plain first / last steps, and its zero output is written directly.
-template <typename Tile, typename Elem, bool kPaired>
+template <typename Tile, typename Elem, bool kPairedOrder>
 __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>& consumer, const LaunchParams& p,
                                                        const SchedulerParams& sp) {
   using Consumer = ConsumerSm90<Tile, Elem>;
@@ -39,10 +62,10 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
   // needed (a few integer ops). Meant to leave uniform registers to the mainloop's descriptors; the SASS
   // still builds them in vector registers (docs/hopper-kernel-notes.md, v4).
   const auto range = [&](int t) {
-    return KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, TileAt<kPaired>(sp, t).q_tile * Tile::kBlockM);
+    return KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, TileAtFor<kPairedOrder>(sp, t).q_tile * Tile::kBlockM);
   };
   const auto store = [&](int t, const float(&o)[Consumer::kORegs], const typename Consumer::Softmax& sm) {
-    const TileCoord c = TileAt<kPaired>(sp, t);
+    const TileCoord c = TileAtFor<kPairedOrder>(sp, t);
     StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, c.q_tile * Tile::kBlockM + row_in_tile, c.head,
                                                           c.batch);
   };
@@ -51,7 +74,7 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
   uint32_t pf[Consumer::kPSteps][4];
   typename Consumer::Softmax sm, sm_next;
   int round = 0;
-  for (int t = TileOfRound<kPaired>(sp, 0, blockIdx.x, gridDim.x); t >= 0;) {
+  for (int t = TileOfRoundFor<kPairedOrder>(sp, 0); t >= 0;) {
     // A chain starts at tile t.
 #pragma unroll
     for (int i = 0; i < Consumer::kORegs; ++i) o[i] = 0.f;
@@ -59,15 +82,15 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
     const KeyRange r = range(t);
     if (r.n_blocks == 0) {
       store(t, o, sm);
-      t = TileOfRound<kPaired>(sp, ++round, blockIdx.x, gridDim.x);
+      t = TileOfRoundFor<kPairedOrder>(sp, ++round);
       continue;
     }
-    TileWork w = consumer.Work(p, r, TileAt<kPaired>(sp, t).q_tile * Tile::kBlockM + row_in_tile);
+    TileWork w = consumer.Work(p, r, TileAtFor<kPairedOrder>(sp, t).q_tile * Tile::kBlockM + row_in_tile);
     w.q_slot = consumer.WaitQ();
     consumer.FirstBlock(p, w, s, pf, sm);
     for (;;) {
       consumer.MiddleBlocks(p, w, o, s, pf, sm);
-      const int tn = TileOfRound<kPaired>(sp, round + 1, blockIdx.x, gridDim.x);
+      const int tn = TileOfRoundFor<kPairedOrder>(sp, round + 1);
       const KeyRange rn = tn >= 0 ? range(tn) : KeyRange{0, 0};
       if (rn.n_blocks == 0) {
         consumer.LastPV(o, pf);
@@ -76,7 +99,7 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
         ++round;
         break;
       }
-      TileWork wn = consumer.Work(p, rn, TileAt<kPaired>(sp, tn).q_tile * Tile::kBlockM + row_in_tile);
+      TileWork wn = consumer.Work(p, rn, TileAtFor<kPairedOrder>(sp, tn).q_tile * Tile::kBlockM + row_in_tile);
       wn.q_slot = consumer.WaitQ();
       sm_next.Init();
       consumer.CrossStep(p, wn, o, s, pf, sm_next);
@@ -92,18 +115,24 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
   }
 }
 
-// kPaired: the paired causal tile order (tile_scheduler_sm90.cuh), a separate instantiation so that the
-// plain order's kernel is the one it was before pairing existed: with both orders in one kernel, non-causal
-// d128 ran 3-6% below the pre-pairing library in the same H200 call (session 5, call 4), though the pairs'
-// arithmetic only runs once per tile; split, the two were level within the run-to-run spread (call 5).
-template <typename Tile, typename Elem, bool kPaired>
+// kOrder (tile_scheduler_sm90.cuh): each schedule is an instantiation of its own, so that the plain order's
+// kernel is the one it was before the others existed: with the static and paired orders in one kernel,
+// non-causal d128 ran 3-6% below the pre-pairing library in the same H200 call (session 5, call 4), though
+// the pairs' arithmetic only runs once per tile; split, the two were level within the run-to-run spread
+// (call 5). The cross-tile variant peeks at its next tile before finishing one; it runs the static orders only.
+template <typename Tile, typename Elem, int kOrder>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     HopperFwdKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                     const __grid_constant__ CUtensorMap v_map, const LaunchParams p, const SchedulerParams sp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+  constexpr bool kPairedOrder = kOrder == kPaired;
+  constexpr bool kDynamicOrder = kOrder == kDynamic;
+  static_assert(!(kDynamicOrder && Tile::kCrossTile), "the cross-tile variant runs the static orders only");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const SharedStorageSm90<Tile> smem(base);
+  TileRingSm90* const tile_ring = TileRingStorage<kDynamicOrder>();
+  using TileSlots = TileSlotsSm90<Tile::kConsumerWarpgroups>;
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -122,22 +151,44 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       seed::MbarInit(&smem.k_empty[st], 4 * Tile::kConsumerWarpgroups);  // one arrival per consumer warp
       seed::MbarInit(&smem.v_empty[st], 4 * Tile::kConsumerWarpgroups);
     }
+    if constexpr (kDynamicOrder) TileSlots::Init(*tile_ring);
     seed::FenceBarrierInit();
   }
   __syncthreads();
 
   if (warpgroup == 0) {
-    SetMaxRegsDec<Tile::kProducerRegs>();
+    SetMaxRegsDec<kDynamicOrder ? Tile::kProducerRegsDynamic : Tile::kProducerRegs>();
+    if constexpr (kDynamicOrder) {
+      // The scheduler thread: blocks start on tiles 0..grid-1 and the counter hands out the rest, each taken
+      // when the ring has room (up to two tiles ahead of the consumers).
+      if (threadIdx.x == 32) {
+        TileSlots slots;
+        if (slots.Put(*tile_ring, [] { return static_cast<int>(blockIdx.x); }) >= 0) {
+          while (slots.Put(*tile_ring, [&] { return TakeDynamicTile(sp); }) >= 0) {
+          }
+        }
+        FinishDynamicTiles(sp);
+      }
+    }
     if (threadIdx.x == 0) {
       ProducerSm90<Tile> producer{&q_map, &k_map, &v_map, smem};
-      for (int round = 0, t; (t = TileOfRound<kPaired>(sp, round, blockIdx.x, gridDim.x)) >= 0; ++round) {
-        const TileCoord c = TileAt<kPaired>(sp, t);
-        ATTND_HOPPER_TRACE_SET_ROUND(producer, round);
-        producer.LoadTile(p, c.q_tile, c.head, c.batch);
+      if constexpr (kDynamicOrder) {
+        TileSlots slots;
+        for (int round = 0, t; (t = slots.Take(*tile_ring)) >= 0; ++round) {
+          const TileCoord c = SectionTileAt<true>(sp, t);
+          ATTND_HOPPER_TRACE_SET_ROUND(producer, round);
+          producer.LoadTile(p, c.q_tile, c.head, c.batch);
+        }
+      } else {
+        for (int round = 0, t; (t = TileOfRoundFor<kPairedOrder>(sp, round)) >= 0; ++round) {
+          const TileCoord c = TileAtFor<kPairedOrder>(sp, t);
+          ATTND_HOPPER_TRACE_SET_ROUND(producer, round);
+          producer.LoadTile(p, c.q_tile, c.head, c.batch);
+        }
       }
     }
   } else {
-    SetMaxRegsInc<Tile::kConsumerRegs>();
+    SetMaxRegsInc<kDynamicOrder ? Tile::kConsumerRegsDynamic : Tile::kConsumerRegs>();
     ConsumerSm90<Tile, Elem> consumer{smem, warpgroup - 1};
     // Warpgroup 0 takes the first turn (the last one hands it over up front); the matching extra wait is at
     // the end, so no barrier is left half-arrived when the block exits.
@@ -145,11 +196,14 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       if (consumer.wg == Tile::kConsumerWarpgroups - 1) PassTurn<Tile::kConsumerWarpgroups>(consumer.wg);
     }
     if constexpr (Tile::kCrossTile) {
-      ConsumerTilesCrossTile<Tile, Elem, kPaired>(consumer, p, sp);
+      ConsumerTilesCrossTile<Tile, Elem, kPairedOrder>(consumer, p, sp);
     } else {
       const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-      for (int round = 0, t; (t = TileOfRound<kPaired>(sp, round, blockIdx.x, gridDim.x)) >= 0; ++round) {
-        const TileCoord c = TileAt<kPaired>(sp, t);
+      TileSlots slots;
+      for (int round = 0;; ++round) {
+        const int t = kDynamicOrder ? slots.Take(*tile_ring) : TileOfRoundFor<kPairedOrder>(sp, round);
+        if (t < 0) break;
+        const TileCoord c = kDynamicOrder ? SectionTileAt<true>(sp, t) : TileAtFor<kPairedOrder>(sp, t);
         ATTND_HOPPER_TRACE_AT(1 + consumer.wg, round, trace::kTileStart);
         ATTND_HOPPER_TRACE_SET_ROUND(consumer, round);
         const int q0 = c.q_tile * Tile::kBlockM;

@@ -10,9 +10,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <string_view>
 
 #include "../config_registry.h"
 #include "flash_fwd_kernel_sm90.cuh"
+#include "tile_counter_pool.h"
 #include "tile_scheduler_sm90.cuh"
 
 namespace attnd::kernels::hopper {
@@ -64,39 +66,103 @@ inline int MaxBlocksOverride() {
   return cap;
 }
 
+// ATTND_HOPPER_SCHEDULE: how causal head_dim-64 problems find their tiles, for A/B runs: "dynamic" (a tile
+// counter; the default) or "static" (the snake of session 5). Problems without a mask always run the static
+// order: their tiles cost the same, so taking them dynamically balances nothing.
+inline bool DynamicCausalSchedule() {
+  static const bool dynamic = [] {
+    const char* v = std::getenv("ATTND_HOPPER_SCHEDULE");
+    return v == nullptr || std::string_view(v) != "static";
+  }();
+  return dynamic;
+}
+
+// ATTND_HOPPER_TAIL_TILES: the dynamic schedule's last-section length (tile_scheduler_sm90.cuh), for tuning runs.
+inline int TailTilesPerBlock() {
+  static const int n = [] {
+    const int64_t v = EnvCount("ATTND_HOPPER_TAIL_TILES", 1 << 10);
+    return v >= 0 ? static_cast<int>(v) : kDefaultTailTilesPerBlock;
+  }();
+  return n;
+}
+
+// Causal problems with fewer tiles than this many per block keep the static order: with a few tiles per block,
+// taking them longest first leaves blocks far apart at the end (host model: 1k, 32 heads, 2 tiles per block:
+// 29% over the mean, where pairs are 3%; 4k, 7.8 per block, even). ATTND_HOPPER_DYNAMIC_MIN_TILES for tuning.
+inline int DynamicMinTilesPerBlock() {
+  static const int n = [] {
+    const int64_t v = EnvCount("ATTND_HOPPER_DYNAMIC_MIN_TILES", 1 << 20);
+    return v >= 0 ? static_cast<int>(v) : kDynamicMinTilesPerBlock;
+  }();
+  return n;
+}
+
+// Whether `stream` is being captured into a CUDA graph: the dynamic schedule's slot events cannot be waited
+// on from inside a capture, so captured launches run the static order.
+inline bool Capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(stream, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone;
+}
+
 template <typename Tile, typename Elem>
 cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
   int sms = 0;
   const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, plan.device);
   if (err != cudaSuccess) return err;
   const LaunchParams& lp = plan.params;
-  const SchedulerParams sp =
+  const int64_t tiles = int64_t{plan.grid[0]} * plan.grid[1] * plan.grid[2];
+  int blocks = static_cast<int>(tiles < sms ? tiles : sms);
+  if (const int cap = MaxBlocksOverride(); cap > 0 && blocks > cap) blocks = cap;
+  constexpr bool kMayRunDynamic = !Tile::kCrossTile && MayRunDynamic(Tile::kHeadDim);
+  const bool dynamic = kMayRunDynamic && lp.causal != 0 && DynamicCausalSchedule() &&
+                       tiles >= int64_t{DynamicMinTilesPerBlock()} * blocks && !Capturing(stream);
+  SchedulerParams sp =
       MakeSchedulerParams(static_cast<int>(plan.grid[0]), static_cast<int>(plan.grid[1]),
                           static_cast<int>(plan.grid[2]), lp.kv_len, Tile::kHeadDim, lp.group, lp.causal != 0,
-                          SectionBudgetBytes(), MaxPairedQTiles(), PairedKvBytes());
-  int blocks = sp.total_tiles < sms ? sp.total_tiles : sms;
-  if (const int cap = MaxBlocksOverride(); cap > 0 && blocks > cap) blocks = cap;
+                          SectionBudgetBytes(), MaxPairedQTiles(), PairedKvBytes(), dynamic, blocks,
+                          TailTilesPerBlock());
+  if constexpr (kMayRunDynamic) {
+    if (dynamic) {
+      TileCounterLease lease;
+      if (const cudaError_t e = lease.Begin(plan.device, stream); e != cudaSuccess) return e;
+      sp.counter = lease.counter();
+      HopperFwdKernel<Tile, Elem, kDynamic><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+          plan.q_map, plan.k_map, plan.v_map, lp, sp);
+      const cudaError_t launched = cudaGetLastError();
+      const cudaError_t finished = lease.Finish(stream);
+      return launched != cudaSuccess ? launched : finished;
+    }
+  }
   if constexpr (MayPair(Tile::kHeadDim)) {
     if (sp.pairs_per_head > 0) {
-      HopperFwdKernel<Tile, Elem, true><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+      HopperFwdKernel<Tile, Elem, kPaired><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
           plan.q_map, plan.k_map, plan.v_map, lp, sp);
       return cudaGetLastError();
     }
   }
-  HopperFwdKernel<Tile, Elem, false><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(plan.q_map, plan.k_map,
-                                                                                          plan.v_map, lp, sp);
+  HopperFwdKernel<Tile, Elem, kStatic><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+      plan.q_map, plan.k_map, plan.v_map, lp, sp);
   return cudaGetLastError();
 }
 
+// Once per (configuration, element type, device): the shared-memory limit of every instantiation the launcher
+// may pick, and the device's tile-counter pool.
 template <typename Tile, typename Elem>
 cudaError_t PrepareFwd() {
   const int smem = static_cast<int>(Tile::kSmemBytes);
-  if constexpr (MayPair(Tile::kHeadDim)) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(HopperFwdKernel<Tile, Elem, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return err;
+  const auto raise = [smem](auto* kernel) {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  };
+  if constexpr (!Tile::kCrossTile && MayRunDynamic(Tile::kHeadDim)) {
+    if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kDynamic>); err != cudaSuccess) return err;
+    int device = 0;
+    if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+    if (const cudaError_t err = EnsureTileCounterPool(device); err != cudaSuccess) return err;
   }
-  return cudaFuncSetAttribute(HopperFwdKernel<Tile, Elem, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if constexpr (MayPair(Tile::kHeadDim)) {
+    if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kPaired>); err != cudaSuccess) return err;
+  }
+  return raise(HopperFwdKernel<Tile, Elem, kStatic>);
 }
 
 template <typename Tile>

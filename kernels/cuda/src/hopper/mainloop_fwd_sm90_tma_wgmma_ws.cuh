@@ -93,6 +93,59 @@ struct SharedStorageSm90 {
   }
 };
 
+// The dynamic schedule's hand-off of tile indices to the producer thread and the consumer warps: a small ring,
+// since the Q barrier cannot carry it (a tile without key blocks loads no Q) and everyone must learn the end
+// (-1) too. A thread of its own (the producer warpgroup's second warp) takes tiles from the global counter and
+// fills the ring, so the producer thread keeps the register budget it had (24: the counter's address and a
+// tile in hand spilled it). The ring lives in static shared memory: its addresses are then constants, where
+// the dynamic layout's pointers stayed live in registers across the tile (d64 m192 and d256 spilled).
+struct TileRingSm90 {
+  static constexpr int kSlots = 2;  // the scheduler runs up to two tiles ahead of the consumers
+  uint64_t full[kSlots];            // scheduler -> readers: the slot holds the next tile index
+  uint64_t empty[kSlots];           // readers -> scheduler: the producer thread and every consumer thread read it
+  int tile[kSlots];
+};
+
+template <int kConsumerWarpgroups>
+struct TileSlotsSm90 {
+  static constexpr int kReaders = 128 * kConsumerWarpgroups + 1;  // consumer threads + the producer thread
+  int n = 0;  // indices passed so far
+
+  __device__ __forceinline__ static void Init(TileRingSm90& ring) {
+#pragma unroll
+    for (int i = 0; i < TileRingSm90::kSlots; ++i) {
+      seed::MbarInit(&ring.full[i], 1);
+      seed::MbarInit(&ring.empty[i], kReaders);
+    }
+  }
+
+  // Scheduler: waits until the next slot is free, then fills it with what `take` returns (called only then,
+  // so a tile is claimed as late as the ring allows).
+  template <typename Take>
+  __device__ __forceinline__ int Put(TileRingSm90& ring, Take take) {
+    constexpr int kS = TileRingSm90::kSlots;
+    const int slot = n % kS;
+    if (n >= kS) MbarWait(&ring.empty[slot], ((n / kS) + 1) & 1);
+    const int t = take();
+    ring.tile[slot] = t;
+    MbarArrive(&ring.full[slot]);  // release: the store above is seen by whoever waits on the phase
+    ++n;
+    return t;
+  }
+
+  // Readers: the producer thread and every consumer thread, each arriving once. (One arrival per consumer
+  // warp after a __syncwarp made d64 m192's consumers spill 40 bytes.)
+  __device__ __forceinline__ int Take(TileRingSm90& ring) {
+    constexpr int kS = TileRingSm90::kSlots;
+    const int slot = n % kS;
+    MbarWait(&ring.full[slot], (n / kS) & 1);
+    const int t = ring.tile[slot];
+    MbarArrive(&ring.empty[slot]);
+    ++n;
+    return t;
+  }
+};
+
 // Producer: one thread. Issues the K/V blocks of a tile (last to first) into the ring and Q once per tile.
 template <typename Tile>
 struct ProducerSm90 {

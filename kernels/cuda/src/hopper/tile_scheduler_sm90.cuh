@@ -24,14 +24,22 @@
 
 namespace attnd::kernels::hopper {
 
+// How a launch's blocks find their tiles. kStatic and kPaired are fixed by block index and round; kDynamic takes
+// tiles in the (sectioned, longest-first) order from a global counter as blocks free up.
+enum ScheduleOrder : int { kStatic = 0, kPaired = 1, kDynamic = 2 };
+
 struct SchedulerParams {
   int num_q_tiles = 0;
   int q_heads = 0;
   int total_bh = 0;    // batch * q_heads
   int section_bh = 1;  // (batch, head) pairs per L2 section
+  int tail_bh = 0;     // where the last section starts (dynamic: made long enough to end the schedule evenly)
   int total_tiles = 0;
   int pairs_per_head = 0;  // > 0: paired causal order (num_q_tiles / 2 pairs per head, then the middle tiles)
   int paired_tiles = 0;    // 2 * pairs_per_head * total_bh: where the middle tiles of an odd num_q_tiles start
+  // kDynamic: [0] tiles handed out beyond the first grid, [1] blocks finished; zero at launch, and the last
+  // block to finish zeroes them again (tile_counter_pool.h keeps launches in flight from sharing one).
+  unsigned* counter = nullptr;
 };
 
 struct TileCoord {
@@ -50,19 +58,33 @@ constexpr int kMaxPairedQTiles = 16;
 // the snake. H200, call 1 of session 5 (d128 causal, pairs vs snake): 16 heads 4k +14%, 8k +6%, 16k +2%
 // (128 MB of K/V each); d256 4k +17%; GQA 16:2 (16 MB) 16k -3%, 4k level.
 constexpr int64_t kPairedKvBytes = int64_t{32} << 20;
+// Dynamic causal schedule: the last section's length, in the longest tiles' worth of work per block (H200, session
+// 6 call 1, d64: 8 was level with 4 or up to 2% faster; host model at the FA3 shapes: 1-2% over the mean for 8,
+// 2-6% for 4); and the fewest tiles per block a problem needs to run it (flash_fwd_launch_sm90.cuh).
+constexpr int kDefaultTailTilesPerBlock = 8;
+constexpr int kDynamicMinTilesPerBlock = 6;
+
+// Only head_dim 64 runs the dynamic schedule, where it replaces the snake. H200, session 6 call 1, causal FA3
+// rows, one process per order: d64 +2% (512) to +9% (4k); d128 and d256, against their pairs, -1 to -9%, and
+// d128 GQA 16:2 at 16k -3% against its snake (the same one-section order taken statically), so at least part
+// of that loss is the kernel's: its consumers have 232 registers, not 240 (tile_size_sm90.h).
+__host__ __device__ constexpr bool MayRunDynamic(int head_dim) { return head_dim == 64; }
+
 // Only head_dim >= 128 pairs: at 64 pairing measured no gain (d64 causal 1k 293 -> 296, 2k 372 -> 365 TFLOP/s),
 // and the d64 kernels' paired instantiations spill 4-16 bytes (the producer's 24 registers, m192's 32), so d64
 // compiles the plain order only.
 __host__ __device__ constexpr bool MayPair(int head_dim) { return head_dim >= 128; }
 
-// `section_budget_bytes`: the K + V bytes a non-causal section may span; <= 0: no sections (one, as causal).
-// Causal problems are paired with 2..`max_paired_q_tiles` q tiles per head, or more when their K and V
-// exceed `paired_kv_bytes` (< 0: never for that reason).
+// `section_budget_bytes`: the K + V bytes a section may span; <= 0: no sections (one). Static causal problems
+// are one section, paired with 2..`max_paired_q_tiles` q tiles per head, or more when their K and V exceed
+// `paired_kv_bytes` (< 0: never for that reason). `dynamic` (causal only): sections as without a mask, longest
+// first inside each, no pairs; blocks take the tiles in that order as they free up.
 inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int batch, int kv_len, int head_dim,
                                            int kv_group, bool causal,
                                            int64_t section_budget_bytes = kDefaultSectionBudgetBytes,
                                            int max_paired_q_tiles = kMaxPairedQTiles,
-                                           int64_t paired_kv_bytes = kPairedKvBytes) {
+                                           int64_t paired_kv_bytes = kPairedKvBytes, bool dynamic = false,
+                                           int grid = 132, int tail_tiles_per_block = kDefaultTailTilesPerBlock) {
   SchedulerParams sp;
   sp.num_q_tiles = num_q_tiles;
   sp.q_heads = q_heads;
@@ -72,12 +94,23 @@ inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int bat
   int64_t section = kv_bytes > 0 && section_budget_bytes > 0 ? section_budget_bytes / kv_bytes * kv_group
                                                               : sp.total_bh;
   if (section < 1) section = 1;
-  if (section > sp.total_bh || causal) section = sp.total_bh;
+  if (section > sp.total_bh || (causal && !dynamic)) section = sp.total_bh;
   sp.section_bh = static_cast<int>(section);
+  sp.tail_bh = (sp.total_bh - 1) / sp.section_bh * sp.section_bh;
+  if (causal && dynamic) {
+    // Blocks taking tiles as they free up all end together if the schedule ends on short tiles. Each section
+    // runs longest first, so the last one must hold enough work that its longest tiles (num_q_tiles key
+    // blocks) end with the rest: `tail_tiles_per_block` of them per block, in heads. (A one-head last section
+    // at d128 16k left the busiest block 8% over the mean in the host model; 4 per block, 2.4%.)
+    const int64_t long_tiles = int64_t{tail_tiles_per_block} * grid;
+    const int tail = static_cast<int>((long_tiles + num_q_tiles) / (num_q_tiles + 1)) * kv_group;
+    sp.tail_bh = sp.total_bh - tail <= 0 ? 0 : (sp.total_bh - tail) / sp.section_bh * sp.section_bh;
+  }
   sp.total_tiles = num_q_tiles * sp.total_bh;
   const int64_t all_kv_bytes = kv_bytes * (sp.total_bh / (kv_group > 0 ? kv_group : 1));
   const bool kv_past_l2 = paired_kv_bytes >= 0 && all_kv_bytes > paired_kv_bytes;
-  if (causal && MayPair(head_dim) && num_q_tiles >= 2 && (num_q_tiles <= max_paired_q_tiles || kv_past_l2)) {
+  if (causal && !dynamic && MayPair(head_dim) && num_q_tiles >= 2 &&
+      (num_q_tiles <= max_paired_q_tiles || kv_past_l2)) {
     sp.pairs_per_head = num_q_tiles / 2;
     sp.paired_tiles = 2 * sp.pairs_per_head * sp.total_bh;
   }
@@ -86,13 +119,13 @@ inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int bat
 
 // The tile block `block` runs in round `round`, or -1 when it has none (only the last round is partial).
 // Paired order: rounds 2r and 2r + 1 are the two tiles of pair r * grid + block.
-template <bool kMayPair = true>
-__host__ __device__ __forceinline__ int TileOfRound(const SchedulerParams& sp, int round, int block, int grid) {
-  if (kMayPair && sp.pairs_per_head > 0) {
-    const int pair = (round >> 1) * grid + block;
-    const int t = 2 * pair + (round & 1);
-    return t < sp.total_tiles ? t : -1;  // the last pair of an odd tile count has one tile
-  }
+__host__ __device__ __forceinline__ int PairedTileOfRound(const SchedulerParams& sp, int round, int block, int grid) {
+  const int pair = (round >> 1) * grid + block;
+  const int t = 2 * pair + (round & 1);
+  return t < sp.total_tiles ? t : -1;  // the last pair of an odd tile count has one tile
+}
+
+__host__ __device__ __forceinline__ int StaticTileOfRound(const SchedulerParams& sp, int round, int block, int grid) {
   const int base = round * grid;
   const int left = sp.total_tiles - base;
   const int count = grid < left ? grid : left;
@@ -100,26 +133,68 @@ __host__ __device__ __forceinline__ int TileOfRound(const SchedulerParams& sp, i
   return base + ((round & 1) ? count - 1 - block : block);
 }
 
-template <bool kMayPair = true>
-__host__ __device__ __forceinline__ TileCoord TileAt(const SchedulerParams& sp, int t) {
-  if (kMayPair && sp.pairs_per_head > 0) {
-    // Pairs (nq-1-i, i) head by head; with an odd nq the middle tiles follow, two heads' to a pair (again
-    // nq + 1 key blocks).
-    const int pair = t >> 1;
-    const bool middle = t >= sp.paired_tiles;
-    const int bh = middle ? t - sp.paired_tiles : pair / sp.pairs_per_head;
-    const int i = middle ? sp.pairs_per_head : pair - bh * sp.pairs_per_head;
-    const int q_tile = (t & 1) || middle ? i : sp.num_q_tiles - 1 - i;
-    return TileCoord{q_tile, bh % sp.q_heads, bh / sp.q_heads};
+// Pairs (nq-1-i, i) head by head; with an odd nq the middle tiles follow, two heads' to a pair (again nq + 1 key
+// blocks).
+__host__ __device__ __forceinline__ TileCoord PairedTileAt(const SchedulerParams& sp, int t) {
+  const int pair = t >> 1;
+  const bool middle = t >= sp.paired_tiles;
+  const int bh = middle ? t - sp.paired_tiles : pair / sp.pairs_per_head;
+  const int i = middle ? sp.pairs_per_head : pair - bh * sp.pairs_per_head;
+  const int q_tile = (t & 1) || middle ? i : sp.num_q_tiles - 1 - i;
+  return TileCoord{q_tile, bh % sp.q_heads, bh / sp.q_heads};
+}
+
+// Sections of section_bh (batch, head) pairs, q tiles longest first inside. kTail: the last section runs from
+// tail_bh to the end (the dynamic order lengthens it); without, it is whatever is left after whole sections,
+// which is where tail_bh points for the static orders, so both give the same tiles there. The static kernels
+// keep the shorter form: with the tail's branch, d128 non-causal ran ~1% slower (session 6 call 3, within the
+// spread, but on every length).
+template <bool kTail>
+__host__ __device__ __forceinline__ TileCoord SectionTileAt(const SchedulerParams& sp, int t) {
+  int base_bh, size, idx;
+  if (kTail && t >= sp.tail_bh * sp.num_q_tiles) {
+    base_bh = sp.tail_bh;
+    size = sp.total_bh - sp.tail_bh;
+    idx = t - sp.tail_bh * sp.num_q_tiles;
+  } else {
+    const int per_section = sp.section_bh * sp.num_q_tiles;
+    const int section = t / per_section;
+    base_bh = section * sp.section_bh;
+    const int left = sp.total_bh - base_bh;
+    size = sp.section_bh < left ? sp.section_bh : left;
+    idx = t - section * per_section;
   }
-  const int per_section = sp.section_bh * sp.num_q_tiles;
-  const int section = t / per_section;
-  const int base_bh = section * sp.section_bh;
-  const int left = sp.total_bh - base_bh;
-  const int size = sp.section_bh < left ? sp.section_bh : left;
-  const int idx = t - section * per_section;
   const int bh = base_bh + idx % size;
   return TileCoord{sp.num_q_tiles - 1 - idx / size, bh % sp.q_heads, bh / sp.q_heads};
 }
+
+// Either order, as the parameters say (host tests). The kernels call the one their instantiation runs: with
+// both in the paired kernel its producer spilled 4 bytes (d128).
+__host__ __device__ __forceinline__ int TileOfRound(const SchedulerParams& sp, int round, int block, int grid) {
+  return sp.pairs_per_head > 0 ? PairedTileOfRound(sp, round, block, grid) : StaticTileOfRound(sp, round, block, grid);
+}
+__host__ __device__ __forceinline__ TileCoord TileAt(const SchedulerParams& sp, int t) {
+  return sp.pairs_per_head > 0 ? PairedTileAt(sp, t) : SectionTileAt<true>(sp, t);
+}
+
+#if defined(__CUDACC__)
+// kDynamic: the next tile for this block (-1: none left). Blocks start on tiles 0..grid-1; the counter hands
+// out the rest in order. One thread per block (the scheduler) calls it ahead of need, so the atomic's round
+// trip to L2 hides under the tiles in hand.
+__device__ __forceinline__ int TakeDynamicTile(const SchedulerParams& sp) {
+  const int t = static_cast<int>(atomicAdd(sp.counter, 1u)) + static_cast<int>(gridDim.x);
+  return t < sp.total_tiles ? t : -1;
+}
+
+// kDynamic: called once per block after its last TakeDynamicTile. Every block has then made its final take,
+// so the last one to finish can zero both counters for the next launch that is given them.
+__device__ __forceinline__ void FinishDynamicTiles(const SchedulerParams& sp) {
+  __threadfence();
+  if (atomicAdd(sp.counter + 1, 1u) == gridDim.x - 1) {
+    atomicExch(sp.counter, 0u);
+    atomicExch(sp.counter + 1, 0u);
+  }
+}
+#endif
 
 }  // namespace attnd::kernels::hopper

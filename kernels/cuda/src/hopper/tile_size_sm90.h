@@ -36,6 +36,11 @@ struct TileShape {
   // setmaxnreg split of the 64K-register file (multiples of 8): producer + consumers <= 512 per thread slot.
   static constexpr int kProducerRegs = ConsumerWarpgroups == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = ConsumerWarpgroups == 2 ? 240 : 160;
+  // Under the dynamic schedule (head_dim 64) the producer warpgroup also runs the tile scheduler's thread; at 24
+  // registers that warpgroup spilled 16 bytes (d64 m128; d128 and d256 4-8), at 32 none, so two consumer
+  // warpgroups give up 8 (three had 32 / 160 already).
+  static constexpr int kProducerRegsDynamic = 32;
+  static constexpr int kConsumerRegsDynamic = ConsumerWarpgroups == 2 ? 232 : 160;
   // head_dim is stored as 64-element (128-byte) panels: the widest row TMA's 128-byte swizzle allows, and
   // exactly one wgmma K-major swizzle atom row.
   static constexpr int kPanels = HeadDim / 64;
@@ -44,7 +49,8 @@ struct TileShape {
   // Per Q buffer full/empty; per stage K full, V full, K empty, V empty.
   static constexpr int kBarriers = 2 * kQBuffers + 4 * Stages;
   // +1024: the dynamic shared-memory base is re-aligned to the 1024 bytes of a 128-byte swizzle atom, which
-  // wgmma's descriptors (base offset 0) and TMA both rely on.
+  // wgmma's descriptors (base offset 0) and TMA both rely on. (The dynamic schedule's tile ring is static
+  // shared memory, 40 bytes beside this.)
   static constexpr size_t kSmemBytes = 1024 + kQBuffers * kQBytes + 2 * Stages * kKVTileBytes + 8 * kBarriers;
 
   static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "head_dim 64, 128 or 256");
@@ -58,8 +64,12 @@ struct TileShape {
   // O + S + P plus ~32 for addresses, softmax state and loop counters (ptxas -v must still show no spills).
   static_assert(HeadDim / 2 + BlockN / 2 + BlockN / 4 + 32 <= kConsumerRegs, "O + S + P must fit the consumer budget");
   static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= 65536 / 128, "register file per SM");
+  static_assert(kProducerRegsDynamic + kConsumerWarpgroups * kConsumerRegsDynamic <=
+                    kProducerRegs + kConsumerWarpgroups * kConsumerRegs,
+                "the dynamic split moves registers, it cannot add any");
+  static_assert(HeadDim / 2 + BlockN / 2 + BlockN / 4 + 32 <= kConsumerRegsDynamic, "O + S + P, dynamic split");
   static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
-  static_assert(kSmemBytes <= 232448, "Hopper allows 227 KB of shared memory per block");
+  static_assert(kSmemBytes + 64 <= 232448, "Hopper allows 227 KB of shared memory per block");
 };
 
 // The configurations that are compiled. Names: hopper_sm90_d<head_dim>_m<block_m>n<block_n>s<stages>[_variant]
