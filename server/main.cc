@@ -65,7 +65,8 @@ ABSL_FLAG(std::string, shm_socket, "",
           "unix socket for same-host shared-memory channels (Forward without gRPC; docs/transport.md); empty: off");
 ABSL_FLAG(uint64_t, shm_max_bytes, 64ull << 20, "largest request or reply area a shared-memory channel may have");
 ABSL_FLAG(uint32_t, shm_max_channels, 64, "shared-memory channels open at once (each has a server thread)");
-ABSL_FLAG(int64_t, shm_spin_us, 50, "how long a shared-memory channel's thread polls for a request before sleeping");
+ABSL_FLAG(int64_t, shm_spin_us, 50,
+          "how long a shared-memory channel's thread polls for a request, and for its reply, before sleeping");
 ABSL_FLAG(bool, retain_heap, true,
           "keep freed tensor-sized heap memory mapped (no page faults on the next request; resident size stays "
           "near its peak); false: glibc's defaults");

@@ -8,6 +8,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -25,6 +26,8 @@ namespace {
 // While a channel is idle its thread sleeps on the state word; it wakes this often to notice a closed socket
 // or a shutdown.
 constexpr absl::Duration kIdlePoll = absl::Milliseconds(50);
+// Channel threads that poll for their replies at once; the rest sleep until theirs is written.
+constexpr int kPollingRepliesAtMost = 2;
 // A caller that connects and then sends nothing must not hold a thread for ever.
 constexpr int kHandshakeTimeoutSeconds = 5;
 
@@ -240,13 +243,25 @@ void ShmListener::Serve(int socket) {
         continue;
       }
     }
-    // One request at a time: the reply is written before this thread looks at the word again.
+    // One request at a time: the reply is written before this thread looks at the word again. While few channels
+    // are busy, the thread polls for the reply (up to --shm_spin_us) before it sleeps: a caller answered while
+    // this thread slept sends its next request at once and then waits on this thread's wake-up (H200, session 6
+    // call 3, one caller at 1k: 32 us above the kernel, 39 without). With many busy channels the pollers took
+    // CPU from the callers and workers (16 callers at 1k: 0.82 of the kernel-only rate, 0.87 without).
+    std::atomic<bool> done{false};
     absl::Notification replied;
+    const bool poll = awaiting_reply_.fetch_add(1) < kPollingRepliesAtMost;
     service_->ForwardLocal(std::move(request), [&](absl::Status s, std::shared_ptr<v1::ForwardResponse> response) {
       finish(std::move(s), response.get());
+      done.store(true, std::memory_order_release);
       replied.Notify();
     });
+    for (const absl::Time spin_end = absl::Now() + (poll ? options_.spin : absl::ZeroDuration());
+         !done.load(std::memory_order_acquire) && absl::Now() < spin_end;) {
+      shm::CpuRelax();
+    }
     replied.WaitForNotification();
+    awaiting_reply_.fetch_sub(1);
   }
   // A request published after the last look, during a shutdown, is answered rather than dropped.
   if (stopping_.load() && h->state.load(std::memory_order_acquire) == shm::kRequest) {

@@ -26,7 +26,7 @@ struct ShmListenerOptions {
   uint32_t mode = 0660;             // its permission bits
   uint64_t max_area_bytes = 64ull << 20;  // per channel, request and reply area each
   uint32_t max_channels = 64;       // open channels; more are refused with RESOURCE_EXHAUSTED
-  absl::Duration spin = absl::Microseconds(50);  // a channel thread polls this long before sleeping
+  absl::Duration spin = absl::Microseconds(50);  // a channel thread polls this long (request, reply) before sleeping
   std::vector<std::string> tokens;  // non-empty: the hello must carry one of them (--auth_token_file)
   ServerMetrics* metrics = nullptr;  // --metrics_listen: each call is recorded as method "ForwardShm"
 };
@@ -54,6 +54,7 @@ class ShmListener {
   std::atomic<bool> stopping_{false};
   absl::Mutex stop_mu_;  // a second Stop() waits for the first to finish
   std::atomic<int> open_{0};
+  std::atomic<int> awaiting_reply_{0};  // channel threads whose request is with the backend
   std::thread acceptor_;
   struct Channel {
     std::thread thread;

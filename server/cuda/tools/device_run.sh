@@ -9,7 +9,8 @@
 set -u
 OUT=${OUT:-/tmp/attnd-out}
 mkdir -p "$OUT" /tmp/bins
-tar xJf .carry-cuda/bins.tar.xz -C /tmp/bins
+# BINS: another archive of the same binaries (an A/B against an older server); tar detects the compression.
+tar xf "${BINS:-.carry-cuda/bins.tar.xz}" -C /tmp/bins
 B=/tmp/bins
 {
   date -u +"date %Y-%m-%dT%H:%M:%SZ"
