@@ -29,6 +29,12 @@ inline int64_t EnvCount(const char* name, int64_t limit) {
   return (*end == '\0' && n >= 0 && n < limit) ? static_cast<int64_t>(n) : -1;
 }
 
+// A knob's value: the environment's, or `fallback` when unset or malformed.
+inline int64_t EnvCountOr(const char* name, int64_t limit, int64_t fallback) {
+  const int64_t v = EnvCount(name, limit);
+  return v >= 0 ? v : fallback;
+}
+
 // The non-causal L2 section budget: kDefaultSectionBudgetBytes, or ATTND_HOPPER_L2_SECTION_MB for tuning runs
 // (0: no sections).
 inline int64_t SectionBudgetBytes() {
@@ -42,10 +48,7 @@ inline int64_t SectionBudgetBytes() {
 // ATTND_HOPPER_PAIR_MAX_QTILES: the longest causal problem (q tiles per head) paired for its length alone, for
 // tuning runs (unset: kMaxPairedQTiles; 0: none; the K/V-size rule below still applies).
 inline int MaxPairedQTiles() {
-  static const int n = [] {
-    const int64_t v = EnvCount("ATTND_HOPPER_PAIR_MAX_QTILES", 1 << 20);
-    return v >= 0 ? static_cast<int>(v) : kMaxPairedQTiles;
-  }();
+  static const int n = static_cast<int>(EnvCountOr("ATTND_HOPPER_PAIR_MAX_QTILES", 1 << 20, kMaxPairedQTiles));
   return n;
 }
 
@@ -79,10 +82,7 @@ inline bool DynamicCausalSchedule() {
 
 // ATTND_HOPPER_TAIL_TILES: the dynamic schedule's last-section length (tile_scheduler_sm90.cuh), for tuning runs.
 inline int TailTilesPerBlock() {
-  static const int n = [] {
-    const int64_t v = EnvCount("ATTND_HOPPER_TAIL_TILES", 1 << 10);
-    return v >= 0 ? static_cast<int>(v) : kDefaultTailTilesPerBlock;
-  }();
+  static const int n = static_cast<int>(EnvCountOr("ATTND_HOPPER_TAIL_TILES", 1 << 10, kDefaultTailTilesPerBlock));
   return n;
 }
 
@@ -90,10 +90,8 @@ inline int TailTilesPerBlock() {
 // taking them longest first leaves blocks far apart at the end (host model: 1k, 32 heads, 2 tiles per block:
 // 29% over the mean, where pairs are 3%; 4k, 7.8 per block, even). ATTND_HOPPER_DYNAMIC_MIN_TILES for tuning.
 inline int DynamicMinTilesPerBlock() {
-  static const int n = [] {
-    const int64_t v = EnvCount("ATTND_HOPPER_DYNAMIC_MIN_TILES", 1 << 20);
-    return v >= 0 ? static_cast<int>(v) : kDynamicMinTilesPerBlock;
-  }();
+  static const int n =
+      static_cast<int>(EnvCountOr("ATTND_HOPPER_DYNAMIC_MIN_TILES", 1 << 20, kDynamicMinTilesPerBlock));
   return n;
 }
 
