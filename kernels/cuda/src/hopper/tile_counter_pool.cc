@@ -37,16 +37,24 @@ cudaError_t GetPool(int device, Pool** out) {
     std::lock_guard<std::mutex> lock(g_create_mu);
     pool = g_pools[device].load(std::memory_order_acquire);
     if (pool == nullptr) {
+      // cudaMalloc and the events belong to the current device: it must be the one asked for.
+      int current = -1;
+      if (const cudaError_t err = cudaGetDevice(&current); err != cudaSuccess) return err;
+      if (current != device) return cudaErrorInvalidDevice;
       auto fresh = std::make_unique<Pool>();
       cudaError_t err = cudaMalloc(reinterpret_cast<void**>(&fresh->base), kSlots * kSlotBytes);
       if (err != cudaSuccess) return err;
-      // Synchronous on purpose: the zeroes must be in place before any stream's first launch reads them.
-      err = cudaMemset(fresh->base, 0, kSlots * kSlotBytes);
+      // The zeroes must be in place before any stream's first launch reads them, non-blocking streams
+      // included; a stream of its own waits for the memset alone, not for the work of the device's other streams.
+      cudaStream_t zero = nullptr;
+      err = cudaStreamCreateWithFlags(&zero, cudaStreamNonBlocking);
+      if (err == cudaSuccess) err = cudaMemsetAsync(fresh->base, 0, kSlots * kSlotBytes, zero);
+      if (err == cudaSuccess) err = cudaStreamSynchronize(zero);
+      if (zero != nullptr) cudaStreamDestroy(zero);
       for (int i = 0; i < kSlots && err == cudaSuccess; ++i) {
         fresh->slots[i].counter = reinterpret_cast<unsigned*>(fresh->base + i * kSlotBytes);
         err = cudaEventCreateWithFlags(&fresh->slots[i].last, cudaEventDisableTiming);
       }
-      if (err == cudaSuccess) err = cudaDeviceSynchronize();
       if (err != cudaSuccess) {
         for (Slot& s : fresh->slots) {
           if (s.last != nullptr) cudaEventDestroy(s.last);
