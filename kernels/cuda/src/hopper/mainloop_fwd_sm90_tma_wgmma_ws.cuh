@@ -93,12 +93,11 @@ struct SharedStorageSm90 {
   }
 };
 
-// The dynamic schedule's hand-off of tile indices to the producer thread and the consumer warps: a small ring,
+// The dynamic schedule's hand-off of tile indices to the producer thread and the consumer threads: a small ring,
 // since the Q barrier cannot carry it (a tile without key blocks loads no Q) and everyone must learn the end
 // (-1) too. A thread of its own (the producer warpgroup's second warp) takes tiles from the global counter and
-// fills the ring, so the producer thread keeps the register budget it had (24: the counter's address and a
-// tile in hand spilled it). The ring lives in static shared memory: its addresses are then constants, where
-// the dynamic layout's pointers stayed live in registers across the tile (d64 m192 and d256 spilled).
+// fills the ring. The ring lives in static shared memory, so its addresses are constants rather than pointers
+// held in registers across the tile.
 struct TileRingSm90 {
   static constexpr int kSlots = 2;  // the scheduler runs up to two tiles ahead of the consumers
   uint64_t full[kSlots];            // scheduler -> readers: the slot holds the next tile index
