@@ -110,7 +110,9 @@ TEST(HopperScheduler, PairedCausalProblemsGoHeadByHead) {
         const TileCoord x = TileAt(sp, a), y = TileAt(sp, b);
         // Every pair is nq + 1 key blocks: q tiles i and nq-1-i of one head, or two heads' middle tiles.
         EXPECT_EQ(x.q_tile + 1 + y.q_tile + 1, s.q_tiles + 1) << "block " << block << " round " << round;
-        if (x.q_tile != y.q_tile) EXPECT_EQ(x.head + x.batch * s.heads, y.head + y.batch * s.heads);
+        if (x.q_tile != y.q_tile) {
+          EXPECT_EQ(x.head + x.batch * s.heads, y.head + y.batch * s.heads);
+        }
       }
     }
     // The pairs in flight at once cover few heads: K and V stay in L2 across their q tiles.
@@ -227,7 +229,9 @@ TEST(HopperScheduler, DynamicCausalOrderRunsEveryTileOnceAndBalances) {
     const int per_section = sp.section_bh * sp.num_q_tiles, tail_tile = sp.tail_bh * sp.num_q_tiles;
     for (int t = 1; t < sp.total_tiles; ++t) {
       const bool starts_section = t < tail_tile ? t % per_section == 0 : t == tail_tile;
-      if (!starts_section) EXPECT_LE(SectionTileAt<true>(sp, t).q_tile, SectionTileAt<true>(sp, t - 1).q_tile) << "tile " << t;
+      if (!starts_section) {
+        EXPECT_LE(SectionTileAt<true>(sp, t).q_tile, SectionTileAt<true>(sp, t - 1).q_tile) << "tile " << t;
+      }
     }
     std::vector<int> visits;
     const double overhead = 1.4;  // block-steps of a tile beyond its key blocks (docs/hopper-kernel-notes.md)
