@@ -147,8 +147,9 @@ __host__ __device__ __forceinline__ TileCoord PairedTileAt(const SchedulerParams
 // Sections of section_bh (batch, head) pairs, q tiles longest first inside. kTail: the last section runs from
 // tail_bh to the end (the dynamic order lengthens it); without, it is whatever is left after whole sections,
 // which is where tail_bh points for the static orders, so both give the same tiles there. The static kernels
-// keep the shorter form: with the tail's branch, d128 non-causal ran ~1% slower (session 6 call 3, within the
-// spread, but on every length).
+// keep the shorter form: with the tail's branch in them (and the dynamic ring declared in every kernel), d128
+// non-causal ran ~1% below v6 on every length (session 6 call 3, within the spread); with neither, level
+// (call 4). Which of the two it was was not isolated.
 template <bool kTail>
 __host__ __device__ __forceinline__ TileCoord SectionTileAt(const SchedulerParams& sp, int t) {
   int base_bh, size, idx;
