@@ -116,15 +116,10 @@ void RunCase(const Case& c, int sms) {
   }
   attnd::kernels::Plan probed = *plan;
   probed.params.o = o2;
-  const attnd::kernels::LaunchParams& lp = plan->params;
-  const int64_t tiles = int64_t{plan->grid[0]} * plan->grid[1] * plan->grid[2];
-  const int blocks = static_cast<int>(std::min<int64_t>(tiles, sms));
-  const bool dynamic = hk::MayRunDynamic(d) && lp.causal != 0 && hk::DynamicCausalSchedule() &&
-                       tiles >= int64_t{hk::DynamicMinTilesPerBlock()} * blocks;
-  hk::SchedulerParams sp = hk::MakeSchedulerParams(
-      static_cast<int>(plan->grid[0]), static_cast<int>(plan->grid[1]), static_cast<int>(plan->grid[2]), lp.kv_len,
-      d, lp.group, lp.causal != 0, hk::SectionBudgetBytes(), hk::MaxPairedQTiles(), hk::PairedKvBytes(), dynamic,
-      blocks, hk::TailTilesPerBlock());
+  hk::LaunchSchedule ls = hk::ScheduleFor(*plan, d, hk::MayRunDynamic(d), sms);
+  hk::SchedulerParams& sp = ls.sp;
+  const int blocks = ls.blocks;
+  const bool dynamic = ls.dynamic;
   if (dynamic) {
     // The probed launches run one after another on the default stream; each leaves the counters zeroed.
     static unsigned* counter = [] {

@@ -102,23 +102,42 @@ inline bool Capturing(cudaStream_t stream) {
   return cudaStreamIsCapturing(stream, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone;
 }
 
+// What a launch of `plan` runs: the persistent grid (at most one block per SM) and the tile order. The trace
+// tool (kernels/cuda/tools/hopper_trace.cu) mirrors launches with it. `may_run_dynamic`: the instantiation has
+// the dynamic order and this launch may use it.
+struct LaunchSchedule {
+  SchedulerParams sp;
+  int blocks = 0;
+  bool dynamic = false;
+};
+inline LaunchSchedule ScheduleFor(const Plan& plan, int head_dim, bool may_run_dynamic, int sms) {
+  const LaunchParams& lp = plan.params;
+  const int64_t tiles = int64_t{plan.grid[0]} * plan.grid[1] * plan.grid[2];
+  LaunchSchedule ls;
+  ls.blocks = static_cast<int>(tiles < sms ? tiles : sms);
+  if (const int cap = MaxBlocksOverride(); cap > 0 && ls.blocks > cap) ls.blocks = cap;
+  ls.dynamic = may_run_dynamic && lp.causal != 0 && DynamicCausalSchedule() &&
+               tiles >= int64_t{DynamicMinTilesPerBlock()} * ls.blocks;
+  ls.sp = MakeSchedulerParams(static_cast<int>(plan.grid[0]), static_cast<int>(plan.grid[1]),
+                              static_cast<int>(plan.grid[2]), lp.kv_len, head_dim, lp.group, lp.causal != 0,
+                              SectionBudgetBytes(), MaxPairedQTiles(), PairedKvBytes(), ls.dynamic, ls.blocks,
+                              TailTilesPerBlock());
+  return ls;
+}
+
 template <typename Tile, typename Elem>
 cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
   int sms = 0;
   const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, plan.device);
   if (err != cudaSuccess) return err;
   const LaunchParams& lp = plan.params;
-  const int64_t tiles = int64_t{plan.grid[0]} * plan.grid[1] * plan.grid[2];
-  int blocks = static_cast<int>(tiles < sms ? tiles : sms);
-  if (const int cap = MaxBlocksOverride(); cap > 0 && blocks > cap) blocks = cap;
   constexpr bool kMayRunDynamic = !Tile::kCrossTile && MayRunDynamic(Tile::kHeadDim);
-  const bool dynamic = kMayRunDynamic && lp.causal != 0 && DynamicCausalSchedule() &&
-                       tiles >= int64_t{DynamicMinTilesPerBlock()} * blocks && !Capturing(stream);
-  SchedulerParams sp =
-      MakeSchedulerParams(static_cast<int>(plan.grid[0]), static_cast<int>(plan.grid[1]),
-                          static_cast<int>(plan.grid[2]), lp.kv_len, Tile::kHeadDim, lp.group, lp.causal != 0,
-                          SectionBudgetBytes(), MaxPairedQTiles(), PairedKvBytes(), dynamic, blocks,
-                          TailTilesPerBlock());
+  // Capturing is asked last: only launches that would run the dynamic order pay for the call.
+  LaunchSchedule ls = ScheduleFor(plan, Tile::kHeadDim, kMayRunDynamic, sms);
+  if (ls.dynamic && Capturing(stream)) ls = ScheduleFor(plan, Tile::kHeadDim, false, sms);
+  SchedulerParams& sp = ls.sp;
+  const int blocks = ls.blocks;
+  const bool dynamic = ls.dynamic;
   if constexpr (kMayRunDynamic) {
     if (dynamic) {
       TileCounterLease lease;
