@@ -256,12 +256,14 @@ struct ConsumerSm90 {
     // in uniform registers, instead of redoing the generic-to-shared conversion per dynamic index.
     const uint32_t q_base = SmemAddr(smem.q) + q_slot * Tile::kQBytes + wg * 64 * 128;
     const uint32_t k_base = SmemAddr(smem.k) + st * Tile::kKVTileBytes;
+    const uint32_t q_lo = SmemDescLo(q_base, 16), k_lo = SmemDescLo(k_base, 16);
+    constexpr uint32_t kHi = SmemDescHi(1024);
     WgmmaFence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t off = (kk % 4) * 32;
-      const uint64_t da = MakeSmemDesc(q_base + (kk / 4) * SharedStorageSm90<Tile>::kQPanelBytes + off, 16, 1024);
-      const uint64_t db = MakeSmemDesc(k_base + (kk / 4) * SharedStorageSm90<Tile>::kKVPanelBytes + off, 16, 1024);
+      const uint64_t da = DescAt<kHi>(q_lo, (kk / 4) * SharedStorageSm90<Tile>::kQPanelBytes + off);
+      const uint64_t db = DescAt<kHi>(k_lo, (kk / 4) * SharedStorageSm90<Tile>::kKVPanelBytes + off);
       Wgmma<BN, Elem>::SS(s, da, db, kk > 0 ? 1 : 0);
     }
     WgmmaCommit();
@@ -270,10 +272,11 @@ struct ConsumerSm90 {
   // O += P V over the block's keys in k16 steps: 16 keys are 2048 bytes of every V panel.
   __device__ __forceinline__ void IssuePV(float (&o)[kORegs], const uint32_t (&pf)[kPSteps][4], int st) const {
     const uint32_t v_base = SmemAddr(smem.v) + st * Tile::kKVTileBytes;
+    const uint32_t v_lo = SmemDescLo(v_base, SharedStorageSm90<Tile>::kKVPanelBytes);
     WgmmaFence();
 #pragma unroll
     for (int kk = 0; kk < kPSteps; ++kk) {
-      const uint64_t db = MakeSmemDesc(v_base + kk * 16 * 128, SharedStorageSm90<Tile>::kKVPanelBytes, 1024);
+      const uint64_t db = DescAt<SmemDescHi(1024)>(v_lo, kk * 16 * 128);
       Wgmma<D, Elem>::RS(o, pf[kk], db);
     }
     WgmmaCommit();

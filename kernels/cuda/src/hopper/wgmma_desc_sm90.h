@@ -14,13 +14,22 @@
 
 namespace attnd::kernels::hopper {
 
-__device__ __forceinline__ uint64_t MakeSmemDesc(uint32_t smem_addr, uint32_t leading_bytes, uint32_t stride_bytes) {
-  uint64_t desc = 0;
-  desc |= static_cast<uint64_t>((smem_addr >> 4) & 0x3FFF);
-  desc |= static_cast<uint64_t>((leading_bytes >> 4) & 0x3FFF) << 16;
-  desc |= static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32;
-  desc |= static_cast<uint64_t>(1) << 62;  // 128-byte swizzle
-  return desc;
+// The descriptor's low word for a tile at `smem_addr` (a shared-window address, below 2^18, so its >> 4 fits
+// the 14-bit field): k-step and panel offsets are then one 32-bit add (DescAt) instead of the whole encoding
+// per wgmma, which kept the operands' descriptors in vector registers and moved them to uniform ones (R2UR)
+// before every HGMMA.
+__device__ __forceinline__ uint32_t SmemDescLo(uint32_t smem_addr, uint32_t leading_bytes) {
+  return (smem_addr >> 4) | ((leading_bytes >> 4) & 0x3FFF) << 16;
+}
+// The high word: stride byte offset and 128-byte swizzle (base offset 0), a constant.
+__host__ __device__ constexpr uint32_t SmemDescHi(uint32_t stride_bytes) {
+  return ((stride_bytes >> 4) & 0x3FFF) | (uint32_t{1} << 30);
+}
+// The descriptor of the operand `byte_offset` bytes past the tile whose low word is `lo` (offsets are multiples
+// of 16 and stay inside shared memory, so the address field does not carry into the leading offset).
+template <uint32_t kHi>
+__device__ __forceinline__ uint64_t DescAt(uint32_t lo, uint32_t byte_offset) {
+  return (static_cast<uint64_t>(kHi) << 32) | (lo + (byte_offset >> 4));
 }
 
 // Orders this thread's earlier register writes (accumulators, A fragments) before the next wgmma reads them.
