@@ -3,7 +3,7 @@
 # here with -DATTND_STATIC=ON and copied to .carry-hopper/): GPU tests of the hopper configurations,
 # compute-sanitizer on small shapes, the SASS check (HGMMA, no local memory) and the benchmark against
 # torch SDPA (cuDNN, FA2). Logs go to $OUT (at most 8 files come back).
-#   scripts/hopper_device_run.sh [smoke|tests|fewblocks|sanitize|sass|sweep|pairsweep|schedsweep|bench|quickbench|trace]...
+#   scripts/hopper_device_run.sh [smoke|tests|fewblocks|sanitize|sass|sweep|pairsweep|schedsweep|bench|quickbench|trace|profile]...
 #   (default: all but quickbench and trace)
 set -uo pipefail
 C=.carry-hopper
@@ -108,6 +108,24 @@ PY
       # TRACE_ARGS is its "config B S H causal" list; empty: d128 s3 at 1k/4k/16k, causal and not.
       timeout ${TRACE_TIMEOUT:-120} "$C/hopper_trace" ${TRACE_ARGS:-} > "$OUT/trace.log" 2>&1
       echo "trace rc=$?"; grep -E '^==|^steady|producer' "$OUT/trace.log" ;;
+    profile)
+      # Clocks and power under sustained load (kernels/bench/hopper_profile.py power), then one launch each of
+      # ours and cuDNN's kernel under ncu (PROFILE_SHAPES, default d128 non-causal 16k). --clock-control none:
+      # the card's clocks are left as they are (ncu would otherwise lock them to base).
+      PYTHONUNBUFFERED=1 timeout 150 python3 kernels/bench/hopper_profile.py --lib "$C/libattnd_kernels_c.so" power \
+        --shapes ${PROFILE_POWER_SHAPES:-d128nc16k,d128c16k,d256nc16k,d64nc16k,d128nc1k,d128c1k} > "$OUT/power.txt" 2>&1
+      echo "power rc=$?"; cat "$OUT/power.txt"
+      for shape in ${PROFILE_SHAPES:-d128nc16k}; do
+        for who in ours cudnn; do
+          regex=HopperFwdKernel; [ $who = cudnn ] && regex='cudnn|sdpa|fmha'
+          timeout 170 ncu --clock-control none -k "regex:$regex" -s 1 -c 1 --set full --import-source no \
+            -o "$OUT/${who}_$shape" python3 kernels/bench/hopper_profile.py --lib "$C/libattnd_kernels_c.so" once \
+            --shapes $shape --launches 2 > /dev/null 2>&1
+          echo "ncu $who $shape rc=$?"
+          ncu --import "$OUT/${who}_$shape.ncu-rep" --page details > "$OUT/${who}_$shape.details.txt" 2>&1
+          grep -E "SM Frequency|Duration|Executed Instructions  |Issue Slots Busy|highest-utilized" "$OUT/${who}_$shape.details.txt"
+        done
+      done ;;
     bench|quickbench)
       extra=""; [ "$step" = quickbench ] && extra="--quick"
       PYTHONUNBUFFERED=1 timeout ${BENCH_TIMEOUT:-200} python3 kernels/bench/hopper_bench.py --lib "$C/libattnd_kernels_c.so" \
