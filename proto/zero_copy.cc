@@ -77,7 +77,138 @@ class SliceWriter final : public google::protobuf::io::ZeroCopyOutputStream {
   int64_t flushed_ = 0;
 };
 
+// A forward-only reader over a message's slices: protobuf varints, and byte runs either copied or noted
+// where they lie.
+class SliceCursor {
+ public:
+  explicit SliceCursor(const std::vector<grpc::Slice>& slices) : slices_(&slices) { Settle(); }
+
+  bool AtEnd() const { return index_ == slices_->size(); }
+  uint64_t position() const { return position_; }
+
+  bool ReadVarint(uint64_t* v) {
+    *v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      if (AtEnd()) return false;
+      const uint8_t b = (*slices_)[index_].begin()[offset_];
+      Advance(1);
+      *v |= static_cast<uint64_t>(b & 0x7f) << shift;
+      if ((b & 0x80) == 0) return true;
+    }
+    return false;  // more than ten bytes: not a varint
+  }
+
+  // The next n bytes as runs inside the slices (appended to `pieces` when given), or appended to `copy`.
+  bool Take(uint64_t n, std::vector<absl::Span<const uint8_t>>* pieces, std::string* copy) {
+    while (n > 0) {
+      if (AtEnd()) return false;
+      const grpc::Slice& s = (*slices_)[index_];
+      const size_t run = static_cast<size_t>(std::min<uint64_t>(n, s.size() - offset_));
+      const uint8_t* at = s.begin() + offset_;
+      if (pieces != nullptr) pieces->emplace_back(at, run);
+      if (copy != nullptr) copy->append(reinterpret_cast<const char*>(at), run);
+      Advance(run);
+      n -= run;
+    }
+    return true;
+  }
+
+ private:
+  void Advance(size_t n) {
+    offset_ += n;
+    position_ += n;
+    Settle();
+  }
+  void Settle() {  // skips finished and empty slices
+    while (index_ < slices_->size() && offset_ == (*slices_)[index_].size()) {
+      ++index_;
+      offset_ = 0;
+    }
+  }
+
+  const std::vector<grpc::Slice>* slices_;
+  size_t index_ = 0, offset_ = 0;
+  uint64_t position_ = 0;
+};
+
+void AppendVarint(uint64_t v, std::string* out) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+
 }  // namespace
+
+bool ReadForwardRequest(const grpc::ByteBuffer& message, std::vector<grpc::Slice>* slices, v1::ForwardRequest* header,
+                        InlineBytes (&tensors)[3]) {
+  static_assert(v1::ForwardRequest::kQFieldNumber + 1 == v1::ForwardRequest::kKFieldNumber &&
+                v1::ForwardRequest::kKFieldNumber + 1 == v1::ForwardRequest::kVFieldNumber);
+  slices->clear();
+  if (!message.Dump(slices).ok()) return false;
+  for (InlineBytes& t : tensors) t = InlineBytes();
+  SliceCursor in(*slices);
+  std::string kept;  // every field but the inline tensors, re-encoded as it came, for protobuf
+  bool seen[3] = {false, false, false};
+  const uint32_t data_tag = LengthDelimitedTag(v1::TensorInput::kDataFieldNumber);
+  while (!in.AtEnd()) {
+    uint64_t tag = 0;
+    if (!in.ReadVarint(&tag) || tag > UINT32_MAX || (tag >> 3) == 0) return false;
+    const int field = static_cast<int>(tag >> 3);
+    const int tensor = field - v1::ForwardRequest::kQFieldNumber;
+    const bool is_tensor = tensor >= 0 && tensor < 3 && (tag & 7) == 2;
+    if (is_tensor) {
+      if (seen[tensor]) return false;  // repeated: protobuf merges the parts
+      seen[tensor] = true;
+    }
+    AppendVarint(tag, &kept);
+    uint64_t v = 0;
+    switch (tag & 7) {
+      case 0:
+        if (!in.ReadVarint(&v)) return false;
+        AppendVarint(v, &kept);
+        break;
+      case 1:
+        if (!in.Take(8, nullptr, &kept)) return false;
+        break;
+      case 5:
+        if (!in.Take(4, nullptr, &kept)) return false;
+        break;
+      case 2: {
+        uint64_t len = 0;
+        if (!in.ReadVarint(&len)) return false;
+        if (!is_tensor || len == 0) {
+          AppendVarint(len, &kept);
+          if (!in.Take(len, nullptr, &kept)) return false;
+          break;
+        }
+        // TensorInput{data} alone: its own tag and length, then the bytes to the end of the field. Looked at
+        // through a copy of the cursor, so that anything else can be copied from the field's start.
+        SliceCursor look = in;
+        uint64_t inner_tag = 0, n = 0;
+        if (look.ReadVarint(&inner_tag) && inner_tag == data_tag && look.ReadVarint(&n) &&
+            look.position() - in.position() + n == len) {
+          InlineBytes& t = tensors[tensor];
+          t.present = true;
+          t.size = n;
+          in = look;
+          if (!in.Take(n, &t.pieces, nullptr)) return false;
+          kept.resize(kept.size() - static_cast<size_t>(google::protobuf::io::CodedOutputStream::VarintSize64(tag)));
+          break;
+        }
+        // Anything else (a reference): protobuf parses it.
+        AppendVarint(len, &kept);
+        if (!in.Take(len, nullptr, &kept)) return false;
+        break;
+      }
+      default:  // groups (not in proto3) and invalid wire types
+        return false;
+    }
+  }
+  header->Clear();
+  return header->ParseFromString(kept);
+}
 
 grpc::ByteBuffer SerializeStreamChunk(v1::TensorName tensor, uint64_t offset, const char* data, size_t n,
                                       std::shared_ptr<const void> owner) {

@@ -186,6 +186,40 @@ TEST(Validation, ValidRequestPassesAndFillsTheJob) {
   EXPECT_FLOAT_EQ(job.problem.scale, 0.125f);  // 1/sqrt(64)
 }
 
+TEST(Validation, TensorsLeftInTheMessageAreSizeCheckedAndPassedAsPieces) {
+  const v1::ForwardRequest full = testing::MakeRequest(kShape);
+  v1::ForwardRequest header = full;
+  header.clear_q();
+  header.clear_k();
+  header.clear_v();
+  // Each tensor in two pieces, as ReadForwardRequest describes bytes spread over gRPC slices.
+  const std::string* data[3] = {&full.q().data(), &full.k().data(), &full.v().data()};
+  InlineBytes in_message[3];
+  for (int i = 0; i < 3; ++i) {
+    const auto* p = reinterpret_cast<const uint8_t*>(data[i]->data());
+    in_message[i].present = true;
+    in_message[i].size = data[i]->size();
+    in_message[i].pieces = {absl::MakeConstSpan(p, 100), absl::MakeConstSpan(p + 100, data[i]->size() - 100)};
+  }
+  server::ForwardJob job;
+  server::RequestBytes bytes;
+  ASSERT_TRUE(server::ValidateForwardRequest(header, Transport::kUnary, Limits(), &job, &bytes, in_message).ok());
+  EXPECT_EQ(job.q.host, nullptr);
+  EXPECT_EQ(job.k.pieces.size(), 2u);
+  EXPECT_EQ(job.v.host_bytes, data[2]->size());
+  std::string copied(data[1]->size(), '\0');
+  server::CopyInline(job.k, reinterpret_cast<uint8_t*>(copied.data()));
+  EXPECT_TRUE(copied == *data[1]);
+  // A wrong size names the field, as for bytes protobuf parsed.
+  in_message[1].size -= 2;
+  in_message[1].pieces.back() = in_message[1].pieces.back().subspan(2);
+  const absl::Status s = server::ValidateForwardRequest(header, Transport::kUnary, Limits(), &job, &bytes, in_message);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(s.message(), "k.data:")) << s;
+  // Without them the header alone is missing its tensors.
+  EXPECT_TRUE(absl::StartsWith(Check(header, Transport::kUnary, Limits()).message(), "q:"));
+}
+
 TEST(Validation, HeadDimMessageListsSupportedValues) {
   v1::ForwardRequest r = testing::MakeRequest(kShape);
   r.mutable_shape()->set_head_dim(96);

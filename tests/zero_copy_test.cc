@@ -234,6 +234,104 @@ TEST(SerializeForwardRequest, ParsesToTheRequestItDescribes) {
   EXPECT_FALSE(parsed.has_v());
 }
 
+std::string Joined(const InlineBytes& t) {
+  std::string out;
+  for (const absl::Span<const uint8_t>& p : t.pieces) out.append(reinterpret_cast<const char*>(p.data()), p.size());
+  return out;
+}
+
+// Whether every piece lies inside one of the slices: read in place, not copied.
+bool InSlices(const InlineBytes& t, const std::vector<grpc::Slice>& slices) {
+  for (const absl::Span<const uint8_t>& p : t.pieces) {
+    bool inside = false;
+    for (const grpc::Slice& s : slices) inside |= p.data() >= s.begin() && p.data() + p.size() <= s.end();
+    if (!inside) return false;
+  }
+  return true;
+}
+
+TEST(ReadForwardRequest, LeavesTheTensorsInTheSlicesAndParsesTheRest) {
+  auto full = Request(Shape{2, 33, 47, 4, 2, 64}, true);
+  v1::ForwardRequest header = *full;
+  header.clear_q();
+  header.clear_k();
+  header.clear_v();
+  const std::string* want[3] = {&full->q().data(), &full->k().data(), &full->v().data()};
+  const std::optional<std::string_view> tensors[3] = {*want[0], *want[1], *want[2]};
+  // Protobuf's own bytes cut into slices of several sizes (1 byte: every varint straddles a boundary), and the
+  // client's header + tensors form with the tensors by reference.
+  std::vector<grpc::ByteBuffer> inputs;
+  for (size_t cut : {size_t{1}, size_t{3}, size_t{1000}, size_t{1} << 20}) inputs.push_back(Sliced(full->SerializeAsString(), cut));
+  inputs.push_back(SerializeForwardRequest(header, tensors, full));
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    SCOPED_TRACE(testing::Message() << "input " << i);
+    v1::ForwardRequest got;
+    InlineBytes t[3];
+    auto slices = std::make_unique<std::vector<grpc::Slice>>();
+    ASSERT_TRUE(ReadForwardRequest(inputs[i], slices.get(), &got, t));
+    EXPECT_EQ(got.SerializeAsString(), header.SerializeAsString());
+    // The pieces stay valid as long as the slices are kept, whatever happens to the message: 1-byte slices
+    // keep their bytes inside the slice objects.
+    inputs[i].Clear();
+    auto moved = std::move(slices);
+    for (int j = 0; j < 3; ++j) {
+      EXPECT_TRUE(t[j].present);
+      EXPECT_EQ(t[j].size, want[j]->size());
+      EXPECT_TRUE(Joined(t[j]) == *want[j]) << "tensor " << j;
+      EXPECT_TRUE(InSlices(t[j], *moved)) << "tensor " << j;
+    }
+  }
+}
+
+TEST(ReadForwardRequest, ReferencesAndEmptyTensorsGoToProtobufAndOddEncodingsAreLeftToIt) {
+  v1::ForwardRequest header;
+  header.set_request_id("odd");
+  header.mutable_shape()->set_q_len(5);
+  v1::ForwardRequest mixed = header;
+  mixed.mutable_q()->mutable_ref()->set_buffer_id("buf-1");
+  mixed.mutable_k();  // present, no source: validation answers "missing"
+  mixed.mutable_v()->set_data("vvvv");
+  {
+    grpc::ByteBuffer b = Sliced(mixed.SerializeAsString(), 2);
+    v1::ForwardRequest got;
+    InlineBytes t[3];
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(ReadForwardRequest(b, &slices, &got, t));
+    EXPECT_EQ(got.q().ref().buffer_id(), "buf-1");
+    EXPECT_FALSE(t[0].present);
+    EXPECT_TRUE(got.has_k());
+    EXPECT_EQ(got.k().source_case(), v1::TensorInput::SOURCE_NOT_SET);
+    EXPECT_FALSE(t[1].present);
+    EXPECT_FALSE(got.has_v());
+    EXPECT_EQ(Joined(t[2]), "vvvv");
+  }
+  // A TensorInput with data and more after it (an unknown field 7): protobuf parses it, data included.
+  {
+    const std::string q_field = std::string("\x3a\x08\x0a\x04qqqq\x38\x01", 10);
+    grpc::ByteBuffer b = Sliced(header.SerializeAsString() + q_field, 4);
+    v1::ForwardRequest got;
+    InlineBytes t[3];
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(ReadForwardRequest(b, &slices, &got, t));
+    EXPECT_FALSE(t[0].present);
+    EXPECT_EQ(got.q().data(), "qqqq");
+    EXPECT_EQ(got.request_id(), "odd");
+  }
+  // Left to protobuf: a tensor field twice (protobuf merges the parts), a length past the end, a bad wire type,
+  // a truncated varint.
+  v1::ForwardRequest k_only;
+  k_only.mutable_k()->set_data("kk");
+  const std::string good = mixed.SerializeAsString();
+  for (const std::string& bad : {good + k_only.SerializeAsString(), good.substr(0, good.size() - 1),
+                                 std::string("\x0f\x01", 2), std::string("\x08\x80", 2)}) {
+    grpc::ByteBuffer b = Sliced(bad, 3);
+    v1::ForwardRequest got;
+    InlineBytes t[3];
+    std::vector<grpc::Slice> slices;
+    EXPECT_FALSE(ReadForwardRequest(b, &slices, &got, t));
+  }
+}
+
 TEST(ParseSmallFields, HeaderFieldsWithoutTheTensors) {
   auto request = Request(Shape{1, 64, 64, 4, 4, 64}, true);  // 32 KiB tensors
   grpc::ByteBuffer buf = *SerializeByReference(request);

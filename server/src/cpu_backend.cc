@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <exception>
 #include <new>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -169,10 +170,24 @@ absl::Status CpuBackend::Run(ForwardJob& job, int compute_threads) {
   layout.o = ContiguousStrides(s.q_len, s.q_heads, s.head_dim);
   ReferenceOptions opts;
   opts.num_threads = compute_threads;
+  // The reference reads each tensor contiguously: inputs still in the message's pieces are gathered first.
+  std::string gathered[3];
+  const uint8_t* in[3] = {job.q.host, job.k.host, job.v.host};
+  const TensorSource* sources[3] = {&job.q, &job.k, &job.v};
+  try {
+    for (int i = 0; i < 3; ++i) {
+      if (in[i] != nullptr) continue;
+      gathered[i].resize(sources[i]->host_bytes);
+      CopyInline(*sources[i], reinterpret_cast<uint8_t*>(gathered[i].data()));
+      in[i] = reinterpret_cast<const uint8_t*>(gathered[i].data());
+    }
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("out of host memory for the inputs");
+  }
   const absl::Time compute_start = absl::Now();
   try {
-    ReferenceAttention(p, layout, reinterpret_cast<const uint16_t*>(job.q.host),
-                       reinterpret_cast<const uint16_t*>(job.k.host), reinterpret_cast<const uint16_t*>(job.v.host),
+    ReferenceAttention(p, layout, reinterpret_cast<const uint16_t*>(in[0]), reinterpret_cast<const uint16_t*>(in[1]),
+                       reinterpret_cast<const uint16_t*>(in[2]),
                        reinterpret_cast<uint16_t*>(job.o.data()),
                        p.want_lse ? reinterpret_cast<float*>(job.lse.data()) : nullptr, opts);
   } catch (const std::exception& e) {  // thread creation or allocation on the calling thread

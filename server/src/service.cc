@@ -299,10 +299,11 @@ AttentionService::AttentionService(const ServerOptions& options, Backend* backen
       stream_chunk_bytes_(ChunkBytes(options.max_message_bytes)) {}
 
 absl::Status AttentionService::Prepare(const v1::ForwardRequest& request, Transport transport,
-                                       grpc::CallbackServerContext* ctx, ForwardJob* job, RequestBytes* bytes) const {
+                                       grpc::CallbackServerContext* ctx, ForwardJob* job, RequestBytes* bytes,
+                                       const InlineBytes* in_message) const {
   if (shutting_down_.load()) return absl::UnavailableError("the server is shutting down");
   if (peer_calls_ != nullptr) ATTND_RETURN_IF_ERROR(peer_calls_->Admit(ctx->peer()));
-  ATTND_RETURN_IF_ERROR(ValidateForwardRequest(request, transport, limits_, job, bytes));
+  ATTND_RETURN_IF_ERROR(ValidateForwardRequest(request, transport, limits_, job, bytes, in_message));
   ATTND_RETURN_IF_ERROR(backend_->CheckSupported(*job));
   job->deadline = absl::FromChrono(ctx->deadline());
   if (absl::Now() >= job->deadline) {
@@ -340,9 +341,15 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
                                                     const grpc::ByteBuffer* request_bytes,
                                                     grpc::ByteBuffer* response_bytes) {
   const absl::Time start = absl::Now();
-  // Shared with the job's `done`: the job's inputs point into it until the backend has finished.
+  // Shared with the job's `done`: the job's inputs point into it, or into `request_bytes`' slices, until the
+  // backend has finished. The tensors stay where gRPC received them (ReadForwardRequest), so the backend's
+  // staging copy is their only one; protobuf parses whatever that reader leaves to it.
   auto request = std::make_shared<v1::ForwardRequest>();
-  {
+  // The slices the inputs may point into, held until the backend is done with them.
+  auto received = std::make_shared<std::vector<grpc::Slice>>();
+  InlineBytes in_message[3];
+  const bool by_reference = ReadForwardRequest(*request_bytes, received.get(), request.get(), in_message);
+  if (!by_reference) {
     grpc::ByteBuffer copy(*request_bytes);  // shares the slices; parsing consumes the buffer it is given
     if (!grpc::SerializationTraits<v1::ForwardRequest>::Deserialize(&copy, request.get()).ok()) {
       return FinishNow(ctx, "Forward", start, absl::InvalidArgumentError("request: not a ForwardRequest (unparseable)"));
@@ -352,12 +359,13 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
   auto job = std::make_unique<ForwardJob>();
   job->accepted = start;
   RequestBytes bytes;
-  const absl::Status prepared = Prepare(*request, Transport::kUnary, ctx, job.get(), &bytes);
+  const absl::Status prepared =
+      Prepare(*request, Transport::kUnary, ctx, job.get(), &bytes, by_reference ? in_message : nullptr);
   if (!prepared.ok()) return FinishNow(ctx, "Forward", start, prepared, request->request_id());
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   ForwardJob* j = job.get();
   const uint64_t in_bytes = bytes.q + bytes.k + bytes.v;
-  j->done = [this, reactor, request, response_bytes, j, start, in_bytes](absl::Status status) {
+  j->done = [this, reactor, request, received, response_bytes, j, start, in_bytes](absl::Status status) {
     if (status.ok()) {
       // O and LSE go out by reference (attnd/zero_copy.h): the slices keep the response alive.
       auto response = std::make_shared<v1::ForwardResponse>();

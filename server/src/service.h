@@ -56,9 +56,10 @@ class AttentionService final : public AttentionServiceBase {
   // Per-connection limit on Forward/ForwardStream calls (call_observer.h); null: none. Set before serving.
   void set_peer_calls(const PeerCalls* peers) { peer_calls_ = peers; }
 
-  // Validation + backend acceptance + deadline/cancel check of a request about to be submitted.
+  // Validation + backend acceptance + deadline/cancel check of a request about to be submitted. `in_message`:
+  // q/k/v left in the gRPC message's slices (ReadForwardRequest), or null.
   absl::Status Prepare(const v1::ForwardRequest& request, Transport transport, grpc::CallbackServerContext* ctx,
-                       ForwardJob* job, RequestBytes* bytes) const;
+                       ForwardJob* job, RequestBytes* bytes, const InlineBytes* in_message = nullptr) const;
   // Gives a request without an id one, and sends that id back in trailing metadata (kRequestIdMetadata).
   void NameRequest(grpc::CallbackServerContext* ctx, v1::ForwardRequest& request);
   // Forward from the same-host shared-memory channel (shm_listener.h): the same validation, backend and response

@@ -74,8 +74,17 @@ Strides RefStrides(const v1::TensorRef& ref, const Strides& contiguous) {
 // One input tensor (q, k or v): present, inline of the right size or a well-formed reference.
 absl::Status CheckInput(absl::string_view name, bool present, const v1::TensorInput& in, uint64_t expected,
                         absl::string_view dims, Transport transport, const Strides& contiguous,
-                        TensorSource* source) {
+                        const InlineBytes* in_message, TensorSource* source) {
   source->strides = contiguous;
+  if (in_message != nullptr && in_message->present) {  // `data`, left in the message's slices
+    if (in_message->size != expected) {
+      return Invalid(absl::StrCat(name, ".data"),
+                     absl::StrCat(in_message->size, " bytes, expected ", expected, " (", dims, ")"));
+    }
+    source->pieces = in_message->pieces;
+    source->host_bytes = expected;
+    return absl::OkStatus();
+  }
   const bool has_source = present && in.source_case() != v1::TensorInput::SOURCE_NOT_SET;
   if (transport == Transport::kStream) {
     // Inline bytes of a stream arrive as chunks; the header may only carry references.
@@ -106,7 +115,8 @@ absl::Status CheckInput(absl::string_view name, bool present, const v1::TensorIn
 }  // namespace
 
 absl::Status ValidateForwardRequest(const v1::ForwardRequest& req, Transport transport,
-                                    const ValidationLimits& limits, ForwardJob* job, RequestBytes* bytes) {
+                                    const ValidationLimits& limits, ForwardJob* job, RequestBytes* bytes,
+                                    const InlineBytes* in_message) {
   if (req.request_id().size() > kMaxRequestIdBytes) {
     return Invalid("request_id", absl::StrCat(req.request_id().size(), " bytes, at most ", kMaxRequestIdBytes));
   }
@@ -196,14 +206,16 @@ absl::Status ValidateForwardRequest(const v1::ForwardRequest& req, Transport tra
   p.want_lse = req.return_lse();
   const Layout contiguous = ContiguousLayout(p.shape);
   const char* dt = DTypeName(dtype);
+  const auto message_part = [in_message](int i) { return in_message == nullptr ? nullptr : &in_message[i]; };
   ATTND_RETURN_IF_ERROR(CheckInput("q", req.has_q(), req.q(), b.q,
-                                   absl::StrCat("batch*q_len*q_heads*head_dim ", dt), transport, contiguous.q, &job->q));
+                                   absl::StrCat("batch*q_len*q_heads*head_dim ", dt), transport, contiguous.q,
+                                   message_part(0), &job->q));
   ATTND_RETURN_IF_ERROR(CheckInput("k", req.has_k(), req.k(), b.k,
                                    absl::StrCat("batch*kv_len*kv_heads*head_dim ", dt), transport, contiguous.k,
-                                   &job->k));
+                                   message_part(1), &job->k));
   ATTND_RETURN_IF_ERROR(CheckInput("v", req.has_v(), req.v(), b.v,
                                    absl::StrCat("batch*kv_len*kv_heads*head_dim ", dt), transport, contiguous.v,
-                                   &job->v));
+                                   message_part(2), &job->v));
   job->o_to_buffer = req.has_o_ref();
   job->o_ref.strides = contiguous.o;
   if (job->o_to_buffer) {

@@ -11,12 +11,15 @@
 #include <memory>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "absl/functional/function_ref.h"
+#include "absl/types/span.h"
 #include "absl/status/statusor.h"
 #include "attnd/v1/attention.pb.h"
 #include "google/protobuf/message_lite.h"
 #include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/slice.h"
 
 namespace attnd {
 
@@ -59,6 +62,25 @@ enum class ChunkRead {
 // `place(head)` says where its `size` data bytes go (null: refuse) and they are copied there straight from
 // gRPC's slices. `message` is left as it was, so kOther can fall back to protobuf.
 ChunkRead ReadStreamChunk(grpc::ByteBuffer& message, absl::FunctionRef<char*(const ChunkHead&)> place);
+
+// One inline tensor of a ForwardRequest read by ReadForwardRequest: its `data` bytes where they lie in the
+// message's slices, in order.
+struct InlineBytes {
+  bool present = false;  // the request carried this tensor's `data`
+  uint64_t size = 0;     // total bytes over `pieces`
+  std::vector<absl::Span<const uint8_t>> pieces;
+};
+
+// Reads a ForwardRequest without copying its inline tensors: `header` gets every other field (parsed by
+// protobuf), and each of q, k, v written as TensorInput{data} alone (as protobuf and SerializeForwardRequest
+// write it) is left in the message and described in tensors[0..2]. The pieces point into `slices`, which
+// receives the message's slices: gRPC keeps a small slice's bytes inside the slice object itself, so the
+// vector must stay alive and unchanged (it may be moved) while the pieces are used. A TensorInput holding
+// anything else (a reference) is parsed into `header`. False, with the outputs unspecified, when the bytes are
+// not a well-formed message or a tensor field repeats (protobuf would merge the parts): parse the message with
+// protobuf instead, which also reports what is wrong with it.
+bool ReadForwardRequest(const grpc::ByteBuffer& message, std::vector<grpc::Slice>* slices, v1::ForwardRequest* header,
+                        InlineBytes (&tensors)[3]);
 
 // Parses `message` into `out` leaving out every top-level length-delimited field longer than
 // `max_field_bytes` (the tensors), which are skipped, not copied: to look at a request's or reply's

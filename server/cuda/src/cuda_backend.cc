@@ -485,9 +485,9 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
   t.o = oi ? dev + pl.o : p.o_ptr;
   t.lse = pr.want_lse ? reinterpret_cast<float*>(dev + pl.lse) : nullptr;
   // Staging: the request's bytes into pinned memory, so the H2D copy runs at full DMA speed and async.
-  if (qi) std::memcpy(host + pl.q, job.q.host, job.q.host_bytes);
-  if (ki) std::memcpy(host + pl.k, job.k.host, job.k.host_bytes);
-  if (vi) std::memcpy(host + pl.v, job.v.host, job.v.host_bytes);
+  if (qi) CopyInline(job.q, host + pl.q);
+  if (ki) CopyInline(job.k, host + pl.k);
+  if (vi) CopyInline(job.v, host + pl.v);
 
   absl::Status status;
   cudaStream_t st = slot.stream;
@@ -665,7 +665,7 @@ class CudaBackendImpl final : public Backend {
                  {"o_ref", &job->o_ref, s.q_len, s.q_heads}};
     for (int i = 0; i < 4; ++i) {
       RefUse& u = uses[i];
-      if (i < 3 ? u.src->host != nullptr || u.src->buffer_id.empty() : !job->o_to_buffer) continue;
+      if (i < 3 ? IsInline(*u.src) || u.src->buffer_id.empty() : !job->o_to_buffer) continue;
       if (!options_.enable_cuda_ipc) {
         return absl::FailedPreconditionError(absl::StrCat(u.field, ": CUDA IPC is not enabled (--enable_cuda_ipc)"));
       }

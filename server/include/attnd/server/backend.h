@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -11,19 +12,37 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "attnd/problem.h"
 
 namespace attnd::server {
 
-// Where a tensor's bytes are. Inline tensors are host memory owned by the request (the gRPC message or the
-// streaming assembly buffer); references name a registered CUDA buffer (CUDA backend only).
+// Where a tensor's bytes are. Inline tensors are host memory owned by the request: contiguous (`host`: the
+// streaming assembly buffer, a shared-memory channel's area, a parsed message) or in `pieces` (a unary
+// message's bytes where gRPC received them, read without a copy); references name a registered CUDA buffer
+// (CUDA backend only).
 struct TensorSource {
-  const uint8_t* host = nullptr;  // inline bytes, or nullptr
-  uint64_t host_bytes = 0;
-  std::string buffer_id;          // registered buffer, when host == nullptr
+  const uint8_t* host = nullptr;  // inline bytes, contiguous, or nullptr
+  uint64_t host_bytes = 0;        // inline bytes in all (contiguous or in pieces)
+  std::string buffer_id;          // registered buffer, when the tensor is not inline
   uint64_t offset = 0;            // byte offset into the registered region
   Strides strides;                // element strides (contiguous unless the reference said otherwise)
+  std::vector<absl::Span<const uint8_t>> pieces;  // inline bytes in order, when host == nullptr
 };
+
+inline bool IsInline(const TensorSource& s) { return s.host != nullptr || !s.pieces.empty(); }
+
+// Copies an inline tensor's host_bytes to `dst`, from wherever they are.
+inline void CopyInline(const TensorSource& s, uint8_t* dst) {
+  if (s.host != nullptr) {
+    std::memcpy(dst, s.host, s.host_bytes);
+    return;
+  }
+  for (const absl::Span<const uint8_t>& piece : s.pieces) {
+    std::memcpy(dst, piece.data(), piece.size());
+    dst += piece.size();
+  }
+}
 
 // Timings reported back in ForwardResponse.timing (microseconds).
 struct Timing {

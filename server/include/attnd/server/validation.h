@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "attnd/server/backend.h"
 #include "attnd/v1/attention.pb.h"
+#include "attnd/zero_copy.h"
 
 namespace attnd::server {
 
@@ -41,11 +42,13 @@ struct ValidationLimits {
 inline constexpr uint64_t kMessageOverheadBytes = 64 * 1024;
 
 // Validates `request` and fills job->{request_id, problem, q, k, v, o_to_buffer, o_ref}. For kUnary inline
-// tensors point into `request` (which must outlive the job); for kStream inline tensors are left empty (their
-// chunks come later) and inline bytes in the header are an error. INVALID_ARGUMENT naming the field for bad
-// input; RESOURCE_EXHAUSTED when the request exceeds a limit.
+// tensors point into `request` (which must outlive the job), or, for those ReadForwardRequest left in the
+// message (`in_message`, q/k/v; null: none), into the message's slices (which must outlive the job); for
+// kStream inline tensors are left empty (their chunks come later) and inline bytes in the header are an
+// error. INVALID_ARGUMENT naming the field for bad input; RESOURCE_EXHAUSTED when the request exceeds a limit.
 absl::Status ValidateForwardRequest(const v1::ForwardRequest& request, Transport transport,
-                                    const ValidationLimits& limits, ForwardJob* job, RequestBytes* bytes);
+                                    const ValidationLimits& limits, ForwardJob* job, RequestBytes* bytes,
+                                    const InlineBytes* in_message = nullptr);
 
 // Field-level checks shared with RegisterCudaBuffer.
 absl::Status ValidateRegisterCudaBuffer(const v1::RegisterCudaBufferRequest& request);
