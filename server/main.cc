@@ -39,6 +39,9 @@ ABSL_FLAG(int, streams, 4, "CUDA streams per device");
 ABSL_FLAG(bool, shared_compute_stream, false,
           "CUDA: run the kernels of all streams of a device back to back on one compute stream, each stream keeping "
           "its own host<->device copies (false: each stream runs its own kernels, concurrently with the others')");
+ABSL_FLAG(int, copy_threads, -1,
+          "CUDA: helper threads for copying inline tensors into and out of pinned staging (-1: a quarter of the "
+          "cores, at most 4; 0: none)");
 ABSL_FLAG(bool, enable_cuda_ipc, false, "accept RegisterCudaBuffer (CUDA IPC, same host) on the cuda backend");
 ABSL_FLAG(uint64_t, memory_budget_mb, 0,
           "CUDA device (and pinned staging) memory the stream pool may hold per device, MiB (0: 80% of free)");
@@ -109,6 +112,7 @@ int main(int argc, char** argv) {
   backend_options.max_queue = absl::GetFlag(FLAGS_max_queue);
   backend_options.streams_per_device = absl::GetFlag(FLAGS_streams);
   backend_options.shared_compute_stream = absl::GetFlag(FLAGS_shared_compute_stream);
+  backend_options.copy_threads = absl::GetFlag(FLAGS_copy_threads);
   backend_options.enable_cuda_ipc = absl::GetFlag(FLAGS_enable_cuda_ipc);
   backend_options.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_mb) << 20;
   backend_options.warm_shapes = absl::GetFlag(FLAGS_warm_shapes);
@@ -123,6 +127,9 @@ int main(int argc, char** argv) {
     backend_options.devices.push_back(index);
   }
   if (backend_options.streams_per_device < 1) return Fail("--streams: must be >= 1");
+  if (backend_options.copy_threads < -1 || backend_options.copy_threads > 64) {
+    return Fail("--copy_threads: -1 (default), or 0 to 64");
+  }
   const double grace = absl::GetFlag(FLAGS_shutdown_grace_s);
   if (!(grace >= 0)) return Fail("--shutdown_grace_s: must be >= 0");
   for (const auto& [name, value] : {std::pair{"max_batch", absl::GetFlag(FLAGS_max_batch)},

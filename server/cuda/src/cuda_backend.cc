@@ -27,6 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "attnd/kernels/attention.h"
+#include "attnd/server/copy_pool.h"
 #include "attnd/server/cuda/block_cache.h"
 #include "attnd/server/cuda/ipc_registry.h"
 #include "attnd/server/cuda/tensor_map_cache.h"
@@ -126,8 +127,9 @@ class CudaBackendImpl;
 class CudaDevice {
  public:
   // `queued_total`: the backend-wide count of waiting jobs, decremented when a worker takes one.
-  CudaDevice(int index, const BackendOptions& options, TensorMapCache* maps, std::atomic<uint32_t>* queued_total)
-      : index_(index), options_(options), maps_(maps), queued_total_(queued_total) {}
+  CudaDevice(int index, const BackendOptions& options, TensorMapCache* maps, std::atomic<uint32_t>* queued_total,
+             CopyPool* copies)
+      : index_(index), options_(options), maps_(maps), queued_total_(queued_total), copies_(copies) {}
   ~CudaDevice();
 
   // Context, warm-up launches, slots, pools, warm shapes, then the workers.
@@ -164,6 +166,7 @@ class CudaDevice {
   const BackendOptions options_;
   TensorMapCache* const maps_;
   std::atomic<uint32_t>* const queued_total_;
+  CopyPool* const copies_;  // the backend's, shared by its devices
   DeviceDescription desc_;
   std::vector<std::string> kernel_names_;
   std::unique_ptr<BlockCache> device_mem_, pinned_mem_;
@@ -485,9 +488,23 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
   t.o = oi ? dev + pl.o : p.o_ptr;
   t.lse = pr.want_lse ? reinterpret_cast<float*>(dev + pl.lse) : nullptr;
   // Staging: the request's bytes into pinned memory, so the H2D copy runs at full DMA speed and async.
-  if (qi) CopyInline(job.q, host + pl.q);
-  if (ki) CopyInline(job.k, host + pl.k);
-  if (vi) CopyInline(job.v, host + pl.v);
+  {
+    std::vector<CopyPool::Part> parts;
+    const auto stage = [&parts](const TensorSource& src, uint8_t* dst) {
+      if (src.host != nullptr) {
+        parts.push_back({dst, src.host, src.host_bytes});
+        return;
+      }
+      for (const absl::Span<const uint8_t>& piece : src.pieces) {
+        parts.push_back({dst, piece.data(), piece.size()});
+        dst += piece.size();
+      }
+    };
+    if (qi) stage(job.q, host + pl.q);
+    if (ki) stage(job.k, host + pl.k);
+    if (vi) stage(job.v, host + pl.v);
+    copies_->Copy(parts);
+  }
 
   absl::Status status;
   cudaStream_t st = slot.stream;
@@ -575,7 +592,11 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
   job.timing.h2d_us = pl.in_bytes > 0 ? h2d * 1e3 : 0;
   job.timing.kernel_us = kernel * 1e3;
   job.timing.d2h_us = out_bytes > 0 ? d2h * 1e3 : 0;
-  if (oi) job.o.assign(reinterpret_cast<const char*>(host + pl.o), static_cast<uint64_t>(QElems(s)) * 2);
+  if (oi) {
+    job.o.resize(static_cast<uint64_t>(QElems(s)) * 2);
+    const CopyPool::Part out{reinterpret_cast<uint8_t*>(job.o.data()), host + pl.o, job.o.size()};
+    copies_->Copy({&out, 1});
+  }
   if (pr.want_lse) {
     job.lse.assign(reinterpret_cast<const char*>(host + pl.lse), static_cast<uint64_t>(LseElems(s)) * sizeof(float));
   }
@@ -592,6 +613,7 @@ class CudaBackendImpl final : public Backend {
  public:
   CudaBackendImpl(const BackendOptions& options, std::vector<int> devices)
       : options_(options),
+        copies_(options.copy_threads >= 0 ? options.copy_threads : DefaultCopyThreads()),
         maps_(options.tensor_map_cache_entries),
         registry_(devices) {}
   ~CudaBackendImpl() override {
@@ -603,7 +625,7 @@ class CudaBackendImpl final : public Backend {
     absl::StatusOr<std::vector<Shape>> warm = ParseWarmShapes(options_.warm_shapes);
     if (!warm.ok()) return warm.status();
     for (int d : devices) {
-      auto dev = std::make_unique<CudaDevice>(d, options_, &maps_, &queued_total_);
+      auto dev = std::make_unique<CudaDevice>(d, options_, &maps_, &queued_total_, &copies_);
       ATTND_RETURN_IF_ERROR(dev->Start(*warm));
       devices_.push_back(std::move(dev));
     }
@@ -784,6 +806,7 @@ class CudaBackendImpl final : public Backend {
 
  private:
   const BackendOptions options_;
+  CopyPool copies_;  // outlives the devices, whose workers use it
   mutable TensorMapCache maps_;
   cuda::IpcRegistry registry_;
   std::vector<std::unique_ptr<CudaDevice>> devices_;

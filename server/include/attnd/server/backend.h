@@ -167,6 +167,8 @@ struct BackendOptions {
   // GPU reached 0.86 of its kernel-only rate). Off until measured on a GPU host: each slot's stream then
   // runs its own kernels too, concurrently with the others'.
   bool shared_compute_stream = false;
+  // CUDA: helper threads for the staging copies of inline tensors (-1: DefaultCopyThreads(), 0: none).
+  int copy_threads = -1;
 };
 
 // "cpu", "cuda", or "auto" (CUDA when a usable GPU is present, else CPU).
