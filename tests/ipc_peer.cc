@@ -382,9 +382,11 @@ std::vector<int64_t> Ints(const std::string& list) {
 // (boost clocks) and launches sustained for `sustain`, as long as a measured point keeps the GPU busy (the
 // clocks a loaded GPU settles at: on the H200 the sustained figure was up to ~15% slower at 4k). And the
 // median of launches timed one at a time on an idle GPU, events around each as the server times a request's
-// kernel: what one request's kernel costs when nothing runs before it.
+// kernel: what one request's kernel costs when nothing runs before it. And the kernel benchmark's own method
+// (kernels/bench/hopper_bench.py: triton's do_bench): the median of single launches, each after 256 MB of
+// memset has flushed the L2.
 struct KernelOnly {
-  double burst_us = 0, sustained_us = 0, isolated_us = 0;
+  double burst_us = 0, sustained_us = 0, isolated_us = 0, flushed_us = 0;
 };
 KernelOnly KernelOnlyUs(const attnd::Problem& p, const Buffers& b, void* o, absl::Duration sustain) {
   attnd::kernels::DeviceTensors t{b.base, b.base + b.k_off(), b.base + b.v_off(), o, nullptr};
@@ -414,6 +416,19 @@ KernelOnly KernelOnlyUs(const attnd::Problem& p, const Buffers& b, void* o, absl
   for (int i = 0; i < 51; ++i) one.push_back(timed(1));
   std::nth_element(one.begin(), one.begin() + one.size() / 2, one.end());
   k.isolated_us = one[one.size() / 2];
+  {
+    constexpr size_t kFlushBytes = size_t{256} << 20;
+    void* flush = nullptr;
+    CUDA_OR_DIE(cudaMalloc(&flush, kFlushBytes));
+    std::vector<double> flushed;
+    for (int i = 0; i < 51; ++i) {
+      CUDA_OR_DIE(cudaMemsetAsync(flush, 0, kFlushBytes, st));
+      flushed.push_back(timed(1));
+    }
+    CUDA_OR_DIE(cudaFree(flush));
+    std::nth_element(flushed.begin(), flushed.begin() + flushed.size() / 2, flushed.end());
+    k.flushed_us = flushed[flushed.size() / 2];
+  }
   double us = 0;
   int64_t launches = 0;
   for (const absl::Time end = absl::Now() + sustain; absl::Now() < end; launches += 50) us += timed(50);
@@ -433,7 +448,7 @@ int Bench(client::Client& c) {
   // against the sustained kernel-only rate, gpu_busy_ratio_burst against the burst one.
   std::printf("csv,mode,seq,concurrency,requests,p50_us,p99_us,mean_us,req_per_s,kernel_only_us,kernel_only_req_per_s,"
               "p50_minus_kernel_us,gpu_busy_ratio,verified,verify_failures,srv_queue_us,srv_kernel_us,srv_total_us,"
-              "kernel_only_sustained_us,gpu_busy_ratio_burst,kernel_only_isolated_us\n");
+              "kernel_only_sustained_us,gpu_busy_ratio_burst,kernel_only_isolated_us,kernel_only_flushed_us\n");
   const bool use_shm = absl::GetFlag(FLAGS_transport) == "shm";
   if (!use_shm && absl::GetFlag(FLAGS_transport) != "grpc") return Fail("--transport: grpc or shm"), 1;
   const std::vector<int64_t> concs = Ints(absl::GetFlag(FLAGS_concurrency));
@@ -534,11 +549,12 @@ int Bench(client::Client& c) {
       const double sustained_rps = kernel.sustained_us > 0 ? 1e6 / kernel.sustained_us : 0;
       const double p50 = client::Percentile(lat, 50), p99 = client::Percentile(lat, 99);
       const double nrep = lat.empty() ? 1 : static_cast<double>(lat.size());
-      std::printf("csv,%s,%d,%d,%zu,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.3f,%d,%d,%.1f,%.1f,%.1f,%.1f,%.3f,%.1f\n",
+      std::printf("csv,%s,%d,%d,%zu,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.3f,%d,%d,%.1f,%.1f,%.1f,%.1f,%.3f,%.1f,%.1f\n",
                   use_shm ? "ipc_shm" : "ipc", static_cast<int>(seq), static_cast<int>(conc), lat.size(), p50, p99,
                   mean, rps, kernel_us, kernel_rps, p50 - kernel_us, sustained_rps > 0 ? rps / sustained_rps : 0,
                   static_cast<int>(verified), static_cast<int>(verify_failures), srv_queue / nrep, srv_kernel / nrep,
-                  srv_total / nrep, kernel.sustained_us, kernel_rps > 0 ? rps / kernel_rps : 0, kernel.isolated_us);
+                  srv_total / nrep, kernel.sustained_us, kernel_rps > 0 ? rps / kernel_rps : 0, kernel.isolated_us,
+                  kernel.flushed_us);
       if (errors > 0) Fail(absl::StrCat("bench seq ", seq, " concurrency ", conc, ": ", errors, " errors, first: ", first_error));
       if (verify_failures > 0) Fail(absl::StrCat("bench seq ", seq, ": ", verify_failures, " wrong replies"));
       std::fflush(stdout);
