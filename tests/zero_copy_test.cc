@@ -202,12 +202,18 @@ TEST(ReadStreamChunk, AnythingElseIsLeftToProtobufAndARefusalCopiesNothing) {
   EXPECT_EQ(out, "------");
 }
 
-TEST(SerializeForwardRequest, ParsesToTheRequestItDescribes) {
-  auto full = Request(Shape{1, 32, 48, 4, 2, 64}, true);
-  v1::ForwardRequest header = *full;
+// `request` without its tensors: what a reader of the header fields should see.
+v1::ForwardRequest WithoutTensors(const v1::ForwardRequest& request) {
+  v1::ForwardRequest header = request;
   header.clear_q();
   header.clear_k();
   header.clear_v();
+  return header;
+}
+
+TEST(SerializeForwardRequest, ParsesToTheRequestItDescribes) {
+  auto full = Request(Shape{1, 32, 48, 4, 2, 64}, true);
+  const v1::ForwardRequest header = WithoutTensors(*full);
   const std::optional<std::string_view> tensors[3] = {full->q().data(), full->k().data(), full->v().data()};
   for (bool by_reference : {false, true}) {
     auto owner = by_reference ? std::shared_ptr<const void>(full) : nullptr;
@@ -252,10 +258,7 @@ bool InSlices(const InlineBytes& t, const std::vector<grpc::Slice>& slices) {
 
 TEST(ReadForwardRequest, LeavesTheTensorsInTheSlicesAndParsesTheRest) {
   auto full = Request(Shape{2, 33, 47, 4, 2, 64}, true);
-  v1::ForwardRequest header = *full;
-  header.clear_q();
-  header.clear_k();
-  header.clear_v();
+  const v1::ForwardRequest header = WithoutTensors(*full);
   const std::string* want[3] = {&full->q().data(), &full->k().data(), &full->v().data()};
   const std::optional<std::string_view> tensors[3] = {*want[0], *want[1], *want[2]};
   // Protobuf's own bytes cut into slices of several sizes (1 byte: every varint straddles a boundary), and the
@@ -350,7 +353,7 @@ TEST(ParseSmallFields, HeaderFieldsWithoutTheTensors) {
   std::vector<grpc::Slice> slices;
   EXPECT_EQ(Flatten(buf, &slices), request->SerializeAsString());
   // Malformed bytes: a length past the end, a bad wire type.
-  for (const std::string bad : {std::string("\x0a\x05" "ab", 4), std::string("\x0f\x01", 2)}) {
+  for (const std::string& bad : {std::string("\x0a\x05" "ab", 4), std::string("\x0f\x01", 2)}) {
     v1::ForwardRequest m;
     EXPECT_FALSE(ParseSmallFields(Sliced(bad, 1), &m));
   }
