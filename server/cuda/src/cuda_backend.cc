@@ -268,11 +268,11 @@ absl::Status CudaDevice::Start(const std::vector<Shape>& warm_shapes) {
 
   for (auto& s : slots_) workers_.emplace_back([this, slot = s.get()] { SlotLoop(slot); });
   spdlog::info("cuda device {} ({}, sm_{}{}, {} SMs): ready in {:.0f} ms; {} streams, {}, budget {} MiB device / "
-               "{} MiB pinned, {} warm shapes",
+               "{} MiB pinned, {} warm shapes, {} staging copy helpers (shared by the devices)",
                index_, desc_.name, desc_.cc_major, desc_.cc_minor, desc_.multiprocessor_count,
                absl::ToDoubleMilliseconds(absl::Now() - t0), slots_.size(),
                compute_ ? "kernels on one shared compute stream" : "kernels on each stream", budget >> 20,
-               pinned_budget >> 20, warm_shapes.size());
+               pinned_budget >> 20, warm_shapes.size(), copies_->threads());
   return absl::OkStatus();
 }
 
