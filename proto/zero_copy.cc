@@ -187,7 +187,7 @@ bool ReadForwardRequest(const grpc::ByteBuffer& message, std::vector<grpc::Slice
         // through a copy of the cursor, so that anything else can be copied from the field's start.
         SliceCursor look = in;
         uint64_t inner_tag = 0, n = 0;
-        if (look.ReadVarint(&inner_tag) && inner_tag == data_tag && look.ReadVarint(&n) &&
+        if (look.ReadVarint(&inner_tag) && inner_tag == data_tag && look.ReadVarint(&n) && n <= len &&
             look.position() - in.position() + n == len) {
           InlineBytes& t = tensors[tensor];
           t.present = true;
