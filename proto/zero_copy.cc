@@ -272,7 +272,8 @@ grpc::ByteBuffer SerializeForwardRequest(const v1::ForwardRequest& header,
 }
 
 ChunkRead ReadStreamChunk(grpc::ByteBuffer& message, absl::FunctionRef<char*(const ChunkHead&)> place) {
-  static_assert(v1::ForwardStreamRequest::kChunkFieldNumber == v1::ForwardStreamResponse::kChunkFieldNumber);
+  static_assert(static_cast<int>(v1::ForwardStreamRequest::kChunkFieldNumber) ==
+                static_cast<int>(v1::ForwardStreamResponse::kChunkFieldNumber));
   const uint64_t total = message.Length();
   grpc::ProtoBufferReader reader(&message);  // reads the slices; `message` keeps them
   google::protobuf::io::CodedInputStream in(&reader);
