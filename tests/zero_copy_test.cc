@@ -1,10 +1,12 @@
 // attnd/zero_copy.h: the bytes gRPC sends are exactly protobuf's serialisation, the tensors are not copied,
-// a message is kept alive by its slices and released with them, and a chunk read straight from the slices
-// matches what protobuf parses (or is left to protobuf).
+// a message is kept alive by its slices and released with them, and a chunk or a Forward request read straight
+// from the slices matches what protobuf parses (or is left to protobuf).
 #include "attnd/zero_copy.h"
 
+#include <algorithm>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string_view>
 #include <string>
 #include <vector>
@@ -333,6 +335,68 @@ TEST(ReadForwardRequest, ReferencesAndEmptyTensorsGoToProtobufAndOddEncodingsAre
     std::vector<grpc::Slice> slices;
     EXPECT_FALSE(ReadForwardRequest(b, &slices, &got, t));
   }
+}
+
+// Requests written field by field in a random order, some fields twice, some tensors as references or absent, cut
+// into random slices: whenever ReadForwardRequest takes a request, it must describe what protobuf parses from the
+// same bytes; when it declines, protobuf gets the bytes as they were.
+TEST(ReadForwardRequest, AgreesWithProtobufOnShuffledAndRepeatedFields) {
+  std::mt19937 rng(7);
+  const std::string tensor_bytes = RandomTensor(DType::kBF16, 3000, 9);
+  int taken = 0, declined = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    std::vector<std::string> fields;  // each a serialised ForwardRequest with one field set
+    const auto add = [&fields](const v1::ForwardRequest& one) { fields.push_back(one.SerializeAsString()); };
+    v1::ForwardRequest f;
+    f.set_request_id("r" + std::to_string(trial));
+    add(f);
+    f.Clear();
+    f.mutable_shape()->set_q_len(static_cast<int64_t>(rng() % 100));
+    add(f);
+    f.Clear();
+    f.set_softmax_scale(0.5f);
+    add(f);
+    for (int t = 0; t < 3; ++t) {
+      for (int copies = static_cast<int>(rng() % 3) - (rng() % 4 == 0 ? 0 : 1); copies > 0; --copies) {
+        f.Clear();
+        v1::TensorInput* in = t == 0 ? f.mutable_q() : t == 1 ? f.mutable_k() : f.mutable_v();
+        if (rng() % 5 == 0) {
+          in->mutable_ref()->set_buffer_id("buf");
+        } else {
+          in->set_data(tensor_bytes.substr(rng() % 100, 1 + rng() % 2000));
+        }
+        add(f);
+      }
+    }
+    std::shuffle(fields.begin(), fields.end(), rng);
+    std::string bytes;
+    for (const std::string& one : fields) bytes += one;
+    v1::ForwardRequest want;
+    ASSERT_TRUE(want.ParseFromString(bytes));
+    grpc::ByteBuffer buf = Sliced(bytes, 1 + rng() % 700);
+    v1::ForwardRequest got;
+    InlineBytes t[3];
+    std::vector<grpc::Slice> slices;
+    if (!ReadForwardRequest(buf, &slices, &got, t)) {
+      ++declined;
+      std::vector<grpc::Slice> unchanged;
+      EXPECT_EQ(Flatten(buf, &unchanged), bytes) << "trial " << trial;
+      continue;
+    }
+    ++taken;
+    v1::ForwardRequest merged = got;  // the header, with the tensors read in place put back
+    for (int j = 0; j < 3; ++j) {
+      if (!t[j].present) continue;
+      v1::TensorInput* in = j == 0 ? merged.mutable_q() : j == 1 ? merged.mutable_k() : merged.mutable_v();
+      EXPECT_EQ(in->source_case(), v1::TensorInput::SOURCE_NOT_SET) << "trial " << trial << " tensor " << j;
+      in->set_data(Joined(t[j]));
+      EXPECT_TRUE(InSlices(t[j], slices));
+    }
+    EXPECT_EQ(merged.SerializeAsString(), want.SerializeAsString()) << "trial " << trial;
+  }
+  // Both paths ran.
+  EXPECT_GT(taken, 50);
+  EXPECT_GT(declined, 20);
 }
 
 TEST(ParseSmallFields, HeaderFieldsWithoutTheTensors) {
