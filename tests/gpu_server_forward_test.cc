@@ -1,6 +1,7 @@
 // End to end over gRPC with the CUDA backend: every mask x GQA x head_dim against the double-precision
 // oracle on both inline transports, the tensor-map cache on repeated shapes, 32 concurrent clients, concurrent
-// requests on the shared compute stream, the memory budget, and a shutdown with requests in flight. Skipped
+// requests on the shared compute stream, the memory budget (also for streams, which take their memory at the
+// header), streams abandoned mid-upload, and a shutdown with requests in flight. Skipped
 // without a usable GPU.
 #include <algorithm>
 #include <future>
@@ -12,6 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "attnd/client/client.h"
+#include "attnd/v1/attention.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
 #include "gpu_server_util.h"
 #include "gtest/gtest.h"
 
@@ -188,8 +191,55 @@ TEST(GpuServerTest, OverTheMemoryBudgetIsResourceExhausted) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
   EXPECT_NE(r.status().message().find("budget"), std::string::npos) << r.status();
+  // A stream takes its blocks at its header (its chunks go to the device as they arrive): refused there.
+  auto stream = Connect(s.Target(Listener::kTcp), Transport::kStream);
+  auto rs = stream->Forward(*big.request);
+  ASSERT_FALSE(rs.ok());
+  EXPECT_EQ(rs.status().code(), absl::StatusCode::kResourceExhausted) << rs.status();
+  EXPECT_NE(rs.status().message().find("budget"), std::string::npos) << rs.status();
   const Case small = MakeCase(Spec(1, 256, 256, 8, 8, 128), 4);
   EXPECT_EQ(CheckReply(small, c->Forward(*small.request)), "");
+  EXPECT_EQ(CheckReply(small, stream->Forward(*small.request)), "");
+}
+
+TEST(GpuServerTest, StreamsAbandonedMidUploadGiveTheirMemoryBack) {
+  TestServer s;
+  CudaServerOptions o;
+  o.memory_budget_bytes = 40 << 20;
+  ATTND_START_CUDA_SERVER(s, o);
+  // 4 MiB per tensor: from its header on, a stream holds 16 MiB of the 40 (Q, K, V and O).
+  const Case k = MakeCase(Spec(1, 2048, 2048, 8, 8, 128), 6);
+  auto stub = v1::Attention::NewStub(grpc::CreateChannel(s.Target(Listener::kTcp), grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < 4; ++i) {
+    grpc::ClientContext ctx;
+    auto stream = stub->ForwardStream(&ctx);
+    v1::ForwardStreamRequest header;
+    *header.mutable_header() = *k.request;
+    header.mutable_header()->clear_q();
+    header.mutable_header()->clear_k();
+    header.mutable_header()->clear_v();
+    ASSERT_TRUE(stream->Write(header));
+    // 3 MiB of Q: at least one piece is copied to the device before the client gives up.
+    v1::ForwardStreamRequest chunk;
+    chunk.mutable_chunk()->set_tensor(v1::TENSOR_NAME_Q);
+    chunk.mutable_chunk()->set_data(k.request->q().data().substr(0, 3 << 20));
+    ASSERT_TRUE(stream->Write(chunk));
+    absl::SleepFor(absl::Milliseconds(50));
+    ctx.TryCancel();
+    EXPECT_FALSE(stream->Finish().ok());
+  }
+  // Had the abandoned streams kept their blocks, the budget would hold no further request. A cancelled call
+  // ends on the server a moment after the client has seen it end, so the first attempt may still find the
+  // last one's blocks taken.
+  auto c = Connect(s.Target(Listener::kTcp), Transport::kStream);
+  absl::StatusOr<client::ForwardResult> r;
+  for (absl::Time until = absl::Now() + absl::Seconds(10);;) {
+    r = c->Forward(*k.request);
+    if (r.ok() || !absl::IsResourceExhausted(r.status()) || absl::Now() > until) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(CheckReply(k, r), "");
+  EXPECT_GT(r.ok() ? r->timing.h2d_us() : 0, 0);  // the copy of the last piece
 }
 
 TEST(GpuServerTest, ReferencesWithoutIpcAreRefused) {

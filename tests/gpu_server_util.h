@@ -17,6 +17,7 @@
 #include "attnd/client/client.h"
 #include "attnd/client/tensors.h"
 #include "e2e_util.h"
+#include "forwarding_backend.h"
 #include "gtest/gtest.h"
 
 namespace attnd::gpu {
@@ -37,41 +38,22 @@ struct AcceptCounter {
 };
 
 // Forwards everything to the real backend, counting into an AcceptCounter.
-class CountingBackend final : public server::Backend {
+class CountingBackend final : public testing::ForwardingBackend {
  public:
   CountingBackend(std::unique_ptr<server::Backend> inner, AcceptCounter* counter)
-      : inner_(std::move(inner)), counter_(counter) {}
-  std::string name() const override { return inner_->name(); }
-  std::vector<server::DeviceDescription> devices() const override { return inner_->devices(); }
-  std::vector<int64_t> supported_head_dims() const override { return inner_->supported_head_dims(); }
-  std::vector<DType> supported_dtypes() const override { return inner_->supported_dtypes(); }
-  std::vector<std::string> kernels() const override { return inner_->kernels(); }
-  absl::Status CheckSupported(const server::ForwardJob& job) const override { return inner_->CheckSupported(job); }
+      : ForwardingBackend(std::move(inner)), counter_(counter) {}
   absl::Status Submit(std::unique_ptr<server::ForwardJob> job) override {
     AcceptCounter* c = counter_;
     job->done = [c, done = std::move(job->done)](absl::Status st) {
       ++(st.ok() ? c->done_ok : c->done_error);
       done(std::move(st));
     };
-    const absl::Status st = inner_->Submit(std::move(job));
+    const absl::Status st = ForwardingBackend::Submit(std::move(job));
     if (st.ok()) ++c->accepted;
     return st;
   }
-  uint32_t queue_depth() const override { return inner_->queue_depth(); }
-  uint32_t in_flight() const override { return inner_->in_flight(); }
-  void Shutdown() override { inner_->Shutdown(); }
-  absl::StatusOr<std::string> RegisterCudaBuffer(const server::CudaBufferRegistration& r) override {
-    return inner_->RegisterCudaBuffer(r);
-  }
-  absl::Status UnregisterCudaBuffer(const std::string& id) override { return inner_->UnregisterCudaBuffer(id); }
-  std::vector<server::CudaBufferDescription> ListCudaBuffers() const override { return inner_->ListCudaBuffers(); }
-  server::BackendStats stats() const override { return inner_->stats(); }
-  std::vector<server::DeviceMemoryUse> device_memory() const override { return inner_->device_memory(); }
-  uint32_t max_queue() const override { return inner_->max_queue(); }
-  bool cuda_ipc_enabled() const override { return inner_->cuda_ipc_enabled(); }
 
  private:
-  std::unique_ptr<server::Backend> inner_;
   AcceptCounter* const counter_;
 };
 

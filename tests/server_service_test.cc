@@ -11,8 +11,10 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/synchronization/mutex.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "forwarding_backend.h"
 #include "gtest/gtest.h"
 #include "server_raw_call.h"
 #include "server_test_util.h"
@@ -139,6 +141,24 @@ v1::ForwardStreamRequest Chunk(v1::TensorName t, const std::string& bytes, uint6
   return m;
 }
 
+// Chunks of the three tensors interleaved, `chunk` bytes each; each tensor's own chunks in order.
+bool WriteInterleaved(Stream& stream, const v1::ForwardRequest& r, uint64_t chunk) {
+  const std::string* bytes[3] = {&r.q().data(), &r.k().data(), &r.v().data()};
+  const v1::TensorName names[3] = {v1::TENSOR_NAME_Q, v1::TENSOR_NAME_K, v1::TENSOR_NAME_V};
+  uint64_t sent[3] = {0, 0, 0};
+  for (bool more = true; more;) {
+    more = false;
+    for (int t = 0; t < 3; ++t) {
+      if (sent[t] == bytes[t]->size()) continue;
+      const uint64_t n = std::min<uint64_t>(chunk, bytes[t]->size() - sent[t]);
+      if (!stream.Write(Chunk(names[t], *bytes[t], sent[t], n))) return false;
+      sent[t] += n;
+      more = true;
+    }
+  }
+  return true;
+}
+
 TEST(ServerStream, TensorsLargerThanTheUnaryLimit) {
   server::ServerOptions opts;
   opts.max_message_bytes = 256 * 1024;
@@ -156,21 +176,7 @@ TEST(ServerStream, TensorsLargerThanTheUnaryLimit) {
   grpc::ClientContext ctx;
   std::unique_ptr<Stream> stream = stub->ForwardStream(&ctx);
   ASSERT_TRUE(stream->Write(Header(r)));
-  // Chunks of the three tensors interleaved; each tensor's own chunks in order.
-  const std::string* bytes[3] = {&r.q().data(), &r.k().data(), &r.v().data()};
-  const v1::TensorName names[3] = {v1::TENSOR_NAME_Q, v1::TENSOR_NAME_K, v1::TENSOR_NAME_V};
-  uint64_t sent[3] = {0, 0, 0};
-  const uint64_t chunk = 100 * 1000;  // not a divisor of any tensor size
-  for (bool more = true; more;) {
-    more = false;
-    for (int t = 0; t < 3; ++t) {
-      if (sent[t] == bytes[t]->size()) continue;
-      const uint64_t n = std::min<uint64_t>(chunk, bytes[t]->size() - sent[t]);
-      ASSERT_TRUE(stream->Write(Chunk(names[t], *bytes[t], sent[t], n)));
-      sent[t] += n;
-      more = true;
-    }
-  }
+  ASSERT_TRUE(WriteInterleaved(*stream, r, 100 * 1000));  // not a divisor of any tensor size
   ASSERT_TRUE(stream->WritesDone());
   v1::ForwardStreamResponse m;
   ASSERT_TRUE(stream->Read(&m));
@@ -211,6 +217,149 @@ grpc::Status RunStream(v1::Attention::Stub* stub, const std::vector<v1::ForwardS
   while (stream->Read(&reply)) {
   }
   return stream->Finish();
+}
+
+// Watches how a stream hands its inputs to the backend: what it tells the sink (InputSink) as chunks
+// arrive, and what the job carries at Submit. The bytes still land in the CPU backend's own sink.
+class SinkProbe final : public testing::ForwardingBackend {
+ public:
+  struct Seen {
+    uint64_t sizes[3] = {};
+    std::vector<std::pair<int, uint64_t>> arrived;  // (tensor, bytes in place), in call order
+    int submits = 0;
+    bool inputs_are_the_sink = false;  // at Submit: job->inputs is the sink, q/k/v's bytes are in it
+  };
+
+  class Sink final : public server::InputSink {
+   public:
+    Sink(std::unique_ptr<server::InputSink> inner, SinkProbe* probe) : inner_(std::move(inner)), probe_(probe) {}
+    uint8_t* data(int tensor) override { return inner_->data(tensor); }
+    absl::Status Arrived(int tensor, uint64_t bytes_in_place) override {
+      absl::MutexLock lock(&probe_->mu_);
+      probe_->seen_.arrived.emplace_back(tensor, bytes_in_place);
+      if (probe_->refuse_after_ > 0 && probe_->seen_.arrived.size() >= probe_->refuse_after_) {
+        return absl::DataLossError("test sink: refused a chunk");
+      }
+      return inner_->Arrived(tensor, bytes_in_place);
+    }
+
+   private:
+    std::unique_ptr<server::InputSink> inner_;
+    SinkProbe* const probe_;
+  };
+
+  // refuse_open: OpenInputs answers RESOURCE_EXHAUSTED; refuse_after > 0: the sink fails that Arrived call.
+  SinkProbe(std::unique_ptr<server::Backend> inner, bool refuse_open, size_t refuse_after)
+      : ForwardingBackend(std::move(inner)), refuse_open_(refuse_open), refuse_after_(refuse_after) {}
+
+  absl::StatusOr<std::unique_ptr<server::InputSink>> OpenInputs(
+      const server::ForwardJob& job, const uint64_t (&sizes)[server::InputSink::kTensors]) override {
+    if (refuse_open_) return absl::ResourceExhaustedError("test backend: no room for this stream's inputs");
+    {
+      absl::MutexLock lock(&mu_);
+      std::copy(sizes, sizes + 3, seen_.sizes);
+    }
+    absl::StatusOr<std::unique_ptr<server::InputSink>> inner = ForwardingBackend::OpenInputs(job, sizes);
+    if (!inner.ok()) return inner.status();
+    return std::unique_ptr<server::InputSink>(std::make_unique<Sink>(*std::move(inner), this));
+  }
+
+  absl::Status Submit(std::unique_ptr<server::ForwardJob> job) override {
+    {
+      absl::MutexLock lock(&mu_);
+      ++seen_.submits;
+      server::InputSink* sink = job->inputs.get();
+      seen_.inputs_are_the_sink = dynamic_cast<Sink*>(sink) != nullptr && job->q.host == sink->data(0) &&
+                                  job->k.host == sink->data(1) && job->v.host == sink->data(2) &&
+                                  job->q.host_bytes == seen_.sizes[0] && job->v.host_bytes == seen_.sizes[2];
+    }
+    return ForwardingBackend::Submit(std::move(job));
+  }
+
+  Seen seen() const {
+    absl::MutexLock lock(&mu_);
+    return seen_;
+  }
+
+ private:
+  const bool refuse_open_;
+  const size_t refuse_after_;
+  mutable absl::Mutex mu_;
+  Seen seen_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST(ServerStream, InputsReachTheBackendsSinkChunkByChunkBeforeSubmit) {
+  SinkProbe* probe = nullptr;
+  TestServer ts({}, {}, {}, [&probe](std::unique_ptr<server::Backend> inner) {
+    auto p = std::make_unique<SinkProbe>(std::move(inner), false, 0);
+    probe = p.get();
+    return p;
+  });
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  const v1::ForwardRequest r = MakeRequest({1, 300, 200, 4, 2, 64}, v1::MASK_TYPE_CAUSAL_TOP_LEFT, true, 78);
+  grpc::ClientContext ctx;
+  std::unique_ptr<Stream> stream = stub->ForwardStream(&ctx);
+  ASSERT_TRUE(stream->Write(Header(r)));
+  const uint64_t chunk = 7000;
+  ASSERT_TRUE(WriteInterleaved(*stream, r, chunk));
+  ASSERT_TRUE(stream->WritesDone());
+  std::string o, lse;
+  v1::ForwardStreamResponse m;
+  while (stream->Read(&m)) {
+    if (!m.has_chunk()) continue;
+    (m.chunk().tensor() == v1::TENSOR_NAME_O ? o : lse) += m.chunk().data();
+  }
+  const grpc::Status s = stream->Finish();
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ExpectCorrect(r, o, lse);
+
+  const SinkProbe::Seen seen = probe->seen();
+  const uint64_t sizes[3] = {r.q().data().size(), r.k().data().size(), r.v().data().size()};
+  EXPECT_EQ(seen.submits, 1);
+  EXPECT_TRUE(seen.inputs_are_the_sink);
+  uint64_t last[3] = {0, 0, 0};
+  size_t reports = 0;
+  for (const auto& [tensor, in_place] : seen.arrived) {
+    ASSERT_TRUE(tensor >= 0 && tensor < 3) << tensor;
+    EXPECT_EQ(seen.sizes[tensor], sizes[tensor]);
+    // One report per chunk, each adding that chunk's bytes.
+    EXPECT_EQ(in_place, std::min(last[tensor] + chunk, sizes[tensor])) << "tensor " << tensor;
+    last[tensor] = in_place;
+    ++reports;
+  }
+  for (int t = 0; t < 3; ++t) EXPECT_EQ(last[t], sizes[t]) << "tensor " << t << " never reported complete";
+  EXPECT_EQ(reports, (sizes[0] + chunk - 1) / chunk + 2 * ((sizes[1] + chunk - 1) / chunk));
+}
+
+TEST(ServerStream, ASinkThatRefusesEndsTheStreamWithItsStatus) {
+  const v1::ForwardRequest r = MakeRequest({1, 64, 64, 2, 2, 64}, v1::MASK_TYPE_NONE, false, 79);
+  std::vector<v1::ForwardStreamRequest> messages = {Header(r)};
+  const std::pair<v1::TensorName, const std::string*> inputs[3] = {
+      {v1::TENSOR_NAME_Q, &r.q().data()}, {v1::TENSOR_NAME_K, &r.k().data()}, {v1::TENSOR_NAME_V, &r.v().data()}};
+  for (const auto& [name, bytes] : inputs) {
+    for (uint64_t at = 0; at < bytes->size(); at += 4096) messages.push_back(Chunk(name, *bytes, at, 4096));
+  }
+  for (const bool refuse_open : {true, false}) {
+    SinkProbe* probe = nullptr;
+    TestServer ts({}, {}, {}, [&](std::unique_ptr<server::Backend> inner) {
+      auto p = std::make_unique<SinkProbe>(std::move(inner), refuse_open, refuse_open ? 0 : 3);
+      probe = p.get();
+      return p;
+    });
+    ASSERT_NE(ts.server, nullptr);
+    auto stub = ts.Stub();
+    const grpc::Status s = RunStream(stub.get(), messages);
+    EXPECT_EQ(s.error_code(), refuse_open ? grpc::StatusCode::RESOURCE_EXHAUSTED : grpc::StatusCode::DATA_LOSS)
+        << s.error_message();
+    EXPECT_TRUE(absl::StrContains(s.error_message(), "test ")) << s.error_message();
+    EXPECT_EQ(probe->seen().submits, 0);
+    // The server carries on: the same request without the probe's refusal is answered.
+    grpc::ClientContext ctx;
+    v1::ForwardResponse resp;
+    ASSERT_TRUE(stub->Forward(&ctx, r, &resp).ok());
+    ExpectCorrect(r, resp.o(), resp.lse());
+  }
 }
 
 TEST(ServerStream, MalformedStreamsNameTheTensor) {

@@ -110,12 +110,16 @@ inline void ExpectCorrect(const v1::ForwardRequest& r, const std::string& o, con
 
 // An in-process server over a CpuBackend on 127.0.0.1:<free port> (and optionally a unix socket).
 struct TestServer {
+  // `wrap`, when set, gets the CpuBackend and returns the backend the server uses (a test's probe around it).
+  using Wrap = std::function<std::unique_ptr<server::Backend>(std::unique_ptr<server::Backend>)>;
   explicit TestServer(server::ServerOptions options = {}, server::BackendOptions backend_options = {},
-                      server::CpuBackendHooks hooks = {}) {
+                      server::CpuBackendHooks hooks = {}, const Wrap& wrap = nullptr) {
     if (options.listen == "127.0.0.1:50051") options.listen = "127.0.0.1:0";
     if (backend_options.threads == 0) backend_options.threads = 2;
-    auto backend = std::make_unique<server::CpuBackend>(backend_options, std::move(hooks));
-    cpu = backend.get();
+    auto cpu_backend = std::make_unique<server::CpuBackend>(backend_options, std::move(hooks));
+    cpu = cpu_backend.get();
+    std::unique_ptr<server::Backend> backend = std::move(cpu_backend);
+    if (wrap) backend = wrap(std::move(backend));
     auto created = server::Server::Create(options, std::move(backend));
     EXPECT_TRUE(created.ok()) << created.status();
     if (created.ok()) server = std::move(*created);

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
-#include <new>
 #include <string>
 #include <utility>
 
@@ -54,7 +53,7 @@ enum class StreamState {
 };
 
 // On the raw (ByteBuffer) API, so that tensor bytes are copied once on the way in (from gRPC's slices into
-// the job's buffers: ReadStreamChunk) and not at all on the way out (O and LSE chunks point into the
+// the backend's InputSink: ReadStreamChunk) and not at all on the way out (O and LSE chunks point into the
 // reply's buffers: SerializeStreamChunk). Headers and anything unusual go through protobuf.
 class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
@@ -84,12 +83,13 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
 
  private:
   struct Input {
-    Input(const char* n, v1::TensorName t) : name(n), tensor(t) {}
+    Input(int i, const char* n, v1::TensorName t) : index(i), name(n), tensor(t) {}
+    int index;  // in the InputSink
     const char* name;
     v1::TensorName tensor;
     bool chunked = false;  // bytes come as chunks (false: a reference)
     uint64_t size = 0, received = 0;
-    std::string bytes;
+    uint8_t* data = nullptr;  // in the job's InputSink
   };
 
   absl::Status Receive() {
@@ -105,7 +105,7 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
         }
         into = *t;
         size = h.size;
-        return into->bytes.data() + into->received;
+        return reinterpret_cast<char*>(into->data + into->received);
       });
       if (r == ChunkRead::kDone) return Received(*into, size);
       if (r == ChunkRead::kRefused) return refused;
@@ -128,14 +128,14 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     const v1::TensorChunk& c = in_.chunk();
     absl::StatusOr<Input*> t = Place({c.tensor(), c.offset(), c.data().size()});
     if (!t.ok()) return t.status();
-    std::memcpy((*t)->bytes.data() + (*t)->received, c.data().data(), c.data().size());
+    std::memcpy((*t)->data + (*t)->received, c.data().data(), c.data().size());
     return Received(**t, c.data().size());
   }
 
   absl::Status Received(Input& t, uint64_t size) {
     t.received += size;
     bytes_in_ += size;
-    return absl::OkStatus();
+    return job_->inputs->Arrived(t.index, t.received);
   }
 
   // The input a chunk's bytes go to (at its `received`), after checking the chunk against the header.
@@ -175,19 +175,22 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     job_ = std::make_unique<ForwardJob>();
     job_->accepted = start_;
     ATTND_RETURN_IF_ERROR(service_->Prepare(header_, Transport::kStream, ctx_, job_.get(), &bytes_));
-    TensorSource* sources[3] = {&job_->q, &job_->k, &job_->v};
+    const TensorSource* sources[3] = {&job_->q, &job_->k, &job_->v};
     const uint64_t sizes[3] = {bytes_.q, bytes_.k, bytes_.v};
+    uint64_t inline_sizes[InputSink::kTensors] = {};
     for (int i = 0; i < 3; ++i) {
       Input& in = inputs_[i];
       in.size = sizes[i];
       in.chunked = sources[i]->buffer_id.empty();
-      if (!in.chunked) continue;
-      try {
-        // The validated size is bounded by --max_request_bytes, so this allocation is too.
-        in.bytes.resize(in.size);
-      } catch (const std::bad_alloc&) {
-        return absl::ResourceExhaustedError(absl::StrCat(in.name, ": out of host memory for ", in.size, " bytes"));
-      }
+      if (in.chunked) inline_sizes[i] = in.size;
+    }
+    // The sizes are validated, so bounded by --max_request_bytes; the backend may place the bytes where
+    // it will use them (the CUDA backend: pinned memory, copied to the device while the rest arrives).
+    absl::StatusOr<std::unique_ptr<InputSink>> sink = service_->backend()->OpenInputs(*job_, inline_sizes);
+    if (!sink.ok()) return sink.status();
+    job_->inputs = *std::move(sink);
+    for (Input& in : inputs_) {
+      if (in.chunked) in.data = job_->inputs->data(in.index);
     }
     state_ = StreamState::kReceiving;
     return absl::OkStatus();
@@ -210,7 +213,7 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     TensorSource* sources[3] = {&job_->q, &job_->k, &job_->v};
     for (int i = 0; i < 3; ++i) {
       if (!inputs_[i].chunked) continue;
-      sources[i]->host = reinterpret_cast<const uint8_t*>(inputs_[i].bytes.data());
+      sources[i]->host = inputs_[i].data;
       sources[i]->host_bytes = inputs_[i].size;
     }
     // The deadline may have passed while the bytes arrived.
@@ -229,7 +232,6 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
   // On a backend thread. After StartWrite this object may be deleted at any moment by OnDone, so nothing of
   // `this` is touched after WriteNext.
   void OnJobDone(ForwardJob& job, const absl::Status& status) {
-    for (Input& in : inputs_) std::string().swap(in.bytes);  // inputs are no longer needed
     if (!status.ok()) return End(status);
     v1::ForwardStreamResponse header;
     service_->FillResponseHeader(job, header.mutable_header());
@@ -279,7 +281,7 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
   v1::ForwardRequest header_;
   std::unique_ptr<ForwardJob> job_;
   RequestBytes bytes_;
-  Input inputs_[3] = {{"q", v1::TENSOR_NAME_Q}, {"k", v1::TENSOR_NAME_K}, {"v", v1::TENSOR_NAME_V}};
+  Input inputs_[3] = {{0, "q", v1::TENSOR_NAME_Q}, {1, "k", v1::TENSOR_NAME_K}, {2, "v", v1::TENSOR_NAME_V}};
   uint64_t bytes_in_ = 0, bytes_out_ = 0;
   // Reply.
   grpc::ByteBuffer out_buf_;

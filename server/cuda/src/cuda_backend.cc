@@ -16,6 +16,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -122,6 +123,53 @@ struct Pending {
 };
 
 class CudaBackendImpl;
+class CudaDevice;
+
+// A stream's inline inputs, received into a pinned block laid out like the request's device block (the
+// same Placement) and copied to the device in pieces while the rest is still arriving, on the device's
+// upload stream. The request's worker then waits for the last piece instead of staging and copying the
+// inputs itself, and takes over the blocks. Arrived runs on the stream's gRPC thread; the destructor on
+// whichever thread drops the job.
+class StreamedInputs final : public InputSink {
+ public:
+  // A piece is copied once this many of a tensor's bytes are waiting, and when the tensor is complete:
+  // large enough that the API calls stay few (a 4k request's 100 MB take ~50), small enough that the copy
+  // left after the last chunk (~40 us at PCIe speed) is short.
+  static constexpr uint64_t kPieceBytes = 2ull << 20;
+
+  StreamedInputs(CudaDevice* device, const Placement& pl, Block dblock, Block hblock,
+                 const uint64_t (&sizes)[kTensors]);
+  ~StreamedInputs() override;
+  absl::Status Init();  // the events
+
+  uint8_t* data(int tensor) override {
+    return offset_[tensor] == Placement::kAbsent ? nullptr : static_cast<uint8_t*>(hblock_.ptr) + offset_[tensor];
+  }
+  absl::Status Arrived(int tensor, uint64_t bytes_in_place) override;
+
+  CudaDevice* device() const { return device_; }
+  const Placement& placement() const { return pl_; }
+  bool complete() const { return waiting_ == 0; }
+  // Recorded on the upload stream after the last piece (complete() only).
+  cudaEvent_t uploaded() const { return done_; }
+  // Milliseconds the last piece took: the part of the host-to-device copy not hidden behind the upload.
+  float last_piece_ms() const;
+  // The request has been queued: it counts in its device's load as a job from here.
+  void Submitted();
+  // Hands both blocks to the request's worker, which releases them after its own work on the device.
+  std::pair<Block, Block> Take();
+
+ private:
+  CudaDevice* const device_;
+  const Placement pl_;
+  Block dblock_, hblock_;
+  bool own_blocks_ = true;
+  uint64_t offset_[kTensors], size_[kTensors], flushed_[kTensors] = {};
+  uint64_t waiting_ = 0;  // inline bytes not yet copied
+  bool copied_ = false;   // a copy was enqueued: it must finish before the blocks are reused
+  bool counted_ = true;   // in the device's uploading count
+  cudaEvent_t before_last_ = nullptr, done_ = nullptr;
+};
 
 // One served GPU.
 class CudaDevice {
@@ -143,11 +191,18 @@ class CudaDevice {
   const std::vector<std::string>& kernel_names() const { return kernel_names_; }
   uint32_t queued() const { return queued_.load(); }
   uint32_t load() const { return queued_.load() + running_.load(); }
+  // What an inline request placed here now would wait behind: jobs, and streams still uploading.
+  uint32_t placement_load() const { return load() + uploading_.load(); }
+  // A sink for a stream's inline inputs on this device (StreamedInputs); RESOURCE_EXHAUSTED over the budget.
+  absl::StatusOr<std::unique_ptr<InputSink>> OpenInputs(const Problem& problem,
+                                                        const uint64_t (&sizes)[InputSink::kTensors]);
   uint32_t running() const { return running_.load(); }
   // Device memory the pool holds (in use + cached for reuse); IPC buffers belong to their callers.
   uint64_t device_bytes_held() const { return device_mem_ ? device_mem_->stats().held_bytes : 0; }
 
  private:
+  friend class StreamedInputs;
+
   struct Slot {
     cudaStream_t stream = nullptr;
     cudaEvent_t ev[4] = {};  // before H2D, before kernel, after kernel, after D2H
@@ -157,6 +212,9 @@ class CudaDevice {
     cudaEvent_t kernel_start = nullptr;
   };
 
+  // A device block and a pinned block of `bytes` each, or neither.
+  absl::StatusOr<std::pair<Block, Block>> AcquireBlocks(uint64_t bytes);
+  void ReleaseBlocks(Block dblock, Block hblock);
   absl::Status WarmUpKernels();
   absl::Status WarmShape(const Shape& s);
   void SlotLoop(Slot* slot);
@@ -173,6 +231,7 @@ class CudaDevice {
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<std::thread> workers_;
   cudaStream_t compute_ = nullptr;  // the shared compute stream (BackendOptions::shared_compute_stream)
+  cudaStream_t upload_ = nullptr;   // streamed inputs' pieces, copied as they arrive (StreamedInputs)
   // Held while one request enqueues its compute-stream work, so that no other request's work lands between
   // its kernel_start event and its launch (which would count into its kernel time).
   absl::Mutex compute_mu_;
@@ -181,6 +240,7 @@ class CudaDevice {
   std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<uint32_t> queued_{0}, running_{0};
+  std::atomic<uint32_t> uploading_{0};  // streams with a sink here, not yet submitted
   std::atomic<bool> spinner_{false};  // an idle worker is polling the queue
 };
 
@@ -195,6 +255,7 @@ CudaDevice::~CudaDevice() {
     if (s->stream) cudaStreamDestroy(s->stream);
   }
   if (compute_) cudaStreamDestroy(compute_);
+  if (upload_) cudaStreamDestroy(upload_);
 }
 
 absl::Status CudaDevice::Start(const std::vector<Shape>& warm_shapes) {
@@ -250,6 +311,8 @@ absl::Status CudaDevice::Start(const std::vector<Shape>& warm_shapes) {
     ATTND_RETURN_IF_ERROR(
         CudaStatus("cudaStreamCreate (compute)", cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking)));
   }
+  ATTND_RETURN_IF_ERROR(
+      CudaStatus("cudaStreamCreate (upload)", cudaStreamCreateWithFlags(&upload_, cudaStreamNonBlocking)));
   for (int i = 0; i < options_.streams_per_device; ++i) {
     auto slot = std::make_unique<Slot>();
     ATTND_RETURN_IF_ERROR(
@@ -329,19 +392,13 @@ absl::Status CudaDevice::WarmShape(const Shape& s) {
   std::vector<std::pair<Block, Block>> held;
   absl::Status status;
   for (size_t i = 0; i < slots_.size() && status.ok(); ++i) {
-    absl::StatusOr<Block> d = device_mem_->Acquire(pl.total);
-    if (!d.ok()) {
-      status = d.status();
+    absl::StatusOr<std::pair<Block, Block>> blocks = AcquireBlocks(pl.total);
+    if (!blocks.ok()) {
+      status = blocks.status();
       break;
     }
-    absl::StatusOr<Block> h = pinned_mem_->Acquire(pl.total);
-    if (!h.ok()) {
-      device_mem_->Release(*d);
-      status = h.status();
-      break;
-    }
-    held.emplace_back(*d, *h);
-    uint8_t* base = static_cast<uint8_t*>(d->ptr);
+    held.push_back(*blocks);
+    uint8_t* base = static_cast<uint8_t*>(blocks->first.ptr);
     for (DType dt : {DType::kBF16, DType::kFP16}) {
       Problem p;
       p.shape = s;
@@ -365,16 +422,112 @@ absl::Status CudaDevice::WarmShape(const Shape& s) {
       }
     }
   }
-  for (auto& [d, h] : held) {
-    device_mem_->Release(d);
-    pinned_mem_->Release(h);
-  }
+  for (auto& [d, h] : held) ReleaseBlocks(d, h);
   if (!status.ok()) {
     return absl::Status(status.code(), absl::StrCat("warm_shapes: ", s.batch, "x", s.q_len, "x", s.kv_len, "x",
                                                     s.q_heads, "x", s.kv_heads, "x", s.head_dim, " on device ",
                                                     index_, ": ", status.message()));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::pair<Block, Block>> CudaDevice::AcquireBlocks(uint64_t bytes) {
+  absl::StatusOr<Block> d = device_mem_->Acquire(bytes);
+  if (!d.ok()) return d.status();
+  absl::StatusOr<Block> h = pinned_mem_->Acquire(bytes);
+  if (!h.ok()) {
+    device_mem_->Release(*d);
+    return h.status();
+  }
+  return std::make_pair(*d, *h);
+}
+
+void CudaDevice::ReleaseBlocks(Block dblock, Block hblock) {
+  if (dblock.ptr != nullptr) device_mem_->Release(dblock);
+  if (hblock.ptr != nullptr) pinned_mem_->Release(hblock);
+}
+
+absl::StatusOr<std::unique_ptr<InputSink>> CudaDevice::OpenInputs(const Problem& problem,
+                                                                  const uint64_t (&sizes)[InputSink::kTensors]) {
+  // Laid out as Run places an all-inline request, so the worker uses the blocks as they are.
+  const Placement pl = Place(problem.shape, true, true, true, true, problem.want_lse);
+  const uint64_t qb = static_cast<uint64_t>(QElems(problem.shape)) * 2;
+  const uint64_t kvb = static_cast<uint64_t>(KVElems(problem.shape)) * 2;
+  if (sizes[0] != qb || sizes[1] != kvb || sizes[2] != kvb) {
+    return absl::InternalError("stream inputs: sizes do not match the validated shape");
+  }
+  absl::StatusOr<std::pair<Block, Block>> blocks = AcquireBlocks(pl.total);
+  if (!blocks.ok()) return blocks.status();
+  uploading_.fetch_add(1);
+  auto sink = std::make_unique<StreamedInputs>(this, pl, blocks->first, blocks->second, sizes);
+  ATTND_RETURN_IF_ERROR(sink->Init());
+  return std::unique_ptr<InputSink>(std::move(sink));
+}
+
+StreamedInputs::StreamedInputs(CudaDevice* device, const Placement& pl, Block dblock, Block hblock,
+                               const uint64_t (&sizes)[kTensors])
+    : device_(device), pl_(pl), dblock_(dblock), hblock_(hblock), offset_{pl.q, pl.k, pl.v} {
+  for (int i = 0; i < kTensors; ++i) {
+    size_[i] = sizes[i];
+    waiting_ += sizes[i];
+  }
+}
+
+absl::Status StreamedInputs::Init() {
+  ATTND_RETURN_IF_ERROR(CudaStatus("cudaSetDevice", cudaSetDevice(device_->index())));
+  ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventCreate", cudaEventCreate(&before_last_)));
+  return CudaStatus("cudaEventCreate", cudaEventCreate(&done_));
+}
+
+StreamedInputs::~StreamedInputs() {
+  if (counted_) device_->uploading_.fetch_sub(1);
+  cudaSetDevice(device_->index());
+  if (own_blocks_) {
+    // The stream ended early or the job never ran: pieces may still be in flight into these blocks. Rare,
+    // so the whole upload stream is waited for (it needs no event that may not have been recorded).
+    if (copied_) cudaStreamSynchronize(device_->upload_);
+    device_->ReleaseBlocks(dblock_, hblock_);
+  }
+  if (before_last_) cudaEventDestroy(before_last_);
+  if (done_) cudaEventDestroy(done_);
+}
+
+absl::Status StreamedInputs::Arrived(int tensor, uint64_t bytes_in_place) {
+  if (offset_[tensor] == Placement::kAbsent || bytes_in_place > size_[tensor]) {
+    return absl::InternalError("stream inputs: bytes reported past the tensor");
+  }
+  const uint64_t pending = bytes_in_place - flushed_[tensor];
+  if (pending == 0 || (pending < kPieceBytes && bytes_in_place < size_[tensor])) return absl::OkStatus();
+  const bool last = pending == waiting_;
+  ATTND_RETURN_IF_ERROR(CudaStatus("cudaSetDevice", cudaSetDevice(device_->index())));
+  cudaStream_t up = device_->upload_;
+  if (last) ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(before_last_, up)));
+  const uint64_t at = offset_[tensor] + flushed_[tensor];
+  copied_ = true;
+  ATTND_RETURN_IF_ERROR(CudaStatus("H2D copy (stream piece)",
+                                   cudaMemcpyAsync(static_cast<uint8_t*>(dblock_.ptr) + at,
+                                                   static_cast<uint8_t*>(hblock_.ptr) + at, pending,
+                                                   cudaMemcpyHostToDevice, up)));
+  ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(done_, up)));
+  flushed_[tensor] = bytes_in_place;
+  waiting_ -= pending;
+  return absl::OkStatus();
+}
+
+float StreamedInputs::last_piece_ms() const {
+  float ms = 0;
+  cudaEventElapsedTime(&ms, before_last_, done_);
+  return ms;
+}
+
+void StreamedInputs::Submitted() {
+  if (counted_) device_->uploading_.fetch_sub(1);
+  counted_ = false;
+}
+
+std::pair<Block, Block> StreamedInputs::Take() {
+  own_blocks_ = false;
+  return {dblock_, hblock_};
 }
 
 void CudaDevice::Enqueue(Pending p) {
@@ -453,17 +606,19 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
 
   const bool qi = p.q_ptr == nullptr, ki = p.k_ptr == nullptr, vi = p.v_ptr == nullptr, oi = !job.o_to_buffer;
   const Placement pl = Place(s, qi, ki, vi, oi, pr.want_lse);
+  // A stream whose inputs were copied here while they arrived: its blocks already hold them on both sides.
+  StreamedInputs* streamed = dynamic_cast<StreamedInputs*>(job.inputs.get());
+  if (streamed != nullptr && (streamed->device() != this || !streamed->complete() ||
+                              streamed->placement().total != pl.total)) {
+    streamed = nullptr;  // cannot happen (Submit routes it here, complete); staged from its host bytes
+  }
   Block dblock, hblock;
-  if (pl.total > 0) {
-    absl::StatusOr<Block> d = device_mem_->Acquire(pl.total);
-    if (!d.ok()) return d.status();
-    dblock = *d;
-    absl::StatusOr<Block> h = pinned_mem_->Acquire(pl.total);
-    if (!h.ok()) {
-      device_mem_->Release(dblock);
-      return h.status();
-    }
-    hblock = *h;
+  if (streamed != nullptr) {
+    std::tie(dblock, hblock) = streamed->Take();
+  } else if (pl.total > 0) {
+    absl::StatusOr<std::pair<Block, Block>> blocks = AcquireBlocks(pl.total);
+    if (!blocks.ok()) return blocks.status();
+    std::tie(dblock, hblock) = *blocks;
   }
   uint8_t* dev = static_cast<uint8_t*>(dblock.ptr);
   uint8_t* host = static_cast<uint8_t*>(hblock.ptr);
@@ -477,8 +632,7 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
     // fail too, and a wait on a stale record would free the blocks early), and errors are rare.
     if (on_compute) cudaStreamSynchronize(compute_);
     if (enqueued) cudaStreamSynchronize(slot.stream);
-    device_mem_->Release(dblock);
-    pinned_mem_->Release(hblock);
+    ReleaseBlocks(dblock, hblock);
   };
 
   kernels::DeviceTensors t;
@@ -488,17 +642,13 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
   t.o = oi ? dev + pl.o : p.o_ptr;
   t.lse = pr.want_lse ? reinterpret_cast<float*>(dev + pl.lse) : nullptr;
   // Staging: the request's bytes into pinned memory, so the H2D copy runs at full DMA speed and async.
-  {
+  if (streamed == nullptr) {
     std::vector<CopyPool::Part> parts;
     const auto stage = [&parts](const TensorSource& src, uint8_t* dst) {
-      if (src.host != nullptr) {
-        parts.push_back({dst, src.host, src.host_bytes});
-        return;
-      }
-      for (const absl::Span<const uint8_t>& piece : src.pieces) {
-        parts.push_back({dst, piece.data(), piece.size()});
-        dst += piece.size();
-      }
+      ForEachInlineRun(src, [&](const uint8_t* data, uint64_t size) {
+        parts.push_back({dst, data, size});
+        dst += size;
+      });
     };
     if (qi) stage(job.q, host + pl.q);
     if (ki) stage(job.k, host + pl.k);
@@ -509,7 +659,10 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
   absl::Status status;
   cudaStream_t st = slot.stream;
   status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[0], st));
-  if (status.ok() && pl.in_bytes > 0) {
+  if (status.ok() && streamed != nullptr) {
+    enqueued = true;
+    status = CudaStatus("cudaStreamWaitEvent (streamed inputs)", cudaStreamWaitEvent(st, streamed->uploaded(), 0));
+  } else if (status.ok() && pl.in_bytes > 0) {
     enqueued = true;
     status = CudaStatus("H2D copy", cudaMemcpyAsync(dev, host, pl.in_bytes, cudaMemcpyHostToDevice, st));
   }
@@ -589,6 +742,8 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
   cudaEventElapsedTime(&kernel, kernel_start, slot.ev[2]);
   cudaEventElapsedTime(&d2h, slot.ev[2], slot.ev[3]);
   // Back-to-back events still read a few nanoseconds apart: report exactly 0 when nothing was copied.
+  // Streamed inputs: only their last piece's copy, the rest ran while the upload went on.
+  if (streamed != nullptr) h2d = streamed->last_piece_ms();
   job.timing.h2d_us = pl.in_bytes > 0 ? h2d * 1e3 : 0;
   job.timing.kernel_us = kernel * 1e3;
   job.timing.d2h_us = out_bytes > 0 ? d2h * 1e3 : 0;
@@ -687,7 +842,7 @@ class CudaBackendImpl final : public Backend {
                  {"o_ref", &job->o_ref, s.q_len, s.q_heads}};
     for (int i = 0; i < 4; ++i) {
       RefUse& u = uses[i];
-      if (i < 3 ? IsInline(*u.src) || u.src->buffer_id.empty() : !job->o_to_buffer) continue;
+      if (i < 3 ? u.src->buffer_id.empty() : !job->o_to_buffer) continue;
       if (!options_.enable_cuda_ipc) {
         return absl::FailedPreconditionError(absl::StrCat(u.field, ": CUDA IPC is not enabled (--enable_cuda_ipc)"));
       }
@@ -724,21 +879,15 @@ class CudaBackendImpl final : public Backend {
     p.o_ptr = uses[3].ptr;
 
     CudaDevice* target = nullptr;
-    if (ref_device >= 0) {
+    StreamedInputs* streamed = dynamic_cast<StreamedInputs*>(job->inputs.get());
+    if (streamed != nullptr) {
+      target = streamed->device();  // its inputs are there already (it has no references)
+    } else if (ref_device >= 0) {
       for (const auto& d : devices_) {
         if (d->index() == ref_device) target = d.get();
       }
     } else {
-      // Inline work goes to the device with the fewest requests queued or running. Ties are common (a request
-      // spends most of its time in transfer, so devices are often idle when one is chosen): the scan starts
-      // one device further each time, or device 0 would take them all (2 x H200: 82 of 96 requests from 16
-      // callers before this rotation).
-      const size_t n = devices_.size();
-      const size_t first = next_inline_.fetch_add(1, std::memory_order_relaxed) % n;
-      for (size_t i = 0; i < n; ++i) {
-        CudaDevice* d = devices_[(first + i) % n].get();
-        if (target == nullptr || d->load() < target->load()) target = d;
-      }
+      target = PickInlineDevice();
     }
     if (target == nullptr) return absl::InternalError("no device to run on");
     // Bound the waiting jobs across devices; the check and the increment are one step so that concurrent
@@ -750,9 +899,21 @@ class CudaBackendImpl final : public Backend {
                                                          options_.max_queue, ")"));
       }
     } while (!queued_total_.compare_exchange_weak(q, q + 1));
+    if (streamed != nullptr) streamed->Submitted();
     p.job = std::move(job);
     target->Enqueue(std::move(p));
     return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::unique_ptr<InputSink>> OpenInputs(const ForwardJob& job,
+                                                        const uint64_t (&sizes)[InputSink::kTensors]) override {
+    // A request that also names registered buffers runs where they are, and its inline inputs are staged
+    // when it runs, like a unary request's.
+    const bool all_inline = sizes[0] > 0 && sizes[1] > 0 && sizes[2] > 0 && !job.o_to_buffer;
+    if (!options_.stream_to_device || !all_inline) return Backend::OpenInputs(job, sizes);
+    absl::ReaderMutexLock lock(&submit_mu_);
+    if (stopping_) return absl::UnavailableError("the server is shutting down");
+    return PickInlineDevice()->OpenInputs(job.problem, sizes);
   }
 
   uint32_t queue_depth() const override {
@@ -805,6 +966,21 @@ class CudaBackendImpl final : public Backend {
   bool cuda_ipc_enabled() const override { return options_.enable_cuda_ipc; }
 
  private:
+  // Inline work goes to the device with the fewest requests queued, running or uploading. Ties are common
+  // (a request spends most of its time in transfer, so devices are often idle when one is chosen): the scan
+  // starts one device further each time, or device 0 would take them all (2 x H200: 82 of 96 requests from
+  // 16 callers before this rotation).
+  CudaDevice* PickInlineDevice() {
+    CudaDevice* target = nullptr;
+    const size_t n = devices_.size();
+    const size_t first = next_inline_.fetch_add(1, std::memory_order_relaxed) % n;
+    for (size_t i = 0; i < n; ++i) {
+      CudaDevice* d = devices_[(first + i) % n].get();
+      if (target == nullptr || d->placement_load() < target->placement_load()) target = d;
+    }
+    return target;
+  }
+
   const BackendOptions options_;
   CopyPool copies_;  // outlives the devices, whose workers use it
   mutable TensorMapCache maps_;

@@ -5,7 +5,8 @@
 # env.txt, tests.log, attnd.log, bench.txt (all measurements, CSV rows). SERVER_GRPC_ARGS / CLIENT_GRPC_ARGS
 # (comma-separated name=value) go to --grpc_arg of attnd / attn, to compare transport settings. SKIP_TESTS,
 # SKIP_IPC, SKIP_SHM (the IPC bench over the shared-memory channel), STREAMS, PORT, DUR, SERVER_FLAGS (more attnd
-# flags), CONNECTIONS (attn bench --connections): further variants in one device call.
+# flags), CONNECTIONS (attn bench --connections), INLINE_SEQS, TRANSPORTS (of unary, stream): further variants
+# in one device call.
 set -u
 OUT=${OUT:-/tmp/attnd-out}
 mkdir -p "$OUT" /tmp/bins
@@ -53,7 +54,7 @@ DUR=${DUR:-2s}
   --seqs=1024,4096 --concurrency=1,16 --duration_s=${DUR%s} --warmup_s=${WARM_S:-0.5} --verify_every=25 >> "$R" 2>&1
 [ -n "${SKIP_INLINE:-}" ] || timeout 60 "$B/ipc_peer" tcp --seqs=1024,4096 --tcp_iters=20 >> "$R" 2>&1
 for seq in ${INLINE_SEQS-1024 4096}; do
-  for tr in unary stream; do
+  for tr in ${TRANSPORTS:-unary stream}; do
     for c in 1 16; do
       timeout 60 "$B/attn" bench --target=127.0.0.1:${PORT:-50051} --transport=$tr --q_len=$seq --q_heads=32 --head_dim=128 \
         --causal --concurrency=$c --duration=$DUR --warmup=0.5s --verify_every=5 --progress=false \

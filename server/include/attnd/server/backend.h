@@ -6,11 +6,13 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "attnd/problem.h"
@@ -30,19 +32,64 @@ struct TensorSource {
   std::vector<absl::Span<const uint8_t>> pieces;  // inline bytes in order, when host == nullptr
 };
 
-inline bool IsInline(const TensorSource& s) { return s.host != nullptr || !s.pieces.empty(); }
+// Calls run(data, size) for each contiguous run of an inline tensor's host_bytes, in order.
+template <typename Run>
+void ForEachInlineRun(const TensorSource& s, Run&& run) {
+  if (s.host != nullptr) {
+    run(s.host, s.host_bytes);
+    return;
+  }
+  for (const absl::Span<const uint8_t>& piece : s.pieces) run(piece.data(), piece.size());
+}
 
 // Copies an inline tensor's host_bytes to `dst`, from wherever they are.
 inline void CopyInline(const TensorSource& s, uint8_t* dst) {
-  if (s.host != nullptr) {
-    std::memcpy(dst, s.host, s.host_bytes);
-    return;
-  }
-  for (const absl::Span<const uint8_t>& piece : s.pieces) {
-    std::memcpy(dst, piece.data(), piece.size());
-    dst += piece.size();
-  }
+  ForEachInlineRun(s, [&dst](const uint8_t* data, uint64_t size) {
+    std::memcpy(dst, data, size);
+    dst += size;
+  });
 }
+
+// Where a ForwardStream's inline inputs land while they arrive. The stream writes each tensor's bytes in
+// order into data(i) and, after every chunk, reports how many of that tensor's bytes are now in place, so
+// a backend can start moving them before the upload has ended (the CUDA backend copies them to the device
+// piece by piece). Owned by the job; destroyed with it, or with the stream when it ends before Submit.
+class InputSink {
+ public:
+  static constexpr int kTensors = 3;  // q, k, v in that order
+  virtual ~InputSink() = default;
+  // Tensor i's bytes (host memory, written by the stream); null when the tensor is not inline.
+  virtual uint8_t* data(int tensor) = 0;
+  // Bytes [0, bytes_in_place) of tensor i have been written. A failure ends the stream with that status.
+  virtual absl::Status Arrived(int tensor, uint64_t bytes_in_place) = 0;
+};
+
+// The default sink: plain host buffers, read by the backend once the job runs.
+class HostInputSink final : public InputSink {
+ public:
+  // RESOURCE_EXHAUSTED when the host cannot give the memory. sizes[i] == 0: tensor i is not inline.
+  static absl::StatusOr<std::unique_ptr<InputSink>> Make(const uint64_t (&sizes)[kTensors]) {
+    auto sink = std::unique_ptr<HostInputSink>(new HostInputSink());
+    for (int i = 0; i < kTensors; ++i) {
+      if (sizes[i] == 0) continue;
+      // Left uninitialised: every byte is written by the stream before the job reads it (the stream checks
+      // that each tensor arrived whole).
+      sink->bytes_[i].reset(new (std::nothrow) uint8_t[sizes[i]]);
+      if (sink->bytes_[i] == nullptr) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("stream inputs: out of host memory for ", sizes[i], " bytes of tensor ",
+                         absl::string_view("qkv").substr(i, 1)));
+      }
+    }
+    return std::unique_ptr<InputSink>(std::move(sink));
+  }
+  uint8_t* data(int tensor) override { return bytes_[tensor].get(); }
+  absl::Status Arrived(int, uint64_t) override { return absl::OkStatus(); }
+
+ private:
+  HostInputSink() = default;
+  std::unique_ptr<uint8_t[]> bytes_[kTensors];
+};
 
 // Timings reported back in ForwardResponse.timing (microseconds).
 struct Timing {
@@ -57,6 +104,8 @@ struct ForwardJob {
   TensorSource q, k, v;
   bool o_to_buffer = false;   // O goes to o_ref instead of `o`
   TensorSource o_ref;
+  // ForwardStream only: the sink that received the inline inputs (q/k/v's `host` point into it).
+  std::unique_ptr<InputSink> inputs;
   absl::Time accepted;        // when the gRPC layer accepted it (queue time starts here)
   absl::Time deadline = absl::InfiniteFuture();  // work not started by then is answered DEADLINE_EXCEEDED
   std::function<bool()> cancelled;               // true once the client went away; may be empty
@@ -124,6 +173,15 @@ class Backend {
   // OK and `done` is called exactly once later, also across Shutdown.
   virtual absl::Status Submit(std::unique_ptr<ForwardJob> job) = 0;
 
+  // Where a ForwardStream's inline inputs go as they arrive: called once its header has been validated
+  // (CheckSupported included), before any chunk; sizes[i] are the inline bytes of q/k/v (0: a reference).
+  // The sink comes back to Submit in job->inputs. RESOURCE_EXHAUSTED when the memory cannot be had.
+  virtual absl::StatusOr<std::unique_ptr<InputSink>> OpenInputs(const ForwardJob& job,
+                                                                const uint64_t (&sizes)[InputSink::kTensors]) {
+    (void)job;
+    return HostInputSink::Make(sizes);
+  }
+
   // Requests queued and not yet started / accepted and not yet done.
   virtual uint32_t queue_depth() const = 0;
   virtual uint32_t in_flight() const = 0;
@@ -169,6 +227,10 @@ struct BackendOptions {
   bool shared_compute_stream = false;
   // CUDA: helper threads for the staging copies of inline tensors (-1: DefaultCopyThreads(), 0: none).
   int copy_threads = -1;
+  // CUDA: a ForwardStream's inline inputs are received into pinned memory and copied to the device piece by
+  // piece as they arrive (OpenInputs), so the copy overlaps the upload; the price is that the request holds
+  // its device and pinned blocks from its header on, also while a slow client uploads.
+  bool stream_to_device = true;
 };
 
 // "cpu", "cuda", or "auto" (CUDA when a usable GPU is present, else CPU).

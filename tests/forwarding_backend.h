@@ -1,0 +1,46 @@
+// A Backend that passes every call to another one: tests derive from it and override the calls they watch.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "attnd/server/backend.h"
+
+namespace attnd::testing {
+
+class ForwardingBackend : public server::Backend {
+ public:
+  explicit ForwardingBackend(std::unique_ptr<server::Backend> inner) : inner_(std::move(inner)) {}
+
+  std::string name() const override { return inner_->name(); }
+  std::vector<server::DeviceDescription> devices() const override { return inner_->devices(); }
+  std::vector<int64_t> supported_head_dims() const override { return inner_->supported_head_dims(); }
+  std::vector<DType> supported_dtypes() const override { return inner_->supported_dtypes(); }
+  std::vector<std::string> kernels() const override { return inner_->kernels(); }
+  absl::Status CheckSupported(const server::ForwardJob& job) const override { return inner_->CheckSupported(job); }
+  absl::Status Submit(std::unique_ptr<server::ForwardJob> job) override { return inner_->Submit(std::move(job)); }
+  absl::StatusOr<std::unique_ptr<server::InputSink>> OpenInputs(
+      const server::ForwardJob& job, const uint64_t (&sizes)[server::InputSink::kTensors]) override {
+    return inner_->OpenInputs(job, sizes);
+  }
+  uint32_t queue_depth() const override { return inner_->queue_depth(); }
+  uint32_t in_flight() const override { return inner_->in_flight(); }
+  void Shutdown() override { inner_->Shutdown(); }
+  absl::StatusOr<std::string> RegisterCudaBuffer(const server::CudaBufferRegistration& r) override {
+    return inner_->RegisterCudaBuffer(r);
+  }
+  absl::Status UnregisterCudaBuffer(const std::string& id) override { return inner_->UnregisterCudaBuffer(id); }
+  std::vector<server::CudaBufferDescription> ListCudaBuffers() const override { return inner_->ListCudaBuffers(); }
+  server::BackendStats stats() const override { return inner_->stats(); }
+  std::vector<server::DeviceMemoryUse> device_memory() const override { return inner_->device_memory(); }
+  uint32_t max_queue() const override { return inner_->max_queue(); }
+  bool cuda_ipc_enabled() const override { return inner_->cuda_ipc_enabled(); }
+
+ private:
+  std::unique_ptr<server::Backend> inner_;
+};
+
+}  // namespace attnd::testing
