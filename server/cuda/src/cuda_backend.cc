@@ -206,9 +206,10 @@ class CudaDevice {
   struct Slot {
     cudaStream_t stream = nullptr;
     cudaEvent_t ev[4] = {};  // before H2D, before kernel, after kernel, after D2H
-    // With the shared compute stream, ev[1] only says when the inputs arrived; the kernel may then wait
-    // behind other requests' kernels. This event, recorded on the compute stream right before the launch,
-    // makes the reported kernel time the kernel's own.
+    // ev[1] only says when the inputs arrived: with the shared compute stream the kernel may then wait
+    // behind other requests' kernels, and when the inputs were on the device already (IPC, a stream's
+    // pieces) the GPU reaches ev[1] at once while the host still plans the launch. This event, recorded right
+    // before the launch on the stream that runs it, makes the reported kernel time the kernel's own.
     cudaEvent_t kernel_start = nullptr;
   };
 
@@ -320,10 +321,8 @@ absl::Status CudaDevice::Start(const std::vector<Shape>& warm_shapes) {
     for (cudaEvent_t& e : slot->ev) {
       ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventCreate", cudaEventCreateWithFlags(&e, cudaEventBlockingSync)));
     }
-    if (compute_) {
-      // Only read for the timing, never waited on by the host: no blocking-sync flag needed.
-      ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventCreate", cudaEventCreate(&slot->kernel_start)));
-    }
+    // Only read for the timing, never waited on by the host: no blocking-sync flag needed.
+    ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventCreate", cudaEventCreate(&slot->kernel_start)));
     slots_.push_back(std::move(slot));
   }
   ATTND_RETURN_IF_ERROR(WarmUpKernels());
@@ -690,8 +689,8 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
     plan = kernels::MakePlanFromMaps(*sel, t, *qm, *km, *vm);
     if (!plan.ok()) status = plan.status();
   }
-  cudaEvent_t kernel_start = slot.ev[1];
   if (!shared) {
+    if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.kernel_start, st));
     if (status.ok()) {
       enqueued = true;
       status = kernels::Launch(*plan, st);
@@ -699,7 +698,6 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
     if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[2], st));
   } else {
     if (status.ok()) {
-      kernel_start = slot.kernel_start;
       on_compute = true;
       // Enqueued together, after the host-side planning, so that the lock is held for a few API calls only.
       absl::MutexLock lock(&compute_mu_);
@@ -739,7 +737,7 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
   }
   float h2d = 0, kernel = 0, d2h = 0;
   cudaEventElapsedTime(&h2d, slot.ev[0], slot.ev[1]);
-  cudaEventElapsedTime(&kernel, kernel_start, slot.ev[2]);
+  cudaEventElapsedTime(&kernel, slot.kernel_start, slot.ev[2]);
   cudaEventElapsedTime(&d2h, slot.ev[2], slot.ev[3]);
   // Back-to-back events still read a few nanoseconds apart: report exactly 0 when nothing was copied.
   // Streamed inputs: only their last piece's copy, the rest ran while the upload went on.

@@ -6,7 +6,8 @@
 # (comma-separated name=value) go to --grpc_arg of attnd / attn, to compare transport settings. SKIP_TESTS,
 # SKIP_IPC, SKIP_SHM (the IPC bench over the shared-memory channel), STREAMS, PORT, DUR, SERVER_FLAGS (more attnd
 # flags), CONNECTIONS (attn bench --connections), INLINE_SEQS, TRANSPORTS (of unary, stream): further variants
-# in one device call.
+# in one device call. CHUNK_BYTES: attn bench --chunk_bytes (stream chunk size);
+# CALLERS: the concurrencies of the inline rows (default "1 16").
 set -u
 OUT=${OUT:-/tmp/attnd-out}
 mkdir -p "$OUT" /tmp/bins
@@ -55,10 +56,11 @@ DUR=${DUR:-2s}
 [ -n "${SKIP_INLINE:-}" ] || timeout 60 "$B/ipc_peer" tcp --seqs=1024,4096 --tcp_iters=20 >> "$R" 2>&1
 for seq in ${INLINE_SEQS-1024 4096}; do
   for tr in ${TRANSPORTS:-unary stream}; do
-    for c in 1 16; do
+    for c in ${CALLERS:-1 16}; do
       timeout 60 "$B/attn" bench --target=127.0.0.1:${PORT:-50051} --transport=$tr --q_len=$seq --q_heads=32 --head_dim=128 \
         --causal --concurrency=$c --duration=$DUR --warmup=0.5s --verify_every=5 --progress=false \
         --tcp_baseline --rpc_floor ${CLIENT_GRPC_ARGS:+--grpc_arg=$CLIENT_GRPC_ARGS} ${CONNECTIONS:+--connections=$CONNECTIONS} \
+        ${CHUNK_BYTES:+--chunk_bytes=$CHUNK_BYTES} \
         --csv=/tmp/b.csv > /tmp/b.txt 2>&1
       echo "attn_bench,$tr,$seq,$c,rc=$?" >> "$R"
       cat /tmp/b.csv >> "$R" 2>/dev/null || cat /tmp/b.txt >> "$R"
