@@ -280,8 +280,9 @@ int CmdInfo(Client& client) {
 int CmdStats(Client& client) {
   auto st = client.Stats(CallOpts());
   if (!st.ok()) return Fail(st.status(), "GetStats");
-  std::cout << absl::StrFormat("uptime %.1f s, queue depth %d, in flight %d, bytes in %d, bytes out %d\n",
-                               st->uptime_s(), st->queue_depth(), st->in_flight(), st->bytes_in(), st->bytes_out());
+  std::cout << absl::StrFormat(
+      "uptime %.1f s, queue depth %d, in flight %d, streams receiving %d, bytes in %d, bytes out %d\n", st->uptime_s(),
+      st->queue_depth(), st->in_flight(), st->streams_receiving(), st->bytes_in(), st->bytes_out());
   std::cout << absl::StrFormat("tensor map cache: %d hits, %d misses\n", st->tensor_map_cache_hits(),
                                st->tensor_map_cache_misses());
   for (const auto& r : st->rpcs()) {

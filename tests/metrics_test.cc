@@ -120,9 +120,11 @@ TEST_F(MetricsTest, CountersMoveByTheCallsAndBytesSent) {
     EXPECT_FALSE(before.helps.count(counter) == 0 || before.helps.at(counter).empty()) << counter;
   }
   EXPECT_EQ(before.types.at("attnd_request_duration_seconds"), "histogram");
-  for (const char* gauge : {"attnd_in_flight", "attnd_queue_depth", "attnd_device_memory_used_bytes"}) {
+  for (const char* gauge : {"attnd_in_flight", "attnd_queue_depth", "attnd_device_memory_used_bytes",
+                            "attnd_streams_receiving"}) {
     EXPECT_EQ(before.types.count(gauge) ? before.types.at(gauge) : "", "gauge") << gauge;
   }
+  EXPECT_EQ(before.Get("attnd_streams_receiving"), 0);
   EXPECT_EQ(before.Get(Series("attnd_requests_total", "code=\"OK\",method=\"Forward\"")), 0);
 
   auto stub = server_->Stub();

@@ -297,9 +297,9 @@ TEST(Admission, WorkingMemoryOverBudgetIsResourceExhausted) {
   auto job = std::make_unique<server::ForwardJob>();
   job->problem = testing::ProblemOf(r);
   const Layout L = ContiguousLayout(job->problem.shape);
-  job->q = {reinterpret_cast<const uint8_t*>(r.q().data().data()), r.q().data().size(), "", 0, L.q};
-  job->k = {reinterpret_cast<const uint8_t*>(r.k().data().data()), r.k().data().size(), "", 0, L.k};
-  job->v = {reinterpret_cast<const uint8_t*>(r.v().data().data()), r.v().data().size(), "", 0, L.v};
+  job->q = {reinterpret_cast<const uint8_t*>(r.q().data().data()), r.q().data().size(), "", 0, L.q, {}};
+  job->k = {reinterpret_cast<const uint8_t*>(r.k().data().data()), r.k().data().size(), "", 0, L.k, {}};
+  job->v = {reinterpret_cast<const uint8_t*>(r.v().data().data()), r.v().data().size(), "", 0, L.v, {}};
   job->accepted = absl::Now();
   absl::Notification done;
   absl::Status status;

@@ -332,6 +332,45 @@ TEST(ServerStream, InputsReachTheBackendsSinkChunkByChunkBeforeSubmit) {
   EXPECT_EQ(reports, (sizes[0] + chunk - 1) / chunk + 2 * ((sizes[1] + chunk - 1) / chunk));
 }
 
+uint32_t StreamsReceiving(v1::Attention::Stub* stub) {
+  grpc::ClientContext ctx;
+  v1::ServerStats stats;
+  EXPECT_TRUE(stub->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+  return stats.streams_receiving();
+}
+
+TEST(ServerStream, GetStatsCountsStreamsStillReceiving) {
+  TestServer ts;
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  EXPECT_EQ(StreamsReceiving(stub.get()), 0u);
+  const v1::ForwardRequest r = MakeRequest({1, 64, 64, 2, 2, 64}, v1::MASK_TYPE_NONE, false, 80);
+  // Two streams past their header with part of Q sent: one is finished, the other cancelled.
+  grpc::ClientContext finished_ctx, cancelled_ctx;
+  std::unique_ptr<Stream> finished = stub->ForwardStream(&finished_ctx);
+  std::unique_ptr<Stream> cancelled = stub->ForwardStream(&cancelled_ctx);
+  for (Stream* s : {finished.get(), cancelled.get()}) {
+    ASSERT_TRUE(s->Write(Header(r)));
+    ASSERT_TRUE(s->Write(Chunk(v1::TENSOR_NAME_Q, r.q().data(), 0, 1000)));
+  }
+  EXPECT_TRUE(testing::WaitFor([&] { return StreamsReceiving(stub.get()) == 2; }));
+  cancelled_ctx.TryCancel();
+  EXPECT_FALSE(cancelled->Finish().ok());
+  EXPECT_TRUE(testing::WaitFor([&] { return StreamsReceiving(stub.get()) == 1; }));
+  ASSERT_TRUE(finished->Write(Chunk(v1::TENSOR_NAME_Q, r.q().data(), 1000, r.q().data().size())));
+  ASSERT_TRUE(finished->Write(Chunk(v1::TENSOR_NAME_K, r.k().data(), 0, r.k().data().size())));
+  ASSERT_TRUE(finished->Write(Chunk(v1::TENSOR_NAME_V, r.v().data(), 0, r.v().data().size())));
+  ASSERT_TRUE(finished->WritesDone());
+  std::string o, lse;
+  v1::ForwardStreamResponse m;
+  while (finished->Read(&m)) {
+    if (m.has_chunk()) (m.chunk().tensor() == v1::TENSOR_NAME_O ? o : lse) += m.chunk().data();
+  }
+  ASSERT_TRUE(finished->Finish().ok());
+  ExpectCorrect(r, o, lse);
+  EXPECT_EQ(StreamsReceiving(stub.get()), 0u);
+}
+
 TEST(ServerStream, ASinkThatRefusesEndsTheStreamWithItsStatus) {
   const v1::ForwardRequest r = MakeRequest({1, 64, 64, 2, 2, 64}, v1::MASK_TYPE_NONE, false, 79);
   std::vector<v1::ForwardStreamRequest> messages = {Header(r)};

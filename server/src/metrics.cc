@@ -55,7 +55,8 @@ prometheus::ClientMetric Value(prometheus::MetricType type, double v, std::vecto
 // registry gauges on a timer would only make them stale).
 class BackendCollector final : public prometheus::Collectable {
  public:
-  explicit BackendCollector(const Backend* backend) : backend_(backend) {}
+  BackendCollector(const Backend* backend, std::function<uint32_t()> streams_receiving)
+      : backend_(backend), streams_receiving_(std::move(streams_receiving)) {}
 
   std::vector<prometheus::MetricFamily> Collect() const override {
     using prometheus::MetricType;
@@ -71,6 +72,14 @@ class BackendCollector final : public prometheus::Collectable {
                             MetricType::Gauge);
     max_queue.metric.push_back(Value(MetricType::Gauge, backend_->max_queue()));
     out.push_back(std::move(max_queue));
+    if (streams_receiving_) {
+      auto receiving = Family("attnd_streams_receiving",
+                              "ForwardStream calls past their header whose inputs are still arriving (on the cuda "
+                              "backend each holds its device memory already).",
+                              MetricType::Gauge);
+      receiving.metric.push_back(Value(MetricType::Gauge, streams_receiving_()));
+      out.push_back(std::move(receiving));
+    }
 
     const BackendStats s = backend_->stats();
     auto hits = Family("attnd_tensor_map_cache_hits_total", "Forward requests whose TMA tensor maps were cached.",
@@ -93,14 +102,15 @@ class BackendCollector final : public prometheus::Collectable {
 
  private:
   const Backend* const backend_;
+  const std::function<uint32_t()> streams_receiving_;
 };
 
 }  // namespace
 
 struct ServerMetrics::Impl {
-  explicit Impl(const Backend* backend)
+  Impl(const Backend* backend, std::function<uint32_t()> streams_receiving)
       : registry(std::make_shared<prometheus::Registry>()),
-        backend_collector(std::make_shared<BackendCollector>(backend)),
+        backend_collector(std::make_shared<BackendCollector>(backend, std::move(streams_receiving))),
         requests(prometheus::BuildCounter()
                      .Name("attnd_requests_total")
                      .Help("RPCs finished, by method and gRPC status code.")
@@ -145,7 +155,8 @@ struct ServerMetrics::Impl {
   std::unique_ptr<prometheus::Exposer> exposer ABSL_GUARDED_BY(exposer_mu);
 };
 
-ServerMetrics::ServerMetrics(const Backend* backend) : impl_(std::make_unique<Impl>(backend)) {}
+ServerMetrics::ServerMetrics(const Backend* backend, std::function<uint32_t()> streams_receiving)
+    : impl_(std::make_unique<Impl>(backend, std::move(streams_receiving))) {}
 
 ServerMetrics::~ServerMetrics() {
   // The HTTP threads may be inside Collect(): stop them before the collectables go.
@@ -203,7 +214,7 @@ int ServerMetrics::port() const {
 #else  // !ATTND_HAVE_METRICS
 
 struct ServerMetrics::Impl {};
-ServerMetrics::ServerMetrics(const Backend*) {}
+ServerMetrics::ServerMetrics(const Backend*, std::function<uint32_t()>) {}
 ServerMetrics::~ServerMetrics() = default;
 bool ServerMetrics::Available() { return false; }
 void ServerMetrics::RecordCall(const CallRecord&) {}

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -30,8 +31,8 @@ struct CallRecord {
 
 class ServerMetrics {
  public:
-  // `backend` is sampled at scrape time and must outlive this object.
-  explicit ServerMetrics(const Backend* backend);
+  // `backend` and `streams_receiving` (may be empty) are sampled at scrape time and must outlive this object.
+  explicit ServerMetrics(const Backend* backend, std::function<uint32_t()> streams_receiving = nullptr);
   ~ServerMetrics();
   ServerMetrics(const ServerMetrics&) = delete;
   ServerMetrics& operator=(const ServerMetrics&) = delete;

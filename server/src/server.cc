@@ -180,7 +180,7 @@ class ServerImpl final : public Server {
       }
     }
     if (!options_.metrics_listen.empty()) {
-      metrics_ = std::make_unique<ServerMetrics>(backend_.get());
+      metrics_ = std::make_unique<ServerMetrics>(backend_.get(), [this] { return service_.streams_receiving(); });
       ATTND_RETURN_IF_ERROR(metrics_->Serve(options_.metrics_listen));
       spdlog::info("attnd metrics on http://{}/metrics [port {}]", options_.metrics_listen, metrics_->port());
     }

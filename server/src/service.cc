@@ -192,7 +192,7 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     for (Input& in : inputs_) {
       if (in.chunked) in.data = job_->inputs->data(in.index);
     }
-    state_ = StreamState::kReceiving;
+    SetState(StreamState::kReceiving);
     return absl::OkStatus();
   }
 
@@ -224,7 +224,7 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     // Queue time starts once every byte is in: the upload is the client's time, not the server's queue.
     job->accepted = absl::Now();
     job->done = [this, job](absl::Status status) { OnJobDone(*job, status); };
-    state_ = StreamState::kComputing;
+    SetState(StreamState::kComputing);
     const absl::Status s = service_->backend()->Submit(std::move(job_));
     if (!s.ok()) End(s);
   }
@@ -242,7 +242,7 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     // Shared: the chunk slices point into these and keep them alive, possibly past this reactor.
     o_ = std::make_shared<const std::string>(std::move(job.o));
     lse_ = std::make_shared<const std::string>(std::move(job.lse));
-    state_ = StreamState::kReplying;
+    SetState(StreamState::kReplying);
     StartWrite(&out_buf_);
   }
 
@@ -264,8 +264,18 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     StartWrite(&out_buf_);
   }
 
+  // Every change of state goes through here, so that the service's count of receiving streams stays exact.
+  void SetState(StreamState next) {
+    if (next == StreamState::kReceiving) {
+      service_->CountReceiving(true);
+    } else if (state_ == StreamState::kReceiving) {
+      service_->CountReceiving(false);
+    }
+    state_ = next;
+  }
+
   void End(const absl::Status& status) {
-    state_ = StreamState::kFinished;
+    SetState(StreamState::kFinished);
     service_->stats().AddBytes(bytes_in_, bytes_out_);
     service_->stats().Record("ForwardStream", status, absl::Now() - start_);
     LogOutcome("ForwardStream", header_.request_id(), status, start_);
@@ -540,6 +550,7 @@ grpc::ServerUnaryReactor* AttentionService::GetStats(grpc::CallbackServerContext
   stats_.Fill(out);
   out->set_queue_depth(backend_->queue_depth());
   out->set_in_flight(backend_->in_flight());
+  out->set_streams_receiving(streams_receiving());
   const BackendStats b = backend_->stats();
   out->set_tensor_map_cache_hits(b.tensor_map_cache_hits);
   out->set_tensor_map_cache_misses(b.tensor_map_cache_misses);

@@ -71,6 +71,16 @@ class AttentionService final : public AttentionServiceBase {
   void FillResponseHeader(const ForwardJob& job, v1::ForwardResponse* response) const;
 
   Backend* backend() const { return backend_; }
+  // ForwardStream calls whose header was accepted and whose inputs are still arriving (GetStats, metrics).
+  uint32_t streams_receiving() const { return streams_receiving_.load(std::memory_order_relaxed); }
+  // Called by a stream as it starts (true) and stops (false) receiving its inputs.
+  void CountReceiving(bool receiving) {
+    if (receiving) {
+      streams_receiving_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      streams_receiving_.fetch_sub(1, std::memory_order_relaxed);
+    }
+  }
   RpcStatsTable& stats() { return stats_; }
   uint64_t stream_chunk_bytes() const { return stream_chunk_bytes_; }
 
@@ -86,6 +96,7 @@ class AttentionService final : public AttentionServiceBase {
   const uint64_t stream_chunk_bytes_;
   RpcStatsTable stats_;
   std::atomic<bool> shutting_down_{false};
+  std::atomic<uint32_t> streams_receiving_{0};
   const PeerCalls* peer_calls_ = nullptr;
 };
 
