@@ -34,7 +34,8 @@
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server: host:port, unix:/path/to/socket, or dns:///name:port");
 ABSL_FLAG(int64_t, deadline_ms, 60000, "per-call deadline in milliseconds");
 ABSL_FLAG(std::string, transport, "auto",
-          "auto (unary when it fits the server's message limit, else streaming) | unary | stream | shm (call and "
+          "auto (streaming from the server's stream_preferred_from_bytes of inline tensors, see attn info; below "
+          "it unary when it fits the server's message limit, else streaming) | unary | stream | shm (call and "
           "bench: Forward over a same-host shared-memory channel at --shm_socket instead of gRPC)");
 ABSL_FLAG(uint64_t, chunk_bytes, 0, "ForwardStream chunk size in bytes (0: 1 MiB, capped by the server's limit)");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
@@ -271,6 +272,11 @@ int CmdInfo(Client& client) {
                                limit(l.max_batch()), limit(l.max_q_len()), limit(l.max_kv_len()),
                                limit(l.max_heads()));
   std::cout << "  cuda ipc: " << (info->cuda_ipc_enabled() ? "enabled" : "disabled") << "\n";
+  std::cout << "  stream preferred from: "
+            << (info->stream_preferred_from_bytes() > 0
+                    ? absl::StrCat(info->stream_preferred_from_bytes(), " bytes of inline tensors")
+                    : std::string("none (auto streams only what does not fit one message)"))
+            << "\n";
   std::cout << "  kernels: " << absl::StrJoin(info->kernels(), ", ") << "\n";
   absl::Status health = client.CheckHealth("", CallOpts());
   std::cout << "  health: " << (health.ok() ? "SERVING" : std::string(health.message())) << "\n";

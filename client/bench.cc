@@ -367,7 +367,8 @@ absl::StatusOr<BenchReport> RunBench(const std::vector<Client*>& clients,
   if (!described.ok()) return described.status();
   BenchReport& report = *described;
   if (transport == Transport::kAuto) {
-    // Fetch the server's limits now so that no completion callback ever blocks on it.
+    // Fetch the server's limits and stream preference (kAuto's inputs) now so that no completion callback ever
+    // blocks on them.
     for (Client* c : clients) {
       auto info = c->ServerInfo(false, opt.call);
       if (!info.ok()) return info.status();

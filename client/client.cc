@@ -70,6 +70,12 @@ std::optional<uint64_t> ExpectedLseBytes(const v1::ForwardRequest& r) {
   return CheckedProduct({s.batch(), s.q_heads(), s.q_len(), 4});
 }
 
+// A request that names a registered CUDA buffer (an input or O's destination) is staged by the server when it
+// runs, whichever RPC carries it: streaming it overlaps nothing.
+bool NamesBuffers(const v1::ForwardRequest& r) {
+  return r.has_o_ref() || r.q().has_ref() || r.k().has_ref() || r.v().has_ref();
+}
+
 void FillResultHeader(v1::ForwardResponse& header, ForwardResult& res) {
   res.request_id = std::move(*header.mutable_request_id());
   res.timing = header.timing();
@@ -482,14 +488,23 @@ uint64_t Client::ChunkBytes(uint64_t max_message_bytes) const {
 }
 
 absl::StatusOr<Transport> Client::ChooseTransport(const v1::ForwardRequest& request) {
-  return ChooseTransportFor(request.ByteSizeLong(), request);
+  uint64_t inline_bytes = 0;
+  for (const v1::TensorInput* t : {&request.q(), &request.k(), &request.v()}) {
+    if (t->source_case() == v1::TensorInput::kData) inline_bytes += t->data().size();
+  }
+  return ChooseTransportFor(request.ByteSizeLong(), inline_bytes, request);
 }
 
-absl::StatusOr<Transport> Client::ChooseTransportFor(uint64_t request_bytes, const v1::ForwardRequest& request) {
+absl::StatusOr<Transport> Client::ChooseTransportFor(uint64_t request_bytes, uint64_t inline_bytes,
+                                                     const v1::ForwardRequest& request) {
   auto info = ServerInfo();
   if (!info.ok()) {
     return absl::Status(info.status().code(), absl::StrCat("fetching the server's limits: ", info.status().message()));
   }
+  // The server copies a stream's chunks on (to the device) while the rest arrives; from this size that
+  // overlap beats a unary message even when the request fits one.
+  const uint64_t prefer = info->stream_preferred_from_bytes();
+  if (prefer > 0 && inline_bytes >= prefer && !NamesBuffers(request)) return Transport::kStream;
   const uint64_t limit = info->limits().max_message_bytes();
   if (limit == 0) return Transport::kUnary;  // the server states no limit
   const uint64_t reply = ExpectedOBytes(request).value_or(0) + (request.return_lse() ? ExpectedLseBytes(request).value_or(0) : 0);
@@ -534,7 +549,8 @@ void Client::Dispatch(std::shared_ptr<const Outgoing> sent, ForwardCallback done
   Transport t = call.transport ? *call.transport : options_.transport;
   if (t == Transport::kAuto) {
     // The message size: the header, the tensors and their few bytes of tags and lengths each.
-    auto chosen = ChooseTransportFor(sent->header.ByteSizeLong() + sent->inline_bytes() + 3 * 24, sent->header);
+    const uint64_t inline_bytes = sent->inline_bytes();
+    auto chosen = ChooseTransportFor(sent->header.ByteSizeLong() + inline_bytes + 3 * 24, inline_bytes, sent->header);
     if (!chosen.ok()) {
       done(chosen.status());
       return;

@@ -46,6 +46,10 @@ ABSL_FLAG(bool, stream_to_device, true,
           "CUDA: a ForwardStream's chunks land in pinned memory and are copied to the device while the rest arrives "
           "(the request's device and pinned memory are then taken at its header, for the whole upload); false: "
           "received into host memory and copied when the request runs");
+ABSL_FLAG(uint64_t, stream_preferred_from_bytes, 8ull << 20,
+          "CUDA, with --stream_to_device: told to clients (GetServerInfo) as the inline tensor bytes from which "
+          "their automatic transport streams a request that would fit one message, so that its copy to the device "
+          "overlaps the upload (0: no preference, stream only what does not fit)");
 ABSL_FLAG(bool, enable_cuda_ipc, false, "accept RegisterCudaBuffer (CUDA IPC, same host) on the cuda backend");
 ABSL_FLAG(uint64_t, memory_budget_mb, 0,
           "CUDA device (and pinned staging) memory the stream pool may hold per device, MiB (0: 80% of free)");
@@ -118,6 +122,7 @@ int main(int argc, char** argv) {
   backend_options.shared_compute_stream = absl::GetFlag(FLAGS_shared_compute_stream);
   backend_options.copy_threads = absl::GetFlag(FLAGS_copy_threads);
   backend_options.stream_to_device = absl::GetFlag(FLAGS_stream_to_device);
+  backend_options.stream_preferred_from_bytes = absl::GetFlag(FLAGS_stream_preferred_from_bytes);
   backend_options.enable_cuda_ipc = absl::GetFlag(FLAGS_enable_cuda_ipc);
   backend_options.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_mb) << 20;
   backend_options.warm_shapes = absl::GetFlag(FLAGS_warm_shapes);

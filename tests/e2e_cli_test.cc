@@ -19,6 +19,7 @@
 #include "attnd/half.h"
 #include "attnd/reference.h"
 #include "e2e_util.h"
+#include "forwarding_backend.h"
 
 #ifndef ATTN_BINARY
 #error "ATTN_BINARY (path of the built attn) must be defined by the build"
@@ -238,6 +239,7 @@ TEST_F(BenchTest, AttnBinaryInfoCallVerifyAndBench) {
   EXPECT_EQ(info_rc, 0) << info;
   EXPECT_TRUE(absl::StrContains(info, "backend: cpu")) << info;
   EXPECT_TRUE(absl::StrContains(info, "health: SERVING")) << info;
+  EXPECT_TRUE(absl::StrContains(info, "stream preferred from: none")) << info;
 
   auto [call_rc, call] = RunCommand(absl::StrCat(attn, " call --verify --target=", target,
                                           " --batch=2 --q_len=100 --kv_len=130 --q_heads=8 --kv_heads=2 "
@@ -309,6 +311,23 @@ TEST_F(BenchTest, AttnBinaryInfoCallVerifyAndBench) {
   auto [down_rc, down] = RunCommand(absl::StrCat(attn, " info --deadline_ms=3000 --target=127.0.0.1:1"));
   EXPECT_EQ(down_rc, 1) << down;
   EXPECT_TRUE(absl::StrContains(down, "UNAVAILABLE")) << down;
+}
+
+TEST(AttnInfo, ShowsTheServersStreamPreference) {
+  // What the CUDA backend reports by default under --stream_to_device.
+  class PrefersStreams final : public testing::ForwardingBackend {
+   public:
+    using ForwardingBackend::ForwardingBackend;
+    uint64_t stream_preferred_from_bytes() const override { return 8388608; }
+  };
+  TestServer srv;
+  StartServer(&srv, 64ull << 20, 2, 256, false, [](std::unique_ptr<server::Backend> cpu) {
+    return std::unique_ptr<server::Backend>(new PrefersStreams(std::move(cpu)));
+  });
+  ASSERT_NE(srv.server, nullptr);
+  auto [rc, info] = RunCommand(absl::StrCat(ATTN_BINARY, " info --target=", srv.Target(Listener::kTcp)));
+  EXPECT_EQ(rc, 0) << info;
+  EXPECT_TRUE(absl::StrContains(info, "stream preferred from: 8388608 bytes of inline tensors")) << info;
 }
 
 // --transport=shm: a server with shared-memory channels (--shm_socket) beside its gRPC listeners.

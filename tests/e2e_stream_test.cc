@@ -1,11 +1,14 @@
 // The streaming path end to end: a server with a 1 MiB message limit, requests several times that size
 // (which the unary RPC cannot carry), the client's automatic choice of transport, and odd chunk sizes.
+#include <atomic>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "e2e_util.h"
+#include "forwarding_backend.h"
 #include "grpcpp/grpcpp.h"
 
 namespace attnd::e2e {
@@ -195,6 +198,176 @@ TEST(StreamReplies, TheClientChecksWhatTheServerSends) {
     }
     server->Shutdown();
   }
+}
+
+// The CPU backend with the stream preference a CUDA backend reports under --stream_to_device, changeable
+// while it serves.
+class PrefersStreams final : public testing::ForwardingBackend {
+ public:
+  PrefersStreams(std::unique_ptr<server::Backend> inner, std::shared_ptr<std::atomic<uint64_t>> from_bytes)
+      : ForwardingBackend(std::move(inner)), from_bytes_(std::move(from_bytes)) {}
+  uint64_t stream_preferred_from_bytes() const override { return from_bytes_->load(); }
+
+ private:
+  const std::shared_ptr<std::atomic<uint64_t>> from_bytes_;
+};
+
+// Calls of `method` the server has finished: which RPC carried a call, as the server saw it.
+uint64_t ServerCalls(client::Client& c, const std::string& method) {
+  auto stats = c.Stats();
+  EXPECT_TRUE(stats.ok()) << stats.status();
+  if (!stats.ok()) return 0;
+  for (const auto& rpc : stats->rpcs()) {
+    if (rpc.method() == method) return rpc.count();
+  }
+  return 0;
+}
+
+struct Carried {
+  uint64_t unary = 0, stream = 0;
+};
+Carried ServerCalls(client::Client& c) { return {ServerCalls(c, "Forward"), ServerCalls(c, "ForwardStream")}; }
+
+TEST(StreamPreference, AutoStreamsFromTheServersThresholdAndSendsUnaryBelowIt) {
+  auto from = std::make_shared<std::atomic<uint64_t>>(0);
+  TestServer srv;
+  StartServer(&srv, 64ull << 20, 2, 256, false, [from](std::unique_ptr<server::Backend> cpu) {
+    return std::unique_ptr<server::Backend>(new PrefersStreams(std::move(cpu), from));
+  });
+  ASSERT_NE(srv.server, nullptr);
+  auto client = Connect(srv.Target(Listener::kTcp));
+  ASSERT_NE(client, nullptr);
+  // 96 KiB of inline tensors: far below the 64 MiB message limit, so without a preference it goes unary.
+  const Case c = MakeCase(Spec(1, 64, 128, 4, 2, 64), 40);
+  const uint64_t inline_bytes = c.spec.q_bytes() + 2 * c.spec.kv_bytes();
+  ASSERT_EQ(inline_bytes, 96u << 10);
+  const auto q = std::make_shared<const std::string>(c.request->q().data());
+  const auto k = std::make_shared<const std::string>(c.request->k().data());
+  const auto v = std::make_shared<const std::string>(c.request->v().data());
+
+  struct Step {
+    uint64_t from_bytes;
+    client::Transport want;
+  };
+  // At the threshold exactly, one byte short of it, with no preference, and well above it.
+  for (const Step& step : {Step{inline_bytes, client::Transport::kStream},
+                           Step{inline_bytes + 1, client::Transport::kUnary}, Step{0, client::Transport::kUnary},
+                           Step{inline_bytes / 2, client::Transport::kStream}}) {
+    SCOPED_TRACE(absl::StrCat("stream_preferred_from_bytes ", step.from_bytes));
+    from->store(step.from_bytes);
+    auto info = client->ServerInfo(/*refresh=*/true);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->stream_preferred_from_bytes(), step.from_bytes);  // what the backend says, as is
+    auto chosen = client->ChooseTransport(*c.request);
+    ASSERT_TRUE(chosen.ok()) << chosen.status();
+    EXPECT_STREQ(client::TransportName(*chosen), client::TransportName(step.want));
+
+    // A request (copied: the blocking Forward) and tensors in the caller's own memory (ForwardInputs) take
+    // the transport ChooseTransport named, and the server counts them under that RPC.
+    const Carried before = ServerCalls(*client);
+    auto r = client->Forward(*c.request);
+    EXPECT_EQ(CheckReply(c, r), "");
+    if (r.ok()) {
+      EXPECT_STREQ(client::TransportName(r->transport), client::TransportName(step.want));
+    }
+    auto keep = std::make_shared<std::vector<std::shared_ptr<const std::string>>>(
+        std::vector<std::shared_ptr<const std::string>>{q, k, v});
+    auto u = client->ForwardFuture(c.spec, client::ForwardInputs{*q, *k, *v, keep}).get();
+    EXPECT_EQ(CheckReply(c, u), "");
+    if (u.ok()) {
+      EXPECT_STREQ(client::TransportName(u->transport), client::TransportName(step.want));
+    }
+    const Carried after = ServerCalls(*client);
+    const bool streamed = step.want == client::Transport::kStream;
+    EXPECT_EQ(after.stream - before.stream, streamed ? 2u : 0u);
+    EXPECT_EQ(after.unary - before.unary, streamed ? 0u : 2u);
+  }
+}
+
+// References carry a few bytes each and are staged when the request runs (the device sink takes only
+// all-inline requests), so requests naming a buffer stay unary whatever their inline bytes. The CPU backend
+// refuses them, but the server still counts which RPC brought them.
+TEST(StreamPreference, RequestsNamingBuffersStayUnary) {
+  auto from = std::make_shared<std::atomic<uint64_t>>(1);  // any inline byte at all would stream
+  TestServer srv;
+  StartServer(&srv, 64ull << 20, 2, 256, false, [from](std::unique_ptr<server::Backend> cpu) {
+    return std::unique_ptr<server::Backend>(new PrefersStreams(std::move(cpu), from));
+  });
+  ASSERT_NE(srv.server, nullptr);
+  auto client = Connect(srv.Target(Listener::kTcp));
+  ASSERT_NE(client, nullptr);
+  const Case c = MakeCase(Spec(1, 64, 128, 4, 2, 64), 41);
+  v1::TensorRef ref;
+  ref.set_buffer_id("registered");
+  struct Variant {
+    std::string name;
+    v1::ForwardRequest request;
+  };
+  std::vector<Variant> variants;
+  {
+    v1::ForwardRequest r = *c.request;
+    *r.mutable_q()->mutable_ref() = ref;
+    *r.mutable_k()->mutable_ref() = ref;
+    *r.mutable_v()->mutable_ref() = ref;
+    variants.push_back({"all references", r});
+  }
+  {
+    v1::ForwardRequest r = *c.request;
+    *r.mutable_k()->mutable_ref() = ref;
+    *r.mutable_v()->mutable_ref() = ref;
+    variants.push_back({"q inline, k and v references", r});
+  }
+  {
+    v1::ForwardRequest r = *c.request;
+    *r.mutable_o_ref() = ref;
+    variants.push_back({"inline inputs, O into a buffer", r});
+  }
+  // The control: the same request with nothing registered streams.
+  auto control = client->ChooseTransport(*c.request);
+  ASSERT_TRUE(control.ok()) << control.status();
+  EXPECT_STREQ(client::TransportName(*control), client::TransportName(client::Transport::kStream));
+  for (const Variant& variant : variants) {
+    SCOPED_TRACE(variant.name);
+    auto chosen = client->ChooseTransport(variant.request);
+    ASSERT_TRUE(chosen.ok()) << chosen.status();
+    EXPECT_STREQ(client::TransportName(*chosen), client::TransportName(client::Transport::kUnary));
+    const Carried before = ServerCalls(*client);
+    auto r = client->Forward(variant.request);
+    EXPECT_FALSE(r.ok());  // the CPU backend serves no references
+    const Carried after = ServerCalls(*client);
+    EXPECT_EQ(after.unary - before.unary, 1u);
+    EXPECT_EQ(after.stream - before.stream, 0u);
+  }
+}
+
+// The CPU backend has no device sink, so it states no preference even though BackendOptions carries the CUDA
+// default: kAuto keeps sending what fits one message as unary, also above that default.
+TEST(StreamPreference, TheCpuBackendStatesNoneAndAutoStaysUnaryWhatFits) {
+  TestServer srv;
+  StartServer(&srv, 64ull << 20);
+  ASSERT_NE(srv.server, nullptr);
+  ASSERT_GT(server::BackendOptions().stream_preferred_from_bytes, 0u);
+  auto client = Connect(srv.Target(Listener::kUnix));
+  ASSERT_NE(client, nullptr);
+  auto info = client->ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->backend(), "cpu");
+  EXPECT_EQ(info->stream_preferred_from_bytes(), 0u);
+  // 16 MiB of K and V: above the CUDA default, well inside the 64 MiB message limit.
+  const Case c = MakeCase(Spec(1, 16, 16384, 4, 4, 64), 42);
+  ASSERT_GT(c.spec.q_bytes() + 2 * c.spec.kv_bytes(), server::BackendOptions().stream_preferred_from_bytes);
+  auto chosen = client->ChooseTransport(*c.request);
+  ASSERT_TRUE(chosen.ok()) << chosen.status();
+  EXPECT_STREQ(client::TransportName(*chosen), client::TransportName(client::Transport::kUnary));
+  const Carried before = ServerCalls(*client);
+  auto r = client->Forward(*c.request);
+  EXPECT_EQ(CheckReply(c, r), "");
+  if (r.ok()) {
+    EXPECT_STREQ(client::TransportName(r->transport), client::TransportName(client::Transport::kUnary));
+  }
+  const Carried after = ServerCalls(*client);
+  EXPECT_EQ(after.unary - before.unary, 1u);
+  EXPECT_EQ(after.stream - before.stream, 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Listeners, StreamTest, ::testing::Values(Listener::kTcp, Listener::kUnix),

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -31,10 +32,13 @@ struct TestServer {
   }
 };
 
+using WrapBackend = std::function<std::unique_ptr<server::Backend>(std::unique_ptr<server::Backend>)>;
+
 // A server on 127.0.0.1:<free port> and on a fresh unix socket (and, with `shm`, shared-memory channels on
-// another). Fails the test (fatally) if it cannot start.
+// another). `wrap`, when set, is given the CPU backend and returns the one served (tests that fake what a
+// backend reports). Fails the test (fatally) if it cannot start.
 inline void StartServer(TestServer* out, uint64_t max_message_bytes = 64ull << 20, int threads = 2,
-                        uint32_t max_queue = 256, bool shm = false) {
+                        uint32_t max_queue = 256, bool shm = false, const WrapBackend& wrap = nullptr) {
   static std::atomic<int> counter{0};
   server::ServerOptions so;
   so.listen = "127.0.0.1:0";
@@ -50,7 +54,9 @@ inline void StartServer(TestServer* out, uint64_t max_message_bytes = 64ull << 2
   bo.max_queue = max_queue;
   auto backend = server::MakeBackend("cpu", bo);
   ASSERT_TRUE(backend.ok()) << backend.status();
-  auto s = server::Server::Create(so, std::move(*backend));
+  std::unique_ptr<server::Backend> served = std::move(*backend);
+  if (wrap) served = wrap(std::move(served));
+  auto s = server::Server::Create(so, std::move(served));
   ASSERT_TRUE(s.ok()) << s.status();
   out->server = std::move(*s);
   out->port = out->server->tcp_port();

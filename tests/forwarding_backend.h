@@ -38,6 +38,7 @@ class ForwardingBackend : public server::Backend {
   std::vector<server::DeviceMemoryUse> device_memory() const override { return inner_->device_memory(); }
   uint32_t max_queue() const override { return inner_->max_queue(); }
   bool cuda_ipc_enabled() const override { return inner_->cuda_ipc_enabled(); }
+  uint64_t stream_preferred_from_bytes() const override { return inner_->stream_preferred_from_bytes(); }
 
  private:
   std::unique_ptr<server::Backend> inner_;

@@ -1,7 +1,8 @@
 // End to end over gRPC with the CUDA backend: every mask x GQA x head_dim against the double-precision
 // oracle on both inline transports, the tensor-map cache on repeated shapes, 32 concurrent clients, concurrent
 // requests on the shared compute stream, the memory budget (also for streams, which take their memory at the
-// header), streams abandoned mid-upload, and a shutdown with requests in flight. Skipped
+// header), streams abandoned mid-upload, the stream preference the device sink advertises, and a shutdown with
+// requests in flight. Skipped
 // without a usable GPU.
 #include <algorithm>
 #include <future>
@@ -35,6 +36,31 @@ TEST(GpuServerTest, ServerInfoReportsTheWarmDevice) {
   EXPECT_GT(info->devices(0).multiprocessor_count(), 0);
   EXPECT_GE(info->kernels_size(), 3);  // one configuration per head_dim at least
   EXPECT_FALSE(info->cuda_ipc_enabled());
+  // The device sink is on by default, so streams are preferred from the default 8 MiB of inline tensors.
+  EXPECT_EQ(info->stream_preferred_from_bytes(), 8u << 20);
+}
+
+TEST(GpuServerTest, StreamsArePreferredOnlyWithTheDeviceSink) {
+  // 32 MiB of K and V: above the default threshold, well inside the 256 MiB message limit.
+  client::RequestSpec spec;
+  spec.shape = Shape{1, 16, 16384, 4, 4, 128};
+  const v1::ForwardRequest r = client::MakeForwardRequest(spec, std::string(spec.q_bytes(), '\0'),
+                                                          std::string(spec.kv_bytes(), '\0'),
+                                                          std::string(spec.kv_bytes(), '\0'));
+  for (bool sink : {true, false}) {
+    SCOPED_TRACE(sink ? "stream_to_device" : "no device sink");
+    TestServer s;
+    CudaServerOptions o;
+    o.stream_to_device = sink;
+    ATTND_START_CUDA_SERVER(s, o);
+    auto c = Connect(s.Target(Listener::kTcp));
+    auto info = c->ServerInfo();
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->stream_preferred_from_bytes(), sink ? 8u << 20 : 0u);
+    auto chosen = c->ChooseTransport(r);
+    ASSERT_TRUE(chosen.ok()) << chosen.status();
+    EXPECT_EQ(*chosen, sink ? Transport::kStream : Transport::kUnary);
+  }
 }
 
 TEST(GpuServerTest, EveryMaskGqaAndHeadDimMatchesTheOracle) {

@@ -66,6 +66,7 @@ struct CudaServerOptions {
   uint64_t memory_budget_bytes = 0;
   uint64_t max_message_bytes = 256ull << 20;
   std::string warm_shapes;
+  bool stream_to_device = true;
   AcceptCounter* counter = nullptr;  // when set, the backend is wrapped in a CountingBackend
 };
 
@@ -79,6 +80,7 @@ inline void StartCudaServer(TestServer* out, const CudaServerOptions& o, std::st
   bo.enable_cuda_ipc = o.enable_ipc;
   bo.memory_budget_bytes = o.memory_budget_bytes;
   bo.warm_shapes = o.warm_shapes;
+  bo.stream_to_device = o.stream_to_device;
   bo.poison_outputs = true;
   auto backend = server::MakeBackend("cuda", bo);
   if (!backend.ok() && (absl::IsUnavailable(backend.status()) || absl::IsFailedPrecondition(backend.status()))) {

@@ -645,6 +645,9 @@ TEST(ServerMeta, ServerInfoDescribesTheCpuBackend) {
   EXPECT_FALSE(info.cuda_ipc_enabled());
   ASSERT_EQ(info.kernels_size(), 1);
   EXPECT_EQ(info.kernels(0), server::CpuBackend::kKernelName);
+  // Its streams land in host memory and nothing overlaps the upload, whatever BackendOptions says.
+  EXPECT_GT(bo.stream_preferred_from_bytes, 0u);
+  EXPECT_EQ(info.stream_preferred_from_bytes(), 0u);
 }
 
 TEST(ServerMeta, CudaIpcIsRefusedOnTheCpuBackend) {

@@ -541,6 +541,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   l->set_max_heads(limits_.max_heads);
   info->set_cuda_ipc_enabled(backend_->cuda_ipc_enabled());
   for (const std::string& k : backend_->kernels()) info->add_kernels(k);
+  info->set_stream_preferred_from_bytes(backend_->stream_preferred_from_bytes());
   return FinishNow(ctx, "GetServerInfo", start, absl::OkStatus());
 }
 

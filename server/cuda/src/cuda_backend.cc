@@ -962,6 +962,11 @@ class CudaBackendImpl final : public Backend {
   }
   uint32_t max_queue() const override { return options_.max_queue; }
   bool cuda_ipc_enabled() const override { return options_.enable_cuda_ipc; }
+  // Without the device sink a stream is received into host memory and staged when it runs, as a unary
+  // request is: nothing overlaps, so there is nothing to prefer.
+  uint64_t stream_preferred_from_bytes() const override {
+    return options_.stream_to_device ? options_.stream_preferred_from_bytes : 0;
+  }
 
  private:
   // Inline work goes to the device with the fewest requests queued, running or uploading. Ties are common

@@ -27,7 +27,11 @@ namespace attnd::client {
 
 // Which RPC carries a Forward call.
 enum class Transport {
-  kAuto,    // unary when request and reply fit the server's message limit, streaming otherwise
+  // Streaming when the request's inline tensors reach the server's ServerInfo.stream_preferred_from_bytes
+  // (non-zero on a CUDA server that copies a stream's chunks to the device while the rest arrives) and it
+  // names no registered buffer; otherwise unary when request and reply fit the server's message limit,
+  // streaming when not.
+  kAuto,
   kUnary,   // always Attention.Forward (fails with the server's RESOURCE_EXHAUSTED when too large)
   kStream,  // always Attention.ForwardStream
   // The same-host shared-memory channel (the server's --shm_socket), no RPC at all: carried by a ShmChannel
@@ -182,7 +186,9 @@ class Client {
   Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
   void Prepare(grpc::ClientContext* ctx, const CallOptions& call) const;
   uint64_t ChunkBytes(uint64_t max_message_bytes) const;
-  absl::StatusOr<Transport> ChooseTransportFor(uint64_t request_bytes, const v1::ForwardRequest& request);
+  // `request_bytes`: the whole message; `inline_bytes`: its tensors' share; `request`: at least its header.
+  absl::StatusOr<Transport> ChooseTransportFor(uint64_t request_bytes, uint64_t inline_bytes,
+                                               const v1::ForwardRequest& request);
   void Dispatch(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call);
   void StartUnary(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call);
   void StartStream(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call,
