@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <string>
@@ -18,6 +19,9 @@ namespace attnd::client {
 namespace {
 
 constexpr absl::Duration kPoll = absl::Milliseconds(20);
+// Calls of this process polling for their replies now, and how many of them may poll past `spin`.
+std::atomic<int> g_polling{0};
+constexpr int kLongPollersAtMost = 2;
 
 bool ServerGone(int socket) {
   pollfd p{socket, POLLIN | POLLRDHUP, 0};
@@ -98,11 +102,19 @@ absl::StatusOr<v1::ForwardResponse> ShmChannel::Forward(const v1::ForwardRequest
   }
   shm::Header* h = map_.header;
   h->request_bytes = n;
+  const absl::Time sent = absl::Now();
   shm::Publish(&h->state, shm::kRequest, &h->server_sleeping);
-  const absl::Time deadline = timeout == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + timeout;
+  const absl::Time deadline = timeout == absl::InfiniteDuration() ? absl::InfiniteFuture() : sent + timeout;
+  // Poll about as long as the last call took while few calls poll (ShmChannelOptions::long_spin says why).
+  absl::Duration spin = options_.spin;
+  if (g_polling.fetch_add(1, std::memory_order_relaxed) < kLongPollersAtMost) {
+    spin = std::max(spin, std::min(options_.long_spin, last_call_ * 3 / 2));
+  }
   bool gone = false;
-  const bool replied = shm::AwaitState(&h->state, shm::kReply, &h->client_sleeping, options_.spin, deadline, kPoll,
+  const bool replied = shm::AwaitState(&h->state, shm::kReply, &h->client_sleeping, spin, deadline, kPoll,
                                        [&] { return gone = ServerGone(socket_); });
+  g_polling.fetch_sub(1, std::memory_order_relaxed);
+  last_call_ = absl::Now() - sent;
   if (!replied) {
     broken_ = true;
     return gone ? absl::UnavailableError("shm channel: the server closed the channel before replying")

@@ -76,8 +76,10 @@ ABSL_FLAG(std::string, shm_socket, "",
           "unix socket for same-host shared-memory channels (Forward without gRPC; docs/transport.md); empty: off");
 ABSL_FLAG(uint64_t, shm_max_bytes, 64ull << 20, "largest request or reply area a shared-memory channel may have");
 ABSL_FLAG(uint32_t, shm_max_channels, 64, "shared-memory channels open at once (each has a server thread)");
-ABSL_FLAG(int64_t, shm_spin_us, 50,
-          "how long a shared-memory channel's thread polls for a request, and for its reply, before sleeping");
+ABSL_FLAG(int64_t, shm_spin_us, 50, "how long a shared-memory channel's thread polls for a request before sleeping");
+ABSL_FLAG(int64_t, shm_reply_spin_us, 300,
+          "how long a shared-memory channel's thread polls for the reply to its request before sleeping (while at "
+          "most two channels wait for theirs); best above the kernel time of the requests served");
 ABSL_FLAG(bool, retain_heap, true,
           "keep freed tensor-sized heap memory mapped (no page faults on the next request; resident size stays "
           "near its peak); false: glibc's defaults");
@@ -176,6 +178,8 @@ int main(int argc, char** argv) {
   options.shm_max_channels = absl::GetFlag(FLAGS_shm_max_channels);
   if (absl::GetFlag(FLAGS_shm_spin_us) < 0) return Fail("--shm_spin_us: must be >= 0");
   options.shm_spin = absl::Microseconds(absl::GetFlag(FLAGS_shm_spin_us));
+  if (absl::GetFlag(FLAGS_shm_reply_spin_us) < 0) return Fail("--shm_reply_spin_us: must be >= 0");
+  options.shm_reply_spin = absl::Microseconds(absl::GetFlag(FLAGS_shm_reply_spin_us));
   {
     const std::string mode = absl::GetFlag(FLAGS_unix_socket_mode);
     char* end = nullptr;

@@ -107,6 +107,7 @@ class ServerImpl final : public Server {
       so.max_area_bytes = options_.shm_max_bytes;
       so.max_channels = options_.shm_max_channels;
       so.spin = options_.shm_spin;
+      so.reply_spin = options_.shm_reply_spin;
       so.tokens = auth_tokens_;
       so.metrics = metrics_.get();
       absl::StatusOr<std::unique_ptr<ShmListener>> shm = ShmListener::Start(so, &service_);

@@ -244,10 +244,12 @@ void ShmListener::Serve(int socket) {
       }
     }
     // One request at a time: the reply is written before this thread looks at the word again. While few channels
-    // are busy, the thread polls for the reply (up to --shm_spin_us) before it sleeps: a caller answered while
-    // this thread slept sends its next request at once and then waits on this thread's wake-up (H200, session 6
-    // call 3, one caller at 1k: 32 us above the kernel, 39 without). With many busy channels the pollers took
-    // CPU from the callers and workers (16 callers at 1k: 0.82 of the kernel-only rate, 0.87 without).
+    // are busy, the thread polls for the reply (up to --shm_reply_spin_us) before it sleeps: the worker writes the
+    // reply, and a caller answered while this thread slept sends its next request at once and then waits on
+    // this thread's wake-up (H200, session 6 call 3, one caller at 1k: 32 us above the kernel, 39 without). So
+    // the poll must outlast the request: with the 50 us it shared with the request poll until session 9, a
+    // 4k request (~265 us in the server) paid that wake-up on every call. With many busy channels the pollers
+    // took CPU from the callers and workers (16 callers at 1k: 0.82 of the kernel-only rate, 0.87 without).
     std::atomic<bool> done{false};
     absl::Notification replied;
     const bool poll = awaiting_reply_.fetch_add(1) < kPollingRepliesAtMost;
@@ -256,7 +258,7 @@ void ShmListener::Serve(int socket) {
       done.store(true, std::memory_order_release);
       replied.Notify();
     });
-    for (const absl::Time spin_end = absl::Now() + (poll ? options_.spin : absl::ZeroDuration());
+    for (const absl::Time spin_end = absl::Now() + (poll ? options_.reply_spin : absl::ZeroDuration());
          !done.load(std::memory_order_acquire) && absl::Now() < spin_end;) {
       shm::CpuRelax();
     }

@@ -40,7 +40,8 @@ struct ServerOptions {
   std::string shm_socket;
   uint64_t shm_max_bytes = 64ull << 20;  // per channel, request and reply area each
   uint32_t shm_max_channels = 64;
-  absl::Duration shm_spin = absl::Microseconds(50);  // a channel's thread polls this long before sleeping
+  absl::Duration shm_spin = absl::Microseconds(50);  // a channel's thread polls this long for a request before sleeping
+  absl::Duration shm_reply_spin = absl::Microseconds(300);  // ... and for its reply (shm_listener.h)
   // gRPC channel arguments "name=value" applied last (channel_args.h); a malformed one fails Create.
   std::vector<std::string> grpc_args;
 };
