@@ -657,7 +657,12 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
 
   absl::Status status;
   cudaStream_t st = slot.stream;
-  status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[0], st));
+  // The copy events are recorded only around copies (and ev[1] always on the shared compute stream's path, which
+  // waits on it): a request on registered buffers alone (CUDA IPC) then makes 2 event records besides its launch
+  // instead of 5, host time spent between its arrival and its kernel.
+  const bool copies_in = streamed != nullptr || pl.in_bytes > 0;
+  const uint64_t out_bytes = pl.total - pl.out_offset;
+  if (copies_in) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[0], st));
   if (status.ok() && streamed != nullptr) {
     enqueued = true;
     status = CudaStatus("cudaStreamWaitEvent (streamed inputs)", cudaStreamWaitEvent(st, streamed->uploaded(), 0));
@@ -665,7 +670,7 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
     enqueued = true;
     status = CudaStatus("H2D copy", cudaMemcpyAsync(dev, host, pl.in_bytes, cudaMemcpyHostToDevice, st));
   }
-  if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[1], st));
+  if (status.ok() && (copies_in || shared)) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[1], st));
   if (status.ok() && !shared && options_.poison_outputs && pl.total > pl.out_offset) {
     // Test mode: NaN-fill the outputs so that a launch that writes nothing cannot pass on stale results.
     status = CudaStatus("poison", cudaMemsetAsync(dev + pl.out_offset, 0xFF, pl.total - pl.out_offset, st));
@@ -718,15 +723,17 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
       status = CudaStatus("cudaStreamWaitEvent (kernel)", cudaStreamWaitEvent(st, slot.ev[2], 0));
     }
   }
-  const uint64_t out_bytes = pl.total - pl.out_offset;
   if (status.ok() && out_bytes > 0) {
     status = CudaStatus("D2H copy", cudaMemcpyAsync(host + pl.out_offset, dev + pl.out_offset, out_bytes,
                                                     cudaMemcpyDeviceToHost, st));
   }
-  if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[3], st));
+  // The request's last work: the copy back, or with nothing to copy (and the kernel on this stream) the kernel.
+  const bool after_kernel = out_bytes == 0 && !shared;
+  cudaEvent_t last = after_kernel ? slot.ev[2] : slot.ev[3];
+  if (status.ok() && !after_kernel) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[3], st));
   // Spin only while this request has the GPU (nearly) to itself; behind others it would poll a queue.
   if (status.ok()) {
-    status = WaitEvent(slot.ev[3], running_.load(std::memory_order_relaxed) <= kSpinWhileRunning
+    status = WaitEvent(last, running_.load(std::memory_order_relaxed) <= kSpinWhileRunning
                                        ? options_.completion_spin
                                        : absl::ZeroDuration());
   }
@@ -736,9 +743,9 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
     return status;
   }
   float h2d = 0, kernel = 0, d2h = 0;
-  cudaEventElapsedTime(&h2d, slot.ev[0], slot.ev[1]);
+  if (copies_in) cudaEventElapsedTime(&h2d, slot.ev[0], slot.ev[1]);
   cudaEventElapsedTime(&kernel, slot.kernel_start, slot.ev[2]);
-  cudaEventElapsedTime(&d2h, slot.ev[2], slot.ev[3]);
+  if (out_bytes > 0) cudaEventElapsedTime(&d2h, slot.ev[2], slot.ev[3]);
   // Back-to-back events still read a few nanoseconds apart: report exactly 0 when nothing was copied.
   // Streamed inputs: only their last piece's copy, the rest ran while the upload went on.
   if (streamed != nullptr) h2d = streamed->last_piece_ms();
@@ -753,7 +760,7 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
   if (pr.want_lse) {
     job.lse.assign(reinterpret_cast<const char*>(host + pl.lse), static_cast<uint64_t>(LseElems(s)) * sizeof(float));
   }
-  enqueued = false;  // the stream is idle: ev[3] was the last work on it
+  enqueued = false;  // the stream is idle: `last` was the last work on it
   // This request's compute-stream work is done too (the slot stream waited for ev[2] before ev[3]); a
   // synchronisation here would wait for other requests' kernels.
   on_compute = false;
