@@ -228,14 +228,19 @@ struct Carried {
 };
 Carried ServerCalls(client::Client& c) { return {ServerCalls(c, "Forward"), ServerCalls(c, "ForwardStream")}; }
 
+// A CPU server whose backend reports *from as its stream preference, and a client of it (null if either failed).
+std::unique_ptr<client::Client> StartPreferringStreams(TestServer* srv, std::shared_ptr<std::atomic<uint64_t>> from) {
+  StartServer(srv, 64ull << 20, 2, 256, false, [from](std::unique_ptr<server::Backend> cpu) {
+    return std::unique_ptr<server::Backend>(new PrefersStreams(std::move(cpu), from));
+  });
+  if (srv->server == nullptr) return nullptr;
+  return Connect(srv->Target(Listener::kTcp));
+}
+
 TEST(StreamPreference, AutoStreamsFromTheServersThresholdAndSendsUnaryBelowIt) {
   auto from = std::make_shared<std::atomic<uint64_t>>(0);
   TestServer srv;
-  StartServer(&srv, 64ull << 20, 2, 256, false, [from](std::unique_ptr<server::Backend> cpu) {
-    return std::unique_ptr<server::Backend>(new PrefersStreams(std::move(cpu), from));
-  });
-  ASSERT_NE(srv.server, nullptr);
-  auto client = Connect(srv.Target(Listener::kTcp));
+  auto client = StartPreferringStreams(&srv, from);
   ASSERT_NE(client, nullptr);
   // 96 KiB of inline tensors: far below the 64 MiB message limit, so without a preference it goes unary.
   const Case c = MakeCase(Spec(1, 64, 128, 4, 2, 64), 40);
@@ -290,11 +295,7 @@ TEST(StreamPreference, AutoStreamsFromTheServersThresholdAndSendsUnaryBelowIt) {
 TEST(StreamPreference, RequestsNamingBuffersStayUnary) {
   auto from = std::make_shared<std::atomic<uint64_t>>(1);  // any inline byte at all would stream
   TestServer srv;
-  StartServer(&srv, 64ull << 20, 2, 256, false, [from](std::unique_ptr<server::Backend> cpu) {
-    return std::unique_ptr<server::Backend>(new PrefersStreams(std::move(cpu), from));
-  });
-  ASSERT_NE(srv.server, nullptr);
-  auto client = Connect(srv.Target(Listener::kTcp));
+  auto client = StartPreferringStreams(&srv, from);
   ASSERT_NE(client, nullptr);
   const Case c = MakeCase(Spec(1, 64, 128, 4, 2, 64), 41);
   v1::TensorRef ref;
