@@ -19,7 +19,7 @@ namespace attnd::client {
 namespace {
 
 constexpr absl::Duration kPoll = absl::Milliseconds(20);
-// Calls of this process polling for their replies now, and how many of them may poll past `spin`.
+// Calls of this process waiting for their replies now, and how many of them may poll past `spin`.
 std::atomic<int> g_polling{0};
 constexpr int kLongPollersAtMost = 2;
 
@@ -105,7 +105,7 @@ absl::StatusOr<v1::ForwardResponse> ShmChannel::Forward(const v1::ForwardRequest
   const absl::Time sent = absl::Now();
   shm::Publish(&h->state, shm::kRequest, &h->server_sleeping);
   const absl::Time deadline = timeout == absl::InfiniteDuration() ? absl::InfiniteFuture() : sent + timeout;
-  // Poll about as long as the last call took while few calls poll (ShmChannelOptions::long_spin says why).
+  // Poll about as long as the last call took while few calls wait (ShmChannelOptions::long_spin says why).
   absl::Duration spin = options_.spin;
   if (g_polling.fetch_add(1, std::memory_order_relaxed) < kLongPollersAtMost) {
     spin = std::max(spin, std::min(options_.long_spin, last_call_ * 3 / 2));
