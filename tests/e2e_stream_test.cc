@@ -371,6 +371,65 @@ TEST(StreamPreference, TheCpuBackendStatesNoneAndAutoStaysUnaryWhatFits) {
   EXPECT_EQ(after.stream - before.stream, 0u);
 }
 
+// The CPU backend lending O as the CUDA backend lends its pinned block (ForwardJob::o_loan): O is moved into
+// memory of the test's own, `o` is left empty, and every loan counts itself back in when it is dropped.
+class LendsO final : public testing::ForwardingBackend {
+ public:
+  struct Loans {
+    std::atomic<int> made{0}, returned{0};
+  };
+  LendsO(std::unique_ptr<server::Backend> inner, std::shared_ptr<Loans> loans)
+      : ForwardingBackend(std::move(inner)), loans_(std::move(loans)) {}
+  absl::Status Submit(std::unique_ptr<server::ForwardJob> job) override {
+    server::ForwardJob* j = job.get();
+    j->done = [j, loans = loans_, done = std::move(j->done)](absl::Status status) {
+      if (status.ok() && j->accepts_lent_o && !j->o.empty()) {
+        auto memory = std::make_shared<std::string>(std::move(j->o));
+        j->o.clear();
+        j->o_lent = *memory;
+        loans->made.fetch_add(1);
+        j->o_loan = std::shared_ptr<const void>(memory->data(), [memory, loans](const void*) {
+          memory->assign(memory->size(), '\xff');  // a reply that read it after the loan ended would be wrong
+          loans->returned.fetch_add(1);
+        });
+      }
+      done(status);
+    };
+    return ForwardingBackend::Submit(std::move(job));
+  }
+
+ private:
+  const std::shared_ptr<Loans> loans_;
+};
+
+// ForwardStream takes a loan of O (it copies O into its chunks), unary Forward does not (its reply references
+// `o`); either way the reply is right, and every loan is returned once its stream has ended.
+TEST(StreamReplies, LentOutputsAreCopiedIntoTheChunksAndReturned) {
+  auto loans = std::make_shared<LendsO::Loans>();
+  TestServer srv;
+  StartServer(&srv, 64ull << 20, 2, 256, false, [loans](std::unique_ptr<server::Backend> cpu) {
+    return std::unique_ptr<server::Backend>(new LendsO(std::move(cpu), loans));
+  });
+  ASSERT_NE(srv.server, nullptr);
+  auto client = Connect(srv.Target(Listener::kTcp));
+  ASSERT_NE(client, nullptr);
+  // 3 MiB of O (three 1 MiB chunks and a last partial one) over few keys, so the CPU computes it quickly.
+  const Case c = MakeCase(Spec(1, 4097, 17, 6, 2, 64), 43);
+  client::CallOptions stream, unary;
+  stream.transport = client::Transport::kStream;
+  unary.transport = client::Transport::kUnary;
+  for (int i = 0; i < 3; ++i) {
+    auto r = client->Forward(*c.request, stream);
+    EXPECT_EQ(CheckReply(c, r), "") << i;
+  }
+  EXPECT_EQ(loans->made.load(), 3);
+  auto u = client->Forward(*c.request, unary);
+  EXPECT_EQ(CheckReply(c, u), "");
+  EXPECT_EQ(loans->made.load(), 3);  // unary replies reference `o`: no loan
+  // The server drops a stream's loan when its last chunk is written, before it finishes the call.
+  EXPECT_EQ(loans->returned.load(), 3);
+}
+
 INSTANTIATE_TEST_SUITE_P(Listeners, StreamTest, ::testing::Values(Listener::kTcp, Listener::kUnix),
                          [](const auto& info) { return std::string(ListenerName(info.param)); });
 

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -174,6 +175,7 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     service_->NameRequest(ctx_, header_);
     job_ = std::make_unique<ForwardJob>();
     job_->accepted = start_;
+    job_->accepts_lent_o = true;  // WriteNext copies O into each chunk anyway
     ATTND_RETURN_IF_ERROR(service_->Prepare(header_, Transport::kStream, ctx_, job_.get(), &bytes_));
     const TensorSource* sources[3] = {&job_->q, &job_->k, &job_->v};
     const uint64_t sizes[3] = {bytes_.q, bytes_.k, bytes_.v};
@@ -239,7 +241,12 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     const grpc::Status serialized =
         grpc::SerializationTraits<v1::ForwardStreamResponse>::Serialize(header, &out_buf_, &own_buffer);
     if (!serialized.ok()) return End(absl::InternalError("ForwardStream: the reply header did not serialise"));
-    // Shared: the chunk slices point into these and keep them alive, possibly past this reactor.
+    // Shared: the chunk slices point into these and keep them alive, possibly past this reactor. Lent O is
+    // copied into the chunks instead, so the loan ends with this reactor's last write.
+    if (job.o_loan != nullptr) {
+      o_lent_ = job.o_lent;
+      o_loan_ = std::move(job.o_loan);
+    }
     o_ = std::make_shared<const std::string>(std::move(job.o));
     lse_ = std::make_shared<const std::string>(std::move(job.lse));
     SetState(StreamState::kReplying);
@@ -249,16 +256,25 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
   // After the header: the next O or LSE chunk, or the end.
   void WriteNext() {
     const uint64_t chunk = service_->stream_chunk_bytes();
-    const std::pair<const std::shared_ptr<const std::string>*, v1::TensorName> outputs[2] = {
-        {&o_, v1::TENSOR_NAME_O}, {&lse_, v1::TENSOR_NAME_LSE}};
-    while (out_index_ < 2 && out_offset_ >= (*outputs[out_index_].first)->size()) {
+    struct Output {
+      std::string_view bytes;
+      std::shared_ptr<const void> owner;  // null: copied into the chunk (lent memory)
+      v1::TensorName name;
+    };
+    const Output outputs[2] = {
+        o_loan_ != nullptr ? Output{o_lent_, nullptr, v1::TENSOR_NAME_O} : Output{*o_, o_, v1::TENSOR_NAME_O},
+        {*lse_, lse_, v1::TENSOR_NAME_LSE}};
+    while (out_index_ < 2 && out_offset_ >= outputs[out_index_].bytes.size()) {
       ++out_index_;
       out_offset_ = 0;
     }
-    if (out_index_ == 2) return End(absl::OkStatus());
-    const std::shared_ptr<const std::string>& src = *outputs[out_index_].first;
-    const uint64_t n = std::min<uint64_t>(chunk, src->size() - out_offset_);
-    out_buf_ = SerializeStreamChunk(outputs[out_index_].second, out_offset_, src->data() + out_offset_, n, src);
+    if (out_index_ == 2) {
+      o_loan_.reset();  // every byte of it is in gRPC's slices
+      return End(absl::OkStatus());
+    }
+    const Output& src = outputs[out_index_];
+    const uint64_t n = std::min<uint64_t>(chunk, src.bytes.size() - out_offset_);
+    out_buf_ = SerializeStreamChunk(src.name, out_offset_, src.bytes.data() + out_offset_, n, src.owner);
     out_offset_ += n;
     bytes_out_ += n;
     StartWrite(&out_buf_);
@@ -296,6 +312,8 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
   // Reply.
   grpc::ByteBuffer out_buf_;
   std::shared_ptr<const std::string> o_, lse_;
+  std::string_view o_lent_;                  // O in the backend's memory (ForwardJob::o_lent), while o_loan_ holds it
+  std::shared_ptr<const void> o_loan_;
   int out_index_ = 0;
   uint64_t out_offset_ = 0;
 };

@@ -8,6 +8,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -111,7 +112,14 @@ struct ForwardJob {
   std::function<bool()> cancelled;               // true once the client went away; may be empty
 
   // Outputs.
-  std::string o;    // O bytes when !o_to_buffer
+  std::string o;    // O bytes when !o_to_buffer (and not lent, below)
+  // Set by a caller that sends O from memory the backend lends it (ForwardStream copies O into its chunks as it
+  // writes them): the backend may then leave `o` empty and lend O's bytes as `o_lent`, valid until the caller
+  // drops `o_loan`, which gives the memory back. Saves the copy into `o` (and its zero-fill): the CUDA backend
+  // lends its pinned staging block.
+  bool accepts_lent_o = false;
+  std::string_view o_lent;
+  std::shared_ptr<const void> o_loan;
   std::string lse;  // fp32 LSE bytes when problem.want_lse
   Timing timing;
   std::string kernel;  // configuration that ran
