@@ -244,11 +244,14 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     // Shared: the chunk slices point into these and keep them alive, possibly past this reactor. Lent O is
     // copied into the chunks instead, so the loan ends with this reactor's last write.
     if (job.o_loan != nullptr) {
-      o_lent_ = job.o_lent;
       o_loan_ = std::move(job.o_loan);
+      outputs_[0] = {job.o_lent, nullptr, v1::TENSOR_NAME_O};
+    } else {
+      auto o = std::make_shared<const std::string>(std::move(job.o));
+      outputs_[0] = {*o, std::move(o), v1::TENSOR_NAME_O};
     }
-    o_ = std::make_shared<const std::string>(std::move(job.o));
-    lse_ = std::make_shared<const std::string>(std::move(job.lse));
+    auto lse = std::make_shared<const std::string>(std::move(job.lse));
+    outputs_[1] = {*lse, std::move(lse), v1::TENSOR_NAME_LSE};
     SetState(StreamState::kReplying);
     StartWrite(&out_buf_);
   }
@@ -256,15 +259,7 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
   // After the header: the next O or LSE chunk, or the end.
   void WriteNext() {
     const uint64_t chunk = service_->stream_chunk_bytes();
-    struct Output {
-      std::string_view bytes;
-      std::shared_ptr<const void> owner;  // null: copied into the chunk (lent memory)
-      v1::TensorName name;
-    };
-    const Output outputs[2] = {
-        o_loan_ != nullptr ? Output{o_lent_, nullptr, v1::TENSOR_NAME_O} : Output{*o_, o_, v1::TENSOR_NAME_O},
-        {*lse_, lse_, v1::TENSOR_NAME_LSE}};
-    while (out_index_ < 2 && out_offset_ >= outputs[out_index_].bytes.size()) {
+    while (out_index_ < 2 && out_offset_ >= outputs_[out_index_].bytes.size()) {
       ++out_index_;
       out_offset_ = 0;
     }
@@ -272,7 +267,7 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
       o_loan_.reset();  // every byte of it is in gRPC's slices
       return End(absl::OkStatus());
     }
-    const Output& src = outputs[out_index_];
+    const Output& src = outputs_[out_index_];
     const uint64_t n = std::min<uint64_t>(chunk, src.bytes.size() - out_offset_);
     out_buf_ = SerializeStreamChunk(src.name, out_offset_, src.bytes.data() + out_offset_, n, src.owner);
     out_offset_ += n;
@@ -311,9 +306,13 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
   uint64_t bytes_in_ = 0, bytes_out_ = 0;
   // Reply.
   grpc::ByteBuffer out_buf_;
-  std::shared_ptr<const std::string> o_, lse_;
-  std::string_view o_lent_;                  // O in the backend's memory (ForwardJob::o_lent), while o_loan_ holds it
-  std::shared_ptr<const void> o_loan_;
+  struct Output {
+    std::string_view bytes;
+    std::shared_ptr<const void> owner;  // null: copied into each chunk (O lent by the backend)
+    v1::TensorName name = v1::TENSOR_NAME_O;
+  };
+  Output outputs_[2];                   // O, then LSE
+  std::shared_ptr<const void> o_loan_;  // keeps lent O's memory (ForwardJob::o_loan) until its last chunk
   int out_index_ = 0;
   uint64_t out_offset_ = 0;
 };
