@@ -91,6 +91,9 @@ ABSL_FLAG(int64_t, verify_every, 0, "bench: verify every Nth reply against the r
 ABSL_FLAG(std::string, json, "", "bench: write the report as JSON to this file");
 ABSL_FLAG(std::string, csv, "", "bench: write the report as CSV (header + one row) to this file");
 ABSL_FLAG(bool, progress, true, "bench: live progress line on stderr");
+ABSL_FLAG(bool, reuse_outputs, true,
+          "bench: each call in flight writes O (and LSE) into a buffer kept for the run, as an engine writing into "
+          "memory it holds would; false: into fresh memory per call (allocated and page-faulted every time)");
 ABSL_FLAG(bool, rpc_floor, false,
           "bench: first time 500 GetStats round trips (the service's smallest RPC) on the same channel and report "
           "how far above that floor the Forward latency is");
@@ -377,6 +380,7 @@ int CmdBench(Client& client) {
   opt.warmup = absl::GetFlag(FLAGS_warmup);
   opt.max_duration = absl::GetFlag(FLAGS_max_duration);
   opt.verify_every = absl::GetFlag(FLAGS_verify_every);
+  opt.reuse_outputs = absl::GetFlag(FLAGS_reuse_outputs);
   opt.call = CallOpts();
   std::optional<attnd::client::Oracle> oracle;
   if (opt.verify_every > 0) {
@@ -490,7 +494,7 @@ int main(int argc, char** argv) {
       "  attn health [--target=...]                  grpc.health.v1 check: exit 0 when SERVING\n"
       "  attn call  [shape flags] [--verify]         one Forward (random or --q_file/--k_file/--v_file inputs)\n"
       "  attn bench [shape flags] [--concurrency=N] [--connections=C] [--rate=R] [--duration=10s | --requests=N] [--warmup=1s]\n"
-      "             [--verify_every=N] [--json=F] [--csv=F]   load test\n"
+      "             [--verify_every=N] [--reuse_outputs=false] [--json=F] [--csv=F]   load test\n"
       "  call and bench: --transport=auto|unary|stream over gRPC, or --transport=shm --shm_socket=PATH (same host)\n"
       "Shape flags: --batch --q_len --kv_len --q_heads --kv_heads --head_dim --dtype --mask|--causal --scale --lse");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -42,7 +43,26 @@ struct Run {
   // Since the last progress line.
   int64_t window_ok ABSL_GUARDED_BY(mu) = 0, window_err ABSL_GUARDED_BY(mu) = 0;
   double window_lat_us ABSL_GUARDED_BY(mu) = 0;
+  // BenchOptions::reuse_outputs: one O (+LSE) buffer per call in flight, taken at its start and given back
+  // with its record.
+  std::vector<std::unique_ptr<char[]>> output_memory;
+  std::vector<ForwardOutputs> outputs;
+  std::vector<int> free_outputs ABSL_GUARDED_BY(mu);
 };
+
+// Buffers for `n` calls in flight of `request`, written once so that their pages are resident before the
+// first call.
+void AllocateOutputs(Run& run, const v1::ForwardRequest& request, int n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(run.mu) {
+  const ReplyBytes sizes = ExpectedReplyBytes(request);
+  const uint64_t o = sizes.o, lse = sizes.lse;
+  for (int i = 0; i < n; ++i) {
+    // At least one byte, so that an empty O still has an address; the spans below have the exact sizes.
+    run.output_memory.push_back(std::make_unique<char[]>(std::max<uint64_t>(o + lse, 1)));
+    char* base = run.output_memory.back().get();
+    run.outputs.push_back(ForwardOutputs{absl::Span<char>(base, o), absl::Span<char>(base + o, lse)});
+    run.free_outputs.push_back(i);
+  }
+}
 
 // When calls start, shared by both engines (guarded by Run::mu): closed loop starts a call whenever the caller
 // asks, open loop (--rate) at start + n / rate; calls scheduled after the warm-up are the measured ones.
@@ -179,6 +199,7 @@ std::vector<std::pair<std::string, std::string>> Fields(const BenchReport& r) {
       {"rpc_floor_us", num(r.rpc_floor_us)},
       {"errors_by_code", str(codes)},
       {"first_error", str(r.first_error)},
+      {"reuse_outputs", r.reuse_outputs ? "true" : "false"},
   };
 }
 
@@ -204,6 +225,7 @@ absl::StatusOr<BenchReport> NewReport(const std::string& target, int connections
   report.concurrency = opt.concurrency;
   report.connections = connections;
   report.rate = opt.rate;
+  report.reuse_outputs = opt.reuse_outputs;
   auto dtype = FromProto(request.dtype());
   auto mask = FromProto(request.mask());
   if (!dtype.ok()) return dtype.status();
@@ -218,13 +240,15 @@ absl::StatusOr<BenchReport> NewReport(const std::string& target, int connections
 }
 
 // One finished call into the counts (measured or warmup); verification runs outside the lock.
+// `output` (>= 0): the Run::outputs buffer the call wrote, free again once verified.
 void Record(Run& run, const Oracle* oracle, int64_t verify_every, bool measured, int64_t seq, absl::Time t0,
-            absl::StatusOr<ForwardResult> r) ABSL_LOCKS_EXCLUDED(run.mu) {
+            absl::StatusOr<ForwardResult> r, int output = -1) ABSL_LOCKS_EXCLUDED(run.mu) {
   const absl::Time now = absl::Now();
   std::optional<VerifyReport> vr;
-  if (r.ok() && measured && verify_every > 0 && seq % verify_every == 0) vr = oracle->Check(r->o, r->lse);
+  if (r.ok() && measured && verify_every > 0 && seq % verify_every == 0) vr = oracle->Check(r->o_bytes(), r->lse_bytes());
   absl::MutexLock lock(&run.mu);
   --run.in_flight;
+  if (output >= 0) run.free_outputs.push_back(output);
   if (!measured) {
     ++run.warmup_done;
     // The progress line shows the warmup's pace too.
@@ -385,9 +409,9 @@ absl::StatusOr<BenchReport> RunBench(const std::vector<Client*>& clients,
   absl::Time next_progress = start + absl::Seconds(1);
   const int64_t verify_every = opt.verify_every;
 
-  auto on_done = [state, oracle, verify_every](bool measured, int64_t seq, absl::Time t0,
+  auto on_done = [state, oracle, verify_every](bool measured, int64_t seq, absl::Time t0, int output,
                                                absl::StatusOr<ForwardResult> r) {
-    Record(*state, oracle, verify_every, measured, seq, t0, std::move(r));
+    Record(*state, oracle, verify_every, measured, seq, t0, std::move(r), output);
   };
 
   const int concurrency = opt.concurrency;
@@ -395,6 +419,7 @@ absl::StatusOr<BenchReport> RunBench(const std::vector<Client*>& clients,
   auto all_done = [&run]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(run.mu) { return run.in_flight == 0; };
 
   run.mu.Lock();
+  if (opt.reuse_outputs) AllocateOutputs(run, *request, concurrency);
   for (;;) {
     const absl::Time now = absl::Now();
     if (now >= next_progress) Progress(run, opt, now, start, sched.warmup_end, &window_start, &next_progress);
@@ -413,12 +438,21 @@ absl::StatusOr<BenchReport> RunBench(const std::vector<Client*>& clients,
       continue;
     }
     ++run.in_flight;
+    CallOptions options = opt.call;
+    int output = -1;
+    if (opt.reuse_outputs) {  // in_flight < concurrency, so one is free
+      output = run.free_outputs.back();
+      run.free_outputs.pop_back();
+      options.outputs = run.outputs[static_cast<size_t>(output)];
+    }
     run.mu.Unlock();
     // Calls rotate over the clients (connections) so that no single HTTP/2 connection carries all the bytes.
     clients[static_cast<size_t>(call.seq) % clients.size()]->ForwardAsync(
         request,
-        [on_done, call](absl::StatusOr<ForwardResult> r) { on_done(call.measured, call.seq, call.t0, std::move(r)); },
-        opt.call);
+        [on_done, call, output](absl::StatusOr<ForwardResult> r) {
+          on_done(call.measured, call.seq, call.t0, output, std::move(r));
+        },
+        options);
     run.mu.Lock();
   }
   // Every call ends by its deadline, so this wait is bounded too.
@@ -445,6 +479,7 @@ absl::StatusOr<BenchReport> RunBench(const std::vector<SyncForward>& callers, co
   absl::StatusOr<BenchReport> described = NewReport(target, static_cast<int>(callers.size()), *request, opt);
   if (!described.ok()) return described.status();
   BenchReport& report = *described;
+  report.reuse_outputs = false;  // blocking callers return their results as ForwardOverShm gives them
 
   Run run;
   const absl::Time start = absl::Now();
@@ -679,10 +714,11 @@ std::string FormatBenchReport(const BenchReport& r) {
                         "  shape: batch %d, q_len %d, kv_len %d, q_heads %d, kv_heads %d, head_dim %d, %s, mask %s%s\n",
                         s.batch, s.q_len, s.kv_len, s.q_heads, s.kv_heads, s.head_dim, DTypeName(r.problem.dtype),
                         MaskName(r.problem.mask), r.problem.want_lse ? ", lse" : "");
-  absl::StrAppendFormat(&out, "  load: concurrency %d over %d connection%s, %s\n", r.concurrency, r.connections,
+  absl::StrAppendFormat(&out, "  load: concurrency %d over %d connection%s, %s, %s\n", r.concurrency, r.connections,
                         r.connections == 1 ? "" : "s",
                         r.rate > 0 ? absl::StrFormat("open loop at %.1f req/s (%d late starts)", r.rate, r.late_starts)
-                                   : std::string("closed loop"));
+                                   : std::string("closed loop"),
+                        r.reuse_outputs ? "outputs into reused buffers" : "outputs into fresh memory per call");
   absl::StrAppendFormat(&out, "  requests: %d ok, %d errors, %d warmup%s\n", r.ok, r.errors, r.warmup_requests,
                         r.hit_max_duration ? " (stopped by max_duration)" : "");
   absl::StrAppendFormat(&out, "  throughput: %.2f req/s, %.4f TFLOP/s, %.4f GB/s over %.2f s\n", r.req_per_s, r.tflops,

@@ -1,6 +1,7 @@
 #include "attnd/client/client.h"
 
 #include <algorithm>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <type_traits>
@@ -87,17 +88,40 @@ void FillResultHeader(v1::ForwardResponse& header, ForwardResult& res) {
 }  // namespace
 
 absl::Status CheckReplySizes(const v1::ForwardRequest& r, const ForwardResult& res) {
+  const uint64_t o = res.o_bytes().size(), lse = res.lse_bytes().size();
   if (!r.has_o_ref()) {
     const auto want = ExpectedOBytes(r);
-    if (want && res.o.size() != *want) {
-      return absl::InternalError(absl::StrCat("server returned ", res.o.size(), " bytes of O, expected ", *want));
+    if (want && o != *want) {
+      return absl::InternalError(absl::StrCat("server returned ", o, " bytes of O, expected ", *want));
     }
   }
   if (r.return_lse()) {
     const auto want = ExpectedLseBytes(r);
-    if (want && res.lse.size() != *want) {
-      return absl::InternalError(absl::StrCat("server returned ", res.lse.size(), " bytes of LSE, expected ", *want));
+    if (want && lse != *want) {
+      return absl::InternalError(absl::StrCat("server returned ", lse, " bytes of LSE, expected ", *want));
     }
+  }
+  return absl::OkStatus();
+}
+
+ReplyBytes ExpectedReplyBytes(const v1::ForwardRequest& r) {
+  ReplyBytes b;
+  if (!r.has_o_ref()) b.o = ExpectedOBytes(r).value_or(0);
+  if (r.return_lse()) b.lse = ExpectedLseBytes(r).value_or(0);
+  return b;
+}
+
+static absl::Status CheckOutputs(const v1::ForwardRequest& r, const ForwardOutputs& out) {
+  const ReplyBytes want = ExpectedReplyBytes(r);
+  const uint64_t want_o = want.o, want_lse = want.lse;
+  if (out.o.size() != want_o) {
+    return absl::InvalidArgumentError(absl::StrCat("outputs.o: ", out.o.size(), " bytes, but the request's O takes ",
+                                                   want_o, r.has_o_ref() ? " (it names an O buffer)" : ""));
+  }
+  if (out.lse.size() != want_lse) {
+    return absl::InvalidArgumentError(absl::StrCat("outputs.lse: ", out.lse.size(),
+                                                   " bytes, but the request's LSE takes ", want_lse,
+                                                   r.return_lse() ? "" : " (it does not ask for LSE)"));
   }
   return absl::OkStatus();
 }
@@ -147,7 +171,7 @@ absl::StatusOr<ForwardResult> Client::Completed(const Outgoing& sent, ForwardRes
   res.transport = t;
   res.latency = absl::Now() - start;
   res.bytes_sent = sent.inline_bytes();
-  res.bytes_received = res.o.size() + res.lse.size();
+  res.bytes_received = res.o_bytes().size() + res.lse_bytes().size();
   if (absl::Status sizes = CheckReplySizes(sent.header, res); !sizes.ok()) return sizes;
   return res;
 }
@@ -253,8 +277,13 @@ absl::Status FromGrpcStatus(const grpc::Status& s) {
 // Streaming call: header, then Q, K, V chunks in order; the reply is a header then O and LSE chunks.
 class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  StreamCall(std::shared_ptr<const Outgoing> sent, ForwardCallback done, uint64_t chunk_bytes)
-      : sent_(std::move(sent)), done_(std::move(done)), chunk_bytes_(chunk_bytes), start_(absl::Now()) {}
+  StreamCall(std::shared_ptr<const Outgoing> sent, ForwardCallback done, uint64_t chunk_bytes,
+             std::optional<ForwardOutputs> outputs)
+      : sent_(std::move(sent)),
+        done_(std::move(done)),
+        chunk_bytes_(chunk_bytes),
+        start_(absl::Now()),
+        outputs_(outputs) {}
 
   // Takes ownership of itself: deleted in OnDone, or here when nothing could be started.
   void Start(grpc::GenericStub* stub, const Client& client, const CallOptions& call) {
@@ -312,6 +341,7 @@ class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer
     } else if (!have_header_) {
       out = absl::InternalError("ForwardStream: the server closed the stream without a header");
     } else {
+      if (outputs_) result_.outputs = ForwardOutputs{outputs_->o.first(dest_[0].filled), outputs_->lse.first(dest_[1].filled)};
       out = Completed(*sent_, std::move(result_), Transport::kStream, start_);
     }
     ForwardCallback done = std::move(done_);
@@ -338,27 +368,46 @@ class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer
     return false;
   }
 
-  // O and LSE chunks are copied from gRPC's slices straight onto the result (ReadStreamChunk); the header
-  // and anything unusual go through protobuf.
+  // Where one reply tensor goes: the caller's memory (`mem`, CallOptions::outputs) or the result's string.
+  struct Dest {
+    std::string* str = nullptr;
+    char* mem = nullptr;
+    uint64_t filled = 0, limit = 0;
+
+    // The next n bytes, to be written by the caller.
+    char* Extend(uint64_t n) {
+      const uint64_t at = filled;
+      filled += n;
+      if (mem != nullptr) return mem + at;
+      str->resize(filled);  // within the capacity reserved at the header
+      return str->data() + at;
+    }
+    void Truncate(uint64_t n) {
+      filled = n;
+      if (str != nullptr) str->resize(n);
+    }
+  };
+
+  // O and LSE chunks are copied from gRPC's slices straight to their destination (ReadStreamChunk); the
+  // header and anything unusual go through protobuf.
   absl::Status Receive() {
     if (have_header_) {
       absl::Status refused;
-      std::string* grown = nullptr;
-      size_t before = 0;
+      Dest* grown = nullptr;
+      uint64_t before = 0;
       const ChunkRead r = ReadStreamChunk(in_buf_, [&](const ChunkHead& h) -> char* {
-        absl::StatusOr<std::string*> dst = Place(h);
+        absl::StatusOr<Dest*> dst = Place(h);
         if (!dst.ok()) {
           refused = dst.status();
           return nullptr;
         }
         grown = *dst;
-        before = grown->size();
-        grown->resize(before + h.size);  // within the capacity reserved at the header
-        return grown->data() + before;
+        before = grown->filled;
+        return grown->Extend(h.size);
       });
       if (r == ChunkRead::kDone) return absl::OkStatus();
       if (r == ChunkRead::kRefused) return refused;
-      if (grown != nullptr) grown->resize(before);
+      if (grown != nullptr) grown->Truncate(before);
     }
     const grpc::Status parsed = grpc::SerializationTraits<v1::ForwardStreamResponse>::Deserialize(&in_buf_, &in_);
     if (!parsed.ok()) {
@@ -368,43 +417,48 @@ class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer
       if (have_header_) return absl::InternalError("ForwardStream: a second response header");
       have_header_ = true;
       FillResultHeader(*in_.mutable_header(), result_);
-      result_.o.reserve(want_o_);
-      result_.lse.reserve(want_lse_);
+      dest_[0].limit = want_o_;
+      dest_[1].limit = want_lse_;
+      if (outputs_) {
+        dest_[0].mem = outputs_->o.data();
+        dest_[1].mem = outputs_->lse.data();
+      } else {
+        dest_[0].str = &result_.o;
+        dest_[1].str = &result_.lse;
+        result_.o.reserve(want_o_);
+        result_.lse.reserve(want_lse_);
+      }
       return absl::OkStatus();
     }
     if (!in_.has_chunk()) return absl::InternalError("ForwardStream: an empty response message");
     const v1::TensorChunk& c = in_.chunk();
-    absl::StatusOr<std::string*> dst = Place({c.tensor(), c.offset(), c.data().size()});
+    absl::StatusOr<Dest*> dst = Place({c.tensor(), c.offset(), c.data().size()});
     if (!dst.ok()) return dst.status();
-    (*dst)->append(c.data());
+    if (!c.data().empty()) std::memcpy((*dst)->Extend(c.data().size()), c.data().data(), c.data().size());
     return absl::OkStatus();
   }
 
   // The result tensor a reply chunk extends, after checking it follows on and fits the shape.
-  absl::StatusOr<std::string*> Place(const ChunkHead& c) {
+  absl::StatusOr<Dest*> Place(const ChunkHead& c) {
     if (!have_header_) return absl::InternalError("ForwardStream: a chunk before the response header");
-    std::string* dst;
-    uint64_t limit;
+    Dest* dst;
     if (c.tensor == v1::TENSOR_NAME_O) {
-      dst = &result_.o;
-      limit = want_o_;
+      dst = &dest_[0];
     } else if (c.tensor == v1::TENSOR_NAME_LSE) {
-      dst = &result_.lse;
-      limit = want_lse_;
+      dst = &dest_[1];
     } else {
       return absl::InternalError(absl::StrCat("ForwardStream: a response chunk of tensor ", c.tensor));
     }
-    if (c.offset != dst->size()) {
+    if (c.offset != dst->filled) {
       return absl::InternalError(absl::StrCat("ForwardStream: ", v1::TensorName_Name(c.tensor), " chunk at offset ",
-                                              c.offset, ", expected ", dst->size()));
+                                              c.offset, ", expected ", dst->filled));
     }
-    if (c.size > limit - dst->size()) {
+    if (c.size > dst->limit - dst->filled) {
       return absl::InternalError(absl::StrCat("ForwardStream: ", v1::TensorName_Name(c.tensor),
-                                              " longer than the ", limit, " bytes its shape implies"));
+                                              " longer than the ", dst->limit, " bytes its shape implies"));
     }
     return dst;
   }
-
 
   grpc::ClientContext ctx_;
   std::shared_ptr<const Outgoing> sent_;
@@ -418,6 +472,8 @@ class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer
   uint64_t want_o_ = 0, want_lse_ = 0;
   bool have_header_ = false;
   ForwardResult result_;
+  const std::optional<ForwardOutputs> outputs_;
+  Dest dest_[2];  // O, LSE
   absl::Status protocol_error_;  // written only from OnReadDone, read in OnDone (which follows every reaction)
 };
 
@@ -546,6 +602,12 @@ std::future<absl::StatusOr<ForwardResult>> Client::ForwardFuture(const RequestSp
 }
 
 void Client::Dispatch(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call) {
+  if (call.outputs) {
+    if (absl::Status s = CheckOutputs(sent->header, *call.outputs); !s.ok()) {
+      done(s);
+      return;
+    }
+  }
   Transport t = call.transport ? *call.transport : options_.transport;
   if (t == Transport::kAuto) {
     // The message size: the header, the tensors and their few bytes of tags and lengths each.
@@ -587,29 +649,42 @@ void Client::StartUnary(std::shared_ptr<const Outgoing> sent, ForwardCallback do
     grpc::ByteBuffer request_buf, response_buf;
     ForwardCallback done;
     absl::Time start;
+    std::optional<ForwardOutputs> outputs;
 
     void Finish(grpc::Status s) {
       std::unique_ptr<Call> owned(this);
-      v1::ForwardResponse response;
-      if (s.ok()) s = grpc::SerializationTraits<v1::ForwardResponse>::Deserialize(&response_buf, &response);
-      absl::StatusOr<ForwardResult> out;
-      if (!s.ok()) {
-        out = FromGrpcStatus(s);
-      } else {
-        ForwardResult res;
-        FillResultHeader(response, res);
-        res.o = std::move(*response.mutable_o());
-        res.lse = std::move(*response.mutable_lse());
-        out = Completed(*sent, std::move(res), Transport::kUnary, start);
-      }
+      absl::StatusOr<ForwardResult> out = Receive(s);
+      if (out.ok()) out = Completed(*sent, *std::move(out), Transport::kUnary, start);
       ForwardCallback cb = std::move(done);
       owned.reset();
       cb(std::move(out));
+    }
+
+    // The reply as a result: O and LSE moved out of protobuf's strings, or copied from gRPC's slices
+    // straight into the caller's outputs.
+    absl::StatusOr<ForwardResult> Receive(const grpc::Status& s) {
+      if (!s.ok()) return FromGrpcStatus(s);
+      ForwardResult res;
+      v1::ForwardResponse response;
+      if (outputs) {
+        uint64_t o_n = 0, lse_n = 0;
+        const absl::Status read = ReadForwardResponse(response_buf, &response, outputs->o, outputs->lse, &o_n, &lse_n);
+        if (!read.ok()) return read;
+        res.outputs = ForwardOutputs{outputs->o.first(o_n), outputs->lse.first(lse_n)};
+      } else {
+        const grpc::Status parsed = grpc::SerializationTraits<v1::ForwardResponse>::Deserialize(&response_buf, &response);
+        if (!parsed.ok()) return FromGrpcStatus(parsed);
+        res.o = std::move(*response.mutable_o());
+        res.lse = std::move(*response.mutable_lse());
+      }
+      FillResultHeader(response, res);
+      return res;
     }
   };
   auto* c = new Call;
   c->sent = std::move(sent);
   c->done = std::move(done);
+  c->outputs = call.outputs;
   Prepare(&c->ctx, call);
   c->start = absl::Now();
   c->request_buf = SerializeForwardRequest(c->sent->header, c->sent->tensors, c->sent->owner);
@@ -619,7 +694,7 @@ void Client::StartUnary(std::shared_ptr<const Outgoing> sent, ForwardCallback do
 
 void Client::StartStream(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call,
                          uint64_t max_message_bytes) {
-  auto* s = new StreamCall(std::move(sent), std::move(done), ChunkBytes(max_message_bytes));
+  auto* s = new StreamCall(std::move(sent), std::move(done), ChunkBytes(max_message_bytes), call.outputs);
   s->Start(generic_.get(), *this, call);
 }
 

@@ -14,7 +14,7 @@
 namespace attnd::client {
 namespace {
 
-const uint16_t* Halves(const std::string& s) { return reinterpret_cast<const uint16_t*>(s.data()); }
+const uint16_t* Halves(std::string_view s) { return reinterpret_cast<const uint16_t*>(s.data()); }
 
 struct Errors {
   double max_abs = 0, rel_l2 = 0;
@@ -124,7 +124,7 @@ absl::StatusOr<Oracle> Oracle::Compute(const Problem& p, const std::string& q, c
   return o;
 }
 
-VerifyReport Oracle::Check(const std::string& o, const std::string& lse) const {
+VerifyReport Oracle::Check(std::string_view o, std::string_view lse) const {
   VerifyReport r;
   r.ref_max_abs_err = ref_max_abs_;
   r.ref_rel_l2_err = ref_rel_l2_;

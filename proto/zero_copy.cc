@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream.h"
@@ -208,6 +210,71 @@ bool ReadForwardRequest(const grpc::ByteBuffer& message, std::vector<grpc::Slice
   }
   header->Clear();
   return header->ParseFromString(kept);
+}
+
+absl::Status ReadForwardResponse(const grpc::ByteBuffer& message, v1::ForwardResponse* header, absl::Span<char> o,
+                                 absl::Span<char> lse, uint64_t* o_size, uint64_t* lse_size) {
+  static_assert(v1::ForwardResponse::kOFieldNumber + 1 == v1::ForwardResponse::kLseFieldNumber);
+  const absl::Status unreadable = absl::InternalError("Forward: an unreadable response message");
+  std::vector<grpc::Slice> slices;
+  if (!message.Dump(&slices).ok()) return unreadable;
+  SliceCursor in(slices);
+  std::string kept;  // every field but o and lse, re-encoded as it came, for protobuf
+  const absl::Span<char> dst[2] = {o, lse};
+  uint64_t* sizes[2] = {o_size, lse_size};
+  bool seen[2] = {false, false};
+  *o_size = *lse_size = 0;
+  std::vector<absl::Span<const uint8_t>> pieces;
+  while (!in.AtEnd()) {
+    uint64_t tag = 0;
+    if (!in.ReadVarint(&tag) || tag > UINT32_MAX || (tag >> 3) == 0) return unreadable;
+    const int which = static_cast<int>(tag >> 3) - v1::ForwardResponse::kOFieldNumber;
+    if (which >= 0 && which < 2 && (tag & 7) == 2) {
+      if (seen[which]) return absl::InternalError(absl::StrCat("Forward: the response holds ", which ? "lse" : "o", " twice"));
+      seen[which] = true;
+      uint64_t len = 0;
+      if (!in.ReadVarint(&len)) return unreadable;
+      if (len > dst[which].size()) {
+        return absl::InternalError(absl::StrCat("Forward: the response's ", which ? "lse" : "o", " holds ", len,
+                                                " bytes, more than the ", dst[which].size(), " the request implies"));
+      }
+      pieces.clear();
+      if (!in.Take(len, &pieces, nullptr)) return unreadable;
+      char* at = dst[which].data();
+      for (const absl::Span<const uint8_t>& p : pieces) {
+        std::memcpy(at, p.data(), p.size());
+        at += p.size();
+      }
+      *sizes[which] = len;
+      continue;
+    }
+    AppendVarint(tag, &kept);
+    uint64_t v = 0;
+    bool ok = true;
+    switch (tag & 7) {
+      case 0:
+        ok = in.ReadVarint(&v);
+        AppendVarint(v, &kept);
+        break;
+      case 1:
+        ok = in.Take(8, nullptr, &kept);
+        break;
+      case 5:
+        ok = in.Take(4, nullptr, &kept);
+        break;
+      case 2:
+        ok = in.ReadVarint(&v);
+        AppendVarint(v, &kept);
+        ok = ok && in.Take(v, nullptr, &kept);
+        break;
+      default:  // groups (not in proto3) and invalid wire types
+        ok = false;
+    }
+    if (!ok) return unreadable;
+  }
+  header->Clear();
+  if (!header->ParseFromString(kept)) return unreadable;
+  return absl::OkStatus();
 }
 
 grpc::ByteBuffer SerializeStreamChunk(v1::TensorName tensor, uint64_t offset, const char* data, size_t n,

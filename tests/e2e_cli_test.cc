@@ -75,6 +75,35 @@ TEST(Oracle, RejectsWrongAnswers) {
 
 class BenchTest : public SharedServerSuite<> {};
 
+// Every call verified, three in flight: a buffer handed to two calls at once, or back before its reply was
+// checked, would show as a failure. Fresh memory per call is the other way; the report says which ran.
+TEST_F(BenchTest, OutputsIntoReusedBuffersOrFreshMemoryAllVerifyOverBothRpcs) {
+  auto client = Connect(server_->Target(Listener::kTcp));
+  ASSERT_NE(client, nullptr);
+  const Case c = MakeCase(Spec(1, 48, 80, 4, 2, 64, Mask::kCausalBottomRight, true), 2);
+  for (bool reuse : {true, false}) {
+    for (client::Transport t : {client::Transport::kUnary, client::Transport::kStream}) {
+      SCOPED_TRACE(::testing::Message() << "reuse " << reuse << ", " << client::TransportName(t));
+      client::BenchOptions opt;
+      opt.concurrency = 3;
+      opt.requests = 30;
+      opt.warmup = absl::ZeroDuration();
+      opt.verify_every = 1;
+      opt.reuse_outputs = reuse;
+      opt.call.transport = t;
+      auto r = client::RunBench(*client, c.request, c.oracle.get(), opt);
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->ok, 30);
+      EXPECT_EQ(r->errors, 0) << r->first_error;
+      EXPECT_EQ(r->verified, 30);
+      EXPECT_EQ(r->verify_failures, 0) << r->first_verify_failure;
+      EXPECT_EQ(r->reuse_outputs, reuse);
+      EXPECT_TRUE(absl::StrContains(client::FormatBenchReport(*r), reuse ? "reused buffers" : "fresh memory"));
+      EXPECT_TRUE(absl::StrContains(client::BenchReportCsv(*r), reuse ? ",true\n" : ",false\n"));
+    }
+  }
+}
+
 TEST_F(BenchTest, ClosedLoopRequestsReportSaneNumbers) {
   auto client = Connect(server_->Target(Listener::kTcp));
   ASSERT_NE(client, nullptr);

@@ -1,6 +1,7 @@
 // End to end through the client library against an in-process server, over a loopback port and a unix
 // socket: answers checked against the double-precision reference for every mask, GQA ratio and head dim,
 // async calls, statuses of bad requests as the client sees them, health, reflection and the IPC RPCs.
+#include <algorithm>
 #include <future>
 #include <string>
 #include <vector>
@@ -293,6 +294,48 @@ TEST_P(ForwardTest, TensorsInTheCallersOwnMemoryGoUncopiedOverBothRpcs) {
   auto w = client_->ForwardFuture(c.spec, client::ForwardInputs{*owner, *owner, *owner, owner}).get();
   ASSERT_FALSE(w.ok());
   EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument) << w.status();
+}
+
+// O and LSE written into memory the caller holds, over both RPCs and call after call into the same bytes
+// (poisoned before each call, so a stale answer cannot pass); outputs of the wrong size are refused before
+// anything is sent, naming the field.
+TEST_P(ForwardTest, OutputsGoIntoTheCallersMemoryOverBothRpcs) {
+  const Case cases[2] = {MakeCase(Spec(1, 96, 160, 8, 2, 64, Mask::kCausalBottomRight, true), 40),
+                         MakeCase(Spec(2, 33, 70, 4, 4, 128), 41)};
+  for (const Case& c : cases) {
+    const uint64_t o = c.spec.o_bytes(), lse = c.spec.want_lse ? c.spec.lse_bytes() : 0;
+    std::string memory(o + lse, '\0');
+    for (client::Transport t : {client::Transport::kUnary, client::Transport::kStream, client::Transport::kUnary}) {
+      SCOPED_TRACE(client::TransportName(t));
+      std::fill(memory.begin(), memory.end(), '\xff');
+      client::CallOptions call;
+      call.transport = t;
+      call.outputs = client::ForwardOutputs{absl::Span<char>(memory.data(), o), absl::Span<char>(memory.data() + o, lse)};
+      auto r = client_->Forward(*c.request, call);
+      EXPECT_EQ(CheckReply(c, r), "");
+      ASSERT_TRUE(r.ok());
+      EXPECT_EQ(r->transport, t);
+      EXPECT_TRUE(r->o.empty() && r->lse.empty());
+      EXPECT_EQ(r->o_bytes().data(), memory.data());
+      EXPECT_EQ(r->bytes_received, o + lse);
+    }
+  }
+  const Case& c = cases[0];
+  const uint64_t o = c.spec.o_bytes(), lse = c.spec.lse_bytes();
+  std::string memory(o + lse + 1, '\0');
+  struct Bad {
+    uint64_t o, lse;
+    std::string error;
+  };
+  for (const Bad& bad : {Bad{o - 1, lse, "outputs.o"}, Bad{o, 0, "outputs.lse"}, Bad{o, lse + 1, "outputs.lse"}}) {
+    client::CallOptions call;
+    call.outputs = client::ForwardOutputs{absl::Span<char>(memory.data(), bad.o),
+                                          absl::Span<char>(memory.data() + bad.o, bad.lse)};
+    auto r = client_->Forward(*c.request, call);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_TRUE(absl::StrContains(r.status().message(), bad.error)) << r.status();
+  }
 }
 
 TEST_P(ForwardTest, ClientGrpcArgsApplyAndOverrideTheLibrarysOwn) {

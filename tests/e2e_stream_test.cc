@@ -62,6 +62,36 @@ TEST_P(StreamTest, AutoPicksUnaryWhenItFitsAndStreamWhenNot) {
   }
 }
 
+// O and LSE into the caller's memory, in chunks that split elements: nothing lands in the result's strings,
+// every byte lands in the caller's spans, and the bytes around them stay as they were.
+TEST_P(StreamTest, OutputsGoIntoTheCallersMemoryAcrossChunks) {
+  const Case c = MakeCase(BigSpec(), 8);
+  for (uint64_t chunk : {uint64_t{0}, uint64_t{4099}}) {
+    SCOPED_TRACE(chunk);
+    auto client = Connect(server_->Target(GetParam()), client::Transport::kStream, chunk);
+    ASSERT_NE(client, nullptr);
+    const uint64_t o = c.spec.o_bytes(), lse = c.spec.lse_bytes();
+    // NaN bit patterns (bf16 and fp32 alike) around and in the outputs: a byte left unwritten fails the check.
+    std::string memory(8 + o + 8 + lse + 8, '\xff');
+    client::CallOptions call;
+    call.outputs = client::ForwardOutputs{absl::Span<char>(memory.data() + 8, o),
+                                          absl::Span<char>(memory.data() + 16 + o, lse)};
+    auto r = client->Forward(*c.request, call);
+    EXPECT_EQ(CheckReply(c, r), "");
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->transport, client::Transport::kStream);
+    EXPECT_TRUE(r->o.empty() && r->lse.empty());
+    ASSERT_TRUE(r->outputs.has_value());
+    EXPECT_EQ(r->outputs->o.data(), memory.data() + 8);
+    EXPECT_EQ(r->o_bytes().size(), o);
+    EXPECT_EQ(r->lse_bytes().size(), lse);
+    EXPECT_EQ(r->bytes_received, o + lse);
+    for (size_t at : {size_t{0}, 8 + o, 16 + o + lse}) {
+      EXPECT_EQ(memory.substr(at, 8), std::string(8, '\xff')) << "a byte written outside the outputs at " << at;
+    }
+  }
+}
+
 // Chunk boundaries that split 16-bit elements and do not divide the tensors must not matter.
 TEST_P(StreamTest, OddSmallChunksReassembleExactly) {
   auto client = Connect(server_->Target(GetParam()), client::Transport::kStream, /*chunk_bytes=*/1001);
@@ -184,17 +214,26 @@ TEST(StreamReplies, TheClientChecksWhatTheServerSends) {
     ASSERT_NE(server, nullptr);
     auto client = Connect(absl::StrCat("127.0.0.1:", port), client::Transport::kStream);
     ASSERT_NE(client, nullptr);
-    // Owned (futures) and borrowed (blocking) requests take the same reading path.
-    for (bool owned : {true, false}) {
-      auto r = owned ? client->ForwardFuture(c.request).get() : client->Forward(*c.request);
+    // Owned (futures) and borrowed (blocking) requests take the same reading path; so does O written into the
+    // caller's memory, which must not be written past its end whatever the server sends.
+    for (int way = 0; way < 3; ++way) {
+      SCOPED_TRACE(way);
+      const bool into_caller = way == 2;
+      std::string memory(spec.o_bytes() + 64, '\xab');
+      client::CallOptions call;
+      if (into_caller) call.outputs = client::ForwardOutputs{absl::Span<char>(memory.data(), spec.o_bytes()), {}};
+      auto r = way == 0 ? client->ForwardFuture(c.request, call).get() : client->Forward(*c.request, call);
       if (script.error.empty()) {
         ASSERT_TRUE(r.ok()) << r.status();
-        EXPECT_TRUE(r->o == o);
+        EXPECT_TRUE(r->o_bytes() == o);
+        EXPECT_EQ(r->o.empty(), into_caller);
+        EXPECT_EQ(r->outputs.has_value(), into_caller);
         EXPECT_EQ(r->request_id, "scripted");
       } else {
         ASSERT_FALSE(r.ok());
         EXPECT_TRUE(absl::StrContains(r.status().message(), script.error)) << r.status();
       }
+      EXPECT_EQ(memory.substr(spec.o_bytes()), std::string(64, '\xab')) << "written past the caller's O";
     }
     server->Shutdown();
   }

@@ -128,9 +128,9 @@ inline Case MakeCase(const client::RequestSpec& spec, uint64_t seed) {
 inline std::string CheckReply(const Case& c, const absl::StatusOr<client::ForwardResult>& r) {
   if (!r.ok()) return absl::StrCat("call failed: ", r.status().ToString());
   if (c.oracle == nullptr) return "no oracle";
-  if (c.spec.want_lse && r->lse.empty()) return "LSE missing";
-  if (!c.spec.want_lse && !r->lse.empty()) return "LSE returned unasked";
-  const client::VerifyReport v = c.oracle->Check(r->o, r->lse);
+  if (c.spec.want_lse && r->lse_bytes().empty()) return "LSE missing";
+  if (!c.spec.want_lse && !r->lse_bytes().empty()) return "LSE returned unasked";
+  const client::VerifyReport v = c.oracle->Check(r->o_bytes(), r->lse_bytes());
   if (!v.pass) return absl::StrCat("wrong answer: ", v.detail);
   return "";
 }

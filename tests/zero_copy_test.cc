@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "attnd/client/client.h"
 #include "attnd/client/tensors.h"
 #include "gtest/gtest.h"
@@ -420,6 +421,80 @@ TEST(ParseSmallFields, HeaderFieldsWithoutTheTensors) {
   for (const std::string& bad : {std::string("\x0a\x05" "ab", 4), std::string("\x0f\x01", 2)}) {
     v1::ForwardRequest m;
     EXPECT_FALSE(ParseSmallFields(Sliced(bad, 1), &m));
+  }
+}
+
+TEST(ReadForwardResponse, OAndLseGoIntoTheCallersMemoryAndTheRestToProtobuf) {
+  v1::ForwardResponse full;
+  full.set_request_id("reply");
+  full.set_o(RandomTensor(DType::kBF16, 3000, 7));
+  std::string lse(4 * 97, '\0');
+  for (size_t i = 0; i < lse.size(); ++i) lse[i] = static_cast<char>(i * 31 + 5);
+  full.set_lse(lse);
+  full.mutable_timing()->set_kernel_us(12.5);
+  full.set_backend("cuda");
+  full.set_kernel("hopper");
+  full.set_device(3);
+  v1::ForwardResponse header = full;
+  header.clear_o();
+  header.clear_lse();
+  const uint64_t o_n = full.o().size(), lse_n = lse.size();
+  // Cut into slices of several sizes (1 byte: every varint and every byte of O straddles a boundary).
+  for (size_t cut : {size_t{1}, size_t{7}, size_t{1000}, size_t{1} << 20}) {
+    SCOPED_TRACE(cut);
+    std::string memory(o_n + lse_n + 2, '\x5a');  // one guard byte after each destination
+    const absl::Span<char> o(memory.data(), o_n), l(memory.data() + o_n + 1, lse_n);
+    v1::ForwardResponse got;
+    uint64_t got_o = 1, got_lse = 1;
+    const absl::Status s = ReadForwardResponse(Sliced(full.SerializeAsString(), cut), &got, o, l, &got_o, &got_lse);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(got.SerializeAsString(), header.SerializeAsString());
+    EXPECT_EQ(got_o, o_n);
+    EXPECT_EQ(got_lse, lse_n);
+    EXPECT_TRUE(std::string_view(o.data(), o.size()) == full.o());
+    EXPECT_TRUE(std::string_view(l.data(), l.size()) == lse);
+    EXPECT_EQ(memory[o_n], '\x5a');
+    EXPECT_EQ(memory.back(), '\x5a');
+  }
+  // No LSE in the reply (not asked for): its size is 0 and its destination untouched.
+  {
+    v1::ForwardResponse no_lse = full;
+    no_lse.clear_lse();
+    std::string memory(o_n + 4, '\x5a');
+    v1::ForwardResponse got;
+    uint64_t got_o = 0, got_lse = 9;
+    ASSERT_TRUE(ReadForwardResponse(Sliced(no_lse.SerializeAsString(), 5), &got,
+                                    absl::Span<char>(memory.data(), o_n), absl::Span<char>(memory.data() + o_n, 4),
+                                    &got_o, &got_lse)
+                    .ok());
+    EXPECT_EQ(got_o, o_n);
+    EXPECT_EQ(got_lse, 0u);
+    EXPECT_EQ(memory.substr(o_n), std::string(4, '\x5a'));
+  }
+  // What cannot be honoured: O longer than its destination (nothing written), O twice, malformed bytes.
+  struct Bad {
+    std::string name, bytes, error;
+  };
+  const std::string twice = full.SerializeAsString() + v1::ForwardResponse(full).SerializeAsString();
+  for (const Bad& bad : {Bad{"o too long", full.SerializeAsString(), "more than the"},
+                         Bad{"o twice", twice, "twice"},
+                         Bad{"cut short", full.SerializeAsString().substr(0, 100), "unreadable"},
+                         Bad{"bad wire type", std::string("\x0f\x01", 2), "unreadable"}}) {
+    SCOPED_TRACE(bad.name);
+    const uint64_t room = bad.name == "o too long" ? o_n - 2 : o_n;
+    std::string memory(room + lse_n + 1, '\x5a');
+    v1::ForwardResponse got;
+    uint64_t got_o = 0, got_lse = 0;
+    const absl::Status s =
+        ReadForwardResponse(Sliced(bad.bytes, 64), &got, absl::Span<char>(memory.data(), room),
+                            absl::Span<char>(memory.data() + room, lse_n), &got_o, &got_lse);
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+    EXPECT_TRUE(absl::StrContains(s.message(), bad.error)) << s;
+    if (bad.name == "o too long") {
+      EXPECT_EQ(memory.substr(0, room), std::string(room, '\x5a'));
+    }
+    EXPECT_EQ(memory.back(), '\x5a');
   }
 }
 

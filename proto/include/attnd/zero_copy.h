@@ -82,6 +82,14 @@ struct InlineBytes {
 bool ReadForwardRequest(const grpc::ByteBuffer& message, std::vector<grpc::Slice>* slices, v1::ForwardRequest* header,
                         InlineBytes (&tensors)[3]);
 
+// Reads a ForwardResponse with its o and lse bytes copied straight from gRPC's slices into the caller's `o`
+// and `lse` (one copy, no string of their own) and every other field parsed by protobuf into `header`.
+// *o_size / *lse_size get the bytes each field held. INTERNAL when the bytes are not a well-formed message,
+// when o or lse comes twice (protobuf would keep the last) or is longer than its destination (nothing is
+// written past a destination's end).
+absl::Status ReadForwardResponse(const grpc::ByteBuffer& message, v1::ForwardResponse* header, absl::Span<char> o,
+                                 absl::Span<char> lse, uint64_t* o_size, uint64_t* lse_size);
+
 // Parses `message` into `out` leaving out every top-level length-delimited field longer than
 // `max_field_bytes` (the tensors), which are skipped, not copied: to look at a request's or reply's
 // header fields cheaply. False if the bytes are not a well-formed message.

@@ -7,7 +7,8 @@
 # SKIP_IPC, SKIP_SHM (the IPC bench over the shared-memory channel), STREAMS, PORT, DUR, SERVER_FLAGS (more attnd
 # flags), CONNECTIONS (attn bench --connections), INLINE_SEQS, TRANSPORTS (of unary, stream): further variants
 # in one device call. CHUNK_BYTES: attn bench --chunk_bytes (stream chunk size);
-# CALLERS: the concurrencies of the inline rows (default "1 16").
+# CALLERS: the concurrencies of the inline rows (default "1 16"). CLIENT_FLAGS: more `attn bench` flags
+# (e.g. --reuse_outputs=false).
 set -u
 OUT=${OUT:-/tmp/attnd-out}
 mkdir -p "$OUT" /tmp/bins
@@ -60,7 +61,7 @@ for seq in ${INLINE_SEQS-1024 4096}; do
       timeout 60 "$B/attn" bench --target=127.0.0.1:${PORT:-50051} --transport=$tr --q_len=$seq --q_heads=32 --head_dim=128 \
         --causal --concurrency=$c --duration=$DUR --warmup=0.5s --verify_every=5 --progress=false \
         --tcp_baseline --rpc_floor ${CLIENT_GRPC_ARGS:+--grpc_arg=$CLIENT_GRPC_ARGS} ${CONNECTIONS:+--connections=$CONNECTIONS} \
-        ${CHUNK_BYTES:+--chunk_bytes=$CHUNK_BYTES} \
+        ${CHUNK_BYTES:+--chunk_bytes=$CHUNK_BYTES} ${CLIENT_FLAGS:-} \
         --csv=/tmp/b.csv > /tmp/b.txt 2>&1
       echo "attn_bench,$tr,$seq,$c,rc=$?" >> "$R"
       cat /tmp/b.csv >> "$R" 2>/dev/null || cat /tmp/b.txt >> "$R"

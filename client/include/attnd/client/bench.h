@@ -28,6 +28,10 @@ struct BenchOptions {
   int64_t verify_every = 0;                      // check every Nth reply against the oracle (needs one); 0: none
   absl::Duration max_duration = absl::Minutes(10);  // hard stop of the whole run, whatever else is asked
   CallOptions call;                              // per-call deadline and transport (gRPC clients only)
+  // gRPC clients: each call in flight writes O (and LSE) into one of `concurrency` buffers kept for the whole
+  // run (CallOptions::outputs), as an engine writing into memory it holds would; false: into fresh strings
+  // in each result (allocated, and for large O page-faulted, per call).
+  bool reuse_outputs = true;
   // Called about once a second with a one-line progress summary; empty: silent.
   std::function<void(const std::string&)> progress;
 };
@@ -38,6 +42,7 @@ struct BenchReport {
   Problem problem;
   int concurrency = 0;
   int connections = 1;
+  bool reuse_outputs = false;  // BenchOptions::reuse_outputs (gRPC clients)
   double rate = 0;
   // Counts of measured calls (warmup calls are only counted in warmup_requests).
   int64_t ok = 0, errors = 0, warmup_requests = 0;

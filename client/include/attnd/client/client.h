@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "attnd/problem.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "attnd/v1/attention.pb.h"
@@ -71,10 +72,22 @@ struct ClientOptions {
   std::vector<std::string> grpc_args;
 };
 
+// Memory of the caller's that a call writes O (and LSE) into, instead of fresh strings in its ForwardResult.
+// Each span must be exactly the bytes the request implies (RequestSpec::o_bytes / lse_bytes; o empty when the
+// request names an O buffer, lse empty unless it asks for LSE), and nobody else may touch it until the call's
+// `done` has run. Reused call after call, it spares each call allocating and page-faulting its result: a
+// 32 MiB O (4k tokens x 32 heads x 128) is past what glibc keeps in its heap, so a fresh one is mmapped and
+// faulted in page by page on every call.
+struct ForwardOutputs {
+  absl::Span<char> o;
+  absl::Span<char> lse;
+};
+
 struct CallOptions {
   std::optional<absl::Duration> deadline;  // unset: ClientOptions::default_deadline
   std::optional<Transport> transport;      // unset: ClientOptions::transport
   bool wait_for_ready = false;             // queue the call while the channel connects instead of failing fast
+  std::optional<ForwardOutputs> outputs;   // unset: O and LSE arrive in ForwardResult::o / lse
 };
 
 // The shape and semantics of a request, in host form (Problem plus the optional scale).
@@ -105,8 +118,15 @@ absl::StatusOr<Mask> FromProto(v1::MaskType m);
 
 struct ForwardResult {
   std::string request_id;
-  std::string o;    // [batch, q_len, q_heads, head_dim], request dtype
-  std::string lse;  // fp32 [batch, q_heads, q_len] when asked for
+  std::string o;    // [batch, q_len, q_heads, head_dim], request dtype; empty when written to CallOptions::outputs
+  std::string lse;  // fp32 [batch, q_heads, q_len] when asked for; empty when written to CallOptions::outputs
+  // Set when the call wrote O and LSE into the caller's CallOptions::outputs: the bytes of each it wrote.
+  std::optional<ForwardOutputs> outputs;
+  // O and LSE wherever this call put them.
+  std::string_view o_bytes() const { return outputs ? std::string_view(outputs->o.data(), outputs->o.size()) : o; }
+  std::string_view lse_bytes() const {
+    return outputs ? std::string_view(outputs->lse.data(), outputs->lse.size()) : lse;
+  }
   v1::Timing timing;
   std::string backend, kernel;
   int device = -1;
@@ -128,6 +148,13 @@ struct ForwardInputs {
 
 // The one translation of a gRPC status into an absl::Status (codes are numerically identical).
 absl::Status FromGrpcStatus(const grpc::Status& s);
+
+// The bytes of O and LSE that a reply to `request` carries inline: O unless the request names an O buffer,
+// LSE when it asks for it (0 where the shape's product overflows: the server refuses such a request).
+struct ReplyBytes {
+  uint64_t o = 0, lse = 0;
+};
+ReplyBytes ExpectedReplyBytes(const v1::ForwardRequest& request);
 
 // INTERNAL unless the reply's O (when inline) and LSE (when asked for) have the sizes `request` implies: a
 // short or truncated answer is an error rather than a silent wrong result. Every Forward result passes it.

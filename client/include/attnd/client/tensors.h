@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -44,7 +45,7 @@ class Oracle {
 
   // Error bound: FA3's rule, |err| <= 2 x (error of the plain reference) + atol, with atol twice the dtype's
   // rounding step near 0.3 (the magnitude of typical outputs).
-  VerifyReport Check(const std::string& o, const std::string& lse) const;
+  VerifyReport Check(std::string_view o, std::string_view lse) const;
 
   const Problem& problem() const { return problem_; }
 
