@@ -72,6 +72,108 @@ TEST(HopperScheduler, EveryTileExactlyOnce) {
   }
 }
 
+// The split tail: the whole rounds before it and the parts after it cover every key block of every tile exactly
+// once; a block runs at most kMaxTailPartsPerBlock parts, a tile is cut into at most kMaxTailPartsPerTile, tiles
+// without key blocks are written by exactly one block, and the blocks' shares of the tail are within a key block
+// or two of each other (of a pair's length in the paired order, whose pairs differ by a block).
+TEST(HopperScheduler, SplitTailCoversEveryKeyBlockOnceAndBalances) {
+  struct Case {
+    Shape s;
+    int block_n;
+    bool force;
+  };
+  const Case cases[] = {
+      {{128, 16, 1, 16384, 128, 1, false, 132}, 128, false},  // FA3 d128 non-causal 16k: 2048 tiles
+      {{8, 16, 16, 1024, 128, 1, false, 132}, 128, false},    // 1k: 8 key blocks a tile
+      {{128, 16, 1, 16384, 128, 1, true, 132}, 176, false},   // causal 16k in pairs, 128x176
+      {{64, 16, 2, 8192, 256, 1, true, 132}, 64, false},      // d256 causal 8k, pairs
+      {{9, 3, 1, 1100, 128, 1, true, 3}, 128, true},          // odd q tiles: middle tiles pair across heads
+      {{8, 1, 1, 1000, 128, 1, false, 3}, 128, true},         // the GPU suite's few-block runs
+      {{8, 2, 1, 3000, 128, 1, true, 5}, 128, true},
+  };
+  for (const Case& c : cases) {
+    const Shape& s = c.s;
+    SCOPED_TRACE(testing::Message() << s.q_tiles << "x" << s.heads << "x" << s.batch << " kv " << s.kv_len
+                                    << " causal " << s.causal << " grid " << s.grid);
+    SchedulerParams sp = MakeSchedulerParams(s.q_tiles, s.heads, s.batch, s.kv_len, s.head_dim, s.group, s.causal);
+    // Key blocks of each tile as KeyRangeFor counts them (top-left causal, q_len == kv_len, 128-row tiles).
+    const auto blocks_of = [&](int t) {
+      const TileCoord tc = TileAt(sp, t);
+      const int kv_end = s.causal ? std::min(s.kv_len, (tc.q_tile + 1) * 128) : s.kv_len;
+      return (kv_end + c.block_n - 1) / c.block_n;
+    };
+    const int kv_blocks = (s.kv_len + c.block_n - 1) / c.block_n;
+    const TailSplit ts =
+        PlanTailSplit(sp, s.grid, sp.pairs_per_head > 0 ? kv_blocks + 1 : kv_blocks, c.force ? 1 : 2, c.force);
+    ASSERT_GT(ts.units, 0) << "expected a split";
+    sp.tail_units = ts.units;
+    sp.tail_round = ts.round;
+    sp.tail_tile = ts.tile;
+    std::vector<std::vector<int>> covered(sp.total_tiles);  // per tile: how often each key block is run
+    for (int t = 0; t < sp.total_tiles; ++t) covered[t].assign(std::max(blocks_of(t), 1), 0);
+    std::vector<int> parts_of_tile(sp.total_tiles, 0), zero_writes(sp.total_tiles, 0);
+    std::vector<int64_t> tail_work(s.grid, 0);
+    for (int block = 0; block < s.grid; ++block) {
+      for (int round = 0, t; round < sp.tail_round && (t = TileOfRound(sp, round, block, s.grid)) >= 0; ++round) {
+        ASSERT_LT(t, sp.tail_tile) << "a whole round reached into the tail";
+        for (int b = 0; b < blocks_of(t); ++b) ++covered[t][b];
+        if (blocks_of(t) == 0) ++zero_writes[t];
+      }
+      TailPart parts[kMaxTailPartsPerBlock + 1];  // one more than allowed: a block with too many parts fails below
+      const int n = sp.pairs_per_head > 0 ? TailPartsOf<2>(sp, block, s.grid, blocks_of, parts)
+                                          : TailPartsOf<1>(sp, block, s.grid, blocks_of, parts);
+      ASSERT_LE(n, kMaxTailPartsPerBlock);
+      for (int k = 0; k < n; ++k) {
+        const TailPart& p = parts[k];
+        ASSERT_GE(p.tile, sp.tail_tile);
+        ASSERT_LT(p.tile, sp.total_tiles);
+        ASSERT_EQ(p.tile_blocks, blocks_of(p.tile));
+        ASSERT_TRUE(p.first >= 0 && p.first <= p.end && p.end <= p.tile_blocks);
+        if (p.end == p.first) {
+          ASSERT_EQ(p.tile_blocks, 0) << "an empty part of a tile with keys";
+          ++zero_writes[p.tile];
+          continue;
+        }
+        ++parts_of_tile[p.tile];
+        for (int b = p.first; b < p.end; ++b) ++covered[p.tile][b];
+        tail_work[block] += p.end - p.first;
+      }
+    }
+    for (int t = 0; t < sp.total_tiles; ++t) {
+      if (blocks_of(t) == 0) {
+        EXPECT_EQ(zero_writes[t], 1) << "tile " << t;
+        continue;
+      }
+      for (int b = 0; b < blocks_of(t); ++b) ASSERT_EQ(covered[t][b], 1) << "tile " << t << " block " << b;
+      EXPECT_LE(parts_of_tile[t], kMaxTailPartsPerTile) << "tile " << t;
+    }
+    const auto [lo, hi] = std::minmax_element(tail_work.begin(), tail_work.end());
+    EXPECT_LE(*hi - *lo, sp.pairs_per_head > 0 ? 3 : 2) << "tail shares " << *lo << ".." << *hi;
+  }
+}
+
+// The launcher's rule (kSplitTailMinBlocks): long rows split their last round, short ones keep whole tiles.
+TEST(HopperScheduler, OnlyLongProblemsSplitTheirTailByDefault) {
+  struct Case {
+    Shape s;
+    int unit_blocks;
+    bool split;
+  };
+  const Case cases[] = {
+      {{128, 16, 1, 16384, 128, 1, false, 132}, 94, true},   // non-causal 16k, 128x176: 48 blocks a block
+      {{128, 16, 1, 16384, 128, 1, true, 132}, 95, true},    // causal 16k in pairs
+      {{32, 16, 4, 4096, 128, 1, false, 132}, 32, false},    // 4k: 16 blocks a block
+      {{8, 16, 16, 1024, 128, 1, false, 132}, 8, false},     // 1k
+      {{128, 1, 1, 16384, 128, 1, false, 132}, 128, false},  // fewer tiles than blocks: no round is whole
+  };
+  for (const Case& c : cases) {
+    const SchedulerParams sp = MakeSchedulerParams(c.s.q_tiles, c.s.heads, c.s.batch, c.s.kv_len, c.s.head_dim,
+                                                   c.s.group, c.s.causal);
+    const TailSplit ts = PlanTailSplit(sp, c.s.grid, c.unit_blocks, kSplitTailMinBlocks, false);
+    EXPECT_EQ(ts.units > 0, c.split) << c.s.q_tiles << "x" << c.s.heads << "x" << c.s.batch << " causal " << c.s.causal;
+  }
+}
+
 TEST(HopperScheduler, CausalRoundsAreLongestFirstAndBalanced) {
   // d128, 16k tokens, 16 query heads over 2 kv heads (16 MB of K and V: fits L2, so not paired), 128-row tiles,
   // one block per SM of an H200.

@@ -19,6 +19,7 @@
 #include "epilogue_fwd_sm90.cuh"
 #include "mainloop_fwd_sm90_tma_wgmma_ws.cuh"
 #include "named_barrier_sm90.h"
+#include "split_tail_sm90.cuh"
 #include "tile_scheduler_sm90.cuh"
 #include "wgmma_desc_sm90.h"
 
@@ -45,6 +46,25 @@ __device__ __forceinline__ int TileOfRoundFor(const SchedulerParams& sp, int rou
 template <bool kPairedOrder>
 __device__ __forceinline__ TileCoord TileAtFor(const SchedulerParams& sp, int t) {
   return kPairedOrder ? PairedTileAt(sp, t) : SectionTileAt<false>(sp, t);
+}
+
+// Part k of this block's share of the split tail (static and paired orders), as producer and consumers both
+// walk them; false past the last.
+template <typename Tile, bool kPairedOrder>
+__device__ __forceinline__ bool TailPartHere(const LaunchParams& p, const SchedulerParams& sp, int k, TailPart* part) {
+  const auto blocks_of = [&](int t) {
+    return KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, TileAtFor<kPairedOrder>(sp, t).q_tile * Tile::kBlockM).n_blocks;
+  };
+  return TailPartAt<kPairedOrder ? 2 : 1>(sp, blockIdx.x, gridDim.x, blocks_of, k, part);
+}
+
+// The key blocks a part covers, in the tile's own range (masking stays that of the whole tile).
+template <typename Tile>
+__device__ __forceinline__ KeyRange PartRange(const LaunchParams& p, int q0, const TailPart& part) {
+  KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, q0);
+  r.first = part.first;
+  r.n_blocks = part.end;
+  return r;
 }
 
 // A consumer warpgroup's whole persistent loop for the cross-tile variant: while a tile has key blocks and
@@ -120,7 +140,9 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
 // non-causal d128 ran 3-6% below the pre-pairing library in the same H200 call (session 5, call 4), though
 // the pairs' arithmetic only runs once per tile; split, the two were level within the run-to-run spread
 // (call 5). The cross-tile variant peeks at its next tile before finishing one; it runs the static orders only.
-template <typename Tile, typename Elem, int kOrder>
+// kSplitTail: the static and paired orders with their last round split by key blocks (sp.tail_*; TailPartsOf).
+// Instantiations of their own, so that the kernels without it are the code they were.
+template <typename Tile, typename Elem, int kOrder, bool kSplitTail = false>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     HopperFwdKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                     const __grid_constant__ CUtensorMap v_map, const LaunchParams p, const SchedulerParams sp) {
@@ -128,6 +150,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   constexpr bool kPairedOrder = kOrder == kPaired;
   constexpr bool kDynamicOrder = kOrder == kDynamic;
   static_assert(!(kDynamicOrder && Tile::kCrossTile), "the cross-tile variant runs the static orders only");
+  static_assert(!kSplitTail || (!kDynamicOrder && !Tile::kCrossTile), "the split tail follows a static order");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const SharedStorageSm90<Tile> smem(base);
@@ -181,9 +204,19 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         }
       } else {
         for (int round = 0, t; (t = TileOfRoundFor<kPairedOrder>(sp, round)) >= 0; ++round) {
+          if constexpr (kSplitTail) {
+            if (round >= sp.tail_round) break;
+          }
           const TileCoord c = TileAtFor<kPairedOrder>(sp, t);
           ATTND_HOPPER_TRACE_SET_ROUND(producer, round);
           producer.LoadTile(p, c.q_tile, c.head, c.batch);
+        }
+        if constexpr (kSplitTail) {
+          TailPart part;
+          for (int k = 0; k < kMaxTailPartsPerBlock && TailPartHere<Tile, kPairedOrder>(p, sp, k, &part); ++k) {
+            const TileCoord c = TileAtFor<kPairedOrder>(sp, part.tile);
+            producer.LoadBlocks(p, c.q_tile, c.head, c.batch, PartRange<Tile>(p, c.q_tile * Tile::kBlockM, part));
+          }
         }
       }
     }
@@ -201,6 +234,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
       TileSlots slots;
       for (int round = 0;; ++round) {
+        if constexpr (kSplitTail) {
+          if (round >= sp.tail_round) break;
+        }
         const int t = kDynamicOrder ? slots.Take(*tile_ring) : TileOfRoundFor<kPairedOrder>(sp, round);
         if (t < 0) break;
         const TileCoord c = kDynamicOrder ? SectionTileAt<true>(sp, t) : TileAtFor<kPairedOrder>(sp, t);
@@ -220,6 +256,30 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         }
         StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
         ATTND_HOPPER_TRACE_AT(1 + consumer.wg, round, trace::kStored);
+      }
+      if constexpr (kSplitTail) {
+        TailPart part;
+        for (int k = 0; k < kMaxTailPartsPerBlock && TailPartHere<Tile, kPairedOrder>(p, sp, k, &part); ++k) {
+          const TileCoord c = TileAtFor<kPairedOrder>(sp, part.tile);
+          const int q0 = c.q_tile * Tile::kBlockM;
+          const int row0 = q0 + consumer.wg * 64 + warp * 16 + (lane >> 2);
+          float o[Tile::kHeadDim / 2];
+          typename ConsumerSm90<Tile, Elem>::Softmax sm;
+          if (part.end == part.first) {  // a tile without key blocks: its zero output, written once
+#pragma unroll
+            for (int i = 0; i < Tile::kHeadDim / 2; ++i) o[i] = 0.f;
+            sm.Init();
+          } else {
+            consumer.template Run<true>(p, PartRange<Tile>(p, q0, part), row0, o, sm);
+          }
+          if (part.first == 0 && part.end == part.tile_blocks) {
+            StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
+          } else {
+            StoreTailPartSm90<Tile::kHeadDim, Elem, Tile::kBlockN, 4 * Tile::kConsumerWarpgroups>(
+                p, sp, part, blockIdx.x * kMaxTailPartsPerBlock + k, o, sm, row0, c.head, c.batch,
+                consumer.wg * 4 + warp);
+          }
+        }
       }
     }
     if constexpr (Tile::kPingPong) {

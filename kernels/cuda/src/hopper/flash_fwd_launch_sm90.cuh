@@ -11,11 +11,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string_view>
+#include <type_traits>
 
 #include "../config_registry.h"
 #include "flash_fwd_kernel_sm90.cuh"
+#include "split_tail_pool.h"
 #include "tile_counter_pool.h"
 #include "tile_scheduler_sm90.cuh"
+#include "tile_size_sm90.h"
 
 namespace attnd::kernels::hopper {
 
@@ -95,6 +98,23 @@ inline int DynamicMinTilesPerBlock() {
   return n;
 }
 
+// ATTND_HOPPER_SPLIT_TAIL: 0 never splits the last round (A/B runs); 2 splits it whenever the shape allows (tests:
+// with ATTND_HOPPER_MAX_BLOCKS a few blocks run split tails on small problems); unset or 1: where it pays
+// (PlanTailSplit).
+inline int SplitTailMode() {
+  static const int mode = static_cast<int>(EnvCountOr("ATTND_HOPPER_SPLIT_TAIL", 3, 1));
+  return mode;
+}
+
+// The configurations compiled with a split tail: head_dim 128's defaults, bf16. Each is two more kernels (static
+// and paired); the others would add build time for configurations auto does not pick. head_dim 256's default
+// (128x64) spilled 4 bytes with it (ptxas -v), so it stays unsplit for now.
+template <typename Tile, typename Elem>
+constexpr bool MaySplitTail() {
+  return std::is_same_v<Elem, __nv_bfloat16> &&
+         (std::is_same_v<Tile, HopperD128N128S3> || std::is_same_v<Tile, HopperD128N176S2>);
+}
+
 // Whether `stream` is being captured into a CUDA graph: the dynamic schedule's slot events cannot be waited
 // on from inside a capture, so captured launches run the static order.
 inline bool Capturing(cudaStream_t stream) {
@@ -110,6 +130,18 @@ struct LaunchSchedule {
   int blocks = 0;
   bool dynamic = false;
 };
+
+// The split of the last round a static or paired launch would run (units == 0: none): non-causal problems, and
+// causal ones in pairs (the LPT snake's last round holds its shortest tiles, which split would gain little).
+inline TailSplit TailSplitFor(const Plan& plan, const LaunchSchedule& ls, int block_n) {
+  const LaunchParams& lp = plan.params;
+  const int mode = SplitTailMode();
+  if (mode == 0 || ls.dynamic || (lp.causal != 0 && ls.sp.pairs_per_head == 0)) return TailSplit{};
+  const int kv_blocks = (lp.kv_len + block_n - 1) / block_n;
+  // A pair's two tiles see about one tile's keys plus one block between them.
+  const int unit_blocks = ls.sp.pairs_per_head > 0 ? kv_blocks + 1 : kv_blocks;
+  return PlanTailSplit(ls.sp, ls.blocks, unit_blocks, mode == 2 ? 1 : kSplitTailMinBlocks, mode == 2);
+}
 inline LaunchSchedule ScheduleFor(const Plan& plan, int head_dim, bool may_run_dynamic, int sms) {
   const LaunchParams& lp = plan.params;
   const int64_t tiles = int64_t{plan.grid[0]} * plan.grid[1] * plan.grid[2];
@@ -150,6 +182,35 @@ cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
       return launched != cudaSuccess ? launched : finished;
     }
   }
+  if constexpr (MaySplitTail<Tile, Elem>()) {
+    const TailSplit ts = TailSplitFor(plan, ls, Tile::kBlockN);
+    // Like the dynamic order's slots, the workspace's events cannot be waited on inside a graph capture.
+    if (ts.units > 0 && !Capturing(stream)) {
+      constexpr int kWarps = 4 * Tile::kConsumerWarpgroups;
+      const int split_tiles = ts.units * (sp.pairs_per_head > 0 ? 2 : 1);
+      SplitTailLease lease;
+      if (const cudaError_t e = lease.Begin(plan.device, stream, TailWorkspaceBytes<Tile::kHeadDim, kWarps>(blocks),
+                                            TailCounterBytes<kWarps>(split_tiles));
+          e != cudaSuccess) {
+        return e;
+      }
+      sp.tail_units = ts.units;
+      sp.tail_round = ts.round;
+      sp.tail_tile = ts.tile;
+      sp.split_ws = lease.workspace();
+      sp.split_counters = lease.counters();
+      if (sp.pairs_per_head > 0) {
+        HopperFwdKernel<Tile, Elem, kPaired, true><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+            plan.q_map, plan.k_map, plan.v_map, lp, sp);
+      } else {
+        HopperFwdKernel<Tile, Elem, kStatic, true><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+            plan.q_map, plan.k_map, plan.v_map, lp, sp);
+      }
+      const cudaError_t launched = cudaGetLastError();
+      const cudaError_t finished = lease.Finish(stream);
+      return launched != cudaSuccess ? launched : finished;
+    }
+  }
   if constexpr (MayPair(Tile::kHeadDim)) {
     if (sp.pairs_per_head > 0) {
       HopperFwdKernel<Tile, Elem, kPaired><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
@@ -178,6 +239,23 @@ cudaError_t PrepareFwd() {
   }
   if constexpr (MayPair(Tile::kHeadDim)) {
     if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kPaired>); err != cudaSuccess) return err;
+  }
+  if constexpr (MaySplitTail<Tile, Elem>()) {
+    if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kPaired, true>); err != cudaSuccess) return err;
+    if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kStatic, true>); err != cudaSuccess) return err;
+    // The split tail's workspace for the largest launch this device runs (a block per SM; the paired order's
+    // last round at most 2 tiles a block), so that no launch allocates.
+    int device = 0, sms = 0;
+    if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+    if (const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess) {
+      return err;
+    }
+    constexpr int kWarps = 4 * Tile::kConsumerWarpgroups;
+    if (const cudaError_t err = ReserveSplitTailPool(device, TailWorkspaceBytes<Tile::kHeadDim, kWarps>(sms),
+                                                     TailCounterBytes<kWarps>(2 * sms));
+        err != cudaSuccess) {
+      return err;
+    }
   }
   return raise(HopperFwdKernel<Tile, Elem, kStatic>);
 }

@@ -41,6 +41,7 @@ using seed::TmaLoad4d;
 // Which key blocks a tile visits: [0, n_blocks), of which [n_full, n_blocks) need the element-wise mask.
 struct KeyRange {
   int n_blocks, n_full;
+  int first = 0;  // the lowest key block visited: > 0 for a part of a split tile (blocks [first, n_blocks))
 };
 
 template <int kBlockM, int kBlockN>
@@ -193,6 +194,20 @@ struct ProducerSm90 {
     ++q_tiles;
   }
 
+  // Q and the key blocks [r.first, r.n_blocks) of a part of a split tile, last to first, as LoadTile. (A copy of
+  // its own: with LoadTile written over it, every kernel's code changed, not just the split ones'.)
+  __device__ __forceinline__ void LoadBlocks(const LaunchParams& p, int q_tile, int head, int batch, const KeyRange& r) {
+    if (r.n_blocks <= r.first) return;
+    const int kv_head = head / p.group;
+    LoadK(r.n_blocks - 1, kv_head, batch);
+    LoadQ(q_tile * Tile::kBlockM, head, batch);
+    for (int b = r.n_blocks - 2; b >= r.first; --b) {
+      LoadK(b, kv_head, batch);
+      LoadV(b + 1, kv_head, batch);
+    }
+    LoadV(r.first, kv_head, batch);
+  }
+
   __device__ __forceinline__ void LoadTile(const LaunchParams& p, int q_tile, int head, int batch) {
     const KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, q_tile * Tile::kBlockM);
     if (r.n_blocks == 0) return;
@@ -333,12 +348,15 @@ struct ConsumerSm90 {
   // Overlapped variant, in three parts a tile's blocks run through (the cross-tile kernel loop fuses the
   // last part of one tile with the first of the next, see CrossStep).
   // First: the tile's first block (the last in key order), S alone; O is still zero, so no rescale.
+  // kPart: the blocks [w.r.first, w.r.n_blocks) of a split tile; without, all of them (the same code as before
+  // parts existed: reading `first` there changed every kernel's code).
+  template <bool kPart = false>
   __device__ __forceinline__ void FirstBlock(const LaunchParams& p, const TileWork& w, float (&s)[kSRegs],
                                              uint32_t (&pf)[kPSteps][4], Softmax& sm) {
     float f[2];
     const int st = load % S;
     SAlone(s, st, (load / S) & 1, w.q_slot);
-    if (w.r.n_blocks == 1) ReleaseQ(w.q_slot);
+    if (w.r.n_blocks - 1 == (kPart ? w.r.first : 0)) ReleaseQ(w.q_slot);
     SoftmaxStep(sm, s, p, w.r.n_blocks - 1, w, f);
     ConvertP(s, pf);
     prev_st = st;
@@ -374,13 +392,15 @@ struct ConsumerSm90 {
   }
 
   // Blocks n-2 .. 0: S of block b and P V of block b+1 in flight together; softmax of b runs under P V.
+  template <bool kPart = false>
   __device__ __forceinline__ void MiddleBlocks(const LaunchParams& p, const TileWork& w, float (&o)[kORegs],
                                                float (&s)[kSRegs], uint32_t (&pf)[kPSteps][4], Softmax& sm) {
     float f[2];
-    for (int b = w.r.n_blocks - 2; b >= 0; --b) {
+    const int first = kPart ? w.r.first : 0;
+    for (int b = w.r.n_blocks - 2; b >= first; --b) {
       const int st = load % S;
       IssueSWithPrevPV(s, o, pf, st, w.q_slot);
-      if (b == 0) ReleaseQ(w.q_slot);
+      if (b == first) ReleaseQ(w.q_slot);
       const bool rescale = SoftmaxStep(sm, s, p, b, w, f);
       FinishPrevPV(o, pf, st);
       if (rescale) Softmax::Rescale(o, f);
@@ -419,7 +439,9 @@ struct ConsumerSm90 {
   }
 
 
-  // Runs one tile's key blocks; on return o holds the unnormalised output and sm the row max / sums.
+  // Runs one tile's key blocks (kPart: those of [r.first, r.n_blocks)); on return o holds the unnormalised output
+  // and sm the row max / sums.
+  template <bool kPart = false>
   __device__ __forceinline__ void Run(const LaunchParams& p, const KeyRange& r, int row0, float (&o)[kORegs],
                                       Softmax& sm) {
     TileWork w = Work(p, r, row0);
@@ -435,19 +457,20 @@ struct ConsumerSm90 {
     float f[2];
 
     if constexpr (Tile::kIntraOverlap) {
-      FirstBlock(p, w, s, pf, sm);
+      FirstBlock<kPart>(p, w, s, pf, sm);
       ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kFirstDone);
-      MiddleBlocks(p, w, o, s, pf, sm);
+      MiddleBlocks<kPart>(p, w, o, s, pf, sm);
       ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kMiddleDone);
       LastPV(o, pf);
       ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kLastPVDone);
     } else {
-      for (int b = r.n_blocks - 1; b >= 0; --b) {
+      const int first = kPart ? r.first : 0;
+      for (int b = r.n_blocks - 1; b >= first; --b) {
         const int st = load % S;
         const uint32_t phase = (load / S) & 1;
         ++load;
         SAlone(s, st, phase, w.q_slot);
-        if (b == 0) ReleaseQ(w.q_slot);
+        if (b == first) ReleaseQ(w.q_slot);
         if (SoftmaxStep(sm, s, p, b, w, f)) Softmax::Rescale(o, f);
         ConvertP(s, pf);
         PVAlone(o, pf, st, phase);

@@ -40,6 +40,15 @@ struct SchedulerParams {
   // kDynamic: [0] tiles handed out beyond the first grid, [1] blocks finished; zero at launch, and the last
   // block to finish zeroes them again (tile_counter_pool.h keeps launches in flight from sharing one).
   unsigned* counter = nullptr;
+  // Split tail (static and paired orders; see TailPartsOf). tail_units > 0: the rounds before
+  // `tail_round` run whole tiles as usual, and the units (a tile, or a pair in the paired order) from
+  // `tail_tile` on are shared out by key blocks among all the blocks. `split_ws` holds the parts' partial
+  // outputs and `split_counters` the counters that find each tile's finishing part (split_tail_pool.h).
+  int tail_units = 0;
+  int tail_round = 0;
+  int tail_tile = 0;
+  float* split_ws = nullptr;
+  unsigned* split_counters = nullptr;
 };
 
 struct TileCoord {
@@ -176,6 +185,108 @@ __host__ __device__ __forceinline__ int TileOfRound(const SchedulerParams& sp, i
 }
 __host__ __device__ __forceinline__ TileCoord TileAt(const SchedulerParams& sp, int t) {
   return sp.pairs_per_head > 0 ? PairedTileAt(sp, t) : SectionTileAt<true>(sp, t);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Split tail. The last round of the static orders is partial: 2048 tiles on 132 blocks run as 16 rounds for
+// 15.52 rounds of work, and 1024 pairs as 8 for 7.76 (docs/hopper-kernel-notes.md, v6), about 3% of every
+// such launch. Instead, the last round's units are laid end to end by key blocks and cut into `grid` equal
+// ranges, one per block: a block runs at most two units' worth of parts (a tile's key blocks [first, end)),
+// writes a part that does not cover its tile to the workspace, and whichever part completes a tile's key
+// blocks combines them and writes O. A unit's key blocks are cut where a nominal kTailUnitScale-long unit is
+// cut, scaled to the unit's real length, so the cuts need no prefix sums and still cover every unit exactly.
+constexpr int kTailUnitScale = 4096;
+// A tile of the split tail is cut into at most this many parts (the launcher makes sure: MaySplitTail).
+constexpr int kMaxTailPartsPerTile = 8;
+// The most parts one block runs: two units of up to two tiles.
+constexpr int kMaxTailPartsPerBlock = 4;
+// The least key blocks of the tail a block must get for the launcher to split it. H200, session 10 call 2 (d128,
+// FA3 rows, two processes each against HEAD's library and the split turned off): non-causal 16k +3.8 to +4.4%
+// (~48 key blocks a block), causal 16k in pairs +0.7% (~72), 8k level (~33), 4k +0.4% (~16), and 1k-2k 3-6% below
+// (4-8: a part's fixed costs and the combine outweigh what the idle blocks gain).
+constexpr int kSplitTailMinBlocks = 40;
+
+struct TailPart {
+  int tile;         // in the order's tile numbering (TileAt)
+  int first, end;   // key blocks [first, end) of the tile
+  int tile_blocks;  // the tile's key blocks in all
+};
+
+// Part `want` (0, 1, ...) of block `block`'s share of the split tail, in order; false past its last part. At most
+// kMaxTailPartsPerBlock. kUnitTiles: 1 (static order) or 2 (paired). blocks_of(t): the key blocks of tile t. The
+// kernels ask for one part at a time (recomputing the few steps before it) rather than keep an array of them,
+// which would live in local memory.
+template <int kUnitTiles, typename BlocksOf>
+__host__ __device__ __forceinline__ bool TailPartAt(const SchedulerParams& sp, int block, int grid,
+                                                    const BlocksOf& blocks_of, int want, TailPart* out) {
+  // 32-bit: PlanTailSplit keeps span * grid below 2^31 (a 64-bit division is a call that spilled the producer's
+  // 24 registers).
+  const int span = sp.tail_units * kTailUnitScale;
+  const int lo = span * block / grid, hi = span * (block + 1) / grid;
+  int n = 0;
+  for (int u = lo / kTailUnitScale; u < sp.tail_units && u * kTailUnitScale < hi; ++u) {
+    const int start = u * kTailUnitScale;
+    const int64_t xs = (lo > start ? lo : start) - start;
+    const int64_t xe = (hi < start + kTailUnitScale ? hi : start + kTailUnitScale) - start;
+    const int t0 = sp.tail_tile + u * kUnitTiles;
+    // Scalars, not an array: an array indexed in a loop lived in local memory in the kernels.
+    const int nb0 = blocks_of(t0);
+    const int nb1 = kUnitTiles == 2 && t0 + 1 < sp.total_tiles ? blocks_of(t0 + 1) : 0;
+    const int64_t w = nb0 + nb1;
+    const int a0 = static_cast<int>(xs * w / kTailUnitScale), a1 = static_cast<int>(xe * w / kTailUnitScale);
+    // Tile t0 + i holds the unit's key blocks [base, base + nbi). A tile without key blocks (rows before every
+    // key) still has its zero output to write: by the block whose range starts its unit.
+    const auto part_of = [&](int i, int base, int nbi, TailPart* p) {
+      const int s = a0 > base ? a0 : base;
+      const int e = a1 < base + nbi ? a1 : base + nbi;
+      if (e > s) {
+        *p = TailPart{t0 + i, s - base, e - base, nbi};
+        return true;
+      }
+      if (nbi == 0 && xs == 0 && t0 + i < sp.total_tiles) {
+        *p = TailPart{t0 + i, 0, 0, 0};
+        return true;
+      }
+      return false;
+    };
+    if (part_of(0, 0, nb0, out) && n++ == want) return true;
+    if (kUnitTiles == 2 && part_of(1, nb0, nb1, out) && n++ == want) return true;
+  }
+  return false;
+}
+
+// All of block `block`'s parts (host tests); returns how many.
+template <int kUnitTiles, typename BlocksOf>
+inline int TailPartsOf(const SchedulerParams& sp, int block, int grid, const BlocksOf& blocks_of,
+                       TailPart (&out)[kMaxTailPartsPerBlock + 1]) {
+  int n = 0;
+  while (n <= kMaxTailPartsPerBlock && TailPartAt<kUnitTiles>(sp, block, grid, blocks_of, n, &out[n])) ++n;
+  return n;
+}
+
+// Whether a launch of `grid` blocks over `sp` should split its last round, and how: the units the order has
+// (tiles, or pairs), `unit_blocks` the key blocks of a typical unit. Only worth it when the last round leaves
+// blocks idle (at most ~85% full), each block still gets at least `min_blocks` key blocks of it, and no tile
+// is cut into more than kMaxTailPartsPerTile parts (at least grid / 6 units).
+struct TailSplit {
+  int units = 0, round = 0, tile = 0;
+};
+__host__ __device__ inline TailSplit PlanTailSplit(const SchedulerParams& sp, int grid, int unit_blocks, int min_blocks,
+                                                   bool force) {
+  TailSplit ts;
+  const bool paired = sp.pairs_per_head > 0;
+  const int unit_tiles = paired ? 2 : 1;
+  const int units = (sp.total_tiles + unit_tiles - 1) / unit_tiles;
+  const int full = units / grid, left = units - full * grid;
+  if (grid < 2 || full < 1 || left == 0) return ts;
+  if (int64_t{left} * kTailUnitScale * grid >= (int64_t{1} << 31)) return ts;  // TailPartAt's 32-bit arithmetic
+  if (int64_t{left} * 6 < grid) return ts;                                    // too many parts per tile
+  if (int64_t{left} * unit_blocks < int64_t{min_blocks} * grid) return ts;    // too little work per block
+  if (!force && int64_t{left} * 100 > int64_t{grid} * 85) return ts;         // the last round is nearly full
+  ts.units = left;
+  ts.round = full * unit_tiles;  // rounds of tiles: the paired order's rounds 2r, 2r + 1 are pair r's tiles
+  ts.tile = full * grid * unit_tiles;
+  return ts;
 }
 
 #if defined(__CUDACC__)
