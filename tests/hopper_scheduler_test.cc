@@ -152,24 +152,27 @@ TEST(HopperScheduler, SplitTailCoversEveryKeyBlockOnceAndBalances) {
   }
 }
 
-// The launcher's rule (kSplitTailMinBlocks): long rows split their last round, short ones keep whole tiles.
+// The launcher's rule (SplitTailMinBlocks): long rows split their last round, short ones keep whole tiles.
 TEST(HopperScheduler, OnlyLongProblemsSplitTheirTailByDefault) {
   struct Case {
     Shape s;
-    int unit_blocks;
+    int block_n, unit_blocks;
     bool split;
   };
   const Case cases[] = {
-      {{128, 16, 1, 16384, 128, 1, false, 132}, 94, true},   // non-causal 16k, 128x176: 48 blocks a block
-      {{128, 16, 1, 16384, 128, 1, true, 132}, 95, true},    // causal 16k in pairs
-      {{32, 16, 4, 4096, 128, 1, false, 132}, 32, false},    // 4k: 16 blocks a block
-      {{8, 16, 16, 1024, 128, 1, false, 132}, 8, false},     // 1k
-      {{128, 1, 1, 16384, 128, 1, false, 132}, 128, false},  // fewer tiles than blocks: no round is whole
+      {{128, 16, 1, 16384, 128, 1, false, 132}, 176, 94, true},   // d128 non-causal 16k, 128x176: 48 blocks a block
+      {{128, 16, 1, 16384, 128, 1, true, 132}, 176, 95, true},    // causal 16k in pairs
+      {{64, 16, 2, 8192, 128, 1, false, 132}, 128, 64, false},    // 8k, 128x128: 33 blocks (4.2k keys)
+      {{32, 16, 4, 4096, 128, 1, false, 132}, 128, 32, false},    // 4k: 16 blocks
+      {{8, 16, 16, 1024, 128, 1, false, 132}, 128, 8, false},     // 1k
+      {{64, 8, 2, 8192, 256, 1, false, 132}, 64, 128, true},      // d256 8k, 128x64: 97 blocks (6.2k keys)
+      {{32, 8, 4, 4096, 256, 1, false, 132}, 64, 64, false},      // d256 4k: 48 blocks (3k keys)
+      {{128, 1, 1, 16384, 128, 1, false, 132}, 176, 94, false},   // fewer tiles than blocks: no round is whole
   };
   for (const Case& c : cases) {
     const SchedulerParams sp = MakeSchedulerParams(c.s.q_tiles, c.s.heads, c.s.batch, c.s.kv_len, c.s.head_dim,
                                                    c.s.group, c.s.causal);
-    const TailSplit ts = PlanTailSplit(sp, c.s.grid, c.unit_blocks, kSplitTailMinBlocks, false);
+    const TailSplit ts = PlanTailSplit(sp, c.s.grid, c.unit_blocks, SplitTailMinBlocks(c.block_n), false);
     EXPECT_EQ(ts.units > 0, c.split) << c.s.q_tiles << "x" << c.s.heads << "x" << c.s.batch << " causal " << c.s.causal;
   }
 }

@@ -106,13 +106,13 @@ inline int SplitTailMode() {
   return mode;
 }
 
-// The configurations compiled with a split tail: head_dim 128's defaults, bf16. Each is two more kernels (static
-// and paired); the others would add build time for configurations auto does not pick. head_dim 256's default
-// (128x64) spilled 4 bytes with it (ptxas -v), so it stays unsplit for now.
+// The configurations compiled with a split tail: the defaults of head_dim 128 and 256, bf16. Each is two more
+// kernels (static and paired); the others would add build time for configurations auto does not pick.
 template <typename Tile, typename Elem>
 constexpr bool MaySplitTail() {
   return std::is_same_v<Elem, __nv_bfloat16> &&
-         (std::is_same_v<Tile, HopperD128N128S3> || std::is_same_v<Tile, HopperD128N176S2>);
+         (std::is_same_v<Tile, HopperD128N128S3> || std::is_same_v<Tile, HopperD128N176S2> ||
+          std::is_same_v<Tile, HopperD256N64S2>);
 }
 
 // Whether `stream` is being captured into a CUDA graph: the dynamic schedule's slot events cannot be waited
@@ -140,7 +140,7 @@ inline TailSplit TailSplitFor(const Plan& plan, const LaunchSchedule& ls, int bl
   const int kv_blocks = (lp.kv_len + block_n - 1) / block_n;
   // A pair's two tiles see about one tile's keys plus one block between them.
   const int unit_blocks = ls.sp.pairs_per_head > 0 ? kv_blocks + 1 : kv_blocks;
-  return PlanTailSplit(ls.sp, ls.blocks, unit_blocks, mode == 2 ? 1 : kSplitTailMinBlocks, mode == 2);
+  return PlanTailSplit(ls.sp, ls.blocks, unit_blocks, mode == 2 ? 1 : SplitTailMinBlocks(block_n), mode == 2);
 }
 inline LaunchSchedule ScheduleFor(const Plan& plan, int head_dim, bool may_run_dynamic, int sms) {
   const LaunchParams& lp = plan.params;

@@ -69,41 +69,48 @@ __device__ __forceinline__ void StoreTailPartSm90(const LaunchParams& p, const S
   unsigned n = 0;
   if (lane == 0) n = __ldcg(&c[0]);
   n = __shfl_sync(0xffffffffu, n, 0);
-  // Part by part, one float4 of a part's O at a time, with the loop over parts kept rolled: only O, the running
-  // row max and sum, and one part's factors are live. (Unrolled or in two passes, ptxas spilled the paired kernels,
-  // whose mainloop already runs near the 240-register budget.)
-  float m[2] = {-CUDART_INF_F, -CUDART_INF_F}, l[2] = {0.f, 0.f};
-#pragma unroll
-  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
-#pragma unroll 1
-  for (unsigned k = 0; k < n; ++k) {
+  // The row maxima over the parts first; then O a group of kGroup float4s at a time, summed over the parts with
+  // their final factors, the loop over parts kept rolled. Only O, one group of one part's values and the running
+  // sums are live: unrolled, or combining a whole part's O at a time, ptxas spilled (the paired d128 kernels, and
+  // d256, whose O alone is 128 registers).
+  constexpr int kGroup = 8;
+  static_assert((kChunks - 1) % kGroup == 0, "O's float4s come in whole groups");
+  const auto part_src = [&](unsigned k) {
     unsigned slot_k = 0;
     if (lane == 0) slot_k = __ldcg(&c[2 + k]);
     slot_k = __shfl_sync(0xffffffffu, slot_k, 0);
-    const float4* src = ws + (size_t(slot_k) * kConsumerWarps + warp) * kChunks * 32 + lane;
-    const float4 ml = __ldcg(src + (kChunks - 1) * 32);
-    const float ms[2] = {ml.x, ml.y}, ls[2] = {ml.z, ml.w};
-    float fa[2], fb[2];
+    return ws + (size_t(slot_k) * kConsumerWarps + warp) * kChunks * 32 + lane;
+  };
+  float m[2] = {-CUDART_INF_F, -CUDART_INF_F}, l[2] = {0.f, 0.f};
+#pragma unroll 1
+  for (unsigned k = 0; k < n; ++k) {
+    const float4 ml = __ldcg(part_src(k) + (kChunks - 1) * 32);
+    m[0] = fmaxf(m[0], ml.x);
+    m[1] = fmaxf(m[1], ml.y);
+  }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (ms[r] == -CUDART_INF_F) {  // the part saw no key of this row: nothing to add
-        fa[r] = 1.f;
-        fb[r] = 0.f;
-        continue;
+  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+#pragma unroll
+  for (int g = 0; g < kChunks - 1; g += kGroup) {
+#pragma unroll 1
+    for (unsigned k = 0; k < n; ++k) {
+      const float4* src = part_src(k);
+      const float4 ml = __ldcg(src + (kChunks - 1) * 32);
+      // A part that saw no key of a row adds nothing to it (and a row no part saw keeps m = -inf: O = 0, l = 0).
+      const float f0 = ml.x == -CUDART_INF_F ? 0.f : exp2f(ml.x - m[0]);
+      const float f1 = ml.y == -CUDART_INF_F ? 0.f : exp2f(ml.y - m[1]);
+      if (g == 0) {
+        l[0] += ml.z * f0;
+        l[1] += ml.w * f1;
       }
-      const float mn = fmaxf(m[r], ms[r]);
-      fa[r] = exp2f(m[r] - mn);  // 0 while m is still -inf
-      fb[r] = exp2f(ms[r] - mn);
-      m[r] = mn;
-      l[r] = l[r] * fa[r] + ls[r] * fb[r];
-    }
 #pragma unroll
-    for (int j = 0; j < kChunks - 1; ++j) {
-      const float4 v = __ldcg(src + j * 32);
-      o[4 * j] = o[4 * j] * fa[0] + v.x * fb[0];
-      o[4 * j + 1] = o[4 * j + 1] * fa[0] + v.y * fb[0];
-      o[4 * j + 2] = o[4 * j + 2] * fa[1] + v.z * fb[1];
-      o[4 * j + 3] = o[4 * j + 3] * fa[1] + v.w * fb[1];
+      for (int j = g; j < g + kGroup; ++j) {
+        const float4 v = __ldcg(src + j * 32);
+        o[4 * j] += v.x * f0;
+        o[4 * j + 1] += v.y * f0;
+        o[4 * j + 2] += v.z * f1;
+        o[4 * j + 3] += v.w * f1;
+      }
     }
   }
   // Zero for the next launch given this slot of the pool (the tile has no other part left to count).

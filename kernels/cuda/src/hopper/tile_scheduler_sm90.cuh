@@ -200,11 +200,13 @@ constexpr int kTailUnitScale = 4096;
 constexpr int kMaxTailPartsPerTile = 8;
 // The most parts one block runs: two units of up to two tiles.
 constexpr int kMaxTailPartsPerBlock = 4;
-// The least key blocks of the tail a block must get for the launcher to split it. H200, session 10 call 2 (d128,
-// FA3 rows, two processes each against HEAD's library and the split turned off): non-causal 16k +3.8 to +4.4%
-// (~48 key blocks a block), causal 16k in pairs +0.7% (~72), 8k level (~33), 4k +0.4% (~16), and 1k-2k 3-6% below
-// (4-8: a part's fixed costs and the combine outweigh what the idle blocks gain).
-constexpr int kSplitTailMinBlocks = 40;
+// The least keys of the tail a block must get for the launcher to split it, as key blocks of `block_n` keys. H200,
+// session 10 (FA3 rows, processes alternating with the library before the split): calls 2-3 with 40 key blocks
+// whatever the width: d128 non-causal 16k +3.0 to +4.4% (~48 blocks of 176 keys a block), causal 16k in pairs
+// level (~72), 8k level (33 of 128, split in call 2), 4k +0.4% (16), 1k-2k 3-6% below (4-8); call 4, d256 (64-key
+// blocks): 8k and 16k +1.7 to +2.8% (97-194), 4k 1-2% below (48 blocks, ~3k keys). Hence ~5k keys.
+constexpr int kSplitTailMinKeys = 5120;
+__host__ __device__ constexpr int SplitTailMinBlocks(int block_n) { return (kSplitTailMinKeys + block_n - 1) / block_n; }
 
 struct TailPart {
   int tile;         // in the order's tile numbering (TileAt)
