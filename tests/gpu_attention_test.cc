@@ -122,6 +122,10 @@ std::vector<Case> CasesFor(int64_t d) {
   add("zero_scale_tl", 1, 65, 65, 2, 2, Mask::kCausalTopLeft, true)->scale = 0.f;
   add("fp16_tl", 1, 129, 129, 2, 2, Mask::kCausalTopLeft, true)->dtype = DType::kFP16;
   add("fp16_b2_gqa_br", 2, 70, 140, 4, 2, Mask::kCausalBottomRight, true)->dtype = DType::kFP16;
+  // Enough tiles for a few blocks to split their last round (ATTND_HOPPER_MAX_BLOCKS + ATTND_HOPPER_SPLIT_TAIL=2),
+  // in fp16 too: a plain order and a paired one.
+  add("fp16_b2_long_none", 2, 1000, 1000, 4, 2, Mask::kNone, true)->dtype = DType::kFP16;
+  add("fp16_b2_long_tl", 2, 1000, 1000, 4, 4, Mask::kCausalTopLeft, false)->dtype = DType::kFP16;
   return out;
 }
 

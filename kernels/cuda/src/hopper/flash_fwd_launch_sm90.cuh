@@ -106,13 +106,12 @@ inline int SplitTailMode() {
   return mode;
 }
 
-// The configurations compiled with a split tail: the defaults of head_dim 128 and 256, bf16. Each is two more
-// kernels (static and paired); the others would add build time for configurations auto does not pick.
+// The configurations compiled with a split tail: the defaults of head_dim 128 and 256. Each is two more kernels
+// per element type (static and paired); the others would add build time for configurations auto does not pick.
 template <typename Tile, typename Elem>
 constexpr bool MaySplitTail() {
-  return std::is_same_v<Elem, __nv_bfloat16> &&
-         (std::is_same_v<Tile, HopperD128N128S3> || std::is_same_v<Tile, HopperD128N176S2> ||
-          std::is_same_v<Tile, HopperD256N64S2>);
+  return std::is_same_v<Tile, HopperD128N128S3> || std::is_same_v<Tile, HopperD128N176S2> ||
+         std::is_same_v<Tile, HopperD256N64S2>;
 }
 
 // Whether `stream` is being captured into a CUDA graph: the dynamic schedule's slot events cannot be waited
