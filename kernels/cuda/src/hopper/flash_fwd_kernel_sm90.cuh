@@ -140,7 +140,7 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
 // non-causal d128 ran 3-6% below the pre-pairing library in the same H200 call (session 5, call 4), though
 // the pairs' arithmetic only runs once per tile; split, the two were level within the run-to-run spread
 // (call 5). The cross-tile variant peeks at its next tile before finishing one; it runs the static orders only.
-// kSplitTail: the static and paired orders with their last round split by key blocks (sp.tail_*; TailPartsOf).
+// kSplitTail: the static and paired orders with their last round split by key blocks (sp.tail_*; TailPartAt).
 // Instantiations of their own, so that the kernels without it are the code they were.
 template <typename Tile, typename Elem, int kOrder, bool kSplitTail = false>
 __global__ void __launch_bounds__(Tile::kThreads, 1)

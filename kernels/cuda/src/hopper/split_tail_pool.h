@@ -1,4 +1,4 @@
-// Workspace for the Hopper family's split tail (tile_scheduler_sm90.cuh, TailPartsOf): the partial outputs of
+// Workspace for the Hopper family's split tail (tile_scheduler_sm90.cuh, TailPartAt): the partial outputs of
 // tiles whose key blocks are shared out among several blocks, and the per-tile counters that find the part
 // finishing each tile. The counters must be zero when a launch starts; the finishing parts zero them again.
 //

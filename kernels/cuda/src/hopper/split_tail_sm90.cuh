@@ -1,4 +1,4 @@
-// Split tail role (tile_scheduler_sm90.cuh, TailPartsOf): a part of a tile whose key blocks several blocks share.
+// Split tail role (tile_scheduler_sm90.cuh, TailPartAt): a part of a tile whose key blocks several blocks share.
 // Each consumer warp writes its rows' unnormalised O, row max and row sum (the accumulator registers as they are)
 // to the part's workspace slot, then counts the part's key blocks into the tile's counter; the warp that
 // completes the count reads every part of its rows back, combines them (the online softmax's merge), and writes

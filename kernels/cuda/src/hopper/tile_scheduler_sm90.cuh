@@ -40,7 +40,7 @@ struct SchedulerParams {
   // kDynamic: [0] tiles handed out beyond the first grid, [1] blocks finished; zero at launch, and the last
   // block to finish zeroes them again (tile_counter_pool.h keeps launches in flight from sharing one).
   unsigned* counter = nullptr;
-  // Split tail (static and paired orders; see TailPartsOf). tail_units > 0: the rounds before
+  // Split tail (static and paired orders; see TailPartAt). tail_units > 0: the rounds before
   // `tail_round` run whole tiles as usual, and the units (a tile, or a pair in the paired order) from
   // `tail_tile` on are shared out by key blocks among all the blocks. `split_ws` holds the parts' partial
   // outputs and `split_counters` the counters that find each tile's finishing part (split_tail_pool.h).
