@@ -4,6 +4,8 @@
 #include <atomic>
 #include <mutex>
 
+#include "hopper/launch_slot.h"
+
 namespace attnd::kernels::hopper {
 namespace {
 
@@ -14,8 +16,7 @@ constexpr int kMaxDevices = 64;
 
 struct Slot {
   std::mutex mu;  // held from Begin to Finish
-  cudaEvent_t last = nullptr;
-  bool recorded = false;
+  LaunchSlotEvent event;
   float* workspace = nullptr;
   size_t workspace_bytes = 0;
   unsigned* counters = nullptr;
@@ -50,8 +51,8 @@ cudaError_t GetPool(int device, Pool** out) {
 template <typename T>
 cudaError_t Grow(Slot& slot, T** ptr, size_t* have, size_t bytes) {
   if (*have >= bytes) return cudaSuccess;
-  if (slot.recorded) {
-    if (const cudaError_t err = cudaEventSynchronize(slot.last); err != cudaSuccess) return err;
+  if (slot.event.recorded) {
+    if (const cudaError_t err = cudaEventSynchronize(slot.event.last); err != cudaSuccess) return err;
   }
   if (*ptr != nullptr) {
     if (const cudaError_t err = cudaFree(*ptr); err != cudaSuccess) return err;
@@ -63,32 +64,38 @@ cudaError_t Grow(Slot& slot, T** ptr, size_t* have, size_t bytes) {
   return cudaSuccess;
 }
 
+// The slot's event, and its memory grown to the sizes asked for. Fresh counters are zeroed on `stream` (before the
+// launch enqueued there next), or at once when it is null.
+cudaError_t Provision(Slot& slot, size_t workspace_bytes, size_t counter_bytes, cudaStream_t stream) {
+  if (const cudaError_t err = slot.event.Ensure(); err != cudaSuccess) return err;
+  if (const cudaError_t err = Grow(slot, &slot.workspace, &slot.workspace_bytes, workspace_bytes); err != cudaSuccess) {
+    return err;
+  }
+  const size_t had = slot.counter_bytes;
+  if (const cudaError_t err = Grow(slot, &slot.counters, &slot.counter_bytes, counter_bytes); err != cudaSuccess) {
+    return err;
+  }
+  if (slot.counter_bytes == had) return cudaSuccess;
+  return stream != nullptr ? cudaMemsetAsync(slot.counters, 0, slot.counter_bytes, stream)
+                           : cudaMemset(slot.counters, 0, slot.counter_bytes);
+}
+
+// Memory and events belong to the current device: it must be the one asked for.
+cudaError_t CheckDevice(int device) {
+  int current = -1;
+  if (const cudaError_t err = cudaGetDevice(&current); err != cudaSuccess) return err;
+  return current == device ? cudaSuccess : cudaErrorInvalidDevice;
+}
+
 }  // namespace
 
 cudaError_t ReserveSplitTailPool(int device, size_t workspace_bytes, size_t counter_bytes) {
   Pool* pool = nullptr;
   if (const cudaError_t err = GetPool(device, &pool); err != cudaSuccess) return err;
-  int current = -1;
-  if (const cudaError_t err = cudaGetDevice(&current); err != cudaSuccess) return err;
-  if (current != device) return cudaErrorInvalidDevice;
+  if (const cudaError_t err = CheckDevice(device); err != cudaSuccess) return err;
   for (Slot& slot : pool->slots) {
     std::lock_guard<std::mutex> lock(slot.mu);
-    if (slot.last == nullptr) {
-      if (const cudaError_t err = cudaEventCreateWithFlags(&slot.last, cudaEventDisableTiming); err != cudaSuccess) {
-        return err;
-      }
-    }
-    if (const cudaError_t err = Grow(slot, &slot.workspace, &slot.workspace_bytes, workspace_bytes); err != cudaSuccess) {
-      return err;
-    }
-    const size_t had = slot.counter_bytes;
-    if (const cudaError_t err = Grow(slot, &slot.counters, &slot.counter_bytes, counter_bytes); err != cudaSuccess) {
-      return err;
-    }
-    // Fresh counters are zeroed before any launch can be given them (synchronously: this is preparation).
-    if (slot.counter_bytes != had) {
-      if (const cudaError_t err = cudaMemset(slot.counters, 0, slot.counter_bytes); err != cudaSuccess) return err;
-    }
+    if (const cudaError_t err = Provision(slot, workspace_bytes, counter_bytes, nullptr); err != cudaSuccess) return err;
   }
   return cudaSuccess;
 }
@@ -99,35 +106,11 @@ cudaError_t SplitTailLease::Begin(int device, cudaStream_t stream, size_t worksp
   Slot& slot = pool->slots[pool->next.fetch_add(1, std::memory_order_relaxed) % kSlots];
   slot.mu.lock();
   slot_ = &slot;
-  if (slot.last == nullptr) {
-    int current = -1;
-    if (const cudaError_t err = cudaGetDevice(&current); err != cudaSuccess) return err;
-    if (current != device) return cudaErrorInvalidDevice;
-    if (const cudaError_t err = cudaEventCreateWithFlags(&slot.last, cudaEventDisableTiming); err != cudaSuccess) {
-      return err;
-    }
+  if (slot.event.last == nullptr) {
+    if (const cudaError_t err = CheckDevice(device); err != cudaSuccess) return err;
   }
-  if (const cudaError_t err = Grow(slot, &slot.workspace, &slot.workspace_bytes, workspace_bytes); err != cudaSuccess) {
-    return err;
-  }
-  const size_t had_counters = slot.counter_bytes;
-  if (const cudaError_t err = Grow(slot, &slot.counters, &slot.counter_bytes, counter_bytes); err != cudaSuccess) {
-    return err;
-  }
-  if (slot.counter_bytes != had_counters) {
-    // Fresh counters: zeroed on the launch's own stream, so before the kernel that reads them.
-    if (const cudaError_t err = cudaMemsetAsync(slot.counters, 0, slot.counter_bytes, stream); err != cudaSuccess) {
-      return err;
-    }
-  }
-  if (slot.recorded) {
-    const cudaError_t q = cudaEventQuery(slot.last);
-    if (q == cudaErrorNotReady) {
-      if (const cudaError_t err = cudaStreamWaitEvent(stream, slot.last, 0); err != cudaSuccess) return err;
-    } else if (q != cudaSuccess) {
-      return q;
-    }
-  }
+  if (const cudaError_t err = Provision(slot, workspace_bytes, counter_bytes, stream); err != cudaSuccess) return err;
+  if (const cudaError_t err = slot.event.WaitOn(stream); err != cudaSuccess) return err;
   workspace_ = slot.workspace;
   counters_ = slot.counters;
   return cudaSuccess;
@@ -136,8 +119,7 @@ cudaError_t SplitTailLease::Begin(int device, cudaStream_t stream, size_t worksp
 cudaError_t SplitTailLease::Finish(cudaStream_t stream) {
   if (slot_ == nullptr) return cudaSuccess;
   Slot& slot = *static_cast<Slot*>(slot_);
-  const cudaError_t err = cudaEventRecord(slot.last, stream);
-  slot.recorded = slot.recorded || err == cudaSuccess;
+  const cudaError_t err = slot.event.Record(stream);
   slot_ = nullptr;
   workspace_ = nullptr;
   counters_ = nullptr;

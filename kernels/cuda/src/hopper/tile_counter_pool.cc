@@ -5,6 +5,8 @@
 #include <memory>
 #include <mutex>
 
+#include "hopper/launch_slot.h"
+
 namespace attnd::kernels::hopper {
 namespace {
 
@@ -16,8 +18,7 @@ constexpr int kMaxDevices = 64;
 
 struct Slot {
   std::mutex mu;  // held from Begin to Finish: one launch at a time is being enqueued on a slot
-  cudaEvent_t last = nullptr;
-  bool recorded = false;
+  LaunchSlotEvent event;
   unsigned* counter = nullptr;
 };
 
@@ -53,11 +54,11 @@ cudaError_t GetPool(int device, Pool** out) {
       if (zero != nullptr) cudaStreamDestroy(zero);
       for (int i = 0; i < kSlots && err == cudaSuccess; ++i) {
         fresh->slots[i].counter = reinterpret_cast<unsigned*>(fresh->base + i * kSlotBytes);
-        err = cudaEventCreateWithFlags(&fresh->slots[i].last, cudaEventDisableTiming);
+        err = fresh->slots[i].event.Ensure();
       }
       if (err != cudaSuccess) {
         for (Slot& s : fresh->slots) {
-          if (s.last != nullptr) cudaEventDestroy(s.last);
+          if (s.event.last != nullptr) cudaEventDestroy(s.event.last);
         }
         cudaFree(fresh->base);
         return err;
@@ -83,14 +84,7 @@ cudaError_t TileCounterLease::Begin(int device, cudaStream_t stream) {
   Slot& slot = pool->slots[pool->next.fetch_add(1, std::memory_order_relaxed) % kSlots];
   slot.mu.lock();
   slot_ = &slot;
-  if (slot.recorded) {
-    const cudaError_t q = cudaEventQuery(slot.last);
-    if (q == cudaErrorNotReady) {
-      if (const cudaError_t err = cudaStreamWaitEvent(stream, slot.last, 0); err != cudaSuccess) return err;
-    } else if (q != cudaSuccess) {
-      return q;
-    }
-  }
+  if (const cudaError_t err = slot.event.WaitOn(stream); err != cudaSuccess) return err;
   counter_ = slot.counter;
   return cudaSuccess;
 }
@@ -98,8 +92,7 @@ cudaError_t TileCounterLease::Begin(int device, cudaStream_t stream) {
 cudaError_t TileCounterLease::Finish(cudaStream_t stream) {
   if (slot_ == nullptr) return cudaSuccess;
   Slot& slot = *static_cast<Slot*>(slot_);
-  const cudaError_t err = cudaEventRecord(slot.last, stream);
-  slot.recorded = slot.recorded || err == cudaSuccess;
+  const cudaError_t err = slot.event.Record(stream);
   slot_ = nullptr;
   counter_ = nullptr;
   slot.mu.unlock();
