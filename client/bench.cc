@@ -245,7 +245,9 @@ void Record(Run& run, const Oracle* oracle, int64_t verify_every, bool measured,
             absl::StatusOr<ForwardResult> r, int output = -1) ABSL_LOCKS_EXCLUDED(run.mu) {
   const absl::Time now = absl::Now();
   std::optional<VerifyReport> vr;
-  if (r.ok() && measured && verify_every > 0 && seq % verify_every == 0) vr = oracle->Check(r->o_bytes(), r->lse_bytes());
+  if (r.ok() && measured && verify_every > 0 && seq % verify_every == 0) {
+    vr = oracle->Check(r->o_bytes(), r->lse_bytes());
+  }
   absl::MutexLock lock(&run.mu);
   --run.in_flight;
   if (output >= 0) run.free_outputs.push_back(output);

@@ -341,7 +341,9 @@ class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer
     } else if (!have_header_) {
       out = absl::InternalError("ForwardStream: the server closed the stream without a header");
     } else {
-      if (outputs_) result_.outputs = ForwardOutputs{outputs_->o.first(dest_[0].filled), outputs_->lse.first(dest_[1].filled)};
+      if (outputs_) {
+        result_.outputs = ForwardOutputs{outputs_->o.first(dest_[0].filled), outputs_->lse.first(dest_[1].filled)};
+      }
       out = Completed(*sent_, std::move(result_), Transport::kStream, start_);
     }
     ForwardCallback done = std::move(done_);
@@ -672,7 +674,8 @@ void Client::StartUnary(std::shared_ptr<const Outgoing> sent, ForwardCallback do
         if (!read.ok()) return read;
         res.outputs = ForwardOutputs{outputs->o.first(o_n), outputs->lse.first(lse_n)};
       } else {
-        const grpc::Status parsed = grpc::SerializationTraits<v1::ForwardResponse>::Deserialize(&response_buf, &response);
+        const grpc::Status parsed =
+            grpc::SerializationTraits<v1::ForwardResponse>::Deserialize(&response_buf, &response);
         if (!parsed.ok()) return FromGrpcStatus(parsed);
         res.o = std::move(*response.mutable_o());
         res.lse = std::move(*response.mutable_lse());
