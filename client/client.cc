@@ -288,12 +288,9 @@ class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer
   // Takes ownership of itself: deleted in OnDone, or here when nothing could be started.
   void Start(grpc::GenericStub* stub, const Client& client, const CallOptions& call) {
     client.Prepare(&ctx_, call);
-    if (sent_->header.return_lse()) {
-      if (auto n = ExpectedLseBytes(sent_->header)) want_lse_ = *n;
-    }
-    if (!sent_->header.has_o_ref()) {
-      if (auto n = ExpectedOBytes(sent_->header)) want_o_ = *n;
-    }
+    const ReplyBytes want = ExpectedReplyBytes(sent_->header);
+    dest_[0].limit = want.o;
+    dest_[1].limit = want.lse;
     v1::ForwardStreamRequest header;
     *header.mutable_header() = sent_->header;
     bool own_buffer = false;
@@ -419,16 +416,14 @@ class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer
       if (have_header_) return absl::InternalError("ForwardStream: a second response header");
       have_header_ = true;
       FillResultHeader(*in_.mutable_header(), result_);
-      dest_[0].limit = want_o_;
-      dest_[1].limit = want_lse_;
       if (outputs_) {
         dest_[0].mem = outputs_->o.data();
         dest_[1].mem = outputs_->lse.data();
       } else {
         dest_[0].str = &result_.o;
         dest_[1].str = &result_.lse;
-        result_.o.reserve(want_o_);
-        result_.lse.reserve(want_lse_);
+        result_.o.reserve(dest_[0].limit);
+        result_.lse.reserve(dest_[1].limit);
       }
       return absl::OkStatus();
     }
@@ -471,11 +466,10 @@ class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer
   v1::ForwardStreamResponse in_;
   int tensor_ = 0;       // 0..2: Q, K, V being sent
   uint64_t offset_ = 0;  // bytes of that tensor sent
-  uint64_t want_o_ = 0, want_lse_ = 0;
   bool have_header_ = false;
   ForwardResult result_;
   const std::optional<ForwardOutputs> outputs_;
-  Dest dest_[2];  // O, LSE
+  Dest dest_[2];  // O, LSE; their limits are the sizes the request implies
   absl::Status protocol_error_;  // written only from OnReadDone, read in OnDone (which follows every reaction)
 };
 

@@ -141,6 +141,29 @@ void AppendVarint(uint64_t v, std::string* out) {
   out->push_back(static_cast<char>(v));
 }
 
+// One field whose tag has just been read, copied onto `kept` as it came (the tag, then the value), for protobuf
+// to parse. False for malformed bytes and for wire types proto3 does not have (groups, invalid ones).
+bool KeepField(SliceCursor& in, uint64_t tag, std::string* kept) {
+  AppendVarint(tag, kept);
+  uint64_t v = 0;
+  switch (tag & 7) {
+    case 0:
+      if (!in.ReadVarint(&v)) return false;
+      AppendVarint(v, kept);
+      return true;
+    case 1:
+      return in.Take(8, nullptr, kept);
+    case 5:
+      return in.Take(4, nullptr, kept);
+    case 2:
+      if (!in.ReadVarint(&v)) return false;
+      AppendVarint(v, kept);
+      return in.Take(v, nullptr, kept);
+    default:
+      return false;
+  }
+}
+
 }  // namespace
 
 bool ReadForwardRequest(const grpc::ByteBuffer& message, std::vector<grpc::Slice>* slices, v1::ForwardRequest* header,
@@ -160,53 +183,29 @@ bool ReadForwardRequest(const grpc::ByteBuffer& message, std::vector<grpc::Slice
     const int field = static_cast<int>(tag >> 3);
     const int tensor = field - v1::ForwardRequest::kQFieldNumber;
     const bool is_tensor = tensor >= 0 && tensor < 3 && (tag & 7) == 2;
-    if (is_tensor) {
-      if (seen[tensor]) return false;  // repeated: protobuf merges the parts
-      seen[tensor] = true;
+    if (!is_tensor) {
+      if (!KeepField(in, tag, &kept)) return false;
+      continue;
     }
-    AppendVarint(tag, &kept);
-    uint64_t v = 0;
-    switch (tag & 7) {
-      case 0:
-        if (!in.ReadVarint(&v)) return false;
-        AppendVarint(v, &kept);
-        break;
-      case 1:
-        if (!in.Take(8, nullptr, &kept)) return false;
-        break;
-      case 5:
-        if (!in.Take(4, nullptr, &kept)) return false;
-        break;
-      case 2: {
-        uint64_t len = 0;
-        if (!in.ReadVarint(&len)) return false;
-        if (!is_tensor || len == 0) {
-          AppendVarint(len, &kept);
-          if (!in.Take(len, nullptr, &kept)) return false;
-          break;
-        }
-        // TensorInput{data} alone: its own tag and length, then the bytes to the end of the field. Looked at
-        // through a copy of the cursor, so that anything else can be copied from the field's start.
-        SliceCursor look = in;
-        uint64_t inner_tag = 0, n = 0;
-        if (look.ReadVarint(&inner_tag) && inner_tag == data_tag && look.ReadVarint(&n) && n <= len &&
-            look.position() - in.position() + n == len) {
-          InlineBytes& t = tensors[tensor];
-          t.present = true;
-          t.size = n;
-          in = look;
-          if (!in.Take(n, &t.pieces, nullptr)) return false;
-          kept.resize(kept.size() - static_cast<size_t>(google::protobuf::io::CodedOutputStream::VarintSize64(tag)));
-          break;
-        }
-        // Anything else (a reference): protobuf parses it.
-        AppendVarint(len, &kept);
-        if (!in.Take(len, nullptr, &kept)) return false;
-        break;
-      }
-      default:  // groups (not in proto3) and invalid wire types
-        return false;
+    if (seen[tensor]) return false;  // repeated: protobuf merges the parts
+    seen[tensor] = true;
+    // TensorInput{data} alone: its own tag and length, then the bytes to the end of the field. Looked at
+    // through a copy of the cursor, so that anything else (empty, a reference) is copied from the field's start
+    // for protobuf to parse.
+    SliceCursor look = in;
+    uint64_t len = 0, inner_tag = 0, n = 0;
+    if (!look.ReadVarint(&len)) return false;
+    const uint64_t start = look.position();
+    if (len > 0 && look.ReadVarint(&inner_tag) && inner_tag == data_tag && look.ReadVarint(&n) && n <= len &&
+        look.position() - start + n == len) {
+      InlineBytes& t = tensors[tensor];
+      t.present = true;
+      t.size = n;
+      in = look;
+      if (!in.Take(n, &t.pieces, nullptr)) return false;
+      continue;
     }
+    if (!KeepField(in, tag, &kept)) return false;
   }
   header->Clear();
   return header->ParseFromString(kept);
@@ -248,29 +247,7 @@ absl::Status ReadForwardResponse(const grpc::ByteBuffer& message, v1::ForwardRes
       *sizes[which] = len;
       continue;
     }
-    AppendVarint(tag, &kept);
-    uint64_t v = 0;
-    bool ok = true;
-    switch (tag & 7) {
-      case 0:
-        ok = in.ReadVarint(&v);
-        AppendVarint(v, &kept);
-        break;
-      case 1:
-        ok = in.Take(8, nullptr, &kept);
-        break;
-      case 5:
-        ok = in.Take(4, nullptr, &kept);
-        break;
-      case 2:
-        ok = in.ReadVarint(&v);
-        AppendVarint(v, &kept);
-        ok = ok && in.Take(v, nullptr, &kept);
-        break;
-      default:  // groups (not in proto3) and invalid wire types
-        ok = false;
-    }
-    if (!ok) return unreadable;
+    if (!KeepField(in, tag, &kept)) return unreadable;
   }
   header->Clear();
   if (!header->ParseFromString(kept)) return unreadable;
