@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "attnd/half.h"
 #include "attnd/kernels/attention.h"
 #include "attnd/problem.h"
@@ -308,7 +309,16 @@ TEST_P(GpuAttentionTest, MatchesDoubleReference) {
     absl::StatusOr<CUtensorMap> qm = EncodeTensorMap(keys->q), km = EncodeTensorMap(keys->k),
                                 vm = EncodeTensorMap(keys->v);
     ASSERT_TRUE(qm.ok() && km.ok() && vm.ok()) << qm.status() << km.status() << vm.status();
-    plan = MakePlanFromMaps(*sel, t, *qm, *km, *vm);
+    if (keys->has_o) {  // a configuration that stores O through a tensor map
+      const absl::StatusOr<Plan> without = MakePlanFromMaps(*sel, t, *qm, *km, *vm);
+      EXPECT_EQ(without.status().code(), absl::StatusCode::kInvalidArgument) << without.status();
+      EXPECT_TRUE(absl::StartsWith(without.status().message(), "o: ")) << without.status();
+      absl::StatusOr<CUtensorMap> om = EncodeTensorMap(keys->o);
+      ASSERT_TRUE(om.ok()) << om.status();
+      plan = MakePlanFromMaps(*sel, t, *qm, *km, *vm, &*om);
+    } else {
+      plan = MakePlanFromMaps(*sel, t, *qm, *km, *vm);
+    }
   }
   ASSERT_TRUE(plan.ok()) << plan.status();
   if (!by_family) {

@@ -22,6 +22,7 @@ struct KernelEntry {
   bool sm120;
   LaunchFn launch[2];    // by DType: bf16, fp16
   PrepareFn prepare[2];  // raises the dynamic shared-memory limit; once per device
+  int o_box_rows = 0;    // > 0: O is stored through a tensor map (Plan::o_map) in boxes of this many rows
 };
 
 struct EntryList {

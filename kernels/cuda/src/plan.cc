@@ -324,12 +324,21 @@ absl::StatusOr<TensorMapKeys> MapKeys(const Selection& sel, const DeviceTensors&
   keys.q = KeyFor(t.q, sel.problem.dtype, sel.layout.q, s.q_len, s.q_heads, s.batch, s.head_dim, e.block_m);
   keys.k = KeyFor(t.k, sel.problem.dtype, sel.layout.k, s.kv_len, s.kv_heads, s.batch, s.head_dim, e.block_n);
   keys.v = KeyFor(t.v, sel.problem.dtype, sel.layout.v, s.kv_len, s.kv_heads, s.batch, s.head_dim, e.block_n);
+  if (e.o_box_rows > 0) {
+    if (absl::Status st = CheckPointer("o", t.o); !st.ok()) return st;
+    keys.has_o = true;
+    keys.o = KeyFor(t.o, sel.problem.dtype, sel.layout.o, s.q_len, s.q_heads, s.batch, s.head_dim, e.o_box_rows);
+  }
   return keys;
 }
 
 absl::StatusOr<Plan> MakePlanFromMaps(const Selection& sel, const DeviceTensors& t, const CUtensorMap& q_map,
-                                      const CUtensorMap& k_map, const CUtensorMap& v_map) {
+                                      const CUtensorMap& k_map, const CUtensorMap& v_map, const CUtensorMap* o_map) {
   if (absl::Status st = CheckPointer("o", t.o); !st.ok()) return st;
+  if (AllEntries()[sel.config].o_box_rows > 0 && o_map == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("o: ", AllEntries()[sel.config].name,
+                                                   " stores O through a tensor map; pass MapKeys().o encoded"));
+  }
   const Problem& p = sel.problem;
   const Shape& s = p.shape;
   if (p.want_lse && t.lse == nullptr) return absl::InvalidArgumentError("want_lse is set but the lse pointer is null");
@@ -342,6 +351,7 @@ absl::StatusOr<Plan> MakePlanFromMaps(const Selection& sel, const DeviceTensors&
   plan.q_map = q_map;
   plan.k_map = k_map;
   plan.v_map = v_map;
+  if (o_map != nullptr && e.o_box_rows > 0) plan.o_map = *o_map;
   LaunchParams& lp = plan.params;
   lp.o = t.o;
   lp.lse = p.want_lse ? t.lse : nullptr;
@@ -389,7 +399,12 @@ absl::StatusOr<Plan> MakePlan(const Problem& problem, const Layout& layout, cons
   if (!k.ok()) return absl::Status(k.status().code(), absl::StrCat("k: ", k.status().message()));
   absl::StatusOr<CUtensorMap> v = EncodeTensorMap(keys->v);
   if (!v.ok()) return absl::Status(v.status().code(), absl::StrCat("v: ", v.status().message()));
-  return MakePlanFromMaps(*sel, tensors, *q, *k, *v);
+  absl::StatusOr<CUtensorMap> o;
+  if (keys->has_o) {
+    o = EncodeTensorMap(keys->o);
+    if (!o.ok()) return absl::Status(o.status().code(), absl::StrCat("o: ", o.status().message()));
+  }
+  return MakePlanFromMaps(*sel, tensors, *q, *k, *v, keys->has_o ? &*o : nullptr);
 }
 
 absl::Status Launch(const Plan& plan, cudaStream_t stream) {

@@ -421,6 +421,9 @@ absl::Status CudaDevice::WarmShape(const Shape& s) {
       for (const kernels::TensorMapKey* k : {&keys->q, &keys->k, &keys->v}) {
         if (absl::StatusOr<CUtensorMap> m = maps_->Get(*k); !m.ok()) status = m.status();
       }
+      if (keys->has_o) {
+        if (absl::StatusOr<CUtensorMap> m = maps_->Get(keys->o); !m.ok()) status = m.status();
+      }
     }
   }
   for (auto& [d, h] : held) ReleaseBlocks(d, h);
@@ -682,18 +685,20 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
     keys = kernels::MapKeys(*sel, t);
     if (!keys.ok()) status = keys.status();
   }
-  absl::StatusOr<CUtensorMap> qm, km, vm;
+  absl::StatusOr<CUtensorMap> qm, km, vm, om;
   if (status.ok()) {
     qm = maps_->Get(keys->q);
     km = maps_->Get(keys->k);
     vm = maps_->Get(keys->v);
+    if (keys->has_o) om = maps_->Get(keys->o);  // configurations that store O through a tensor map
     for (const auto* m : {&qm, &km, &vm}) {
       if (status.ok() && !m->ok()) status = m->status();
     }
+    if (status.ok() && keys->has_o && !om.ok()) status = om.status();
   }
   absl::StatusOr<kernels::Plan> plan;
   if (status.ok()) {
-    plan = kernels::MakePlanFromMaps(*sel, t, *qm, *km, *vm);
+    plan = kernels::MakePlanFromMaps(*sel, t, *qm, *km, *vm, keys->has_o ? &*om : nullptr);
     if (!plan.ok()) status = plan.status();
   }
   if (!shared) {

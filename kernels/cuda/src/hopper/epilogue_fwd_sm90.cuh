@@ -10,7 +10,8 @@
 
 #include <cstdint>
 
-#include "../seed/mma_sm80.cuh"  // ElemTraits<Elem>::Pack
+#include "../seed/load_tma_sm90.cuh"  // Swizzle128
+#include "../seed/mma_sm80.cuh"       // ElemTraits<Elem>::Pack
 #include "attnd/kernels/attention.h"
 #include "softmax_sm90.cuh"
 
@@ -76,6 +77,69 @@ __device__ __forceinline__ void StoreOutputSm90(const LaunchParams& p, const flo
     const int64_t base = (static_cast<int64_t>(batch) * p.q_heads + head) * p.q_len;
     if (in0) p.lse[base + row0] = l0 > 0.f ? (sm.m[0] + log2f(l0)) * kLn2 : -CUDART_INF_F;
     if (in1) p.lse[base + row1] = l1 > 0.f ? (sm.m[1] + log2f(l1)) * kLn2 : -CUDART_INF_F;
+  }
+}
+
+// --- The shared-memory epilogue (TileShape::kSmemEpilogue) ----------------------------------------------------
+// The register epilogue above costs ~0.65 of a block step a tile at d128 (v12: quad shuffles, their selects,
+// eight 16-byte stores a thread, then the stores' drain charged to the next tile). Here each warpgroup writes its
+// normalised O with stmatrix, which takes the accumulator layout as it is, into the V stage its last P V has just
+// read, and one thread stores it with TMA; nobody waits for global memory.
+
+// stmatrix x4: four 8x8 b16 matrices from the mma accumulator layout (register k: matrix k, row lane / 4,
+// columns 2 (lane % 4), +1); lane l gives the shared-memory address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void StMatrixX4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+// TMA store of one box from shared memory, and the bulk-group bookkeeping of the issuing thread.
+__device__ __forceinline__ void TmaStore4d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+__device__ __forceinline__ void BulkCommit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// The bulk copies this thread issued have read their shared memory (it may be overwritten).
+__device__ __forceinline__ void BulkWaitRead() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// ... and have written global memory.
+__device__ __forceinline__ void BulkWaitAll() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// This thread's shared-memory writes are visible to the TMA unit (the async proxy).
+__device__ __forceinline__ void FenceProxyAsyncShared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Writes this warpgroup's 64 normalised rows of O into `o_smem` (its 64 x head_dim part of a V stage, as 64-row
+// boxes of 64 columns, 128-byte swizzled like every panel) and the LSE to global memory. The caller makes sure no
+// wgmma still reads that stage, and stores the boxes with TMA after every thread's writes are fenced.
+template <int kHeadDim, typename Elem, int kBlockN>
+__device__ __forceinline__ void WriteOutputSmemSm90(const LaunchParams& p, const float (&o)[kHeadDim / 2],
+                                                    const SoftmaxSm90<kBlockN>& sm, int row0, int head, int batch,
+                                                    uint32_t o_smem) {
+  constexpr int kBoxBytes = 64 * 128;
+  const int lane = threadIdx.x & 31;
+  const int t = lane & 3;
+  const float l0 = QuadSum(sm.l[0]);
+  const float l1 = QuadSum(sm.l[1]);
+  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
+  const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  // Lane l addresses row l % 8 (+8 for matrices 1 and 3) of the warp's 16 rows, 8-column group 2 j + l / 16.
+  const int row = ((threadIdx.x / 32) & 3) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 16; ++j) {
+    const int g = 2 * j + (lane >> 4);  // this lane's 8-column group
+    const uint32_t addr = o_smem + (g / 8) * kBoxBytes + seed::Swizzle128(row, g % 8);
+    const int i0 = 2 * j, i1 = 2 * j + 1;  // the two 8-column groups of this stmatrix
+    StMatrixX4(addr, seed::ElemTraits<Elem>::Pack(o[4 * i0] * inv0, o[4 * i0 + 1] * inv0),
+               seed::ElemTraits<Elem>::Pack(o[4 * i0 + 2] * inv1, o[4 * i0 + 3] * inv1),
+               seed::ElemTraits<Elem>::Pack(o[4 * i1] * inv0, o[4 * i1 + 1] * inv0),
+               seed::ElemTraits<Elem>::Pack(o[4 * i1 + 2] * inv1, o[4 * i1 + 3] * inv1));
+  }
+  if (p.lse != nullptr && t == 0) {
+    constexpr float kLn2 = 0.693147180559945309f;
+    const int64_t base = (static_cast<int64_t>(batch) * p.q_heads + head) * p.q_len;
+    const int row1 = row0 + 8;
+    if (row0 < p.q_len) p.lse[base + row0] = l0 > 0.f ? (sm.m[0] + log2f(l0)) * kLn2 : -CUDART_INF_F;
+    if (row1 < p.q_len) p.lse[base + row1] = l1 > 0.f ? (sm.m[1] + log2f(l1)) * kLn2 : -CUDART_INF_F;
   }
 }
 

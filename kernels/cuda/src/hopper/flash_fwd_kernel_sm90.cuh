@@ -142,15 +142,18 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
 // (call 5). The cross-tile variant peeks at its next tile before finishing one; it runs the static orders only.
 // kSplitTail: the static and paired orders with their last round split by key blocks (sp.tail_*; TailPartAt).
 // Instantiations of their own, so that the kernels without it are the code they were.
-template <typename Tile, typename Elem, int kOrder, bool kSplitTail = false>
-__global__ void __launch_bounds__(Tile::kThreads, 1)
-    HopperFwdKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
-                    const __grid_constant__ CUtensorMap v_map, const LaunchParams p, const SchedulerParams sp) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+// The kernel's body, shared by HopperFwdKernel and HopperFwdKernelO (the maps are the kernels' __grid_constant__
+// parameters; o_map is null except for Tile::kSmemEpilogue). p and sp by value: taken by reference, 8 of the 32
+// d128 kernels compiled differently (the split tails'), and inlined the copies cost nothing.
+template <typename Tile, typename Elem, int kOrder, bool kSplitTail>
+__device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CUtensorMap& k_map,
+                                              const CUtensorMap& v_map, const CUtensorMap* o_map, const LaunchParams p,
+                                              const SchedulerParams sp) {
   constexpr bool kPairedOrder = kOrder == kPaired;
   constexpr bool kDynamicOrder = kOrder == kDynamic;
   static_assert(!(kDynamicOrder && Tile::kCrossTile), "the cross-tile variant runs the static orders only");
   static_assert(!kSplitTail || (!kDynamicOrder && !Tile::kCrossTile), "the split tail follows a static order");
+  static_assert(!Tile::kSmemEpilogue || (!kSplitTail && !kDynamicOrder), "the shared-memory epilogue: static orders");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const SharedStorageSm90<Tile> smem(base);
@@ -162,6 +165,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     seed::PrefetchTensorMap(&q_map);
     seed::PrefetchTensorMap(&k_map);
     seed::PrefetchTensorMap(&v_map);
+    if constexpr (Tile::kSmemEpilogue) seed::PrefetchTensorMap(o_map);
 #pragma unroll
     for (int i = 0; i < Tile::kQBuffers; ++i) {
       seed::MbarInit(&smem.q_full[i], 1);
@@ -233,6 +237,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     } else {
       const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
       TileSlots slots;
+      // Shared-memory epilogue: the V stage holding this warpgroup's O until its TMA store has read it (-1: none).
+      int o_stage = -1;
       for (int round = 0;; ++round) {
         if constexpr (kSplitTail) {
           if (round >= sp.tail_round) break;
@@ -251,11 +257,44 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 #pragma unroll
           for (int i = 0; i < Tile::kHeadDim / 2; ++i) o[i] = 0.f;
           sm.Init();
+          if constexpr (Tile::kSmemEpilogue) {
+            StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
+          }
+        } else if constexpr (Tile::kSmemEpilogue) {
+          const bool o_leader = (threadIdx.x & 127) == 0;
+          consumer.Run(p, r, row0, o, sm, [&] {
+            if (o_stage >= 0 && o_leader) {
+              BulkWaitRead();
+              seed::MbarArriveCount(&smem.v_empty[o_stage], 4);  // for the warpgroup's four warps
+            }
+          });
+          // Both warpgroups read the whole V stage in their last P V: neither writes O there before both are done.
+          NamedBarrierSync<FwdNamedBarrier::kLastPVDone, 256>();
+          const uint32_t o_smem = seed::SmemAddr(smem.v) + consumer.prev_st * Tile::kKVTileBytes +
+                                  consumer.wg * (64 * Tile::kHeadDim * 2);
+          WriteOutputSmemSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch, o_smem);
+          FenceProxyAsyncShared();
+          OWrittenBarrier(consumer.wg);
+          if (o_leader) {
+#pragma unroll
+            for (int pn = 0; pn < Tile::kPanels; ++pn) {
+              TmaStore4d(o_map, o_smem + pn * 64 * 128, pn * 64, c.head, q0 + consumer.wg * 64, c.batch);
+            }
+            BulkCommit();
+          }
+          o_stage = consumer.prev_st;
         } else {
           consumer.Run(p, r, row0, o, sm);
         }
-        StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
+        // (One call site: written in both branches above, the epilogue's code was there twice.)
+        if constexpr (!Tile::kSmemEpilogue) {
+          StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
+        }
         ATTND_HOPPER_TRACE_AT(1 + consumer.wg, round, trace::kStored);
+      }
+      // The last TMA stores must have read their shared memory (and written O) before the block exits.
+      if constexpr (Tile::kSmemEpilogue) {
+        if ((threadIdx.x & 127) == 0 && o_stage >= 0) BulkWaitAll();
       }
       if constexpr (kSplitTail) {
         TailPart part;
@@ -286,6 +325,27 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       if (consumer.wg == 0) WaitTurn<Tile::kConsumerWarpgroups>(0);
     }
   }
+}
+
+template <typename Tile, typename Elem, int kOrder, bool kSplitTail = false>
+__global__ void __launch_bounds__(Tile::kThreads, 1)
+    HopperFwdKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                    const __grid_constant__ CUtensorMap v_map, const LaunchParams p, const SchedulerParams sp) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+  static_assert(!Tile::kSmemEpilogue, "Tile::kSmemEpilogue: HopperFwdKernelO, which takes the O map");
+  HopperFwdBody<Tile, Elem, kOrder, kSplitTail>(q_map, k_map, v_map, nullptr, p, sp);
+#endif
+}
+
+// The shared-memory epilogue's kernel: the same body, with a tensor map of O to store it through.
+template <typename Tile, typename Elem, int kOrder>
+__global__ void __launch_bounds__(Tile::kThreads, 1)
+    HopperFwdKernelO(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map,
+                     const LaunchParams p, const SchedulerParams sp) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+  static_assert(Tile::kSmemEpilogue, "HopperFwdKernelO is the shared-memory epilogue's kernel");
+  HopperFwdBody<Tile, Elem, kOrder, false>(q_map, k_map, v_map, &o_map, p, sp);
 #endif
 }
 

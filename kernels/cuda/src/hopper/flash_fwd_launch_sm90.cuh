@@ -210,16 +210,28 @@ cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
       return launched != cudaSuccess ? launched : finished;
     }
   }
-  if constexpr (MayPair(Tile::kHeadDim)) {
+  if constexpr (Tile::kSmemEpilogue) {
+    // O through its tensor map (plan.o_map: Entry's o_box_rows makes MapKeys ask for it).
     if (sp.pairs_per_head > 0) {
-      HopperFwdKernel<Tile, Elem, kPaired><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
-          plan.q_map, plan.k_map, plan.v_map, lp, sp);
-      return cudaGetLastError();
+      HopperFwdKernelO<Tile, Elem, kPaired><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+          plan.q_map, plan.k_map, plan.v_map, plan.o_map, lp, sp);
+    } else {
+      HopperFwdKernelO<Tile, Elem, kStatic><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+          plan.q_map, plan.k_map, plan.v_map, plan.o_map, lp, sp);
     }
+    return cudaGetLastError();
+  } else {
+    if constexpr (MayPair(Tile::kHeadDim)) {
+      if (sp.pairs_per_head > 0) {
+        HopperFwdKernel<Tile, Elem, kPaired><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+            plan.q_map, plan.k_map, plan.v_map, lp, sp);
+        return cudaGetLastError();
+      }
+    }
+    HopperFwdKernel<Tile, Elem, kStatic><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+        plan.q_map, plan.k_map, plan.v_map, lp, sp);
+    return cudaGetLastError();
   }
-  HopperFwdKernel<Tile, Elem, kStatic><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
-      plan.q_map, plan.k_map, plan.v_map, lp, sp);
-  return cudaGetLastError();
 }
 
 // Once per (configuration, element type, device): the shared-memory limit of every instantiation the launcher
@@ -230,33 +242,38 @@ cudaError_t PrepareFwd() {
   const auto raise = [smem](auto* kernel) {
     return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   };
-  if constexpr (!Tile::kCrossTile && MayRunDynamic(Tile::kHeadDim)) {
-    if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kDynamic>); err != cudaSuccess) return err;
-    int device = 0;
-    if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-    if (const cudaError_t err = EnsureTileCounterPool(device); err != cudaSuccess) return err;
-  }
-  if constexpr (MayPair(Tile::kHeadDim)) {
-    if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kPaired>); err != cudaSuccess) return err;
-  }
-  if constexpr (MaySplitTail<Tile, Elem>()) {
-    if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kPaired, true>); err != cudaSuccess) return err;
-    if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kStatic, true>); err != cudaSuccess) return err;
-    // The split tail's workspace for the largest launch this device runs (a block per SM; the paired order's
-    // last round at most 2 tiles a block), so that no launch allocates.
-    int device = 0, sms = 0;
-    if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-    if (const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess) {
-      return err;
+  if constexpr (Tile::kSmemEpilogue) {
+    if (const cudaError_t err = raise(HopperFwdKernelO<Tile, Elem, kPaired>); err != cudaSuccess) return err;
+    return raise(HopperFwdKernelO<Tile, Elem, kStatic>);
+  } else {
+    if constexpr (!Tile::kCrossTile && MayRunDynamic(Tile::kHeadDim)) {
+      if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kDynamic>); err != cudaSuccess) return err;
+      int device = 0;
+      if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+      if (const cudaError_t err = EnsureTileCounterPool(device); err != cudaSuccess) return err;
     }
-    constexpr int kWarps = 4 * Tile::kConsumerWarpgroups;
-    if (const cudaError_t err = ReserveSplitTailPool(device, TailWorkspaceBytes<Tile::kHeadDim, kWarps>(sms),
-                                                     TailCounterBytes<kWarps>(2 * sms));
-        err != cudaSuccess) {
-      return err;
+    if constexpr (MayPair(Tile::kHeadDim)) {
+      if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kPaired>); err != cudaSuccess) return err;
     }
+    if constexpr (MaySplitTail<Tile, Elem>()) {
+      if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kPaired, true>); err != cudaSuccess) return err;
+      if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kStatic, true>); err != cudaSuccess) return err;
+      // The split tail's workspace for the largest launch this device runs (a block per SM; the paired order's
+      // last round at most 2 tiles a block), so that no launch allocates.
+      int device = 0, sms = 0;
+      if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+      if (const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess) {
+        return err;
+      }
+      constexpr int kWarps = 4 * Tile::kConsumerWarpgroups;
+      if (const cudaError_t err = ReserveSplitTailPool(device, TailWorkspaceBytes<Tile::kHeadDim, kWarps>(sms),
+                                                       TailCounterBytes<kWarps>(2 * sms));
+          err != cudaSuccess) {
+        return err;
+      }
+    }
+    return raise(HopperFwdKernel<Tile, Elem, kStatic>);
   }
-  return raise(HopperFwdKernel<Tile, Elem, kStatic>);
 }
 
 template <typename Tile>
@@ -271,7 +288,8 @@ constexpr KernelEntry Entry(const char* name) {
                      Tile::kSmemBytes,
                      false,
                      {&LaunchFwd<Tile, __nv_bfloat16>, &LaunchFwd<Tile, __half>},
-                     {&PrepareFwd<Tile, __nv_bfloat16>, &PrepareFwd<Tile, __half>}};
+                     {&PrepareFwd<Tile, __nv_bfloat16>, &PrepareFwd<Tile, __half>},
+                     Tile::kSmemEpilogue ? 64 : 0};  // the epilogue's TMA boxes: one warpgroup's 64 rows
 }
 
 }  // namespace attnd::kernels::hopper

@@ -229,6 +229,10 @@ struct ProducerSm90 {
   }
 };
 
+struct NoOp {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // One tile as a consumer warpgroup sees it: its key blocks, its rows' last visible keys, its Q buffer.
 struct TileWork {
   KeyRange r;
@@ -408,7 +412,9 @@ struct ConsumerSm90 {
     }
   }
 
-  // One P V alone (its own turn), on V stage st once that stage's load of phase `phase` has landed.
+  // One P V alone (its own turn), on V stage st once that stage's load of phase `phase` has landed. kRelease false:
+  // the stage is kept (the shared-memory epilogue writes O into it and releases it later).
+  template <bool kRelease = true>
   __device__ __forceinline__ void PVAlone(float (&o)[kORegs], uint32_t (&pf)[kPSteps][4], int st, uint32_t phase) {
     MbarWait(&smem.v_full[st], phase);
     TurnBegin();
@@ -417,12 +423,13 @@ struct ConsumerSm90 {
     WgmmaWait<0>();
     FenceOperand(o);
     FenceOperand(pf);
-    Release(smem.v_empty, st);
+    if constexpr (kRelease) Release(smem.v_empty, st);
   }
 
-  // The tile's last P V, alone.
+  // The tile's last P V, alone; its V stage stays in prev_st.
+  template <bool kRelease = true>
   __device__ __forceinline__ void LastPV(float (&o)[kORegs], uint32_t (&pf)[kPSteps][4]) {
-    PVAlone(o, pf, prev_st, prev_phase);
+    PVAlone<kRelease>(o, pf, prev_st, prev_phase);
   }
 
   // Cross-tile step: S of the next tile's first block (Q in the other buffer) and this tile's last P V in
@@ -440,10 +447,11 @@ struct ConsumerSm90 {
 
 
   // Runs one tile's key blocks (kPart: those of [r.first, r.n_blocks)); on return o holds the unnormalised output
-  // and sm the row max / sums.
-  template <bool kPart = false>
+  // and sm the row max / sums. after_first runs once the first block's S has completed (the shared-memory
+  // epilogue hands the previous tile's V stage back there).
+  template <bool kPart = false, typename AfterFirst = NoOp>
   __device__ __forceinline__ void Run(const LaunchParams& p, const KeyRange& r, int row0, float (&o)[kORegs],
-                                      Softmax& sm) {
+                                      Softmax& sm, AfterFirst after_first = {}) {
     TileWork w = Work(p, r, row0);
 #pragma unroll
     for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
@@ -458,10 +466,11 @@ struct ConsumerSm90 {
 
     if constexpr (Tile::kIntraOverlap) {
       FirstBlock<kPart>(p, w, s, pf, sm);
+      after_first();
       ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kFirstDone);
       MiddleBlocks<kPart>(p, w, o, s, pf, sm);
       ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kMiddleDone);
-      LastPV(o, pf);
+      LastPV<!Tile::kSmemEpilogue>(o, pf);
       ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kLastPVDone);
     } else {
       const int first = kPart ? r.first : 0;

@@ -9,6 +9,9 @@ enum class FwdNamedBarrier : int {
   kWarpSchedulerWG1 = 1,  // consumer warpgroup 0 may issue its next GEMMs
   kWarpSchedulerWG2 = 2,  // consumer warpgroup 1 may issue its next GEMMs
   kWarpSchedulerWG3 = 3,  // consumer warpgroup 2 may issue its next GEMMs (3-warpgroup tiles)
+  kLastPVDone = 4,        // shared-memory epilogue: both consumer warpgroups' last P V of the tile has completed
+  kOWrittenWG1 = 5,       // shared-memory epilogue: warpgroup 0's O is in shared memory and fenced
+  kOWrittenWG2 = 6,       // the same for warpgroup 1
 };
 
 // Ids are immediates, so ptxas reserves only the barriers named here (a register id reserves all 16).
@@ -41,6 +44,15 @@ __device__ __forceinline__ void ArriveSchedulerBarrier(int wg) {
     NamedBarrierArrive<FwdNamedBarrier::kWarpSchedulerWG2, 256>();
   } else {
     NamedBarrierArrive<FwdNamedBarrier::kWarpSchedulerWG3, 256>();
+  }
+}
+
+// Shared-memory epilogue: warpgroup wg's 128 threads have written and fenced their part of O.
+__device__ __forceinline__ void OWrittenBarrier(int wg) {
+  if (wg == 0) {
+    NamedBarrierSync<FwdNamedBarrier::kOWrittenWG1, 128>();
+  } else {
+    NamedBarrierSync<FwdNamedBarrier::kOWrittenWG2, 128>();
   }
 }
 

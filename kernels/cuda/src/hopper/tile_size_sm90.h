@@ -12,7 +12,7 @@
 namespace attnd::kernels::hopper {
 
 template <int HeadDim, int BlockN, int Stages, bool PingPong = true, bool IntraOverlap = true,
-          int ConsumerWarpgroups = 2, int PolyExpEvery = 0, bool CrossTile = false>
+          int ConsumerWarpgroups = 2, int PolyExpEvery = 0, bool CrossTile = false, bool SmemEpilogue = false>
 struct TileShape {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = 64 * ConsumerWarpgroups;
@@ -32,6 +32,10 @@ struct TileShape {
   // resident by then, so Q is double-buffered. Pays where tiles are short (few key blocks per tile).
   static constexpr bool kCrossTile = CrossTile;
   static constexpr int kQBuffers = CrossTile ? 2 : 1;
+  // SmemEpilogue: O leaves through the V stage the tile's last P V has read (stmatrix, then a TMA store per
+  // warpgroup; epilogue_fwd_sm90.cuh) instead of registers-to-global stores. The stage goes back to the producer
+  // once the store has read it, which the storing thread checks at its next tile's first block.
+  static constexpr bool kSmemEpilogue = SmemEpilogue;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // setmaxnreg split of the 64K-register file (multiples of 8): producer + consumers <= 512 per thread slot.
   static constexpr int kProducerRegs = ConsumerWarpgroups == 2 ? 24 : 32;
@@ -57,6 +61,10 @@ struct TileShape {
   static_assert(ConsumerWarpgroups == 2 || ConsumerWarpgroups == 3, "2 or 3 consumer warpgroups (named barriers)");
   static_assert(PingPong || ConsumerWarpgroups == 2, "3 consumer warpgroups only make sense taking turns");
   static_assert(!CrossTile || IntraOverlap, "the cross-tile step is the overlapped step spanning two tiles");
+  static_assert(!SmemEpilogue || (IntraOverlap && !CrossTile && ConsumerWarpgroups == 2),
+                "the shared-memory epilogue follows the overlapped loop's last P V, two consumer warpgroups");
+  static_assert(!SmemEpilogue || BlockN * HeadDim * 2 >= 64 * ConsumerWarpgroups * HeadDim * 2,
+                "O (block_m x head_dim) must fit the V stage it is written to");
   static_assert(kBlockM <= 256, "one TMA box spans at most 256 rows");
   static_assert(BlockN % 16 == 0 && BlockN >= 64 && BlockN <= 256, "block_n: wgmma N of S and k16 steps of P V");
   static_assert((BlockN * 128) % 1024 == 0, "each K/V panel must keep the 1024-byte swizzle-atom alignment");
@@ -73,7 +81,7 @@ struct TileShape {
 };
 
 // The configurations that are compiled. Names: hopper_sm90_d<head_dim>_m<block_m>n<block_n>s<stages>[_variant]
-// (_x: cross-tile).
+// (_x: cross-tile; _os: O through shared memory and TMA).
 using HopperD64N128S4 = TileShape<64, 128, 4>;
 using HopperD64M192N128S4 = TileShape<64, 128, 4, true, true, 3>;
 using HopperD64N128S4X = TileShape<64, 128, 4, true, true, 2, 0, true>;
@@ -83,6 +91,7 @@ using HopperD64N128S4Poly = TileShape<64, 128, 4, true, true, 2, 4>;
 using HopperD128N128S2 = TileShape<128, 128, 2>;
 using HopperD128N128S2Plain = TileShape<128, 128, 2, false, false>;  // no ping-pong, no overlap: baseline
 using HopperD128N128S3 = TileShape<128, 128, 3>;
+using HopperD128N128S3Os = TileShape<128, 128, 3, true, true, 2, 0, false, true>;
 using HopperD128N128S2X = TileShape<128, 128, 2, true, true, 2, 0, true>;  // 2 Q buffers: s3 would not fit
 using HopperD128N160S2 = TileShape<128, 160, 2>;
 using HopperD128N176S2 = TileShape<128, 176, 2>;  // FA3's non-causal d128 shape; auto's from 16k keys

@@ -38,7 +38,8 @@ constexpr KernelEntry Entry(const char* name) {
                      Tile::kSmemBytes,
                      Tile::kSm120,
                      {&LaunchFwd<Tile, __nv_bfloat16>, &LaunchFwd<Tile, __half>},
-                     {&PrepareFwd<Tile, __nv_bfloat16>, &PrepareFwd<Tile, __half>}};
+                     {&PrepareFwd<Tile, __nv_bfloat16>, &PrepareFwd<Tile, __half>},
+                     0};  // O is written from registers: no O tensor map
 }
 
 }  // namespace attnd::kernels::seed

@@ -31,6 +31,11 @@ __device__ __forceinline__ void MbarArrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(bar)) : "memory");
 }
 
+// `count` arrivals at once (one thread arriving for several).
+__device__ __forceinline__ void MbarArriveCount(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)), "r"(count) : "memory");
+}
+
 __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
   const uint32_t addr = SmemAddr(bar);
   asm volatile(

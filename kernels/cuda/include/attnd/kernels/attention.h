@@ -103,6 +103,9 @@ struct Selection {
 
 struct TensorMapKeys {
   TensorMapKey q, k, v;
+  // Configurations that store O with TMA (their epilogue goes through shared memory) need a map of O as well.
+  bool has_o = false;
+  TensorMapKey o;
 };
 
 // The kernel's scalar arguments (shared with the device code, so plain data only).
@@ -126,15 +129,17 @@ struct Plan {
   DType dtype = DType::kBF16;
   unsigned grid[3] = {1, 1, 1};
   CUtensorMap q_map{}, k_map{}, v_map{};
+  CUtensorMap o_map{};  // only for configurations whose MapKeys have has_o
   LaunchParams params;
   const ConfigInfo& info() const { return Configs()[config]; }
 };
 
 absl::StatusOr<Selection> Select(const Problem& problem, const Layout& layout, const PlanOptions& options = {});
 absl::StatusOr<TensorMapKeys> MapKeys(const Selection& selection, const DeviceTensors& tensors);
+// o_map: MapKeys().o encoded; required when MapKeys().has_o (INVALID_ARGUMENT naming o without it), else ignored.
 absl::StatusOr<Plan> MakePlanFromMaps(const Selection& selection, const DeviceTensors& tensors,
                                       const CUtensorMap& q_map, const CUtensorMap& k_map,
-                                      const CUtensorMap& v_map);
+                                      const CUtensorMap& v_map, const CUtensorMap* o_map = nullptr);
 absl::StatusOr<Plan> MakePlan(const Problem& problem, const Layout& layout, const DeviceTensors& tensors,
                               const PlanOptions& options = {});
 
