@@ -286,7 +286,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
         } else {
           consumer.Run(p, r, row0, o, sm);
         }
-        // (One call site: written in both branches above, the epilogue's code was there twice.)
+        // One call site for the register epilogue: a call in each branch above put its code in the kernel twice.
         if constexpr (!Tile::kSmemEpilogue) {
           StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
         }
