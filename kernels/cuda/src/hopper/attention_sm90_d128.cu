@@ -11,6 +11,7 @@ EntryList Sm90D128Entries() {
       Entry<HopperD128N128S3Os>("hopper_sm90_d128_m128n128s3_os"),
       Entry<HopperD128N160S2>("hopper_sm90_d128_m128n160s2"),
       Entry<HopperD128N176S2>("hopper_sm90_d128_m128n176s2"),
+      Entry<HopperD128N176S2Os>("hopper_sm90_d128_m128n176s2_os"),
       Entry<HopperD128N128S2Plain>("hopper_sm90_d128_m128n128s2_plain"),
       Entry<HopperD128N128S2X>("hopper_sm90_d128_m128n128s2_x"),
   };

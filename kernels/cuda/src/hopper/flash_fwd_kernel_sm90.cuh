@@ -142,6 +142,17 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
 // (call 5). The cross-tile variant peeks at its next tile before finishing one; it runs the static orders only.
 // kSplitTail: the static and paired orders with their last round split by key blocks (sp.tail_*; TailPartAt).
 // Instantiations of their own, so that the kernels without it are the code they were.
+// Shared-memory epilogue: hands the V stage that held this warpgroup's O (o_stage; -1: none) back to the producer
+// once the TMA store has read it. The storing thread waits for that and arrives for the warpgroup's four warps.
+__device__ __forceinline__ void ReleaseOStage(int& o_stage, uint64_t* v_empty) {
+  if (o_stage < 0) return;
+  if ((threadIdx.x & 127) == 0) {
+    BulkWaitRead();
+    seed::MbarArriveCount(&v_empty[o_stage], 4);
+  }
+  o_stage = -1;
+}
+
 // The kernel's body, shared by HopperFwdKernel and HopperFwdKernelO (the maps are the kernels' __grid_constant__
 // parameters; o_map is null except for Tile::kSmemEpilogue). p and sp by value: taken by reference, 8 of the 32
 // d128 kernels compiled differently (the split tails'), and inlined the copies cost nothing.
@@ -153,7 +164,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
   constexpr bool kDynamicOrder = kOrder == kDynamic;
   static_assert(!(kDynamicOrder && Tile::kCrossTile), "the cross-tile variant runs the static orders only");
   static_assert(!kSplitTail || (!kDynamicOrder && !Tile::kCrossTile), "the split tail follows a static order");
-  static_assert(!Tile::kSmemEpilogue || (!kSplitTail && !kDynamicOrder), "the shared-memory epilogue: static orders");
+  static_assert(!Tile::kSmemEpilogue || !kDynamicOrder, "the shared-memory epilogue: static and paired orders");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const SharedStorageSm90<Tile> smem(base);
@@ -261,13 +272,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
             StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
           }
         } else if constexpr (Tile::kSmemEpilogue) {
-          const bool o_leader = (threadIdx.x & 127) == 0;
-          consumer.Run(p, r, row0, o, sm, [&] {
-            if (o_stage >= 0 && o_leader) {
-              BulkWaitRead();
-              seed::MbarArriveCount(&smem.v_empty[o_stage], 4);  // for the warpgroup's four warps
-            }
-          });
+          consumer.Run(p, r, row0, o, sm, [&] { ReleaseOStage(o_stage, smem.v_empty); });
           // Both warpgroups read the whole V stage in their last P V: neither writes O there before both are done.
           NamedBarrierSync<FwdNamedBarrier::kLastPVDone, 256>();
           const uint32_t o_smem = seed::SmemAddr(smem.v) + consumer.prev_st * Tile::kKVTileBytes +
@@ -275,7 +280,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
           WriteOutputSmemSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch, o_smem);
           FenceProxyAsyncShared();
           OWrittenBarrier(consumer.wg);
-          if (o_leader) {
+          if ((threadIdx.x & 127) == 0) {
 #pragma unroll
             for (int pn = 0; pn < Tile::kPanels; ++pn) {
               TmaStore4d(o_map, o_smem + pn * 64 * 128, pn * 64, c.head, q0 + consumer.wg * 64, c.batch);
@@ -292,10 +297,6 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
         }
         ATTND_HOPPER_TRACE_AT(1 + consumer.wg, round, trace::kStored);
       }
-      // The last TMA stores must have read their shared memory (and written O) before the block exits.
-      if constexpr (Tile::kSmemEpilogue) {
-        if ((threadIdx.x & 127) == 0 && o_stage >= 0) BulkWaitAll();
-      }
       if constexpr (kSplitTail) {
         TailPart part;
         for (int k = 0; k < kMaxTailPartsPerBlock && TailPartHere<Tile, kPairedOrder>(p, sp, k, &part); ++k) {
@@ -308,6 +309,10 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
 #pragma unroll
             for (int i = 0; i < Tile::kHeadDim / 2; ++i) o[i] = 0.f;
             sm.Init();
+          } else if constexpr (Tile::kSmemEpilogue) {
+            // The first part hands back the stage of the last whole tile's O; parts store from registers.
+            consumer.template Run<true>(p, PartRange<Tile>(p, q0, part), row0, o, sm,
+                                        [&] { ReleaseOStage(o_stage, smem.v_empty); });
           } else {
             consumer.template Run<true>(p, PartRange<Tile>(p, q0, part), row0, o, sm);
           }
@@ -319,6 +324,10 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
                 consumer.wg * 4 + warp);
           }
         }
+      }
+      // The last TMA stores must have read their shared memory (and written O) before the block exits.
+      if constexpr (Tile::kSmemEpilogue) {
+        if ((threadIdx.x & 127) == 0) BulkWaitAll();
       }
     }
     if constexpr (Tile::kPingPong) {
@@ -338,14 +347,14 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 }
 
 // The shared-memory epilogue's kernel: the same body, with a tensor map of O to store it through.
-template <typename Tile, typename Elem, int kOrder>
+template <typename Tile, typename Elem, int kOrder, bool kSplitTail = false>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     HopperFwdKernelO(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                      const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map,
                      const LaunchParams p, const SchedulerParams sp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
   static_assert(Tile::kSmemEpilogue, "HopperFwdKernelO is the shared-memory epilogue's kernel");
-  HopperFwdBody<Tile, Elem, kOrder, false>(q_map, k_map, v_map, &o_map, p, sp);
+  HopperFwdBody<Tile, Elem, kOrder, kSplitTail>(q_map, k_map, v_map, &o_map, p, sp);
 #endif
 }
 

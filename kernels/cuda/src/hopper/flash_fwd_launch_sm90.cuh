@@ -111,7 +111,7 @@ inline int SplitTailMode() {
 template <typename Tile, typename Elem>
 constexpr bool MaySplitTail() {
   return std::is_same_v<Tile, HopperD128N128S3> || std::is_same_v<Tile, HopperD128N176S2> ||
-         std::is_same_v<Tile, HopperD256N64S2>;
+         std::is_same_v<Tile, HopperD128N176S2Os> || std::is_same_v<Tile, HopperD256N64S2>;
 }
 
 // Whether `stream` is being captured into a CUDA graph: the dynamic schedule's slot events cannot be waited
@@ -198,7 +198,15 @@ cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
       sp.tail_tile = ts.tile;
       sp.split_ws = lease.workspace();
       sp.split_counters = lease.counters();
-      if (sp.pairs_per_head > 0) {
+      if constexpr (Tile::kSmemEpilogue) {
+        if (sp.pairs_per_head > 0) {
+          HopperFwdKernelO<Tile, Elem, kPaired, true><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+              plan.q_map, plan.k_map, plan.v_map, plan.o_map, lp, sp);
+        } else {
+          HopperFwdKernelO<Tile, Elem, kStatic, true><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+              plan.q_map, plan.k_map, plan.v_map, plan.o_map, lp, sp);
+        }
+      } else if (sp.pairs_per_head > 0) {
         HopperFwdKernel<Tile, Elem, kPaired, true><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
             plan.q_map, plan.k_map, plan.v_map, lp, sp);
       } else {
@@ -234,6 +242,19 @@ cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
   }
 }
 
+// The split tail's workspace for the largest launch this device runs (a block per SM; the paired order's last
+// round at most 2 tiles a block), so that no launch allocates.
+template <typename Tile>
+cudaError_t ReserveSplitTailPoolFor() {
+  int device = 0, sms = 0;
+  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  constexpr int kWarps = 4 * Tile::kConsumerWarpgroups;
+  return ReserveSplitTailPool(device, TailWorkspaceBytes<Tile::kHeadDim, kWarps>(sms),
+                              TailCounterBytes<kWarps>(2 * sms));
+}
+
 // Once per (configuration, element type, device): the shared-memory limit of every instantiation the launcher
 // may pick, and the device's tile-counter pool.
 template <typename Tile, typename Elem>
@@ -244,6 +265,11 @@ cudaError_t PrepareFwd() {
   };
   if constexpr (Tile::kSmemEpilogue) {
     if (const cudaError_t err = raise(HopperFwdKernelO<Tile, Elem, kPaired>); err != cudaSuccess) return err;
+    if constexpr (MaySplitTail<Tile, Elem>()) {
+      if (const cudaError_t err = raise(HopperFwdKernelO<Tile, Elem, kPaired, true>); err != cudaSuccess) return err;
+      if (const cudaError_t err = raise(HopperFwdKernelO<Tile, Elem, kStatic, true>); err != cudaSuccess) return err;
+      if (const cudaError_t err = ReserveSplitTailPoolFor<Tile>(); err != cudaSuccess) return err;
+    }
     return raise(HopperFwdKernelO<Tile, Elem, kStatic>);
   } else {
     if constexpr (!Tile::kCrossTile && MayRunDynamic(Tile::kHeadDim)) {
@@ -258,19 +284,7 @@ cudaError_t PrepareFwd() {
     if constexpr (MaySplitTail<Tile, Elem>()) {
       if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kPaired, true>); err != cudaSuccess) return err;
       if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kStatic, true>); err != cudaSuccess) return err;
-      // The split tail's workspace for the largest launch this device runs (a block per SM; the paired order's
-      // last round at most 2 tiles a block), so that no launch allocates.
-      int device = 0, sms = 0;
-      if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-      if (const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess) {
-        return err;
-      }
-      constexpr int kWarps = 4 * Tile::kConsumerWarpgroups;
-      if (const cudaError_t err = ReserveSplitTailPool(device, TailWorkspaceBytes<Tile::kHeadDim, kWarps>(sms),
-                                                       TailCounterBytes<kWarps>(2 * sms));
-          err != cudaSuccess) {
-        return err;
-      }
+      if (const cudaError_t err = ReserveSplitTailPoolFor<Tile>(); err != cudaSuccess) return err;
     }
     return raise(HopperFwdKernel<Tile, Elem, kStatic>);
   }

@@ -470,7 +470,7 @@ struct ConsumerSm90 {
       ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kFirstDone);
       MiddleBlocks<kPart>(p, w, o, s, pf, sm);
       ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kMiddleDone);
-      LastPV<!Tile::kSmemEpilogue>(o, pf);
+      LastPV<!(Tile::kSmemEpilogue && !kPart)>(o, pf);  // a split part's O leaves from registers
       ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kLastPVDone);
     } else {
       const int first = kPart ? r.first : 0;

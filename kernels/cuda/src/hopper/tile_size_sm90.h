@@ -95,6 +95,7 @@ using HopperD128N128S3Os = TileShape<128, 128, 3, true, true, 2, 0, false, true>
 using HopperD128N128S2X = TileShape<128, 128, 2, true, true, 2, 0, true>;  // 2 Q buffers: s3 would not fit
 using HopperD128N160S2 = TileShape<128, 160, 2>;
 using HopperD128N176S2 = TileShape<128, 176, 2>;  // FA3's non-causal d128 shape; auto's from 16k keys
+using HopperD128N176S2Os = TileShape<128, 176, 2, true, true, 2, 0, false, true>;
 using HopperD256N64S2 = TileShape<256, 64, 2>;
 using HopperD256N80S2 = TileShape<256, 80, 2>;
 // Not compiled: d256 cross-tile (two 64 KB Q buffers + two 64 KB K/V stages exceed 227 KB).
