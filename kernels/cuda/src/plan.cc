@@ -114,11 +114,13 @@ const char* DefaultHopperConfig(const Problem& p) {
                                                            : "hopper_sm90_d64_m192n128s4";
     // 128x176 (FA3's non-causal shape) from 16k keys on: +0.3 to +1.6% over s3 in three processes of session 7's
     // call 9 (non-causal 16k 648-649 vs 638-642), level at 8k, 1-8% behind below 8k (call 2).
-    // Below that, without a mask and from 4k keys, s3 with O through shared memory and TMA (v13): in five processes
-    // (session 11, calls 5 and 7) 4k +1.4% (GQA +2.0%) and 8k +1.2% over s3, ahead in 14 of 15; level at 2k (3 of 5)
-    // and level or behind at 1k and with a causal mask.
+    // v13: O through shared memory and TMA (`_os`) where it measured ahead. 128x176 at 16k, split tail included
+    // (three processes, session 11 call 9): causal +1.1%, causal GQA +0.8%, non-causal GQA +0.9%, ahead in 8 of 9;
+    // non-causal with 16 heads swung 12% with whichever kernel ran first, so it is not measured. s3 without a mask
+    // from 4k keys (five processes, calls 5 and 7): 4k +1.4% (GQA +2.0%), 8k +1.2%, ahead in 14 of 15; level at 2k
+    // (3 of 5), level or behind at 1k and with a causal mask.
     case 128:
-      if (p.shape.kv_len >= 16384) return "hopper_sm90_d128_m128n176s2";
+      if (p.shape.kv_len >= 16384) return "hopper_sm90_d128_m128n176s2_os";
       return p.mask == Mask::kNone && p.shape.kv_len >= 4096 ? "hopper_sm90_d128_m128n128s3_os"
                                                              : "hopper_sm90_d128_m128n128s3";
     case 256: return "hopper_sm90_d256_m128n64s2";
