@@ -135,13 +135,6 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
   }
 }
 
-// kOrder (tile_scheduler_sm90.cuh): each schedule is an instantiation of its own, so that the plain order's
-// kernel is the one it was before the others existed: with the static and paired orders in one kernel,
-// non-causal d128 ran 3-6% below the pre-pairing library in the same H200 call (session 5, call 4), though
-// the pairs' arithmetic only runs once per tile; split, the two were level within the run-to-run spread
-// (call 5). The cross-tile variant peeks at its next tile before finishing one; it runs the static orders only.
-// kSplitTail: the static and paired orders with their last round split by key blocks (sp.tail_*; TailPartAt).
-// Instantiations of their own, so that the kernels without it are the code they were.
 // Shared-memory epilogue: hands the V stage that held this warpgroup's O (o_stage; -1: none) back to the producer
 // once the TMA store has read it. The storing thread waits for that and arrives for the warpgroup's four warps.
 __device__ __forceinline__ void ReleaseOStage(int& o_stage, uint64_t* v_empty) {
@@ -153,6 +146,13 @@ __device__ __forceinline__ void ReleaseOStage(int& o_stage, uint64_t* v_empty) {
   o_stage = -1;
 }
 
+// kOrder (tile_scheduler_sm90.cuh): each schedule is an instantiation of its own, so that the plain order's
+// kernel is the one it was before the others existed: with the static and paired orders in one kernel,
+// non-causal d128 ran 3-6% below the pre-pairing library in the same H200 call (session 5, call 4), though
+// the pairs' arithmetic only runs once per tile; split, the two were level within the run-to-run spread
+// (call 5). The cross-tile variant peeks at its next tile before finishing one; it runs the static orders only.
+// kSplitTail: the static and paired orders with their last round split by key blocks (sp.tail_*; TailPartAt).
+// Instantiations of their own, so that the kernels without it are the code they were.
 // The kernel's body, shared by HopperFwdKernel and HopperFwdKernelO (the maps are the kernels' __grid_constant__
 // parameters; o_map is null except for Tile::kSmemEpilogue). p and sp by value: taken by reference, 8 of the 32
 // d128 kernels compiled differently (the split tails'), and inlined the copies cost nothing.
