@@ -156,27 +156,50 @@ inline LaunchSchedule ScheduleFor(const Plan& plan, int head_dim, bool may_run_d
   return ls;
 }
 
+// One launch of the instantiation for (kOrder, kSplitTail): with the shared-memory epilogue, the kernel that takes
+// the O map (plan.o_map: Entry's o_box_rows makes MapKeys ask for it).
+template <typename Tile, typename Elem, int kOrder, bool kSplitTail = false>
+cudaError_t LaunchKernel(const Plan& plan, int blocks, cudaStream_t stream, const SchedulerParams& sp) {
+  if constexpr (Tile::kSmemEpilogue) {
+    HopperFwdKernelO<Tile, Elem, kOrder, kSplitTail><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+        plan.q_map, plan.k_map, plan.v_map, plan.o_map, plan.params, sp);
+  } else {
+    HopperFwdKernel<Tile, Elem, kOrder, kSplitTail><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+        plan.q_map, plan.k_map, plan.v_map, plan.params, sp);
+  }
+  return cudaGetLastError();
+}
+
+// The same instantiation's dynamic shared-memory limit raised to the tile's.
+template <typename Tile, typename Elem, int kOrder, bool kSplitTail = false>
+cudaError_t RaiseSmemLimit() {
+  constexpr int kSmem = static_cast<int>(Tile::kSmemBytes);
+  if constexpr (Tile::kSmemEpilogue) {
+    return cudaFuncSetAttribute(HopperFwdKernelO<Tile, Elem, kOrder, kSplitTail>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  } else {
+    return cudaFuncSetAttribute(HopperFwdKernel<Tile, Elem, kOrder, kSplitTail>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  }
+}
+
 template <typename Tile, typename Elem>
 cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
   int sms = 0;
   const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, plan.device);
   if (err != cudaSuccess) return err;
-  const LaunchParams& lp = plan.params;
   constexpr bool kMayRunDynamic = !Tile::kCrossTile && MayRunDynamic(Tile::kHeadDim);
   // Capturing is asked last: only launches that would run the dynamic order pay for the call.
   LaunchSchedule ls = ScheduleFor(plan, Tile::kHeadDim, kMayRunDynamic, sms);
   if (ls.dynamic && Capturing(stream)) ls = ScheduleFor(plan, Tile::kHeadDim, false, sms);
   SchedulerParams& sp = ls.sp;
   const int blocks = ls.blocks;
-  const bool dynamic = ls.dynamic;
   if constexpr (kMayRunDynamic) {
-    if (dynamic) {
+    if (ls.dynamic) {
       TileCounterLease lease;
       if (const cudaError_t e = lease.Begin(plan.device, stream); e != cudaSuccess) return e;
       sp.counter = lease.counter();
-      HopperFwdKernel<Tile, Elem, kDynamic><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
-          plan.q_map, plan.k_map, plan.v_map, lp, sp);
-      const cudaError_t launched = cudaGetLastError();
+      const cudaError_t launched = LaunchKernel<Tile, Elem, kDynamic>(plan, blocks, stream, sp);
       const cudaError_t finished = lease.Finish(stream);
       return launched != cudaSuccess ? launched : finished;
     }
@@ -198,48 +221,17 @@ cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
       sp.tail_tile = ts.tile;
       sp.split_ws = lease.workspace();
       sp.split_counters = lease.counters();
-      if constexpr (Tile::kSmemEpilogue) {
-        if (sp.pairs_per_head > 0) {
-          HopperFwdKernelO<Tile, Elem, kPaired, true><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
-              plan.q_map, plan.k_map, plan.v_map, plan.o_map, lp, sp);
-        } else {
-          HopperFwdKernelO<Tile, Elem, kStatic, true><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
-              plan.q_map, plan.k_map, plan.v_map, plan.o_map, lp, sp);
-        }
-      } else if (sp.pairs_per_head > 0) {
-        HopperFwdKernel<Tile, Elem, kPaired, true><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
-            plan.q_map, plan.k_map, plan.v_map, lp, sp);
-      } else {
-        HopperFwdKernel<Tile, Elem, kStatic, true><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
-            plan.q_map, plan.k_map, plan.v_map, lp, sp);
-      }
-      const cudaError_t launched = cudaGetLastError();
+      const cudaError_t launched = sp.pairs_per_head > 0
+                                       ? LaunchKernel<Tile, Elem, kPaired, true>(plan, blocks, stream, sp)
+                                       : LaunchKernel<Tile, Elem, kStatic, true>(plan, blocks, stream, sp);
       const cudaError_t finished = lease.Finish(stream);
       return launched != cudaSuccess ? launched : finished;
     }
   }
-  if constexpr (Tile::kSmemEpilogue) {
-    // O through its tensor map (plan.o_map: Entry's o_box_rows makes MapKeys ask for it).
-    if (sp.pairs_per_head > 0) {
-      HopperFwdKernelO<Tile, Elem, kPaired><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
-          plan.q_map, plan.k_map, plan.v_map, plan.o_map, lp, sp);
-    } else {
-      HopperFwdKernelO<Tile, Elem, kStatic><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
-          plan.q_map, plan.k_map, plan.v_map, plan.o_map, lp, sp);
-    }
-    return cudaGetLastError();
-  } else {
-    if constexpr (MayPair(Tile::kHeadDim)) {
-      if (sp.pairs_per_head > 0) {
-        HopperFwdKernel<Tile, Elem, kPaired><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
-            plan.q_map, plan.k_map, plan.v_map, lp, sp);
-        return cudaGetLastError();
-      }
-    }
-    HopperFwdKernel<Tile, Elem, kStatic><<<blocks, Tile::kThreads, Tile::kSmemBytes, stream>>>(
-        plan.q_map, plan.k_map, plan.v_map, lp, sp);
-    return cudaGetLastError();
+  if constexpr (MayPair(Tile::kHeadDim)) {
+    if (sp.pairs_per_head > 0) return LaunchKernel<Tile, Elem, kPaired>(plan, blocks, stream, sp);
   }
+  return LaunchKernel<Tile, Elem, kStatic>(plan, blocks, stream, sp);
 }
 
 // The split tail's workspace for the largest launch this device runs (a block per SM; the paired order's last
@@ -259,35 +251,21 @@ cudaError_t ReserveSplitTailPoolFor() {
 // may pick, and the device's tile-counter pool.
 template <typename Tile, typename Elem>
 cudaError_t PrepareFwd() {
-  const int smem = static_cast<int>(Tile::kSmemBytes);
-  const auto raise = [smem](auto* kernel) {
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  };
-  if constexpr (Tile::kSmemEpilogue) {
-    if (const cudaError_t err = raise(HopperFwdKernelO<Tile, Elem, kPaired>); err != cudaSuccess) return err;
-    if constexpr (MaySplitTail<Tile, Elem>()) {
-      if (const cudaError_t err = raise(HopperFwdKernelO<Tile, Elem, kPaired, true>); err != cudaSuccess) return err;
-      if (const cudaError_t err = raise(HopperFwdKernelO<Tile, Elem, kStatic, true>); err != cudaSuccess) return err;
-      if (const cudaError_t err = ReserveSplitTailPoolFor<Tile>(); err != cudaSuccess) return err;
-    }
-    return raise(HopperFwdKernelO<Tile, Elem, kStatic>);
-  } else {
-    if constexpr (!Tile::kCrossTile && MayRunDynamic(Tile::kHeadDim)) {
-      if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kDynamic>); err != cudaSuccess) return err;
-      int device = 0;
-      if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-      if (const cudaError_t err = EnsureTileCounterPool(device); err != cudaSuccess) return err;
-    }
-    if constexpr (MayPair(Tile::kHeadDim)) {
-      if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kPaired>); err != cudaSuccess) return err;
-    }
-    if constexpr (MaySplitTail<Tile, Elem>()) {
-      if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kPaired, true>); err != cudaSuccess) return err;
-      if (const cudaError_t err = raise(HopperFwdKernel<Tile, Elem, kStatic, true>); err != cudaSuccess) return err;
-      if (const cudaError_t err = ReserveSplitTailPoolFor<Tile>(); err != cudaSuccess) return err;
-    }
-    return raise(HopperFwdKernel<Tile, Elem, kStatic>);
+  if constexpr (!Tile::kCrossTile && MayRunDynamic(Tile::kHeadDim)) {
+    if (const cudaError_t err = RaiseSmemLimit<Tile, Elem, kDynamic>(); err != cudaSuccess) return err;
+    int device = 0;
+    if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+    if (const cudaError_t err = EnsureTileCounterPool(device); err != cudaSuccess) return err;
   }
+  if constexpr (MayPair(Tile::kHeadDim)) {
+    if (const cudaError_t err = RaiseSmemLimit<Tile, Elem, kPaired>(); err != cudaSuccess) return err;
+  }
+  if constexpr (MaySplitTail<Tile, Elem>()) {
+    if (const cudaError_t err = RaiseSmemLimit<Tile, Elem, kPaired, true>(); err != cudaSuccess) return err;
+    if (const cudaError_t err = RaiseSmemLimit<Tile, Elem, kStatic, true>(); err != cudaSuccess) return err;
+    if (const cudaError_t err = ReserveSplitTailPoolFor<Tile>(); err != cudaSuccess) return err;
+  }
+  return RaiseSmemLimit<Tile, Elem, kStatic>();
 }
 
 template <typename Tile>
