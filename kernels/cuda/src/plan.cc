@@ -114,15 +114,15 @@ const char* DefaultHopperConfig(const Problem& p) {
                                                            : "hopper_sm90_d64_m192n128s4";
     // 128x176 (FA3's non-causal shape) from 16k keys on: +0.3 to +1.6% over s3 in three processes of session 7's
     // call 9 (non-causal 16k 648-649 vs 638-642), level at 8k, 1-8% behind below 8k (call 2).
-    // v13: O through shared memory and TMA (`_os`) where it measured ahead. 128x176 at 16k, split tail included
-    // (three processes, session 11 call 9): causal +1.1%, causal GQA +0.8%, non-causal GQA +0.9%, ahead in 8 of 9;
-    // non-causal with 16 heads swung 12% with whichever kernel ran first, so it is not measured. s3 without a mask
-    // from 4k keys (five processes, calls 5 and 7): 4k +1.4% (GQA +2.0%), 8k +1.2%, ahead in 14 of 15; level at 2k
-    // (3 of 5), level or behind at 1k and with a causal mask.
+    // v13: O through shared memory and TMA (`_os`). 128x176 at 16k, split tail included (three processes, session
+    // 11 call 9): causal +1.1%, causal GQA +0.8%, non-causal GQA +0.9%, ahead in 8 of 9; non-causal with 16 heads
+    // swung 12% with whichever kernel ran first, so it is not measured.
+    // v14: split O stages (`_osk`) below 16k keys, with a mask or without (four processes, session 12 call 1, over
+    // v13's s3 `_os`): causal 1k +4.7% (GQA +7.4%), 2k +1.8%, 4k +1.8 / +2.3%, 8k +0.8%; non-causal 1k +2.2% (GQA
+    // +1.3%), 2k +2.3%, 4k +0.4%, 8k -0.4%; over plain s3 (auto's causal choice before), medians from +0.6%
+    // (non-causal 4k) to +9.8% (causal GQA 1k).
     case 128:
-      if (p.shape.kv_len >= 16384) return "hopper_sm90_d128_m128n176s2_os";
-      return p.mask == Mask::kNone && p.shape.kv_len >= 4096 ? "hopper_sm90_d128_m128n128s3_os"
-                                                             : "hopper_sm90_d128_m128n128s3";
+      return p.shape.kv_len >= 16384 ? "hopper_sm90_d128_m128n176s2_os" : "hopper_sm90_d128_m128n128s3_osk";
     case 256: return "hopper_sm90_d256_m128n64s2";
   }
   return nullptr;

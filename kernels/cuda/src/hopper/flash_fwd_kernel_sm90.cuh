@@ -135,13 +135,14 @@ __device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>&
   }
 }
 
-// Shared-memory epilogue: hands the V stage that held this warpgroup's O (o_stage; -1: none) back to the producer
-// once the TMA store has read it. The storing thread waits for that and arrives for the warpgroup's four warps.
-__device__ __forceinline__ void ReleaseOStage(int& o_stage, uint64_t* v_empty) {
+// Shared-memory epilogue: hands the stage that held this warpgroup's O (o_stage; -1: none) back to the producer
+// once the TMA store has read it (`empty`: the V ring's barriers; with split O stages the K ring's, followed by the
+// V ring's, o_stage indexing both). The storing thread waits for that and arrives for the warpgroup's four warps.
+__device__ __forceinline__ void ReleaseOStage(int& o_stage, uint64_t* empty) {
   if (o_stage < 0) return;
   if ((threadIdx.x & 127) == 0) {
     BulkWaitRead();
-    seed::MbarArriveCount(&v_empty[o_stage], 4);
+    seed::MbarArriveCount(&empty[o_stage], 4);
   }
   o_stage = -1;
 }
@@ -248,8 +249,11 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
     } else {
       const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
       TileSlots slots;
-      // Shared-memory epilogue: the V stage holding this warpgroup's O until its TMA store has read it (-1: none).
+      // Shared-memory epilogue: the V stage holding this warpgroup's O until its TMA store has read it (-1: none);
+      // with split O stages, the index of its empty barrier after k_empty (warpgroup 0: a K stage, 1: a V stage),
+      // so that no pointer stays live beside it (128x176 spilled with one).
       int o_stage = -1;
+      uint64_t* const o_empty = Tile::kOSplitStages ? smem.k_empty : smem.v_empty;
       for (int round = 0;; ++round) {
         if constexpr (kSplitTail) {
           if (round >= sp.tail_round) break;
@@ -272,11 +276,24 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
             StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
           }
         } else if constexpr (Tile::kSmemEpilogue) {
-          consumer.Run(p, r, row0, o, sm, [&] { ReleaseOStage(o_stage, smem.v_empty); });
-          // Both warpgroups read the whole V stage in their last P V: neither writes O there before both are done.
-          NamedBarrierSync<FwdNamedBarrier::kLastPVDone, 256>();
-          const uint32_t o_smem = seed::SmemAddr(smem.v) + consumer.prev_st * Tile::kKVTileBytes +
-                                  consumer.wg * (64 * Tile::kHeadDim * 2);
+          consumer.Run(p, r, row0, o, sm, [&] { ReleaseOStage(o_stage, o_empty); });
+          uint32_t o_smem;
+          if constexpr (Tile::kOSplitStages) {
+            // Warpgroup 0 into the last block's K stage once warpgroup 1's last S has read it; warpgroup 1 into the
+            // V stage once warpgroup 0's last P V has (Run signals both).
+            if (consumer.wg == 0) {
+              NamedBarrierSync<FwdNamedBarrier::kLastQKDone, 256>();
+              o_smem = seed::SmemAddr(smem.k) + consumer.prev_st * Tile::kKVTileBytes;
+            } else {
+              NamedBarrierSync<FwdNamedBarrier::kLastPVDone, 256>();
+              o_smem = seed::SmemAddr(smem.v) + consumer.prev_st * Tile::kKVTileBytes;
+            }
+          } else {
+            // Both warpgroups read the whole V stage in their last P V: neither writes O there before both are done.
+            NamedBarrierSync<FwdNamedBarrier::kLastPVDone, 256>();
+            o_smem = seed::SmemAddr(smem.v) + consumer.prev_st * Tile::kKVTileBytes +
+                     consumer.wg * (64 * Tile::kHeadDim * 2);
+          }
           WriteOutputSmemSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch, o_smem);
           FenceProxyAsyncShared();
           OWrittenBarrier(consumer.wg);
@@ -287,7 +304,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
             }
             BulkCommit();
           }
-          o_stage = consumer.prev_st;
+          o_stage = Tile::kOSplitStages && consumer.wg == 1 ? Tile::kStages + consumer.prev_st : consumer.prev_st;
         } else {
           consumer.Run(p, r, row0, o, sm);
         }
@@ -312,7 +329,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
           } else if constexpr (Tile::kSmemEpilogue) {
             // The first part hands back the stage of the last whole tile's O; parts store from registers.
             consumer.template Run<true>(p, PartRange<Tile>(p, q0, part), row0, o, sm,
-                                        [&] { ReleaseOStage(o_stage, smem.v_empty); });
+                                        [&] { ReleaseOStage(o_stage, o_empty); });
           } else {
             consumer.template Run<true>(p, PartRange<Tile>(p, q0, part), row0, o, sm);
           }

@@ -90,7 +90,7 @@ struct SharedStorageSm90 {
     k_full = bars + 2 * Tile::kQBuffers;
     v_full = k_full + Tile::kStages;
     k_empty = v_full + Tile::kStages;
-    v_empty = k_empty + Tile::kStages;
+    v_empty = k_empty + Tile::kStages;  // right after k_empty: split O stages index both as one array
   }
 };
 
@@ -338,15 +338,36 @@ struct ConsumerSm90 {
     return sm.template Step<false, Tile::kPolyExpEvery>(s, p.scale_log2, block * BN, w.limit0, w.limit1, f);
   }
 
-  // S alone (its own turn), on K stage st once that stage's load of phase `phase` has landed.
-  __device__ __forceinline__ void SAlone(float (&s)[kSRegs], int st, uint32_t phase, int q_slot) {
+  // After S of a block has completed: its K stage goes back to the producer. kHoldLast (split O stages, whole
+  // tiles): the tile's last block's stage is warpgroup 0's O region, so warpgroup 0 keeps it and warpgroup 1,
+  // having released it, tells warpgroup 0 it is done reading it.
+  template <bool kHoldLast>
+  __device__ __forceinline__ void ReleaseK(int st, bool last) const {
+    if constexpr (kHoldLast) {
+      // A predicated arrive rather than a branch around it: with the branch, 128x176's consumers spilled.
+      __syncwarp();
+      const uint32_t arrive = (threadIdx.x & 31) == 0 && !(last && wg == 0);
+      asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}"
+                   ::"r"(SmemAddr(&smem.k_empty[st])), "r"(arrive) : "memory");
+      if (last && wg == 1) NamedBarrierArrive<FwdNamedBarrier::kLastQKDone, 256>();
+    } else {
+      Release(smem.k_empty, st);
+    }
+  }
+
+  // S alone (its own turn), on K stage st once that stage's load of phase `phase` has landed. after_issue runs
+  // while the GEMM does.
+  template <bool kHoldLast = false, typename AfterIssue = NoOp>
+  __device__ __forceinline__ void SAlone(float (&s)[kSRegs], int st, uint32_t phase, int q_slot, bool last = false,
+                                         AfterIssue after_issue = {}) {
     MbarWait(&smem.k_full[st], phase);
     TurnBegin();
     IssueQK(s, st, q_slot);
     TurnEnd();
+    after_issue();
     WgmmaWait<0>();
     FenceOperand(s);
-    Release(smem.k_empty, st);
+    ReleaseK<kHoldLast>(st, last);
   }
 
   // Overlapped variant, in three parts a tile's blocks run through (the cross-tile kernel loop fuses the
@@ -354,13 +375,14 @@ struct ConsumerSm90 {
   // First: the tile's first block (the last in key order), S alone; O is still zero, so no rescale.
   // kPart: the blocks [w.r.first, w.r.n_blocks) of a split tile; without, all of them (the same code as before
   // parts existed: reading `first` there changed every kernel's code).
-  template <bool kPart = false>
+  template <bool kPart = false, typename AfterIssue = NoOp>
   __device__ __forceinline__ void FirstBlock(const LaunchParams& p, const TileWork& w, float (&s)[kSRegs],
-                                             uint32_t (&pf)[kPSteps][4], Softmax& sm) {
+                                             uint32_t (&pf)[kPSteps][4], Softmax& sm, AfterIssue after_issue = {}) {
     float f[2];
     const int st = load % S;
-    SAlone(s, st, (load / S) & 1, w.q_slot);
-    if (w.r.n_blocks - 1 == (kPart ? w.r.first : 0)) ReleaseQ(w.q_slot);
+    const bool last = w.r.n_blocks - 1 == (kPart ? w.r.first : 0);
+    SAlone<Tile::kOSplitStages && !kPart>(s, st, (load / S) & 1, w.q_slot, last, after_issue);
+    if (last) ReleaseQ(w.q_slot);
     SoftmaxStep(sm, s, p, w.r.n_blocks - 1, w, f);
     ConvertP(s, pf);
     prev_st = st;
@@ -370,8 +392,10 @@ struct ConsumerSm90 {
 
   // The overlapped step, first half: S of the block in K stage `st` (Q buffer q_slot) and P V of the
   // previous block in one turn. Returns once S has completed; the P V may still run.
+  template <bool kHoldLast = false>
   __device__ __forceinline__ void IssueSWithPrevPV(float (&s)[kSRegs], float (&o)[kORegs],
-                                                   const uint32_t (&pf)[kPSteps][4], int st, int q_slot) {
+                                                   const uint32_t (&pf)[kPSteps][4], int st, int q_slot,
+                                                   bool last = false) {
     MbarWait(&smem.k_full[st], (load / S) & 1);
     TurnBegin();
     IssueQK(s, st, q_slot);
@@ -380,7 +404,7 @@ struct ConsumerSm90 {
     TurnEnd();
     WgmmaWait<1>();  // groups complete in order: S is done, the P V may still run
     FenceOperand(s);
-    Release(smem.k_empty, st);
+    ReleaseK<kHoldLast>(st, last);
   }
 
   // Second half, after the softmax: the previous block's P V has completed and its V stage is free; the
@@ -403,7 +427,7 @@ struct ConsumerSm90 {
     const int first = kPart ? w.r.first : 0;
     for (int b = w.r.n_blocks - 2; b >= first; --b) {
       const int st = load % S;
-      IssueSWithPrevPV(s, o, pf, st, w.q_slot);
+      IssueSWithPrevPV<Tile::kOSplitStages && !kPart>(s, o, pf, st, w.q_slot, b == first);
       if (b == first) ReleaseQ(w.q_slot);
       const bool rescale = SoftmaxStep(sm, s, p, b, w, f);
       FinishPrevPV(o, pf, st);
@@ -448,7 +472,9 @@ struct ConsumerSm90 {
 
   // Runs one tile's key blocks (kPart: those of [r.first, r.n_blocks)); on return o holds the unnormalised output
   // and sm the row max / sums. after_first runs once the first block's S has completed (the shared-memory
-  // epilogue hands the previous tile's V stage back there).
+  // epilogue hands the previous tile's V stage back there); with split O stages, once it has been issued.
+  // Split O stages, whole tiles: warpgroup 0 gives its last V stage back and signals warpgroup 1; warpgroup 1
+  // keeps it for its O.
   template <bool kPart = false, typename AfterFirst = NoOp>
   __device__ __forceinline__ void Run(const LaunchParams& p, const KeyRange& r, int row0, float (&o)[kORegs],
                                       Softmax& sm, AfterFirst after_first = {}) {
@@ -465,12 +491,24 @@ struct ConsumerSm90 {
     float f[2];
 
     if constexpr (Tile::kIntraOverlap) {
-      FirstBlock<kPart>(p, w, s, pf, sm);
-      after_first();
+      if constexpr (Tile::kOSplitStages) {
+        FirstBlock<kPart>(p, w, s, pf, sm, after_first);
+      } else {
+        FirstBlock<kPart>(p, w, s, pf, sm);
+        after_first();
+      }
       ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kFirstDone);
       MiddleBlocks<kPart>(p, w, o, s, pf, sm);
       ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kMiddleDone);
-      LastPV<!(Tile::kSmemEpilogue && !kPart)>(o, pf);  // a split part's O leaves from registers
+      if constexpr (Tile::kOSplitStages && !kPart) {
+        LastPV<false>(o, pf);
+        if (wg == 0) {
+          Release(smem.v_empty, prev_st);
+          NamedBarrierArrive<FwdNamedBarrier::kLastPVDone, 256>();
+        }
+      } else {
+        LastPV<!(Tile::kSmemEpilogue && !kPart)>(o, pf);  // a split part's O leaves from registers
+      }
       ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kLastPVDone);
     } else {
       const int first = kPart ? r.first : 0;

@@ -10,8 +10,10 @@ enum class FwdNamedBarrier : int {
   kWarpSchedulerWG2 = 2,  // consumer warpgroup 1 may issue its next GEMMs
   kWarpSchedulerWG3 = 3,  // consumer warpgroup 2 may issue its next GEMMs (3-warpgroup tiles)
   kLastPVDone = 4,        // shared-memory epilogue: both consumer warpgroups' last P V of the tile has completed
+                          // (split O stages: warpgroup 0's, which warpgroup 1 waits for)
   kOWrittenWG1 = 5,       // shared-memory epilogue: warpgroup 0's O is in shared memory and fenced
   kOWrittenWG2 = 6,       // the same for warpgroup 1
+  kLastQKDone = 7,        // split O stages: warpgroup 1's last Q K^T of the tile has completed (warpgroup 0 waits)
 };
 
 // Ids are immediates, so ptxas reserves only the barriers named here (a register id reserves all 16).

@@ -12,7 +12,7 @@
 namespace attnd::kernels::hopper {
 
 template <int HeadDim, int BlockN, int Stages, bool PingPong = true, bool IntraOverlap = true,
-          int ConsumerWarpgroups = 2, int PolyExpEvery = 0, bool CrossTile = false, bool SmemEpilogue = false>
+          int ConsumerWarpgroups = 2, int PolyExpEvery = 0, bool CrossTile = false, int SmemEpilogue = 0>
 struct TileShape {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = 64 * ConsumerWarpgroups;
@@ -35,7 +35,14 @@ struct TileShape {
   // SmemEpilogue: O leaves through the V stage the tile's last P V has read (stmatrix, then a TMA store per
   // warpgroup; epilogue_fwd_sm90.cuh) instead of registers-to-global stores. The stage goes back to the producer
   // once the store has read it, which the storing thread checks at its next tile's first block.
-  static constexpr bool kSmemEpilogue = SmemEpilogue;
+  static constexpr bool kSmemEpilogue = SmemEpilogue != 0;
+  // SmemEpilogue 2 (kOSplitStages): warpgroup 0 writes its O into the K stage of the tile's last block and
+  // warpgroup 1 into that block's V stage. Warpgroup 0's last P V ends half a turn before warpgroup 1's; with one
+  // V stage for both, warpgroup 0 waited for the other's last P V before writing, and its epilogue (which the next
+  // tile's first S then waits for) ran with the tensor cores idle. The K stage is free once warpgroup 1's last
+  // S has completed, and that S was issued before warpgroup 0's last P V. Both stages go back to the producer
+  // once their store has read them, right after the next tile's first S is issued.
+  static constexpr bool kOSplitStages = SmemEpilogue == 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // setmaxnreg split of the 64K-register file (multiples of 8): producer + consumers <= 512 per thread slot.
   static constexpr int kProducerRegs = ConsumerWarpgroups == 2 ? 24 : 32;
@@ -63,6 +70,7 @@ struct TileShape {
   static_assert(!CrossTile || IntraOverlap, "the cross-tile step is the overlapped step spanning two tiles");
   static_assert(!SmemEpilogue || (IntraOverlap && !CrossTile && ConsumerWarpgroups == 2),
                 "the shared-memory epilogue follows the overlapped loop's last P V, two consumer warpgroups");
+  static_assert(SmemEpilogue >= 0 && SmemEpilogue <= 2, "SmemEpilogue: 0 none, 1 the V stage, 2 split K / V");
   static_assert(!SmemEpilogue || BlockN * HeadDim * 2 >= 64 * ConsumerWarpgroups * HeadDim * 2,
                 "O (block_m x head_dim) must fit the V stage it is written to");
   static_assert(kBlockM <= 256, "one TMA box spans at most 256 rows");
@@ -81,7 +89,8 @@ struct TileShape {
 };
 
 // The configurations that are compiled. Names: hopper_sm90_d<head_dim>_m<block_m>n<block_n>s<stages>[_variant]
-// (_x: cross-tile; _os: O through shared memory and TMA).
+// (_x: cross-tile; _os: O through shared memory and TMA, in the last V stage; _osk: the same with split O stages,
+// warpgroup 0's O in the last K stage).
 using HopperD64N128S4 = TileShape<64, 128, 4>;
 using HopperD64M192N128S4 = TileShape<64, 128, 4, true, true, 3>;
 using HopperD64N128S4X = TileShape<64, 128, 4, true, true, 2, 0, true>;
@@ -91,11 +100,14 @@ using HopperD64N128S4Poly = TileShape<64, 128, 4, true, true, 2, 4>;
 using HopperD128N128S2 = TileShape<128, 128, 2>;
 using HopperD128N128S2Plain = TileShape<128, 128, 2, false, false>;  // no ping-pong, no overlap: baseline
 using HopperD128N128S3 = TileShape<128, 128, 3>;
-using HopperD128N128S3Os = TileShape<128, 128, 3, true, true, 2, 0, false, true>;
 using HopperD128N128S2X = TileShape<128, 128, 2, true, true, 2, 0, true>;  // 2 Q buffers: s3 would not fit
 using HopperD128N160S2 = TileShape<128, 160, 2>;
 using HopperD128N176S2 = TileShape<128, 176, 2>;  // FA3's non-causal d128 shape; auto's from 16k keys
-using HopperD128N176S2Os = TileShape<128, 176, 2, true, true, 2, 0, false, true>;
+using HopperD128N128S3Osk = TileShape<128, 128, 3, true, true, 2, 0, false, 2>;  // auto's below 16k keys
+// 128x176 keeps one V stage for both warpgroups' O: with two stages, split O stages hold back the next tile's second
+// K block, which its first step needs (non-causal 16k 1.4-3.5% behind, causal level; session 12, call 1). s3's
+// _os (both warpgroups' O in the V stage) was behind _osk on every row below 16k keys; it is no longer compiled.
+using HopperD128N176S2Os = TileShape<128, 176, 2, true, true, 2, 0, false, 1>;
 using HopperD256N64S2 = TileShape<256, 64, 2>;
 using HopperD256N80S2 = TileShape<256, 80, 2>;
 // Not compiled: d256 cross-tile (two 64 KB Q buffers + two 64 KB K/V stages exceed 227 KB).
