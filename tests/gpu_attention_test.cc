@@ -309,6 +309,7 @@ TEST_P(GpuAttentionTest, MatchesDoubleReference) {
     absl::StatusOr<CUtensorMap> qm = EncodeTensorMap(keys->q), km = EncodeTensorMap(keys->k),
                                 vm = EncodeTensorMap(keys->v);
     ASSERT_TRUE(qm.ok() && km.ok() && vm.ok()) << qm.status() << km.status() << vm.status();
+    EXPECT_EQ(sel->info().stores_o_with_tma, keys->has_o);  // what ConfigInfo tells a server to expect
     if (keys->has_o) {  // a configuration that stores O through a tensor map
       const absl::StatusOr<Plan> without = MakePlanFromMaps(*sel, t, *qm, *km, *vm);
       EXPECT_EQ(without.status().code(), absl::StatusCode::kInvalidArgument) << without.status();

@@ -29,7 +29,7 @@ const std::vector<ConfigInfo>& Configs() {
     std::vector<ConfigInfo> out;
     for (const KernelEntry& e : AllEntries()) {
       out.push_back(ConfigInfo{e.name, e.family, e.head_dim, e.block_m, e.block_n, e.stages, e.threads,
-                               e.smem_bytes, e.sm120});
+                               e.smem_bytes, e.sm120, e.o_box_rows > 0});
     }
     return out;
   }();

@@ -3,7 +3,8 @@
 // Two steps, so a server can keep encoded tensor maps in a cache and launch with nothing but the launch on
 // the hot path:
 //   1. Select()          validates the problem and layout and picks a configuration (no device pointers);
-//      MapKeys()         names the three TMA tensor maps the configuration needs for given pointers;
+//      MapKeys()         names the TMA tensor maps the configuration needs for given pointers (Q, K, V, and O
+//                        for configurations that store it with TMA);
 //      EncodeTensorMap() encodes one map (the expensive driver call; cache it keyed on TensorMapKey);
 //      MakePlanFromMaps() assembles a Plan from already-encoded maps.
 //      MakePlan()        does all of the above in one call.
@@ -43,6 +44,7 @@ struct ConfigInfo {
   int threads = 0;         // threads per block
   size_t smem_bytes = 0;   // dynamic shared memory per block
   bool sm120 = false;      // fits sm_120's 99 KB and is compiled for sm_120a as well as sm_90a
+  bool stores_o_with_tma = false;  // its epilogue stores O through a fourth tensor map (MapKeys().has_o)
 };
 
 // Every configuration compiled into this library, whatever the device.
