@@ -48,25 +48,39 @@ struct Case {
 
 using Launcher = void (*)(const attnd::kernels::Plan&, int blocks, const hk::SchedulerParams&);
 
-template <typename Tile>
-void LaunchProbed(const attnd::kernels::Plan& plan, int blocks, const hk::SchedulerParams& sp) {
-  // The instantiation the library's launcher picks for this schedule (a counter: the dynamic one).
-  auto* k = hk::HopperFwdKernel<Tile, __nv_bfloat16, hk::kStatic>;
-  if constexpr (hk::MayPair(Tile::kHeadDim)) {
-    if (sp.pairs_per_head > 0) k = hk::HopperFwdKernel<Tile, __nv_bfloat16, hk::kPaired>;
+// One launch of the instantiation the library's launcher picks for this schedule (a counter: the dynamic one); with
+// O through shared memory, the kernel that takes the O map.
+template <typename Tile, int kOrder>
+void LaunchOrder(const attnd::kernels::Plan& plan, int blocks, const hk::SchedulerParams& sp) {
+  constexpr int kSmem = static_cast<int>(Tile::kSmemBytes);
+  if constexpr (Tile::kSmemEpilogue) {
+    auto* k = hk::HopperFwdKernelO<Tile, __nv_bfloat16, kOrder>;
+    CHECK_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    k<<<blocks, Tile::kThreads, Tile::kSmemBytes>>>(plan.q_map, plan.k_map, plan.v_map, plan.o_map, plan.params, sp);
+  } else {
+    auto* k = hk::HopperFwdKernel<Tile, __nv_bfloat16, kOrder>;
+    CHECK_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    k<<<blocks, Tile::kThreads, Tile::kSmemBytes>>>(plan.q_map, plan.k_map, plan.v_map, plan.params, sp);
   }
-  if constexpr (hk::MayRunDynamic(Tile::kHeadDim)) {
-    if (sp.counter != nullptr) k = hk::HopperFwdKernel<Tile, __nv_bfloat16, hk::kDynamic>;
-  }
-  CHECK_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Tile::kSmemBytes)));
-  k<<<blocks, Tile::kThreads, Tile::kSmemBytes>>>(plan.q_map, plan.k_map, plan.v_map, plan.params, sp);
   CHECK_CUDA(cudaGetLastError());
 }
 
-// The configurations the tool instantiates (the defaults `auto` picks, plus d128 s2).
+template <typename Tile>
+void LaunchProbed(const attnd::kernels::Plan& plan, int blocks, const hk::SchedulerParams& sp) {
+  if constexpr (hk::MayRunDynamic(Tile::kHeadDim) && !Tile::kSmemEpilogue) {
+    if (sp.counter != nullptr) return LaunchOrder<Tile, hk::kDynamic>(plan, blocks, sp);
+  }
+  if constexpr (hk::MayPair(Tile::kHeadDim)) {
+    if (sp.pairs_per_head > 0) return LaunchOrder<Tile, hk::kPaired>(plan, blocks, sp);
+  }
+  LaunchOrder<Tile, hk::kStatic>(plan, blocks, sp);
+}
+
+// The configurations the tool instantiates (d128 s3 and s2, and the defaults `auto` picks but 128x176).
 const std::map<std::string, Launcher>& Launchers() {
   static const std::map<std::string, Launcher> m = {
       {"hopper_sm90_d128_m128n128s3", &LaunchProbed<hk::HopperD128N128S3>},
+      {"hopper_sm90_d128_m128n128s3_osk", &LaunchProbed<hk::HopperD128N128S3Osk>},
       {"hopper_sm90_d128_m128n128s2", &LaunchProbed<hk::HopperD128N128S2>},
       {"hopper_sm90_d64_m192n128s4", &LaunchProbed<hk::HopperD64M192N128S4>},
       {"hopper_sm90_d256_m128n64s2", &LaunchProbed<hk::HopperD256N64S2>},
@@ -114,8 +128,15 @@ void RunCase(const Case& c, int sms) {
     std::fprintf(stderr, "%s\n", std::string(plan.status().message()).c_str());
     std::exit(1);
   }
-  attnd::kernels::Plan probed = *plan;
-  probed.params.o = o2;
+  // The probed run writes o2, through a plan of its own (with the O map, where the kernel stores O with TMA).
+  const attnd::kernels::DeviceTensors t2{q, k, v, o2, nullptr};
+  absl::StatusOr<attnd::kernels::Plan> probed_plan =
+      attnd::kernels::MakePlan(pr, attnd::ContiguousLayout(pr.shape), t2, po);
+  if (!probed_plan.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(probed_plan.status().message()).c_str());
+    std::exit(1);
+  }
+  const attnd::kernels::Plan& probed = *probed_plan;
   hk::LaunchSchedule ls = hk::ScheduleFor(*plan, d, hk::MayRunDynamic(d), sms);
   hk::SchedulerParams& sp = ls.sp;
   const int blocks = ls.blocks;
