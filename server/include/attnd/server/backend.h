@@ -113,9 +113,9 @@ struct ForwardJob {
 
   // Outputs.
   std::string o;    // O bytes when !o_to_buffer (and not lent, below)
-  // Set by a caller that sends O from memory the backend lends it (ForwardStream copies O into its chunks as it
-  // writes them): the backend may then leave `o` empty and lend O's bytes as `o_lent`, valid until the caller
-  // drops `o_loan`, which gives the memory back. Saves the copy into `o` (and its zero-fill): the CUDA backend
+  // Set by a caller that sends O from memory the backend lends it (ForwardStream's reply chunks point into it):
+  // the backend may then leave `o` empty and lend O's bytes as `o_lent`, valid until the last holder of
+  // `o_loan` drops it, which gives the memory back. Saves the copy into `o` (and its zero-fill): the CUDA backend
   // lends its pinned staging block.
   bool accepts_lent_o = false;
   std::string_view o_lent;
