@@ -685,8 +685,50 @@ void Client::StartUnary(std::shared_ptr<const Outgoing> sent, ForwardCallback do
   Prepare(&c->ctx, call);
   c->start = absl::Now();
   c->request_buf = SerializeForwardRequest(c->sent->header, c->sent->tensors, c->sent->owner);
+  if (absl::Status fits = CheckUnaryFits(c->request_buf.Length(), c->sent->header, call); !fits.ok()) {
+    ForwardCallback cb = std::move(c->done);
+    delete c;
+    cb(std::move(fits));
+    return;
+  }
   generic_->UnaryCall(&c->ctx, kForwardMethod, grpc::StubOptions(), &c->request_buf, &c->response_buf,
                       [c](grpc::Status s) { c->Finish(std::move(s)); });
+}
+
+// gRPC would send an oversized request whole before the server refused it (and then say only "Received message
+// larger than max"), and a server would compute a reply too large to send. The server's limit comes from its
+// ServerInfo: fetched once for a call large enough to meet any sensible limit, and fetched again before a
+// refusal, in case the server restarted with another one. Without it the call goes ahead.
+absl::Status Client::CheckUnaryFits(uint64_t request_bytes, const v1::ForwardRequest& header,
+                                    const CallOptions& call) {
+  const uint64_t reply_bytes = (header.has_o_ref() ? 0 : ExpectedOBytes(header).value_or(0)) +
+                               (header.return_lse() ? ExpectedLseBytes(header).value_or(0) : 0);
+  auto over = [](absl::string_view what, uint64_t n, absl::string_view limit_name, uint64_t limit) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        what, ": ", n, " bytes in one Forward message, above ", limit_name, " of ", limit,
+        " (transport stream, or auto, sends it in chunks)"));
+  };
+  if (options_.max_send_message_bytes >= 0 && request_bytes > static_cast<uint64_t>(options_.max_send_message_bytes)) {
+    return over("request", request_bytes, "this client's max_send_message_bytes", options_.max_send_message_bytes);
+  }
+  if (options_.max_receive_message_bytes >= 0 &&
+      reply_bytes > static_cast<uint64_t>(options_.max_receive_message_bytes)) {
+    return over("reply (O and LSE)", reply_bytes, "this client's max_receive_message_bytes",
+                options_.max_receive_message_bytes);
+  }
+  auto fits = [&](uint64_t limit) { return limit == 0 || (request_bytes <= limit && reply_bytes <= limit); };
+  std::optional<uint64_t> limit;
+  {
+    absl::MutexLock lock(&info_mu_);
+    if (info_) limit = info_->limits().max_message_bytes();
+  }
+  if (limit && fits(*limit)) return absl::OkStatus();
+  if (!limit && std::max(request_bytes, reply_bytes) <= kMessageOverhead) return absl::OkStatus();
+  absl::StatusOr<v1::ServerInfo> info = ServerInfo(/*refresh=*/true, call);
+  if (!info.ok() || fits(info->limits().max_message_bytes())) return absl::OkStatus();
+  const uint64_t server = info->limits().max_message_bytes();
+  return request_bytes > server ? over("request", request_bytes, "the server's max_message_bytes", server)
+                                : over("reply (O and LSE)", reply_bytes, "the server's max_message_bytes", server);
 }
 
 void Client::StartStream(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call,

@@ -37,6 +37,8 @@ TEST_P(StreamTest, TensorLargerThanTheUnaryLimitStreamsAndIsCorrect) {
   EXPECT_EQ(r->bytes_sent, c.spec.q_bytes() + 2 * c.spec.kv_bytes());
 }
 
+// Refused by the client before it sends the 2.5 MiB (gRPC's own refusal, after the bytes, reads "Received message
+// larger than max"), naming the limit and the way out; the same for the client's own send limit.
 TEST_P(StreamTest, ForcedUnaryOverTheLimitIsResourceExhausted) {
   auto client = Connect(server_->Target(GetParam()), client::Transport::kUnary);
   ASSERT_NE(client, nullptr);
@@ -44,6 +46,23 @@ TEST_P(StreamTest, ForcedUnaryOverTheLimitIsResourceExhausted) {
   auto r = client->Forward(*c.request);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), absl::StrCat("above the server's max_message_bytes of ", kLimit)))
+      << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "transport stream")) << r.status();
+
+  client::ClientOptions o;
+  o.target = server_->Target(GetParam());
+  o.transport = client::Transport::kUnary;
+  o.max_send_message_bytes = 100000;
+  auto capped = client::Client::Create(o);
+  ASSERT_TRUE(capped.ok()) << capped.status();
+  auto small = (*capped)->Forward(*MakeCase(Spec(1, 32, 32, 2, 2, 64), 5).request);  // ~25 KB: still goes
+  EXPECT_TRUE(small.ok()) << small.status();
+  auto rc = (*capped)->Forward(*c.request);
+  ASSERT_FALSE(rc.ok());
+  EXPECT_EQ(rc.status().code(), absl::StatusCode::kResourceExhausted) << rc.status();
+  EXPECT_TRUE(absl::StrContains(rc.status().message(), "above this client's max_send_message_bytes of 100000"))
+      << rc.status();
 }
 
 TEST_P(StreamTest, AutoPicksUnaryWhenItFitsAndStreamWhenNot) {

@@ -33,7 +33,7 @@ enum class Transport {
   // names no registered buffer; otherwise unary when request and reply fit the server's message limit,
   // streaming when not.
   kAuto,
-  kUnary,   // always Attention.Forward (fails with the server's RESOURCE_EXHAUSTED when too large)
+  kUnary,   // always Attention.Forward (RESOURCE_EXHAUSTED before sending when a message limit would stop it)
   kStream,  // always Attention.ForwardStream
   // The same-host shared-memory channel (the server's --shm_socket), no RPC at all: carried by a ShmChannel
   // (attnd/client/shm_channel.h, ForwardOverShm), never by Client, whose Forward calls fail INVALID_ARGUMENT.
@@ -218,6 +218,8 @@ class Client {
                                                const v1::ForwardRequest& request);
   void Dispatch(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call);
   void StartUnary(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call);
+  // RESOURCE_EXHAUSTED, before anything is sent, for a unary call that a message limit would stop.
+  absl::Status CheckUnaryFits(uint64_t request_bytes, const v1::ForwardRequest& header, const CallOptions& call);
   void StartStream(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call,
                    uint64_t max_message_bytes);
 
