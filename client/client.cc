@@ -626,11 +626,7 @@ void Client::Dispatch(std::shared_ptr<const Outgoing> sent, ForwardCallback done
   }
   // Chunks must fit the server's message limit; without the info (unreachable server) the call itself
   // reports the failure, so the default chunk size is as good as any.
-  uint64_t max_message = 0;
-  {
-    absl::MutexLock lock(&info_mu_);
-    if (info_) max_message = info_->limits().max_message_bytes();
-  }
+  uint64_t max_message = CachedMaxMessageBytes().value_or(0);
   if (max_message == 0) {
     auto info = ServerInfo(false, call);
     if (info.ok()) max_message = info->limits().max_message_bytes();
@@ -717,11 +713,7 @@ absl::Status Client::CheckUnaryFits(uint64_t request_bytes, const v1::ForwardReq
                 options_.max_receive_message_bytes);
   }
   auto fits = [&](uint64_t limit) { return limit == 0 || (request_bytes <= limit && reply_bytes <= limit); };
-  std::optional<uint64_t> limit;
-  {
-    absl::MutexLock lock(&info_mu_);
-    if (info_) limit = info_->limits().max_message_bytes();
-  }
+  const std::optional<uint64_t> limit = CachedMaxMessageBytes();
   if (limit && fits(*limit)) return absl::OkStatus();
   if (!limit && std::max(request_bytes, reply_bytes) <= kMessageOverhead) return absl::OkStatus();
   absl::StatusOr<v1::ServerInfo> info = ServerInfo(/*refresh=*/true, call);
@@ -750,6 +742,12 @@ std::future<absl::StatusOr<ForwardResult>> Client::ForwardFuture(std::shared_ptr
   ForwardAsync(
       std::move(request), [promise](absl::StatusOr<ForwardResult> r) { promise->set_value(std::move(r)); }, call);
   return future;
+}
+
+std::optional<uint64_t> Client::CachedMaxMessageBytes() const {
+  absl::MutexLock lock(&info_mu_);
+  if (!info_) return std::nullopt;
+  return info_->limits().max_message_bytes();
 }
 
 absl::StatusOr<v1::ServerInfo> Client::ServerInfo(bool refresh, const CallOptions& call) {

@@ -218,6 +218,8 @@ class Client {
                                                const v1::ForwardRequest& request);
   void Dispatch(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call);
   void StartUnary(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call);
+  // The server's message limit from the cached ServerInfo (no RPC); nullopt before the first fetch.
+  std::optional<uint64_t> CachedMaxMessageBytes() const;
   // RESOURCE_EXHAUSTED, before anything is sent, for a unary call that a message limit would stop.
   absl::Status CheckUnaryFits(uint64_t request_bytes, const v1::ForwardRequest& header, const CallOptions& call);
   void StartStream(std::shared_ptr<const Outgoing> sent, ForwardCallback done, const CallOptions& call,
