@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# v15 call 1 (for the next kernel session; nothing here has run yet). First `git apply docs/hopper-runs/v15/kv2.diff`
-# and build .carry-hopper as for v14 (build-kernels: attnd_kernels_c, gpu_attention_test, hopper_trace).
+# v15 calls 1, 4, 6 and 8 (session 14; written in session 13 as call1.sh), each on that call's build of the patch;
+# call 8's is kv2.diff as committed. First `git apply docs/hopper-runs/v15/kv2.diff` and build .carry-hopper as for
+# v14 (build-kernels: attnd_kernels_c, gpu_attention_test). Results of call 8: call8_*.
 # hopper_sm90_d128_m128n128s3_osk_kv2: s3 _osk whose problems without a mask run as clusters of two blocks sharing
 # K/V through TMA multicast (kClusterPairs). A smoke case first (a cluster deadlock costs 30 s, not the call), the
 # kv2 cases on the full grid and on 2, 4 and 5 blocks (1, 2 and 2 clusters: blocks run several pair tiles, and odd
@@ -14,7 +15,8 @@ K=hopper_sm90_d128_m128n128s3_osk_kv2
 pass() { grep -hE '^\[  (PASSED|FAILED) |FAILED  \]' "$1" | head -6; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw,temperature.gpu --format=csv > $W/env.txt
 timeout 30 $T --gtest_filter="*${K}_d128_bhsd_none*" > $W/smoke.log 2>&1
-echo "smoke rc=$?"; tail -2 $W/smoke.log
+rc=$?; echo "smoke rc=$rc"; tail -2 $W/smoke.log
+[ $rc = 0 ] || { tar czf $OUT/v15call1.tgz -C /tmp v15c1; exit 1; }
 timeout 150 $T --gtest_filter="*_kv2_*" > $W/suite.log 2>&1
 echo "suite rc=$?"; pass $W/suite.log
 for nb in 2 4 5; do
