@@ -9,6 +9,11 @@
 //   epi    normalise + store O               gap    store -> next tile's start (scheduler)
 // and the overhead of a tile beyond n_blocks steady-state steps, in steps. Round 0 (pipeline fill) and a
 // block's last traced round are left out. Usage: hopper_trace [config B S H causal]... (defaults below).
+//
+// hopper_trace --timeline [config B S H causal]...: the launcher's whole path (persistent grid, order, the split
+// tail with its workspace) with %globaltimer stamps at every tile's and split-tail part's start and at each block's
+// end, to see how evenly the blocks finish and how the rate per key block moves from round to round (the power cap
+// raises the clock when blocks go idle). ATTND_HOPPER_SPLIT_TAIL applies as in the library.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -84,6 +89,59 @@ const std::map<std::string, Launcher>& Launchers() {
       {"hopper_sm90_d128_m128n128s2", &LaunchProbed<hk::HopperD128N128S2>},
       {"hopper_sm90_d64_m192n128s4", &LaunchProbed<hk::HopperD64M192N128S4>},
       {"hopper_sm90_d256_m128n64s2", &LaunchProbed<hk::HopperD256N64S2>},
+  };
+  return m;
+}
+
+// Timeline mode. The tool's own tile types (empty subclasses in this file's anonymous namespace) give every
+// template it instantiates here internal linkage; with the library's own types the linker would keep one copy of
+// each host function for the tool and the library together, probed or not.
+struct TracedN176Os : hk::HopperD128N176S2Os {};
+struct TracedS3Osk : hk::HopperD128N128S3Osk {};
+struct TracedS3 : hk::HopperD128N128S3 {};
+
+// LaunchFwd's static and paired paths (the split tail included) for the traced types. Returns the tail split run.
+template <typename Tile>
+hk::TailSplit LaunchTimelineRun(const attnd::kernels::Plan& plan, int sms) {
+  using Bf = __nv_bfloat16;
+  static const bool raised = [] {
+    CHECK_CUDA((hk::RaiseSmemLimit<Tile, Bf, hk::kStatic>()));
+    CHECK_CUDA((hk::RaiseSmemLimit<Tile, Bf, hk::kPaired>()));
+    CHECK_CUDA((hk::RaiseSmemLimit<Tile, Bf, hk::kStatic, true>()));
+    CHECK_CUDA((hk::RaiseSmemLimit<Tile, Bf, hk::kPaired, true>()));
+    return true;
+  }();
+  (void)raised;
+  hk::LaunchSchedule ls = hk::ScheduleFor(plan, Tile::kHeadDim, false, sms);
+  hk::SchedulerParams& sp = ls.sp;
+  const hk::TailSplit ts = hk::TailSplitFor(plan, ls, Tile::kBlockN);
+  if (ts.units > 0) {
+    constexpr int kWarps = 4 * Tile::kConsumerWarpgroups;
+    const int split_tiles = ts.units * (sp.pairs_per_head > 0 ? 2 : 1);
+    hk::SplitTailLease lease;
+    CHECK_CUDA(lease.Begin(plan.device, nullptr, hk::TailWorkspaceBytes<Tile::kHeadDim, kWarps>(ls.blocks),
+                           hk::TailCounterBytes<kWarps>(split_tiles)));
+    sp.tail_units = ts.units;
+    sp.tail_round = ts.round;
+    sp.tail_tile = ts.tile;
+    sp.split_ws = lease.workspace();
+    sp.split_counters = lease.counters();
+    CHECK_CUDA((sp.pairs_per_head > 0 ? hk::LaunchKernel<Tile, Bf, hk::kPaired, true>(plan, ls.blocks, nullptr, sp)
+                                      : hk::LaunchKernel<Tile, Bf, hk::kStatic, true>(plan, ls.blocks, nullptr, sp)));
+    CHECK_CUDA(lease.Finish(nullptr));
+  } else {
+    CHECK_CUDA((sp.pairs_per_head > 0 ? hk::LaunchKernel<Tile, Bf, hk::kPaired>(plan, ls.blocks, nullptr, sp)
+                                      : hk::LaunchKernel<Tile, Bf, hk::kStatic>(plan, ls.blocks, nullptr, sp)));
+  }
+  return ts;
+}
+
+using TimelineLauncher = hk::TailSplit (*)(const attnd::kernels::Plan&, int sms);
+const std::map<std::string, TimelineLauncher>& TimelineLaunchers() {
+  static const std::map<std::string, TimelineLauncher> m = {
+      {"hopper_sm90_d128_m128n176s2_os", &LaunchTimelineRun<TracedN176Os>},
+      {"hopper_sm90_d128_m128n128s3_osk", &LaunchTimelineRun<TracedS3Osk>},
+      {"hopper_sm90_d128_m128n128s3", &LaunchTimelineRun<TracedS3>},
   };
   return m;
 }
@@ -266,10 +324,161 @@ void RunCase(const Case& c, int sms) {
   if (!same) std::exit(3);
 }
 
+// One problem through the launcher's path with probes: block end times, and per round the rate per key block.
+void RunTimeline(const Case& c, int sms) {
+  const auto it = TimelineLaunchers().find(c.config);
+  if (it == TimelineLaunchers().end()) {
+    std::fprintf(stderr, "unknown timeline config %s\n", c.config.c_str());
+    std::exit(2);
+  }
+  attnd::Problem pr;
+  int d = 0;
+  std::sscanf(c.config.c_str(), "hopper_sm90_d%d", &d);
+  pr.shape = attnd::Shape{c.b, c.s, c.s, c.h, c.h, d};
+  pr.dtype = attnd::DType::kBF16;
+  pr.mask = c.causal ? attnd::Mask::kCausalTopLeft : attnd::Mask::kNone;
+  pr.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const size_t elems = static_cast<size_t>(c.b) * c.s * c.h * d;
+  std::vector<__nv_bfloat16> host(elems);
+  std::mt19937 rng(1234);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  void *q, *k, *v, *o1, *o2;
+  for (void** p : {&q, &k, &v}) {
+    for (auto& x : host) x = __float2bfloat16(nd(rng));
+    CHECK_CUDA(cudaMalloc(p, elems * 2));
+    CHECK_CUDA(cudaMemcpy(*p, host.data(), elems * 2, cudaMemcpyHostToDevice));
+  }
+  CHECK_CUDA(cudaMalloc(&o1, elems * 2));
+  CHECK_CUDA(cudaMalloc(&o2, elems * 2));
+  CHECK_CUDA(cudaMemset(o1, 0xFF, elems * 2));
+  CHECK_CUDA(cudaMemset(o2, 0xFF, elems * 2));
+  attnd::kernels::PlanOptions po;
+  po.config = c.config;
+  absl::StatusOr<attnd::kernels::Plan> plan =
+      attnd::kernels::MakePlan(pr, attnd::ContiguousLayout(pr.shape), attnd::kernels::DeviceTensors{q, k, v, o1, nullptr}, po);
+  absl::StatusOr<attnd::kernels::Plan> probed =
+      attnd::kernels::MakePlan(pr, attnd::ContiguousLayout(pr.shape), attnd::kernels::DeviceTensors{q, k, v, o2, nullptr}, po);
+  if (!plan.ok() || !probed.ok()) {
+    std::fprintf(stderr, "plan failed\n");
+    std::exit(1);
+  }
+  const hk::LaunchSchedule ls = hk::ScheduleFor(*plan, d, false, sms);
+  const int blocks = ls.blocks;
+  const size_t words = static_cast<size_t>(blocks) * hk::trace::kRoles * hk::trace::kRounds * hk::trace::kEvents;
+  uint64_t* buf = nullptr;
+  CHECK_CUDA(cudaMalloc(&buf, words * 8));
+  cudaEvent_t e0, e1, e2;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  CHECK_CUDA(cudaEventCreate(&e2));
+  // Warm-up: a few launches of each so the clock settles under the power cap as in a benchmark.
+  for (int i = 0; i < 5; ++i) {
+    if (!attnd::kernels::Launch(*plan, nullptr).ok()) std::exit(1);
+    it->second(*probed, sms);
+  }
+  CHECK_CUDA(cudaDeviceSynchronize());
+  CHECK_CUDA(cudaMemset(buf, 0, words * 8));
+  CHECK_CUDA(cudaMemcpyToSymbol(hk::trace::g_buffer, &buf, sizeof(buf)));
+  CHECK_CUDA(cudaEventRecord(e0));
+  if (!attnd::kernels::Launch(*plan, nullptr).ok()) std::exit(1);
+  CHECK_CUDA(cudaEventRecord(e1));
+  const hk::TailSplit ts = it->second(*probed, sms);
+  CHECK_CUDA(cudaEventRecord(e2));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  uint64_t* none = nullptr;
+  CHECK_CUDA(cudaMemcpyToSymbol(hk::trace::g_buffer, &none, sizeof(none)));
+  float ms_lib = 0, ms_probed = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&ms_lib, e0, e1));
+  CHECK_CUDA(cudaEventElapsedTime(&ms_probed, e1, e2));
+  std::vector<uint8_t> a(elems * 2), b2(elems * 2);
+  CHECK_CUDA(cudaMemcpy(a.data(), o1, elems * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(b2.data(), o2, elems * 2, cudaMemcpyDeviceToHost));
+  // The split tail combines parts in another order than a whole tile: compare in value, not bits.
+  double max_diff = 0;
+  for (size_t i = 0; i < elems; ++i) {
+    const float x = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(a.data())[i]);
+    const float y = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(b2.data())[i]);
+    const double df = std::fabs(static_cast<double>(x) - y);
+    if (!(df <= max_diff)) max_diff = std::isnan(df) ? INFINITY : df;
+  }
+  std::vector<uint64_t> tr(words);
+  CHECK_CUDA(cudaMemcpy(tr.data(), buf, words * 8, cudaMemcpyDeviceToHost));
+  auto at = [&](int blk, int role, int round, int ev) {
+    return tr[((static_cast<size_t>(blk) * hk::trace::kRoles + role) * hk::trace::kRounds + round) *
+                  hk::trace::kEvents + ev];
+  };
+  const double flops = 4.0 * c.b * c.h * static_cast<double>(c.s) * c.s * d * (c.causal ? 0.5 : 1.0);
+  std::printf("\n== timeline %s B=%d S=%d H=%d causal=%d: %d blocks, split tail %s (units %d from round %d); library "
+              "%.1f us (%.0f TFLOP/s), probed %.1f us (%.0f TFLOP/s); max |O - library| %.3g\n",
+              c.config.c_str(), c.b, c.s, c.h, c.causal, blocks, ts.units > 0 ? "on" : "off", ts.units, ts.round,
+              ms_lib * 1e3, flops / (ms_lib * 1e-3) / 1e12, ms_probed * 1e3, flops / (ms_probed * 1e-3) / 1e12,
+              max_diff);
+  const int last = hk::trace::kRounds - 1;
+  uint64_t t0 = UINT64_MAX;
+  for (int blk = 0; blk < blocks; ++blk) {
+    for (int role = 1; role < hk::trace::kRoles; ++role) {
+      const uint64_t s0 = at(blk, role, 0, hk::trace::kGlobalStart);
+      if (s0 != 0) t0 = std::min(t0, s0);
+    }
+  }
+  // Per block: end (the later warpgroup's), and per round the start (warpgroup 0's); rounds past the last tile
+  // or part hold 0.
+  std::vector<double> ends;
+  std::map<int, std::vector<double>> ns_per_block_by_round, dur_by_round;
+  std::map<int, int> active_by_round;
+  for (int blk = 0; blk < blocks; ++blk) {
+    const uint64_t end = std::max(at(blk, 1, last, hk::trace::kGlobalStart), at(blk, 2, last, hk::trace::kGlobalStart));
+    ends.push_back((end - t0) * 1e-3);
+    for (int r = 0; r < last; ++r) {
+      const uint64_t s = at(blk, 1, r, hk::trace::kGlobalStart);
+      if (s == 0) break;
+      uint64_t next = at(blk, 1, r + 1, hk::trace::kGlobalStart);
+      if (next == 0) next = end;
+      const int n = static_cast<int>(at(blk, 1, r, hk::trace::kBlocks)) -
+                    static_cast<int>(at(blk, 1, r, hk::trace::kPartFirst));
+      ++active_by_round[r];
+      dur_by_round[r].push_back((next - s) * 1e-3);
+      if (n > 0) ns_per_block_by_round[r].push_back(static_cast<double>(next - s) / n);
+    }
+  }
+  std::vector<double> sorted = ends;
+  std::sort(sorted.begin(), sorted.end());
+  const double span = sorted.back();
+  double mean_end = 0;
+  for (double e : ends) mean_end += e;
+  mean_end /= ends.size();
+  std::printf("block ends (us after the first tile start): min %.1f, p10 %.1f, median %.1f, p90 %.1f, max %.1f; mean "
+              "%.1f (%.2f%% of the span idle on average)\n",
+              sorted.front(), sorted[sorted.size() / 10], sorted[sorted.size() / 2], sorted[sorted.size() * 9 / 10],
+              span, mean_end, 100.0 * (span - mean_end) / span);
+  std::printf("%6s %7s %10s %10s %10s %12s\n", "round", "blocks", "mean us", "min us", "max us", "ns/key-blk");
+  for (const auto& [r, durs] : dur_by_round) {
+    double m = 0;
+    for (double x : durs) m += x;
+    m /= durs.size();
+    double nsb = 0;
+    const auto& v = ns_per_block_by_round[r];
+    for (double x : v) nsb += x;
+    nsb = v.empty() ? 0 : nsb / v.size();
+    std::printf("%6d %7d %10.1f %10.1f %10.1f %12.1f\n", r, active_by_round[r], m,
+                *std::min_element(durs.begin(), durs.end()), *std::max_element(durs.begin(), durs.end()), nsb);
+  }
+  CHECK_CUDA(cudaFree(buf));
+  for (void* p : {q, k, v, o1, o2}) CHECK_CUDA(cudaFree(p));
+  CHECK_CUDA(cudaEventDestroy(e0));
+  CHECK_CUDA(cudaEventDestroy(e1));
+  CHECK_CUDA(cudaEventDestroy(e2));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::vector<Case> cases;
+  const bool timeline = argc > 1 && std::strcmp(argv[1], "--timeline") == 0;
+  if (timeline) {
+    --argc;
+    ++argv;
+  }
   for (int i = 1; i + 4 < argc; i += 5) {
     cases.push_back(Case{argv[i], std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3]),
                          std::atoi(argv[i + 4])});
@@ -281,6 +490,6 @@ int main(int argc, char** argv) {
   }
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  for (const Case& c : cases) RunCase(c, sms);
+  for (const Case& c : cases) timeline ? RunTimeline(c, sms) : RunCase(c, sms);
   return 0;
 }

@@ -262,6 +262,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
         if (t < 0) break;
         const TileCoord c = kDynamicOrder ? SectionTileAt<true>(sp, t) : TileAtFor<kPairedOrder>(sp, t);
         ATTND_HOPPER_TRACE_AT(1 + consumer.wg, round, trace::kTileStart);
+        ATTND_HOPPER_TRACE_GLOBAL(1 + consumer.wg, round);
         ATTND_HOPPER_TRACE_SET_ROUND(consumer, round);
         const int q0 = c.q_tile * Tile::kBlockM;
         const int row0 = q0 + consumer.wg * 64 + warp * 16 + (lane >> 2);
@@ -318,6 +319,10 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
         TailPart part;
         for (int k = 0; k < kMaxTailPartsPerBlock && TailPartHere<Tile, kPairedOrder>(p, sp, k, &part); ++k) {
           const TileCoord c = TileAtFor<kPairedOrder>(sp, part.tile);
+          ATTND_HOPPER_TRACE_AT(1 + consumer.wg, sp.tail_round + k, trace::kTileStart);
+          ATTND_HOPPER_TRACE_GLOBAL(1 + consumer.wg, sp.tail_round + k);
+          ATTND_HOPPER_TRACE_VALUE(1 + consumer.wg, sp.tail_round + k, trace::kPartFirst, part.first);
+          ATTND_HOPPER_TRACE_SET_ROUND(consumer, sp.tail_round + k);
           const int q0 = c.q_tile * Tile::kBlockM;
           const int row0 = q0 + consumer.wg * 64 + warp * 16 + (lane >> 2);
           float o[Tile::kHeadDim / 2];
@@ -346,6 +351,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
       if constexpr (Tile::kSmemEpilogue) {
         if ((threadIdx.x & 127) == 0) BulkWaitAll();
       }
+      ATTND_HOPPER_TRACE_GLOBAL(1 + consumer.wg, trace::kRounds - 1);
     }
     if constexpr (Tile::kPingPong) {
       if (consumer.wg == 0) WaitTurn<Tile::kConsumerWarpgroups>(0);

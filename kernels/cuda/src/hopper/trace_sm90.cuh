@@ -13,10 +13,14 @@
 namespace attnd::kernels::hopper::trace {
 
 // Stamps per block: [role][round][event]. Role 0 is the producer, role 1 + w consumer warpgroup w.
-constexpr int kRoles = 4, kRounds = 64, kEvents = 8;
+constexpr int kRoles = 4, kRounds = 64, kEvents = 10;
 
 // Consumer events, in the order a tile passes them; kBlocks stores the tile's key-block count, not a time.
 enum ConsumerEvent : int { kTileStart, kQReady, kFirstDone, kMiddleDone, kLastPVDone, kStored, kBlocks };
+// Timeline events (hopper_trace --timeline): %globaltimer (ns, one clock for all SMs, unlike clock64) at a tile's or
+// split-tail part's start, and a part's first key block (0 for whole tiles). Round kRounds - 1 of kGlobalStart holds
+// the block's end.
+enum TimelineEvent : int { kGlobalStart = 7, kPartFirst = 8 };
 // Producer events.
 enum ProducerEvent : int { kPTileStart, kPFirstKIssued, kPQIssued, kPTileIssued };
 
@@ -30,6 +34,12 @@ __device__ __forceinline__ uint64_t Clock() {
   return c;
 }
 
+__device__ __forceinline__ uint64_t GlobalTime() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+  return t;
+}
+
 __device__ __forceinline__ void Put(int role, int round, int event, uint64_t value) {
   if (g_buffer != nullptr && (threadIdx.x & 127) == 0 && round < kRounds) {
     g_buffer[((static_cast<int64_t>(blockIdx.x) * kRoles + role) * kRounds + round) * kEvents + event] = value;
@@ -40,6 +50,9 @@ __device__ __forceinline__ void Put(int role, int round, int event, uint64_t val
 
 #define ATTND_HOPPER_TRACE_AT(role, round, event) \
   ::attnd::kernels::hopper::trace::Put((role), (round), (event), ::attnd::kernels::hopper::trace::Clock())
+#define ATTND_HOPPER_TRACE_GLOBAL(role, round) \
+  ::attnd::kernels::hopper::trace::Put((role), (round), ::attnd::kernels::hopper::trace::kGlobalStart, \
+                                       ::attnd::kernels::hopper::trace::GlobalTime())
 #define ATTND_HOPPER_TRACE_VALUE(role, round, event, value) \
   ::attnd::kernels::hopper::trace::Put((role), (round), (event), static_cast<uint64_t>(value))
 // The producer and consumers learn their tile's round through a member that exists only in probed builds: an
@@ -50,6 +63,7 @@ __device__ __forceinline__ void Put(int role, int round, int event, uint64_t val
 #else
 
 #define ATTND_HOPPER_TRACE_AT(role, round, event) ((void)0)
+#define ATTND_HOPPER_TRACE_GLOBAL(role, round) ((void)0)
 #define ATTND_HOPPER_TRACE_VALUE(role, round, event, value) ((void)0)
 #define ATTND_HOPPER_TRACE_ROUND_MEMBER
 #define ATTND_HOPPER_TRACE_SET_ROUND(role_object, round) ((void)0)
