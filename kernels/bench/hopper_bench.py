@@ -9,6 +9,9 @@ on every row (max abs difference) before it is timed. Timing: triton.testing.do_
 flushed between runs), median.
 
   python3 hopper_bench.py --lib path/libattnd_kernels_c.so --configs hopper,seed [--quick] [--json out.json]
+
+A/B of two builds in one process: --base_lib other/libattnd_kernels_c.so and configs named base:CONFIG run
+CONFIG through that library (its column is base:CONFIG), so both builds see the same inputs, clocks and peers.
 """
 import argparse
 import ctypes
@@ -90,8 +93,11 @@ def main():
     ap.add_argument("--seqs", default="", help="comma-separated; default: the full (or --quick) list")
     ap.add_argument("--gqa", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--peers", default="cudnn,fa2", help="torch SDPA backends timed beside attnd (cudnn, fa2)")
+    ap.add_argument("--base_lib", default="", help="a second build, for configs named base:CONFIG")
     args = ap.parse_args()
     attnd = Attnd(args.lib)
+    # ctypes loads with RTLD_LOCAL: each library keeps its own symbols, kernels and device pools.
+    attnd_base = Attnd(args.base_lib) if args.base_lib else None
     configs = [c for c in args.configs.split(",") if c]
     torch.manual_seed(0)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, cudnn {torch.backends.cudnn.version()}",
@@ -136,17 +142,20 @@ def main():
             ref = torch.nn.functional.scaled_dot_product_attention(qt.float(), kt.float(), vt.float(),
                                                                    is_causal=causal, enable_gqa=gqa).transpose(1, 2)
         for c in configs:
-            if "_d" in c and f"_d{d}_" not in c:  # a named configuration of another head_dim
+            lib, cname = (attnd_base, c[len("base:"):]) if c.startswith("base:") else (attnd, c)
+            if "_d" in cname and f"_d{d}_" not in cname:  # a named configuration of another head_dim
                 res[c] = None
                 continue
             o = torch.full_like(q, float("nan"))
             try:
-                plan, name = attnd.plan(q, k, v, o, causal, c)
+                if lib is None:
+                    raise RuntimeError("base: configs need --base_lib")
+                plan, name = lib.plan(q, k, v, o, causal, cname)
             except RuntimeError as e:
                 res[c] = None
                 res[c + "_error"] = str(e)[:200]
                 continue
-            attnd.launch(plan)
+            lib.launch(plan)
             torch.cuda.synchronize()
             err = (o.float() - ref).abs().max().item()
             res[c + "_config"] = name
@@ -155,9 +164,9 @@ def main():
                 res[c] = None
                 res[c + "_error"] = f"max |O - ref| = {err}"
             else:
-                ms = triton.testing.do_bench(lambda: attnd.launch(plan), rep=args.rep, return_mode="median")
+                ms = triton.testing.do_bench(lambda: lib.launch(plan), rep=args.rep, return_mode="median")
                 res[c] = flops / ms / 1e9
-            attnd.lib.attnd_kernels_plan_destroy(plan)
+            lib.lib.attnd_kernels_plan_destroy(plan)
         results.append(res)
 
         def f(x):
