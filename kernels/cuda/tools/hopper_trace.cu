@@ -151,50 +151,66 @@ struct Acc {
   int n = 0;
 };
 
+// One case's inputs (random normal), two poisoned outputs, and two plans: the library's run writes o1, the probed
+// run o2 through a plan of its own (with the O map, where the kernel stores O with TMA).
+struct CaseData {
+  int d = 0;
+  size_t elems = 0;
+  void *q = nullptr, *k = nullptr, *v = nullptr, *o1 = nullptr, *o2 = nullptr;
+  attnd::kernels::Plan plan, probed;
+};
+
+CaseData SetUpCase(const Case& c) {
+  CaseData cd;
+  attnd::Problem pr;
+  std::sscanf(c.config.c_str(), "hopper_sm90_d%d", &cd.d);
+  pr.shape = attnd::Shape{c.b, c.s, c.s, c.h, c.h, cd.d};
+  pr.dtype = attnd::DType::kBF16;
+  pr.mask = c.causal ? attnd::Mask::kCausalTopLeft : attnd::Mask::kNone;
+  pr.scale = 1.0f / std::sqrt(static_cast<float>(cd.d));
+  cd.elems = static_cast<size_t>(c.b) * c.s * c.h * cd.d;
+  std::vector<__nv_bfloat16> host(cd.elems);
+  std::mt19937 rng(1234);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (void** p : {&cd.q, &cd.k, &cd.v}) {
+    for (auto& x : host) x = __float2bfloat16(nd(rng));
+    CHECK_CUDA(cudaMalloc(p, cd.elems * 2));
+    CHECK_CUDA(cudaMemcpy(*p, host.data(), cd.elems * 2, cudaMemcpyHostToDevice));
+  }
+  for (void** p : {&cd.o1, &cd.o2}) {
+    CHECK_CUDA(cudaMalloc(p, cd.elems * 2));
+    CHECK_CUDA(cudaMemset(*p, 0xFF, cd.elems * 2));
+  }
+  attnd::kernels::PlanOptions po;
+  po.config = c.config;
+  for (auto [o, out] : {std::pair{cd.o1, &cd.plan}, std::pair{cd.o2, &cd.probed}}) {
+    absl::StatusOr<attnd::kernels::Plan> plan = attnd::kernels::MakePlan(
+        pr, attnd::ContiguousLayout(pr.shape), attnd::kernels::DeviceTensors{cd.q, cd.k, cd.v, o, nullptr}, po);
+    if (!plan.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(plan.status().message()).c_str());
+      std::exit(1);
+    }
+    *out = *std::move(plan);
+  }
+  return cd;
+}
+
+void FreeCase(CaseData& cd) {
+  for (void* p : {cd.q, cd.k, cd.v, cd.o1, cd.o2}) CHECK_CUDA(cudaFree(p));
+}
+
 void RunCase(const Case& c, int sms) {
   const auto it = Launchers().find(c.config);
   if (it == Launchers().end()) {
     std::fprintf(stderr, "unknown config %s\n", c.config.c_str());
     std::exit(2);
   }
-  attnd::Problem pr;
-  int d = 0;
-  std::sscanf(c.config.c_str(), "hopper_sm90_d%d", &d);
-  pr.shape = attnd::Shape{c.b, c.s, c.s, c.h, c.h, d};
-  pr.dtype = attnd::DType::kBF16;
-  pr.mask = c.causal ? attnd::Mask::kCausalTopLeft : attnd::Mask::kNone;
-  pr.scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const size_t elems = static_cast<size_t>(c.b) * c.s * c.h * d;
-  std::vector<__nv_bfloat16> host(elems);
-  std::mt19937 rng(1234);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  void *q, *k, *v, *o1, *o2;
-  for (void** p : {&q, &k, &v}) {
-    for (auto& x : host) x = __float2bfloat16(nd(rng));
-    CHECK_CUDA(cudaMalloc(p, elems * 2));
-    CHECK_CUDA(cudaMemcpy(*p, host.data(), elems * 2, cudaMemcpyHostToDevice));
-  }
-  CHECK_CUDA(cudaMalloc(&o1, elems * 2));
-  CHECK_CUDA(cudaMalloc(&o2, elems * 2));
-  CHECK_CUDA(cudaMemset(o1, 0xFF, elems * 2));
-  CHECK_CUDA(cudaMemset(o2, 0xFF, elems * 2));
-  attnd::kernels::PlanOptions po;
-  po.config = c.config;
-  const attnd::kernels::DeviceTensors t{q, k, v, o1, nullptr};
-  absl::StatusOr<attnd::kernels::Plan> plan = attnd::kernels::MakePlan(pr, attnd::ContiguousLayout(pr.shape), t, po);
-  if (!plan.ok()) {
-    std::fprintf(stderr, "%s\n", std::string(plan.status().message()).c_str());
-    std::exit(1);
-  }
-  // The probed run writes o2, through a plan of its own (with the O map, where the kernel stores O with TMA).
-  const attnd::kernels::DeviceTensors t2{q, k, v, o2, nullptr};
-  absl::StatusOr<attnd::kernels::Plan> probed_plan =
-      attnd::kernels::MakePlan(pr, attnd::ContiguousLayout(pr.shape), t2, po);
-  if (!probed_plan.ok()) {
-    std::fprintf(stderr, "%s\n", std::string(probed_plan.status().message()).c_str());
-    std::exit(1);
-  }
-  const attnd::kernels::Plan& probed = *probed_plan;
+  CaseData cd = SetUpCase(c);
+  const int d = cd.d;
+  const size_t elems = cd.elems;
+  void *o1 = cd.o1, *o2 = cd.o2;
+  const attnd::kernels::Plan* plan = &cd.plan;
+  const attnd::kernels::Plan& probed = cd.probed;
   hk::LaunchSchedule ls = hk::ScheduleFor(*plan, d, hk::MayRunDynamic(d), sms);
   hk::SchedulerParams& sp = ls.sp;
   const int blocks = ls.blocks;
@@ -317,7 +333,7 @@ void RunCase(const Case& c, int sms) {
                 prod.sum[0] * m, prod.sum[1] * m, prod.sum[2] * m, prod.sum[3] * m, prod.n);
   }
   CHECK_CUDA(cudaFree(buf));
-  for (void* p : {q, k, v, o1, o2}) CHECK_CUDA(cudaFree(p));
+  FreeCase(cd);
   CHECK_CUDA(cudaEventDestroy(e0));
   CHECK_CUDA(cudaEventDestroy(e1));
   CHECK_CUDA(cudaEventDestroy(e2));
@@ -331,37 +347,12 @@ void RunTimeline(const Case& c, int sms) {
     std::fprintf(stderr, "unknown timeline config %s\n", c.config.c_str());
     std::exit(2);
   }
-  attnd::Problem pr;
-  int d = 0;
-  std::sscanf(c.config.c_str(), "hopper_sm90_d%d", &d);
-  pr.shape = attnd::Shape{c.b, c.s, c.s, c.h, c.h, d};
-  pr.dtype = attnd::DType::kBF16;
-  pr.mask = c.causal ? attnd::Mask::kCausalTopLeft : attnd::Mask::kNone;
-  pr.scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const size_t elems = static_cast<size_t>(c.b) * c.s * c.h * d;
-  std::vector<__nv_bfloat16> host(elems);
-  std::mt19937 rng(1234);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  void *q, *k, *v, *o1, *o2;
-  for (void** p : {&q, &k, &v}) {
-    for (auto& x : host) x = __float2bfloat16(nd(rng));
-    CHECK_CUDA(cudaMalloc(p, elems * 2));
-    CHECK_CUDA(cudaMemcpy(*p, host.data(), elems * 2, cudaMemcpyHostToDevice));
-  }
-  CHECK_CUDA(cudaMalloc(&o1, elems * 2));
-  CHECK_CUDA(cudaMalloc(&o2, elems * 2));
-  CHECK_CUDA(cudaMemset(o1, 0xFF, elems * 2));
-  CHECK_CUDA(cudaMemset(o2, 0xFF, elems * 2));
-  attnd::kernels::PlanOptions po;
-  po.config = c.config;
-  absl::StatusOr<attnd::kernels::Plan> plan =
-      attnd::kernels::MakePlan(pr, attnd::ContiguousLayout(pr.shape), attnd::kernels::DeviceTensors{q, k, v, o1, nullptr}, po);
-  absl::StatusOr<attnd::kernels::Plan> probed =
-      attnd::kernels::MakePlan(pr, attnd::ContiguousLayout(pr.shape), attnd::kernels::DeviceTensors{q, k, v, o2, nullptr}, po);
-  if (!plan.ok() || !probed.ok()) {
-    std::fprintf(stderr, "plan failed\n");
-    std::exit(1);
-  }
+  CaseData cd = SetUpCase(c);
+  const int d = cd.d;
+  const size_t elems = cd.elems;
+  void *o1 = cd.o1, *o2 = cd.o2;
+  const attnd::kernels::Plan* plan = &cd.plan;
+  const attnd::kernels::Plan* probed = &cd.probed;
   const hk::LaunchSchedule ls = hk::ScheduleFor(*plan, d, false, sms);
   const int blocks = ls.blocks;
   const size_t words = static_cast<size_t>(blocks) * hk::trace::kRoles * hk::trace::kRounds * hk::trace::kEvents;
@@ -464,7 +455,7 @@ void RunTimeline(const Case& c, int sms) {
                 *std::min_element(durs.begin(), durs.end()), *std::max_element(durs.begin(), durs.end()), nsb);
   }
   CHECK_CUDA(cudaFree(buf));
-  for (void* p : {q, k, v, o1, o2}) CHECK_CUDA(cudaFree(p));
+  FreeCase(cd);
   CHECK_CUDA(cudaEventDestroy(e0));
   CHECK_CUDA(cudaEventDestroy(e1));
   CHECK_CUDA(cudaEventDestroy(e2));
