@@ -199,6 +199,68 @@ void FreeCase(CaseData& cd) {
   for (void* p : {cd.q, cd.k, cd.v, cd.o1, cd.o2}) CHECK_CUDA(cudaFree(p));
 }
 
+// The library's launch and the probed one, each timed once after `warmups` launches of both, with the probes
+// writing only during the timed probed launch; both outputs and the stamps come back to the host.
+struct PairRun {
+  float ms_lib = 0, ms_probed = 0;
+  std::vector<uint8_t> lib_out, probed_out;
+  std::vector<uint64_t> stamps;  // [block][role][round][event], as trace::Put lays them out
+  uint64_t At(int blk, int role, int round, int ev) const {
+    return stamps[((static_cast<size_t>(blk) * hk::trace::kRoles + role) * hk::trace::kRounds + round) *
+                      hk::trace::kEvents + ev];
+  }
+};
+
+template <typename ProbedLaunch>
+PairRun RunPair(const CaseData& cd, int blocks, int warmups, const ProbedLaunch& probed_launch) {
+  const size_t words = static_cast<size_t>(blocks) * hk::trace::kRoles * hk::trace::kRounds * hk::trace::kEvents;
+  uint64_t* buf = nullptr;
+  CHECK_CUDA(cudaMalloc(&buf, words * 8));
+  CHECK_CUDA(cudaMemset(buf, 0, words * 8));
+  cudaEvent_t e0, e1, e2;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  CHECK_CUDA(cudaEventCreate(&e2));
+  const auto launch_lib = [&] {
+    if (absl::Status st = attnd::kernels::Launch(cd.plan, nullptr); !st.ok()) {
+      std::fprintf(stderr, "launch: %s\n", std::string(st.message()).c_str());
+      std::exit(1);
+    }
+  };
+  for (int i = 0; i < warmups; ++i) {
+    launch_lib();
+    probed_launch();
+  }
+  CHECK_CUDA(cudaDeviceSynchronize());
+  CHECK_CUDA(cudaMemcpyToSymbol(hk::trace::g_buffer, &buf, sizeof(buf)));
+  CHECK_CUDA(cudaEventRecord(e0));
+  launch_lib();
+  CHECK_CUDA(cudaEventRecord(e1));
+  probed_launch();
+  CHECK_CUDA(cudaEventRecord(e2));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  uint64_t* none = nullptr;
+  CHECK_CUDA(cudaMemcpyToSymbol(hk::trace::g_buffer, &none, sizeof(none)));
+  PairRun r;
+  CHECK_CUDA(cudaEventElapsedTime(&r.ms_lib, e0, e1));
+  CHECK_CUDA(cudaEventElapsedTime(&r.ms_probed, e1, e2));
+  r.lib_out.resize(cd.elems * 2);
+  r.probed_out.resize(cd.elems * 2);
+  r.stamps.resize(words);
+  CHECK_CUDA(cudaMemcpy(r.lib_out.data(), cd.o1, cd.elems * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(r.probed_out.data(), cd.o2, cd.elems * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(r.stamps.data(), buf, words * 8, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaFree(buf));
+  CHECK_CUDA(cudaEventDestroy(e0));
+  CHECK_CUDA(cudaEventDestroy(e1));
+  CHECK_CUDA(cudaEventDestroy(e2));
+  return r;
+}
+
+double FlopsOf(const Case& c, int d) {
+  return 4.0 * c.b * c.h * static_cast<double>(c.s) * c.s * d * (c.causal ? 0.5 : 1.0);
+}
+
 void RunCase(const Case& c, int sms) {
   const auto it = Launchers().find(c.config);
   if (it == Launchers().end()) {
@@ -207,11 +269,7 @@ void RunCase(const Case& c, int sms) {
   }
   CaseData cd = SetUpCase(c);
   const int d = cd.d;
-  const size_t elems = cd.elems;
-  void *o1 = cd.o1, *o2 = cd.o2;
-  const attnd::kernels::Plan* plan = &cd.plan;
-  const attnd::kernels::Plan& probed = cd.probed;
-  hk::LaunchSchedule ls = hk::ScheduleFor(*plan, d, hk::MayRunDynamic(d), sms);
+  hk::LaunchSchedule ls = hk::ScheduleFor(cd.plan, d, hk::MayRunDynamic(d), sms);
   hk::SchedulerParams& sp = ls.sp;
   const int blocks = ls.blocks;
   const bool dynamic = ls.dynamic;
@@ -226,52 +284,15 @@ void RunCase(const Case& c, int sms) {
     sp.counter = counter;
   }
 
-  const size_t words = static_cast<size_t>(blocks) * hk::trace::kRoles * hk::trace::kRounds * hk::trace::kEvents;
-  uint64_t* buf = nullptr;
-  CHECK_CUDA(cudaMalloc(&buf, words * 8));
-  CHECK_CUDA(cudaMemset(buf, 0, words * 8));
-
-  cudaEvent_t e0, e1, e2;
-  CHECK_CUDA(cudaEventCreate(&e0));
-  CHECK_CUDA(cudaEventCreate(&e1));
-  CHECK_CUDA(cudaEventCreate(&e2));
-  // Warm both, then time one of each; the probed run is the one traced.
-  if (absl::Status st = attnd::kernels::Launch(*plan, nullptr); !st.ok()) {
-    std::fprintf(stderr, "launch: %s\n", std::string(st.message()).c_str());
-    std::exit(1);
-  }
-  it->second(probed, blocks, sp);
-  CHECK_CUDA(cudaDeviceSynchronize());
-  CHECK_CUDA(cudaMemcpyToSymbol(hk::trace::g_buffer, &buf, sizeof(buf)));
-  CHECK_CUDA(cudaEventRecord(e0));
-  if (absl::Status st = attnd::kernels::Launch(*plan, nullptr); !st.ok()) std::exit(1);
-  CHECK_CUDA(cudaEventRecord(e1));
-  it->second(probed, blocks, sp);
-  CHECK_CUDA(cudaEventRecord(e2));
-  CHECK_CUDA(cudaDeviceSynchronize());
-  uint64_t* none = nullptr;
-  CHECK_CUDA(cudaMemcpyToSymbol(hk::trace::g_buffer, &none, sizeof(none)));
-  float ms_lib = 0, ms_probed = 0;
-  CHECK_CUDA(cudaEventElapsedTime(&ms_lib, e0, e1));
-  CHECK_CUDA(cudaEventElapsedTime(&ms_probed, e1, e2));
-
-  std::vector<uint8_t> a(elems * 2), b2(elems * 2);
-  CHECK_CUDA(cudaMemcpy(a.data(), o1, elems * 2, cudaMemcpyDeviceToHost));
-  CHECK_CUDA(cudaMemcpy(b2.data(), o2, elems * 2, cudaMemcpyDeviceToHost));
-  const bool same = std::memcmp(a.data(), b2.data(), a.size()) == 0;
-  std::vector<uint64_t> tr(words);
-  CHECK_CUDA(cudaMemcpy(tr.data(), buf, words * 8, cudaMemcpyDeviceToHost));
-
-  const double flops = 4.0 * c.b * c.h * static_cast<double>(c.s) * c.s * d * (c.causal ? 0.5 : 1.0);
+  // Warm both once, then time one of each; the probed run is the one traced.
+  const PairRun run = RunPair(cd, blocks, 1, [&] { it->second(cd.probed, blocks, sp); });
+  const bool same = run.lib_out == run.probed_out;
   std::printf("\n== %s B=%d S=%d H=%d causal=%d: %d tiles on %d blocks; library %.1f us (%.0f TFLOP/s), probed %.1f us; "
               "outputs %s\n",
-              c.config.c_str(), c.b, c.s, c.h, c.causal, sp.total_tiles, blocks, ms_lib * 1e3,
-              flops / (ms_lib * 1e-3) / 1e12, ms_probed * 1e3, same ? "bit-identical" : "DIFFER");
+              c.config.c_str(), c.b, c.s, c.h, c.causal, sp.total_tiles, blocks, run.ms_lib * 1e3,
+              FlopsOf(c, d) / (run.ms_lib * 1e-3) / 1e12, run.ms_probed * 1e3, same ? "bit-identical" : "DIFFER");
 
-  auto at = [&](int blk, int role, int round, int ev) {
-    return tr[((static_cast<size_t>(blk) * hk::trace::kRoles + role) * hk::trace::kRounds + round) *
-                  hk::trace::kEvents + ev];
-  };
+  const auto at = [&](int blk, int role, int round, int ev) { return run.At(blk, role, round, ev); };
   // Per n_blocks: qwait, first, middle, lastpv, epi, gap, total (cycles); middle steps counted apart.
   std::map<int, Acc> by_n;
   Acc prod;  // producer: first-K wait, Q wait (q_empty), Q issue -> consumer WG0 Q ready
@@ -332,11 +353,7 @@ void RunCase(const Case& c, int sms) {
                 "%.0f cycles after WG0's tile start (%d tiles)\n",
                 prod.sum[0] * m, prod.sum[1] * m, prod.sum[2] * m, prod.sum[3] * m, prod.n);
   }
-  CHECK_CUDA(cudaFree(buf));
   FreeCase(cd);
-  CHECK_CUDA(cudaEventDestroy(e0));
-  CHECK_CUDA(cudaEventDestroy(e1));
-  CHECK_CUDA(cudaEventDestroy(e2));
   if (!same) std::exit(3);
 }
 
@@ -349,60 +366,26 @@ void RunTimeline(const Case& c, int sms) {
   }
   CaseData cd = SetUpCase(c);
   const int d = cd.d;
-  const size_t elems = cd.elems;
-  void *o1 = cd.o1, *o2 = cd.o2;
-  const attnd::kernels::Plan* plan = &cd.plan;
-  const attnd::kernels::Plan* probed = &cd.probed;
-  const hk::LaunchSchedule ls = hk::ScheduleFor(*plan, d, false, sms);
-  const int blocks = ls.blocks;
-  const size_t words = static_cast<size_t>(blocks) * hk::trace::kRoles * hk::trace::kRounds * hk::trace::kEvents;
-  uint64_t* buf = nullptr;
-  CHECK_CUDA(cudaMalloc(&buf, words * 8));
-  cudaEvent_t e0, e1, e2;
-  CHECK_CUDA(cudaEventCreate(&e0));
-  CHECK_CUDA(cudaEventCreate(&e1));
-  CHECK_CUDA(cudaEventCreate(&e2));
-  // Warm-up: a few launches of each so the clock settles under the power cap as in a benchmark.
-  for (int i = 0; i < 5; ++i) {
-    if (!attnd::kernels::Launch(*plan, nullptr).ok()) std::exit(1);
-    it->second(*probed, sms);
-  }
-  CHECK_CUDA(cudaDeviceSynchronize());
-  CHECK_CUDA(cudaMemset(buf, 0, words * 8));
-  CHECK_CUDA(cudaMemcpyToSymbol(hk::trace::g_buffer, &buf, sizeof(buf)));
-  CHECK_CUDA(cudaEventRecord(e0));
-  if (!attnd::kernels::Launch(*plan, nullptr).ok()) std::exit(1);
-  CHECK_CUDA(cudaEventRecord(e1));
-  const hk::TailSplit ts = it->second(*probed, sms);
-  CHECK_CUDA(cudaEventRecord(e2));
-  CHECK_CUDA(cudaDeviceSynchronize());
-  uint64_t* none = nullptr;
-  CHECK_CUDA(cudaMemcpyToSymbol(hk::trace::g_buffer, &none, sizeof(none)));
-  float ms_lib = 0, ms_probed = 0;
-  CHECK_CUDA(cudaEventElapsedTime(&ms_lib, e0, e1));
-  CHECK_CUDA(cudaEventElapsedTime(&ms_probed, e1, e2));
-  std::vector<uint8_t> a(elems * 2), b2(elems * 2);
-  CHECK_CUDA(cudaMemcpy(a.data(), o1, elems * 2, cudaMemcpyDeviceToHost));
-  CHECK_CUDA(cudaMemcpy(b2.data(), o2, elems * 2, cudaMemcpyDeviceToHost));
+  const int blocks = hk::ScheduleFor(cd.plan, d, false, sms).blocks;
+  // Five warm-ups of each; a single probed launch after that still runs near the top clock (call 1 of v16: 1,980
+  // MHz), not at the power cap a benchmark's back-to-back launches settle to.
+  hk::TailSplit ts;
+  const PairRun run = RunPair(cd, blocks, 5, [&] { ts = it->second(cd.probed, sms); });
   // The split tail combines parts in another order than a whole tile: compare in value, not bits.
   double max_diff = 0;
-  for (size_t i = 0; i < elems; ++i) {
-    const float x = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(a.data())[i]);
-    const float y = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(b2.data())[i]);
+  for (size_t i = 0; i < cd.elems; ++i) {
+    const float x = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(run.lib_out.data())[i]);
+    const float y = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(run.probed_out.data())[i]);
     const double df = std::fabs(static_cast<double>(x) - y);
     if (!(df <= max_diff)) max_diff = std::isnan(df) ? INFINITY : df;
   }
-  std::vector<uint64_t> tr(words);
-  CHECK_CUDA(cudaMemcpy(tr.data(), buf, words * 8, cudaMemcpyDeviceToHost));
-  auto at = [&](int blk, int role, int round, int ev) {
-    return tr[((static_cast<size_t>(blk) * hk::trace::kRoles + role) * hk::trace::kRounds + round) *
-                  hk::trace::kEvents + ev];
-  };
-  const double flops = 4.0 * c.b * c.h * static_cast<double>(c.s) * c.s * d * (c.causal ? 0.5 : 1.0);
+  const auto at = [&](int blk, int role, int round, int ev) { return run.At(blk, role, round, ev); };
+  const double flops = FlopsOf(c, d);
   std::printf("\n== timeline %s B=%d S=%d H=%d causal=%d: %d blocks, split tail %s (units %d from round %d); library "
               "%.1f us (%.0f TFLOP/s), probed %.1f us (%.0f TFLOP/s); max |O - library| %.3g\n",
               c.config.c_str(), c.b, c.s, c.h, c.causal, blocks, ts.units > 0 ? "on" : "off", ts.units, ts.round,
-              ms_lib * 1e3, flops / (ms_lib * 1e-3) / 1e12, ms_probed * 1e3, flops / (ms_probed * 1e-3) / 1e12,
+              run.ms_lib * 1e3, flops / (run.ms_lib * 1e-3) / 1e12, run.ms_probed * 1e3,
+              flops / (run.ms_probed * 1e-3) / 1e12,
               max_diff);
   const int last = hk::trace::kRounds - 1;
   uint64_t t0 = UINT64_MAX;
@@ -454,11 +437,7 @@ void RunTimeline(const Case& c, int sms) {
     std::printf("%6d %7d %10.1f %10.1f %10.1f %12.1f\n", r, active_by_round[r], m,
                 *std::min_element(durs.begin(), durs.end()), *std::max_element(durs.begin(), durs.end()), nsb);
   }
-  CHECK_CUDA(cudaFree(buf));
   FreeCase(cd);
-  CHECK_CUDA(cudaEventDestroy(e0));
-  CHECK_CUDA(cudaEventDestroy(e1));
-  CHECK_CUDA(cudaEventDestroy(e2));
 }
 
 }  // namespace
