@@ -121,8 +121,14 @@ const char* DefaultHopperConfig(const Problem& p) {
     // v13's s3 `_os`): causal 1k +4.7% (GQA +7.4%), 2k +1.8%, 4k +1.8 / +2.3%, 8k +0.8%; non-causal 1k +2.2% (GQA
     // +1.3%), 2k +2.3%, 4k +0.4%, 8k -0.4%; over plain s3 (auto's causal choice before), medians from +0.6%
     // (non-causal 4k) to +9.8% (causal GQA 1k).
-    case 128:
-      return p.shape.kv_len >= 16384 ? "hopper_sm90_d128_m128n176s2_os" : "hopper_sm90_d128_m128n128s3_osk";
+    // v17: without a mask 128x176 from 8k keys. At 8k it ran +2.1 / +2.3% over s3 `_osk` (session 16 call 1, four
+    // processes, ahead in 4 of 4), and as auto's choice +2.2% and +2.9% over the old auto (calls 2 and 4, ahead in
+    // 6 of 8). Session 12 had it level there. At 4k it is still 1-3% behind. With a mask s3 `_osk` stays below 16k
+    // (8k: 128x176 was 1.6% behind in session 12's call 2).
+    case 128: {
+      const bool wide = p.shape.kv_len >= (p.mask == Mask::kNone ? 8192 : 16384);
+      return wide ? "hopper_sm90_d128_m128n176s2_os" : "hopper_sm90_d128_m128n128s3_osk";
+    }
     case 256: return "hopper_sm90_d256_m128n64s2";
   }
   return nullptr;
