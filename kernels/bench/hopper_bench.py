@@ -10,6 +10,11 @@ flushed between runs), median.
 
   python3 hopper_bench.py --lib path/libattnd_kernels_c.so --configs hopper,seed [--quick] [--json out.json]
 
+Order and clocks: under the H200's 700 W cap a column's figure depends on what ran just before it (session 16 saw
+the first attnd column of a process run ~10% faster than the second). --peers_last swaps the order of the peers and
+attnd's columns within each row, so processes can alternate it; --settle_ms runs each column back to back before
+its timing, so that every figure starts from its own steady clocks.
+
 A/B of two builds in one process: --base_lib other/libattnd_kernels_c.so and configs named base:CONFIG run
 CONFIG through that library (its column is base:CONFIG), so both builds see the same inputs, clocks and peers.
 """
@@ -17,6 +22,7 @@ import argparse
 import ctypes
 import json
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +86,18 @@ def rows(args):
     return out
 
 
+def settle(fn, ms):
+    """Runs fn back to back for about ms milliseconds, so that its timing starts from the clocks and power its own
+    load settles at rather than from whatever ran before it."""
+    if ms <= 0:
+        return
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        for _ in range(4):
+            fn()
+        torch.cuda.synchronize()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", required=True)
@@ -94,6 +112,10 @@ def main():
     ap.add_argument("--gqa", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--peers", default="cudnn,fa2", help="torch SDPA backends timed beside attnd (cudnn, fa2)")
     ap.add_argument("--base_lib", default="", help="a second build, for configs named base:CONFIG")
+    ap.add_argument("--peers_last", action="store_true",
+                    help="time attnd's columns before the peers in each row (default: the peers first)")
+    ap.add_argument("--settle_ms", type=float, default=0,
+                    help="run each column back to back this long right before timing it (default 0: as before)")
     args = ap.parse_args()
     attnd = Attnd(args.lib)
     # ctypes loads with RTLD_LOCAL: each library keeps its own symbols, kernels and device pools.
@@ -125,18 +147,18 @@ def main():
 
         ref = None
         peers = [x for x in args.peers.split(",") if x]
+        # Every column's output is checked first; the timings follow, in one order for the whole row (see
+        # --peers_last and --settle_ms).
+        peer_timers, attnd_timers, plans = [], [], []
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
             res[name] = None
             try:
                 o = sdpa(backend)
                 if ref is None:
                     ref = o.transpose(1, 2).float()
-                if name not in peers:
-                    continue
-                ms = triton.testing.do_bench(lambda: sdpa(backend), rep=args.rep, return_mode="median")
-                res[name] = flops / ms / 1e9
+                if name in peers:
+                    peer_timers.append((name, lambda backend=backend: sdpa(backend)))
             except Exception as e:  # a backend that refuses the shape (e.g. GQA) is reported, not fatal
-                res[name] = None
                 res[name + "_error"] = str(e).splitlines()[0][:200]
         if ref is None:
             ref = torch.nn.functional.scaled_dot_product_attention(qt.float(), kt.float(), vt.float(),
@@ -160,12 +182,22 @@ def main():
             err = (o.float() - ref).abs().max().item()
             res[c + "_config"] = name
             res[c + "_maxdiff_vs_ref"] = err
+            plans.append((lib, plan, o))  # o stays alive while its plan (which writes it) is timed
+            res[c] = None
             if not (err < 0.05):
-                res[c] = None
                 res[c + "_error"] = f"max |O - ref| = {err}"
             else:
-                ms = triton.testing.do_bench(lambda: lib.launch(plan), rep=args.rep, return_mode="median")
-                res[c] = flops / ms / 1e9
+                attnd_timers.append((c, lambda lib=lib, plan=plan: lib.launch(plan)))
+        timers = attnd_timers + peer_timers if args.peers_last else peer_timers + attnd_timers
+        for col, fn in timers:
+            try:
+                settle(fn, args.settle_ms)
+                ms = triton.testing.do_bench(fn, rep=args.rep, return_mode="median")
+                res[col] = flops / ms / 1e9
+            except Exception as e:
+                res[col] = None
+                res[col + "_error"] = str(e).splitlines()[0][:200]
+        for lib, plan, _ in plans:
             lib.lib.attnd_kernels_plan_destroy(plan)
         results.append(res)
 
