@@ -46,7 +46,8 @@ def main():
             # With the order alternating between processes, a bias for whichever config runs first in a process
             # (up to ~10% on the H200) splits the ratios into two groups; their geometric mean cancels a bias of
             # that kind where the median of four lands on either group.
-            print(f"    {c} / {args.ref}: median {statistics.median(rs):.3f} gmean {statistics.geometric_mean(rs):.3f} "
+            print(f"    {c} / {args.ref}: median {statistics.median(rs):.3f} "
+                  f"gmean {statistics.geometric_mean(rs):.3f} "
                   f"({' '.join('%.3f' % r for r in rs)}; ahead in {ahead} of {len(rs)})")
 
 
