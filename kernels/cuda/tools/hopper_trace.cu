@@ -8,7 +8,10 @@
 //   middle the overlapped steps (per step)   lastpv the last P V alone
 //   epi    normalise + store O               gap    store -> next tile's start (scheduler)
 // and the overhead of a tile beyond n_blocks steady-state steps, in steps. Round 0 (pipeline fill) and a
-// block's last traced round are left out. Usage: hopper_trace [config B S H causal]... (defaults below).
+// block's last traced round are left out. Then where the steady step itself goes (warp 0 of each consumer
+// warpgroup): the K and V waits, the turn, issuing each GEMM, the S wait, the row max, the exponentials, the P V
+// wait and the conversion of P. Usage: hopper_trace [config B S H causal]... (defaults below). With the split tail
+// the library's output differs from the probed kernel's (which runs without it): set ATTND_HOPPER_SPLIT_TAIL=0.
 //
 // hopper_trace --timeline [config B S H causal]...: the launcher's whole path (persistent grid, order, the split
 // tail with its workspace) with %globaltimer stamps at every tile's and split-tail part's start and at each block's
@@ -81,12 +84,13 @@ void LaunchProbed(const attnd::kernels::Plan& plan, int blocks, const hk::Schedu
   LaunchOrder<Tile, hk::kStatic>(plan, blocks, sp);
 }
 
-// The configurations the tool instantiates (d128 s3 and s2, and the defaults `auto` picks but 128x176).
+// The configurations the tool instantiates (d128 s3 and s2, and the defaults `auto` picks).
 const std::map<std::string, Launcher>& Launchers() {
   static const std::map<std::string, Launcher> m = {
       {"hopper_sm90_d128_m128n128s3", &LaunchProbed<hk::HopperD128N128S3>},
       {"hopper_sm90_d128_m128n128s3_osk", &LaunchProbed<hk::HopperD128N128S3Osk>},
       {"hopper_sm90_d128_m128n128s2", &LaunchProbed<hk::HopperD128N128S2>},
+      {"hopper_sm90_d128_m128n176s2_os", &LaunchProbed<hk::HopperD128N176S2Os>},
       {"hopper_sm90_d64_m192n128s4", &LaunchProbed<hk::HopperD64M192N128S4>},
       {"hopper_sm90_d256_m128n64s2", &LaunchProbed<hk::HopperD256N64S2>},
   };
@@ -297,6 +301,7 @@ void RunCase(const Case& c, int sms) {
   std::map<int, Acc> by_n;
   Acc prod;  // producer: first-K wait, Q wait (q_empty), Q issue -> consumer WG0 Q ready
   double middle_cycles = 0, middle_steps = 0;
+  double parts[hk::trace::kStepParts] = {};  // summed over the same tiles' middle steps
   for (int blk = 0; blk < blocks; ++blk) {
     for (int role = 1; role < hk::trace::kRoles; ++role) {
       for (int r = 1; r + 1 < hk::trace::kRounds; ++r) {
@@ -319,6 +324,9 @@ void RunCase(const Case& c, int sms) {
         if (n >= 4) {
           middle_cycles += ev[3] - ev[2];
           middle_steps += n - 1;
+          for (int i = 0; i < hk::trace::kStepParts; ++i) {
+            parts[i] += static_cast<double>(at(blk, role, r, hk::trace::kStepEvent0 + i));
+          }
         }
       }
     }
@@ -338,6 +346,19 @@ void RunCase(const Case& c, int sms) {
   }
   const double step = middle_steps > 0 ? middle_cycles / middle_steps : 0;
   std::printf("steady-state step (tiles with >= 4 blocks): %.0f cycles\n", step);
+  if (middle_steps > 0) {
+    // Warp 0 of each consumer warpgroup, between consecutive marks of the overlapped step (the probes' own clock
+    // reads and shared-memory adds are in these figures).
+    static const char* const kNames[hk::trace::kStepParts] = {"kwait", "turn", "issueS", "vwait",  "issuePV",
+                                                              "Swait", "max",  "exp",    "PVwait", "convert"};
+    double total = 0;
+    for (double x : parts) total += x;
+    std::printf("step parts (cycles per middle step, %% of their sum %.0f):", total / middle_steps);
+    for (int i = 0; i < hk::trace::kStepParts; ++i) {
+      std::printf(" %s %.0f (%.1f%%)", kNames[i], parts[i] / middle_steps, total > 0 ? 100.0 * parts[i] / total : 0.0);
+    }
+    std::printf("\n");
+  }
   std::printf("%8s %6s %8s %8s %8s %8s %8s %8s %9s %10s\n", "n_blocks", "tiles", "qwait", "first", "middle/st",
               "lastpv", "epi", "gap", "total", "over(st)");
   for (const auto& [n, acc] : by_n) {

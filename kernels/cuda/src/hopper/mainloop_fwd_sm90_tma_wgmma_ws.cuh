@@ -255,6 +255,7 @@ struct ConsumerSm90 {
   int prev_st = 0;
   uint32_t prev_phase = 0;
   ATTND_HOPPER_TRACE_ROUND_MEMBER  // the tile's round (timeline probes only)
+  ATTND_HOPPER_STEP_MEMBER         // the last step-part mark (probes only)
 
   // Waits for the next tile's Q (the producer loads one per tile with key blocks, in tile order).
   __device__ __forceinline__ int WaitQ() {
@@ -332,10 +333,17 @@ struct ConsumerSm90 {
 
   __device__ __forceinline__ bool SoftmaxStep(Softmax& sm, float (&s)[kSRegs], const LaunchParams& p, int block,
                                               const TileWork& w, float (&f)[2]) const {
+#if defined(ATTND_HOPPER_TRACE)
+    const auto after_max = [&] { ATTND_HOPPER_STEP_MARK(kSpMax); };
+#else
+    const NoOpSm90 after_max;
+#endif
     if (block >= w.r.n_full) {
-      return sm.template Step<true, Tile::kPolyExpEvery>(s, p.scale_log2, block * BN, w.limit0, w.limit1, f);
+      return sm.template Step<true, Tile::kPolyExpEvery>(s, p.scale_log2, block * BN, w.limit0, w.limit1, f,
+                                                         after_max);
     }
-    return sm.template Step<false, Tile::kPolyExpEvery>(s, p.scale_log2, block * BN, w.limit0, w.limit1, f);
+    return sm.template Step<false, Tile::kPolyExpEvery>(s, p.scale_log2, block * BN, w.limit0, w.limit1, f,
+                                                        after_max);
   }
 
   // After S of a block has completed: its K stage goes back to the producer. kHoldLast (split O stages, whole
@@ -397,14 +405,20 @@ struct ConsumerSm90 {
                                                    const uint32_t (&pf)[kPSteps][4], int st, int q_slot,
                                                    bool last = false) {
     MbarWait(&smem.k_full[st], (load / S) & 1);
+    ATTND_HOPPER_STEP_MARK(kSpKWait);
     TurnBegin();
+    ATTND_HOPPER_STEP_MARK(kSpTurn);
     IssueQK(s, st, q_slot);
+    ATTND_HOPPER_STEP_MARK(kSpIssueS);
     MbarWait(&smem.v_full[prev_st], prev_phase);
+    ATTND_HOPPER_STEP_MARK(kSpVWait);
     IssuePV(o, pf, prev_st);
     TurnEnd();
+    ATTND_HOPPER_STEP_MARK(kSpIssuePV);
     WgmmaWait<1>();  // groups complete in order: S is done, the P V may still run
     FenceOperand(s);
     ReleaseK<kHoldLast>(st, last);
+    ATTND_HOPPER_STEP_MARK(kSpSWait);
   }
 
   // Second half, after the softmax: the previous block's P V has completed and its V stage is free; the
@@ -425,14 +439,18 @@ struct ConsumerSm90 {
                                                float (&s)[kSRegs], uint32_t (&pf)[kPSteps][4], Softmax& sm) {
     float f[2];
     const int first = kPart ? w.r.first : 0;
+    ATTND_HOPPER_STEP_RESET();
     for (int b = w.r.n_blocks - 2; b >= first; --b) {
       const int st = load % S;
       IssueSWithPrevPV<Tile::kOSplitStages && !kPart>(s, o, pf, st, w.q_slot, b == first);
       if (b == first) ReleaseQ(w.q_slot);
       const bool rescale = SoftmaxStep(sm, s, p, b, w, f);
+      ATTND_HOPPER_STEP_MARK(kSpSoftmax);
       FinishPrevPV(o, pf, st);
+      ATTND_HOPPER_STEP_MARK(kSpPVWait);
       if (rescale) Softmax::Rescale(o, f);
       ConvertP(s, pf);
+      ATTND_HOPPER_STEP_MARK(kSpConvert);
     }
   }
 
@@ -500,6 +518,7 @@ struct ConsumerSm90 {
       ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kFirstDone);
       MiddleBlocks<kPart>(p, w, o, s, pf, sm);
       ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kMiddleDone);
+      ATTND_HOPPER_STEP_PUT();
       if constexpr (Tile::kOSplitStages && !kPart) {
         LastPV<false>(o, pf);
         if (wg == 0) {

@@ -40,6 +40,10 @@ __host__ __device__ constexpr bool PolyGroup(int i, int every) {
   return every > 0 && i % (every > 0 ? every : 1) == every - 1;
 }
 
+struct NoOpSm90 {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 template <int kBlockN>
 struct SoftmaxSm90 {
   static constexpr int kRegs = kBlockN / 2;
@@ -53,9 +57,10 @@ struct SoftmaxSm90 {
 
   // s: raw scores in, P = exp2(s * scale_log2 - m) out. kMasked: keys past a row's limit are removed (key of
   // s[4i+e] = key0 + 8i + 2t + (e & 1)). Returns true (warp-uniform) when O must be scaled by f[0] / f[1].
-  template <bool kMasked, int kPolyEvery = 0>
+  // after_max runs once the row maxima are known, before the exponentials (the step probes' mark; none otherwise).
+  template <bool kMasked, int kPolyEvery = 0, typename AfterMax = NoOpSm90>
   __device__ __forceinline__ bool Step(float (&s)[kRegs], float scale_log2, int key0, int limit0, int limit1,
-                                       float (&f)[2]) {
+                                       float (&f)[2], AfterMax after_max = {}) {
     const int t = threadIdx.x & 3;
     // A positive scale commutes with the max: take it over the raw scores and fold the scale into the
     // exponent's FFMA (one FP32 op per score fewer, and the softmax is what bounds this kernel between
@@ -102,6 +107,7 @@ struct SoftmaxSm90 {
     const float b0 = m[0] == -CUDART_INF_F ? 0.f : m[0];
     const float b1 = m[1] == -CUDART_INF_F ? 0.f : m[1];
     const float k = fold ? scale_log2 : 1.f;  // masked scores are -inf either way: exp2 gives 0
+    after_max();
 #pragma unroll
     for (int i = 0; i < kBlockN / 8; ++i) {
       if (PolyGroup(i, kPolyEvery)) {

@@ -13,7 +13,7 @@
 namespace attnd::kernels::hopper::trace {
 
 // Stamps per block: [role][round][event]. Role 0 is the producer, role 1 + w consumer warpgroup w.
-constexpr int kRoles = 4, kRounds = 64, kEvents = 10;
+constexpr int kRoles = 4, kRounds = 64, kEvents = 20;
 
 // Consumer events, in the order a tile passes them; kBlocks stores the tile's key-block count, not a time.
 enum ConsumerEvent : int { kTileStart, kQReady, kFirstDone, kMiddleDone, kLastPVDone, kStored, kBlocks };
@@ -21,6 +21,12 @@ enum ConsumerEvent : int { kTileStart, kQReady, kFirstDone, kMiddleDone, kLastPV
 // split-tail part's start, and a part's first key block (0 for whole tiles). Round kRounds - 1 of kGlobalStart holds
 // the block's end.
 enum TimelineEvent : int { kGlobalStart = 7, kPartFirst = 8 };
+// Where an overlapped middle step's cycles go (hopper_trace's step table): per tile, the sum over its middle steps of
+// the cycles between consecutive marks, stored as values in events kStepEvent0 + part. Taken by the first thread of
+// each consumer warpgroup, i.e. its warp 0.
+enum StepPart : int { kSpKWait, kSpTurn, kSpIssueS, kSpVWait, kSpIssuePV, kSpSWait, kSpMax, kSpSoftmax, kSpPVWait,
+                      kSpConvert, kStepParts };
+constexpr int kStepEvent0 = 10;
 // Producer events.
 enum ProducerEvent : int { kPTileStart, kPFirstKIssued, kPQIssued, kPTileIssued };
 
@@ -46,6 +52,36 @@ __device__ __forceinline__ void Put(int role, int round, int event, uint64_t val
   }
 }
 
+__device__ __forceinline__ uint32_t Clock32() {
+  uint32_t c;
+  asm volatile("mov.u32 %0, %%clock;" : "=r"(c)::"memory");
+  return c;
+}
+
+// The step parts' sums of the running tile, per consumer warpgroup (static shared memory: registers would change the
+// probed kernels' allocation more).
+__device__ __forceinline__ uint32_t* StepSums() {
+  __shared__ uint32_t sums[kRoles - 1][kStepParts];
+  return &sums[0][0];
+}
+
+__device__ __forceinline__ void StepReset(int wg, uint32_t& prev) {
+  if ((threadIdx.x & 127) == 0) {
+    for (int i = 0; i < kStepParts; ++i) StepSums()[wg * kStepParts + i] = 0;
+  }
+  prev = Clock32();
+}
+
+__device__ __forceinline__ void StepMark(int wg, uint32_t& prev, int part) {
+  const uint32_t now = Clock32();
+  if ((threadIdx.x & 127) == 0) StepSums()[wg * kStepParts + part] += now - prev;
+  prev = now;
+}
+
+__device__ __forceinline__ void StepPut(int wg, int round) {
+  for (int i = 0; i < kStepParts; ++i) Put(1 + wg, round, kStepEvent0 + i, StepSums()[wg * kStepParts + i]);
+}
+
 }  // namespace attnd::kernels::hopper::trace
 
 #define ATTND_HOPPER_TRACE_AT(role, round, event) \
@@ -59,6 +95,12 @@ __device__ __forceinline__ void Put(int role, int round, int event, uint64_t val
 // extra member, even unused, changed the order of two instructions in the shipped kernels.
 #define ATTND_HOPPER_TRACE_ROUND_MEMBER int trace_round = 0;
 #define ATTND_HOPPER_TRACE_SET_ROUND(role_object, round) ((role_object).trace_round = (round))
+// Step parts (consumer warpgroup members step_prev, wg and trace_round).
+#define ATTND_HOPPER_STEP_MEMBER mutable uint32_t step_prev = 0;
+#define ATTND_HOPPER_STEP_RESET() ::attnd::kernels::hopper::trace::StepReset(wg, step_prev)
+#define ATTND_HOPPER_STEP_MARK(part) \
+  ::attnd::kernels::hopper::trace::StepMark(wg, step_prev, ::attnd::kernels::hopper::trace::part)
+#define ATTND_HOPPER_STEP_PUT() ::attnd::kernels::hopper::trace::StepPut(wg, trace_round)
 
 #else
 
@@ -67,5 +109,9 @@ __device__ __forceinline__ void Put(int role, int round, int event, uint64_t val
 #define ATTND_HOPPER_TRACE_VALUE(role, round, event, value) ((void)0)
 #define ATTND_HOPPER_TRACE_ROUND_MEMBER
 #define ATTND_HOPPER_TRACE_SET_ROUND(role_object, round) ((void)0)
+#define ATTND_HOPPER_STEP_MEMBER
+#define ATTND_HOPPER_STEP_RESET() ((void)0)
+#define ATTND_HOPPER_STEP_MARK(part) ((void)0)
+#define ATTND_HOPPER_STEP_PUT() ((void)0)
 
 #endif
