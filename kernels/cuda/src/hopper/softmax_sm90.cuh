@@ -83,25 +83,35 @@ struct SoftmaxSm90 {
       mx0 = fmaxf(mx0, fmaxf(s[4 * i + 0], s[4 * i + 1]));
       mx1 = fmaxf(mx1, fmaxf(s[4 * i + 2], s[4 * i + 3]));
     }
-    mx0 = QuadMax(mx0);
-    mx1 = QuadMax(mx1);
-    if (fold) {  // -inf stays -inf
+    if (fold) {  // -inf stays -inf; scaling by a positive factor commutes with the max, also after rounding
       mx0 *= scale_log2;
       mx1 *= scale_log2;
     }
-    const bool move0 = mx0 > m[0] + seed::kRescaleThresholdLog2;
-    const bool move1 = mx1 > m[1] + seed::kRescaleThresholdLog2;
     f[0] = f[1] = 1.f;
-    // exp2(-inf - mx) = 0 on a row's first visible block, where O and l are still zero.
-    if (move0) {
-      f[0] = Exp2(m[0] - mx0);
-      m[0] = mx0;
-      l[0] *= f[0];
-    }
-    if (move1) {
-      f[1] = Exp2(m[1] - mx1);
-      m[1] = mx1;
-      l[1] *= f[1];
+    // The reference max moves only when a row's max beats it by the threshold, and a row's max beats it only if one
+    // of its four threads' partial maxima does: when no thread of the warp sees that (every block after the first few
+    // of a tile), the quad maxima are not needed. Their two shuffle rounds sit between the S GEMM and the first
+    // exp2, where the tensor cores' shared-memory reads make them slow (hopper_trace's step parts, v19). The outputs
+    // are the same either way: without a move the exponent's reference is m, as before.
+    bool moved = false;
+    const bool beyond = mx0 > m[0] + seed::kRescaleThresholdLog2 || mx1 > m[1] + seed::kRescaleThresholdLog2;
+    if (__any_sync(0xffffffffu, beyond)) {
+      mx0 = QuadMax(mx0);
+      mx1 = QuadMax(mx1);
+      const bool move0 = mx0 > m[0] + seed::kRescaleThresholdLog2;
+      const bool move1 = mx1 > m[1] + seed::kRescaleThresholdLog2;
+      // exp2(-inf - mx) = 0 on a row's first visible block, where O and l are still zero.
+      if (move0) {
+        f[0] = Exp2(m[0] - mx0);
+        m[0] = mx0;
+        l[0] *= f[0];
+      }
+      if (move1) {
+        f[1] = Exp2(m[1] - mx1);
+        m[1] = mx1;
+        l[1] *= f[1];
+      }
+      moved = __any_sync(0xffffffffu, move0 || move1);
     }
     // A row with no visible key yet keeps m = -inf; its scores are -inf and exp2(-inf - 0) = 0.
     const float b0 = m[0] == -CUDART_INF_F ? 0.f : m[0];
@@ -124,7 +134,7 @@ struct SoftmaxSm90 {
       l[0] += s[4 * i + 0] + s[4 * i + 1];
       l[1] += s[4 * i + 2] + s[4 * i + 3];
     }
-    return __any_sync(0xffffffffu, move0 || move1);
+    return moved;
   }
 
   template <int kORegs>
