@@ -90,9 +90,10 @@ struct SoftmaxSm90 {
     f[0] = f[1] = 1.f;
     // The reference max moves only when a row's max beats it by the threshold, and a row's max beats it only if one
     // of its four threads' partial maxima does: when no thread of the warp sees that (every block after the first few
-    // of a tile), the quad maxima are not needed. Their two shuffle rounds sit between the S GEMM and the first
-    // exp2, where the tensor cores' shared-memory reads make them slow (hopper_trace's step parts, v19). The outputs
-    // are the same either way: without a move the exponent's reference is m, as before.
+    // of a tile), the quad maxima are not needed. Their two shuffle rounds sit between the S GEMM and the first exp2,
+    // on the chain the other warpgroup's GEMMs have to cover: without them the row max took 525 cycles a step
+    // instead of 695 (d128 4k, hopper_trace's step parts, v19). The outputs are the same either way: without a move
+    // the exponent's reference is m, as before.
     bool moved = false;
     const bool beyond = mx0 > m[0] + seed::kRescaleThresholdLog2 || mx1 > m[1] + seed::kRescaleThresholdLog2;
     if (__any_sync(0xffffffffu, beyond)) {
