@@ -13,7 +13,9 @@ flushed between runs), median.
 Order and clocks: under the H200's 700 W cap a column's figure depends on what ran just before it (session 16 saw
 the first attnd column of a process run ~10% faster than the second). --peers_last swaps the order of the peers and
 attnd's columns within each row, so processes can alternate it; --settle_ms runs each column back to back before
-its timing, so that every figure starts from its own steady clocks.
+its timing, so that every figure starts from its own steady clocks. Session 17 saw the bias mostly with the peers
+first (±4-9% toward whichever attnd column came first; ~1-3% with --peers_last): for A/Bs, pass --peers_last in
+every process and alternate only the order of the attnd columns.
 
 A/B of two builds in one process: --base_lib other/libattnd_kernels_c.so and configs named base:CONFIG run
 CONFIG through that library (its column is base:CONFIG), so both builds see the same inputs, clocks and peers.

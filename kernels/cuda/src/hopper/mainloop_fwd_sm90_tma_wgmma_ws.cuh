@@ -229,10 +229,6 @@ struct ProducerSm90 {
   }
 };
 
-struct NoOp {
-  __device__ __forceinline__ void operator()() const {}
-};
-
 // One tile as a consumer warpgroup sees it: its key blocks, its rows' last visible keys, its Q buffer.
 struct TileWork {
   KeyRange r;
@@ -336,7 +332,7 @@ struct ConsumerSm90 {
 #if defined(ATTND_HOPPER_TRACE)
     const auto after_max = [&] { ATTND_HOPPER_STEP_MARK(kSpMax); };
 #else
-    const NoOpSm90 after_max;
+    const NoOp after_max;
 #endif
     if (block >= w.r.n_full) {
       return sm.template Step<true, Tile::kPolyExpEvery>(s, p.scale_log2, block * BN, w.limit0, w.limit1, f,

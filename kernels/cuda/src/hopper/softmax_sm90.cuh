@@ -40,7 +40,9 @@ __host__ __device__ constexpr bool PolyGroup(int i, int every) {
   return every > 0 && i % (every > 0 ? every : 1) == every - 1;
 }
 
-struct NoOpSm90 {
+// The default of the family's hooks (a callback that does nothing): the softmax's after_max, the mainloop's
+// after_issue / after_first.
+struct NoOp {
   __device__ __forceinline__ void operator()() const {}
 };
 
@@ -58,7 +60,7 @@ struct SoftmaxSm90 {
   // s: raw scores in, P = exp2(s * scale_log2 - m) out. kMasked: keys past a row's limit are removed (key of
   // s[4i+e] = key0 + 8i + 2t + (e & 1)). Returns true (warp-uniform) when O must be scaled by f[0] / f[1].
   // after_max runs once the row maxima are known, before the exponentials (the step probes' mark; none otherwise).
-  template <bool kMasked, int kPolyEvery = 0, typename AfterMax = NoOpSm90>
+  template <bool kMasked, int kPolyEvery = 0, typename AfterMax = NoOp>
   __device__ __forceinline__ bool Step(float (&s)[kRegs], float scale_log2, int key0, int limit0, int limit1,
                                        float (&f)[2], AfterMax after_max = {}) {
     const int t = threadIdx.x & 3;
