@@ -67,7 +67,9 @@ struct Case {
   bool lse = false;
   Storage storage = Storage::kContiguous;
   double q_gain = 1.0;   // > 1 sharpens the softmax
-  bool key_ramp = false;  // key norms grow along the sequence: the running max keeps moving (lazy rescale)
+  // +1: key norms grow along the sequence, -1: they shrink. Either way the running max keeps moving (lazy rescale)
+  // in one of the families' block orders: the seed's runs forward, the Hopper family's backward from the last block.
+  int key_ramp = 0;
   float scale = 0;        // 0: 1/sqrt(head_dim)
   uint32_t seed = 1;
 };
@@ -117,8 +119,12 @@ std::vector<Case> CasesFor(int64_t d) {
   add("long4097_none", 1, 4097, 4097, 1, 1, Mask::kNone, false);
   add("sharp_none", 1, 1000, 1000, 2, 1, Mask::kNone, true)->q_gain = 4.0;
   Case* ramp = add("ramp_tl", 1, 1000, 1000, 2, 2, Mask::kCausalTopLeft, true);
-  ramp->key_ramp = true;
+  ramp->key_ramp = 1;
   ramp->q_gain = 2.0;
+  // Later blocks in the Hopper order score higher: its speculative exponentials (TryStep) are rejected and redone.
+  Case* ramp_down = add("ramp_down_none", 1, 1000, 1000, 2, 2, Mask::kNone, true);
+  ramp_down->key_ramp = -1;
+  ramp_down->q_gain = 2.0;
   add("neg_scale", 1, 65, 130, 2, 2, Mask::kNone, true)->scale = -0.2f;
   add("zero_scale_tl", 1, 65, 65, 2, 2, Mask::kCausalTopLeft, true)->scale = 0.f;
   add("fp16_tl", 1, 129, 129, 2, 2, Mask::kCausalTopLeft, true)->dtype = DType::kFP16;
@@ -229,9 +235,11 @@ std::shared_ptr<const HostData> Prepare(const Case& c) {
         }
   };
   if (c.q_gain != 1.0) scale_tensor(h->q_off, h->layout.q, s.q_len, s.q_heads, [&](int64_t) { return float(c.q_gain); });
-  if (c.key_ramp) {
-    scale_tensor(h->k_off, h->layout.k, s.kv_len, s.kv_heads,
-                 [&](int64_t r) { return 0.25f + 3.0f * static_cast<float>(r) / static_cast<float>(s.kv_len); });
+  if (c.key_ramp != 0) {
+    scale_tensor(h->k_off, h->layout.k, s.kv_len, s.kv_heads, [&](int64_t r) {
+      const float x = static_cast<float>(c.key_ramp > 0 ? r : s.kv_len - 1 - r) / static_cast<float>(s.kv_len);
+      return 0.25f + 3.0f * x;
+    });
   }
 
   const uint16_t* q = &h->qkv[h->q_off];

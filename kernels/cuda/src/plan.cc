@@ -109,9 +109,13 @@ const char* DefaultConfig(const DeviceCaps& caps, const Problem& p) {
 // from 2k tokens on; short causal problems (more masked work per 192-row tile) run 7% faster on 128 rows.
 const char* DefaultHopperConfig(const Problem& p) {
   switch (p.shape.head_dim) {
-    case 64:
-      return p.mask != Mask::kNone && p.shape.q_len < 2048 ? "hopper_sm90_d64_m128n128s4"
-                                                           : "hopper_sm90_d64_m192n128s4";
+    // v21: 128 rows with two P buffers and the exponentials before the row max (`_p2`), causal below 8k queries
+    // and non-causal below 2k (session 18 call 2, four processes, over the old auto: causal 1k +3.7%, 2k +0.6%, 4k
+    // +1.6%, non-causal 1k +3.7%; m192 stays ahead by 4-7% from 8k causal and 2k non-causal).
+    case 64: {
+      const bool short_rows = p.shape.q_len < (p.mask == Mask::kNone ? 2048 : 8192);
+      return short_rows ? "hopper_sm90_d64_m128n128s4_p2" : "hopper_sm90_d64_m192n128s4";
+    }
     // 128x176 (FA3's non-causal shape) from 16k keys on: +0.3 to +1.6% over s3 in three processes of session 7's
     // call 9 (non-causal 16k 648-649 vs 638-642), level at 8k, 1-8% behind below 8k (call 2).
     // v13: O through shared memory and TMA (`_os`). 128x176 at 16k, split tail included (three processes, session
@@ -125,10 +129,11 @@ const char* DefaultHopperConfig(const Problem& p) {
     // processes, ahead in 4 of 4), and as auto's choice +2.2% and +2.9% over the old auto (calls 2 and 4, ahead in
     // 6 of 8). Session 12 had it level there. At 4k it is still 1-3% behind. With a mask s3 `_osk` stays below 16k
     // (8k: 128x176 was 1.6% behind in session 12's call 2).
-    case 128: {
-      const bool wide = p.shape.kv_len >= (p.mask == Mask::kNone ? 8192 : 16384);
-      return wide ? "hopper_sm90_d128_m128n176s2_os" : "hopper_sm90_d128_m128n128s3_osk";
-    }
+    // v21: s3 `_osk` with two P buffers and the exponentials before the row max (`_p2`) at every length, over the
+    // old auto (s3 `_osk` / 128x176 `_os`; session 18 call 2, four processes, ahead in 4 of 4 except causal 1k):
+    // causal 1k -0.4%, 2k +2.4%, 4k +1.3%, 8k +3.3%, 16k +2.1%; non-causal 1k +6.3%, 2k +6.5%, 4k +7.4%, 8k +7.0%,
+    // 16k +8.4%. 128x176 cannot hold a second P buffer (272 registers).
+    case 128: return "hopper_sm90_d128_m128n128s3_osk_p2";
     case 256: return "hopper_sm90_d256_m128n64s2";
   }
   return nullptr;

@@ -11,6 +11,7 @@ EntryList Sm90D64Entries() {
       Entry<HopperD64M192N128S4Poly>("hopper_sm90_d64_m192n128s4_polyexp"),
       Entry<HopperD64N128S4Poly>("hopper_sm90_d64_m128n128s4_polyexp"),
       Entry<HopperD64N128S4X>("hopper_sm90_d64_m128n128s4_x"),
+      Entry<HopperD64N128S4P2>("hopper_sm90_d64_m128n128s4_p2"),
   };
   return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
 }

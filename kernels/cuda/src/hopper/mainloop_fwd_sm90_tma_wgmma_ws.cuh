@@ -429,12 +429,59 @@ struct ConsumerSm90 {
     ++load;
   }
 
+  // One overlapped step with two P buffers: P V reads `pv` while block b's probabilities go into `next`.
+  template <bool kPart>
+  __device__ __forceinline__ void StepTwoP(const LaunchParams& p, const TileWork& w, float (&o)[kORegs],
+                                           float (&s)[kSRegs], uint32_t (&pv)[kPSteps][4],
+                                           uint32_t (&next)[kPSteps][4], Softmax& sm, int b, int first) {
+    float f[2];
+    const int st = load % S;
+    IssueSWithPrevPV<Tile::kOSplitStages && !kPart>(s, o, pv, st, w.q_slot, b == first);
+    if (b == first) ReleaseQ(w.q_slot);
+    // No GEMM reads `next`: the P V that last read it completed in the previous step. So an unmasked block can
+    // take its exponentials before its row max (Softmax::TryStep) and keep the raw scores for the full step.
+    bool accepted = false;
+    if (b < w.r.n_full) {
+      ATTND_HOPPER_STEP_MARK(kSpMax);  // no row max taken: the step parts count the check under exp
+      accepted = sm.TryStep(s, p.scale_log2, next, seed::ElemTraits<Elem>::Pack);
+    }
+    bool rescale = false;
+    if (!accepted) {
+      rescale = SoftmaxStep(sm, s, p, b, w, f);
+      ConvertP(s, next);
+    }
+    ATTND_HOPPER_STEP_MARK(kSpSoftmax);
+    FinishPrevPV(o, pv, st);
+    ATTND_HOPPER_STEP_MARK(kSpPVWait);
+    if (rescale) Softmax::Rescale(o, f);
+    ATTND_HOPPER_STEP_MARK(kSpConvert);  // P was converted beside the exponentials: this part is the rescale
+  }
+
   // Blocks n-2 .. 0: S of block b and P V of block b+1 in flight together; softmax of b runs under P V.
   template <bool kPart = false>
   __device__ __forceinline__ void MiddleBlocks(const LaunchParams& p, const TileWork& w, float (&o)[kORegs],
                                                float (&s)[kSRegs], uint32_t (&pf)[kPSteps][4], Softmax& sm) {
-    float f[2];
     const int first = kPart ? w.r.first : 0;
+    if constexpr (Tile::kPDouble) {
+      // Two steps per iteration so that each buffer is a register array of its own; the tile's last P ends in pf.
+      uint32_t pg[kPSteps][4];
+      int b = w.r.n_blocks - 2;
+      ATTND_HOPPER_STEP_RESET();
+      for (; b > first; b -= 2) {
+        StepTwoP<kPart>(p, w, o, s, pf, pg, sm, b, first);
+        StepTwoP<kPart>(p, w, o, s, pg, pf, sm, b - 1, first);
+      }
+      if (b == first) {
+        StepTwoP<kPart>(p, w, o, s, pf, pg, sm, b, first);
+#pragma unroll
+        for (int kk = 0; kk < kPSteps; ++kk) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pf[kk][e] = pg[kk][e];
+        }
+      }
+      return;
+    }
+    float f[2];
     ATTND_HOPPER_STEP_RESET();
     for (int b = w.r.n_blocks - 2; b >= first; --b) {
       const int st = load % S;

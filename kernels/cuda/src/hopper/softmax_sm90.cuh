@@ -140,6 +140,41 @@ struct SoftmaxSm90 {
     return moved;
   }
 
+  // The exponentials first, the check after: for a block past a tile's first few, the reference max almost never
+  // moves, and then the row max (v19's step parts: ~520 cycles of a d128 step, FMNMX chains and the vote, on the
+  // chain the other warpgroup's GEMMs have to cover) decides nothing. P = exp2(s * scale_log2 - m) is taken with
+  // the current reference and packed into `pk`; the block is accepted when each of this thread's two row partial
+  // sums is at most 2^threshold, which bounds every P by what the lazy rescale allows, so it is the P the full Step
+  // computes when no row moves. Otherwise (some P may be past the bound, NaN, or a row has no reference yet)
+  // nothing has changed, `s` still holds the raw scores and the caller runs the full Step. Unmasked blocks only.
+  // Returns true (warp-uniform) when accepted.
+  template <int kPSteps, typename Pack>
+  __device__ __forceinline__ bool TryStep(const float (&s)[kRegs], float scale_log2, uint32_t (&pk)[kPSteps][4],
+                                          Pack pack) {
+    static_assert(kPSteps * 8 == kRegs, "P holds the block's 16-key steps");
+    constexpr float kBound = 256.f;  // 2^kRescaleThresholdLog2
+    static_assert(kBound == (1 << static_cast<int>(seed::kRescaleThresholdLog2)), "bound and threshold agree");
+    float bs0 = 0.f, bs1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < kBlockN / 8; ++i) {
+      const float p0 = Exp2(fmaf(s[4 * i + 0], scale_log2, -m[0]));
+      const float p1 = Exp2(fmaf(s[4 * i + 1], scale_log2, -m[0]));
+      const float p2 = Exp2(fmaf(s[4 * i + 2], scale_log2, -m[1]));
+      const float p3 = Exp2(fmaf(s[4 * i + 3], scale_log2, -m[1]));
+      bs0 += p0 + p1;
+      bs1 += p2 + p3;
+      // 8-column group i is half of 16-key step i / 2: A register 2 (i % 2) holds its row-g pair, the next its row g+8.
+      pk[i / 2][2 * (i % 2) + 0] = pack(p0, p1);
+      pk[i / 2][2 * (i % 2) + 1] = pack(p2, p3);
+    }
+    // m = -inf (no visible key yet) gives exp2(s - (-inf)) = inf: rejected by the bound, as NaN is.
+    const bool ok = bs0 <= kBound && bs1 <= kBound;
+    if (!__all_sync(0xffffffffu, ok)) return false;
+    l[0] += bs0;
+    l[1] += bs1;
+    return true;
+  }
+
   template <int kORegs>
   __device__ __forceinline__ static void Rescale(float (&o)[kORegs], const float (&f)[2]) {
 #pragma unroll

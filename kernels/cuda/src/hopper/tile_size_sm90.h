@@ -12,7 +12,8 @@
 namespace attnd::kernels::hopper {
 
 template <int HeadDim, int BlockN, int Stages, bool PingPong = true, bool IntraOverlap = true,
-          int ConsumerWarpgroups = 2, int PolyExpEvery = 0, bool CrossTile = false, int SmemEpilogue = 0>
+          int ConsumerWarpgroups = 2, int PolyExpEvery = 0, bool CrossTile = false, int SmemEpilogue = 0,
+          bool PDouble = false>
 struct TileShape {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = 64 * ConsumerWarpgroups;
@@ -43,6 +44,14 @@ struct TileShape {
   // S has completed, and that S was issued before warpgroup 0's last P V. Both stages go back to the producer
   // once their store has read them, right after the next tile's first S is issued.
   static constexpr bool kOSplitStages = SmemEpilogue == 2;
+  // PDouble (`_p2`): two P register buffers in the overlapped loop. P V of block j+1 reads one while block j's
+  // probabilities go into the other, so nothing waits for that P V before they are written, and the softmax of an
+  // unmasked block takes its exponentials before its row max and checks them after (Softmax::TryStep; the raw scores
+  // stay in S for the full step when the check fails). The row max and the conversion of P were ~25% of a
+  // warpgroup's steady step (hopper_trace's step parts, v19), on the chain the other warpgroup's GEMMs have to
+  // cover. Costs block_n / 4 registers, so only two-consumer 128-key shapes fit.
+  static constexpr bool kPDouble = PDouble;
+  static constexpr int kPBuffers = PDouble ? 2 : 1;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // setmaxnreg split of the 64K-register file (multiples of 8): producer + consumers <= 512 per thread slot.
   static constexpr int kProducerRegs = ConsumerWarpgroups == 2 ? 24 : 32;
@@ -78,22 +87,27 @@ struct TileShape {
   static_assert((BlockN * 128) % 1024 == 0, "each K/V panel must keep the 1024-byte swizzle-atom alignment");
   static_assert(Stages >= 2, "the producer needs at least two stages to run ahead of the consumers");
   // O + S + P plus ~32 for addresses, softmax state and loop counters (ptxas -v must still show no spills).
-  static_assert(HeadDim / 2 + BlockN / 2 + BlockN / 4 + 32 <= kConsumerRegs, "O + S + P must fit the consumer budget");
+  static_assert(HeadDim / 2 + BlockN / 2 + kPBuffers * BlockN / 4 + 32 <= kConsumerRegs,
+                "O + S + P must fit the consumer budget");
   static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= 65536 / 128, "register file per SM");
   static_assert(kProducerRegsDynamic + kConsumerWarpgroups * kConsumerRegsDynamic <=
                     kProducerRegs + kConsumerWarpgroups * kConsumerRegs,
                 "the dynamic split moves registers, it cannot add any");
-  static_assert(HeadDim / 2 + BlockN / 2 + BlockN / 4 + 32 <= kConsumerRegsDynamic, "O + S + P, dynamic split");
+  static_assert(HeadDim / 2 + BlockN / 2 + kPBuffers * BlockN / 4 + 32 <= kConsumerRegsDynamic,
+                "O + S + P, dynamic split");
+  static_assert(!PDouble || (IntraOverlap && !CrossTile), "two P buffers: the overlapped loop, one tile at a time");
+  static_assert(!PDouble || PolyExpEvery == 0, "the speculative exponentials are MUFU's");
   static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
   static_assert(kSmemBytes + 64 <= 232448, "Hopper allows 227 KB of shared memory per block");
 };
 
 // The configurations that are compiled. Names: hopper_sm90_d<head_dim>_m<block_m>n<block_n>s<stages>[_variant]
 // (_x: cross-tile; _os: O through shared memory and TMA, in the last V stage; _osk: the same with split O stages,
-// warpgroup 0's O in the last K stage).
+// warpgroup 0's O in the last K stage; _p2: two P buffers and the exponentials before the row max).
 using HopperD64N128S4 = TileShape<64, 128, 4>;
 using HopperD64M192N128S4 = TileShape<64, 128, 4, true, true, 3>;
 using HopperD64N128S4X = TileShape<64, 128, 4, true, true, 2, 0, true>;
+using HopperD64N128S4P2 = TileShape<64, 128, 4, true, true, 2, 0, false, 0, true>;  // auto's on short problems (v21)
 // Not compiled: d64 m192 cross-tile (92 bytes of spills under the 160-register consumer budget).
 using HopperD64M192N128S4Poly = TileShape<64, 128, 4, true, true, 3, 4>;
 using HopperD64N128S4Poly = TileShape<64, 128, 4, true, true, 2, 4>;
@@ -102,12 +116,13 @@ using HopperD128N128S2Plain = TileShape<128, 128, 2, false, false>;  // no ping-
 using HopperD128N128S3 = TileShape<128, 128, 3>;
 using HopperD128N128S2X = TileShape<128, 128, 2, true, true, 2, 0, true>;  // 2 Q buffers: s3 would not fit
 using HopperD128N160S2 = TileShape<128, 160, 2>;
-using HopperD128N176S2 = TileShape<128, 176, 2>;  // FA3's non-causal d128 shape; auto's from 16k keys
-using HopperD128N128S3Osk = TileShape<128, 128, 3, true, true, 2, 0, false, 2>;  // auto's below 16k keys
+using HopperD128N176S2 = TileShape<128, 176, 2>;  // FA3's non-causal d128 shape
+using HopperD128N128S3Osk = TileShape<128, 128, 3, true, true, 2, 0, false, 2>;  // auto's below 16k keys until v21
+using HopperD128N128S3OskP2 = TileShape<128, 128, 3, true, true, 2, 0, false, 2, true>;  // auto's (v21)
 // 128x176 keeps one V stage for both warpgroups' O: with two stages, split O stages hold back the next tile's second
 // K block, which its first step needs (non-causal 16k 1.4-3.5% behind, causal level; session 12, call 1). s3's
 // _os (both warpgroups' O in the V stage) was behind _osk on every row below 16k keys; it is no longer compiled.
-using HopperD128N176S2Os = TileShape<128, 176, 2, true, true, 2, 0, false, 1>;
+using HopperD128N176S2Os = TileShape<128, 176, 2, true, true, 2, 0, false, 1>;  // auto's from 8-16k keys until v21
 using HopperD256N64S2 = TileShape<256, 64, 2>;
 using HopperD256N80S2 = TileShape<256, 80, 2>;
 // Not compiled: d256 cross-tile (two 64 KB Q buffers + two 64 KB K/V stages exceed 227 KB).
