@@ -94,6 +94,7 @@ const std::map<std::string, Launcher>& Launchers() {
       {"hopper_sm90_d128_m128n128s3_osk_p2", &LaunchProbed<hk::HopperD128N128S3OskP2>},
       {"hopper_sm90_d64_m128n128s4", &LaunchProbed<hk::HopperD64N128S4>},
       {"hopper_sm90_d64_m128n128s4_p2", &LaunchProbed<hk::HopperD64N128S4P2>},
+      {"hopper_sm90_d64_m128n128s6_p2", &LaunchProbed<hk::HopperD64N128S6P2>},
       {"hopper_sm90_d64_m192n128s4", &LaunchProbed<hk::HopperD64M192N128S4>},
       {"hopper_sm90_d256_m128n64s2", &LaunchProbed<hk::HopperD256N64S2>},
   };

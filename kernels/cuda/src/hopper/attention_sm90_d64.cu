@@ -12,6 +12,7 @@ EntryList Sm90D64Entries() {
       Entry<HopperD64N128S4Poly>("hopper_sm90_d64_m128n128s4_polyexp"),
       Entry<HopperD64N128S4X>("hopper_sm90_d64_m128n128s4_x"),
       Entry<HopperD64N128S4P2>("hopper_sm90_d64_m128n128s4_p2"),
+      Entry<HopperD64N128S6P2>("hopper_sm90_d64_m128n128s6_p2"),
   };
   return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
 }
