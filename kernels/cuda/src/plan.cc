@@ -114,7 +114,9 @@ const char* DefaultHopperConfig(const Problem& p) {
     // +1.6%, non-causal 1k +3.7%; m192 stays ahead by 4-7% from 8k causal and 2k non-causal).
     case 64: {
       const bool short_rows = p.shape.q_len < (p.mask == Mask::kNone ? 2048 : 8192);
-      return short_rows ? "hopper_sm90_d64_m128n128s4_p2" : "hopper_sm90_d64_m192n128s4";
+      // v27: six K/V stages over s4 (session 20, eight processes: causal 1k +1%, 2k +3%, non-causal 1k level;
+      // session 21, six processes as auto: causal 1k +1.1% ahead in 6 of 6, 2k / 4k and non-causal 1k level).
+      return short_rows ? "hopper_sm90_d64_m128n128s6_p2" : "hopper_sm90_d64_m192n128s4";
     }
     // 128x176 (FA3's non-causal shape) from 16k keys on: +0.3 to +1.6% over s3 in three processes of session 7's
     // call 9 (non-causal 16k 648-649 vs 638-642), level at 8k, 1-8% behind below 8k (call 2).
