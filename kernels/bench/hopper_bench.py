@@ -15,7 +15,9 @@ the first attnd column of a process run ~10% faster than the second). --peers_la
 attnd's columns within each row, so processes can alternate it; --settle_ms runs each column back to back before
 its timing, so that every figure starts from its own steady clocks. Session 17 saw the bias mostly with the peers
 first (±4-9% toward whichever attnd column came first; ~1-3% with --peers_last): for A/Bs, pass --peers_last in
-every process and alternate only the order of the attnd columns.
+every process and alternate only the order of the attnd columns. For a table against the peers, --order rotates
+every column through every position over as many processes as there are columns (session 20's two-process table
+gave cuDNN positions 1-2 and attnd 1 and 3).
 
 A/B of two builds in one process: --base_lib other/libattnd_kernels_c.so and configs named base:CONFIG run
 CONFIG through that library (its column is base:CONFIG), so both builds see the same inputs, clocks and peers.
@@ -116,6 +118,9 @@ def main():
     ap.add_argument("--base_lib", default="", help="a second build, for configs named base:CONFIG")
     ap.add_argument("--peers_last", action="store_true",
                     help="time attnd's columns before the peers in each row (default: the peers first)")
+    ap.add_argument("--order", default="",
+                    help="the timing order of the columns in every row, comma-separated (attnd configs and peers; "
+                         "overrides --peers_last); a column left out is timed after those named")
     ap.add_argument("--settle_ms", type=float, default=0,
                     help="run each column back to back this long right before timing it (default 0: as before)")
     args = ap.parse_args()
@@ -123,6 +128,10 @@ def main():
     # ctypes loads with RTLD_LOCAL: each library keeps its own symbols, kernels and device pools.
     attnd_base = Attnd(args.base_lib) if args.base_lib else None
     configs = [c for c in args.configs.split(",") if c]
+    order = [c for c in args.order.split(",") if c]
+    unknown = [c for c in order if c not in configs and c not in ("cudnn", "fa2")]
+    if unknown:
+        ap.error(f"--order names columns that are not timed: {unknown}")
     torch.manual_seed(0)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, cudnn {torch.backends.cudnn.version()}",
           flush=True)
@@ -191,6 +200,8 @@ def main():
             else:
                 attnd_timers.append((c, lambda lib=lib, plan=plan: lib.launch(plan)))
         timers = attnd_timers + peer_timers if args.peers_last else peer_timers + attnd_timers
+        if order:  # stable: columns not named keep their relative order after the named ones
+            timers.sort(key=lambda t: order.index(t[0]) if t[0] in order else len(order))
         for col, fn in timers:
             try:
                 settle(fn, args.settle_ms)
