@@ -202,6 +202,7 @@ def main():
         timers = attnd_timers + peer_timers if args.peers_last else peer_timers + attnd_timers
         if order:  # stable: columns not named keep their relative order after the named ones
             timers.sort(key=lambda t: order.index(t[0]) if t[0] in order else len(order))
+        res["timing_order"] = [col for col, _ in timers]
         for col, fn in timers:
             try:
                 settle(fn, args.settle_ms)
