@@ -108,10 +108,15 @@ inline int SplitTailMode() {
 
 // The configurations compiled with a split tail: the defaults of head_dim 128 and 256. Each is two more kernels
 // per element type (static and paired); the others would add build time for configurations auto does not pick.
+// s3 `_osk_p2` became auto's d128 kernel in v21 without joining this list, so d128 ran whole last rounds until v29
+// (session 21, six processes, in-process A/B on the rows that split: non-causal 16k +3.5%, GQA +2.7%, causal 16k
+// +1.4%, GQA +1.3%, each ahead in 5-6 of 6; causal 8k -0.6%, 0 of 6; rows too short to split, i.e. the same
+// kernels, read 0.999 to 1.019).
 template <typename Tile, typename Elem>
 constexpr bool MaySplitTail() {
   return std::is_same_v<Tile, HopperD128N128S3> || std::is_same_v<Tile, HopperD128N176S2> ||
-         std::is_same_v<Tile, HopperD128N176S2Os> || std::is_same_v<Tile, HopperD256N64S2>;
+         std::is_same_v<Tile, HopperD128N176S2Os> || std::is_same_v<Tile, HopperD128N128S3OskP2> ||
+         std::is_same_v<Tile, HopperD256N64S2>;
 }
 
 // Whether `stream` is being captured into a CUDA graph: the dynamic schedule's slot events cannot be waited
