@@ -107,9 +107,10 @@ struct TileShape {
 using HopperD64N128S4 = TileShape<64, 128, 4>;
 using HopperD64M192N128S4 = TileShape<64, 128, 4, true, true, 3>;
 using HopperD64N128S4X = TileShape<64, 128, 4, true, true, 2, 0, true>;
-using HopperD64N128S4P2 = TileShape<64, 128, 4, true, true, 2, 0, false, 0, true>;  // auto's on short problems (v21)
-// v27: six K/V stages (209 KB of shared memory): the producer runs further into the next tiles. Over s4 on the d64
-// short rows (session 20, eight processes): causal 2k +3%, causal 1k +1%, non-causal 1k level; not auto's yet.
+// Auto's on the d64 short rows from v21 until v27.
+using HopperD64N128S4P2 = TileShape<64, 128, 4, true, true, 2, 0, false, 0, true>;
+// v27: six K/V stages (209 KB of shared memory): the producer runs further into the next tiles. Auto's on the d64
+// short rows from session 21 (plan.cc; over s4: causal 1k +1%, the other short rows level).
 using HopperD64N128S6P2 = TileShape<64, 128, 6, true, true, 2, 0, false, 0, true>;
 // Not compiled: d64 m192 cross-tile (92 bytes of spills under the 160-register consumer budget).
 using HopperD64M192N128S4Poly = TileShape<64, 128, 4, true, true, 3, 4>;
