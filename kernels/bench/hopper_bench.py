@@ -128,8 +128,9 @@ def main():
     # ctypes loads with RTLD_LOCAL: each library keeps its own symbols, kernels and device pools.
     attnd_base = Attnd(args.base_lib) if args.base_lib else None
     configs = [c for c in args.configs.split(",") if c]
+    peers = [x for x in args.peers.split(",") if x]
     order = [c for c in args.order.split(",") if c]
-    unknown = [c for c in order if c not in configs and c not in ("cudnn", "fa2")]
+    unknown = [c for c in order if c not in configs and c not in peers]
     if unknown:
         ap.error(f"--order names columns that are not timed: {unknown}")
     torch.manual_seed(0)
@@ -157,7 +158,6 @@ def main():
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
 
         ref = None
-        peers = [x for x in args.peers.split(",") if x]
         # Every column's output is checked first; the timings follow, in one order for the whole row (see
         # --peers_last and --settle_ms).
         peer_timers, attnd_timers, plans = [], [], []
