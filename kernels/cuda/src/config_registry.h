@@ -23,6 +23,7 @@ struct KernelEntry {
   LaunchFn launch[2];    // by DType: bf16, fp16
   PrepareFn prepare[2];  // raises the dynamic shared-memory limit; once per device
   int o_box_rows = 0;    // > 0: O is stored through a tensor map (Plan::o_map) in boxes of this many rows
+  bool split_tail = false;  // hopper: compiled with the split last round (MaySplitTail in flash_fwd_launch_sm90.cuh)
 };
 
 struct EntryList {
@@ -46,5 +47,9 @@ EntryList Sm90D256Entries();
 }  // namespace hopper
 
 const std::vector<KernelEntry>& AllEntries();
+
+// The hopper family's tuned configuration for a problem (plan.cc; Select() runs it on compute capability 9.0, for
+// family auto or hopper). Declared here so that host tests can check its choices against the entries above.
+const char* DefaultHopperConfig(const Problem& p);
 
 }  // namespace attnd::kernels

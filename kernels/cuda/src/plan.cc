@@ -104,6 +104,8 @@ const char* DefaultConfig(const DeviceCaps& caps, const Problem& p) {
   return nullptr;
 }
 
+}  // namespace
+
 // The hopper family's tuned choice (docs/hopper-kernel-notes.md, docs/benchmarks.md). head_dim 64: three
 // consumer warpgroups (192 rows) keep the tensor cores busy while two of them are in softmax: 3-16% faster
 // from 2k tokens on; short causal problems (more masked work per 192-row tile) run 7% faster on 128 rows.
@@ -140,6 +142,8 @@ const char* DefaultHopperConfig(const Problem& p) {
   }
   return nullptr;
 }
+
+namespace {
 
 // Raises each kernel's dynamic shared-memory limit once per device (a planning-time cost, not a launch one).
 absl::Status Prepare(int entry, DType dtype, int device) {

@@ -106,8 +106,9 @@ inline int SplitTailMode() {
   return mode;
 }
 
-// The configurations compiled with a split tail: the defaults of head_dim 128 and 256. Each is two more kernels
-// per element type (static and paired); the others would add build time for configurations auto does not pick.
+// The configurations compiled with a split tail: the defaults of head_dim 128 and 256 (kernel_registry_test checks
+// auto's choices against the entries' `split_tail`). Each is two more kernels per element type (static and paired);
+// the others would add build time for configurations auto does not pick.
 // s3 `_osk_p2` became auto's d128 kernel in v21 without joining this list, so d128 ran whole last rounds until v29
 // (session 21, six processes, in-process A/B on the rows that split: non-causal 16k +3.5%, GQA +2.7%, causal 16k
 // +1.4%, GQA +1.3%, each ahead in 5-6 of 6; causal 8k -0.6%, 0 of 6; rows too short to split, i.e. the same
@@ -286,7 +287,8 @@ constexpr KernelEntry Entry(const char* name) {
                      false,
                      {&LaunchFwd<Tile, __nv_bfloat16>, &LaunchFwd<Tile, __half>},
                      {&PrepareFwd<Tile, __nv_bfloat16>, &PrepareFwd<Tile, __half>},
-                     Tile::kSmemEpilogue ? 64 : 0};  // the epilogue's TMA boxes: one warpgroup's 64 rows
+                     Tile::kSmemEpilogue ? 64 : 0,  // the epilogue's TMA boxes: one warpgroup's 64 rows
+                     MaySplitTail<Tile, __nv_bfloat16>()};
 }
 
 }  // namespace attnd::kernels::hopper
