@@ -1,7 +1,7 @@
 // The kernel registry against the hopper family's tuned choice (DefaultHopperConfig), on the host: what auto runs
 // on compute capability 9.0 must be a compiled entry of the problem's head_dim, and at head_dim 128 and 256 one
 // compiled with the split last round. That list (MaySplitTail) is kept by hand beside the choice; v21 changed auto's
-// d128 kernel without it, and no d128 launch split its last round for eight sessions (found in v29: non-causal 16k
+// d128 kernel without it, and no d128 launch split its last round from session 18 to 21 (found in v29: non-causal 16k
 // +3.5% once it did). The GPU suite cannot see that: an unsplit last round is slower, not wrong.
 #include <gtest/gtest.h>
 
