@@ -171,7 +171,13 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
   const SharedStorageSm90<Tile> smem(base);
   TileRingSm90* const tile_ring = TileRingStorage<kDynamicOrder>();
   using TileSlots = TileSlotsSm90<Tile::kConsumerWarpgroups>;
-  const int warpgroup = threadIdx.x / 128;
+  // Through a shuffle from lane 0, so that ptxas knows it is warp-uniform (as CUTLASS's canonical_warp_group_idx):
+  // from threadIdx.x alone it kept each warpgroup's Q descriptors in vector registers and moved them with two R2UR
+  // before every S HGMMA (v33, call 3's SASS). Except in d128 s3 `_osk_p2`'s static-order split-tail kernel, at the
+  // edge of its 240 registers: there the shuffle made ptxas spill 8 bytes (12 with it in the consumer branch only).
+  constexpr bool kPlainIndex = kSplitTail && kOrder == kStatic && Tile::kOSplitStages && Tile::kPDouble;
+  const int thread_wg = static_cast<int>(threadIdx.x / 128);
+  const int warpgroup = kPlainIndex ? thread_wg : __shfl_sync(0xffffffffu, thread_wg, 0);
 
   if (threadIdx.x == 0) {
     seed::PrefetchTensorMap(&q_map);
