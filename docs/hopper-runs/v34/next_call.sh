@@ -17,6 +17,9 @@ for lib in $B $N; do
   awk '/Function :/ {if (f) print f, n, h, u, l; f=$3; n=0; h=0; u=0; l=0} /^ +\/\*[0-9a-f]+\*\// {n++} /HGMMA/ {h++}
        /R2UR/ {u++} /LDL|STL/ {l++} END {print f, n, h, u, l}' $W/sass.txt | grep 'HopperFwd' \
     > $W/sass_counts_$(basename $(dirname $lib)).txt
+  # The whole listing of auto's d64 kernels (bf16; static and dynamic order), to find what R2UR remain for.
+  awk '/Function :/ {p = ($3 ~ /TileShapeILi64ELi128ELi6E.*13__nv_bfloat16/)} p' $W/sass.txt | gzip -9 \
+    > $W/sass_d64_s6p2_$(basename $(dirname $lib)).txt.gz
 done
 rm -f $W/sass.txt
 F='AllConfigs/GpuAttentionTest.*/auto_d64*:*s6_p2_d64*:*m192n128s4_d64*'
