@@ -123,10 +123,14 @@ void CpuBackend::WorkerLoop() {
       compute_threads = std::max(1, threads_ / static_cast<int>(running_));
     }
     const absl::Status status = Run(*job, compute_threads);
+    // Finished before the reply goes out: a client that reads the stats right after its reply must not find its
+    // own request still in flight.
+    {
+      absl::MutexLock lock(&mu_);
+      --running_;
+    }
     job->done(status);
     job.reset();
-    absl::MutexLock lock(&mu_);
-    --running_;
   }
 }
 
