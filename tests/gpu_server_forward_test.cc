@@ -5,6 +5,7 @@
 // requests in flight. Skipped
 // without a usable GPU.
 #include <algorithm>
+#include <atomic>
 #include <future>
 #include <memory>
 #include <string>
@@ -147,6 +148,36 @@ TEST(GpuServerTest, WarmShapesAreEncodedBeforeTheFirstRequest) {
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(after->tensor_map_cache_misses(), before->tensor_map_cache_misses());
   EXPECT_EQ(after->tensor_map_cache_hits() - before->tensor_map_cache_hits(), MapsPerCall(r->kernel));
+}
+
+// A client that reads the stats right after its reply must not find its own request still in flight: the device
+// worker counts the request finished before the reply goes out. The other order loses the race only when the
+// worker is preempted between the two, so busy threads on every core give the scheduler reasons to.
+TEST(GpuServerTest, NoRequestInFlightAfterItsReply) {
+  TestServer s;
+  ATTND_START_CUDA_SERVER(s, CudaServerOptions{});
+  auto c = Connect(s.Target(Listener::kUnix), Transport::kUnary);
+  const Case k = MakeCase(Spec(1, 64, 64, 2, 2, 64, Mask::kNone), 91);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> spinners;
+  for (unsigned i = 0; i < 2 * std::max(1u, std::thread::hardware_concurrency()); ++i) {
+    spinners.emplace_back([&] {
+      while (!stop.load(std::memory_order_relaxed)) {
+      }
+    });
+  }
+  int busy = 0, calls = 0;
+  std::string failure;
+  for (; calls < 200 && failure.empty(); ++calls) {
+    failure = CheckReply(k, c->Forward(*k.request));
+    auto st = c->Stats();
+    if (!st.ok()) failure = st.status().ToString();
+    else if (st->in_flight() != 0) ++busy;
+  }
+  stop = true;
+  for (auto& t : spinners) t.join();
+  EXPECT_EQ(failure, "") << "call " << calls;
+  EXPECT_EQ(busy, 0) << "of " << calls << " calls, found still in flight right after their reply";
 }
 
 TEST(GpuServerTest, ThirtyTwoConcurrentClientsAllCorrect) {

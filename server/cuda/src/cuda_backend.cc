@@ -580,9 +580,11 @@ void CudaDevice::SlotLoop(Slot* slot) {
     // The leases go before the reply, so a client that unregisters right after its reply finds the buffer
     // idle.
     p.leases.clear();
+    // Finished before the reply goes out, as in the CPU backend: a client that reads the stats right after its
+    // reply must not find its own request still in flight.
+    running_.fetch_sub(1);
     p.job->done(status);
     p.job.reset();
-    running_.fetch_sub(1);
   }
 }
 
