@@ -78,10 +78,12 @@ def rows(args):
     if args.seqs:
         seqs = [int(x) for x in args.seqs.split(",")]
     masks = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
+    batches = [int(x) for x in args.batches.split(",") if x]
     for d in (int(x) for x in args.head_dims.split(",")):
         for causal in masks:
             for s in seqs:
-                out.append(dict(batch=16384 // s, seq=s, hq=2048 // d, hkv=2048 // d, d=d, causal=causal))
+                for b in batches or [16384 // s]:
+                    out.append(dict(batch=b, seq=s, hq=2048 // d, hkv=2048 // d, d=d, causal=causal))
     if args.gqa and "128" in args.head_dims.split(","):
         for causal in masks:  # GQA: 16 query heads over 2 kv heads (Llama-style group of 8)
             for s in ([4096, 16384] if args.quick else [1024, 4096, 16384]):
@@ -114,6 +116,10 @@ def main():
     ap.add_argument("--causal", choices=("both", "no", "yes"), default="both")
     ap.add_argument("--seqs", default="", help="comma-separated; default: the full (or --quick) list")
     ap.add_argument("--gqa", action=argparse.BooleanOptionalAction, default=True)
+    # Every FA3 row has 16k tokens, so at one head_dim all its rows have the same number of q tiles: a cost paid once
+    # per launch and one paid per tile scale alike along --seqs. Several batches at one seq tell them apart.
+    ap.add_argument("--batches", default="",
+                    help="comma-separated batch sizes timed at every seq instead of FA3's 16k tokens (GQA rows keep it)")
     ap.add_argument("--peers", default="cudnn,fa2", help="torch SDPA backends timed beside attnd (cudnn, fa2)")
     ap.add_argument("--base_lib", default="", help="a second build, for configs named base:CONFIG")
     ap.add_argument("--peers_last", action="store_true",

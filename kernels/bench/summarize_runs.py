@@ -26,6 +26,8 @@ def main():
             continue
         for x in rows:
             key = (x["d"], "causal" if x["causal"] else "none", x["seq"], x["hq"], x["hkv"])
+            if x.get("batch") and x["batch"] != 16384 // x["seq"]:  # --batches: rows off FA3's 16k tokens
+                key += (f"batch {x['batch']}",)
             values = {c: v for c, v in x.items() if isinstance(v, float) and "maxdiff" not in c}
             for c, v in values.items():
                 table[key][c].append(v)
