@@ -1,9 +1,8 @@
 // End to end over gRPC with the CUDA backend: every mask x GQA x head_dim against the double-precision
 // oracle on both inline transports, the tensor-map cache on repeated shapes, 32 concurrent clients, concurrent
 // requests on the shared compute stream, the memory budget (also for streams, which take their memory at the
-// header), streams abandoned mid-upload, the stream preference the device sink advertises, and a shutdown with
-// requests in flight. Skipped
-// without a usable GPU.
+// header), streams abandoned mid-upload, the stream preference the device sink advertises, the in-flight count
+// right after a reply, and a shutdown with requests in flight. Skipped without a usable GPU.
 #include <algorithm>
 #include <atomic>
 #include <future>

@@ -19,19 +19,25 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 cache=${ATTND_SASS_CACHE:-$HOME/.cache/attnd-sass}
 nvcc=${NVCC:-/usr/local/cuda/bin/nvcc}
 disasm=$cache/x/usr/bin/nvdisasm
+src=""  # the temporary apt source, while it exists
+one=""  # the one-shape translation unit, while it exists
+cleanup() {
+  rm -f "$one"
+  if [ -n "$src" ]; then
+    rm -f "$src"
+    apt-get update -qq >/dev/null 2>&1 || true
+  fi
+}
+trap cleanup EXIT
 
 if [ ! -x "$disasm" ]; then
   mkdir -p "$cache"
   src=/etc/apt/sources.list.d/zz-attnd-sass-nonfree.sources
-  trap 'rm -f "$src"; apt-get update -qq >/dev/null 2>&1 || true' EXIT
   printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm\nComponents: non-free\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' > "$src"
   apt-get update -qq >/dev/null
   (cd "$cache" && apt-get download -q nvidia-cuda-toolkit >/dev/null 2>&1)
   dpkg -x "$cache"/nvidia-cuda-toolkit_*.deb "$cache/x"
   rm -f "$cache"/nvidia-cuda-toolkit_*.deb
-  rm -f "$src"
-  trap - EXIT
-  apt-get update -qq >/dev/null 2>&1 || true
 fi
 
 flags=(-I"$repo/kernels/cuda/include" -I"$repo/kernels/cuda/src" -I"$repo/kernels/reference/include" -O2 -DNDEBUG
@@ -42,7 +48,6 @@ case "$what" in
   *)
     # One shape: a translation unit of its own beside the real ones, so that its includes resolve the same way.
     one=$(mktemp "$repo/kernels/cuda/src/hopper/local_sass_XXXXXX.cu")
-    trap 'rm -f "$one"' EXIT
     cat > "$one" <<EOF
 #include "flash_fwd_launch_sm90.cuh"
 #include "tile_size_sm90.h"
