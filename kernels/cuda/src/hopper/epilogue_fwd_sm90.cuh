@@ -39,9 +39,22 @@ __device__ __forceinline__ uint4 QuadTranspose(const uint32_t (&a)[4], int t) {
   return make_uint4(y[0], y[1], y[2], y[3]);
 }
 
+// One 16-byte global store when `store` holds. Through PTX's vector store, so that it stays one instruction: from a
+// plain uint4 assignment ptxas split d64's first two of four stores into four 4-byte stores each (their shuffled
+// sources were not in four consecutive registers), and each of those writes a quarter of the same sectors. The guard
+// is a predicate inside the asm: a C++ branch around it put each store in a branch of its own.
+__device__ __forceinline__ void StoreGlobal16If(bool store, void* ptr, const uint4& v) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n @p st.global.v4.b32 [%0], {%1, %2, %3, %4};\n}" ::"l"(ptr),
+      "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(static_cast<uint32_t>(store))
+      : "memory");
+}
+
 // row0: this thread's first row (the second is row0 + 8); zero: the block saw no key at all. O's pointer and
-// strides are 16-byte multiples (plan.cc checks them).
-template <int kHeadDim, typename Elem, int kBlockN>
+// strides are 16-byte multiples (plan.cc checks them). kVectorStores false: plain uint4 assignments, for the kernels
+// whose O normally leaves through shared memory and which run this only for edge tiles; there four consecutive
+// source registers made d128 s3 `_osk_p2`'s paired split-tail kernel spill (6 LDL/STL).
+template <int kHeadDim, typename Elem, int kBlockN, bool kVectorStores = true>
 __device__ __forceinline__ void StoreOutputSm90(const LaunchParams& p, const float (&o)[kHeadDim / 2],
                                                 const SoftmaxSm90<kBlockN>& sm, int row0, int head, int batch) {
   static_assert(kHeadDim % 32 == 0, "the quad transpose takes four 8-column groups at a time");
@@ -69,8 +82,13 @@ __device__ __forceinline__ void StoreOutputSm90(const LaunchParams& p, const flo
     }
     const uint4 w0 = QuadTranspose(a0, t);
     const uint4 w1 = QuadTranspose(a1, t);
-    if (in0) *reinterpret_cast<uint4*>(r0 + 8 * (4 * j + t)) = w0;
-    if (in1) *reinterpret_cast<uint4*>(r1 + 8 * (4 * j + t)) = w1;
+    if constexpr (kVectorStores) {
+      StoreGlobal16If(in0, r0 + 8 * (4 * j + t), w0);
+      StoreGlobal16If(in1, r1 + 8 * (4 * j + t), w1);
+    } else {
+      if (in0) *reinterpret_cast<uint4*>(r0 + 8 * (4 * j + t)) = w0;
+      if (in1) *reinterpret_cast<uint4*>(r1 + 8 * (4 * j + t)) = w1;
+    }
   }
   if (p.lse != nullptr && t == 0) {
     constexpr float kLn2 = 0.693147180559945309f;

@@ -208,8 +208,9 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
       // when the ring has room (up to two tiles ahead of the consumers).
       if (threadIdx.x == 32) {
         TileSlots slots;
-        if (slots.Put(*tile_ring, [] { return static_cast<int>(blockIdx.x); }) >= 0) {
-          while (slots.Put(*tile_ring, [&] { return TakeDynamicTile(sp); }) >= 0) {
+        const auto decode = [&](int t) { return SectionTileAt<true>(sp, t); };
+        if (slots.Put(*tile_ring, [] { return static_cast<int>(blockIdx.x); }, decode) >= 0) {
+          while (slots.Put(*tile_ring, [&] { return TakeDynamicTile(sp); }, decode) >= 0) {
           }
         }
         FinishDynamicTiles(sp);
@@ -219,8 +220,8 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
       ProducerSm90<Tile> producer{&q_map, &k_map, &v_map, smem};
       if constexpr (kDynamicOrder) {
         TileSlots slots;
-        for (int round = 0, t; (t = slots.Take(*tile_ring)) >= 0; ++round) {
-          const TileCoord c = SectionTileAt<true>(sp, t);
+        TileCoord c;
+        for (int round = 0; slots.Take(*tile_ring, c) >= 0; ++round) {
           ATTND_HOPPER_TRACE_SET_ROUND(producer, round);
           producer.LoadTile(p, c.q_tile, c.head, c.batch);
         }
@@ -264,9 +265,14 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
         if constexpr (kSplitTail) {
           if (round >= sp.tail_round) break;
         }
-        const int t = kDynamicOrder ? slots.Take(*tile_ring) : TileOfRoundFor<kPairedOrder>(sp, round);
-        if (t < 0) break;
-        const TileCoord c = kDynamicOrder ? SectionTileAt<true>(sp, t) : TileAtFor<kPairedOrder>(sp, t);
+        TileCoord c;
+        if constexpr (kDynamicOrder) {
+          if (slots.Take(*tile_ring, c) < 0) break;
+        } else {
+          const int t = TileOfRoundFor<kPairedOrder>(sp, round);
+          if (t < 0) break;
+          c = TileAtFor<kPairedOrder>(sp, t);
+        }
         ATTND_HOPPER_TRACE_AT(1 + consumer.wg, round, trace::kTileStart);
         ATTND_HOPPER_TRACE_GLOBAL(1 + consumer.wg, round);
         ATTND_HOPPER_TRACE_SET_ROUND(consumer, round);
@@ -280,7 +286,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
           for (int i = 0; i < Tile::kHeadDim / 2; ++i) o[i] = 0.f;
           sm.Init();
           if constexpr (Tile::kSmemEpilogue) {
-            StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
+            StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN, false>(p, o, sm, row0, c.head, c.batch);
           }
         } else if constexpr (Tile::kSmemEpilogue) {
           consumer.Run(p, r, row0, o, sm, [&] { ReleaseOStage(o_stage, o_empty); });
@@ -345,9 +351,9 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
             consumer.template Run<true>(p, PartRange<Tile>(p, q0, part), row0, o, sm);
           }
           if (part.first == 0 && part.end == part.tile_blocks) {
-            StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
+            StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN, !Tile::kSmemEpilogue>(p, o, sm, row0, c.head, c.batch);
           } else {
-            StoreTailPartSm90<Tile::kHeadDim, Elem, Tile::kBlockN, 4 * Tile::kConsumerWarpgroups>(
+            StoreTailPartSm90<Tile::kHeadDim, Elem, Tile::kBlockN, 4 * Tile::kConsumerWarpgroups, !Tile::kSmemEpilogue>(
                 p, sp, part, blockIdx.x * kMaxTailPartsPerBlock + k, o, sm, row0, c.head, c.batch,
                 consumer.wg * 4 + warp);
           }

@@ -26,6 +26,7 @@
 #include "attnd/kernels/attention.h"
 #include "named_barrier_sm90.h"
 #include "softmax_sm90.cuh"
+#include "tile_scheduler_sm90.cuh"  // TileCoord
 #include "trace_sm90.cuh"
 #include "wgmma_desc_sm90.h"
 #include "wgmma_sm90.h"
@@ -94,22 +95,24 @@ struct SharedStorageSm90 {
   }
 };
 
-// The dynamic schedule's hand-off of tile indices to the producer thread and the consumer threads: a small ring,
+// The dynamic schedule's hand-off of tiles to the producer thread and the consumer threads: a small ring,
 // since the Q barrier cannot carry it (a tile without key blocks loads no Q) and everyone must learn the end
-// (-1) too. A thread of its own (the producer warpgroup's second warp) takes tiles from the global counter and
-// fills the ring. The ring lives in static shared memory, so its addresses are constants rather than pointers
-// held in registers across the tile.
+// (-1) too. A thread of its own (the producer warpgroup's second warp) takes tiles from the global counter,
+// decodes each into its coordinates and fills the ring. The decode is five integer divisions (sections, heads,
+// batch): in the readers it sat on every tile change, between a warpgroup's epilogue and its next tile's first
+// S, where the scheduler thread, up to two tiles ahead, has time for it. The ring lives in static shared memory,
+// so its addresses are constants rather than pointers held in registers across the tile.
 struct TileRingSm90 {
   static constexpr int kSlots = 2;  // the scheduler runs up to two tiles ahead of the consumers
-  uint64_t full[kSlots];            // scheduler -> readers: the slot holds the next tile index
+  uint64_t full[kSlots];            // scheduler -> readers: the slot holds the next tile
   uint64_t empty[kSlots];           // readers -> scheduler: the producer thread and every consumer thread read it
-  int tile[kSlots];
+  int4 tile[kSlots];                // {tile index (-1: the end), q_tile, head, batch}: one 16-byte load
 };
 
 template <int kConsumerWarpgroups>
 struct TileSlotsSm90 {
   static constexpr int kReaders = 128 * kConsumerWarpgroups + 1;  // consumer threads + the producer thread
-  int n = 0;  // indices passed so far
+  int n = 0;  // tiles passed so far
 
   __device__ __forceinline__ static void Init(TileRingSm90& ring) {
 #pragma unroll
@@ -119,30 +122,33 @@ struct TileSlotsSm90 {
     }
   }
 
-  // Scheduler: waits until the next slot is free, then fills it with what `take` returns (called only then,
-  // so a tile is claimed as late as the ring allows).
-  template <typename Take>
-  __device__ __forceinline__ int Put(TileRingSm90& ring, Take take) {
+  // Scheduler: waits until the next slot is free, then fills it with the tile `take` returns (called only then,
+  // so a tile is claimed as late as the ring allows) and its coordinates, decode(tile).
+  template <typename Take, typename Decode>
+  __device__ __forceinline__ int Put(TileRingSm90& ring, Take take, Decode decode) {
     constexpr int kS = TileRingSm90::kSlots;
     const int slot = n % kS;
     if (n >= kS) MbarWait(&ring.empty[slot], ((n / kS) + 1) & 1);
     const int t = take();
-    ring.tile[slot] = t;
+    TileCoord c{0, 0, 0};
+    if (t >= 0) c = decode(t);
+    ring.tile[slot] = make_int4(t, c.q_tile, c.head, c.batch);
     MbarArrive(&ring.full[slot]);  // release: the store above is seen by whoever waits on the phase
     ++n;
     return t;
   }
 
   // Readers: the producer thread and every consumer thread, each arriving once. (One arrival per consumer
-  // warp after a __syncwarp made d64 m192's consumers spill 40 bytes.)
-  __device__ __forceinline__ int Take(TileRingSm90& ring) {
+  // warp after a __syncwarp made d64 m192's consumers spill 40 bytes.) Returns the tile index, -1 at the end.
+  __device__ __forceinline__ int Take(TileRingSm90& ring, TileCoord& c) {
     constexpr int kS = TileRingSm90::kSlots;
     const int slot = n % kS;
     MbarWait(&ring.full[slot], (n / kS) & 1);
-    const int t = ring.tile[slot];
+    const int4 v = ring.tile[slot];
     MbarArrive(&ring.empty[slot]);
     ++n;
-    return t;
+    c = TileCoord{v.y, v.z, v.w};
+    return v.x;
   }
 };
 

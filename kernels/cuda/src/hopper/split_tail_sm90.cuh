@@ -39,7 +39,8 @@ constexpr size_t TailCounterBytes(int split_tiles) {
 
 // `slot`: this part's workspace slot (block * kMaxTailPartsPerBlock + its index among the block's parts);
 // `warp`: the consumer warp (0 .. kConsumerWarps - 1); row0: this thread's first row.
-template <int kHeadDim, typename Elem, int kBlockN, int kConsumerWarps>
+template <int kHeadDim, typename Elem, int kBlockN, int kConsumerWarps,
+          bool kVectorStores = true>  // StoreOutputSm90's
 __device__ __forceinline__ void StoreTailPartSm90(const LaunchParams& p, const SchedulerParams& sp, const TailPart& part,
                                                   int slot, float (&o)[kHeadDim / 2], SoftmaxSm90<kBlockN>& sm,
                                                   int row0, int head, int batch, int warp) {
@@ -122,7 +123,7 @@ __device__ __forceinline__ void StoreTailPartSm90(const LaunchParams& p, const S
   sm.m[1] = m[1];
   sm.l[0] = l[0];
   sm.l[1] = l[1];
-  StoreOutputSm90<kHeadDim, Elem, kBlockN>(p, o, sm, row0, head, batch);
+  StoreOutputSm90<kHeadDim, Elem, kBlockN, kVectorStores>(p, o, sm, row0, head, batch);
 }
 
 }  // namespace attnd::kernels::hopper

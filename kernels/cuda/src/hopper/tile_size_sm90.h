@@ -70,7 +70,7 @@ struct TileShape {
   static constexpr int kBarriers = 2 * kQBuffers + 4 * Stages;
   // +1024: the dynamic shared-memory base is re-aligned to the 1024 bytes of a 128-byte swizzle atom, which
   // wgmma's descriptors (base offset 0) and TMA both rely on. (The dynamic schedule's tile ring is static
-  // shared memory, 40 bytes beside this.)
+  // shared memory, 64 bytes beside this.)
   static constexpr size_t kSmemBytes = 1024 + kQBuffers * kQBytes + 2 * Stages * kKVTileBytes + 8 * kBarriers;
 
   static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "head_dim 64, 128 or 256");
