@@ -223,7 +223,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
         TileCoord c;
         for (int round = 0; slots.Take(*tile_ring, c) >= 0; ++round) {
           ATTND_HOPPER_TRACE_SET_ROUND(producer, round);
-          producer.LoadTile(p, c.q_tile, c.head, c.batch);
+          producer.template LoadTile<true>(p, c.q_tile, c.head, c.batch);
         }
       } else {
         for (int round = 0, t; (t = TileOfRoundFor<kPairedOrder>(sp, round)) >= 0; ++round) {
