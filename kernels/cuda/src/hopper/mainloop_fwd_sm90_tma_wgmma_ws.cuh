@@ -98,9 +98,9 @@ struct SharedStorageSm90 {
 // The dynamic schedule's hand-off of tiles to the producer thread and the consumer threads: a small ring,
 // since the Q barrier cannot carry it (a tile without key blocks loads no Q) and everyone must learn the end
 // (-1) too. A thread of its own (the producer warpgroup's second warp) takes tiles from the global counter,
-// decodes each into its coordinates and fills the ring. The decode is five integer divisions (sections, heads,
-// batch): in the readers it sat on every tile change, between a warpgroup's epilogue and its next tile's first
-// S, where the scheduler thread, up to two tiles ahead, has time for it. The ring lives in static shared memory,
+// decodes each into its coordinates and fills the ring. The decode is three integer divisions (sections, heads,
+// batch): in the readers they sat on every tile change, between a warpgroup's epilogue and its next tile's first
+// S, where the scheduler thread, up to two tiles ahead, has time for them. The ring lives in static shared memory,
 // so its addresses are constants rather than pointers held in registers across the tile.
 struct TileRingSm90 {
   static constexpr int kSlots = 2;  // the scheduler runs up to two tiles ahead of the consumers
@@ -217,8 +217,8 @@ struct ProducerSm90 {
 
   // kPrefetchQ: Q is read once, from DRAM, and its load waits for the previous tile's last S (one Q buffer); its L2
   // prefetch goes out when the producer takes the tile, typically most of a tile before that load. Measured (v41):
-  // d64 causal 1k +1.2% (6 of 6) in the dynamic order; in the static and paired orders medians of 0.99-1.00, so
-  // they do without it.
+  // d64 causal 1k +1.2% (6 of 6) in the dynamic order, though Q's traced latency did not shrink, so the gain is not
+  // the Q wait; in the static and paired orders medians of 0.99-1.00, so they do without it.
   template <bool kPrefetchQ = false>
   __device__ __forceinline__ void LoadTile(const LaunchParams& p, int q_tile, int head, int batch) {
     const KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, q_tile * Tile::kBlockM);

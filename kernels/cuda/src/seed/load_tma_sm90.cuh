@@ -60,7 +60,7 @@ __device__ __forceinline__ void TmaLoad4d(void* dst, const CUtensorMap* map, uin
       : "memory");
 }
 
-// Starts bringing one box of a 4-D map into L2 (no shared memory, no barrier): a later TmaLoad4d of it then reads L2.
+// Starts bringing one box of a 4-D map into L2 (no shared memory, no barrier), for a later TmaLoad4d of it.
 __device__ __forceinline__ void TmaPrefetchL2_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3) {
   asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];" ::"l"(
                    reinterpret_cast<uint64_t>(map)),
