@@ -276,9 +276,10 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
         ATTND_HOPPER_TRACE_AT(1 + consumer.wg, round, trace::kTileStart);
         ATTND_HOPPER_TRACE_GLOBAL(1 + consumer.wg, round);
         ATTND_HOPPER_TRACE_SET_ROUND(consumer, round);
-        const int q0 = c.q_tile * Tile::kBlockM;
+        const int q0 = TileFirstRow<Tile>(c.q_tile, p.q_len, p.causal);
         const int row0 = q0 + consumer.wg * 64 + warp * 16 + (lane >> 2);
-        const KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, q0);
+        KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, q0);
+        if constexpr (Tile::kWgRanges) r = consumer.SkipUnseen(p, r, q0 + consumer.wg * 64);
         float o[Tile::kHeadDim / 2];
         typename ConsumerSm90<Tile, Elem>::Softmax sm;
         if (r.n_blocks == 0) {
@@ -323,7 +324,10 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
         }
         // One call site for the register epilogue: a call in each branch above put its code in the kernel twice.
         if constexpr (!Tile::kSmemEpilogue) {
-          StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
+          // Shifted tiles: a warpgroup whose rows lie before 0 has nothing to store (the epilogue checks only the end).
+          if (!Tile::kShiftTiles || q0 + consumer.wg * 64 >= 0) {
+            StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
+          }
         }
         ATTND_HOPPER_TRACE_AT(1 + consumer.wg, round, trace::kStored);
       }

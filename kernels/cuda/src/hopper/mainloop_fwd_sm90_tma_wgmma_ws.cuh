@@ -60,6 +60,35 @@ __device__ __forceinline__ KeyRange KeyRangeFor(const LaunchParams& p, int q0) {
   return KeyRange{n_blocks, min(n_full, n_blocks)};
 }
 
+// The first query row of q tile q_tile: q_tile * block_m, or with shifted tiles (`_wrs`, causal) up to two warpgroups
+// before that, so that the first tile holds the rows past a multiple of block_m. Its rows before 0 are TMA's zero fill
+// (negative coordinates are out of bounds like those past the end); their warpgroups visit no key and store nothing.
+// (q_len and causal by value: with a reference to the launch parameters ptxas laid out every kernel's code
+// differently, shifted or not.)
+template <typename Tile>
+__device__ __forceinline__ int TileFirstRow(int q_tile, int q_len, bool causal) {
+  if constexpr (Tile::kShiftTiles) {
+    if (causal) {
+      constexpr int kWG = Tile::kConsumerWarpgroups;
+      const int groups = (q_len + 63) >> 6;
+      return q_tile * Tile::kBlockM - 64 * ((kWG - groups % kWG) % kWG);
+    }
+  }
+  return q_tile * Tile::kBlockM;
+}
+
+// The key blocks one consumer warpgroup's 64 rows (from wg_row0) see, within its tile's range: none when the rows
+// start past q_len (KeyRangeFor takes the last row as min(.., q_len) - 1) or lie before 0 (shifted tiles). For
+// per-warpgroup key ranges, `_wr`.
+template <int kBlockN>
+__device__ __forceinline__ KeyRange WarpgroupKeyRange(const LaunchParams& p, const KeyRange& tile, int wg_row0) {
+  if (wg_row0 >= p.q_len || wg_row0 < 0) return KeyRange{0, 0};
+  KeyRange r = KeyRangeFor<64, kBlockN>(p, wg_row0);
+  r.n_blocks = min(r.n_blocks, tile.n_blocks);
+  r.n_full = min(r.n_full, r.n_blocks);
+  return r;
+}
+
 // Last key a query row may see (-1: none).
 __device__ __forceinline__ int RowLimit(const LaunchParams& p, int row) {
   if (!p.causal) return p.kv_len - 1;
@@ -221,13 +250,13 @@ struct ProducerSm90 {
   // the Q wait; in the static and paired orders medians of 0.99-1.00, so they do without it.
   template <bool kPrefetchQ = false>
   __device__ __forceinline__ void LoadTile(const LaunchParams& p, int q_tile, int head, int batch) {
-    const KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, q_tile * Tile::kBlockM);
+    const KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, TileFirstRow<Tile>(q_tile, p.q_len, p.causal));
     if (r.n_blocks == 0) return;
     const int kv_head = head / p.group;
     if constexpr (kPrefetchQ) {
 #pragma unroll
       for (int pn = 0; pn < Tile::kPanels; ++pn) {
-        seed::TmaPrefetchL2_4d(q_map, pn * 64, head, q_tile * Tile::kBlockM, batch);
+        seed::TmaPrefetchL2_4d(q_map, pn * 64, head, TileFirstRow<Tile>(q_tile, p.q_len, p.causal), batch);
       }
     }
     // The first K block before Q: it waits only on the ring, so the ring keeps filling while the
@@ -236,7 +265,7 @@ struct ProducerSm90 {
     ATTND_HOPPER_TRACE_AT(0, trace_round, trace::kPTileStart);
     LoadK(r.n_blocks - 1, kv_head, batch);
     ATTND_HOPPER_TRACE_AT(0, trace_round, trace::kPFirstKIssued);
-    LoadQ(q_tile * Tile::kBlockM, head, batch);
+    LoadQ(TileFirstRow<Tile>(q_tile, p.q_len, p.causal), head, batch);
     ATTND_HOPPER_TRACE_AT(0, trace_round, trace::kPQIssued);
     for (int b = r.n_blocks - 2; b >= 0; --b) {
       LoadK(b, kv_head, batch);
@@ -390,6 +419,37 @@ struct ConsumerSm90 {
     WgmmaWait<0>();
     FenceOperand(s);
     ReleaseK<kHoldLast>(st, last);
+  }
+
+  // A key block this warpgroup's rows do not see (per-warpgroup key ranges): its GEMM turn is taken empty, so the
+  // turns stay in step, and both of its stages go back once they have landed (an arrival before that would count
+  // towards the stage's previous phase).
+  __device__ __forceinline__ void EmptyStep() {
+    const int st = load % S;
+    const uint32_t phase = (load / S) & 1;
+    TurnBegin();
+    TurnEnd();
+    MbarWait(&smem.k_full[st], phase);
+    Release(smem.k_empty, st);
+    MbarWait(&smem.v_full[st], phase);
+    Release(smem.v_empty, st);
+    ++load;
+  }
+
+  // Per-warpgroup key ranges (`_wr`), before Run: the tile's blocks are visited last to first, so the ones this
+  // warpgroup's rows (from wg_row0, warp-uniform) do not see come first; they are passed by empty steps. Returns the
+  // blocks left for Run, none when the rows see no key of the tile (then its Q is released unread, the last P V's turn
+  // taken empty, and the caller stores the zero output as for a tile without key blocks).
+  __device__ __forceinline__ KeyRange SkipUnseen(const LaunchParams& p, const KeyRange& tile, int wg_row0) {
+    const KeyRange r = WarpgroupKeyRange<BN>(p, tile, wg_row0);
+#pragma unroll 1
+    for (int b = tile.n_blocks - 1; b >= r.n_blocks; --b) EmptyStep();
+    if (r.n_blocks == 0 && tile.n_blocks > 0) {
+      ReleaseQ(WaitQ());
+      TurnBegin();
+      TurnEnd();
+    }
+    return r;
   }
 
   // Overlapped variant, in three parts a tile's blocks run through (the cross-tile kernel loop fuses the

@@ -13,7 +13,7 @@ namespace attnd::kernels::hopper {
 
 template <int HeadDim, int BlockN, int Stages, bool PingPong = true, bool IntraOverlap = true,
           int ConsumerWarpgroups = 2, int PolyExpEvery = 0, bool CrossTile = false, int SmemEpilogue = 0,
-          bool PDouble = false>
+          bool PDouble = false, int WgRanges = 0>
 struct TileShape {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = 64 * ConsumerWarpgroups;
@@ -52,6 +52,15 @@ struct TileShape {
   // cover. Costs block_n / 4 registers, so only two-consumer 128-key shapes fit.
   static constexpr bool kPDouble = PDouble;
   static constexpr int kPBuffers = PDouble ? 2 : 1;
+  // WgRanges (`_wr`): each consumer warpgroup visits only the key blocks its own 64 rows may see, and none when its
+  // rows lie past q_len; for the blocks it skips it takes empty turns and hands the stages straight back. A 192-row
+  // causal tile spans 1.5 key blocks of diagonal, so its first warpgroup's rows see one or two blocks fewer than its
+  // last's: at 1k a third of m192's warpgroup-blocks (96 a head against m128's 72) fall there or past the sequence.
+  static constexpr bool kWgRanges = WgRanges != 0;
+  // WgRanges 2 (`_wrs`): causal tiles also start up to two warpgroups early, so that the rows past a multiple of
+  // block_m fill the first tile, which sees the fewest keys, instead of the last: with rows in one warpgroup of the
+  // last tile (1k: rows 960..1023) that warpgroup ran the tile's eight blocks with no other to take turns with.
+  static constexpr bool kShiftTiles = WgRanges == 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // setmaxnreg split of the 64K-register file (multiples of 8): producer + consumers <= 512 per thread slot.
   static constexpr int kProducerRegs = ConsumerWarpgroups == 2 ? 24 : 32;
@@ -97,6 +106,9 @@ struct TileShape {
                 "O + S + P, dynamic split");
   static_assert(!PDouble || (IntraOverlap && !CrossTile), "two P buffers: the overlapped loop, one tile at a time");
   static_assert(!PDouble || PolyExpEvery == 0, "the speculative exponentials are MUFU's");
+  static_assert(WgRanges >= 0 && WgRanges <= 2, "WgRanges: 0 none, 1 per-warpgroup key ranges, 2 and shifted tiles");
+  static_assert(!WgRanges || (PingPong && IntraOverlap && !CrossTile && !SmemEpilogue),
+                "per-warpgroup key ranges: the overlapped loop with turns, O from registers");
   static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
   static_assert(kSmemBytes + 64 <= 232448, "Hopper allows 227 KB of shared memory per block");
 };
@@ -112,6 +124,9 @@ using HopperD64N128S4P2 = TileShape<64, 128, 4, true, true, 2, 0, false, 0, true
 // v27: six K/V stages (209 KB of shared memory): the producer runs further into the next tiles. Auto's on the d64
 // short rows from session 21 (plan.cc; over s4: causal 1k +1%, the other short rows level).
 using HopperD64N128S6P2 = TileShape<64, 128, 6, true, true, 2, 0, false, 0, true>;
+// v47: m192 with per-warpgroup key ranges (`_wr`).
+using HopperD64M192N128S4Wr = TileShape<64, 128, 4, true, true, 3, 0, false, 0, false, 1>;
+using HopperD64M192N128S4Wrs = TileShape<64, 128, 4, true, true, 3, 0, false, 0, false, 2>;
 // Not compiled: d64 m192 cross-tile (92 bytes of spills under the 160-register consumer budget).
 using HopperD64M192N128S4Poly = TileShape<64, 128, 4, true, true, 3, 4>;
 using HopperD64N128S4Poly = TileShape<64, 128, 4, true, true, 2, 4>;
