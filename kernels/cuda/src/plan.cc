@@ -108,17 +108,24 @@ const char* DefaultConfig(const DeviceCaps& caps, const Problem& p) {
 
 // The hopper family's tuned choice (docs/hopper-kernel-notes.md, docs/benchmarks.md). head_dim 64: three
 // consumer warpgroups (192 rows) keep the tensor cores busy while two of them are in softmax: 3-16% faster
-// from 2k tokens on; short causal problems (more masked work per 192-row tile) run 7% faster on 128 rows.
+// from 2k tokens on; with per-warpgroup key ranges (v47) also on short causal problems.
 const char* DefaultHopperConfig(const Problem& p) {
   switch (p.shape.head_dim) {
     // v21: 128 rows with two P buffers and the exponentials before the row max (`_p2`), causal below 8k queries
     // and non-causal below 2k (session 18 call 2, four processes, over the old auto: causal 1k +3.7%, 2k +0.6%, 4k
     // +1.6%, non-causal 1k +3.7%; m192 stays ahead by 4-7% from 8k causal and 2k non-causal).
+    // v47: m192 with per-warpgroup key ranges and, causal, shifted tiles (`_wrs`): a warpgroup skips the key blocks
+    // its own rows do not see, which took m192's causal waste away (at 1k a third of its warpgroup-blocks). Causal at
+    // every length (session 28 call 2, eight processes, over the old auto: 1k +9.8%, 2k +9.8%, 4k +9.1%, 8k +2.3%,
+    // 16k +1.9%; over cuDNN 1.09 / 1.13 / 1.15 / 1.18 / 1.19, ahead in 8 of 8 each); without a mask from 2k, where
+    // it only skips the rows past q_len (call 1, `_wr` over m192: 2k +0.5%, 4k +0.2%, 8k +0.5%). Non-causal 1k keeps
+    // s6 `_p2` (`_wr` level with it there, 1.008, 3 of 8 ahead).
     case 64: {
-      const bool short_rows = p.shape.q_len < (p.mask == Mask::kNone ? 2048 : 8192);
-      // v27: six K/V stages over s4 (session 20, eight processes: causal 1k +1%, 2k +3%, non-causal 1k level;
-      // session 21, six processes as auto: causal 1k +1.1% ahead in 6 of 6, 2k / 4k and non-causal 1k level).
-      return short_rows ? "hopper_sm90_d64_m128n128s6_p2" : "hopper_sm90_d64_m192n128s4";
+      if (p.mask == Mask::kNone && p.shape.q_len < 2048) {
+        // v27: six K/V stages over s4 (session 20, eight processes: non-causal 1k level).
+        return "hopper_sm90_d64_m128n128s6_p2";
+      }
+      return "hopper_sm90_d64_m192n128s4_wrs";
     }
     // 128x176 (FA3's non-causal shape) from 16k keys on: +0.3 to +1.6% over s3 in three processes of session 7's
     // call 9 (non-causal 16k 648-649 vs 638-642), level at 8k, 1-8% behind below 8k (call 2).
