@@ -107,6 +107,7 @@ const std::map<std::string, Launcher>& Launchers() {
 struct TracedN176Os : hk::HopperD128N176S2Os {};
 struct TracedS3Osk : hk::HopperD128N128S3Osk {};
 struct TracedS3 : hk::HopperD128N128S3 {};
+struct TracedS3OskP2 : hk::HopperD128N128S3OskP2 {};  // auto's at d128 (session 28: where a causal launch idles)
 
 // LaunchFwd's static and paired paths (the split tail included) for the traced types. Returns the tail split run.
 template <typename Tile>
@@ -150,6 +151,7 @@ const std::map<std::string, TimelineLauncher>& TimelineLaunchers() {
       {"hopper_sm90_d128_m128n176s2_os", &LaunchTimelineRun<TracedN176Os>},
       {"hopper_sm90_d128_m128n128s3_osk", &LaunchTimelineRun<TracedS3Osk>},
       {"hopper_sm90_d128_m128n128s3", &LaunchTimelineRun<TracedS3>},
+      {"hopper_sm90_d128_m128n128s3_osk_p2", &LaunchTimelineRun<TracedS3OskP2>},
   };
   return m;
 }
