@@ -384,6 +384,63 @@ void RunCase(const Case& c, int sms) {
   if (!same) std::exit(3);
 }
 
+// The key blocks of tile t of a square problem with 128-row, 128-key tiles, as TailPartAt asks for them (host and
+// device, as TailPartAt is).
+struct TailBlocksOf {
+  const hk::SchedulerParams* sp;
+  int kv_blocks;
+  bool causal;
+  __host__ __device__ int operator()(int t) const {
+    const int q_blocks = hk::TileAt(*sp, t).q_tile + 1;
+    return causal && q_blocks < kv_blocks ? q_blocks : kv_blocks;
+  }
+};
+
+// ATTND_TRACE_DUMP=file (timeline mode): one CSV row per block and round, to see which tiles and which SMs run
+// slow: the tile (q tile, head, batch; for a split-tail part its tile and first key block), its key blocks, its start
+// and length in us after the launch's first tile start, and the SM. Appends, so one file can hold several cases.
+void DumpTimeline(const char* path, const Case& c, const CaseData& cd, int blocks, const hk::TailSplit& ts,
+                  const PairRun& run, uint64_t t0, int sms) {
+  FILE* f = std::fopen(path, "a");
+  if (f == nullptr) {
+    std::fprintf(stderr, "cannot open %s\n", path);
+    std::exit(1);
+  }
+  hk::SchedulerParams sp = hk::ScheduleFor(cd.plan, cd.d, false, sms).sp;
+  sp.tail_units = ts.units;
+  sp.tail_round = ts.round;
+  sp.tail_tile = ts.tile;
+  const int last = hk::trace::kRounds - 1;
+  for (int blk = 0; blk < blocks; ++blk) {
+    const uint64_t end = std::max(run.At(blk, 1, last, hk::trace::kGlobalStart), run.At(blk, 2, last, hk::trace::kGlobalStart));
+    for (int r = 0; r < last; ++r) {
+      const uint64_t s = run.At(blk, 1, r, hk::trace::kGlobalStart);
+      if (s == 0) break;
+      uint64_t next = run.At(blk, 1, r + 1, hk::trace::kGlobalStart);
+      if (next == 0) next = end;
+      int tile = -1;
+      if (ts.units == 0 || r < ts.round) {
+        tile = hk::TileOfRound(sp, r, blk, blocks);
+      } else {
+        const TailBlocksOf blocks_of{&sp, (c.s + 127) / 128, c.causal != 0};
+        hk::TailPart part;
+        const bool found = sp.pairs_per_head > 0 ? hk::TailPartAt<2>(sp, blk, blocks, blocks_of, r - ts.round, &part)
+                                                 : hk::TailPartAt<1>(sp, blk, blocks, blocks_of, r - ts.round, &part);
+        if (found) tile = part.tile;
+      }
+      const hk::TileCoord tc = tile >= 0 ? hk::TileAt(sp, tile) : hk::TileCoord{-1, -1, -1};
+      std::fprintf(f, "%s,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%llu,%llu,%.3f,%.3f\n", c.config.c_str(), c.b, c.s, c.h,
+                   c.causal, blk, r, tc.q_tile, tc.head, tc.batch,
+                   static_cast<int>(run.At(blk, 1, r, hk::trace::kBlocks)),
+                   static_cast<int>(run.At(blk, 1, r, hk::trace::kPartFirst)),
+                   static_cast<unsigned long long>(run.At(blk, 1, r, hk::trace::kSmId)),
+                   static_cast<unsigned long long>(run.At(blk, 2, r, hk::trace::kSmId)), (s - t0) * 1e-3,
+                   (next - s) * 1e-3);
+    }
+  }
+  std::fclose(f);
+}
+
 // One problem through the launcher's path with probes: block end times, and per round the rate per key block.
 void RunTimeline(const Case& c, int sms) {
   const auto it = TimelineLaunchers().find(c.config);
@@ -441,6 +498,9 @@ void RunTimeline(const Case& c, int sms) {
       dur_by_round[r].push_back((next - s) * 1e-3);
       if (n > 0) ns_per_block_by_round[r].push_back(static_cast<double>(next - s) / n);
     }
+  }
+  if (const char* path = std::getenv("ATTND_TRACE_DUMP"); path != nullptr && *path != '\0') {
+    DumpTimeline(path, c, cd, blocks, ts, run, t0, sms);
   }
   std::vector<double> sorted = ends;
   std::sort(sorted.begin(), sorted.end());

@@ -18,9 +18,9 @@ constexpr int kRoles = 4, kRounds = 64, kEvents = 20;
 // Consumer events, in the order a tile passes them; kBlocks stores the tile's key-block count, not a time.
 enum ConsumerEvent : int { kTileStart, kQReady, kFirstDone, kMiddleDone, kLastPVDone, kStored, kBlocks };
 // Timeline events (hopper_trace --timeline): %globaltimer (ns, one clock for all SMs, unlike clock64) at a tile's or
-// split-tail part's start, and a part's first key block (0 for whole tiles). Round kRounds - 1 of kGlobalStart holds
-// the block's end.
-enum TimelineEvent : int { kGlobalStart = 7, kPartFirst = 8 };
+// split-tail part's start, a part's first key block (0 for whole tiles) and the SM it ran on. Round kRounds - 1 of
+// kGlobalStart holds the block's end.
+enum TimelineEvent : int { kGlobalStart = 7, kPartFirst = 8, kSmId = 9 };
 // Where an overlapped middle step's cycles go (hopper_trace's step table): per tile, the sum over its middle steps of
 // the cycles between consecutive marks, stored as values in events kStepEvent0 + part. Taken by the first thread of
 // each consumer warpgroup, i.e. its warp 0.
@@ -50,6 +50,12 @@ __device__ __forceinline__ void Put(int role, int round, int event, uint64_t val
   if (g_buffer != nullptr && (threadIdx.x & 127) == 0 && round < kRounds) {
     g_buffer[((static_cast<int64_t>(blockIdx.x) * kRoles + role) * kRounds + round) * kEvents + event] = value;
   }
+}
+
+__device__ __forceinline__ uint32_t SmId() {
+  uint32_t id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
 }
 
 __device__ __forceinline__ uint32_t Clock32() {
@@ -86,9 +92,11 @@ __device__ __forceinline__ void StepPut(int wg, int round) {
 
 #define ATTND_HOPPER_TRACE_AT(role, round, event) \
   ::attnd::kernels::hopper::trace::Put((role), (round), (event), ::attnd::kernels::hopper::trace::Clock())
-#define ATTND_HOPPER_TRACE_GLOBAL(role, round) \
-  ::attnd::kernels::hopper::trace::Put((role), (round), ::attnd::kernels::hopper::trace::kGlobalStart, \
-                                       ::attnd::kernels::hopper::trace::GlobalTime())
+#define ATTND_HOPPER_TRACE_GLOBAL(role, round)                                                              \
+  (::attnd::kernels::hopper::trace::Put((role), (round), ::attnd::kernels::hopper::trace::kGlobalStart,    \
+                                        ::attnd::kernels::hopper::trace::GlobalTime()),                   \
+   ::attnd::kernels::hopper::trace::Put((role), (round), ::attnd::kernels::hopper::trace::kSmId,           \
+                                        ::attnd::kernels::hopper::trace::SmId()))
 #define ATTND_HOPPER_TRACE_VALUE(role, round, event, value) \
   ::attnd::kernels::hopper::trace::Put((role), (round), (event), static_cast<uint64_t>(value))
 // The producer and consumers learn their tile's round through a member that exists only in probed builds: an
