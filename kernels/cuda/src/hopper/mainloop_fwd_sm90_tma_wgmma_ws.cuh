@@ -374,6 +374,8 @@ struct ConsumerSm90 {
     if constexpr (Tile::kPingPong) PassTurn<Tile::kConsumerWarpgroups>(wg);
   }
 
+  // kToRowMax: the step after a failed TryStep (Softmax::TryStep says why); masked blocks never have one.
+  template <bool kToRowMax = false>
   __device__ __forceinline__ bool SoftmaxStep(Softmax& sm, float (&s)[kSRegs], const LaunchParams& p, int block,
                                               const TileWork& w, float (&f)[2]) const {
 #if defined(ATTND_HOPPER_TRACE)
@@ -385,8 +387,8 @@ struct ConsumerSm90 {
       return sm.template Step<true, Tile::kPolyExpEvery>(s, p.scale_log2, block * BN, w.limit0, w.limit1, f,
                                                          after_max);
     }
-    return sm.template Step<false, Tile::kPolyExpEvery>(s, p.scale_log2, block * BN, w.limit0, w.limit1, f,
-                                                        after_max);
+    return sm.template Step<false, Tile::kPolyExpEvery, kToRowMax>(s, p.scale_log2, block * BN, w.limit0, w.limit1,
+                                                                   f, after_max);
   }
 
   // After S of a block has completed: its K stage goes back to the producer. kHoldLast (split O stages, whole
@@ -525,7 +527,7 @@ struct ConsumerSm90 {
     }
     bool rescale = false;
     if (!accepted) {
-      rescale = SoftmaxStep(sm, s, p, b, w, f);
+      rescale = SoftmaxStep<true>(sm, s, p, b, w, f);
       ConvertP(s, next);
     }
     ATTND_HOPPER_STEP_MARK(kSpSoftmax);

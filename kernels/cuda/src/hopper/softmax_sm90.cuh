@@ -60,9 +60,12 @@ struct SoftmaxSm90 {
   // s: raw scores in, P = exp2(s * scale_log2 - m) out. kMasked: keys past a row's limit are removed (key of
   // s[4i+e] = key0 + 8i + 2t + (e & 1)). Returns true (warp-uniform) when O must be scaled by f[0] / f[1].
   // after_max runs once the row maxima are known, before the exponentials (the step probes' mark; none otherwise).
-  template <bool kMasked, int kPolyEvery = 0, typename AfterMax = NoOp>
+  // kToRowMax: a row's reference moves to its max whenever the max is above it, not only past the threshold; for
+  // the step after a failed TryStep (see there).
+  template <bool kMasked, int kPolyEvery = 0, bool kToRowMax = false, typename AfterMax = NoOp>
   __device__ __forceinline__ bool Step(float (&s)[kRegs], float scale_log2, int key0, int limit0, int limit1,
                                        float (&f)[2], AfterMax after_max = {}) {
+    constexpr float kThreshold = kToRowMax ? 0.f : seed::kRescaleThresholdLog2;
     const int t = threadIdx.x & 3;
     // A positive scale commutes with the max: take it over the raw scores and fold the scale into the
     // exponent's FFMA (one FP32 op per score fewer, and the softmax is what bounds this kernel between
@@ -97,12 +100,12 @@ struct SoftmaxSm90 {
     // instead of 695 (d128 4k, hopper_trace's step parts, v19). The outputs are the same either way: without a move
     // the exponent's reference is m, as before.
     bool moved = false;
-    const bool beyond = mx0 > m[0] + seed::kRescaleThresholdLog2 || mx1 > m[1] + seed::kRescaleThresholdLog2;
+    const bool beyond = mx0 > m[0] + kThreshold || mx1 > m[1] + kThreshold;
     if (__any_sync(0xffffffffu, beyond)) {
       mx0 = QuadMax(mx0);
       mx1 = QuadMax(mx1);
-      const bool move0 = mx0 > m[0] + seed::kRescaleThresholdLog2;
-      const bool move1 = mx1 > m[1] + seed::kRescaleThresholdLog2;
+      const bool move0 = mx0 > m[0] + kThreshold;
+      const bool move1 = mx1 > m[1] + kThreshold;
       // exp2(-inf - mx) = 0 on a row's first visible block, where O and l are still zero.
       if (move0) {
         f[0] = Exp2(m[0] - mx0);
@@ -146,8 +149,16 @@ struct SoftmaxSm90 {
   // the current reference and packed into `pk`; the block is accepted when each of this thread's two row partial
   // sums is at most 2^threshold, which bounds every P by what the lazy rescale allows, so it is the P the full Step
   // computes when no row moves. Otherwise (some P may be past the bound, NaN, or a row has no reference yet)
-  // nothing has changed, `s` still holds the raw scores and the caller runs the full Step. Unmasked blocks only.
-  // Returns true (warp-uniform) when accepted.
+  // nothing has changed, `s` still holds the raw scores and the caller runs the full Step<..., kToRowMax = true>.
+  // Unmasked blocks only. Returns true (warp-uniform) when accepted.
+  // Why the full step after a rejection moves the reference to the row max: a row can be rejected with its max
+  // inside the threshold (a sum past 2^8 from many P near 2^5, say), and a full step with the usual threshold
+  // leaves its reference where it was, so every later block of the tile is rejected again and pays for the
+  // exponentials twice. Causal tiles hit this: their first block is the diagonal, where a tile's top rows see one
+  // key or a few, so their reference is the max of a few scores. On random inputs (hopper_trace, d128 causal 16k,
+  // session 29) 4 of 8 tiles of a head were rejected on 42-99 of their ~110 blocks and ran 17-38% over their
+  // length; their blocks ended up to 13% of the launch apart. Moved to the row max, each such tile is rejected
+  // once (a host model of the same inputs: 1 rejection per tile against 42-99).
   template <int kPSteps, typename Pack>
   __device__ __forceinline__ bool TryStep(const float (&s)[kRegs], float scale_log2, uint32_t (&pk)[kPSteps][4],
                                           Pack pack) {
