@@ -384,15 +384,15 @@ void RunCase(const Case& c, int sms) {
   if (!same) std::exit(3);
 }
 
-// The key blocks of tile t of a square problem with 128-row, 128-key tiles, as TailPartAt asks for them (host and
-// device, as TailPartAt is).
+// The key blocks of tile t of the tool's square problems (top-left causal or none), as TailPartAt asks for them
+// (host and device, as TailPartAt is).
 struct TailBlocksOf {
   const hk::SchedulerParams* sp;
-  int kv_blocks;
+  int block_m, block_n, kv_blocks;
   bool causal;
   __host__ __device__ int operator()(int t) const {
-    const int q_blocks = hk::TileAt(*sp, t).q_tile + 1;
-    return causal && q_blocks < kv_blocks ? q_blocks : kv_blocks;
+    const int seen = ((hk::TileAt(*sp, t).q_tile + 1) * block_m + block_n - 1) / block_n;
+    return causal && seen < kv_blocks ? seen : kv_blocks;
   }
 };
 
@@ -410,9 +410,18 @@ void DumpTimeline(const char* path, const Case& c, const CaseData& cd, int block
   sp.tail_units = ts.units;
   sp.tail_round = ts.round;
   sp.tail_tile = ts.tile;
+  int block_m = 0, block_n = 0;
+  for (const attnd::kernels::ConfigInfo& info : attnd::kernels::Configs()) {
+    if (info.name == c.config) {
+      block_m = info.block_m;
+      block_n = info.block_n;
+    }
+  }
+  const TailBlocksOf blocks_of{&sp, block_m, block_n, (c.s + block_n - 1) / block_n, c.causal != 0};
   const int last = hk::trace::kRounds - 1;
   for (int blk = 0; blk < blocks; ++blk) {
-    const uint64_t end = std::max(run.At(blk, 1, last, hk::trace::kGlobalStart), run.At(blk, 2, last, hk::trace::kGlobalStart));
+    const uint64_t end =
+        std::max(run.At(blk, 1, last, hk::trace::kGlobalStart), run.At(blk, 2, last, hk::trace::kGlobalStart));
     for (int r = 0; r < last; ++r) {
       const uint64_t s = run.At(blk, 1, r, hk::trace::kGlobalStart);
       if (s == 0) break;
@@ -422,7 +431,6 @@ void DumpTimeline(const char* path, const Case& c, const CaseData& cd, int block
       if (ts.units == 0 || r < ts.round) {
         tile = hk::TileOfRound(sp, r, blk, blocks);
       } else {
-        const TailBlocksOf blocks_of{&sp, (c.s + 127) / 128, c.causal != 0};
         hk::TailPart part;
         const bool found = sp.pairs_per_head > 0 ? hk::TailPartAt<2>(sp, blk, blocks, blocks_of, r - ts.round, &part)
                                                  : hk::TailPartAt<1>(sp, blk, blocks, blocks_of, r - ts.round, &part);

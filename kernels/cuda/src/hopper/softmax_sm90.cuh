@@ -156,9 +156,9 @@ struct SoftmaxSm90 {
   // leaves its reference where it was, so every later block of the tile is rejected again and pays for the
   // exponentials twice. Causal tiles hit this: their first block is the diagonal, where a tile's top rows see one
   // key or a few, so their reference is the max of a few scores. On random inputs (hopper_trace, d128 causal 16k,
-  // session 29) 4 of 8 tiles of a head were rejected on 42-99 of their ~110 blocks and ran 17-38% over their
-  // length; their blocks ended up to 13% of the launch apart. Moved to the row max, each such tile is rejected
-  // once (a host model of the same inputs: 1 rejection per tile against 42-99).
+  // session 29) some tiles were rejected on 42-99 of their ~110 blocks and ran 17-38% over their length, and the
+  // launch's blocks ended up to 13% apart. Moved to the row max, such a tile is rejected about once (a host model
+  // of the same inputs, docs/hopper-runs/session29/host_model/).
   template <int kPSteps, typename Pack>
   __device__ __forceinline__ bool TryStep(const float (&s)[kRegs], float scale_log2, uint32_t (&pk)[kPSteps][4],
                                           Pack pack) {
