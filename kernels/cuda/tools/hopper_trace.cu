@@ -384,40 +384,15 @@ void RunCase(const Case& c, int sms) {
   if (!same) std::exit(3);
 }
 
-// The key blocks of tile t of the tool's square problems (top-left causal or none), as TailPartAt asks for them
-// (host and device, as TailPartAt is).
-struct TailBlocksOf {
-  const hk::SchedulerParams* sp;
-  int block_m, block_n, kv_blocks;
-  bool causal;
-  __host__ __device__ int operator()(int t) const {
-    const int seen = ((hk::TileAt(*sp, t).q_tile + 1) * block_m + block_n - 1) / block_n;
-    return causal && seen < kv_blocks ? seen : kv_blocks;
-  }
-};
-
 // ATTND_TRACE_DUMP=file (timeline mode): one CSV row per block and round, to see which tiles and which SMs run
 // slow: the tile (q tile, head, batch; for a split-tail part its tile and first key block), its key blocks, its start
 // and length in us after the launch's first tile start, and the SM. Appends, so one file can hold several cases.
-void DumpTimeline(const char* path, const Case& c, const CaseData& cd, int blocks, const hk::TailSplit& ts,
-                  const PairRun& run, uint64_t t0, int sms) {
+void DumpTimeline(const char* path, const Case& c, int blocks, const PairRun& run, uint64_t t0) {
   FILE* f = std::fopen(path, "a");
   if (f == nullptr) {
     std::fprintf(stderr, "cannot open %s\n", path);
     std::exit(1);
   }
-  hk::SchedulerParams sp = hk::ScheduleFor(cd.plan, cd.d, false, sms).sp;
-  sp.tail_units = ts.units;
-  sp.tail_round = ts.round;
-  sp.tail_tile = ts.tile;
-  int block_m = 0, block_n = 0;
-  for (const attnd::kernels::ConfigInfo& info : attnd::kernels::Configs()) {
-    if (info.name == c.config) {
-      block_m = info.block_m;
-      block_n = info.block_n;
-    }
-  }
-  const TailBlocksOf blocks_of{&sp, block_m, block_n, (c.s + block_n - 1) / block_n, c.causal != 0};
   const int last = hk::trace::kRounds - 1;
   for (int blk = 0; blk < blocks; ++blk) {
     const uint64_t end =
@@ -427,19 +402,10 @@ void DumpTimeline(const char* path, const Case& c, const CaseData& cd, int block
       if (s == 0) break;
       uint64_t next = run.At(blk, 1, r + 1, hk::trace::kGlobalStart);
       if (next == 0) next = end;
-      int tile = -1;
-      if (ts.units == 0 || r < ts.round) {
-        tile = hk::TileOfRound(sp, r, blk, blocks);
-      } else {
-        hk::TailPart part;
-        const bool found = sp.pairs_per_head > 0 ? hk::TailPartAt<2>(sp, blk, blocks, blocks_of, r - ts.round, &part)
-                                                 : hk::TailPartAt<1>(sp, blk, blocks, blocks_of, r - ts.round, &part);
-        if (found) tile = part.tile;
-      }
-      const hk::TileCoord tc = tile >= 0 ? hk::TileAt(sp, tile) : hk::TileCoord{-1, -1, -1};
+      const uint64_t tile = run.At(blk, 1, r, hk::trace::kTile);  // trace::PackTile's layout
       std::fprintf(f, "%s,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%llu,%llu,%.3f,%.3f\n", c.config.c_str(), c.b, c.s, c.h,
-                   c.causal, blk, r, tc.q_tile, tc.head, tc.batch,
-                   static_cast<int>(run.At(blk, 1, r, hk::trace::kBlocks)),
+                   c.causal, blk, r, static_cast<int>(tile & 0xFFFFF), static_cast<int>((tile >> 20) & 0xFFFFF),
+                   static_cast<int>(tile >> 40), static_cast<int>(run.At(blk, 1, r, hk::trace::kBlocks)),
                    static_cast<int>(run.At(blk, 1, r, hk::trace::kPartFirst)),
                    static_cast<unsigned long long>(run.At(blk, 1, r, hk::trace::kSmId)),
                    static_cast<unsigned long long>(run.At(blk, 2, r, hk::trace::kSmId)), (s - t0) * 1e-3,
@@ -508,7 +474,7 @@ void RunTimeline(const Case& c, int sms) {
     }
   }
   if (const char* path = std::getenv("ATTND_TRACE_DUMP"); path != nullptr && *path != '\0') {
-    DumpTimeline(path, c, cd, blocks, ts, run, t0, sms);
+    DumpTimeline(path, c, blocks, run, t0);
   }
   std::vector<double> sorted = ends;
   std::sort(sorted.begin(), sorted.end());

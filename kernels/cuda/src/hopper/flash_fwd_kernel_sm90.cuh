@@ -275,6 +275,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
         }
         ATTND_HOPPER_TRACE_AT(1 + consumer.wg, round, trace::kTileStart);
         ATTND_HOPPER_TRACE_GLOBAL(1 + consumer.wg, round);
+        ATTND_HOPPER_TRACE_TILE(1 + consumer.wg, round, c);
         ATTND_HOPPER_TRACE_SET_ROUND(consumer, round);
         const int q0 = TileFirstRow<Tile>(c.q_tile, p.q_len, p.causal);
         const int row0 = q0 + consumer.wg * 64 + warp * 16 + (lane >> 2);
@@ -338,6 +339,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
           ATTND_HOPPER_TRACE_AT(1 + consumer.wg, sp.tail_round + k, trace::kTileStart);
           ATTND_HOPPER_TRACE_GLOBAL(1 + consumer.wg, sp.tail_round + k);
           ATTND_HOPPER_TRACE_VALUE(1 + consumer.wg, sp.tail_round + k, trace::kPartFirst, part.first);
+          ATTND_HOPPER_TRACE_TILE(1 + consumer.wg, sp.tail_round + k, c);
           ATTND_HOPPER_TRACE_SET_ROUND(consumer, sp.tail_round + k);
           const int q0 = c.q_tile * Tile::kBlockM;
           const int row0 = q0 + consumer.wg * 64 + warp * 16 + (lane >> 2);

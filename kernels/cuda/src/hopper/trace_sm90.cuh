@@ -13,14 +13,19 @@
 namespace attnd::kernels::hopper::trace {
 
 // Stamps per block: [role][round][event]. Role 0 is the producer, role 1 + w consumer warpgroup w.
-constexpr int kRoles = 4, kRounds = 64, kEvents = 20;
+constexpr int kRoles = 4, kRounds = 64, kEvents = 21;
 
 // Consumer events, in the order a tile passes them; kBlocks stores the tile's key-block count, not a time.
 enum ConsumerEvent : int { kTileStart, kQReady, kFirstDone, kMiddleDone, kLastPVDone, kStored, kBlocks };
 // Timeline events (hopper_trace --timeline): %globaltimer (ns, one clock for all SMs, unlike clock64) at a tile's or
-// split-tail part's start, a part's first key block (0 for whole tiles) and the SM it ran on. Round kRounds - 1 of
-// kGlobalStart holds the block's end.
-enum TimelineEvent : int { kGlobalStart = 7, kPartFirst = 8, kSmId = 9 };
+// split-tail part's start, a part's first key block (0 for whole tiles), the SM it ran on and its tile (PackTile).
+// Round kRounds - 1 of kGlobalStart holds the block's end.
+enum TimelineEvent : int { kGlobalStart = 7, kPartFirst = 8, kSmId = 9, kTile = 20 };
+
+// A tile's coordinates in one stamp (kTile), 20 bits each for the q tile and head, the batch above them.
+__host__ __device__ constexpr uint64_t PackTile(int q_tile, int head, int batch) {
+  return static_cast<uint64_t>(q_tile) | static_cast<uint64_t>(head) << 20 | static_cast<uint64_t>(batch) << 40;
+}
 // Where an overlapped middle step's cycles go (hopper_trace's step table): per tile, the sum over its middle steps of
 // the cycles between consecutive marks, stored as values in events kStepEvent0 + part. Taken by the first thread of
 // each consumer warpgroup, i.e. its warp 0.
@@ -99,6 +104,10 @@ __device__ __forceinline__ void StepPut(int wg, int round) {
                                         ::attnd::kernels::hopper::trace::SmId()))
 #define ATTND_HOPPER_TRACE_VALUE(role, round, event, value) \
   ::attnd::kernels::hopper::trace::Put((role), (round), (event), static_cast<uint64_t>(value))
+#define ATTND_HOPPER_TRACE_TILE(role, round, coord)                                                \
+  ::attnd::kernels::hopper::trace::Put(                                                          \
+      (role), (round), ::attnd::kernels::hopper::trace::kTile,                                   \
+      ::attnd::kernels::hopper::trace::PackTile((coord).q_tile, (coord).head, (coord).batch))
 // The producer and consumers learn their tile's round through a member that exists only in probed builds: an
 // extra member, even unused, changed the order of two instructions in the shipped kernels.
 #define ATTND_HOPPER_TRACE_ROUND_MEMBER int trace_round = 0;
@@ -115,6 +124,7 @@ __device__ __forceinline__ void StepPut(int wg, int round) {
 #define ATTND_HOPPER_TRACE_AT(role, round, event) ((void)0)
 #define ATTND_HOPPER_TRACE_GLOBAL(role, round) ((void)0)
 #define ATTND_HOPPER_TRACE_VALUE(role, round, event, value) ((void)0)
+#define ATTND_HOPPER_TRACE_TILE(role, round, coord) ((void)0)
 #define ATTND_HOPPER_TRACE_ROUND_MEMBER
 #define ATTND_HOPPER_TRACE_SET_ROUND(role_object, round) ((void)0)
 #define ATTND_HOPPER_STEP_MEMBER
