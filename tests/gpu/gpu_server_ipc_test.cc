@@ -1,4 +1,4 @@
-// CUDA IPC from a second process (tests/ipc_peer.cc allocates, exports and registers its own buffers):
+// CUDA IPC from a second process (client/tools/ipc_peer.cc allocates, exports and registers its own buffers):
 // zero-copy correctness for every mask/GQA/head_dim, bad handles and out-of-range references rejected,
 // and 32 concurrent clients mixed across transports (the peer's IPC callers next to inline unary and
 // streaming callers in this process); with two GPUs, inline work spread over both and IPC work on the device

@@ -1,0 +1,535 @@
+#!/usr/bin/env bash
+# The GPU checks of attnd. `build` runs here, where the build dependencies are installed; `kernels` and
+# `service` run on the GPU machine, from the repository root, over what `build` packed into .carry/.
+#
+# The GPU machine has no gRPC, protobuf or abseil, so the test binaries, attnd, attn and ipc_peer are linked
+# statically (-DATTND_STATIC=ON). The kernels' C ABI (libattnd_kernels_c.so, for kernels/bench/hopper_bench.py)
+# is built shared, because Debian's static abseil cannot go into a shared object, and travels with the abseil
+# libraries it names. Everything is stripped and packed into .carry/attnd.tar.xz; `build --base REV` adds
+# .carry/base.tar.xz, the same library (and with --base-service the service binaries) of another revision, so
+# that `kernels ab` and `service ab` measure old and new in one device call (the kernels in one process).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+usage() {
+  cat <<'EOF'
+usage:
+  scripts/device.sh build [--base REV] [--base-service] [--type BUILD_TYPE] [--jobs N]
+      Here. The static build (gpu tests, attnd, attn, ipc_peer) and the shared libattnd_kernels_c.so, stripped
+      and packed into .carry/attnd.tar.xz. --base REV: REV's libattnd_kernels_c.so too, built in a temporary
+      worktree, into .carry/base.tar.xz; --base-service: REV's attnd, attn and ipc_peer with it. Build trees
+      under $BUILD_ROOT (build-device/), build type Release. Name .carry in the device call's carry.
+  scripts/device.sh kernels [test|sanitize|sass|bench|ab|seedbench]...   (default: test sanitize sass)
+      On the GPU machine. test: gpu_attention_test, after a 30 s smoke run; sanitize: compute-sanitizer memcheck,
+      racecheck and synccheck on small cases; sass: every Hopper kernel has HGMMA and no LDL/STL; bench: auto
+      against torch SDPA cuDNN and FA2 (kernels/bench/hopper_bench.py) in 3 processes that rotate the columns;
+      ab: the same rows, new against .carry/base's library in one process (--base_lib), AB_PROCS processes
+      alternating which goes first, each row's new/base ratio flagged outside 2%; seedbench: the seed family's
+      tables (kernels/bench/bench_attention.py). bench and ab take about 5 minutes each: one device call each.
+  scripts/device.sh service [test|bench|ab]...                           (default: test bench)
+      On the GPU machine. test: gpu_server_parts_test, gpu_server_forward_test, gpu_server_ipc_test; bench: one
+      attnd, then CUDA IPC over gRPC and over the shm channel (ipc_peer bench), the TCP baseline (ipc_peer tcp)
+      and inline unary/stream calls (attn bench); ab: bench with the new binaries, then with .carry/base's.
+Logs: $OUT/kernels.log, $OUT/service.log, and the benchmarks' rows as kernels_bench.json, kernels_ab.json and
+kernels_seedbench.json; a summary table is printed last. The exit status is 0 when every check passed.
+Parameters (environment of this script):
+  kernels: TEST_FILTER, TEST_TIMEOUT (300 s), SANITIZE_TOOLS ("memcheck racecheck synccheck"), SANITIZE_FILTER,
+           RACE_FILTER, SANITIZE_TIMEOUT (150 s a tool), BENCH_CONFIG (auto), AB_CONFIGS (auto; comma-separated),
+           AB_PROCS (4), BENCH_SEQS (1024,2048,4096,8192,16384), BENCH_REP (100 ms), BENCH_SETTLE_MS (500),
+           BENCH_TIMEOUT (300 s a process)
+  service: FORWARD_FILTER, SERVICE_TEST_TIMEOUT (150 s a binary), PORT (50051), STREAMS (8), DUR (2s),
+           SEQS ("1024 4096"), CALLERS ("1 16"), TRANSPORTS ("unary stream"), SERVER_FLAGS, CLIENT_FLAGS
+EOF
+}
+
+die() { echo "device.sh: $*" >&2; exit 2; }
+
+# ---------------------------------------------------------------------------------------------------------------
+# build (here)
+
+STATIC_TARGETS="gpu_attention_test gpu_server_parts_test gpu_server_forward_test gpu_server_ipc_test attnd attn ipc_peer"
+SERVICE_TARGETS="attnd attn ipc_peer"
+
+# configure_and_build SRC BUILD_DIR STATIC(ON|OFF) TARGETS...
+configure_and_build() {
+  local src=$1 dir=$2 static=$3
+  shift 3
+  local launcher=()
+  command -v ccache > /dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+  local tests=ON
+  [ "$static" = OFF ] && tests=OFF  # the shared tree builds only the C ABI library
+  echo "== configure $dir (static $static, $src)"
+  cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" -DATTND_CUDA=ON -DATTND_STATIC="$static" \
+    -DATTND_BUILD_TESTS="$tests" "${launcher[@]}" > "$dir.configure.log" 2>&1 \
+    || { tail -30 "$dir.configure.log"; die "configure of $dir failed"; }
+  echo "== build $dir: $*"
+  nice cmake --build "$dir" -j "$JOBS" --target "$@" || die "build of $dir failed"
+}
+
+# stage_binary BUILD_DIR NAME STAGE: the built executable NAME (wherever its folder is in that revision), stripped.
+stage_binary() {
+  local f
+  f=$(find "$1" -type f -name "$2" -perm -u+x ! -path '*/CMakeFiles/*' | head -1)
+  [ -n "$f" ] || die "$2 not found under $1"
+  strip -o "$3/$2" "$f"
+}
+
+# stage_c_library BUILD_DIR STAGE: libattnd_kernels_c.so and the abseil libraries it loads (its RUNPATH is $ORIGIN).
+stage_c_library() {
+  local f
+  f=$(find "$1" -type f -name libattnd_kernels_c.so ! -path '*/CMakeFiles/*' | head -1)
+  [ -n "$f" ] || die "libattnd_kernels_c.so not found under $1"
+  strip --strip-unneeded -o "$2/libattnd_kernels_c.so" "$f"
+  ldd "$f" | awk '/libabsl_/ {print $3}' | while read -r lib; do
+    cp -L "$lib" "$2/" && strip --strip-unneeded "$2/$(basename "$lib")"
+  done
+}
+
+# pack STAGE ARCHIVE SRC: the staged files and the revision they were built from.
+pack() {
+  { git -C "$3" rev-parse HEAD; git -C "$3" status --porcelain --untracked-files=no | head -20; } > "$1/commit"
+  tar -cJf "$2" -C "$1" .
+  rm -rf "$1"
+}
+
+cmd_build() {
+  local base="" base_service=""
+  BUILD_TYPE=Release
+  JOBS=$(nproc)
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --base) base=${2:?--base needs a revision}; shift ;;
+      --base-service) base_service=1 ;;
+      --type) BUILD_TYPE=${2:?}; shift ;;
+      --jobs) JOBS=${2:?}; shift ;;
+      -h|--help) usage; exit 0 ;;
+      *) die "build: unknown argument $1" ;;
+    esac
+    shift
+  done
+  [ -n "$base_service" ] && [ -z "$base" ] && die "--base-service needs --base REV"
+  local root broot
+  root=$(pwd)
+  broot=$root/${BUILD_ROOT:-build-device}
+  export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$(dirname "$root")}
+  rm -rf .carry  # only the archives travel
+  mkdir -p "$broot" .carry
+
+  configure_and_build "$root" "$broot/static" ON $STATIC_TARGETS
+  configure_and_build "$root" "$broot/shared" OFF attnd_kernels_c
+  local stage
+  stage=$TMP/stage-new && mkdir -p "$stage"
+  for t in $STATIC_TARGETS; do stage_binary "$broot/static" "$t" "$stage"; done
+  stage_c_library "$broot/shared" "$stage"
+  pack "$stage" .carry/attnd.tar.xz "$root"
+
+  if [ -n "$base" ]; then
+    local rev src="$broot/base-src"
+    rev=$(git rev-parse --verify "$base^{commit}") || die "--base: no revision $base"
+    git worktree remove --force "$src" 2> /dev/null; rm -rf "$src"; git worktree prune
+    git worktree add --detach "$src" "$rev" > /dev/null || die "git worktree add $src $rev failed"
+    # The worktree goes when the build ends; its build trees stay, so a rebuild at the same path hits ccache.
+    BASE_SRC=$src
+    configure_and_build "$src" "$broot/base-shared" OFF attnd_kernels_c
+    stage=$TMP/stage-base && mkdir -p "$stage"
+    stage_c_library "$broot/base-shared" "$stage"
+    if [ -n "$base_service" ]; then
+      configure_and_build "$src" "$broot/base-static" ON $SERVICE_TARGETS
+      for t in $SERVICE_TARGETS; do stage_binary "$broot/base-static" "$t" "$stage"; done
+    fi
+    pack "$stage" .carry/base.tar.xz "$src"
+  fi
+  du -sh .carry/*.tar.xz
+  local kib
+  kib=$(du -sk .carry | cut -f1)
+  [ "$kib" -lt 40960 ] || echo "device.sh: .carry is $((kib / 1024)) MiB; the device call carries 64 MiB with the tree" >&2
+  echo "carry .carry in the device call; there: bash scripts/device.sh kernels ... / service ..."
+}
+
+# ---------------------------------------------------------------------------------------------------------------
+# On the GPU machine
+
+C=.carry
+OUT=${OUT:-/tmp/attnd-device-out}
+SUMMARY=()
+FAILED=0
+
+# print_new_rows N: the summary rows added since there were N (what the step just found).
+print_new_rows() {
+  local i
+  for ((i = $1; i < ${#SUMMARY[@]}; i++)); do echo "${SUMMARY[$i]}"; done
+}
+
+# note CHECK RESULT DETAIL: one row of the summary table.
+note() {
+  SUMMARY+=("$(printf '%-28s %-5s %s' "$1" "$2" "$3")")
+  [ "$2" = ok ] || [ "$2" = skip ] || FAILED=1
+}
+
+unpack() {
+  [ -f $C/attnd.tar.xz ] || die "no $C/attnd.tar.xz: run 'scripts/device.sh build' here and carry .carry"
+  tar -xJf $C/attnd.tar.xz -C $C || die "unpacking $C/attnd.tar.xz failed"
+  if [ -f $C/base.tar.xz ]; then
+    mkdir -p $C/base && tar -xJf $C/base.tar.xz -C $C/base || die "unpacking $C/base.tar.xz failed"
+  fi
+  # The abseil libraries beside libattnd_kernels_c.so load each other by name.
+  export LD_LIBRARY_PATH="$PWD/$C:$PWD/$C/base${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export PYTHONUNBUFFERED=1
+}
+
+env_header() {
+  {
+    date -u +"date %Y-%m-%dT%H:%M:%SZ"
+    echo "commit $(head -1 $C/commit 2> /dev/null)$(sed -n '2{s/.*/ (uncommitted changes)/p}' $C/commit 2> /dev/null)"
+    [ -f $C/base/commit ] && echo "base commit $(head -1 $C/base/commit)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
+      --format=csv,noheader
+    python3 -c 'import torch; print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version())' 2> /dev/null
+  } 2>&1
+}
+
+# gtest_counts LOG: "passed N, failed M, skipped K" from a GoogleTest run's summary lines.
+gtest_counts() {
+  local p f s
+  p=$(grep -oE '^\[  PASSED  \] [0-9]+' "$1" | grep -oE '[0-9]+$' | awk '{n += $1} END {print n + 0}')
+  f=$(grep -oE '^\[  FAILED  \] [0-9]+ tests?,' "$1" | grep -oE '[0-9]+' | awk '{n += $1} END {print n + 0}')
+  s=$(grep -oE '^\[  SKIPPED \] [0-9]+ tests?,' "$1" | grep -oE '[0-9]+' | awk '{n += $1} END {print n + 0}')
+  echo "passed $p, failed $f, skipped $s"
+}
+
+# gtest_result NAME RC LOG: a summary row; a filter that matched nothing is a failure, not a pass.
+gtest_result() {
+  local counts
+  counts=$(gtest_counts "$3")
+  if [ "$2" -eq 124 ]; then
+    note "$1" FAIL "timed out; $counts"
+  elif grep -q '^\[==========\] 0 tests from' "$3"; then
+    note "$1" FAIL "no test matched the filter"
+  elif [ "$2" -ne 0 ]; then
+    note "$1" FAIL "rc=$2; $counts"
+  else
+    note "$1" ok "$counts"
+  fi
+}
+
+# The small cases that compute-sanitizer runs: kept configurations only (see kernels/cuda/src/config_registry.cc),
+# each head_dim, every mask, GQA, the BHSD layout, uneven lengths, and auto's and the seed family's own choice.
+# A trailing * takes in a case's variants (fewer blocks, a forced split tail) where the suite has them.
+SMALL_DEFAULT='*hopper_sm90_d128_m128n128s3_osk_p2_d128_bhsd_none*:*hopper_sm90_d64_m128n128s6_p2_d64_q1000kv65_tl*'
+SMALL_DEFAULT+=':*hopper_sm90_d128_m128n128s3_osk_p2_d128_q1000kv65_br*:*hopper_sm90_d128_m128n128s3_osk_p2_d128_sq129_tl*'
+SMALL_DEFAULT+=':*hopper_sm90_d64_m128n128s6_p2_d64_q17kv129_br*:*hopper_sm90_d256_m128n64s2_d256_q17kv129_none*'
+SMALL_DEFAULT+=':*hopper_sm90_d128_m128n128s3_osk_p2_d128_b3_gqa8to2_tl*:*hopper_sm90_d64_m192n128s4_wrs_d64_sq129_br*'
+SMALL_DEFAULT+=':*hopper_sm90_d64_m192n128s4_wrs_d64_b3_gqa8to2_tl*'
+SMALL_DEFAULT+=':*seed_*_sq17_tl*:*seed_*_q65kv63_br*:*seed_*_bhsd_br*:*seed_*_neg_scale*:*auto_d*_sq65_br*'
+# racecheck instruments every shared-memory access: one tiny case per family.
+RACE_DEFAULT='*hopper_sm90_d128_m128n128s3_osk_p2_d128_sq17_none*:*seed_sm90_d128_m128n64s2w4_d128_sq17_tl*'
+
+kernels_test() {
+  local t=$TMP/test.log rc
+  # One small case per head_dim first: a hang here costs 30 s, not the whole call.
+  timeout 30 $C/gpu_attention_test --gtest_brief=1 --gtest_filter='*hopper_sm90_d*_sq129_tl:*seed_sm90_d*_sq129_tl' \
+    > "$t" 2>&1
+  rc=$?
+  cat "$t" >> "$LOG"
+  gtest_result "kernels smoke" $rc "$t"
+  [ $rc -eq 0 ] || return
+  timeout "${TEST_TIMEOUT:-300}" $C/gpu_attention_test --gtest_brief=1 ${TEST_FILTER:+--gtest_filter=$TEST_FILTER} \
+    > "$t" 2>&1
+  rc=$?
+  cat "$t" >> "$LOG"
+  gtest_result "kernels test" $rc "$t"
+}
+
+kernels_sanitize() {
+  local t=$TMP/sanitize.log rc tool filter extra errors
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+    filter=${SANITIZE_FILTER:-$SMALL_DEFAULT}
+    extra=()
+    if [ "$tool" = racecheck ]; then
+      filter=${RACE_FILTER:-$RACE_DEFAULT}
+      extra=(--racecheck-report all)
+    fi
+    echo "== compute-sanitizer --tool $tool" >> "$LOG"
+    ATTND_GPU_TEST_SMALL=1 timeout "${SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      "${extra[@]}" $C/gpu_attention_test --gtest_brief=1 --gtest_filter="$filter" > "$t" 2>&1
+    rc=$?
+    cat "$t" >> "$LOG"
+    errors=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$t" | tail -1)
+    if [ $rc -eq 0 ] && ! grep -q '^\[==========\] 0 tests from' "$t"; then
+      note "sanitize $tool" ok "$(gtest_counts "$t"); ${errors:-no summary}"
+    else
+      gtest_result "sanitize $tool" $rc "$t"
+      SUMMARY[-1]+="; ${errors:-no summary}"
+    fi
+  done
+}
+
+kernels_sass() {
+  cuobjdump --dump-sass $C/gpu_attention_test > "$TMP/all.sass" 2>&1 || { note "kernels sass" FAIL "cuobjdump failed"; return; }
+  local line
+  line=$(python3 - "$TMP/all.sass" "$LOG" << 'PY'
+import re, sys
+text = '\n' + open(sys.argv[1]).read()
+rows, bad = [], []
+for f in re.split(r'\n\s*Function : ', text)[1:]:
+    name = f.split('\n', 1)[0].strip()
+    if 'kernels6hopper' not in name or 'fwd' not in name.lower():  # attnd::kernels::hopper's forward kernels
+        continue
+    ops = re.findall(r'/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)', f)
+    n = {p: sum(1 for o in ops if o.startswith(p)) for p in ('HGMMA', 'LDL', 'STL', 'BAR', 'SYNCS', 'USETMAXREG')}
+    rows.append(f"{name}\n  instructions {len(ops)}  " + "  ".join(f"{k} {v}" for k, v in n.items()))
+    if n['HGMMA'] == 0 or n['LDL'] or n['STL']:
+        bad.append(name)
+with open(sys.argv[2], 'a') as log:
+    log.write('\n'.join(rows) + '\n')
+    if bad:
+        log.write('without HGMMA or with local memory:\n  ' + '\n  '.join(bad) + '\n')
+print(f"{len(rows)} {len(bad)}")
+PY
+)
+  local kernels=${line% *} bad=${line#* }
+  if [ -z "$line" ] || [ "$kernels" = 0 ]; then
+    note "kernels sass" FAIL "no Hopper kernel found in the SASS"
+  elif [ "$bad" != 0 ]; then
+    note "kernels sass" FAIL "$bad of $kernels Hopper kernels lack HGMMA or use LDL/STL (see kernels.log)"
+  else
+    note "kernels sass" ok "$kernels Hopper kernels: HGMMA in each, no LDL/STL"
+  fi
+}
+
+# bench_process N ORDER CONFIGS PEERS JSON [hopper_bench.py flags]: one benchmark process, its rows appended to JSON.
+bench_process() {
+  local n=$1 order=$2 configs=$3 peers=$4 json=$5 rc
+  shift 5
+  echo "== process $n: --configs $configs --peers $peers --order $order" >> "$LOG"
+  timeout "${BENCH_TIMEOUT:-300}" python3 kernels/bench/hopper_bench.py --lib $C/libattnd_kernels_c.so \
+    --configs "$configs" --peers "$peers" --order "$order" --rep "${BENCH_REP:-100}" \
+    --settle_ms "${BENCH_SETTLE_MS:-500}" --seqs "${BENCH_SEQS:-1024,2048,4096,8192,16384}" \
+    --json "$TMP/run.json" "$@" > "$TMP/bench.log" 2>&1
+  rc=$?
+  cat "$TMP/bench.log" >> "$LOG"
+  [ $rc -eq 0 ] && python3 scripts/bench_tables.py append "$json" "$TMP/run.json" "$n" "$order"
+  return $rc
+}
+
+# table_result NAME KIND JSON CONFIGS: the per-row table into the log, its SUMMARY line into the summary.
+table_result() {
+  local out s
+  out=$(python3 scripts/bench_tables.py "$2" "$3" "$4" 2>&1)
+  printf '%s\n' "$out" | grep -v '^SUMMARY' >> "$LOG"
+  s=$(printf '%s\n' "$out" | sed -n 's/^SUMMARY //p')
+  if [ -z "$s" ]; then
+    note "$1" FAIL "no table: $(printf '%s\n' "$out" | tail -1)"
+  elif [[ $s == *", 0 failed"* && $s != *"outside 2%"* ]] || [[ $s == *" 0 outside 2%, 0 failed"* ]]; then
+    note "$1" ok "$s"
+  else
+    note "$1" FAIL "$s"
+  fi
+}
+
+# The table against the peers: the processes rotate attnd's column, cuDNN and FA2 through every position.
+kernels_bench() {
+  local config=${BENCH_CONFIG:-auto} json=$OUT/kernels_bench.json
+  local orders=("$config,cudnn,fa2" "cudnn,fa2,$config" "fa2,$config,cudnn") i ok=1
+  rm -f "$json"
+  for i in 0 1 2; do
+    bench_process $((i + 1)) "${orders[$i]}" "$config" cudnn,fa2 "$json" || ok=0
+  done
+  [ $ok -eq 1 ] || note "kernels bench processes" FAIL "a process failed (see kernels.log)"
+  table_result "kernels bench" bench "$json" "$config"
+}
+
+# New against base in one process per run: the attnd columns take turns going first, cuDNN is timed last as the
+# reference of the row.
+kernels_ab() {
+  [ -f $C/base/libattnd_kernels_c.so ] || { note "kernels ab" FAIL "no $C/base: build --base REV"; return; }
+  local configs=${AB_CONFIGS:-auto} json=$OUT/kernels_ab.json new="" old="" c i order ok=1
+  for c in ${configs//,/ }; do
+    new+="${new:+,}$c"
+    old+="${old:+,}base:$c"
+  done
+  rm -f "$json"
+  for i in $(seq 1 "${AB_PROCS:-4}"); do
+    order=$new,$old,cudnn
+    [ $((i % 2)) -eq 0 ] && order=$old,$new,cudnn
+    bench_process "$i" "$order" "$new,$old" cudnn "$json" --base_lib $C/base/libattnd_kernels_c.so || ok=0
+  done
+  [ $ok -eq 1 ] || note "kernels ab processes" FAIL "a process failed (see kernels.log)"
+  table_result "kernels ab" ab "$json" "$configs"
+}
+
+# The seed family's tables (kernels/bench/bench_attention.py: its own method, one process).
+kernels_seedbench() {
+  local rc
+  timeout "${BENCH_TIMEOUT:-300}" python3 kernels/bench/bench_attention.py --lib $C/libattnd_kernels_c.so \
+    --configs seed --tables seed,fa3,gqa,d256 --json "$OUT/kernels_seedbench.json" > "$TMP/seed.log" 2>&1
+  rc=$?
+  cat "$TMP/seed.log" >> "$LOG"
+  if [ $rc -eq 0 ]; then note "kernels seedbench" ok "table in kernels.log"; else note "kernels seedbench" FAIL "rc=$rc"; fi
+}
+
+cmd_kernels() {
+  local steps=("$@") s n
+  [ ${#steps[@]} -eq 0 ] && steps=(test sanitize sass)
+  for s in "${steps[@]}"; do
+    case $s in test|sanitize|sass|bench|ab|seedbench) ;; *) die "kernels: unknown step $s" ;; esac
+  done
+  mkdir -p "$OUT"
+  unpack
+  LOG=$OUT/kernels.log
+  env_header | tee -a "$LOG"
+  for s in "${steps[@]}"; do
+    echo "=== kernels $s" >> "$LOG"
+    n=${#SUMMARY[@]}
+    "kernels_$s"
+    print_new_rows "$n"
+  done
+}
+
+# service_measure BINDIR LABEL: one attnd from BINDIR and the measurements against it, each bounded in time.
+service_measure() {
+  local b=$1 label=$2 port=${PORT:-50051} dur=${DUR:-2s}
+  local sock=/tmp/attnd_bench_$port.sock shm=/tmp/attnd_shm_$port.sock r=$TMP/measure_$label.txt
+  [ -x "$b/attnd" ] || { note "service bench $label" FAIL "no $b/attnd"; return; }
+  rm -f "$sock" "$shm"
+  "$b/attnd" --listen=127.0.0.1:$port --unix_socket=$sock --shm_socket=$shm --enable_cuda_ipc \
+    --streams=${STREAMS:-8} --warm_shapes=1x1024x1024x32x32x128,1x4096x4096x32x32x128 --log_level=info \
+    ${SERVER_FLAGS:-} > "$TMP/attnd_$label.log" 2>&1 &
+  local server=$! i
+  for i in $(seq 1 150); do
+    "$b/attn" info --target=unix:$sock > "$r" 2>&1 && break
+    sleep 0.2
+  done
+  echo "== $label: $b" >> "$LOG"
+  cat "$r" >> "$LOG"
+  : > "$r"
+  local seqs=${SEQS:-1024 4096}
+  seqs=${seqs// /,}
+  timeout 120 "$b/ipc_peer" bench --target=unix:$sock --seqs=$seqs --concurrency=${CALLERS// /,} \
+    --duration_s=${dur%s} --warmup_s=0.5 --verify_every=25 >> "$r" 2>&1
+  echo "ipc_peer bench grpc rc=$?" >> "$r"
+  timeout 120 "$b/ipc_peer" bench --target=unix:$sock --transport=shm --shm_socket=$shm --seqs=$seqs \
+    --concurrency=${CALLERS// /,} --duration_s=${dur%s} --warmup_s=0.5 --verify_every=25 >> "$r" 2>&1
+  echo "ipc_peer bench shm rc=$?" >> "$r"
+  timeout 60 "$b/ipc_peer" tcp --seqs=$seqs --tcp_iters=20 >> "$r" 2>&1
+  local seq tr c
+  for seq in ${SEQS:-1024 4096}; do
+    for tr in ${TRANSPORTS:-unary stream}; do
+      for c in ${CALLERS:-1 16}; do
+        rm -f "$TMP/b.csv"
+        timeout 60 "$b/attn" bench --target=127.0.0.1:$port --transport=$tr --q_len=$seq --q_heads=32 --head_dim=128 \
+          --causal --concurrency=$c --duration=$dur --warmup=0.5s --verify_every=5 --progress=false \
+          --tcp_baseline --rpc_floor ${CLIENT_FLAGS:-} --csv="$TMP/b.csv" > "$TMP/b.txt" 2>&1
+        echo "attn_bench,$tr,$seq,$c,rc=$?" >> "$r"
+        if [ -f "$TMP/b.csv" ]; then sed 's/^/attn_csv,/' "$TMP/b.csv" >> "$r"; else cat "$TMP/b.txt" >> "$r"; fi
+        grep -E "verified|error|TCP loopback|RPC floor" "$TMP/b.txt" >> "$r"
+      done
+    done
+  done
+  "$b/attn" stats --target=unix:$sock >> "$r" 2>&1
+  kill -TERM $server
+  wait $server
+  echo "attnd exit rc=$?" >> "$r"
+  cat "$r" >> "$LOG"
+  echo "== $label: attnd's log (warnings, errors, last lines)" >> "$LOG"
+  { grep -E '\[(warning|error|critical)\]' "$TMP/attnd_$label.log" | head -20; tail -5 "$TMP/attnd_$label.log"; } >> "$LOG"
+  # Rows for the summary: label, mode, seq, callers, p50/p99 us, req/s.
+  python3 - "$r" "$label" >> "$TMP/service_rows.txt" << 'PY'
+import csv, sys
+path, label = sys.argv[1], sys.argv[2]
+ipc_header = attn_header = None
+for f in csv.reader(open(path)):
+    if not f:
+        continue
+    if f[0] == 'csv' and f[1:3] == ['mode', 'seq'] and 'p50_us' in f:
+        ipc_header = f
+    elif f[0] == 'csv' and ipc_header and f[1] in ('ipc', 'ipc_shm') and len(f) == len(ipc_header):
+        d = dict(zip(ipc_header, f))
+        print(f"{label:<6} {d['mode']:<13} {d['seq']:>6} {d['concurrency']:>4} {float(d['p50_us']):>10.1f} "
+              f"{float(d['p99_us']):>10.1f} {float(d['req_per_s']):>9.1f}")
+    elif f[0] == 'attn_csv' and 'lat_p50_us' in f:
+        attn_header = f
+    elif f[0] == 'attn_csv' and attn_header and len(f) == len(attn_header):
+        d = dict(zip(attn_header, f))
+        print(f"{label:<6} {'inline_' + d['transport']:<13} {d['q_len']:>6} {d['concurrency']:>4} "
+              f"{float(d['lat_p50_us']):>10.1f} {float(d['lat_p99_us']):>10.1f} {float(d['req_per_s']):>9.1f}")
+PY
+  if grep -qE 'rc=[1-9]|verify_failures=[1-9]|wrong replies' "$r"; then
+    note "service bench $label" FAIL "a measurement failed (see service.log)"
+  else
+    note "service bench $label" ok "$(grep -c "^$label " "$TMP/service_rows.txt") measurements"
+  fi
+}
+
+cmd_service() {
+  local steps=("$@")
+  [ ${#steps[@]} -eq 0 ] && steps=(test bench)
+  for s in "${steps[@]}"; do
+    case $s in test|bench|ab) ;; *) die "service: unknown step $s" ;; esac
+  done
+  mkdir -p "$OUT"
+  unpack
+  LOG=$OUT/service.log
+  CALLERS=${CALLERS:-1 16}
+  env_header | tee -a "$LOG"
+  local s t rc f n
+  for s in "${steps[@]}"; do
+    echo "=== service $s" >> "$LOG"
+    n=${#SUMMARY[@]}
+    case $s in
+      test)
+        export ATTND_IPC_PEER=$PWD/$C/ipc_peer
+        for t in gpu_server_parts_test gpu_server_forward_test gpu_server_ipc_test; do
+          f=()
+          [ $t = gpu_server_forward_test ] && [ -n "${FORWARD_FILTER:-}" ] && f=(--gtest_filter="$FORWARD_FILTER")
+          timeout "${SERVICE_TEST_TIMEOUT:-150}" $C/$t --gtest_brief=1 "${f[@]}" > "$TMP/t.log" 2>&1
+          rc=$?
+          cat "$TMP/t.log" >> "$LOG"
+          gtest_result "service $t" $rc "$TMP/t.log"
+        done ;;
+      bench)
+        service_measure "$PWD/$C" new ;;
+      ab)
+        service_measure "$PWD/$C" new
+        if [ -x $C/base/attnd ]; then
+          service_measure "$PWD/$C/base" base
+        else
+          note "service ab base" FAIL "no $C/base/attnd: build --base REV --base-service"
+        fi ;;
+    esac
+    print_new_rows "$n"
+  done
+  if [ -s "$TMP/service_rows.txt" ]; then
+    {
+      echo
+      printf '%-6s %-13s %6s %4s %10s %10s %9s\n' build mode seq conc p50_us p99_us req_per_s
+      sort -b -k2,2 -k3,3n -k4,4n -k1,1r "$TMP/service_rows.txt"
+    } | tee -a "$LOG"
+  fi
+}
+
+print_summary() {
+  [ ${#SUMMARY[@]} -gt 0 ] || return
+  {
+    echo
+    echo "== summary ($(date -u +%H:%M:%SZ); logs in $OUT)"
+    printf '%s\n' "${SUMMARY[@]}"
+  } | tee -a "${LOG:-/dev/null}"
+}
+
+TMP=$(mktemp -d /tmp/attnd-device.XXXXXX)
+BASE_SRC=""
+cleanup() {
+  rm -rf "$TMP"
+  [ -z "$BASE_SRC" ] || git worktree remove --force "$BASE_SRC" 2> /dev/null
+}
+trap cleanup EXIT
+
+case ${1:-} in
+  build) shift; cmd_build "$@" ;;
+  kernels) shift; cmd_kernels "$@"; print_summary ;;
+  service) shift; cmd_service "$@"; print_summary ;;
+  -h|--help|help) usage; exit 0 ;;
+  *) usage >&2; exit 2 ;;
+esac
+exit $FAILED
