@@ -189,6 +189,24 @@ TEST(DecodeSplitHeuristic, LeavesAFullBatchUnsplit) {
   EXPECT_EQ(plan->workspace_bytes, 0u);
 }
 
+TEST(DecodeSplitHeuristic, UniformBatchesFillOneWaveOfResidentBlocks) {
+  // Decode rows with 32 : 8 heads, q_len 1: at most two blocks per SM, and at least half of that.
+  const int rows[][2] = {{64, 4096}, {8, 32768}, {2, 131072}, {1, 32768}, {16, 4096}};
+  for (const auto& r : rows) {
+    const std::vector<int32_t> lens(r[0], r[1]);
+    absl::StatusOr<DecodePlan> plan = MakeDecodePlan(Contiguous(r[0], 1, 32, 8, 128, r[1]), lens, {}, H200());
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    if (r[0] * 8 >= 2 * kH200Sms) {  // already a full wave unsplit
+      EXPECT_EQ(plan->max_splits, 1) << r[0] << " x " << r[1];
+      continue;
+    }
+    EXPECT_LE(Blocks(*plan, lens), 2 * kH200Sms) << r[0] << " x " << r[1];
+    EXPECT_GE(Blocks(*plan, lens), kH200Sms) << r[0] << " x " << r[1];
+    // Equal splits: the last one is not a short remainder.
+    EXPECT_GT(r[1] - (plan->max_splits - 1) * plan->split_keys, plan->split_keys - plan->block_n);
+  }
+}
+
 TEST(DecodeSplitHeuristic, SplitsOnlyTheLongSequencesOfARaggedBatch) {
   const std::vector<int32_t> lens = {1, 32768, 17, 4096};
   absl::StatusOr<DecodePlan> plan = MakeDecodePlan(Contiguous(4, 1, 32, 8, 128, 32768), lens, {}, H200());

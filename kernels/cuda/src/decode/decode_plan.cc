@@ -2,7 +2,6 @@
 // launches. Nothing here touches device memory; the only device query is the SM count when the options do not
 // give it.
 #include <algorithm>
-#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -176,27 +175,31 @@ absl::StatusOr<DecodePlan> MakeDecodePlan(const BatchLayout& layout, absl::Span<
     }
   }
 
-  // Split heuristic: cut keys into equal chunks so that the whole batch makes about target_blocks_per_sm blocks
-  // per SM (each block streams its chunk at the bandwidth one block can pull), never shorter than
-  // min_split_keys. A sequence gets as many splits as its length needs, so a ragged batch splits its long
-  // sequences and leaves its short ones whole. A batch that fills the GPU without splitting gets one split.
+  // Split heuristic: the keys per block that would make the whole batch about target_blocks_per_sm blocks per
+  // SM (each block streams its keys at the bandwidth one block can pull), never fewer than min_split_keys; the
+  // longest sequence gets the whole number of such splits that fits (rounding down keeps a uniform batch within
+  // one wave of resident blocks instead of spilling a short second wave), cut into equal tile-aligned parts.
+  // Every sequence is cut at the same split size, so a ragged batch splits its long sequences and leaves its
+  // short ones whole; a batch that fills the GPU without splitting gets one split.
   int64_t max_len = 0, total_keys = 0;
   for (int32_t len : kv_lens) {
     max_len = std::max<int64_t>(max_len, len);
     total_keys += len;
   }
-  const int64_t blocks_per_split = static_cast<int64_t>(l.kv_heads) * plan.m_blocks;
-  int64_t split_keys;
+  int64_t splits;
   if (options.num_splits > 0) {
-    split_keys = CeilDiv(std::max<int64_t>(max_len, 1), options.num_splits);
+    splits = options.num_splits;
   } else {
+    const int64_t blocks_per_split = static_cast<int64_t>(l.kv_heads) * plan.m_blocks;
     const int64_t target_blocks = static_cast<int64_t>(plan.sm_count) * options.target_blocks_per_sm;
-    split_keys = std::max<int64_t>(CeilDiv(total_keys * blocks_per_split, target_blocks), options.min_split_keys);
+    const int64_t keys_per_block =
+        std::max<int64_t>(CeilDiv(total_keys * blocks_per_split, target_blocks), options.min_split_keys);
+    splits = max_len / keys_per_block;
   }
-  split_keys = std::max<int64_t>(RoundUp(std::max<int64_t>(split_keys, 1), plan.block_n),
-                                 RoundUp(CeilDiv(max_len, kMaxSplits), plan.block_n));
+  splits = std::clamp<int64_t>(splits, 1, kMaxSplits);
+  const int64_t split_keys = RoundUp(std::max<int64_t>(CeilDiv(max_len, splits), 1), plan.block_n);
   plan.max_splits = static_cast<int>(std::max<int64_t>(1, CeilDiv(max_len, split_keys)));
-  plan.split_keys = static_cast<int>(std::min<int64_t>(split_keys, INT_MAX / 2));
+  plan.split_keys = static_cast<int>(split_keys);
 
   if (plan.max_splits > 1) {
     const size_t rows = static_cast<size_t>(l.batch) * plan.max_splits * l.q_len * l.q_heads;
