@@ -1,0 +1,55 @@
+/* attnd::kernels::decode as a C ABI (libattnd_decode_c.so), for callers such as Python/ctypes that hand in
+ * raw device pointers (torch tensors' data_ptr()) and a stream. Plan once per batch layout, launch many times.
+ * Functions return 0 on success, otherwise an absl::StatusCode value with a message in err. */
+#ifndef ATTND_KERNELS_DECODE_C_H_
+#define ATTND_KERNELS_DECODE_C_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct attnd_decode_plan attnd_decode_plan;
+
+/* attnd::kernels::decode::BatchLayout. Strides are element strides (batch, seq, head); for paged KV the k/v
+ * strides are (page, row, head). */
+typedef struct attnd_decode_layout {
+  int32_t batch, q_len, q_heads, kv_heads, head_dim;
+  int32_t dtype;    /* 0 bf16, 1 fp16 */
+  int32_t causal;   /* 0 none, 1 bottom-right */
+  int32_t want_lse; /* 1: write fp32 LSE [batch, q_heads, q_len] */
+  float scale;
+  int64_t q_strides[3], o_strides[3], k_strides[3], v_strides[3];
+  int32_t paged;    /* 0 contiguous K/V [batch, kv_capacity, kv_heads, head_dim], 1 paged */
+  int32_t kv_capacity;
+  int32_t page_size, num_pages, max_pages_per_seq;
+} attnd_decode_layout;
+
+/* kv_lens: host copy [batch]; block_table: host copy [batch * max_pages_per_seq] (NULL for contiguous).
+ * num_splits: 0 for the heuristic; sm_count: 0 to query the current device. */
+int attnd_decode_plan_create(const attnd_decode_layout* layout, const int32_t* kv_lens, const int32_t* block_table,
+                             int num_splits, int sm_count, attnd_decode_plan** out, char* err, size_t err_len);
+/* Bytes of workspace each launch needs (16-byte aligned; no initialisation needed). */
+size_t attnd_decode_plan_workspace_bytes(const attnd_decode_plan* plan);
+/* Splits of the longest sequence (1: no merge). */
+int attnd_decode_plan_num_splits(const attnd_decode_plan* plan);
+/* Enqueues the decode (and merge) kernels on `stream` (a cudaStream_t; NULL: the legacy default stream).
+ * kv_lens and block_table are device pointers (block_table NULL for contiguous). */
+int attnd_decode_launch(const attnd_decode_plan* plan, const void* q, const void* k, const void* v, void* o,
+                        float* lse, const int32_t* kv_lens, const int32_t* block_table, void* workspace,
+                        void* stream, char* err, size_t err_len);
+void attnd_decode_plan_destroy(attnd_decode_plan* plan);
+
+/* Writes new_k/new_v [batch, new_len, kv_heads, head_dim] (contiguous) into the cache described by `layout`
+ * at positions kv_len_b.. (host kv_lens / block_table validate, device ones are read by the kernel). */
+int attnd_decode_append(const attnd_decode_layout* layout, int new_len, const int32_t* host_kv_lens,
+                        const int32_t* host_block_table, const void* new_k, const void* new_v, void* k, void* v,
+                        const int32_t* kv_lens, const int32_t* block_table, void* stream, char* err, size_t err_len);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ATTND_KERNELS_DECODE_C_H_ */

@@ -1,0 +1,115 @@
+#include "attnd/kernels/decode_c.h"
+
+#include <cstring>
+#include <string>
+
+#include "attnd/kernels/decode.h"
+
+struct attnd_decode_plan {
+  attnd::kernels::decode::DecodePlan plan;
+};
+
+namespace {
+
+using attnd::kernels::decode::BatchLayout;
+
+int Fail(const absl::Status& st, char* err, size_t err_len) {
+  if (err != nullptr && err_len > 0) {
+    const std::string msg = st.ToString();
+    std::strncpy(err, msg.c_str(), err_len - 1);
+    err[err_len - 1] = '\0';
+  }
+  return static_cast<int>(st.code());
+}
+
+absl::StatusOr<BatchLayout> ToLayout(const attnd_decode_layout* c) {
+  using namespace attnd;
+  if (c == nullptr) return absl::InvalidArgumentError("layout: null");
+  if (c->dtype < 0 || c->dtype > 1) return absl::InvalidArgumentError("layout.dtype: must be 0 (bf16) or 1 (fp16)");
+  BatchLayout l;
+  l.batch = c->batch;
+  l.q_len = c->q_len;
+  l.q_heads = c->q_heads;
+  l.kv_heads = c->kv_heads;
+  l.head_dim = c->head_dim;
+  l.dtype = c->dtype == 0 ? DType::kBF16 : DType::kFP16;
+  l.mask = c->causal ? Mask::kCausalBottomRight : Mask::kNone;
+  l.scale = c->scale;
+  l.want_lse = c->want_lse != 0;
+  auto strides = [](const int64_t s[3]) { return Strides{s[0], s[1], s[2]}; };
+  l.q = strides(c->q_strides);
+  l.o = strides(c->o_strides);
+  l.k = strides(c->k_strides);
+  l.v = strides(c->v_strides);
+  l.kv_storage = c->paged ? kernels::decode::KvStorage::kPaged : kernels::decode::KvStorage::kContiguous;
+  l.kv_capacity = c->kv_capacity;
+  l.paged = kernels::decode::PagedKv{c->page_size, c->num_pages, c->max_pages_per_seq};
+  return l;
+}
+
+absl::Span<const int32_t> TableSpan(const BatchLayout& l, const int32_t* table) {
+  if (table == nullptr || l.kv_storage != attnd::kernels::decode::KvStorage::kPaged || l.batch < 1 ||
+      l.paged.max_pages_per_seq < 1) {
+    return {};
+  }
+  return absl::Span<const int32_t>(table, static_cast<size_t>(l.batch) * l.paged.max_pages_per_seq);
+}
+
+}  // namespace
+
+extern "C" {
+
+int attnd_decode_plan_create(const attnd_decode_layout* layout, const int32_t* kv_lens, const int32_t* block_table,
+                             int num_splits, int sm_count, attnd_decode_plan** out, char* err, size_t err_len) {
+  if (out == nullptr) return Fail(absl::InvalidArgumentError("out: null"), err, err_len);
+  *out = nullptr;
+  absl::StatusOr<BatchLayout> l = ToLayout(layout);
+  if (!l.ok()) return Fail(l.status(), err, err_len);
+  if (kv_lens == nullptr || l->batch < 1) return Fail(absl::InvalidArgumentError("kv_lens: null or empty batch"), err, err_len);
+  attnd::kernels::decode::DecodeOptions options;
+  options.num_splits = num_splits;
+  options.sm_count = sm_count;
+  absl::StatusOr<attnd::kernels::decode::DecodePlan> plan = attnd::kernels::decode::MakeDecodePlan(
+      *l, absl::Span<const int32_t>(kv_lens, static_cast<size_t>(l->batch)), TableSpan(*l, block_table), options);
+  if (!plan.ok()) return Fail(plan.status(), err, err_len);
+  *out = new attnd_decode_plan{*plan};
+  return 0;
+}
+
+size_t attnd_decode_plan_workspace_bytes(const attnd_decode_plan* plan) {
+  return plan == nullptr ? 0 : plan->plan.workspace_bytes;
+}
+
+int attnd_decode_plan_num_splits(const attnd_decode_plan* plan) { return plan == nullptr ? 0 : plan->plan.max_splits; }
+
+int attnd_decode_launch(const attnd_decode_plan* plan, const void* q, const void* k, const void* v, void* o,
+                        float* lse, const int32_t* kv_lens, const int32_t* block_table, void* workspace,
+                        void* stream, char* err, size_t err_len) {
+  if (plan == nullptr) return Fail(absl::InvalidArgumentError("plan: null"), err, err_len);
+  const attnd::kernels::decode::DecodeTensors t{q, k, v, o, lse, kv_lens, block_table};
+  const absl::Status st =
+      attnd::kernels::decode::LaunchDecode(plan->plan, t, workspace, static_cast<cudaStream_t>(stream));
+  return st.ok() ? 0 : Fail(st, err, err_len);
+}
+
+void attnd_decode_plan_destroy(attnd_decode_plan* plan) { delete plan; }
+
+int attnd_decode_append(const attnd_decode_layout* layout, int new_len, const int32_t* host_kv_lens,
+                        const int32_t* host_block_table, const void* new_k, const void* new_v, void* k, void* v,
+                        const int32_t* kv_lens, const int32_t* block_table, void* stream, char* err, size_t err_len) {
+  absl::StatusOr<BatchLayout> l = ToLayout(layout);
+  if (!l.ok()) return Fail(l.status(), err, err_len);
+  if (host_kv_lens == nullptr || l->batch < 1) {
+    return Fail(absl::InvalidArgumentError("host_kv_lens: null or empty batch"), err, err_len);
+  }
+  const attnd::Strides rows = attnd::ContiguousStrides(new_len, l->kv_heads, l->head_dim);
+  absl::StatusOr<attnd::kernels::decode::AppendPlan> plan = attnd::kernels::decode::MakeAppendPlan(
+      *l, new_len, rows, rows, absl::Span<const int32_t>(host_kv_lens, static_cast<size_t>(l->batch)),
+      TableSpan(*l, host_block_table));
+  if (!plan.ok()) return Fail(plan.status(), err, err_len);
+  const attnd::kernels::decode::AppendTensors t{new_k, new_v, k, v, kv_lens, block_table};
+  const absl::Status st = attnd::kernels::decode::LaunchAppend(*plan, t, static_cast<cudaStream_t>(stream));
+  return st.ok() ? 0 : Fail(st, err, err_len);
+}
+
+}  // extern "C"

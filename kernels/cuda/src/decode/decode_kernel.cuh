@@ -1,0 +1,247 @@
+// The decode kernel: one block per (sequence, kv head, row block, split). Its rows are the q heads of one GQA
+// group times the q_len query positions (row r: position r / group, head r % group), so each K/V tile read
+// from memory serves all of them. Composed of the load (load_kv_decode.cuh), compute (mma_decode.cuh) and
+// softmax (softmax_decode.cuh) roles:
+//
+//   S = Q K^T          Q fragments in registers (shared memory at d=256), K via ldmatrix from a stage
+//   P = softmax(S)     online, exp2 domain; masked only on tiles holding the kv_len tail or the causal edge
+//   O += P V           P reused in registers as the A operand; V via ldmatrix.trans
+//
+// Warps: kWarpsM row tiles x kWarpsN key slices; each warp keeps its own softmax state over its slice of every
+// stage, and the slices are merged once, in the epilogue, through shared memory.
+// Pipeline: kStages cp.async groups; tile j + kStages - 1 is issued into the stage tile j - 1 used, after the
+// block barrier that also makes tile j visible. Every iteration commits a group (empty past the last tile),
+// so wait_group<kStages - 2> always means "tile j has landed".
+// Epilogue: one split writes O (normalised) and LSE; several write O / l and log2(l) + m per split to the
+// workspace for the merge kernel (merge_decode.cuh).
+#pragma once
+
+#include <math_constants.h>
+
+#include <cstdint>
+
+#include "decode_params.h"
+#include "load_kv_decode.cuh"
+#include "mma_decode.cuh"
+#include "softmax_decode.cuh"
+
+namespace attnd::kernels::decode {
+
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <typename Tile, typename Elem>
+__global__ void __launch_bounds__(Tile::kThreads) DecodeKernel(const DecodeParams p) {
+  constexpr int D = Tile::kHeadDim, BN = Tile::kBlockN, S = Tile::kStages, R = Tile::kRowBlock;
+  constexpr int KW = Tile::kKeysPerWarp, WN = Tile::kWarpsN;
+  constexpr int kKSteps = D / 16;   // k-steps of QK^T
+  constexpr int kNTiles = KW / 8;   // 8-key tiles of a warp's S
+  constexpr int kDTiles = D / 8;    // 8-column tiles of O
+  constexpr int kRowBytes = Tile::kRowBytes;
+  using Ops = ElemOps<Elem>;
+  using Loader = KvTileLoader<Tile>;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* q_s = smem;                          // Tile::kQBytes (none when Q lives in registers)
+  uint8_t* k_s = smem + Tile::kQBytes;          // stage st at k_s + st * kKVTileBytes
+  uint8_t* v_s = k_s + S * Tile::kKVTileBytes;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wm = warp / WN, wn = warp % WN;
+  const int g = lane >> 2, t = lane & 3;
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y / p.m_blocks, mb = blockIdx.y % p.m_blocks;
+  const int b = blockIdx.z;
+
+  const int kv_len = p.kv_lens[b];
+  const int n_splits = SplitsFor(kv_len, p.split_keys, p.max_splits);
+  if (split >= n_splits) return;  // this sequence is shorter than the longest one planned for
+  const int key_begin = split * p.split_keys;
+  const int key_end = split == n_splits - 1 ? kv_len : key_begin + p.split_keys;
+  const int n_tiles = key_end > key_begin ? (key_end - key_begin + BN - 1) / BN : 0;
+  // Keys below full_end are visible to every row; tiles reaching past it are masked.
+  const int full_end = p.causal ? kv_len - p.q_len + 1 : kv_len;
+
+  // This thread's two rows (g and g + 8 of its warp's m16 tile) and the end of their visible keys.
+  const int row0 = mb * R + wm * 16 + g, row1 = row0 + 8;
+  const int end0 = p.causal ? min(kv_len, kv_len - p.q_len + row0 / p.group + 1) : kv_len;
+  const int end1 = p.causal ? min(kv_len, kv_len - p.q_len + row1 / p.group + 1) : kv_len;
+
+  const uint16_t* q = static_cast<const uint16_t*>(p.q);
+  auto q_row = [&](int r) {
+    return q + b * p.q_sb + static_cast<int64_t>(r / p.group) * p.q_ss +
+           static_cast<int64_t>(kvh * p.group + r % p.group) * p.q_sh;
+  };
+
+  // Q at d=256: the block's rows into shared memory (padding rows zero), in the first cp.async group.
+  if constexpr (!Tile::kQInRegs) {
+    constexpr int kCpr = D / 8;
+    for (int c = tid; c < R * kCpr; c += Tile::kThreads) {
+      const int r = c / kCpr, chunk = c % kCpr;
+      const int gr = mb * R + r;
+      const bool valid = gr < p.rows;
+      CpAsync16(SmemAddr(q_s + SwizzledOffset<kRowBytes>(r, chunk)), (valid ? q_row(gr) : q) + chunk * 8, valid);
+    }
+  }
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) {
+    if (st < n_tiles) Loader::Load(p, b, kvh, key_begin + st * BN, key_end, k_s + st * Tile::kKVTileBytes,
+                                   v_s + st * Tile::kKVTileBytes);
+    CpAsyncCommit();
+  }
+
+  // Q at d <= 128: A fragments straight from global memory, once (rows past p.rows are zero padding).
+  uint32_t qf[Tile::kQInRegs ? kKSteps : 1][4];
+  if constexpr (Tile::kQInRegs) {
+    const uint16_t* r0 = row0 < p.rows ? q_row(row0) : nullptr;
+    const uint16_t* r1 = row1 < p.rows ? q_row(row1) : nullptr;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      const int c = ks * 16 + 2 * t;
+      qf[ks][0] = r0 ? __ldg(reinterpret_cast<const uint32_t*>(r0 + c)) : 0u;
+      qf[ks][1] = r1 ? __ldg(reinterpret_cast<const uint32_t*>(r1 + c)) : 0u;
+      qf[ks][2] = r0 ? __ldg(reinterpret_cast<const uint32_t*>(r0 + c + 8)) : 0u;
+      qf[ks][3] = r1 ? __ldg(reinterpret_cast<const uint32_t*>(r1 + c + 8)) : 0u;
+    }
+  }
+
+  float acc_o[kDTiles][4];
+#pragma unroll
+  for (int d = 0; d < kDTiles; ++d) acc_o[d][0] = acc_o[d][1] = acc_o[d][2] = acc_o[d][3] = 0.f;
+  OnlineSoftmax<kNTiles> softmax;
+  softmax.Init();
+
+  for (int j = 0; j < n_tiles; ++j) {
+    CpAsyncWait<S - 2>();
+    __syncthreads();
+    const int jn = j + S - 1;
+    if (jn < n_tiles) Loader::Load(p, b, kvh, key_begin + jn * BN, key_end, k_s + (jn % S) * Tile::kKVTileBytes,
+                                   v_s + (jn % S) * Tile::kKVTileBytes);
+    CpAsyncCommit();
+
+    const uint8_t* k_tile = k_s + (j % S) * Tile::kKVTileBytes;
+    const uint8_t* v_tile = v_s + (j % S) * Tile::kKVTileBytes;
+    const int key0 = key_begin + j * BN + wn * KW;  // this warp's first key
+
+    // S = Q K^T over the warp's KW keys; one ldmatrix.x4 of K feeds two k-steps of one 8-key tile.
+    float s[kNTiles][4];
+#pragma unroll
+    for (int i = 0; i < kNTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int ks2 = 0; ks2 < kKSteps / 2; ++ks2) {
+      uint32_t a0[4], a1[4];
+      if constexpr (Tile::kQInRegs) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          a0[e] = qf[2 * ks2][e];
+          a1[e] = qf[2 * ks2 + 1][e];
+        }
+      } else {
+        const int qr = wm * 16 + (lane & 15);
+        LdMatrixX4(a0, SmemAddr(q_s + SwizzledOffset<kRowBytes>(qr, 4 * ks2 + (lane >> 4))));
+        LdMatrixX4(a1, SmemAddr(q_s + SwizzledOffset<kRowBytes>(qr, 4 * ks2 + 2 + (lane >> 4))));
+      }
+#pragma unroll
+      for (int i = 0; i < kNTiles; ++i) {
+        uint32_t kb[4];
+        LdMatrixX4(kb, SmemAddr(k_tile + SwizzledOffset<kRowBytes>(wn * KW + 8 * i + (lane & 7),
+                                                                    4 * ks2 + (lane >> 3))));
+        Ops::Mma(s[i], a0, kb[0], kb[1]);
+        Ops::Mma(s[i], a1, kb[2], kb[3]);
+      }
+    }
+
+    if (key_begin + (j + 1) * BN > full_end) {
+      softmax.template Step<true>(s, acc_o, p.scale_log2, key0, end0, end1);
+    } else {
+      softmax.template Step<false>(s, acc_o, p.scale_log2, key0, end0, end1);
+    }
+
+    // O += P V: the S accumulators of two 8-key tiles are the A fragment of one k16 step.
+#pragma unroll
+    for (int kk = 0; kk < KW / 16; ++kk) {
+      uint32_t pa[4];
+      pa[0] = Ops::Pack(s[2 * kk][0], s[2 * kk][1]);
+      pa[1] = Ops::Pack(s[2 * kk][2], s[2 * kk][3]);
+      pa[2] = Ops::Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[3] = Ops::Pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      const int vr = wn * KW + 16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int d2 = 0; d2 < D / 16; ++d2) {
+        uint32_t vb[4];
+        LdMatrixX4Trans(vb, SmemAddr(v_tile + SwizzledOffset<kRowBytes>(vr, 2 * d2 + (lane >> 4))));
+        Ops::Mma(acc_o[2 * d2], pa, vb[0], vb[1]);
+        Ops::Mma(acc_o[2 * d2 + 1], pa, vb[2], vb[3]);
+      }
+    }
+  }
+
+  // Epilogue. The stages are free once every thread is past its last tile; they become the scratch of
+  // (max, sum) and O of each (warp column, row). O rows are padded by 4 floats so the quads' stores spread
+  // over the banks.
+  CpAsyncWait<0>();
+  __syncthreads();
+  constexpr int kOStride = D + 4;
+  float* ml = reinterpret_cast<float*>(smem);  // [WN][R][2]
+  float* os = ml + WN * R * 2;                 // [WN][R][kOStride]
+  const float l0 = QuadSum(softmax.l[0]), l1 = QuadSum(softmax.l[1]);
+  const int lr0 = wm * 16 + g, lr1 = lr0 + 8;
+  if (t == 0) {
+    ml[(wn * R + lr0) * 2] = softmax.m[0];
+    ml[(wn * R + lr0) * 2 + 1] = l0;
+    ml[(wn * R + lr1) * 2] = softmax.m[1];
+    ml[(wn * R + lr1) * 2 + 1] = l1;
+  }
+#pragma unroll
+  for (int d = 0; d < kDTiles; ++d) {
+    *reinterpret_cast<float2*>(os + (wn * R + lr0) * kOStride + 8 * d + 2 * t) = make_float2(acc_o[d][0], acc_o[d][1]);
+    *reinterpret_cast<float2*>(os + (wn * R + lr1) * kOStride + 8 * d + 2 * t) = make_float2(acc_o[d][2], acc_o[d][3]);
+  }
+  __syncthreads();
+
+  // Each thread finishes 4 columns of a row at a time: consecutive threads write consecutive columns.
+  constexpr int kQuads = D / 4;
+  uint16_t* o = static_cast<uint16_t*>(p.o);
+  for (int item = tid; item < R * kQuads; item += Tile::kThreads) {
+    const int lr = item / kQuads, c = (item % kQuads) * 4;
+    const int r = mb * R + lr;
+    if (r >= p.rows) continue;
+    float mx = -CUDART_INF_F;
+#pragma unroll
+    for (int w = 0; w < WN; ++w) mx = fmaxf(mx, ml[(w * R + lr) * 2]);
+    float sum = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (mx != -CUDART_INF_F) {
+#pragma unroll
+      for (int w = 0; w < WN; ++w) {
+        const float f = exp2f(ml[(w * R + lr) * 2] - mx);
+        sum += f * ml[(w * R + lr) * 2 + 1];
+        const float4 x = *reinterpret_cast<const float4*>(os + (w * R + lr) * kOStride + c);
+        acc.x += f * x.x;
+        acc.y += f * x.y;
+        acc.z += f * x.z;
+        acc.w += f * x.w;
+      }
+    }
+    // A row with no visible key (bottom-right causal with kv_len < q_len, or kv_len 0) has sum 0: O = 0 and
+    // LSE = -inf, as in the reference.
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float lse2 = sum > 0.f ? mx + log2f(sum) : -CUDART_INF_F;
+    const int pos = r / p.group, qh = kvh * p.group + r % p.group;
+    if (n_splits == 1) {
+      uint2 packed;
+      packed.x = Ops::Pack(acc.x * inv, acc.y * inv);
+      packed.y = Ops::Pack(acc.z * inv, acc.w * inv);
+      *reinterpret_cast<uint2*>(o + b * p.o_sb + pos * p.o_ss + qh * p.o_sh + c) = packed;
+      if (p.lse != nullptr && c == 0) {
+        p.lse[(static_cast<int64_t>(b) * p.q_heads + qh) * p.q_len + pos] = lse2 * kLn2;
+      }
+    } else {
+      const int64_t part = ((static_cast<int64_t>(b) * p.max_splits + split) * p.q_len + pos) * p.q_heads + qh;
+      *reinterpret_cast<float4*>(p.o_part + part * D + c) =
+          make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+      if (c == 0) p.lse_part[part] = lse2;
+    }
+  }
+}
+
+}  // namespace attnd::kernels::decode

@@ -1,0 +1,54 @@
+// The split merge (per head_dim and element type) and the K/V append kernel.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "append_decode.cuh"
+#include "decode_launch.h"
+#include "merge_decode.cuh"
+
+namespace attnd::kernels::decode {
+namespace {
+
+template <int D, typename Elem>
+cudaError_t LaunchMerge(const DecodeParams& p, cudaStream_t stream) {
+  constexpr int kRowsPerBlock = kMergeThreads / (D / 4);
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.q_len * p.q_heads;
+  const dim3 grid(static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock));
+  MergeSplitsKernel<D, Elem><<<grid, kMergeThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename Elem>
+cudaError_t LaunchMergeElem(const DecodeParams& p, int head_dim, cudaStream_t stream) {
+  switch (head_dim) {
+    case 64:
+      return LaunchMerge<64, Elem>(p, stream);
+    case 128:
+      return LaunchMerge<128, Elem>(p, stream);
+    case 256:
+      return LaunchMerge<256, Elem>(p, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchMergeSplits(const DecodeParams& p, DType dtype, int head_dim, cudaStream_t stream) {
+  return dtype == DType::kBF16 ? LaunchMergeElem<__nv_bfloat16>(p, head_dim, stream)
+                               : LaunchMergeElem<__half>(p, head_dim, stream);
+}
+
+cudaError_t LaunchAppendKv(const AppendParams& p, cudaStream_t stream) {
+  const int64_t chunks = static_cast<int64_t>(p.batch) * p.new_len * p.kv_heads * (p.head_dim / 8);
+  if (chunks == 0) return cudaSuccess;
+  // A grid-stride loop: a few thousand blocks cover any append, more would only add scheduling.
+  const int64_t blocks = std::min<int64_t>((chunks + kAppendThreads - 1) / kAppendThreads, 4096);
+  AppendKvKernel<<<static_cast<unsigned>(blocks), kAppendThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace attnd::kernels::decode
