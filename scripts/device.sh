@@ -19,13 +19,15 @@ usage:
       and packed into .carry/attnd.tar.xz. --base REV: REV's libattnd_kernels_c.so too, built in a temporary
       worktree, into .carry/base.tar.xz; --base-service: REV's attnd, attn and ipc_peer with it. Build trees
       under $BUILD_ROOT (build-device/), build type Release. Name .carry in the device call's carry.
-  scripts/device.sh kernels [test|sanitize|sass|bench|ab|seedbench]...   (default: test sanitize sass)
+  scripts/device.sh kernels [test|sanitize|sass|bench|ab|seedbench|decode|decodebench]...
+                                                                          (default: test sanitize sass)
       On the GPU machine. test: gpu_attention_test, after a 30 s smoke run; sanitize: compute-sanitizer memcheck,
       racecheck and synccheck on small cases; sass: every Hopper kernel has HGMMA and no LDL/STL; bench: auto
       against torch SDPA cuDNN and FA2 (kernels/bench/hopper_bench.py) in 3 processes that rotate the columns;
       ab: the same rows, new against .carry/base's library in one process (--base_lib), AB_PROCS processes
       alternating which goes first, each row's new/base ratio flagged outside 2%; seedbench: the seed family's
-      tables (kernels/bench/bench_attention.py). bench and ab take about 5 minutes each: one device call each.
+      tables (kernels/bench/bench_attention.py); decode: gpu_decode_test, then memcheck and racecheck on its small
+      cases; decodebench: kernels/bench/decode_bench.py. bench and ab take about 5 minutes each.
   scripts/device.sh service [test|bench|ab]...                           (default: test bench)
       On the GPU machine. test: gpu_server_parts_test, gpu_server_forward_test, gpu_server_ipc_test; bench: one
       attnd, then CUDA IPC over gRPC and over the shm channel (ipc_peer bench), the TCP baseline (ipc_peer tcp)
@@ -47,7 +49,7 @@ die() { echo "device.sh: $*" >&2; exit 2; }
 # ---------------------------------------------------------------------------------------------------------------
 # build (here)
 
-STATIC_TARGETS="gpu_attention_test gpu_server_parts_test gpu_server_forward_test gpu_server_ipc_test attnd attn ipc_peer"
+STATIC_TARGETS="gpu_attention_test gpu_decode_test gpu_server_parts_test gpu_server_forward_test gpu_server_ipc_test attnd attn ipc_peer"
 SERVICE_TARGETS="attnd attn ipc_peer"
 
 # configure_and_build SRC BUILD_DIR STATIC(ON|OFF) TARGETS...
@@ -116,11 +118,13 @@ cmd_build() {
   mkdir -p "$broot" .carry
 
   configure_and_build "$root" "$broot/static" ON $STATIC_TARGETS
-  configure_and_build "$root" "$broot/shared" OFF attnd_kernels_c
+  configure_and_build "$root" "$broot/shared" OFF attnd_kernels_c attnd_decode_c
   local stage
   stage=$TMP/stage-new && mkdir -p "$stage"
   for t in $STATIC_TARGETS; do stage_binary "$broot/static" "$t" "$stage"; done
   stage_c_library "$broot/shared" "$stage"
+  strip --strip-unneeded -o "$stage/libattnd_decode_c.so" "$(find "$broot/shared" -type f -name libattnd_decode_c.so | head -1)" \
+    || die "libattnd_decode_c.so not found under $broot/shared"
   pack "$stage" .carry/attnd.tar.xz "$root"
 
   if [ -n "$base" ]; then
@@ -368,11 +372,39 @@ kernels_seedbench() {
   if [ $rc -eq 0 ]; then note "kernels seedbench" ok "table in kernels.log"; else note "kernels seedbench" FAIL "rc=$rc"; fi
 }
 
+# The decode / paged-KV kernels: their suite against the CPU reference, then memcheck and racecheck on small cases.
+kernels_decode() {
+  local t=$TMP/decode.log rc tool
+  timeout "${TEST_TIMEOUT:-300}" $C/gpu_decode_test --gtest_brief=1 ${DECODE_FILTER:+--gtest_filter=$DECODE_FILTER} \
+    > "$t" 2>&1
+  rc=$?
+  cat "$t" >> "$LOG"
+  gtest_result "decode test" $rc "$t"
+  for tool in memcheck racecheck; do
+    timeout "${SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --error-exitcode 9 $C/gpu_decode_test \
+      --gtest_brief=1 --gtest_filter="${DECODE_SANITIZE_FILTER:-*q1_contig:*q4_paged16:*pages16:*shared_prefix:*kv_shorter_than_q:*append_paged}" > "$t" 2>&1
+    rc=$?
+    cat "$t" >> "$LOG"
+    gtest_result "decode sanitize $tool" $rc "$t"
+    SUMMARY[-1]+="; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$t" | tail -1)"
+  done
+}
+
+# The decode benchmark: attnd's decode kernel beside SDPA cuDNN / FLASH and a read-only pass (the ceiling).
+kernels_decodebench() {
+  local rc
+  timeout "${BENCH_TIMEOUT:-300}" python3 kernels/bench/decode_bench.py --lib $C/libattnd_decode_c.so \
+    --json "$OUT/decode_bench.json" ${DECODE_BENCH_FLAGS:-} > "$TMP/decodebench.log" 2>&1
+  rc=$?
+  cat "$TMP/decodebench.log" >> "$LOG"
+  if [ $rc -eq 0 ]; then note "kernels decodebench" ok "table in kernels.log"; else note "kernels decodebench" FAIL "rc=$rc"; fi
+}
+
 cmd_kernels() {
   local steps=("$@") s n
   [ ${#steps[@]} -eq 0 ] && steps=(test sanitize sass)
   for s in "${steps[@]}"; do
-    case $s in test|sanitize|sass|bench|ab|seedbench) ;; *) die "kernels: unknown step $s" ;; esac
+    case $s in test|sanitize|sass|bench|ab|seedbench|decode|decodebench) ;; *) die "kernels: unknown step $s" ;; esac
   done
   mkdir -p "$OUT"
   unpack
@@ -403,13 +435,14 @@ service_measure() {
   echo "== $label: $b" >> "$LOG"
   cat "$r" >> "$LOG"
   : > "$r"
-  local seqs=${SEQS:-1024 4096}
+  local seqs=${SEQS:-1024 4096} callers=${CALLERS:-1 16}
   seqs=${seqs// /,}
-  timeout 120 "$b/ipc_peer" bench --target=unix:$sock --seqs=$seqs --concurrency=${CALLERS// /,} \
+  callers=${callers// /,}
+  timeout 120 "$b/ipc_peer" bench --target=unix:$sock --seqs=$seqs --concurrency=$callers \
     --duration_s=${dur%s} --warmup_s=0.5 --verify_every=25 >> "$r" 2>&1
   echo "ipc_peer bench grpc rc=$?" >> "$r"
   timeout 120 "$b/ipc_peer" bench --target=unix:$sock --transport=shm --shm_socket=$shm --seqs=$seqs \
-    --concurrency=${CALLERS// /,} --duration_s=${dur%s} --warmup_s=0.5 --verify_every=25 >> "$r" 2>&1
+    --concurrency=$callers --duration_s=${dur%s} --warmup_s=0.5 --verify_every=25 >> "$r" 2>&1
   echo "ipc_peer bench shm rc=$?" >> "$r"
   timeout 60 "$b/ipc_peer" tcp --seqs=$seqs --tcp_iters=20 >> "$r" 2>&1
   local seq tr c
