@@ -221,11 +221,11 @@ absl::Status Prepare(attnd_client* c, const attnd_forward_args* a, Call* call) {
   if (a->mask < ATTND_MASK_NONE || a->mask > ATTND_MASK_CAUSAL_BOTTOM_RIGHT) {
     return absl::InvalidArgumentError(absl::StrCat("mask: unknown value ", a->mask));
   }
-  call->c = c;
-  call->transport = a->transport == ATTND_TRANSPORT_DEFAULT ? c->transport : static_cast<Transport>(a->transport);
   if (a->transport < ATTND_TRANSPORT_DEFAULT || a->transport > ATTND_TRANSPORT_SHM) {
     return absl::InvalidArgumentError(absl::StrCat("transport: unknown value ", a->transport));
   }
+  call->c = c;
+  call->transport = a->transport == ATTND_TRANSPORT_DEFAULT ? c->transport : static_cast<Transport>(a->transport);
   call->request_id = a->request_id != nullptr && a->request_id[0] != '\0'
                          ? std::string(a->request_id)
                          : absl::StrCat(c->id_prefix, c->next_id.fetch_add(1, std::memory_order_relaxed));
@@ -236,17 +236,10 @@ absl::Status Prepare(attnd_client* c, const attnd_forward_args* a, Call* call) {
   if (a->has_scale) spec.scale = a->scale;
   spec.want_lse = a->want_lse != 0;
   spec.request_id = call->request_id;
-  if (IsRef(a->o)) {
-    if (a->o.strides[0] != 0 || a->o.strides[1] != 0 || a->o.strides[2] != 0) {
-      if (!Contiguous(a->o, a->q_len, a->q_heads, a->head_dim)) {
-        return absl::InvalidArgumentError("o: must be contiguous");
-      }
-    }
-  } else {
+  // The server writes O contiguous, into a registered buffer or the reply.
+  if (!Contiguous(a->o, a->q_len, a->q_heads, a->head_dim)) return absl::InvalidArgumentError("o: must be contiguous");
+  if (!IsRef(a->o)) {
     if (a->o.data == nullptr) return absl::InvalidArgumentError("o: no data and no buffer_id");
-    if (!Contiguous(a->o, a->q_len, a->q_heads, a->head_dim)) {
-      return absl::InvalidArgumentError("o: must be contiguous");
-    }
     call->o = static_cast<char*>(const_cast<void*>(a->o.data));
     call->o_bytes = spec.o_bytes();
   }

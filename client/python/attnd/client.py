@@ -171,7 +171,14 @@ def _set_inline(t, v):
 
 
 class _Registration:
-    __slots__ = ("buffer_id", "nbytes", "finalizer", "counter")
+    __slots__ = ("buffer_id", "nbytes", "finalizer", "weak", "counter")
+
+    def alive(self):
+        return self.finalizer.alive if self.weak is None else not self.weak.expired()
+
+    def detach(self):
+        if self.finalizer is not None:
+            self.finalizer.detach()
 
 
 class _Call:
@@ -219,7 +226,7 @@ class Client:
         with self._mu:
             regs, self._buffers = list(self._buffers.values()), {}
         for r in regs:
-            r.finalizer.detach()
+            r.detach()
             self._unregister(handle, r)
         self._lib.attnd_client_destroy(handle)
 
@@ -420,7 +427,7 @@ class Client:
         key = storage.data_ptr()
         with self._mu:
             reg = self._buffers.get(key)
-        if reg is not None and reg.finalizer.alive and reg.nbytes == storage.nbytes():
+        if reg is not None and reg.alive() and reg.nbytes == storage.nbytes():
             return reg
         if reg is not None:  # a stale entry at a reused address
             self._drop(key)
@@ -456,17 +463,31 @@ class Client:
         reg.buffer_id = buf.value
         reg.nbytes = size
         reg.counter = counter
-        this = weakref.ref(self)
-        reg.finalizer = weakref.finalize(storage, _drop_registration, this, key, reg)
+        reg.finalizer, reg.weak = None, None
+        if _storage_objects_persist():
+            # The storage's Python object lives exactly as long as the storage: its finalizer is the free.
+            reg.finalizer = weakref.finalize(storage, _drop_registration, weakref.ref(self), key, reg)
+        else:
+            # A fresh wrapper per access (older torch): a weak reference to the storage itself, checked on
+            # every registration and whenever the cache is consulted for a new storage.
+            from torch.multiprocessing.reductions import StorageWeakRef
+            reg.weak = StorageWeakRef(storage)
+            self._sweep()
         with self._mu:
             self._buffers[key] = reg
         return reg
+
+    def _sweep(self):
+        with self._mu:
+            dead = [k for k, r in self._buffers.items() if r.weak is not None and r.weak.expired()]
+        for k in dead:
+            self._drop(k)
 
     def _drop(self, key):
         with self._mu:
             reg = self._buffers.pop(key, None)
         if reg is not None:
-            reg.finalizer.detach()
+            reg.detach()
             if self._handle:
                 self._unregister(self._handle, reg)
 
@@ -474,6 +495,19 @@ class Client:
         err = _lib.Error()
         self._lib.attnd_unregister_cuda_buffer(handle, reg.buffer_id, ctypes.byref(err))
         _release_counter(reg.counter)
+
+
+_persist = None
+
+
+def _storage_objects_persist():
+    """Whether torch hands out one Python object per storage for its whole life (torch 2.x preserves it)."""
+    global _persist
+    if _persist is None:
+        torch = _torch()
+        t = torch.empty(1)
+        _persist = hasattr(t, "untyped_storage") and t.untyped_storage() is t.untyped_storage()
+    return _persist
 
 
 def _release_counter(counter):

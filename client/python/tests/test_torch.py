@@ -152,3 +152,34 @@ def test_cuda_stream_respected(cuda_client):
         o = c.attention(q, k, v)
     ref_o, _ = reference(f64(q), f64(k), f64(v), "none")
     assert_close(f64(o), ref_o)
+
+
+class _FakeStorage:
+    """What the registration path reads from a CUDA storage, for servers and hosts without CUDA."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def data_ptr(self):
+        return 0x7000
+
+    def nbytes(self):
+        return 4096
+
+    def _share_cuda_(self):
+        return (0, self.handle, 4096, 256, b"/torch_ref_counter", 8, None, False)
+
+
+def test_ipc_registration_errors(client, monkeypatch):
+    released = []
+    monkeypatch.setattr(attnd.client, "_release_counter", released.append)
+    # A CPU server refuses CUDA IPC: FAILED_PRECONDITION, and torch's IPC counter is released.
+    with pytest.raises(attnd.AttndError) as e:
+        client._register(_FakeStorage(b"\x01c" + bytes(range(64))), None, 0x7000)
+    assert e.value.code == attnd.StatusCode.FAILED_PRECONDITION
+    assert released == [(b"/torch_ref_counter", 8, 0)]
+    # An expandable segment's handle cannot be opened with cudaIpcOpenMemHandle: refused before any RPC.
+    with pytest.raises(attnd.AttndError) as e:
+        client._register(_FakeStorage(b"\x01e" + bytes(100)), None, 0x7000)
+    assert e.value.code == attnd.StatusCode.FAILED_PRECONDITION and "expandable" in e.value.message
+    assert len(released) == 2 and not client._buffers
