@@ -19,6 +19,7 @@ import enum
 import itertools
 import json
 import re
+import sys
 import threading
 import weakref
 
@@ -100,19 +101,24 @@ def _np():
 
 
 def _torch():
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch
+    # A caller with torch tensors has imported torch; nobody else pays for importing it.
+    return sys.modules.get("torch")
+
+
+_BF16_UNSET = object()
+_bf16 = _BF16_UNSET
 
 
 def _bf16_numpy_dtype():
-    try:
-        import ml_dtypes
-    except ImportError:
-        return None
-    return _np().dtype(ml_dtypes.bfloat16)
+    """ml_dtypes.bfloat16 as a NumPy dtype, or None without ml_dtypes (probed once: a failed import is slow)."""
+    global _bf16
+    if _bf16 is _BF16_UNSET:
+        try:
+            import ml_dtypes
+            _bf16 = _np().dtype(ml_dtypes.bfloat16)
+        except ImportError:
+            _bf16 = None
+    return _bf16
 
 
 def _view(name, x, dtype_hint):
