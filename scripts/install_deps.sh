@@ -22,3 +22,16 @@ if [ "${#missing[@]}" -gt 0 ]; then
 else
   echo "install_deps: all packages present"
 fi
+
+# ---- The Python client's tests (client/python/tests): pytest, NumPy and torch (CPU) for Debian's python3.
+# ml_dtypes (NumPy bfloat16) is not packaged in Debian 12; the tests use uint16 bf16 bits without it.
+py_pkgs=(python3-pytest python3-numpy python3-torch)
+py_missing=()
+for p in "${py_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || py_missing+=("$p")
+done
+if [ "${#py_missing[@]}" -gt 0 ]; then
+  echo "install_deps: installing ${py_missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${py_missing[@]}"
+fi

@@ -1,0 +1,125 @@
+/* attnd's client library behind a C ABI (libattnd_client_c.so), for bindings that load it at run time (the
+ * Python package `attnd` through ctypes). Every call goes through the C++ client (attnd/client/client.h,
+ * shm_channel.h), so transports, streaming, the shared-memory channel, IPC registration and auth behave as in
+ * `attn`.
+ *
+ * Conventions: functions return 0 (OK) or a gRPC status code and fill the caller's attnd_error when it is not
+ * NULL. Strings the library returns (char*) are freed with attnd_free_string. Tensors are
+ * [batch, seq, heads, head_dim] with element strides; head_dim must be contiguous. */
+#ifndef ATTND_CLIENT_C_H_
+#define ATTND_CLIENT_C_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ATTND_C_ABI_VERSION 1
+
+enum attnd_transport {
+  ATTND_TRANSPORT_DEFAULT = -1, /* per call: the client's transport */
+  ATTND_TRANSPORT_AUTO = 0,
+  ATTND_TRANSPORT_UNARY = 1,
+  ATTND_TRANSPORT_STREAM = 2,
+  ATTND_TRANSPORT_SHM = 3, /* the server's --shm_socket (attnd_client_options.shm_socket) */
+};
+enum attnd_dtype { ATTND_DTYPE_BF16 = 0, ATTND_DTYPE_FP16 = 1 };
+enum attnd_mask { ATTND_MASK_NONE = 0, ATTND_MASK_CAUSAL_TOP_LEFT = 1, ATTND_MASK_CAUSAL_BOTTOM_RIGHT = 2 };
+
+typedef struct attnd_error {
+  int32_t code;            /* gRPC status code; 0: OK */
+  char request_id[128];    /* the call's request id when the error belongs to a Forward call */
+  char message[2048];      /* truncated to fit, always NUL-terminated */
+} attnd_error;
+
+typedef struct attnd_client_options {
+  const char* target;           /* host:port or unix:/path */
+  int32_t transport;            /* enum attnd_transport (not DEFAULT) */
+  const char* tls_ca_file;      /* PEM roots; non-empty: the channel speaks TLS */
+  const char* tls_server_name;  /* name checked instead of the target's host; NULL/empty: the target's */
+  const char* auth_token;       /* sent as "authorization: Bearer <token>" (gRPC and the shm channel) */
+  const char* shm_socket;       /* the server's --shm_socket; needed for ATTND_TRANSPORT_SHM */
+  double default_timeout_s;     /* <= 0: 120 s */
+  uint64_t shm_max_bytes;       /* largest shm request/reply area; 0: 64 MiB (the server's default limit) */
+} attnd_client_options;
+
+typedef struct attnd_client attnd_client;
+
+/* A tensor: inline host memory (data) or a registered CUDA buffer (buffer_id + offset). strides are element
+ * strides of batch, seq and head; all zero means contiguous. An inline tensor with other strides is gathered
+ * into a contiguous copy before sending (inline tensors travel contiguous on every transport); a buffer
+ * reference is sent with its strides (the server reads them in place). */
+typedef struct attnd_tensor {
+  const void* data;
+  const char* buffer_id;
+  uint64_t offset;
+  int64_t strides[3];
+} attnd_tensor;
+
+typedef struct attnd_forward_args {
+  int64_t batch, q_len, kv_len, q_heads, kv_heads, head_dim;
+  int32_t dtype;      /* enum attnd_dtype */
+  int32_t mask;       /* enum attnd_mask */
+  int32_t has_scale;  /* 0: the server's 1/sqrt(head_dim) */
+  float scale;
+  int32_t want_lse;
+  int32_t transport;  /* enum attnd_transport; DEFAULT: the client's */
+  double timeout_s;   /* <= 0: the client's default */
+  const char* request_id;  /* NULL/empty: the library makes one (so errors can name it) */
+  attnd_tensor q, k, v;
+  /* O: host memory of exactly batch*q_len*q_heads*head_dim elements, contiguous (o.data; strides must be
+   * zero), or a registered buffer (o.buffer_id, o.offset; contiguous on the server's side too). */
+  attnd_tensor o;
+  float* lse;  /* fp32 [batch, q_heads, q_len] when want_lse */
+} attnd_forward_args;
+
+typedef struct attnd_forward_info {
+  char request_id[128];
+  char backend[16];
+  char kernel[128];
+  int32_t device;
+  int32_t transport;  /* the one that carried the call */
+  double queue_us, h2d_us, kernel_us, d2h_us, total_us;
+  double latency_us;  /* client side */
+} attnd_forward_info;
+
+/* Runs once on a library thread when an async call finishes (must not block long). err->code 0: success. */
+typedef void (*attnd_done_fn)(void* user, const attnd_error* err, const attnd_forward_info* info);
+
+int32_t attnd_abi_version(void);
+void attnd_free_string(char* s);
+
+/* NULL on failure (err filled). */
+attnd_client* attnd_client_create(const attnd_client_options* options, attnd_error* err);
+/* Waits for the client's async calls in flight, then frees it. */
+void attnd_client_destroy(attnd_client* client);
+
+/* GetServerInfo / GetStats as JSON (protobuf's JSON mapping, field names in lowerCamelCase, enums as names);
+ * NULL on failure. */
+char* attnd_client_info_json(attnd_client* client, int32_t refresh, attnd_error* err);
+char* attnd_client_stats_json(attnd_client* client, attnd_error* err);
+/* grpc.health.v1 Check of `service` (NULL: the whole server): 0 when SERVING. */
+int32_t attnd_client_health(attnd_client* client, const char* service, attnd_error* err);
+
+/* Blocks until the call completes; O (and LSE) are in the caller's memory (or its O buffer) on success. */
+int32_t attnd_forward(attnd_client* client, const attnd_forward_args* args, attnd_forward_info* info,
+                      attnd_error* err);
+/* Starts the call and returns 0 once it is on its way (`done` then runs exactly once), or an error code
+ * without calling `done`. Every pointer in args must stay valid until `done` runs; args itself may go. */
+int32_t attnd_forward_async(attnd_client* client, const attnd_forward_args* args, attnd_done_fn done, void* user,
+                            attnd_error* err);
+
+/* RegisterCudaBuffer: ipc_handle is the 64 bytes of a cudaIpcMemHandle_t of the allocation on `device` (as the
+ * server numbers devices); the region is [offset, offset + byte_size). Writes the buffer id (NUL-terminated)
+ * into buffer_id (capacity `cap`). */
+int32_t attnd_register_cuda_buffer(attnd_client* client, const uint8_t* ipc_handle, int32_t device, uint64_t offset,
+                                   uint64_t byte_size, const char* name, char* buffer_id, size_t cap,
+                                   attnd_error* err);
+int32_t attnd_unregister_cuda_buffer(attnd_client* client, const char* buffer_id, attnd_error* err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* ATTND_CLIENT_C_H_ */

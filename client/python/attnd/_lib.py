@@ -1,0 +1,141 @@
+"""ctypes declarations of libattnd_client_c.so (client/c/attnd_client_c.h) and how the library is found.
+
+The library lives in this package's lib/ folder (put there by the build's `attnd_python_lib` target, with the
+libraries it needs beyond glibc and the C++ runtime, listed in lib/bundled.txt in load order). Those are loaded
+by path first, dependencies before dependents, so a host without gRPC needs nothing installed. The test suite
+points ATTND_CLIENT_LIB at a build tree's library instead (its dependencies then come from the system).
+"""
+import ctypes
+import os
+
+ABI_VERSION = 1
+
+TRANSPORTS = {"auto": 0, "unary": 1, "stream": 2, "shm": 3}
+TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
+DTYPE_BF16, DTYPE_FP16 = 0, 1
+MASK_NONE, MASK_TOP_LEFT, MASK_BOTTOM_RIGHT = 0, 1, 2
+
+
+class Error(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_int32), ("request_id", ctypes.c_char * 128), ("message", ctypes.c_char * 2048)]
+
+
+class ClientOptions(ctypes.Structure):
+    _fields_ = [
+        ("target", ctypes.c_char_p),
+        ("transport", ctypes.c_int32),
+        ("tls_ca_file", ctypes.c_char_p),
+        ("tls_server_name", ctypes.c_char_p),
+        ("auth_token", ctypes.c_char_p),
+        ("shm_socket", ctypes.c_char_p),
+        ("default_timeout_s", ctypes.c_double),
+        ("shm_max_bytes", ctypes.c_uint64),
+    ]
+
+
+class Tensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("buffer_id", ctypes.c_char_p),
+        ("offset", ctypes.c_uint64),
+        ("strides", ctypes.c_int64 * 3),
+    ]
+
+
+class ForwardArgs(ctypes.Structure):
+    _fields_ = [
+        ("batch", ctypes.c_int64),
+        ("q_len", ctypes.c_int64),
+        ("kv_len", ctypes.c_int64),
+        ("q_heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("dtype", ctypes.c_int32),
+        ("mask", ctypes.c_int32),
+        ("has_scale", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("want_lse", ctypes.c_int32),
+        ("transport", ctypes.c_int32),
+        ("timeout_s", ctypes.c_double),
+        ("request_id", ctypes.c_char_p),
+        ("q", Tensor),
+        ("k", Tensor),
+        ("v", Tensor),
+        ("o", Tensor),
+        ("lse", ctypes.c_void_p),
+    ]
+
+
+class ForwardInfo(ctypes.Structure):
+    _fields_ = [
+        ("request_id", ctypes.c_char * 128),
+        ("backend", ctypes.c_char * 16),
+        ("kernel", ctypes.c_char * 128),
+        ("device", ctypes.c_int32),
+        ("transport", ctypes.c_int32),
+        ("queue_us", ctypes.c_double),
+        ("h2d_us", ctypes.c_double),
+        ("kernel_us", ctypes.c_double),
+        ("d2h_us", ctypes.c_double),
+        ("total_us", ctypes.c_double),
+        ("latency_us", ctypes.c_double),
+    ]
+
+
+DONE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(Error), ctypes.POINTER(ForwardInfo))
+
+_lib = None
+
+
+def _package_lib_dir():
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib")
+
+
+def load():
+    """The loaded library (loaded once)."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    path = os.environ.get("ATTND_CLIENT_LIB")  # tests: the build tree's library
+    if not path:
+        libdir = _package_lib_dir()
+        path = os.path.join(libdir, "libattnd_client_c.so")
+        if not os.path.exists(path):
+            raise ImportError(
+                f"attnd: {path} is missing; build the `attnd_python_lib` target (cmake --build build --target "
+                "attnd_python_lib) before installing or importing this package")
+        manifest = os.path.join(libdir, "bundled.txt")
+        if os.path.exists(manifest):
+            with open(manifest) as f:
+                for name in f.read().split():
+                    ctypes.CDLL(os.path.join(libdir, name))
+    lib = ctypes.CDLL(path)
+    lib.attnd_abi_version.restype = ctypes.c_int32
+    if lib.attnd_abi_version() != ABI_VERSION:
+        raise ImportError(f"attnd: {path} has C ABI {lib.attnd_abi_version()}, this package needs {ABI_VERSION}")
+    lib.attnd_free_string.argtypes = [ctypes.c_void_p]
+    lib.attnd_free_string.restype = None
+    lib.attnd_client_create.argtypes = [ctypes.POINTER(ClientOptions), ctypes.POINTER(Error)]
+    lib.attnd_client_create.restype = ctypes.c_void_p
+    lib.attnd_client_destroy.argtypes = [ctypes.c_void_p]
+    lib.attnd_client_destroy.restype = None
+    lib.attnd_client_info_json.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(Error)]
+    lib.attnd_client_info_json.restype = ctypes.c_void_p
+    lib.attnd_client_stats_json.argtypes = [ctypes.c_void_p, ctypes.POINTER(Error)]
+    lib.attnd_client_stats_json.restype = ctypes.c_void_p
+    lib.attnd_client_health.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(Error)]
+    lib.attnd_client_health.restype = ctypes.c_int32
+    lib.attnd_forward.argtypes = [ctypes.c_void_p, ctypes.POINTER(ForwardArgs), ctypes.POINTER(ForwardInfo),
+                                  ctypes.POINTER(Error)]
+    lib.attnd_forward.restype = ctypes.c_int32
+    lib.attnd_forward_async.argtypes = [ctypes.c_void_p, ctypes.POINTER(ForwardArgs), DONE_FN, ctypes.c_void_p,
+                                        ctypes.POINTER(Error)]
+    lib.attnd_forward_async.restype = ctypes.c_int32
+    lib.attnd_register_cuda_buffer.argtypes = [
+        ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_char_p,
+        ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(Error)]
+    lib.attnd_register_cuda_buffer.restype = ctypes.c_int32
+    lib.attnd_unregister_cuda_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(Error)]
+    lib.attnd_unregister_cuda_buffer.restype = ctypes.c_int32
+    _lib = lib
+    return lib

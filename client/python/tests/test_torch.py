@@ -1,0 +1,186 @@
+"""attnd.Client and attnd.torch from torch CPU tensors; torch CUDA tensors over CUDA IPC where a GPU is."""
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import attnd  # noqa: E402
+import attnd.torch  # noqa: E402
+from conftest import assert_close, assert_lse_close, reference  # noqa: E402
+
+
+def f64(t):
+    return t.detach().to("cpu", torch.float64).numpy()
+
+
+def inputs(seed, b, lq, lk, hq, hkv, d, dtype=torch.bfloat16, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(s, generator=g).to(dtype).to(device)
+                 for s in ((b, lq, hq, d), (b, lk, hkv, d), (b, lk, hkv, d)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal,mask", [(False, "none"), (True, "top_left"), ("bottom_right", "bottom_right")])
+def test_cpu_tensors(client, dtype, causal, mask):
+    q, k, v = inputs(1, 2, 24, 40, 8, 2, 64, dtype)
+    o, lse = client.attention(q, k, v, causal=causal, return_lse=True)
+    assert isinstance(o, torch.Tensor) and o.dtype == dtype and o.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == (2, 8, 24)
+    ref_o, ref_lse = reference(f64(q), f64(k), f64(v), mask)
+    assert_close(f64(o), ref_o, atol=2e-2 if dtype == torch.bfloat16 else 5e-3)
+    assert_lse_close(lse.numpy(), ref_lse)
+
+
+def test_transposed_views_and_out(client):
+    # [b, h, l, d] tensors viewed as [b, l, h, d] go by strides.
+    g = torch.Generator().manual_seed(2)
+    qh = torch.randn(2, 4, 33, 128, generator=g).bfloat16()
+    kh = torch.randn(2, 2, 17, 128, generator=g).bfloat16()
+    vh = torch.randn(2, 2, 17, 128, generator=g).bfloat16()
+    q, k, v = (x.transpose(1, 2) for x in (qh, kh, vh))
+    assert not q.is_contiguous()
+    out = torch.empty(2, 33, 4, 128, dtype=torch.bfloat16)
+    o = client.attention(q, k, v, causal="bottom_right", out=out)
+    assert o is out
+    ref_o, _ = reference(f64(q), f64(k), f64(v), "bottom_right")
+    assert_close(f64(out), ref_o)
+
+
+def test_sdpa_drop_in(client):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 8, 21, 64, generator=g).bfloat16()
+    k = torch.randn(2, 2, 21, 64, generator=g).bfloat16()
+    v = torch.randn(2, 2, 21, 64, generator=g).bfloat16()
+    o = attnd.torch.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, client=client)
+    assert o.shape == q.shape
+    ref_o, _ = reference(f64(q.transpose(1, 2)), f64(k.transpose(1, 2)), f64(v.transpose(1, 2)), "top_left")
+    assert_close(f64(o.transpose(1, 2)), ref_o)
+    if hasattr(torch.nn.functional, "scaled_dot_product_attention") and "enable_gqa" in \
+            torch.nn.functional.scaled_dot_product_attention.__doc__:
+        t = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                                             enable_gqa=True)
+        assert (o.float() - t).abs().max().item() < 2e-2
+    with pytest.raises(ValueError):
+        attnd.torch.scaled_dot_product_attention(q, k, v, client=client)  # GQA without enable_gqa
+
+
+def test_default_client(client):
+    q, k, v = (x.transpose(1, 2) for x in inputs(4, 1, 9, 9, 2, 2, 64))
+    attnd.set_default_client(client)
+    try:
+        o = attnd.torch.scaled_dot_product_attention(q, k, v)
+    finally:
+        attnd.set_default_client(None)
+    ref_o, _ = reference(f64(q.transpose(1, 2)), f64(k.transpose(1, 2)), f64(v.transpose(1, 2)), "none")
+    assert_close(f64(o.transpose(1, 2)), ref_o)
+
+
+def test_async_torch(client):
+    calls = [inputs(10 + i, 1, 16, 16, 4, 4, 64) for i in range(4)]
+    futures = [client.attention_async(q, k, v, causal=True) for q, k, v in calls]
+    for f, (q, k, v) in zip(futures, calls):
+        ref_o, _ = reference(f64(q), f64(k), f64(v), "top_left")
+        assert_close(f64(f.result(timeout=60)), ref_o)
+
+
+def test_mixed_kinds_rejected(client):
+    q, k, v = inputs(5, 1, 8, 8, 2, 2, 64)
+    with pytest.raises(attnd.AttndError) as e:
+        client.attention(q, np.zeros((1, 8, 2, 64), np.float16), v)
+    assert e.value.code == attnd.StatusCode.INVALID_ARGUMENT
+
+
+# -- CUDA tensors over IPC: a CUDA-backend server of the same build on this host --------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.fixture(scope="module")
+def cuda_client(tmpdir_short):
+    binary = os.environ.get("ATTND_SERVER")
+    if not binary:
+        pytest.skip("ATTND_SERVER is not set")
+    from conftest import Server
+    s = Server(["--backend=cuda", "--enable_cuda_ipc"], tmpdir_short, "cuda")
+    c = attnd.Client("unix:" + s.unix, shm_socket=s.shm)
+    if c.info()["backend"] != "cuda":
+        c.close()
+        s.stop()
+        pytest.skip("the server has no CUDA backend")
+    yield c, s
+    c.close()
+    s.stop()
+
+
+@cuda
+@pytest.mark.parametrize("transport", ["auto", "shm"])
+def test_cuda_ipc(cuda_client, transport):
+    c, s = cuda_client
+    q, k, v = inputs(20, 2, 256, 256, 8, 2, 128, device="cuda")
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # strided: goes by strides
+    o, lse = c.attention(qt, k, v, causal=True, return_lse=True, transport=transport)
+    assert o.is_cuda and lse.is_cuda
+    assert c.last_info.h2d_us == 0 and c.last_info.d2h_us == 0  # no copy on the IPC path
+    ref_o, ref_lse = reference(f64(q), f64(k), f64(v), "top_left")
+    assert_close(f64(o), ref_o)
+    assert_lse_close(f64(lse), ref_lse)
+
+
+@cuda
+def test_cuda_registration_cache_and_release(cuda_client):
+    c, s = cuda_client
+    q, k, v = inputs(21, 1, 64, 64, 4, 4, 64, device="cuda")
+    c.attention(q, k, v)
+    n = len(c._buffers)
+    c.attention(q, k, v)
+    assert len(c._buffers) == n  # registered once per storage
+    del q, k, v
+    import gc
+    gc.collect()
+    c._sweep()  # where torch has no persistent storage objects, dead registrations go at the next sweep
+    assert len(c._buffers) < n  # dropped with the storages
+
+
+@cuda
+def test_cuda_stream_respected(cuda_client):
+    c, s = cuda_client
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        q, k, v = inputs(22, 1, 512, 512, 8, 8, 128, device="cuda")
+        q = q * 1.0  # produced on `stream`
+        o = c.attention(q, k, v)
+    ref_o, _ = reference(f64(q), f64(k), f64(v), "none")
+    assert_close(f64(o), ref_o)
+
+
+class _FakeStorage:
+    """What the registration path reads from a CUDA storage, for servers and hosts without CUDA."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def data_ptr(self):
+        return 0x7000
+
+    def nbytes(self):
+        return 4096
+
+    def _share_cuda_(self):
+        return (0, self.handle, 4096, 256, b"/torch_ref_counter", 8, None, False)
+
+
+def test_ipc_registration_errors(client, monkeypatch):
+    released = []
+    monkeypatch.setattr(attnd.client, "_release_counter", released.append)
+    # A CPU server refuses CUDA IPC: FAILED_PRECONDITION, and torch's IPC counter is released.
+    with pytest.raises(attnd.AttndError) as e:
+        client._register(_FakeStorage(b"\x01c" + bytes(range(64))), None, 0x7000)
+    assert e.value.code == attnd.StatusCode.FAILED_PRECONDITION
+    assert released == [(b"/torch_ref_counter", 8, 0)]
+    # An expandable segment's handle cannot be opened with cudaIpcOpenMemHandle: refused before any RPC.
+    with pytest.raises(attnd.AttndError) as e:
+        client._register(_FakeStorage(b"\x01e" + bytes(100)), None, 0x7000)
+    assert e.value.code == attnd.StatusCode.FAILED_PRECONDITION and "expandable" in e.value.message
+    assert len(released) == 2 and not client._buffers
