@@ -37,7 +37,6 @@ EntryList Sm120D128Entries();
 EntryList Sm120D256Entries();
 EntryList Sm90D64Entries();
 EntryList Sm90D128Entries();
-EntryList Sm90D256Entries();
 }  // namespace seed
 
 namespace hopper {  // src/hopper/attention_sm90_d*.cu (sm_90a only)
