@@ -10,14 +10,12 @@ flushed between runs), median.
 
   python3 hopper_bench.py --lib path/libattnd_kernels_c.so --configs hopper,seed [--quick] [--json out.json]
 
-Order and clocks: under the H200's 700 W cap a column's figure depends on what ran just before it (session 16 saw
-the first attnd column of a process run ~10% faster than the second). --peers_last swaps the order of the peers and
-attnd's columns within each row, so processes can alternate it; --settle_ms runs each column back to back before
-its timing, so that every figure starts from its own steady clocks. Session 17 saw the bias mostly with the peers
-first (±4-9% toward whichever attnd column came first; ~1-3% with --peers_last): for A/Bs, pass --peers_last in
-every process and alternate only the order of the attnd columns. For a table against the peers, --order rotates
-every column through every position over as many processes as there are columns (session 20's two-process table
-gave cuDNN positions 1-2 and attnd 1 and 3).
+Order and clocks: under the H200's 700 W cap a column's figure depends on what ran just before it (the first attnd
+column of a process can run ~10% faster than the second, and the bias is larger with the peers first). --peers_last
+times attnd's columns before the peers in each row; --settle_ms runs each column back to back before its timing, so
+that every figure starts from its own steady clocks. For A/Bs, pass --peers_last in every process and alternate only
+the order of the attnd columns. For a table against the peers, --order rotates every column through every position
+over as many processes as there are columns.
 
 A/B of two builds in one process: --base_lib other/libattnd_kernels_c.so and configs named base:CONFIG run
 CONFIG through that library (its column is base:CONFIG), so both builds see the same inputs, clocks and peers.
