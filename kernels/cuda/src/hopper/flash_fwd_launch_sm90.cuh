@@ -26,6 +26,8 @@ constexpr bool MaySplitTail() {
   return std::is_same_v<Tile, HopperD128N128S3OskP2> || std::is_same_v<Tile, HopperD256N64S2>;
 }
 
+// Whether the configuration has the dynamic-order kernel: head_dim 64 (MayRunDynamic), and not the cross-tile variant,
+// which runs the static orders only.
 template <typename Tile>
 constexpr bool MayRunDynamicTile() {
   return !Tile::kCrossTile && MayRunDynamic(Tile::kHeadDim);
