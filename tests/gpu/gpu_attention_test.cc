@@ -5,6 +5,9 @@
 //   max|O - O_f64| <= kTolFactor * max|O_bf16ref - O_f64| + kAtol
 // where O_bf16ref is the plain reference (fp32 math, O rounded once to the element type), no NaN anywhere
 // (so every element was written), rows that see no key exactly 0 with LSE -inf, and LSE close to the f64 one.
+// Every launch gets its own zeroed workspace, which must be zero again afterwards. The FewBlocks instantiation runs
+// the Hopper configurations on a grid of 3 blocks (every block runs many tiles back to back), and with the split
+// tail forced where the configuration has one (HopperScheduleOptions).
 // Without a GPU (CI) the GPU tests skip; the validation tests run everywhere.
 // ATTND_GPU_TEST_SMALL=1 keeps only small shapes (for compute-sanitizer).
 #include <cuda_runtime_api.h>
@@ -129,8 +132,8 @@ std::vector<Case> CasesFor(int64_t d) {
   add("zero_scale_tl", 1, 65, 65, 2, 2, Mask::kCausalTopLeft, true)->scale = 0.f;
   add("fp16_tl", 1, 129, 129, 2, 2, Mask::kCausalTopLeft, true)->dtype = DType::kFP16;
   add("fp16_b2_gqa_br", 2, 70, 140, 4, 2, Mask::kCausalBottomRight, true)->dtype = DType::kFP16;
-  // Enough tiles for a few blocks to split their last round (ATTND_HOPPER_MAX_BLOCKS + ATTND_HOPPER_SPLIT_TAIL=2),
-  // in fp16 too: a plain order and a paired one.
+  // Enough tiles for a few blocks to split their last round (FewBlocks with the split tail forced), in fp16 too:
+  // a plain order and a paired one.
   add("fp16_b2_long_none", 2, 1000, 1000, 4, 2, Mask::kNone, true)->dtype = DType::kFP16;
   add("fp16_b2_long_tl", 2, 1000, 1000, 4, 4, Mask::kCausalTopLeft, false)->dtype = DType::kFP16;
   return out;
@@ -139,27 +142,56 @@ std::vector<Case> CasesFor(int64_t d) {
 struct Param {
   std::string config;  // "" runs the default (auto) choice, "seed" the seed family's choice
   Case c;
+  HopperScheduleOptions hopper;
+  std::string schedule;  // names non-default options in the test's name
 };
 
 // Without this GoogleTest prints each parameter as a raw byte dump in every test's line (also when skipped).
-void PrintTo(const Param& p, std::ostream* os) { *os << (p.config.empty() ? "auto" : p.config) << "/" << Name(p.c); }
+void PrintTo(const Param& p, std::ostream* os) {
+  *os << (p.config.empty() ? "auto" : p.config) << p.schedule << "/" << Name(p.c);
+}
 
 std::vector<Param> AllParams() {
   std::vector<Param> out;
   for (const ConfigInfo& info : Configs()) {
-    for (const Case& c : CasesFor(info.head_dim)) out.push_back({info.name, c});
+    for (const Case& c : CasesFor(info.head_dim)) out.push_back({info.name, c, {}, ""});
   }
   for (int64_t d : {64, 128, 256}) {
     for (const Case& c : CasesFor(d)) {
       if (c.name.find("sq65_") != std::string::npos || c.name.find("gqa") != std::string::npos ||
           c.name.find("long") != std::string::npos || c.name.find("sq1000") != std::string::npos) {
-        out.push_back({"", c});
-        out.push_back({"seed", c});
+        out.push_back({"", c, {}, ""});
+        out.push_back({"seed", c, {}, ""});
       }
     }
   }
   return out;
 }
+
+// The Hopper configurations on 3 blocks: every block runs several tiles back to back (the tile-to-tile handover,
+// the dynamic order's counter with blocks taking many tiles); and again with the split tail forced, where small
+// problems split their last round among the 3 blocks.
+std::vector<Param> FewBlockParams() {
+  std::vector<Param> out;
+  for (const ConfigInfo& info : Configs()) {
+    if (info.family != Family::kHopper) continue;
+    for (const Case& c : CasesFor(info.head_dim)) {
+      Param few{info.name, c, HopperScheduleOptions{}, "_blocks3"};
+      few.hopper.max_blocks = 3;
+      out.push_back(few);
+      if (!info.split_tail) continue;
+      Param split = few;
+      split.hopper.split_tail = SplitTail::kAlways;
+      split.schedule = "_blocks3_split";
+      out.push_back(split);
+    }
+  }
+  return out;
+}
+
+// Device memory freed when it goes out of scope.
+using DeviceBuffer = std::unique_ptr<void, void (*)(void*)>;
+DeviceBuffer NoBuffer() { return DeviceBuffer(nullptr, [](void*) {}); }
 
 // Host-side tensors of one case, in their storage layout.
 struct HostData {
@@ -273,6 +305,7 @@ TEST_P(GpuAttentionTest, MatchesDoubleReference) {
     GTEST_SKIP() << "large shape skipped (ATTND_GPU_TEST_SMALL=1)";
   }
   PlanOptions options;
+  options.hopper = param.hopper;
   const bool by_family = param.config.empty() || param.config == "seed";
   if (param.config == "seed") {
     options.family = Family::kSeed;
@@ -335,9 +368,29 @@ TEST_P(GpuAttentionTest, MatchesDoubleReference) {
   } else if (param.config == "seed") {
     EXPECT_EQ(plan->info().family, Family::kSeed);
   }
-  absl::Status launched = Launch(*plan, nullptr);
+  void* workspace = nullptr;
+  DeviceBuffer free_workspace = NoBuffer();
+  if (plan->workspace_bytes > 0) {
+    const absl::Status refused = Launch(*plan, nullptr, nullptr);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+    CUDA_OK(cudaMalloc(&workspace, plan->workspace_bytes));
+    free_workspace = DeviceBuffer(workspace, [](void* p) { cudaFree(p); });
+    const absl::Status zeroed = ZeroWorkspace(*plan, workspace, nullptr);
+    ASSERT_TRUE(zeroed.ok()) << zeroed;
+  }
+  absl::Status launched = Launch(*plan, workspace, nullptr);
   ASSERT_TRUE(launched.ok()) << launched;
   CUDA_OK(cudaDeviceSynchronize());
+  if (workspace != nullptr) {
+    // The counters are zero again for the next launch (the partial outputs may hold anything).
+    const LaunchSchedule& ls = plan->schedule;
+    const size_t counters_end = ls.split_partials != LaunchSchedule::kNoOffset ? ls.split_partials
+                                                                               : plan->workspace_bytes;
+    std::vector<unsigned char> ws(counters_end);
+    CUDA_OK(cudaMemcpy(ws.data(), workspace, ws.size(), cudaMemcpyDeviceToHost));
+    EXPECT_TRUE(std::all_of(ws.begin(), ws.end(), [](unsigned char b) { return b == 0; }))
+        << "the launch left its workspace's counters non-zero";
+  }
 
   std::vector<uint16_t> o(h->o_elems);
   std::vector<float> lse(LseElems(s));
@@ -384,12 +437,14 @@ TEST_P(GpuAttentionTest, MatchesDoubleReference) {
   RecordProperty("ref_err", std::to_string(h->ref_err));
 }
 
-INSTANTIATE_TEST_SUITE_P(AllConfigs, GpuAttentionTest, ::testing::ValuesIn(AllParams()),
-                         [](const ::testing::TestParamInfo<Param>& info) {
-                           const std::string& c = info.param.config;
-                           return (c.empty() ? std::string("auto") : c == "seed" ? std::string("seedfamily") : c) + "_" +
-                                  Name(info.param.c);
-                         });
+std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
+  const std::string& c = info.param.config;
+  return (c.empty() ? std::string("auto") : c == "seed" ? std::string("seedfamily") : c) + info.param.schedule + "_" +
+         Name(info.param.c);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllConfigs, GpuAttentionTest, ::testing::ValuesIn(AllParams()), ParamName);
+INSTANTIATE_TEST_SUITE_P(FewBlocks, GpuAttentionTest, ::testing::ValuesIn(FewBlockParams()), ParamName);
 
 // --- Host API behaviour (no GPU needed for validation) ---
 
@@ -463,6 +518,17 @@ TEST(KernelApi, TensorMapKeyEqualityAndHash) {
   EXPECT_FALSE(a == b);
 }
 
+TEST(KernelApi, LaunchRefusesAMissingWorkspace) {
+  Plan plan;
+  plan.config = 0;
+  plan.workspace_bytes = 256;
+  const absl::Status st = Launch(plan, nullptr, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("workspace"), std::string::npos) << st;
+  EXPECT_EQ(ZeroWorkspace(plan, nullptr, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Launch(Plan{}, nullptr, nullptr).code(), absl::StatusCode::kInvalidArgument) << "a plan never made";
+}
+
 TEST(KernelApi, WithoutGpuReportsUnavailable) {
   if (HaveGpu()) GTEST_SKIP() << "a GPU is present";
   absl::Status st = CheckDevice(-1);
@@ -495,6 +561,11 @@ TEST(KernelApi, DeviceChecksAndFamilies) {
   PlanOptions seed;
   seed.family = Family::kSeed;
   EXPECT_TRUE(Select(p, ContiguousLayout(p.shape), seed).ok());
+  PlanOptions bad_options;
+  bad_options.hopper.max_blocks = -1;
+  const absl::StatusOr<Selection> refused = Select(p, ContiguousLayout(p.shape), bad_options);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("options.hopper.max_blocks"), std::string::npos) << refused.status();
   // Misaligned pointer and missing LSE are refused at planning time.
   absl::StatusOr<Selection> ok = Select(p, ContiguousLayout(p.shape));
   ASSERT_TRUE(ok.ok());
@@ -503,19 +574,20 @@ TEST(KernelApi, DeviceChecksAndFamilies) {
   EXPECT_EQ(MapKeys(*ok, bad).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-// The Hopper family's dynamic causal schedule (head_dim 64) takes tiles from a device counter that each launch
-// must have to itself. Many launches of one plan in flight on several streams, more than the counter pool's
-// slots, must all write what one launch alone writes, bit for bit (a tile's result does not depend on which
-// block ran it), and that launch is checked against the f64 reference on sampled rows.
+// The Hopper family's dynamic causal schedule (head_dim 64) takes tiles from a counter in the launch's workspace.
+// Many launches of one problem in flight on several streams, each with its own workspace, must all write what one
+// launch alone writes, bit for bit (a tile's result does not depend on which block ran it), and leave their
+// workspaces zero; a launch captured into a CUDA graph and replayed writes the same; launch 0 is checked against the
+// f64 reference on sampled rows.
 TEST(KernelApi, DynamicScheduleLaunchesInFlightOnManyStreams) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
   int major = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
   if (major != 9) GTEST_SKIP() << "the hopper family runs on compute capability 9.0 only";
-  // 4 x 32 heads x 8 q tiles of 128 rows = 1024 tiles: at least 6 per block on up to 170 SMs, so the launcher
+  // 8 x 32 heads x 6 q tiles of 192 rows = 1536 tiles: at least 6 per block on up to 256 SMs, so the plan
   // picks the dynamic order.
   Problem p;
-  p.shape = Shape{4, 1024, 1024, 32, 32, 64};
+  p.shape = Shape{8, 1024, 1024, 32, 32, 64};
   p.mask = Mask::kCausalTopLeft;
   p.scale = DefaultScale(64);
   const Shape& s = p.shape;
@@ -524,41 +596,66 @@ TEST(KernelApi, DynamicScheduleLaunchesInFlightOnManyStreams) {
   std::mt19937 rng(77);
   std::normal_distribution<float> normal(0.f, 1.f);
   for (auto& x : qkv) x = FloatToHalf(DType::kBF16, normal(rng));
-  constexpr int kStreams = 8, kLaunches = 96;  // the pool has 64 slots per device
+  constexpr int kStreams = 8, kLaunches = 96;
   uint16_t* d_qkv = nullptr;
   uint16_t* d_o = nullptr;
   CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&d_qkv), qkv.size() * 2));
-  CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&d_o), (kLaunches + 1) * elems * 2));
+  CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&d_o), (kLaunches + 2) * elems * 2));
   std::unique_ptr<void, void (*)(void*)> free_qkv(d_qkv, [](void* q) { cudaFree(q); });
   std::unique_ptr<void, void (*)(void*)> free_o(d_o, [](void* q) { cudaFree(q); });
   CUDA_OK(cudaMemcpy(d_qkv, qkv.data(), qkv.size() * 2, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemset(d_o, 0xFF, (kLaunches + 1) * elems * 2));
+  CUDA_OK(cudaMemset(d_o, 0xFF, (kLaunches + 2) * elems * 2));
   PlanOptions options;
   options.family = Family::kHopper;
   std::vector<Plan> plans;
-  for (int i = 0; i <= kLaunches; ++i) {
+  for (int i = 0; i <= kLaunches + 1; ++i) {
     DeviceTensors t{d_qkv, d_qkv + elems, d_qkv + 2 * elems, d_o + i * elems, nullptr};
     absl::StatusOr<Plan> plan = MakePlan(p, ContiguousLayout(s), t, options);
     ASSERT_TRUE(plan.ok()) << plan.status();
     plans.push_back(*plan);
   }
   ASSERT_EQ(plans[0].info().head_dim, 64);
+  ASSERT_GT(plans[0].workspace_bytes, 0u) << "the dynamic order needs its tile counters";
+  const size_t ws_bytes = (plans[0].workspace_bytes + 255) / 256 * 256;
+  unsigned char* d_ws = nullptr;
+  CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&d_ws), (kLaunches + 2) * ws_bytes));
+  std::unique_ptr<void, void (*)(void*)> free_ws(d_ws, [](void* q) { cudaFree(q); });
+  CUDA_OK(cudaMemset(d_ws, 0, (kLaunches + 2) * ws_bytes));
   // Launch 0 alone, then the rest spread over the streams with nothing in between.
-  ASSERT_TRUE(Launch(plans[0], nullptr).ok());
+  ASSERT_TRUE(Launch(plans[0], d_ws, nullptr).ok());
   CUDA_OK(cudaDeviceSynchronize());
   std::vector<cudaStream_t> streams(kStreams);
   for (auto& st : streams) CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   for (int i = 1; i <= kLaunches; ++i) {
-    const absl::Status launched = Launch(plans[i], streams[i % kStreams]);
+    const absl::Status launched = Launch(plans[i], d_ws + i * ws_bytes, streams[i % kStreams]);
     ASSERT_TRUE(launched.ok()) << launched;
   }
   CUDA_OK(cudaDeviceSynchronize());
+  // The last plan through a graph, replayed three times on one workspace.
+  {
+    cudaStream_t st = streams[0];
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    const absl::Status captured = Launch(plans[kLaunches + 1], d_ws + (kLaunches + 1) * ws_bytes, st);
+    CUDA_OK(cudaStreamEndCapture(st, &graph));
+    ASSERT_TRUE(captured.ok()) << captured;
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int r = 0; r < 3; ++r) CUDA_OK(cudaGraphLaunch(exec, st));
+    CUDA_OK(cudaStreamSynchronize(st));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
   for (auto& st : streams) CUDA_OK(cudaStreamDestroy(st));
-  std::vector<uint16_t> o((kLaunches + 1) * elems);
+  std::vector<uint16_t> o((kLaunches + 2) * elems);
   CUDA_OK(cudaMemcpy(o.data(), d_o, o.size() * 2, cudaMemcpyDeviceToHost));
-  for (int i = 1; i <= kLaunches; ++i) {
+  for (int i = 1; i <= kLaunches + 1; ++i) {
     ASSERT_EQ(std::memcmp(o.data(), o.data() + i * elems, elems * 2), 0) << "launch " << i << " differs";
   }
+  std::vector<unsigned char> ws((kLaunches + 2) * ws_bytes);
+  CUDA_OK(cudaMemcpy(ws.data(), d_ws, ws.size(), cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(std::all_of(ws.begin(), ws.end(), [](unsigned char b) { return b == 0; }))
+      << "a launch left its tile counters non-zero";
   // Launch 0 against the f64 reference on 64 sampled (batch, row, head) rows, the first and last rows included.
   const auto at = [&](size_t base, int64_t b, int64_t r, int64_t h, int64_t x) {
     return static_cast<double>(HalfToFloat(DType::kBF16, qkv[base + ((b * s.q_len + r) * s.q_heads + h) * 64 + x]));

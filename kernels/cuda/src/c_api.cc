@@ -1,12 +1,20 @@
 #include "attnd/kernels/attention_c.h"
 
+#include <cuda_runtime_api.h>
+
 #include <cstring>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "attnd/kernels/attention.h"
 
 struct attnd_kernels_plan {
   attnd::kernels::Plan plan;
+  void* workspace = nullptr;  // owned (cudaFree at destroy); null when the plan needs none or the caller owns it
+
+  ~attnd_kernels_plan() {
+    if (workspace != nullptr) cudaFree(workspace);
+  }
 };
 
 namespace {
@@ -20,16 +28,65 @@ int Fail(const absl::Status& st, char* err, size_t err_len) {
   return static_cast<int>(st.code());
 }
 
+attnd::kernels::HopperScheduleOptions FromC(const attnd_kernels_hopper_options& c) {
+  using attnd::kernels::CausalOrder;
+  using attnd::kernels::SplitTail;
+  attnd::kernels::HopperScheduleOptions o;
+  o.max_blocks = c.max_blocks;
+  // Out-of-range values become ones Select() rejects, naming the field.
+  o.split_tail = static_cast<SplitTail>(c.split_tail);
+  o.causal_order = static_cast<CausalOrder>(c.causal_order);
+  o.max_paired_q_tiles = c.max_paired_q_tiles;
+  o.l2_section_bytes = c.l2_section_bytes;
+  o.paired_kv_bytes = c.paired_kv_bytes;
+  o.tail_tiles_per_block = c.tail_tiles_per_block;
+  o.dynamic_min_tiles_per_block = c.dynamic_min_tiles_per_block;
+  return o;
+}
+
+// The plan's own workspace, zeroed before this returns (so that a launch on any stream finds it zero).
+absl::Status AllocateWorkspace(attnd_kernels_plan* p) {
+  if (p->plan.workspace_bytes == 0) return absl::OkStatus();
+  cudaError_t e = cudaMalloc(&p->workspace, p->plan.workspace_bytes);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    p->workspace = nullptr;
+    return absl::ResourceExhaustedError(absl::StrCat("allocating the plan's workspace (", p->plan.workspace_bytes,
+                                                     " bytes): ", cudaGetErrorString(e)));
+  }
+  if (absl::Status st = attnd::kernels::ZeroWorkspace(p->plan, p->workspace, nullptr); !st.ok()) return st;
+  e = cudaStreamSynchronize(nullptr);
+  if (e != cudaSuccess) return absl::InternalError(absl::StrCat("zeroing the workspace: ", cudaGetErrorString(e)));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 extern "C" {
 
-int attnd_kernels_plan_create(const int64_t shape[6], int dtype, int mask, float scale, const int64_t strides[12],
-                              const void* q, const void* k, const void* v, void* o, float* lse, const char* config,
-                              attnd_kernels_plan** out, char* err, size_t err_len) {
+void attnd_kernels_hopper_options_default(attnd_kernels_hopper_options* out) {
+  if (out == nullptr) return;
+  const attnd::kernels::HopperScheduleOptions d;
+  out->max_blocks = d.max_blocks;
+  out->split_tail = static_cast<int32_t>(d.split_tail);
+  out->causal_order = static_cast<int32_t>(d.causal_order);
+  out->max_paired_q_tiles = d.max_paired_q_tiles;
+  out->l2_section_bytes = d.l2_section_bytes;
+  out->paired_kv_bytes = d.paired_kv_bytes;
+  out->tail_tiles_per_block = d.tail_tiles_per_block;
+  out->dynamic_min_tiles_per_block = d.dynamic_min_tiles_per_block;
+}
+
+int attnd_kernels_plan_create_with_options(const int64_t shape[6], int dtype, int mask, float scale,
+                                           const int64_t strides[12], const void* q, const void* k, const void* v,
+                                           void* o, float* lse, const char* config,
+                                           const attnd_kernels_hopper_options* hopper, int own_workspace,
+                                           attnd_kernels_plan** out, char* err, size_t err_len) {
   using namespace attnd;
   if (out == nullptr) return Fail(absl::InvalidArgumentError("out is null"), err, err_len);
   *out = nullptr;
+  if (shape == nullptr) return Fail(absl::InvalidArgumentError("shape is null"), err, err_len);
+  if (strides == nullptr) return Fail(absl::InvalidArgumentError("strides is null"), err, err_len);
   if (dtype < 0 || dtype > 1) return Fail(absl::InvalidArgumentError("dtype must be 0 (bf16) or 1 (fp16)"), err, err_len);
   if (mask < 0 || mask > 2) return Fail(absl::InvalidArgumentError("mask must be 0, 1 or 2"), err, err_len);
   Problem p;
@@ -51,15 +108,40 @@ int attnd_kernels_plan_create(const int64_t shape[6], int dtype, int mask, float
   } else if (name != "auto") {
     options.config = name;
   }
+  if (hopper != nullptr) options.hopper = FromC(*hopper);
   absl::StatusOr<kernels::Plan> plan = kernels::MakePlan(p, layout, kernels::DeviceTensors{q, k, v, o, lse}, options);
   if (!plan.ok()) return Fail(plan.status(), err, err_len);
-  *out = new attnd_kernels_plan{*plan};
+  auto* made = new attnd_kernels_plan{*plan};
+  if (own_workspace != 0) {
+    if (absl::Status st = AllocateWorkspace(made); !st.ok()) {
+      delete made;
+      return Fail(st, err, err_len);
+    }
+  }
+  *out = made;
   return 0;
+}
+
+int attnd_kernels_plan_create(const int64_t shape[6], int dtype, int mask, float scale, const int64_t strides[12],
+                              const void* q, const void* k, const void* v, void* o, float* lse, const char* config,
+                              attnd_kernels_plan** out, char* err, size_t err_len) {
+  return attnd_kernels_plan_create_with_options(shape, dtype, mask, scale, strides, q, k, v, o, lse, config, nullptr,
+                                                1, out, err, err_len);
 }
 
 int attnd_kernels_plan_launch(const attnd_kernels_plan* plan, void* stream, char* err, size_t err_len) {
   if (plan == nullptr) return Fail(absl::InvalidArgumentError("plan is null"), err, err_len);
-  absl::Status st = attnd::kernels::Launch(plan->plan, static_cast<cudaStream_t>(stream));
+  return attnd_kernels_plan_launch_with_workspace(plan, plan->workspace, stream, err, err_len);
+}
+
+size_t attnd_kernels_plan_workspace_bytes(const attnd_kernels_plan* plan) {
+  return plan == nullptr ? 0 : plan->plan.workspace_bytes;
+}
+
+int attnd_kernels_plan_launch_with_workspace(const attnd_kernels_plan* plan, void* workspace, void* stream, char* err,
+                                             size_t err_len) {
+  if (plan == nullptr) return Fail(absl::InvalidArgumentError("plan is null"), err, err_len);
+  absl::Status st = attnd::kernels::Launch(plan->plan, workspace, static_cast<cudaStream_t>(stream));
   return st.ok() ? 0 : Fail(st, err, err_len);
 }
 

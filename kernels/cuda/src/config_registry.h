@@ -7,12 +7,17 @@
 #include <cstddef>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "attnd/kernels/attention.h"
 
 namespace attnd::kernels {
 
-using LaunchFn = cudaError_t (*)(const Plan& plan, cudaStream_t stream);
+// Enqueues the plan's kernel; `workspace` holds plan.workspace_bytes (or is null when that is 0).
+using LaunchFn = cudaError_t (*)(const Plan& plan, void* workspace, cudaStream_t stream);
 using PrepareFn = cudaError_t (*)();
+// Decides plan->schedule and plan->workspace_bytes for a device of `sms` multiprocessors (host arithmetic only).
+using PlanScheduleFn = void (*)(const HopperScheduleOptions& options, int sms, Plan* plan);
 
 struct KernelEntry {
   const char* name;
@@ -22,6 +27,7 @@ struct KernelEntry {
   bool sm120;
   LaunchFn launch[2];    // by DType: bf16, fp16
   PrepareFn prepare[2];  // raises the dynamic shared-memory limit; once per device
+  PlanScheduleFn plan_schedule = nullptr;  // hopper: the persistent schedule; null: one block per tile, no workspace
   int o_box_rows = 0;    // > 0: O is stored through a tensor map (Plan::o_map) in boxes of this many rows
   bool split_tail = false;  // hopper: compiled with the split last round (MaySplitTail in flash_fwd_launch_sm90.cuh)
 };
@@ -37,7 +43,6 @@ EntryList Sm120D128Entries();
 EntryList Sm120D256Entries();
 EntryList Sm90D64Entries();
 EntryList Sm90D128Entries();
-EntryList Sm90D256Entries();
 }  // namespace seed
 
 namespace hopper {  // src/hopper/attention_sm90_d*.cu (sm_90a only)
@@ -51,5 +56,20 @@ const std::vector<KernelEntry>& AllEntries();
 // The hopper family's tuned configuration for a problem (plan.cc; Select() runs it on compute capability 9.0, for
 // family auto or hopper). Declared here so that host tests can check its choices against the entries above.
 const char* DefaultHopperConfig(const Problem& p);
+
+// INVALID_ARGUMENT naming the field (options.hopper.*) when a schedule option is out of range.
+absl::Status CheckHopperOptions(const HopperScheduleOptions& options);
+
+// What planning reads of the device.
+struct DeviceLimits {
+  int sms = 0;       // multiprocessors
+  int l2_bytes = 0;  // L2 cache size
+};
+
+// MakePlanFromMaps without the device: checks the pointers, fills the launch parameters and decides the schedule
+// and workspace for a device with `limits`. No CUDA call, so host tests plan for a device they do not have.
+absl::StatusOr<Plan> AssemblePlan(const Selection& selection, const DeviceTensors& tensors, const CUtensorMap& q_map,
+                                  const CUtensorMap& k_map, const CUtensorMap& v_map, const CUtensorMap* o_map,
+                                  const DeviceLimits& limits);
 
 }  // namespace attnd::kernels

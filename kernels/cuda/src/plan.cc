@@ -29,7 +29,7 @@ const std::vector<ConfigInfo>& Configs() {
     std::vector<ConfigInfo> out;
     for (const KernelEntry& e : AllEntries()) {
       out.push_back(ConfigInfo{e.name, e.family, e.head_dim, e.block_m, e.block_n, e.stages, e.threads,
-                               e.smem_bytes, e.sm120, e.o_box_rows > 0});
+                               e.smem_bytes, e.sm120, e.o_box_rows > 0, e.split_tail});
     }
     return out;
   }();
@@ -78,9 +78,9 @@ bool Runs(const KernelEntry& e, const DeviceCaps& caps) {
   return false;
 }
 
-// The seed family's tuned choice (measurements: docs/kernel-notes.md). On the H200 the 32-rows-a-warp shapes
-// ("w4": half the shared-memory reads per mma) win once 128-row blocks fill two per SM; smaller problems run
-// faster on 64-row blocks of 16-row warps (twice the blocks). At d=64 the 64-row shape also wins below 2k.
+// The seed family's tuned choice (docs/tuning.md). On the H200 the 32-rows-a-warp shapes ("w4": half
+// the shared-memory reads per mma) win once 128-row blocks fill two per SM; smaller problems run faster on 64-row
+// blocks of 16-row warps (twice the blocks). At d=64 the 64-row shape also wins below 2k.
 const char* DefaultConfig(const DeviceCaps& caps, const Problem& p) {
   const Shape& s = p.shape;
   if (caps.major == 9) {
@@ -106,48 +106,49 @@ const char* DefaultConfig(const DeviceCaps& caps, const Problem& p) {
 
 }  // namespace
 
-// The hopper family's tuned choice (docs/hopper-kernel-notes.md, docs/benchmarks.md). head_dim 64: three
-// consumer warpgroups (192 rows) keep the tensor cores busy while two of them are in softmax: 3-16% faster
-// from 2k tokens on; with per-warpgroup key ranges (v47) also on short causal problems.
+// The hopper family's tuned choice (docs/tuning.md). head_dim 64: the 128-row six-stage `_p2` below 2k queries
+// without a mask, else the 192-row `_wrs` (three consumer warpgroups, each skipping the key blocks its rows do not
+// see); head_dim 128: the three-stage `_osk_p2` at every length; head_dim 256: 128x64, two stages.
 const char* DefaultHopperConfig(const Problem& p) {
   switch (p.shape.head_dim) {
-    // v21: 128 rows with two P buffers and the exponentials before the row max (`_p2`), causal below 8k queries
-    // and non-causal below 2k (session 18 call 2, four processes, over the old auto: causal 1k +3.7%, 2k +0.6%, 4k
-    // +1.6%, non-causal 1k +3.7%; m192 stays ahead by 4-7% from 8k causal and 2k non-causal).
-    // v47: m192 with per-warpgroup key ranges and, causal, shifted tiles (`_wrs`): a warpgroup skips the key blocks
-    // its own rows do not see, which took m192's causal waste away (at 1k a third of its warpgroup-blocks). Causal at
-    // every length (session 28 call 2, eight processes, over the old auto: 1k +9.8%, 2k +9.8%, 4k +9.1%, 8k +2.3%,
-    // 16k +1.9%; over cuDNN 1.09 / 1.13 / 1.15 / 1.18 / 1.19, ahead in 8 of 8 each); without a mask from 2k, where
-    // it only skips the rows past q_len (call 1, `_wr` over m192: 2k +0.5%, 4k +0.2%, 8k +0.5%). Non-causal 1k keeps
-    // s6 `_p2` (`_wr` level with it there, 1.008, 3 of 8 ahead).
-    case 64: {
-      if (p.mask == Mask::kNone && p.shape.q_len < 2048) {
-        // v27: six K/V stages over s4 (session 20, eight processes: non-causal 1k level).
-        return "hopper_sm90_d64_m128n128s6_p2";
-      }
-      return "hopper_sm90_d64_m192n128s4_wrs";
-    }
-    // 128x176 (FA3's non-causal shape) from 16k keys on: +0.3 to +1.6% over s3 in three processes of session 7's
-    // call 9 (non-causal 16k 648-649 vs 638-642), level at 8k, 1-8% behind below 8k (call 2).
-    // v13: O through shared memory and TMA (`_os`). 128x176 at 16k, split tail included (three processes, session
-    // 11 call 9): causal +1.1%, causal GQA +0.8%, non-causal GQA +0.9%, ahead in 8 of 9; non-causal with 16 heads
-    // swung 12% with whichever kernel ran first, so it is not measured.
-    // v14: split O stages (`_osk`) below 16k keys, with a mask or without (four processes, session 12 call 1, over
-    // v13's s3 `_os`): causal 1k +4.7% (GQA +7.4%), 2k +1.8%, 4k +1.8 / +2.3%, 8k +0.8%; non-causal 1k +2.2% (GQA
-    // +1.3%), 2k +2.3%, 4k +0.4%, 8k -0.4%; over plain s3 (auto's causal choice before), medians from +0.6%
-    // (non-causal 4k) to +9.8% (causal GQA 1k).
-    // v17: without a mask 128x176 from 8k keys. At 8k it ran +2.1 / +2.3% over s3 `_osk` (session 16 call 1, four
-    // processes, ahead in 4 of 4), and as auto's choice +2.2% and +2.9% over the old auto (calls 2 and 4, ahead in
-    // 6 of 8). Session 12 had it level there. At 4k it is still 1-3% behind. With a mask s3 `_osk` stays below 16k
-    // (8k: 128x176 was 1.6% behind in session 12's call 2).
-    // v21: s3 `_osk` with two P buffers and the exponentials before the row max (`_p2`) at every length, over the
-    // old auto (s3 `_osk` / 128x176 `_os`; session 18 call 2, four processes, ahead in 4 of 4 except causal 1k):
-    // causal 1k -0.4%, 2k +2.4%, 4k +1.3%, 8k +3.3%, 16k +2.1%; non-causal 1k +6.3%, 2k +6.5%, 4k +7.4%, 8k +7.0%,
-    // 16k +8.4%. 128x176 cannot hold a second P buffer (272 registers).
+    case 64:
+      return p.mask == Mask::kNone && p.shape.q_len < 2048 ? "hopper_sm90_d64_m128n128s6_p2"
+                                                           : "hopper_sm90_d64_m192n128s4_wrs";
     case 128: return "hopper_sm90_d128_m128n128s3_osk_p2";
     case 256: return "hopper_sm90_d256_m128n64s2";
   }
   return nullptr;
+}
+
+absl::Status CheckHopperOptions(const HopperScheduleOptions& o) {
+  const struct {
+    const char* name;
+    int64_t value;
+  } counts[] = {{"max_blocks", o.max_blocks},
+                {"max_paired_q_tiles", o.max_paired_q_tiles},
+                {"tail_tiles_per_block", o.tail_tiles_per_block},
+                {"dynamic_min_tiles_per_block", o.dynamic_min_tiles_per_block}};
+  for (const auto& c : counts) {
+    if (c.value < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("options.hopper.", c.name, " must be >= 0, got ", c.value));
+    }
+  }
+  // Bounds that keep the scheduler's 32-bit tile arithmetic exact.
+  if (o.tail_tiles_per_block > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.hopper.tail_tiles_per_block must be <= 1024, got ", o.tail_tiles_per_block));
+  }
+  if (o.dynamic_min_tiles_per_block > (1 << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat("options.hopper.dynamic_min_tiles_per_block must be <= 2^20, got ",
+                                                   o.dynamic_min_tiles_per_block));
+  }
+  if (o.split_tail != SplitTail::kOff && o.split_tail != SplitTail::kAuto && o.split_tail != SplitTail::kAlways) {
+    return absl::InvalidArgumentError("options.hopper.split_tail is not a SplitTail value");
+  }
+  if (o.causal_order != CausalOrder::kDynamic && o.causal_order != CausalOrder::kStatic) {
+    return absl::InvalidArgumentError("options.hopper.causal_order is not a CausalOrder value");
+  }
+  return absl::OkStatus();
 }
 
 namespace {
@@ -293,6 +294,7 @@ absl::StatusOr<std::vector<ConfigInfo>> ConfigsForDevice(int device) {
 
 absl::StatusOr<Selection> Select(const Problem& problem, const Layout& layout, const PlanOptions& options) {
   if (absl::Status st = ValidateProblem(problem, layout); !st.ok()) return st;
+  if (absl::Status st = CheckHopperOptions(options.hopper); !st.ok()) return st;
   absl::StatusOr<int> dev = ResolveDevice(options.device);
   if (!dev.ok()) return dev.status();
   if (absl::Status st = CheckDevice(*dev); !st.ok()) return st;
@@ -343,6 +345,7 @@ absl::StatusOr<Selection> Select(const Problem& problem, const Layout& layout, c
   sel.layout = layout;
   sel.config = chosen;
   sel.device = *dev;
+  sel.hopper = options.hopper;
   return sel;
 }
 
@@ -364,18 +367,22 @@ absl::StatusOr<TensorMapKeys> MapKeys(const Selection& sel, const DeviceTensors&
   return keys;
 }
 
-absl::StatusOr<Plan> MakePlanFromMaps(const Selection& sel, const DeviceTensors& t, const CUtensorMap& q_map,
-                                      const CUtensorMap& k_map, const CUtensorMap& v_map, const CUtensorMap* o_map) {
+absl::StatusOr<Plan> AssemblePlan(const Selection& sel, const DeviceTensors& t, const CUtensorMap& q_map,
+                                  const CUtensorMap& k_map, const CUtensorMap& v_map, const CUtensorMap* o_map,
+                                  const DeviceLimits& limits) {
+  if (sel.config < 0 || sel.config >= static_cast<int>(AllEntries().size())) {
+    return absl::InvalidArgumentError("selection: not made by Select()");
+  }
   if (absl::Status st = CheckPointer("o", t.o); !st.ok()) return st;
-  if (AllEntries()[sel.config].o_box_rows > 0 && o_map == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("o: ", AllEntries()[sel.config].name,
-                                                   " stores O through a tensor map; pass MapKeys().o encoded"));
+  const KernelEntry& e = AllEntries()[sel.config];
+  if (e.o_box_rows > 0 && o_map == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("o: ", e.name, " stores O through a tensor map; pass MapKeys().o encoded"));
   }
   const Problem& p = sel.problem;
   const Shape& s = p.shape;
   if (p.want_lse && t.lse == nullptr) return absl::InvalidArgumentError("want_lse is set but the lse pointer is null");
-  if (absl::Status st = Prepare(sel.config, p.dtype, sel.device); !st.ok()) return st;
-  const KernelEntry& e = AllEntries()[sel.config];
+  if (absl::Status st = CheckHopperOptions(sel.hopper); !st.ok()) return st;
   Plan plan;
   plan.config = sel.config;
   plan.device = sel.device;
@@ -402,8 +409,7 @@ absl::StatusOr<Plan> MakePlanFromMaps(const Selection& sel, const DeviceTensors&
   lp.batch = static_cast<int>(s.batch);
   {
     // Causal block sections: (head, batch) pairs whose K/V (shared by a GQA group) fit half the L2, balanced.
-    int l2 = 0;
-    if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, sel.device) != cudaSuccess || l2 <= 0) l2 = 50 << 20;
+    const int64_t l2 = limits.l2_bytes > 0 ? limits.l2_bytes : int64_t{50} << 20;
     const int64_t kv_bytes_per_q_head = std::max<int64_t>(1, s.kv_len * s.head_dim * 4 / lp.group);
     const int64_t pairs = s.q_heads * s.batch;
     const int64_t max_section = std::max<int64_t>(1, (l2 / 2) / kv_bytes_per_q_head);
@@ -416,7 +422,31 @@ absl::StatusOr<Plan> MakePlanFromMaps(const Selection& sel, const DeviceTensors&
   plan.grid[0] = static_cast<unsigned>(lp.num_q_tiles);
   plan.grid[1] = static_cast<unsigned>(s.q_heads);
   plan.grid[2] = static_cast<unsigned>(s.batch);
+  if (e.plan_schedule != nullptr) {
+    if (limits.sms <= 0) return absl::InvalidArgumentError("limits.sms must be > 0");
+    e.plan_schedule(sel.hopper, limits.sms, &plan);
+  }
   return plan;
+}
+
+absl::StatusOr<Plan> MakePlanFromMaps(const Selection& sel, const DeviceTensors& t, const CUtensorMap& q_map,
+                                      const CUtensorMap& k_map, const CUtensorMap& v_map, const CUtensorMap* o_map) {
+  if (sel.config < 0 || sel.config >= static_cast<int>(AllEntries().size())) {
+    return absl::InvalidArgumentError("selection: not made by Select()");
+  }
+  if (absl::Status st = Prepare(sel.config, sel.problem.dtype, sel.device); !st.ok()) return st;
+  DeviceLimits limits;
+  const cudaError_t err = cudaDeviceGetAttribute(&limits.sms, cudaDevAttrMultiProcessorCount, sel.device);
+  if (err != cudaSuccess) {
+    return absl::UnavailableError(
+        absl::StrCat("CUDA device ", sel.device, " is not usable: ", cudaGetErrorString(err)));
+  }
+  // Without the L2 size the sections assume the H200's 50 MiB (AssemblePlan).
+  if (cudaDeviceGetAttribute(&limits.l2_bytes, cudaDevAttrL2CacheSize, sel.device) != cudaSuccess) {
+    cudaGetLastError();
+    limits.l2_bytes = 0;
+  }
+  return AssemblePlan(sel, t, q_map, k_map, v_map, o_map, limits);
 }
 
 absl::StatusOr<Plan> MakePlan(const Problem& problem, const Layout& layout, const DeviceTensors& tensors,
@@ -439,9 +469,44 @@ absl::StatusOr<Plan> MakePlan(const Problem& problem, const Layout& layout, cons
   return MakePlanFromMaps(*sel, tensors, *q, *k, *v, keys->has_o ? &*o : nullptr);
 }
 
-absl::Status Launch(const Plan& plan, cudaStream_t stream) {
+namespace {
+
+absl::Status CheckPlan(const Plan& plan) {
+  if (plan.config < 0 || plan.config >= static_cast<int>(AllEntries().size())) {
+    return absl::InvalidArgumentError("plan: not made by MakePlan() or MakePlanFromMaps()");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ZeroWorkspace(const Plan& plan, void* workspace, cudaStream_t stream) {
+  if (absl::Status st = CheckPlan(plan); !st.ok()) return st;
+  if (plan.workspace_bytes == 0) return absl::OkStatus();
+  if (workspace == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("workspace is null; the plan needs workspace_bytes = ", plan.workspace_bytes));
+  }
+  const cudaError_t err = cudaMemsetAsync(workspace, 0, plan.workspace_bytes, stream);
+  if (err != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("zeroing the workspace (cudaMemsetAsync): ", cudaGetErrorString(err)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Launch(const Plan& plan, void* workspace, cudaStream_t stream) {
+  if (absl::Status st = CheckPlan(plan); !st.ok()) return st;
+  if (plan.workspace_bytes > 0) {
+    if (workspace == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("workspace is null; the plan needs workspace_bytes = ",
+                                                     plan.workspace_bytes, " of zeroed device memory"));
+    }
+    if (reinterpret_cast<uintptr_t>(workspace) % 256 != 0) {
+      return absl::InvalidArgumentError("workspace is not 256-byte aligned");
+    }
+  }
   const KernelEntry& e = AllEntries()[plan.config];
-  const cudaError_t err = e.launch[plan.dtype == DType::kBF16 ? 0 : 1](plan, stream);
+  const cudaError_t err = e.launch[plan.dtype == DType::kBF16 ? 0 : 1](plan, workspace, stream);
   if (err != cudaSuccess) {
     return absl::InternalError(absl::StrCat("launch of ", e.name, ": ", cudaGetErrorString(err)));
   }

@@ -211,11 +211,18 @@ class CudaDevice {
     // pieces) the GPU reaches ev[1] at once while the host still plans the launch. This event, recorded right
     // before the launch on the stream that runs it, makes the reported kernel time the kernel's own.
     cudaEvent_t kernel_start = nullptr;
+    // The kernels' scratch memory (kernels::Plan::workspace_bytes), from the device budget: see SlotWorkspace.
+    Block workspace;
   };
 
   // A device block and a pinned block of `bytes` each, or neither.
   absl::StatusOr<std::pair<Block, Block>> AcquireBlocks(uint64_t bytes);
   void ReleaseBlocks(Block dblock, Block hblock);
+  // The workspace for `plan`'s launch on `stream` by this slot: null when the plan needs none; else the slot's own,
+  // grown (a fresh block, zeroed on `stream`) when the plan needs more than the slot has. Each launch leaves it
+  // zero, and a slot runs one request at a time, so launches in flight never share one. The slot's earlier
+  // launches must be complete when it grows (true between requests: Run returns after its work).
+  absl::StatusOr<void*> SlotWorkspace(Slot& slot, const kernels::Plan& plan, cudaStream_t stream);
   absl::Status WarmUpKernels();
   absl::Status WarmShape(const Shape& s);
   void SlotLoop(Slot* slot);
@@ -251,6 +258,7 @@ CudaDevice::~CudaDevice() {
   Stop();
   cudaSetDevice(index_);
   for (auto& s : slots_) {
+    if (s->workspace.ptr != nullptr && device_mem_) device_mem_->Release(s->workspace);
     for (cudaEvent_t e : s->ev) {
       if (e) cudaEventDestroy(e);
     }
@@ -374,7 +382,8 @@ absl::Status CudaDevice::WarmUpKernels() {
         usable = false;
         break;
       }
-      status = kernels::Launch(*plan, slots_[0]->stream);
+      absl::StatusOr<void*> workspace = SlotWorkspace(*slots_[0], *plan, slots_[0]->stream);
+      status = workspace.ok() ? kernels::Launch(*plan, *workspace, slots_[0]->stream) : workspace.status();
       if (!status.ok()) break;
     }
     if (!status.ok()) break;
@@ -433,6 +442,21 @@ absl::Status CudaDevice::WarmShape(const Shape& s) {
                                                     index_, ": ", status.message()));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<void*> CudaDevice::SlotWorkspace(Slot& slot, const kernels::Plan& plan, cudaStream_t stream) {
+  if (plan.workspace_bytes == 0) return nullptr;
+  if (slot.workspace.size < plan.workspace_bytes) {
+    device_mem_->Release(slot.workspace);
+    slot.workspace = Block{};
+    absl::StatusOr<Block> b = device_mem_->Acquire(plan.workspace_bytes);
+    if (!b.ok()) return b.status();
+    slot.workspace = *b;
+    // The whole block, so that a later plan needing more of it (up to its size) finds it zero too.
+    ATTND_RETURN_IF_ERROR(CudaStatus("zeroing the kernel workspace",
+                                     cudaMemsetAsync(slot.workspace.ptr, 0, slot.workspace.size, stream)));
+  }
+  return slot.workspace.ptr;
 }
 
 absl::StatusOr<std::pair<Block, Block>> CudaDevice::AcquireBlocks(uint64_t bytes) {
@@ -703,12 +727,15 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
     plan = kernels::MakePlanFromMaps(*sel, t, *qm, *km, *vm, keys->has_o ? &*om : nullptr);
     if (!plan.ok()) status = plan.status();
   }
+  absl::StatusOr<void*> workspace;
   if (!shared) {
-    if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.kernel_start, st));
     if (status.ok()) {
       enqueued = true;
-      status = kernels::Launch(*plan, st);
+      workspace = SlotWorkspace(slot, *plan, st);
+      if (!workspace.ok()) status = workspace.status();
     }
+    if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.kernel_start, st));
+    if (status.ok()) status = kernels::Launch(*plan, *workspace, st);
     if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[2], st));
   } else {
     if (status.ok()) {
@@ -721,8 +748,12 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
         // cross-stream dependency.
         status = CudaStatus("poison", cudaMemsetAsync(dev + pl.out_offset, 0xFF, pl.total - pl.out_offset, compute_));
       }
+      if (status.ok()) {
+        workspace = SlotWorkspace(slot, *plan, compute_);
+        if (!workspace.ok()) status = workspace.status();
+      }
       if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.kernel_start, compute_));
-      if (status.ok()) status = kernels::Launch(*plan, compute_);
+      if (status.ok()) status = kernels::Launch(*plan, *workspace, compute_);
       if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[2], compute_));
     }
     if (status.ok()) {

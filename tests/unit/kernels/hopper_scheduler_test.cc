@@ -15,6 +15,8 @@
 #include <tuple>
 #include <vector>
 
+#include "attnd/kernels/attention.h"
+#include "hopper/launch_plan_sm90.h"
 #include "hopper/tile_scheduler_sm90.cuh"
 
 namespace attnd::kernels::hopper {
@@ -58,7 +60,7 @@ TEST(HopperScheduler, EveryTileExactlyOnce) {
       {3, 5, 7, 300, 128, 5, true, 100},      {33, 3, 1, 70000, 256, 1, false, 99},
       {11, 1, 1, 1408, 128, 1, true, 11},     {2, 65535 / 1024, 3, 64, 64, 1, false, 132},
   };
-  // Whatever section budget a tuning run sets (ATTND_HOPPER_L2_SECTION_MB): none, tiny, default, huge.
+  // Whatever section budget a plan sets (HopperScheduleOptions::l2_section_bytes): none, tiny, default, huge.
   for (const int64_t budget : {int64_t{0}, int64_t{1} << 20, kDefaultSectionBudgetBytes, int64_t{1} << 40}) {
     for (const Shape& s : shapes) {
       std::vector<int> visits;
@@ -355,6 +357,141 @@ TEST(HopperScheduler, DynamicCausalOrderRunsEveryTileOnceAndBalances) {
                                 kPairedKvBytes, true)
                 .section_bh,
             3);
+}
+
+// The plan-time decision (launch_plan_sm90.h): each schedule option reaches the schedule, and the defaults give what
+// the scheduler's own defaults give.
+ScheduleInputs Inputs(int q_tiles, int heads, int batch, int kv_len, int head_dim, int block_n, bool causal,
+                      bool may_run_dynamic, bool may_split_tail) {
+  ScheduleInputs in;
+  in.num_q_tiles = q_tiles;
+  in.q_heads = heads;
+  in.batch = batch;
+  in.kv_len = kv_len;
+  in.group = 1;
+  in.causal = causal;
+  in.head_dim = head_dim;
+  in.block_n = block_n;
+  in.may_run_dynamic = may_run_dynamic;
+  in.may_split_tail = may_split_tail;
+  in.sms = 132;
+  return in;
+}
+
+TEST(HopperSchedule, DefaultsMatchTheSchedulersDefaults) {
+  // d128 non-causal 16k, 16 heads: 2048 tiles on 132 blocks, a last round of 68 tiles, split.
+  const ScheduleInputs in = Inputs(128, 16, 1, 16384, 128, 128, false, false, true);
+  const ScheduleDecision d = DecideSchedule(in, HopperScheduleOptions{});
+  EXPECT_EQ(d.blocks, 132);
+  EXPECT_EQ(d.order, kStatic);
+  const SchedulerParams sp = MakeSchedulerParams(128, 16, 1, 16384, 128, 1, false);
+  EXPECT_EQ(d.sp.section_bh, sp.section_bh);
+  EXPECT_EQ(d.sp.total_tiles, sp.total_tiles);
+  ASSERT_TRUE(d.split_tail);
+  const TailSplit ts = PlanTailSplit(sp, 132, 128, SplitTailMinBlocks(128), false);
+  EXPECT_EQ(d.sp.tail_units, ts.units);
+  EXPECT_EQ(d.sp.tail_round, ts.round);
+  EXPECT_EQ(d.sp.tail_tile, ts.tile);
+  EXPECT_EQ(d.split_tiles, ts.units);
+  EXPECT_EQ(d.sp.counter, nullptr);
+  EXPECT_EQ(d.sp.split_ws, nullptr);
+}
+
+TEST(HopperSchedule, MaxBlocksCapsThePersistentGrid) {
+  const ScheduleInputs in = Inputs(8, 4, 2, 1000, 128, 128, false, false, true);  // 64 tiles
+  EXPECT_EQ(DecideSchedule(in, HopperScheduleOptions{}).blocks, 64);  // fewer tiles than SMs: one block each
+  HopperScheduleOptions o;
+  o.max_blocks = 3;
+  EXPECT_EQ(DecideSchedule(in, o).blocks, 3);
+  o.max_blocks = 1000;
+  EXPECT_EQ(DecideSchedule(in, o).blocks, 64);
+}
+
+TEST(HopperSchedule, SplitTailOption) {
+  // Short rows: auto keeps whole tiles; kAlways splits them on a few blocks (the tests' forced split).
+  const ScheduleInputs in = Inputs(8, 4, 2, 1000, 128, 128, false, false, true);
+  HopperScheduleOptions o;
+  o.max_blocks = 3;
+  EXPECT_FALSE(DecideSchedule(in, o).split_tail);
+  o.split_tail = SplitTail::kAlways;
+  const ScheduleDecision forced = DecideSchedule(in, o);
+  EXPECT_TRUE(forced.split_tail);
+  EXPECT_GT(forced.sp.tail_units, 0);
+  // A long row splits by default, never with kOff, and never on a configuration compiled without the split tail.
+  const ScheduleInputs long_row = Inputs(128, 16, 1, 16384, 128, 128, false, false, true);
+  EXPECT_TRUE(DecideSchedule(long_row, HopperScheduleOptions{}).split_tail);
+  HopperScheduleOptions off;
+  off.split_tail = SplitTail::kOff;
+  const ScheduleDecision d = DecideSchedule(long_row, off);
+  EXPECT_FALSE(d.split_tail);
+  EXPECT_EQ(d.sp.tail_units, 0);
+  ScheduleInputs not_compiled = long_row;
+  not_compiled.may_split_tail = false;
+  EXPECT_FALSE(DecideSchedule(not_compiled, HopperScheduleOptions{}).split_tail);
+}
+
+TEST(HopperSchedule, CausalOrderOption) {
+  // d64 causal, 8 x 32 heads x 6 q tiles of 192 rows: 1536 tiles, at least 6 per block on 132 SMs.
+  const ScheduleInputs in = Inputs(6, 32, 8, 1024, 64, 128, true, true, false);
+  const ScheduleDecision dynamic = DecideSchedule(in, HopperScheduleOptions{});
+  EXPECT_EQ(dynamic.order, kDynamic);
+  EXPECT_FALSE(dynamic.split_tail);
+  HopperScheduleOptions o;
+  o.causal_order = CausalOrder::kStatic;
+  EXPECT_EQ(DecideSchedule(in, o).order, kStatic);
+  // Too few tiles per block for the dynamic order.
+  o = HopperScheduleOptions{};
+  o.dynamic_min_tiles_per_block = 12;
+  EXPECT_EQ(DecideSchedule(in, o).order, kStatic);
+  // A configuration without the dynamic kernel, and a problem without a mask, keep the static order.
+  ScheduleInputs no_kernel = in;
+  no_kernel.may_run_dynamic = false;
+  EXPECT_EQ(DecideSchedule(no_kernel, HopperScheduleOptions{}).order, kStatic);
+  ScheduleInputs no_mask = in;
+  no_mask.causal = false;
+  EXPECT_EQ(DecideSchedule(no_mask, HopperScheduleOptions{}).order, kStatic);
+  // The last section's length follows tail_tiles_per_block.
+  o = HopperScheduleOptions{};
+  o.tail_tiles_per_block = 1;
+  EXPECT_GT(DecideSchedule(in, o).sp.tail_bh, dynamic.sp.tail_bh);
+}
+
+TEST(HopperSchedule, SectionAndPairOptions) {
+  // Non-causal d128 8k, 64 heads: the section budget sets the heads per section.
+  const ScheduleInputs wide = Inputs(64, 64, 1, 8192, 128, 128, false, false, true);
+  HopperScheduleOptions o;
+  const int by_default = DecideSchedule(wide, o).sp.section_bh;
+  EXPECT_LT(by_default, 64);
+  o.l2_section_bytes = 0;
+  EXPECT_EQ(DecideSchedule(wide, o).sp.section_bh, 64);
+  o.l2_section_bytes = kDefaultSectionBudgetBytes / 2;
+  EXPECT_LT(DecideSchedule(wide, o).sp.section_bh, by_default);
+  // Causal d128 1k (8 q tiles) pairs by length; not with max_paired_q_tiles below 8 (K/V of 8 MB fit L2).
+  const ScheduleInputs short_causal = Inputs(8, 16, 1, 1024, 128, 128, true, false, true);
+  EXPECT_EQ(DecideSchedule(short_causal, HopperScheduleOptions{}).order, kPaired);
+  o = HopperScheduleOptions{};
+  o.max_paired_q_tiles = 4;
+  EXPECT_EQ(DecideSchedule(short_causal, o).order, kStatic);
+  // ... but does with paired_kv_bytes below its K and V.
+  o.paired_kv_bytes = 1 << 20;
+  EXPECT_EQ(DecideSchedule(short_causal, o).order, kPaired);
+}
+
+TEST(HopperSchedule, WorkspaceLayout) {
+  const WorkspaceLayout none = LayOutWorkspace(false, 0, 0);
+  EXPECT_EQ(none.bytes, 0u);
+  EXPECT_EQ(none.tile_counters, LaunchSchedule::kNoOffset);
+  EXPECT_EQ(none.split_counters, LaunchSchedule::kNoOffset);
+  EXPECT_EQ(none.split_partials, LaunchSchedule::kNoOffset);
+  const WorkspaceLayout dynamic = LayOutWorkspace(true, 0, 0);
+  EXPECT_EQ(dynamic.tile_counters, 0u);
+  EXPECT_EQ(dynamic.bytes, kWorkspaceAlign);
+  const WorkspaceLayout split = LayOutWorkspace(false, 1000, 5000);
+  EXPECT_EQ(split.tile_counters, LaunchSchedule::kNoOffset);
+  EXPECT_EQ(split.split_counters, 0u);
+  EXPECT_EQ(split.split_partials, 1024u);
+  EXPECT_EQ(split.bytes, 1024u + 5120u);
+  for (size_t off : {split.split_counters, split.split_partials, split.bytes}) EXPECT_EQ(off % kWorkspaceAlign, 0u);
 }
 
 }  // namespace

@@ -1,14 +1,19 @@
-// The kernel registry against the hopper family's tuned choice (DefaultHopperConfig), on the host: what auto runs
-// on compute capability 9.0 must be a compiled entry of the problem's head_dim, and at head_dim 128 and 256 one
-// compiled with the split last round. That list (MaySplitTail) is kept by hand beside the choice; v21 changed auto's
-// d128 kernel without it, and no d128 launch split its last round from session 18 to 21 (found in v29: non-causal 16k
-// +3.5% once it did). The GPU suite cannot see that: an unsplit last round is slower, not wrong.
+// The kernel registry and the plan-time host logic, without a device (runs in CI):
+//  - what auto runs on compute capability 9.0 is a compiled entry of the problem's head_dim, and at head_dim 128 and
+//    256 one compiled with the split last round. That list (MaySplitTail) is kept by hand beside the choice, and
+//    the GPU suite cannot see a mismatch: an unsplit last round is slower, not wrong;
+//  - the library ships the configurations auto and DefaultConfig choose;
+//  - plans get their schedule from PlanOptions::hopper and report the workspace their launches need, and a launch
+//    without it is refused.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "attnd/kernels/attention.h"
 #include "attnd/problem.h"
 #include "config_registry.h"
 
@@ -20,6 +25,13 @@ const KernelEntry* FindEntry(const std::string& name) {
     if (name == e.name) return &e;
   }
   return nullptr;
+}
+
+int EntryIndex(const std::string& name) {
+  for (size_t i = 0; i < AllEntries().size(); ++i) {
+    if (name == AllEntries()[i].name) return static_cast<int>(i);
+  }
+  return -1;
 }
 
 // The rows auto is tuned on (FA3's convention plus GQA and a long tail), each mask.
@@ -52,6 +64,7 @@ TEST(KernelRegistryTest, AutoChoosesCompiledHopperEntriesOfTheProblemsHeadDim) {
       ASSERT_NE(e, nullptr) << name << " is not in the registry";
       EXPECT_EQ(e->family, Family::kHopper) << name;
       EXPECT_EQ(e->head_dim, d) << name;
+      EXPECT_NE(e->plan_schedule, nullptr) << name;
     }
   }
 }
@@ -65,6 +78,150 @@ TEST(KernelRegistryTest, AutoAtHeadDim128And256RunsKernelsWithTheSplitTail) {
                                  << MaskName(p.mask) << ") is not compiled with the split tail (MaySplitTail)";
     }
   }
+}
+
+TEST(KernelRegistryTest, ShipsTheChosenConfigurations) {
+  const std::set<std::string> hopper = {"hopper_sm90_d64_m128n128s6_p2", "hopper_sm90_d64_m192n128s4_wrs",
+                                        "hopper_sm90_d128_m128n128s3_osk_p2", "hopper_sm90_d256_m128n64s2"};
+  const std::set<std::string> seed = {"seed_sm120_d64_m64n64s2",    "seed_sm120_d128_m64n64s1",
+                                      "seed_sm120_d256_m64n64s1",    "seed_sm90_d64_m128n64s2w4",
+                                      "seed_sm90_d128_m128n64s2w4", "seed_sm90_d128_m64n64s2"};
+  for (const auto* names : {&hopper, &seed}) {
+    for (const std::string& name : *names) EXPECT_NE(FindEntry(name), nullptr) << name << " is not compiled";
+  }
+  for (const KernelEntry& e : AllEntries()) {
+    if (e.family == Family::kSeed) {
+      EXPECT_TRUE(seed.count(e.name)) << e.name << " is compiled but DefaultConfig never chooses it";
+      EXPECT_EQ(e.plan_schedule, nullptr) << e.name;
+    }
+  }
+}
+
+// A selection as Select() makes it, for a device this host need not have.
+Selection MakeSelection(const std::string& config, const Shape& shape, Mask mask,
+                        const HopperScheduleOptions& hopper = {}) {
+  Selection sel;
+  sel.problem.shape = shape;
+  sel.problem.mask = mask;
+  sel.problem.scale = DefaultScale(shape.head_dim);
+  sel.layout = ContiguousLayout(shape);
+  sel.config = EntryIndex(config);
+  sel.device = 0;
+  sel.hopper = hopper;
+  return sel;
+}
+
+// An H200: 132 SMs, 50 MiB of L2.
+absl::StatusOr<Plan> PlanFor(const Selection& sel) {
+  const DeviceTensors t{reinterpret_cast<const void*>(0x100000), reinterpret_cast<const void*>(0x200000),
+                        reinterpret_cast<const void*>(0x300000), reinterpret_cast<void*>(0x400000), nullptr};
+  const CUtensorMap map{};
+  return AssemblePlan(sel, t, map, map, map, &map, DeviceLimits{132, 50 << 20});
+}
+
+constexpr const char* kD64Causal = "hopper_sm90_d64_m192n128s4_wrs";
+constexpr const char* kD128 = "hopper_sm90_d128_m128n128s3_osk_p2";
+constexpr const char* kD256 = "hopper_sm90_d256_m128n64s2";
+
+TEST(KernelPlanTest, WorkspaceOnlyWherePlansNeedIt) {
+  const Shape d128_16k{1, 16384, 16384, 16, 16, 128};
+  // The seed family: one block per tile, nothing to schedule.
+  absl::StatusOr<Plan> seed = PlanFor(MakeSelection("seed_sm90_d128_m64n64s2", d128_16k, Mask::kNone));
+  ASSERT_TRUE(seed.ok()) << seed.status();
+  EXPECT_EQ(seed->workspace_bytes, 0u);
+  EXPECT_EQ(seed->schedule.blocks, 0);
+  // Short rows keep whole tiles: no workspace.
+  absl::StatusOr<Plan> short_rows = PlanFor(MakeSelection(kD128, Shape{16, 1024, 1024, 16, 16, 128}, Mask::kNone));
+  ASSERT_TRUE(short_rows.ok()) << short_rows.status();
+  EXPECT_EQ(short_rows->workspace_bytes, 0u);
+  EXPECT_EQ(short_rows->schedule.blocks, 132);
+  EXPECT_FALSE(short_rows->schedule.split_tail);
+  // Long rows split their last round: the parts' counters and partial outputs.
+  for (const auto& [config, shape] : {std::pair<const char*, Shape>{kD128, d128_16k},
+                                      std::pair<const char*, Shape>{kD256, Shape{2, 8192, 8192, 8, 8, 256}}}) {
+    absl::StatusOr<Plan> split = PlanFor(MakeSelection(config, shape, Mask::kNone));
+    ASSERT_TRUE(split.ok()) << split.status();
+    const LaunchSchedule& s = split->schedule;
+    EXPECT_TRUE(s.split_tail) << config;
+    EXPECT_EQ(s.tile_counters, LaunchSchedule::kNoOffset);
+    EXPECT_EQ(s.split_counters, 0u);
+    ASSERT_NE(s.split_partials, LaunchSchedule::kNoOffset);
+    EXPECT_EQ(s.split_partials % 256, 0u);
+    EXPECT_GT(split->workspace_bytes, s.split_partials);
+    EXPECT_EQ(split->workspace_bytes % 256, 0u);
+  }
+  // The dynamic causal order: its two tile counters.
+  const Shape d64_1k{8, 1024, 1024, 32, 32, 64};
+  absl::StatusOr<Plan> dynamic = PlanFor(MakeSelection(kD64Causal, d64_1k, Mask::kCausalTopLeft));
+  ASSERT_TRUE(dynamic.ok()) << dynamic.status();
+  EXPECT_EQ(dynamic->schedule.order, 2) << "hopper::kDynamic";
+  EXPECT_EQ(dynamic->schedule.tile_counters, 0u);
+  EXPECT_EQ(dynamic->workspace_bytes, 256u);
+}
+
+TEST(KernelPlanTest, ScheduleOptionsReachThePlan) {
+  const Shape d128_16k{1, 16384, 16384, 16, 16, 128};
+  HopperScheduleOptions off;
+  off.split_tail = SplitTail::kOff;
+  absl::StatusOr<Plan> whole = PlanFor(MakeSelection(kD128, d128_16k, Mask::kNone, off));
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_FALSE(whole->schedule.split_tail);
+  EXPECT_EQ(whole->workspace_bytes, 0u);
+
+  HopperScheduleOptions fixed;
+  fixed.causal_order = CausalOrder::kStatic;
+  absl::StatusOr<Plan> static_order =
+      PlanFor(MakeSelection(kD64Causal, Shape{8, 1024, 1024, 32, 32, 64}, Mask::kCausalTopLeft, fixed));
+  ASSERT_TRUE(static_order.ok()) << static_order.status();
+  EXPECT_EQ(static_order->schedule.order, 0) << "hopper::kStatic";
+  EXPECT_EQ(static_order->workspace_bytes, 0u);
+
+  // Few blocks with the split tail forced: a small problem splits its last round among 3 blocks.
+  HopperScheduleOptions few;
+  few.max_blocks = 3;
+  const Shape small{2, 1000, 1000, 4, 4, 128};
+  absl::StatusOr<Plan> unforced = PlanFor(MakeSelection(kD128, small, Mask::kNone, few));
+  ASSERT_TRUE(unforced.ok()) << unforced.status();
+  EXPECT_EQ(unforced->schedule.blocks, 3);
+  EXPECT_FALSE(unforced->schedule.split_tail);
+  few.split_tail = SplitTail::kAlways;
+  absl::StatusOr<Plan> forced = PlanFor(MakeSelection(kD128, small, Mask::kNone, few));
+  ASSERT_TRUE(forced.ok()) << forced.status();
+  EXPECT_EQ(forced->schedule.blocks, 3);
+  EXPECT_TRUE(forced->schedule.split_tail);
+  EXPECT_GT(forced->workspace_bytes, 0u);
+}
+
+TEST(KernelPlanTest, BadScheduleOptionsNameTheField) {
+  HopperScheduleOptions o;
+  o.max_blocks = -1;
+  absl::Status st = CheckHopperOptions(o);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("options.hopper.max_blocks"), std::string::npos) << st;
+  o = HopperScheduleOptions{};
+  o.split_tail = static_cast<SplitTail>(7);
+  st = CheckHopperOptions(o);
+  EXPECT_NE(st.message().find("options.hopper.split_tail"), std::string::npos) << st;
+  o = HopperScheduleOptions{};
+  o.tail_tiles_per_block = 5000;
+  EXPECT_EQ(PlanFor(MakeSelection(kD128, Shape{1, 1024, 1024, 16, 16, 128}, Mask::kNone, o)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(CheckHopperOptions(HopperScheduleOptions{}).ok());
+}
+
+TEST(KernelPlanTest, LaunchRefusesAMissingOrMisalignedWorkspace) {
+  absl::StatusOr<Plan> plan = PlanFor(MakeSelection(kD128, Shape{1, 16384, 16384, 16, 16, 128}, Mask::kNone));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_GT(plan->workspace_bytes, 0u);
+  absl::Status st = Launch(*plan, nullptr, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("workspace"), std::string::npos) << st;
+  st = Launch(*plan, reinterpret_cast<void*>(0x1010), nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("workspace"), std::string::npos) << st;
+  st = ZeroWorkspace(*plan, nullptr, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("workspace"), std::string::npos) << st;
 }
 
 }  // namespace

@@ -11,8 +11,9 @@
 
 namespace attnd::kernels::seed {
 
+// The seed kernel needs no workspace (its plans have workspace_bytes 0).
 template <typename Tile, typename Elem>
-cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
+cudaError_t LaunchFwd(const Plan& plan, void* /*workspace*/, cudaStream_t stream) {
   // plan.grid is (q tiles, heads, batch); the seed kernel takes it flattened and orders blocks itself.
   const dim3 grid(plan.grid[0] * plan.grid[1] * plan.grid[2]);
   SeedFwdKernel<Tile, Elem><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(plan.q_map, plan.k_map,
@@ -39,7 +40,8 @@ constexpr KernelEntry Entry(const char* name) {
                      Tile::kSm120,
                      {&LaunchFwd<Tile, __nv_bfloat16>, &LaunchFwd<Tile, __half>},
                      {&PrepareFwd<Tile, __nv_bfloat16>, &PrepareFwd<Tile, __half>},
-                     0};  // O is written from registers: no O tensor map
+                     nullptr,  // one block per tile: nothing to schedule, no workspace
+                     0};       // O is written from registers: no O tensor map
 }
 
 }  // namespace attnd::kernels::seed

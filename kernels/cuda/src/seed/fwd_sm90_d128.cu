@@ -8,9 +8,7 @@ namespace attnd::kernels::seed {
 EntryList Sm90D128Entries() {
   static const KernelEntry kEntries[] = {
       Entry<SeedSm90D128M64S2>("seed_sm90_d128_m64n64s2"),
-      Entry<SeedSm90D128M128S2>("seed_sm90_d128_m128n64s2"),
       Entry<SeedSm90D128M128S2R2>("seed_sm90_d128_m128n64s2w4"),
-      Entry<SeedSm90D128M128N48S2R2>("seed_sm90_d128_m128n48s2w4"),
   };
   return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
 }

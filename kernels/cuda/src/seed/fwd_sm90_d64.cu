@@ -7,8 +7,6 @@ namespace attnd::kernels::seed {
 
 EntryList Sm90D64Entries() {
   static const KernelEntry kEntries[] = {
-      Entry<SeedSm90D64M64S3>("seed_sm90_d64_m64n64s3"),
-      Entry<SeedSm90D64M128S2>("seed_sm90_d64_m128n64s2"),
       Entry<SeedSm90D64M128S2R2>("seed_sm90_d64_m128n64s2w4"),
   };
   return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};

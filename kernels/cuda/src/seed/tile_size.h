@@ -41,21 +41,16 @@ struct TileShape {
   static_assert(kSmemBytes <= 232448, "Hopper allows 227 KB per block");
 };
 
-// The configurations that are compiled. Names: seed_<budget>_d<head_dim>_m<BlockM>n<BlockN>s<Stages>.
-// Sm120 budget (also run and tested on the H200):
+// The configurations that are compiled: DefaultConfig's choices (plan.cc). Names:
+// seed_<budget>_d<head_dim>_m<BlockM>n<BlockN>s<Stages>[w4 for kMRep 2].
+// Sm120 budget (sm_120's choices at every head_dim, and the H200's at d64 below 2k and at d256):
 using SeedSm120D64 = TileShape<64, 64, 64, 2, true>;
 using SeedSm120D128 = TileShape<128, 64, 64, 1, true>;  // the seed's own 48 KB shape
 using SeedSm120D256 = TileShape<256, 64, 64, 1, true>;
-// Hopper budget (candidates timed on the H200; Select() names the tuned one per head_dim). Two blocks of
-// up to ~113 KB share an SM's 228 KB; a 3-stage d=128 shape (113 KB + alignment) fits only one.
-using SeedSm90D64M64S3 = TileShape<64, 64, 64, 3, false>;
-using SeedSm90D64M128S2 = TileShape<64, 128, 64, 2, false>;
+// Hopper budget: two blocks of up to ~113 KB share an SM's 228 KB. The 32-rows-a-warp shapes (w4) once 128-row
+// blocks fill two per SM, 64-row blocks below (twice the blocks).
 using SeedSm90D64M128S2R2 = TileShape<64, 128, 64, 2, false, 2>;
 using SeedSm90D128M64S2 = TileShape<128, 64, 64, 2, false>;
-using SeedSm90D128M128S2 = TileShape<128, 128, 64, 2, false>;
 using SeedSm90D128M128S2R2 = TileShape<128, 128, 64, 2, false, 2>;
-using SeedSm90D128M128N48S2R2 = TileShape<128, 128, 48, 2, false, 2>;
-using SeedSm90D256M64S2 = TileShape<256, 64, 64, 2, false>;
-using SeedSm90D256M64N32S2 = TileShape<256, 64, 32, 2, false>;
 
 }  // namespace attnd::kernels::seed

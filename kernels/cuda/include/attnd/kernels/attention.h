@@ -1,19 +1,22 @@
 // attnd::kernels — the host API of the CUDA attention kernels.
 //
-// Two steps, so a server can keep encoded tensor maps in a cache and launch with nothing but the launch on
-// the hot path:
-//   1. Select()          validates the problem and layout and picks a configuration (no device pointers);
-//      MapKeys()         names the TMA tensor maps the configuration needs for given pointers (Q, K, V, and O
-//                        for configurations that store it with TMA);
-//      EncodeTensorMap() encodes one map (the expensive driver call; cache it keyed on TensorMapKey);
-//      MakePlanFromMaps() assembles a Plan from already-encoded maps.
-//      MakePlan()        does all of the above in one call.
-//   2. Launch(plan, stream) enqueues the kernel; it does no host work beyond the launch itself.
+// Plan, then launch. Planning validates the problem, picks a configuration, encodes the TMA tensor maps and
+// decides the launch schedule; launching only enqueues the kernel, so a plan can be launched any number of
+// times and captured into a CUDA graph. Planning is split in steps so that a server can cache the encoded
+// tensor maps (the expensive driver call) keyed on TensorMapKey:
+//   Select()           validates the problem, layout and options and picks a configuration (no pointers);
+//   MapKeys()          names the tensor maps the configuration needs for given pointers (Q, K, V, and O for
+//                      configurations that store it with TMA);
+//   EncodeTensorMap()  encodes one map;
+//   MakePlanFromMaps() assembles a Plan from encoded maps and decides its schedule;
+//   MakePlan()         does all of the above in one call.
+// Launch(plan, workspace, stream) enqueues the kernel. Scratch memory belongs to the caller: the plan says
+// how much it needs (Plan::workspace_bytes, 0 for most plans) and the caller passes it to every launch.
 //
-// Kernel families: "seed" (TMA + ldmatrix + mma.sync, the design of ../shared/seed) is built now;
-// "hopper" (wgmma) plugs in behind the same API later and answers UNIMPLEMENTED until then.
-// Nothing here links libcuda: the tensor-map encoder is fetched through the runtime's driver entry point,
-// so binaries start (and report UNAVAILABLE) on machines without a driver.
+// Kernel families: "seed" (TMA + ldmatrix + mma.sync; sm_90a and sm_120a) and "hopper" (wgmma, warp-specialised,
+// persistent; sm_90a). Family kAuto runs the hopper family on compute capability 9.0 and the seed family on 12.0.
+// Nothing here links libcuda: the tensor-map encoder is fetched through the runtime's driver entry point, so
+// binaries start (and report UNAVAILABLE) on machines without a driver.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (types only; libcuda is never linked)
@@ -45,6 +48,7 @@ struct ConfigInfo {
   size_t smem_bytes = 0;   // dynamic shared memory per block
   bool sm120 = false;      // fits sm_120's 99 KB and is compiled for sm_120a as well as sm_90a
   bool stores_o_with_tma = false;  // its epilogue stores O through a fourth tensor map (MapKeys().has_o)
+  bool split_tail = false;         // hopper: compiled with the split last round (HopperScheduleOptions::split_tail)
 };
 
 // Every configuration compiled into this library, whatever the device.
@@ -88,10 +92,33 @@ struct DeviceTensors {
   float* lse = nullptr;
 };
 
+// How the hopper family's persistent blocks share out the tiles (docs/kernels.md, "Scheduler"). The defaults
+// are the tuned schedule; the other values exist for tests (few blocks, forced split tails) and tuning runs.
+enum class SplitTail {
+  kOff,     // every tile runs whole
+  kAuto,    // the last round's tiles are shared out by key blocks where that pays (long rows, idle blocks)
+  kAlways,  // wherever the shape allows it (tests: small problems on a few blocks exercise the split path)
+};
+enum class CausalOrder {
+  kDynamic,  // causal head_dim 64 with enough tiles per block: blocks take tiles from a counter as they free up
+  kStatic,   // tiles fixed by block index and round (longest first, or in pairs)
+};
+struct HopperScheduleOptions {
+  int max_blocks = 0;  // cap on the persistent grid; 0: one block per SM
+  SplitTail split_tail = SplitTail::kAuto;
+  CausalOrder causal_order = CausalOrder::kDynamic;
+  int64_t l2_section_bytes = int64_t{12} << 20;  // K + V bytes one section of heads may span; <= 0: one section
+  int64_t paired_kv_bytes = int64_t{32} << 20;   // causal problems whose K + V exceed this run in pairs; < 0: never
+  int max_paired_q_tiles = 16;           // causal problems with at most this many q tiles per head run in pairs
+  int tail_tiles_per_block = 8;          // dynamic order: the last section's length, in longest tiles per block
+  int dynamic_min_tiles_per_block = 6;   // the dynamic order needs at least this many tiles per block
+};
+
 struct PlanOptions {
   Family family = Family::kAuto;  // kAuto: the fastest family and configuration built for the device
   std::string config;             // a name from ConfigNames(); overrides family
   int device = -1;                // -1: the current device
+  HopperScheduleOptions hopper;   // ignored by the seed family
 };
 
 // A validated problem with its chosen configuration; cheap to copy, holds no pointers.
@@ -100,6 +127,7 @@ struct Selection {
   Layout layout;
   int config = -1;  // index into Configs()
   int device = 0;
+  HopperScheduleOptions hopper;  // PlanOptions::hopper, validated
   const ConfigInfo& info() const { return Configs()[config]; }
 };
 
@@ -124,15 +152,35 @@ struct LaunchParams {
   int section = 1;        // causal block order: (head, batch) pairs per L2-sized section (seed family)
 };
 
+// What a launch runs, decided when the plan is made; the family's launcher reads it and nothing else does.
+// The seed family launches one block per tile (Plan::grid) and leaves it empty.
+struct LaunchSchedule {
+  static constexpr size_t kNoOffset = ~size_t{0};
+  int blocks = 0;           // hopper: the persistent grid, at most one block per SM (HopperScheduleOptions)
+  int order = 0;            // hopper: hopper::ScheduleOrder (static, paired or dynamic)
+  bool split_tail = false;  // hopper: the last round's tiles shared out by key blocks
+  // hopper: where the launch's scratch lies in the workspace (256-byte aligned), kNoOffset when unused: the
+  // dynamic order's tile counters, and the split tail's per-tile counters and partial outputs.
+  size_t tile_counters = kNoOffset, split_counters = kNoOffset, split_partials = kNoOffset;
+  // hopper: hopper::SchedulerParams (tile_scheduler_sm90.cuh) with null workspace pointers, which the launch fills
+  // in. Raw storage so that the scheduler's fields stay the device code's alone.
+  alignas(8) unsigned char scheduler[128] = {};
+};
+
 // Everything Launch needs; built once, launched any number of times (the pointers are baked in).
 struct Plan {
   int config = -1;
   int device = 0;
   DType dtype = DType::kBF16;
-  unsigned grid[3] = {1, 1, 1};
+  unsigned grid[3] = {1, 1, 1};  // the tile space: (q tiles, q heads, batch)
   CUtensorMap q_map{}, k_map{}, v_map{};
   CUtensorMap o_map{};  // only for configurations whose MapKeys have has_o
   LaunchParams params;
+  LaunchSchedule schedule;
+  // Device memory each launch needs besides the tensors (0: none). The caller owns it: zeroed once before its
+  // first launch (ZeroWorkspace), and every launch leaves it zero again. One workspace serves one launch at a
+  // time: launches that may run concurrently (other streams, graph replays in flight) need one each.
+  size_t workspace_bytes = 0;
   const ConfigInfo& info() const { return Configs()[config]; }
 };
 
@@ -145,8 +193,13 @@ absl::StatusOr<Plan> MakePlanFromMaps(const Selection& selection, const DeviceTe
 absl::StatusOr<Plan> MakePlan(const Problem& problem, const Layout& layout, const DeviceTensors& tensors,
                               const PlanOptions& options = {});
 
-// Enqueues the kernel on `stream` (which must belong to plan.device, the current device). Checks the
-// launch error; asynchronous execution errors surface at the caller's next synchronisation.
-absl::Status Launch(const Plan& plan, cudaStream_t stream);
+// Zeroes `workspace` (plan.workspace_bytes of device memory) on `stream`; needed once before its first launch.
+absl::Status ZeroWorkspace(const Plan& plan, void* workspace, cudaStream_t stream);
+
+// Enqueues the kernel on `stream` (which must belong to plan.device, the current device). `workspace`: at least
+// plan.workspace_bytes of device memory, 256-byte aligned and zero (see Plan::workspace_bytes); may be null when
+// the plan needs none, else INVALID_ARGUMENT. Checks the launch error; asynchronous execution errors surface at
+// the caller's next synchronisation.
+absl::Status Launch(const Plan& plan, void* workspace, cudaStream_t stream);
 
 }  // namespace attnd::kernels
