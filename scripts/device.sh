@@ -28,10 +28,11 @@ usage:
       alternating which goes first, each row's new/base ratio flagged outside 2%; seedbench: the seed family's
       tables (kernels/bench/bench_attention.py); decode: gpu_decode_test, then memcheck and racecheck on its small
       cases; decodebench: kernels/bench/decode_bench.py. bench and ab take about 5 minutes each.
-  scripts/device.sh service [test|bench|ab]...                           (default: test bench)
+  scripts/device.sh service [test|bench|ab|python]...                    (default: test bench)
       On the GPU machine. test: gpu_server_parts_test, gpu_server_forward_test, gpu_server_ipc_test; bench: one
       attnd, then CUDA IPC over gRPC and over the shm channel (ipc_peer bench), the TCP baseline (ipc_peer tcp)
-      and inline unary/stream calls (attn bench); ab: bench with the new binaries, then with .carry/base's.
+      and inline unary/stream calls (attn bench); ab: bench with the new binaries, then with .carry/base's;
+      python: the Python client's pytest suite (client/python/tests) with the GPU machine's Python and torch.
 Logs: $OUT/kernels.log, $OUT/service.log, and the benchmarks' rows as kernels_bench.json, kernels_ab.json and
 kernels_seedbench.json; a summary table is printed last. The exit status is 0 when every check passed.
 Parameters (environment of this script):
@@ -118,13 +119,15 @@ cmd_build() {
   mkdir -p "$broot" .carry
 
   configure_and_build "$root" "$broot/static" ON $STATIC_TARGETS
-  configure_and_build "$root" "$broot/shared" OFF attnd_kernels_c attnd_decode_c
+  configure_and_build "$root" "$broot/shared" OFF attnd_kernels_c attnd_decode_c attnd_python_lib
   local stage
   stage=$TMP/stage-new && mkdir -p "$stage"
   for t in $STATIC_TARGETS; do stage_binary "$broot/static" "$t" "$stage"; done
   stage_c_library "$broot/shared" "$stage"
   strip --strip-unneeded -o "$stage/libattnd_decode_c.so" "$(find "$broot/shared" -type f -name libattnd_decode_c.so | head -1)" \
     || die "libattnd_decode_c.so not found under $broot/shared"
+  # The Python client's native part with the libraries it bundles (client/python/attnd/lib, written by attnd_python_lib).
+  mkdir -p "$stage/pylib" && cp -a client/python/attnd/lib/. "$stage/pylib/"
   pack "$stage" .carry/attnd.tar.xz "$root"
 
   if [ -n "$base" ]; then
@@ -498,7 +501,7 @@ cmd_service() {
   local steps=("$@")
   [ ${#steps[@]} -eq 0 ] && steps=(test bench)
   for s in "${steps[@]}"; do
-    case $s in test|bench|ab) ;; *) die "service: unknown step $s" ;; esac
+    case $s in test|bench|ab|python) ;; *) die "service: unknown step $s" ;; esac
   done
   mkdir -p "$OUT"
   unpack
@@ -522,6 +525,20 @@ cmd_service() {
         done ;;
       bench)
         service_measure "$PWD/$C" new ;;
+      python)
+        # The Python client's suite with this machine's Python and torch: CPU-backend servers, and with a GPU its CUDA
+        # tests (a --backend=cuda server, torch CUDA tensors by IPC). The package loads its bundled libraries.
+        mkdir -p client/python/attnd/lib && cp -a $C/pylib/. client/python/attnd/lib/
+        ATTND_SERVER=$PWD/$C/attnd PYTHONPATH=$PWD/client/python PYTHONDONTWRITEBYTECODE=1 \
+          timeout "${SERVICE_TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rs client/python/tests \
+          > "$TMP/py.log" 2>&1
+        rc=$?
+        cat "$TMP/py.log" >> "$LOG"
+        if [ $rc -eq 0 ]; then
+          note "service python" ok "$(grep -E '[0-9]+ passed' "$TMP/py.log" | tail -1)"
+        else
+          note "service python" FAIL "rc=$rc; $(grep -E '[0-9]+ (passed|failed)' "$TMP/py.log" | tail -1)"
+        fi ;;
       ab)
         service_measure "$PWD/$C" new
         if [ -x $C/base/attnd ]; then
