@@ -16,7 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
-#include "attnd/heap_tuning.h"
+#include "attnd/transport/heap_tuning.h"
 #include "attnd/server/backend.h"
 #include "attnd/server/server.h"
 #include "spdlog/spdlog.h"

@@ -14,7 +14,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "attnd/v1/attention.pb.h"
-#include "attnd/zero_copy.h"
+#include "attnd/transport/zero_copy.h"
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "spdlog/spdlog.h"

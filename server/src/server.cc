@@ -16,7 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "attnd/channel_args.h"
+#include "attnd/transport/channel_args.h"
 #include "attnd/server/status_util.h"
 #include "auth.h"
 #include "call_observer.h"

@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "attnd/server/status_util.h"
-#include "attnd/zero_copy.h"
+#include "attnd/transport/zero_copy.h"
 #include "call_observer.h"
 #include "spdlog/spdlog.h"
 
@@ -397,7 +397,7 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
   const uint64_t in_bytes = bytes.q + bytes.k + bytes.v;
   j->done = [this, reactor, request, received, response_bytes, j, start, in_bytes](absl::Status status) {
     if (status.ok()) {
-      // O and LSE go out by reference (attnd/zero_copy.h): the slices keep the response alive.
+      // O and LSE go out by reference (attnd/transport/zero_copy.h): the slices keep the response alive.
       auto response = std::make_shared<v1::ForwardResponse>();
       FillResponseHeader(*j, response.get());
       response->set_o(std::move(j->o));

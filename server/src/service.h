@@ -22,7 +22,7 @@ namespace attnd::server {
 class PeerCalls;
 
 // Every method on the callback API; Forward and ForwardStream raw (ByteBuffer messages) so that their
-// tensors are written by reference and stream chunks read with one copy (attnd/zero_copy.h). The wire
+// tensors are written by reference and stream chunks read with one copy (attnd/transport/zero_copy.h). The wire
 // format is unchanged.
 using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_Forward<
     v1::Attention::WithRawCallbackMethod_ForwardStream<v1::Attention::WithCallbackMethod_RegisterCudaBuffer<

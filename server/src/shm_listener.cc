@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "attnd/server/status_util.h"
-#include "attnd/shm_channel.h"
+#include "attnd/transport/shm_channel.h"
 #include "auth.h"
 #include "spdlog/spdlog.h"
 

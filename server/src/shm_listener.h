@@ -1,4 +1,4 @@
-// The server side of the same-host shared-memory channel (attnd/shm_channel.h, --shm_socket): a unix socket
+// The server side of the same-host shared-memory channel (attnd/transport/shm_channel.h, --shm_socket): a unix socket
 // where callers hand over their channel's memfd, and one thread per channel that waits on the channel's state
 // word, runs each request through AttentionService::ForwardLocal and writes the reply back.
 #pragma once

@@ -1,4 +1,4 @@
-// The caller's side of the same-host shared-memory channel (attnd/shm_channel.h; the server's --shm_socket):
+// The caller's side of the same-host shared-memory channel (attnd/transport/shm_channel.h; the server's --shm_socket):
 // Forward without gRPC for a process on the server's host, typically with CUDA IPC buffer references, whose
 // request and reply are a few hundred bytes. Buffers are registered over gRPC (Client::RegisterCudaBuffer) first.
 #pragma once
@@ -10,7 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attnd/client/client.h"
-#include "attnd/shm_channel.h"
+#include "attnd/transport/shm_channel.h"
 #include "attnd/v1/attention.pb.h"
 
 namespace attnd::client {

@@ -35,7 +35,7 @@ struct ServerOptions {
   bool access_log = true;         // one info-level line per RPC (health checks excepted)
   uint32_t max_calls_per_client = 0;  // Forward/ForwardStream calls in progress per connection; 0: no limit
   uint32_t unix_socket_mode = 0660;   // permission bits the unix socket gets once bound
-  // Same-host shared-memory channels (attnd/shm_channel.h, docs/transport.md): a unix socket where callers
+  // Same-host shared-memory channels (attnd/transport/shm_channel.h, docs/transport.md): a unix socket where callers
   // hand over a memfd; empty: off. Its file gets unix_socket_mode; peers must be the server's user or root.
   std::string shm_socket;
   uint64_t shm_max_bytes = 64ull << 20;  // per channel, request and reply area each

@@ -9,7 +9,7 @@
 #include "absl/status/status.h"
 #include "attnd/server/backend.h"
 #include "attnd/v1/attention.pb.h"
-#include "attnd/zero_copy.h"
+#include "attnd/transport/zero_copy.h"
 
 namespace attnd::server {
 
