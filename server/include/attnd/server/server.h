@@ -22,6 +22,8 @@ struct ServerOptions {
   int64_t max_q_len = 0;
   int64_t max_kv_len = 0;
   int64_t max_heads = 0;  // shape.q_heads
+  // cuda-ipc buffers: accept RegisterCudaBuffer and tensor references (cuda backend only).
+  bool enable_cuda_ipc = false;
   bool ipc_over_tcp = false;               // accept CUDA IPC registration over TCP too (off: unix socket only)
   // Shutdown waits this long for accepted calls (a stream still uploading included) before gRPC cancels what
   // is left; an infinite grace would let one stalled client hold a SIGTERM forever.
