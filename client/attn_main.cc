@@ -28,7 +28,7 @@
 #include "attnd/client/client.h"
 #include "attnd/client/shm_channel.h"
 #include "attnd/client/tensors.h"
-#include "attnd/heap_tuning.h"
+#include "attnd/transport/heap_tuning.h"
 
 // Connection.
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server: host:port, unix:/path/to/socket, or dns:///name:port");
@@ -504,7 +504,7 @@ int main(int argc, char** argv) {
   }
   const std::string cmd = args[1];
   // Requests and replies of megabytes per call: without this, each one page-faults its buffers in anew
-  // (attnd/heap_tuning.h). Where the C library cannot be tuned, the defaults are only slower.
+  // (attnd/transport/heap_tuning.h). Where the C library cannot be tuned, the defaults are only slower.
   attnd::RetainFreedHeapMemory();
   if (cmd != "info" && cmd != "stats" && cmd != "call" && cmd != "bench" && cmd != "health") {
     std::cerr << "attn: unknown command '" << cmd << "' (info, stats, call, bench, health)\n";

@@ -16,7 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
-#include "attnd/heap_tuning.h"
+#include "attnd/transport/heap_tuning.h"
 #include "attnd/server/backend.h"
 #include "attnd/server/server.h"
 #include "spdlog/spdlog.h"
@@ -125,7 +125,6 @@ int main(int argc, char** argv) {
   backend_options.copy_threads = absl::GetFlag(FLAGS_copy_threads);
   backend_options.stream_to_device = absl::GetFlag(FLAGS_stream_to_device);
   backend_options.stream_preferred_from_bytes = absl::GetFlag(FLAGS_stream_preferred_from_bytes);
-  backend_options.enable_cuda_ipc = absl::GetFlag(FLAGS_enable_cuda_ipc);
   backend_options.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_mb) << 20;
   backend_options.warm_shapes = absl::GetFlag(FLAGS_warm_shapes);
   backend_options.tensor_map_cache_entries = absl::GetFlag(FLAGS_tensor_map_cache);
@@ -163,6 +162,7 @@ int main(int argc, char** argv) {
   options.max_q_len = absl::GetFlag(FLAGS_max_q_len);
   options.max_kv_len = absl::GetFlag(FLAGS_max_kv_len);
   options.max_heads = absl::GetFlag(FLAGS_max_heads);
+  options.enable_cuda_ipc = absl::GetFlag(FLAGS_enable_cuda_ipc);
   options.ipc_over_tcp = absl::GetFlag(FLAGS_ipc_over_tcp);
   options.shutdown_grace = absl::Seconds(grace);
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);

@@ -14,7 +14,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "attnd/v1/attention.pb.h"
-#include "attnd/zero_copy.h"
+#include "attnd/transport/zero_copy.h"
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "spdlog/spdlog.h"
@@ -85,6 +85,18 @@ std::string GenerateRequestId() {
   return absl::StrCat("attnd-", prefix, "-", next.fetch_add(1, std::memory_order_relaxed));
 }
 
+void LogOutcome(const char* method, const std::string& request_id, const absl::Status& status, absl::Time start) {
+  if (!spdlog::should_log(spdlog::level::debug)) return;
+  const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  const std::string id = absl::CHexEscape(request_id);
+  if (status.ok()) {
+    spdlog::debug("{} id='{}' ok in {:.0f} us", method, id, us);
+  } else {
+    spdlog::debug("{} id='{}' {} in {:.0f} us: {}", method, id, absl::StatusCodeToString(status.code()), us,
+                  absl::CHexEscape(status.message()));
+  }
+}
+
 namespace {
 
 using grpc::experimental::InterceptionHookPoints;
@@ -101,11 +113,11 @@ std::string ShapeText(const v1::ForwardRequest& r) {
 
 class CallObserver final : public grpc::experimental::Interceptor {
  public:
-  CallObserver(grpc::experimental::ServerRpcInfo* info, ServerMetrics* metrics, PeerCalls* peers,
-               DrainTracker* drain, bool access_log)
-      : info_(info), metrics_(metrics), peers_(peers), drain_(drain), access_log_(access_log), start_(absl::Now()) {
+  CallObserver(grpc::experimental::ServerRpcInfo* info, CallStats* stats, PeerCalls* peers, DrainTracker* drain)
+      : info_(info), stats_(stats), peers_(peers), drain_(drain), start_(absl::Now()) {
     const absl::string_view path = info->method() != nullptr ? info->method() : "";
     if (absl::StartsWith(path, kAttentionPrefix)) {
+      in_service_ = true;
       method_ = std::string(path.substr(kAttentionPrefix.size()));
       if (method_ == "Forward") kind_ = Kind::kForward;
       if (method_ == "ForwardStream") kind_ = Kind::kForwardStream;
@@ -199,45 +211,35 @@ class CallObserver final : public grpc::experimental::Interceptor {
     finished_ = true;
     // Before the status leaves: a client that starts its next call on seeing this one end must find the slot free.
     if (counted_) peers_->Remove(peer_);
-    const absl::Duration total = absl::Now() - start_;
-    const std::string code = absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code()));
-    if (metrics_ != nullptr) {
-      CallRecord r;
-      r.method = method_;
-      r.code = code;
-      r.total = total;
-      if (status.ok()) {
-        r.queue = queue_;
-        r.kernel = kernel_;
-      }
-      r.bytes_in = bytes_in_;
-      r.bytes_out = bytes_out_;
-      metrics_->RecordCall(r);
+    CallRecord r;
+    r.method = method_;
+    r.code = static_cast<absl::StatusCode>(status.error_code());
+    if (!status.ok()) r.error = status.error_message();
+    r.total = absl::Now() - start_;
+    if (status.ok()) {
+      r.queue = queue_;
+      r.kernel = kernel_;
     }
+    r.bytes_in = bytes_in_;
+    r.bytes_out = bytes_out_;
+    r.in_stats = in_service_;
     // Health probes come every few seconds from orchestrators: logging them would bury the requests.
-    if (!access_log_ || kind_ == Kind::kHealth || !spdlog::should_log(spdlog::level::info)) return;
-    std::string line = absl::StrFormat("access method=%s peer=%s request_id=\"%s\" code=%s total_ms=%.3f", method_,
-                                       peer_.empty() ? "-" : peer_, absl::CHexEscape(request_id_), code,
-                                       absl::ToDoubleMilliseconds(total));
-    if (!shape_.empty()) absl::StrAppend(&line, " shape=", shape_);
-    if (status.ok() && queue_) {
-      absl::StrAppendFormat(&line, " queue_ms=%.3f kernel_ms=%.3f", absl::ToDoubleMilliseconds(*queue_),
-                            absl::ToDoubleMilliseconds(*kernel_));
-    }
-    if (kind_ == Kind::kForward || kind_ == Kind::kForwardStream) {
-      absl::StrAppend(&line, " bytes_in=", bytes_in_, " bytes_out=", bytes_out_);
-    }
-    if (!status.ok()) absl::StrAppend(&line, " error=\"", absl::CHexEscape(status.error_message()), "\"");
-    spdlog::info("{}", line);
+    r.access_log = kind_ != Kind::kHealth;
+    r.data_plane = kind_ == Kind::kForward || kind_ == Kind::kForwardStream;
+    r.peer = peer_;
+    r.request_id = request_id_;
+    r.shape = shape_;
+    stats_->TakeAnnotation(info_->server_context(), &r);
+    stats_->Record(r);
   }
 
   grpc::experimental::ServerRpcInfo* const info_;
-  ServerMetrics* const metrics_;
+  CallStats* const stats_;
   PeerCalls* const peers_;
   DrainTracker* const drain_;
-  const bool access_log_;
   const absl::Time start_;
   Kind kind_ = Kind::kOther;
+  bool in_service_ = false;  // a method of attnd.v1.Attention
   std::string method_, peer_, request_id_, shape_;
   bool counted_ = false, draining_counted_ = false, finished_ = false;
   uint64_t bytes_in_ = 0, bytes_out_ = 0;
@@ -249,7 +251,7 @@ class CallObserver final : public grpc::experimental::Interceptor {
 
 grpc::experimental::Interceptor* CallObserverFactory::CreateServerInterceptor(
     grpc::experimental::ServerRpcInfo* info) {
-  return new CallObserver(info, metrics_, peers_, drain_, access_log_);
+  return new CallObserver(info, stats_, peers_, drain_);
 }
 
 }  // namespace attnd::server

@@ -1,7 +1,7 @@
-// Watches every RPC from outside the handlers, as a gRPC server interceptor: gives a Forward request without
-// a request_id a generated one (so that every log line of the request and its reply carry an id), writes one
-// access-log line per RPC, records the call in ServerMetrics, and counts each peer's data-plane calls in
-// progress for the per-client concurrency limit (PeerCalls::Admit, checked by the service).
+// Watches every RPC from outside the handlers, as a gRPC server interceptor: records each call once in the
+// server's stats sink (CallStats: GetStats, metrics and the access log read it) with the request id, shape,
+// message bytes and timing it sees go by, and counts each peer's data-plane calls in progress for the
+// per-client concurrency limit (PeerCalls::Admit, checked by the service).
 #pragma once
 
 #include <cstdint>
@@ -14,7 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/support/server_interceptor.h"
-#include "metrics.h"
+#include "call_stats.h"
 
 namespace attnd::server {
 
@@ -60,18 +60,21 @@ class DrainTracker {
 
 class CallObserverFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  // `metrics`, `peers` and `drain` may be null (not kept); all must outlive the gRPC server.
-  CallObserverFactory(ServerMetrics* metrics, PeerCalls* peers, DrainTracker* drain, bool access_log)
-      : metrics_(metrics), peers_(peers), drain_(drain), access_log_(access_log) {}
+  // `peers` and `drain` may be null (not kept); all must outlive the gRPC server.
+  CallObserverFactory(CallStats* stats, PeerCalls* peers, DrainTracker* drain)
+      : stats_(stats), peers_(peers), drain_(drain) {}
 
   grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override;
 
  private:
-  ServerMetrics* const metrics_;
+  CallStats* const stats_;
   PeerCalls* const peers_;
   DrainTracker* const drain_;
-  const bool access_log_;
 };
+
+// The debug-level line of one Forward outcome (request_id is client text: escaped so that it cannot forge
+// log lines).
+void LogOutcome(const char* method, const std::string& request_id, const absl::Status& status, absl::Time start);
 
 // "attnd-<process prefix>-<counter>": unique within a process and across restarts with high probability.
 std::string GenerateRequestId();

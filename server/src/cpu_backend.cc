@@ -53,7 +53,8 @@ std::vector<int64_t> CpuBackend::supported_head_dims() const {
   return {64, 128, 256};
 }
 
-absl::Status CpuBackend::CheckSupported(const ForwardJob& job) const {
+absl::Status CpuBackend::Accept(ForwardJob* job_ptr) const {
+  const ForwardJob& job = *job_ptr;
   const auto ref_error = [](absl::string_view field) {
     return absl::FailedPreconditionError(absl::StrCat(
         field, ": tensor references (registered CUDA buffers) need the cuda backend; this server runs the cpu "
@@ -206,16 +207,6 @@ absl::Status CpuBackend::Run(ForwardJob& job, int compute_threads) {
     ++computed_;
   }
   return absl::OkStatus();
-}
-
-absl::StatusOr<std::string> CpuBackend::RegisterCudaBuffer(const CudaBufferRegistration&) {
-  return absl::FailedPreconditionError(
-      "RegisterCudaBuffer: CUDA IPC needs the cuda backend; this server runs the cpu backend");
-}
-
-absl::Status CpuBackend::UnregisterCudaBuffer(const std::string&) {
-  return absl::FailedPreconditionError(
-      "UnregisterCudaBuffer: CUDA IPC needs the cuda backend; this server runs the cpu backend");
 }
 
 }  // namespace attnd::server

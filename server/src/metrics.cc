@@ -167,7 +167,7 @@ ServerMetrics::~ServerMetrics() {
 bool ServerMetrics::Available() { return true; }
 
 void ServerMetrics::RecordCall(const CallRecord& call) {
-  impl_->requests.Add({{"method", call.method}, {"code", call.code}}).Increment();
+  impl_->requests.Add({{"method", call.method}, {"code", absl::StatusCodeToString(call.code)}}).Increment();
   impl_->durations.Add({{"method", call.method}, {"phase", "total"}}, DurationBuckets())
       .Observe(absl::ToDoubleSeconds(call.total));
   if (call.queue) {

@@ -1,6 +1,6 @@
 // Prometheus metrics of one server and their HTTP endpoint (GET /metrics, text format 0.0.4).
 //
-// Per-call series are recorded by the call observer (call_observer.h) as each RPC ends; the backend's gauges
+// Per-call series come from the server's one stats sink (CallStats, call_stats.h) as each call ends; the backend's gauges
 // (queue depth, in flight, tensor-map cache, device memory) are read from the Backend at scrape time, so a
 // scrape always sees the current value and nothing polls in between.
 //
@@ -17,17 +17,9 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "attnd/server/backend.h"
+#include "call_stats.h"
 
 namespace attnd::server {
-
-// One finished RPC.
-struct CallRecord {
-  std::string method;  // "Forward", ..., or the full path for services other than attnd.v1.Attention
-  std::string code;    // gRPC status code name: "OK", "INVALID_ARGUMENT", ...
-  absl::Duration total;               // call start to status sent, as the server saw it
-  std::optional<absl::Duration> queue, kernel;  // from the reply's timing (Forward/ForwardStream that computed)
-  uint64_t bytes_in = 0, bytes_out = 0;          // request/reply message bytes (Forward/ForwardStream)
-};
 
 class ServerMetrics {
  public:

@@ -16,8 +16,11 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "attnd/channel_args.h"
+#include "attnd/transport/channel_args.h"
+#include "attnd/server/cuda_backend.h"
+#include "attnd/server/dispatcher.h"
 #include "attnd/server/status_util.h"
+#include "attnd/server/transports.h"
 #include "auth.h"
 #include "call_observer.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -44,13 +47,33 @@ void RemoveStaleSocket(const std::string& path) {
   if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) ::unlink(path.c_str());
 }
 
+ValidationLimits LimitsFor(const ServerOptions& o, const Backend& backend) {
+  return ValidationLimits{o.max_request_bytes, o.max_message_bytes, backend.supported_head_dims(),
+                          backend.supported_dtypes(), o.max_batch, o.max_q_len, o.max_kv_len, o.max_heads};
+}
+
+// The cuda-ipc buffers: a registry over the devices the cuda backend serves, when enabled; null otherwise.
+std::unique_ptr<BufferRegistry> MakeBufferRegistry(const ServerOptions& o, const Backend& backend) {
+  if (!o.enable_cuda_ipc || backend.name() != "cuda") return nullptr;
+#if defined(ATTND_HAVE_CUDA_BACKEND)
+  std::vector<int> devices;
+  for (const DeviceDescription& d : backend.devices()) devices.push_back(d.index);
+  return MakeCudaIpcRegistry(std::move(devices));
+#else
+  return nullptr;
+#endif
+}
+
 class ServerImpl final : public Server {
  public:
   ServerImpl(const ServerOptions& options, std::unique_ptr<Backend> backend)
       : options_(options),
         backend_(std::move(backend)),
+        stats_(options_.access_log),
         peers_(options_.max_calls_per_client),
-        service_(options_, backend_.get()) {}
+        buffers_(MakeBufferRegistry(options_, *backend_)),
+        dispatcher_(LimitsFor(options_, *backend_), backend_.get(), buffers_.get()),
+        service_(options_, &dispatcher_, buffers_.get(), &stats_) {}
 
   ~ServerImpl() override { Shutdown(); }
 
@@ -70,7 +93,7 @@ class ServerImpl final : public Server {
       builder.AddListeningPort("unix:" + options_.unix_socket, UnixListenerCredentials(auth_));
     }
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> observers;
-    observers.push_back(std::make_unique<CallObserverFactory>(metrics_.get(), &peers_, &drain_, options_.access_log));
+    observers.push_back(std::make_unique<CallObserverFactory>(&stats_, &peers_, &drain_));
     builder.experimental().SetInterceptorCreators(std::move(observers));
     service_.set_peer_calls(&peers_);
     builder.SetMaxReceiveMessageSize(ClampToInt(options_.max_message_bytes));
@@ -109,8 +132,8 @@ class ServerImpl final : public Server {
       so.spin = options_.shm_spin;
       so.reply_spin = options_.shm_reply_spin;
       so.tokens = auth_tokens_;
-      so.metrics = metrics_.get();
-      absl::StatusOr<std::unique_ptr<ShmListener>> shm = ShmListener::Start(so, &service_);
+      so.stats = &stats_;
+      absl::StatusOr<std::unique_ptr<ShmListener>> shm = ShmListener::Start(so, &dispatcher_);
       if (!shm.ok()) {
         server_->Shutdown();
         server_.reset();
@@ -119,10 +142,11 @@ class ServerImpl final : public Server {
       }
       shm_ = *std::move(shm);
     }
-    spdlog::info("attnd listening on {}{}{} (backend {}, max_message_bytes {}, max_request_bytes {})",
-                 options_.listen.empty() ? "" : absl::StrCat(options_.listen, " [port ", tcp_port_, "]"),
+    spdlog::info("attnd listening on {}{}{} (backend {}{}, max_message_bytes {}, max_request_bytes {})",
+                 options_.listen.empty() ? "" : absl::StrCat(kGrpcTcp, " ", options_.listen, " [port ", tcp_port_, "]"),
                  options_.listen.empty() || options_.unix_socket.empty() ? "" : " and ",
-                 options_.unix_socket.empty() ? "" : "unix:" + options_.unix_socket, backend_->name(),
+                 options_.unix_socket.empty() ? "" : absl::StrCat(kGrpcUnix, " ", options_.unix_socket),
+                 backend_->name(), buffers_ != nullptr ? absl::StrCat(", ", kCudaIpc, " buffers") : "",
                  options_.max_message_bytes, options_.max_request_bytes);
     return absl::OkStatus();
   }
@@ -140,8 +164,8 @@ class ServerImpl final : public Server {
       health->SetServingStatus(kServiceName, false);
     }
     // In this order: a call the service still accepts has had its metadata, so DrainTracker counted it.
-    service_.BeginShutdown();
-    // Shared-memory channels finish the requests they hold (the backend still runs) and close.
+    dispatcher_.BeginShutdown();
+    // Shm channels finish the requests they hold (the backend still runs) and close.
     if (shm_ != nullptr) shm_->Stop();
     drain_.BeginDrain();
     // Graces beyond a year (infinite included) mean "wait for ever"; clamping avoids time_point overflow.
@@ -183,6 +207,7 @@ class ServerImpl final : public Server {
     if (!options_.metrics_listen.empty()) {
       metrics_ = std::make_unique<ServerMetrics>(backend_.get(), [this] { return service_.streams_receiving(); });
       ATTND_RETURN_IF_ERROR(metrics_->Serve(options_.metrics_listen));
+      stats_.set_metrics(metrics_.get());
       spdlog::info("attnd metrics on http://{}/metrics [port {}]", options_.metrics_listen, metrics_->port());
     }
     if (!options_.auth_token_file.empty()) {
@@ -200,7 +225,7 @@ class ServerImpl final : public Server {
           TcpListenerCredentials(options_.listen, tls, auth_);
       if (!creds.ok()) return creds.status();
       tcp_credentials_ = std::move(*creds);
-      spdlog::info("attnd TCP listener security: {}{}", !tls.enabled() ? "plaintext" : tls.client_ca.empty() ? "TLS" : "mutual TLS",
+      spdlog::info("attnd {} security: {}{}", kGrpcTcp, !tls.enabled() ? "plaintext" : tls.client_ca.empty() ? "TLS" : "mutual TLS",
                    auth_ != nullptr ? ", bearer tokens" : "");
     }
     return absl::OkStatus();
@@ -211,10 +236,13 @@ class ServerImpl final : public Server {
   // Used by gRPC's threads (interceptors, the token check) and the metrics HTTP threads: declared before
   // server_ so that they outlive it.
   std::unique_ptr<ServerMetrics> metrics_;
+  CallStats stats_;  // the one stats sink: GetStats, metrics_ and the access log read it
   PeerCalls peers_;
   DrainTracker drain_;
   std::shared_ptr<grpc::AuthMetadataProcessor> auth_;
   std::shared_ptr<grpc::ServerCredentials> tcp_credentials_;
+  std::unique_ptr<BufferRegistry> buffers_;  // cuda-ipc buffers; null unless enable_cuda_ipc on the cuda backend
+  Dispatcher dispatcher_;
   AttentionService service_;
   std::vector<ChannelArg> grpc_args_;
   std::unique_ptr<grpc::Server> server_;

@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "attnd/server/status_util.h"
-#include "attnd/zero_copy.h"
+#include "attnd/transport/zero_copy.h"
 #include "call_observer.h"
 #include "spdlog/spdlog.h"
 
@@ -29,19 +29,6 @@ v1::DType ToProto(DType t) { return t == DType::kFP16 ? v1::DTYPE_FP16 : v1::DTY
 // receive limit can read them.
 uint64_t ChunkBytes(uint64_t max_message_bytes) {
   return std::clamp<uint64_t>(max_message_bytes / 2, 4096, 1u << 20);
-}
-
-// request_id is client text: escaped so that it cannot forge log lines.
-void LogOutcome(const char* method, const std::string& request_id, const absl::Status& status, absl::Time start) {
-  if (!spdlog::should_log(spdlog::level::debug)) return;
-  const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
-  const std::string id = absl::CHexEscape(request_id);
-  if (status.ok()) {
-    spdlog::debug("{} id='{}' ok in {:.0f} us", method, id, us);
-  } else {
-    spdlog::debug("{} id='{}' {} in {:.0f} us: {}", method, id, absl::StatusCodeToString(status.code()), us,
-                  absl::CHexEscape(status.message()));
-  }
 }
 
 // Lifecycle of one ForwardStream call; each state is entered once, in this order (Failed from any).
@@ -175,9 +162,9 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     header_ = std::move(*in_.mutable_header());
     service_->NameRequest(ctx_, header_);
     job_ = std::make_unique<ForwardJob>();
-    job_->accepted = start_;
     job_->accepts_lent_o = true;  // the chunks point into the loan, which they keep alive
-    ATTND_RETURN_IF_ERROR(service_->Prepare(header_, Transport::kStream, ctx_, job_.get(), &bytes_));
+    ATTND_RETURN_IF_ERROR(
+        service_->dispatcher().Prepare(header_, Transport::kStream, service_->CallFor(ctx_, start_), job_.get(), &bytes_));
     const TensorSource* sources[3] = {&job_->q, &job_->k, &job_->v};
     const uint64_t sizes[3] = {bytes_.q, bytes_.k, bytes_.v};
     uint64_t inline_sizes[InputSink::kTensors] = {};
@@ -189,7 +176,7 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     }
     // The sizes are validated, so bounded by --max_request_bytes; the backend may place the bytes where
     // it will use them (the CUDA backend: pinned memory, copied to the device while the rest arrives).
-    absl::StatusOr<std::unique_ptr<InputSink>> sink = service_->backend()->OpenInputs(*job_, inline_sizes);
+    absl::StatusOr<std::unique_ptr<InputSink>> sink = service_->dispatcher().OpenInputs(*job_, inline_sizes);
     if (!sink.ok()) return sink.status();
     job_->inputs = *std::move(sink);
     for (Input& in : inputs_) {
@@ -223,13 +210,13 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     if (absl::Now() >= job_->deadline) {
       return End(absl::DeadlineExceededError("the deadline expired while the request was being received"));
     }
-    ForwardJob* job = job_.get();
     // Queue time starts once every byte is in: the upload is the client's time, not the server's queue.
-    job->accepted = absl::Now();
-    job->done = [this, job](absl::Status status) { OnJobDone(*job, status); };
+    job_->accepted = absl::Now();
     SetState(StreamState::kComputing);
-    const absl::Status s = service_->backend()->Submit(std::move(job_));
-    if (!s.ok()) End(s);
+    service_->dispatcher().Submit(std::move(job_), [this](absl::Status status, ForwardJob* job) {
+      if (job == nullptr) return End(status);
+      OnJobDone(*job, status);
+    });
   }
 
   // On a backend thread. After StartWrite this object may be deleted at any moment by OnDone, so nothing of
@@ -237,7 +224,7 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
   void OnJobDone(ForwardJob& job, const absl::Status& status) {
     if (!status.ok()) return End(status);
     v1::ForwardStreamResponse header;
-    service_->FillResponseHeader(job, header.mutable_header());
+    service_->dispatcher().FillResponseHeader(job, header.mutable_header());
     bool own_buffer = false;
     const grpc::Status serialized =
         grpc::SerializationTraits<v1::ForwardStreamResponse>::Serialize(header, &out_buf_, &own_buffer);
@@ -289,8 +276,7 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
 
   void End(const absl::Status& status) {
     SetState(StreamState::kFinished);
-    service_->stats().AddBytes(bytes_in_, bytes_out_);
-    service_->stats().Record("ForwardStream", status, absl::Now() - start_);
+    service_->stats().Annotate(ctx_, bytes_in_, bytes_out_);
     LogOutcome("ForwardStream", header_.request_id(), status, start_);
     Finish(ToGrpcStatus(status));
   }
@@ -320,47 +306,28 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
 
 }  // namespace
 
-AttentionService::AttentionService(const ServerOptions& options, Backend* backend)
+AttentionService::AttentionService(const ServerOptions& options, Dispatcher* dispatcher, BufferRegistry* buffers,
+                                   CallStats* stats)
     : options_(options),
-      backend_(backend),
-      limits_{options.max_request_bytes, options.max_message_bytes, backend->supported_head_dims(),
-              backend->supported_dtypes(), options.max_batch, options.max_q_len, options.max_kv_len,
-              options.max_heads},
+      dispatcher_(dispatcher),
+      buffers_(buffers),
+      stats_(stats),
       stream_chunk_bytes_(ChunkBytes(options.max_message_bytes)) {}
 
-absl::Status AttentionService::Prepare(const v1::ForwardRequest& request, Transport transport,
-                                       grpc::CallbackServerContext* ctx, ForwardJob* job, RequestBytes* bytes,
-                                       const InlineBytes* in_message) const {
-  if (shutting_down_.load()) return absl::UnavailableError("the server is shutting down");
-  if (peer_calls_ != nullptr) ATTND_RETURN_IF_ERROR(peer_calls_->Admit(ctx->peer()));
-  ATTND_RETURN_IF_ERROR(ValidateForwardRequest(request, transport, limits_, job, bytes, in_message));
-  ATTND_RETURN_IF_ERROR(backend_->CheckSupported(*job));
-  job->deadline = absl::FromChrono(ctx->deadline());
-  if (absl::Now() >= job->deadline) {
-    return absl::DeadlineExceededError("the deadline had expired when the request arrived; nothing was computed");
-  }
-  if (ctx->IsCancelled()) return absl::CancelledError("the call was cancelled before it was queued");
-  job->cancelled = [ctx] { return ctx->IsCancelled(); };
-  return absl::OkStatus();
-}
-
-void AttentionService::FillResponseHeader(const ForwardJob& job, v1::ForwardResponse* response) const {
-  response->set_request_id(job.request_id);
-  v1::Timing* t = response->mutable_timing();
-  t->set_queue_us(job.timing.queue_us);
-  t->set_h2d_us(job.timing.h2d_us);
-  t->set_kernel_us(job.timing.kernel_us);
-  t->set_d2h_us(job.timing.d2h_us);
-  t->set_total_us(job.timing.total_us);
-  response->set_backend(backend_->name());
-  response->set_kernel(job.kernel);
-  response->set_device(job.device);
+CallInfo AttentionService::CallFor(grpc::CallbackServerContext* ctx, absl::Time start,
+                                   const InlineBytes* in_message) const {
+  CallInfo call;
+  call.accepted = start;
+  call.deadline = absl::FromChrono(ctx->deadline());
+  call.cancelled = [ctx] { return ctx->IsCancelled(); };
+  if (peer_calls_ != nullptr) call.admit = [peers = peer_calls_, ctx] { return peers->Admit(ctx->peer()); };
+  call.in_message = in_message;
+  return call;
 }
 
 grpc::ServerUnaryReactor* AttentionService::FinishNow(grpc::CallbackServerContext* ctx, const char* method,
                                                       absl::Time start, const absl::Status& status,
                                                       const std::string& request_id) {
-  stats_.Record(method, status, absl::Now() - start);
   if (!status.ok()) LogOutcome(method, request_id, status, start);
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
@@ -386,78 +353,29 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
     }
   }
   NameRequest(ctx, *request);
-  auto job = std::make_unique<ForwardJob>();
-  job->accepted = start;
-  RequestBytes bytes;
-  const absl::Status prepared =
-      Prepare(*request, Transport::kUnary, ctx, job.get(), &bytes, by_reference ? in_message : nullptr);
-  if (!prepared.ok()) return FinishNow(ctx, "Forward", start, prepared, request->request_id());
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  ForwardJob* j = job.get();
-  const uint64_t in_bytes = bytes.q + bytes.k + bytes.v;
-  j->done = [this, reactor, request, received, response_bytes, j, start, in_bytes](absl::Status status) {
-    if (status.ok()) {
-      // O and LSE go out by reference (attnd/zero_copy.h): the slices keep the response alive.
-      auto response = std::make_shared<v1::ForwardResponse>();
-      FillResponseHeader(*j, response.get());
-      response->set_o(std::move(j->o));
-      response->set_lse(std::move(j->lse));
-      stats_.AddBytes(in_bytes, response->o().size() + response->lse().size());
-      absl::StatusOr<grpc::ByteBuffer> out = SerializeByReference(response);
-      if (out.ok()) {
-        *response_bytes = *std::move(out);
-      } else {
-        status = out.status();
-      }
-    }
-    stats_.Record("Forward", status, absl::Now() - start);
-    LogOutcome("Forward", j->request_id, status, start);
-    reactor->Finish(ToGrpcStatus(status));
-  };
-  const absl::Status submitted = backend_->Submit(std::move(job));
-  if (!submitted.ok()) {
-    stats_.Record("Forward", submitted, absl::Now() - start);
-    LogOutcome("Forward", request->request_id(), submitted, start);
-    reactor->Finish(ToGrpcStatus(submitted));
-  }
+  auto bytes = std::make_shared<RequestBytes>();
+  dispatcher_->Dispatch(
+      *request, Transport::kUnary, CallFor(ctx, start, by_reference ? in_message : nullptr), bytes.get(),
+      [this, ctx, reactor, request, received, response_bytes, start, bytes](absl::Status status, ForwardJob* job) {
+        if (job != nullptr && status.ok()) {
+          // O and LSE go out by reference (attnd/transport/zero_copy.h): the slices keep the response alive.
+          auto response = std::make_shared<v1::ForwardResponse>();
+          dispatcher_->FillResponseHeader(*job, response.get());
+          response->set_o(std::move(job->o));
+          response->set_lse(std::move(job->lse));
+          stats_->Annotate(ctx, bytes->q + bytes->k + bytes->v, response->o().size() + response->lse().size());
+          absl::StatusOr<grpc::ByteBuffer> out = SerializeByReference(response);
+          if (out.ok()) {
+            *response_bytes = *std::move(out);
+          } else {
+            status = out.status();
+          }
+        }
+        LogOutcome("Forward", request->request_id(), status, start);
+        reactor->Finish(ToGrpcStatus(status));
+      });
   return reactor;
-}
-
-void AttentionService::ForwardLocal(std::shared_ptr<v1::ForwardRequest> request, LocalReply reply) {
-  constexpr const char* kMethod = "ForwardShm";
-  const absl::Time start = absl::Now();
-  if (request->request_id().empty()) request->set_request_id(GenerateRequestId());
-  auto refuse = [&](const absl::Status& status) {
-    stats_.Record(kMethod, status, absl::Now() - start);
-    LogOutcome(kMethod, request->request_id(), status, start);
-    reply(status, nullptr);
-  };
-  if (shutting_down_.load()) return refuse(absl::UnavailableError("the server is shutting down"));
-  auto job = std::make_unique<ForwardJob>();
-  job->accepted = start;
-  RequestBytes bytes;
-  absl::Status prepared = ValidateForwardRequest(*request, Transport::kLocal, limits_, job.get(), &bytes);
-  if (prepared.ok()) prepared = backend_->CheckSupported(*job);
-  if (!prepared.ok()) return refuse(prepared);
-  // No deadline travels on the channel: the caller's own wait bounds it, and a caller that gives up closes it.
-  job->deadline = absl::InfiniteFuture();
-  ForwardJob* j = job.get();
-  const uint64_t in_bytes = bytes.q + bytes.k + bytes.v;
-  j->done = [this, request, reply, j, start, in_bytes](absl::Status status) {
-    std::shared_ptr<v1::ForwardResponse> response;
-    if (status.ok()) {
-      response = std::make_shared<v1::ForwardResponse>();
-      FillResponseHeader(*j, response.get());
-      response->set_o(std::move(j->o));
-      response->set_lse(std::move(j->lse));
-      stats_.AddBytes(in_bytes, response->o().size() + response->lse().size());
-    }
-    stats_.Record(kMethod, status, absl::Now() - start);
-    LogOutcome(kMethod, j->request_id, status, start);
-    reply(status, std::move(response));
-  };
-  const absl::Status submitted = backend_->Submit(std::move(job));
-  if (!submitted.ok()) refuse(submitted);
 }
 
 void AttentionService::NameRequest(grpc::CallbackServerContext* ctx, v1::ForwardRequest& request) {
@@ -472,10 +390,22 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::F
   return new ForwardStreamReactor(this, ctx);
 }
 
+absl::Status AttentionService::NoBuffers(const char* method) const {
+  if (backend()->name() != "cuda") {
+    return absl::FailedPreconditionError(
+        absl::StrCat(method, ": CUDA IPC needs the cuda backend; this server runs the ", backend()->name(), " backend"));
+  }
+  if (absl::string_view(method) == "RegisterCudaBuffer") {
+    return absl::FailedPreconditionError(
+        "RegisterCudaBuffer: CUDA IPC is disabled on this server (start attnd with --enable_cuda_ipc)");
+  }
+  return absl::FailedPreconditionError(absl::StrCat(method, ": CUDA IPC is disabled on this server"));
+}
+
 absl::Status AttentionService::CheckIpcTransport(grpc::CallbackServerContext* ctx, const char* method) const {
   // A CUDA IPC handle only means something to a process on the same host: by default registration is
   // served over the unix socket only, so a remote peer cannot make the server map memory.
-  if (options_.ipc_over_tcp || backend_->name() != "cuda") return absl::OkStatus();
+  if (options_.ipc_over_tcp || backend()->name() != "cuda") return absl::OkStatus();
   if (absl::StartsWith(ctx->peer(), "unix:")) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       method, ": CUDA IPC is served only over the server's unix socket (--unix_socket); this call came from ",
@@ -495,7 +425,8 @@ grpc::ServerUnaryReactor* AttentionService::RegisterCudaBuffer(grpc::CallbackSer
     reg.offset = request->offset();
     reg.byte_size = request->byte_size();
     reg.name = request->name();
-    absl::StatusOr<std::string> id = backend_->RegisterCudaBuffer(reg);
+    absl::StatusOr<std::string> id =
+        buffers_ != nullptr ? buffers_->Register(reg) : absl::StatusOr<std::string>(NoBuffers("RegisterCudaBuffer"));
     if (id.ok()) response->set_buffer_id(*id);
     s = id.status();
   }
@@ -508,7 +439,7 @@ grpc::ServerUnaryReactor* AttentionService::UnregisterCudaBuffer(grpc::CallbackS
   const absl::Time start = absl::Now();
   absl::Status s = request->buffer_id().empty() ? absl::InvalidArgumentError("buffer_id: empty")
                                                 : CheckIpcTransport(ctx, "UnregisterCudaBuffer");
-  if (s.ok()) s = backend_->UnregisterCudaBuffer(request->buffer_id());
+  if (s.ok()) s = buffers_ != nullptr ? buffers_->Unregister(request->buffer_id()) : NoBuffers("UnregisterCudaBuffer");
   return FinishNow(ctx, "UnregisterCudaBuffer", start, s);
 }
 
@@ -516,7 +447,7 @@ grpc::ServerUnaryReactor* AttentionService::ListCudaBuffers(grpc::CallbackServer
                                                             const v1::ListCudaBuffersRequest*,
                                                             v1::ListCudaBuffersResponse* response) {
   const absl::Time start = absl::Now();
-  for (const CudaBufferDescription& d : backend_->ListCudaBuffers()) {
+  for (const CudaBufferDescription& d : buffers_ != nullptr ? buffers_->List() : std::vector<CudaBufferDescription>()) {
     v1::CudaBufferInfo* b = response->add_buffers();
     b->set_buffer_id(d.buffer_id);
     b->set_name(d.name);
@@ -532,8 +463,8 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
                                                           const v1::GetServerInfoRequest*, v1::ServerInfo* info) {
   const absl::Time start = absl::Now();
   info->set_version(ATTND_VERSION);
-  info->set_backend(backend_->name());
-  for (const DeviceDescription& d : backend_->devices()) {
+  info->set_backend(backend()->name());
+  for (const DeviceDescription& d : backend()->devices()) {
     v1::DeviceInfo* p = info->add_devices();
     p->set_index(d.index);
     p->set_name(d.name);
@@ -543,34 +474,34 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
     p->set_multiprocessor_count(d.multiprocessor_count);
   }
   int64_t max_hd = 0;
-  for (int64_t hd : limits_.supported_head_dims) {
+  for (int64_t hd : dispatcher_->limits().supported_head_dims) {
     info->add_supported_head_dims(hd);
     max_hd = std::max(max_hd, hd);
   }
-  for (DType t : limits_.supported_dtypes) info->add_supported_dtypes(ToProto(t));
+  for (DType t : dispatcher_->limits().supported_dtypes) info->add_supported_dtypes(ToProto(t));
   v1::Limits* l = info->mutable_limits();
   l->set_max_request_bytes(options_.max_request_bytes);
   l->set_max_message_bytes(options_.max_message_bytes);
-  l->set_max_queue(backend_->max_queue());
+  l->set_max_queue(backend()->max_queue());
   l->set_max_head_dim(max_hd);
-  l->set_max_batch(limits_.max_batch);
-  l->set_max_q_len(limits_.max_q_len);
-  l->set_max_kv_len(limits_.max_kv_len);
-  l->set_max_heads(limits_.max_heads);
-  info->set_cuda_ipc_enabled(backend_->cuda_ipc_enabled());
-  for (const std::string& k : backend_->kernels()) info->add_kernels(k);
-  info->set_stream_preferred_from_bytes(backend_->stream_preferred_from_bytes());
+  l->set_max_batch(dispatcher_->limits().max_batch);
+  l->set_max_q_len(dispatcher_->limits().max_q_len);
+  l->set_max_kv_len(dispatcher_->limits().max_kv_len);
+  l->set_max_heads(dispatcher_->limits().max_heads);
+  info->set_cuda_ipc_enabled(buffers_ != nullptr);
+  for (const std::string& k : backend()->kernels()) info->add_kernels(k);
+  info->set_stream_preferred_from_bytes(backend()->stream_preferred_from_bytes());
   return FinishNow(ctx, "GetServerInfo", start, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetStats(grpc::CallbackServerContext* ctx, const v1::GetStatsRequest*,
                                                      v1::ServerStats* out) {
   const absl::Time start = absl::Now();
-  stats_.Fill(out);
-  out->set_queue_depth(backend_->queue_depth());
-  out->set_in_flight(backend_->in_flight());
+  stats_->Fill(out);
+  out->set_queue_depth(backend()->queue_depth());
+  out->set_in_flight(backend()->in_flight());
   out->set_streams_receiving(streams_receiving());
-  const BackendStats b = backend_->stats();
+  const BackendStats b = backend()->stats();
   out->set_tensor_map_cache_hits(b.tensor_map_cache_hits);
   out->set_tensor_map_cache_misses(b.tensor_map_cache_misses);
   return FinishNow(ctx, "GetStats", start, absl::OkStatus());

@@ -1,6 +1,7 @@
-// The attnd.v1.Attention service on the gRPC callback API. Handlers validate, translate to a ForwardJob and
-// hand it to the Backend; the backend's `done` (on a backend thread) finishes the reactor, so no gRPC thread
-// ever waits for a computation.
+// The attnd.v1.Attention service on the gRPC callback API (the grpc-tcp and grpc-unix transports). Forward
+// and ForwardStream decode their messages and hand the request to the Dispatcher; its reply (on a backend
+// thread) finishes the reactor, so no gRPC thread ever waits for a computation. The buffer RPCs go to the
+// BufferRegistry the server owns.
 #pragma once
 
 #include <atomic>
@@ -12,17 +13,19 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "attnd/server/backend.h"
+#include "attnd/server/buffer_registry.h"
+#include "attnd/server/dispatcher.h"
 #include "attnd/server/server.h"
 #include "attnd/server/validation.h"
 #include "attnd/v1/attention.grpc.pb.h"
-#include "rpc_stats.h"
+#include "call_stats.h"
 
 namespace attnd::server {
 
 class PeerCalls;
 
 // Every method on the callback API; Forward and ForwardStream raw (ByteBuffer messages) so that their
-// tensors are written by reference and stream chunks read with one copy (attnd/zero_copy.h). The wire
+// tensors are written by reference and stream chunks read with one copy (attnd/transport/zero_copy.h). The wire
 // format is unchanged.
 using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_Forward<
     v1::Attention::WithRawCallbackMethod_ForwardStream<v1::Attention::WithCallbackMethod_RegisterCudaBuffer<
@@ -32,7 +35,8 @@ using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_Forward<
 
 class AttentionService final : public AttentionServiceBase {
  public:
-  AttentionService(const ServerOptions& options, Backend* backend);
+  // `dispatcher`, `buffers` (null: no cuda-ipc) and `stats` must outlive the service.
+  AttentionService(const ServerOptions& options, Dispatcher* dispatcher, BufferRegistry* buffers, CallStats* stats);
 
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
                                     grpc::ByteBuffer* response) override;
@@ -51,26 +55,16 @@ class AttentionService final : public AttentionServiceBase {
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx, const v1::GetStatsRequest* request,
                                      v1::ServerStats* response) override;
 
-  // From here on new Forward calls are answered UNAVAILABLE (those already accepted still complete).
-  void BeginShutdown() { shutting_down_.store(true); }
   // Per-connection limit on Forward/ForwardStream calls (call_observer.h); null: none. Set before serving.
   void set_peer_calls(const PeerCalls* peers) { peer_calls_ = peers; }
 
-  // Validation + backend acceptance + deadline/cancel check of a request about to be submitted. `in_message`:
-  // q/k/v left in the gRPC message's slices (ReadForwardRequest), or null.
-  absl::Status Prepare(const v1::ForwardRequest& request, Transport transport, grpc::CallbackServerContext* ctx,
-                       ForwardJob* job, RequestBytes* bytes, const InlineBytes* in_message = nullptr) const;
+  // What the Dispatcher needs to know about a call: its deadline, cancellation and the per-connection limit.
+  CallInfo CallFor(grpc::CallbackServerContext* ctx, absl::Time start, const InlineBytes* in_message = nullptr) const;
   // Gives a request without an id one, and sends that id back in trailing metadata (kRequestIdMetadata).
   void NameRequest(grpc::CallbackServerContext* ctx, v1::ForwardRequest& request);
-  // Forward from the same-host shared-memory channel (shm_listener.h): the same validation, backend and response
-  // as Forward, without a gRPC call. `reply` runs exactly once: on a backend thread, or inline when the request is
-  // refused before it reaches the backend.
-  using LocalReply = std::function<void(absl::Status, std::shared_ptr<v1::ForwardResponse>)>;
-  void ForwardLocal(std::shared_ptr<v1::ForwardRequest> request, LocalReply reply);
-  // Fills the response header fields (request_id, timing, backend, kernel, device) from a finished job.
-  void FillResponseHeader(const ForwardJob& job, v1::ForwardResponse* response) const;
 
-  Backend* backend() const { return backend_; }
+  Dispatcher& dispatcher() const { return *dispatcher_; }
+  Backend* backend() const { return dispatcher_->backend(); }
   // ForwardStream calls whose header was accepted and whose inputs are still arriving (GetStats, metrics).
   uint32_t streams_receiving() const { return streams_receiving_.load(std::memory_order_relaxed); }
   // Called by a stream as it starts (true) and stops (false) receiving its inputs.
@@ -81,21 +75,22 @@ class AttentionService final : public AttentionServiceBase {
       streams_receiving_.fetch_sub(1, std::memory_order_relaxed);
     }
   }
-  RpcStatsTable& stats() { return stats_; }
+  CallStats& stats() { return *stats_; }
   uint64_t stream_chunk_bytes() const { return stream_chunk_bytes_; }
 
  private:
-  // Finishes a call answered without the backend (errors, metadata RPCs) and records it.
+  // Finishes a call answered without the backend (errors, metadata RPCs).
   grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* ctx, const char* method, absl::Time start,
                                       const absl::Status& status, const std::string& request_id = "");
   absl::Status CheckIpcTransport(grpc::CallbackServerContext* ctx, const char* method) const;
+  // Why a buffer RPC fails on a server without a BufferRegistry.
+  absl::Status NoBuffers(const char* method) const;
 
   const ServerOptions options_;
-  Backend* const backend_;
-  const ValidationLimits limits_;
+  Dispatcher* const dispatcher_;
+  BufferRegistry* const buffers_;
+  CallStats* const stats_;
   const uint64_t stream_chunk_bytes_;
-  RpcStatsTable stats_;
-  std::atomic<bool> shutting_down_{false};
   std::atomic<uint32_t> streams_receiving_{0};
   const PeerCalls* peer_calls_ = nullptr;
 };

@@ -16,8 +16,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "attnd/server/status_util.h"
-#include "attnd/shm_channel.h"
+#include "attnd/server/transports.h"
+#include "attnd/transport/shm_channel.h"
 #include "auth.h"
+#include "call_observer.h"
 #include "spdlog/spdlog.h"
 
 namespace attnd::server {
@@ -28,6 +30,8 @@ namespace {
 constexpr absl::Duration kIdlePoll = absl::Milliseconds(50);
 // Channel threads that poll for their replies at once; the rest sleep until theirs is written.
 constexpr int kPollingRepliesAtMost = 2;
+// Calls on a shm channel are recorded (GetStats, metrics, logs) under this method name.
+constexpr const char* kMethod = "ForwardShm";
 // A caller that connects and then sends nothing must not hold a thread for ever.
 constexpr int kHandshakeTimeoutSeconds = 5;
 
@@ -76,7 +80,7 @@ Replied WriteReply(const shm::Mapping& m, absl::Status status, const v1::Forward
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmListener>> ShmListener::Start(const ShmListenerOptions& options,
-                                                                AttentionService* service) {
+                                                                Dispatcher* dispatcher) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (options.path.empty() || options.path.size() >= sizeof(addr.sun_path)) {
@@ -99,9 +103,9 @@ absl::StatusOr<std::unique_ptr<ShmListener>> ShmListener::Start(const ShmListene
     ::unlink(options.path.c_str());
     return absl::PermissionDeniedError(absl::StrCat("shm_socket: cannot chmod ", options.path));
   }
-  std::unique_ptr<ShmListener> l(new ShmListener(options, service, fd));
+  std::unique_ptr<ShmListener> l(new ShmListener(options, dispatcher, fd));
   l->acceptor_ = std::thread([p = l.get()] { p->AcceptLoop(); });
-  spdlog::info("attnd shared-memory channels on {} (up to {}, {} MiB areas)", options.path, options.max_channels,
+  spdlog::info("attnd {} channels on {} (up to {}, {} MiB areas)", kShm, options.path, options.max_channels,
                options.max_area_bytes >> 20);
   return l;
 }
@@ -214,21 +218,26 @@ void ShmListener::Serve(int socket) {
     const absl::Time start = absl::Now();
     // Copied out before anything reads it: the caller can write to the mapping at any time.
     const uint64_t n = h->request_bytes;
-    // Writes the reply and, with --metrics_listen, records the call as the gRPC methods are recorded.
-    const auto finish = [&](absl::Status s, const v1::ForwardResponse* response) {
+    // Writes the reply and records the call (GetStats and metrics; the access log is the gRPC calls').
+    const auto finish = [&](absl::Status s, const v1::ForwardResponse* response, uint64_t tensor_bytes_in = 0,
+                            uint64_t tensor_bytes_out = 0) {
       const Replied sent = WriteReply(m, s, response);
-      if (options_.metrics == nullptr) return;
+      if (options_.stats == nullptr) return;
       CallRecord r;
-      r.method = "ForwardShm";
-      r.code = absl::StatusCodeToString(sent.code);
+      r.method = kMethod;
+      r.code = sent.code;
+      if (!s.ok()) r.error = std::string(s.message());
       r.total = absl::Now() - start;
       if (sent.code == absl::StatusCode::kOk) {
         r.queue = absl::Microseconds(response->timing().queue_us());
         r.kernel = absl::Microseconds(response->timing().kernel_us());
         r.bytes_out = sent.bytes;
+        r.tensor_bytes_in = tensor_bytes_in;
+        r.tensor_bytes_out = tensor_bytes_out;
       }
       r.bytes_in = n <= m.request_capacity ? n : 0;
-      options_.metrics->RecordCall(r);
+      r.in_stats = true;
+      options_.stats->Record(r);
     };
     if (n > m.request_capacity) {
       finish(absl::InvalidArgumentError(absl::StrCat("request_bytes: ", n, " exceeds the channel's request area (",
@@ -246,15 +255,28 @@ void ShmListener::Serve(int socket) {
     // One request at a time: the reply is written before this thread looks at the word again. While few channels
     // are busy, the thread polls for the reply (up to --shm_reply_spin_us) before it sleeps: the worker writes the
     // reply, and a caller answered while this thread slept sends its next request at once and then waits on
-    // this thread's wake-up (H200, session 6 call 3, one caller at 1k: 32 us above the kernel, 39 without). So
-    // the poll must outlast the request: with the 50 us it shared with the request poll until session 9, a
-    // 4k request (~265 us in the server) paid that wake-up on every call. With many busy channels the pollers
-    // took CPU from the callers and workers (16 callers at 1k: 0.82 of the kernel-only rate, 0.87 without).
+    // this thread's wake-up (H200, one caller at 1k: 32 us above the kernel, 39 without). So the poll must
+    // outlast the request: a 4k request spends ~265 us in the server, past the 50 us request poll. With many
+    // busy channels the pollers take CPU from the callers and workers (16 callers at 1k: 0.82 of the
+    // kernel-only rate, 0.87 without), hence kPollingRepliesAtMost.
     std::atomic<bool> done{false};
     absl::Notification replied;
     const bool poll = awaiting_reply_.fetch_add(1) < kPollingRepliesAtMost;
-    service_->ForwardLocal(std::move(request), [&](absl::Status s, std::shared_ptr<v1::ForwardResponse> response) {
-      finish(std::move(s), response.get());
+    if (request->request_id().empty()) request->set_request_id(GenerateRequestId());
+    CallInfo call;
+    call.accepted = absl::Now();
+    RequestBytes bytes;  // the reply runs before this thread goes on (it waits for `replied` below)
+    dispatcher_->Dispatch(*request, Transport::kShm, call, &bytes, [&](absl::Status s, ForwardJob* job) {
+      std::unique_ptr<v1::ForwardResponse> response;
+      if (job != nullptr && s.ok()) {
+        response = std::make_unique<v1::ForwardResponse>();
+        dispatcher_->FillResponseHeader(*job, response.get());
+        response->set_o(std::move(job->o));
+        response->set_lse(std::move(job->lse));
+      }
+      LogOutcome(kMethod, request->request_id(), s, call.accepted);
+      const uint64_t out = response != nullptr ? response->o().size() + response->lse().size() : 0;
+      finish(std::move(s), response.get(), bytes.q + bytes.k + bytes.v, out);
       done.store(true, std::memory_order_release);
       replied.Notify();
     });

@@ -1,6 +1,6 @@
-// The server side of the same-host shared-memory channel (attnd/shm_channel.h, --shm_socket): a unix socket
-// where callers hand over their channel's memfd, and one thread per channel that waits on the channel's state
-// word, runs each request through AttentionService::ForwardLocal and writes the reply back.
+// The server side of the shm transport (the same-host shared-memory channel, attnd/transport/shm_channel.h,
+// --shm_socket): a unix socket where callers hand over their channel's memfd, and one thread per channel that
+// waits on the channel's state word, runs each request through the Dispatcher and writes the reply back.
 #pragma once
 
 #include <sys/types.h>
@@ -16,8 +16,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "metrics.h"
-#include "service.h"
+#include "attnd/server/dispatcher.h"
+#include "call_stats.h"
 
 namespace attnd::server {
 
@@ -30,13 +30,13 @@ struct ShmListenerOptions {
   // ... and this long for the reply to the request it holds (while few channels await theirs): see the channel loop.
   absl::Duration reply_spin = absl::Microseconds(300);
   std::vector<std::string> tokens;  // non-empty: the hello must carry one of them (--auth_token_file)
-  ServerMetrics* metrics = nullptr;  // --metrics_listen: each call is recorded as method "ForwardShm"
+  CallStats* stats = nullptr;  // where each call is recorded, as method "ForwardShm"
 };
 
 class ShmListener {
  public:
   static absl::StatusOr<std::unique_ptr<ShmListener>> Start(const ShmListenerOptions& options,
-                                                           AttentionService* service);
+                                                           Dispatcher* dispatcher);
   ~ShmListener();
   // Stops accepting channels; each open channel finishes the request it holds (the reply is written), answers
   // one that arrives meanwhile UNAVAILABLE, and closes. Blocks until all have. Idempotent.
@@ -44,14 +44,14 @@ class ShmListener {
   int open_channels() const { return open_.load(); }
 
  private:
-  ShmListener(const ShmListenerOptions& options, AttentionService* service, int fd)
-      : options_(options), service_(service), listen_fd_(fd) {}
+  ShmListener(const ShmListenerOptions& options, Dispatcher* dispatcher, int fd)
+      : options_(options), dispatcher_(dispatcher), listen_fd_(fd) {}
   void AcceptLoop();
   void Serve(int socket);
   absl::Status Handshake(int socket, uid_t* uid, int* memfd);
 
   const ShmListenerOptions options_;
-  AttentionService* const service_;
+  Dispatcher* const dispatcher_;
   int listen_fd_;
   std::atomic<bool> stopping_{false};
   absl::Mutex stop_mu_;  // a second Stop() waits for the first to finish

@@ -20,7 +20,7 @@ class ForwardingBackend : public server::Backend {
   std::vector<int64_t> supported_head_dims() const override { return inner_->supported_head_dims(); }
   std::vector<DType> supported_dtypes() const override { return inner_->supported_dtypes(); }
   std::vector<std::string> kernels() const override { return inner_->kernels(); }
-  absl::Status CheckSupported(const server::ForwardJob& job) const override { return inner_->CheckSupported(job); }
+  absl::Status Accept(server::ForwardJob* job) const override { return inner_->Accept(job); }
   absl::Status Submit(std::unique_ptr<server::ForwardJob> job) override { return inner_->Submit(std::move(job)); }
   absl::StatusOr<std::unique_ptr<server::InputSink>> OpenInputs(
       const server::ForwardJob& job, const uint64_t (&sizes)[server::InputSink::kTensors]) override {
@@ -29,15 +29,9 @@ class ForwardingBackend : public server::Backend {
   uint32_t queue_depth() const override { return inner_->queue_depth(); }
   uint32_t in_flight() const override { return inner_->in_flight(); }
   void Shutdown() override { inner_->Shutdown(); }
-  absl::StatusOr<std::string> RegisterCudaBuffer(const server::CudaBufferRegistration& r) override {
-    return inner_->RegisterCudaBuffer(r);
-  }
-  absl::Status UnregisterCudaBuffer(const std::string& id) override { return inner_->UnregisterCudaBuffer(id); }
-  std::vector<server::CudaBufferDescription> ListCudaBuffers() const override { return inner_->ListCudaBuffers(); }
   server::BackendStats stats() const override { return inner_->stats(); }
   std::vector<server::DeviceMemoryUse> device_memory() const override { return inner_->device_memory(); }
   uint32_t max_queue() const override { return inner_->max_queue(); }
-  bool cuda_ipc_enabled() const override { return inner_->cuda_ipc_enabled(); }
   uint64_t stream_preferred_from_bytes() const override { return inner_->stream_preferred_from_bytes(); }
 
  private:

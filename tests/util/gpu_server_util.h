@@ -77,7 +77,6 @@ inline void StartCudaServer(TestServer* out, const CudaServerOptions& o, std::st
   bo.streams_per_device = o.streams;
   bo.shared_compute_stream = o.shared_compute_stream;
   bo.max_queue = o.max_queue;
-  bo.enable_cuda_ipc = o.enable_ipc;
   bo.memory_budget_bytes = o.memory_budget_bytes;
   bo.warm_shapes = o.warm_shapes;
   bo.stream_to_device = o.stream_to_device;
@@ -94,6 +93,7 @@ inline void StartCudaServer(TestServer* out, const CudaServerOptions& o, std::st
   so.unix_socket = out->unix_path;
   if (o.shm) so.shm_socket = out->unix_path + ".shm";
   so.max_message_bytes = o.max_message_bytes;
+  so.enable_cuda_ipc = o.enable_ipc;
   std::unique_ptr<server::Backend> b = std::move(*backend);
   if (o.counter != nullptr) b = std::make_unique<CountingBackend>(std::move(b), o.counter);
   auto s = server::Server::Create(so, std::move(b));

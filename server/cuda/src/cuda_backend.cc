@@ -30,7 +30,6 @@
 #include "attnd/kernels/attention.h"
 #include "attnd/server/copy_pool.h"
 #include "attnd/server/cuda/block_cache.h"
-#include "attnd/server/cuda/ipc_registry.h"
 #include "attnd/server/cuda/tensor_map_cache.h"
 #include "attnd/server/status_util.h"
 #include "spdlog/spdlog.h"
@@ -40,7 +39,6 @@ namespace {
 
 using cuda::Block;
 using cuda::BlockCache;
-using cuda::Lease;
 using cuda::TensorMapCache;
 
 absl::Status CudaStatus(const char* what, cudaError_t err) {
@@ -113,13 +111,10 @@ absl::Status WaitEvent(cudaEvent_t ev, absl::Duration spin) {
   }
 }
 
-// What Submit resolved for one job: the job, the leases on the registered buffers it names (held until the
-// job is done, so they cannot be unmapped under it) and their device pointers.
+// A job queued on one device, with the kernel selected for it.
 struct Pending {
   std::unique_ptr<ForwardJob> job;
-  std::vector<Lease> leases;  // one per distinct region, so requests_in_flight counts requests
-  const uint8_t *q_ptr = nullptr, *k_ptr = nullptr, *v_ptr = nullptr;
-  uint8_t* o_ptr = nullptr;
+  kernels::Selection selection;
 };
 
 class CudaBackendImpl;
@@ -226,7 +221,34 @@ class CudaDevice {
   absl::Status WarmUpKernels();
   absl::Status WarmShape(const Shape& s);
   void SlotLoop(Slot* slot);
+
+  // One request while it runs on a slot: its blocks, where its tensors are, and what GPU work it has in flight.
+  struct Work {
+    Work(ForwardJob& j, Slot& s) : job(j), slot(s) {}
+    ForwardJob& job;
+    Slot& slot;
+    Placement pl;
+    StreamedInputs* streamed = nullptr;  // its inputs were copied to the device while they arrived
+    Block dblock, hblock;
+    kernels::DeviceTensors tensors;
+    bool copies_in = false;   // ev[0] and ev[1] bracket a copy in (or the wait for streamed pieces)
+    uint64_t out_bytes = 0;   // copied back after the kernel
+    bool enqueued = false;    // GPU work may be in flight on the slot's stream: wait before freeing the blocks
+    bool on_compute = false;  // the same on the shared compute stream
+    uint8_t* dev() const { return static_cast<uint8_t*>(dblock.ptr); }
+    uint8_t* host() const { return static_cast<uint8_t*>(hblock.ptr); }
+  };
+  // The request's steps, in order: its blocks and tensor addresses; its inline inputs staged in pinned memory
+  // and their copy to the device enqueued; the kernel planned (tensor maps from the cache); the kernel
+  // enqueued; the copy back, the wait for it, the timings and the outputs.
   absl::Status Run(Slot& slot, Pending& p);
+  absl::Status TakeBlocks(Work& w);
+  absl::Status StageInputs(Work& w);
+  absl::StatusOr<kernels::Plan> PlanLaunch(const kernels::Selection& selection, const Work& w);
+  absl::Status EnqueueKernel(const kernels::Plan& plan, Work& w);
+  absl::Status CollectOutputs(Work& w);
+  // Waits for the request's GPU work still in flight, then gives its blocks back.
+  void Release(Work& w);
 
   const int index_;
   const BackendOptions options_;
@@ -601,9 +623,6 @@ void CudaDevice::SlotLoop(Slot* slot) {
       queued_total_->fetch_sub(1);
     }
     const absl::Status status = Run(*slot, p);
-    // The leases go before the reply, so a client that unregisters right after its reply finds the buffer
-    // idle.
-    p.leases.clear();
     // Finished before the reply goes out, as in the CPU backend: a client that reads the stats right after its
     // reply must not find its own request still in flight.
     running_.fetch_sub(1);
@@ -624,55 +643,61 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
     return absl::DeadlineExceededError(absl::StrCat("the deadline expired after ", Micros(start - job.accepted),
                                                     " us in the queue; the computation was not started"));
   }
-  const Problem& pr = job.problem;
-  const Shape& s = pr.shape;
-  const Layout layout{job.q.strides, job.k.strides, job.v.strides,
-                      job.o_to_buffer ? job.o_ref.strides : ContiguousStrides(s.q_len, s.q_heads, s.head_dim)};
-  kernels::PlanOptions po;
-  po.device = index_;
-  absl::StatusOr<kernels::Selection> sel = kernels::Select(pr, layout, po);
-  if (!sel.ok()) return sel.status();
-  job.kernel = sel->info().name;
+  job.kernel = p.selection.info().name;
+  Work w(job, slot);
+  ATTND_RETURN_IF_ERROR(TakeBlocks(w));
+  // In this order so that the host's planning overlaps the copy of the inputs already enqueued.
+  absl::Status status = StageInputs(w);
+  absl::StatusOr<kernels::Plan> plan;
+  if (status.ok()) {
+    plan = PlanLaunch(p.selection, w);
+    status = plan.status();
+  }
+  if (status.ok()) status = EnqueueKernel(*plan, w);
+  if (status.ok()) status = CollectOutputs(w);
+  if (!status.ok()) {
+    Release(w);
+    if (absl::IsInternal(status)) spdlog::error("device {}: request '{}': {}", index_, job.request_id, std::string(status.message()));
+    return status;
+  }
+  job.timing.total_us = Micros(absl::Now() - job.accepted);
+  return absl::OkStatus();
+}
 
-  const bool qi = p.q_ptr == nullptr, ki = p.k_ptr == nullptr, vi = p.v_ptr == nullptr, oi = !job.o_to_buffer;
-  const Placement pl = Place(s, qi, ki, vi, oi, pr.want_lse);
+absl::Status CudaDevice::TakeBlocks(Work& w) {
+  const ForwardJob& job = w.job;
+  const bool qi = !job.q.is_reference(), ki = !job.k.is_reference(), vi = !job.v.is_reference();
+  const bool oi = !job.o_to_buffer;
+  w.pl = Place(job.problem.shape, qi, ki, vi, oi, job.problem.want_lse);
   // A stream whose inputs were copied here while they arrived: its blocks already hold them on both sides.
-  StreamedInputs* streamed = dynamic_cast<StreamedInputs*>(job.inputs.get());
-  if (streamed != nullptr && (streamed->device() != this || !streamed->complete() ||
-                              streamed->placement().total != pl.total)) {
-    streamed = nullptr;  // cannot happen (Submit routes it here, complete); staged from its host bytes
+  w.streamed = dynamic_cast<StreamedInputs*>(job.inputs.get());
+  if (w.streamed != nullptr && (w.streamed->device() != this || !w.streamed->complete() ||
+                                w.streamed->placement().total != w.pl.total)) {
+    w.streamed = nullptr;  // cannot happen (Submit routes it here, complete); staged from its host bytes
   }
-  Block dblock, hblock;
-  if (streamed != nullptr) {
-    std::tie(dblock, hblock) = streamed->Take();
-  } else if (pl.total > 0) {
-    absl::StatusOr<std::pair<Block, Block>> blocks = AcquireBlocks(pl.total);
+  if (w.streamed != nullptr) {
+    std::tie(w.dblock, w.hblock) = w.streamed->Take();
+  } else if (w.pl.total > 0) {
+    absl::StatusOr<std::pair<Block, Block>> blocks = AcquireBlocks(w.pl.total);
     if (!blocks.ok()) return blocks.status();
-    std::tie(dblock, hblock) = *blocks;
+    std::tie(w.dblock, w.hblock) = *blocks;
   }
-  uint8_t* dev = static_cast<uint8_t*>(dblock.ptr);
-  uint8_t* host = static_cast<uint8_t*>(hblock.ptr);
-  const bool shared = compute_ != nullptr;
-  bool enqueued = false;  // GPU work may be in flight on this slot's stream: wait before freeing the blocks
-  bool on_compute = false;  // the same on the shared compute stream
-  auto release = [&] {
-    // An error may leave this request's memset or kernel queued on the compute stream, still writing the
-    // blocks. Synchronising the whole stream waits for other requests' kernels as well, but it needs no
-    // further call to succeed (recording ev[2] after a failed launch for the slot stream to wait on may
-    // fail too, and a wait on a stale record would free the blocks early), and errors are rare.
-    if (on_compute) cudaStreamSynchronize(compute_);
-    if (enqueued) cudaStreamSynchronize(slot.stream);
-    ReleaseBlocks(dblock, hblock);
-  };
+  uint8_t* dev = w.dev();
+  w.tensors.q = qi ? dev + w.pl.q : job.q.device_data;
+  w.tensors.k = ki ? dev + w.pl.k : job.k.device_data;
+  w.tensors.v = vi ? dev + w.pl.v : job.v.device_data;
+  w.tensors.o = oi ? dev + w.pl.o : job.o_ref.device_data;
+  w.tensors.lse = job.problem.want_lse ? reinterpret_cast<float*>(dev + w.pl.lse) : nullptr;
+  return absl::OkStatus();
+}
 
-  kernels::DeviceTensors t;
-  t.q = qi ? dev + pl.q : p.q_ptr;
-  t.k = ki ? dev + pl.k : p.k_ptr;
-  t.v = vi ? dev + pl.v : p.v_ptr;
-  t.o = oi ? dev + pl.o : p.o_ptr;
-  t.lse = pr.want_lse ? reinterpret_cast<float*>(dev + pl.lse) : nullptr;
-  // Staging: the request's bytes into pinned memory, so the H2D copy runs at full DMA speed and async.
-  if (streamed == nullptr) {
+absl::Status CudaDevice::StageInputs(Work& w) {
+  const ForwardJob& job = w.job;
+  const Placement& pl = w.pl;
+  uint8_t* dev = w.dev();
+  uint8_t* host = w.host();
+  // The request's bytes into pinned memory, so that the H2D copy runs at full DMA speed and async.
+  if (w.streamed == nullptr) {
     std::vector<CopyPool::Part> parts;
     const auto stage = [&parts](const TensorSource& src, uint8_t* dst) {
       ForEachInlineRun(src, [&](const uint8_t* data, uint64_t size) {
@@ -680,152 +705,160 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
         dst += size;
       });
     };
-    if (qi) stage(job.q, host + pl.q);
-    if (ki) stage(job.k, host + pl.k);
-    if (vi) stage(job.v, host + pl.v);
+    if (pl.q != Placement::kAbsent) stage(job.q, host + pl.q);
+    if (pl.k != Placement::kAbsent) stage(job.k, host + pl.k);
+    if (pl.v != Placement::kAbsent) stage(job.v, host + pl.v);
     copies_->Copy(parts);
   }
-
-  absl::Status status;
-  cudaStream_t st = slot.stream;
+  const bool shared = compute_ != nullptr;
+  cudaStream_t st = w.slot.stream;
   // The copy events are recorded only around copies (and ev[1] always on the shared compute stream's path, which
-  // waits on it): a request on registered buffers alone (CUDA IPC) then makes 2 event records besides its launch
+  // waits on it): a request on registered buffers alone (cuda-ipc) then makes 2 event records besides its launch
   // instead of 5, host time spent between its arrival and its kernel.
-  const bool copies_in = streamed != nullptr || pl.in_bytes > 0;
-  const uint64_t out_bytes = pl.total - pl.out_offset;
-  if (copies_in) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[0], st));
-  if (status.ok() && streamed != nullptr) {
-    enqueued = true;
-    status = CudaStatus("cudaStreamWaitEvent (streamed inputs)", cudaStreamWaitEvent(st, streamed->uploaded(), 0));
-  } else if (status.ok() && pl.in_bytes > 0) {
-    enqueued = true;
-    status = CudaStatus("H2D copy", cudaMemcpyAsync(dev, host, pl.in_bytes, cudaMemcpyHostToDevice, st));
+  w.copies_in = w.streamed != nullptr || pl.in_bytes > 0;
+  w.out_bytes = pl.total - pl.out_offset;
+  if (w.copies_in) ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(w.slot.ev[0], st)));
+  if (w.streamed != nullptr) {
+    w.enqueued = true;
+    ATTND_RETURN_IF_ERROR(CudaStatus("cudaStreamWaitEvent (streamed inputs)",
+                                     cudaStreamWaitEvent(st, w.streamed->uploaded(), 0)));
+  } else if (pl.in_bytes > 0) {
+    w.enqueued = true;
+    ATTND_RETURN_IF_ERROR(CudaStatus("H2D copy", cudaMemcpyAsync(dev, host, pl.in_bytes, cudaMemcpyHostToDevice, st)));
   }
-  if (status.ok() && (copies_in || shared)) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[1], st));
-  if (status.ok() && !shared && options_.poison_outputs && pl.total > pl.out_offset) {
+  if (w.copies_in || shared) ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(w.slot.ev[1], st)));
+  if (!shared && options_.poison_outputs && pl.total > pl.out_offset) {
     // Test mode: NaN-fill the outputs so that a launch that writes nothing cannot pass on stale results.
-    status = CudaStatus("poison", cudaMemsetAsync(dev + pl.out_offset, 0xFF, pl.total - pl.out_offset, st));
+    ATTND_RETURN_IF_ERROR(
+        CudaStatus("poison", cudaMemsetAsync(dev + pl.out_offset, 0xFF, pl.total - pl.out_offset, st)));
   }
-  absl::StatusOr<kernels::TensorMapKeys> keys;
-  if (status.ok()) {
-    keys = kernels::MapKeys(*sel, t);
-    if (!keys.ok()) status = keys.status();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<kernels::Plan> CudaDevice::PlanLaunch(const kernels::Selection& selection, const Work& w) {
+  absl::StatusOr<kernels::TensorMapKeys> keys = kernels::MapKeys(selection, w.tensors);
+  if (!keys.ok()) return keys.status();
+  absl::StatusOr<CUtensorMap> qm = maps_->Get(keys->q);
+  absl::StatusOr<CUtensorMap> km = maps_->Get(keys->k);
+  absl::StatusOr<CUtensorMap> vm = maps_->Get(keys->v);
+  absl::StatusOr<CUtensorMap> om;
+  if (keys->has_o) om = maps_->Get(keys->o);  // configurations that store O through a tensor map
+  for (const auto* m : {&qm, &km, &vm}) {
+    if (!m->ok()) return m->status();
   }
-  absl::StatusOr<CUtensorMap> qm, km, vm, om;
-  if (status.ok()) {
-    qm = maps_->Get(keys->q);
-    km = maps_->Get(keys->k);
-    vm = maps_->Get(keys->v);
-    if (keys->has_o) om = maps_->Get(keys->o);  // configurations that store O through a tensor map
-    for (const auto* m : {&qm, &km, &vm}) {
-      if (status.ok() && !m->ok()) status = m->status();
+  if (keys->has_o && !om.ok()) return om.status();
+  return kernels::MakePlanFromMaps(selection, w.tensors, *qm, *km, *vm, keys->has_o ? &*om : nullptr);
+}
+
+absl::Status CudaDevice::EnqueueKernel(const kernels::Plan& plan, Work& w) {
+  Slot& slot = w.slot;
+  cudaStream_t st = slot.stream;
+  if (compute_ == nullptr) {
+    w.enqueued = true;
+    absl::StatusOr<void*> workspace = SlotWorkspace(slot, plan, st);
+    if (!workspace.ok()) return workspace.status();
+    ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(slot.kernel_start, st)));
+    ATTND_RETURN_IF_ERROR(kernels::Launch(plan, *workspace, st));
+    return CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[2], st));
+  }
+  w.on_compute = true;
+  {
+    // Enqueued together, after the host-side planning, so that the lock is held for a few API calls only.
+    absl::MutexLock lock(&compute_mu_);
+    ATTND_RETURN_IF_ERROR(
+        CudaStatus("cudaStreamWaitEvent (inputs)", cudaStreamWaitEvent(compute_, slot.ev[1], 0)));
+    const Placement& pl = w.pl;
+    if (options_.poison_outputs && pl.total > pl.out_offset) {
+      // Test mode, as in StageInputs; on the compute stream, so that it lands before this launch without another
+      // cross-stream dependency.
+      ATTND_RETURN_IF_ERROR(CudaStatus(
+          "poison", cudaMemsetAsync(w.dev() + pl.out_offset, 0xFF, pl.total - pl.out_offset, compute_)));
     }
-    if (status.ok() && keys->has_o && !om.ok()) status = om.status();
+    absl::StatusOr<void*> workspace = SlotWorkspace(slot, plan, compute_);
+    if (!workspace.ok()) return workspace.status();
+    ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(slot.kernel_start, compute_)));
+    ATTND_RETURN_IF_ERROR(kernels::Launch(plan, *workspace, compute_));
+    ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[2], compute_)));
   }
-  absl::StatusOr<kernels::Plan> plan;
-  if (status.ok()) {
-    plan = kernels::MakePlanFromMaps(*sel, t, *qm, *km, *vm, keys->has_o ? &*om : nullptr);
-    if (!plan.ok()) status = plan.status();
-  }
-  absl::StatusOr<void*> workspace;
-  if (!shared) {
-    if (status.ok()) {
-      enqueued = true;
-      workspace = SlotWorkspace(slot, *plan, st);
-      if (!workspace.ok()) status = workspace.status();
-    }
-    if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.kernel_start, st));
-    if (status.ok()) status = kernels::Launch(*plan, *workspace, st);
-    if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[2], st));
-  } else {
-    if (status.ok()) {
-      on_compute = true;
-      // Enqueued together, after the host-side planning, so that the lock is held for a few API calls only.
-      absl::MutexLock lock(&compute_mu_);
-      status = CudaStatus("cudaStreamWaitEvent (inputs)", cudaStreamWaitEvent(compute_, slot.ev[1], 0));
-      if (status.ok() && options_.poison_outputs && pl.total > pl.out_offset) {
-        // Test mode, as above; on the compute stream, so that it lands before this launch without another
-        // cross-stream dependency.
-        status = CudaStatus("poison", cudaMemsetAsync(dev + pl.out_offset, 0xFF, pl.total - pl.out_offset, compute_));
-      }
-      if (status.ok()) {
-        workspace = SlotWorkspace(slot, *plan, compute_);
-        if (!workspace.ok()) status = workspace.status();
-      }
-      if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.kernel_start, compute_));
-      if (status.ok()) status = kernels::Launch(*plan, *workspace, compute_);
-      if (status.ok()) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[2], compute_));
-    }
-    if (status.ok()) {
-      // From here the slot stream holds this request's last work (the copy back, behind the kernel), also
-      // when nothing was copied in.
-      enqueued = true;
-      status = CudaStatus("cudaStreamWaitEvent (kernel)", cudaStreamWaitEvent(st, slot.ev[2], 0));
-    }
-  }
-  if (status.ok() && out_bytes > 0) {
-    status = CudaStatus("D2H copy", cudaMemcpyAsync(host + pl.out_offset, dev + pl.out_offset, out_bytes,
-                                                    cudaMemcpyDeviceToHost, st));
+  // From here the slot stream holds this request's last work (the copy back, behind the kernel), also when
+  // nothing was copied in.
+  w.enqueued = true;
+  return CudaStatus("cudaStreamWaitEvent (kernel)", cudaStreamWaitEvent(st, slot.ev[2], 0));
+}
+
+absl::Status CudaDevice::CollectOutputs(Work& w) {
+  ForwardJob& job = w.job;
+  Slot& slot = w.slot;
+  const Placement& pl = w.pl;
+  const Shape& s = job.problem.shape;
+  cudaStream_t st = slot.stream;
+  uint8_t* host = w.host();
+  if (w.out_bytes > 0) {
+    ATTND_RETURN_IF_ERROR(CudaStatus("D2H copy", cudaMemcpyAsync(host + pl.out_offset, w.dev() + pl.out_offset,
+                                                                 w.out_bytes, cudaMemcpyDeviceToHost, st)));
   }
   // The request's last work: the copy back, or with nothing to copy (and the kernel on this stream) the kernel.
-  const bool after_kernel = out_bytes == 0 && !shared;
+  const bool after_kernel = w.out_bytes == 0 && compute_ == nullptr;
   cudaEvent_t last = after_kernel ? slot.ev[2] : slot.ev[3];
-  if (status.ok() && !after_kernel) status = CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[3], st));
+  if (!after_kernel) ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[3], st)));
   // Spin only while this request has the GPU (nearly) to itself; behind others it would poll a queue.
-  if (status.ok()) {
-    status = WaitEvent(last, running_.load(std::memory_order_relaxed) <= kSpinWhileRunning
-                                       ? options_.completion_spin
-                                       : absl::ZeroDuration());
-  }
-  if (!status.ok()) {
-    release();
-    if (absl::IsInternal(status)) spdlog::error("device {}: request '{}': {}", index_, job.request_id, std::string(status.message()));
-    return status;
-  }
+  ATTND_RETURN_IF_ERROR(WaitEvent(last, running_.load(std::memory_order_relaxed) <= kSpinWhileRunning
+                                            ? options_.completion_spin
+                                            : absl::ZeroDuration()));
   float h2d = 0, kernel = 0, d2h = 0;
-  if (copies_in) cudaEventElapsedTime(&h2d, slot.ev[0], slot.ev[1]);
+  if (w.copies_in) cudaEventElapsedTime(&h2d, slot.ev[0], slot.ev[1]);
   cudaEventElapsedTime(&kernel, slot.kernel_start, slot.ev[2]);
-  if (out_bytes > 0) cudaEventElapsedTime(&d2h, slot.ev[2], slot.ev[3]);
+  if (w.out_bytes > 0) cudaEventElapsedTime(&d2h, slot.ev[2], slot.ev[3]);
   // Back-to-back events still read a few nanoseconds apart: report exactly 0 when nothing was copied.
   // Streamed inputs: only their last piece's copy, the rest ran while the upload went on.
-  if (streamed != nullptr) h2d = streamed->last_piece_ms();
+  if (w.streamed != nullptr) h2d = w.streamed->last_piece_ms();
   job.timing.h2d_us = pl.in_bytes > 0 ? h2d * 1e3 : 0;
   job.timing.kernel_us = kernel * 1e3;
-  job.timing.d2h_us = out_bytes > 0 ? d2h * 1e3 : 0;
+  job.timing.d2h_us = w.out_bytes > 0 ? d2h * 1e3 : 0;
+  const bool oi = !job.o_to_buffer;
   if (oi && job.accepts_lent_o) {
     // O stays in the pinned block, lent to the caller, which copies it on (ForwardStream: into its chunks); the
-    // block goes back to the cache when the loan is dropped. No copy into `o` and no zero-fill of a fresh string
-    // first (~4.9 ms of a 4k stream's 5.9 ms after its last byte, H200, session 9).
+    // block goes back to the cache when the loan is dropped. Saves a copy into `o` and the zero-fill of a fresh
+    // string, most of a large stream's time after its last byte.
     job.o_lent = std::string_view(reinterpret_cast<const char*>(host + pl.o), static_cast<uint64_t>(QElems(s)) * 2);
-    job.o_loan = std::shared_ptr<const void>(host, [cache = pinned_mem_, lent = hblock](const void*) { cache->Release(lent); });
-    hblock = Block{};  // release() below keeps its hands off it
+    job.o_loan = std::shared_ptr<const void>(host, [cache = pinned_mem_, lent = w.hblock](const void*) { cache->Release(lent); });
+    w.hblock = Block{};  // Release below keeps its hands off it
   } else if (oi) {
     job.o.resize(static_cast<uint64_t>(QElems(s)) * 2);
     const CopyPool::Part out{reinterpret_cast<uint8_t*>(job.o.data()), host + pl.o, job.o.size()};
     copies_->Copy({&out, 1});
   }
-  if (pr.want_lse) {
+  if (job.problem.want_lse) {
     job.lse.assign(reinterpret_cast<const char*>(host + pl.lse), static_cast<uint64_t>(LseElems(s)) * sizeof(float));
   }
-  enqueued = false;  // the stream is idle: `last` was the last work on it
+  w.enqueued = false;  // the stream is idle: `last` was the last work on it
   // This request's compute-stream work is done too (the slot stream waited for ev[2] before ev[3]); a
   // synchronisation here would wait for other requests' kernels.
-  on_compute = false;
-  release();
-  job.timing.total_us = Micros(absl::Now() - job.accepted);
+  w.on_compute = false;
+  Release(w);
   return absl::OkStatus();
+}
+
+void CudaDevice::Release(Work& w) {
+  // An error may leave this request's memset or kernel queued on the compute stream, still writing the
+  // blocks. Synchronising the whole stream waits for other requests' kernels as well, but it needs no
+  // further call to succeed (recording ev[2] after a failed launch for the slot stream to wait on may
+  // fail too, and a wait on a stale record would free the blocks early), and errors are rare.
+  if (w.on_compute) cudaStreamSynchronize(compute_);
+  if (w.enqueued) cudaStreamSynchronize(w.slot.stream);
+  ReleaseBlocks(w.dblock, w.hblock);
+  w.dblock = w.hblock = Block{};
 }
 
 class CudaBackendImpl final : public Backend {
  public:
-  CudaBackendImpl(const BackendOptions& options, std::vector<int> devices)
+  explicit CudaBackendImpl(const BackendOptions& options)
       : options_(options),
         copies_(options.copy_threads >= 0 ? options.copy_threads : DefaultCopyThreads()),
-        maps_(options.tensor_map_cache_entries),
-        registry_(devices) {}
+        maps_(options.tensor_map_cache_entries) {}
   ~CudaBackendImpl() override {
     Shutdown();
-    devices_.clear();  // before the registry: workers are gone, leases released
+    devices_.clear();
   }
 
   absl::Status Start(const std::vector<int>& devices) {
@@ -835,6 +868,14 @@ class CudaBackendImpl final : public Backend {
       auto dev = std::make_unique<CudaDevice>(d, options_, &maps_, &queued_total_, &copies_);
       ATTND_RETURN_IF_ERROR(dev->Start(*warm));
       devices_.push_back(std::move(dev));
+    }
+    // A kernel selection depends on the device's model only (compute capability, SMs, shared memory, L2).
+    one_model_ = true;
+    for (const auto& d : devices_) {
+      const DeviceDescription& a = d->description();
+      const DeviceDescription& b = devices_.front()->description();
+      one_model_ = one_model_ && a.name == b.name && a.cc_major == b.cc_major && a.cc_minor == b.cc_minor &&
+                   a.multiprocessor_count == b.multiprocessor_count;
     }
     return absl::OkStatus();
   }
@@ -857,22 +898,13 @@ class CudaBackendImpl final : public Backend {
     return out;
   }
 
-  absl::Status CheckSupported(const ForwardJob& job) const override {
-    const bool refs = !job.q.buffer_id.empty() || !job.k.buffer_id.empty() || !job.v.buffer_id.empty() ||
-                      job.o_to_buffer;
-    if (refs && !options_.enable_cuda_ipc) {
-      return absl::FailedPreconditionError(
-          "ref: tensor references need CUDA IPC, which this server does not enable (start attnd with "
-          "--enable_cuda_ipc)");
-    }
-    // The kernel's own layout rules (strides in 16-byte units, limits), checked before the job is queued.
-    const Shape& s = job.problem.shape;
-    const Layout layout{job.q.strides, job.k.strides, job.v.strides,
-                        job.o_to_buffer ? job.o_ref.strides : ContiguousStrides(s.q_len, s.q_heads, s.head_dim)};
-    kernels::PlanOptions po;
-    po.device = devices_.front()->index();
-    absl::StatusOr<kernels::Selection> sel = kernels::Select(job.problem, layout, po);
-    return sel.status();
+  // The kernel is selected here, once per request: the selection checks the layout rules (strides in 16-byte
+  // units, limits) before anything is queued or uploaded, and the job carries it to its device.
+  absl::Status Accept(ForwardJob* job) const override {
+    absl::StatusOr<kernels::Selection> sel = Select(*job, devices_.front()->index());
+    if (!sel.ok()) return sel.status();
+    job->backend_plan = std::make_shared<const kernels::Selection>(*std::move(sel));
+    return absl::OkStatus();
   }
 
   absl::Status Submit(std::unique_ptr<ForwardJob> job) override {
@@ -880,56 +912,11 @@ class CudaBackendImpl final : public Backend {
     // enqueue, so an accepted job is always drained.
     absl::ReaderMutexLock lock(&submit_mu_);
     if (stopping_) return absl::UnavailableError("the server is shutting down");
-    Pending p;
+    // Resolved references (the Dispatcher checked that they share one device) decide where the job runs.
     int ref_device = -1;
-    const Shape& s = job->problem.shape;
-    struct RefUse {
-      const char* field;
-      const TensorSource* src;
-      int64_t seq, heads;
-      uint8_t* ptr = nullptr;
-    } uses[4] = {{"q.ref", &job->q, s.q_len, s.q_heads},
-                 {"k.ref", &job->k, s.kv_len, s.kv_heads},
-                 {"v.ref", &job->v, s.kv_len, s.kv_heads},
-                 {"o_ref", &job->o_ref, s.q_len, s.q_heads}};
-    for (int i = 0; i < 4; ++i) {
-      RefUse& u = uses[i];
-      if (i < 3 ? u.src->buffer_id.empty() : !job->o_to_buffer) continue;
-      if (!options_.enable_cuda_ipc) {
-        return absl::FailedPreconditionError(absl::StrCat(u.field, ": CUDA IPC is not enabled (--enable_cuda_ipc)"));
-      }
-      const cuda::IpcRegion* r = nullptr;
-      for (const Lease& held : p.leases) {
-        if (held->id == u.src->buffer_id) r = held.operator->();
-      }
-      if (r == nullptr) {
-        absl::StatusOr<Lease> lease = registry_.Acquire(u.field, u.src->buffer_id);
-        if (!lease.ok()) return lease.status();
-        p.leases.push_back(std::move(*lease));
-        r = p.leases.back().operator->();
-      }
-      if (ref_device >= 0 && r->device != ref_device) {
-        return absl::InvalidArgumentError(absl::StrCat(u.field, ".buffer_id: on device ", r->device,
-                                                       ", but the request's other buffers are on device ",
-                                                       ref_device, " (one request runs on one GPU)"));
-      }
-      ref_device = r->device;
-      absl::StatusOr<uint64_t> span =
-          cuda::TensorSpanBytes(u.field, s.batch, u.seq, u.heads, s.head_dim, u.src->strides, DTypeBytes(job->problem.dtype));
-      if (!span.ok()) return span.status();
-      ATTND_RETURN_IF_ERROR(cuda::CheckInRegion(absl::StrCat(u.field, ".offset"), u.src->offset, *span, r->byte_size));
-      u.ptr = r->data() + u.src->offset;
-      if (reinterpret_cast<uintptr_t>(u.ptr) % 16 != 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            u.field, ".offset: the tensor starts at a device address that is not 16-byte aligned (the "
-                     "registration's offset plus this offset must be a multiple of 16)"));
-      }
+    for (const TensorSource* src : {&job->q, &job->k, &job->v, &job->o_ref}) {
+      if (src->device_data != nullptr) ref_device = src->device;
     }
-    p.q_ptr = uses[0].ptr;
-    p.k_ptr = uses[1].ptr;
-    p.v_ptr = uses[2].ptr;
-    p.o_ptr = uses[3].ptr;
-
     CudaDevice* target = nullptr;
     StreamedInputs* streamed = dynamic_cast<StreamedInputs*>(job->inputs.get());
     if (streamed != nullptr) {
@@ -942,6 +929,10 @@ class CudaBackendImpl final : public Backend {
       target = PickInlineDevice();
     }
     if (target == nullptr) return absl::InternalError("no device to run on");
+    Pending p;
+    absl::StatusOr<kernels::Selection> selection = SelectionFor(*job, *target);
+    if (!selection.ok()) return selection.status();
+    p.selection = *std::move(selection);
     // Bound the waiting jobs across devices; the check and the increment are one step so that concurrent
     // submitters cannot overshoot.
     uint32_t q = queued_total_.load();
@@ -988,21 +979,6 @@ class CudaBackendImpl final : public Backend {
     for (auto& d : devices_) d->Stop();
   }
 
-  absl::StatusOr<std::string> RegisterCudaBuffer(const CudaBufferRegistration& reg) override {
-    if (!options_.enable_cuda_ipc) {
-      return absl::FailedPreconditionError(
-          "RegisterCudaBuffer: CUDA IPC is disabled on this server (start attnd with --enable_cuda_ipc)");
-    }
-    return registry_.Register(reg);
-  }
-  absl::Status UnregisterCudaBuffer(const std::string& buffer_id) override {
-    if (!options_.enable_cuda_ipc) {
-      return absl::FailedPreconditionError("UnregisterCudaBuffer: CUDA IPC is disabled on this server");
-    }
-    return registry_.Unregister(buffer_id);
-  }
-  std::vector<CudaBufferDescription> ListCudaBuffers() const override { return registry_.List(); }
-
   BackendStats stats() const override {
     BackendStats st;
     st.tensor_map_cache_hits = maps_.hits();
@@ -1015,7 +991,6 @@ class CudaBackendImpl final : public Backend {
     return out;
   }
   uint32_t max_queue() const override { return options_.max_queue; }
-  bool cuda_ipc_enabled() const override { return options_.enable_cuda_ipc; }
   // Without the device sink a stream is received into host memory and staged when it runs, as a unary
   // request is: nothing overlaps, so there is nothing to prefer.
   uint64_t stream_preferred_from_bytes() const override {
@@ -1023,6 +998,25 @@ class CudaBackendImpl final : public Backend {
   }
 
  private:
+  static absl::StatusOr<kernels::Selection> Select(const ForwardJob& job, int device) {
+    const Shape& s = job.problem.shape;
+    const Layout layout{job.q.strides, job.k.strides, job.v.strides,
+                        job.o_to_buffer ? job.o_ref.strides : ContiguousStrides(s.q_len, s.q_heads, s.head_dim)};
+    kernels::PlanOptions po;
+    po.device = device;
+    return kernels::Select(job.problem, layout, po);
+  }
+
+  // The selection Accept made, for the device the job runs on: the same when the served devices are one model,
+  // else selected again for that device (a host with GPUs of different models).
+  absl::StatusOr<kernels::Selection> SelectionFor(const ForwardJob& job, const CudaDevice& device) const {
+    const auto* accepted = static_cast<const kernels::Selection*>(job.backend_plan.get());
+    if (accepted == nullptr || (accepted->device != device.index() && !one_model_)) return Select(job, device.index());
+    kernels::Selection sel = *accepted;
+    sel.device = device.index();
+    return sel;
+  }
+
   // Inline work goes to the device with the fewest requests queued, running or uploading. Ties are common
   // (a request spends most of its time in transfer, so devices are often idle when one is chosen): the scan
   // starts one device further each time, or device 0 would take them all (2 x H200: 82 of 96 requests from
@@ -1041,8 +1035,8 @@ class CudaBackendImpl final : public Backend {
   const BackendOptions options_;
   CopyPool copies_;  // outlives the devices, whose workers use it
   mutable TensorMapCache maps_;
-  cuda::IpcRegistry registry_;
   std::vector<std::unique_ptr<CudaDevice>> devices_;
+  bool one_model_ = true;  // every served device is the same GPU model (Start)
   absl::Mutex submit_mu_;
   bool stopping_ ABSL_GUARDED_BY(submit_mu_) = false;
   std::atomic<uint32_t> queued_total_{0};  // jobs waiting on any device, bounded by max_queue
@@ -1079,7 +1073,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const BackendOptions& o
     }
   }
   if (options.streams_per_device < 1) return absl::InvalidArgumentError("streams: must be >= 1");
-  auto backend = std::make_unique<CudaBackendImpl>(options, devices);
+  auto backend = std::make_unique<CudaBackendImpl>(options);
   ATTND_RETURN_IF_ERROR(backend->Start(devices));
   return std::unique_ptr<Backend>(std::move(backend));
 }

@@ -13,12 +13,12 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "attnd/server/cuda_backend.h"
 #include "spdlog/spdlog.h"
 
 namespace attnd::server::cuda {
 namespace {
 
-bool MulU64(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_mul_overflow(a, b, out); }
 bool AddU64(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_add_overflow(a, b, out); }
 
 // cuMemGetAddressRange through the runtime's driver entry point: libcuda is never linked, so the binaries
@@ -40,36 +40,6 @@ absl::StatusOr<PFN_cuMemGetAddressRange_v3020> AddressRangeFn() {
 }
 
 }  // namespace
-
-absl::StatusOr<uint64_t> TensorSpanBytes(const std::string& field, int64_t batch, int64_t seq, int64_t heads,
-                                         int64_t head_dim, const Strides& st, uint64_t elem_bytes) {
-  // Index of the last element: sum over dims of (extent - 1) * stride, all non-negative (validated >= 1).
-  const struct {
-    int64_t extent, stride;
-  } dims[] = {{batch, st.batch}, {seq, st.seq}, {heads, st.head}, {head_dim, 1}};
-  uint64_t last = 0;
-  for (const auto& d : dims) {
-    uint64_t term;
-    if (d.extent < 1 || d.stride < 0 || !MulU64(static_cast<uint64_t>(d.extent - 1), static_cast<uint64_t>(d.stride), &term) ||
-        !AddU64(last, term, &last)) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ": the tensor's extent overflows (shape x strides)"));
-    }
-  }
-  uint64_t bytes;
-  if (!AddU64(last, 1, &last) || !MulU64(last, elem_bytes, &bytes)) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": the tensor's extent overflows (shape x strides)"));
-  }
-  return bytes;
-}
-
-absl::Status CheckInRegion(const std::string& field, uint64_t offset, uint64_t bytes, uint64_t region_bytes) {
-  uint64_t end;
-  if (!AddU64(offset, bytes, &end) || end > region_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": bytes [", offset, ", ", offset, "+", bytes,
-                                                   ") run past the registered region of ", region_bytes, " bytes"));
-  }
-  return absl::OkStatus();
-}
 
 IpcMapping::~IpcMapping() {
   int prev = 0;
@@ -192,13 +162,30 @@ std::vector<CudaBufferDescription> IpcRegistry::List() const {
   return out;
 }
 
-absl::StatusOr<Lease> IpcRegistry::Acquire(const std::string& field, const std::string& id) const {
-  absl::MutexLock lock(&mu_);
-  auto it = regions_.find(id);
-  if (it == regions_.end()) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".buffer_id: '", id, "' is not registered"));
+absl::StatusOr<BufferLease> IpcRegistry::Acquire(const std::string& field, const std::string& id) const {
+  std::shared_ptr<IpcRegion> region;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = regions_.find(id);
+    if (it == regions_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".buffer_id: '", id, "' is not registered"));
+    }
+    region = it->second;
   }
-  return Lease(it->second);
+  BufferLease lease;
+  lease.data = region->data();
+  lease.device = region->device;
+  lease.byte_size = region->byte_size;
+  lease.hold = std::make_shared<const Lease>(std::move(region));
+  return lease;
 }
 
 }  // namespace attnd::server::cuda
+
+namespace attnd::server {
+
+std::unique_ptr<BufferRegistry> MakeCudaIpcRegistry(std::vector<int> devices) {
+  return std::make_unique<cuda::IpcRegistry>(std::move(devices));
+}
+
+}  // namespace attnd::server

@@ -308,16 +308,11 @@ class FakeGpuBackend final : public server::Backend {
   std::vector<int64_t> supported_head_dims() const override { return {64}; }
   std::vector<DType> supported_dtypes() const override { return {DType::kBF16}; }
   std::vector<std::string> kernels() const override { return {}; }
-  absl::Status CheckSupported(const server::ForwardJob&) const override { return absl::OkStatus(); }
+  absl::Status Accept(server::ForwardJob*) const override { return absl::OkStatus(); }
   absl::Status Submit(std::unique_ptr<server::ForwardJob>) override { return absl::UnavailableError("fake"); }
   uint32_t queue_depth() const override { return 5; }
   uint32_t in_flight() const override { return 7; }
   void Shutdown() override {}
-  absl::StatusOr<std::string> RegisterCudaBuffer(const server::CudaBufferRegistration&) override {
-    return absl::UnimplementedError("fake");
-  }
-  absl::Status UnregisterCudaBuffer(const std::string&) override { return absl::UnimplementedError("fake"); }
-  std::vector<server::CudaBufferDescription> ListCudaBuffers() const override { return {}; }
   server::BackendStats stats() const override { return {11, 3}; }
   std::vector<server::DeviceMemoryUse> device_memory() const override { return {{0, 1ull << 33}, {3, 12345}}; }
   uint32_t max_queue() const override { return 64; }

@@ -148,7 +148,7 @@ absl::Status Check(const v1::ForwardRequest& r, Transport transport, const Valid
   if (!s.ok()) return s;
   server::BackendOptions o;
   o.threads = 1;
-  return server::CpuBackend(o).CheckSupported(job);
+  return server::CpuBackend(o).Accept(&job);
 }
 
 class BadRequest : public ::testing::TestWithParam<BadCase> {};
@@ -274,10 +274,10 @@ TEST(Validation, UnaryMessageLimitIsResourceExhausted) {
   header.clear_k();
   header.clear_v();
   EXPECT_TRUE(Check(header, Transport::kStream, l).ok());
-  EXPECT_TRUE(Check(testing::MakeRequest(kShape), Transport::kLocal, l).ok());
+  EXPECT_TRUE(Check(testing::MakeRequest(kShape), Transport::kShm, l).ok());
   // The request limit still holds there.
   l.max_request_bytes = 1024;
-  const absl::Status local = Check(testing::MakeRequest(kShape), Transport::kLocal, l);
+  const absl::Status local = Check(testing::MakeRequest(kShape), Transport::kShm, l);
   EXPECT_EQ(local.code(), absl::StatusCode::kResourceExhausted) << local;
   EXPECT_TRUE(absl::StrContains(local.message(), "--max_request_bytes")) << local;
 }

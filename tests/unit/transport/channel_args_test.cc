@@ -1,5 +1,5 @@
-// ParseChannelArgs (attnd/channel_args.h): the --grpc_arg syntax of attnd and attn.
-#include "attnd/channel_args.h"
+// ParseChannelArgs (attnd/transport/channel_args.h): the --grpc_arg syntax of attnd and attn.
+#include "attnd/transport/channel_args.h"
 
 #include <string>
 #include <variant>

@@ -1,6 +1,6 @@
-// RetainFreedHeapMemory (attnd/heap_tuning.h): tensor-sized blocks come from the heap, not from fresh mmaps
+// RetainFreedHeapMemory (attnd/transport/heap_tuning.h): tensor-sized blocks come from the heap, not from fresh mmaps
 // that every request would page-fault in again.
-#include "attnd/heap_tuning.h"
+#include "attnd/transport/heap_tuning.h"
 
 #include <cstdlib>
 #include <cstring>

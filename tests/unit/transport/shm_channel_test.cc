@@ -1,4 +1,4 @@
-// The same-host shared-memory channel (--shm_socket; attnd/shm_channel.h): Forward without gRPC. Runs on the CPU
+// The same-host shared-memory channel (--shm_socket; attnd/transport/shm_channel.h): Forward without gRPC. Runs on the CPU
 // backend with inline tensors (the channel carries any ForwardRequest that fits its areas), so it needs no GPU:
 // correct answers, errors with the field named, a reply too large for the channel, refused handshakes (token,
 // unsealed or mis-sized memfd, too many channels), many channels at once, a caller that vanishes mid-request,
@@ -22,7 +22,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "attnd/client/shm_channel.h"
-#include "attnd/shm_channel.h"
+#include "attnd/transport/shm_channel.h"
 #include "gtest/gtest.h"
 #include "server_test_util.h"
 

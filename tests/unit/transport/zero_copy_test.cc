@@ -1,7 +1,7 @@
-// attnd/zero_copy.h: the bytes gRPC sends are exactly protobuf's serialisation, the tensors are not copied,
+// attnd/transport/zero_copy.h: the bytes gRPC sends are exactly protobuf's serialisation, the tensors are not copied,
 // a message is kept alive by its slices and released with them, and a chunk or a Forward request read straight
 // from the slices matches what protobuf parses (or is left to protobuf).
-#include "attnd/zero_copy.h"
+#include "attnd/transport/zero_copy.h"
 
 #include <algorithm>
 #include <memory>

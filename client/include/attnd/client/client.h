@@ -68,7 +68,7 @@ struct ClientOptions {
   std::string tls_server_name;  // name checked against the server's certificate instead of the target's host
   std::string auth_token;       // sent as "authorization: Bearer <token>" with every call
 
-  // gRPC channel arguments "name=value" applied last (attnd/channel_args.h); a malformed one fails Create.
+  // gRPC channel arguments "name=value" applied last (attnd/transport/channel_args.h); a malformed one fails Create.
   std::vector<std::string> grpc_args;
 };
 

@@ -1,4 +1,4 @@
-// The caller's side of the same-host shared-memory channel (attnd/shm_channel.h; the server's --shm_socket):
+// The caller's side of the same-host shared-memory channel (attnd/transport/shm_channel.h; the server's --shm_socket):
 // Forward without gRPC for a process on the server's host, typically with CUDA IPC buffer references, whose
 // request and reply are a few hundred bytes. Buffers are registered over gRPC (Client::RegisterCudaBuffer) first.
 #pragma once
@@ -10,7 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attnd/client/client.h"
-#include "attnd/shm_channel.h"
+#include "attnd/transport/shm_channel.h"
 #include "attnd/v1/attention.pb.h"
 
 namespace attnd::client {
@@ -25,7 +25,7 @@ struct ShmChannelOptions {
   absl::Duration spin = absl::Microseconds(300);
   // While at most two calls of this process wait for replies, a call polls up to 1.5x as long as its channel's previous call
   // took, up to this: a poll of a fixed 300 us was straddled by 4k-token calls (~270-290 us), and the calls that
-  // slept paid ~20-30 us for the server to wake them (H200, session 9). Not for every caller: with 16 callers at 1k
+  // slept paid ~20-30 us for the server to wake them (H200). Not for every caller: with 16 callers at 1k
   // polling up to 1 ms, the spinning callers took the host's cores from the server (a third of the GPU's
   // throughput lost).
   absl::Duration long_spin = absl::Milliseconds(1);

@@ -1,5 +1,7 @@
-// The narrow core API the gRPC layer delegates to. A backend owns its worker threads (CPU) or streams
-// (CUDA); Submit never blocks the caller, and `done` runs exactly once on a backend thread.
+// The core vocabulary every transport and backend shares: where a request's tensors are (TensorSource,
+// InputSink), one validated request (ForwardJob) and the Backend that runs it. A backend owns its worker
+// threads (CPU) or streams (CUDA); Submit never blocks the caller, and `done` runs exactly once on a backend
+// thread. Transports do not call a Backend for requests directly: the Dispatcher (dispatcher.h) does.
 #pragma once
 
 #include <cstdint>
@@ -22,8 +24,8 @@ namespace attnd::server {
 
 // Where a tensor's bytes are. Inline tensors are host memory owned by the request: contiguous (`host`: the
 // streaming assembly buffer, a shared-memory channel's area, a parsed message) or in `pieces` (a unary
-// message's bytes where gRPC received them, read without a copy); references name a registered CUDA buffer
-// (CUDA backend only).
+// message's bytes where gRPC received them, read without a copy); references name a registered buffer
+// (buffer_registry.h), which the Dispatcher resolves to device memory before the backend sees the job.
 struct TensorSource {
   const uint8_t* host = nullptr;  // inline bytes, contiguous, or nullptr
   uint64_t host_bytes = 0;        // inline bytes in all (contiguous or in pieces)
@@ -31,6 +33,10 @@ struct TensorSource {
   uint64_t offset = 0;            // byte offset into the registered region
   Strides strides;                // element strides (contiguous unless the reference said otherwise)
   std::vector<absl::Span<const uint8_t>> pieces;  // inline bytes in order, when host == nullptr
+  // A resolved reference: the tensor's first byte in device memory and that device.
+  uint8_t* device_data = nullptr;
+  int device = -1;
+  bool is_reference() const { return !buffer_id.empty(); }
 };
 
 // Calls run(data, size) for each contiguous run of an inline tensor's host_bytes, in order.
@@ -110,6 +116,12 @@ struct ForwardJob {
   absl::Time accepted;        // when the gRPC layer accepted it (queue time starts here)
   absl::Time deadline = absl::InfiniteFuture();  // work not started by then is answered DEADLINE_EXCEEDED
   std::function<bool()> cancelled;               // true once the client went away; may be empty
+  // What the backend decided when it accepted the job (Backend::Accept; the CUDA backend: the kernel), for
+  // its own use when the job runs. Opaque to everything else.
+  std::shared_ptr<const void> backend_plan;
+  // The registered buffers the references point into, kept mapped until the Dispatcher drops these (before
+  // the reply, so a client that unregisters right after its reply finds the buffer idle).
+  std::vector<std::shared_ptr<const void>> buffer_holds;
 
   // Outputs.
   std::string o;    // O bytes when !o_to_buffer (and not lent, below)
@@ -137,22 +149,6 @@ struct DeviceDescription {
   int multiprocessor_count = 0;
 };
 
-// A same-host CUDA buffer registration request (RegisterCudaBuffer).
-struct CudaBufferRegistration {
-  std::string ipc_handle;  // 64 bytes
-  int device = 0;
-  uint64_t offset = 0;
-  uint64_t byte_size = 0;
-  std::string name;
-};
-
-struct CudaBufferDescription {
-  std::string buffer_id, name;
-  int device = 0;
-  uint64_t offset = 0, byte_size = 0;
-  uint32_t requests_in_flight = 0;
-};
-
 // Device memory one served device holds for this server (exported as attnd_device_memory_used_bytes{device}).
 struct DeviceMemoryUse {
   int device = 0;
@@ -173,16 +169,17 @@ class Backend {
   virtual std::vector<DType> supported_dtypes() const = 0;
   virtual std::vector<std::string> kernels() const = 0;
 
-  // Backend-specific acceptance (head_dim, dtype, references) beyond the generic shape validation.
-  // INVALID_ARGUMENT / FAILED_PRECONDITION naming the field.
-  virtual absl::Status CheckSupported(const ForwardJob& job) const = 0;
+  // Backend-specific acceptance (head_dim, dtype, references, layout) beyond the generic validation, called
+  // once per request before Submit (and before a stream's OpenInputs); may record its decisions in
+  // job->backend_plan. INVALID_ARGUMENT / FAILED_PRECONDITION naming the field.
+  virtual absl::Status Accept(ForwardJob* job) const = 0;
 
   // Queues the job. Returns RESOURCE_EXHAUSTED (and does not call done) when the queue is full; otherwise
   // OK and `done` is called exactly once later, also across Shutdown.
   virtual absl::Status Submit(std::unique_ptr<ForwardJob> job) = 0;
 
   // Where a ForwardStream's inline inputs go as they arrive: called once its header has been validated
-  // (CheckSupported included), before any chunk; sizes[i] are the inline bytes of q/k/v (0: a reference).
+  // (Accept included), before any chunk; sizes[i] are the inline bytes of q/k/v (0: a reference).
   // The sink comes back to Submit in job->inputs. RESOURCE_EXHAUSTED when the memory cannot be had.
   virtual absl::StatusOr<std::unique_ptr<InputSink>> OpenInputs(const ForwardJob& job,
                                                                 const uint64_t (&sizes)[InputSink::kTensors]) {
@@ -197,20 +194,13 @@ class Backend {
   // Finishes every accepted job, then stops the workers. Submit after Shutdown is UNAVAILABLE.
   virtual void Shutdown() = 0;
 
-  // Same-host CUDA IPC. The CPU backend answers FAILED_PRECONDITION.
-  virtual absl::StatusOr<std::string> RegisterCudaBuffer(const CudaBufferRegistration& reg) = 0;
-  virtual absl::Status UnregisterCudaBuffer(const std::string& buffer_id) = 0;
-  virtual std::vector<CudaBufferDescription> ListCudaBuffers() const = 0;
-
   virtual BackendStats stats() const { return {}; }
   // Device memory held per served device, read at every metrics scrape (cheap, no device sync); empty on the
   // CPU backend.
   virtual std::vector<DeviceMemoryUse> device_memory() const { return {}; }
 
-  // Reported by GetServerInfo: the queue bound behind RESOURCE_EXHAUSTED, and whether RegisterCudaBuffer
-  // can succeed at all.
+  // Reported by GetServerInfo: the queue bound behind RESOURCE_EXHAUSTED.
   virtual uint32_t max_queue() const { return 0; }
-  virtual bool cuda_ipc_enabled() const { return false; }
   // Reported by GetServerInfo (stream_preferred_from_bytes): from how many inline tensor bytes a request that
   // fits one message is still better sent as a ForwardStream, because this backend's OpenInputs sink moves
   // the chunks on while the rest arrives. 0: no such overlap (host memory sink), so streaming only costs.
@@ -223,7 +213,6 @@ struct BackendOptions {
   std::vector<int> devices;        // CUDA devices to serve (empty: all)
   int streams_per_device = 4;      // CUDA stream pool size per device
   uint64_t memory_budget_bytes = 0;  // CUDA staging/device memory budget per device (0: 80% of free)
-  bool enable_cuda_ipc = false;
   // CUDA: shapes "BxLqxLkxHqxHkxD,..." whose buffers are pre-allocated and tensor maps pre-encoded at start.
   std::string warm_shapes;
   size_t tensor_map_cache_entries = 4096;  // CUDA: encoded tensor maps kept (LRU)

@@ -40,15 +40,12 @@ class CpuBackend final : public Backend {
   std::vector<DType> supported_dtypes() const override { return {DType::kBF16, DType::kFP16}; }
   std::vector<std::string> kernels() const override { return {kKernelName}; }
 
-  absl::Status CheckSupported(const ForwardJob& job) const override;
+  absl::Status Accept(ForwardJob* job) const override;
   absl::Status Submit(std::unique_ptr<ForwardJob> job) override;
   uint32_t queue_depth() const override;
   uint32_t in_flight() const override;
   void Shutdown() override;
 
-  absl::StatusOr<std::string> RegisterCudaBuffer(const CudaBufferRegistration& reg) override;
-  absl::Status UnregisterCudaBuffer(const std::string& buffer_id) override;
-  std::vector<CudaBufferDescription> ListCudaBuffers() const override { return {}; }
   uint32_t max_queue() const override { return max_queue_; }
 
   // Jobs whose computation ran (not those answered DEADLINE_EXCEEDED/CANCELLED before starting).

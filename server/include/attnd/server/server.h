@@ -22,6 +22,8 @@ struct ServerOptions {
   int64_t max_q_len = 0;
   int64_t max_kv_len = 0;
   int64_t max_heads = 0;  // shape.q_heads
+  // cuda-ipc buffers: accept RegisterCudaBuffer and tensor references (cuda backend only).
+  bool enable_cuda_ipc = false;
   bool ipc_over_tcp = false;               // accept CUDA IPC registration over TCP too (off: unix socket only)
   // Shutdown waits this long for accepted calls (a stream still uploading included) before gRPC cancels what
   // is left; an infinite grace would let one stalled client hold a SIGTERM forever.
@@ -35,7 +37,7 @@ struct ServerOptions {
   bool access_log = true;         // one info-level line per RPC (health checks excepted)
   uint32_t max_calls_per_client = 0;  // Forward/ForwardStream calls in progress per connection; 0: no limit
   uint32_t unix_socket_mode = 0660;   // permission bits the unix socket gets once bound
-  // Same-host shared-memory channels (attnd/shm_channel.h, docs/transport.md): a unix socket where callers
+  // Same-host shared-memory channels (attnd/transport/shm_channel.h, docs/transport.md): a unix socket where callers
   // hand over a memfd; empty: off. Its file gets unix_socket_mode; peers must be the server's user or root.
   std::string shm_socket;
   uint64_t shm_max_bytes = 64ull << 20;  // per channel, request and reply area each

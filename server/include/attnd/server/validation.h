@@ -9,7 +9,7 @@
 #include "absl/status/status.h"
 #include "attnd/server/backend.h"
 #include "attnd/v1/attention.pb.h"
-#include "attnd/zero_copy.h"
+#include "attnd/transport/zero_copy.h"
 
 namespace attnd::server {
 
@@ -19,10 +19,10 @@ struct RequestBytes {
   uint64_t total() const { return q + k + v + o + lse; }  // cannot wrap: checked by ValidateForwardRequest
 };
 
-// How the tensors travel: inline in one gRPC message, as chunks after a stream header, or inline in a
-// shared-memory channel (shm_listener.h), whose areas the caller sized: bounded by --max_request_bytes (and the
-// channel's --shm_max_bytes), not by gRPC's message limit.
-enum class Transport { kUnary, kStream, kLocal };
+// How the tensors travel: inline in one gRPC message, as chunks after a stream header, or inline in a shm
+// channel (the same-host shared-memory channel), whose areas the caller sized: bounded by --max_request_bytes
+// (and the channel's --shm_max_bytes), not by gRPC's message limit.
+enum class Transport { kUnary, kStream, kShm };
 
 struct ValidationLimits {
   uint64_t max_request_bytes = 1ull << 32;    // Q+K+V+O(+LSE) -> RESOURCE_EXHAUSTED beyond

@@ -1,8 +1,8 @@
-// Same-host zero-copy buffers (CUDA IPC), in the manner of Triton's shared-memory manager: a non-copyable,
-// mutex-guarded map of shared_ptr regions. A caller's cudaIpcMemHandle is opened once per handle (several
-// regions of one allocation share the mapping), the region is checked against the real allocation size,
-// and every use is bounds- and overflow-checked. A request holds a Lease on each region it touches, so an
-// Unregister during the request drops the name at once but unmaps only after the request has finished.
+// The cuda-ipc BufferRegistry (attnd/server/buffer_registry.h), in the manner of Triton's shared-memory
+// manager: a non-copyable, mutex-guarded map of shared_ptr regions. A caller's cudaIpcMemHandle is opened once
+// per handle (several regions of one allocation share the mapping) and the region is checked against the real
+// allocation size. A request holds a Lease on each region it touches, so an Unregister during the request drops
+// the name at once but unmaps only after the request has finished.
 #pragma once
 
 #include <atomic>
@@ -15,19 +15,9 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "attnd/problem.h"
-#include "attnd/server/backend.h"
+#include "attnd/server/buffer_registry.h"
 
 namespace attnd::server::cuda {
-
-// Bytes spanned by a [batch, seq, heads, head_dim] tensor with element strides `st` (head_dim contiguous):
-// from its first element to one past its last. INVALID_ARGUMENT naming `field` when it overflows.
-absl::StatusOr<uint64_t> TensorSpanBytes(const std::string& field, int64_t batch, int64_t seq, int64_t heads,
-                                         int64_t head_dim, const Strides& st, uint64_t elem_bytes);
-
-// OK when [offset, offset + bytes) lies inside a region of `region_bytes`; INVALID_ARGUMENT naming `field`
-// otherwise (overflow included).
-absl::Status CheckInRegion(const std::string& field, uint64_t offset, uint64_t bytes, uint64_t region_bytes);
 
 // One opened cudaIpcMemHandle; closed when the last region using it is gone.
 class IpcMapping {
@@ -82,19 +72,18 @@ class Lease {
   std::shared_ptr<IpcRegion> region_;
 };
 
-class IpcRegistry {
+class IpcRegistry final : public BufferRegistry {
  public:
   // `devices`: the CUDA devices this server serves (a registration on another one is INVALID_ARGUMENT).
   explicit IpcRegistry(std::vector<int> devices);
-  ~IpcRegistry();
+  ~IpcRegistry() override;
   IpcRegistry(const IpcRegistry&) = delete;
   IpcRegistry& operator=(const IpcRegistry&) = delete;
 
-  absl::StatusOr<std::string> Register(const CudaBufferRegistration& reg);
-  absl::Status Unregister(const std::string& id);
-  std::vector<CudaBufferDescription> List() const;
-  // INVALID_ARGUMENT naming `field` for an unknown id.
-  absl::StatusOr<Lease> Acquire(const std::string& field, const std::string& id) const;
+  absl::StatusOr<std::string> Register(const CudaBufferRegistration& reg) override;
+  absl::Status Unregister(const std::string& id) override;
+  std::vector<CudaBufferDescription> List() const override;
+  absl::StatusOr<BufferLease> Acquire(const std::string& field, const std::string& id) const override;
 
  private:
   const std::vector<int> devices_;

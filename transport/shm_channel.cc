@@ -1,4 +1,4 @@
-#include "attnd/shm_channel.h"
+#include "attnd/transport/shm_channel.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -1,4 +1,4 @@
-#include "attnd/zero_copy.h"
+#include "attnd/transport/zero_copy.h"
 
 #include <algorithm>
 #include <climits>

@@ -1,4 +1,4 @@
-#include "attnd/channel_args.h"
+#include "attnd/transport/channel_args.h"
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"

@@ -1,4 +1,4 @@
-#include "attnd/heap_tuning.h"
+#include "attnd/transport/heap_tuning.h"
 
 #include <cstdlib>  // any libc header defines __GLIBC__, which the #if below checks
 

@@ -1,0 +1,74 @@
+// The one request path every transport calls (the gRPC service's Forward and ForwardStream, the shm listener):
+// validate the request into a ForwardJob, let the backend accept it, resolve its buffer references, submit it,
+// and reply exactly once with the finished job or the reason it was refused. A transport only decodes its
+// messages, says what it knows about the call (CallInfo) and encodes the reply.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "attnd/server/backend.h"
+#include "attnd/server/buffer_registry.h"
+#include "attnd/server/validation.h"
+#include "attnd/v1/attention.pb.h"
+
+namespace attnd::server {
+
+// What a transport knows about one call besides its request message.
+struct CallInfo {
+  absl::Time accepted;                            // when the transport took the request (queue time starts here)
+  absl::Time deadline = absl::InfiniteFuture();   // the shm channel carries none: the caller's wait bounds it
+  std::function<bool()> cancelled;                // true once the caller went away; may be empty
+  std::function<absl::Status()> admit;            // the transport's own admission check (gRPC: calls per connection)
+  const InlineBytes* in_message = nullptr;        // q/k/v left in the message's slices (ReadForwardRequest)
+};
+
+class Dispatcher {
+ public:
+  // Called exactly once per submitted job: on a backend thread with the finished job, or inline with a null job
+  // when the request was refused before the backend took it.
+  using Reply = std::function<void(absl::Status, ForwardJob*)>;
+
+  // `buffers` may be null: requests naming registered buffers are then refused FAILED_PRECONDITION.
+  Dispatcher(const ValidationLimits& limits, Backend* backend, const BufferRegistry* buffers)
+      : limits_(limits), backend_(backend), buffers_(buffers) {}
+
+  // Validation, the backend's acceptance and the deadline/cancel check of a request about to be submitted;
+  // fills *job (but its inputs' InputSink) and *bytes.
+  absl::Status Prepare(const v1::ForwardRequest& request, Transport transport, const CallInfo& call, ForwardJob* job,
+                       RequestBytes* bytes) const;
+  // Where a stream's inline inputs go as they arrive (Backend::OpenInputs), after Prepare.
+  absl::StatusOr<std::unique_ptr<InputSink>> OpenInputs(const ForwardJob& job,
+                                                        const uint64_t (&sizes)[InputSink::kTensors]) const {
+    return backend_->OpenInputs(job, sizes);
+  }
+  // Resolves the job's buffer references (holding them until the reply) and hands it to the backend.
+  void Submit(std::unique_ptr<ForwardJob> job, Reply reply);
+  // Prepare and Submit for a request that arrived whole; *bytes gets its sizes (when it passes validation).
+  void Dispatch(const v1::ForwardRequest& request, Transport transport, const CallInfo& call, RequestBytes* bytes,
+                Reply reply);
+
+  // The reply's header fields (request_id, timing, backend, kernel, device) from a finished job.
+  void FillResponseHeader(const ForwardJob& job, v1::ForwardResponse* response) const;
+
+  // From here on new requests are answered UNAVAILABLE (those already accepted still complete).
+  void BeginShutdown() { shutting_down_.store(true); }
+
+  Backend* backend() const { return backend_; }
+  const BufferRegistry* buffers() const { return buffers_; }
+  const ValidationLimits& limits() const { return limits_; }
+
+ private:
+  absl::Status ResolveReferences(ForwardJob& job) const;
+
+  const ValidationLimits limits_;
+  Backend* const backend_;
+  const BufferRegistry* const buffers_;
+  std::atomic<bool> shutting_down_{false};
+};
+
+}  // namespace attnd::server
