@@ -341,7 +341,7 @@ TEST(HopperScheduler, DynamicCausalOrderRunsEveryTileOnceAndBalances) {
       }
     }
     std::vector<int> visits;
-    const double overhead = 1.4;  // block-steps of a tile beyond its key blocks (docs/hopper-kernel-notes.md)
+    const double overhead = 1.4;  // block-steps of a tile beyond its key blocks (docs/kernels.md, the tile scheduler)
     const double end = WalkDynamic(sp, s.grid, overhead, visits);
     for (size_t i = 0; i < visits.size(); ++i) ASSERT_EQ(visits[i], 1) << "tile " << i;
     double total = 0;
