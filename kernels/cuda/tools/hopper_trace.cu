@@ -84,18 +84,12 @@ void LaunchProbed(const attnd::kernels::Plan& plan, int blocks, const hk::Schedu
   LaunchOrder<Tile, hk::kStatic>(plan, blocks, sp);
 }
 
-// The configurations the tool instantiates (d128 s3 and s2, and the defaults `auto` picks).
+// The configurations the tool instantiates: those `auto` picks.
 const std::map<std::string, Launcher>& Launchers() {
   static const std::map<std::string, Launcher> m = {
-      {"hopper_sm90_d128_m128n128s3", &LaunchProbed<hk::HopperD128N128S3>},
-      {"hopper_sm90_d128_m128n128s3_osk", &LaunchProbed<hk::HopperD128N128S3Osk>},
-      {"hopper_sm90_d128_m128n128s2", &LaunchProbed<hk::HopperD128N128S2>},
-      {"hopper_sm90_d128_m128n176s2_os", &LaunchProbed<hk::HopperD128N176S2Os>},
-      {"hopper_sm90_d128_m128n128s3_osk_p2", &LaunchProbed<hk::HopperD128N128S3OskP2>},
-      {"hopper_sm90_d64_m128n128s4", &LaunchProbed<hk::HopperD64N128S4>},
-      {"hopper_sm90_d64_m128n128s4_p2", &LaunchProbed<hk::HopperD64N128S4P2>},
       {"hopper_sm90_d64_m128n128s6_p2", &LaunchProbed<hk::HopperD64N128S6P2>},
-      {"hopper_sm90_d64_m192n128s4", &LaunchProbed<hk::HopperD64M192N128S4>},
+      {"hopper_sm90_d64_m192n128s4_wrs", &LaunchProbed<hk::HopperD64M192N128S4Wrs>},
+      {"hopper_sm90_d128_m128n128s3_osk_p2", &LaunchProbed<hk::HopperD128N128S3OskP2>},
       {"hopper_sm90_d256_m128n64s2", &LaunchProbed<hk::HopperD256N64S2>},
   };
   return m;
@@ -104,10 +98,8 @@ const std::map<std::string, Launcher>& Launchers() {
 // Timeline mode. The tool's own tile types (empty subclasses in this file's anonymous namespace) give every
 // template it instantiates here internal linkage; with the library's own types the linker would keep one copy of
 // each host function for the tool and the library together, probed or not.
-struct TracedN176Os : hk::HopperD128N176S2Os {};
-struct TracedS3Osk : hk::HopperD128N128S3Osk {};
-struct TracedS3 : hk::HopperD128N128S3 {};
-struct TracedS3OskP2 : hk::HopperD128N128S3OskP2 {};  // auto's at d128 (session 28: where a causal launch idles)
+struct TracedD128 : hk::HopperD128N128S3OskP2 {};
+struct TracedD256 : hk::HopperD256N64S2 {};
 
 // LaunchFwd's static and paired paths (the split tail included) for the traced types. Returns the tail split run.
 template <typename Tile>
@@ -148,10 +140,8 @@ hk::TailSplit LaunchTimelineRun(const attnd::kernels::Plan& plan, int sms) {
 using TimelineLauncher = hk::TailSplit (*)(const attnd::kernels::Plan&, int sms);
 const std::map<std::string, TimelineLauncher>& TimelineLaunchers() {
   static const std::map<std::string, TimelineLauncher> m = {
-      {"hopper_sm90_d128_m128n176s2_os", &LaunchTimelineRun<TracedN176Os>},
-      {"hopper_sm90_d128_m128n128s3_osk", &LaunchTimelineRun<TracedS3Osk>},
-      {"hopper_sm90_d128_m128n128s3", &LaunchTimelineRun<TracedS3>},
-      {"hopper_sm90_d128_m128n128s3_osk_p2", &LaunchTimelineRun<TracedS3OskP2>},
+      {"hopper_sm90_d128_m128n128s3_osk_p2", &LaunchTimelineRun<TracedD128>},
+      {"hopper_sm90_d256_m128n64s2", &LaunchTimelineRun<TracedD256>},
   };
   return m;
 }
@@ -516,7 +506,7 @@ int main(int argc, char** argv) {
   }
   if (cases.empty()) {
     for (int causal : {0, 1}) {
-      for (int s : {1024, 4096, 16384}) cases.push_back(Case{"hopper_sm90_d128_m128n128s3", 16384 / s, s, 16, causal});
+      for (int s : {1024, 4096, 16384}) cases.push_back(Case{"hopper_sm90_d128_m128n128s3_osk_p2", 16384 / s, s, 16, causal});
     }
   }
   int sms = 0;

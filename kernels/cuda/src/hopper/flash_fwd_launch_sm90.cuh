@@ -115,9 +115,7 @@ inline int SplitTailMode() {
 // kernels, read 0.999 to 1.019).
 template <typename Tile, typename Elem>
 constexpr bool MaySplitTail() {
-  return std::is_same_v<Tile, HopperD128N128S3> || std::is_same_v<Tile, HopperD128N176S2> ||
-         std::is_same_v<Tile, HopperD128N176S2Os> || std::is_same_v<Tile, HopperD128N128S3OskP2> ||
-         std::is_same_v<Tile, HopperD256N64S2>;
+  return std::is_same_v<Tile, HopperD128N128S3OskP2> || std::is_same_v<Tile, HopperD256N64S2>;
 }
 
 // Whether `stream` is being captured into a CUDA graph: the dynamic schedule's slot events cannot be waited
@@ -194,7 +192,7 @@ cudaError_t LaunchFwd(const Plan& plan, cudaStream_t stream) {
   int sms = 0;
   const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, plan.device);
   if (err != cudaSuccess) return err;
-  constexpr bool kMayRunDynamic = !Tile::kCrossTile && MayRunDynamic(Tile::kHeadDim);
+  constexpr bool kMayRunDynamic = MayRunDynamic(Tile::kHeadDim);
   // Capturing is asked last: only launches that would run the dynamic order pay for the call.
   LaunchSchedule ls = ScheduleFor(plan, Tile::kHeadDim, kMayRunDynamic, sms);
   if (ls.dynamic && Capturing(stream)) ls = ScheduleFor(plan, Tile::kHeadDim, false, sms);
@@ -257,7 +255,7 @@ cudaError_t ReserveSplitTailPoolFor() {
 // may pick, and the device's tile-counter pool.
 template <typename Tile, typename Elem>
 cudaError_t PrepareFwd() {
-  if constexpr (!Tile::kCrossTile && MayRunDynamic(Tile::kHeadDim)) {
+  if constexpr (MayRunDynamic(Tile::kHeadDim)) {
     if (const cudaError_t err = RaiseSmemLimit<Tile, Elem, kDynamic>(); err != cudaSuccess) return err;
     int device = 0;
     if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;

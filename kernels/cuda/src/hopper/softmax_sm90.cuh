@@ -20,26 +20,6 @@ using seed::Exp2;
 using seed::QuadMax;
 using seed::QuadSum;
 
-// 2^x on the FMA pipe, for x <= ~8 or -inf: x = j + f with j = round(x), f in [-1/2, 1/2]; 2^f by its
-// degree-3 Taylor polynomial (relative error < 7e-4, far under bf16's 3.9e-3 rounding of P, and the same
-// value feeds both P and the row sum); 2^j added into the exponent bits. MUFU.EX2 issues 16 a cycle per SM,
-// which with head_dim 64 makes the softmax longer than the GEMMs it should hide under; moving every
-// kPolyEvery-th column group here trades those MUFU cycles for ~10 FP32/INT ops.
-__device__ __forceinline__ float Exp2Poly(float x) {
-  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: x + kRound keeps round(x) in the low mantissa bits
-  const float t = x + kRound;
-  const float f = x - (t - kRound);
-  const float p = fmaf(fmaf(fmaf(0.05550411f, f, 0.24022651f), f, 0.69314718f), f, 1.f);
-  // t's bits are 0x4B400000 + j; shifted up by 23 only j * 2^23 survives (mod 2^32, negative j too).
-  const float r = __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-  return x < -125.f ? 0.f : r;  // also -inf (masked) -> exactly 0, as ex2.approx gives
-}
-
-// Whether 8-column group i is exponentiated by Exp2Poly (every `every`-th group; every = 0: none).
-__host__ __device__ constexpr bool PolyGroup(int i, int every) {
-  return every > 0 && i % (every > 0 ? every : 1) == every - 1;
-}
-
 // The default of the family's hooks (a callback that does nothing): the softmax's after_max, the mainloop's
 // after_issue / after_first.
 struct NoOp {
@@ -62,7 +42,7 @@ struct SoftmaxSm90 {
   // after_max runs once the row maxima are known, before the exponentials (the step probes' mark; none otherwise).
   // kToRowMax: a row's reference moves to its max whenever the max is above it, not only past the threshold; for
   // the step after a failed TryStep (see there).
-  template <bool kMasked, int kPolyEvery = 0, bool kToRowMax = false, typename AfterMax = NoOp>
+  template <bool kMasked, bool kToRowMax = false, typename AfterMax = NoOp>
   __device__ __forceinline__ bool Step(float (&s)[kRegs], float scale_log2, int key0, int limit0, int limit1,
                                        float (&f)[2], AfterMax after_max = {}) {
     constexpr float kThreshold = kToRowMax ? 0.f : seed::kRescaleThresholdLog2;
@@ -126,17 +106,10 @@ struct SoftmaxSm90 {
     after_max();
 #pragma unroll
     for (int i = 0; i < kBlockN / 8; ++i) {
-      if (PolyGroup(i, kPolyEvery)) {
-        s[4 * i + 0] = Exp2Poly(fmaf(s[4 * i + 0], k, -b0));
-        s[4 * i + 1] = Exp2Poly(fmaf(s[4 * i + 1], k, -b0));
-        s[4 * i + 2] = Exp2Poly(fmaf(s[4 * i + 2], k, -b1));
-        s[4 * i + 3] = Exp2Poly(fmaf(s[4 * i + 3], k, -b1));
-      } else {
-        s[4 * i + 0] = Exp2(fmaf(s[4 * i + 0], k, -b0));
-        s[4 * i + 1] = Exp2(fmaf(s[4 * i + 1], k, -b0));
-        s[4 * i + 2] = Exp2(fmaf(s[4 * i + 2], k, -b1));
-        s[4 * i + 3] = Exp2(fmaf(s[4 * i + 3], k, -b1));
-      }
+      s[4 * i + 0] = Exp2(fmaf(s[4 * i + 0], k, -b0));
+      s[4 * i + 1] = Exp2(fmaf(s[4 * i + 1], k, -b0));
+      s[4 * i + 2] = Exp2(fmaf(s[4 * i + 2], k, -b1));
+      s[4 * i + 3] = Exp2(fmaf(s[4 * i + 3], k, -b1));
       l[0] += s[4 * i + 0] + s[4 * i + 1];
       l[1] += s[4 * i + 2] + s[4 * i + 3];
     }
