@@ -87,10 +87,10 @@ void LaunchProbed(const attnd::kernels::Plan& plan, int blocks, const hk::Schedu
 // The configurations the tool instantiates: those `auto` picks.
 const std::map<std::string, Launcher>& Launchers() {
   static const std::map<std::string, Launcher> m = {
-      {"hopper_sm90_d64_m128n128s6_p2", &LaunchProbed<hk::HopperD64N128S6P2>},
-      {"hopper_sm90_d64_m192n128s4_wrs", &LaunchProbed<hk::HopperD64M192N128S4Wrs>},
-      {"hopper_sm90_d128_m128n128s3_osk_p2", &LaunchProbed<hk::HopperD128N128S3OskP2>},
-      {"hopper_sm90_d256_m128n64s2", &LaunchProbed<hk::HopperD256N64S2>},
+      {"hopper_sm90_d64_m128n128s6_p2", &LaunchProbed<hk::TileShape<hk::HopperD64M128N128S6P2>>},
+      {"hopper_sm90_d64_m192n128s4_wrs", &LaunchProbed<hk::TileShape<hk::HopperD64M192N128S4Wrs>>},
+      {"hopper_sm90_d128_m128n128s3_osk_p2", &LaunchProbed<hk::TileShape<hk::HopperD128M128N128S3OskP2>>},
+      {"hopper_sm90_d256_m128n64s2", &LaunchProbed<hk::TileShape<hk::HopperD256M128N64S2>>},
   };
   return m;
 }
@@ -98,8 +98,8 @@ const std::map<std::string, Launcher>& Launchers() {
 // Timeline mode. The tool's own tile types (empty subclasses in this file's anonymous namespace) give every
 // template it instantiates here internal linkage; with the library's own types the linker would keep one copy of
 // each host function for the tool and the library together, probed or not.
-struct TracedD128 : hk::HopperD128N128S3OskP2 {};
-struct TracedD256 : hk::HopperD256N64S2 {};
+struct TracedD128 : hk::TileShape<hk::HopperD128M128N128S3OskP2> {};
+struct TracedD256 : hk::TileShape<hk::HopperD256M128N64S2> {};
 
 // LaunchFwd's static and paired paths (the split tail included) for the traced types. Returns the tail split run.
 template <typename Tile>

@@ -115,7 +115,7 @@ inline int SplitTailMode() {
 // kernels, read 0.999 to 1.019).
 template <typename Tile, typename Elem>
 constexpr bool MaySplitTail() {
-  return std::is_same_v<Tile, HopperD128N128S3OskP2> || std::is_same_v<Tile, HopperD256N64S2>;
+  return Tile::kSplitTail;
 }
 
 // Whether `stream` is being captured into a CUDA graph: the dynamic schedule's slot events cannot be waited
