@@ -13,7 +13,7 @@
 // wait and the conversion of P. Usage: hopper_trace [config B S H causal]... (defaults below). With the split tail
 // the library's output differs from the probed kernel's (which runs without it): set ATTND_HOPPER_SPLIT_TAIL=0.
 //
-// hopper_trace --timeline [config B S H causal]...: the launcher's whole path (persistent grid, order, the split
+// hopper_trace --timeline [--dump=FILE] [config B S H causal]...: the launcher's whole path (persistent grid, order, the split
 // tail with its workspace) with %globaltimer stamps at every tile's and split-tail part's start and at each block's
 // end, to see how evenly the blocks finish and how the rate per key block moves from round to round (the power cap
 // raises the clock when blocks go idle). ATTND_HOPPER_SPLIT_TAIL applies as in the library.
@@ -374,7 +374,7 @@ void RunCase(const Case& c, int sms) {
   if (!same) std::exit(3);
 }
 
-// ATTND_TRACE_DUMP=file (timeline mode): one CSV row per block and round, to see which tiles and which SMs run
+// --dump=FILE (timeline mode): one CSV row per block and round, to see which tiles and which SMs run
 // slow: the tile (q tile, head, batch; for a split-tail part its tile and first key block), its key blocks, its start
 // and length in us after the launch's first tile start, and the SM. Appends, so one file can hold several cases.
 void DumpTimeline(const char* path, const Case& c, int blocks, const PairRun& run, uint64_t t0) {
@@ -406,7 +406,7 @@ void DumpTimeline(const char* path, const Case& c, int blocks, const PairRun& ru
 }
 
 // One problem through the launcher's path with probes: block end times, and per round the rate per key block.
-void RunTimeline(const Case& c, int sms) {
+void RunTimeline(const Case& c, int sms, const char* dump_path) {
   const auto it = TimelineLaunchers().find(c.config);
   if (it == TimelineLaunchers().end()) {
     std::fprintf(stderr, "unknown timeline config %s\n", c.config.c_str());
@@ -463,9 +463,7 @@ void RunTimeline(const Case& c, int sms) {
       if (n > 0) ns_per_block_by_round[r].push_back(static_cast<double>(next - s) / n);
     }
   }
-  if (const char* path = std::getenv("ATTND_TRACE_DUMP"); path != nullptr && *path != '\0') {
-    DumpTimeline(path, c, blocks, run, t0);
-  }
+  if (dump_path != nullptr) DumpTimeline(dump_path, c, blocks, run, t0);
   std::vector<double> sorted = ends;
   std::sort(sorted.begin(), sorted.end());
   const double span = sorted.back();
@@ -500,6 +498,12 @@ int main(int argc, char** argv) {
     --argc;
     ++argv;
   }
+  const char* dump_path = nullptr;  // --dump=FILE, timeline mode only
+  if (timeline && argc > 1 && std::strncmp(argv[1], "--dump=", 7) == 0 && argv[1][7] != '\0') {
+    dump_path = argv[1] + 7;
+    --argc;
+    ++argv;
+  }
   for (int i = 1; i + 4 < argc; i += 5) {
     cases.push_back(Case{argv[i], std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3]),
                          std::atoi(argv[i + 4])});
@@ -511,6 +515,6 @@ int main(int argc, char** argv) {
   }
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  for (const Case& c : cases) timeline ? RunTimeline(c, sms) : RunCase(c, sms);
+  for (const Case& c : cases) timeline ? RunTimeline(c, sms, dump_path) : RunCase(c, sms);
   return 0;
 }
