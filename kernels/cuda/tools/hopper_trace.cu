@@ -415,8 +415,8 @@ void RunTimeline(const Case& c, int sms, const char* dump_path) {
   CaseData cd = SetUpCase(c);
   const int d = cd.d;
   const int blocks = hk::ScheduleFor(cd.plan, d, false, sms).blocks;
-  // Five warm-ups of each; a single probed launch after that still runs near the top clock (call 1 of v16: 1,980
-  // MHz), not at the power cap a benchmark's back-to-back launches settle to.
+  // Five warm-ups of each; a single probed launch after that still runs near the top clock, not at the power cap a
+  // benchmark's back-to-back launches settle to.
   hk::TailSplit ts;
   const PairRun run = RunPair(cd, blocks, 5, [&] { ts = it->second(cd.probed, sms); });
   // The split tail combines parts in another order than a whole tile: compare in value, not bits.

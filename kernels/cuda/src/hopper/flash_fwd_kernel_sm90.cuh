@@ -79,16 +79,12 @@ __device__ __forceinline__ void ReleaseOStage(int& o_stage, uint64_t* empty) {
   o_stage = -1;
 }
 
-// kOrder (tile_scheduler_sm90.cuh): each schedule is an instantiation of its own, so that the plain order's
-// kernel is the one it was before the others existed: with the static and paired orders in one kernel,
-// non-causal d128 ran 3-6% below the pre-pairing library in the same H200 call (session 5, call 4), though
-// the pairs' arithmetic only runs once per tile; split, the two were level within the run-to-run spread
-// (call 5). The cross-tile variant peeks at its next tile before finishing one; it runs the static orders only.
-// kSplitTail: the static and paired orders with their last round split by key blocks (sp.tail_*; TailPartAt).
-// Instantiations of their own, so that the kernels without it are the code they were.
+// kOrder (tile_scheduler_sm90.cuh): each schedule is an instantiation of its own, so that no kernel carries the
+// others' arithmetic (docs/tuning.md, "one kernel per order"). kSplitTail: the static and paired orders with their
+// last round split by key blocks (sp.tail_*; TailPartAt), also kernels of their own.
 // The kernel's body, shared by HopperFwdKernel and HopperFwdKernelO (the maps are the kernels' __grid_constant__
-// parameters; o_map is null except for Tile::kSmemEpilogue). p and sp by value: taken by reference, 8 of the 32
-// d128 kernels compiled differently (the split tails'), and inlined the copies cost nothing.
+// parameters; o_map is null except for Tile::kSmemEpilogue). p and sp by value: taken by reference, the split-tail
+// kernels compile differently, and inlined the copies cost nothing.
 template <typename Tile, typename Elem, int kOrder, bool kSplitTail>
 __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CUtensorMap& k_map,
                                               const CUtensorMap& v_map, const CUtensorMap* o_map, const LaunchParams p,
@@ -103,9 +99,9 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
   TileRingSm90* const tile_ring = TileRingStorage<kDynamicOrder>();
   using TileSlots = TileSlotsSm90<Tile::kConsumerWarpgroups>;
   // Through a shuffle from lane 0, so that ptxas knows it is warp-uniform (as CUTLASS's canonical_warp_group_idx):
-  // from threadIdx.x alone it kept each warpgroup's Q descriptors in vector registers and moved them with two R2UR
-  // before every S HGMMA (v33, call 3's SASS). Except in d128 s3 `_osk_p2`'s static-order split-tail kernel, at the
-  // edge of its 240 registers: there the shuffle made ptxas spill 8 bytes (12 with it in the consumer branch only).
+  // from threadIdx.x alone ptxas keeps each warpgroup's Q descriptors in vector registers and moves them with two
+  // R2UR before every S HGMMA. Except in d128 `_osk_p2`'s static-order split-tail kernel, at the edge of its 240
+  // registers, where the shuffle makes ptxas spill.
   constexpr bool kPlainIndex = kSplitTail && kOrder == kStatic && Tile::kSmemEpilogue && Tile::kPDouble;
   const int thread_wg = static_cast<int>(threadIdx.x / 128);
   const int warpgroup = kPlainIndex ? thread_wg : __shfl_sync(0xffffffffu, thread_wg, 0);

@@ -167,8 +167,8 @@ struct TileSlotsSm90 {
   }
 
   // Readers: the producer thread and every consumer thread, each arriving once. Returns the tile index, -1 at the
-  // end. One arrival per consumer warp after a __syncwarp made d64 m192's consumers spill 40 bytes (v7), and took
-  // s6 `_p2`'s S descriptors out of the uniform registers, with the arrive predicated too (R2UR 77 -> 205, session 26).
+  // end. One arrival per consumer warp after a __syncwarp makes d64 m192's consumers spill and takes s6 `_p2`'s S
+  // descriptors out of the uniform registers, with the arrive predicated too.
   __device__ __forceinline__ int Take(TileRingSm90& ring, TileCoord& c) {
     constexpr int kS = TileRingSm90::kSlots;
     const int slot = n % kS;
@@ -240,9 +240,8 @@ struct ProducerSm90 {
   }
 
   // kPrefetchQ: Q is read once, from DRAM, and its load waits for the previous tile's last S (one Q buffer); its L2
-  // prefetch goes out when the producer takes the tile, typically most of a tile before that load. Measured (v41):
-  // d64 causal 1k +1.2% (6 of 6) in the dynamic order, though Q's traced latency did not shrink, so the gain is not
-  // the Q wait; in the static and paired orders medians of 0.99-1.00, so they do without it.
+  // prefetch goes out when the producer takes the tile, typically most of a tile before that load. It pays in the
+  // dynamic order only (docs/tuning.md, "Q prefetch"), so the static and paired orders do without it.
   template <bool kPrefetchQ = false>
   __device__ __forceinline__ void LoadTile(const LaunchParams& p, int q_tile, int head, int batch) {
     const KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, TileFirstRow<Tile>(q_tile, p.q_len, p.causal));

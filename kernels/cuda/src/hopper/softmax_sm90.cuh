@@ -76,8 +76,8 @@ struct SoftmaxSm90 {
     // The reference max moves only when a row's max beats it by the threshold, and a row's max beats it only if one
     // of its four threads' partial maxima does: when no thread of the warp sees that (every block after the first few
     // of a tile), the quad maxima are not needed. Their two shuffle rounds sit between the S GEMM and the first exp2,
-    // on the chain the other warpgroup's GEMMs have to cover: without them the row max took 525 cycles a step
-    // instead of 695 (d128 4k, hopper_trace's step parts, v19). The outputs are the same either way: without a move
+    // on the chain the other warpgroup's GEMMs have to cover (docs/tuning.md, "row max vote"). The outputs are the
+    // same either way: without a move
     // the exponent's reference is m, as before.
     bool moved = false;
     const bool beyond = mx0 > m[0] + kThreshold || mx1 > m[1] + kThreshold;
@@ -117,8 +117,8 @@ struct SoftmaxSm90 {
   }
 
   // The exponentials first, the check after: for a block past a tile's first few, the reference max almost never
-  // moves, and then the row max (v19's step parts: ~520 cycles of a d128 step, FMNMX chains and the vote, on the
-  // chain the other warpgroup's GEMMs have to cover) decides nothing. P = exp2(s * scale_log2 - m) is taken with
+  // moves, and then the row max (FMNMX chains and the vote, on the chain the other warpgroup's GEMMs have to
+  // cover) decides nothing. P = exp2(s * scale_log2 - m) is taken with
   // the current reference and packed into `pk`; the block is accepted when each of this thread's two row partial
   // sums is at most 2^threshold, which bounds every P by what the lazy rescale allows, so it is the P the full Step
   // computes when no row moves. Otherwise (some P may be past the bound, NaN, or a row has no reference yet)
@@ -128,10 +128,8 @@ struct SoftmaxSm90 {
   // inside the threshold (a sum past 2^8 from many P near 2^5, say), and a full step with the usual threshold
   // leaves its reference where it was, so every later block of the tile is rejected again and pays for the
   // exponentials twice. Causal tiles hit this: their first block is the diagonal, where a tile's top rows see one
-  // key or a few, so their reference is the max of a few scores. On random inputs (hopper_trace, d128 causal 16k,
-  // session 29) some tiles were rejected on 42-99 of their ~110 blocks and ran 17-38% over their length, and the
-  // launch's blocks ended up to 13% apart. Moved to the row max, such a tile is rejected about once (a host model
-  // of the same inputs, docs/hopper-runs/session29/host_model/).
+  // key or a few, so their reference is the max of a few scores. Moved to the row max, such a tile is rejected
+  // about once (docs/tuning.md, "TryStep").
   template <int kPSteps, typename Pack>
   __device__ __forceinline__ bool TryStep(const float (&s)[kRegs], float scale_log2, uint32_t (&pk)[kPSteps][4],
                                           Pack pack) {
