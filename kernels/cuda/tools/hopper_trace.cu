@@ -13,7 +13,7 @@
 // wait and the conversion of P. Usage: hopper_trace [config B S H causal]... (defaults below). With the split tail
 // the library's output differs from the probed kernel's (which runs without it): set ATTND_HOPPER_SPLIT_TAIL=0.
 //
-// hopper_trace --timeline [config B S H causal]...: the launcher's whole path (persistent grid, order, the split
+// hopper_trace --timeline [--dump=FILE] [config B S H causal]...: the launcher's whole path (persistent grid, order, the split
 // tail with its workspace) with %globaltimer stamps at every tile's and split-tail part's start and at each block's
 // end, to see how evenly the blocks finish and how the rate per key block moves from round to round (the power cap
 // raises the clock when blocks go idle). ATTND_HOPPER_SPLIT_TAIL applies as in the library.
@@ -84,19 +84,13 @@ void LaunchProbed(const attnd::kernels::Plan& plan, int blocks, const hk::Schedu
   LaunchOrder<Tile, hk::kStatic>(plan, blocks, sp);
 }
 
-// The configurations the tool instantiates (d128 s3 and s2, and the defaults `auto` picks).
+// The configurations the tool instantiates: those `auto` picks.
 const std::map<std::string, Launcher>& Launchers() {
   static const std::map<std::string, Launcher> m = {
-      {"hopper_sm90_d128_m128n128s3", &LaunchProbed<hk::HopperD128N128S3>},
-      {"hopper_sm90_d128_m128n128s3_osk", &LaunchProbed<hk::HopperD128N128S3Osk>},
-      {"hopper_sm90_d128_m128n128s2", &LaunchProbed<hk::HopperD128N128S2>},
-      {"hopper_sm90_d128_m128n176s2_os", &LaunchProbed<hk::HopperD128N176S2Os>},
-      {"hopper_sm90_d128_m128n128s3_osk_p2", &LaunchProbed<hk::HopperD128N128S3OskP2>},
-      {"hopper_sm90_d64_m128n128s4", &LaunchProbed<hk::HopperD64N128S4>},
-      {"hopper_sm90_d64_m128n128s4_p2", &LaunchProbed<hk::HopperD64N128S4P2>},
-      {"hopper_sm90_d64_m128n128s6_p2", &LaunchProbed<hk::HopperD64N128S6P2>},
-      {"hopper_sm90_d64_m192n128s4", &LaunchProbed<hk::HopperD64M192N128S4>},
-      {"hopper_sm90_d256_m128n64s2", &LaunchProbed<hk::HopperD256N64S2>},
+      {"hopper_sm90_d64_m128n128s6_p2", &LaunchProbed<hk::TileShape<hk::HopperD64M128N128S6P2>>},
+      {"hopper_sm90_d64_m192n128s4_wrs", &LaunchProbed<hk::TileShape<hk::HopperD64M192N128S4Wrs>>},
+      {"hopper_sm90_d128_m128n128s3_osk_p2", &LaunchProbed<hk::TileShape<hk::HopperD128M128N128S3OskP2>>},
+      {"hopper_sm90_d256_m128n64s2", &LaunchProbed<hk::TileShape<hk::HopperD256M128N64S2>>},
   };
   return m;
 }
@@ -104,10 +98,8 @@ const std::map<std::string, Launcher>& Launchers() {
 // Timeline mode. The tool's own tile types (empty subclasses in this file's anonymous namespace) give every
 // template it instantiates here internal linkage; with the library's own types the linker would keep one copy of
 // each host function for the tool and the library together, probed or not.
-struct TracedN176Os : hk::HopperD128N176S2Os {};
-struct TracedS3Osk : hk::HopperD128N128S3Osk {};
-struct TracedS3 : hk::HopperD128N128S3 {};
-struct TracedS3OskP2 : hk::HopperD128N128S3OskP2 {};  // auto's at d128 (session 28: where a causal launch idles)
+struct TracedD128 : hk::TileShape<hk::HopperD128M128N128S3OskP2> {};
+struct TracedD256 : hk::TileShape<hk::HopperD256M128N64S2> {};
 
 // LaunchFwd's static and paired paths (the split tail included) for the traced types. Returns the tail split run.
 template <typename Tile>
@@ -148,10 +140,8 @@ hk::TailSplit LaunchTimelineRun(const attnd::kernels::Plan& plan, int sms) {
 using TimelineLauncher = hk::TailSplit (*)(const attnd::kernels::Plan&, int sms);
 const std::map<std::string, TimelineLauncher>& TimelineLaunchers() {
   static const std::map<std::string, TimelineLauncher> m = {
-      {"hopper_sm90_d128_m128n176s2_os", &LaunchTimelineRun<TracedN176Os>},
-      {"hopper_sm90_d128_m128n128s3_osk", &LaunchTimelineRun<TracedS3Osk>},
-      {"hopper_sm90_d128_m128n128s3", &LaunchTimelineRun<TracedS3>},
-      {"hopper_sm90_d128_m128n128s3_osk_p2", &LaunchTimelineRun<TracedS3OskP2>},
+      {"hopper_sm90_d128_m128n128s3_osk_p2", &LaunchTimelineRun<TracedD128>},
+      {"hopper_sm90_d256_m128n64s2", &LaunchTimelineRun<TracedD256>},
   };
   return m;
 }
@@ -384,7 +374,7 @@ void RunCase(const Case& c, int sms) {
   if (!same) std::exit(3);
 }
 
-// ATTND_TRACE_DUMP=file (timeline mode): one CSV row per block and round, to see which tiles and which SMs run
+// --dump=FILE (timeline mode): one CSV row per block and round, to see which tiles and which SMs run
 // slow: the tile (q tile, head, batch; for a split-tail part its tile and first key block), its key blocks, its start
 // and length in us after the launch's first tile start, and the SM. Appends, so one file can hold several cases.
 void DumpTimeline(const char* path, const Case& c, int blocks, const PairRun& run, uint64_t t0) {
@@ -416,7 +406,7 @@ void DumpTimeline(const char* path, const Case& c, int blocks, const PairRun& ru
 }
 
 // One problem through the launcher's path with probes: block end times, and per round the rate per key block.
-void RunTimeline(const Case& c, int sms) {
+void RunTimeline(const Case& c, int sms, const char* dump_path) {
   const auto it = TimelineLaunchers().find(c.config);
   if (it == TimelineLaunchers().end()) {
     std::fprintf(stderr, "unknown timeline config %s\n", c.config.c_str());
@@ -425,8 +415,8 @@ void RunTimeline(const Case& c, int sms) {
   CaseData cd = SetUpCase(c);
   const int d = cd.d;
   const int blocks = hk::ScheduleFor(cd.plan, d, false, sms).blocks;
-  // Five warm-ups of each; a single probed launch after that still runs near the top clock (call 1 of v16: 1,980
-  // MHz), not at the power cap a benchmark's back-to-back launches settle to.
+  // Five warm-ups of each; a single probed launch after that still runs near the top clock, not at the power cap a
+  // benchmark's back-to-back launches settle to.
   hk::TailSplit ts;
   const PairRun run = RunPair(cd, blocks, 5, [&] { ts = it->second(cd.probed, sms); });
   // The split tail combines parts in another order than a whole tile: compare in value, not bits.
@@ -473,9 +463,7 @@ void RunTimeline(const Case& c, int sms) {
       if (n > 0) ns_per_block_by_round[r].push_back(static_cast<double>(next - s) / n);
     }
   }
-  if (const char* path = std::getenv("ATTND_TRACE_DUMP"); path != nullptr && *path != '\0') {
-    DumpTimeline(path, c, blocks, run, t0);
-  }
+  if (dump_path != nullptr) DumpTimeline(dump_path, c, blocks, run, t0);
   std::vector<double> sorted = ends;
   std::sort(sorted.begin(), sorted.end());
   const double span = sorted.back();
@@ -510,17 +498,23 @@ int main(int argc, char** argv) {
     --argc;
     ++argv;
   }
+  const char* dump_path = nullptr;  // --dump=FILE, timeline mode only
+  if (timeline && argc > 1 && std::strncmp(argv[1], "--dump=", 7) == 0 && argv[1][7] != '\0') {
+    dump_path = argv[1] + 7;
+    --argc;
+    ++argv;
+  }
   for (int i = 1; i + 4 < argc; i += 5) {
     cases.push_back(Case{argv[i], std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3]),
                          std::atoi(argv[i + 4])});
   }
   if (cases.empty()) {
     for (int causal : {0, 1}) {
-      for (int s : {1024, 4096, 16384}) cases.push_back(Case{"hopper_sm90_d128_m128n128s3", 16384 / s, s, 16, causal});
+      for (int s : {1024, 4096, 16384}) cases.push_back(Case{"hopper_sm90_d128_m128n128s3_osk_p2", 16384 / s, s, 16, causal});
     }
   }
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  for (const Case& c : cases) timeline ? RunTimeline(c, sms) : RunCase(c, sms);
+  for (const Case& c : cases) timeline ? RunTimeline(c, sms, dump_path) : RunCase(c, sms);
   return 0;
 }

@@ -6,8 +6,7 @@ namespace attnd::kernels::hopper {
 
 EntryList Sm90D256Entries() {
   static const KernelEntry kEntries[] = {
-      Entry<HopperD256N64S2>("hopper_sm90_d256_m128n64s2"),
-      Entry<HopperD256N80S2>("hopper_sm90_d256_m128n80s2"),
+      Entry<TileShape<HopperD256M128N64S2>>("hopper_sm90_d256_m128n64s2"),
   };
   return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
 }

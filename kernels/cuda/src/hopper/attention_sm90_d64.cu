@@ -6,15 +6,8 @@ namespace attnd::kernels::hopper {
 
 EntryList Sm90D64Entries() {
   static const KernelEntry kEntries[] = {
-      Entry<HopperD64N128S4>("hopper_sm90_d64_m128n128s4"),
-      Entry<HopperD64M192N128S4>("hopper_sm90_d64_m192n128s4"),
-      Entry<HopperD64M192N128S4Poly>("hopper_sm90_d64_m192n128s4_polyexp"),
-      Entry<HopperD64N128S4Poly>("hopper_sm90_d64_m128n128s4_polyexp"),
-      Entry<HopperD64N128S4X>("hopper_sm90_d64_m128n128s4_x"),
-      Entry<HopperD64N128S4P2>("hopper_sm90_d64_m128n128s4_p2"),
-      Entry<HopperD64N128S6P2>("hopper_sm90_d64_m128n128s6_p2"),
-      Entry<HopperD64M192N128S4Wr>("hopper_sm90_d64_m192n128s4_wr"),
-      Entry<HopperD64M192N128S4Wrs>("hopper_sm90_d64_m192n128s4_wrs"),
+      Entry<TileShape<HopperD64M128N128S6P2>>("hopper_sm90_d64_m128n128s6_p2"),
+      Entry<TileShape<HopperD64M192N128S4Wrs>>("hopper_sm90_d64_m192n128s4_wrs"),
   };
   return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
 }

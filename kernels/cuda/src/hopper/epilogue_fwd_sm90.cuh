@@ -1,9 +1,8 @@
 // Epilogue role: normalise O by the row sums and write it, and the LSE (natural log), straight from the
 // accumulator registers. Shared memory is all K/V ring and Q (already being refilled for the next tile), so O
 // does not go through it: instead a 4x4 transpose inside each quad (shuffles) gives every thread 16 contiguous
-// bytes of its row, and a warp's store writes 64 contiguous bytes of 8 rows. The 4-byte stores this replaces
-// made the epilogue the largest per-tile cost (hopper_trace, v5: ~3,000 cycles of d128's ~2,500-cycle block
-// step, 9,000+ at d256), bound by the number of store instructions, not by bytes.
+// bytes of its row, and a warp's store writes 64 contiguous bytes of 8 rows: the epilogue's cost is the number of
+// store instructions, not bytes (docs/tuning.md, "register epilogue").
 #pragma once
 
 #include <math_constants.h>
@@ -98,9 +97,9 @@ __device__ __forceinline__ void StoreOutputSm90(const LaunchParams& p, const flo
   }
 }
 
-// --- The shared-memory epilogue (TileShape::kSmemEpilogue) ----------------------------------------------------
-// The register epilogue above costs ~0.65 of a block step a tile at d128 (v12: quad shuffles, their selects,
-// eight 16-byte stores a thread, then the stores' drain charged to the next tile). Here each warpgroup writes its
+// --- The shared-memory epilogue (HopperTileFeatures::kSmemEpilogue) ----------------------------------------------------
+// The register epilogue above costs over half a block step a tile at d128 (quad shuffles, their selects, eight
+// 16-byte stores a thread, then the stores' drain charged to the next tile). Here each warpgroup writes its
 // normalised O with stmatrix, which takes the accumulator layout as it is, into the V stage its last P V has just
 // read, and one thread stores it with TMA; nobody waits for global memory.
 

@@ -67,74 +67,6 @@ __device__ __forceinline__ KeyRange PartRange(const LaunchParams& p, int q0, con
   return r;
 }
 
-// A consumer warpgroup's whole persistent loop for the cross-tile variant: while a tile has key blocks and
-// the next tile this block runs has some too, the two are joined by one CrossStep (the next tile's first
-// S with this tile's last P V), and this tile's epilogue runs right after it, while the next tile's P sits
-// in registers. A tile without key blocks (rows before every key, bottom-right causal) breaks the chain: its
-// neighbours take the plain first / last steps, and its zero output is written directly.
-template <typename Tile, typename Elem, bool kPairedOrder>
-__device__ __forceinline__ void ConsumerTilesCrossTile(ConsumerSm90<Tile, Elem>& consumer, const LaunchParams& p,
-                                                       const SchedulerParams& sp) {
-  using Consumer = ConsumerSm90<Tile, Elem>;
-  const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-  const int row_in_tile = consumer.wg * 64 + warp * 16 + (lane >> 2);
-  // Only the tile index stays live across the chain; coordinates and key ranges are recomputed where
-  // needed (a few integer ops). Meant to leave uniform registers to the mainloop's descriptors; the SASS
-  // still builds them in vector registers (docs/hopper-kernel-notes.md, v4).
-  const auto range = [&](int t) {
-    return KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, TileAtFor<kPairedOrder>(sp, t).q_tile * Tile::kBlockM);
-  };
-  const auto store = [&](int t, const float(&o)[Consumer::kORegs], const typename Consumer::Softmax& sm) {
-    const TileCoord c = TileAtFor<kPairedOrder>(sp, t);
-    StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, c.q_tile * Tile::kBlockM + row_in_tile, c.head,
-                                                          c.batch);
-  };
-  float o[Consumer::kORegs];
-  float s[Consumer::kSRegs];
-  uint32_t pf[Consumer::kPSteps][4];
-  typename Consumer::Softmax sm, sm_next;
-  int round = 0;
-  for (int t = TileOfRoundFor<kPairedOrder>(sp, 0); t >= 0;) {
-    // A chain starts at tile t.
-#pragma unroll
-    for (int i = 0; i < Consumer::kORegs; ++i) o[i] = 0.f;
-    sm.Init();
-    const KeyRange r = range(t);
-    if (r.n_blocks == 0) {
-      store(t, o, sm);
-      t = TileOfRoundFor<kPairedOrder>(sp, ++round);
-      continue;
-    }
-    TileWork w = consumer.Work(p, r, TileAtFor<kPairedOrder>(sp, t).q_tile * Tile::kBlockM + row_in_tile);
-    w.q_slot = consumer.WaitQ();
-    consumer.FirstBlock(p, w, s, pf, sm);
-    for (;;) {
-      consumer.MiddleBlocks(p, w, o, s, pf, sm);
-      const int tn = TileOfRoundFor<kPairedOrder>(sp, round + 1);
-      const KeyRange rn = tn >= 0 ? range(tn) : KeyRange{0, 0};
-      if (rn.n_blocks == 0) {
-        consumer.LastPV(o, pf);
-        store(t, o, sm);
-        t = tn;
-        ++round;
-        break;
-      }
-      TileWork wn = consumer.Work(p, rn, TileAtFor<kPairedOrder>(sp, tn).q_tile * Tile::kBlockM + row_in_tile);
-      wn.q_slot = consumer.WaitQ();
-      sm_next.Init();
-      consumer.CrossStep(p, wn, o, s, pf, sm_next);
-      Consumer::ConvertP(s, pf);  // first: S is dead during the epilogue
-      store(t, o, sm);
-#pragma unroll
-      for (int i = 0; i < Consumer::kORegs; ++i) o[i] = 0.f;
-      sm = sm_next;
-      w = wn;
-      t = tn;
-      ++round;
-    }
-  }
-}
-
 // Shared-memory epilogue: hands the stage that held this warpgroup's O (o_stage; -1: none) back to the producer
 // once the TMA store has read it (`empty`: the V ring's barriers; with split O stages the K ring's, followed by the
 // V ring's, o_stage indexing both). The storing thread waits for that and arrives for the warpgroup's four warps.
@@ -147,24 +79,19 @@ __device__ __forceinline__ void ReleaseOStage(int& o_stage, uint64_t* empty) {
   o_stage = -1;
 }
 
-// kOrder (tile_scheduler_sm90.cuh): each schedule is an instantiation of its own, so that the plain order's
-// kernel is the one it was before the others existed: with the static and paired orders in one kernel,
-// non-causal d128 ran 3-6% below the pre-pairing library in the same H200 call (session 5, call 4), though
-// the pairs' arithmetic only runs once per tile; split, the two were level within the run-to-run spread
-// (call 5). The cross-tile variant peeks at its next tile before finishing one; it runs the static orders only.
-// kSplitTail: the static and paired orders with their last round split by key blocks (sp.tail_*; TailPartAt).
-// Instantiations of their own, so that the kernels without it are the code they were.
+// kOrder (tile_scheduler_sm90.cuh): each schedule is an instantiation of its own, so that no kernel carries the
+// others' arithmetic (docs/tuning.md, "one kernel per order"). kSplitTail: the static and paired orders with their
+// last round split by key blocks (sp.tail_*; TailPartAt), also kernels of their own.
 // The kernel's body, shared by HopperFwdKernel and HopperFwdKernelO (the maps are the kernels' __grid_constant__
-// parameters; o_map is null except for Tile::kSmemEpilogue). p and sp by value: taken by reference, 8 of the 32
-// d128 kernels compiled differently (the split tails'), and inlined the copies cost nothing.
+// parameters; o_map is null except for Tile::kSmemEpilogue). p and sp by value: taken by reference, the split-tail
+// kernels compile differently, and inlined the copies cost nothing.
 template <typename Tile, typename Elem, int kOrder, bool kSplitTail>
 __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CUtensorMap& k_map,
                                               const CUtensorMap& v_map, const CUtensorMap* o_map, const LaunchParams p,
                                               const SchedulerParams sp) {
   constexpr bool kPairedOrder = kOrder == kPaired;
   constexpr bool kDynamicOrder = kOrder == kDynamic;
-  static_assert(!(kDynamicOrder && Tile::kCrossTile), "the cross-tile variant runs the static orders only");
-  static_assert(!kSplitTail || (!kDynamicOrder && !Tile::kCrossTile), "the split tail follows a static order");
+  static_assert(!kSplitTail || !kDynamicOrder, "the split tail follows a static order");
   static_assert(!Tile::kSmemEpilogue || !kDynamicOrder, "the shared-memory epilogue: static and paired orders");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -172,10 +99,10 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
   TileRingSm90* const tile_ring = TileRingStorage<kDynamicOrder>();
   using TileSlots = TileSlotsSm90<Tile::kConsumerWarpgroups>;
   // Through a shuffle from lane 0, so that ptxas knows it is warp-uniform (as CUTLASS's canonical_warp_group_idx):
-  // from threadIdx.x alone it kept each warpgroup's Q descriptors in vector registers and moved them with two R2UR
-  // before every S HGMMA (v33, call 3's SASS). Except in d128 s3 `_osk_p2`'s static-order split-tail kernel, at the
-  // edge of its 240 registers: there the shuffle made ptxas spill 8 bytes (12 with it in the consumer branch only).
-  constexpr bool kPlainIndex = kSplitTail && kOrder == kStatic && Tile::kOSplitStages && Tile::kPDouble;
+  // from threadIdx.x alone ptxas keeps each warpgroup's Q descriptors in vector registers and moves them with two
+  // R2UR before every S HGMMA. Except in d128 `_osk_p2`'s static-order split-tail kernel, at the edge of its 240
+  // registers, where the shuffle makes ptxas spill.
+  constexpr bool kPlainIndex = kSplitTail && kOrder == kStatic && Tile::kSmemEpilogue && Tile::kPDouble;
   const int thread_wg = static_cast<int>(threadIdx.x / 128);
   const int warpgroup = kPlainIndex ? thread_wg : __shfl_sync(0xffffffffu, thread_wg, 0);
 
@@ -184,11 +111,8 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
     seed::PrefetchTensorMap(&k_map);
     seed::PrefetchTensorMap(&v_map);
     if constexpr (Tile::kSmemEpilogue) seed::PrefetchTensorMap(o_map);
-#pragma unroll
-    for (int i = 0; i < Tile::kQBuffers; ++i) {
-      seed::MbarInit(&smem.q_full[i], 1);
-      seed::MbarInit(&smem.q_empty[i], 4 * Tile::kConsumerWarpgroups);  // one arrival per consumer warp
-    }
+    seed::MbarInit(smem.q_full, 1);
+    seed::MbarInit(smem.q_empty, 4 * Tile::kConsumerWarpgroups);  // one arrival per consumer warp
 #pragma unroll
     for (int st = 0; st < Tile::kStages; ++st) {
       seed::MbarInit(&smem.k_full[st], 1);
@@ -248,19 +172,15 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
     ConsumerSm90<Tile, Elem> consumer{smem, warpgroup - 1};
     // Warpgroup 0 takes the first turn (the last one hands it over up front); the matching extra wait is at
     // the end, so no barrier is left half-arrived when the block exits.
-    if constexpr (Tile::kPingPong) {
-      if (consumer.wg == Tile::kConsumerWarpgroups - 1) PassTurn<Tile::kConsumerWarpgroups>(consumer.wg);
-    }
-    if constexpr (Tile::kCrossTile) {
-      ConsumerTilesCrossTile<Tile, Elem, kPairedOrder>(consumer, p, sp);
-    } else {
+    if (consumer.wg == Tile::kConsumerWarpgroups - 1) PassTurn<Tile::kConsumerWarpgroups>(consumer.wg);
+    {
       const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
       TileSlots slots;
       // Shared-memory epilogue: the V stage holding this warpgroup's O until its TMA store has read it (-1: none);
       // with split O stages, the index of its empty barrier after k_empty (warpgroup 0: a K stage, 1: a V stage),
       // so that no pointer stays live beside it (128x176 spilled with one).
       int o_stage = -1;
-      uint64_t* const o_empty = Tile::kOSplitStages ? smem.k_empty : smem.v_empty;
+      uint64_t* const o_empty = smem.k_empty;
       for (int round = 0;; ++round) {
         if constexpr (kSplitTail) {
           if (round >= sp.tail_round) break;
@@ -293,21 +213,14 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
         } else if constexpr (Tile::kSmemEpilogue) {
           consumer.Run(p, r, row0, o, sm, [&] { ReleaseOStage(o_stage, o_empty); });
           uint32_t o_smem;
-          if constexpr (Tile::kOSplitStages) {
-            // Warpgroup 0 into the last block's K stage once warpgroup 1's last S has read it; warpgroup 1 into the
-            // V stage once warpgroup 0's last P V has (Run signals both).
-            if (consumer.wg == 0) {
-              NamedBarrierSync<FwdNamedBarrier::kLastQKDone, 256>();
-              o_smem = seed::SmemAddr(smem.k) + consumer.prev_st * Tile::kKVTileBytes;
-            } else {
-              NamedBarrierSync<FwdNamedBarrier::kLastPVDone, 256>();
-              o_smem = seed::SmemAddr(smem.v) + consumer.prev_st * Tile::kKVTileBytes;
-            }
+          // Warpgroup 0 into the last block's K stage once warpgroup 1's last S has read it; warpgroup 1 into the
+          // V stage once warpgroup 0's last P V has (Run signals both).
+          if (consumer.wg == 0) {
+            NamedBarrierSync<FwdNamedBarrier::kLastQKDone, 256>();
+            o_smem = seed::SmemAddr(smem.k) + consumer.prev_st * Tile::kKVTileBytes;
           } else {
-            // Both warpgroups read the whole V stage in their last P V: neither writes O there before both are done.
             NamedBarrierSync<FwdNamedBarrier::kLastPVDone, 256>();
-            o_smem = seed::SmemAddr(smem.v) + consumer.prev_st * Tile::kKVTileBytes +
-                     consumer.wg * (64 * Tile::kHeadDim * 2);
+            o_smem = seed::SmemAddr(smem.v) + consumer.prev_st * Tile::kKVTileBytes;
           }
           WriteOutputSmemSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch, o_smem);
           FenceProxyAsyncShared();
@@ -319,14 +232,14 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
             }
             BulkCommit();
           }
-          o_stage = Tile::kOSplitStages && consumer.wg == 1 ? Tile::kStages + consumer.prev_st : consumer.prev_st;
+          o_stage = consumer.wg == 1 ? Tile::kStages + consumer.prev_st : consumer.prev_st;
         } else {
           consumer.Run(p, r, row0, o, sm);
         }
         // One call site for the register epilogue: a call in each branch above put its code in the kernel twice.
         if constexpr (!Tile::kSmemEpilogue) {
           // Shifted tiles: a warpgroup whose rows lie before 0 has nothing to store (the epilogue checks only the end).
-          if (!Tile::kShiftTiles || q0 + consumer.wg * 64 >= 0) {
+          if (!Tile::kWgRanges || q0 + consumer.wg * 64 >= 0) {
             StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
           }
         }
@@ -371,9 +284,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
       }
       ATTND_HOPPER_TRACE_GLOBAL(1 + consumer.wg, trace::kRounds - 1);
     }
-    if constexpr (Tile::kPingPong) {
-      if (consumer.wg == 0) WaitTurn<Tile::kConsumerWarpgroups>(0);
-    }
+    if (consumer.wg == 0) WaitTurn<Tile::kConsumerWarpgroups>(0);
   }
 }
 

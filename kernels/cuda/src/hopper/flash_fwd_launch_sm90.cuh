@@ -19,18 +19,18 @@
 
 namespace attnd::kernels::hopper {
 
-// The configurations compiled with a split last round: auto's at head_dim 128 and 256 (kernel_registry_test checks
-// auto's choices against the entries' `split_tail`). Each is two more kernels per element type (static and paired).
+// Whether the configuration is compiled with a split last round (its trait's kSplitTail: auto's at head_dim 128 and
+// 256; kernel_registry_test checks auto's choices against the entries' `split_tail`). Each is two more kernels per
+// element type (static and paired).
 template <typename Tile>
 constexpr bool MaySplitTail() {
-  return std::is_same_v<Tile, HopperD128N128S3OskP2> || std::is_same_v<Tile, HopperD256N64S2>;
+  return Tile::kSplitTail;
 }
 
-// Whether the configuration has the dynamic-order kernel: head_dim 64 (MayRunDynamic), and not the cross-tile variant,
-// which runs the static orders only.
+// Whether the configuration has the dynamic-order kernel: head_dim 64 (MayRunDynamic).
 template <typename Tile>
 constexpr bool MayRunDynamicTile() {
-  return !Tile::kCrossTile && MayRunDynamic(Tile::kHeadDim);
+  return MayRunDynamic(Tile::kHeadDim);
 }
 
 // Plan time: the schedule of `plan` (its params and grid filled in) on a device of `sms` multiprocessors, and the

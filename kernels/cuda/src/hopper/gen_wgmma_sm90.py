@@ -6,7 +6,7 @@ m64nNk16 with fp32 accumulators), which is long and error-prone by hand, so it i
 Run: python3 gen_wgmma_sm90.py > wgmma_sm90.h
 """
 
-SS_N = [64, 80, 96, 128, 160, 176, 192]   # S = Q K^T: N = block_n
+SS_N = [64, 128]                # S = Q K^T: N = block_n
 RS_N = [64, 128, 256]                # O += P V: N = head_dim
 TYPES = [("__nv_bfloat16", "bf16"), ("__half", "f16")]
 

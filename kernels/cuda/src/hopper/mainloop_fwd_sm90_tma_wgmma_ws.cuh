@@ -1,16 +1,15 @@
 // Mainloop role: the producer's TMA loads and the consumers' wgmma GEMMs + softmax over one tile's key blocks.
 //
-// Shared memory: Q (block_m x head_dim, loaded once per tile; two buffers, tiles alternating, for the
-// cross-tile variant) and a ring of `stages` K/V stages, all as 128-byte-swizzled 64-element panels written
+// Shared memory: Q (block_m x head_dim, loaded once per tile) and a ring of `stages` K/V stages, all as 128-byte-swizzled 64-element panels written
 // by TMA. Barriers (mbarrier):
-//   q_full[i]        TMA -> consumers: Q of a tile has landed in buffer i (transaction count)
-//   q_empty[i]       consumers -> producer: all warpgroups' last Q K^T on buffer i is done, it may be refilled
+//   q_full           TMA -> consumers: Q of a tile has landed (transaction count)
+//   q_empty          consumers -> producer: all warpgroups' last Q K^T on Q is done, it may be refilled
 //   k_full/v_full[s] TMA -> consumers, separately, so Q K^T starts while V is still in flight
 //   k_empty[s]       consumers -> producer: every consumer warp's Q K^T on stage s has completed
 //   v_empty[s]       consumers -> producer: every consumer warp's P V on stage s has completed
 // K and V are two rings with their own empty barriers: with the softmax/PV overlap, V of block b+1 is held
 // until the middle of block b's step, but K of block b+1 is free as soon as S of b+1 is; one shared ring
-// would delay the next K load by that much and expose the TMA latency on every block (v1: 55% of peak).
+// would delay the next K load by that much and expose the TMA latency on every block (docs/tuning.md).
 // The producer accordingly issues K one block ahead of V.
 // Key blocks are visited last to first, so the masked ones (diagonal, kv tail) come first and the loop
 // body after them runs unmasked. The producer and both consumer warpgroups count blocks with one running
@@ -67,7 +66,7 @@ __device__ __forceinline__ KeyRange KeyRangeFor(const LaunchParams& p, int q0) {
 // differently, shifted or not.)
 template <typename Tile>
 __device__ __forceinline__ int TileFirstRow(int q_tile, int q_len, bool causal) {
-  if constexpr (Tile::kShiftTiles) {
+  if constexpr (Tile::kWgRanges) {
     if (causal) {
       constexpr int kWG = Tile::kConsumerWarpgroups;
       const int groups = (q_len + 63) >> 6;
@@ -103,8 +102,8 @@ struct SharedStorageSm90 {
   uint8_t* q;
   uint8_t* k;  // stage s at k + s * kKVTileBytes
   uint8_t* v;
-  uint64_t* q_full;   // [kQBuffers]
-  uint64_t* q_empty;  // [kQBuffers]
+  uint64_t* q_full;
+  uint64_t* q_empty;
   uint64_t* k_full;
   uint64_t* v_full;
   uint64_t* k_empty;
@@ -112,12 +111,12 @@ struct SharedStorageSm90 {
 
   __device__ __forceinline__ explicit SharedStorageSm90(uint8_t* base) {
     q = base;
-    k = q + Tile::kQBuffers * Tile::kQBytes;
+    k = q + Tile::kQBytes;
     v = k + Tile::kStages * Tile::kKVTileBytes;
     uint64_t* bars = reinterpret_cast<uint64_t*>(v + Tile::kStages * Tile::kKVTileBytes);
     q_full = bars;
-    q_empty = bars + Tile::kQBuffers;
-    k_full = bars + 2 * Tile::kQBuffers;
+    q_empty = bars + 1;
+    k_full = bars + 2;
     v_full = k_full + Tile::kStages;
     k_empty = v_full + Tile::kStages;
     v_empty = k_empty + Tile::kStages;  // right after k_empty: split O stages index both as one array
@@ -168,8 +167,8 @@ struct TileSlotsSm90 {
   }
 
   // Readers: the producer thread and every consumer thread, each arriving once. Returns the tile index, -1 at the
-  // end. One arrival per consumer warp after a __syncwarp made d64 m192's consumers spill 40 bytes (v7), and took
-  // s6 `_p2`'s S descriptors out of the uniform registers, with the arrive predicated too (R2UR 77 -> 205, session 26).
+  // end. One arrival per consumer warp after a __syncwarp makes d64 m192's consumers spill and takes s6 `_p2`'s S
+  // descriptors out of the uniform registers, with the arrive predicated too.
   __device__ __forceinline__ int Take(TileRingSm90& ring, TileCoord& c) {
     constexpr int kS = TileRingSm90::kSlots;
     const int slot = n % kS;
@@ -216,16 +215,12 @@ struct ProducerSm90 {
   }
 
   __device__ __forceinline__ void LoadQ(int q0, int head, int batch) {
-    // The consumers of the tile that last used this buffer must be done with it (every warpgroup's last
-    // Q K^T there): with one buffer that is the previous tile, with two the one before it.
-    constexpr int kQB = Tile::kQBuffers;
-    const int slot = q_tiles % kQB;
-    if (q_tiles >= kQB) MbarWait(&smem.q_empty[slot], ((q_tiles / kQB) + 1) & 1);
-    MbarArriveExpectTx(&smem.q_full[slot], Tile::kQBytes);
-    uint8_t* q = smem.q + slot * Tile::kQBytes;
+    // The previous tile's consumers must be done with Q (every warpgroup's last Q K^T).
+    if (q_tiles >= 1) MbarWait(smem.q_empty, (q_tiles + 1) & 1);
+    MbarArriveExpectTx(smem.q_full, Tile::kQBytes);
 #pragma unroll
     for (int pn = 0; pn < Tile::kPanels; ++pn) {
-      TmaLoad4d(q + pn * SharedStorageSm90<Tile>::kQPanelBytes, q_map, &smem.q_full[slot], pn * 64, head, q0, batch);
+      TmaLoad4d(smem.q + pn * SharedStorageSm90<Tile>::kQPanelBytes, q_map, smem.q_full, pn * 64, head, q0, batch);
     }
     ++q_tiles;
   }
@@ -245,9 +240,8 @@ struct ProducerSm90 {
   }
 
   // kPrefetchQ: Q is read once, from DRAM, and its load waits for the previous tile's last S (one Q buffer); its L2
-  // prefetch goes out when the producer takes the tile, typically most of a tile before that load. Measured (v41):
-  // d64 causal 1k +1.2% (6 of 6) in the dynamic order, though Q's traced latency did not shrink, so the gain is not
-  // the Q wait; in the static and paired orders medians of 0.99-1.00, so they do without it.
+  // prefetch goes out when the producer takes the tile, typically most of a tile before that load. It pays in the
+  // dynamic order only (docs/tuning.md, "Q prefetch"), so the static and paired orders do without it.
   template <bool kPrefetchQ = false>
   __device__ __forceinline__ void LoadTile(const LaunchParams& p, int q_tile, int head, int batch) {
     const KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, TileFirstRow<Tile>(q_tile, p.q_len, p.causal));
@@ -276,11 +270,12 @@ struct ProducerSm90 {
   }
 };
 
-// One tile as a consumer warpgroup sees it: its key blocks, its rows' last visible keys, its Q buffer.
+// One tile as a consumer warpgroup sees it: its key blocks and its rows' last visible keys.
 struct TileWork {
   KeyRange r;
   int limit0, limit1;  // RowLimit of this thread's two rows
-  int q_slot;
+  // Keeps the struct at 16 bytes: at 12, ptxas gave the split-tail kernels' part loop other registers.
+  int unused = 0;
 };
 
 // Consumer warpgroup: 64 query rows of the tile.
@@ -301,23 +296,21 @@ struct ConsumerSm90 {
   ATTND_HOPPER_STEP_MEMBER         // the last step-part mark (probes only)
 
   // Waits for the next tile's Q (the producer loads one per tile with key blocks, in tile order).
-  __device__ __forceinline__ int WaitQ() {
-    const int slot = q_tiles % Tile::kQBuffers;
-    MbarWait(&smem.q_full[slot], (q_tiles / Tile::kQBuffers) & 1);
+  __device__ __forceinline__ void WaitQ() {
+    MbarWait(smem.q_full, q_tiles & 1);
     ++q_tiles;
-    return slot;
   }
 
   __device__ __forceinline__ TileWork Work(const LaunchParams& p, const KeyRange& r, int row0) const {
-    return TileWork{r, RowLimit(p, row0), RowLimit(p, row0 + 8), 0};
+    return TileWork{r, RowLimit(p, row0), RowLimit(p, row0 + 8)};
   }
 
   // S = Q K^T over head_dim in k16 steps. A k16 step inside a 128-byte swizzled row moves the descriptors'
   // start by 32 bytes; the next 64 head_dim values are the next panel.
-  __device__ __forceinline__ void IssueQK(float (&s)[kSRegs], int st, int q_slot) const {
+  __device__ __forceinline__ void IssueQK(float (&s)[kSRegs], int st) const {
     // Offsets are added after the conversion to a shared-window address: 32-bit arithmetic the compiler keeps
     // in uniform registers, instead of redoing the generic-to-shared conversion per dynamic index.
-    const uint32_t q_base = SmemAddr(smem.q) + q_slot * Tile::kQBytes + wg * 64 * 128;
+    const uint32_t q_base = SmemAddr(smem.q) + wg * 64 * 128;
     const uint32_t k_base = SmemAddr(smem.k) + st * Tile::kKVTileBytes;
     const uint32_t q_lo = SmemDescLo(q_base, 16), k_lo = SmemDescLo(k_base, 16);
     constexpr uint32_t kHi = SmemDescHi(1024);
@@ -354,11 +347,11 @@ struct ConsumerSm90 {
     }
   }
 
-  // This warp's last Q K^T on a Q buffer has completed: the producer may refill it while this warpgroup
+  // This warp's last Q K^T of the tile has completed: the producer may refill Q while this warpgroup
   // finishes P V and the epilogue.
-  __device__ __forceinline__ void ReleaseQ(int q_slot) const {
+  __device__ __forceinline__ void ReleaseQ() const {
     __syncwarp();
-    if ((threadIdx.x & 31) == 0) MbarArrive(&smem.q_empty[q_slot]);
+    if ((threadIdx.x & 31) == 0) MbarArrive(smem.q_empty);
   }
 
   // This warp's reads of a stage are done (its wgmma group has completed): one arrival per warp.
@@ -368,10 +361,10 @@ struct ConsumerSm90 {
   }
 
   __device__ __forceinline__ void TurnBegin() const {
-    if constexpr (Tile::kPingPong) WaitTurn<Tile::kConsumerWarpgroups>(wg);
+    WaitTurn<Tile::kConsumerWarpgroups>(wg);
   }
   __device__ __forceinline__ void TurnEnd() const {
-    if constexpr (Tile::kPingPong) PassTurn<Tile::kConsumerWarpgroups>(wg);
+    PassTurn<Tile::kConsumerWarpgroups>(wg);
   }
 
   // kToRowMax: the step after a failed TryStep (Softmax::TryStep says why); masked blocks never have one.
@@ -384,11 +377,9 @@ struct ConsumerSm90 {
     const NoOp after_max;
 #endif
     if (block >= w.r.n_full) {
-      return sm.template Step<true, Tile::kPolyExpEvery>(s, p.scale_log2, block * BN, w.limit0, w.limit1, f,
-                                                         after_max);
+      return sm.template Step<true>(s, p.scale_log2, block * BN, w.limit0, w.limit1, f, after_max);
     }
-    return sm.template Step<false, Tile::kPolyExpEvery, kToRowMax>(s, p.scale_log2, block * BN, w.limit0, w.limit1,
-                                                                   f, after_max);
+    return sm.template Step<false, kToRowMax>(s, p.scale_log2, block * BN, w.limit0, w.limit1, f, after_max);
   }
 
   // After S of a block has completed: its K stage goes back to the producer. kHoldLast (split O stages, whole
@@ -397,7 +388,7 @@ struct ConsumerSm90 {
   template <bool kHoldLast>
   __device__ __forceinline__ void ReleaseK(int st, bool last) const {
     if constexpr (kHoldLast) {
-      // A predicated arrive rather than a branch around it: with the branch, 128x176's consumers spilled.
+      // A predicated arrive rather than a branch around it, which costs registers at the consumers' limit.
       __syncwarp();
       const uint32_t arrive = (threadIdx.x & 31) == 0 && !(last && wg == 0);
       asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}"
@@ -411,11 +402,11 @@ struct ConsumerSm90 {
   // S alone (its own turn), on K stage st once that stage's load of phase `phase` has landed. after_issue runs
   // while the GEMM does.
   template <bool kHoldLast = false, typename AfterIssue = NoOp>
-  __device__ __forceinline__ void SAlone(float (&s)[kSRegs], int st, uint32_t phase, int q_slot, bool last = false,
+  __device__ __forceinline__ void SAlone(float (&s)[kSRegs], int st, uint32_t phase, bool last = false,
                                          AfterIssue after_issue = {}) {
     MbarWait(&smem.k_full[st], phase);
     TurnBegin();
-    IssueQK(s, st, q_slot);
+    IssueQK(s, st);
     TurnEnd();
     after_issue();
     WgmmaWait<0>();
@@ -447,15 +438,15 @@ struct ConsumerSm90 {
 #pragma unroll 1
     for (int b = tile.n_blocks - 1; b >= r.n_blocks; --b) EmptyStep();
     if (r.n_blocks == 0 && tile.n_blocks > 0) {
-      ReleaseQ(WaitQ());
+      WaitQ();
+      ReleaseQ();
       TurnBegin();
       TurnEnd();
     }
     return r;
   }
 
-  // Overlapped variant, in three parts a tile's blocks run through (the cross-tile kernel loop fuses the
-  // last part of one tile with the first of the next, see CrossStep).
+  // The overlapped loop, in three parts a tile's blocks run through.
   // First: the tile's first block (the last in key order), S alone; O is still zero, so no rescale.
   // kPart: the blocks [w.r.first, w.r.n_blocks) of a split tile; without, all of them (the same code as before
   // parts existed: reading `first` there changed every kernel's code).
@@ -465,8 +456,8 @@ struct ConsumerSm90 {
     float f[2];
     const int st = load % S;
     const bool last = w.r.n_blocks - 1 == (kPart ? w.r.first : 0);
-    SAlone<Tile::kOSplitStages && !kPart>(s, st, (load / S) & 1, w.q_slot, last, after_issue);
-    if (last) ReleaseQ(w.q_slot);
+    SAlone<Tile::kSmemEpilogue && !kPart>(s, st, (load / S) & 1, last, after_issue);
+    if (last) ReleaseQ();
     SoftmaxStep(sm, s, p, w.r.n_blocks - 1, w, f);
     ConvertP(s, pf);
     prev_st = st;
@@ -474,17 +465,16 @@ struct ConsumerSm90 {
     ++load;
   }
 
-  // The overlapped step, first half: S of the block in K stage `st` (Q buffer q_slot) and P V of the
-  // previous block in one turn. Returns once S has completed; the P V may still run.
+  // The overlapped step, first half: S of the block in K stage `st` and P V of the previous block in one
+  // turn. Returns once S has completed; the P V may still run.
   template <bool kHoldLast = false>
   __device__ __forceinline__ void IssueSWithPrevPV(float (&s)[kSRegs], float (&o)[kORegs],
-                                                   const uint32_t (&pf)[kPSteps][4], int st, int q_slot,
-                                                   bool last = false) {
+                                                   const uint32_t (&pf)[kPSteps][4], int st, bool last = false) {
     MbarWait(&smem.k_full[st], (load / S) & 1);
     ATTND_HOPPER_STEP_MARK(kSpKWait);
     TurnBegin();
     ATTND_HOPPER_STEP_MARK(kSpTurn);
-    IssueQK(s, st, q_slot);
+    IssueQK(s, st);
     ATTND_HOPPER_STEP_MARK(kSpIssueS);
     MbarWait(&smem.v_full[prev_st], prev_phase);
     ATTND_HOPPER_STEP_MARK(kSpVWait);
@@ -516,8 +506,8 @@ struct ConsumerSm90 {
                                            uint32_t (&next)[kPSteps][4], Softmax& sm, int b, int first) {
     float f[2];
     const int st = load % S;
-    IssueSWithPrevPV<Tile::kOSplitStages && !kPart>(s, o, pv, st, w.q_slot, b == first);
-    if (b == first) ReleaseQ(w.q_slot);
+    IssueSWithPrevPV<Tile::kSmemEpilogue && !kPart>(s, o, pv, st, b == first);
+    if (b == first) ReleaseQ();
     // No GEMM reads `next`: the P V that last read it completed in the previous step. So an unmasked block can
     // take its exponentials before its row max (Softmax::TryStep) and keep the raw scores for the full step.
     bool accepted = false;
@@ -565,8 +555,8 @@ struct ConsumerSm90 {
     ATTND_HOPPER_STEP_RESET();
     for (int b = w.r.n_blocks - 2; b >= first; --b) {
       const int st = load % S;
-      IssueSWithPrevPV<Tile::kOSplitStages && !kPart>(s, o, pf, st, w.q_slot, b == first);
-      if (b == first) ReleaseQ(w.q_slot);
+      IssueSWithPrevPV<Tile::kSmemEpilogue && !kPart>(s, o, pf, st, b == first);
+      if (b == first) ReleaseQ();
       const bool rescale = SoftmaxStep(sm, s, p, b, w, f);
       ATTND_HOPPER_STEP_MARK(kSpSoftmax);
       FinishPrevPV(o, pf, st);
@@ -597,20 +587,6 @@ struct ConsumerSm90 {
     PVAlone<kRelease>(o, pf, prev_st, prev_phase);
   }
 
-  // Cross-tile step: S of the next tile's first block (Q in the other buffer) and this tile's last P V in
-  // one turn; the next tile's softmax runs under that P V. On return o holds this tile's finished
-  // (unnormalised) output for the epilogue, s / pf / sm_next the next tile's first block.
-  __device__ __forceinline__ void CrossStep(const LaunchParams& p, const TileWork& next, float (&o)[kORegs],
-                                            float (&s)[kSRegs], uint32_t (&pf)[kPSteps][4], Softmax& sm_next) {
-    float f[2];
-    const int st = load % S;
-    IssueSWithPrevPV(s, o, pf, st, next.q_slot);
-    if (next.r.n_blocks == 1) ReleaseQ(next.q_slot);
-    SoftmaxStep(sm_next, s, p, next.r.n_blocks - 1, next, f);  // the next tile's O starts at zero: no rescale
-    FinishPrevPV(o, pf, st);
-  }
-
-
   // Runs one tile's key blocks (kPart: those of [r.first, r.n_blocks)); on return o holds the unnormalised output
   // and sm the row max / sums. after_first runs once the first block's S has completed (the shared-memory
   // epilogue hands the previous tile's V stage back there); with split O stages, once it has been issued.
@@ -623,48 +599,33 @@ struct ConsumerSm90 {
 #pragma unroll
     for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
     sm.Init();
-    w.q_slot = WaitQ();
+    WaitQ();
     ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kQReady);
     ATTND_HOPPER_TRACE_VALUE(1 + wg, trace_round, trace::kBlocks, r.n_blocks);
 
     float s[kSRegs];
     uint32_t pf[kPSteps][4];
-    float f[2];
 
-    if constexpr (Tile::kIntraOverlap) {
-      if constexpr (Tile::kOSplitStages) {
-        FirstBlock<kPart>(p, w, s, pf, sm, after_first);
-      } else {
-        FirstBlock<kPart>(p, w, s, pf, sm);
-        after_first();
-      }
-      ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kFirstDone);
-      MiddleBlocks<kPart>(p, w, o, s, pf, sm);
-      ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kMiddleDone);
-      ATTND_HOPPER_STEP_PUT();
-      if constexpr (Tile::kOSplitStages && !kPart) {
-        LastPV<false>(o, pf);
-        if (wg == 0) {
-          Release(smem.v_empty, prev_st);
-          NamedBarrierArrive<FwdNamedBarrier::kLastPVDone, 256>();
-        }
-      } else {
-        LastPV<!(Tile::kSmemEpilogue && !kPart)>(o, pf);  // a split part's O leaves from registers
-      }
-      ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kLastPVDone);
+    if constexpr (Tile::kSmemEpilogue) {
+      FirstBlock<kPart>(p, w, s, pf, sm, after_first);
     } else {
-      const int first = kPart ? r.first : 0;
-      for (int b = r.n_blocks - 1; b >= first; --b) {
-        const int st = load % S;
-        const uint32_t phase = (load / S) & 1;
-        ++load;
-        SAlone(s, st, phase, w.q_slot);
-        if (b == first) ReleaseQ(w.q_slot);
-        if (SoftmaxStep(sm, s, p, b, w, f)) Softmax::Rescale(o, f);
-        ConvertP(s, pf);
-        PVAlone(o, pf, st, phase);
-      }
+      FirstBlock<kPart>(p, w, s, pf, sm);
+      after_first();
     }
+    ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kFirstDone);
+    MiddleBlocks<kPart>(p, w, o, s, pf, sm);
+    ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kMiddleDone);
+    ATTND_HOPPER_STEP_PUT();
+    if constexpr (Tile::kSmemEpilogue && !kPart) {
+      LastPV<false>(o, pf);
+      if (wg == 0) {
+        Release(smem.v_empty, prev_st);
+        NamedBarrierArrive<FwdNamedBarrier::kLastPVDone, 256>();
+      }
+    } else {
+      LastPV(o, pf);  // a split part's O leaves from registers
+    }
+    ATTND_HOPPER_TRACE_AT(1 + wg, trace_round, trace::kLastPVDone);
   }
 };
 

@@ -20,26 +20,6 @@ using seed::Exp2;
 using seed::QuadMax;
 using seed::QuadSum;
 
-// 2^x on the FMA pipe, for x <= ~8 or -inf: x = j + f with j = round(x), f in [-1/2, 1/2]; 2^f by its
-// degree-3 Taylor polynomial (relative error < 7e-4, far under bf16's 3.9e-3 rounding of P, and the same
-// value feeds both P and the row sum); 2^j added into the exponent bits. MUFU.EX2 issues 16 a cycle per SM,
-// which with head_dim 64 makes the softmax longer than the GEMMs it should hide under; moving every
-// kPolyEvery-th column group here trades those MUFU cycles for ~10 FP32/INT ops.
-__device__ __forceinline__ float Exp2Poly(float x) {
-  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: x + kRound keeps round(x) in the low mantissa bits
-  const float t = x + kRound;
-  const float f = x - (t - kRound);
-  const float p = fmaf(fmaf(fmaf(0.05550411f, f, 0.24022651f), f, 0.69314718f), f, 1.f);
-  // t's bits are 0x4B400000 + j; shifted up by 23 only j * 2^23 survives (mod 2^32, negative j too).
-  const float r = __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-  return x < -125.f ? 0.f : r;  // also -inf (masked) -> exactly 0, as ex2.approx gives
-}
-
-// Whether 8-column group i is exponentiated by Exp2Poly (every `every`-th group; every = 0: none).
-__host__ __device__ constexpr bool PolyGroup(int i, int every) {
-  return every > 0 && i % (every > 0 ? every : 1) == every - 1;
-}
-
 // The default of the family's hooks (a callback that does nothing): the softmax's after_max, the mainloop's
 // after_issue / after_first.
 struct NoOp {
@@ -62,7 +42,7 @@ struct SoftmaxSm90 {
   // after_max runs once the row maxima are known, before the exponentials (the step probes' mark; none otherwise).
   // kToRowMax: a row's reference moves to its max whenever the max is above it, not only past the threshold; for
   // the step after a failed TryStep (see there).
-  template <bool kMasked, int kPolyEvery = 0, bool kToRowMax = false, typename AfterMax = NoOp>
+  template <bool kMasked, bool kToRowMax = false, typename AfterMax = NoOp>
   __device__ __forceinline__ bool Step(float (&s)[kRegs], float scale_log2, int key0, int limit0, int limit1,
                                        float (&f)[2], AfterMax after_max = {}) {
     constexpr float kThreshold = kToRowMax ? 0.f : seed::kRescaleThresholdLog2;
@@ -96,8 +76,8 @@ struct SoftmaxSm90 {
     // The reference max moves only when a row's max beats it by the threshold, and a row's max beats it only if one
     // of its four threads' partial maxima does: when no thread of the warp sees that (every block after the first few
     // of a tile), the quad maxima are not needed. Their two shuffle rounds sit between the S GEMM and the first exp2,
-    // on the chain the other warpgroup's GEMMs have to cover: without them the row max took 525 cycles a step
-    // instead of 695 (d128 4k, hopper_trace's step parts, v19). The outputs are the same either way: without a move
+    // on the chain the other warpgroup's GEMMs have to cover (docs/tuning.md, "row max vote"). The outputs are the
+    // same either way: without a move
     // the exponent's reference is m, as before.
     bool moved = false;
     const bool beyond = mx0 > m[0] + kThreshold || mx1 > m[1] + kThreshold;
@@ -126,17 +106,10 @@ struct SoftmaxSm90 {
     after_max();
 #pragma unroll
     for (int i = 0; i < kBlockN / 8; ++i) {
-      if (PolyGroup(i, kPolyEvery)) {
-        s[4 * i + 0] = Exp2Poly(fmaf(s[4 * i + 0], k, -b0));
-        s[4 * i + 1] = Exp2Poly(fmaf(s[4 * i + 1], k, -b0));
-        s[4 * i + 2] = Exp2Poly(fmaf(s[4 * i + 2], k, -b1));
-        s[4 * i + 3] = Exp2Poly(fmaf(s[4 * i + 3], k, -b1));
-      } else {
-        s[4 * i + 0] = Exp2(fmaf(s[4 * i + 0], k, -b0));
-        s[4 * i + 1] = Exp2(fmaf(s[4 * i + 1], k, -b0));
-        s[4 * i + 2] = Exp2(fmaf(s[4 * i + 2], k, -b1));
-        s[4 * i + 3] = Exp2(fmaf(s[4 * i + 3], k, -b1));
-      }
+      s[4 * i + 0] = Exp2(fmaf(s[4 * i + 0], k, -b0));
+      s[4 * i + 1] = Exp2(fmaf(s[4 * i + 1], k, -b0));
+      s[4 * i + 2] = Exp2(fmaf(s[4 * i + 2], k, -b1));
+      s[4 * i + 3] = Exp2(fmaf(s[4 * i + 3], k, -b1));
       l[0] += s[4 * i + 0] + s[4 * i + 1];
       l[1] += s[4 * i + 2] + s[4 * i + 3];
     }
@@ -144,8 +117,8 @@ struct SoftmaxSm90 {
   }
 
   // The exponentials first, the check after: for a block past a tile's first few, the reference max almost never
-  // moves, and then the row max (v19's step parts: ~520 cycles of a d128 step, FMNMX chains and the vote, on the
-  // chain the other warpgroup's GEMMs have to cover) decides nothing. P = exp2(s * scale_log2 - m) is taken with
+  // moves, and then the row max (FMNMX chains and the vote, on the chain the other warpgroup's GEMMs have to
+  // cover) decides nothing. P = exp2(s * scale_log2 - m) is taken with
   // the current reference and packed into `pk`; the block is accepted when each of this thread's two row partial
   // sums is at most 2^threshold, which bounds every P by what the lazy rescale allows, so it is the P the full Step
   // computes when no row moves. Otherwise (some P may be past the bound, NaN, or a row has no reference yet)
@@ -155,10 +128,8 @@ struct SoftmaxSm90 {
   // inside the threshold (a sum past 2^8 from many P near 2^5, say), and a full step with the usual threshold
   // leaves its reference where it was, so every later block of the tile is rejected again and pays for the
   // exponentials twice. Causal tiles hit this: their first block is the diagonal, where a tile's top rows see one
-  // key or a few, so their reference is the max of a few scores. On random inputs (hopper_trace, d128 causal 16k,
-  // session 29) some tiles were rejected on 42-99 of their ~110 blocks and ran 17-38% over their length, and the
-  // launch's blocks ended up to 13% apart. Moved to the row max, such a tile is rejected about once (a host model
-  // of the same inputs, docs/hopper-runs/session29/host_model/).
+  // key or a few, so their reference is the max of a few scores. Moved to the row max, such a tile is rejected
+  // about once (docs/tuning.md, "TryStep").
   template <int kPSteps, typename Pack>
   __device__ __forceinline__ bool TryStep(const float (&s)[kRegs], float scale_log2, uint32_t (&pk)[kPSteps][4],
                                           Pack pack) {

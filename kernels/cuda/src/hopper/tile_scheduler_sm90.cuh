@@ -1,14 +1,12 @@
 // Tile scheduler role: a persistent grid (one block per SM) walks the (q_tile, head, batch) tiles in rounds
 // of `grid` tiles, block i taking the i-th tile of even rounds and the i-th from the end of odd ones
-// (boustrophedon). With costs falling along the order (causal), plain striding gave block 0 the longest
-// tile of every round (d128 16k: the busiest block 6.3% over the mean, 0.3% snaking); measured on the H200,
-// snaking took causal d128 16k from 553 to 669 TFLOP/s (more than that imbalance explains; see
-// docs/hopper-kernel-notes.md).
+// (boustrophedon). With costs falling along the order (causal), plain striding gives block 0 the longest
+// tile of every round; the snake balances them (docs/tuning.md, "tile order").
 // Order: (batch, head) pairs are taken a section at a time; inside a section the q_tile is the slow index,
 // highest first. Without a mask every tile costs the same, and a section is as many heads as keep their
 // K and V inside about a quarter of L2, so the ~132 blocks in flight share K/V through L2. With a causal mask
 // the cost of a tile grows with its q_tile; sections there made the strided assignment hand one block all
-// long tiles and another all short ones (v1: d256 causal 16k at 0.5x cuDNN), so a long causal problem is one
+// long tiles and another all short ones, so a long causal problem is one
 // section: each stride-round of `grid` tiles is a run of nearly equal cost, longest first (LPT).
 // Short causal problems (at most kMaxPairedQTiles q tiles per head), and longer ones whose K and V exceed
 // kPairedKvBytes, are paired instead: a block runs q tiles nq-1-i and i of one head back to back, nq + 1 key
@@ -55,28 +53,24 @@ struct TileCoord {
   int q_tile, head, batch;
 };
 
-// About a quarter of the H200's 50 MiB L2: swept 0/8/12/16/24/48 MiB on the H200 (docs/hopper-kernel-notes.md,
-// v4), 12 was best or level at d128 and d256 (24, half of L2, from v1 to v3).
+// About a quarter of the H200's 50 MiB L2, the best of a sweep at d128 and d256 (docs/tuning.md, "L2 sections").
 constexpr int64_t kDefaultSectionBudgetBytes = int64_t{12} << 20;
 
 // Causal problems with at most this many q tiles per head are paired (d128: q_len <= 2048).
 constexpr int kMaxPairedQTiles = 16;
 // Longer causal problems are paired when all their K and V (batch x kv heads) exceed this: the LPT snake's
 // rounds then cycle through more K/V than L2 holds. Pairs leave up to one pair of granularity in the last
-// round (~3% at 1024 pairs on 132 SMs) where the snake balances to ~0.5%, so problems whose K/V fit L2 keep
-// the snake. H200, call 1 of session 5 (d128 causal, pairs vs snake): 16 heads 4k +14%, 8k +6%, 16k +2%
-// (128 MB of K/V each); d256 4k +17%; GQA 16:2 (16 MB) 16k -3%, 4k level.
+// round where the snake balances to a fraction of that, so problems whose K/V fit L2 keep the snake
+// (docs/tuning.md, "causal pairs").
 constexpr int64_t kPairedKvBytes = int64_t{32} << 20;
-// Dynamic causal schedule: the last section's length, in the longest tiles' worth of work per block (H200, session
-// 6 call 1, d64: 8 was level with 4 or up to 2% faster; host model at the FA3 shapes: 1-2% over the mean for 8,
-// 2-6% for 4); and the fewest tiles per block a problem needs to run it (flash_fwd_launch_sm90.cuh).
+// Dynamic causal schedule: the last section's length, in the longest tiles' worth of work per block, and the
+// fewest tiles per block a problem needs to run it (flash_fwd_launch_sm90.cuh; docs/tuning.md, "dynamic order").
 constexpr int kDefaultTailTilesPerBlock = 8;
 constexpr int kDynamicMinTilesPerBlock = 6;
 
-// Only head_dim 64 runs the dynamic schedule, where it replaces the snake. H200, session 6 call 1, causal FA3
-// rows, one process per order: d64 +2% (512) to +9% (4k); d128 and d256, against their pairs, -1 to -9%, and
-// d128 GQA 16:2 at 16k -3% against its snake (the same one-section order taken statically), so at least part
-// of that loss is the kernel's: its consumers have 232 registers, not 240 (tile_size_sm90.h).
+// Only head_dim 64 runs the dynamic schedule, where it replaces the snake: at d128 and d256 the pairs and the
+// snake are faster, partly because the dynamic kernel's consumers have 232 registers, not 240
+// (tile_size_sm90.h; docs/tuning.md, "dynamic order").
 __host__ __device__ constexpr bool MayRunDynamic(int head_dim) { return head_dim == 64; }
 
 // Only head_dim >= 128 pairs: at 64 pairing measured no gain (d64 causal 1k 293 -> 296, 2k 372 -> 365 TFLOP/s),
@@ -109,8 +103,7 @@ inline SchedulerParams MakeSchedulerParams(int num_q_tiles, int q_heads, int bat
   if (causal && dynamic) {
     // Blocks taking tiles as they free up all end together if the schedule ends on short tiles. Each section
     // runs longest first, so the last one must hold enough work that its longest tiles (num_q_tiles key
-    // blocks) end with the rest: `tail_tiles_per_block` of them per block, in heads. (A one-head last section
-    // at d128 16k left the busiest block 8% over the mean in the host model; 4 per block, 2.4%.)
+    // blocks) end with the rest: `tail_tiles_per_block` of them per block, in heads.
     const int64_t long_tiles = int64_t{tail_tiles_per_block} * grid;
     const int tail = static_cast<int>((long_tiles + num_q_tiles) / (num_q_tiles + 1)) * kv_group;
     sp.tail_bh = sp.total_bh - tail <= 0 ? 0 : (sp.total_bh - tail) / sp.section_bh * sp.section_bh;
@@ -156,9 +149,7 @@ __host__ __device__ __forceinline__ TileCoord PairedTileAt(const SchedulerParams
 // Sections of section_bh (batch, head) pairs, q tiles longest first inside. kTail: the last section runs from
 // tail_bh to the end (the dynamic order lengthens it); without, it is whatever is left after whole sections,
 // which is where tail_bh points for the static orders, so both give the same tiles there. The static kernels
-// keep the shorter form: with the tail's branch in them (and the dynamic ring declared in every kernel), d128
-// non-causal ran ~1% below v6 on every length (session 6 call 3, within the spread); with neither, level
-// (call 4). Which of the two it was was not isolated.
+// keep the shorter form, without the tail's branch.
 template <bool kTail>
 __host__ __device__ __forceinline__ TileCoord SectionTileAt(const SchedulerParams& sp, int t) {
   int base_bh, size, idx;
@@ -189,8 +180,7 @@ __host__ __device__ __forceinline__ TileCoord TileAt(const SchedulerParams& sp, 
 
 // ---------------------------------------------------------------------------------------------------------
 // Split tail. The last round of the static orders is partial: 2048 tiles on 132 blocks run as 16 rounds for
-// 15.52 rounds of work, and 1024 pairs as 8 for 7.76 (docs/hopper-kernel-notes.md, v6), about 3% of every
-// such launch. Instead, the last round's units are laid end to end by key blocks and cut into `grid` equal
+// 15.52 rounds of work, and 1024 pairs as 8 for 7.76. Instead, the last round's units are laid end to end by key blocks and cut into `grid` equal
 // ranges, one per block: a block runs at most two units' worth of parts (a tile's key blocks [first, end)),
 // writes a part that does not cover its tile to the workspace, and whichever part completes a tile's key
 // blocks combines them and writes O. A unit's key blocks are cut where a nominal kTailUnitScale-long unit is
@@ -200,11 +190,8 @@ constexpr int kTailUnitScale = 4096;
 constexpr int kMaxTailPartsPerTile = 8;
 // The most parts one block runs: two units of up to two tiles.
 constexpr int kMaxTailPartsPerBlock = 4;
-// The least keys of the tail a block must get for the launcher to split it, as key blocks of `block_n` keys. H200,
-// session 10 (FA3 rows, processes alternating with the library before the split): calls 2-3 with 40 key blocks
-// whatever the width: d128 non-causal 16k +3.0 to +4.4% (~48 blocks of 176 keys a block), causal 16k in pairs
-// level (~72), 8k level (33 of 128, split in call 2), 4k +0.4% (16), 1k-2k 3-6% below (4-8); call 4, d256 (64-key
-// blocks): 8k and 16k +1.7 to +2.8% (97-194), 4k 1-2% below (48 blocks, ~3k keys). Hence ~5k keys.
+// The least keys of the tail a block must get for the launcher to split it, as key blocks of `block_n` keys: below
+// ~5k keys a block, the split's combine costs more than the balance gains (docs/tuning.md, "split tail").
 constexpr int kSplitTailMinKeys = 5120;
 __host__ __device__ constexpr int SplitTailMinBlocks(int block_n) { return (kSplitTailMinKeys + block_n - 1) / block_n; }
 

@@ -1,7 +1,6 @@
 // Timeline probes of the Hopper family, for kernels/cuda/tools/hopper_trace.cu only.
 //
-// The throughput tables say how much a tile costs beyond its key blocks (about two block-steps, v4 notes),
-// not where the cycles go; one clock64 stamp per phase and tile, taken by the first thread of each warp
+// The throughput tables say how much a tile costs beyond its key blocks, not where the cycles go; one clock64 stamp per phase and tile, taken by the first thread of each warp
 // role, does. In the library build (ATTND_HOPPER_TRACE undefined) every probe expands to nothing, so the
 // kernels it ships are the ones without probes.
 #pragma once
