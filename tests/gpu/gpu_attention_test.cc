@@ -24,6 +24,7 @@
 #include <mutex>
 #include <random>
 #include <ostream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -535,6 +536,40 @@ TEST(KernelApi, WithoutGpuReportsUnavailable) {
   EXPECT_FALSE(st.ok());
   Problem p = Valid();
   EXPECT_FALSE(Select(p, ContiguousLayout(p.shape)).ok());
+}
+
+// What a server warms up and lists: the configurations auto picks on this device, each runnable here, and every
+// auto choice of the case list among them.
+TEST(KernelApi, AutoConfigsAreWhatAutoChooses) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  absl::StatusOr<std::vector<ConfigInfo>> autos = AutoConfigsForDevice(-1);
+  ASSERT_TRUE(autos.ok()) << autos.status();
+  absl::StatusOr<std::vector<ConfigInfo>> runnable = ConfigsForDevice(-1);
+  ASSERT_TRUE(runnable.ok()) << runnable.status();
+  std::set<std::string> auto_names, runnable_names;
+  for (const ConfigInfo& c : *autos) auto_names.insert(c.name);
+  for (const ConfigInfo& c : *runnable) runnable_names.insert(c.name);
+  ASSERT_FALSE(auto_names.empty());
+  for (const std::string& n : auto_names) EXPECT_TRUE(runnable_names.count(n)) << n;
+  for (int64_t d : {64, 128, 256}) {
+    for (Mask m : {Mask::kNone, Mask::kCausalTopLeft}) {
+      for (int64_t len : {17, 1000, 4096}) {
+        Problem p;
+        p.shape = Shape{2, len, len, 4, 2, d};
+        p.mask = m;
+        p.scale = 0.125f;
+        absl::StatusOr<Selection> sel = Select(p, ContiguousLayout(p.shape));
+        ASSERT_TRUE(sel.ok()) << sel.status();
+        EXPECT_TRUE(auto_names.count(sel->info().name)) << sel->info().name << " is not listed";
+      }
+    }
+  }
+  int major = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  if (major == 9) {
+    EXPECT_EQ(auto_names, (std::set<std::string>{"hopper_sm90_d64_m128n128s6_p2", "hopper_sm90_d64_m192n128s4_wrs",
+                                                 "hopper_sm90_d128_m128n128s3_osk_p2", "hopper_sm90_d256_m128n64s2"}));
+  }
 }
 
 TEST(KernelApi, DeviceChecksAndFamilies) {

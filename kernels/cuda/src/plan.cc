@@ -292,6 +292,44 @@ absl::StatusOr<std::vector<ConfigInfo>> ConfigsForDevice(int device) {
   return out;
 }
 
+namespace {
+
+// Family auto's choice: the wgmma family on Hopper (ahead of the seed design on every measured row,
+// docs/benchmarks.md), the seed family's tuned choice elsewhere.
+const char* AutoConfig(const DeviceCaps& caps, const Problem& p) {
+  return caps.major == 9 && caps.minor == 0 ? DefaultHopperConfig(p) : DefaultConfig(caps, p);
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<ConfigInfo>> AutoConfigsForDevice(int device) {
+  absl::StatusOr<int> dev = ResolveDevice(device);
+  if (!dev.ok()) return dev.status();
+  if (absl::Status st = CheckDevice(*dev); !st.ok()) return st;
+  absl::StatusOr<DeviceCaps> caps = Caps(*dev);
+  if (!caps.ok()) return caps.status();
+  // The rules branch on head_dim, the mask, q_len and how many blocks a problem fills: the extremes of each
+  // reach every branch.
+  std::set<std::string> names;
+  for (int64_t head_dim : {64, 128, 256}) {
+    for (Mask mask : {Mask::kNone, Mask::kCausalTopLeft, Mask::kCausalBottomRight}) {
+      for (int64_t q_len : {int64_t{1}, int64_t{1} << 20}) {
+        for (int64_t batch : {int64_t{1}, int64_t{1} << 12}) {
+          Problem p;
+          p.shape = Shape{batch, q_len, q_len, 1, 1, head_dim};
+          p.mask = mask;
+          if (const char* name = AutoConfig(*caps, p)) names.insert(name);
+        }
+      }
+    }
+  }
+  std::vector<ConfigInfo> out;
+  for (const ConfigInfo& c : Configs()) {
+    if (names.count(c.name)) out.push_back(c);
+  }
+  return out;
+}
+
 absl::StatusOr<Selection> Select(const Problem& problem, const Layout& layout, const PlanOptions& options) {
   if (absl::Status st = ValidateProblem(problem, layout); !st.ok()) return st;
   if (absl::Status st = CheckHopperOptions(options.hopper); !st.ok()) return st;
@@ -330,10 +368,8 @@ absl::StatusOr<Selection> Select(const Problem& problem, const Layout& layout, c
                                                           caps->minor));
       }
       name = DefaultHopperConfig(problem);
-    } else if (options.family == Family::kAuto && caps->major == 9 && caps->minor == 0) {
-      // auto on Hopper: the wgmma family, faster than the seed design on every measured row and passing the
-      // whole GPU suite (docs/benchmarks.md); the seed family stays selectable by family or name.
-      name = DefaultHopperConfig(problem);
+    } else if (options.family == Family::kAuto) {
+      name = AutoConfig(*caps, problem);
     }
     for (size_t i = 0; name != nullptr && i < entries.size(); ++i) {
       if (std::string(name) == entries[i].name) chosen = static_cast<int>(i);

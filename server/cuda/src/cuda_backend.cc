@@ -370,10 +370,10 @@ absl::Status CudaDevice::Start(const std::vector<Shape>& warm_shapes) {
   return absl::OkStatus();
 }
 
-// One launch of every configuration this device runs, in both dtypes: loads the module, sets the shared-
-// memory attributes and pays every first-launch cost before the first request.
+// One launch of every configuration auto can choose on this device, in both dtypes: loads the module, sets the
+// shared-memory attributes and pays every first-launch cost before the first request.
 absl::Status CudaDevice::WarmUpKernels() {
-  absl::StatusOr<std::vector<kernels::ConfigInfo>> configs = kernels::ConfigsForDevice(index_);
+  absl::StatusOr<std::vector<kernels::ConfigInfo>> configs = kernels::AutoConfigsForDevice(index_);
   if (!configs.ok()) return configs.status();
   const Shape s{1, 128, 128, 1, 1, 256};
   const uint64_t bytes = static_cast<uint64_t>(QElems(s)) * 2;
