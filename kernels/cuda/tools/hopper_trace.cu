@@ -10,13 +10,14 @@
 // and the overhead of a tile beyond n_blocks steady-state steps, in steps. Round 0 (pipeline fill) and a
 // block's last traced round are left out. Then where the steady step itself goes (warp 0 of each consumer
 // warpgroup): the K and V waits, the turn, issuing each GEMM, the S wait, the row max, the exponentials, the P V
-// wait and the conversion of P. Usage: hopper_trace [config B S H causal]... (defaults below). With the split tail
-// the library's output differs from the probed kernel's (which runs without it): set ATTND_HOPPER_SPLIT_TAIL=0.
+// wait and the conversion of P. Usage: hopper_trace [config B S H causal]... (defaults below). These plans turn the
+// split tail off: the probed instantiations run every tile whole, and the outputs are compared bit for bit.
 //
-// hopper_trace --timeline [--dump=FILE] [config B S H causal]...: the launcher's whole path (persistent grid, order, the split
-// tail with its workspace) with %globaltimer stamps at every tile's and split-tail part's start and at each block's
-// end, to see how evenly the blocks finish and how the rate per key block moves from round to round (the power cap
-// raises the clock when blocks go idle). ATTND_HOPPER_SPLIT_TAIL applies as in the library.
+// hopper_trace --timeline [--dump=FILE] [--split_tail=off|auto|always] [config B S H causal]...: the launcher's whole
+// path (persistent grid, order, the split tail with its workspace) with %globaltimer stamps at every tile's and
+// split-tail part's start and at each block's end, to see how evenly the blocks finish and how the rate per key block
+// moves from round to round (the power cap raises the clock when blocks go idle). --split_tail sets the plans'
+// HopperScheduleOptions::split_tail (default auto, the library's default).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -29,6 +30,8 @@
 #include <map>
 #include <random>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #define ATTND_HOPPER_TRACE 1
@@ -54,13 +57,16 @@ struct Case {
   int b, s, h, causal;
 };
 
-using Launcher = void (*)(const attnd::kernels::Plan&, int blocks, const hk::SchedulerParams&);
+// A probed launch of a plan's schedule: its persistent grid (plan.schedule.blocks) in its order, with the
+// SchedulerParams that hk::BoundScheduler makes of the plan and its workspace.
+using Launcher = void (*)(const attnd::kernels::Plan&, const hk::SchedulerParams&);
 
-// One launch of the instantiation the library's launcher picks for this schedule (a counter: the dynamic one); with
-// O through shared memory, the kernel that takes the O map.
+// One launch of the instantiation for kOrder without the split tail; with O through shared memory, the kernel that
+// takes the O map.
 template <typename Tile, int kOrder>
-void LaunchOrder(const attnd::kernels::Plan& plan, int blocks, const hk::SchedulerParams& sp) {
+void LaunchOrder(const attnd::kernels::Plan& plan, const hk::SchedulerParams& sp) {
   constexpr int kSmem = static_cast<int>(Tile::kSmemBytes);
+  const int blocks = plan.schedule.blocks;
   if constexpr (Tile::kSmemEpilogue) {
     auto* k = hk::HopperFwdKernelO<Tile, __nv_bfloat16, kOrder>;
     CHECK_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
@@ -73,15 +79,20 @@ void LaunchOrder(const attnd::kernels::Plan& plan, int blocks, const hk::Schedul
   CHECK_CUDA(cudaGetLastError());
 }
 
+// The instantiation LaunchFwd picks for a plan without the split tail (RunCase plans with SplitTail::kOff).
 template <typename Tile>
-void LaunchProbed(const attnd::kernels::Plan& plan, int blocks, const hk::SchedulerParams& sp) {
+void LaunchProbed(const attnd::kernels::Plan& plan, const hk::SchedulerParams& sp) {
+  if (plan.schedule.split_tail) {
+    std::fprintf(stderr, "the per-tile mode's probed kernels have no split tail\n");
+    std::exit(1);
+  }
   if constexpr (hk::MayRunDynamic(Tile::kHeadDim) && !Tile::kSmemEpilogue) {
-    if (sp.counter != nullptr) return LaunchOrder<Tile, hk::kDynamic>(plan, blocks, sp);
+    if (plan.schedule.order == hk::kDynamic) return LaunchOrder<Tile, hk::kDynamic>(plan, sp);
   }
   if constexpr (hk::MayPair(Tile::kHeadDim)) {
-    if (sp.pairs_per_head > 0) return LaunchOrder<Tile, hk::kPaired>(plan, blocks, sp);
+    if (plan.schedule.order == hk::kPaired) return LaunchOrder<Tile, hk::kPaired>(plan, sp);
   }
-  LaunchOrder<Tile, hk::kStatic>(plan, blocks, sp);
+  LaunchOrder<Tile, hk::kStatic>(plan, sp);
 }
 
 // The configurations the tool instantiates: those `auto` picks.
@@ -101,9 +112,11 @@ const std::map<std::string, Launcher>& Launchers() {
 struct TracedD128 : hk::TileShape<hk::HopperD128M128N128S3OskP2> {};
 struct TracedD256 : hk::TileShape<hk::HopperD256M128N64S2> {};
 
-// LaunchFwd's static and paired paths (the split tail included) for the traced types. Returns the tail split run.
+// LaunchFwd's static and paired paths (the split tail included) for the traced types, picked by the plan's schedule.
+// These configurations have no dynamic order (head_dim 64 only), so the plan never asks for it.
 template <typename Tile>
-hk::TailSplit LaunchTimelineRun(const attnd::kernels::Plan& plan, int sms) {
+void LaunchTimelineRun(const attnd::kernels::Plan& plan, const hk::SchedulerParams& sp) {
+  static_assert(!hk::MayRunDynamicTile<Tile>(), "the timeline mode launches the static and paired orders only");
   using Bf = __nv_bfloat16;
   static const bool raised = [] {
     CHECK_CUDA((hk::RaiseSmemLimit<Tile, Bf, hk::kStatic>()));
@@ -113,33 +126,19 @@ hk::TailSplit LaunchTimelineRun(const attnd::kernels::Plan& plan, int sms) {
     return true;
   }();
   (void)raised;
-  hk::LaunchSchedule ls = hk::ScheduleFor(plan, Tile::kHeadDim, false, sms);
-  hk::SchedulerParams& sp = ls.sp;
-  const hk::TailSplit ts = hk::TailSplitFor(plan, ls, Tile::kBlockN);
-  if (ts.units > 0) {
-    constexpr int kWarps = 4 * Tile::kConsumerWarpgroups;
-    const int split_tiles = ts.units * (sp.pairs_per_head > 0 ? 2 : 1);
-    hk::SplitTailLease lease;
-    CHECK_CUDA(lease.Begin(plan.device, nullptr, hk::TailWorkspaceBytes<Tile::kHeadDim, kWarps>(ls.blocks),
-                           hk::TailCounterBytes<kWarps>(split_tiles)));
-    sp.tail_units = ts.units;
-    sp.tail_round = ts.round;
-    sp.tail_tile = ts.tile;
-    sp.split_ws = lease.workspace();
-    sp.split_counters = lease.counters();
-    CHECK_CUDA((sp.pairs_per_head > 0 ? hk::LaunchKernel<Tile, Bf, hk::kPaired, true>(plan, ls.blocks, nullptr, sp)
-                                      : hk::LaunchKernel<Tile, Bf, hk::kStatic, true>(plan, ls.blocks, nullptr, sp)));
-    CHECK_CUDA(lease.Finish(nullptr));
+  const attnd::kernels::LaunchSchedule& s = plan.schedule;
+  const bool paired = s.order == hk::kPaired;
+  if (s.split_tail) {
+    CHECK_CUDA((paired ? hk::LaunchKernel<Tile, Bf, hk::kPaired, true>(plan, s.blocks, nullptr, sp)
+                       : hk::LaunchKernel<Tile, Bf, hk::kStatic, true>(plan, s.blocks, nullptr, sp)));
   } else {
-    CHECK_CUDA((sp.pairs_per_head > 0 ? hk::LaunchKernel<Tile, Bf, hk::kPaired>(plan, ls.blocks, nullptr, sp)
-                                      : hk::LaunchKernel<Tile, Bf, hk::kStatic>(plan, ls.blocks, nullptr, sp)));
+    CHECK_CUDA((paired ? hk::LaunchKernel<Tile, Bf, hk::kPaired>(plan, s.blocks, nullptr, sp)
+                       : hk::LaunchKernel<Tile, Bf, hk::kStatic>(plan, s.blocks, nullptr, sp)));
   }
-  return ts;
 }
 
-using TimelineLauncher = hk::TailSplit (*)(const attnd::kernels::Plan&, int sms);
-const std::map<std::string, TimelineLauncher>& TimelineLaunchers() {
-  static const std::map<std::string, TimelineLauncher> m = {
+const std::map<std::string, Launcher>& TimelineLaunchers() {
+  static const std::map<std::string, Launcher> m = {
       {"hopper_sm90_d128_m128n128s3_osk_p2", &LaunchTimelineRun<TracedD128>},
       {"hopper_sm90_d256_m128n64s2", &LaunchTimelineRun<TracedD256>},
   };
@@ -152,15 +151,17 @@ struct Acc {
 };
 
 // One case's inputs (random normal), two poisoned outputs, and two plans: the library's run writes o1, the probed
-// run o2 through a plan of its own (with the O map, where the kernel stores O with TMA).
+// run o2 through a plan of its own (with the O map, where the kernel stores O with TMA). Each plan has its own
+// workspace (null when it needs none), zeroed once: every launch leaves it zero for the next.
 struct CaseData {
   int d = 0;
   size_t elems = 0;
   void *q = nullptr, *k = nullptr, *v = nullptr, *o1 = nullptr, *o2 = nullptr;
   attnd::kernels::Plan plan, probed;
+  void *plan_ws = nullptr, *probed_ws = nullptr;
 };
 
-CaseData SetUpCase(const Case& c) {
+CaseData SetUpCase(const Case& c, attnd::kernels::SplitTail split_tail) {
   CaseData cd;
   attnd::Problem pr;
   std::sscanf(c.config.c_str(), "hopper_sm90_d%d", &cd.d);
@@ -183,7 +184,8 @@ CaseData SetUpCase(const Case& c) {
   }
   attnd::kernels::PlanOptions po;
   po.config = c.config;
-  for (auto [o, out] : {std::pair{cd.o1, &cd.plan}, std::pair{cd.o2, &cd.probed}}) {
+  po.hopper.split_tail = split_tail;
+  for (auto [o, out, ws] : {std::tuple{cd.o1, &cd.plan, &cd.plan_ws}, std::tuple{cd.o2, &cd.probed, &cd.probed_ws}}) {
     absl::StatusOr<attnd::kernels::Plan> plan = attnd::kernels::MakePlan(
         pr, attnd::ContiguousLayout(pr.shape), attnd::kernels::DeviceTensors{cd.q, cd.k, cd.v, o, nullptr}, po);
     if (!plan.ok()) {
@@ -191,12 +193,17 @@ CaseData SetUpCase(const Case& c) {
       std::exit(1);
     }
     *out = *std::move(plan);
+    if (out->workspace_bytes > 0) CHECK_CUDA(cudaMalloc(ws, out->workspace_bytes));
+    if (absl::Status st = attnd::kernels::ZeroWorkspace(*out, *ws, nullptr); !st.ok()) {
+      std::fprintf(stderr, "workspace: %s\n", std::string(st.message()).c_str());
+      std::exit(1);
+    }
   }
   return cd;
 }
 
 void FreeCase(CaseData& cd) {
-  for (void* p : {cd.q, cd.k, cd.v, cd.o1, cd.o2}) CHECK_CUDA(cudaFree(p));
+  for (void* p : {cd.q, cd.k, cd.v, cd.o1, cd.o2, cd.plan_ws, cd.probed_ws}) CHECK_CUDA(cudaFree(p));
 }
 
 // The library's launch and the probed one, each timed once after `warmups` launches of both, with the probes
@@ -222,7 +229,7 @@ PairRun RunPair(const CaseData& cd, int blocks, int warmups, const ProbedLaunch&
   CHECK_CUDA(cudaEventCreate(&e1));
   CHECK_CUDA(cudaEventCreate(&e2));
   const auto launch_lib = [&] {
-    if (absl::Status st = attnd::kernels::Launch(cd.plan, nullptr); !st.ok()) {
+    if (absl::Status st = attnd::kernels::Launch(cd.plan, cd.plan_ws, nullptr); !st.ok()) {
       std::fprintf(stderr, "launch: %s\n", std::string(st.message()).c_str());
       std::exit(1);
     }
@@ -261,31 +268,19 @@ double FlopsOf(const Case& c, int d) {
   return 4.0 * c.b * c.h * static_cast<double>(c.s) * c.s * d * (c.causal ? 0.5 : 1.0);
 }
 
-void RunCase(const Case& c, int sms) {
+void RunCase(const Case& c) {
   const auto it = Launchers().find(c.config);
   if (it == Launchers().end()) {
     std::fprintf(stderr, "unknown config %s\n", c.config.c_str());
     std::exit(2);
   }
-  CaseData cd = SetUpCase(c);
+  CaseData cd = SetUpCase(c, attnd::kernels::SplitTail::kOff);
   const int d = cd.d;
-  hk::LaunchSchedule ls = hk::ScheduleFor(cd.plan, d, hk::MayRunDynamic(d), sms);
-  hk::SchedulerParams& sp = ls.sp;
-  const int blocks = ls.blocks;
-  const bool dynamic = ls.dynamic;
-  if (dynamic) {
-    // The probed launches run one after another on the default stream; each leaves the counters zeroed.
-    static unsigned* counter = [] {
-      unsigned* c = nullptr;
-      CHECK_CUDA(cudaMalloc(&c, 2 * sizeof(unsigned)));
-      CHECK_CUDA(cudaMemset(c, 0, 2 * sizeof(unsigned)));
-      return c;
-    }();
-    sp.counter = counter;
-  }
+  const hk::SchedulerParams sp = hk::BoundScheduler(cd.probed, cd.probed_ws);
+  const int blocks = cd.probed.schedule.blocks;
 
   // Warm both once, then time one of each; the probed run is the one traced.
-  const PairRun run = RunPair(cd, blocks, 1, [&] { it->second(cd.probed, blocks, sp); });
+  const PairRun run = RunPair(cd, blocks, 1, [&] { it->second(cd.probed, sp); });
   const bool same = run.lib_out == run.probed_out;
   std::printf("\n== %s B=%d S=%d H=%d causal=%d: %d tiles on %d blocks; library %.1f us (%.0f TFLOP/s), probed %.1f us; "
               "outputs %s\n",
@@ -406,19 +401,19 @@ void DumpTimeline(const char* path, const Case& c, int blocks, const PairRun& ru
 }
 
 // One problem through the launcher's path with probes: block end times, and per round the rate per key block.
-void RunTimeline(const Case& c, int sms, const char* dump_path) {
+void RunTimeline(const Case& c, attnd::kernels::SplitTail split_tail, const char* dump_path) {
   const auto it = TimelineLaunchers().find(c.config);
   if (it == TimelineLaunchers().end()) {
     std::fprintf(stderr, "unknown timeline config %s\n", c.config.c_str());
     std::exit(2);
   }
-  CaseData cd = SetUpCase(c);
+  CaseData cd = SetUpCase(c, split_tail);
   const int d = cd.d;
-  const int blocks = hk::ScheduleFor(cd.plan, d, false, sms).blocks;
+  const hk::SchedulerParams sp = hk::BoundScheduler(cd.probed, cd.probed_ws);
+  const int blocks = cd.probed.schedule.blocks;
   // Five warm-ups of each; a single probed launch after that still runs near the top clock, not at the power cap a
   // benchmark's back-to-back launches settle to.
-  hk::TailSplit ts;
-  const PairRun run = RunPair(cd, blocks, 5, [&] { ts = it->second(cd.probed, sms); });
+  const PairRun run = RunPair(cd, blocks, 5, [&] { it->second(cd.probed, sp); });
   // The split tail combines parts in another order than a whole tile: compare in value, not bits.
   double max_diff = 0;
   for (size_t i = 0; i < cd.elems; ++i) {
@@ -431,7 +426,8 @@ void RunTimeline(const Case& c, int sms, const char* dump_path) {
   const double flops = FlopsOf(c, d);
   std::printf("\n== timeline %s B=%d S=%d H=%d causal=%d: %d blocks, split tail %s (units %d from round %d); library "
               "%.1f us (%.0f TFLOP/s), probed %.1f us (%.0f TFLOP/s); max |O - library| %.3g\n",
-              c.config.c_str(), c.b, c.s, c.h, c.causal, blocks, ts.units > 0 ? "on" : "off", ts.units, ts.round,
+              c.config.c_str(), c.b, c.s, c.h, c.causal, blocks, cd.probed.schedule.split_tail ? "on" : "off",
+              sp.tail_units, sp.tail_round,
               run.ms_lib * 1e3, flops / (run.ms_lib * 1e-3) / 1e12, run.ms_probed * 1e3,
               flops / (run.ms_probed * 1e-3) / 1e12,
               max_diff);
@@ -493,16 +489,34 @@ void RunTimeline(const Case& c, int sms, const char* dump_path) {
 
 int main(int argc, char** argv) {
   std::vector<Case> cases;
-  const bool timeline = argc > 1 && std::strcmp(argv[1], "--timeline") == 0;
-  if (timeline) {
-    --argc;
-    ++argv;
-  }
+  bool timeline = false;
   const char* dump_path = nullptr;  // --dump=FILE, timeline mode only
-  if (timeline && argc > 1 && std::strncmp(argv[1], "--dump=", 7) == 0 && argv[1][7] != '\0') {
-    dump_path = argv[1] + 7;
-    --argc;
-    ++argv;
+  // --split_tail=..., timeline mode only: the per-tile mode's probed kernels have no split tail.
+  attnd::kernels::SplitTail split_tail = attnd::kernels::SplitTail::kAuto;
+  bool split_tail_set = false;
+  for (; argc > 1 && std::strncmp(argv[1], "--", 2) == 0; --argc, ++argv) {
+    const char* a = argv[1];
+    if (std::strcmp(a, "--timeline") == 0) {
+      timeline = true;
+    } else if (std::strncmp(a, "--dump=", 7) == 0 && a[7] != '\0') {
+      dump_path = a + 7;
+    } else if (std::strcmp(a, "--split_tail=off") == 0) {
+      split_tail = attnd::kernels::SplitTail::kOff;
+      split_tail_set = true;
+    } else if (std::strcmp(a, "--split_tail=auto") == 0) {
+      split_tail = attnd::kernels::SplitTail::kAuto;
+      split_tail_set = true;
+    } else if (std::strcmp(a, "--split_tail=always") == 0) {
+      split_tail = attnd::kernels::SplitTail::kAlways;
+      split_tail_set = true;
+    } else {
+      std::fprintf(stderr, "unknown flag %s (--timeline, --dump=FILE, --split_tail=off|auto|always)\n", a);
+      return 2;
+    }
+  }
+  if (!timeline && (dump_path != nullptr || split_tail_set)) {
+    std::fprintf(stderr, "--dump and --split_tail apply to --timeline only\n");
+    return 2;
   }
   for (int i = 1; i + 4 < argc; i += 5) {
     cases.push_back(Case{argv[i], std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3]),
@@ -513,8 +527,6 @@ int main(int argc, char** argv) {
       for (int s : {1024, 4096, 16384}) cases.push_back(Case{"hopper_sm90_d128_m128n128s3_osk_p2", 16384 / s, s, 16, causal});
     }
   }
-  int sms = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  for (const Case& c : cases) timeline ? RunTimeline(c, sms, dump_path) : RunCase(c, sms);
+  for (const Case& c : cases) timeline ? RunTimeline(c, split_tail, dump_path) : RunCase(c);
   return 0;
 }

@@ -95,6 +95,22 @@ cudaError_t RaiseSmemLimit() {
   }
 }
 
+// The plan's SchedulerParams with the workspace pointers its schedule uses (the dynamic order's tile counters, the
+// split tail's counters and partials) pointing into `workspace`; the others stay null. The tail fields were set at
+// plan time. Shared by LaunchFwd and tools that launch their own instantiations on a plan's schedule.
+inline SchedulerParams BoundScheduler(const Plan& plan, void* workspace) {
+  const LaunchSchedule& s = plan.schedule;
+  SchedulerParams sp;
+  std::memcpy(&sp, s.scheduler, sizeof(SchedulerParams));
+  unsigned char* const ws = static_cast<unsigned char*>(workspace);
+  if (s.order == kDynamic) sp.counter = reinterpret_cast<unsigned*>(ws + s.tile_counters);
+  if (s.split_tail) {
+    sp.split_ws = reinterpret_cast<float*>(ws + s.split_partials);
+    sp.split_counters = reinterpret_cast<unsigned*>(ws + s.split_counters);
+  }
+  return sp;
+}
+
 // Launch time: the plan's schedule as it was decided, with the caller's workspace (Launch checked that it is there
 // when the plan needs it). Its counters are zero, as every launch leaves them: the dynamic order's last block zeroes
 // the tile counters (FinishDynamicTiles), and the warp that finishes a split tile zeroes that tile's counters
@@ -104,19 +120,12 @@ cudaError_t RaiseSmemLimit() {
 template <typename Tile, typename Elem>
 cudaError_t LaunchFwd(const Plan& plan, void* workspace, cudaStream_t stream) {
   const LaunchSchedule& s = plan.schedule;
-  SchedulerParams sp;
-  std::memcpy(&sp, s.scheduler, sizeof(SchedulerParams));
-  unsigned char* const ws = static_cast<unsigned char*>(workspace);
+  const SchedulerParams sp = BoundScheduler(plan, workspace);
   if constexpr (MayRunDynamicTile<Tile>()) {
-    if (s.order == kDynamic) {
-      sp.counter = reinterpret_cast<unsigned*>(ws + s.tile_counters);
-      return LaunchKernel<Tile, Elem, kDynamic>(plan, s.blocks, stream, sp);
-    }
+    if (s.order == kDynamic) return LaunchKernel<Tile, Elem, kDynamic>(plan, s.blocks, stream, sp);
   }
   if constexpr (MaySplitTail<Tile>()) {
     if (s.split_tail) {
-      sp.split_ws = reinterpret_cast<float*>(ws + s.split_partials);
-      sp.split_counters = reinterpret_cast<unsigned*>(ws + s.split_counters);
       return s.order == kPaired ? LaunchKernel<Tile, Elem, kPaired, true>(plan, s.blocks, stream, sp)
                                 : LaunchKernel<Tile, Elem, kStatic, true>(plan, s.blocks, stream, sp);
     }
