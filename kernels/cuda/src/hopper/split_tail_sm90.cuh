@@ -27,7 +27,7 @@ constexpr int TailSlotFloatsPerWarp() {
   return 32 * (kHeadDim / 2 + 4);
 }
 
-// Bytes of workspace and counters a split launch needs (split_tail_pool.h).
+// Bytes of workspace and counters a split launch needs (laid out in the plan's workspace, launch_plan_sm90.h).
 template <int kHeadDim, int kConsumerWarps>
 constexpr size_t TailWorkspaceBytes(int grid) {
   return size_t(grid) * kMaxTailPartsPerBlock * kConsumerWarps * TailSlotFloatsPerWarp<kHeadDim>() * sizeof(float);
@@ -114,7 +114,7 @@ __device__ __forceinline__ void StoreTailPartSm90(const LaunchParams& p, const S
       }
     }
   }
-  // Zero for the next launch given this slot of the pool (the tile has no other part left to count).
+  // Zero for the next launch on this workspace (the tile has no other part left to count).
   if (lane == 0) {
     __stcg(&c[0], 0u);
     __stcg(&c[1], 0u);

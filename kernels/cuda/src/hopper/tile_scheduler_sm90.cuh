@@ -36,12 +36,12 @@ struct SchedulerParams {
   int pairs_per_head = 0;  // > 0: paired causal order (num_q_tiles / 2 pairs per head, then the middle tiles)
   int paired_tiles = 0;    // 2 * pairs_per_head * total_bh: where the middle tiles of an odd num_q_tiles start
   // kDynamic: [0] tiles handed out beyond the first grid, [1] blocks finished; zero at launch, and the last
-  // block to finish zeroes them again (tile_counter_pool.h keeps launches in flight from sharing one).
+  // block to finish zeroes them again (the caller gives each launch in flight its own workspace).
   unsigned* counter = nullptr;
   // Split tail (static and paired orders; see TailPartAt). tail_units > 0: the rounds before
   // `tail_round` run whole tiles as usual, and the units (a tile, or a pair in the paired order) from
   // `tail_tile` on are shared out by key blocks among all the blocks. `split_ws` holds the parts' partial
-  // outputs and `split_counters` the counters that find each tile's finishing part (split_tail_pool.h).
+  // outputs and `split_counters` the counters that find each tile's finishing part (both in the plan's workspace).
   int tail_units = 0;
   int tail_round = 0;
   int tail_tile = 0;
