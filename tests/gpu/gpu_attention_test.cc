@@ -32,6 +32,7 @@
 #include "attnd/half.h"
 #include "attnd/kernels/attention.h"
 #include "attnd/problem.h"
+#include "hopper/tile_scheduler_sm90.cuh"  // kTailCounterWords: the split counters' layout
 #include "attnd/reference.h"
 
 namespace attnd::kernels {
@@ -383,14 +384,23 @@ TEST_P(GpuAttentionTest, MatchesDoubleReference) {
   ASSERT_TRUE(launched.ok()) << launched;
   CUDA_OK(cudaDeviceSynchronize());
   if (workspace != nullptr) {
-    // The counters are zero again for the next launch (the partial outputs may hold anything).
+    // The counts are zero again for the next launch: the dynamic order's two tile counters, and the first two
+    // words (parts registered, key blocks done) of each split tile's counters. The split counters' slot words and
+    // the partial outputs are written before they are read, so they may hold anything.
     const LaunchSchedule& ls = plan->schedule;
-    const size_t counters_end = ls.split_partials != LaunchSchedule::kNoOffset ? ls.split_partials
-                                                                               : plan->workspace_bytes;
-    std::vector<unsigned char> ws(counters_end);
-    CUDA_OK(cudaMemcpy(ws.data(), workspace, ws.size(), cudaMemcpyDeviceToHost));
-    EXPECT_TRUE(std::all_of(ws.begin(), ws.end(), [](unsigned char b) { return b == 0; }))
-        << "the launch left its workspace's counters non-zero";
+    std::vector<unsigned> ws(plan->workspace_bytes / sizeof(unsigned));
+    CUDA_OK(cudaMemcpy(ws.data(), workspace, ws.size() * sizeof(unsigned), cudaMemcpyDeviceToHost));
+    if (ls.tile_counters != LaunchSchedule::kNoOffset) {
+      EXPECT_EQ(ws[ls.tile_counters / sizeof(unsigned)], 0u) << "tiles handed out";
+      EXPECT_EQ(ws[ls.tile_counters / sizeof(unsigned) + 1], 0u) << "blocks finished";
+    }
+    if (ls.split_counters != LaunchSchedule::kNoOffset) {
+      const size_t first = ls.split_counters / sizeof(unsigned), end = ls.split_partials / sizeof(unsigned);
+      for (size_t w = first; w + 1 < end; w += hopper::kTailCounterWords) {
+        EXPECT_EQ(ws[w], 0u) << "split counter group " << (w - first) / hopper::kTailCounterWords << ": parts";
+        EXPECT_EQ(ws[w + 1], 0u) << "split counter group " << (w - first) / hopper::kTailCounterWords << ": blocks";
+      }
+    }
   }
 
   std::vector<uint16_t> o(h->o_elems);

@@ -17,9 +17,6 @@
 
 namespace attnd::kernels::hopper {
 
-// Per (split tile, consumer warp): [0] parts registered, [1] key blocks done, [2..] the parts' workspace slots.
-constexpr int kTailCounterWords = 2 + kMaxTailPartsPerTile;
-
 // Workspace floats per (slot, consumer warp): each lane's O registers and its rows' max and sum, as float4s
 // interleaved across lanes so that a warp's store covers 512 contiguous bytes.
 template <int kHeadDim>

@@ -188,6 +188,10 @@ __host__ __device__ __forceinline__ TileCoord TileAt(const SchedulerParams& sp, 
 constexpr int kTailUnitScale = 4096;
 // A tile of the split tail is cut into at most this many parts (the launcher makes sure: MaySplitTail).
 constexpr int kMaxTailPartsPerTile = 8;
+// Counter words per (split tile, consumer warp): [0] parts registered, [1] key blocks done, [2..] the parts'
+// workspace slots. [0] and [1] are zero at launch and the warp that completes the tile zeroes them again; the
+// slot words are written before they are read, so they may hold anything.
+constexpr int kTailCounterWords = 2 + kMaxTailPartsPerTile;
 // The most parts one block runs: two units of up to two tiles.
 constexpr int kMaxTailPartsPerBlock = 4;
 // The least keys of the tail a block must get for the launcher to split it, as key blocks of `block_n` keys: below
