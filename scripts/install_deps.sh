@@ -24,6 +24,10 @@ else
 fi
 
 # ---- The Python client's tests (client/python/tests): pytest, NumPy and torch (CPU) for Debian's python3.
+# --build-only (the container image's build stage) stops here: it builds the binaries, not the tests.
+if [ "${1:-}" = "--build-only" ]; then
+  exit 0
+fi
 # ml_dtypes (NumPy bfloat16) is not packaged in Debian 12; the tests use uint16 bf16 bits without it.
 py_pkgs=(python3-pytest python3-numpy python3-torch)
 py_missing=()
