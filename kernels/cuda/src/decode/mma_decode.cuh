@@ -1,7 +1,7 @@
-// Compute and copy primitives of the decode kernels: mma.sync.m16n8k16 with fp32 accumulators, ldmatrix,
-// 16-byte cp.async with zero fill (sm_80 instructions, available on sm_90a and sm_120a). Fragment layouts
-// follow the PTX ISA's "mma.m16n8k16" figures: lane = 4 * g + t; an accumulator holds rows g and g + 8,
-// columns 2t and 2t + 1 of its 16x8 tile.
+// Compute and copy primitives of the decode kernels: the seed family's mma.sync.m16n8k16 (fp32 accumulators),
+// ldmatrix and exp2, plus 16-byte cp.async with zero fill and the tile swizzle (sm_80 instructions, available on
+// sm_90a and sm_120a). Fragment layouts follow the PTX ISA's "mma.m16n8k16" figures: lane = 4 * g + t; an
+// accumulator holds rows g and g + 8, columns 2t and 2t + 1 of its 16x8 tile.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,55 +9,19 @@
 
 #include <cstdint>
 
+#include "../seed/mma_sm80.cuh"
+
 namespace attnd::kernels::decode {
 
+// The mma.sync / ldmatrix / exp2 primitives are the seed family's (one implementation for both).
 template <typename Elem>
-struct ElemOps;
-
-template <>
-struct ElemOps<__nv_bfloat16> {
-  __device__ __forceinline__ static uint32_t Pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-  __device__ __forceinline__ static void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9},"
-        " {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
-template <>
-struct ElemOps<__half> {
-  __device__ __forceinline__ static uint32_t Pack(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-  __device__ __forceinline__ static void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9},"
-        " {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
+using ElemOps = seed::ElemTraits<Elem>;
+using seed::Exp2;
+using seed::LdMatrixX4;
+using seed::LdMatrixX4Trans;
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
 }
 
 // 16 bytes global -> shared, bypassing L1 (K/V are read once). valid == false fills zeros and reads nothing,
@@ -73,12 +37,6 @@ __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
-
-__device__ __forceinline__ float Exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile of kRowBytes-wide rows. The chunk index is

@@ -6,19 +6,13 @@
 
 #include <math_constants.h>
 
+#include "../seed/softmax.cuh"
 #include "mma_decode.cuh"
 
 namespace attnd::kernels::decode {
 
-__device__ __forceinline__ float QuadMax(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-
-__device__ __forceinline__ float QuadSum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
+using seed::QuadMax;
+using seed::QuadSum;
 
 template <int kNTiles>  // 8-key tiles of the warp's slice
 struct OnlineSoftmax {
