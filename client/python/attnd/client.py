@@ -519,9 +519,12 @@ def _storage_objects_persist():
 def _release_counter(counter):
     torch = _torch()
     handle, offset, dev = counter
-    try:
-        torch.UntypedStorage._release_ipc_counter_cuda(handle, offset, device=dev)
-    except (AttributeError, TypeError):
+    # torch 2.x: UntypedStorage._release_ipc_counter(handle, offset, device=...) (what torch's own IPC consumers
+    # call); older torch: torch.cuda.Storage._release_ipc_counter(handle, offset).
+    release = getattr(torch.UntypedStorage, "_release_ipc_counter", None)
+    if release is not None:
+        release(handle, offset, device=dev)
+    else:
         torch.cuda.Storage._release_ipc_counter(handle, offset)
 
 
