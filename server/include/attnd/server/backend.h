@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "attnd/problem.h"
+#include "attnd/server/step.h"
 
 namespace attnd::server {
 
@@ -141,6 +142,52 @@ struct ForwardJob {
   std::function<void(absl::Status)> done;
 };
 
+// One Step request of KV sequences (docs/sequences.md), validated and resolved by the core against the
+// sequences' page tables: the backend copies `copies` (copy-on-write), appends k/v at each sequence's `cached`
+// position of `layer` when `append`, runs causal attention of q over the sequence's keys when `attend`, and
+// fills o/lse. The core commits the new lengths after `done` reports OK; on failure nothing is committed (rows
+// the backend may have written past a sequence's length are never read).
+struct StepJob {
+  std::string request_id;
+  std::shared_ptr<KvPool> pool;
+  int layer = 0;
+  int q_heads = 0;   // with attend
+  float scale = 0.f;
+  bool want_lse = false;
+  bool append = false;  // k and v given
+  bool attend = false;  // q given
+  std::vector<StepSequence> sequences;
+  int64_t rows = 0;  // sum of sequences[i].tokens: rows of q, k, v, o
+  std::vector<PageCopy> copies;
+  // q: [rows, q_heads, head_dim]; k, v: [rows, kv_heads, head_dim] (inline, or resolved references).
+  TensorSource q, k, v;
+  bool o_to_buffer = false;
+  TensorSource o_ref;
+  absl::Time accepted;
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> cancelled;
+  std::vector<std::shared_ptr<const void>> buffer_holds;
+
+  // Outputs.
+  std::string o;    // [rows, q_heads, head_dim] when attend && !o_to_buffer
+  std::string lse;  // fp32, per sequence [q_heads, tokens], back to back, when want_lse
+  Timing timing;
+  std::string kernel;
+  int device = -1;
+  uint32_t batch_sequences = 0;  // sequences in the launch this job ran in (set by the backend)
+  uint32_t batch_requests = 0;   // jobs in that launch
+
+  // Called once with the outcome, on a backend thread; the job is alive during the call.
+  std::function<void(absl::Status)> done;
+};
+
+// Steps the core gathered to run as one launch: one pool, one layer, and the same q_heads, scale, LSE and
+// append/attend modes. A backend may still split it (the CUDA decode kernel takes one query length per
+// launch); each job's done is called once.
+struct StepBatch {
+  std::vector<std::unique_ptr<StepJob>> jobs;
+};
+
 struct DeviceDescription {
   int index = 0;
   std::string name;
@@ -185,6 +232,25 @@ class Backend {
                                                                 const uint64_t (&sizes)[InputSink::kTensors]) {
     (void)job;
     return HostInputSink::Make(sizes);
+  }
+
+  // KV sequences. A pool of `num_pages` pages of `page_tokens` tokens for `shape`, in the backend's memory;
+  // RESOURCE_EXHAUSTED when that memory cannot be had, UNIMPLEMENTED when the backend has no sequences.
+  virtual absl::StatusOr<std::shared_ptr<KvPool>> MakeKvPool(const SequenceShape& shape, int page_tokens,
+                                                             int32_t num_pages) {
+    (void)shape, (void)page_tokens, (void)num_pages;
+    return absl::UnimplementedError(absl::StrCat("KV sequences are not available on the ", name(), " backend"));
+  }
+  // Backend-specific acceptance of a step (head_dim, dtype, references), before the core commits to it.
+  virtual absl::Status AcceptStep(const StepJob& job) const {
+    (void)job;
+    return absl::OkStatus();
+  }
+  // Queues a batch of steps. RESOURCE_EXHAUSTED (and no done called) when the queue is full; otherwise every
+  // job's done is called exactly once later, also across Shutdown.
+  virtual absl::Status SubmitSteps(std::unique_ptr<StepBatch> batch) {
+    (void)batch;
+    return absl::UnimplementedError(absl::StrCat("KV sequences are not available on the ", name(), " backend"));
   }
 
   // Requests queued and not yet started / accepted and not yet done.

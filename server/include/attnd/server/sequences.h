@@ -1,0 +1,154 @@
+// KV sequences in the core (docs/sequences.md): the sequences a server holds, their page tables over one page
+// pool per shape, their owners and expiry, and the Step path — validate a StepRequest, admit it against the
+// sequences (pages allocated, copy-on-write planned), gather steps of the same layer into batches, hand them to
+// the backend and commit the new lengths when they finish. Every transport (gRPC, the shm channel) calls this
+// class; the backend only moves bytes where a StepJob says.
+//
+// Consistency: a sequence has at most one step in flight (a second is ABORTED, retryable); fork and truncate
+// of a sequence with a step in flight are ABORTED too, close is deferred until the step ends. A page is
+// returned to its pool only when no sequence and no step in flight references it, so a page is never
+// rewritten while a launch may still read it.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "attnd/server/backend.h"
+#include "attnd/server/buffer_registry.h"
+#include "attnd/server/dispatcher.h"
+#include "attnd/server/validation.h"
+#include "attnd/v1/attention.pb.h"
+
+namespace attnd::server {
+
+struct SequenceOptions {
+  bool enabled = true;
+  // K/V memory of every pool together. Each shape gets pool_bytes / max_pools when its first sequence opens
+  // and gives it back when its last one closes.
+  uint64_t pool_bytes = 1ull << 30;
+  int max_pools = 1;                 // shapes with a pool at once (a server usually serves one model)
+  int page_tokens = 16;              // a power of two from 16 to 256 (the paged kernels' range)
+  int64_t max_tokens = 131072;       // per sequence
+  absl::Duration ttl = absl::Minutes(10);  // idle sequences are closed after this; infinite: never
+  uint32_t max_per_client = 0;       // sequences open per owner (0: no limit)
+  uint64_t max_pages_per_client = 0; // pages held per owner, shared pages counted by each holder (0: no limit)
+  uint32_t max_open = 256;           // sequences one OpenSequence or ForkSequence may create
+  uint32_t max_batch = 256;          // sequences in one launch
+  // How long the first step of an idle layer waits for others to join its launch. Zero: it launches at once,
+  // and steps that arrive while a launch of their layer runs join the next one (batches form under load
+  // without adding latency to a lone caller).
+  absl::Duration batch_wait = absl::ZeroDuration();
+  uint32_t max_waiting = 256;        // steps waiting for a launch before RESOURCE_EXHAUSTED
+  std::string advertise_address;     // appended to ids after '@' (the address clients reach this server at)
+  size_t tombstones = 4096;          // closed/expired ids remembered for a clear NOT_FOUND reason
+};
+
+class Sequences {
+ public:
+  // `backend` and `buffers` (null: no references) must outlive this object.
+  Sequences(const SequenceOptions& options, const ValidationLimits& limits, Backend* backend,
+            const BufferRegistry* buffers);
+  ~Sequences();
+
+  // `owner`: who calls (the transport's identity of the caller; docs/sequences.md, "ownership").
+  absl::StatusOr<v1::OpenSequenceResponse> Open(const std::string& owner, const v1::OpenSequenceRequest& request);
+  absl::StatusOr<v1::ForkSequenceResponse> Fork(const std::string& owner, const v1::ForkSequenceRequest& request);
+  absl::StatusOr<v1::TruncateSequenceResponse> Truncate(const std::string& owner,
+                                                        const v1::TruncateSequenceRequest& request);
+  absl::Status Close(const std::string& owner, const v1::CloseSequenceRequest& request);
+  absl::StatusOr<v1::SequenceInfo> Get(const std::string& owner, const v1::GetSequenceRequest& request);
+
+  // Called exactly once per Step: on a backend thread with the finished job, or inline with a null job when the
+  // step was refused before it was queued.
+  using StepReply = std::function<void(absl::Status, StepJob*)>;
+  // Validates, admits, batches and runs one step. For Transport::kUnary the inline tensors of `request` are
+  // read in place (it must outlive the reply), as Dispatcher::Dispatch does.
+  void Step(const std::string& owner, const v1::StepRequest& request, Transport transport, const CallInfo& call,
+            StepReply reply);
+  // request_id, timing, backend, kernel, device and the new lengths of a finished step (not o/lse).
+  void FillStepResponse(const StepJob& job, v1::StepResponse* response) const;
+
+  // Refuses new steps (UNAVAILABLE) and waits until every admitted step has been answered. Idempotent.
+  void Shutdown();
+
+  v1::SequenceLimits limits() const;
+  v1::SequenceStats stats() const;
+  // Closes sequences idle since before now - ttl (also done by a background thread); the number closed.
+  int ExpireIdle(absl::Time now);
+  // Steps waiting for a launch (counted in the queue depth the server reports).
+  uint32_t waiting() const;
+
+ private:
+  struct Pool;
+  struct Seq;
+  struct Lane;
+  struct Admitted;
+  struct BatchKey {
+    const KvPool* pool;
+    int layer, q_heads;
+    uint32_t scale_bits;
+    bool lse, append, attend;
+    int tokens;  // every sequence's tokens when uniform; -1: ragged (runs alone)
+    uint64_t unique;
+    friend bool operator==(const BatchKey& a, const BatchKey& b) {
+      return a.pool == b.pool && a.layer == b.layer && a.q_heads == b.q_heads && a.scale_bits == b.scale_bits &&
+             a.lse == b.lse && a.append == b.append && a.attend == b.attend && a.tokens == b.tokens &&
+             a.unique == b.unique;
+    }
+    template <typename H>
+    friend H AbslHashValue(H h, const BatchKey& k) {
+      return H::combine(std::move(h), k.pool, k.layer, k.q_heads, k.scale_bits, k.lse, k.append, k.attend,
+                        k.tokens, k.unique);
+    }
+  };
+
+  absl::StatusOr<Seq*> Find(const std::string& owner, const std::string& id, const std::string& field)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string NewId();
+  absl::StatusOr<Pool*> PoolFor(const SequenceShape& shape) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<int32_t> TakePage(Pool& pool, const std::string& owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropPage(Pool& pool, int32_t page, const std::string& owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Free(Seq* seq, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TrimPages(Seq* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status Admit(const std::string& owner, const v1::StepRequest& request, StepJob* job, Admitted* admitted);
+  void Finish(const Admitted& admitted, StepJob* job, bool ok);
+  void Enqueue(const BatchKey& key, std::unique_ptr<StepJob> job);
+  void Launch(const BatchKey& key) ABSL_LOCKS_EXCLUDED(mu_);
+  void ReaperLoop();
+
+  const SequenceOptions options_;
+  const ValidationLimits limits_;
+  Backend* const backend_;
+  const BufferRegistry* const buffers_;
+  const std::string instance_;  // random per process: ids of an earlier process are recognised as such
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::unique_ptr<Seq>> seqs_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<SequenceShape, std::unique_ptr<Pool>> pools_ ABSL_GUARDED_BY(mu_);
+  struct ClientUse {
+    uint32_t sequences = 0;
+    uint64_t pages = 0;
+  };
+  absl::flat_hash_map<std::string, ClientUse> clients_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::string> tombstones_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> tombstone_order_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<BatchKey, std::unique_ptr<Lane>> lanes_ ABSL_GUARDED_BY(mu_);
+  uint32_t waiting_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t admitted_ ABSL_GUARDED_BY(mu_) = 0;  // admitted and not yet answered
+  uint64_t next_unique_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0, launches_ ABSL_GUARDED_BY(mu_) = 0, expired_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread reaper_;
+};
+
+}  // namespace attnd::server

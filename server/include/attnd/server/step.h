@@ -1,0 +1,84 @@
+// The vocabulary of KV sequences that a backend sees (docs/sequences.md): the page pool of one sequence shape
+// (KvPool, memory the backend owns) and one Step request resolved against the sequences' page tables (StepJob).
+// The bookkeeping itself — which pages a sequence holds, its lengths, forks, ownership, expiry — is the core's
+// (sequences.h); a backend only reads and writes pages where a job tells it to.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/hash/hash.h"
+#include "absl/time/time.h"
+#include "attnd/problem.h"
+
+namespace attnd::server {
+
+// What a sequence caches; fixed for its life.
+struct SequenceShape {
+  int layers = 0;
+  int kv_heads = 0;
+  int head_dim = 0;
+  DType dtype = DType::kBF16;
+
+  // Elements of one page of one layer's K (or V): [page_tokens, kv_heads, head_dim].
+  int64_t page_elems(int page_tokens) const { return int64_t{page_tokens} * kv_heads * head_dim; }
+  // Bytes one page holds over every layer, K and V.
+  uint64_t page_bytes(int page_tokens) const {
+    return static_cast<uint64_t>(page_elems(page_tokens)) * DTypeBytes(dtype) * 2 * static_cast<uint64_t>(layers);
+  }
+  friend bool operator==(const SequenceShape& a, const SequenceShape& b) {
+    return a.layers == b.layers && a.kv_heads == b.kv_heads && a.head_dim == b.head_dim && a.dtype == b.dtype;
+  }
+  template <typename H>
+  friend H AbslHashValue(H h, const SequenceShape& s) {
+    return H::combine(std::move(h), s.layers, s.kv_heads, s.head_dim, static_cast<int>(s.dtype));
+  }
+};
+
+// The pages of one shape, in the backend's memory (device memory on CUDA, host memory on the CPU backend).
+// One allocation, laid out so that every layer's K (and V) is a page pool the paged decode kernels read
+// directly (kernels/decode.h, KvStorage::kPaged): layer l's K pages start at element (2 l) * num_pages *
+// page_elems, its V pages at (2 l + 1) * num_pages * page_elems; page p of a pool holds [page_tokens, kv_heads,
+// head_dim]. A page index means the same page at every layer, so a sequence has one page table for all layers.
+class KvPool {
+ public:
+  KvPool(const SequenceShape& shape, int page_tokens, int32_t num_pages)
+      : shape_(shape), page_tokens_(page_tokens), num_pages_(num_pages) {}
+  virtual ~KvPool() = default;
+  KvPool(const KvPool&) = delete;
+  KvPool& operator=(const KvPool&) = delete;
+
+  const SequenceShape& shape() const { return shape_; }
+  int page_tokens() const { return page_tokens_; }
+  int32_t num_pages() const { return num_pages_; }
+  // Element offset of layer `layer`'s K (kv = 0) or V (kv = 1) pool from the allocation's start.
+  int64_t pool_offset(int layer, int kv) const {
+    return (int64_t{2} * layer + kv) * num_pages_ * shape_.page_elems(page_tokens_);
+  }
+
+ private:
+  const SequenceShape shape_;
+  const int page_tokens_;
+  const int32_t num_pages_;
+};
+
+// Copy-on-write: page `from`, every layer's K and V, into page `to`, before the step writes anything.
+struct PageCopy {
+  int32_t from = 0, to = 0;
+};
+
+// One sequence's part of a step, as the core resolved it when it admitted the step.
+struct StepSequence {
+  int32_t cached = 0;  // keys cached at the step's layer before the step
+  int32_t tokens = 0;  // rows of this sequence in the step's tensors
+  // The sequence's page table: covers cached + tokens keys when the step appends, cached keys otherwise.
+  std::vector<int32_t> pages;
+  // Keys the attention reads: cached + tokens when appending, else cached. Query row r sits at position
+  // keys - tokens + r and sees keys [0, that position].
+  int32_t keys(bool append) const { return append ? cached + tokens : cached; }
+};
+
+}  // namespace attnd::server
