@@ -223,8 +223,8 @@ struct CudaDevice::StepWork {
   int32_t *d_cached = nullptr, *d_keys = nullptr, *d_table = nullptr;
   int32_t *h_cached = nullptr, *h_keys = nullptr, *h_table = nullptr;
 
-  bool multi_ref_in = false;   // registered inputs copied into the block (several jobs)
-  bool multi_ref_out = false;  // O copied from the block into registered buffers (several jobs)
+  bool ref_in = false;   // registered inputs copied into the block (several jobs, or one mixing inline and not)
+  bool ref_out = false;  // O copied from the block into registered buffers (several jobs)
   uint64_t out_bytes = 0;      // copied back after the kernels
   bool enqueued = false;       // GPU work may be in flight on the slot's stream
   std::vector<std::vector<std::string>> kernels;  // per job: the kernels its sequences ran
@@ -343,9 +343,13 @@ absl::Status CudaDevice::PlaceSteps(StepWork& w) {
     inline_q = inline_q || (f.attend && !j->q.is_reference());
     inline_kv = inline_kv || (f.append && (!j->k.is_reference() || !j->v.is_reference()));
     inline_o = inline_o || (f.attend && !j->o_to_buffer);
-    w.multi_ref_in = w.multi_ref_in || (multi && ((f.attend && j->q.is_reference()) ||
-                                                  (f.append && (j->k.is_reference() || j->v.is_reference()))));
-    w.multi_ref_out = w.multi_ref_out || (multi && f.attend && j->o_to_buffer);
+  }
+  // A registered tensor is read (or O written) in place only when it is the batch's whole tensor: one job, and
+  // for K and V both registered. Otherwise it is copied into (out of) the block's region.
+  for (const StepJob* j : w.jobs) {
+    w.ref_in = w.ref_in || (f.attend && j->q.is_reference() && (multi || inline_q)) ||
+               (f.append && (j->k.is_reference() || j->v.is_reference()) && (multi || inline_kv));
+    w.ref_out = w.ref_out || (f.attend && j->o_to_buffer && (multi || inline_o));
   }
   const uint64_t n = w.seqs.size();
   const uint64_t qb = static_cast<uint64_t>(w.rows * w.row_q) * 2, kvb = static_cast<uint64_t>(w.rows * w.row_kv) * 2;
@@ -445,13 +449,13 @@ absl::Status CudaDevice::StageSteps(StepWork& w) {
   ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(w.slot.ev[0], st)));
   ATTND_RETURN_IF_ERROR(
       CudaStatus("H2D copy (steps)", cudaMemcpyAsync(w.dev(), w.host(), w.in_bytes, cudaMemcpyHostToDevice, st)));
-  if (w.multi_ref_in) {
-    // Registered inputs of a batch of several requests join the inline ones in the block, so that every launch
-    // reads one tensor in batch order. After the H2D copy, which also covers (and would overwrite) their rows.
+  if (w.ref_in) {
+    // Registered inputs join the inline ones in the block, so that every launch reads one tensor in batch order.
+    // After the H2D copy, which also covers (and would overwrite) their rows.
     for (size_t j = 0; j < w.jobs.size(); ++j) {
       const StepJob& job = *w.jobs[j];
       const auto copy_in = [&](const TensorSource& src, uint64_t region, int64_t row_elems) -> absl::Status {
-        if (!src.is_reference()) return absl::OkStatus();
+        if (!src.is_reference() || region == StepWork::kAbsent) return absl::OkStatus();
         const uint64_t off = static_cast<uint64_t>(w.job_row[j] * row_elems) * 2;
         return CudaStatus("D2D copy (registered step input)",
                           cudaMemcpyAsync(w.dev() + region + off, src.device_data,
@@ -531,10 +535,10 @@ absl::Status CudaDevice::EnqueueSteps(StepWork& w) {
   }
   if (f.attend) ATTND_RETURN_IF_ERROR(EnqueueAttention(w));
   ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[2], st)));
-  if (w.multi_ref_out) {
+  if (w.ref_out) {
     for (size_t j = 0; j < w.jobs.size(); ++j) {
       const StepJob& job = *w.jobs[j];
-      if (!job.o_to_buffer) continue;
+      if (!job.o_to_buffer || w.o_at == StepWork::kAbsent) continue;
       ATTND_RETURN_IF_ERROR(CudaStatus(
           "D2D copy (O into a registered buffer)",
           cudaMemcpyAsync(job.o_ref.device_data, w.o + static_cast<uint64_t>(w.job_row[j] * w.row_q) * 2,
@@ -701,7 +705,7 @@ absl::Status CudaDevice::CollectSteps(StepWork& w) {
   float h2d = 0, kernel = 0, d2h = 0;
   cudaEventElapsedTime(&h2d, slot.ev[0], slot.ev[1]);
   cudaEventElapsedTime(&kernel, slot.kernel_start, slot.ev[2]);
-  const bool copies_out = w.out_bytes > 0 || w.multi_ref_out;
+  const bool copies_out = w.out_bytes > 0 || w.ref_out;
   if (copies_out) cudaEventElapsedTime(&d2h, slot.ev[2], slot.ev[3]);
   std::vector<CopyPool::Part> parts;
   for (size_t j = 0; j < w.jobs.size(); ++j) {
