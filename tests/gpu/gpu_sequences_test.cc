@@ -549,8 +549,8 @@ std::vector<Case> Cases() {
 INSTANTIATE_TEST_SUITE_P(Steps, SequencesTest, ::testing::ValuesIn(Cases()),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
 
-// A job whose caller went away, or whose deadline passed, is answered without running; the batch's other jobs
-// run. The pool outlives nothing: dropping it after the batch gives its memory back.
+// A job whose caller went away, whose deadline passed or whose registered buffer resolved onto another device is
+// answered without running; the batch's other jobs run.
 TEST(SequencesBackendTest, CancelledAndExpiredJobsAnsweredTheOthersRun) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
   Backend* backend = SharedBackend();
@@ -560,7 +560,7 @@ TEST(SequencesBackendTest, CancelledAndExpiredJobsAnsweredTheOthersRun) {
   ASSERT_TRUE(pool.ok()) << pool.status();
   std::vector<uint16_t> q(8 * 128, 0x3f80), kv(2 * 128, 0x3f80);  // 1.0 in bf16
   std::vector<std::unique_ptr<StepJob>> jobs;
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < 4; ++i) {
     auto job = std::make_unique<StepJob>();
     job->pool = *pool;
     job->q_heads = 8;
@@ -577,10 +577,16 @@ TEST(SequencesBackendTest, CancelledAndExpiredJobsAnsweredTheOthersRun) {
   }
   jobs[0]->cancelled = [] { return true; };
   jobs[1]->deadline = absl::Now() - absl::Seconds(1);
+  alignas(16) static uint8_t elsewhere[8 * 128 * 2];
+  jobs[3]->q = TensorSource{};
+  jobs[3]->q.buffer_id = "elsewhere";
+  jobs[3]->q.device_data = elsewhere;
+  jobs[3]->q.device = 97;
   std::vector<Outcome> out = RunBatch(*backend, std::move(jobs));
-  ASSERT_EQ(out.size(), 3u);
+  ASSERT_EQ(out.size(), 4u);
   EXPECT_EQ(out[0].status.code(), absl::StatusCode::kCancelled) << out[0].status;
   EXPECT_EQ(out[1].status.code(), absl::StatusCode::kDeadlineExceeded) << out[1].status;
+  EXPECT_EQ(out[3].status.code(), absl::StatusCode::kInvalidArgument) << out[3].status;
   ASSERT_TRUE(out[2].status.ok()) << out[2].status;
   EXPECT_EQ(out[2].batch_requests, 1u);
   // One key of all ones, values all ones: O is exactly 1.
@@ -599,7 +605,7 @@ TEST(SequencesBackendTest, BadPoolsAndStepsAreRefusedNamingTheField) {
   bad = backend->MakeKvPool(SequenceShape{1, 2, 128, DType::kBF16}, 24, 8);
   EXPECT_NE(bad.status().message().find("page_tokens"), std::string::npos) << bad.status();
   // Over the device budget (TestOptions: 4 GiB): RESOURCE_EXHAUSTED naming the pool.
-  bad = backend->MakeKvPool(SequenceShape{32, 8, 128, DType::kBF16}, 16, 8192);  // 8 GiB
+  bad = backend->MakeKvPool(SequenceShape{32, 8, 128, DType::kBF16}, 16, 8192);  // 16 GiB
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(bad.status().message().find("KV page pool"), std::string::npos) << bad.status();
 

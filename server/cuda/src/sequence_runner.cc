@@ -123,6 +123,13 @@ Problem PrefillProblem(const StepJob& job, const SequenceShape& shape, int32_t t
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// A job about to run on `device`: its pool there and its references resolved onto it.
+absl::Status CheckJobHere(const StepJob& job, int device) {
+  const auto* pool = dynamic_cast<const CudaKvPool*>(job.pool.get());
+  if (pool == nullptr || pool->device() != device) return absl::InternalError("step: the pool is not this device's");
+  return CheckRefs(job, pool->shape(), device, true);
+}
+
 }  // namespace
 
 int KvPoolDevice(const KvPool& pool) {
@@ -250,6 +257,8 @@ void CudaDevice::RunSteps(Slot& slot, StepBatch& batch, std::vector<absl::Status
     } else if (start >= job.deadline) {
       statuses[i] = absl::DeadlineExceededError(absl::StrCat(
           "the deadline expired after ", Micros(start - job.accepted), " us in the queue; the step was not started"));
+    } else if (absl::Status st = CheckJobHere(job, index_); !st.ok()) {
+      statuses[i] = st;  // its registered buffers, resolved now: the job alone fails
     } else {
       w.jobs.push_back(&job);
       w.job_index.push_back(i);
@@ -287,7 +296,6 @@ absl::Status CudaDevice::PlaceSteps(StepWork& w) {
         (f.attend && (j->q_heads != f.q_heads || j->scale != f.scale || j->want_lse != f.want_lse))) {
       return absl::InternalError("steps: a batch mixes pools, layers or step parameters");
     }
-    ATTND_RETURN_IF_ERROR(CheckRefs(*j, shape, index_, true));
   }
   if (f.layer < 0 || f.layer >= shape.layers) {
     return absl::InternalError(absl::StrCat("steps: layer ", f.layer, " of a pool of ", shape.layers, " layers"));
