@@ -467,7 +467,8 @@ absl::Status CudaDevice::StageSteps(StepWork& w) {
         const uint64_t off = static_cast<uint64_t>(w.job_row[j] * row_elems) * 2;
         return CudaStatus("D2D copy (registered step input)",
                           cudaMemcpyAsync(w.dev() + region + off, src.device_data,
-                                          static_cast<uint64_t>(job.rows * row_elems) * 2, cudaMemcpyDeviceToDevice, st));
+                                          static_cast<uint64_t>(job.rows * row_elems) * 2,
+                                          cudaMemcpyDeviceToDevice, st));
       };
       if (f.attend) ATTND_RETURN_IF_ERROR(copy_in(job.q, w.q_at, w.row_q));
       if (f.append) {
@@ -526,7 +527,8 @@ absl::Status CudaDevice::EnqueueSteps(StepWork& w) {
       const Strides rows{tokens * w.row_kv, w.row_kv, w.head_dim};
       absl::StatusOr<dk::AppendPlan> plan =
           dk::MakeAppendPlan(cache, tokens, rows, rows, absl::MakeConstSpan(w.h_cached + a, count),
-                             absl::MakeConstSpan(w.h_table + a * w.max_pages, static_cast<size_t>(count) * w.max_pages));
+                             absl::MakeConstSpan(w.h_table + a * w.max_pages,
+                                                 static_cast<size_t>(count) * w.max_pages));
       if (!plan.ok()) return absl::InternalError(absl::StrCat("steps: append: ", plan.status().message()));
       dk::AppendTensors t;
       const uint64_t off = static_cast<uint64_t>(w.seqs[a].row * w.row_kv) * 2;
@@ -655,7 +657,8 @@ absl::Status CudaDevice::EnqueueAttention(StepWork& w) {
     a += launches.back().count;
   }
   for (const Launch& l : launches) {
-    if (!l.decode && (largest_prefill == nullptr || l.prefill_plan.workspace_bytes > largest_prefill->workspace_bytes)) {
+    if (l.decode) continue;
+    if (largest_prefill == nullptr || l.prefill_plan.workspace_bytes > largest_prefill->workspace_bytes) {
       largest_prefill = &l.prefill_plan;
     }
   }
