@@ -781,6 +781,9 @@ class CudaBackendImpl final : public Backend {
     return devices_.front()->MakeKvPool(shape, page_tokens, num_pages);
   }
 
+  // Half the sequence device's budget: the other half stages Forward requests and step batches.
+  uint64_t default_kv_pool_bytes() const override { return devices_.front()->device_budget_bytes() / 2; }
+
   absl::Status AcceptStep(const StepJob& job) const override { return cuda::AcceptStepJob(job); }
 
   absl::Status SubmitSteps(std::unique_ptr<StepBatch> batch) override {

@@ -155,6 +155,7 @@ class CudaDevice {
   uint32_t running() const { return running_.load(); }
   // Device memory the pool holds (in use + cached for reuse); IPC buffers belong to their callers.
   uint64_t device_bytes_held() const { return device_mem_ ? device_mem_->stats().held_bytes : 0; }
+  uint64_t device_budget_bytes() const { return device_mem_ ? device_mem_->stats().budget_bytes : 0; }
 
   // KV sequences (sequence_runner.cc). A page pool in one block of this device's memory budget, given back when
   // the last holder drops it; RESOURCE_EXHAUSTED naming the pool when the budget cannot hold it.
