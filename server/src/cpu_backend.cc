@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "attnd/reference.h"
+#include "attnd/server/queue_expiry.h"
 
 namespace attnd::server {
 namespace {
@@ -38,7 +39,8 @@ CpuBackend::CpuBackend(const BackendOptions& options, CpuBackendHooks hooks)
     : max_queue_(options.max_queue),
       threads_(ResolveThreads(options.threads)),
       memory_budget_(ResolveMemoryBudget(options.memory_budget_bytes)),
-      hooks_(std::move(hooks)) {
+      hooks_(std::move(hooks)),
+      expiry_([this](absl::Time now) { return DropExpired(now); }) {
   // One worker per thread: under load every core runs its own request; a lone request fans out over all
   // cores inside ReferenceAttention (see Run), so latency stays low when the server is idle.
   workers_.reserve(threads_);
@@ -74,8 +76,28 @@ absl::Status CpuBackend::Submit(std::unique_ptr<ForwardJob> job) {
     return absl::ResourceExhaustedError(
         absl::StrCat("queue full: ", queue_.size(), " requests waiting (--max_queue=", max_queue_, ")"));
   }
+  expiry_.Queued(job->deadline);
   queue_.push_back(std::move(job));
   return absl::OkStatus();
+}
+
+absl::Time CpuBackend::DropExpired(absl::Time now) {
+  std::vector<std::unique_ptr<ForwardJob>> expired;
+  absl::Time earliest = absl::InfiniteFuture();
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      if ((*it)->deadline <= now) {
+        expired.push_back(std::move(*it));
+        it = queue_.erase(it);
+      } else {
+        earliest = std::min(earliest, (*it)->deadline);
+        ++it;
+      }
+    }
+  }
+  for (std::unique_ptr<ForwardJob>& job : expired) job->done(ExpiredInQueue(*job, now));
+  return earliest;
 }
 
 uint32_t CpuBackend::queue_depth() const {
@@ -103,6 +125,7 @@ void CpuBackend::Shutdown() {
   for (auto& w : workers_) {
     if (w.joinable()) w.join();
   }
+  expiry_.Stop();
 }
 
 void CpuBackend::WorkerLoop() {
@@ -140,12 +163,10 @@ absl::Status CpuBackend::Run(ForwardJob& job, int compute_threads) {
   job.timing.queue_us = Micros(start - job.accepted);
   job.kernel = kKernelName;
   job.device = -1;
+  // The deadline first: gRPC cancels a call whose deadline passed, and the client sees DEADLINE_EXCEEDED.
+  if (start >= job.deadline) return ExpiredInQueue(job, start);
   if (job.cancelled && job.cancelled()) {
     return absl::CancelledError("the call was cancelled before its computation started");
-  }
-  if (start >= job.deadline) {
-    return absl::DeadlineExceededError(absl::StrCat("the deadline expired after ", Micros(start - job.accepted),
-                                                    " us in the queue; the computation was not started"));
   }
   if (hooks_.before_compute) hooks_.before_compute(job);
 

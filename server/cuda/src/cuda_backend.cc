@@ -31,6 +31,7 @@
 #include "attnd/server/copy_pool.h"
 #include "attnd/server/cuda/block_cache.h"
 #include "attnd/server/cuda/tensor_map_cache.h"
+#include "attnd/server/queue_expiry.h"
 #include "attnd/server/status_util.h"
 #include "spdlog/spdlog.h"
 
@@ -172,7 +173,12 @@ class CudaDevice {
   // `queued_total`: the backend-wide count of waiting jobs, decremented when a worker takes one.
   CudaDevice(int index, const BackendOptions& options, TensorMapCache* maps, std::atomic<uint32_t>* queued_total,
              CopyPool* copies)
-      : index_(index), options_(options), maps_(maps), queued_total_(queued_total), copies_(copies) {}
+      : index_(index),
+        options_(options),
+        maps_(maps),
+        queued_total_(queued_total),
+        copies_(copies),
+        expiry_([this](absl::Time now) { return DropExpired(now); }) {}
   ~CudaDevice();
 
   // Context, warm-up launches, slots, pools, warm shapes, then the workers.
@@ -221,6 +227,8 @@ class CudaDevice {
   absl::Status WarmUpKernels();
   absl::Status WarmShape(const Shape& s);
   void SlotLoop(Slot* slot);
+  // QueueExpiry's sweep: answers and drops the queued jobs whose deadline is at or before `now`.
+  absl::Time DropExpired(absl::Time now);
 
   // One request while it runs on a slot: its blocks, where its tensors are, and what GPU work it has in flight.
   struct Work {
@@ -274,6 +282,7 @@ class CudaDevice {
   std::atomic<uint32_t> queued_{0}, running_{0};
   std::atomic<uint32_t> uploading_{0};  // streams with a sink here, not yet submitted
   std::atomic<bool> spinner_{false};  // an idle worker is polling the queue
+  QueueExpiry expiry_;                 // after the queue and its counts: its sweeps change them
 };
 
 CudaDevice::~CudaDevice() {
@@ -582,8 +591,34 @@ std::pair<Block, Block> StreamedInputs::Take() {
 
 void CudaDevice::Enqueue(Pending p) {
   absl::MutexLock lock(&mu_);
+  expiry_.Queued(p.job->deadline);
   queue_.push_back(std::move(p));
   queued_.fetch_add(1);
+}
+
+absl::Time CudaDevice::DropExpired(absl::Time now) {
+  std::vector<Pending> expired;
+  absl::Time earliest = absl::InfiniteFuture();
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      if (it->job->deadline <= now) {
+        expired.push_back(std::move(*it));
+        it = queue_.erase(it);
+        queued_.fetch_sub(1);
+        queued_total_->fetch_sub(1);
+      } else {
+        earliest = std::min(earliest, it->job->deadline);
+        ++it;
+      }
+    }
+  }
+  // A stream's inputs go back to the device's blocks with the job (StreamedInputs' destructor).
+  for (Pending& p : expired) {
+    p.job->done(ExpiredInQueue(*p.job, now));
+    p.job.reset();
+  }
+  return earliest;
 }
 
 void CudaDevice::Stop() {
@@ -594,6 +629,7 @@ void CudaDevice::Stop() {
   for (std::thread& w : workers_) {
     if (w.joinable()) w.join();
   }
+  expiry_.Stop();
 }
 
 void CudaDevice::SlotLoop(Slot* slot) {
@@ -636,12 +672,10 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
   const absl::Time start = absl::Now();
   job.timing.queue_us = Micros(start - job.accepted);
   job.device = index_;
+  // The deadline first, as in the CPU backend: gRPC cancels a call whose deadline passed.
+  if (start >= job.deadline) return ExpiredInQueue(job, start);
   if (job.cancelled && job.cancelled()) {
     return absl::CancelledError("the call was cancelled before its computation started");
-  }
-  if (start >= job.deadline) {
-    return absl::DeadlineExceededError(absl::StrCat("the deadline expired after ", Micros(start - job.accepted),
-                                                    " us in the queue; the computation was not started"));
   }
   job.kernel = p.selection.info().name;
   Work w(job, slot);
