@@ -208,6 +208,12 @@ TEST_F(SecurityTest, BadSecurityOptionsFailTheStartNamingTheFlag) {
       {"", "", pki->Path("ca.pem"), "", "tls_cert"},
       {pki->Path("missing.pem"), pki->Path("server.key"), "", "", "tls_cert"},
       {pki->Path("server.pem"), pki->Path("tokens"), "", "", "tls_key"},  // not PEM
+      {pki->Path("server.pem"), pki->Path("client.key"), "", "", "tls_key: '" + pki->Path("client.key") +
+                                                                  "' is not the private key of the certificate"},
+      {pki->Path("server.pem"), pki->Path("server.csr"), "", "", "tls_key: '" + pki->Path("server.csr") +
+                                                                  "' holds no readable private key"},
+      {pki->Path("server.key"), pki->Path("server.key"), "", "", "tls_cert: '" + pki->Path("server.key") +
+                                                                  "' holds no readable certificate"},
       {pki->Path("server.pem"), pki->Path("server.key"), pki->Path("nope.pem"), "", "tls_client_ca"},
       {"", "", "", pki->Path("empty_tokens"), "auth_token_file"},
       {"", "", "", pki->Path("no_such_file"), "auth_token_file"},
