@@ -28,6 +28,7 @@
 #include "attnd/client/client.h"
 #include "attnd/client/shm_channel.h"
 #include "attnd/client/tensors.h"
+#include "attnd/transport/flags_help.h"
 #include "attnd/transport/heap_tuning.h"
 
 // Connection.
@@ -497,6 +498,7 @@ int main(int argc, char** argv) {
       "             [--verify_every=N] [--reuse_outputs=false] [--json=F] [--csv=F]   load test\n"
       "  call and bench: --transport=auto|unary|stream over gRPC, or --transport=shm --shm_socket=PATH (same host)\n"
       "Shape flags: --batch --q_len --kv_len --q_heads --kv_heads --head_dim --dtype --mask|--causal --scale --lse");
+  attnd::HandleHelpFlag(argc, argv, __FILE__);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     std::cerr << "usage: attn info|stats|call|bench|health [flags]   (attn --help for the flags)\n";

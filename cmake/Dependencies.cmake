@@ -18,12 +18,15 @@ if(NOT ATTND_STATIC)
   find_package(absl CONFIG REQUIRED)
   find_package(Protobuf REQUIRED)
   find_package(gRPC CONFIG REQUIRED)
+  # gRPC's TLS library; the server checks a TLS key against its certificate with it (server/src/tls.cc).
+  find_package(OpenSSL REQUIRED)
   add_library(attnd_absl INTERFACE)
   target_link_libraries(attnd_absl INTERFACE
     absl::status absl::statusor absl::strings absl::str_format absl::synchronization absl::time
     absl::flags absl::flags_parse absl::flags_usage absl::random_random absl::span absl::optional)
   add_library(attnd_grpc INTERFACE)
-  target_link_libraries(attnd_grpc INTERFACE gRPC::grpc++ gRPC::grpc++_reflection protobuf::libprotobuf attnd_absl)
+  target_link_libraries(attnd_grpc INTERFACE gRPC::grpc++ gRPC::grpc++_reflection protobuf::libprotobuf OpenSSL::Crypto
+                                              attnd_absl)
   if(ATTND_BUILD_TESTS)
     find_package(GTest REQUIRED)
     add_library(attnd_gtest INTERFACE)

@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "attnd/transport/flags_help.h"
 #include "attnd/transport/heap_tuning.h"
 #include "attnd/server/backend.h"
 #include "attnd/server/server.h"
@@ -116,6 +117,7 @@ int Fail(const std::string& message) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("attnd: fused attention as a gRPC service.\n  attnd --listen=0.0.0.0:50051 [--backend=auto]");
+  attnd::HandleHelpFlag(argc, argv, __FILE__);
   absl::ParseCommandLine(argc, argv);
 
   const spdlog::level::level_enum level = spdlog::level::from_str(absl::GetFlag(FLAGS_log_level));

@@ -14,8 +14,10 @@
 #include <cstddef>
 #include <cstring>
 #include <new>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace attnd::shm {
 
@@ -70,9 +72,13 @@ absl::StatusOr<Mapping> MapServerSide(int fd, uint64_t max_area_bytes) {
   if (::pread(fd, &probe, offsetof(Header, state), 0) != static_cast<ssize_t>(offsetof(Header, state))) {
     return absl::InvalidArgumentError("shm channel: unreadable header");
   }
-  if (probe.magic != kMagic || probe.version != kVersion) {
-    return absl::InvalidArgumentError(absl::StrCat("shm channel: bad magic/version (version ", probe.version,
-                                                   ", this server speaks ", kVersion, ")"));
+  if (probe.magic != kMagic) {
+    return absl::InvalidArgumentError(absl::StrFormat("shm channel: bad magic 0x%08x in the memfd's header (expected 0x%08x)",
+                                                      probe.magic, kMagic));
+  }
+  if (probe.version != kVersion) {
+    return absl::InvalidArgumentError(absl::StrCat("shm channel: the memfd's header is version ", probe.version,
+                                                   ", this server speaks ", kVersion));
   }
   max_area_bytes = std::min(max_area_bytes, kMaxAreaBytes);
   if (probe.request_capacity > max_area_bytes || probe.reply_capacity > max_area_bytes) {
@@ -125,23 +131,41 @@ absl::Status ReceiveWithFd(int socket, void* data, size_t bytes, int* fd) {
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  // Room for more descriptors than a hello may carry: every one that arrives is seen (and closed unless it is the
+  // one kept), and only a sender of more than this many gets MSG_CTRUNC, whose excess the kernel closes itself.
+  constexpr size_t kRoomForFds = 16;
+  alignas(cmsghdr) char control[CMSG_SPACE(kRoomForFds * sizeof(int))] = {};
   msg.msg_control = control;
   msg.msg_controllen = sizeof(control);
   ssize_t n;
   do {
     n = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC | MSG_WAITALL);
   } while (n < 0 && errno == EINTR);
-  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int))) {
-      std::memcpy(fd, CMSG_DATA(c), sizeof(int));
+  std::vector<int> received;
+  if (n >= 0) {
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS || c->cmsg_len < CMSG_LEN(0)) continue;
+      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int f;
+        std::memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        received.push_back(f);
+      }
     }
   }
+  const auto close_all = [&received] {
+    for (const int f : received) ::close(f);
+  };
   if (n != static_cast<ssize_t>(bytes) || (msg.msg_flags & MSG_CTRUNC) != 0) {
-    if (*fd >= 0) ::close(*fd);
-    *fd = -1;
+    close_all();
     return absl::UnavailableError("shm channel: short or truncated hello");
   }
+  if (received.size() > 1) {
+    close_all();
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm channel: the hello carried ", received.size(), " descriptors; it carries exactly one memfd"));
+  }
+  if (!received.empty()) *fd = received.front();
   return absl::OkStatus();
 }
 

@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "attnd/v1/attention.pb.h"
 #include "attnd/transport/zero_copy.h"
+#include "grpc/grpc_security.h"
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "spdlog/spdlog.h"
@@ -46,6 +47,17 @@ absl::Status PeerCalls::Admit(const std::string& peer) const {
   return absl::ResourceExhaustedError(absl::StrCat("max_calls_per_client: this connection already has ", n - 1,
                                                    " Forward calls in progress (limit ", max_per_peer_,
                                                    "); retry when one finishes"));
+}
+
+std::string ConnectionKey(grpc::ServerContextBase* ctx) {
+  std::string key = ctx->peer();
+  // Every call on a connection shares the auth context its handshake made (insecure credentials make one too);
+  // a call holds a reference to it, so its address names the connection for as long as the call is counted.
+  if (grpc_auth_context* auth = grpc_call_auth_context(ctx->c_call()); auth != nullptr) {
+    absl::StrAppend(&key, "#", absl::Hex(reinterpret_cast<uintptr_t>(auth)));
+    grpc_auth_context_release(auth);
+  }
+  return key;
 }
 
 bool DrainTracker::Add() {
@@ -83,6 +95,12 @@ std::string GenerateRequestId() {
   }();
   static std::atomic<uint64_t> next{1};
   return absl::StrCat("attnd-", prefix, "-", next.fetch_add(1, std::memory_order_relaxed));
+}
+
+absl::Status EndedEarly(absl::Time start, absl::Time deadline, absl::string_view when) {
+  const absl::Duration slack = (deadline - start) / 100 + absl::Milliseconds(5);
+  if (absl::Now() >= deadline - slack) return absl::DeadlineExceededError(absl::StrCat("the deadline passed ", when));
+  return absl::CancelledError(absl::StrCat("the call was cancelled ", when));
 }
 
 void LogOutcome(const char* method, const std::string& request_id, const absl::Status& status, absl::Time start) {
@@ -129,8 +147,10 @@ class CallObserver final : public grpc::experimental::Interceptor {
   }
 
   ~CallObserver() override {
-    // A call torn down without a status (the server stopped under it) still leaves the books balanced.
-    if (!finished_) Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the call ended without a status"));
+    // A call torn down without a status (the server stopped under it) still leaves the books balanced, as does
+    // one whose close never came (its answer is booked as sent).
+    if (deferred_) Finish(*deferred_);
+    if (!finished_) Finish(AsSeen(grpc::Status(grpc::StatusCode::CANCELLED, "the call ended without a status")));
     // gRPC destroys interceptors with the call, after its last operation (the status) completed.
     if (draining_counted_) drain_->Remove();
   }
@@ -138,8 +158,10 @@ class CallObserver final : public grpc::experimental::Interceptor {
   void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
     if (m->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_INITIAL_METADATA)) {
       peer_ = info_->server_context()->peer();
+      deadline_ = Deadline();
       if (peers_ != nullptr && (kind_ == Kind::kForward || kind_ == Kind::kForwardStream)) {
-        peers_->Add(peer_);
+        connection_ = ConnectionKey(info_->server_context());
+        peers_->Add(connection_);
         counted_ = true;
       }
       if (drain_ != nullptr && (kind_ == Kind::kForward || kind_ == Kind::kForwardStream)) {
@@ -158,12 +180,26 @@ class CallObserver final : public grpc::experimental::Interceptor {
         const auto it = trailing->find(std::string(kRequestIdMetadata));
         if (it != trailing->end()) request_id_ = it->second;
       }
-      // A reply finished after the call was cancelled (deadline, client gone, shutdown grace spent) never
-      // reaches the client: the books say what the client saw.
+      // Before the status leaves: a client that starts its next call on seeing this one end must find the slot free.
+      ReleaseSlot();
       const grpc::Status sent = m->GetSendStatus();
-      Finish(sent.ok() && info_->server_context()->IsCancelled()
-                 ? grpc::Status(grpc::StatusCode::CANCELLED, "the call was cancelled before its reply was sent")
-                 : sent);
+      if (info_->server_context()->IsCancelled()) {
+        Finish(AsSeen(sent));
+      } else if (absl::Now() >= deadline_) {
+        // The client's deadline, which runs ahead of the server's, has passed: the answer came too late.
+        Finish(AsSeen(sent));
+      } else if ((kind_ == Kind::kForward || kind_ == Kind::kForwardStream) && !request_seen_) {
+        // No request ever arrived: the call was cancelled, or timed out, on the way in (the answer reached no
+        // one), or the client half-closed without its message (the answer stands). Only its close tells which.
+        deferred_ = sent;
+      } else {
+        Finish(sent);
+      }
+    }
+    if (m->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_CLOSE) && deferred_) {
+      const grpc::Status sent = *std::move(deferred_);
+      deferred_.reset();
+      Finish(info_->server_context()->IsCancelled() ? AsSeen(sent) : sent);
     }
     m->Proceed();
   }
@@ -181,6 +217,8 @@ class CallObserver final : public grpc::experimental::Interceptor {
     }
     if (kind_ != Kind::kForward && kind_ != Kind::kForwardStream) return;
     const auto* b = static_cast<const grpc::ByteBuffer*>(msg);
+    if (!b->Valid()) return;  // a unary call that ended before its message came
+    request_seen_ = true;
     bytes_in_ += b->Length();
     if (messages_in_++ > 0) return;
     const std::optional<v1::ForwardRequest> header = HeaderOf<v1::ForwardRequest, v1::ForwardStreamRequest>(*b);
@@ -219,11 +257,25 @@ class CallObserver final : public grpc::experimental::Interceptor {
     return std::nullopt;
   }
 
+  absl::Time Deadline() const { return absl::FromChrono(info_->server_context()->deadline()); }
+
+  void ReleaseSlot() {
+    if (counted_) peers_->Remove(connection_);
+    counted_ = false;
+  }
+
+  // A status sent after the call ended (deadline, client gone, shutdown grace spent) never reaches the client:
+  // the books say what the client saw (EndedEarly), keeping the server's own message when it says the same.
+  grpc::Status AsSeen(const grpc::Status& sent) const {
+    const absl::Status seen = EndedEarly(start_, deadline_, "before the reply was sent");
+    if (static_cast<int>(sent.error_code()) == static_cast<int>(seen.code())) return sent;
+    return grpc::Status(static_cast<grpc::StatusCode>(seen.code()), std::string(seen.message()));
+  }
+
   void Finish(const grpc::Status& status) {
     if (finished_) return;
     finished_ = true;
-    // Before the status leaves: a client that starts its next call on seeing this one end must find the slot free.
-    if (counted_) peers_->Remove(peer_);
+    ReleaseSlot();
     CallRecord r;
     r.method = method_;
     r.code = static_cast<absl::StatusCode>(status.error_code());
@@ -253,8 +305,11 @@ class CallObserver final : public grpc::experimental::Interceptor {
   const absl::Time start_;
   Kind kind_ = Kind::kOther;
   bool in_service_ = false;  // a method of attnd.v1.Attention
-  std::string method_, peer_, request_id_, shape_;
+  std::string method_, peer_, connection_, request_id_, shape_;
   bool counted_ = false, draining_counted_ = false, finished_ = false;
+  bool request_seen_ = false;                // a Forward's request (a stream's first message) arrived
+  absl::Time deadline_ = absl::InfiniteFuture();
+  std::optional<grpc::Status> deferred_;     // sent, booked once the call's close says whether it was delivered
   uint64_t bytes_in_ = 0, bytes_out_ = 0;
   uint64_t messages_in_ = 0, messages_out_ = 0;
   std::optional<absl::Duration> queue_, kernel_;

@@ -13,13 +13,19 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "grpcpp/server_context.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "call_stats.h"
 
 namespace attnd::server {
 
-// Forward/ForwardStream calls in progress per peer (a peer is one connection: "ipv4:10.0.0.7:51234",
-// "unix:..."), so that one client cannot take every worker and the whole queue.
+// The key --max_calls_per_client counts under: one gRPC connection. The peer address alone does not tell
+// connections apart on the unix socket (every caller there is "unix:"), so the key is the peer address and the
+// connection's own identity within the server.
+std::string ConnectionKey(grpc::ServerContextBase* ctx);
+
+// Forward/ForwardStream calls in progress per connection (ConnectionKey), so that one client cannot take every
+// worker and the whole queue.
 class PeerCalls {
  public:
   explicit PeerCalls(uint32_t max_per_peer) : max_per_peer_(max_per_peer) {}
@@ -71,6 +77,14 @@ class CallObserverFactory final : public grpc::experimental::ServerInterceptorFa
   PeerCalls* const peers_;
   DrainTracker* const drain_;
 };
+
+// The status of a call that ended before the server's answer reached the client (the client cancelled it, its
+// deadline passed, or the server cancelled it at shutdown), as the client sees it: DEADLINE_EXCEEDED when it ended
+// at its deadline, CANCELLED otherwise. gRPC sends the timeout rounded up (to 1 ms below 1 s, 10 ms below 10 s,
+// 1% beyond) and the request takes time to arrive, so the server's deadline trails the client's: a call that ends
+// within 1% + 5 ms of the server's deadline (measured from `start`) ended at it. `when` completes the message
+// ("before the reply was sent").
+absl::Status EndedEarly(absl::Time start, absl::Time deadline, absl::string_view when);
 
 // The debug-level line of one Forward outcome (request_id is client text: escaped so that it cannot forge
 // log lines).

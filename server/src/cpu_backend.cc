@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "attnd/reference.h"
+#include "attnd/server/queue_expiry.h"
 
 namespace attnd::server {
 namespace {
@@ -40,7 +41,8 @@ CpuBackend::CpuBackend(const BackendOptions& options, CpuBackendHooks hooks)
     : max_queue_(options.max_queue),
       threads_(ResolveThreads(options.threads)),
       memory_budget_(ResolveMemoryBudget(options.memory_budget_bytes)),
-      hooks_(std::move(hooks)) {
+      hooks_(std::move(hooks)),
+      expiry_([this](absl::Time now) { return DropExpired(now); }) {
   // One worker per thread: under load every core runs its own request; a lone request fans out over all
   // cores inside ReferenceAttention (see Run), so latency stays low when the server is idle.
   workers_.reserve(threads_);
@@ -76,6 +78,7 @@ absl::Status CpuBackend::Submit(std::unique_ptr<ForwardJob> job) {
     return absl::ResourceExhaustedError(
         absl::StrCat("queue full: ", queue_.size(), " requests waiting (--max_queue=", max_queue_, ")"));
   }
+  expiry_.Queued(job->deadline);
   queue_.push_back(std::move(job));
   return absl::OkStatus();
 }
@@ -217,6 +220,25 @@ absl::Status CpuBackend::RunStep(StepJob& job, int compute_threads) {
   return absl::OkStatus();
 }
 
+absl::Time CpuBackend::DropExpired(absl::Time now) {
+  std::vector<std::unique_ptr<ForwardJob>> expired;
+  absl::Time earliest = absl::InfiniteFuture();
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      if ((*it)->deadline <= now) {
+        expired.push_back(std::move(*it));
+        it = queue_.erase(it);
+      } else {
+        earliest = std::min(earliest, (*it)->deadline);
+        ++it;
+      }
+    }
+  }
+  for (std::unique_ptr<ForwardJob>& job : expired) job->done(ExpiredInQueue(*job, now));
+  return earliest;
+}
+
 uint32_t CpuBackend::queue_depth() const {
   absl::MutexLock lock(&mu_);
   return static_cast<uint32_t>(queue_.size() + steps_.size());
@@ -242,6 +264,7 @@ void CpuBackend::Shutdown() {
   for (auto& w : workers_) {
     if (w.joinable()) w.join();
   }
+  expiry_.Stop();
 }
 
 void CpuBackend::WorkerLoop() {
@@ -301,12 +324,10 @@ absl::Status CpuBackend::Run(ForwardJob& job, int compute_threads) {
   job.timing.queue_us = Micros(start - job.accepted);
   job.kernel = kKernelName;
   job.device = -1;
+  // The deadline first: gRPC cancels a call whose deadline passed, and the client sees DEADLINE_EXCEEDED.
+  if (start >= job.deadline) return ExpiredInQueue(job, start);
   if (job.cancelled && job.cancelled()) {
     return absl::CancelledError("the call was cancelled before its computation started");
-  }
-  if (start >= job.deadline) {
-    return absl::DeadlineExceededError(absl::StrCat("the deadline expired after ", Micros(start - job.accepted),
-                                                    " us in the queue; the computation was not started"));
   }
   if (hooks_.before_compute) hooks_.before_compute(job);
 

@@ -53,7 +53,7 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // the client half-closed, or the call died
-      if (ctx_->IsCancelled()) return End(absl::CancelledError("the call was cancelled while receiving"));
+      if (ctx_->IsCancelled()) return End(EndedEarly(start_, absl::FromChrono(ctx_->deadline()), "while receiving"));
       const absl::Status complete = CheckComplete();
       if (!complete.ok()) return End(complete);
       return Submit();
@@ -321,7 +321,9 @@ CallInfo AttentionService::CallFor(grpc::CallbackServerContext* ctx, absl::Time 
   call.accepted = start;
   call.deadline = absl::FromChrono(ctx->deadline());
   call.cancelled = [ctx] { return ctx->IsCancelled(); };
-  if (peer_calls_ != nullptr) call.admit = [peers = peer_calls_, ctx] { return peers->Admit(ctx->peer()); };
+  if (peer_calls_ != nullptr) {
+    call.admit = [peers = peer_calls_, connection = ConnectionKey(ctx)] { return peers->Admit(connection); };
+  }
   call.in_message = in_message;
   return call;
 }
@@ -339,6 +341,15 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
                                                     const grpc::ByteBuffer* request_bytes,
                                                     grpc::ByteBuffer* response_bytes) {
   const absl::Time start = absl::Now();
+  // No message at all: the call ended (cancelled, or its deadline passed) while the request was on its way. A
+  // call half-closed without its one message is a client's protocol error.
+  if (!request_bytes->Valid()) {
+    const absl::Time deadline = absl::FromChrono(ctx->deadline());
+    return FinishNow(ctx, "Forward", start,
+                     ctx->IsCancelled() || absl::Now() >= deadline
+                         ? EndedEarly(start, deadline, "before the request arrived")
+                         : absl::InvalidArgumentError("request: missing (the call ended without its message)"));
+  }
   // Shared with the job's `done`: the job's inputs point into it, or into `request_bytes`' slices, until the
   // backend has finished. The tensors stay where gRPC received them (ReadForwardRequest), so the backend's
   // staging copy is their only one; protobuf parses whatever that reader leaves to it.

@@ -1,6 +1,7 @@
 #include "shm_listener.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -14,6 +15,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
 #include "attnd/server/status_util.h"
 #include "attnd/server/transports.h"
@@ -104,6 +106,7 @@ absl::StatusOr<std::unique_ptr<ShmListener>> ShmListener::Start(const ShmListene
     return absl::PermissionDeniedError(absl::StrCat("shm_socket: cannot chmod ", options.path));
   }
   std::unique_ptr<ShmListener> l(new ShmListener(options, dispatcher, fd));
+  l->reserve_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   l->acceptor_ = std::thread([p = l.get()] { p->AcceptLoop(); });
   spdlog::info("attnd {} channels on {} (up to {}, {} MiB areas)", kShm, options.path, options.max_channels,
                options.max_area_bytes >> 20);
@@ -117,6 +120,7 @@ void ShmListener::Stop() {
   if (stopping_.exchange(true)) return;
   if (acceptor_.joinable()) acceptor_.join();
   ::close(listen_fd_);
+  if (reserve_fd_ >= 0) ::close(reserve_fd_);
   ::unlink(options_.path.c_str());
   absl::MutexLock lock(&mu_);
   for (auto& c : channels_) c->thread.join();
@@ -141,7 +145,10 @@ void ShmListener::AcceptLoop() {
     pollfd p{listen_fd_, POLLIN, 0};
     if (::poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(kIdlePoll))) <= 0) continue;
     const int s = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (s < 0) continue;
+    if (s < 0) {
+      if (errno == EMFILE || errno == ENFILE) RefuseAtDescriptorLimit();
+      continue;
+    }
     if (open_.load() >= static_cast<int>(options_.max_channels)) {
       SendHelloReply(s, absl::ResourceExhaustedError(absl::StrCat("shm channel: ", options_.max_channels,
                                                                   " channels are open (--shm_max_channels)")));
@@ -160,6 +167,27 @@ void ShmListener::AcceptLoop() {
   }
 }
 
+void ShmListener::RefuseAtDescriptorLimit() {
+  // The pending caller stays in the backlog, so poll() keeps saying readable: without taking it off, this loop
+  // would spin. The reserved descriptor makes room to accept it and tell it why.
+  if (reserve_fd_ >= 0) {
+    ::close(reserve_fd_);
+    reserve_fd_ = -1;
+    const int s = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (s >= 0) {
+      SendHelloReply(s, absl::ResourceExhaustedError("shm channel: the server is at its open-descriptor limit"));
+      ::close(s);
+    }
+    reserve_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  }
+  if (refused_at_fd_limit_++ % 1000 == 0) {
+    spdlog::warn("shm channel refused: the server is at its open-descriptor limit ({} such refusals)",
+                 refused_at_fd_limit_);
+  }
+  // Without a reserve (another thread took the freed slot) the caller stays queued: wait rather than spin.
+  if (reserve_fd_ < 0) absl::SleepFor(kIdlePoll);
+}
+
 absl::Status ShmListener::Handshake(int socket, uid_t* uid, int* memfd) {
   timeval tv{kHandshakeTimeoutSeconds, 0};
   ::setsockopt(socket, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
@@ -175,7 +203,11 @@ absl::Status ShmListener::Handshake(int socket, uid_t* uid, int* memfd) {
   }
   shm::Hello hello{};
   ATTND_RETURN_IF_ERROR(shm::ReceiveWithFd(socket, &hello, sizeof(hello), memfd));
-  if (hello.magic != shm::kMagic || hello.version != shm::kVersion) {
+  if (hello.magic != shm::kMagic) {
+    return absl::InvalidArgumentError(absl::StrFormat("shm channel: bad magic 0x%08x in the hello (expected 0x%08x)",
+                                                      hello.magic, shm::kMagic));
+  }
+  if (hello.version != shm::kVersion) {
     return absl::InvalidArgumentError(absl::StrCat("shm channel: hello version ", hello.version, ", this server speaks ",
                                                    shm::kVersion));
   }

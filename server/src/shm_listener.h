@@ -49,10 +49,15 @@ class ShmListener {
   void AcceptLoop();
   void Serve(int socket);
   absl::Status Handshake(int socket, uid_t* uid, int* memfd);
+  // accept() failed with EMFILE/ENFILE: takes the pending caller off the backlog with a refusal (acceptor only).
+  void RefuseAtDescriptorLimit();
 
   const ShmListenerOptions options_;
   Dispatcher* const dispatcher_;
   int listen_fd_;
+  // Held open so that at the descriptor limit one can be freed to accept and refuse a caller (acceptor only).
+  int reserve_fd_ = -1;
+  uint64_t refused_at_fd_limit_ = 0;  // acceptor only
   std::atomic<bool> stopping_{false};
   absl::Mutex stop_mu_;  // a second Stop() waits for the first to finish
   std::atomic<int> open_{0};

@@ -1,6 +1,11 @@
 #include "tls.h"
 
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <utility>
 
@@ -22,6 +27,39 @@ absl::StatusOr<std::string> ReadPemFile(const std::string& path, const char* fla
   }
   return pem;
 }
+
+namespace {
+
+absl::Status CheckKeyMatchesCertificate(const std::string& cert_pem, const std::string& key_pem,
+                                        const TlsFiles& tls) {
+  // A key with a passphrase is refused, not asked for on the terminal.
+  pem_password_cb* no_passphrase = [](char*, int, int, void*) { return 0; };
+  std::unique_ptr<BIO, decltype(&BIO_free)> cert_bio(BIO_new_mem_buf(cert_pem.data(), static_cast<int>(cert_pem.size())),
+                                                     BIO_free);
+  std::unique_ptr<X509, decltype(&X509_free)> cert(
+      cert_bio ? PEM_read_bio_X509(cert_bio.get(), nullptr, no_passphrase, nullptr) : nullptr, X509_free);
+  std::unique_ptr<BIO, decltype(&BIO_free)> key_bio(BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size())),
+                                                    BIO_free);
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(
+      key_bio ? PEM_read_bio_PrivateKey(key_bio.get(), nullptr, no_passphrase, nullptr) : nullptr, EVP_PKEY_free);
+  const bool matches = cert != nullptr && key != nullptr && X509_check_private_key(cert.get(), key.get()) == 1;
+  ERR_clear_error();  // OpenSSL's error queue is per thread: leave nothing for gRPC to find
+  if (cert == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("tls_cert: '", tls.cert, "' holds no readable certificate"));
+  }
+  if (key == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tls_key: '", tls.key, "' holds no readable private key (or one with a passphrase)"));
+  }
+  if (!matches) {
+    return absl::InvalidArgumentError(absl::StrCat("tls_key: '", tls.key,
+                                                   "' is not the private key of the certificate in --tls_cert '",
+                                                   tls.cert, "'"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 bool IsLoopbackListen(const std::string& listen) {
   const size_t colon = listen.rfind(':');
@@ -52,6 +90,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpListenerCredentials(
   if (!cert.ok()) return cert.status();
   absl::StatusOr<std::string> key = ReadPemFile(tls.key, "tls_key");
   if (!key.ok()) return key.status();
+  // gRPC would only fail to listen, without saying why.
+  if (absl::Status checked = CheckKeyMatchesCertificate(*cert, *key, tls); !checked.ok()) return checked;
   pair.cert_chain = std::move(*cert);
   pair.private_key = std::move(*key);
   options.pem_key_cert_pairs.push_back(std::move(pair));

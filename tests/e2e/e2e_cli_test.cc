@@ -620,5 +620,14 @@ TEST(AttnBinary, ShmTransportWithoutSocketIsAUsageError) {
   EXPECT_TRUE(absl::StrContains(out, "auto, unary, stream, shm")) << out;
 }
 
+TEST(AttnBinary, HelpListsTheFlagsAndExitsZero) {
+  auto [rc, out] = RunCommand(absl::StrCat(ATTN_BINARY, " --help"));
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_TRUE(absl::StrContains(out, "attn info")) << out;  // the usage message
+  EXPECT_TRUE(absl::StrContains(out, "--target (")) << out;
+  EXPECT_TRUE(absl::StrContains(out, "--transport (")) << out;
+  EXPECT_FALSE(absl::StrContains(out, "No flags matched")) << out;
+}
+
 }  // namespace
 }  // namespace attnd::e2e

@@ -376,8 +376,34 @@ std::pair<Block, Block> StreamedInputs::Take() {
 
 void CudaDevice::Enqueue(Pending p) {
   absl::MutexLock lock(&mu_);
+  if (p.job != nullptr) expiry_.Queued(p.job->deadline);
   queue_.push_back(std::move(p));
   queued_.fetch_add(1);
+}
+
+absl::Time CudaDevice::DropExpired(absl::Time now) {
+  std::vector<Pending> expired;
+  absl::Time earliest = absl::InfiniteFuture();
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      if (it->job != nullptr && it->job->deadline <= now) {
+        expired.push_back(std::move(*it));
+        it = queue_.erase(it);
+        queued_.fetch_sub(1);
+        queued_total_->fetch_sub(1);
+      } else {
+        if (it->job != nullptr) earliest = std::min(earliest, it->job->deadline);
+        ++it;
+      }
+    }
+  }
+  // A stream's inputs go back to the device's blocks with the job (StreamedInputs' destructor).
+  for (Pending& p : expired) {
+    p.job->done(ExpiredInQueue(*p.job, now));
+    p.job.reset();
+  }
+  return earliest;
 }
 
 void CudaDevice::Stop() {
@@ -388,6 +414,7 @@ void CudaDevice::Stop() {
   for (std::thread& w : workers_) {
     if (w.joinable()) w.join();
   }
+  expiry_.Stop();
 }
 
 void CudaDevice::SlotLoop(Slot* slot) {
@@ -439,12 +466,10 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
   const absl::Time start = absl::Now();
   job.timing.queue_us = Micros(start - job.accepted);
   job.device = index_;
+  // The deadline first, as in the CPU backend: gRPC cancels a call whose deadline passed.
+  if (start >= job.deadline) return ExpiredInQueue(job, start);
   if (job.cancelled && job.cancelled()) {
     return absl::CancelledError("the call was cancelled before its computation started");
-  }
-  if (start >= job.deadline) {
-    return absl::DeadlineExceededError(absl::StrCat("the deadline expired after ", Micros(start - job.accepted),
-                                                    " us in the queue; the computation was not started"));
   }
   job.kernel = p.selection.info().name;
   Work w(job, slot);

@@ -24,6 +24,7 @@
 #include "attnd/server/copy_pool.h"
 #include "attnd/server/cuda/block_cache.h"
 #include "attnd/server/cuda/tensor_map_cache.h"
+#include "attnd/server/queue_expiry.h"
 
 namespace attnd::server::cuda {
 
@@ -133,7 +134,12 @@ class CudaDevice {
   // `queued_total`: the backend-wide count of waiting jobs, decremented when a worker takes one.
   CudaDevice(int index, const BackendOptions& options, TensorMapCache* maps, std::atomic<uint32_t>* queued_total,
              CopyPool* copies)
-      : index_(index), options_(options), maps_(maps), queued_total_(queued_total), copies_(copies) {}
+      : index_(index),
+        options_(options),
+        maps_(maps),
+        queued_total_(queued_total),
+        copies_(copies),
+        expiry_([this](absl::Time now) { return DropExpired(now); }) {}
   ~CudaDevice();
 
   // Context, warm-up launches, slots, pools, warm shapes, then the workers.
@@ -190,6 +196,9 @@ class CudaDevice {
   absl::Status WarmUpKernels();
   absl::Status WarmShape(const Shape& s);
   void SlotLoop(Slot* slot);
+  // QueueExpiry's sweep: answers and drops the queued Forward jobs whose deadline is at or before `now` (step
+  // batches check their jobs' deadlines when they start).
+  absl::Time DropExpired(absl::Time now);
 
   // One request while it runs on a slot: its blocks, where its tensors are, and what GPU work it has in flight.
   struct Work {
@@ -257,6 +266,7 @@ class CudaDevice {
   std::atomic<uint32_t> queued_{0}, running_{0};
   std::atomic<uint32_t> uploading_{0};  // streams with a sink here, not yet submitted
   std::atomic<bool> spinner_{false};  // an idle worker is polling the queue
+  QueueExpiry expiry_;                 // after the queue and its counts: its sweeps change them
 };
 
 // KV sequences on this backend (sequence_runner.cc): whether `job` can run on the pool's device.

@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "attnd/client/client.h"
 #include "attnd/client/shm_channel.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "metrics.h"
 #include "server_test_util.h"
 #include "spdlog/sinks/ostream_sink.h"
@@ -411,6 +412,114 @@ TEST_F(AccessLogTest, OneLinePerRequestWithItsIdShapeStatusAndBytes) {
   EXPECT_TRUE(absl::StrContains(lines[1], "request_id=\"" + generated + "\"")) << lines[1];
   EXPECT_TRUE(absl::StrContains(lines[2], "request_id=\"bad-1\" code=INVALID_ARGUMENT")) << lines[2];
   EXPECT_TRUE(absl::StrContains(lines[2], "error=\"shape.")) << lines[2];
+}
+
+// A unary Forward whose message never comes: its headers go out, then nothing until `cancel_after` (then the
+// client cancels) or the deadline.
+grpc::Status ForwardWithoutItsMessage(const std::shared_ptr<grpc::Channel>& channel, absl::Duration deadline,
+                                      absl::Duration cancel_after) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  grpc::CompletionQueue cq;
+  auto call = stub.PrepareCall(&ctx, "/attnd.v1.Attention/Forward", &cq);
+  void* tag;
+  bool ok;
+  call->StartCall(reinterpret_cast<void*>(1));
+  EXPECT_TRUE(cq.Next(&tag, &ok) && ok);
+  if (cancel_after < deadline) {
+    absl::SleepFor(cancel_after);  // the server has the call's headers by then; nothing else tells the client
+    ctx.TryCancel();
+  }
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(2));
+  while (cq.Next(&tag, &ok) && tag != reinterpret_cast<void*>(2)) {
+  }
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  return status;
+}
+
+// What the client saw is what GetStats, the metrics and the access log book, for a call cancelled or past its
+// deadline while its request was arriving, while it was computed, and one answered after the client left.
+TEST_F(AccessLogTest, CancellationsAndDeadlinesAreBookedAsTheClientSawThemEverywhere) {
+  testing::Gate cancelled_gate, late_gate;
+  server::CpuBackendHooks hooks;
+  // Each held call is answered OK once the server has seen it end (the client's cancel, or the deadline).
+  hooks.before_compute = [&](const server::ForwardJob& job) {
+    if (job.request_id == "cancelled") cancelled_gate.Hooks().before_compute(job);
+    if (job.request_id == "late") late_gate.Hooks().before_compute(job);
+    if (job.request_id == "cancelled" || job.request_id == "late") {
+      EXPECT_TRUE(testing::WaitFor(job.cancelled));
+    }
+  };
+  server::ServerOptions o;
+  o.metrics_listen = "127.0.0.1:0";
+  TestServer server(o, server::BackendOptions{}, hooks);
+  ASSERT_NE(server.server, nullptr);
+  auto channel = server.Channel();
+  const auto line_count = [&](size_t n) { return testing::WaitFor([&] { return AccessLines().size() == n; }); };
+
+  EXPECT_EQ(ForwardWithoutItsMessage(channel, absl::Milliseconds(300), absl::InfiniteDuration()).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  ASSERT_TRUE(line_count(1)) << log_.str();
+  EXPECT_EQ(ForwardWithoutItsMessage(channel, absl::Seconds(20), absl::Milliseconds(200)).error_code(),
+            grpc::StatusCode::CANCELLED);
+  ASSERT_TRUE(line_count(2)) << log_.str();
+
+  auto stub = v1::Attention::NewStub(channel);
+  const auto held_call = [&](const std::string& id, testing::Gate& gate, absl::Duration deadline, bool cancel) {
+    v1::ForwardRequest r = MakeRequest({1, 16, 16, 2, 2, 64});
+    r.set_request_id(id);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+    grpc::Status status;
+    std::thread caller([&] {
+      v1::ForwardResponse resp;
+      status = stub->Forward(&ctx, r, &resp);
+    });
+    EXPECT_TRUE(testing::WaitFor([&] { return gate.entered() == 1; }));
+    if (cancel) ctx.TryCancel();
+    caller.join();  // the client has its answer; then the server finishes the computation and replies OK
+    gate.Open();
+    return status;
+  };
+  EXPECT_EQ(held_call("cancelled", cancelled_gate, absl::Seconds(20), true).error_code(), grpc::StatusCode::CANCELLED);
+  ASSERT_TRUE(line_count(3)) << log_.str();
+  EXPECT_EQ(held_call("late", late_gate, absl::Milliseconds(300), false).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  ASSERT_TRUE(line_count(4)) << log_.str();
+
+  const std::vector<std::string> lines = AccessLines();
+  const char* const want[] = {"code=DEADLINE_EXCEEDED", "code=CANCELLED", "code=CANCELLED", "code=DEADLINE_EXCEEDED"};
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(absl::StrContains(lines[i], "method=Forward ")) << lines[i];
+    EXPECT_TRUE(absl::StrContains(lines[i], want[i])) << lines[i];
+  }
+  EXPECT_TRUE(absl::StrContains(lines[2], "request_id=\"cancelled\"")) << lines[2];
+  EXPECT_TRUE(absl::StrContains(lines[3], "request_id=\"late\"")) << lines[3];
+
+  grpc::ClientContext ctx;
+  v1::ServerStats stats;
+  ASSERT_TRUE(stub->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+  bool seen = false;
+  for (const v1::RpcStats& r : stats.rpcs()) {
+    if (r.method() != "Forward") continue;
+    seen = true;
+    EXPECT_EQ(r.count(), 4u);
+    EXPECT_EQ(r.errors(), 4u);
+    EXPECT_EQ(r.errors_by_code().size(), 2u);
+    EXPECT_EQ(r.errors_by_code().count("DEADLINE_EXCEEDED") ? r.errors_by_code().at("DEADLINE_EXCEEDED") : 0, 2u);
+    EXPECT_EQ(r.errors_by_code().count("CANCELLED") ? r.errors_by_code().at("CANCELLED") : 0, 2u);
+  }
+  EXPECT_TRUE(seen);
+
+  const Scrape m = Parse(HttpGet(server.server->metrics_port(), "/metrics"));
+  EXPECT_EQ(m.Get(Series("attnd_requests_total", "code=\"DEADLINE_EXCEEDED\",method=\"Forward\"")), 2);
+  EXPECT_EQ(m.Get(Series("attnd_requests_total", "code=\"CANCELLED\",method=\"Forward\"")), 2);
+  EXPECT_LE(m.Get(Series("attnd_requests_total", "code=\"OK\",method=\"Forward\"")), 0);  // -1: no such series
+  EXPECT_LE(m.Get(Series("attnd_requests_total", "code=\"INVALID_ARGUMENT\",method=\"Forward\"")), 0);
 }
 
 TEST_F(AccessLogTest, OffByOption) {

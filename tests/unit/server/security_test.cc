@@ -10,6 +10,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
@@ -207,6 +208,12 @@ TEST_F(SecurityTest, BadSecurityOptionsFailTheStartNamingTheFlag) {
       {"", "", pki->Path("ca.pem"), "", "tls_cert"},
       {pki->Path("missing.pem"), pki->Path("server.key"), "", "", "tls_cert"},
       {pki->Path("server.pem"), pki->Path("tokens"), "", "", "tls_key"},  // not PEM
+      {pki->Path("server.pem"), pki->Path("client.key"), "", "", "tls_key: '" + pki->Path("client.key") +
+                                                                  "' is not the private key of the certificate"},
+      {pki->Path("server.pem"), pki->Path("server.csr"), "", "", "tls_key: '" + pki->Path("server.csr") +
+                                                                  "' holds no readable private key"},
+      {pki->Path("server.key"), pki->Path("server.key"), "", "", "tls_cert: '" + pki->Path("server.key") +
+                                                                  "' holds no readable certificate"},
       {pki->Path("server.pem"), pki->Path("server.key"), pki->Path("nope.pem"), "", "tls_client_ca"},
       {"", "", "", pki->Path("empty_tokens"), "auth_token_file"},
       {"", "", "", pki->Path("no_such_file"), "auth_token_file"},
@@ -260,33 +267,44 @@ TEST_F(SecurityTest, ClientLibraryAndAttnSpeakMutualTlsWithAToken) {
 }
 
 TEST_F(SecurityTest, PerConnectionCallLimit) {
-  absl::Notification release;
-  absl::Notification held;
-  server::CpuBackendHooks hooks;
-  hooks.before_compute = [&](const server::ForwardJob& job) {
-    if (job.request_id != "hold") return;
-    held.Notify();
-    release.WaitForNotification();
-  };
-  server::ServerOptions o;
-  o.max_calls_per_client = 1;
-  TestServer s(o, server::BackendOptions{}, hooks);
-  ASSERT_NE(s.server, nullptr);
-  auto mine = s.Channel();
-  std::thread holder([&] { EXPECT_TRUE(Call(mine, "", "hold").ok()); });
-  held.WaitForNotification();
-  // The same connection is at its limit; another connection is not.
-  const grpc::Status over = Call(mine);
-  EXPECT_EQ(over.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_TRUE(absl::StrContains(over.error_message(), "max_calls_per_client")) << over.error_message();
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  auto other = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(s.server->tcp_port()),
-                                         grpc::InsecureChannelCredentials(), args);
-  EXPECT_TRUE(Call(other).ok());
-  release.Notify();
-  holder.join();
-  EXPECT_TRUE(Call(mine).ok()) << "the slot is free again once the call ended";
+  // Over TCP and over the unix socket, where every connection has the same peer address ("unix:"): the limit
+  // is per connection all the same.
+  for (const bool unix_socket : {false, true}) {
+    SCOPED_TRACE(unix_socket ? "unix socket" : "tcp");
+    Gate gate;
+    server::ServerOptions o;
+    o.max_calls_per_client = 2;
+    if (unix_socket) o.unix_socket = pki->Path("limit.sock");
+    server::BackendOptions bo;
+    bo.threads = 2;
+    TestServer s(o, bo, gate.Hooks());
+    ASSERT_NE(s.server, nullptr);
+    const std::string target =
+        unix_socket ? "unix:" + o.unix_socket : "127.0.0.1:" + std::to_string(s.server->tcp_port());
+    const auto own_connection = [&] {
+      grpc::ChannelArguments args;
+      args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+      return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+    };
+    auto mine = own_connection();
+    std::vector<std::thread> holders;
+    for (int i = 0; i < 2; ++i) holders.emplace_back([&] { EXPECT_TRUE(Call(mine).ok()); });
+    EXPECT_TRUE(WaitFor([&] { return gate.entered() == 2; }));
+    // The same connection is at its limit; another connection is not.
+    const grpc::Status over = Call(mine);
+    EXPECT_EQ(over.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_TRUE(absl::StrContains(over.error_message(), "max_calls_per_client")) << over.error_message();
+    auto other = own_connection();
+    grpc::Status theirs;
+    std::thread caller([&] { theirs = Call(other); });
+    // Its call is admitted and queued behind the held two (RESOURCE_EXHAUSTED would come back at once).
+    EXPECT_TRUE(WaitFor([&] { return s.cpu->queue_depth() == 1; }));
+    gate.Open();
+    caller.join();
+    EXPECT_TRUE(theirs.ok()) << theirs.error_message();
+    for (auto& h : holders) h.join();
+    EXPECT_TRUE(Call(mine).ok()) << "the slot is free again once the call ended";
+  }
 }
 
 TEST_F(SecurityTest, UnixSocketPermissions) {

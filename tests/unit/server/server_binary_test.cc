@@ -1,11 +1,12 @@
 // The attnd binary as users run it: it serves on a unix socket, answers SIGTERM (and SIGINT) by finishing
-// every accepted request and exiting 0, and refuses bad flags with exit status 2.
+// every accepted request and exiting 0, refuses bad flags with exit status 2, and lists its flags on --help.
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <thread>
@@ -156,6 +157,25 @@ TEST(BinaryFlags, BadFlagsExitTwo) {
     const pid_t pid = Spawn(args);
     ASSERT_GT(pid, 0);
     EXPECT_EQ(WaitExit(pid, absl::Seconds(20)), 2);
+  }
+}
+
+TEST(BinaryFlags, HelpListsTheFlagsAndExitsZero) {
+  for (const char* flag : {"--help", "--helpshort", "-h"}) {
+    SCOPED_TRACE(flag);
+    FILE* p = ::popen((std::string(ATTND_BINARY) + " " + flag + " 2>&1").c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    std::string out;
+    char buf[4096];
+    for (size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+    const int st = ::pclose(p);
+    ASSERT_TRUE(WIFEXITED(st));
+    EXPECT_EQ(WEXITSTATUS(st), 0) << out;
+    EXPECT_NE(out.find("attnd --listen="), std::string::npos) << out;  // the usage message
+    EXPECT_NE(out.find("--listen (TCP listener"), std::string::npos) << out;
+    EXPECT_NE(out.find("--max_calls_per_client ("), std::string::npos) << out;
+    EXPECT_NE(out.find("default: 256"), std::string::npos) << out;  // --max_queue
+    EXPECT_EQ(out.find("No flags matched"), std::string::npos) << out;
   }
 }
 

@@ -715,6 +715,60 @@ TEST(ServerMeta, StatsCountCallsErrorsAndBytes) {
   EXPECT_EQ(stats.rpcs_size(), 7);
 }
 
+// A call whose deadline passes while it waits in the queue is answered then and gives its slot back, also
+// while every worker is busy with a long job.
+TEST(ServerQueue, ADeadlinePassingInTheQueueFreesTheSlotAtOnce) {
+  testing::Gate gate;
+  server::BackendOptions bo;
+  bo.threads = 1;
+  bo.max_queue = 1;
+  TestServer ts({}, bo, gate.Hooks());
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  grpc::Status long_status;
+  std::thread long_call([&] {
+    grpc::ClientContext ctx;
+    v1::ForwardResponse resp;
+    long_status = stub->Forward(&ctx, MakeRequest({1, 16, 16, 2, 2, 64}, v1::MASK_TYPE_NONE, false, 1), &resp);
+  });
+  ASSERT_TRUE(testing::WaitFor([&] { return gate.entered() == 1; }));
+
+  const absl::Time start = absl::Now();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(start + absl::Milliseconds(300)));
+  v1::ForwardResponse resp;
+  EXPECT_EQ(stub->Forward(&ctx, MakeRequest({1, 16, 16, 2, 2, 64}), &resp).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  // The server's side: the queue is empty again while the worker is still held.
+  ASSERT_TRUE(testing::WaitFor([&] { return ts.cpu->queue_depth() == 0; }));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_EQ(gate.entered(), 1);
+  // And the slot takes another call (--max_queue=1: it would be refused were the expired one still queued).
+  grpc::Status queued_status;
+  std::thread queued_call([&] {
+    grpc::ClientContext c;
+    v1::ForwardResponse r;
+    queued_status = stub->Forward(&c, MakeRequest({1, 16, 16, 2, 2, 64}, v1::MASK_TYPE_NONE, false, 2), &r);
+  });
+  ASSERT_TRUE(testing::WaitFor([&] { return ts.cpu->queue_depth() == 1; }));
+  gate.Open();
+  long_call.join();
+  queued_call.join();
+  EXPECT_TRUE(long_status.ok()) << long_status.error_message();
+  EXPECT_TRUE(queued_status.ok()) << queued_status.error_message();
+  EXPECT_EQ(ts.cpu->jobs_computed(), 2u);  // the expired one never ran
+
+  grpc::ClientContext stats_ctx;
+  v1::ServerStats stats;
+  ASSERT_TRUE(stub->GetStats(&stats_ctx, v1::GetStatsRequest(), &stats).ok());
+  for (const v1::RpcStats& r : stats.rpcs()) {
+    if (r.method() != "Forward") continue;
+    EXPECT_EQ(r.count(), 3u);
+    EXPECT_EQ(r.errors(), 1u);
+    EXPECT_EQ(r.errors_by_code().count("DEADLINE_EXCEEDED"), 1u);
+  }
+}
+
 TEST(ServerCreate, MessageLimitIsCappedAtWhatGrpcCanCount) {
   server::ServerOptions o;
   o.max_message_bytes = 8ull << 30;

@@ -2,14 +2,19 @@
 // backend with inline tensors (the channel carries any ForwardRequest that fits its areas), so it needs no GPU:
 // correct answers, errors with the field named, a reply too large for the channel, refused handshakes (token,
 // unsealed or mis-sized memfd, too many channels), many channels at once, a caller that vanishes mid-request,
-// and a shutdown that still answers the request it holds.
+// and a shutdown that still answers the request it holds; hand-made hellos with several descriptors or a bad
+// magic, and a caller at the server's descriptor limit.
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <filesystem>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -191,6 +196,149 @@ TEST(ShmChannel, HandshakeChecksTokenSealsSizeAndChannelCount) {
   EXPECT_EQ(code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
   ::close(fd);
   std::remove(token_file.c_str());
+}
+
+// A hello made by hand: `fds` as one SCM_RIGHTS message with it, then `token`. Returns the server's answer.
+struct HandReply {
+  int32_t code = -1;
+  std::string message;
+};
+HandReply SendHandHello(const std::string& path, const shm::Hello& hello, const std::vector<int>& fds,
+                        const std::string& token) {
+  HandReply out;
+  const int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path.c_str());
+  if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    iovec iov{const_cast<shm::Hello*>(&hello), sizeof(hello)};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    std::vector<char> control(CMSG_SPACE(fds.size() * sizeof(int)));
+    if (!fds.empty()) {
+      msg.msg_control = control.data();
+      msg.msg_controllen = control.size();
+      cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(fds.size() * sizeof(int));
+      std::memcpy(CMSG_DATA(c), fds.data(), fds.size() * sizeof(int));
+    }
+    (void)::sendmsg(s, &msg, MSG_NOSIGNAL);
+    if (!token.empty()) (void)shm::SendAll(s, token.data(), token.size());
+    shm::HelloReply reply{-1, 0};
+    if (shm::ReceiveAll(s, &reply, sizeof(reply)).ok()) {
+      out.code = reply.status_code;
+      out.message.resize(std::min(reply.message_bytes, shm::kMaxHelloMessageBytes));
+      if (!shm::ReceiveAll(s, out.message.data(), out.message.size()).ok()) out.message.clear();
+    }
+  }
+  ::close(s);
+  return out;
+}
+
+int OpenDescriptors() {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) n += e.is_symlink() ? 1 : 0;
+  return n;
+}
+
+TEST(ShmChannel, HelloWithSeveralDescriptorsIsRefusedAndLeaksNone) {
+  const std::string path = SocketPath("fds");
+  TestServer ts(WithShm(path));
+  ASSERT_NE(ts.server, nullptr);
+  // Warm: the first channel starts the server's threads (and their descriptors) once.
+  ASSERT_TRUE(ShmChannel::Connect(Opts(path)).ok());
+  const int before = OpenDescriptors();
+  const shm::Hello hello{shm::kMagic, shm::kVersion, 0, 0};
+  for (const int count : {2, 3, 2, 16, 40}) {
+    std::vector<int> fds;
+    for (int i = 0; i < count; ++i) {
+      absl::StatusOr<int> fd = shm::CreateChannelMemfd(4096, 4096);
+      ASSERT_TRUE(fd.ok()) << fd.status();
+      fds.push_back(*fd);
+    }
+    const HandReply r = SendHandHello(path, hello, fds, "");
+    for (const int fd : fds) ::close(fd);
+    // More than fit the server's control buffer arrive truncated: refused as such, the excess closed by the kernel.
+    const int32_t want = count <= 16 ? static_cast<int32_t>(absl::StatusCode::kInvalidArgument)
+                                     : static_cast<int32_t>(absl::StatusCode::kUnavailable);
+    EXPECT_EQ(r.code, want) << count << " descriptors: " << r.message;
+    if (count <= 16) {
+      EXPECT_NE(r.message.find("descriptors"), std::string::npos) << r.message;
+    }
+  }
+  // The server closes its copies before it answers; its channel thread (and socket) may take a moment to go.
+  EXPECT_TRUE(WaitFor([&] { return OpenDescriptors() <= before; })) << OpenDescriptors() << " open, " << before
+                                                                    << " before";
+  EXPECT_TRUE(ShmChannel::Connect(Opts(path)).ok());
+}
+
+TEST(ShmChannel, BadMagicIsNamed) {
+  const std::string path = SocketPath("magic");
+  TestServer ts(WithShm(path));
+  ASSERT_NE(ts.server, nullptr);
+  absl::StatusOr<int> fd = shm::CreateChannelMemfd(4096, 4096);
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  HandReply r = SendHandHello(path, shm::Hello{0x12345678, shm::kVersion, 0, 0}, {*fd}, "");
+  EXPECT_EQ(r.code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(r.message.find("bad magic"), std::string::npos) << r.message;
+  EXPECT_EQ(r.message.find("version"), std::string::npos) << r.message;
+  r = SendHandHello(path, shm::Hello{shm::kMagic, shm::kVersion + 1, 0, 0}, {*fd}, "");
+  EXPECT_EQ(r.code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(r.message.find(absl::StrCat("version ", shm::kVersion + 1)), std::string::npos) << r.message;
+  ::close(*fd);
+}
+
+TEST(ShmChannel, AtTheDescriptorLimitACallerIsRefusedAndTheAcceptorDoesNotSpin) {
+  const std::string path = SocketPath("emfile");
+  TestServer ts(WithShm(path));
+  ASSERT_NE(ts.server, nullptr);
+  const int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);  // made before the limit is reached
+  ASSERT_GE(s, 0);
+  const timeval tv{3, 0};
+  ASSERT_EQ(::setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), 0);
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  int highest = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    highest = std::max(highest, std::atoi(e.path().filename().c_str()));
+  }
+  rlimit low = saved;
+  low.rlim_cur = std::min<rlim_t>(saved.rlim_cur, static_cast<rlim_t>(highest) + 64);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<int> filler;
+  for (int f; (f = ::dup(s)) >= 0;) filler.push_back(f);
+  ASSERT_EQ(errno, EMFILE);
+
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path.c_str());
+  ASSERT_EQ(::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  shm::HelloReply reply{-1, 0};
+  const absl::Status heard = shm::ReceiveAll(s, &reply, sizeof(reply));
+  rusage a{}, b{};
+  ::getrusage(RUSAGE_SELF, &a);
+  absl::SleepFor(absl::Milliseconds(300));  // still at the limit: the window the CPU time is measured over
+  ::getrusage(RUSAGE_SELF, &b);
+  for (const int f : filler) ::close(f);
+  ::setrlimit(RLIMIT_NOFILE, &saved);
+  ::close(s);
+
+  EXPECT_TRUE(heard.ok()) << heard;
+  EXPECT_EQ(reply.status_code, static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
+  const auto cpu = [](const rusage& r) {
+    return absl::DurationFromTimeval(r.ru_utime) + absl::DurationFromTimeval(r.ru_stime);
+  };
+  EXPECT_LT(cpu(b) - cpu(a), absl::Milliseconds(100));
+  // With descriptors free again, channels open as before.
+  auto ch = ShmChannel::Connect(Opts(path));
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  const v1::ForwardRequest req = MakeRequest({1, 16, 16, 2, 2, 64}, v1::MASK_TYPE_NONE, false, 5);
+  absl::StatusOr<v1::ForwardResponse> r = (*ch)->Forward(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ExpectCorrect(req, r->o(), r->lse());
 }
 
 TEST(ShmChannel, ManyChannelsAtOnceAllCorrect) {

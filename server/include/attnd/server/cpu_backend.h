@@ -15,6 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "attnd/server/backend.h"
+#include "attnd/server/queue_expiry.h"
 
 namespace attnd::server {
 
@@ -63,6 +64,8 @@ class CpuBackend final : public Backend {
   absl::Status Run(ForwardJob& job, int compute_threads);
   // One step of a batch: copies, append, attention.
   absl::Status RunStep(StepJob& job, int compute_threads);
+  // QueueExpiry's sweep: answers and drops the queued jobs whose deadline is at or before `now`.
+  absl::Time DropExpired(absl::Time now);
 
   const uint32_t max_queue_;
   const int threads_;
@@ -79,6 +82,7 @@ class CpuBackend final : public Backend {
   uint64_t computed_ ABSL_GUARDED_BY(mu_) = 0;
 
   absl::Mutex shutdown_mu_;  // serialises Shutdown so a second caller waits for the first to finish
+  QueueExpiry expiry_;       // after the queue: its sweeps read it
   std::vector<std::thread> workers_;
 };
 

@@ -139,7 +139,8 @@ absl::StatusOr<Mapping> MapServerSide(int fd, uint64_t max_area_bytes);
 absl::StatusOr<Mapping> MapClientSide(int fd, uint64_t request_capacity, uint64_t reply_capacity);
 
 // Socket helpers for the hello: one message carrying `data` and optionally one fd; and its receiving side
-// (*fd = -1 when none came). Both retry on EINTR and return UNAVAILABLE on a closed or failed socket.
+// (*fd = -1 when none came; more than one is INVALID_ARGUMENT, and every descriptor received is closed then).
+// Both retry on EINTR and return UNAVAILABLE on a closed or failed socket.
 absl::Status SendWithFd(int socket, const void* data, size_t bytes, int fd);
 absl::Status ReceiveWithFd(int socket, void* data, size_t bytes, int* fd);
 absl::Status SendAll(int socket, const void* data, size_t bytes);
