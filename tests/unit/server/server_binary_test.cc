@@ -1,10 +1,15 @@
 // The attnd binary as users run it: it serves on a unix socket, answers SIGTERM (and SIGINT) by finishing
 // every accepted request and exiting 0, and refuses bad flags with exit status 2.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -23,9 +28,14 @@
 namespace attnd {
 namespace {
 
-pid_t Spawn(const std::vector<std::string>& args) {
+// `max_fds` > 0: the child's descriptor limit, soft and hard (so that attnd cannot raise it).
+pid_t Spawn(const std::vector<std::string>& args, rlim_t max_fds = 0) {
   const pid_t pid = ::fork();
   if (pid == 0) {
+    if (max_fds > 0) {
+      const rlimit rl{max_fds, max_fds};
+      if (::setrlimit(RLIMIT_NOFILE, &rl) != 0) ::_exit(126);
+    }
     std::vector<char*> argv;
     for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
@@ -142,6 +152,164 @@ INSTANTIATE_TEST_SUITE_P(Signals, Binary, ::testing::Values(SIGTERM, SIGINT),
                            return std::string(info.param == SIGTERM ? "SIGTERM" : "SIGINT");
                          });
 
+// A port free now (bound and released): the binary is told it explicitly, so the test can reach it over TCP.
+int FreePort() {
+  const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (::bind(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::getsockname(s, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  ::close(s);
+  return port;
+}
+
+int ConnectTcp(int port) {
+  const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (s >= 0 && ::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(s);
+    return -1;
+  }
+  return s;
+}
+
+// Whether the server has closed connection `s` (EOF) within `timeout`.
+bool ClosedByServer(int s, absl::Duration timeout) {
+  const int64_t us = std::max<int64_t>(absl::ToInt64Microseconds(timeout), 1);  // {0, 0} would wait for ever
+  timeval tv{static_cast<time_t>(us / 1000000), static_cast<suseconds_t>(us % 1000000)};
+  ::setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  char c;
+  const ssize_t n = ::recv(s, &c, 1, 0);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
+}
+
+struct FloodCase {
+  const char* name;
+  std::vector<std::string> flags;
+};
+
+void PrintTo(const FloodCase& c, std::ostream* os) { *os << c.name; }
+
+class DescriptorFlood : public ::testing::TestWithParam<FloodCase> {};
+
+// Idle connections past the descriptor limit (128) and past --max_connections: the excess is closed at once,
+// and once the flood is gone the TCP listener serves a new connection. Without a cap the flood reaches the
+// limit itself (accept4 fails with EMFILE), which used to leave the port deaf for good.
+TEST_P(DescriptorFlood, ExcessIsRefusedAndTheListenerServesAfterwards) {
+  const int port = FreePort();
+  ASSERT_GT(port, 0);
+  std::vector<std::string> args = {ATTND_BINARY, "--listen=127.0.0.1:" + std::to_string(port), "--backend=cpu",
+                                   "--threads=1", "--log_level=warn"};
+  for (const std::string& f : GetParam().flags) args.push_back(f);
+  const pid_t pid = Spawn(args, 128);
+  ASSERT_GT(pid, 0);
+  ChildGuard guard{pid};
+  const std::string target = "127.0.0.1:" + std::to_string(port);
+  auto fresh_channel = [&] {
+    grpc::ChannelArguments a;
+    a.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a new connection, not one shared with an earlier channel
+    return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), a);
+  };
+  const absl::Time end = absl::Now() + absl::Seconds(20);
+  while (!Serving(fresh_channel()) && absl::Now() < end) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(Serving(fresh_channel())) << "attnd did not start";
+
+  constexpr int kFlood = 200;
+  std::vector<int> flood;
+  for (int i = 0; i < kFlood; ++i) {
+    const int s = ConnectTcp(port);  // completes in the kernel's backlog whether or not attnd accepts it
+    if (s >= 0) flood.push_back(s);
+  }
+  int closed = 0;
+  for (int s : flood) closed += ClosedByServer(s, absl::Milliseconds(1)) ? 1 : 0;
+  // The last connection is past the limit under either rule: it must be closed, not left hanging.
+  EXPECT_TRUE(ClosedByServer(flood.back(), absl::Seconds(5))) << "the connection past the limit was left open";
+  for (int s : flood) closed += ClosedByServer(s, absl::Milliseconds(1)) ? 1 : 0;
+  EXPECT_GE(closed, kFlood - 128) << "fewer connections refused than the descriptor limit implies";
+  for (int s : flood) ::close(s);
+
+  // A new call over a new TCP connection succeeds once the server has seen the flood go.
+  bool served = false;
+  for (const absl::Time until = absl::Now() + absl::Seconds(15); !served && absl::Now() < until;) {
+    auto stub = v1::Attention::NewStub(fresh_channel());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    const v1::ForwardRequest r = testing::MakeRequest({1, 16, 16, 2, 1, 64}, v1::MASK_TYPE_NONE, true, 61);
+    v1::ForwardResponse resp;
+    served = stub->Forward(&ctx, r, &resp).ok();
+    if (served) testing::ExpectCorrect(r, resp.o(), resp.lse());
+    if (!served) absl::SleepFor(absl::Milliseconds(200));
+  }
+  EXPECT_TRUE(served) << "the TCP listener stopped accepting after the flood";
+  EXPECT_TRUE(Serving(fresh_channel()));
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(pid, absl::Seconds(20)), 0);
+  guard.reaped = true;
+}
+
+INSTANTIATE_TEST_SUITE_P(Limits, DescriptorFlood,
+                         ::testing::Values(FloodCase{"ConnectionCap", {"--max_connections=64"}},
+                                           FloodCase{"DescriptorLimit", {"--max_connections=100000"}}),
+                         [](const ::testing::TestParamInfo<FloodCase>& info) { return std::string(info.param.name); });
+
+TEST(BinaryShutdown, GraceBoundsTheExitWhileACpuComputationRuns) {
+  // One request whose CPU computation takes far longer than --shutdown_grace_s=1: SIGTERM cancels it to its
+  // client when the grace is spent, and the process exits shortly after instead of finishing the computation.
+  const std::string sock = "/tmp/attnd_bin_grace_" + std::to_string(::getpid()) + ".sock";
+  const pid_t pid = Spawn({ATTND_BINARY, "--listen=", "--unix_socket=" + sock, "--backend=cpu", "--threads=1",
+                           "--log_level=warn", "--shutdown_grace_s=1"});
+  ASSERT_GT(pid, 0);
+  ChildGuard guard{pid};
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  auto channel = grpc::CreateCustomChannel("unix:" + sock, grpc::InsecureChannelCredentials(), args);
+  const absl::Time end = absl::Now() + absl::Seconds(20);
+  while (!Serving(channel) && absl::Now() < end) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(Serving(channel)) << "attnd did not start";
+  auto stub = v1::Attention::NewStub(channel);
+  const v1::ForwardRequest r = testing::MakeRequest({1, 2048, 2048, 16, 16, 128}, v1::MASK_TYPE_NONE, false, 62);
+  grpc::Status status;
+  std::thread caller([&] {
+    grpc::ClientContext ctx;
+    v1::ForwardResponse resp;
+    status = stub->Forward(&ctx, r, &resp);
+  });
+  struct Join {
+    std::thread& t;
+    ~Join() {
+      if (t.joinable()) t.join();
+    }
+  } join{caller};
+  bool computing = false;
+  for (const absl::Time until = absl::Now() + absl::Seconds(20); !computing && absl::Now() < until;) {
+    grpc::ClientContext ctx;
+    v1::ServerStats stats;
+    computing = stub->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok() && stats.in_flight() == 1 &&
+                stats.queue_depth() == 0;
+    if (!computing) absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(computing);
+  const absl::Time signalled = absl::Now();
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(pid, absl::Seconds(30)), 0);
+  guard.reaped = true;
+  const absl::Duration took = absl::Now() - signalled;
+  caller.join();
+  EXPECT_LT(took, absl::Seconds(3)) << "the exit waited for the computation";
+  EXPECT_GE(took, absl::Milliseconds(900)) << "the grace was not given";
+  EXPECT_FALSE(status.ok());
+  struct stat st;
+  EXPECT_NE(::stat(sock.c_str(), &st), 0) << "socket file left behind";
+}
+
 TEST(BinaryFlags, BadFlagsExitTwo) {
   const std::vector<std::vector<std::string>> bad = {
       {ATTND_BINARY, "--backend=tpu"},
@@ -150,6 +318,8 @@ TEST(BinaryFlags, BadFlagsExitTwo) {
       {ATTND_BINARY, "--listen=", "--unix_socket="},
       {ATTND_BINARY, "--max_queue=0"},
       {ATTND_BINARY, "--grpc_arg=not-a-pair"},
+      {ATTND_BINARY, "--stream_idle_timeout_s=-1"},
+      {ATTND_BINARY, "--keepalive_time_s=nan"},
   };
   for (const auto& args : bad) {
     SCOPED_TRACE(args.back());
