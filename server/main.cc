@@ -31,6 +31,10 @@ ABSL_FLAG(std::string, backend, "auto", "auto (cuda when a GPU is usable, else c
 ABSL_FLAG(uint64_t, max_request_bytes, 1ull << 32, "largest request, Q+K+V+O(+LSE) bytes, any transport");
 ABSL_FLAG(uint64_t, max_message_bytes, 256ull << 20,
           "largest gRPC message; bigger tensors must use ForwardStream (capped at 2 GiB - 1 by gRPC)");
+ABSL_FLAG(uint64_t, max_transport_memory_bytes, 0,
+          "memory gRPC's transport may hold in all: messages being received (whatever size their prefix announces), "
+          "read buffers, unary requests still being computed; near it uploads slow down, beyond it streams are reset "
+          "RESOURCE_EXHAUSTED (0: 2 x --max_message_bytes, at least 64 MiB)");
 ABSL_FLAG(int64_t, max_batch, 0, "largest shape.batch of one request (0: no limit); more: RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_q_len, 0, "largest shape.q_len of one request (0: no limit); more: RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_kv_len, 0, "largest shape.kv_len of one request (0: no limit); more: RESOURCE_EXHAUSTED");
@@ -194,6 +198,7 @@ int main(int argc, char** argv) {
   options.unix_socket = absl::GetFlag(FLAGS_unix_socket);
   options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.max_transport_memory_bytes = absl::GetFlag(FLAGS_max_transport_memory_bytes);
   options.max_batch = absl::GetFlag(FLAGS_max_batch);
   options.max_q_len = absl::GetFlag(FLAGS_max_q_len);
   options.max_kv_len = absl::GetFlag(FLAGS_max_kv_len);

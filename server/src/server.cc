@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -27,6 +28,7 @@
 #include "call_observer.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/resource_quota.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "metrics.h"
 #include "service.h"
@@ -61,6 +63,13 @@ int ClampToInt(uint64_t v) { return v > static_cast<uint64_t>(INT_MAX) ? INT_MAX
 void RemoveStaleSocket(const std::string& path) {
   struct stat st;
   if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) ::unlink(path.c_str());
+}
+
+// --max_transport_memory_bytes, or its default: two of the largest messages, and at least 64 MiB.
+size_t TransportMemoryBytes(const ServerOptions& o) {
+  const uint64_t bytes = o.max_transport_memory_bytes > 0 ? o.max_transport_memory_bytes
+                                                          : std::max<uint64_t>(2 * o.max_message_bytes, 64ull << 20);
+  return static_cast<size_t>(std::min<uint64_t>(bytes, SIZE_MAX));
 }
 
 ValidationLimits LimitsFor(const ServerOptions& o, const Backend& backend) {
@@ -115,6 +124,13 @@ class ServerImpl final : public Server {
     builder.SetMaxReceiveMessageSize(ClampToInt(options_.max_message_bytes));
     builder.SetMaxSendMessageSize(ClampToInt(options_.max_message_bytes));
     builder.RegisterService(&service_);
+    // gRPC 1.51 grants a message all the flow-control window its length prefix asks for and checks the
+    // message limit only once the whole message is in, so a prefix announcing 1 GiB has the server buffer
+    // 1 GiB. The quota bounds what the transport holds in all (read buffers, messages being received, unary
+    // requests still held by the backend): near it gRPC shrinks the windows, beyond it resets streams
+    // RESOURCE_EXHAUSTED "Buffers full".
+    quota_.Resize(TransportMemoryBytes(options_));
+    builder.SetResourceQuota(quota_);
     // Slow and idle clients; a --grpc_arg of the same name replaces each (SetsChannelArg).
     const std::pair<const char*, int> limits[] = {
         {GRPC_ARG_MAX_CONNECTION_IDLE_MS, ToGrpcMillis(options_.max_connection_idle)},
@@ -172,12 +188,13 @@ class ServerImpl final : public Server {
       }
       shm_ = *std::move(shm);
     }
-    spdlog::info("attnd listening on {}{}{} (backend {}{}, max_message_bytes {}, max_request_bytes {})",
+    spdlog::info("attnd listening on {}{}{} (backend {}{}, max_message_bytes {}, max_request_bytes {}, "
+                 "max_transport_memory_bytes {})",
                  options_.listen.empty() ? "" : absl::StrCat(kGrpcTcp, " ", options_.listen, " [port ", tcp_port_, "]"),
                  options_.listen.empty() || options_.unix_socket.empty() ? "" : " and ",
                  options_.unix_socket.empty() ? "" : absl::StrCat(kGrpcUnix, " ", options_.unix_socket),
                  backend_->name(), buffers_ != nullptr ? absl::StrCat(", ", kCudaIpc, " buffers") : "",
-                 options_.max_message_bytes, options_.max_request_bytes);
+                 options_.max_message_bytes, options_.max_request_bytes, TransportMemoryBytes(options_));
     return absl::OkStatus();
   }
 
@@ -329,6 +346,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<ShmListener> shm_;
   int tcp_port_ = 0;
   std::unique_ptr<ListenerGuard> guard_;
+  grpc::ResourceQuota quota_{"attnd"};
   absl::Mutex health_mu_;
   bool stopping_ ABSL_GUARDED_BY(health_mu_) = false;
   bool listener_lost_ ABSL_GUARDED_BY(health_mu_) = false;

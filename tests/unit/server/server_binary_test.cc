@@ -2,6 +2,7 @@
 // every accepted request and exiting 0, and refuses bad flags with exit status 2.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -11,6 +12,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -259,6 +263,146 @@ INSTANTIATE_TEST_SUITE_P(Limits, DescriptorFlood,
                          ::testing::Values(FloodCase{"ConnectionCap", {"--max_connections=64"}},
                                            FloodCase{"DescriptorLimit", {"--max_connections=100000"}}),
                          [](const ::testing::TestParamInfo<FloodCase>& info) { return std::string(info.param.name); });
+
+// VmRSS of `pid` in bytes (0 when unreadable).
+uint64_t RssBytes(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::strtoull(line.c_str() + 6, nullptr, 10) * 1024;
+  }
+  return 0;
+}
+
+std::string H2Frame(uint8_t type, uint8_t flags, uint32_t stream, const std::string& payload) {
+  const uint32_t n = static_cast<uint32_t>(payload.size());
+  std::string f = {static_cast<char>(n >> 16), static_cast<char>(n >> 8), static_cast<char>(n), static_cast<char>(type),
+                   static_cast<char>(flags), static_cast<char>((stream >> 24) & 0x7f), static_cast<char>(stream >> 16),
+                   static_cast<char>(stream >> 8), static_cast<char>(stream)};
+  return f + payload;
+}
+
+uint32_t Be32(const std::string& b, size_t at) {
+  return (uint32_t{static_cast<uint8_t>(b[at])} << 24) | (uint32_t{static_cast<uint8_t>(b[at + 1])} << 16) |
+         (uint32_t{static_cast<uint8_t>(b[at + 2])} << 8) | uint32_t{static_cast<uint8_t>(b[at + 3])};
+}
+
+struct PrefixFlood {
+  uint64_t sent = 0;       // bytes of the message sent (prefix included)
+  uint64_t peak_rss = 0;   // the server's, sampled while sending
+  bool stream_ended = false;  // RST_STREAM, GOAWAY or trailers from the server
+};
+
+// A unary Forward over a hand-made HTTP/2 connection whose gRPC length prefix announces `announce` bytes, fed
+// with zeros as fast as the server's flow control allows until it ends the stream, `announce` is sent, or
+// `limit` passes. gRPC clients cannot be made to send a prefix that disagrees with the message.
+PrefixFlood FloodAnnouncedMessage(int port, pid_t server, uint32_t announce, absl::Duration limit) {
+  PrefixFlood out;
+  const int s = ConnectTcp(port);
+  if (s < 0) return out;
+  auto literal = [](const std::string& v) { return std::string(1, static_cast<char>(v.size())) + v; };
+  // HPACK without Huffman: :method POST, :scheme http (static), :path and :authority (indexed names),
+  // content-type (name 31), te: trailers (new name).
+  const std::string headers = std::string("\x83\x86\x04") + literal("/attnd.v1.Attention/Forward") + "\x01" +
+                              literal("localhost") + "\x0f\x10" + literal("application/grpc") + std::string(1, '\0') +
+                              literal("te") + literal("trailers");
+  auto send_all = [s](const std::string& b) {
+    for (size_t at = 0; at < b.size();) {
+      const ssize_t n = ::send(s, b.data() + at, b.size() - at, MSG_NOSIGNAL);
+      if (n <= 0) return false;
+      at += static_cast<size_t>(n);
+    }
+    return true;
+  };
+  send_all(std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") + H2Frame(4, 0, 0, "") + H2Frame(1, 4, 1, headers));
+  int64_t conn_window = 65535, stream_window = 65535, initial_window = 65535;
+  const uint64_t total = uint64_t{announce} + 5;
+  const std::string prefix = {0, static_cast<char>(announce >> 24), static_cast<char>(announce >> 16),
+                              static_cast<char>(announce >> 8), static_cast<char>(announce)};
+  const std::string zeros(16384, '\0');
+  std::string in;
+  const absl::Time end = absl::Now() + limit;
+  while (!out.stream_ended && absl::Now() < end) {
+    out.peak_rss = std::max(out.peak_rss, RssBytes(server));
+    while (conn_window > 0 && stream_window > 0 && out.sent < total) {
+      const uint64_t n = std::min<uint64_t>({16384, static_cast<uint64_t>(conn_window),
+                                             static_cast<uint64_t>(stream_window), total - out.sent});
+      const std::string data = out.sent == 0 ? prefix + zeros.substr(0, n - 5) : zeros.substr(0, n);
+      if (!send_all(H2Frame(0, 0, 1, data))) return out;
+      out.sent += n;
+      conn_window -= static_cast<int64_t>(n);
+      stream_window -= static_cast<int64_t>(n);
+    }
+    pollfd p{s, POLLIN, 0};
+    if (::poll(&p, 1, 20) <= 0) continue;
+    char buf[65536];
+    const ssize_t got = ::recv(s, buf, sizeof(buf), 0);
+    if (got <= 0) {
+      out.stream_ended = true;
+      break;
+    }
+    in.append(buf, static_cast<size_t>(got));
+    while (in.size() >= 9) {
+      const uint32_t len = (Be32(in, 0) >> 8);
+      if (in.size() < 9 + len) break;
+      const uint8_t type = static_cast<uint8_t>(in[3]), flags = static_cast<uint8_t>(in[4]);
+      const uint32_t stream = Be32(in, 5) & 0x7fffffff;
+      const std::string payload = in.substr(9, len);
+      in.erase(0, 9 + len);
+      if (type == 4 && (flags & 1) == 0) {  // SETTINGS: INITIAL_WINDOW_SIZE moves the stream's window
+        for (size_t i = 0; i + 6 <= payload.size(); i += 6) {
+          if (((static_cast<uint8_t>(payload[i]) << 8) | static_cast<uint8_t>(payload[i + 1])) != 4) continue;
+          const int64_t v = Be32(payload, i + 2);
+          stream_window += v - initial_window;
+          initial_window = v;
+        }
+        send_all(H2Frame(4, 1, 0, ""));
+      } else if (type == 8) {  // WINDOW_UPDATE
+        (stream == 0 ? conn_window : stream_window) += Be32(payload, 0) & 0x7fffffff;
+      } else if (type == 6 && (flags & 1) == 0) {  // PING
+        send_all(H2Frame(6, 1, 0, payload));
+      } else if (type == 3 || type == 7 || (type == 1 && stream == 1 && (flags & 1) != 0)) {
+        out.stream_ended = true;
+      }
+    }
+  }
+  out.peak_rss = std::max(out.peak_rss, RssBytes(server));
+  ::close(s);
+  return out;
+}
+
+TEST(BinaryLimits, AHugeLengthPrefixIsNotBufferedWhole) {
+  // --max_message_bytes=4 MiB; a call announcing 1 GiB. The server's memory must stay near the transport's
+  // quota (2 x 4 MiB, at least 64 MiB) instead of following the prefix, and the server must carry on.
+  const int port = FreePort();
+  ASSERT_GT(port, 0);
+  const pid_t pid = Spawn({ATTND_BINARY, "--listen=127.0.0.1:" + std::to_string(port), "--backend=cpu", "--threads=1",
+                           "--log_level=warn", "--max_message_bytes=4194304"});
+  ASSERT_GT(pid, 0);
+  ChildGuard guard{pid};
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
+  const absl::Time end = absl::Now() + absl::Seconds(20);
+  while (!Serving(channel) && absl::Now() < end) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(Serving(channel)) << "attnd did not start";
+  const uint64_t before = RssBytes(pid);
+  const PrefixFlood f = FloodAnnouncedMessage(port, pid, 1u << 30, absl::Seconds(20));
+  std::printf("announced 1 GiB: sent %.1f MiB, server VmRSS %.1f MiB before, peak %.1f MiB; stream ended: %d\n",
+              f.sent / 1048576.0, before / 1048576.0, f.peak_rss / 1048576.0, f.stream_ended);
+  EXPECT_TRUE(f.stream_ended) << "the server kept taking the message";
+  EXPECT_LT(f.sent, uint64_t{256} << 20);
+  EXPECT_LT(f.peak_rss, before + (uint64_t{160} << 20));
+  // The server carries on: a real call is answered.
+  auto stub = v1::Attention::NewStub(channel);
+  const v1::ForwardRequest r = testing::MakeRequest({1, 64, 64, 4, 2, 64}, v1::MASK_TYPE_NONE, true, 63);
+  grpc::ClientContext ctx;
+  v1::ForwardResponse resp;
+  const grpc::Status s = stub->Forward(&ctx, r, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  testing::ExpectCorrect(r, resp.o(), resp.lse());
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(pid, absl::Seconds(20)), 0);
+  guard.reaped = true;
+}
 
 TEST(BinaryShutdown, GraceBoundsTheExitWhileACpuComputationRuns) {
   // One request whose CPU computation takes far longer than --shutdown_grace_s=1: SIGTERM cancels it to its

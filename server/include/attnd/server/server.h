@@ -17,6 +17,9 @@ struct ServerOptions {
   std::string unix_socket;                 // path of a unix-domain listener; empty: none
   uint64_t max_request_bytes = 1ull << 32;  // Q+K+V+O(+LSE) bytes of one request
   uint64_t max_message_bytes = 256ull << 20;  // one gRPC message
+  // Memory gRPC's transport may hold in all (gRPC's resource quota): messages being received, read buffers, unary
+  // requests the backend still holds. 0: 2 x max_message_bytes, at least 64 MiB.
+  uint64_t max_transport_memory_bytes = 0;
   // Per-request shape limits (RESOURCE_EXHAUSTED beyond); 0: none beyond what the byte limits imply.
   int64_t max_batch = 0;
   int64_t max_q_len = 0;
