@@ -172,8 +172,7 @@ TEST(Shutdown, RequestsInFlightAreAllAnswered) {
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     v1::ForwardResponse resp;
     const grpc::Status s = stub->Forward(&ctx, MakeRequest({1, 8, 8, 2, 1, 64}), &resp);
-    EXPECT_FALSE(s.ok());
-    EXPECT_NE(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << "a new call hung during shutdown";
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
   }
   gate.Open();
   for (auto& c : calls) c->Join();
