@@ -1,18 +1,22 @@
 // attnd: the attention server binary. Flags pick the listeners, the backend and the limits; SIGINT/SIGTERM
 // start a graceful shutdown (stop accepting, answer every accepted request, exit 0).
 #include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/synchronization/notification.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
@@ -28,6 +32,10 @@ ABSL_FLAG(std::string, backend, "auto", "auto (cuda when a GPU is usable, else c
 ABSL_FLAG(uint64_t, max_request_bytes, 1ull << 32, "largest request, Q+K+V+O(+LSE) bytes, any transport");
 ABSL_FLAG(uint64_t, max_message_bytes, 256ull << 20,
           "largest gRPC message; bigger tensors must use ForwardStream (capped at 2 GiB - 1 by gRPC)");
+ABSL_FLAG(uint64_t, max_transport_memory_bytes, 0,
+          "memory gRPC's transport may hold in all: messages being received (whatever size their prefix announces), "
+          "read buffers, unary requests still being computed; near it uploads slow down, beyond it streams are reset "
+          "RESOURCE_EXHAUSTED (0: 2 x --max_message_bytes, at least 64 MiB)");
 ABSL_FLAG(int64_t, max_batch, 0, "largest shape.batch of one request (0: no limit); more: RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_q_len, 0, "largest shape.q_len of one request (0: no limit); more: RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_kv_len, 0, "largest shape.kv_len of one request (0: no limit); more: RESOURCE_EXHAUSTED");
@@ -61,7 +69,9 @@ ABSL_FLAG(int64_t, completion_spin_us, 300,
           "CUDA: microseconds a worker polls its request's completion before sleeping, while at most one other "
           "request runs on the device (0: always sleep)");
 ABSL_FLAG(bool, ipc_over_tcp, false, "serve CUDA IPC registration over TCP too (default: the unix socket only)");
-ABSL_FLAG(double, shutdown_grace_s, 60, "seconds a shutdown waits for accepted calls before cancelling the rest");
+ABSL_FLAG(double, shutdown_grace_s, 60,
+          "seconds a shutdown waits for accepted calls before cancelling the rest; it bounds the exit (idle "
+          "connections and health/reflection streams do not hold it)");
 // Security and observability (docs/security-and-metrics.md).
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS on the TCP listener (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
@@ -72,6 +82,20 @@ ABSL_FLAG(std::string, metrics_listen, "", "host:port of the Prometheus endpoint
 ABSL_FLAG(bool, access_log, true, "log one info line per RPC (method, peer, request id, shape, status, times, bytes)");
 ABSL_FLAG(uint32_t, max_calls_per_client, 0,
           "Forward/ForwardStream calls one connection may have in progress (0: no limit); more: RESOURCE_EXHAUSTED");
+// Slow and idle clients (docs/security-and-metrics.md, limits); 0 turns each off.
+ABSL_FLAG(uint32_t, max_connections, 0,
+          "gRPC connections (TCP and unix) held at once; one more is closed at accept (0: 7/8 of the descriptor "
+          "limit, which attnd raises to its hard limit at start)");
+ABSL_FLAG(double, stream_idle_timeout_s, 30,
+          "a ForwardStream that sends no message for this long, before its header or between chunks, is ended "
+          "DEADLINE_EXCEEDED and its inputs freed (0: never)");
+ABSL_FLAG(double, max_connection_idle_s, 300, "a connection without calls for this long is closed (0: never)");
+ABSL_FLAG(double, keepalive_time_s, 60,
+          "a connection with calls but no traffic for this long is pinged (0: never)");
+ABSL_FLAG(double, keepalive_timeout_s, 20, "an unanswered keepalive ping closes its connection after this long");
+ABSL_FLAG(double, min_client_ping_interval_s, 10,
+          "client pings closer together than this without data are strikes; the third closes the connection "
+          "(0: any rate)");
 ABSL_FLAG(std::string, unix_socket_mode, "0660", "permission bits of the --unix_socket (and --shm_socket) file, octal");
 ABSL_FLAG(std::string, shm_socket, "",
           "unix socket for same-host shared-memory channels (Forward without gRPC; docs/transport.md); empty: off");
@@ -113,6 +137,10 @@ int Fail(const std::string& message) {
   return 2;
 }
 
+// Once the grace is spent every unfinished call has been cancelled to its client; what may still run is a
+// computation the backend cannot interrupt (a CPU one), and the process does not wait for it beyond this.
+constexpr absl::Duration kExitMargin = absl::Seconds(1);
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -125,6 +153,10 @@ int main(int argc, char** argv) {
     return Fail("--log_level: unknown value '" + absl::GetFlag(FLAGS_log_level) + "'");
   }
   spdlog::set_level(level);
+  // Every connection and shared-memory channel takes descriptors; the soft limit (often 1024) is raised to
+  // what the hard limit allows.
+  const uint64_t fd_limit = attnd::server::RaiseDescriptorLimit();
+  spdlog::debug("descriptor limit {}", fd_limit);
   if (absl::GetFlag(FLAGS_retain_heap) && !attnd::RetainFreedHeapMemory()) {
     spdlog::warn("--retain_heap: this C library's allocator cannot be tuned; running with its defaults");
   }
@@ -163,6 +195,14 @@ int main(int argc, char** argv) {
   }
   const double grace = absl::GetFlag(FLAGS_shutdown_grace_s);
   if (!(grace >= 0)) return Fail("--shutdown_grace_s: must be >= 0");
+  for (const auto& [name, value] : {std::pair{"stream_idle_timeout_s", absl::GetFlag(FLAGS_stream_idle_timeout_s)},
+                                    std::pair{"max_connection_idle_s", absl::GetFlag(FLAGS_max_connection_idle_s)},
+                                    std::pair{"keepalive_time_s", absl::GetFlag(FLAGS_keepalive_time_s)},
+                                    std::pair{"keepalive_timeout_s", absl::GetFlag(FLAGS_keepalive_timeout_s)},
+                                    std::pair{"min_client_ping_interval_s",
+                                              absl::GetFlag(FLAGS_min_client_ping_interval_s)}}) {
+    if (!(value >= 0)) return Fail(std::string("--") + name + ": must be >= 0");
+  }
   for (const auto& [name, value] : {std::pair{"max_batch", absl::GetFlag(FLAGS_max_batch)},
                                     std::pair{"max_q_len", absl::GetFlag(FLAGS_max_q_len)},
                                     std::pair{"max_kv_len", absl::GetFlag(FLAGS_max_kv_len)},
@@ -178,6 +218,7 @@ int main(int argc, char** argv) {
   options.unix_socket = absl::GetFlag(FLAGS_unix_socket);
   options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.max_transport_memory_bytes = absl::GetFlag(FLAGS_max_transport_memory_bytes);
   options.max_batch = absl::GetFlag(FLAGS_max_batch);
   options.max_q_len = absl::GetFlag(FLAGS_max_q_len);
   options.max_kv_len = absl::GetFlag(FLAGS_max_kv_len);
@@ -185,6 +226,12 @@ int main(int argc, char** argv) {
   options.enable_cuda_ipc = absl::GetFlag(FLAGS_enable_cuda_ipc);
   options.ipc_over_tcp = absl::GetFlag(FLAGS_ipc_over_tcp);
   options.shutdown_grace = absl::Seconds(grace);
+  options.max_connections = absl::GetFlag(FLAGS_max_connections);
+  options.stream_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_stream_idle_timeout_s));
+  options.max_connection_idle = absl::Seconds(absl::GetFlag(FLAGS_max_connection_idle_s));
+  options.keepalive_time = absl::Seconds(absl::GetFlag(FLAGS_keepalive_time_s));
+  options.keepalive_timeout = absl::Seconds(absl::GetFlag(FLAGS_keepalive_timeout_s));
+  options.min_client_ping_interval = absl::Seconds(absl::GetFlag(FLAGS_min_client_ping_interval_s));
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
@@ -241,6 +288,20 @@ int main(int argc, char** argv) {
   int sig = 0;
   sigwait(&signals, &sig);
   spdlog::info("received {}, finishing accepted requests", sig == SIGINT ? "SIGINT" : "SIGTERM");
-  (*server)->Shutdown();
+  absl::Notification stopped;
+  std::thread stopper([&] {
+    (*server)->Shutdown();
+    stopped.Notify();
+  });
+  if (grace < 365.0 * 24 * 3600 && !stopped.WaitForNotificationWithTimeout(absl::Seconds(grace) + kExitMargin)) {
+    spdlog::warn("attnd exits with a computation still running past --shutdown_grace_s (its call was cancelled)");
+    struct stat st;
+    if (!options.unix_socket.empty() && ::lstat(options.unix_socket.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
+      ::unlink(options.unix_socket.c_str());
+    }
+    std::fflush(nullptr);
+    std::_Exit(0);
+  }
+  stopper.join();
   return 0;
 }

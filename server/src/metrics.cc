@@ -14,6 +14,7 @@
 #include "prometheus/counter.h"
 #include "prometheus/exposer.h"
 #include "prometheus/family.h"
+#include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
@@ -162,7 +163,19 @@ struct ServerMetrics::Impl {
                           .Name("attnd_auth_failures_total")
                           .Help("Calls refused UNAUTHENTICATED by the bearer-token check.")
                           .Register(*registry)
-                          .Add({})) {
+                          .Add({})),
+        connections_refused(prometheus::BuildCounter()
+                                .Name("attnd_connections_refused_total")
+                                .Help("gRPC connections closed at accept: over --max_connections, or shed at the "
+                                      "descriptor limit.")
+                                .Register(*registry)
+                                .Add({})),
+        listener_up(prometheus::BuildGauge()
+                        .Name("attnd_listener_up")
+                        .Help("1 while every gRPC listener accepts connections; 0 once one stopped for good.")
+                        .Register(*registry)
+                        .Add({})) {
+    listener_up.Set(1);
     // The data-plane series exist from the start, so that rate() and absent() work before the first call.
     for (const char* m : {"Forward", "ForwardStream", "Step"}) {
       requests.Add({{"method", m}, {"code", "OK"}});
@@ -182,6 +195,8 @@ struct ServerMetrics::Impl {
   prometheus::Family<prometheus::Counter>& bytes_out;
   prometheus::Histogram& step_batch;
   prometheus::Counter& auth_failures;
+  prometheus::Counter& connections_refused;
+  prometheus::Gauge& listener_up;
   absl::Mutex exposer_mu;
   std::unique_ptr<prometheus::Exposer> exposer ABSL_GUARDED_BY(exposer_mu);
 };
@@ -217,6 +232,8 @@ void ServerMetrics::RecordCall(const CallRecord& call) {
 void ServerMetrics::RecordStep(uint32_t batch_sequences) { impl_->step_batch.Observe(batch_sequences); }
 
 void ServerMetrics::RecordAuthFailure() { impl_->auth_failures.Increment(); }
+void ServerMetrics::RecordConnectionRefused() { impl_->connections_refused.Increment(); }
+void ServerMetrics::RecordListenerLost() { impl_->listener_up.Set(0); }
 
 std::string ServerMetrics::Scrape() const {
   std::vector<prometheus::MetricFamily> families = impl_->registry->Collect();
@@ -254,6 +271,8 @@ bool ServerMetrics::Available() { return false; }
 void ServerMetrics::RecordCall(const CallRecord&) {}
 void ServerMetrics::RecordStep(uint32_t) {}
 void ServerMetrics::RecordAuthFailure() {}
+void ServerMetrics::RecordConnectionRefused() {}
+void ServerMetrics::RecordListenerLost() {}
 std::string ServerMetrics::Scrape() const { return ""; }
 absl::Status ServerMetrics::Serve(const std::string& listen) {
   return absl::UnimplementedError(absl::StrCat(

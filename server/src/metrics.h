@@ -40,6 +40,10 @@ class ServerMetrics {
   void RecordStep(uint32_t batch_sequences);
   // A call refused by the bearer-token check (it never reaches a handler, so RecordCall does not see it).
   void RecordAuthFailure();
+  // A connection closed at accept (listener_guard.h: over the cap, or shed at the descriptor limit).
+  void RecordConnectionRefused();
+  // A gRPC listener stopped accepting for good (attnd_listener_up drops to 0).
+  void RecordListenerLost();
 
   // Everything GET /metrics answers, in the text exposition format.
   std::string Scrape() const;

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -22,9 +24,11 @@
 #include "attnd/server/status_util.h"
 #include "attnd/server/transports.h"
 #include "auth.h"
+#include "listener_guard.h"
 #include "call_observer.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/resource_quota.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "metrics.h"
 #include "service.h"
@@ -38,6 +42,20 @@ namespace {
 constexpr const char* kServiceName = "attnd.v1.Attention";
 // Loopback and LAN round trips are far below this; it bounds what every shutdown pays.
 constexpr absl::Duration kDrainLinger = absl::Milliseconds(50);
+// Once the accepted requests are answered, what is left holds no request (health Watch and reflection streams,
+// idle connections, calls that arrived during the drain and are being refused UNAVAILABLE): gRPC gets this long
+// to send those refusals and its GOAWAYs, then cancels the rest and closes every connection.
+constexpr absl::Duration kLateCallWindow = absl::Milliseconds(200);
+// gRPC's default, stated: the third ping from a client within --min_client_ping_interval without data in
+// between closes its connection.
+constexpr int kMaxPingStrikes = 2;
+
+// A duration as gRPC's int milliseconds; zero (off) and anything beyond INT_MAX ms as INT_MAX (gRPC's "never").
+int ToGrpcMillis(absl::Duration d) {
+  if (d <= absl::ZeroDuration()) return INT_MAX;
+  const int64_t ms = absl::ToInt64Milliseconds(d);
+  return ms >= INT_MAX ? INT_MAX : static_cast<int>(std::max<int64_t>(ms, 1));
+}
 
 int ClampToInt(uint64_t v) { return v > static_cast<uint64_t>(INT_MAX) ? INT_MAX : static_cast<int>(v); }
 
@@ -45,6 +63,13 @@ int ClampToInt(uint64_t v) { return v > static_cast<uint64_t>(INT_MAX) ? INT_MAX
 void RemoveStaleSocket(const std::string& path) {
   struct stat st;
   if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) ::unlink(path.c_str());
+}
+
+// --max_transport_memory_bytes, or its default: two of the largest messages, and at least 64 MiB.
+size_t TransportMemoryBytes(const ServerOptions& o) {
+  const uint64_t bytes = o.max_transport_memory_bytes > 0 ? o.max_transport_memory_bytes
+                                                          : std::max<uint64_t>(2 * o.max_message_bytes, 64ull << 20);
+  return static_cast<size_t>(std::min<uint64_t>(bytes, SIZE_MAX));
 }
 
 ValidationLimits LimitsFor(const ServerOptions& o, const Backend& backend) {
@@ -100,6 +125,27 @@ class ServerImpl final : public Server {
     builder.SetMaxReceiveMessageSize(ClampToInt(options_.max_message_bytes));
     builder.SetMaxSendMessageSize(ClampToInt(options_.max_message_bytes));
     builder.RegisterService(&service_);
+    // gRPC 1.51 grants a message all the flow-control window its length prefix asks for and checks the
+    // message limit only once the whole message is in, so a prefix announcing 1 GiB has the server buffer
+    // 1 GiB. The quota bounds what the transport holds in all (read buffers, messages being received, unary
+    // requests still held by the backend): near it gRPC shrinks the windows, beyond it resets streams
+    // RESOURCE_EXHAUSTED "Buffers full".
+    quota_.Resize(TransportMemoryBytes(options_));
+    builder.SetResourceQuota(quota_);
+    // Slow and idle clients; a --grpc_arg of the same name replaces each (SetsChannelArg).
+    const std::pair<const char*, int> limits[] = {
+        {GRPC_ARG_MAX_CONNECTION_IDLE_MS, ToGrpcMillis(options_.max_connection_idle)},
+        {GRPC_ARG_KEEPALIVE_TIME_MS, ToGrpcMillis(options_.keepalive_time)},
+        {GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ToGrpcMillis(options_.keepalive_timeout)},
+        // Keepalive pings go out also on a connection whose calls send nothing (a stalled upload's).
+        {GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0},
+        {GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+         options_.min_client_ping_interval > absl::ZeroDuration() ? ToGrpcMillis(options_.min_client_ping_interval) : 0},
+        {GRPC_ARG_HTTP2_MAX_PING_STRIKES, kMaxPingStrikes},
+    };
+    for (const auto& [name, value] : limits) {
+      if (!SetsChannelArg(grpc_args_, name)) builder.AddChannelArgument(name, value);
+    }
     for (const ChannelArg& arg : grpc_args_) {
       std::visit([&](const auto& v) { builder.AddChannelArgument(arg.name, v); }, arg.value);
     }
@@ -119,10 +165,10 @@ class ServerImpl final : public Server {
       backend_->Shutdown();
       return absl::PermissionDeniedError(absl::StrCat("unix_socket_mode: cannot chmod ", options_.unix_socket));
     }
-    grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-    if (health != nullptr) {
-      health->SetServingStatus(true);
-      health->SetServingStatus(kServiceName, true);
+    GuardListeners();
+    {
+      absl::MutexLock lock(&health_mu_);
+      if (!listener_lost_) SetServing(true);
     }
     if (!options_.shm_socket.empty()) {
       ShmListenerOptions so;
@@ -143,12 +189,13 @@ class ServerImpl final : public Server {
       }
       shm_ = *std::move(shm);
     }
-    spdlog::info("attnd listening on {}{}{} (backend {}{}, max_message_bytes {}, max_request_bytes {})",
+    spdlog::info("attnd listening on {}{}{} (backend {}{}, max_message_bytes {}, max_request_bytes {}, "
+                 "max_transport_memory_bytes {})",
                  options_.listen.empty() ? "" : absl::StrCat(kGrpcTcp, " ", options_.listen, " [port ", tcp_port_, "]"),
                  options_.listen.empty() || options_.unix_socket.empty() ? "" : " and ",
                  options_.unix_socket.empty() ? "" : absl::StrCat(kGrpcUnix, " ", options_.unix_socket),
                  backend_->name(), buffers_ != nullptr ? absl::StrCat(", ", kCudaIpc, " buffers") : "",
-                 options_.max_message_bytes, options_.max_request_bytes);
+                 options_.max_message_bytes, options_.max_request_bytes, TransportMemoryBytes(options_));
     return absl::OkStatus();
   }
 
@@ -159,11 +206,13 @@ class ServerImpl final : public Server {
     absl::MutexLock lock(&shutdown_mu_);  // a second caller waits here until the first has finished
     if (done_.HasBeenNotified() || server_ == nullptr) return;
     spdlog::info("attnd shutting down: {} requests in flight", backend_->in_flight());
-    grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-    if (health != nullptr) {
-      health->SetServingStatus(false);
-      health->SetServingStatus(kServiceName, false);
+    {
+      absl::MutexLock lock(&health_mu_);
+      stopping_ = true;
     }
+    SetServing(false);
+    // gRPC shuts its listeners down from here on: their errors are no loss.
+    guard_.reset();
     // In this order: a call the service still accepts has had its metadata, so DrainTracker counted it.
     dispatcher_.BeginShutdown();
     // New steps are refused from here; every admitted one is answered (the backend still runs).
@@ -171,7 +220,7 @@ class ServerImpl final : public Server {
     // Shm channels finish the requests they hold (the backend still runs) and close.
     if (shm_ != nullptr) shm_->Stop();
     drain_.BeginDrain();
-    // Graces beyond a year (infinite included) mean "wait for ever"; clamping avoids time_point overflow.
+    // Graces beyond a year (infinite included) mean "wait for ever".
     const bool forever = options_.shutdown_grace >= absl::Hours(24 * 365);
     const absl::Time deadline =
         forever ? absl::InfiniteFuture() : absl::Now() + std::max(options_.shutdown_grace, absl::ZeroDuration());
@@ -184,8 +233,10 @@ class ServerImpl final : public Server {
     } else {
       spdlog::warn("attnd shutdown_grace ran out with {} calls unfinished; cancelling them", drain_.live());
     }
-    // gRPC stops accepting calls and waits for every started one up to the deadline, then cancels the rest.
-    server_->Shutdown(forever ? std::chrono::system_clock::time_point::max() : absl::ToChronoTime(deadline));
+    // No accepted request is left open (or the grace is spent): gRPC stops accepting, answers what is in hand
+    // within kLateCallWindow, then cancels the rest and closes the connections. An idle connection, a health
+    // Watch or a reflection stream therefore never holds the exit.
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + kLateCallWindow));
     backend_->Shutdown();
     if (!options_.unix_socket.empty()) RemoveStaleSocket(options_.unix_socket);
     spdlog::info("attnd stopped");
@@ -195,6 +246,51 @@ class ServerImpl final : public Server {
   void Wait() override { done_.WaitForNotification(); }
 
  private:
+  // Health for the whole server and the service, unless a listener was lost (it then stays NOT_SERVING).
+  void SetServing(bool serving) {
+    grpc::HealthCheckServiceInterface* health = server_ != nullptr ? server_->GetHealthCheckService() : nullptr;
+    if (health == nullptr) return;
+    health->SetServingStatus(serving);
+    health->SetServingStatus(kServiceName, serving);
+  }
+
+  // listener_guard.h: the gRPC listeners keep accepting at the descriptor limit and take at most
+  // max_connections; a listener gRPC gives up on turns health NOT_SERVING for good.
+  void GuardListeners() {
+    ListenerGuardOptions g;
+    const uint64_t fd_limit = DescriptorLimit();
+    g.max_connections = options_.max_connections > 0 ? options_.max_connections : DefaultMaxConnections(fd_limit);
+    ServerMetrics* metrics = metrics_.get();
+    g.on_refused = [metrics, this] {
+      if (metrics != nullptr) metrics->RecordConnectionRefused();
+      const absl::Time now = absl::Now();
+      absl::MutexLock lock(&health_mu_);
+      if (now - last_refusal_log_ < absl::Seconds(10)) return;
+      last_refusal_log_ = now;
+      spdlog::warn("attnd refusing gRPC connections: {} open (--max_connections) or descriptor limit {} reached",
+                   options_.max_connections > 0 ? options_.max_connections : DefaultMaxConnections(DescriptorLimit()),
+                   DescriptorLimit());
+    };
+    g.on_lost = [metrics, this](int error) {
+      if (metrics != nullptr) metrics->RecordListenerLost();
+      absl::MutexLock lock(&health_mu_);
+      listener_lost_ = true;
+      if (stopping_) return;
+      spdlog::error("attnd: a gRPC listener stopped accepting ({}); health is NOT_SERVING until restart",
+                    std::strerror(error));
+      SetServing(false);
+    };
+    absl::StatusOr<std::unique_ptr<ListenerGuard>> guard =
+        ListenerGuard::Install(options_.listen.empty() ? 0 : tcp_port_, options_.unix_socket, std::move(g));
+    if (!guard.ok()) {
+      spdlog::warn("attnd: {}; the gRPC listeners run unguarded", std::string(guard.status().message()));
+      return;
+    }
+    guard_ = *std::move(guard);
+    spdlog::info("attnd accepts up to {} gRPC connections (descriptor limit {})",
+                 options_.max_connections > 0 ? options_.max_connections : DefaultMaxConnections(fd_limit), fd_limit);
+  }
+
   // Credentials, the token check and the metrics endpoint: everything that can fail on a bad flag is done
   // before a port is bound.
   absl::Status StartSecurityAndMetrics() {
@@ -254,6 +350,12 @@ class ServerImpl final : public Server {
   std::vector<std::string> auth_tokens_;  // for the shared-memory channels' hello
   std::unique_ptr<ShmListener> shm_;
   int tcp_port_ = 0;
+  std::unique_ptr<ListenerGuard> guard_;
+  grpc::ResourceQuota quota_{"attnd"};
+  absl::Mutex health_mu_;
+  bool stopping_ ABSL_GUARDED_BY(health_mu_) = false;
+  bool listener_lost_ ABSL_GUARDED_BY(health_mu_) = false;
+  absl::Time last_refusal_log_ ABSL_GUARDED_BY(health_mu_) = absl::InfinitePast();
   absl::Mutex shutdown_mu_;
   absl::Notification done_;
 };

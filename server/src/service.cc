@@ -10,10 +10,12 @@
 #include "absl/strings/match.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "attnd/server/status_util.h"
 #include "attnd/transport/zero_copy.h"
 #include "call_observer.h"
+#include "grpcpp/alarm.h"
 #include "spdlog/spdlog.h"
 
 #ifndef ATTND_VERSION
@@ -44,23 +46,30 @@ enum class StreamState {
 // the backend's InputSink: ReadStreamChunk) and not at all on the way out (O and LSE chunks point into the
 // reply's buffers, or into the backend's memory when it lends O: SerializeStreamChunk). Headers and anything
 // unusual go through protobuf.
+//
+// A stream that sends nothing for --stream_idle_timeout_s while the server waits for its header or its inputs is
+// ended DEADLINE_EXCEEDED by an alarm (IdleCheck), which frees its inputs and its place among the streams
+// receiving. The alarm and OnReadDone both run on gRPC threads: mu_ orders them, and the reactor is deleted by
+// whichever of OnDone and the last alarm callback comes last (refs_).
 class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   ForwardStreamReactor(AttentionService* service, grpc::CallbackServerContext* ctx)
-      : service_(service), ctx_(ctx), start_(absl::Now()) {
+      : service_(service), ctx_(ctx), start_(absl::Now()), idle_timeout_(service->stream_idle_timeout()) {
+    if (idle_timeout_ > absl::ZeroDuration()) {
+      absl::MutexLock lock(&mu_);
+      last_input_ = start_;
+      ArmIdleCheck(start_ + idle_timeout_);
+    }
     StartRead(&in_buf_);
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {  // the client half-closed, or the call died
-      if (ctx_->IsCancelled()) return End(EndedEarly(start_, absl::FromChrono(ctx_->deadline()), "while receiving"));
-      const absl::Status complete = CheckComplete();
-      if (!complete.ok()) return End(complete);
-      return Submit();
+    Ref();  // Submit may end the call, and OnDone come, before this returns
+    {
+      absl::MutexLock lock(&mu_);
+      ReadDone(ok);
     }
-    const absl::Status s = Receive();
-    if (!s.ok()) return End(s);
-    StartRead(&in_buf_);
+    Unref();
   }
 
   void OnWriteDone(bool ok) override {
@@ -68,9 +77,59 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     WriteNext();
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (idle_alarm_ != nullptr) idle_alarm_->Cancel();  // its callback (ok=false) drops its reference
+    }
+    Unref();
+  }
 
  private:
+  void ReadDone(bool ok) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (state_ == StreamState::kFinished) return;  // ended by IdleCheck while this read was pending
+    if (!ok) {  // the client half-closed, or the call died
+      if (ctx_->IsCancelled()) return End(EndedEarly(start_, absl::FromChrono(ctx_->deadline()), "while receiving"));
+      const absl::Status complete = CheckComplete();
+      if (!complete.ok()) return End(complete);
+      return Submit();
+    }
+    last_input_ = absl::Now();
+    const absl::Status s = Receive();
+    if (!s.ok()) return End(s);
+    StartRead(&in_buf_);
+  }
+
+  void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
+  void Unref() {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+
+  // A fresh alarm each time: one may not be set again from its own callback.
+  void ArmIdleCheck(absl::Time when) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Ref();
+    idle_alarm_ = std::make_unique<grpc::Alarm>();
+    idle_alarm_->Set(absl::ToChronoTime(when), [this](bool fired) { IdleCheck(fired); });
+  }
+
+  void IdleCheck(bool fired) {
+    if (fired) {
+      absl::MutexLock lock(&mu_);
+      if (awaiting_input_.load(std::memory_order_relaxed)) {
+        const absl::Time due = last_input_ + idle_timeout_;
+        if (absl::Now() < due) {
+          ArmIdleCheck(due);
+        } else {
+          End(absl::DeadlineExceededError(absl::StrCat(
+              "stream_idle_timeout_s: no message for ", absl::FormatDuration(idle_timeout_), " while ",
+              state_ == StreamState::kAwaitingHeader ? "waiting for the header" : "receiving the inputs",
+              "; the stream is ended")));
+        }
+      }
+    }
+    Unref();
+  }
+
   struct Input {
     Input(int i, const char* n, v1::TensorName t) : index(i), name(n), tensor(t) {}
     int index;  // in the InputSink
@@ -271,6 +330,7 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     } else if (state_ == StreamState::kReceiving) {
       service_->CountReceiving(false);
     }
+    if (next != StreamState::kReceiving) awaiting_input_.store(false, std::memory_order_relaxed);
     state_ = next;
   }
 
@@ -284,6 +344,12 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
   AttentionService* const service_;
   grpc::CallbackServerContext* const ctx_;
   const absl::Time start_;
+  const absl::Duration idle_timeout_;  // zero: no idle check
+  absl::Mutex mu_;                     // OnReadDone and IdleCheck
+  absl::Time last_input_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<grpc::Alarm> idle_alarm_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> awaiting_input_{true};  // awaiting the header or receiving: what IdleCheck may end
+  std::atomic<int> refs_{1};                // OnDone's, plus one per armed alarm and per OnReadDone running
   StreamState state_ = StreamState::kAwaitingHeader;
   grpc::ByteBuffer in_buf_;
   v1::ForwardStreamRequest in_;  // a message protobuf parses (headers, unusual encodings)
@@ -315,17 +381,31 @@ AttentionService::AttentionService(const ServerOptions& options, Dispatcher* dis
       stats_(stats),
       stream_chunk_bytes_(ChunkBytes(options.max_message_bytes)) {}
 
+absl::Duration AttentionService::stream_idle_timeout() const { return options_.stream_idle_timeout; }
+
 CallInfo AttentionService::CallFor(grpc::CallbackServerContext* ctx, absl::Time start,
                                    const InlineBytes* in_message) const {
   CallInfo call;
   call.accepted = start;
   call.deadline = absl::FromChrono(ctx->deadline());
   call.cancelled = [ctx] { return ctx->IsCancelled(); };
-  if (peer_calls_ != nullptr) {
-    call.admit = [peers = peer_calls_, connection = ConnectionKey(ctx)] { return peers->Admit(connection); };
-  }
+  call.admit = [this, peers = peer_calls_, connection = ConnectionKey(ctx)]() -> absl::Status {
+    if (peers != nullptr) ATTND_RETURN_IF_ERROR(peers->Admit(connection));
+    return AdmitToQueue();
+  };
   call.in_message = in_message;
   return call;
+}
+
+absl::Status AttentionService::AdmitToQueue() const {
+  const uint32_t cap = backend()->max_queue();
+  if (cap == 0) return absl::OkStatus();
+  const uint32_t queued = backend()->queue_depth();
+  const uint32_t receiving = streams_receiving();
+  if (queued + receiving < cap) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat("max_queue: ", queued, " requests queued and ", receiving,
+                                                   " streams receiving their inputs (limit ", cap,
+                                                   " together); retry when one finishes"));
 }
 
 grpc::ServerUnaryReactor* AttentionService::FinishNow(grpc::CallbackServerContext* ctx, const char* method,

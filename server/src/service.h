@@ -100,6 +100,13 @@ class AttentionService final : public AttentionServiceBase {
     }
   }
   CallStats& stats() { return *stats_; }
+  // --stream_idle_timeout_s: a ForwardStream silent this long while it should send is ended (zero: never).
+  absl::Duration stream_idle_timeout() const;
+  // A Forward, or a ForwardStream's header, is admitted while the requests queued and the streams receiving
+  // are fewer than --max_queue together: an upload in progress holds its place in the queue, so a stream that
+  // finishes its upload is not refused for a full queue, and uploads cannot hold memory beyond the queue's.
+  // RESOURCE_EXHAUSTED naming max_queue otherwise.
+  absl::Status AdmitToQueue() const;
   uint64_t stream_chunk_bytes() const { return stream_chunk_bytes_; }
 
  private:

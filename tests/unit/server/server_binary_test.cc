@@ -1,12 +1,20 @@
 // The attnd binary as users run it: it serves on a unix socket, answers SIGTERM (and SIGINT) by finishing
 // every accepted request and exiting 0, refuses bad flags with exit status 2, and lists its flags on --help.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -24,9 +32,14 @@
 namespace attnd {
 namespace {
 
-pid_t Spawn(const std::vector<std::string>& args) {
+// `max_fds` > 0: the child's descriptor limit, soft and hard (so that attnd cannot raise it).
+pid_t Spawn(const std::vector<std::string>& args, rlim_t max_fds = 0) {
   const pid_t pid = ::fork();
   if (pid == 0) {
+    if (max_fds > 0) {
+      const rlimit rl{max_fds, max_fds};
+      if (::setrlimit(RLIMIT_NOFILE, &rl) != 0) ::_exit(126);
+    }
     std::vector<char*> argv;
     for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
@@ -143,6 +156,304 @@ INSTANTIATE_TEST_SUITE_P(Signals, Binary, ::testing::Values(SIGTERM, SIGINT),
                            return std::string(info.param == SIGTERM ? "SIGTERM" : "SIGINT");
                          });
 
+// A port free now (bound and released): the binary is told it explicitly, so the test can reach it over TCP.
+int FreePort() {
+  const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (::bind(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::getsockname(s, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  ::close(s);
+  return port;
+}
+
+int ConnectTcp(int port) {
+  const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (s >= 0 && ::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(s);
+    return -1;
+  }
+  return s;
+}
+
+// Whether the server has closed connection `s` (EOF) within `timeout`.
+bool ClosedByServer(int s, absl::Duration timeout) {
+  const int64_t us = std::max<int64_t>(absl::ToInt64Microseconds(timeout), 1);  // {0, 0} would wait for ever
+  timeval tv{static_cast<time_t>(us / 1000000), static_cast<suseconds_t>(us % 1000000)};
+  ::setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  char c;
+  const ssize_t n = ::recv(s, &c, 1, 0);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
+}
+
+struct FloodCase {
+  const char* name;
+  std::vector<std::string> flags;
+};
+
+void PrintTo(const FloodCase& c, std::ostream* os) { *os << c.name; }
+
+class DescriptorFlood : public ::testing::TestWithParam<FloodCase> {};
+
+// Idle connections past the descriptor limit (128) and past --max_connections: the excess is closed at once,
+// and once the flood is gone the TCP listener serves a new connection. Without a cap the flood reaches the
+// limit itself (accept4 fails with EMFILE), which used to leave the port deaf for good.
+TEST_P(DescriptorFlood, ExcessIsRefusedAndTheListenerServesAfterwards) {
+  const int port = FreePort();
+  ASSERT_GT(port, 0);
+  std::vector<std::string> args = {ATTND_BINARY, "--listen=127.0.0.1:" + std::to_string(port), "--backend=cpu",
+                                   "--threads=1", "--log_level=warn"};
+  for (const std::string& f : GetParam().flags) args.push_back(f);
+  const pid_t pid = Spawn(args, 128);
+  ASSERT_GT(pid, 0);
+  ChildGuard guard{pid};
+  const std::string target = "127.0.0.1:" + std::to_string(port);
+  auto fresh_channel = [&] {
+    grpc::ChannelArguments a;
+    a.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a new connection, not one shared with an earlier channel
+    return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), a);
+  };
+  const absl::Time end = absl::Now() + absl::Seconds(20);
+  while (!Serving(fresh_channel()) && absl::Now() < end) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(Serving(fresh_channel())) << "attnd did not start";
+
+  constexpr int kFlood = 200;
+  std::vector<int> flood;
+  for (int i = 0; i < kFlood; ++i) {
+    const int s = ConnectTcp(port);  // completes in the kernel's backlog whether or not attnd accepts it
+    if (s >= 0) flood.push_back(s);
+  }
+  int closed = 0;
+  for (int s : flood) closed += ClosedByServer(s, absl::Milliseconds(1)) ? 1 : 0;
+  // The last connection is past the limit under either rule: it must be closed, not left hanging.
+  EXPECT_TRUE(ClosedByServer(flood.back(), absl::Seconds(5))) << "the connection past the limit was left open";
+  for (int s : flood) closed += ClosedByServer(s, absl::Milliseconds(1)) ? 1 : 0;
+  EXPECT_GE(closed, kFlood - 128) << "fewer connections refused than the descriptor limit implies";
+  for (int s : flood) ::close(s);
+
+  // A new call over a new TCP connection succeeds once the server has seen the flood go.
+  bool served = false;
+  for (const absl::Time until = absl::Now() + absl::Seconds(15); !served && absl::Now() < until;) {
+    auto stub = v1::Attention::NewStub(fresh_channel());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    const v1::ForwardRequest r = testing::MakeRequest({1, 16, 16, 2, 1, 64}, v1::MASK_TYPE_NONE, true, 61);
+    v1::ForwardResponse resp;
+    served = stub->Forward(&ctx, r, &resp).ok();
+    if (served) testing::ExpectCorrect(r, resp.o(), resp.lse());
+    if (!served) absl::SleepFor(absl::Milliseconds(200));
+  }
+  EXPECT_TRUE(served) << "the TCP listener stopped accepting after the flood";
+  EXPECT_TRUE(Serving(fresh_channel()));
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(pid, absl::Seconds(20)), 0);
+  guard.reaped = true;
+}
+
+INSTANTIATE_TEST_SUITE_P(Limits, DescriptorFlood,
+                         ::testing::Values(FloodCase{"ConnectionCap", {"--max_connections=64"}},
+                                           FloodCase{"DescriptorLimit", {"--max_connections=100000"}}),
+                         [](const ::testing::TestParamInfo<FloodCase>& info) { return std::string(info.param.name); });
+
+// VmRSS of `pid` in bytes (0 when unreadable).
+uint64_t RssBytes(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::strtoull(line.c_str() + 6, nullptr, 10) * 1024;
+  }
+  return 0;
+}
+
+std::string H2Frame(uint8_t type, uint8_t flags, uint32_t stream, const std::string& payload) {
+  const uint32_t n = static_cast<uint32_t>(payload.size());
+  std::string f = {static_cast<char>(n >> 16), static_cast<char>(n >> 8), static_cast<char>(n), static_cast<char>(type),
+                   static_cast<char>(flags), static_cast<char>((stream >> 24) & 0x7f), static_cast<char>(stream >> 16),
+                   static_cast<char>(stream >> 8), static_cast<char>(stream)};
+  return f + payload;
+}
+
+uint32_t Be32(const std::string& b, size_t at) {
+  return (uint32_t{static_cast<uint8_t>(b[at])} << 24) | (uint32_t{static_cast<uint8_t>(b[at + 1])} << 16) |
+         (uint32_t{static_cast<uint8_t>(b[at + 2])} << 8) | uint32_t{static_cast<uint8_t>(b[at + 3])};
+}
+
+struct PrefixFlood {
+  uint64_t sent = 0;       // bytes of the message sent (prefix included)
+  uint64_t peak_rss = 0;   // the server's, sampled while sending
+  bool stream_ended = false;  // RST_STREAM, GOAWAY or trailers from the server
+};
+
+// A unary Forward over a hand-made HTTP/2 connection whose gRPC length prefix announces `announce` bytes, fed
+// with zeros as fast as the server's flow control allows until it ends the stream, `announce` is sent, or
+// `limit` passes. gRPC clients cannot be made to send a prefix that disagrees with the message.
+PrefixFlood FloodAnnouncedMessage(int port, pid_t server, uint32_t announce, absl::Duration limit) {
+  PrefixFlood out;
+  const int s = ConnectTcp(port);
+  if (s < 0) return out;
+  auto literal = [](const std::string& v) { return std::string(1, static_cast<char>(v.size())) + v; };
+  // HPACK without Huffman: :method POST, :scheme http (static), :path and :authority (indexed names),
+  // content-type (name 31), te: trailers (new name).
+  const std::string headers = std::string("\x83\x86\x04") + literal("/attnd.v1.Attention/Forward") + "\x01" +
+                              literal("localhost") + "\x0f\x10" + literal("application/grpc") + std::string(1, '\0') +
+                              literal("te") + literal("trailers");
+  auto send_all = [s](const std::string& b) {
+    for (size_t at = 0; at < b.size();) {
+      const ssize_t n = ::send(s, b.data() + at, b.size() - at, MSG_NOSIGNAL);
+      if (n <= 0) return false;
+      at += static_cast<size_t>(n);
+    }
+    return true;
+  };
+  send_all(std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") + H2Frame(4, 0, 0, "") + H2Frame(1, 4, 1, headers));
+  int64_t conn_window = 65535, stream_window = 65535, initial_window = 65535;
+  const uint64_t total = uint64_t{announce} + 5;
+  const std::string prefix = {0, static_cast<char>(announce >> 24), static_cast<char>(announce >> 16),
+                              static_cast<char>(announce >> 8), static_cast<char>(announce)};
+  const std::string zeros(16384, '\0');
+  std::string in;
+  const absl::Time end = absl::Now() + limit;
+  while (!out.stream_ended && absl::Now() < end) {
+    out.peak_rss = std::max(out.peak_rss, RssBytes(server));
+    while (conn_window > 0 && stream_window > 0 && out.sent < total) {
+      const uint64_t n = std::min<uint64_t>({16384, static_cast<uint64_t>(conn_window),
+                                             static_cast<uint64_t>(stream_window), total - out.sent});
+      const std::string data = out.sent == 0 ? prefix + zeros.substr(0, n - 5) : zeros.substr(0, n);
+      if (!send_all(H2Frame(0, 0, 1, data))) return out;
+      out.sent += n;
+      conn_window -= static_cast<int64_t>(n);
+      stream_window -= static_cast<int64_t>(n);
+    }
+    pollfd p{s, POLLIN, 0};
+    if (::poll(&p, 1, 20) <= 0) continue;
+    char buf[65536];
+    const ssize_t got = ::recv(s, buf, sizeof(buf), 0);
+    if (got <= 0) {
+      out.stream_ended = true;
+      break;
+    }
+    in.append(buf, static_cast<size_t>(got));
+    while (in.size() >= 9) {
+      const uint32_t len = (Be32(in, 0) >> 8);
+      if (in.size() < 9 + len) break;
+      const uint8_t type = static_cast<uint8_t>(in[3]), flags = static_cast<uint8_t>(in[4]);
+      const uint32_t stream = Be32(in, 5) & 0x7fffffff;
+      const std::string payload = in.substr(9, len);
+      in.erase(0, 9 + len);
+      if (type == 4 && (flags & 1) == 0) {  // SETTINGS: INITIAL_WINDOW_SIZE moves the stream's window
+        for (size_t i = 0; i + 6 <= payload.size(); i += 6) {
+          if (((static_cast<uint8_t>(payload[i]) << 8) | static_cast<uint8_t>(payload[i + 1])) != 4) continue;
+          const int64_t v = Be32(payload, i + 2);
+          stream_window += v - initial_window;
+          initial_window = v;
+        }
+        send_all(H2Frame(4, 1, 0, ""));
+      } else if (type == 8) {  // WINDOW_UPDATE
+        (stream == 0 ? conn_window : stream_window) += Be32(payload, 0) & 0x7fffffff;
+      } else if (type == 6 && (flags & 1) == 0) {  // PING
+        send_all(H2Frame(6, 1, 0, payload));
+      } else if (type == 3 || type == 7 || (type == 1 && stream == 1 && (flags & 1) != 0)) {
+        out.stream_ended = true;
+      }
+    }
+  }
+  out.peak_rss = std::max(out.peak_rss, RssBytes(server));
+  ::close(s);
+  return out;
+}
+
+TEST(BinaryLimits, AHugeLengthPrefixIsNotBufferedWhole) {
+  // --max_message_bytes=4 MiB; a call announcing 1 GiB. The server's memory must stay near the transport's
+  // quota (2 x 4 MiB, at least 64 MiB) instead of following the prefix, and the server must carry on.
+  const int port = FreePort();
+  ASSERT_GT(port, 0);
+  const pid_t pid = Spawn({ATTND_BINARY, "--listen=127.0.0.1:" + std::to_string(port), "--backend=cpu", "--threads=1",
+                           "--log_level=warn", "--max_message_bytes=4194304"});
+  ASSERT_GT(pid, 0);
+  ChildGuard guard{pid};
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
+  const absl::Time end = absl::Now() + absl::Seconds(20);
+  while (!Serving(channel) && absl::Now() < end) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(Serving(channel)) << "attnd did not start";
+  const uint64_t before = RssBytes(pid);
+  const PrefixFlood f = FloodAnnouncedMessage(port, pid, 1u << 30, absl::Seconds(20));
+  std::printf("announced 1 GiB: sent %.1f MiB, server VmRSS %.1f MiB before, peak %.1f MiB; stream ended: %d\n",
+              f.sent / 1048576.0, before / 1048576.0, f.peak_rss / 1048576.0, f.stream_ended);
+  EXPECT_TRUE(f.stream_ended) << "the server kept taking the message";
+  EXPECT_LT(f.sent, uint64_t{256} << 20);
+  EXPECT_LT(f.peak_rss, before + (uint64_t{160} << 20));
+  // The server carries on: a real call is answered.
+  auto stub = v1::Attention::NewStub(channel);
+  const v1::ForwardRequest r = testing::MakeRequest({1, 64, 64, 4, 2, 64}, v1::MASK_TYPE_NONE, true, 63);
+  grpc::ClientContext ctx;
+  v1::ForwardResponse resp;
+  const grpc::Status s = stub->Forward(&ctx, r, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  testing::ExpectCorrect(r, resp.o(), resp.lse());
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(pid, absl::Seconds(20)), 0);
+  guard.reaped = true;
+}
+
+TEST(BinaryShutdown, GraceBoundsTheExitWhileACpuComputationRuns) {
+  // One request whose CPU computation takes far longer than --shutdown_grace_s=1: SIGTERM cancels it to its
+  // client when the grace is spent, and the process exits shortly after instead of finishing the computation.
+  const std::string sock = "/tmp/attnd_bin_grace_" + std::to_string(::getpid()) + ".sock";
+  const pid_t pid = Spawn({ATTND_BINARY, "--listen=", "--unix_socket=" + sock, "--backend=cpu", "--threads=1",
+                           "--log_level=warn", "--shutdown_grace_s=1"});
+  ASSERT_GT(pid, 0);
+  ChildGuard guard{pid};
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  auto channel = grpc::CreateCustomChannel("unix:" + sock, grpc::InsecureChannelCredentials(), args);
+  const absl::Time end = absl::Now() + absl::Seconds(20);
+  while (!Serving(channel) && absl::Now() < end) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(Serving(channel)) << "attnd did not start";
+  auto stub = v1::Attention::NewStub(channel);
+  const v1::ForwardRequest r = testing::MakeRequest({1, 2048, 2048, 16, 16, 128}, v1::MASK_TYPE_NONE, false, 62);
+  grpc::Status status;
+  std::thread caller([&] {
+    grpc::ClientContext ctx;
+    v1::ForwardResponse resp;
+    status = stub->Forward(&ctx, r, &resp);
+  });
+  struct Join {
+    std::thread& t;
+    ~Join() {
+      if (t.joinable()) t.join();
+    }
+  } join{caller};
+  bool computing = false;
+  for (const absl::Time until = absl::Now() + absl::Seconds(20); !computing && absl::Now() < until;) {
+    grpc::ClientContext ctx;
+    v1::ServerStats stats;
+    computing = stub->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok() && stats.in_flight() == 1 &&
+                stats.queue_depth() == 0;
+    if (!computing) absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(computing);
+  const absl::Time signalled = absl::Now();
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(pid, absl::Seconds(30)), 0);
+  guard.reaped = true;
+  const absl::Duration took = absl::Now() - signalled;
+  caller.join();
+  EXPECT_LT(took, absl::Seconds(3)) << "the exit waited for the computation";
+  EXPECT_GE(took, absl::Milliseconds(900)) << "the grace was not given";
+  EXPECT_FALSE(status.ok());
+  struct stat st;
+  EXPECT_NE(::stat(sock.c_str(), &st), 0) << "socket file left behind";
+}
+
 TEST(BinaryFlags, BadFlagsExitTwo) {
   const std::vector<std::vector<std::string>> bad = {
       {ATTND_BINARY, "--backend=tpu"},
@@ -151,6 +462,8 @@ TEST(BinaryFlags, BadFlagsExitTwo) {
       {ATTND_BINARY, "--listen=", "--unix_socket="},
       {ATTND_BINARY, "--max_queue=0"},
       {ATTND_BINARY, "--grpc_arg=not-a-pair"},
+      {ATTND_BINARY, "--stream_idle_timeout_s=-1"},
+      {ATTND_BINARY, "--keepalive_time_s=nan"},
   };
   for (const auto& args : bad) {
     SCOPED_TRACE(args.back());

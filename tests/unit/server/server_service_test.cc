@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <atomic>
 #include <random>
 #include <string>
@@ -369,6 +370,148 @@ TEST(ServerStream, GetStatsCountsStreamsStillReceiving) {
   ASSERT_TRUE(finished->Finish().ok());
   ExpectCorrect(r, o, lse);
   EXPECT_EQ(StreamsReceiving(stub.get()), 0u);
+}
+
+TEST(ServerStream, AStalledStreamIsEndedAfterTheIdleTimeout) {
+  server::ServerOptions opts;
+  opts.stream_idle_timeout = absl::Milliseconds(300);
+  TestServer ts(opts);
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  std::mt19937_64 rng(81);
+  const v1::ForwardRequest r = MakeRequest({1, 64, 64, 2, 2, 64}, v1::MASK_TYPE_NONE, false, rng());
+  // One stream stalls after part of Q, one after opening without a header; a third keeps sending chunks
+  // spaced closer than the timeout and is answered although it lasts longer than the timeout.
+  grpc::ClientContext stalled_ctx, silent_ctx, slow_ctx;
+  for (grpc::ClientContext* c : {&stalled_ctx, &silent_ctx}) {  // a failure ends in time, not in a hang
+    c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  }
+  std::unique_ptr<Stream> stalled = stub->ForwardStream(&stalled_ctx);
+  std::unique_ptr<Stream> silent = stub->ForwardStream(&silent_ctx);
+  std::unique_ptr<Stream> slow = stub->ForwardStream(&slow_ctx);
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(stalled->Write(Header(r)));
+  ASSERT_TRUE(stalled->Write(Chunk(v1::TENSOR_NAME_Q, r.q().data(), 0, 1000)));
+  ASSERT_TRUE(slow->Write(Header(r)));
+  EXPECT_TRUE(testing::WaitFor([&] { return StreamsReceiving(stub.get()) == 2; }));
+  // Each stalled stream's end as its client sees it, from when the streams opened.
+  grpc::Status ended_status[2];
+  absl::Duration ended_after[2];
+  std::vector<std::thread> enders;
+  Stream* stalled_streams[2] = {stalled.get(), silent.get()};
+  for (int i = 0; i < 2; ++i) {
+    enders.emplace_back([&, i] {
+      v1::ForwardStreamResponse ignored;
+      while (stalled_streams[i]->Read(&ignored)) {
+      }
+      ended_status[i] = stalled_streams[i]->Finish();
+      ended_after[i] = absl::Now() - start;
+    });
+  }
+  std::vector<v1::ForwardStreamRequest> chunks;
+  for (const auto& [name, bytes] : {std::pair{v1::TENSOR_NAME_Q, &r.q().data()}, std::pair{v1::TENSOR_NAME_K, &r.k().data()},
+                                    std::pair{v1::TENSOR_NAME_V, &r.v().data()}}) {
+    for (uint64_t at = 0; at < bytes->size(); at += bytes->size() / 2) chunks.push_back(Chunk(name, *bytes, at, bytes->size() / 2));
+  }
+  for (const v1::ForwardStreamRequest& c : chunks) {
+    absl::SleepFor(absl::Milliseconds(100));  // the client's pace, well inside the timeout
+    ASSERT_TRUE(slow->Write(c));
+  }
+  ASSERT_TRUE(slow->WritesDone());
+  std::string o, lse;
+  v1::ForwardStreamResponse m;
+  while (slow->Read(&m)) {
+    if (m.has_chunk()) (m.chunk().tensor() == v1::TENSOR_NAME_O ? o : lse) += m.chunk().data();
+  }
+  const grpc::Status slow_status = slow->Finish();
+  ASSERT_TRUE(slow_status.ok()) << slow_status.error_message();
+  ExpectCorrect(r, o, lse);
+  EXPECT_GT(absl::Now() - start, absl::Milliseconds(500));
+  for (std::thread& t : enders) t.join();
+  for (int i = 0; i < 2; ++i) {
+    const grpc::Status& status = ended_status[i];
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+    EXPECT_TRUE(absl::StrContains(status.error_message(), "stream_idle_timeout_s")) << status.error_message();
+    std::printf("%s stream ended after %.0f ms (timeout 300 ms)\n", i == 0 ? "stalled" : "silent",
+                absl::ToDoubleMilliseconds(ended_after[i]));
+    EXPECT_GE(ended_after[i], absl::Milliseconds(290));
+    EXPECT_LT(ended_after[i], absl::Seconds(2));
+  }
+  EXPECT_EQ(StreamsReceiving(stub.get()), 0u);
+}
+
+TEST(ServerStream, StreamsReceivingCountAgainstTheQueue) {
+  server::BackendOptions bo;
+  bo.threads = 1;
+  bo.max_queue = 2;
+  TestServer ts({}, bo);
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  std::mt19937_64 rng(82);
+  const v1::ForwardRequest r = MakeRequest({1, 32, 48, 2, 1, 64}, v1::MASK_TYPE_NONE, true, rng());
+  // Two uploads in progress fill --max_queue=2: a third stream's header and a unary call are refused.
+  grpc::ClientContext ctx[3];
+  std::unique_ptr<Stream> streams[3];
+  for (int i = 0; i < 2; ++i) {
+    streams[i] = stub->ForwardStream(&ctx[i]);
+    ASSERT_TRUE(streams[i]->Write(Header(r)));
+  }
+  ASSERT_TRUE(testing::WaitFor([&] { return StreamsReceiving(stub.get()) == 2; }));
+  ctx[2].set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));  // a failure, not a hang
+  streams[2] = stub->ForwardStream(&ctx[2]);
+  ASSERT_TRUE(streams[2]->Write(Header(r)));
+  v1::ForwardStreamResponse m;
+  EXPECT_FALSE(streams[2]->Read(&m));
+  const grpc::Status refused = streams[2]->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_TRUE(absl::StrContains(refused.error_message(), "max_queue")) << refused.error_message();
+  {
+    grpc::ClientContext uctx;
+    v1::ForwardResponse resp;
+    const grpc::Status s = stub->Forward(&uctx, r, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  }
+  // Both admitted uploads complete and are answered: their places were held.
+  for (int i = 0; i < 2; ++i) {
+    for (const auto& [name, bytes] : {std::pair{v1::TENSOR_NAME_Q, &r.q().data()}, std::pair{v1::TENSOR_NAME_K, &r.k().data()},
+                                      std::pair{v1::TENSOR_NAME_V, &r.v().data()}}) {
+      ASSERT_TRUE(streams[i]->Write(Chunk(name, *bytes, 0, bytes->size())));
+    }
+    ASSERT_TRUE(streams[i]->WritesDone());
+  }
+  for (int i = 0; i < 2; ++i) {
+    std::string o, lse;
+    while (streams[i]->Read(&m)) {
+      if (m.has_chunk()) (m.chunk().tensor() == v1::TENSOR_NAME_O ? o : lse) += m.chunk().data();
+    }
+    const grpc::Status s = streams[i]->Finish();
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ExpectCorrect(r, o, lse);
+  }
+  grpc::ClientContext uctx;
+  v1::ForwardResponse resp;
+  ASSERT_TRUE(stub->Forward(&uctx, r, &resp).ok());
+}
+
+TEST(ServerConnections, AnIdleConnectionIsClosedAndTheClientReconnects) {
+  server::ServerOptions opts;
+  opts.max_connection_idle = absl::Milliseconds(300);
+  TestServer ts(opts);
+  ASSERT_NE(ts.server, nullptr);
+  auto channel = ts.Channel();
+  auto stub = v1::Attention::NewStub(channel);
+  {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    ASSERT_TRUE(stub->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
+  }
+  ASSERT_EQ(channel->GetState(false), GRPC_CHANNEL_READY);
+  // The server's GOAWAY takes the channel out of READY without any call of ours.
+  EXPECT_TRUE(channel->WaitForStateChange(GRPC_CHANNEL_READY, std::chrono::system_clock::now() + std::chrono::seconds(5)));
+  EXPECT_NE(channel->GetState(false), GRPC_CHANNEL_READY);
+  grpc::ClientContext ctx;
+  v1::ServerInfo info;
+  EXPECT_TRUE(stub->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
 }
 
 TEST(ServerStream, ASinkThatRefusesEndsTheStreamWithItsStatus) {

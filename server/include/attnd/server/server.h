@@ -18,6 +18,9 @@ struct ServerOptions {
   std::string unix_socket;                 // path of a unix-domain listener; empty: none
   uint64_t max_request_bytes = 1ull << 32;  // Q+K+V+O(+LSE) bytes of one request
   uint64_t max_message_bytes = 256ull << 20;  // one gRPC message
+  // Memory gRPC's transport may hold in all (gRPC's resource quota): messages being received, read buffers, unary
+  // requests the backend still holds. 0: 2 x max_message_bytes, at least 64 MiB.
+  uint64_t max_transport_memory_bytes = 0;
   // Per-request shape limits (RESOURCE_EXHAUSTED beyond); 0: none beyond what the byte limits imply.
   int64_t max_batch = 0;
   int64_t max_q_len = 0;
@@ -45,6 +48,22 @@ struct ServerOptions {
   uint32_t shm_max_channels = 64;
   absl::Duration shm_spin = absl::Microseconds(50);  // a channel's thread polls this long for a request before sleeping
   absl::Duration shm_reply_spin = absl::Microseconds(300);  // ... and for its reply (shm_listener.h)
+  // Connections the gRPC listeners (TCP and unix) hold at once; one more is closed at accept and counted
+  // (attnd_connections_refused_total). 0: seven eighths of the process's descriptor limit (listener_guard.h).
+  uint32_t max_connections = 0;
+  // Slow and idle clients (docs/security-and-metrics.md, limits). Zero turns each off.
+  // A ForwardStream that receives no message for this long, before its header or between chunks, is ended
+  // DEADLINE_EXCEEDED and its inputs are freed.
+  absl::Duration stream_idle_timeout = absl::Seconds(30);
+  // A connection without a call for this long is closed (GOAWAY; clients reconnect when they next call).
+  absl::Duration max_connection_idle = absl::Minutes(5);
+  // A connection with calls and no traffic for keepalive_time is pinged; no answer within keepalive_timeout
+  // closes it and cancels its calls.
+  absl::Duration keepalive_time = absl::Minutes(1);
+  absl::Duration keepalive_timeout = absl::Seconds(20);
+  // Client pings closer together than this without data are strikes; the third closes the connection
+  // (ENHANCE_YOUR_CALM). A client's keepalive time must not be shorter.
+  absl::Duration min_client_ping_interval = absl::Seconds(10);
   // gRPC channel arguments "name=value" applied last (channel_args.h); a malformed one fails Create.
   std::vector<std::string> grpc_args;
   // KV sequences (docs/sequences.md). pool_bytes 0: half the backend's memory budget on CUDA, 1 GiB on CPU.
@@ -65,5 +84,9 @@ class Server {
   // Blocks until Shutdown has completed.
   virtual void Wait() = 0;
 };
+
+// Raises the process's soft descriptor limit (RLIMIT_NOFILE) to its hard limit, as attnd does at start.
+// Returns the soft limit in force afterwards.
+uint64_t RaiseDescriptorLimit();
 
 }  // namespace attnd::server
