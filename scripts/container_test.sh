@@ -8,13 +8,16 @@
 #      by exactly what the server's own GetStats counted;
 #      attn bench over dns:/// spreading calls round-robin over two more servers (as a headless Service does)
 #   5. stop it with SIGTERM while a call is in flight: attnd exits 0, logs a clean shutdown, the call is answered
+#   6. build the GPU variant from the same base (the host's CUDA toolkit mounted into the build), start it without
+#      a GPU: --backend=cuda is refused with the reason, --backend=auto (its default) serves on the CPU
 # Self-contained: installs podman & co. from Debian's packages. Run as root (CI is); ~10 min from a clean
 # machine on 2 cores, most of it compiling inside the image; a rerun reuses the base image and podman's layer
 # cache. Everything this host needs (runc, cgroupfs, ulimits within the host's hard limits, host network) is
 # given here on the podman command line; none of it is baked into the image.
 #
-# Environment: ATTND_TEST_IMAGE (image tag), ATTND_TEST_WORKDIR (scratch), ATTND_REBUILD_BASE=1 (debootstrap
-# again even if the base image exists), ATTND_BUILD_JOBS (compile jobs inside the image, default 2).
+# Environment: ATTND_TEST_IMAGE / ATTND_TEST_GPU_IMAGE (image tags), ATTND_TEST_WORKDIR (scratch),
+# ATTND_REBUILD_BASE=1 (debootstrap again even if the base image exists), ATTND_BUILD_JOBS (compile jobs inside
+# the image, default 2), ATTND_CUDA_HOME (the CUDA toolkit the GPU variant builds with, default /usr/local/cuda).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -58,7 +61,7 @@ pm() { "${PODMAN[@]}" "$@"; }
 mkdir -p "$WORKDIR"
 cleanup() {
   # One at a time: `podman rm` of several names stops at the first that is already gone.
-  for c in "$NAME" "$NAME-pool1" "$NAME-pool2"; do
+  for c in "$NAME" "$NAME-pool1" "$NAME-pool2" "$NAME-gpu"; do
     pm rm -f --ignore --time 5 "$c" >/dev/null 2>&1 || true
   done
 }
@@ -278,4 +281,65 @@ ok "the call in flight at SIGTERM was answered and verified"
 rm -f "$drain_log"
 
 rm -rf "$sockdir"
+
+# --- 6. the GPU variant, built from the same local base, started without a GPU ----------------------------
+# The binaries carry the CUDA runtime (cudart_static) and never link libcuda (the NVIDIA container runtime mounts
+# the host driver's), so the runtime stage needs no nvidia/cuda base; only the build stage needs a CUDA toolkit
+# (nvcc, headers, cudart_static) for sm_90a and sm_120a: 12.8 or newer. Debian's nvidia-cuda-toolkit is 11.8 in
+# bookworm (neither arch) and 12.4 in trixie (no sm_120a), so the host's toolkit is mounted read-only into the
+# build instead (podman build -v), on the same Debian base. Without one on this host the step is skipped,
+# and says so.
+GPU_IMAGE=${ATTND_TEST_GPU_IMAGE:-localhost/attnd:gpu-test}
+cuda=$(readlink -f "${ATTND_CUDA_HOME:-/usr/local/cuda}" 2>/dev/null || true)
+if [ -z "$cuda" ] || [ ! -x "$cuda/bin/nvcc" ]; then
+  log "SKIP: GPU variant (no CUDA toolkit at ${ATTND_CUDA_HOME:-/usr/local/cuda} on this host)"
+else
+  t0=$(date +%s)
+  log "building $GPU_IMAGE (GPU variant, CUDA $("$cuda/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p') from $cuda, -j${JOBS}); log: $WORKDIR/build-gpu.log"
+  if ! timeout 3600 "${PODMAN[@]}" build --format docker --pull=never --network host "${ULIMITS[@]}" \
+        -v "$cuda:/usr/local/cuda:ro" -f docker/Dockerfile -t "$GPU_IMAGE" \
+        --build-arg BUILD_BASE=debian:bookworm-slim --build-arg RUNTIME_BASE=debian:bookworm-slim \
+        --build-arg ATTND_CUDA=ON --build-arg ATTND_BACKEND=auto --build-arg JOBS="$JOBS" \
+        . > "$WORKDIR/build-gpu.log" 2>&1; then
+    tail -40 "$WORKDIR/build-gpu.log"
+    die "GPU image build failed"
+  fi
+  libs=$(pm run --rm --network host "${ULIMITS[@]}" --entrypoint ldd "$GPU_IMAGE" /usr/local/bin/attnd)
+  if echo "$libs" | grep -E 'libcuda|libcudart|not found'; then die "the GPU image's attnd loads CUDA libraries"; fi
+  ok "GPU image built from the Debian base ($(( $(date +%s) - t0 ))s, $(pm image inspect --format '{{.Size}}' "$GPU_IMAGE") bytes, no CUDA library loaded at start)"
+
+  # --backend=cuda without a GPU: refused, saying why (a CPU-only build would say it has no CUDA instead).
+  out=$(timeout 60 "${PODMAN[@]}" run --rm --network host "${ULIMITS[@]}" -e ATTND_BACKEND=cuda \
+          -e ATTND_LISTEN=127.0.0.1:0 -e ATTND_UNIX_SOCKET= "$GPU_IMAGE" 2>&1) && { echo "$out"; die "--backend=cuda started without a GPU"; }
+  echo "$out" | tail -3 | sed 's/^/  /'
+  echo "$out" | grep -q 'compiled without CUDA' && die "the GPU image's attnd was built without CUDA"
+  echo "$out" | grep -q -i -E 'no CUDA device|driver' || die "--backend=cuda does not say why CUDA is unavailable"
+  ok "GPU image, --backend=cuda without a GPU: refused with the reason"
+
+  # The image's default, --backend=auto: serves on the CPU and says why in its log.
+  port=$(free_port)
+  pm run -d --name "$NAME-gpu" --network host "${ULIMITS[@]}" --health-interval disable \
+    -e ATTND_LISTEN="127.0.0.1:${port}" -e ATTND_HEALTHCHECK_TARGET="127.0.0.1:${port}" -e ATTND_UNIX_SOCKET= \
+    -e ATTND_THREADS=1 "$GPU_IMAGE" >/dev/null || die "podman run (GPU image) failed"
+  deadline=$(( $(date +%s) + 120 ))
+  until pm healthcheck run "$NAME-gpu" >/dev/null 2>&1; do
+    [ "$(pm inspect --format '{{.State.Status}}' "$NAME-gpu")" = running ] ||
+      { pm logs "$NAME-gpu" 2>&1 | tail -20; die "the GPU image exited before it became healthy"; }
+    [ "$(date +%s)" -lt "$deadline" ] || { pm logs "$NAME-gpu" 2>&1 | tail -20; die "the GPU image is not SERVING after 120 s"; }
+    sleep 1
+  done
+  logs=$(pm logs "$NAME-gpu" 2>&1)
+  echo "$logs" | grep 'backend auto' | sed 's/^/  /'
+  echo "$logs" | grep -q 'backend auto: no usable GPU (' || { echo "$logs" | tail -20; die "--backend=auto does not log why it serves on the CPU"; }
+  out=$(timeout 300 "${PODMAN[@]}" exec "$NAME-gpu" "${call[@]}" --target "127.0.0.1:${port}" --request_id ci-gpu-image 2>&1) ||
+    { echo "$out"; die "verified call into the GPU image"; }
+  echo "$out" | grep -q '^verify: PASS' || { echo "$out"; die "the call into the GPU image did not verify"; }
+  info=$(timeout 60 "${PODMAN[@]}" exec "$NAME-gpu" attn info --target "127.0.0.1:${port}" 2>&1)
+  echo "$info" | grep -q -i 'cpu' || { echo "$info"; die "attn info does not report the cpu backend"; }
+  pm stop --time 30 "$NAME-gpu" >/dev/null || die "podman stop (GPU image) failed"
+  [ "$(pm inspect --format '{{.State.ExitCode}}' "$NAME-gpu")" = 0 ] || die "the GPU image exited non-zero after SIGTERM"
+  pm rm -f --time 5 "$NAME-gpu" >/dev/null 2>&1 || true
+  ok "GPU image without a GPU: --backend=auto serves on the CPU (verified call), says why, exits 0 on SIGTERM"
+fi
+
 echo "container_test: ${passed} passed, ${failed} failed"

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstring>
 #include <new>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -93,6 +94,20 @@ absl::StatusOr<Mapping> MapServerSide(int fd, uint64_t max_area_bytes) {
   void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) return absl::UnavailableError(absl::StrCat("shm channel: mmap: ", std::strerror(errno)));
   return Mapping{static_cast<Header*>(p), size, probe.request_capacity, probe.reply_capacity};
+}
+
+absl::Status ReadRequest(const Mapping& m, uint64_t request_bytes, v1::ForwardRequest* request) {
+  if (request_bytes > m.request_capacity) {
+    return absl::InvalidArgumentError(absl::StrCat("request_bytes: ", request_bytes,
+                                                   " exceeds the channel's request area (", m.request_capacity,
+                                                   " bytes)"));
+  }
+  // Copied out first: the caller can write to the mapping while protobuf reads it.
+  const std::string bytes(reinterpret_cast<const char*>(m.request()), request_bytes);
+  if (!request->ParseFromString(bytes)) {
+    return absl::InvalidArgumentError("request: not a ForwardRequest (unparseable)");
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Mapping> MapClientSide(int fd, uint64_t request_capacity, uint64_t reply_capacity) {

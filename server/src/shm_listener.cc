@@ -271,18 +271,10 @@ void ShmListener::Serve(int socket) {
       r.in_stats = true;
       options_.stats->Record(r);
     };
-    if (n > m.request_capacity) {
-      finish(absl::InvalidArgumentError(absl::StrCat("request_bytes: ", n, " exceeds the channel's request area (",
-                                                     m.request_capacity, " bytes)")), nullptr);
-      continue;
-    }
     auto request = std::make_shared<v1::ForwardRequest>();
-    {
-      std::string bytes(reinterpret_cast<const char*>(m.request()), n);
-      if (!request->ParseFromString(bytes)) {
-        finish(absl::InvalidArgumentError("request: not a ForwardRequest (unparseable)"), nullptr);
-        continue;
-      }
+    if (absl::Status read = shm::ReadRequest(m, n, request.get()); !read.ok()) {
+      finish(std::move(read), nullptr);
+      continue;
     }
     // One request at a time: the reply is written before this thread looks at the word again. While few channels
     // are busy, the thread polls for the reply (up to --shm_reply_spin_us) before it sleeps: the worker writes the

@@ -7,6 +7,7 @@
 #include "attnd/server/cuda_backend.h"
 
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -928,6 +929,17 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const BackendOptions& o
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
     cudaGetLastError();
+    // The static runtime reports a missing driver library as an old driver ("driver version is insufficient"),
+    // which sends an operator after the wrong fix: say which one it is.
+    if (err == cudaErrorInsufficientDriver) {
+      if (void* driver = ::dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL); driver != nullptr) {
+        ::dlclose(driver);
+      } else {
+        return absl::UnavailableError(
+            "no CUDA device (no NVIDIA driver: libcuda.so.1 cannot be loaded; on a GPU host install the driver, in a "
+            "container start it with the NVIDIA runtime, e.g. docker run --gpus all)");
+      }
+    }
     return absl::UnavailableError(
         absl::StrCat("no CUDA device (", err == cudaSuccess ? "none found" : cudaGetErrorString(err), ")"));
   }

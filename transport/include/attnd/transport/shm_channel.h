@@ -28,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "attnd/v1/attention.pb.h"
 
 namespace attnd::shm {
 
@@ -134,6 +135,10 @@ absl::StatusOr<int> CreateChannelMemfd(uint64_t request_capacity, uint64_t reply
 // Server side: checks that `fd` is a memfd sealed against shrinking and growing, whose size matches its header's
 // capacities (each at most `max_area_bytes`), and maps it (munmap(header, bytes) to undo).
 absl::StatusOr<Mapping> MapServerSide(int fd, uint64_t max_area_bytes);
+// Server side: parses the request in the request area, `request_bytes` long (read from the header once, by the
+// caller of this: the peer can rewrite the header at any time). INVALID_ARGUMENT naming request_bytes when it
+// exceeds the area, or the request when the bytes are not a ForwardRequest.
+absl::Status ReadRequest(const Mapping& m, uint64_t request_bytes, v1::ForwardRequest* request);
 // Caller side: maps a memfd from CreateChannelMemfd with the capacities it was created with (never the ones in
 // the shared header, which the server could overwrite).
 absl::StatusOr<Mapping> MapClientSide(int fd, uint64_t request_capacity, uint64_t reply_capacity);

@@ -1,0 +1,106 @@
+// The bearer-token check (server/src/auth.cc) on any metadata a client sends: BearerTokenProcessor::Process
+// must let a call through exactly when RFC 6750's rule says so (health always; else the first `authorization`
+// value is "Bearer <known token>", scheme in any case), consume only that header, and never echo what was
+// presented. Also ConstantTimeEquals against ==, and LoadAuthTokens on any file contents.
+// Input: pairs of (key choice, value), the last bytes as the token file.
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "auth.h"
+#include "fuzz_util.h"
+
+namespace {
+
+const std::vector<std::string> kTokens = {"s3cret-token-0123456789", "tok"};
+
+bool Expected(const grpc::AuthMetadataProcessor::InputMetadata& md) {
+  auto path = md.find(":path");
+  if (path != md.end() && absl::StartsWith(absl::string_view(path->second.data(), path->second.size()),
+                                           "/grpc.health.v1.Health/")) {
+    return true;
+  }
+  auto h = md.find("authorization");
+  if (h == md.end()) return false;
+  const absl::string_view v(h->second.data(), h->second.size());
+  if (v.size() <= 7 || !absl::EqualsIgnoreCase(v.substr(0, 7), "bearer ")) return false;
+  const absl::string_view token = absl::StripLeadingAsciiWhitespace(v.substr(7));
+  for (const std::string& t : kTokens) {
+    if (token == t) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  FuzzedDataProvider in(data, size);
+  static const char* const kKeys[] = {":path", "authorization", "x-other", ":authority"};
+  static const char* const kPrefixes[] = {"", "Bearer ", "bearer ", "BEARER  ", "/grpc.health.v1.Health/",
+                                          "/attnd.v1.Attention/Forward"};
+  // The values live here: the metadata map holds string_refs into them.
+  std::vector<std::string> keys, values;
+  const int n = in.ConsumeIntegralInRange<int>(0, 4);
+  for (int i = 0; i < n; ++i) {
+    const uint8_t k = in.ConsumeIntegral<uint8_t>();
+    keys.push_back(k < 4 ? kKeys[k] : in.ConsumeRandomLengthString(16));
+    std::string v = kPrefixes[in.ConsumeIntegralInRange<int>(0, 5)];
+    if (in.ConsumeBool()) v += kTokens[in.ConsumeIntegralInRange<size_t>(0, kTokens.size() - 1)];
+    v += in.ConsumeRandomLengthString(32);
+    values.push_back(std::move(v));
+  }
+  grpc::AuthMetadataProcessor::InputMetadata md;
+  for (size_t i = 0; i < keys.size(); ++i) md.emplace(grpc::string_ref(keys[i]), grpc::string_ref(values[i]));
+
+  int rejected = 0;
+  attnd::server::BearerTokenProcessor processor(kTokens, [&] { ++rejected; });
+  grpc::AuthMetadataProcessor::OutputMetadata consumed, response;
+  const grpc::Status s = processor.Process(md, nullptr, &consumed, &response);
+  const bool expected = Expected(md);
+  ATTND_FUZZ_CHECK(s.ok() == expected);
+  ATTND_FUZZ_CHECK(rejected == (s.ok() ? 0 : 1));
+  ATTND_FUZZ_CHECK(consumed.size() <= 1);
+  for (const auto& [k, v] : consumed) ATTND_FUZZ_CHECK(k == "authorization");
+  if (!s.ok()) {
+    ATTND_FUZZ_CHECK(s.error_code() == grpc::StatusCode::UNAUTHENTICATED);
+    // One of two fixed messages: nothing the client presented is echoed.
+    const bool missing = md.find("authorization") == md.end();
+    ATTND_FUZZ_CHECK(s.error_message() ==
+                     (missing ? "authorization: missing; this server needs 'authorization: Bearer <token>' metadata"
+                              : "authorization: not a valid bearer token for this server"));
+  }
+
+  const std::string a = in.ConsumeRandomLengthString(40), b = in.ConsumeRandomLengthString(40);
+  ATTND_FUZZ_CHECK(attnd::server::ConstantTimeEquals(a, b) == (a == b));
+  ATTND_FUZZ_CHECK(attnd::server::ConstantTimeEquals(a, a));
+
+  // The token file: any contents; what it yields are trimmed, non-empty, non-comment lines.
+  static const std::string path = [] {
+    char name[] = "/tmp/attnd-fuzz-tokens-XXXXXX";
+    const int fd = ::mkstemp(name);
+    ATTND_FUZZ_CHECK(fd >= 0);
+    ::close(fd);
+    return std::string(name);
+  }();
+  const std::string file = in.ConsumeRemainingBytesAsString();
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  ATTND_FUZZ_CHECK(f != nullptr);
+  std::fwrite(file.data(), 1, file.size(), f);
+  std::fclose(f);
+  absl::StatusOr<std::vector<std::string>> tokens = attnd::server::LoadAuthTokens(path);
+  if (tokens.ok()) {
+    ATTND_FUZZ_CHECK(!tokens->empty());
+    for (const std::string& t : *tokens) {
+      ATTND_FUZZ_CHECK(!t.empty() && t[0] != '#' && t.find('\n') == std::string::npos);
+      ATTND_FUZZ_CHECK(absl::StripAsciiWhitespace(t) == t);
+    }
+  } else {
+    ATTND_FUZZ_CHECK(absl::IsInvalidArgument(tokens.status()));
+  }
+  return 0;
+}

@@ -1,0 +1,113 @@
+// ValidateForwardRequest (server/src/validation.cc) on whatever a client's bytes parse to: as protobuf parses
+// them for each transport (unary, stream header, shm channel), and as the zero-copy reader leaves them (unary,
+// tensors in the message's slices). A request it accepts must be one the backends can run without another
+// check: every dimension >= 1, sizes that are the shape's (recomputed here in 128 bits), under the limits, and
+// inline bytes that are exactly the tensor.
+// Input: the limits (from the end), then the message.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "attnd/server/validation.h"
+#include "attnd/transport/zero_copy.h"
+#include "attnd/v1/attention.pb.h"
+#include "fuzz_util.h"
+
+namespace {
+
+using attnd::DType;
+using attnd::server::ForwardJob;
+using attnd::server::RequestBytes;
+using attnd::server::Transport;
+using attnd::server::ValidationLimits;
+using u128 = unsigned __int128;
+
+u128 Product(std::initializer_list<int64_t> dims, u128 elem) {
+  u128 n = elem;
+  for (int64_t d : dims) n *= static_cast<u128>(d);
+  return n;
+}
+
+void CheckInline(const attnd::server::TensorSource& t, uint64_t expected) {
+  if (t.is_reference()) return;
+  if (t.host == nullptr && t.pieces.empty()) return;  // a stream's: the chunks come later
+  ATTND_FUZZ_CHECK(t.host_bytes == expected);
+  if (t.host == nullptr) {
+    uint64_t sum = 0;
+    for (const auto& p : t.pieces) sum += p.size();
+    ATTND_FUZZ_CHECK(sum == expected);
+  }
+}
+
+void Validate(const attnd::v1::ForwardRequest& req, Transport transport, const ValidationLimits& limits,
+              const attnd::InlineBytes* in_message) {
+  ForwardJob job;
+  RequestBytes b;
+  const absl::Status s = attnd::server::ValidateForwardRequest(req, transport, limits, &job, &b, in_message);
+  if (!s.ok()) {
+    ATTND_FUZZ_CHECK(absl::IsInvalidArgument(s) || absl::IsResourceExhausted(s));
+    ATTND_FUZZ_CHECK(!s.message().empty());
+    return;
+  }
+  const auto& sh = req.shape();
+  for (int64_t d : {sh.batch(), sh.q_len(), sh.kv_len(), sh.q_heads(), sh.kv_heads(), sh.head_dim()}) {
+    ATTND_FUZZ_CHECK(d >= 1);
+  }
+  ATTND_FUZZ_CHECK(sh.q_heads() % sh.kv_heads() == 0);
+  const u128 eb = req.dtype() == attnd::v1::DTYPE_FP16 || req.dtype() == attnd::v1::DTYPE_BF16 ? 2 : 0;
+  ATTND_FUZZ_CHECK(eb == 2);
+  ATTND_FUZZ_CHECK(b.q == Product({sh.batch(), sh.q_len(), sh.q_heads(), sh.head_dim()}, eb));
+  ATTND_FUZZ_CHECK(b.k == Product({sh.batch(), sh.kv_len(), sh.kv_heads(), sh.head_dim()}, eb));
+  ATTND_FUZZ_CHECK(b.v == b.k && b.o == b.q);
+  ATTND_FUZZ_CHECK(b.lse == (req.return_lse() ? Product({sh.batch(), sh.q_heads(), sh.q_len()}, 4) : 0));
+  const u128 total = u128{b.q} + b.k + b.v + b.o + b.lse;
+  ATTND_FUZZ_CHECK(total <= limits.max_request_bytes);
+  if (transport == Transport::kUnary) {
+    ATTND_FUZZ_CHECK(u128{b.q} + b.k + b.v + attnd::server::kMessageOverheadBytes <= limits.max_message_bytes);
+  }
+  const std::pair<int64_t, int64_t> limited[] = {{limits.max_batch, sh.batch()}, {limits.max_q_len, sh.q_len()},
+                                                 {limits.max_kv_len, sh.kv_len()}, {limits.max_heads, sh.q_heads()}};
+  for (const auto& [limit, value] : limited) ATTND_FUZZ_CHECK(limit <= 0 || value <= limit);
+  CheckInline(job.q, b.q);
+  CheckInline(job.k, b.k);
+  CheckInline(job.v, b.v);
+  if (transport != Transport::kStream) {
+    for (const auto* t : {&job.q, &job.k, &job.v}) {
+      ATTND_FUZZ_CHECK(t->is_reference() || t->host != nullptr || !t->pieces.empty() || t->host_bytes == 0);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  FuzzedDataProvider in(data, size);
+  ValidationLimits limits;
+  limits.max_request_bytes = in.ConsumeIntegralInRange<uint64_t>(0, uint64_t{1} << 34);
+  limits.max_message_bytes = in.ConsumeIntegralInRange<uint64_t>(0, uint64_t{1} << 30);
+  const uint8_t pick = in.ConsumeIntegral<uint8_t>();
+  for (int64_t hd : {64, 128, 256}) {
+    if ((pick & (hd >> 6)) != 0 || (pick & 0x80) != 0) limits.supported_head_dims.push_back(hd);
+  }
+  if ((pick & 0x10) == 0) limits.supported_dtypes.push_back(DType::kBF16);
+  if ((pick & 0x20) == 0) limits.supported_dtypes.push_back(DType::kFP16);
+  limits.max_batch = in.ConsumeIntegralInRange<int64_t>(0, 64);
+  limits.max_q_len = in.ConsumeIntegralInRange<int64_t>(0, 1 << 16);
+  limits.max_kv_len = in.ConsumeIntegralInRange<int64_t>(0, 1 << 16);
+  limits.max_heads = in.ConsumeIntegralInRange<int64_t>(0, 128);
+  const std::string bytes = in.ConsumeRemainingBytesAsString();
+
+  attnd::v1::ForwardRequest req;
+  if (req.ParseFromString(bytes)) {
+    for (Transport t : {Transport::kUnary, Transport::kStream, Transport::kShm}) Validate(req, t, limits, nullptr);
+  }
+  const grpc::Slice slice(bytes.data(), bytes.size());
+  const grpc::ByteBuffer message(&slice, 1);
+  std::vector<grpc::Slice> slices;
+  attnd::v1::ForwardRequest header;
+  attnd::InlineBytes tensors[3];
+  if (attnd::ReadForwardRequest(message, &slices, &header, tensors)) {
+    Validate(header, Transport::kUnary, limits, tensors);
+  }
+  return 0;
+}

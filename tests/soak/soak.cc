@@ -1,0 +1,398 @@
+// attnd_soak: mixed traffic against a running attnd for a given time, and the server's RSS, descriptors and
+// threads sampled from /proc while it runs (scripts/soak.sh starts the server and runs this).
+//
+// Every call has the outcomes it may end with; any other is an error, and so is a wrong answer (every valid
+// Forward is checked against the double-precision reference). The traffic, per client thread, at random:
+//   Forward unary and ForwardStream (verified), GetServerInfo, GetStats, health Check;
+//   Forward cancelled after 0-20 ms (OK or CANCELLED), a ForwardStream cancelled mid-upload (CANCELLED);
+//   Forward with a 1-30 ms deadline (OK or DEADLINE_EXCEEDED);
+//   bad input: an unsupported head_dim, random bytes as a Forward message, a stream opening with a chunk
+//   (INVALID_ARGUMENT), an unknown method (UNIMPLEMENTED).
+//
+// Leak rules, checked at the end (the closing line counts them as passed/failed checks):
+//   descriptors and threads: sampled with the server idle (no call in flight) after the warm-up and again after
+//     the run; the second may exceed the first by at most --slack (gRPC's own pools come and go);
+//   RSS: a least-squares line through the samples of the run's last third may not rise by more than
+//     max(--rss_growth_mib, 5% of their mean) over that third: growth that is still going on at the end.
+#include <dirent.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "attnd/client/client.h"
+#include "attnd/client/tensors.h"
+#include "attnd/v1/attention.grpc.pb.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd's address");
+ABSL_FLAG(int, server_pid, 0, "pid of the server, for RSS, descriptors and threads (0: not sampled)");
+ABSL_FLAG(double, duration_s, 120, "seconds of traffic after the warm-up");
+ABSL_FLAG(double, warmup_s, 10, "seconds of traffic before the idle baseline is taken");
+ABSL_FLAG(int, clients, 4, "client threads, each with its own connection");
+ABSL_FLAG(double, sample_every_s, 2, "seconds between samples");
+ABSL_FLAG(int, slack, 2, "descriptors or threads the idle server may hold beyond its idle baseline");
+ABSL_FLAG(double, rss_growth_mib, 8, "RSS rise (MiB) over the last third that counts as still growing");
+ABSL_FLAG(std::string, csv, "", "write the samples here (t_s,rss_kib,fds,threads,calls,errors)");
+ABSL_FLAG(uint64_t, seed, 1, "random seed");
+
+namespace {
+
+using attnd::DType;
+using attnd::Shape;
+using attnd::client::Client;
+using attnd::client::RequestSpec;
+
+struct Sample {
+  double t = 0;
+  int64_t rss_kib = -1, fds = -1, threads = -1;
+  uint64_t calls = 0, errors = 0;
+};
+
+Sample Probe(int pid) {
+  Sample s;
+  if (pid <= 0) return s;
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) s.rss_kib = std::stoll(line.substr(6));
+    if (line.rfind("Threads:", 0) == 0) s.threads = std::stoll(line.substr(8));
+  }
+  if (DIR* d = ::opendir(absl::StrCat("/proc/", pid, "/fd").c_str())) {
+    s.fds = 0;
+    while (dirent* e = ::readdir(d)) s.fds += e->d_name[0] != '.';
+    ::closedir(d);
+  }
+  return s;
+}
+
+// A problem, its inputs and its reference answer, shared by every call that sends it.
+struct Case {
+  RequestSpec spec;
+  std::shared_ptr<const attnd::v1::ForwardRequest> request;
+  std::unique_ptr<attnd::client::Oracle> oracle;
+};
+
+Case MakeCase(Shape shape, attnd::Mask mask, uint64_t seed, bool verify) {
+  Case c;
+  c.spec.shape = shape;
+  c.spec.mask = mask;
+  c.spec.want_lse = true;
+  const int64_t q = shape.batch * shape.q_len * shape.q_heads * shape.head_dim;
+  const int64_t kv = shape.batch * shape.kv_len * shape.kv_heads * shape.head_dim;
+  std::string qb = attnd::client::RandomTensor(DType::kBF16, q, seed);
+  std::string kb = attnd::client::RandomTensor(DType::kBF16, kv, seed + 1);
+  std::string vb = attnd::client::RandomTensor(DType::kBF16, kv, seed + 2);
+  if (verify) {
+    auto o = attnd::client::Oracle::Compute(c.spec.ToProblem(), qb, kb, vb, 1);
+    if (!o.ok()) {
+      std::fprintf(stderr, "soak: reference: %s\n", o.status().ToString().c_str());
+      std::exit(2);
+    }
+    c.oracle = std::make_unique<attnd::client::Oracle>(*std::move(o));
+  }
+  c.request = std::make_shared<const attnd::v1::ForwardRequest>(
+      attnd::client::MakeForwardRequest(c.spec, std::move(qb), std::move(kb), std::move(vb)));
+  return c;
+}
+
+class Soak {
+ public:
+  Soak() {
+    small_.push_back(MakeCase({1, 64, 96, 4, 2, 64}, attnd::Mask::kNone, 11, true));
+    small_.push_back(MakeCase({2, 33, 70, 2, 1, 128}, attnd::Mask::kCausalBottomRight, 21, true));
+    big_ = MakeCase({1, 512, 1024, 4, 4, 64}, attnd::Mask::kNone, 31, false);
+  }
+
+  // Runs `seconds` of traffic on `clients` threads.
+  void Traffic(double seconds, int clients, uint64_t seed) {
+    const absl::Time end = absl::Now() + absl::Seconds(seconds);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < clients; ++i) {
+      threads.emplace_back([this, end, seed, i] {
+        attnd::client::ClientOptions o;
+        o.target = absl::GetFlag(FLAGS_target);
+        o.own_connection = true;
+        auto client = Client::Create(o);
+        if (!client.ok()) return Error("connect", client.status().ToString());
+        std::mt19937_64 rng(seed * 1000 + i);
+        while (absl::Now() < end) Step(**client, rng);
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+
+  uint64_t calls() const { return calls_.load(); }
+  uint64_t errors() const { return errors_.load(); }
+  void PrintCounts() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [k, n] : outcomes_) std::printf("  %-40s %8lu\n", k.c_str(), static_cast<unsigned long>(n));
+  }
+
+ private:
+  void Error(const std::string& what, const std::string& detail) {
+    const uint64_t n = errors_.fetch_add(1);
+    if (n < 20) std::fprintf(stderr, "soak: ERROR %s: %s\n", what.c_str(), detail.c_str());
+  }
+
+  // Records a finished call: `code` must be one of `allowed`.
+  void Done(const char* what, grpc::StatusCode code, std::initializer_list<grpc::StatusCode> allowed,
+            const std::string& message) {
+    calls_.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++outcomes_[absl::StrCat(what, " ", static_cast<int>(code))];
+    }
+    if (std::find(allowed.begin(), allowed.end(), code) == allowed.end()) {
+      Error(what, absl::StrCat("code ", static_cast<int>(code), ": ", message));
+    }
+  }
+
+  void Step(Client& client, std::mt19937_64& rng) {
+    const int pick = static_cast<int>(rng() % 100);
+    auto stub = attnd::v1::Attention::NewStub(client.channel());
+    if (pick < 20) return Verified(client, rng, attnd::client::Transport::kUnary, "forward");
+    if (pick < 35) return Verified(client, rng, attnd::client::Transport::kStream, "stream");
+    if (pick < 40) {
+      auto r = client.ServerInfo(/*refresh=*/true);
+      return Done("info", static_cast<grpc::StatusCode>(r.status().code()), {grpc::StatusCode::OK}, r.status().ToString());
+    }
+    if (pick < 45) {
+      auto r = client.Stats();
+      return Done("stats", static_cast<grpc::StatusCode>(r.status().code()), {grpc::StatusCode::OK}, r.status().ToString());
+    }
+    if (pick < 50) {
+      absl::Status s = client.CheckHealth();
+      return Done("health", static_cast<grpc::StatusCode>(s.code()), {grpc::StatusCode::OK}, s.ToString());
+    }
+    if (pick < 60) return CancelUnary(*stub, rng);
+    if (pick < 65) return CancelStream(*stub, rng);
+    if (pick < 75) {
+      attnd::client::CallOptions call;
+      call.deadline = absl::Milliseconds(1 + static_cast<int>(rng() % 30));
+      auto r = client.Forward(*big_.request, call);
+      return Done("deadline", static_cast<grpc::StatusCode>(r.status().code()),
+                  {grpc::StatusCode::OK, grpc::StatusCode::DEADLINE_EXCEEDED}, r.status().ToString());
+    }
+    if (pick < 80) {
+      attnd::v1::ForwardRequest bad = *small_[0].request;
+      bad.mutable_shape()->set_head_dim(96);
+      auto r = client.Forward(bad);
+      return Done("bad_shape", static_cast<grpc::StatusCode>(r.status().code()), {grpc::StatusCode::INVALID_ARGUMENT},
+                  r.status().ToString());
+    }
+    if (pick < 90) return RawBytes(client, rng);
+    if (pick < 95) return ChunkFirst(*stub);
+    grpc::GenericStub generic(client.channel());
+    grpc::ClientContext ctx;
+    grpc::Slice empty;
+    grpc::ByteBuffer req(&empty, 1), resp;  // a default ByteBuffer is no message at all: gRPC aborts on it
+    std::promise<grpc::Status> done;
+    generic.UnaryCall(&ctx, "/attnd.v1.Attention/NoSuchMethod", grpc::StubOptions(), &req, &resp,
+                      [&](grpc::Status s) { done.set_value(s); });
+    const grpc::Status s = done.get_future().get();
+    Done("unknown_method", s.error_code(), {grpc::StatusCode::UNIMPLEMENTED}, s.error_message());
+  }
+
+  void Verified(Client& client, std::mt19937_64& rng, attnd::client::Transport t, const char* what) {
+    const Case& c = small_[rng() % small_.size()];
+    attnd::client::CallOptions call;
+    call.transport = t;
+    auto r = client.Forward(*c.request, call);
+    Done(what, static_cast<grpc::StatusCode>(r.status().code()), {grpc::StatusCode::OK}, r.status().ToString());
+    if (!r.ok()) return;
+    const attnd::client::VerifyReport v = c.oracle->Check(r->o_bytes(), r->lse_bytes());
+    if (!v.pass) Error(absl::StrCat(what, " answer"), v.detail);
+  }
+
+  void CancelUnary(attnd::v1::Attention::Stub& stub, std::mt19937_64& rng) {
+    grpc::ClientContext ctx;
+    attnd::v1::ForwardResponse resp;
+    std::promise<grpc::Status> done;
+    stub.async()->Forward(&ctx, big_.request.get(), &resp, [&](grpc::Status s) { done.set_value(s); });
+    std::future<grpc::Status> f = done.get_future();
+    if (f.wait_for(std::chrono::milliseconds(rng() % 20)) == std::future_status::timeout) ctx.TryCancel();
+    const grpc::Status s = f.get();
+    Done("cancel_unary", s.error_code(), {grpc::StatusCode::OK, grpc::StatusCode::CANCELLED}, s.error_message());
+  }
+
+  // A stream that sends its header and part of Q, then is cancelled.
+  void CancelStream(attnd::v1::Attention::Stub& stub, std::mt19937_64& rng) {
+    grpc::ClientContext ctx;
+    auto stream = stub.ForwardStream(&ctx);
+    attnd::v1::ForwardStreamRequest m;
+    *m.mutable_header() = *big_.request;
+    m.mutable_header()->clear_q();
+    m.mutable_header()->clear_k();
+    m.mutable_header()->clear_v();
+    stream->Write(m);
+    attnd::v1::ForwardStreamRequest chunk;
+    chunk.mutable_chunk()->set_tensor(attnd::v1::TENSOR_NAME_Q);
+    chunk.mutable_chunk()->set_data(big_.request->q().data().substr(0, 1 + rng() % 4096));
+    stream->Write(chunk);
+    ctx.TryCancel();
+    const grpc::Status s = stream->Finish();
+    Done("cancel_stream", s.error_code(), {grpc::StatusCode::CANCELLED}, s.error_message());
+  }
+
+  void RawBytes(Client& client, std::mt19937_64& rng) {
+    std::string junk(static_cast<size_t>(rng() % 512), '\0');
+    for (char& ch : junk) ch = static_cast<char>(rng());
+    grpc::GenericStub generic(client.channel());
+    grpc::ClientContext ctx;
+    grpc::Slice slice(junk);
+    grpc::ByteBuffer req(&slice, 1), resp;
+    std::promise<grpc::Status> done;
+    generic.UnaryCall(&ctx, "/attnd.v1.Attention/Forward", grpc::StubOptions(), &req, &resp,
+                      [&](grpc::Status s) { done.set_value(s); });
+    const grpc::Status s = done.get_future().get();
+    Done("random_bytes", s.error_code(), {grpc::StatusCode::INVALID_ARGUMENT}, s.error_message());
+  }
+
+  void ChunkFirst(attnd::v1::Attention::Stub& stub) {
+    grpc::ClientContext ctx;
+    auto stream = stub.ForwardStream(&ctx);
+    attnd::v1::ForwardStreamRequest chunk;
+    chunk.mutable_chunk()->set_tensor(attnd::v1::TENSOR_NAME_Q);
+    chunk.mutable_chunk()->set_data("0123456789abcdef");
+    stream->Write(chunk);
+    stream->WritesDone();
+    attnd::v1::ForwardStreamResponse ignored;
+    while (stream->Read(&ignored)) {
+    }
+    const grpc::Status s = stream->Finish();
+    Done("chunk_first", s.error_code(), {grpc::StatusCode::INVALID_ARGUMENT}, s.error_message());
+  }
+
+  std::vector<Case> small_;
+  Case big_;
+  std::atomic<uint64_t> calls_{0}, errors_{0};
+  std::mutex mu_;
+  std::map<std::string, uint64_t> outcomes_;
+};
+
+// Waits until the server has nothing in flight (bounded), then one more sample interval for its threads to
+// settle.
+void WaitIdle(Client& client) {
+  const absl::Time end = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < end) {
+    auto s = client.Stats();
+    if (s.ok() && s->in_flight() == 0 && s->queue_depth() == 0) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  absl::SleepFor(absl::Seconds(absl::GetFlag(FLAGS_sample_every_s)));
+}
+
+void Print(const char* label, const Sample& s) {
+  std::printf("%-8s t=%6.1fs rss=%7.1f MiB fds=%4lld threads=%4lld calls=%8lu errors=%lu\n", label, s.t,
+              s.rss_kib / 1024.0, static_cast<long long>(s.fds), static_cast<long long>(s.threads),
+              static_cast<unsigned long>(s.calls), static_cast<unsigned long>(s.errors));
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const int pid = absl::GetFlag(FLAGS_server_pid);
+  const int clients = absl::GetFlag(FLAGS_clients);
+  const double every = absl::GetFlag(FLAGS_sample_every_s);
+  attnd::client::ClientOptions o;
+  o.target = absl::GetFlag(FLAGS_target);
+  auto control = Client::Create(o);
+  if (!control.ok()) {
+    std::fprintf(stderr, "soak: %s\n", control.status().ToString().c_str());
+    return 2;
+  }
+  Soak soak;
+  const absl::Time start = absl::Now();
+  const auto now_s = [&] { return absl::ToDoubleSeconds(absl::Now() - start); };
+
+  soak.Traffic(absl::GetFlag(FLAGS_warmup_s), clients, absl::GetFlag(FLAGS_seed));
+  WaitIdle(**control);
+  Sample base = Probe(pid);
+  base.t = now_s();
+  Print("idle", base);
+
+  std::vector<Sample> samples;
+  std::atomic<bool> running{true};
+  std::thread sampler([&] {
+    while (running.load()) {
+      absl::SleepFor(absl::Seconds(every));
+      Sample s = Probe(pid);
+      s.t = now_s();
+      s.calls = soak.calls();
+      s.errors = soak.errors();
+      Print("load", s);
+      samples.push_back(s);
+    }
+  });
+  soak.Traffic(absl::GetFlag(FLAGS_duration_s), clients, absl::GetFlag(FLAGS_seed) + 1);
+  running.store(false);
+  sampler.join();
+  WaitIdle(**control);
+  Sample end = Probe(pid);
+  end.t = now_s();
+  end.calls = soak.calls();
+  end.errors = soak.errors();
+  Print("idle", end);
+  soak.PrintCounts();
+
+  if (!absl::GetFlag(FLAGS_csv).empty()) {
+    std::ofstream csv(absl::GetFlag(FLAGS_csv));
+    csv << "t_s,rss_kib,fds,threads,calls,errors\n";
+    for (const Sample& s : samples) csv << s.t << ',' << s.rss_kib << ',' << s.fds << ',' << s.threads << ',' << s.calls << ',' << s.errors << '\n';
+  }
+
+  int passed = 0, failed = 0;
+  const auto check = [&](bool ok, const std::string& what) {
+    (ok ? passed : failed)++;
+    std::printf("soak: %s %s\n", ok ? "ok:" : "FAIL:", what.c_str());
+  };
+  check(end.calls > 0, absl::StrCat(end.calls, " calls"));
+  check(end.errors == 0, absl::StrCat(end.errors, " unexpected outcomes or wrong answers"));
+  if (pid > 0) {
+    const int slack = absl::GetFlag(FLAGS_slack);
+    check(end.fds <= base.fds + slack, absl::StrCat("descriptors idle: ", base.fds, " before, ", end.fds, " after"));
+    check(end.threads <= base.threads + slack,
+          absl::StrCat("threads idle: ", base.threads, " before, ", end.threads, " after"));
+    // The last third's trend, fitted by least squares.
+    const size_t n = samples.size(), from = n - n / 3;
+    if (n / 3 >= 3) {
+      double st = 0, sr = 0, stt = 0, str = 0;
+      const double k = static_cast<double>(n - from);
+      for (size_t i = from; i < n; ++i) {
+        const double t = samples[i].t, r = samples[i].rss_kib / 1024.0;
+        st += t, sr += r, stt += t * t, str += t * r;
+      }
+      const double slope = (k * str - st * sr) / (k * stt - st * st);  // MiB per second
+      const double span = samples[n - 1].t - samples[from].t;
+      const double mean = sr / k;
+      const double limit = std::max(absl::GetFlag(FLAGS_rss_growth_mib), 0.05 * mean);
+      check(slope * span <= limit, absl::StrCat("RSS over the last third: mean ", static_cast<int>(mean), " MiB, trend ",
+                                                absl::StrFormat("%+.2f", slope * span), " MiB over ",
+                                                static_cast<int>(span), " s (limit ", absl::StrFormat("%.1f", limit),
+                                                ")"));
+    } else {
+      check(false, "too few samples for the RSS trend (raise --duration_s or lower --sample_every_s)");
+    }
+  }
+  std::printf("soak: %d passed, %d failed\n", passed, failed);
+  return failed == 0 ? 0 : 1;
+}
