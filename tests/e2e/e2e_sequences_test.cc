@@ -2,13 +2,21 @@
 // loopback port, on the unix socket and over the shared-memory channel's Step frames: every step's O and LSE
 // checked against the double-precision reference of the whole history this test keeps, forks (and forks of
 // forks) diverging from their parents, truncation, closing, the statuses of bad input, and '@address' pinning.
+#include <sys/wait.h>
+
+#include <cstdio>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "attnd/client/bench.h"
 #include "attnd/client/shm_channel.h"
 #include "e2e_util.h"
+
+#ifndef ATTN_BINARY
+#error "ATTN_BINARY (path of the built attn) must be defined by the build"
+#endif
 
 namespace attnd::e2e {
 namespace {
@@ -373,6 +381,110 @@ TEST_P(SequencesTest, AnotherCallersSequenceDoesNotExist) {
   EXPECT_EQ(client_->CloseSequence({id}).code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(local->GetSequence(id).ok());  // still there for its owner
   EXPECT_TRUE(local->CloseSequence({id}).ok());
+}
+
+// ---- The CLI's sequence commands: the engine behind them, then the attn binary.
+
+TEST_P(SequencesTest, RunSequenceVerifiesEveryStep) {
+  client::SeqRunOptions o;
+  o.shape = TestShape(3);
+  o.q_heads = kQHeads;
+  o.prefill = 40;
+  o.steps = 5;
+  o.verify = true;
+  o.want_lse = true;
+  auto r = client::RunSequence(*client_, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->steps, 5);
+  EXPECT_EQ(r->verified, 3 * (1 + 5));
+  EXPECT_EQ(r->verify_failures, 0) << r->first_verify_failure;
+  EXPECT_EQ(r->final_lengths, std::vector<int64_t>({45, 45, 45}));
+  EXPECT_EQ(r->step_us.size(), 5u);
+  EXPECT_EQ(r->transport, GetParam() == Via::kShm ? "shm" : "unary");
+  // It closed its sequence.
+  EXPECT_EQ(client_->GetSequence(r->sequence_id).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_P(SequencesTest, DecodeBenchPerSequenceAndOneMessage) {
+  for (bool one_message : {false, true}) {
+    SCOPED_TRACE(one_message ? "one message" : "per sequence");
+    client::DecodeBenchOptions o;
+    o.shape = TestShape(2);
+    o.q_heads = kQHeads;
+    o.sequences = 3;
+    o.context = 20;
+    o.steps = 4;
+    o.one_message = one_message;
+    auto r = client::RunDecodeBench(*client_, o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->errors, 0) << r->first_error;
+    EXPECT_EQ(r->calls_ok, (one_message ? 1 : 3) * 4 * 2);
+    EXPECT_GT(r->tokens_per_s, 0);
+    EXPECT_GT(r->lat_p50_us, 0);
+    EXPECT_LE(r->lat_p50_us, r->lat_p99_us);
+    EXPECT_GT(r->srv_kernel_us, 0);
+    EXPECT_GT(r->hbm_gbps, 0);
+    int64_t calls = 0;
+    for (const auto& [batch, n] : r->batch_sequences) {
+      calls += n;
+      if (one_message) EXPECT_GE(batch, 3u);  // the message itself is a batch of 3
+    }
+    EXPECT_EQ(calls, r->calls_ok);
+    EXPECT_EQ(r->transport, GetParam() == Via::kShm ? "shm" : GetParam() == Via::kUnix ? "grpc-unix" : "grpc-tcp");
+    const std::string text = client::FormatDecodeReport(*r);
+    EXPECT_TRUE(absl::StrContains(text, "tokens/s")) << text;
+    EXPECT_TRUE(absl::StrContains(client::DecodeReportJson(*r), "\"hbm_gbps\"")) << text;
+  }
+  // Nothing left open.
+  auto stats = client_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->sequences().open(), 0u);
+}
+
+// Runs a command, returns its exit status and its stdout+stderr.
+std::pair<int, std::string> RunCommand(const std::string& cmd) {
+  std::string out;
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (p == nullptr) return {-1, "popen failed"};
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int st = ::pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+TEST_P(SequencesTest, AttnSeqAndDecodeBench) {
+  std::string common = absl::StrCat(" --target=", client_->options().target);
+  if (GetParam() == Via::kShm) absl::StrAppend(&common, " --transport=shm --shm_socket=", server_->shm_path);
+  const std::string shape = " --layers=2 --q_heads=4 --kv_heads=2 --head_dim=64";
+  auto [rc, out] = RunCommand(absl::StrCat(ATTN_BINARY, " seq --verify --lse --prefill=24 --steps=3", common, shape));
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_TRUE(absl::StrContains(out, "step 3: 27 tokens cached")) << out;
+  EXPECT_TRUE(absl::StrContains(out, "verified: 8 layer-steps, 0 failed")) << out;
+  EXPECT_TRUE(absl::StrContains(out, "cached tokens per layer at the end: 27,27")) << out;
+
+  const std::string json = absl::StrCat(::testing::TempDir(), "/attn_decode_", ::getpid(), "_", ViaName(GetParam()), ".json");
+  auto [b_rc, b_out] = RunCommand(absl::StrCat(ATTN_BINARY, " bench --workload=decode --sequences=3 --context=16 "
+                                               "--steps=3 --progress=false --json=", json, common, shape));
+  EXPECT_EQ(b_rc, 0) << b_out;
+  EXPECT_TRUE(absl::StrContains(b_out, "Step calls: 18 ok, 0 errors")) << b_out;
+  EXPECT_TRUE(absl::StrContains(b_out, "server batches")) << b_out;
+  EXPECT_TRUE(absl::StrContains(b_out, "K/V read")) << b_out;
+  std::FILE* f = std::fopen(json.c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  std::fclose(f);
+  std::remove(json.c_str());
+
+  auto [o_rc, o_out] = RunCommand(absl::StrCat(ATTN_BINARY, " bench --workload=decode --one_message --sequences=4 "
+                                               "--context=8 --steps=2 --progress=false", common, shape));
+  EXPECT_EQ(o_rc, 0) << o_out;
+  EXPECT_TRUE(absl::StrContains(o_out, "Step calls: 4 ok, 0 errors")) << o_out;
+
+  auto [bad_rc, bad_out] = RunCommand(absl::StrCat(ATTN_BINARY, " seq --q_heads=3 --kv_heads=2", common));
+  EXPECT_EQ(bad_rc, 1) << bad_out;
+  EXPECT_TRUE(absl::StrContains(bad_out, "--q_heads")) << bad_out;
+  auto [w_rc, w_out] = RunCommand(absl::StrCat(ATTN_BINARY, " bench --workload=nope", common));
+  EXPECT_EQ(w_rc, 2) << w_out;
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, SequencesTest, ::testing::Values(Via::kTcp, Via::kUnix, Via::kShm),
