@@ -950,8 +950,8 @@ absl::StatusOr<DecodeBenchReport> RunDecodeBench(Client& client, const DecodeBen
   if (o.sequences < 1) return absl::InvalidArgumentError("sequences: must be >= 1");
   if (o.context < 0 || o.steps < 1) return absl::InvalidArgumentError("context: must be >= 0; steps: >= 1");
   DecodeBenchReport report;
-  report.target = client.options().target;
   report.transport = StepTransportName(client, o.call);
+  report.target = report.transport == "shm" ? client.options().shm_socket : client.options().target;
   report.shape = shape;
   report.q_heads = q_heads;
   report.sequences = o.sequences;

@@ -179,7 +179,7 @@ struct DecodeBenchOptions {
 };
 
 struct DecodeBenchReport {
-  std::string target, transport;  // transport: grpc-tcp, grpc-unix or shm
+  std::string target, transport;  // transport: grpc-tcp, grpc-unix or shm (then target is the shm socket)
   SequenceShape shape;
   int64_t q_heads = 0;
   int sequences = 0;
