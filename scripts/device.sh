@@ -50,7 +50,7 @@ die() { echo "device.sh: $*" >&2; exit 2; }
 # ---------------------------------------------------------------------------------------------------------------
 # build (here)
 
-STATIC_TARGETS="gpu_attention_test gpu_decode_test gpu_server_parts_test gpu_server_forward_test gpu_server_ipc_test attnd attn ipc_peer"
+STATIC_TARGETS="gpu_attention_test gpu_decode_test gpu_sequences_test gpu_server_parts_test gpu_server_forward_test gpu_server_ipc_test attnd attn ipc_peer"
 SERVICE_TARGETS="attnd attn ipc_peer"
 
 # configure_and_build SRC BUILD_DIR STATIC(ON|OFF) TARGETS...
@@ -515,7 +515,7 @@ cmd_service() {
     case $s in
       test)
         export ATTND_IPC_PEER=$PWD/$C/ipc_peer
-        for t in gpu_server_parts_test gpu_server_forward_test gpu_server_ipc_test; do
+        for t in gpu_server_parts_test gpu_server_forward_test gpu_server_ipc_test gpu_sequences_test; do
           f=()
           [ $t = gpu_server_forward_test ] && [ -n "${FORWARD_FILTER:-}" ] && f=(--gtest_filter="$FORWARD_FILTER")
           timeout "${SERVICE_TEST_TIMEOUT:-150}" $C/$t --gtest_brief=1 "${f[@]}" > "$TMP/t.log" 2>&1

@@ -86,6 +86,24 @@ ABSL_FLAG(bool, retain_heap, true,
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "transport tuning: gRPC channel arguments, comma-separated name=value (e.g. "
           "grpc.http2.lookahead_bytes=8388608,grpc.http2.bdp_probe=0); applied last");
+ABSL_FLAG(bool, sequences, true, "serve KV sequences (OpenSequence, Step, ...; docs/sequences.md)");
+ABSL_FLAG(uint64_t, kv_pool_mb, 0,
+          "K/V page memory of all sequence pools, MiB (0: half the memory budget on cuda, 1024 on cpu); on cuda it "
+          "is part of --memory_budget_mb");
+ABSL_FLAG(int, kv_max_pools, 1,
+          "sequence shapes (layers, kv_heads, head_dim, dtype) with a pool at once; each gets kv_pool_mb / this");
+ABSL_FLAG(int, kv_page_tokens, 16, "tokens per KV page: a power of two from 16 to 256");
+ABSL_FLAG(int64_t, max_sequence_tokens, 131072, "most tokens one sequence may cache");
+ABSL_FLAG(double, sequence_ttl_s, 600, "idle sequences are closed after this many seconds (0: never)");
+ABSL_FLAG(uint32_t, max_sequences_per_client, 0, "sequences one client may hold open (0: no limit)");
+ABSL_FLAG(uint64_t, max_pages_per_client, 0, "KV pages one client's sequences may hold (0: no limit)");
+ABSL_FLAG(uint32_t, max_step_batch, 256, "sequences in one batched step launch (and in one Step call)");
+ABSL_FLAG(int64_t, step_batch_wait_us, 0,
+          "how long the first step of an idle layer waits for others to join its launch (0: launch at once; "
+          "steps arriving during a launch still join the next one)");
+ABSL_FLAG(std::string, advertise_address, "",
+          "host:port clients reach this server at, written into sequence ids after '@' so that a client behind a "
+          "load balancer sends a sequence's calls to the server that holds it; empty: none");
 
 namespace {
 
@@ -188,6 +206,32 @@ int main(int argc, char** argv) {
       return Fail("--unix_socket_mode: '" + mode + "' is not octal permission bits (e.g. 0660)");
     }
     options.unix_socket_mode = static_cast<uint32_t>(bits);
+  }
+  {
+    attnd::server::SequenceOptions& so = options.sequences;
+    so.enabled = absl::GetFlag(FLAGS_sequences);
+    so.pool_bytes = absl::GetFlag(FLAGS_kv_pool_mb) << 20;
+    if (so.pool_bytes == 0) so.pool_bytes = (*backend)->default_kv_pool_bytes();
+    so.max_pools = absl::GetFlag(FLAGS_kv_max_pools);
+    if (so.max_pools < 1) return Fail("--kv_max_pools: must be >= 1");
+    so.page_tokens = absl::GetFlag(FLAGS_kv_page_tokens);
+    if (so.page_tokens < 16 || so.page_tokens > 256 || (so.page_tokens & (so.page_tokens - 1)) != 0) {
+      return Fail("--kv_page_tokens: must be a power of two from 16 to 256");
+    }
+    so.max_tokens = absl::GetFlag(FLAGS_max_sequence_tokens);
+    if (so.max_tokens < 1 || so.max_tokens > INT32_MAX) return Fail("--max_sequence_tokens: must be 1..2^31-1");
+    const double ttl = absl::GetFlag(FLAGS_sequence_ttl_s);
+    if (!(ttl >= 0)) return Fail("--sequence_ttl_s: must be >= 0");
+    so.ttl = ttl == 0 ? absl::InfiniteDuration() : absl::Seconds(ttl);
+    so.max_per_client = absl::GetFlag(FLAGS_max_sequences_per_client);
+    so.max_pages_per_client = absl::GetFlag(FLAGS_max_pages_per_client);
+    so.max_batch = absl::GetFlag(FLAGS_max_step_batch);
+    if (so.max_batch < 1) return Fail("--max_step_batch: must be >= 1");
+    so.max_open = so.max_batch;
+    if (absl::GetFlag(FLAGS_step_batch_wait_us) < 0) return Fail("--step_batch_wait_us: must be >= 0");
+    so.batch_wait = absl::Microseconds(absl::GetFlag(FLAGS_step_batch_wait_us));
+    so.max_waiting = absl::GetFlag(FLAGS_max_queue);
+    so.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   }
   auto server = attnd::server::Server::Create(options, std::move(*backend));
   if (!server.ok()) return Fail(std::string(server.status().message()));

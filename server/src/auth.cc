@@ -39,13 +39,15 @@ bool ConstantTimeEquals(absl::string_view presented, absl::string_view secret) {
   return diff == 0;
 }
 
-bool BearerTokenProcessor::Known(absl::string_view token) const {
-  bool found = false;
-  for (const std::string& t : tokens_) found |= ConstantTimeEquals(token, t);  // no early exit either
+int BearerTokenProcessor::Find(absl::string_view token) const {
+  int found = -1;
+  for (size_t i = 0; i < tokens_.size(); ++i) {  // no early exit either
+    if (ConstantTimeEquals(token, tokens_[i])) found = static_cast<int>(i);
+  }
   return found;
 }
 
-grpc::Status BearerTokenProcessor::Process(const InputMetadata& auth_metadata, grpc::AuthContext*,
+grpc::Status BearerTokenProcessor::Process(const InputMetadata& auth_metadata, grpc::AuthContext* context,
                                            OutputMetadata* consumed_auth_metadata, OutputMetadata*) {
   // Health stays open: orchestrators' probes (kubelet, HEALTHCHECK) carry no credentials.
   auto path = auth_metadata.find(":path");
@@ -60,7 +62,10 @@ grpc::Status BearerTokenProcessor::Process(const InputMetadata& auth_metadata, g
     // RFC 6750: the scheme is case-insensitive.
     if (value.size() > 7 && absl::EqualsIgnoreCase(value.substr(0, 7), "bearer ")) {
       token = absl::StripLeadingAsciiWhitespace(value.substr(7));
-      if (Known(token)) {
+      const int index = Find(token);
+      if (index >= 0) {
+        // Who the caller is, for what it owns (KV sequences): the token's place in the file, never the token.
+        if (context != nullptr) context->AddProperty(kTokenProperty, std::to_string(index));
         consumed_auth_metadata->insert(std::make_pair(std::string(header->first.data(), header->first.size()),
                                                       std::string(value)));
         return grpc::Status::OK;

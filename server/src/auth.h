@@ -24,6 +24,9 @@ absl::StatusOr<std::vector<std::string>> LoadAuthTokens(const std::string& path)
 // `secret` (a timing side channel would let a client guess a token byte by byte).
 bool ConstantTimeEquals(absl::string_view presented, absl::string_view secret);
 
+// The auth-context property a call that presented a known token carries: the token's index in the file.
+inline constexpr char kTokenProperty[] = "attnd.token_index";
+
 class BearerTokenProcessor final : public grpc::AuthMetadataProcessor {
  public:
   // `on_reject` (may be empty) is called for every refused call, for the metrics.
@@ -36,7 +39,8 @@ class BearerTokenProcessor final : public grpc::AuthMetadataProcessor {
                        OutputMetadata* consumed_auth_metadata, OutputMetadata* response_metadata) override;
 
  private:
-  bool Known(absl::string_view token) const;
+  // Index of `token` in tokens_, -1 when unknown; constant time in which one matches.
+  int Find(absl::string_view token) const;
 
   const std::vector<std::string> tokens_;
   const std::function<void()> on_reject_;

@@ -103,7 +103,7 @@ using grpc::experimental::InterceptionHookPoints;
 
 constexpr absl::string_view kAttentionPrefix = "/attnd.v1.Attention/";
 
-enum class Kind { kForward, kForwardStream, kHealth, kOther };
+enum class Kind { kForward, kForwardStream, kStep, kHealth, kOther };
 
 std::string ShapeText(const v1::ForwardRequest& r) {
   const v1::AttentionShape& s = r.shape();
@@ -121,6 +121,7 @@ class CallObserver final : public grpc::experimental::Interceptor {
       method_ = std::string(path.substr(kAttentionPrefix.size()));
       if (method_ == "Forward") kind_ = Kind::kForward;
       if (method_ == "ForwardStream") kind_ = Kind::kForwardStream;
+      if (method_ == "Step") kind_ = Kind::kStep;
     } else {
       method_ = std::string(absl::StripPrefix(path, "/"));
       if (absl::StartsWith(path, "/grpc.health.v1.Health/")) kind_ = Kind::kHealth;
@@ -172,6 +173,12 @@ class CallObserver final : public grpc::experimental::Interceptor {
   // ByteBuffers. Only their small fields are parsed here (ParseSmallFields skips the tensors), and for a
   // stream only the first message each way (the headers).
   void OnRequest(void* msg) {
+    if (kind_ == Kind::kStep) {  // a typed method: the message is the parsed request
+      const auto* step = static_cast<const v1::StepRequest*>(msg);
+      if (request_id_.empty()) request_id_ = step->request_id();
+      shape_ = absl::StrCat("layer ", step->layer(), ", ", step->sequences_size(), " sequences");
+      return;
+    }
     if (kind_ != Kind::kForward && kind_ != Kind::kForwardStream) return;
     const auto* b = static_cast<const grpc::ByteBuffer*>(msg);
     bytes_in_ += b->Length();
@@ -183,6 +190,12 @@ class CallObserver final : public grpc::experimental::Interceptor {
   }
 
   void OnReply(const void* msg) {
+    if (kind_ == Kind::kStep) {
+      const auto* step = static_cast<const v1::StepResponse*>(msg);
+      queue_ = absl::Microseconds(step->timing().timing().queue_us());
+      kernel_ = absl::Microseconds(step->timing().timing().kernel_us());
+      return;
+    }
     if (kind_ != Kind::kForward && kind_ != Kind::kForwardStream) return;
     const auto* b = static_cast<const grpc::ByteBuffer*>(msg);
     bytes_out_ += b->Length();

@@ -47,6 +47,7 @@ class CallStats {
 
   // Attached later (the metrics endpoint starts after the server's parts exist); before serving.
   void set_metrics(ServerMetrics* metrics) { metrics_ = metrics; }
+  ServerMetrics* metrics() const { return metrics_; }
 
   // What a gRPC handler knows of its call and the observer does not: the tensor bytes. Keyed by the call's
   // server context; taken back by the observer when it records the call.

@@ -3,10 +3,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -78,14 +80,151 @@ absl::Status CpuBackend::Submit(std::unique_ptr<ForwardJob> job) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// Pages in host memory, left uninitialised: a page's rows are written by an append before any step reads them.
+class CpuKvPool final : public KvPool {
+ public:
+  CpuKvPool(const SequenceShape& shape, int page_tokens, int32_t num_pages, std::unique_ptr<uint16_t[]> data)
+      : KvPool(shape, page_tokens, num_pages), data_(std::move(data)) {}
+  uint16_t* pool(int layer, int kv) { return data_.get() + pool_offset(layer, kv); }
+
+ private:
+  std::unique_ptr<uint16_t[]> data_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<KvPool>> CpuBackend::MakeKvPool(const SequenceShape& shape, int page_tokens,
+                                                               int32_t num_pages) {
+  const uint64_t elems = static_cast<uint64_t>(shape.page_elems(page_tokens)) * 2 * shape.layers * num_pages;
+  std::unique_ptr<uint16_t[]> data(new (std::nothrow) uint16_t[elems]);
+  if (data == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("kv pool: out of host memory for ", elems * 2, " bytes (--kv_pool_bytes)"));
+  }
+  return std::make_shared<CpuKvPool>(shape, page_tokens, num_pages, std::move(data));
+}
+
+absl::Status CpuBackend::SubmitSteps(std::unique_ptr<StepBatch> batch) {
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("the server is shutting down");
+  if (queue_.size() + steps_.size() >= max_queue_) {
+    return absl::ResourceExhaustedError(absl::StrCat("queue full: ", queue_.size() + steps_.size(),
+                                                     " requests waiting (--max_queue=", max_queue_, ")"));
+  }
+  steps_.push_back(std::move(batch));
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::RunStep(StepJob& job, int compute_threads) {
+  const absl::Time start = absl::Now();
+  job.timing.queue_us = Micros(start - job.accepted);
+  job.kernel = kKernelName;
+  job.device = -1;
+  if (job.cancelled && job.cancelled()) return absl::CancelledError("the call was cancelled before the step started");
+  if (start >= job.deadline) {
+    return absl::DeadlineExceededError(absl::StrCat("the deadline expired after ", Micros(start - job.accepted),
+                                                    " us in the queue; the step was not started"));
+  }
+  auto& pool = static_cast<CpuKvPool&>(*job.pool);
+  const SequenceShape& shape = pool.shape();
+  const int page = pool.page_tokens();
+  const int64_t row_elems = int64_t{shape.kv_heads} * shape.head_dim;  // one token of one layer's K
+  const int64_t page_elems = shape.page_elems(page);
+  for (const PageCopy& c : job.copies) {
+    for (int layer = 0; layer < shape.layers; ++layer) {
+      for (int kv = 0; kv < 2; ++kv) {
+        uint16_t* base = pool.pool(layer, kv);
+        std::memcpy(base + c.to * page_elems, base + c.from * page_elems, page_elems * sizeof(uint16_t));
+      }
+    }
+  }
+  // Token t of a sequence at `layer`: row t % page of page pages[t / page].
+  const auto row = [&](const StepSequence& s, int kv, int64_t t) {
+    return pool.pool(job.layer, kv) + int64_t{s.pages[t / page]} * page_elems + (t % page) * row_elems;
+  };
+  std::string gathered[3];
+  const uint8_t* in[3] = {job.q.host, job.k.host, job.v.host};
+  const TensorSource* sources[3] = {&job.q, &job.k, &job.v};
+  try {
+    for (int i = 0; i < 3; ++i) {
+      if (in[i] != nullptr || sources[i]->host_bytes == 0) continue;
+      gathered[i].resize(sources[i]->host_bytes);
+      CopyInline(*sources[i], reinterpret_cast<uint8_t*>(gathered[i].data()));
+      in[i] = reinterpret_cast<const uint8_t*>(gathered[i].data());
+    }
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("out of host memory for the step's inputs");
+  }
+  const absl::Time compute_start = absl::Now();
+  if (job.append) {
+    const auto* k = reinterpret_cast<const uint16_t*>(in[1]);
+    const auto* v = reinterpret_cast<const uint16_t*>(in[2]);
+    int64_t r = 0;
+    for (const StepSequence& s : job.sequences) {
+      for (int64_t t = 0; t < s.tokens; ++t, ++r) {
+        std::memcpy(row(s, 0, s.cached + t), k + r * row_elems, row_elems * sizeof(uint16_t));
+        std::memcpy(row(s, 1, s.cached + t), v + r * row_elems, row_elems * sizeof(uint16_t));
+      }
+    }
+  }
+  if (job.attend) {
+    const int64_t q_row = int64_t{job.q_heads} * shape.head_dim;
+    try {
+      job.o.resize(static_cast<uint64_t>(job.rows * q_row) * sizeof(uint16_t));
+      if (job.want_lse) job.lse.resize(static_cast<uint64_t>(job.rows) * job.q_heads * sizeof(float));
+    } catch (const std::bad_alloc&) {
+      return absl::ResourceExhaustedError("out of host memory for the step's O");
+    }
+    const auto* q = reinterpret_cast<const uint16_t*>(in[0]);
+    auto* o = reinterpret_cast<uint16_t*>(job.o.data());
+    auto* lse = reinterpret_cast<float*>(job.lse.data());
+    std::vector<uint16_t> keys, values;
+    int64_t r = 0;
+    for (const StepSequence& s : job.sequences) {
+      const int64_t n = s.keys(job.append);
+      try {
+        keys.resize(static_cast<size_t>(n * row_elems));
+        values.resize(static_cast<size_t>(n * row_elems));
+      } catch (const std::bad_alloc&) {
+        return absl::ResourceExhaustedError("out of host memory for a sequence's keys");
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        std::memcpy(keys.data() + t * row_elems, row(s, 0, t), row_elems * sizeof(uint16_t));
+        std::memcpy(values.data() + t * row_elems, row(s, 1, t), row_elems * sizeof(uint16_t));
+      }
+      Problem p;
+      p.shape = Shape{1, s.tokens, n, job.q_heads, shape.kv_heads, shape.head_dim};
+      p.dtype = shape.dtype;
+      p.mask = Mask::kCausalBottomRight;
+      p.scale = job.scale;
+      p.want_lse = job.want_lse;
+      ReferenceOptions opts;
+      opts.num_threads = compute_threads;
+      try {
+        ReferenceAttention(p, ContiguousLayout(p.shape), q + r * q_row, keys.data(), values.data(), o + r * q_row,
+                           job.want_lse ? lse + r * job.q_heads : nullptr, opts);
+      } catch (const std::exception& e) {
+        return absl::ResourceExhaustedError(absl::StrCat("cpu backend: ", e.what()));
+      }
+      r += s.tokens;
+    }
+  }
+  const absl::Time end = absl::Now();
+  job.timing.kernel_us = Micros(end - compute_start);
+  job.timing.total_us = Micros(end - job.accepted);
+  return absl::OkStatus();
+}
+
 uint32_t CpuBackend::queue_depth() const {
   absl::MutexLock lock(&mu_);
-  return static_cast<uint32_t>(queue_.size());
+  return static_cast<uint32_t>(queue_.size() + steps_.size());
 }
 
 uint32_t CpuBackend::in_flight() const {
   absl::MutexLock lock(&mu_);
-  return static_cast<uint32_t>(queue_.size()) + running_;
+  return static_cast<uint32_t>(queue_.size() + steps_.size()) + running_;
 }
 
 uint64_t CpuBackend::jobs_computed() const {
@@ -108,20 +247,42 @@ void CpuBackend::Shutdown() {
 void CpuBackend::WorkerLoop() {
   for (;;) {
     std::unique_ptr<ForwardJob> job;
+    std::unique_ptr<StepBatch> steps;
     int compute_threads = 1;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
           +[](CpuBackend* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
-            return !self->queue_.empty() || self->stopping_;
+            return !self->queue_.empty() || !self->steps_.empty() || self->stopping_;
           },
           this));
-      if (queue_.empty()) return;  // stopping and drained
-      job = std::move(queue_.front());
-      queue_.pop_front();
+      if (queue_.empty() && steps_.empty()) return;  // stopping and drained
+      if (!steps_.empty()) {
+        steps = std::move(steps_.front());
+        steps_.pop_front();
+      } else {
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      }
       ++running_;
       // Share the cores among the jobs running now; a lone job gets all of them.
       compute_threads = std::max(1, threads_ / static_cast<int>(running_));
+    }
+    if (steps != nullptr) {
+      uint32_t sequences = 0;
+      for (const auto& j : steps->jobs) sequences += static_cast<uint32_t>(j->sequences.size());
+      std::vector<absl::Status> statuses;
+      for (const auto& j : steps->jobs) {
+        j->batch_sequences = sequences;
+        j->batch_requests = static_cast<uint32_t>(steps->jobs.size());
+        statuses.push_back(RunStep(*j, compute_threads));
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        --running_;
+      }
+      for (size_t i = 0; i < steps->jobs.size(); ++i) steps->jobs[i]->done(statuses[i]);
+      continue;
     }
     const absl::Status status = Run(*job, compute_threads);
     // Finished before the reply goes out: a client that reads the stats right after its reply must not find its

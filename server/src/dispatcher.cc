@@ -36,22 +36,12 @@ absl::Status Dispatcher::Prepare(const v1::ForwardRequest& request, Transport tr
 
 // One lease per distinct buffer, so that requests_in_flight counts requests; every reference of one request
 // must be on one device (one request runs on one GPU).
-absl::Status Dispatcher::ResolveReferences(ForwardJob& job) const {
-  const Shape& s = job.problem.shape;
-  struct Use {
-    const char* field;
-    TensorSource* src;
-    int64_t seq, heads;
-    bool used;
-  } uses[4] = {{"q.ref", &job.q, s.q_len, s.q_heads, job.q.is_reference()},
-               {"k.ref", &job.k, s.kv_len, s.kv_heads, job.k.is_reference()},
-               {"v.ref", &job.v, s.kv_len, s.kv_heads, job.v.is_reference()},
-               {"o_ref", &job.o_ref, s.q_len, s.q_heads, job.o_to_buffer}};
+absl::Status ResolveTensorReferences(const BufferRegistry* buffers, absl::Span<TensorUse> uses, int64_t head_dim,
+                                     DType dtype, std::vector<std::shared_ptr<const void>>* holds) {
   std::vector<std::pair<std::string, BufferLease>> held;
   int device = -1;
-  for (Use& u : uses) {
-    if (!u.used) continue;
-    if (buffers_ == nullptr) {
+  for (TensorUse& u : uses) {
+    if (buffers == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat(u.field, ": CUDA IPC is not enabled (--enable_cuda_ipc)"));
     }
     const BufferLease* lease = nullptr;
@@ -59,7 +49,7 @@ absl::Status Dispatcher::ResolveReferences(ForwardJob& job) const {
       if (id == u.src->buffer_id) lease = &l;
     }
     if (lease == nullptr) {
-      absl::StatusOr<BufferLease> acquired = buffers_->Acquire(u.field, u.src->buffer_id);
+      absl::StatusOr<BufferLease> acquired = buffers->Acquire(u.field, u.src->buffer_id);
       if (!acquired.ok()) return acquired.status();
       held.emplace_back(u.src->buffer_id, *std::move(acquired));
       lease = &held.back().second;
@@ -70,8 +60,8 @@ absl::Status Dispatcher::ResolveReferences(ForwardJob& job) const {
                                                      " (one request runs on one GPU)"));
     }
     device = lease->device;
-    absl::StatusOr<uint64_t> span = TensorSpanBytes(u.field, s.batch, u.seq, u.heads, s.head_dim, u.src->strides,
-                                                    DTypeBytes(job.problem.dtype));
+    absl::StatusOr<uint64_t> span =
+        TensorSpanBytes(u.field, u.batch, u.seq, u.heads, head_dim, u.src->strides, DTypeBytes(dtype));
     if (!span.ok()) return span.status();
     ATTND_RETURN_IF_ERROR(
         CheckInRegion(absl::StrCat(u.field, ".offset"), u.src->offset, *span, lease->byte_size));
@@ -84,8 +74,19 @@ absl::Status Dispatcher::ResolveReferences(ForwardJob& job) const {
     u.src->device_data = data;
     u.src->device = lease->device;
   }
-  for (auto& [id, lease] : held) job.buffer_holds.push_back(std::move(lease.hold));
+  for (auto& [id, lease] : held) holds->push_back(std::move(lease.hold));
   return absl::OkStatus();
+}
+
+absl::Status Dispatcher::ResolveReferences(ForwardJob& job) const {
+  const Shape& s = job.problem.shape;
+  std::vector<TensorUse> uses;
+  if (job.q.is_reference()) uses.push_back({"q.ref", &job.q, s.batch, s.q_len, s.q_heads});
+  if (job.k.is_reference()) uses.push_back({"k.ref", &job.k, s.batch, s.kv_len, s.kv_heads});
+  if (job.v.is_reference()) uses.push_back({"v.ref", &job.v, s.batch, s.kv_len, s.kv_heads});
+  if (job.o_to_buffer) uses.push_back({"o_ref", &job.o_ref, s.batch, s.q_len, s.q_heads});
+  if (uses.empty()) return absl::OkStatus();
+  return ResolveTensorReferences(buffers_, absl::MakeSpan(uses), s.head_dim, job.problem.dtype, &job.buffer_holds);
 }
 
 void Dispatcher::Submit(std::unique_ptr<ForwardJob> job, Reply reply) {

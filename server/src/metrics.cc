@@ -55,8 +55,9 @@ prometheus::ClientMetric Value(prometheus::MetricType type, double v, std::vecto
 // registry gauges on a timer would only make them stale).
 class BackendCollector final : public prometheus::Collectable {
  public:
-  BackendCollector(const Backend* backend, std::function<uint32_t()> streams_receiving)
-      : backend_(backend), streams_receiving_(std::move(streams_receiving)) {}
+  BackendCollector(const Backend* backend, std::function<uint32_t()> streams_receiving,
+                   std::function<v1::SequenceStats()> sequences)
+      : backend_(backend), streams_receiving_(std::move(streams_receiving)), sequences_(std::move(sequences)) {}
 
   std::vector<prometheus::MetricFamily> Collect() const override {
     using prometheus::MetricType;
@@ -97,20 +98,44 @@ class BackendCollector final : public prometheus::Collectable {
           Value(MetricType::Gauge, static_cast<double>(d.used_bytes), {{"device", absl::StrCat(d.device)}}));
     }
     out.push_back(std::move(memory));
+    if (sequences_) {
+      const v1::SequenceStats q = sequences_();
+      auto open = Family("attnd_sequences_open", "KV sequences open now.", MetricType::Gauge);
+      open.metric.push_back(Value(MetricType::Gauge, static_cast<double>(q.open())));
+      out.push_back(std::move(open));
+      auto pages = Family("attnd_kv_pages", "Pages of the KV pools, by state (used: held by a sequence).",
+                          MetricType::Gauge);
+      pages.metric.push_back(Value(MetricType::Gauge, static_cast<double>(q.pages_used()), {{"state", "used"}}));
+      pages.metric.push_back(Value(MetricType::Gauge, static_cast<double>(q.pages_free()), {{"state", "free"}}));
+      out.push_back(std::move(pages));
+      auto expired = Family("attnd_sequences_expired_total", "KV sequences closed by --sequence_ttl_s.",
+                            MetricType::Counter);
+      expired.metric.push_back(Value(MetricType::Counter, static_cast<double>(q.expired())));
+      out.push_back(std::move(expired));
+    }
     return out;
   }
 
  private:
   const Backend* const backend_;
   const std::function<uint32_t()> streams_receiving_;
+  const std::function<v1::SequenceStats()> sequences_;
 };
+
+// 1 .. 256 sequences per launch (--max_step_batch's default).
+const prometheus::Histogram::BucketBoundaries& BatchBuckets() {
+  static const auto* b = new prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128, 256};
+  return *b;
+}
 
 }  // namespace
 
 struct ServerMetrics::Impl {
-  Impl(const Backend* backend, std::function<uint32_t()> streams_receiving)
+  Impl(const Backend* backend, std::function<uint32_t()> streams_receiving,
+       std::function<v1::SequenceStats()> sequences)
       : registry(std::make_shared<prometheus::Registry>()),
-        backend_collector(std::make_shared<BackendCollector>(backend, std::move(streams_receiving))),
+        backend_collector(
+            std::make_shared<BackendCollector>(backend, std::move(streams_receiving), std::move(sequences))),
         requests(prometheus::BuildCounter()
                      .Name("attnd_requests_total")
                      .Help("RPCs finished, by method and gRPC status code.")
@@ -128,13 +153,18 @@ struct ServerMetrics::Impl {
                       .Name("attnd_bytes_sent_total")
                       .Help("Reply message bytes sent by Forward and ForwardStream.")
                       .Register(*registry)),
+        step_batch(prometheus::BuildHistogram()
+                       .Name("attnd_step_batch_sequences")
+                       .Help("Sequences in the launch each Step ran in (its own included).")
+                       .Register(*registry)
+                       .Add({}, BatchBuckets())),
         auth_failures(prometheus::BuildCounter()
                           .Name("attnd_auth_failures_total")
                           .Help("Calls refused UNAUTHENTICATED by the bearer-token check.")
                           .Register(*registry)
                           .Add({})) {
     // The data-plane series exist from the start, so that rate() and absent() work before the first call.
-    for (const char* m : {"Forward", "ForwardStream"}) {
+    for (const char* m : {"Forward", "ForwardStream", "Step"}) {
       requests.Add({{"method", m}, {"code", "OK"}});
       bytes_in.Add({{"method", m}});
       bytes_out.Add({{"method", m}});
@@ -150,13 +180,15 @@ struct ServerMetrics::Impl {
   prometheus::Family<prometheus::Histogram>& durations;
   prometheus::Family<prometheus::Counter>& bytes_in;
   prometheus::Family<prometheus::Counter>& bytes_out;
+  prometheus::Histogram& step_batch;
   prometheus::Counter& auth_failures;
   absl::Mutex exposer_mu;
   std::unique_ptr<prometheus::Exposer> exposer ABSL_GUARDED_BY(exposer_mu);
 };
 
-ServerMetrics::ServerMetrics(const Backend* backend, std::function<uint32_t()> streams_receiving)
-    : impl_(std::make_unique<Impl>(backend, std::move(streams_receiving))) {}
+ServerMetrics::ServerMetrics(const Backend* backend, std::function<uint32_t()> streams_receiving,
+                             std::function<v1::SequenceStats()> sequences)
+    : impl_(std::make_unique<Impl>(backend, std::move(streams_receiving), std::move(sequences))) {}
 
 ServerMetrics::~ServerMetrics() {
   // The HTTP threads may be inside Collect(): stop them before the collectables go.
@@ -181,6 +213,8 @@ void ServerMetrics::RecordCall(const CallRecord& call) {
   if (call.bytes_in > 0) impl_->bytes_in.Add({{"method", call.method}}).Increment(static_cast<double>(call.bytes_in));
   if (call.bytes_out > 0) impl_->bytes_out.Add({{"method", call.method}}).Increment(static_cast<double>(call.bytes_out));
 }
+
+void ServerMetrics::RecordStep(uint32_t batch_sequences) { impl_->step_batch.Observe(batch_sequences); }
 
 void ServerMetrics::RecordAuthFailure() { impl_->auth_failures.Increment(); }
 
@@ -214,10 +248,11 @@ int ServerMetrics::port() const {
 #else  // !ATTND_HAVE_METRICS
 
 struct ServerMetrics::Impl {};
-ServerMetrics::ServerMetrics(const Backend*, std::function<uint32_t()>) {}
+ServerMetrics::ServerMetrics(const Backend*, std::function<uint32_t()>, std::function<v1::SequenceStats()>) {}
 ServerMetrics::~ServerMetrics() = default;
 bool ServerMetrics::Available() { return false; }
 void ServerMetrics::RecordCall(const CallRecord&) {}
+void ServerMetrics::RecordStep(uint32_t) {}
 void ServerMetrics::RecordAuthFailure() {}
 std::string ServerMetrics::Scrape() const { return ""; }
 absl::Status ServerMetrics::Serve(const std::string& listen) {

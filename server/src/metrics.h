@@ -17,14 +17,17 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "attnd/server/backend.h"
+#include "attnd/v1/attention.pb.h"
 #include "call_stats.h"
 
 namespace attnd::server {
 
 class ServerMetrics {
  public:
-  // `backend` and `streams_receiving` (may be empty) are sampled at scrape time and must outlive this object.
-  explicit ServerMetrics(const Backend* backend, std::function<uint32_t()> streams_receiving = nullptr);
+  // `backend`, `streams_receiving` and `sequences` (may be empty) are sampled at scrape time and must outlive
+  // this object.
+  explicit ServerMetrics(const Backend* backend, std::function<uint32_t()> streams_receiving = nullptr,
+                         std::function<v1::SequenceStats()> sequences = nullptr);
   ~ServerMetrics();
   ServerMetrics(const ServerMetrics&) = delete;
   ServerMetrics& operator=(const ServerMetrics&) = delete;
@@ -33,6 +36,8 @@ class ServerMetrics {
   static bool Available();
 
   void RecordCall(const CallRecord& call);
+  // A Step that ran, in a launch of `batch_sequences` sequences.
+  void RecordStep(uint32_t batch_sequences);
   // A call refused by the bearer-token check (it never reaches a handler, so RecordCall does not see it).
   void RecordAuthFailure();
 

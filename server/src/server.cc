@@ -73,7 +73,8 @@ class ServerImpl final : public Server {
         peers_(options_.max_calls_per_client),
         buffers_(MakeBufferRegistry(options_, *backend_)),
         dispatcher_(LimitsFor(options_, *backend_), backend_.get(), buffers_.get()),
-        service_(options_, &dispatcher_, buffers_.get(), &stats_) {}
+        sequences_(options_.sequences, LimitsFor(options_, *backend_), backend_.get(), buffers_.get()),
+        service_(options_, &dispatcher_, &sequences_, buffers_.get(), &stats_) {}
 
   ~ServerImpl() override { Shutdown(); }
 
@@ -165,6 +166,8 @@ class ServerImpl final : public Server {
     }
     // In this order: a call the service still accepts has had its metadata, so DrainTracker counted it.
     dispatcher_.BeginShutdown();
+    // New steps are refused from here; every admitted one is answered (the backend still runs).
+    sequences_.Shutdown();
     // Shm channels finish the requests they hold (the backend still runs) and close.
     if (shm_ != nullptr) shm_->Stop();
     drain_.BeginDrain();
@@ -205,7 +208,8 @@ class ServerImpl final : public Server {
       }
     }
     if (!options_.metrics_listen.empty()) {
-      metrics_ = std::make_unique<ServerMetrics>(backend_.get(), [this] { return service_.streams_receiving(); });
+      metrics_ = std::make_unique<ServerMetrics>(
+          backend_.get(), [this] { return service_.streams_receiving(); }, [this] { return sequences_.stats(); });
       ATTND_RETURN_IF_ERROR(metrics_->Serve(options_.metrics_listen));
       stats_.set_metrics(metrics_.get());
       spdlog::info("attnd metrics on http://{}/metrics [port {}]", options_.metrics_listen, metrics_->port());
@@ -243,6 +247,7 @@ class ServerImpl final : public Server {
   std::shared_ptr<grpc::ServerCredentials> tcp_credentials_;
   std::unique_ptr<BufferRegistry> buffers_;  // cuda-ipc buffers; null unless enable_cuda_ipc on the cuda backend
   Dispatcher dispatcher_;
+  Sequences sequences_;
   AttentionService service_;
   std::vector<ChannelArg> grpc_args_;
   std::unique_ptr<grpc::Server> server_;

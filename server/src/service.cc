@@ -306,10 +306,11 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
 
 }  // namespace
 
-AttentionService::AttentionService(const ServerOptions& options, Dispatcher* dispatcher, BufferRegistry* buffers,
-                                   CallStats* stats)
+AttentionService::AttentionService(const ServerOptions& options, Dispatcher* dispatcher, Sequences* sequences,
+                                   BufferRegistry* buffers, CallStats* stats)
     : options_(options),
       dispatcher_(dispatcher),
+      sequences_(sequences),
       buffers_(buffers),
       stats_(stats),
       stream_chunk_bytes_(ChunkBytes(options.max_message_bytes)) {}
@@ -491,6 +492,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   info->set_cuda_ipc_enabled(buffers_ != nullptr);
   for (const std::string& k : backend()->kernels()) info->add_kernels(k);
   info->set_stream_preferred_from_bytes(backend()->stream_preferred_from_bytes());
+  *info->mutable_sequences() = sequences_->limits();
   return FinishNow(ctx, "GetServerInfo", start, absl::OkStatus());
 }
 
@@ -504,6 +506,8 @@ grpc::ServerUnaryReactor* AttentionService::GetStats(grpc::CallbackServerContext
   const BackendStats b = backend()->stats();
   out->set_tensor_map_cache_hits(b.tensor_map_cache_hits);
   out->set_tensor_map_cache_misses(b.tensor_map_cache_misses);
+  *out->mutable_sequences() = sequences_->stats();
+  out->set_queue_depth(out->queue_depth() + sequences_->waiting());
   return FinishNow(ctx, "GetStats", start, absl::OkStatus());
 }
 

@@ -15,6 +15,7 @@
 #include "attnd/server/backend.h"
 #include "attnd/server/buffer_registry.h"
 #include "attnd/server/dispatcher.h"
+#include "attnd/server/sequences.h"
 #include "attnd/server/server.h"
 #include "attnd/server/validation.h"
 #include "attnd/v1/attention.grpc.pb.h"
@@ -27,16 +28,21 @@ class PeerCalls;
 // Every method on the callback API; Forward and ForwardStream raw (ByteBuffer messages) so that their
 // tensors are written by reference and stream chunks read with one copy (attnd/transport/zero_copy.h). The wire
 // format is unchanged.
+using SequenceMethods = v1::Attention::WithCallbackMethod_OpenSequence<v1::Attention::WithCallbackMethod_Step<
+    v1::Attention::WithCallbackMethod_ForkSequence<v1::Attention::WithCallbackMethod_TruncateSequence<
+        v1::Attention::WithCallbackMethod_CloseSequence<v1::Attention::WithCallbackMethod_GetSequence<
+            v1::Attention::Service>>>>>>;
 using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_Forward<
     v1::Attention::WithRawCallbackMethod_ForwardStream<v1::Attention::WithCallbackMethod_RegisterCudaBuffer<
         v1::Attention::WithCallbackMethod_UnregisterCudaBuffer<v1::Attention::WithCallbackMethod_ListCudaBuffers<
             v1::Attention::WithCallbackMethod_GetServerInfo<v1::Attention::WithCallbackMethod_GetStats<
-                v1::Attention::Service>>>>>>>;
+                SequenceMethods>>>>>>>;
 
 class AttentionService final : public AttentionServiceBase {
  public:
-  // `dispatcher`, `buffers` (null: no cuda-ipc) and `stats` must outlive the service.
-  AttentionService(const ServerOptions& options, Dispatcher* dispatcher, BufferRegistry* buffers, CallStats* stats);
+  // `dispatcher`, `sequences`, `buffers` (null: no cuda-ipc) and `stats` must outlive the service.
+  AttentionService(const ServerOptions& options, Dispatcher* dispatcher, Sequences* sequences, BufferRegistry* buffers,
+                   CallStats* stats);
 
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
                                     grpc::ByteBuffer* response) override;
@@ -54,6 +60,24 @@ class AttentionService final : public AttentionServiceBase {
                                           v1::ServerInfo* response) override;
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx, const v1::GetStatsRequest* request,
                                      v1::ServerStats* response) override;
+
+  // KV sequences (sequence_service.cc): thin over the Sequences core.
+  grpc::ServerUnaryReactor* OpenSequence(grpc::CallbackServerContext* ctx, const v1::OpenSequenceRequest* request,
+                                         v1::OpenSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* request,
+                                 v1::StepResponse* response) override;
+  grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* ctx, const v1::ForkSequenceRequest* request,
+                                         v1::ForkSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* TruncateSequence(grpc::CallbackServerContext* ctx,
+                                             const v1::TruncateSequenceRequest* request,
+                                             v1::TruncateSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* CloseSequence(grpc::CallbackServerContext* ctx, const v1::CloseSequenceRequest* request,
+                                          v1::CloseSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* ctx, const v1::GetSequenceRequest* request,
+                                        v1::SequenceInfo* response) override;
+  // Who owns what a call creates: the bearer token's index when tokens are on, else the peer's address
+  // without its port ("local" for the unix socket). docs/sequences.md, "ownership".
+  static std::string OwnerOf(grpc::CallbackServerContext* ctx);
 
   // Per-connection limit on Forward/ForwardStream calls (call_observer.h); null: none. Set before serving.
   void set_peer_calls(const PeerCalls* peers) { peer_calls_ = peers; }
@@ -88,6 +112,7 @@ class AttentionService final : public AttentionServiceBase {
 
   const ServerOptions options_;
   Dispatcher* const dispatcher_;
+  Sequences* const sequences_;
   BufferRegistry* const buffers_;
   CallStats* const stats_;
   const uint64_t stream_chunk_bytes_;

@@ -598,5 +598,80 @@ TEST(DecodeLaunchValidation, NamesTheBadTensor) {
   EXPECT_EQ(LaunchDecode(*plan, t, nullptr, nullptr).message().substr(0, 16), "tensors.kv_lens:");
 }
 
+// The gather: every key of every sequence comes from its page and row, in K and V, and the output rows past a
+// sequence's length keep what they held. Pages are scattered and the pool is filled with distinct values, so a
+// wrong page, row or head shows as a byte mismatch.
+TEST(GatherTest, CopiesEveryKeyFromItsPageAndNothingElse) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  for (const int head_dim : {64, 128, 256}) {
+    SCOPED_TRACE(head_dim);
+    const int kv_heads = 3, page = 16, num_pages = 24, max_pages = 5, capacity = 80;
+    const std::vector<int32_t> lens = {33, 0, 80, 1};
+    const int batch = static_cast<int>(lens.size());
+    std::vector<int32_t> pages(num_pages);
+    std::iota(pages.begin(), pages.end(), 0);
+    std::mt19937 rng(head_dim);
+    std::shuffle(pages.begin(), pages.end(), rng);
+    std::vector<int32_t> table(batch * max_pages, -1);
+    for (int b = 0, next = 0; b < batch; ++b) {
+      for (int j = 0; j * page < lens[b]; ++j) table[b * max_pages + j] = pages[next++];
+    }
+    const int64_t row = int64_t{kv_heads} * head_dim;
+    const int64_t pool_elems = int64_t{num_pages} * page * row, out_elems = int64_t{batch} * capacity * row;
+    std::vector<uint16_t> k(pool_elems), v(pool_elems);
+    for (int64_t i = 0; i < pool_elems; ++i) {
+      k[i] = static_cast<uint16_t>(i * 7 + 1);
+      v[i] = static_cast<uint16_t>(i * 13 + 5);
+    }
+    BatchLayout cache;
+    cache.batch = batch;
+    cache.q_heads = kv_heads;
+    cache.kv_heads = kv_heads;
+    cache.head_dim = head_dim;
+    cache.kv_storage = KvStorage::kPaged;
+    cache.k = cache.v = ContiguousStrides(page, kv_heads, head_dim);
+    cache.paged = PagedKv{page, num_pages, max_pages};
+    const Strides out = ContiguousStrides(capacity, kv_heads, head_dim);
+    absl::StatusOr<GatherPlan> plan = MakeGatherPlan(cache, capacity, out, out, lens, table);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    void *dk = nullptr, *dv = nullptr, *dok = nullptr, *dov = nullptr, *dlens = nullptr, *dtable = nullptr;
+    CUDA_OK(cudaMalloc(&dk, pool_elems * 2));
+    CUDA_OK(cudaMalloc(&dv, pool_elems * 2));
+    CUDA_OK(cudaMalloc(&dok, out_elems * 2));
+    CUDA_OK(cudaMalloc(&dov, out_elems * 2));
+    CUDA_OK(cudaMalloc(&dlens, lens.size() * 4));
+    CUDA_OK(cudaMalloc(&dtable, table.size() * 4));
+    CUDA_OK(cudaMemcpy(dk, k.data(), pool_elems * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dv, v.data(), pool_elems * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(dok, 0xFF, out_elems * 2));
+    CUDA_OK(cudaMemset(dov, 0xFF, out_elems * 2));
+    CUDA_OK(cudaMemcpy(dlens, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dtable, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+    GatherTensors t{dk, dv, dok, dov, static_cast<const int32_t*>(dlens), static_cast<const int32_t*>(dtable)};
+    ASSERT_TRUE(LaunchGather(*plan, t, nullptr).ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint16_t> ok(out_elems), ov(out_elems);
+    CUDA_OK(cudaMemcpy(ok.data(), dok, out_elems * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(ov.data(), dov, out_elems * 2, cudaMemcpyDeviceToHost));
+    int64_t wrong = 0, touched = 0;
+    for (int b = 0; b < batch; ++b) {
+      for (int key = 0; key < capacity; ++key) {
+        const uint16_t* gk = ok.data() + (int64_t{b} * capacity + key) * row;
+        const uint16_t* gv = ov.data() + (int64_t{b} * capacity + key) * row;
+        if (key < lens[b]) {
+          const int64_t src = (int64_t{table[b * max_pages + key / page]} * page + key % page) * row;
+          wrong += std::memcmp(gk, k.data() + src, row * 2) != 0;
+          wrong += std::memcmp(gv, v.data() + src, row * 2) != 0;
+        } else {
+          for (int64_t e = 0; e < row; ++e) touched += gk[e] != kPoison16 || gv[e] != kPoison16;
+        }
+      }
+    }
+    EXPECT_EQ(wrong, 0) << "gathered rows that differ from their page's";
+    EXPECT_EQ(touched, 0) << "elements written past a sequence's length";
+    for (void* p : {dk, dv, dok, dov, dlens, dtable}) cudaFree(p);
+  }
+}
+
 }  // namespace
 }  // namespace attnd::kernels::decode

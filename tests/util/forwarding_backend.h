@@ -33,6 +33,15 @@ class ForwardingBackend : public server::Backend {
   std::vector<server::DeviceMemoryUse> device_memory() const override { return inner_->device_memory(); }
   uint32_t max_queue() const override { return inner_->max_queue(); }
   uint64_t stream_preferred_from_bytes() const override { return inner_->stream_preferred_from_bytes(); }
+  absl::StatusOr<std::shared_ptr<server::KvPool>> MakeKvPool(const server::SequenceShape& shape, int page_tokens,
+                                                             int32_t num_pages) override {
+    return inner_->MakeKvPool(shape, page_tokens, num_pages);
+  }
+  uint64_t default_kv_pool_bytes() const override { return inner_->default_kv_pool_bytes(); }
+  absl::Status AcceptStep(const server::StepJob& job) const override { return inner_->AcceptStep(job); }
+  absl::Status SubmitSteps(std::unique_ptr<server::StepBatch> batch) override {
+    return inner_->SubmitSteps(std::move(batch));
+  }
 
  private:
   std::unique_ptr<server::Backend> inner_;

@@ -32,53 +32,12 @@
 #include "attnd/server/cuda/block_cache.h"
 #include "attnd/server/cuda/tensor_map_cache.h"
 #include "attnd/server/status_util.h"
+#include "cuda_device.h"
 #include "spdlog/spdlog.h"
 
 namespace attnd::server {
+namespace cuda {
 namespace {
-
-using cuda::Block;
-using cuda::BlockCache;
-using cuda::TensorMapCache;
-
-absl::Status CudaStatus(const char* what, cudaError_t err) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
-}
-
-double Micros(absl::Duration d) { return absl::ToDoubleMicroseconds(d); }
-
-// A worker spins on its completion (BackendOptions::completion_spin) only while the device runs at most
-// this many requests, its own included.
-constexpr uint32_t kSpinWhileRunning = 2;
-
-// Buffer placement inside a slot's device block (and, at the same offsets, its pinned staging block): the
-// inline inputs first, so one H2D copy moves them all, then the outputs, so one D2H copy returns them.
-struct Placement {
-  static constexpr uint64_t kAbsent = ~uint64_t{0};
-  uint64_t q = kAbsent, k = kAbsent, v = kAbsent, o = kAbsent, lse = kAbsent;
-  uint64_t in_bytes = 0;     // [0, in_bytes): inline Q/K/V
-  uint64_t out_offset = 0;   // [out_offset, total): O (when inline) and LSE
-  uint64_t total = 0;
-};
-
-// TMA wants 16-byte aligned bases; 1 KiB keeps each tensor on its own cache lines and swizzle atoms.
-uint64_t Align(uint64_t x) { return (x + 1023) & ~uint64_t{1023}; }
-
-Placement Place(const Shape& s, bool q_inline, bool k_inline, bool v_inline, bool o_inline, bool lse) {
-  const uint64_t qb = static_cast<uint64_t>(QElems(s)) * 2, kvb = static_cast<uint64_t>(KVElems(s)) * 2;
-  Placement p;
-  uint64_t at = 0;
-  if (q_inline) p.q = at, at = Align(at + qb);
-  if (k_inline) p.k = at, at = Align(at + kvb);
-  if (v_inline) p.v = at, at = Align(at + kvb);
-  p.in_bytes = at;
-  p.out_offset = at;
-  if (o_inline) p.o = at, at = Align(at + qb);
-  if (lse) p.lse = at, at = Align(at + static_cast<uint64_t>(LseElems(s)) * sizeof(float));
-  p.total = at;
-  return p;
-}
 
 absl::StatusOr<std::vector<Shape>> ParseWarmShapes(const std::string& spec) {
   std::vector<Shape> out;
@@ -96,10 +55,8 @@ absl::StatusOr<std::vector<Shape>> ParseWarmShapes(const std::string& spec) {
   return out;
 }
 
-// Waits for `ev` (created with cudaEventBlockingSync). Polls, yielding, for up to `spin`, where a short
-// kernel completes and the cost of a sleep/wake-up (tens of us) would show in the latency; then sleeps in
-// the driver. The caller passes no spin when the device is busy: waiters polling a queue of GPU work only
-// take cores from gRPC and the clients (seen on the H200 host: IPC at concurrency 16 kept the GPU half busy).
+}  // namespace
+
 absl::Status WaitEvent(cudaEvent_t ev, absl::Duration spin) {
   const absl::Time until = absl::Now() + spin;
   for (;;) {
@@ -111,176 +68,13 @@ absl::Status WaitEvent(cudaEvent_t ev, absl::Duration spin) {
   }
 }
 
-// A job queued on one device, with the kernel selected for it.
-struct Pending {
-  std::unique_ptr<ForwardJob> job;
-  kernels::Selection selection;
-};
-
-class CudaBackendImpl;
-class CudaDevice;
-
-// A stream's inline inputs, received into a pinned block laid out like the request's device block (the
-// same Placement) and copied to the device in pieces while the rest is still arriving, on the device's
-// upload stream. The request's worker then waits for the last piece instead of staging and copying the
-// inputs itself, and takes over the blocks. Arrived runs on the stream's gRPC thread; the destructor on
-// whichever thread drops the job.
-class StreamedInputs final : public InputSink {
- public:
-  // A piece is copied once this many of a tensor's bytes are waiting, and when the tensor is complete:
-  // large enough that the API calls stay few (a 4k request's 100 MB take ~50), small enough that the copy
-  // left after the last chunk (~40 us at PCIe speed) is short.
-  static constexpr uint64_t kPieceBytes = 2ull << 20;
-
-  StreamedInputs(CudaDevice* device, const Placement& pl, Block dblock, Block hblock,
-                 const uint64_t (&sizes)[kTensors]);
-  ~StreamedInputs() override;
-  absl::Status Init();  // the events
-
-  uint8_t* data(int tensor) override {
-    return offset_[tensor] == Placement::kAbsent ? nullptr : static_cast<uint8_t*>(hblock_.ptr) + offset_[tensor];
-  }
-  absl::Status Arrived(int tensor, uint64_t bytes_in_place) override;
-
-  CudaDevice* device() const { return device_; }
-  const Placement& placement() const { return pl_; }
-  bool complete() const { return waiting_ == 0; }
-  // Recorded on the upload stream after the last piece (complete() only).
-  cudaEvent_t uploaded() const { return done_; }
-  // Milliseconds the last piece took: the part of the host-to-device copy not hidden behind the upload.
-  float last_piece_ms() const;
-  // The request has been queued: it counts in its device's load as a job from here.
-  void Submitted();
-  // Hands both blocks to the request's worker, which releases them after its own work on the device.
-  std::pair<Block, Block> Take();
-
- private:
-  CudaDevice* const device_;
-  const Placement pl_;
-  Block dblock_, hblock_;
-  bool own_blocks_ = true;
-  uint64_t offset_[kTensors], size_[kTensors], flushed_[kTensors] = {};
-  uint64_t waiting_ = 0;  // inline bytes not yet copied
-  bool copied_ = false;   // a copy was enqueued: it must finish before the blocks are reused
-  bool counted_ = true;   // in the device's uploading count
-  cudaEvent_t before_last_ = nullptr, done_ = nullptr;
-};
-
-// One served GPU.
-class CudaDevice {
- public:
-  // `queued_total`: the backend-wide count of waiting jobs, decremented when a worker takes one.
-  CudaDevice(int index, const BackendOptions& options, TensorMapCache* maps, std::atomic<uint32_t>* queued_total,
-             CopyPool* copies)
-      : index_(index), options_(options), maps_(maps), queued_total_(queued_total), copies_(copies) {}
-  ~CudaDevice();
-
-  // Context, warm-up launches, slots, pools, warm shapes, then the workers.
-  absl::Status Start(const std::vector<Shape>& warm_shapes);
-  void Enqueue(Pending p);
-  // Drains the queue (every job gets its `done`) and joins the workers.
-  void Stop();
-
-  int index() const { return index_; }
-  const DeviceDescription& description() const { return desc_; }
-  const std::vector<std::string>& kernel_names() const { return kernel_names_; }
-  uint32_t queued() const { return queued_.load(); }
-  uint32_t load() const { return queued_.load() + running_.load(); }
-  // What an inline request placed here now would wait behind: jobs, and streams still uploading.
-  uint32_t placement_load() const { return load() + uploading_.load(); }
-  // A sink for a stream's inline inputs on this device (StreamedInputs); RESOURCE_EXHAUSTED over the budget.
-  absl::StatusOr<std::unique_ptr<InputSink>> OpenInputs(const Problem& problem,
-                                                        const uint64_t (&sizes)[InputSink::kTensors]);
-  uint32_t running() const { return running_.load(); }
-  // Device memory the pool holds (in use + cached for reuse); IPC buffers belong to their callers.
-  uint64_t device_bytes_held() const { return device_mem_ ? device_mem_->stats().held_bytes : 0; }
-
- private:
-  friend class StreamedInputs;
-
-  struct Slot {
-    cudaStream_t stream = nullptr;
-    cudaEvent_t ev[4] = {};  // before H2D, before kernel, after kernel, after D2H
-    // ev[1] only says when the inputs arrived: with the shared compute stream the kernel may then wait
-    // behind other requests' kernels, and when the inputs were on the device already (IPC, a stream's
-    // pieces) the GPU reaches ev[1] at once while the host still plans the launch. This event, recorded right
-    // before the launch on the stream that runs it, makes the reported kernel time the kernel's own.
-    cudaEvent_t kernel_start = nullptr;
-    // The kernels' scratch memory (kernels::Plan::workspace_bytes), from the device budget: see SlotWorkspace.
-    Block workspace;
-  };
-
-  // A device block and a pinned block of `bytes` each, or neither.
-  absl::StatusOr<std::pair<Block, Block>> AcquireBlocks(uint64_t bytes);
-  void ReleaseBlocks(Block dblock, Block hblock);
-  // The workspace for `plan`'s launch on `stream` by this slot: null when the plan needs none; else the slot's own,
-  // grown (a fresh block, zeroed on `stream`) when the plan needs more than the slot has. Each launch leaves it
-  // zero, and a slot runs one request at a time, so launches in flight never share one. The slot's earlier
-  // launches must be complete when it grows (true between requests: Run returns after its work).
-  absl::StatusOr<void*> SlotWorkspace(Slot& slot, const kernels::Plan& plan, cudaStream_t stream);
-  absl::Status WarmUpKernels();
-  absl::Status WarmShape(const Shape& s);
-  void SlotLoop(Slot* slot);
-
-  // One request while it runs on a slot: its blocks, where its tensors are, and what GPU work it has in flight.
-  struct Work {
-    Work(ForwardJob& j, Slot& s) : job(j), slot(s) {}
-    ForwardJob& job;
-    Slot& slot;
-    Placement pl;
-    StreamedInputs* streamed = nullptr;  // its inputs were copied to the device while they arrived
-    Block dblock, hblock;
-    kernels::DeviceTensors tensors;
-    bool copies_in = false;   // ev[0] and ev[1] bracket a copy in (or the wait for streamed pieces)
-    uint64_t out_bytes = 0;   // copied back after the kernel
-    bool enqueued = false;    // GPU work may be in flight on the slot's stream: wait before freeing the blocks
-    bool on_compute = false;  // the same on the shared compute stream
-    uint8_t* dev() const { return static_cast<uint8_t*>(dblock.ptr); }
-    uint8_t* host() const { return static_cast<uint8_t*>(hblock.ptr); }
-  };
-  // The request's steps, in order: its blocks and tensor addresses; its inline inputs staged in pinned memory
-  // and their copy to the device enqueued; the kernel planned (tensor maps from the cache); the kernel
-  // enqueued; the copy back, the wait for it, the timings and the outputs.
-  absl::Status Run(Slot& slot, Pending& p);
-  absl::Status TakeBlocks(Work& w);
-  absl::Status StageInputs(Work& w);
-  absl::StatusOr<kernels::Plan> PlanLaunch(const kernels::Selection& selection, const Work& w);
-  absl::Status EnqueueKernel(const kernels::Plan& plan, Work& w);
-  absl::Status CollectOutputs(Work& w);
-  // Waits for the request's GPU work still in flight, then gives its blocks back.
-  void Release(Work& w);
-
-  const int index_;
-  const BackendOptions options_;
-  TensorMapCache* const maps_;
-  std::atomic<uint32_t>* const queued_total_;
-  CopyPool* const copies_;  // the backend's, shared by its devices
-  DeviceDescription desc_;
-  std::vector<std::string> kernel_names_;
-  std::unique_ptr<BlockCache> device_mem_;
-  // Shared with the loans of O (ForwardJob::o_loan), which may outlive this device in a reply still being written.
-  std::shared_ptr<BlockCache> pinned_mem_;
-  std::vector<std::unique_ptr<Slot>> slots_;
-  std::vector<std::thread> workers_;
-  cudaStream_t compute_ = nullptr;  // the shared compute stream (BackendOptions::shared_compute_stream)
-  cudaStream_t upload_ = nullptr;   // streamed inputs' pieces, copied as they arrive (StreamedInputs)
-  // Held while one request enqueues its compute-stream work, so that no other request's work lands between
-  // its kernel_start event and its launch (which would count into its kernel time).
-  absl::Mutex compute_mu_;
-
-  absl::Mutex mu_;
-  std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::atomic<uint32_t> queued_{0}, running_{0};
-  std::atomic<uint32_t> uploading_{0};  // streams with a sink here, not yet submitted
-  std::atomic<bool> spinner_{false};  // an idle worker is polling the queue
-};
 
 CudaDevice::~CudaDevice() {
   Stop();
   cudaSetDevice(index_);
   for (auto& s : slots_) {
     if (s->workspace.ptr != nullptr && device_mem_) device_mem_->Release(s->workspace);
+    if (s->decode_workspace.ptr != nullptr && device_mem_) device_mem_->Release(s->decode_workspace);
     for (cudaEvent_t e : s->ev) {
       if (e) cudaEventDestroy(e);
     }
@@ -308,7 +102,7 @@ absl::Status CudaDevice::Start(const std::vector<Shape>& warm_shapes) {
   const uint64_t host_ram = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t pinned_budget = std::min<uint64_t>(budget, host_ram / 4);
   const int dev = index_;
-  device_mem_ = std::make_unique<BlockCache>(
+  device_mem_ = std::make_shared<BlockCache>(
       cuda::RawAllocator{"device memory",
                          [dev](uint64_t n) -> absl::StatusOr<void*> {
                            void* p = nullptr;
@@ -622,6 +416,15 @@ void CudaDevice::SlotLoop(Slot* slot) {
       queued_.fetch_sub(1);
       queued_total_->fetch_sub(1);
     }
+    if (p.steps != nullptr) {
+      std::vector<absl::Status> statuses;
+      RunSteps(*slot, *p.steps, statuses);
+      running_.fetch_sub(1);
+      for (size_t i = 0; i < p.steps->jobs.size(); ++i) p.steps->jobs[i]->done(statuses[i]);
+      // The jobs hold their pool: dropped here, after the batch's GPU work (RunSteps waits for it).
+      p.steps.reset();
+      continue;
+    }
     const absl::Status status = Run(*slot, p);
     // Finished before the reply goes out, as in the CPU backend: a client that reads the stats right after its
     // reply must not find its own request still in flight.
@@ -650,7 +453,7 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
   absl::Status status = StageInputs(w);
   absl::StatusOr<kernels::Plan> plan;
   if (status.ok()) {
-    plan = PlanLaunch(p.selection, w);
+    plan = PlanLaunch(p.selection, w.tensors);
     status = plan.status();
   }
   if (status.ok()) status = EnqueueKernel(*plan, w);
@@ -735,8 +538,9 @@ absl::Status CudaDevice::StageInputs(Work& w) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<kernels::Plan> CudaDevice::PlanLaunch(const kernels::Selection& selection, const Work& w) {
-  absl::StatusOr<kernels::TensorMapKeys> keys = kernels::MapKeys(selection, w.tensors);
+absl::StatusOr<kernels::Plan> CudaDevice::PlanLaunch(const kernels::Selection& selection,
+                                                     const kernels::DeviceTensors& tensors) {
+  absl::StatusOr<kernels::TensorMapKeys> keys = kernels::MapKeys(selection, tensors);
   if (!keys.ok()) return keys.status();
   absl::StatusOr<CUtensorMap> qm = maps_->Get(keys->q);
   absl::StatusOr<CUtensorMap> km = maps_->Get(keys->k);
@@ -747,7 +551,7 @@ absl::StatusOr<kernels::Plan> CudaDevice::PlanLaunch(const kernels::Selection& s
     if (!m->ok()) return m->status();
   }
   if (keys->has_o && !om.ok()) return om.status();
-  return kernels::MakePlanFromMaps(selection, w.tensors, *qm, *km, *vm, keys->has_o ? &*om : nullptr);
+  return kernels::MakePlanFromMaps(selection, tensors, *qm, *km, *vm, keys->has_o ? &*om : nullptr);
 }
 
 absl::Status CudaDevice::EnqueueKernel(const kernels::Plan& plan, Work& w) {
@@ -850,6 +654,15 @@ void CudaDevice::Release(Work& w) {
   w.dblock = w.hblock = Block{};
 }
 
+}  // namespace cuda
+
+namespace {
+
+using cuda::CudaDevice;
+using cuda::Pending;
+using cuda::StreamedInputs;
+using cuda::TensorMapCache;
+
 class CudaBackendImpl final : public Backend {
  public:
   explicit CudaBackendImpl(const BackendOptions& options)
@@ -862,7 +675,7 @@ class CudaBackendImpl final : public Backend {
   }
 
   absl::Status Start(const std::vector<int>& devices) {
-    absl::StatusOr<std::vector<Shape>> warm = ParseWarmShapes(options_.warm_shapes);
+    absl::StatusOr<std::vector<Shape>> warm = cuda::ParseWarmShapes(options_.warm_shapes);
     if (!warm.ok()) return warm.status();
     for (int d : devices) {
       auto dev = std::make_unique<CudaDevice>(d, options_, &maps_, &queued_total_, &copies_);
@@ -957,6 +770,45 @@ class CudaBackendImpl final : public Backend {
     absl::ReaderMutexLock lock(&submit_mu_);
     if (stopping_) return absl::UnavailableError("the server is shutting down");
     return PickInlineDevice()->OpenInputs(job.problem, sizes);
+  }
+
+  // KV sequences live on the first served device: one pool per shape there, and every step on it (a sequence's
+  // pages cannot follow a request to another device). Other devices serve Forward requests only.
+  absl::StatusOr<std::shared_ptr<KvPool>> MakeKvPool(const SequenceShape& shape, int page_tokens,
+                                                     int32_t num_pages) override {
+    absl::ReaderMutexLock lock(&submit_mu_);
+    if (stopping_) return absl::UnavailableError("the server is shutting down");
+    return devices_.front()->MakeKvPool(shape, page_tokens, num_pages);
+  }
+
+  // Half the sequence device's budget: the other half stages Forward requests and step batches.
+  uint64_t default_kv_pool_bytes() const override { return devices_.front()->device_budget_bytes() / 2; }
+
+  absl::Status AcceptStep(const StepJob& job) const override { return cuda::AcceptStepJob(job); }
+
+  absl::Status SubmitSteps(std::unique_ptr<StepBatch> batch) override {
+    absl::ReaderMutexLock lock(&submit_mu_);
+    if (stopping_) return absl::UnavailableError("the server is shutting down");
+    if (batch == nullptr || batch->jobs.empty()) return absl::InvalidArgumentError("steps: an empty batch");
+    const KvPool* pool = batch->jobs.front()->pool.get();
+    const int device = pool != nullptr ? cuda::KvPoolDevice(*pool) : -1;
+    CudaDevice* target = nullptr;
+    for (const auto& d : devices_) {
+      if (d->index() == device) target = d.get();
+    }
+    if (target == nullptr) return absl::InternalError("steps: the pool was not made by this backend");
+    // A batch is one launch and takes one place in the queue, as a Forward request does.
+    uint32_t q = queued_total_.load();
+    do {
+      if (q >= options_.max_queue) {
+        return absl::ResourceExhaustedError(absl::StrCat("queue full: ", q, " requests waiting (--max_queue=",
+                                                         options_.max_queue, ")"));
+      }
+    } while (!queued_total_.compare_exchange_weak(q, q + 1));
+    Pending p;
+    p.steps = std::move(batch);
+    target->Enqueue(std::move(p));
+    return absl::OkStatus();
   }
 
   uint32_t queue_depth() const override {

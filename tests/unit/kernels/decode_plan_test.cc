@@ -284,5 +284,29 @@ TEST(AppendPlanValidation, ChecksTheRowsLandInsideTheCache) {
   EXPECT_TRUE(absl::StartsWith(bad_page.status().message(), "block_table[0][0]: ")) << bad_page.status();
 }
 
+TEST(GatherPlanValidation, ChecksPagedStorageCapacityAndEveryPageRead) {
+  const Strides out = ContiguousStrides(40, 2, 64);
+  const BatchLayout p = Paged(2, 1, 4, 2, 64, 16, 4, 3);
+  EXPECT_TRUE(MakeGatherPlan(p, 40, out, out, {40, 0}, {0, 3, 2, -1, -1, -1}).ok());
+  // Unlike an append, a gather reads every page from the first: all of them must exist.
+  absl::StatusOr<GatherPlan> bad_page = MakeGatherPlan(p, 40, out, out, {40, 0}, {0, 4, 2, -1, -1, -1});
+  ASSERT_FALSE(bad_page.ok());
+  EXPECT_TRUE(absl::StartsWith(bad_page.status().message(), "block_table[0][1]: ")) << bad_page.status();
+  absl::StatusOr<GatherPlan> over = MakeGatherPlan(p, 32, out, out, {0, 33}, {0, 0, 0, 1, 2, 3});
+  ASSERT_FALSE(over.ok());
+  EXPECT_TRUE(absl::StartsWith(over.status().message(), "kv_lens[1]: ")) << over.status();
+  absl::StatusOr<GatherPlan> no_capacity = MakeGatherPlan(p, 0, out, out, {0, 0}, {0, 0, 0, 0, 0, 0});
+  ASSERT_FALSE(no_capacity.ok());
+  EXPECT_TRUE(absl::StartsWith(no_capacity.status().message(), "capacity: ")) << no_capacity.status();
+  Strides odd = out;
+  odd.head = 60;
+  absl::StatusOr<GatherPlan> bad_stride = MakeGatherPlan(p, 40, out, odd, {1, 1}, {0, 0, 0, 0, 0, 0});
+  ASSERT_FALSE(bad_stride.ok());
+  EXPECT_TRUE(absl::StartsWith(bad_stride.status().message(), "out_v.head: ")) << bad_stride.status();
+  absl::StatusOr<GatherPlan> contiguous = MakeGatherPlan(Contiguous(2, 1, 4, 2, 64, 40), 40, out, out, {1, 1}, {});
+  ASSERT_FALSE(contiguous.ok());
+  EXPECT_TRUE(absl::StartsWith(contiguous.status().message(), "cache.kv_storage: ")) << contiguous.status();
+}
+
 }  // namespace
 }  // namespace attnd::kernels::decode

@@ -1,5 +1,6 @@
 // Host entry points of the compiled decode kernels (one translation unit per head_dim, decode_d*.cu, plus
-// decode_merge_append.cu), called by decode_plan.cc's LaunchDecode / LaunchAppend. Plain C++: no CUDA
+// decode_merge_append.cu), called by decode_plan.cc's LaunchDecode / LaunchAppend /
+// LaunchGather. Plain C++: no CUDA
 // device code or absl in the interface, so the .cu files stay independent of the host library.
 #pragma once
 
@@ -18,5 +19,6 @@ cudaError_t LaunchDecodeD256(const DecodeParams& p, DType dtype, int row_block, 
 
 cudaError_t LaunchMergeSplits(const DecodeParams& p, DType dtype, int head_dim, cudaStream_t stream);
 cudaError_t LaunchAppendKv(const AppendParams& p, cudaStream_t stream);
+cudaError_t LaunchGatherKv(const GatherParams& p, cudaStream_t stream);
 
 }  // namespace attnd::kernels::decode

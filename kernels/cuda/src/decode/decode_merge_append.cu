@@ -1,4 +1,4 @@
-// The split merge (per head_dim and element type) and the K/V append kernel.
+// The split merge (per head_dim and element type), the K/V append and the K/V gather kernels.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -7,6 +7,7 @@
 
 #include "append_decode.cuh"
 #include "decode_launch.h"
+#include "gather_decode.cuh"
 #include "merge_decode.cuh"
 
 namespace attnd::kernels::decode {
@@ -48,6 +49,14 @@ cudaError_t LaunchAppendKv(const AppendParams& p, cudaStream_t stream) {
   // A grid-stride loop: a few thousand blocks cover any append, more would only add scheduling.
   const int64_t blocks = std::min<int64_t>((chunks + kAppendThreads - 1) / kAppendThreads, 4096);
   AppendKvKernel<<<static_cast<unsigned>(blocks), kAppendThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchGatherKv(const GatherParams& p, cudaStream_t stream) {
+  const int64_t chunks = static_cast<int64_t>(p.batch) * p.capacity * p.kv_heads * (p.head_dim / 8);
+  if (chunks == 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>((chunks + kGatherThreads - 1) / kGatherThreads, 4096);
+  GatherKvKernel<<<static_cast<unsigned>(blocks), kGatherThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -54,4 +54,19 @@ struct AppendParams {
   int page_shift = 0, max_pages_per_seq = 0;
 };
 
+struct GatherParams {
+  const void* k = nullptr;  // the paged pools
+  const void* v = nullptr;
+  void* out_k = nullptr;
+  void* out_v = nullptr;
+  const int32_t* kv_lens = nullptr;
+  const int32_t* block_table = nullptr;
+  int64_t k_sb = 0, k_ss = 0, k_sh = 0;  // page, row, head
+  int64_t v_sb = 0, v_ss = 0, v_sh = 0;
+  int64_t ok_sb = 0, ok_ss = 0, ok_sh = 0;  // batch, seq, head of the contiguous output
+  int64_t ov_sb = 0, ov_ss = 0, ov_sh = 0;
+  int batch = 0, capacity = 0, kv_heads = 0, head_dim = 0;
+  int page_shift = 0, max_pages_per_seq = 0;
+};
+
 }  // namespace attnd::kernels::decode

@@ -316,4 +316,51 @@ absl::Status LaunchAppend(const AppendPlan& plan, const AppendTensors& t, cudaSt
   return FromCuda(LaunchAppendKv(p, stream), "append launch");
 }
 
+absl::StatusOr<GatherPlan> MakeGatherPlan(const BatchLayout& cache, int capacity, const Strides& out_k,
+                                          const Strides& out_v, absl::Span<const int32_t> kv_lens,
+                                          absl::Span<const int32_t> block_table) {
+  if (cache.kv_storage != KvStorage::kPaged) return Invalid("cache.kv_storage", "a gather reads paged KV");
+  if (absl::Status st = CheckCache(cache); !st.ok()) return st;
+  if (capacity < 1) return Invalid("capacity", absl::StrCat(capacity, " < 1"));
+  if (absl::Status st = CheckStrides("out_k", out_k); !st.ok()) return st;
+  if (absl::Status st = CheckStrides("out_v", out_v); !st.ok()) return st;
+  if (absl::Status st = CheckLengthsAndTable(cache, kv_lens, block_table, 0, false); !st.ok()) return st;
+  for (size_t b = 0; b < kv_lens.size(); ++b) {
+    if (kv_lens[b] > capacity) {
+      return Invalid(absl::StrCat("kv_lens[", b, "]"),
+                     absl::StrCat(kv_lens[b], " exceeds the output's capacity of ", capacity, " rows"));
+    }
+  }
+  return GatherPlan{cache, capacity, out_k, out_v};
+}
+
+absl::Status LaunchGather(const GatherPlan& plan, const GatherTensors& t, cudaStream_t stream) {
+  const BatchLayout& l = plan.layout;
+  if (plan.capacity < 1) return absl::FailedPreconditionError("plan: not made by MakeGatherPlan");
+  if (absl::Status st = CheckPointer("tensors.k", t.k, true); !st.ok()) return st;
+  if (absl::Status st = CheckPointer("tensors.v", t.v, true); !st.ok()) return st;
+  if (absl::Status st = CheckPointer("tensors.out_k", t.out_k, true); !st.ok()) return st;
+  if (absl::Status st = CheckPointer("tensors.out_v", t.out_v, true); !st.ok()) return st;
+  if (t.kv_lens == nullptr) return Invalid("tensors.kv_lens", "null");
+  if (t.block_table == nullptr) return Invalid("tensors.block_table", "null");
+  GatherParams p;
+  p.k = t.k;
+  p.v = t.v;
+  p.out_k = t.out_k;
+  p.out_v = t.out_v;
+  p.kv_lens = t.kv_lens;
+  p.block_table = t.block_table;
+  p.k_sb = l.k.batch, p.k_ss = l.k.seq, p.k_sh = l.k.head;
+  p.v_sb = l.v.batch, p.v_ss = l.v.seq, p.v_sh = l.v.head;
+  p.ok_sb = plan.out_k.batch, p.ok_ss = plan.out_k.seq, p.ok_sh = plan.out_k.head;
+  p.ov_sb = plan.out_v.batch, p.ov_ss = plan.out_v.seq, p.ov_sh = plan.out_v.head;
+  p.batch = l.batch;
+  p.capacity = plan.capacity;
+  p.kv_heads = l.kv_heads;
+  p.head_dim = l.head_dim;
+  p.page_shift = Log2(l.paged.page_size);
+  p.max_pages_per_seq = l.paged.max_pages_per_seq;
+  return FromCuda(LaunchGatherKv(p, stream), "gather launch");
+}
+
 }  // namespace attnd::kernels::decode

@@ -241,6 +241,8 @@ class Backend {
     (void)shape, (void)page_tokens, (void)num_pages;
     return absl::UnimplementedError(absl::StrCat("KV sequences are not available on the ", name(), " backend"));
   }
+  // The K/V pool memory a server takes for sequences when no --kv_pool_mb is given.
+  virtual uint64_t default_kv_pool_bytes() const { return 1ull << 30; }
   // Backend-specific acceptance of a step (head_dim, dtype, references), before the core commits to it.
   virtual absl::Status AcceptStep(const StepJob& job) const {
     (void)job;

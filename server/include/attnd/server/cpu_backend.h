@@ -48,6 +48,11 @@ class CpuBackend final : public Backend {
 
   uint32_t max_queue() const override { return max_queue_; }
 
+  // KV sequences on host memory, computed by the reference: the oracle the CUDA backend is tested against.
+  absl::StatusOr<std::shared_ptr<KvPool>> MakeKvPool(const SequenceShape& shape, int page_tokens,
+                                                     int32_t num_pages) override;
+  absl::Status SubmitSteps(std::unique_ptr<StepBatch> batch) override;
+
   // Jobs whose computation ran (not those answered DEADLINE_EXCEEDED/CANCELLED before starting).
   uint64_t jobs_computed() const;
   int worker_count() const { return static_cast<int>(workers_.size()); }
@@ -56,6 +61,8 @@ class CpuBackend final : public Backend {
   void WorkerLoop();
   // Deadline/cancel checks, then the computation; fills the job's outputs and timing.
   absl::Status Run(ForwardJob& job, int compute_threads);
+  // One step of a batch: copies, append, attention.
+  absl::Status RunStep(StepJob& job, int compute_threads);
 
   const uint32_t max_queue_;
   const int threads_;
@@ -64,6 +71,9 @@ class CpuBackend final : public Backend {
 
   mutable absl::Mutex mu_;
   std::deque<std::unique_ptr<ForwardJob>> queue_ ABSL_GUARDED_BY(mu_);
+  // Step batches, taken before forward jobs (a decode step is short and on a caller's critical path); they
+  // count against max_queue together.
+  std::deque<std::unique_ptr<StepBatch>> steps_ ABSL_GUARDED_BY(mu_);
   uint32_t running_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t computed_ ABSL_GUARDED_BY(mu_) = 0;

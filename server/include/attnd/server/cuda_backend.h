@@ -10,6 +10,8 @@
 // cuda-ipc callers register buffers with the device index as the server numbers devices, and must finish
 // writing Q/K/V (synchronise the stream that wrote them) before calling Forward: the server's kernel does not
 // wait on the caller's streams. The reply comes after the kernel has finished writing O.
+// KV sequences (MakeKvPool / SubmitSteps) live on the first served device: their page pools come out of its
+// memory budget and their steps run there (docs/sequences.md, "On the CUDA backend").
 #pragma once
 
 #include <memory>

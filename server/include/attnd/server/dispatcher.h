@@ -8,9 +8,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "attnd/server/backend.h"
 #include "attnd/server/buffer_registry.h"
 #include "attnd/server/validation.h"
@@ -26,6 +28,18 @@ struct CallInfo {
   std::function<absl::Status()> admit;            // the transport's own admission check (gRPC: calls per connection)
   const InlineBytes* in_message = nullptr;        // q/k/v left in the message's slices (ReadForwardRequest)
 };
+
+// A tensor of a request given by reference, and the [batch, seq, heads, head_dim] extent it must have.
+struct TensorUse {
+  const char* field;  // "q.ref", ... for the error messages
+  TensorSource* src;
+  int64_t batch, seq, heads;
+};
+
+// Resolves references to device memory: each buffer acquired once (its lease appended to *holds, kept until the
+// reply), every tensor inside its region and 16-byte aligned, all on one device. `buffers` null: none enabled.
+absl::Status ResolveTensorReferences(const BufferRegistry* buffers, absl::Span<TensorUse> uses, int64_t head_dim,
+                                     DType dtype, std::vector<std::shared_ptr<const void>>* holds);
 
 class Dispatcher {
  public:

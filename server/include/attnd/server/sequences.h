@@ -112,18 +112,34 @@ class Sequences {
     }
   };
 
+  // A step waiting for its launch, and how to answer it if the backend refuses the launch (the refused batch
+  // is dropped with its jobs).
+  struct Pending {
+    std::unique_ptr<StepJob> job;
+    std::function<void(const absl::Status&)> refuse;
+  };
+
   absl::StatusOr<Seq*> Find(const std::string& owner, const std::string& id, const std::string& field)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string NewId();
   absl::StatusOr<Pool*> PoolFor(const SequenceShape& shape) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<int32_t> TakePage(Pool& pool, const std::string& owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void DropPage(Pool& pool, int32_t page, const std::string& owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Free(Seq* seq, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Unref(Pool& pool, int32_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the sequence's pages past the first `keep`.
+  void DropPages(Seq* seq, size_t keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the pages past those its longest layer needs.
   void TrimPages(Seq* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status Admit(const std::string& owner, const v1::StepRequest& request, StepJob* job, Admitted* admitted);
-  void Finish(const Admitted& admitted, StepJob* job, bool ok);
-  void Enqueue(const BatchKey& key, std::unique_ptr<StepJob> job);
+  void Free(Seq* seq, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status Admit(const std::string& owner, const v1::StepRequest& request, Transport transport,
+                     const CallInfo& call, StepJob* job, Admitted* admitted) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends an admitted step: commits the lengths (ok) or undoes its copy-on-write (not ok), frees deferred closes.
+  void Finish(const Admitted& admitted, bool ok) ABSL_LOCKS_EXCLUDED(mu_);
+  // After the step's reply: Shutdown waits for every admitted step to get here.
+  void Answered() ABSL_LOCKS_EXCLUDED(mu_);
+  void Enqueue(BatchKey key, Pending pending) ABSL_LOCKS_EXCLUDED(mu_);
   void Launch(const BatchKey& key) ABSL_LOCKS_EXCLUDED(mu_);
+  void LaunchDone(const BatchKey& key) ABSL_LOCKS_EXCLUDED(mu_);
+  void FailLane(const BatchKey& key, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
   void ReaperLoop();
 
   const SequenceOptions options_;
@@ -144,9 +160,11 @@ class Sequences {
   std::deque<std::string> tombstone_order_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<BatchKey, std::unique_ptr<Lane>> lanes_ ABSL_GUARDED_BY(mu_);
   uint32_t waiting_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t admitted_ ABSL_GUARDED_BY(mu_) = 0;  // admitted and not yet answered
+  uint64_t admitted_ ABSL_GUARDED_BY(mu_) = 0;  // admitted steps whose reply has not returned yet
   uint64_t next_unique_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool reaper_stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool reaper_wake_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0, launches_ ABSL_GUARDED_BY(mu_) = 0, expired_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread reaper_;
 };

@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attnd/server/backend.h"
+#include "attnd/server/sequences.h"
 
 namespace attnd::server {
 
@@ -46,6 +47,8 @@ struct ServerOptions {
   absl::Duration shm_reply_spin = absl::Microseconds(300);  // ... and for its reply (shm_listener.h)
   // gRPC channel arguments "name=value" applied last (channel_args.h); a malformed one fails Create.
   std::vector<std::string> grpc_args;
+  // KV sequences (docs/sequences.md). pool_bytes 0: half the backend's memory budget on CUDA, 1 GiB on CPU.
+  SequenceOptions sequences;
 };
 
 class Server {

@@ -131,4 +131,30 @@ absl::StatusOr<AppendPlan> MakeAppendPlan(const BatchLayout& cache, int new_len,
                                           absl::Span<const int32_t> block_table = {});
 absl::Status LaunchAppend(const AppendPlan& plan, const AppendTensors& tensors, cudaStream_t stream);
 
+// Gathering a paged cache into contiguous K/V, for kernels that read only contiguous tensors (the prefill
+// kernels of attention.h, whose TMA boxes cannot follow a block table): keys 0 .. kv_len_b - 1 of each
+// sequence are copied from its pages to rows 0 .. kv_len_b - 1 of out_k/out_v [batch, capacity, kv_heads,
+// head_dim]; rows from kv_len_b on are left as they are.
+struct GatherPlan {
+  BatchLayout layout;  // the paged cache's layout (q, o, mask and scale are not used)
+  int capacity = 0;    // rows per sequence in out_k/out_v
+  Strides out_k, out_v;  // element strides (batch, seq, head) of the output
+};
+
+struct GatherTensors {
+  const void* k = nullptr;  // the K page pool
+  const void* v = nullptr;
+  void* out_k = nullptr;
+  void* out_v = nullptr;
+  const int32_t* kv_lens = nullptr;      // [batch] keys to gather
+  const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq]
+};
+
+// Validates the paged layout, that kv_len_b fits `capacity` and the table, and that the table entries of those
+// keys name existing pages (host copies, as MakeDecodePlan).
+absl::StatusOr<GatherPlan> MakeGatherPlan(const BatchLayout& cache, int capacity, const Strides& out_k,
+                                          const Strides& out_v, absl::Span<const int32_t> kv_lens,
+                                          absl::Span<const int32_t> block_table);
+absl::Status LaunchGather(const GatherPlan& plan, const GatherTensors& tensors, cudaStream_t stream);
+
 }  // namespace attnd::kernels::decode

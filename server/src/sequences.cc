@@ -1,0 +1,927 @@
+#include "attnd/server/sequences.h"
+
+#include <sys/random.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "attnd/server/status_util.h"
+
+namespace attnd::server {
+namespace {
+
+constexpr size_t kMaxRequestIdBytes = 256;
+constexpr size_t kMaxIdBytes = 512;
+
+std::string RandomHex(size_t bytes) {
+  std::string raw(bytes, '\0');
+  size_t got = 0;
+  while (got < bytes) {
+    const ssize_t n = ::getrandom(raw.data() + got, bytes - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  return absl::BytesToHexString(raw);
+}
+
+absl::Status Invalid(absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+}
+
+std::string ShapeText(const SequenceShape& s) {
+  return absl::StrCat("layers ", s.layers, ", kv_heads ", s.kv_heads, ", head_dim ", s.head_dim, ", ",
+                      s.dtype == DType::kFP16 ? "fp16" : "bf16");
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Bytes of a [rows, heads, head_dim] tensor, or false past int64.
+bool RowsBytes(int64_t rows, int64_t heads, int64_t head_dim, uint64_t elem, uint64_t* out) {
+  uint64_t n = elem;
+  for (int64_t d : {rows, heads, head_dim}) {
+    if (__builtin_mul_overflow(n, static_cast<uint64_t>(d), &n)) return false;
+  }
+  if (n > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return false;
+  *out = n;
+  return true;
+}
+
+}  // namespace
+
+struct Sequences::Pool {
+  std::shared_ptr<KvPool> memory;
+  std::vector<uint32_t> refs;   // per page: sequences holding it, plus steps holding it as a copy source
+  std::vector<int32_t> free;    // pages with refs == 0
+  uint64_t sequences = 0;
+};
+
+struct Sequences::Seq {
+  std::string id, owner;
+  Pool* pool = nullptr;
+  int64_t max_tokens = 0;
+  std::vector<int32_t> lengths;  // per layer
+  std::vector<int32_t> pages;    // shared by every layer
+  absl::Time last_used;
+  bool busy = false;     // a step in flight
+  bool closing = false;  // closed while busy: freed when the step ends
+};
+
+// One admitted step as the core remembers it until the step ends (the job itself may be gone by then).
+struct Sequences::Admitted {
+  struct Part {
+    Seq* seq;
+    int32_t cached, tokens;
+  };
+  struct Copy {
+    Seq* seq;
+    size_t slot;  // index in seq->pages
+    int32_t from, to;
+  };
+  Pool* pool = nullptr;
+  int layer = 0;
+  bool append = false;
+  std::vector<Part> parts;
+  std::vector<Copy> copies;
+  std::string owner;
+};
+
+struct Sequences::Lane {
+  std::deque<Pending> waiting;
+  bool in_flight = false;
+  absl::Time launch_at = absl::InfiniteFuture();  // with batch_wait: when the waiting steps launch anyway
+};
+
+Sequences::Sequences(const SequenceOptions& options, const ValidationLimits& limits, Backend* backend,
+                     const BufferRegistry* buffers)
+    : options_(options), limits_(limits), backend_(backend), buffers_(buffers), instance_(RandomHex(4)) {
+  reaper_ = std::thread([this] { ReaperLoop(); });
+}
+
+Sequences::~Sequences() {
+  Shutdown();
+  {
+    absl::MutexLock lock(&mu_);
+    reaper_stop_ = true;
+  }
+  if (reaper_.joinable()) reaper_.join();
+}
+
+std::string Sequences::NewId() {
+  std::string id = absl::StrCat(instance_, "-", RandomHex(16));
+  if (!options_.advertise_address.empty()) absl::StrAppend(&id, "@", options_.advertise_address);
+  return id;
+}
+
+absl::StatusOr<Sequences::Seq*> Sequences::Find(const std::string& owner, const std::string& id,
+                                                const std::string& field) {
+  if (id.empty()) return Invalid(field, "empty");
+  if (id.size() > kMaxIdBytes) return Invalid(field, absl::StrCat("longer than ", kMaxIdBytes, " bytes"));
+  auto it = seqs_.find(id);
+  // A foreign sequence reads exactly like an unknown one: its existence is not the caller's to learn.
+  if (it != seqs_.end() && it->second->owner == owner && !it->second->closing) return it->second.get();
+  auto tomb = tombstones_.find(id);
+  if (tomb != tombstones_.end() && (it == seqs_.end() || it->second->owner == owner)) {
+    return absl::NotFoundError(absl::StrCat(field, ": sequence ", id, " is gone: ", tomb->second));
+  }
+  if (id.compare(0, instance_.size() + 1, absl::StrCat(instance_, "-")) != 0) {
+    return absl::NotFoundError(absl::StrCat(
+        field, ": sequence ", id,
+        " was not opened by this server process (a restarted server has lost its sequences: open and prefill "
+        "again; behind a load balancer, calls about a sequence must reach the server named after its '@')"));
+  }
+  return absl::NotFoundError(absl::StrCat(field, ": no open sequence ", id));
+}
+
+absl::StatusOr<Sequences::Pool*> Sequences::PoolFor(const SequenceShape& shape) {
+  auto it = pools_.find(shape);
+  if (it != pools_.end()) return it->second.get();
+  if (static_cast<int>(pools_.size()) >= options_.max_pools) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "kv pool: this server holds pools for ", pools_.size(), " other shape(s) (--kv_max_pools=", options_.max_pools,
+        "); a pool for ", ShapeText(shape), " is created when they have no open sequences"));
+  }
+  const uint64_t share = options_.pool_bytes / static_cast<uint64_t>(std::max(options_.max_pools, 1));
+  const uint64_t page_bytes = shape.page_bytes(options_.page_tokens);
+  const uint64_t pages = page_bytes == 0 ? 0 : std::min<uint64_t>(share / page_bytes, INT32_MAX);
+  if (pages == 0) {
+    return absl::ResourceExhaustedError(absl::StrCat("kv pool: one page of ", ShapeText(shape), " takes ", page_bytes,
+                                                     " bytes, more than the pool's ", share,
+                                                     " (--kv_pool_bytes / --kv_max_pools)"));
+  }
+  absl::StatusOr<std::shared_ptr<KvPool>> memory =
+      backend_->MakeKvPool(shape, options_.page_tokens, static_cast<int32_t>(pages));
+  if (!memory.ok()) return memory.status();
+  auto pool = std::make_unique<Pool>();
+  pool->memory = *std::move(memory);
+  pool->refs.assign(pages, 0);
+  pool->free.reserve(pages);
+  for (int64_t p = static_cast<int64_t>(pages) - 1; p >= 0; --p) pool->free.push_back(static_cast<int32_t>(p));
+  Pool* raw = pool.get();
+  pools_.emplace(shape, std::move(pool));
+  return raw;
+}
+
+absl::StatusOr<int32_t> Sequences::TakePage(Pool& pool, const std::string& owner) {
+  ClientUse& use = clients_[owner];
+  if (options_.max_pages_per_client > 0 && use.pages >= options_.max_pages_per_client) {
+    return absl::ResourceExhaustedError(absl::StrCat("kv pool: this client's sequences hold ", use.pages,
+                                                     " pages, the limit (--max_pages_per_client)"));
+  }
+  if (pool.free.empty()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "kv pool (", ShapeText(pool.memory->shape()), "): all ", pool.refs.size(),
+        " pages are in use by open sequences; close or truncate sequences, or start attnd with a larger "
+        "--kv_pool_bytes"));
+  }
+  const int32_t page = pool.free.back();
+  pool.free.pop_back();
+  pool.refs[page] = 1;
+  ++use.pages;
+  return page;
+}
+
+void Sequences::Unref(Pool& pool, int32_t page) {
+  if (--pool.refs[page] == 0) pool.free.push_back(page);
+}
+
+void Sequences::DropPages(Seq* seq, size_t keep) {
+  ClientUse& use = clients_[seq->owner];
+  while (seq->pages.size() > keep) {
+    Unref(*seq->pool, seq->pages.back());
+    seq->pages.pop_back();
+    --use.pages;
+  }
+}
+
+void Sequences::TrimPages(Seq* seq) {
+  const int32_t longest = *std::max_element(seq->lengths.begin(), seq->lengths.end());
+  DropPages(seq, static_cast<size_t>(CeilDiv(longest, options_.page_tokens)));
+}
+
+void Sequences::Free(Seq* seq, const std::string& reason) {
+  DropPages(seq, 0);
+  ClientUse& use = clients_[seq->owner];
+  --use.sequences;
+  if (use.sequences == 0 && use.pages == 0) clients_.erase(seq->owner);
+  Pool* pool = seq->pool;
+  const std::string id = seq->id;
+  seqs_.erase(id);
+  tombstones_[id] = reason;
+  tombstone_order_.push_back(id);
+  while (tombstone_order_.size() > options_.tombstones) {
+    tombstones_.erase(tombstone_order_.front());
+    tombstone_order_.pop_front();
+  }
+  if (--pool->sequences == 0) pools_.erase(pool->memory->shape());
+}
+
+absl::StatusOr<v1::OpenSequenceResponse> Sequences::Open(const std::string& owner,
+                                                         const v1::OpenSequenceRequest& request) {
+  if (!options_.enabled) return absl::FailedPreconditionError("KV sequences are disabled on this server");
+  const v1::SequenceShape& s = request.shape();
+  if (s.layers() < 1 || s.layers() > 4096) return Invalid("shape.layers", absl::StrCat("must be 1..4096, got ", s.layers()));
+  if (s.kv_heads() < 1 || s.kv_heads() > 4096) {
+    return Invalid("shape.kv_heads", absl::StrCat("must be 1..4096, got ", s.kv_heads()));
+  }
+  if (std::find(limits_.supported_head_dims.begin(), limits_.supported_head_dims.end(), s.head_dim()) ==
+      limits_.supported_head_dims.end()) {
+    return Invalid("shape.head_dim", absl::StrCat(s.head_dim(), " is not supported"));
+  }
+  if (s.dtype() != v1::DTYPE_BF16 && s.dtype() != v1::DTYPE_FP16) {
+    return Invalid("shape.dtype", absl::StrCat("unknown value ", static_cast<int>(s.dtype())));
+  }
+  const SequenceShape shape{static_cast<int>(s.layers()), static_cast<int>(s.kv_heads()),
+                            static_cast<int>(s.head_dim()), s.dtype() == v1::DTYPE_FP16 ? DType::kFP16 : DType::kBF16};
+  if (request.max_tokens() < 0) return Invalid("max_tokens", absl::StrCat("must be >= 0, got ", request.max_tokens()));
+  if (request.max_tokens() > options_.max_tokens) {
+    return absl::ResourceExhaustedError(absl::StrCat("max_tokens: ", request.max_tokens(),
+                                                     " exceeds the server limit --max_sequence_tokens=",
+                                                     options_.max_tokens));
+  }
+  const int64_t max_tokens = request.max_tokens() == 0 ? options_.max_tokens : request.max_tokens();
+  const uint32_t count = std::max<uint32_t>(request.count(), 1);
+  if (count > options_.max_open) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("count: ", count, " exceeds the ", options_.max_open, " sequences one call may open"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("the server is shutting down");
+  const ClientUse before = clients_.contains(owner) ? clients_[owner] : ClientUse{};
+  if (options_.max_per_client > 0 && before.sequences + count > options_.max_per_client) {
+    return absl::ResourceExhaustedError(absl::StrCat("count: this client has ", before.sequences,
+                                                     " sequences open; ", count, " more would pass the limit of ",
+                                                     options_.max_per_client, " (--max_sequences_per_client)"));
+  }
+  absl::StatusOr<Pool*> pool = PoolFor(shape);
+  if (!pool.ok()) return pool.status();
+  v1::OpenSequenceResponse response;
+  const absl::Time now = absl::Now();
+  for (uint32_t i = 0; i < count; ++i) {
+    auto seq = std::make_unique<Seq>();
+    seq->id = NewId();
+    seq->owner = owner;
+    seq->pool = *pool;
+    seq->max_tokens = max_tokens;
+    seq->lengths.assign(shape.layers, 0);
+    seq->last_used = now;
+    ++(*pool)->sequences;
+    ++clients_[owner].sequences;
+    response.add_sequence_ids(seq->id);
+    seqs_.emplace(seq->id, std::move(seq));
+  }
+  response.set_max_tokens(max_tokens);
+  response.set_page_tokens(options_.page_tokens);
+  return response;
+}
+
+absl::StatusOr<v1::ForkSequenceResponse> Sequences::Fork(const std::string& owner,
+                                                         const v1::ForkSequenceRequest& request) {
+  const uint32_t count = std::max<uint32_t>(request.count(), 1);
+  if (count > options_.max_open) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("count: ", count, " exceeds the ", options_.max_open, " sequences one call may open"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("the server is shutting down");
+  absl::StatusOr<Seq*> found = Find(owner, request.sequence_id(), "sequence_id");
+  if (!found.ok()) return found.status();
+  Seq* parent = *found;
+  if (parent->busy) {
+    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", parent->id,
+                                           " has a step in flight; fork it after the step's reply"));
+  }
+  const ClientUse before = clients_[owner];
+  if (options_.max_per_client > 0 && before.sequences + count > options_.max_per_client) {
+    return absl::ResourceExhaustedError(absl::StrCat("count: this client has ", before.sequences,
+                                                     " sequences open; ", count, " more would pass the limit of ",
+                                                     options_.max_per_client, " (--max_sequences_per_client)"));
+  }
+  if (options_.max_pages_per_client > 0 &&
+      before.pages + uint64_t{count} * parent->pages.size() > options_.max_pages_per_client) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "count: each child holds the parent's ", parent->pages.size(), " pages; this client holds ", before.pages,
+        " and may hold ", options_.max_pages_per_client, " (--max_pages_per_client)"));
+  }
+  v1::ForkSequenceResponse response;
+  const absl::Time now = absl::Now();
+  parent->last_used = now;
+  for (uint32_t i = 0; i < count; ++i) {
+    auto child = std::make_unique<Seq>();
+    child->id = NewId();
+    child->owner = owner;
+    child->pool = parent->pool;
+    child->max_tokens = parent->max_tokens;
+    child->lengths = parent->lengths;
+    child->pages = parent->pages;
+    child->last_used = now;
+    for (int32_t p : child->pages) ++parent->pool->refs[p];
+    ++parent->pool->sequences;
+    ClientUse& use = clients_[owner];
+    ++use.sequences;
+    use.pages += child->pages.size();
+    response.add_sequence_ids(child->id);
+    seqs_.emplace(child->id, std::move(child));
+  }
+  return response;
+}
+
+absl::StatusOr<v1::TruncateSequenceResponse> Sequences::Truncate(const std::string& owner,
+                                                                 const v1::TruncateSequenceRequest& request) {
+  if (request.tokens() < 0) return Invalid("tokens", absl::StrCat("must be >= 0, got ", request.tokens()));
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Seq*> found = Find(owner, request.sequence_id(), "sequence_id");
+  if (!found.ok()) return found.status();
+  Seq* seq = *found;
+  if (seq->busy) {
+    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", seq->id,
+                                           " has a step in flight; truncate it after the step's reply"));
+  }
+  v1::TruncateSequenceResponse response;
+  for (int32_t& len : seq->lengths) {
+    len = static_cast<int32_t>(std::min<int64_t>(len, request.tokens()));
+    response.add_lengths(len);
+  }
+  TrimPages(seq);
+  seq->last_used = absl::Now();
+  return response;
+}
+
+absl::Status Sequences::Close(const std::string& owner, const v1::CloseSequenceRequest& request) {
+  if (request.sequence_ids_size() == 0) return Invalid("sequence_ids", "empty");
+  absl::MutexLock lock(&mu_);
+  std::vector<Seq*> found;
+  for (int i = 0; i < request.sequence_ids_size(); ++i) {
+    absl::StatusOr<Seq*> seq = Find(owner, request.sequence_ids(i), absl::StrCat("sequence_ids[", i, "]"));
+    if (!seq.ok()) return seq.status();
+    if (std::find(found.begin(), found.end(), *seq) != found.end()) {
+      return Invalid(absl::StrCat("sequence_ids[", i, "]"), "appears twice");
+    }
+    found.push_back(*seq);
+  }
+  for (Seq* seq : found) {
+    if (seq->busy) {
+      seq->closing = true;  // Finish frees it
+    } else {
+      Free(seq, "closed by its owner");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::SequenceInfo> Sequences::Get(const std::string& owner, const v1::GetSequenceRequest& request) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Seq*> found = Find(owner, request.sequence_id(), "sequence_id");
+  if (!found.ok()) return found.status();
+  const Seq& seq = **found;
+  const SequenceShape& shape = seq.pool->memory->shape();
+  v1::SequenceInfo info;
+  info.set_sequence_id(seq.id);
+  info.mutable_shape()->set_layers(shape.layers);
+  info.mutable_shape()->set_kv_heads(shape.kv_heads);
+  info.mutable_shape()->set_head_dim(shape.head_dim);
+  info.mutable_shape()->set_dtype(shape.dtype == DType::kFP16 ? v1::DTYPE_FP16 : v1::DTYPE_BF16);
+  info.set_max_tokens(seq.max_tokens);
+  for (int32_t len : seq.lengths) info.add_lengths(len);
+  info.set_pages(static_cast<int64_t>(seq.pages.size()));
+  int64_t shared = 0;
+  for (int32_t p : seq.pages) shared += seq.pool->refs[p] > 1 ? 1 : 0;
+  info.set_shared_pages(shared);
+  info.set_idle_s(absl::ToDoubleSeconds(absl::Now() - seq.last_used));
+  info.set_step_in_flight(seq.busy);
+  return info;
+}
+
+absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& request, Transport transport,
+                              const CallInfo& call, StepJob* job, Admitted* admitted) {
+  if (!options_.enabled) return absl::FailedPreconditionError("KV sequences are disabled on this server");
+  if (request.request_id().size() > kMaxRequestIdBytes) {
+    return Invalid("request_id", absl::StrCat("longer than ", kMaxRequestIdBytes, " bytes"));
+  }
+  if (request.sequences_size() == 0) return Invalid("sequences", "empty: a step names at least one sequence");
+  if (static_cast<uint32_t>(request.sequences_size()) > options_.max_batch) {
+    return absl::ResourceExhaustedError(absl::StrCat("sequences: ", request.sequences_size(),
+                                                     " exceeds the server limit --max_step_batch=",
+                                                     options_.max_batch));
+  }
+  const bool append = request.has_k() || request.has_v();
+  const bool attend = request.has_q();
+  if (append && !(request.has_k() && request.has_v())) {
+    return Invalid(request.has_k() ? "v" : "k", "k and v are both set (append) or both unset");
+  }
+  if (!append && !attend) return Invalid("q", "a step needs q (attend), k and v (append), or all three");
+  if (!attend && request.has_o_ref()) return Invalid("o_ref", "given without q: a step without q has no O");
+  if (!attend && request.return_lse()) return Invalid("return_lse", "set without q: a step without q has no LSE");
+  if (request.has_softmax_scale() && !std::isfinite(request.softmax_scale())) {
+    return Invalid("softmax_scale", "must be finite");
+  }
+  for (const auto& [field, input] : {std::pair<const char*, const v1::TensorInput*>{"q", &request.q()},
+                                     {"k", &request.k()}, {"v", &request.v()}}) {
+    if (input->has_ref() && !input->ref().strides().empty()) {
+      return Invalid(absl::StrCat(field, ".ref.strides"), "a step's tensors are contiguous: leave strides empty");
+    }
+  }
+  if (request.has_o_ref() && !request.o_ref().strides().empty()) {
+    return Invalid("o_ref.strides", "a step's tensors are contiguous: leave strides empty");
+  }
+  if (call.admit) ATTND_RETURN_IF_ERROR(call.admit());
+
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("the server is shutting down");
+  if (waiting_ >= options_.max_waiting) {
+    return absl::ResourceExhaustedError(absl::StrCat("queue full: ", waiting_,
+                                                     " steps waiting for a launch (--max_queue)"));
+  }
+  std::vector<Seq*> seqs;
+  int64_t rows = 0;
+  for (int i = 0; i < request.sequences_size(); ++i) {
+    const v1::SequenceTokens& st = request.sequences(i);
+    const std::string field = absl::StrCat("sequences[", i, "]");
+    absl::StatusOr<Seq*> found = Find(owner, st.sequence_id(), absl::StrCat(field, ".sequence_id"));
+    if (!found.ok()) return found.status();
+    Seq* seq = *found;
+    if (std::find(seqs.begin(), seqs.end(), seq) != seqs.end()) {
+      return Invalid(absl::StrCat(field, ".sequence_id"), "appears twice in one step");
+    }
+    if (seq->busy) {
+      return absl::AbortedError(absl::StrCat(field, ".sequence_id: sequence ", seq->id,
+                                             " has a step in flight (a sequence takes one step at a time)"));
+    }
+    if (!seqs.empty() && seq->pool != seqs[0]->pool) {
+      return Invalid(absl::StrCat(field, ".sequence_id"),
+                     absl::StrCat("its shape (", ShapeText(seq->pool->memory->shape()), ") differs from sequences[0]'s (",
+                                  ShapeText(seqs[0]->pool->memory->shape()), "): one step runs on one shape"));
+    }
+    if (st.tokens() < 1 || st.tokens() > seq->max_tokens) {
+      return Invalid(absl::StrCat(field, ".tokens"),
+                     absl::StrCat("must be 1..", seq->max_tokens, " (the sequence's max_tokens), got ", st.tokens()));
+    }
+    seqs.push_back(seq);
+    rows += st.tokens();
+  }
+  const SequenceShape& shape = seqs[0]->pool->memory->shape();
+  if (request.layer() < 0 || request.layer() >= shape.layers) {
+    return Invalid("layer", absl::StrCat("must be 0..", shape.layers - 1, " (the sequences have ", shape.layers,
+                                         " layers), got ", request.layer()));
+  }
+  const int layer = static_cast<int>(request.layer());
+  if (attend) {
+    if (request.q_heads() < 1 || request.q_heads() % shape.kv_heads != 0) {
+      return Invalid("q_heads", absl::StrCat("must be a positive multiple of the sequences' kv_heads (",
+                                             shape.kv_heads, "), got ", request.q_heads()));
+    }
+    if (limits_.max_heads > 0 && request.q_heads() > limits_.max_heads) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("q_heads: ", request.q_heads(), " exceeds the server limit --max_heads=", limits_.max_heads));
+    }
+  }
+  for (int i = 0; i < request.sequences_size(); ++i) {
+    const int64_t tokens = request.sequences(i).tokens();
+    const int64_t cached = seqs[i]->lengths[layer];
+    if (append && cached + tokens > seqs[i]->max_tokens) {
+      return absl::ResourceExhaustedError(absl::StrCat("sequences[", i, "].tokens: ", cached, " cached + ", tokens,
+                                                       " new would pass the sequence's max_tokens (",
+                                                       seqs[i]->max_tokens, ")"));
+    }
+    if (!append && tokens > cached) {
+      return Invalid(absl::StrCat("sequences[", i, "].tokens"),
+                     absl::StrCat(tokens, " query rows, but layer ", layer, " caches only ", cached,
+                                  " tokens (without k and v, q's rows are the last cached positions)"));
+    }
+  }
+  // Sizes: each inline tensor exactly its shape, the whole within the request limits.
+  const uint64_t elem = DTypeBytes(shape.dtype);
+  const int64_t q_heads = attend ? request.q_heads() : 0;
+  uint64_t q_bytes = 0, kv_bytes = 0, lse_bytes = 0;
+  if (!RowsBytes(rows, std::max<int64_t>(q_heads, 1), shape.head_dim, elem, &q_bytes) ||
+      !RowsBytes(rows, shape.kv_heads, shape.head_dim, elem, &kv_bytes) ||
+      !RowsBytes(rows, std::max<int64_t>(q_heads, 1), 1, sizeof(float), &lse_bytes)) {
+    return Invalid("sequences", "the step's tensors are too large to address");
+  }
+  if (!attend) q_bytes = lse_bytes = 0;
+  if (!request.return_lse()) lse_bytes = 0;
+  if (!append) kv_bytes = 0;
+  const uint64_t total = 2 * q_bytes + 2 * kv_bytes + lse_bytes;  // q, o, k, v, lse
+  if (total > limits_.max_request_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("sequences: the step's tensors take ", total,
+                                                     " bytes, over the server limit --max_request_bytes=",
+                                                     limits_.max_request_bytes));
+  }
+  if (transport == Transport::kUnary && total + kMessageOverheadBytes > limits_.max_message_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("sequences: the step's tensors take ", total,
+                                                     " bytes, over one message (--max_message_bytes=",
+                                                     limits_.max_message_bytes, "); send fewer tokens per step"));
+  }
+  const auto bind = [&](const char* field, const v1::TensorInput& in, uint64_t bytes, TensorSource* src) {
+    if (in.has_ref()) {
+      if (buffers_ == nullptr) {
+        return absl::FailedPreconditionError(absl::StrCat(field, ".ref: CUDA IPC is not enabled (--enable_cuda_ipc)"));
+      }
+      src->buffer_id = in.ref().buffer_id();
+      src->offset = in.ref().offset();
+      return absl::OkStatus();
+    }
+    if (in.data().size() != bytes) {
+      return Invalid(absl::StrCat(field, ".data"), absl::StrCat(in.data().size(), " bytes, expected ", bytes));
+    }
+    src->host = reinterpret_cast<const uint8_t*>(in.data().data());
+    src->host_bytes = bytes;
+    return absl::OkStatus();
+  };
+  if (attend) ATTND_RETURN_IF_ERROR(bind("q", request.q(), q_bytes, &job->q));
+  if (append) {
+    ATTND_RETURN_IF_ERROR(bind("k", request.k(), kv_bytes, &job->k));
+    ATTND_RETURN_IF_ERROR(bind("v", request.v(), kv_bytes, &job->v));
+  }
+  if (request.has_o_ref()) {
+    if (buffers_ == nullptr) {
+      return absl::FailedPreconditionError("o_ref: CUDA IPC is not enabled (--enable_cuda_ipc)");
+    }
+    job->o_to_buffer = true;
+    job->o_ref.buffer_id = request.o_ref().buffer_id();
+    job->o_ref.offset = request.o_ref().offset();
+  }
+  job->request_id = request.request_id();
+  job->pool = seqs[0]->pool->memory;
+  job->layer = layer;
+  job->q_heads = static_cast<int>(q_heads);
+  job->scale = request.has_softmax_scale() ? request.softmax_scale() : DefaultScale(shape.head_dim);
+  job->want_lse = request.return_lse();
+  job->append = append;
+  job->attend = attend;
+  job->rows = rows;
+  job->accepted = call.accepted;
+  job->deadline = call.deadline;
+  job->cancelled = call.cancelled;
+  for (int i = 0; i < request.sequences_size(); ++i) {
+    StepSequence part;
+    part.cached = seqs[i]->lengths[layer];
+    part.tokens = static_cast<int32_t>(request.sequences(i).tokens());
+    job->sequences.push_back(std::move(part));
+  }
+  ATTND_RETURN_IF_ERROR(backend_->AcceptStep(*job));
+
+  // Pages: grow each table to cover the new rows, and give each sequence its own copy of every shared page the
+  // new rows land in. Undone in full when the pool runs out part way.
+  Pool& pool = *seqs[0]->pool;
+  admitted->pool = &pool;
+  admitted->layer = layer;
+  admitted->append = append;
+  admitted->owner = owner;
+  const int page = options_.page_tokens;
+  std::vector<size_t> table_sizes;
+  absl::Status status;
+  for (size_t i = 0; i < seqs.size() && status.ok() && append; ++i) {
+    Seq* seq = seqs[i];
+    table_sizes.push_back(seq->pages.size());
+    const int64_t cached = seq->lengths[layer], end = cached + job->sequences[i].tokens;
+    const size_t old_size = seq->pages.size();
+    for (int64_t slot = cached / page; slot < CeilDiv(end, page) && slot < static_cast<int64_t>(old_size); ++slot) {
+      const int32_t from = seq->pages[slot];
+      if (pool.refs[from] <= 1) continue;
+      absl::StatusOr<int32_t> to = TakePage(pool, owner);
+      if (!to.ok()) {
+        status = to.status();
+        break;
+      }
+      // The table's reference to `from` passes to the step, which drops it once the copy has run.
+      seq->pages[slot] = *to;
+      --clients_[owner].pages;
+      admitted->copies.push_back({seq, static_cast<size_t>(slot), from, *to});
+      job->copies.push_back({from, *to});
+    }
+    while (status.ok() && static_cast<int64_t>(seq->pages.size()) < CeilDiv(end, page)) {
+      absl::StatusOr<int32_t> p = TakePage(pool, owner);
+      if (!p.ok()) {
+        status = p.status();
+        break;
+      }
+      seq->pages.push_back(*p);
+    }
+  }
+  if (!status.ok()) {
+    for (auto it = admitted->copies.rbegin(); it != admitted->copies.rend(); ++it) {
+      it->seq->pages[it->slot] = it->from;
+      ++clients_[owner].pages;
+      Unref(pool, it->to);
+      --clients_[owner].pages;
+    }
+    for (size_t i = 0; i < table_sizes.size(); ++i) DropPages(seqs[i], table_sizes[i]);
+    admitted->copies.clear();
+    job->copies.clear();
+    return status;
+  }
+  const absl::Time now = absl::Now();
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    seqs[i]->busy = true;
+    seqs[i]->last_used = now;
+    job->sequences[i].pages = seqs[i]->pages;
+    admitted->parts.push_back({seqs[i], job->sequences[i].cached, job->sequences[i].tokens});
+  }
+  ++admitted_;
+  return absl::OkStatus();
+}
+
+void Sequences::Finish(const Admitted& admitted, bool ok) {
+  absl::MutexLock lock(&mu_);
+  Pool& pool = *admitted.pool;
+  for (const Admitted::Copy& c : admitted.copies) {
+    if (ok) {
+      Unref(pool, c.from);
+    } else {
+      // The copy may not have run: the sequence goes back to the shared page it had.
+      c.seq->pages[c.slot] = c.from;
+      Unref(pool, c.to);
+    }
+  }
+  const absl::Time now = absl::Now();
+  for (const Admitted::Part& part : admitted.parts) {
+    Seq* seq = part.seq;
+    seq->busy = false;
+    seq->last_used = now;
+    if (ok && admitted.append) seq->lengths[admitted.layer] = part.cached + part.tokens;
+    if (!ok) TrimPages(seq);
+    if (seq->closing) Free(seq, "closed by its owner");
+  }
+  if (ok) ++steps_;
+}
+
+void Sequences::Answered() {
+  absl::MutexLock lock(&mu_);
+  --admitted_;
+}
+
+void Sequences::Step(const std::string& owner, const v1::StepRequest& request, Transport transport,
+                     const CallInfo& call, StepReply reply) {
+  auto job = std::make_unique<StepJob>();
+  auto admitted = std::make_shared<Admitted>();
+  if (absl::Now() >= call.deadline) {
+    return reply(absl::DeadlineExceededError("the deadline had expired when the step arrived; nothing was done"),
+                 nullptr);
+  }
+  if (call.cancelled && call.cancelled()) {
+    return reply(absl::CancelledError("the call was cancelled before it was queued"), nullptr);
+  }
+  absl::Status status = Admit(owner, request, transport, call, job.get(), admitted.get());
+  if (!status.ok()) return reply(status, nullptr);
+  // References: resolved against the buffer registry, as a Forward's.
+  const SequenceShape& shape = job->pool->shape();
+  std::vector<TensorUse> uses;
+  if (job->q.is_reference()) uses.push_back({"q.ref", &job->q, 1, job->rows, job->q_heads});
+  if (job->k.is_reference()) uses.push_back({"k.ref", &job->k, 1, job->rows, shape.kv_heads});
+  if (job->v.is_reference()) uses.push_back({"v.ref", &job->v, 1, job->rows, shape.kv_heads});
+  if (job->o_to_buffer) uses.push_back({"o_ref", &job->o_ref, 1, job->rows, job->q_heads});
+  if (!uses.empty()) {
+    status = ResolveTensorReferences(buffers_, absl::MakeSpan(uses), shape.head_dim, shape.dtype, &job->buffer_holds);
+    if (!status.ok()) {
+      Finish(*admitted, false);
+      reply(status, nullptr);
+      return Answered();
+    }
+  }
+  StepJob* j = job.get();
+  j->done = [this, j, admitted, reply](absl::Status s) {
+    j->buffer_holds.clear();
+    Finish(*admitted, s.ok());
+    reply(std::move(s), j);
+    Answered();
+  };
+  bool uniform = true;
+  for (const StepSequence& s : j->sequences) uniform = uniform && s.tokens == j->sequences[0].tokens;
+  BatchKey key{j->pool.get(), j->layer, j->q_heads, 0, j->want_lse, j->append, j->attend,
+               uniform ? j->sequences[0].tokens : -1, 0};
+  std::memcpy(&key.scale_bits, &j->scale, sizeof(float));
+  // A batch the backend refuses is dropped with its jobs: this answers such a job without touching it.
+  auto refuse = [this, admitted, reply](const absl::Status& s) {
+    Finish(*admitted, false);
+    reply(s, nullptr);
+    Answered();
+  };
+  Enqueue(key, Pending{std::move(job), std::move(refuse)});
+}
+
+void Sequences::Enqueue(BatchKey key, Pending pending) {
+  bool launch_now = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (key.tokens < 0) key.unique = ++next_unique_;  // ragged steps run alone
+    std::unique_ptr<Lane>& lane = lanes_[key];
+    if (lane == nullptr) lane = std::make_unique<Lane>();
+    lane->waiting.push_back(std::move(pending));
+    ++waiting_;
+    if (!lane->in_flight) {
+      if (options_.batch_wait <= absl::ZeroDuration() || key.unique != 0) {
+        launch_now = true;
+      } else if (lane->launch_at == absl::InfiniteFuture()) {
+        lane->launch_at = absl::Now() + options_.batch_wait;
+        reaper_wake_ = true;
+      }
+    }
+  }
+  if (launch_now) Launch(key);
+}
+
+void Sequences::Launch(const BatchKey& key) {
+  auto batch = std::make_unique<StepBatch>();
+  std::vector<std::function<void(const absl::Status&)>> refusals;
+  std::vector<std::pair<std::unique_ptr<StepJob>, absl::Status>> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = lanes_.find(key);
+    if (it == lanes_.end()) return;
+    Lane& lane = *it->second;
+    if (lane.in_flight) return;
+    lane.launch_at = absl::InfiniteFuture();
+    const absl::Time now = absl::Now();
+    uint32_t sequences = 0;
+    while (!lane.waiting.empty()) {
+      const uint32_t n = static_cast<uint32_t>(lane.waiting.front().job->sequences.size());
+      if (!batch->jobs.empty() && sequences + n > options_.max_batch) break;
+      Pending pending = std::move(lane.waiting.front());
+      lane.waiting.pop_front();
+      --waiting_;
+      std::unique_ptr<StepJob>& job = pending.job;
+      if (now >= job->deadline) {
+        dropped.emplace_back(std::move(job), absl::DeadlineExceededError(absl::StrCat(
+                                                 "the deadline expired after ",
+                                                 absl::ToDoubleMicroseconds(now - job->accepted),
+                                                 " us waiting for a launch; nothing was done")));
+        continue;
+      }
+      if (job->cancelled && job->cancelled()) {
+        dropped.emplace_back(std::move(job), absl::CancelledError("the call was cancelled while waiting for a launch"));
+        continue;
+      }
+      sequences += n;
+      refusals.push_back(std::move(pending.refuse));
+      batch->jobs.push_back(std::move(job));
+    }
+    if (batch->jobs.empty()) {
+      if (lane.waiting.empty()) lanes_.erase(it);
+    } else {
+      lane.in_flight = true;
+      ++launches_;
+    }
+  }
+  for (auto& [job, status] : dropped) job->done(status);
+  if (batch->jobs.empty()) return;
+
+  // The lane launches its next batch once every job of this one has been answered.
+  auto remaining = std::make_shared<std::atomic<size_t>>(batch->jobs.size());
+  for (std::unique_ptr<StepJob>& job : batch->jobs) {
+    job->done = [this, key, remaining, done = std::move(job->done)](absl::Status s) {
+      done(std::move(s));
+      if (remaining->fetch_sub(1) == 1) LaunchDone(key);
+    };
+  }
+  const absl::Status status = backend_->SubmitSteps(std::move(batch));
+  if (!status.ok()) {
+    for (auto& refuse : refusals) refuse(status);
+    FailLane(key, status);
+  }
+}
+
+void Sequences::LaunchDone(const BatchKey& key) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = lanes_.find(key);
+    if (it == lanes_.end()) return;
+    it->second->in_flight = false;
+    if (it->second->waiting.empty()) {
+      lanes_.erase(it);
+      return;
+    }
+  }
+  Launch(key);
+}
+
+void Sequences::FailLane(const BatchKey& key, const absl::Status& status) {
+  std::deque<Pending> waiting;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = lanes_.find(key);
+    if (it == lanes_.end()) return;
+    waiting.swap(it->second->waiting);
+    waiting_ -= static_cast<uint32_t>(waiting.size());
+    lanes_.erase(it);
+  }
+  for (Pending& p : waiting) p.job->done(status);
+}
+
+void Sequences::FillStepResponse(const StepJob& job, v1::StepResponse* response) const {
+  response->set_request_id(job.request_id);
+  v1::StepTiming* st = response->mutable_timing();
+  v1::Timing* t = st->mutable_timing();
+  t->set_queue_us(job.timing.queue_us);
+  t->set_h2d_us(job.timing.h2d_us);
+  t->set_kernel_us(job.timing.kernel_us);
+  t->set_d2h_us(job.timing.d2h_us);
+  t->set_total_us(job.timing.total_us);
+  st->set_batch_sequences(job.batch_sequences);
+  st->set_batch_requests(job.batch_requests);
+  for (const StepSequence& s : job.sequences) response->add_lengths(s.keys(job.append));
+  response->set_backend(backend_->name());
+  response->set_kernel(job.kernel);
+  response->set_device(job.device);
+}
+
+int Sequences::ExpireIdle(absl::Time now) {
+  if (options_.ttl == absl::InfiniteDuration()) return 0;
+  absl::MutexLock lock(&mu_);
+  std::vector<Seq*> idle;
+  for (auto& [id, seq] : seqs_) {
+    if (!seq->busy && !seq->closing && now - seq->last_used > options_.ttl) idle.push_back(seq.get());
+  }
+  for (Seq* seq : idle) {
+    Free(seq, absl::StrCat("closed after ", absl::FormatDuration(options_.ttl),
+                           " idle (--sequence_ttl_s); open and prefill it again"));
+  }
+  expired_ += idle.size();
+  return static_cast<int>(idle.size());
+}
+
+void Sequences::ReaperLoop() {
+  const absl::Duration sweep =
+      options_.ttl == absl::InfiniteDuration() ? absl::Seconds(1) : std::min(absl::Seconds(1), options_.ttl / 4);
+  absl::Time next_sweep = absl::Now() + sweep;
+  for (;;) {
+    std::vector<BatchKey> due;
+    {
+      absl::MutexLock lock(&mu_);
+      absl::Time wake = next_sweep;
+      for (const auto& [key, lane] : lanes_) wake = std::min(wake, lane->launch_at);
+      const auto woken = +[](Sequences* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+        return self->reaper_stop_ || self->reaper_wake_;
+      };
+      mu_.AwaitWithDeadline(absl::Condition(woken, this), wake);
+      if (reaper_stop_) return;
+      reaper_wake_ = false;
+      const absl::Time now = absl::Now();
+      for (const auto& [key, lane] : lanes_) {
+        if (!lane->in_flight && lane->launch_at <= now) due.push_back(key);
+      }
+    }
+    for (const BatchKey& key : due) Launch(key);
+    if (absl::Now() >= next_sweep) {
+      ExpireIdle(absl::Now());
+      next_sweep = absl::Now() + sweep;
+    }
+  }
+}
+
+void Sequences::Shutdown() {
+  absl::MutexLock lock(&mu_);
+  stopping_ = true;
+  // Steps waiting for a batch_wait launch go now rather than at their time.
+  for (auto& [key, lane] : lanes_) {
+    if (!lane->in_flight && !lane->waiting.empty()) lane->launch_at = absl::InfinitePast();
+  }
+  reaper_wake_ = true;
+  const auto drained = +[](Sequences* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) { return self->admitted_ == 0; };
+  mu_.Await(absl::Condition(drained, this));
+}
+
+uint32_t Sequences::waiting() const {
+  absl::MutexLock lock(&mu_);
+  return waiting_;
+}
+
+v1::SequenceLimits Sequences::limits() const {
+  v1::SequenceLimits l;
+  l.set_enabled(options_.enabled);
+  l.set_pool_bytes(options_.pool_bytes);
+  l.set_page_tokens(options_.page_tokens);
+  l.set_max_tokens(options_.max_tokens);
+  l.set_ttl_s(options_.ttl == absl::InfiniteDuration() ? 0 : absl::ToDoubleSeconds(options_.ttl));
+  l.set_max_per_client(options_.max_per_client);
+  l.set_max_pages_per_client(options_.max_pages_per_client);
+  l.set_max_open(options_.max_open);
+  l.set_max_batch(options_.max_batch);
+  l.set_batch_wait_us(absl::ToDoubleMicroseconds(options_.batch_wait));
+  return l;
+}
+
+v1::SequenceStats Sequences::stats() const {
+  absl::MutexLock lock(&mu_);
+  v1::SequenceStats s;
+  s.set_open(seqs_.size());
+  uint64_t used = 0, free = 0;
+  for (const auto& [shape, pool] : pools_) {
+    free += pool->free.size();
+    used += pool->refs.size() - pool->free.size();
+  }
+  s.set_pages_used(used);
+  s.set_pages_free(free);
+  s.set_pools(pools_.size());
+  s.set_steps(steps_);
+  s.set_launches(launches_);
+  s.set_expired(expired_);
+  return s;
+}
+
+}  // namespace attnd::server
