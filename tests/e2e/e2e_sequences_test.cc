@@ -4,6 +4,7 @@
 // forks) diverging from their parents, truncation, closing, the statuses of bad input, and '@address' pinning.
 #include <sys/wait.h>
 
+#include <atomic>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -427,7 +428,9 @@ TEST_P(SequencesTest, DecodeBenchPerSequenceAndOneMessage) {
     int64_t calls = 0;
     for (const auto& [batch, n] : r->batch_sequences) {
       calls += n;
-      if (one_message) EXPECT_GE(batch, 3u);  // the message itself is a batch of 3
+      if (one_message) {
+        EXPECT_GE(batch, 3u);  // the message itself is a batch of 3
+      }
     }
     EXPECT_EQ(calls, r->calls_ok);
     EXPECT_EQ(r->transport, GetParam() == Via::kShm ? "shm" : GetParam() == Via::kUnix ? "grpc-unix" : "grpc-tcp");
@@ -489,6 +492,138 @@ TEST_P(SequencesTest, AttnSeqAndDecodeBench) {
 
 INSTANTIATE_TEST_SUITE_P(Transports, SequencesTest, ::testing::Values(Via::kTcp, Via::kUnix, Via::kShm),
                          [](const auto& info) { return std::string(ViaName(info.param)); });
+
+// ---- Servers of their own: a small pool, and a second server that sequences are pinned to.
+
+std::string FreshSocketPath() {
+  static std::atomic<int> counter{0};
+  return absl::StrCat(::testing::TempDir(), "/attnd_seq_", ::getpid(), "_", counter++, ".sock");
+}
+
+// A CPU-backend server on a loopback port and the unix socket `unix_path` (empty: a fresh one), with
+// `sequences` as its sequence options.
+void StartSequenceServer(TestServer* out, const server::SequenceOptions& sequences, std::string unix_path = "") {
+  server::ServerOptions so;
+  so.listen = "127.0.0.1:0";
+  out->unix_path = unix_path.empty() ? FreshSocketPath() : std::move(unix_path);
+  so.unix_socket = out->unix_path;
+  so.sequences = sequences;
+  server::BackendOptions bo;
+  bo.threads = 2;
+  auto backend = server::MakeBackend("cpu", bo);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto s = server::Server::Create(so, std::move(*backend));
+  ASSERT_TRUE(s.ok()) << s.status();
+  out->server = std::move(*s);
+  out->port = out->server->tcp_port();
+}
+
+// Opening or appending past the pool is RESOURCE_EXHAUSTED naming the pool, never the eviction of a live
+// sequence; closing one makes room again.
+TEST(SequencePool, FullPoolIsResourceExhaustedAndClosingFreesIt) {
+  const client::SequenceShape shape = TestShape(2);
+  server::SequenceOptions so;
+  so.page_tokens = 16;
+  // 8 pages of 16 tokens: [16, kv_heads 2, head_dim 64] bf16, K and V, 2 layers = 16 KiB a page.
+  so.pool_bytes = 8 * 16 * 2 * 64 * 2 * 2 * 2;
+  TestServer srv;
+  StartSequenceServer(&srv, so);
+  auto c = Connect(srv.Target(Listener::kUnix));
+  ASSERT_NE(c, nullptr);
+  auto opened = c->OpenSequence(shape, 0, 2);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const int64_t kv = shape.kv_heads * shape.head_dim;
+  const std::string k = client::RandomTensor(shape.dtype, 100 * kv, 1), v = client::RandomTensor(shape.dtype, 100 * kv, 2);
+  auto append = [&](const std::string& id) {
+    client::StepSpec s;
+    s.sequences = {{id, 100}};
+    s.k.data = k;
+    s.v.data = v;
+    return c->Step(s);
+  };
+  auto first = append(opened->ids[0]);  // 7 of the 8 pages
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = append(opened->ids[1]);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kResourceExhausted) << second.status();
+  EXPECT_TRUE(absl::StrContains(second.status().message(), "pool")) << second.status();
+  // The first sequence is untouched: still all its tokens.
+  auto info = c->GetSequence(opened->ids[0]);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->lengths(0), 100);
+  ASSERT_TRUE(c->CloseSequence({opened->ids[0]}).ok());
+  auto retry = append(opened->ids[1]);
+  EXPECT_TRUE(retry.ok()) << retry.status();
+  EXPECT_TRUE(c->CloseSequence({opened->ids[1]}).ok());
+  srv.server->Shutdown();
+}
+
+// Ids of a server with an advertised address carry it after '@': a client whose target is another server
+// sends every call about those sequences to the one that holds them.
+TEST(SequencePinning, CallsFollowTheIdToItsServer) {
+  TestServer a, b;
+  StartSequenceServer(&a, server::SequenceOptions{});
+  server::SequenceOptions pinned;
+  // The unix socket is an address every client here reaches, and its callers are all "local".
+  const std::string b_socket = FreshSocketPath();
+  pinned.advertise_address = absl::StrCat("unix:", b_socket);
+  StartSequenceServer(&b, pinned, b_socket);
+  auto on_b = Connect(b.Target(Listener::kUnix));
+  auto via_a = Connect(a.Target(Listener::kUnix));
+  ASSERT_NE(on_b, nullptr);
+  ASSERT_NE(via_a, nullptr);
+  const client::SequenceShape shape = TestShape(1);
+  auto opened = on_b->OpenSequence(shape);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->ids[0];
+  ASSERT_EQ(client::SequenceAddress(id), pinned.advertise_address) << id;
+
+  // Every call through the client targeting A reaches B.
+  const int64_t q_elems = kQHeads * shape.head_dim, kv_elems = shape.kv_heads * shape.head_dim;
+  const std::string q = client::RandomTensor(shape.dtype, 5 * q_elems, 1);
+  const std::string k = client::RandomTensor(shape.dtype, 5 * kv_elems, 2), v = client::RandomTensor(shape.dtype, 5 * kv_elems, 3);
+  client::StepSpec s;
+  s.sequences = {{id, 5}};
+  s.q_heads = kQHeads;
+  s.q.data = q;
+  s.k.data = k;
+  s.v.data = v;
+  auto r = via_a->Step(s);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(CheckRows(shape, kQHeads, q, k, v, r->o, r->lse, false), "");
+  auto info = via_a->GetSequence(id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->lengths(0), 5);
+  auto children = via_a->ForkSequence(id);
+  ASSERT_TRUE(children.ok()) << children.status();
+  EXPECT_EQ(client::SequenceAddress((*children)[0]), pinned.advertise_address);
+  auto truncated = via_a->TruncateSequence((*children)[0], 2);
+  ASSERT_TRUE(truncated.ok()) << truncated.status();
+  EXPECT_EQ(*truncated, std::vector<int64_t>({2}));
+  auto a_stats = via_a->Stats();
+  auto b_stats = on_b->Stats();
+  ASSERT_TRUE(a_stats.ok() && b_stats.ok());
+  EXPECT_EQ(a_stats->sequences().open(), 0u);
+  EXPECT_EQ(b_stats->sequences().open(), 2u);
+
+  // One of A's own sequences and one of B's in one step: refused by the client.
+  auto mine = via_a->OpenSequence(shape);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  EXPECT_EQ(client::SequenceAddress(mine->ids[0]), "");
+  client::StepSpec both;
+  both.sequences = {{mine->ids[0], 1}, {id, 1}};
+  both.k.data = std::string_view(k).substr(0, 2 * kv_elems * 2);
+  both.v.data = std::string_view(v).substr(0, 2 * kv_elems * 2);
+  auto mixed = via_a->Step(both);
+  EXPECT_EQ(mixed.status().code(), absl::StatusCode::kInvalidArgument) << mixed.status();
+
+  EXPECT_TRUE(via_a->CloseSequence({id, (*children)[0]}).ok());
+  EXPECT_TRUE(via_a->CloseSequence(mine->ids).ok());
+  b_stats = on_b->Stats();
+  ASSERT_TRUE(b_stats.ok());
+  EXPECT_EQ(b_stats->sequences().open(), 0u);
+  a.server->Shutdown();
+  b.server->Shutdown();
+}
 
 // ---- Client-side rules: nothing here needs a server.
 
