@@ -531,7 +531,8 @@ int CmdSeq(Client& client) {
   if (!report.ok()) return Fail(report.status(), "seq");
   std::cout << attnd::client::FormatSeqReport(*report);
   if (report->verify_failures > 0) {
-    std::cerr << "attn: seq: " << report->verify_failures << " of " << report->verified << " layer-steps failed verification\n";
+    std::cerr << "attn: seq: " << report->verify_failures << " of " << report->verified
+              << " layer-steps failed verification\n";
     return kExitFail;
   }
   return 0;
@@ -590,7 +591,8 @@ int main(int argc, char** argv) {
       "             one KV sequence: open, prefill, decode N steps (per-step latency), close\n"
       "  attn bench --workload=decode [--sequences=S] [--context=C] [--steps=N] [--layers=L] [--one_message]\n"
       "             decode load over KV sequences: tokens/s, Step latency, server batches, K/V read GB/s\n"
-      "  call, bench and seq: --transport=auto|unary|stream over gRPC, or --transport=shm --shm_socket=PATH (same host)\n"
+      "  call, bench and seq: --transport=auto|unary|stream over gRPC, or --transport=shm --shm_socket=PATH\n"
+      "             (same host)\n"
       "Shape flags: --batch --q_len --kv_len --q_heads --kv_heads --head_dim --dtype --mask|--causal --scale --lse");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {

@@ -962,9 +962,8 @@ absl::StatusOr<DecodeBenchReport> RunDecodeBench(Client& client, const DecodeBen
   std::vector<std::string> ids;
   // Opened in groups within the server's per-call limit (SequenceLimits.max_open).
   uint32_t group = 64;
-  if (absl::StatusOr<v1::ServerInfo> info = client.ServerInfo(false, o.call); info.ok() && info->sequences().max_open() > 0) {
-    group = info->sequences().max_open();
-  }
+  absl::StatusOr<v1::ServerInfo> info = client.ServerInfo(false, o.call);
+  if (info.ok() && info->sequences().max_open() > 0) group = info->sequences().max_open();
   auto close_all = [&] {
     if (!ids.empty()) (void)client.CloseSequence(ids, o.call);
   };
@@ -1153,7 +1152,9 @@ std::string FormatDecodeReport(const DecodeBenchReport& r) {
 
 std::string DecodeReportJson(const DecodeBenchReport& r) {
   std::string batches;
-  for (const auto& [b, n] : r.batch_sequences) absl::StrAppend(&batches, batches.empty() ? "" : ", ", "\"", b, "\": ", n);
+  for (const auto& [b, n] : r.batch_sequences) {
+    absl::StrAppend(&batches, batches.empty() ? "" : ", ", "\"", b, "\": ", n);
+  }
   std::string codes;
   for (const auto& [c, n] : r.errors_by_code) absl::StrAppend(&codes, codes.empty() ? "" : ", ", "\"", c, "\": ", n);
   return absl::StrFormat(

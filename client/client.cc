@@ -879,7 +879,9 @@ absl::StatusOr<v1::StepRequest> MakeStepRequest(const StepSpec& spec) {
     t->set_tokens(e.tokens);
   }
   const std::pair<const StepTensor*, v1::TensorInput* (v1::StepRequest::*)()> tensors[] = {
-      {&spec.q, &v1::StepRequest::mutable_q}, {&spec.k, &v1::StepRequest::mutable_k}, {&spec.v, &v1::StepRequest::mutable_v}};
+      {&spec.q, &v1::StepRequest::mutable_q},
+      {&spec.k, &v1::StepRequest::mutable_k},
+      {&spec.v, &v1::StepRequest::mutable_v}};
   for (const auto& [t, field] : tensors) {
     if (t->ref) {
       *(r.*field)()->mutable_ref() = *t->ref;
@@ -918,7 +920,8 @@ absl::StatusOr<StepResult> StepResultOf(const v1::StepRequest& request, v1::Step
         absl::StrCat("server returned ", res.o.size(), " bytes of O, expected ", request.q().data().size()));
   }
   if ((!attend || request.has_o_ref()) && !res.o.empty()) {
-    return absl::InternalError(absl::StrCat("server returned ", res.o.size(), " bytes of O to a step that asked for none"));
+    return absl::InternalError(
+        absl::StrCat("server returned ", res.o.size(), " bytes of O to a step that asked for none"));
   }
   const uint64_t want_lse =
       attend && request.return_lse() ? rows * static_cast<uint64_t>(std::max<int64_t>(request.q_heads(), 0)) * 4 : 0;

@@ -466,7 +466,8 @@ TEST_P(SequencesTest, AttnSeqAndDecodeBench) {
   EXPECT_TRUE(absl::StrContains(out, "verified: 8 layer-steps, 0 failed")) << out;
   EXPECT_TRUE(absl::StrContains(out, "cached tokens per layer at the end: 27,27")) << out;
 
-  const std::string json = absl::StrCat(::testing::TempDir(), "/attn_decode_", ::getpid(), "_", ViaName(GetParam()), ".json");
+  const std::string json =
+      absl::StrCat(::testing::TempDir(), "/attn_decode_", ::getpid(), "_", ViaName(GetParam()), ".json");
   auto [b_rc, b_out] = RunCommand(absl::StrCat(ATTN_BINARY, " bench --workload=decode --sequences=3 --context=16 "
                                                "--steps=3 --progress=false --json=", json, common, shape));
   EXPECT_EQ(b_rc, 0) << b_out;
@@ -533,7 +534,8 @@ TEST(SequencePool, FullPoolIsResourceExhaustedAndClosingFreesIt) {
   auto opened = c->OpenSequence(shape, 0, 2);
   ASSERT_TRUE(opened.ok()) << opened.status();
   const int64_t kv = shape.kv_heads * shape.head_dim;
-  const std::string k = client::RandomTensor(shape.dtype, 100 * kv, 1), v = client::RandomTensor(shape.dtype, 100 * kv, 2);
+  const std::string k = client::RandomTensor(shape.dtype, 100 * kv, 1);
+  const std::string v = client::RandomTensor(shape.dtype, 100 * kv, 2);
   auto append = [&](const std::string& id) {
     client::StepSpec s;
     s.sequences = {{id, 100}};
@@ -580,7 +582,8 @@ TEST(SequencePinning, CallsFollowTheIdToItsServer) {
   // Every call through the client targeting A reaches B.
   const int64_t q_elems = kQHeads * shape.head_dim, kv_elems = shape.kv_heads * shape.head_dim;
   const std::string q = client::RandomTensor(shape.dtype, 5 * q_elems, 1);
-  const std::string k = client::RandomTensor(shape.dtype, 5 * kv_elems, 2), v = client::RandomTensor(shape.dtype, 5 * kv_elems, 3);
+  const std::string k = client::RandomTensor(shape.dtype, 5 * kv_elems, 2);
+  const std::string v = client::RandomTensor(shape.dtype, 5 * kv_elems, 3);
   client::StepSpec s;
   s.sequences = {{id, 5}};
   s.q_heads = kQHeads;
