@@ -3,6 +3,7 @@
 //   attn stats                the server's counters
 //   attn call [--verify]      one Forward with random (seeded) or file inputs
 //   attn bench                a bounded load test with a live progress line and a final report
+//   attn seq [--verify]       one KV sequence: open, prefill, decode steps (checked against the reference), close
 #include <unistd.h>
 
 #include <cmath>
@@ -102,6 +103,19 @@ ABSL_FLAG(bool, tcp_baseline, false,
           "bench: first time a plain TCP loopback transfer of the same bytes (no RPC layer) and report the "
           "transport's rate against it (meaningful when the server is on this host)");
 
+// KV sequences (seq, and bench --workload=decode); the shape is --layers --kv_heads --q_heads --head_dim --dtype.
+ABSL_FLAG(std::string, workload, "forward",
+          "bench: forward (one Forward with the shape flags, repeated) | decode (KV sequences: --sequences opened, "
+          "--context tokens prefilled untimed, then --steps decode steps each over every layer)");
+ABSL_FLAG(int64_t, layers, 2, "seq, bench --workload=decode: layers of the sequence (each its own K/V)");
+ABSL_FLAG(int64_t, prefill, 16, "seq: tokens prefilled on every layer (append and attend) before decoding");
+ABSL_FLAG(int64_t, steps, 8, "seq, bench --workload=decode: decode steps (per sequence), each over every layer");
+ABSL_FLAG(int32_t, sequences, 4, "bench --workload=decode: sequences decoding concurrently");
+ABSL_FLAG(int64_t, context, 128, "bench --workload=decode: tokens prefilled per sequence and layer (untimed)");
+ABSL_FLAG(bool, one_message, false,
+          "bench --workload=decode: every sequence's token in ONE Step per layer (the engine-shaped batch) instead "
+          "of one Step per sequence from a thread per sequence");
+
 namespace {
 
 using attnd::client::Client;
@@ -134,6 +148,8 @@ absl::StatusOr<std::unique_ptr<Client>> Connect(bool own_connection = false) {
   o.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   o.auth_token = absl::GetFlag(FLAGS_auth_token);
   o.grpc_args = absl::GetFlag(FLAGS_grpc_arg);
+  o.shm_socket = absl::GetFlag(FLAGS_shm_socket);
+  o.shm_max_area_bytes = absl::GetFlag(FLAGS_shm_max_bytes);
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
     std::ifstream in(path);
     if (!in) return absl::InvalidArgumentError("--auth_token_file: cannot read '" + path + "'");
@@ -477,6 +493,82 @@ int CmdBench(Client& client) {
   return 0;
 }
 
+// The sequence shape of `attn seq` and the decode bench: --kv_heads (0: --q_heads) of --head_dim over --layers.
+absl::StatusOr<attnd::client::SequenceShape> SequenceShapeFromFlags(int64_t* q_heads) {
+  attnd::client::SequenceShape s;
+  s.layers = absl::GetFlag(FLAGS_layers);
+  *q_heads = absl::GetFlag(FLAGS_q_heads);
+  s.kv_heads = absl::GetFlag(FLAGS_kv_heads) ? absl::GetFlag(FLAGS_kv_heads) : *q_heads;
+  s.head_dim = absl::GetFlag(FLAGS_head_dim);
+  if (s.layers <= 0 || *q_heads <= 0 || s.kv_heads <= 0 || s.head_dim <= 0) {
+    return absl::InvalidArgumentError("--layers, --q_heads, --kv_heads, --head_dim: must be positive");
+  }
+  if (*q_heads % s.kv_heads != 0) return absl::InvalidArgumentError("--q_heads: must be a multiple of --kv_heads");
+  const std::string dtype = absl::GetFlag(FLAGS_dtype);
+  if (dtype == "bf16") {
+    s.dtype = attnd::DType::kBF16;
+  } else if (dtype == "fp16") {
+    s.dtype = attnd::DType::kFP16;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--dtype: '", dtype, "' is not bf16 or fp16"));
+  }
+  return s;
+}
+
+// `attn seq`: one sequence through its whole life, a line per step.
+int CmdSeq(Client& client) {
+  attnd::client::SeqRunOptions o;
+  auto shape = SequenceShapeFromFlags(&o.q_heads);
+  if (!shape.ok()) return Fail(shape.status(), "flags");
+  o.shape = *shape;
+  o.prefill = absl::GetFlag(FLAGS_prefill);
+  o.steps = absl::GetFlag(FLAGS_steps);
+  o.verify = absl::GetFlag(FLAGS_verify);
+  o.want_lse = absl::GetFlag(FLAGS_lse);
+  o.seed = absl::GetFlag(FLAGS_seed);
+  o.call = CallOpts();
+  o.line = [](const std::string& line) { std::cout << line << "\n" << std::flush; };
+  auto report = attnd::client::RunSequence(client, o);
+  if (!report.ok()) return Fail(report.status(), "seq");
+  std::cout << attnd::client::FormatSeqReport(*report);
+  if (report->verify_failures > 0) {
+    std::cerr << "attn: seq: " << report->verify_failures << " of " << report->verified
+              << " layer-steps failed verification\n";
+    return kExitFail;
+  }
+  return 0;
+}
+
+// `attn bench --workload=decode`.
+int CmdBenchDecode(Client& client) {
+  attnd::client::DecodeBenchOptions o;
+  auto shape = SequenceShapeFromFlags(&o.q_heads);
+  if (!shape.ok()) return Fail(shape.status(), "flags");
+  o.shape = *shape;
+  o.sequences = absl::GetFlag(FLAGS_sequences);
+  o.context = absl::GetFlag(FLAGS_context);
+  o.steps = absl::GetFlag(FLAGS_steps);
+  o.one_message = absl::GetFlag(FLAGS_one_message);
+  o.seed = absl::GetFlag(FLAGS_seed);
+  o.max_duration = absl::GetFlag(FLAGS_max_duration);
+  o.call = CallOpts();
+  if (absl::GetFlag(FLAGS_progress)) {
+    o.progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  }
+  auto report = attnd::client::RunDecodeBench(client, o);
+  if (!report.ok()) return Fail(report.status(), "bench");
+  std::cout << attnd::client::FormatDecodeReport(*report);
+  if (const std::string json = absl::GetFlag(FLAGS_json); !json.empty()) {
+    absl::Status s = attnd::client::WriteFile(json, attnd::client::DecodeReportJson(*report));
+    if (!s.ok()) return Fail(s, "--json");
+  }
+  if (report->calls_ok == 0 || report->errors > 0) {
+    std::cerr << "attn: bench: " << report->errors << " errors, " << report->calls_ok << " Step calls ok\n";
+    return kExitFail;
+  }
+  return 0;
+}
+
 // `attn health`: the grpc.health.v1 check alone, for container HEALTHCHECKs and scripts (exit 0 only when
 // SERVING). Unlike `attn info` it calls no Attention RPC, so it needs nothing a health check is exempt from.
 int CmdHealth(Client& client) {
@@ -496,20 +588,25 @@ int main(int argc, char** argv) {
       "  attn call  [shape flags] [--verify]         one Forward (random or --q_file/--k_file/--v_file inputs)\n"
       "  attn bench [shape flags] [--concurrency=N] [--connections=C] [--rate=R] [--duration=10s | --requests=N] [--warmup=1s]\n"
       "             [--verify_every=N] [--reuse_outputs=false] [--json=F] [--csv=F]   load test\n"
-      "  call and bench: --transport=auto|unary|stream over gRPC, or --transport=shm --shm_socket=PATH (same host)\n"
+      "  attn seq   [--layers --q_heads --kv_heads --head_dim --dtype] [--prefill=P] [--steps=N] [--verify] [--lse]\n"
+      "             one KV sequence: open, prefill, decode N steps (per-step latency), close\n"
+      "  attn bench --workload=decode [--sequences=S] [--context=C] [--steps=N] [--layers=L] [--one_message]\n"
+      "             decode load over KV sequences: tokens/s, Step latency, server batches, K/V read GB/s\n"
+      "  call, bench and seq: --transport=auto|unary|stream over gRPC, or --transport=shm --shm_socket=PATH\n"
+      "             (same host)\n"
       "Shape flags: --batch --q_len --kv_len --q_heads --kv_heads --head_dim --dtype --mask|--causal --scale --lse");
   attnd::HandleHelpFlag(argc, argv, __FILE__);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
-    std::cerr << "usage: attn info|stats|call|bench|health [flags]   (attn --help for the flags)\n";
+    std::cerr << "usage: attn info|stats|call|bench|seq|health [flags]   (attn --help for the flags)\n";
     return kExitUsage;
   }
   const std::string cmd = args[1];
   // Requests and replies of megabytes per call: without this, each one page-faults its buffers in anew
   // (attnd/transport/heap_tuning.h). Where the C library cannot be tuned, the defaults are only slower.
   attnd::RetainFreedHeapMemory();
-  if (cmd != "info" && cmd != "stats" && cmd != "call" && cmd != "bench" && cmd != "health") {
-    std::cerr << "attn: unknown command '" << cmd << "' (info, stats, call, bench, health)\n";
+  if (cmd != "info" && cmd != "stats" && cmd != "call" && cmd != "bench" && cmd != "seq" && cmd != "health") {
+    std::cerr << "attn: unknown command '" << cmd << "' (info, stats, call, bench, seq, health)\n";
     return kExitUsage;
   }
   auto client = Connect();
@@ -517,7 +614,7 @@ int main(int argc, char** argv) {
     std::cerr << "attn: " << client.status() << "\n";
     return kExitUsage;
   }
-  if (cmd == "call" || cmd == "bench") {
+  if (cmd == "call" || cmd == "bench" || cmd == "seq") {
     const bool shm = UseShm(**client), socket = !absl::GetFlag(FLAGS_shm_socket).empty();
     if (shm && !socket) {
       std::cerr << "attn: --transport=shm needs --shm_socket=PATH (the server's --shm_socket, a unix socket on "
@@ -530,5 +627,12 @@ int main(int argc, char** argv) {
   if (cmd == "stats") return CmdStats(**client);
   if (cmd == "call") return CmdCall(**client);
   if (cmd == "health") return CmdHealth(**client);
+  if (cmd == "seq") return CmdSeq(**client);
+  const std::string workload = absl::GetFlag(FLAGS_workload);
+  if (workload == "decode") return CmdBenchDecode(**client);
+  if (workload != "forward") {
+    std::cerr << "attn: --workload: '" << workload << "' is not forward or decode\n";
+    return kExitUsage;
+  }
   return CmdBench(**client);
 }

@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "attnd/client/shm_channel.h"
 #include "attnd/transport/channel_args.h"
 #include "attnd/transport/zero_copy.h"
 #include "grpcpp/create_channel.h"
@@ -475,19 +476,17 @@ class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer
 
 // ---------------------------------------------------------------------------------------------------------
 
-absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& options) {
-  if (options.target.empty()) return absl::InvalidArgumentError("target: empty");
-  if (options.default_deadline <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("default_deadline: must be positive");
-  }
+namespace {
+
+// A channel to `target` with `options`' arguments and credentials: the main one, and those of pinned sequences.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& options, const std::string& target) {
   absl::StatusOr<std::vector<ChannelArg>> extra = ParseChannelArgs(options.grpc_args, "grpc_arg");
   if (!extra.ok()) return extra.status();
   auto ours = [&extra](absl::string_view name) { return !SetsChannelArg(*extra, name); };
   grpc::ChannelArguments args;
   if (ours(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH)) args.SetMaxSendMessageSize(options.max_send_message_bytes);
   if (ours(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH)) args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
-  if (absl::StartsWith(options.target, "dns:") && !options.dns_load_balancing.empty() &&
-      ours(GRPC_ARG_LB_POLICY_NAME)) {
+  if (absl::StartsWith(target, "dns:") && !options.dns_load_balancing.empty() && ours(GRPC_ARG_LB_POLICY_NAME)) {
     args.SetLoadBalancingPolicyName(options.dns_load_balancing);
   }
   if (options.own_connection && ours(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL)) {
@@ -509,9 +508,21 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
   }
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds = ChannelCredentials(options);
   if (!creds.ok()) return creds.status();
-  auto channel = grpc::CreateCustomChannel(options.target, *creds, args);
-  if (!channel) return absl::InvalidArgumentError(absl::StrCat("target: cannot create a channel to '", options.target, "'"));
-  return std::unique_ptr<Client>(new Client(options, std::move(channel)));
+  auto channel = grpc::CreateCustomChannel(target, *creds, args);
+  if (!channel) return absl::InvalidArgumentError(absl::StrCat("target: cannot create a channel to '", target, "'"));
+  return channel;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& options) {
+  if (options.target.empty()) return absl::InvalidArgumentError("target: empty");
+  if (options.default_deadline <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("default_deadline: must be positive");
+  }
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(options, options.target);
+  if (!channel.ok()) return channel.status();
+  return std::unique_ptr<Client>(new Client(options, *std::move(channel)));
 }
 
 Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
@@ -841,6 +852,264 @@ absl::Status Client::CheckHealth(const std::string& service, const CallOptions& 
   if (serving_status == 1) return absl::OkStatus();
   return absl::UnavailableError(
       absl::StrCat("health: '", service, "' is ", serving_status < 4 ? kNames[serving_status] : "an unknown status"));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// KV sequences.
+
+std::string SequenceAddress(std::string_view sequence_id) {
+  const size_t at = sequence_id.rfind('@');
+  return at == std::string_view::npos ? std::string() : std::string(sequence_id.substr(at + 1));
+}
+
+absl::StatusOr<v1::StepRequest> MakeStepRequest(const StepSpec& spec) {
+  if (spec.sequences.empty()) return absl::InvalidArgumentError("sequences: empty (a step needs at least one)");
+  if (spec.k.present() != spec.v.present()) {
+    return absl::InvalidArgumentError("k, v: both or neither (a step appends keys and values together)");
+  }
+  v1::StepRequest r;
+  r.set_request_id(spec.request_id);
+  r.set_layer(spec.layer);
+  r.set_q_heads(spec.q_heads);
+  if (spec.scale) r.set_softmax_scale(*spec.scale);
+  r.set_return_lse(spec.want_lse);
+  for (const StepSpec::Entry& e : spec.sequences) {
+    v1::SequenceTokens* t = r.add_sequences();
+    t->set_sequence_id(e.sequence_id);
+    t->set_tokens(e.tokens);
+  }
+  const std::pair<const StepTensor*, v1::TensorInput* (v1::StepRequest::*)()> tensors[] = {
+      {&spec.q, &v1::StepRequest::mutable_q},
+      {&spec.k, &v1::StepRequest::mutable_k},
+      {&spec.v, &v1::StepRequest::mutable_v}};
+  for (const auto& [t, field] : tensors) {
+    if (t->ref) {
+      *(r.*field)()->mutable_ref() = *t->ref;
+    } else if (!t->data.empty()) {
+      (r.*field)()->set_data(t->data.data(), t->data.size());
+    }
+  }
+  if (spec.o_ref) *r.mutable_o_ref() = *spec.o_ref;
+  return r;
+}
+
+absl::StatusOr<StepResult> StepResultOf(const v1::StepRequest& request, v1::StepResponse response, Transport t,
+                                        absl::Time start) {
+  StepResult res;
+  res.request_id = std::move(*response.mutable_request_id());
+  res.o = std::move(*response.mutable_o());
+  res.lse = std::move(*response.mutable_lse());
+  res.timing = response.timing();
+  res.lengths.assign(response.lengths().begin(), response.lengths().end());
+  res.backend = std::move(*response.mutable_backend());
+  res.kernel = std::move(*response.mutable_kernel());
+  res.device = response.device();
+  res.transport = t;
+  res.latency = absl::Now() - start;
+  for (const v1::TensorInput* in : {&request.q(), &request.k(), &request.v()}) {
+    if (in->source_case() == v1::TensorInput::kData) res.bytes_sent += in->data().size();
+  }
+  res.bytes_received = res.o.size() + res.lse.size();
+  // O has Q's shape and dtype; LSE is fp32 [q_heads, tokens] per sequence.
+  const bool attend = request.q().source_case() != v1::TensorInput::SOURCE_NOT_SET;
+  uint64_t rows = 0;
+  for (const auto& s : request.sequences()) rows += static_cast<uint64_t>(std::max<int64_t>(s.tokens(), 0));
+  if (request.q().source_case() == v1::TensorInput::kData && !request.has_o_ref() &&
+      res.o.size() != request.q().data().size()) {
+    return absl::InternalError(
+        absl::StrCat("server returned ", res.o.size(), " bytes of O, expected ", request.q().data().size()));
+  }
+  if ((!attend || request.has_o_ref()) && !res.o.empty()) {
+    return absl::InternalError(
+        absl::StrCat("server returned ", res.o.size(), " bytes of O to a step that asked for none"));
+  }
+  const uint64_t want_lse =
+      attend && request.return_lse() ? rows * static_cast<uint64_t>(std::max<int64_t>(request.q_heads(), 0)) * 4 : 0;
+  if (res.lse.size() != want_lse) {
+    return absl::InternalError(absl::StrCat("server returned ", res.lse.size(), " bytes of LSE, expected ", want_lse));
+  }
+  if (res.lengths.size() != static_cast<size_t>(request.sequences_size())) {
+    return absl::InternalError(absl::StrCat("server returned ", res.lengths.size(), " lengths for ",
+                                            request.sequences_size(), " sequences"));
+  }
+  return res;
+}
+
+absl::StatusOr<std::string> Client::AddressOf(const std::vector<std::string>& ids, const char* field) {
+  std::string address;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    std::string a = SequenceAddress(ids[i]);
+    if (i == 0) {
+      address = std::move(a);
+    } else if (a != address) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, "[", i, "]: lives on '", a, "' but ", field, "[0] on '", address,
+          "'; one call reaches one server (send a call per server)"));
+    }
+  }
+  return address;
+}
+
+absl::StatusOr<v1::Attention::Stub*> Client::StubFor(const std::string& address) {
+  if (address.empty() || address == options_.target) return stub_.get();
+  absl::MutexLock lock(&pinned_mu_);
+  auto it = pinned_.find(address);
+  if (it != pinned_.end()) return it->second.get();
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(options_, address);
+  if (!channel.ok()) {
+    return absl::Status(channel.status().code(),
+                        absl::StrCat("sequence pinned to '", address, "': ", channel.status().message()));
+  }
+  return pinned_.emplace(address, v1::Attention::NewStub(*channel)).first->second.get();
+}
+
+absl::StatusOr<OpenedSequences> Client::OpenSequence(const SequenceShape& shape, int64_t max_tokens, uint32_t count,
+                                                     const CallOptions& call) {
+  v1::OpenSequenceRequest req;
+  v1::SequenceShape* s = req.mutable_shape();
+  s->set_layers(shape.layers);
+  s->set_kv_heads(shape.kv_heads);
+  s->set_head_dim(shape.head_dim);
+  s->set_dtype(ToProto(shape.dtype));
+  req.set_max_tokens(max_tokens);
+  req.set_count(count);
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  v1::OpenSequenceResponse resp;
+  if (absl::Status st = FromGrpcStatus(stub_->OpenSequence(&ctx, req, &resp)); !st.ok()) return st;
+  const uint32_t want = count == 0 ? 1 : count;
+  if (resp.sequence_ids_size() != static_cast<int>(want)) {
+    return absl::InternalError(absl::StrCat("OpenSequence: the server returned ", resp.sequence_ids_size(),
+                                            " ids for ", want, " sequences"));
+  }
+  OpenedSequences out;
+  out.ids.assign(resp.sequence_ids().begin(), resp.sequence_ids().end());
+  out.max_tokens = resp.max_tokens();
+  out.page_tokens = resp.page_tokens();
+  return out;
+}
+
+absl::StatusOr<StepResult> Client::Step(const StepSpec& spec, const CallOptions& call) {
+  absl::StatusOr<v1::StepRequest> request = MakeStepRequest(spec);
+  if (!request.ok()) return request.status();
+  return Step(*request, call);
+}
+
+absl::StatusOr<StepResult> Client::Step(const v1::StepRequest& request, const CallOptions& call) {
+  std::vector<std::string> ids;
+  ids.reserve(request.sequences_size());
+  for (const auto& s : request.sequences()) ids.push_back(s.sequence_id());
+  absl::StatusOr<std::string> address = AddressOf(ids, "sequences");
+  if (!address.ok()) return address.status();
+  const bool pinned_elsewhere = !address->empty() && *address != options_.target;
+  const Transport t = call.transport ? *call.transport : options_.transport;
+  if (t == Transport::kShm && !pinned_elsewhere) return StepOverShm(request, call);
+  absl::StatusOr<v1::Attention::Stub*> stub = StubFor(*address);
+  if (!stub.ok()) return stub.status();
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  const absl::Time start = absl::Now();
+  v1::StepResponse resp;
+  if (absl::Status st = FromGrpcStatus((*stub)->Step(&ctx, request, &resp)); !st.ok()) return st;
+  return StepResultOf(request, std::move(resp), Transport::kUnary, start);
+}
+
+// One channel per call in flight: an idle one is reused when its areas fit, else a new one is opened (areas of
+// at least 1 MiB, so that steps of similar size reuse it). A channel a call left unusable is dropped.
+absl::StatusOr<StepResult> Client::StepOverShm(const v1::StepRequest& request, const CallOptions& call) {
+  if (options_.shm_socket.empty()) {
+    return absl::InvalidArgumentError("transport: shm needs ClientOptions::shm_socket (the server's --shm_socket)");
+  }
+  const uint64_t request_bytes = request.ByteSizeLong();
+  const uint64_t reply_bytes = std::min(StepReplyBytes(request), options_.shm_max_area_bytes);
+  if (request_bytes > options_.shm_max_area_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("request: ", request_bytes,
+                                                     " bytes exceed the shared-memory area limit of ",
+                                                     options_.shm_max_area_bytes, " (shm_max_area_bytes)"));
+  }
+  std::unique_ptr<ShmChannel> channel;
+  {
+    absl::MutexLock lock(&shm_mu_);
+    for (auto it = shm_free_.begin(); it != shm_free_.end(); ++it) {
+      if ((*it)->request_capacity() >= request_bytes && (*it)->reply_capacity() >= reply_bytes) {
+        channel = std::move(*it);
+        shm_free_.erase(it);
+        break;
+      }
+    }
+  }
+  if (channel == nullptr) {
+    ShmChannelOptions o;
+    o.socket_path = options_.shm_socket;
+    o.auth_token = options_.auth_token;
+    o.request_capacity = std::max<uint64_t>(request_bytes, 1 << 20);
+    o.reply_capacity = std::max<uint64_t>(reply_bytes, 1 << 20);
+    absl::StatusOr<std::unique_ptr<ShmChannel>> opened = ShmChannel::Connect(o);
+    if (!opened.ok()) return opened.status();
+    channel = *std::move(opened);
+  }
+  const absl::Duration timeout = call.deadline ? *call.deadline : options_.default_deadline;
+  absl::StatusOr<StepResult> r = client::StepOverShm(*channel, request, timeout);
+  const bool unusable = !r.ok() && (r.status().code() == absl::StatusCode::kDeadlineExceeded ||
+                                    r.status().code() == absl::StatusCode::kUnavailable);
+  if (!unusable) {
+    absl::MutexLock lock(&shm_mu_);
+    shm_free_.push_back(std::move(channel));
+  }
+  return r;
+}
+
+absl::StatusOr<std::vector<std::string>> Client::ForkSequence(const std::string& sequence_id, uint32_t count,
+                                                              const CallOptions& call) {
+  absl::StatusOr<v1::Attention::Stub*> stub = StubFor(SequenceAddress(sequence_id));
+  if (!stub.ok()) return stub.status();
+  v1::ForkSequenceRequest req;
+  req.set_sequence_id(sequence_id);
+  req.set_count(count);
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  v1::ForkSequenceResponse resp;
+  if (absl::Status st = FromGrpcStatus((*stub)->ForkSequence(&ctx, req, &resp)); !st.ok()) return st;
+  return std::vector<std::string>(resp.sequence_ids().begin(), resp.sequence_ids().end());
+}
+
+absl::StatusOr<std::vector<int64_t>> Client::TruncateSequence(const std::string& sequence_id, int64_t tokens,
+                                                              const CallOptions& call) {
+  absl::StatusOr<v1::Attention::Stub*> stub = StubFor(SequenceAddress(sequence_id));
+  if (!stub.ok()) return stub.status();
+  v1::TruncateSequenceRequest req;
+  req.set_sequence_id(sequence_id);
+  req.set_tokens(tokens);
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  v1::TruncateSequenceResponse resp;
+  if (absl::Status st = FromGrpcStatus((*stub)->TruncateSequence(&ctx, req, &resp)); !st.ok()) return st;
+  return std::vector<int64_t>(resp.lengths().begin(), resp.lengths().end());
+}
+
+absl::Status Client::CloseSequence(const std::vector<std::string>& sequence_ids, const CallOptions& call) {
+  absl::StatusOr<std::string> address = AddressOf(sequence_ids, "sequence_ids");
+  if (!address.ok()) return address.status();
+  absl::StatusOr<v1::Attention::Stub*> stub = StubFor(*address);
+  if (!stub.ok()) return stub.status();
+  v1::CloseSequenceRequest req;
+  for (const std::string& id : sequence_ids) req.add_sequence_ids(id);
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  v1::CloseSequenceResponse resp;
+  return FromGrpcStatus((*stub)->CloseSequence(&ctx, req, &resp));
+}
+
+absl::StatusOr<v1::SequenceInfo> Client::GetSequence(const std::string& sequence_id, const CallOptions& call) {
+  absl::StatusOr<v1::Attention::Stub*> stub = StubFor(SequenceAddress(sequence_id));
+  if (!stub.ok()) return stub.status();
+  v1::GetSequenceRequest req;
+  req.set_sequence_id(sequence_id);
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  v1::SequenceInfo resp;
+  if (absl::Status st = FromGrpcStatus((*stub)->GetSequence(&ctx, req, &resp)); !st.ok()) return st;
+  return resp;
 }
 
 }  // namespace attnd::client

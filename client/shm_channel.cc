@@ -90,7 +90,8 @@ ShmChannel::~ShmChannel() {
   ::close(socket_);
 }
 
-absl::StatusOr<v1::ForwardResponse> ShmChannel::Forward(const v1::ForwardRequest& request, absl::Duration timeout) {
+absl::Status ShmChannel::Call(shm::RequestKind kind, const google::protobuf::MessageLite& request,
+                              google::protobuf::MessageLite* response, absl::Duration timeout) {
   if (broken_) return absl::FailedPreconditionError("shm channel: an earlier call was abandoned; open a new channel");
   const size_t n = request.ByteSizeLong();
   if (n > map_.request_capacity) {
@@ -102,6 +103,7 @@ absl::StatusOr<v1::ForwardResponse> ShmChannel::Forward(const v1::ForwardRequest
   }
   shm::Header* h = map_.header;
   h->request_bytes = n;
+  h->kind = kind;
   const absl::Time sent = absl::Now();
   shm::Publish(&h->state, shm::kRequest, &h->server_sleeping);
   const absl::Time deadline = timeout == absl::InfiniteDuration() ? absl::InfiniteFuture() : sent + timeout;
@@ -129,10 +131,21 @@ absl::StatusOr<v1::ForwardResponse> ShmChannel::Forward(const v1::ForwardRequest
   if (code != absl::StatusCode::kOk) {
     return absl::Status(code, std::string(reinterpret_cast<const char*>(map_.reply()), bytes));
   }
-  v1::ForwardResponse response;
-  if (!response.ParseFromArray(map_.reply(), static_cast<int>(bytes))) {
+  if (!response->ParseFromArray(map_.reply(), static_cast<int>(bytes))) {
     return absl::InternalError("shm channel: unparseable reply");
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::ForwardResponse> ShmChannel::Forward(const v1::ForwardRequest& request, absl::Duration timeout) {
+  v1::ForwardResponse response;
+  if (absl::Status s = Call(shm::kForwardRequest, request, &response, timeout); !s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<v1::StepResponse> ShmChannel::Step(const v1::StepRequest& request, absl::Duration timeout) {
+  v1::StepResponse response;
+  if (absl::Status s = Call(shm::kStepRequest, request, &response, timeout); !s.ok()) return s;
   return response;
 }
 
@@ -157,6 +170,24 @@ absl::StatusOr<ForwardResult> ForwardOverShm(ShmChannel& channel, const v1::Forw
   res.bytes_received = res.o.size() + res.lse.size();
   if (absl::Status sizes = CheckReplySizes(request, res); !sizes.ok()) return sizes;
   return res;
+}
+
+absl::StatusOr<StepResult> StepOverShm(ShmChannel& channel, const v1::StepRequest& request, absl::Duration timeout) {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::StepResponse> r = channel.Step(request, timeout);
+  if (!r.ok()) return r.status();
+  return StepResultOf(request, *std::move(r), Transport::kShm, start);
+}
+
+uint64_t StepReplyBytes(const v1::StepRequest& request) {
+  uint64_t rows = 0;
+  for (const auto& s : request.sequences()) rows += static_cast<uint64_t>(std::max<int64_t>(s.tokens(), 0));
+  uint64_t n = 4096 + 16 * static_cast<uint64_t>(request.sequences_size()) + request.request_id().size();
+  // O has Q's size; with Q in a registered buffer its size is unknown here, so the area's limit decides.
+  if (request.q().source_case() == v1::TensorInput::kData && !request.has_o_ref()) n += request.q().data().size();
+  if (request.q().has_ref() && !request.has_o_ref()) n += shm::kMaxAreaBytes;
+  if (request.return_lse()) n += rows * static_cast<uint64_t>(std::max<int64_t>(request.q_heads(), 0)) * 4;
+  return n;
 }
 
 }  // namespace attnd::client

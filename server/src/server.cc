@@ -180,7 +180,7 @@ class ServerImpl final : public Server {
       so.reply_spin = options_.shm_reply_spin;
       so.tokens = auth_tokens_;
       so.stats = &stats_;
-      absl::StatusOr<std::unique_ptr<ShmListener>> shm = ShmListener::Start(so, &dispatcher_);
+      absl::StatusOr<std::unique_ptr<ShmListener>> shm = ShmListener::Start(so, &dispatcher_, &sequences_);
       if (!shm.ok()) {
         server_->Shutdown();
         server_.reset();

@@ -34,6 +34,7 @@ constexpr absl::Duration kIdlePoll = absl::Milliseconds(50);
 constexpr int kPollingRepliesAtMost = 2;
 // Calls on a shm channel are recorded (GetStats, metrics, logs) under this method name.
 constexpr const char* kMethod = "ForwardShm";
+constexpr const char* kStepMethod = "StepShm";
 // A caller that connects and then sends nothing must not hold a thread for ever.
 constexpr int kHandshakeTimeoutSeconds = 5;
 
@@ -58,7 +59,7 @@ struct Replied {
 
 // Writes the reply into the channel (or the error if the response does not fit) and hands the word back. The
 // mapping is the caller's again after that, so what was written is returned, not read back.
-Replied WriteReply(const shm::Mapping& m, absl::Status status, const v1::ForwardResponse* response) {
+Replied WriteReply(const shm::Mapping& m, absl::Status status, const google::protobuf::MessageLite* response) {
   shm::Header* h = m.header;
   if (status.ok()) {
     const size_t n = response->ByteSizeLong();
@@ -82,7 +83,7 @@ Replied WriteReply(const shm::Mapping& m, absl::Status status, const v1::Forward
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmListener>> ShmListener::Start(const ShmListenerOptions& options,
-                                                                Dispatcher* dispatcher) {
+                                                                Dispatcher* dispatcher, Sequences* sequences) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (options.path.empty() || options.path.size() >= sizeof(addr.sun_path)) {
@@ -105,7 +106,7 @@ absl::StatusOr<std::unique_ptr<ShmListener>> ShmListener::Start(const ShmListene
     ::unlink(options.path.c_str());
     return absl::PermissionDeniedError(absl::StrCat("shm_socket: cannot chmod ", options.path));
   }
-  std::unique_ptr<ShmListener> l(new ShmListener(options, dispatcher, fd));
+  std::unique_ptr<ShmListener> l(new ShmListener(options, dispatcher, sequences, fd));
   l->reserve_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   l->acceptor_ = std::thread([p = l.get()] { p->AcceptLoop(); });
   spdlog::info("attnd {} channels on {} (up to {}, {} MiB areas)", kShm, options.path, options.max_channels,
@@ -188,7 +189,7 @@ void ShmListener::RefuseAtDescriptorLimit() {
   if (reserve_fd_ < 0) absl::SleepFor(kIdlePoll);
 }
 
-absl::Status ShmListener::Handshake(int socket, uid_t* uid, int* memfd) {
+absl::Status ShmListener::Handshake(int socket, uid_t* uid, int* memfd, std::string* owner) {
   timeval tv{kHandshakeTimeoutSeconds, 0};
   ::setsockopt(socket, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   ucred cred{};
@@ -214,10 +215,15 @@ absl::Status ShmListener::Handshake(int socket, uid_t* uid, int* memfd) {
   if (hello.token_bytes > shm::kMaxTokenBytes) return absl::InvalidArgumentError("shm channel: token too long");
   std::string token(hello.token_bytes, '\0');
   if (!token.empty()) ATTND_RETURN_IF_ERROR(shm::ReceiveAll(socket, token.data(), token.size()));
+  *owner = "local";
   if (!options_.tokens.empty()) {
-    bool known = false;
-    for (const std::string& t : options_.tokens) known |= ConstantTimeEquals(token, t);
-    if (!known) return absl::UnauthenticatedError("shm channel: missing or unknown token");
+    // Every token is compared (constant time in which one matches), as the gRPC token check does.
+    int index = -1;
+    for (size_t i = 0; i < options_.tokens.size(); ++i) {
+      if (ConstantTimeEquals(token, options_.tokens[i]) && index < 0) index = static_cast<int>(i);
+    }
+    if (index < 0) return absl::UnauthenticatedError("shm channel: missing or unknown token");
+    *owner = absl::StrCat("token:", index);
   }
   if (*memfd < 0) return absl::InvalidArgumentError("shm channel: the hello carried no memfd");
   return absl::OkStatus();
@@ -226,7 +232,8 @@ absl::Status ShmListener::Handshake(int socket, uid_t* uid, int* memfd) {
 void ShmListener::Serve(int socket) {
   uid_t uid = 0;
   int memfd = -1;
-  absl::Status status = Handshake(socket, &uid, &memfd);
+  std::string owner;
+  absl::Status status = Handshake(socket, &uid, &memfd, &owner);
   absl::StatusOr<shm::Mapping> mapped = status.ok() ? shm::MapServerSide(memfd, options_.max_area_bytes) : status;
   if (memfd >= 0) ::close(memfd);  // the mapping keeps the memory
   if (!mapped.ok()) {
@@ -251,18 +258,19 @@ void ShmListener::Serve(int socket) {
     // Copied out before anything reads it: the caller can write to the mapping at any time.
     const uint64_t n = h->request_bytes;
     // Writes the reply and records the call (GetStats and metrics; the access log is the gRPC calls').
-    const auto finish = [&](absl::Status s, const v1::ForwardResponse* response, uint64_t tensor_bytes_in = 0,
-                            uint64_t tensor_bytes_out = 0) {
+    const uint32_t kind = h->kind;
+    const auto finish = [&](absl::Status s, const google::protobuf::MessageLite* response, const v1::Timing* timing,
+                            uint64_t tensor_bytes_in = 0, uint64_t tensor_bytes_out = 0) {
       const Replied sent = WriteReply(m, s, response);
       if (options_.stats == nullptr) return;
       CallRecord r;
-      r.method = kMethod;
+      r.method = kind == shm::kStepRequest ? kStepMethod : kMethod;
       r.code = sent.code;
       if (!s.ok()) r.error = std::string(s.message());
       r.total = absl::Now() - start;
       if (sent.code == absl::StatusCode::kOk) {
-        r.queue = absl::Microseconds(response->timing().queue_us());
-        r.kernel = absl::Microseconds(response->timing().kernel_us());
+        r.queue = absl::Microseconds(timing->queue_us());
+        r.kernel = absl::Microseconds(timing->kernel_us());
         r.bytes_out = sent.bytes;
         r.tensor_bytes_in = tensor_bytes_in;
         r.tensor_bytes_out = tensor_bytes_out;
@@ -271,9 +279,66 @@ void ShmListener::Serve(int socket) {
       r.in_stats = true;
       options_.stats->Record(r);
     };
+    if (n > m.request_capacity) {
+      finish(absl::InvalidArgumentError(absl::StrCat("request_bytes: ", n, " exceeds the channel's request area (",
+                                                     m.request_capacity, " bytes)")), nullptr, nullptr);
+      continue;
+    }
+    if (kind == shm::kStepRequest) {
+      v1::StepRequest step;
+      {
+        std::string bytes(reinterpret_cast<const char*>(m.request()), n);
+        if (!step.ParseFromString(bytes)) {
+          finish(absl::InvalidArgumentError("request: not a StepRequest (unparseable)"), nullptr, nullptr);
+          continue;
+        }
+      }
+      if (sequences_ == nullptr) {
+        finish(absl::FailedPreconditionError("KV sequences are not enabled on this server"), nullptr, nullptr);
+        continue;
+      }
+      if (step.request_id().empty()) step.set_request_id(GenerateRequestId());
+      CallInfo call;
+      call.accepted = absl::Now();
+      uint64_t in = 0;
+      for (const v1::TensorInput* t : {&step.q(), &step.k(), &step.v()}) {
+        if (t->source_case() == v1::TensorInput::kData) in += t->data().size();
+      }
+      // The step is answered before this thread looks at the word again, and the thread polls for the reply
+      // while few channels wait, as for a Forward (below, which says why).
+      std::atomic<bool> done{false};
+      absl::Notification replied;
+      const bool poll = awaiting_reply_.fetch_add(1) < kPollingRepliesAtMost;
+      sequences_->Step(owner, step, Transport::kShm, call, [&](absl::Status s, StepJob* job) {
+        std::unique_ptr<v1::StepResponse> response;
+        if (job != nullptr && s.ok()) {
+          response = std::make_unique<v1::StepResponse>();
+          sequences_->FillStepResponse(*job, response.get());
+          response->set_o(std::move(job->o));
+          response->set_lse(std::move(job->lse));
+        }
+        LogOutcome(kStepMethod, step.request_id(), s, call.accepted);
+        const uint64_t out = response != nullptr ? response->o().size() + response->lse().size() : 0;
+        finish(std::move(s), response.get(), response != nullptr ? &response->timing().timing() : nullptr, in, out);
+        done.store(true, std::memory_order_release);
+        replied.Notify();
+      });
+      for (const absl::Time spin_end = absl::Now() + (poll ? options_.reply_spin : absl::ZeroDuration());
+           !done.load(std::memory_order_acquire) && absl::Now() < spin_end;) {
+        shm::CpuRelax();
+      }
+      replied.WaitForNotification();
+      awaiting_reply_.fetch_sub(1);
+      continue;
+    }
+    if (kind != shm::kForwardRequest) {
+      finish(absl::InvalidArgumentError(absl::StrCat("kind: ", kind, " is not a request kind this server knows (0: "
+                                                     "Forward, 1: Step)")), nullptr, nullptr);
+      continue;
+    }
     auto request = std::make_shared<v1::ForwardRequest>();
     if (absl::Status read = shm::ReadRequest(m, n, request.get()); !read.ok()) {
-      finish(std::move(read), nullptr);
+      finish(std::move(read), nullptr, nullptr);
       continue;
     }
     // One request at a time: the reply is written before this thread looks at the word again. While few channels
@@ -300,7 +365,8 @@ void ShmListener::Serve(int socket) {
       }
       LogOutcome(kMethod, request->request_id(), s, call.accepted);
       const uint64_t out = response != nullptr ? response->o().size() + response->lse().size() : 0;
-      finish(std::move(s), response.get(), bytes.q + bytes.k + bytes.v, out);
+      finish(std::move(s), response.get(), response != nullptr ? &response->timing() : nullptr,
+             bytes.q + bytes.k + bytes.v, out);
       done.store(true, std::memory_order_release);
       replied.Notify();
     });

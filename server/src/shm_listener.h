@@ -1,6 +1,7 @@
 // The server side of the shm transport (the same-host shared-memory channel, attnd/transport/shm_channel.h,
 // --shm_socket): a unix socket where callers hand over their channel's memfd, and one thread per channel that
-// waits on the channel's state word, runs each request through the Dispatcher and writes the reply back.
+// waits on the channel's state word, runs each request (a Forward through the Dispatcher, a Step of KV sequences
+// through Sequences) and writes the reply back.
 #pragma once
 
 #include <sys/types.h>
@@ -17,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "attnd/server/dispatcher.h"
+#include "attnd/server/sequences.h"
 #include "call_stats.h"
 
 namespace attnd::server {
@@ -35,8 +37,9 @@ struct ShmListenerOptions {
 
 class ShmListener {
  public:
+  // `sequences` (null: Step requests are FAILED_PRECONDITION) runs the channel's Step requests.
   static absl::StatusOr<std::unique_ptr<ShmListener>> Start(const ShmListenerOptions& options,
-                                                           Dispatcher* dispatcher);
+                                                           Dispatcher* dispatcher, Sequences* sequences = nullptr);
   ~ShmListener();
   // Stops accepting channels; each open channel finishes the request it holds (the reply is written), answers
   // one that arrives meanwhile UNAVAILABLE, and closes. Blocks until all have. Idempotent.
@@ -44,16 +47,18 @@ class ShmListener {
   int open_channels() const { return open_.load(); }
 
  private:
-  ShmListener(const ShmListenerOptions& options, Dispatcher* dispatcher, int fd)
-      : options_(options), dispatcher_(dispatcher), listen_fd_(fd) {}
+  ShmListener(const ShmListenerOptions& options, Dispatcher* dispatcher, Sequences* sequences, int fd)
+      : options_(options), dispatcher_(dispatcher), sequences_(sequences), listen_fd_(fd) {}
   void AcceptLoop();
   void Serve(int socket);
-  absl::Status Handshake(int socket, uid_t* uid, int* memfd);
+  // *owner: the caller's identity for KV sequences ("local", or "token:<index>" when it presented a token).
+  absl::Status Handshake(int socket, uid_t* uid, int* memfd, std::string* owner);
   // accept() failed with EMFILE/ENFILE: takes the pending caller off the backlog with a refusal (acceptor only).
   void RefuseAtDescriptorLimit();
 
   const ShmListenerOptions options_;
   Dispatcher* const dispatcher_;
+  Sequences* const sequences_;
   int listen_fd_;
   // Held open so that at the descriptor limit one can be freed to accept and refuse a caller (acceptor only).
   int reserve_fd_ = -1;

@@ -125,4 +125,85 @@ std::string FormatBenchReport(const BenchReport& r);  // human-readable, several
 std::string BenchReportJson(const BenchReport& r);
 std::string BenchReportCsv(const BenchReport& r);     // a header line and one data line
 
+// ---- KV sequences (`attn seq`, `attn bench --workload=decode`; docs/sequences.md, "Client and CLI") ----------
+
+// `attn seq`: one sequence opened, prefilled with `prefill` random tokens on every layer (append and attend),
+// decoded `steps` steps (each step appends one token and attends, on every layer in turn), then closed (also
+// after a failure). With verify, every step's O (and LSE) on every layer is checked against the double-precision
+// reference over the whole cached history, which the run keeps on the client.
+struct SeqRunOptions {
+  SequenceShape shape;
+  int64_t q_heads = 0;  // 0: kv_heads
+  int64_t prefill = 16;
+  int64_t steps = 8;
+  bool verify = false;
+  bool want_lse = false;
+  uint64_t seed = 1;
+  CallOptions call;
+  std::function<void(const std::string&)> line;  // one line per step (and the prefill); empty: silent
+};
+
+struct SeqRunReport {
+  std::string sequence_id;
+  std::string transport;         // of the steps ("unary" for gRPC, "shm")
+  int64_t steps = 0;             // decode steps finished (each over every layer)
+  int64_t verified = 0, verify_failures = 0;  // layer-steps checked (prefill included)
+  std::string first_verify_failure;
+  double prefill_us = 0;              // the prefill, every layer, client-side
+  std::vector<double> step_us;        // each decode step over every layer, client-side
+  double step_p50_us = 0, step_p99_us = 0;
+  double layer_step_mean_us = 0;      // one Step call, mean
+  double srv_kernel_mean_us = 0;      // server-reported kernel time of one Step call, mean
+  std::vector<int64_t> final_lengths;  // per layer, from GetSequence before the close
+};
+
+absl::StatusOr<SeqRunReport> RunSequence(Client& client, const SeqRunOptions& options);
+std::string FormatSeqReport(const SeqRunReport& r);
+
+// `attn bench --workload=decode`: `sequences` sequences opened and prefilled with `context` random tokens on
+// every layer (untimed, in chunks that fit a message), then `steps` decode steps per sequence, each over every
+// layer (one Step call per layer). one_message: one caller sends every sequence's token in ONE Step per layer
+// (the engine-shaped batch); otherwise one thread per sequence sends its own Steps concurrently, and the server
+// forms batches of whatever arrives together. The sequences are closed at the end, also after failures.
+struct DecodeBenchOptions {
+  SequenceShape shape;
+  int64_t q_heads = 0;  // 0: kv_heads
+  int sequences = 1;
+  int64_t context = 128;
+  int64_t steps = 16;
+  bool one_message = false;
+  uint64_t seed = 1;
+  absl::Duration max_duration = absl::Minutes(10);  // the decode phase stops here (hit_max_duration)
+  CallOptions call;
+  std::function<void(const std::string&)> progress;  // about once a second; empty: silent
+};
+
+struct DecodeBenchReport {
+  std::string target, transport;  // transport: grpc-tcp, grpc-unix or shm (then target is the shm socket)
+  SequenceShape shape;
+  int64_t q_heads = 0;
+  int sequences = 0;
+  int64_t context = 0, steps = 0;
+  bool one_message = false, hit_max_duration = false;
+  int64_t calls_ok = 0, errors = 0;  // Step calls of the decode phase
+  std::string first_error;
+  std::map<std::string, int64_t> errors_by_code;
+  double elapsed_s = 0;
+  double tokens_per_s = 0;  // decoded tokens (one per sequence per step, every layer done) per second
+  // Client-side latency of one Step call (one layer), microseconds.
+  double lat_mean_us = 0, lat_p50_us = 0, lat_p90_us = 0, lat_p99_us = 0, lat_max_us = 0;
+  // StepTiming.batch_sequences of each call: how many sequences the server launched together -> calls.
+  std::map<uint32_t, int64_t> batch_sequences;
+  double srv_queue_us = 0, srv_h2d_us = 0, srv_kernel_us = 0, srv_d2h_us = 0, srv_total_us = 0;  // means
+  // Achieved K/V read bandwidth, GB/s = sum over calls of B_c / sum over calls of (kernel_c x n_c / N_c), where
+  // B_c = sum over the call's sequences of 2 x keys x kv_heads x head_dim x dtype bytes (K and V of every cached
+  // key, the new one included: what attention reads), n_c the call's sequences and N_c its batch_sequences (a
+  // call's share of the launch it joined, whose kernel time every joined call reports).
+  double hbm_gbps = 0;
+};
+
+absl::StatusOr<DecodeBenchReport> RunDecodeBench(Client& client, const DecodeBenchOptions& options);
+std::string FormatDecodeReport(const DecodeBenchReport& r);
+std::string DecodeReportJson(const DecodeBenchReport& r);
+
 }  // namespace attnd::client

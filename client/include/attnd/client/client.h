@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -25,6 +26,8 @@
 #include "grpcpp/support/status.h"
 
 namespace attnd::client {
+
+class ShmChannel;  // attnd/client/shm_channel.h
 
 // Which RPC carries a Forward call.
 enum class Transport {
@@ -70,6 +73,12 @@ struct ClientOptions {
 
   // gRPC channel arguments "name=value" applied last (attnd/transport/channel_args.h); a malformed one fails Create.
   std::vector<std::string> grpc_args;
+
+  // The server's --shm_socket: with transport kShm, Step calls travel over shared-memory channels opened there
+  // (one per call in flight, kept for reuse). Every other call still goes over gRPC to `target`.
+  std::string shm_socket;
+  // Largest request or reply area such a channel asks for (the server's --shm_max_bytes must allow it too).
+  uint64_t shm_max_area_bytes = 64ull << 20;
 };
 
 // Memory of the caller's that a call writes O (and LSE) into, instead of fresh strings in its ForwardResult.
@@ -160,6 +169,79 @@ ReplyBytes ExpectedReplyBytes(const v1::ForwardRequest& request);
 // short or truncated answer is an error rather than a silent wrong result. Every Forward result passes it.
 absl::Status CheckReplySizes(const v1::ForwardRequest& request, const ForwardResult& result);
 
+
+// ---- KV sequences (docs/sequences.md, "Client and CLI") ----------------------------------------------------
+//
+// Pinning: a sequence id may end in '@host:port', the address of the server that holds it (its
+// --advertise_address). Every call about such a sequence goes to that address when it differs from
+// ClientOptions::target, over a channel of its own (one per address, cached for the client's life, with the
+// target's credentials, TLS settings, token and channel arguments); a Step whose sequences name different
+// servers is INVALID_ARGUMENT before anything is sent. Ids without '@' go to the target. With transport kShm a
+// Step goes over the target's shared-memory channel unless its sequences are pinned elsewhere (then gRPC to
+// that server: a shared-memory channel only reaches this host's server). OpenSequence, ForkSequence,
+// TruncateSequence, CloseSequence and GetSequence always use gRPC.
+
+// What a sequence caches (OpenSequence); fixed for its life.
+struct SequenceShape {
+  int64_t layers = 1;
+  int64_t kv_heads = 1;
+  int64_t head_dim = 128;
+  DType dtype = DType::kBF16;
+};
+
+struct OpenedSequences {
+  std::vector<std::string> ids;  // `count` of them, in the server's order
+  int64_t max_tokens = 0;        // the per-sequence limit that applies
+  int page_tokens = 0;           // tokens per page of the server's pool
+};
+
+// One of a Step's Q, K, V: inline bytes of the caller's (copied into the request), a registered CUDA buffer,
+// or neither (absent: no q means append only; no k and v means attend only).
+struct StepTensor {
+  std::string_view data;
+  std::optional<v1::TensorRef> ref;
+  bool present() const { return ref.has_value() || !data.empty(); }
+};
+
+// One Step (StepRequest in attention.proto): the batch of sequences and their rows, back to back in q/k/v.
+struct StepSpec {
+  struct Entry {
+    std::string sequence_id;
+    int64_t tokens = 1;
+  };
+  std::vector<Entry> sequences;
+  int64_t layer = 0;
+  int64_t q_heads = 0;            // with q: a multiple of the sequences' kv_heads
+  std::optional<float> scale;     // unset: the server's 1/sqrt(head_dim)
+  bool want_lse = false;
+  std::string request_id;
+  StepTensor q, k, v;             // q [T, q_heads, head_dim]; k, v [T, kv_heads, head_dim]; T = sum of tokens
+  std::optional<v1::TensorRef> o_ref;  // O into this registered buffer instead of StepResult::o
+};
+// The StepRequest of a spec (INVALID_ARGUMENT for an empty batch or a k without v or the reverse).
+absl::StatusOr<v1::StepRequest> MakeStepRequest(const StepSpec& spec);
+
+struct StepResult {
+  std::string request_id;
+  std::string o;    // [T, q_heads, head_dim]; empty without q or with o_ref
+  std::string lse;  // fp32, per sequence [q_heads, tokens], back to back; when asked for
+  v1::StepTiming timing;
+  std::vector<int64_t> lengths;  // each sequence's cached tokens at the layer after the step, request order
+  std::string backend, kernel;
+  int device = -1;
+  Transport transport = Transport::kUnary;  // kUnary (gRPC) or kShm
+  absl::Duration latency;                   // client-side
+  uint64_t bytes_sent = 0, bytes_received = 0;  // inline Q+K+V out, O+LSE in
+};
+
+// A StepResponse as a StepResult, after checking that O (inline), LSE (when asked for) and the lengths have
+// the sizes `request` implies (INTERNAL otherwise: a short answer is an error, not a silent wrong result).
+absl::StatusOr<StepResult> StepResultOf(const v1::StepRequest& request, v1::StepResponse response, Transport t,
+                                        absl::Time start);
+
+// The address part of a sequence id ('@host:port'), or "" when it has none.
+std::string SequenceAddress(std::string_view sequence_id);
+
 class Client {
  public:
   // Creates the channel; does not wait for the server (the first call connects).
@@ -189,6 +271,25 @@ class Client {
   // The transport kAuto picks for this request (fetches and caches the server info when needed).
   absl::StatusOr<Transport> ChooseTransport(const v1::ForwardRequest& request);
 
+
+  // KV sequences (pinning: see above). `count` sequences of `shape` (0 means 1); max_tokens 0: the server's
+  // limit.
+  absl::StatusOr<OpenedSequences> OpenSequence(const SequenceShape& shape, int64_t max_tokens = 0, uint32_t count = 1,
+                                               const CallOptions& call = {});
+  // Blocks until the step's reply. Transport: call.transport, else ClientOptions::transport; kShm goes over a
+  // shared-memory channel at ClientOptions::shm_socket, anything else over the unary Step RPC. The reply's
+  // O, LSE and lengths are checked against the sizes the request implies (INTERNAL otherwise).
+  absl::StatusOr<StepResult> Step(const v1::StepRequest& request, const CallOptions& call = {});
+  absl::StatusOr<StepResult> Step(const StepSpec& spec, const CallOptions& call = {});
+  absl::StatusOr<std::vector<std::string>> ForkSequence(const std::string& sequence_id, uint32_t count = 1,
+                                                        const CallOptions& call = {});
+  // Per-layer lengths after the truncation.
+  absl::StatusOr<std::vector<int64_t>> TruncateSequence(const std::string& sequence_id, int64_t tokens,
+                                                        const CallOptions& call = {});
+  // All of `sequence_ids` must live on one server (else INVALID_ARGUMENT).
+  absl::Status CloseSequence(const std::vector<std::string>& sequence_ids, const CallOptions& call = {});
+  absl::StatusOr<v1::SequenceInfo> GetSequence(const std::string& sequence_id, const CallOptions& call = {});
+
   // GetServerInfo, cached after the first success unless `refresh`.
   absl::StatusOr<v1::ServerInfo> ServerInfo(bool refresh = false, const CallOptions& call = {});
   absl::StatusOr<v1::ServerStats> Stats(const CallOptions& call = {});
@@ -211,6 +312,11 @@ class Client {
   static absl::StatusOr<ForwardResult> Completed(const Outgoing& sent, ForwardResult res, Transport t,
                                                  absl::Time start);
   Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+  // The stub for calls about sequences pinned to `address` ("" or the target: the main one).
+  absl::StatusOr<v1::Attention::Stub*> StubFor(const std::string& address);
+  // The one address of `ids` (INVALID_ARGUMENT naming `field` when they name different servers).
+  static absl::StatusOr<std::string> AddressOf(const std::vector<std::string>& ids, const char* field);
+  absl::StatusOr<StepResult> StepOverShm(const v1::StepRequest& request, const CallOptions& call);
   void Prepare(grpc::ClientContext* ctx, const CallOptions& call) const;
   uint64_t ChunkBytes(uint64_t max_message_bytes) const;
   // `request_bytes`: the whole message; `inline_bytes`: its tensors' share; `request`: at least its header.
@@ -229,6 +335,10 @@ class Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
   std::unique_ptr<grpc::GenericStub> generic_;  // Forward and ForwardStream with tensors by reference (zero_copy.h)
+  absl::Mutex pinned_mu_;
+  absl::flat_hash_map<std::string, std::unique_ptr<v1::Attention::Stub>> pinned_ ABSL_GUARDED_BY(pinned_mu_);
+  absl::Mutex shm_mu_;
+  std::vector<std::unique_ptr<ShmChannel>> shm_free_ ABSL_GUARDED_BY(shm_mu_);  // idle channels
   mutable absl::Mutex info_mu_;
   std::optional<v1::ServerInfo> info_ ABSL_GUARDED_BY(info_mu_);
 };

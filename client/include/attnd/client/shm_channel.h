@@ -45,10 +45,19 @@ class ShmChannel {
   // After a DEADLINE_EXCEEDED or UNAVAILABLE the channel is unusable (a late reply may still land): open another.
   absl::StatusOr<v1::ForwardResponse> Forward(const v1::ForwardRequest& request,
                                               absl::Duration timeout = absl::InfiniteDuration());
+  // The same for a Step of KV sequences (shm::kStepRequest).
+  absl::StatusOr<v1::StepResponse> Step(const v1::StepRequest& request,
+                                        absl::Duration timeout = absl::InfiniteDuration());
+
+  uint64_t request_capacity() const { return map_.request_capacity; }
+  uint64_t reply_capacity() const { return map_.reply_capacity; }
 
  private:
   ShmChannel(const ShmChannelOptions& options, int socket, shm::Mapping mapping)
       : options_(options), socket_(socket), map_(mapping) {}
+  // Writes `request` as `kind`, waits for the reply and parses it into `response`.
+  absl::Status Call(shm::RequestKind kind, const google::protobuf::MessageLite& request,
+                    google::protobuf::MessageLite* response, absl::Duration timeout);
   const ShmChannelOptions options_;
   const int socket_;
   const shm::Mapping map_;
@@ -61,5 +70,12 @@ class ShmChannel {
 // What `attn call` and `attn bench` use with --transport=shm.
 absl::StatusOr<ForwardResult> ForwardOverShm(ShmChannel& channel, const v1::ForwardRequest& request,
                                              absl::Duration timeout = absl::InfiniteDuration());
+// ShmChannel::Step with the reply as the gRPC client's StepResult (transport kShm), sizes checked as
+// Client::Step checks them.
+absl::StatusOr<StepResult> StepOverShm(ShmChannel& channel, const v1::StepRequest& request,
+                                       absl::Duration timeout = absl::InfiniteDuration());
+// Bytes of the serialized StepResponse a channel's reply area must hold for `request` (O, LSE, lengths and
+// the other fields); what Client sizes its channels by.
+uint64_t StepReplyBytes(const v1::StepRequest& request);
 
 }  // namespace attnd::client

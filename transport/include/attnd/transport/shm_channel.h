@@ -11,6 +11,7 @@
 // checks the peer's uid (SO_PEERCRED), the token when the server has --auth_token_file, the seals and the size,
 // maps it, and answers a HelloReply. The socket stays open: its closing ends the channel.
 //
+// A request is a Forward or a Step (Header::kind); the reply is the response of the same kind.
 // One request at a time per channel (a caller wanting N in flight opens N channels, as with connections).
 // The state word: kIdle -> kRequest (caller, after writing the request) -> kReply (server, after writing the
 // reply) -> kRequest (the caller's next request) ... Each side sleeps on the word with FUTEX_WAIT after a short
@@ -37,6 +38,12 @@ constexpr uint32_t kVersion = 1;
 
 enum State : uint32_t { kIdle = 0, kRequest = 1, kReply = 2 };
 
+// What the request area holds (Header::kind). A caller that knows only Forward writes 0.
+enum RequestKind : uint32_t {
+  kForwardRequest = 0,  // a ForwardRequest; the reply is a ForwardResponse
+  kStepRequest = 1,     // a StepRequest (KV sequences); the reply is a StepResponse
+};
+
 // At offset 0 of the mapping; the request area follows at kHeaderBytes, the reply area after it.
 struct Header {
   uint32_t magic;
@@ -46,9 +53,10 @@ struct Header {
   alignas(64) std::atomic<uint32_t> state;
   std::atomic<uint32_t> server_sleeping;
   std::atomic<uint32_t> client_sleeping;
-  uint32_t reserved;
+  uint32_t kind;           // a RequestKind, written by the caller before state = kRequest
   uint64_t request_bytes;  // written by the caller before state = kRequest
-  uint64_t reply_bytes;    // written by the server before state = kReply: a ForwardResponse, or the error message
+  // Written by the server before state = kReply: the response of the request's kind, or the error message.
+  uint64_t reply_bytes;
   int32_t status_code;     // absl::StatusCode of the reply; not OK: the reply area holds the message
   uint32_t reserved2;
 };

@@ -1,0 +1,688 @@
+// KV sequences end to end through the client library against an in-process CPU-backend server, over gRPC on a
+// loopback port, on the unix socket and over the shared-memory channel's Step frames: every step's O and LSE
+// checked against the double-precision reference of the whole history this test keeps, forks (and forks of
+// forks) diverging from their parents, truncation, closing, the statuses of bad input, and '@address' pinning.
+#include <sys/wait.h>
+
+#include <atomic>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "attnd/client/bench.h"
+#include "attnd/client/shm_channel.h"
+#include "e2e_util.h"
+
+#ifndef ATTN_BINARY
+#error "ATTN_BINARY (path of the built attn) must be defined by the build"
+#endif
+
+namespace attnd::e2e {
+namespace {
+
+enum class Via { kTcp, kUnix, kShm };
+const char* ViaName(Via v) { return v == Via::kTcp ? "tcp" : v == Via::kUnix ? "unix" : "shm"; }
+
+// One sequence as the client knows it: the K and V rows it sent, per layer.
+struct History {
+  std::vector<std::string> k, v;
+  explicit History(int64_t layers) : k(layers), v(layers) {}
+};
+
+client::SequenceShape TestShape(int64_t layers = 2) {
+  client::SequenceShape s;
+  s.layers = layers;
+  s.kv_heads = 2;
+  s.head_dim = 64;
+  return s;
+}
+constexpr int64_t kQHeads = 4;
+
+// Empty when `o` (and `lse`) are causal attention of q's `tokens` rows over the cached `k`/`v`; else why not.
+std::string CheckRows(const client::SequenceShape& shape, int64_t q_heads, const std::string& q, const std::string& k,
+                      const std::string& v, std::string_view o, std::string_view lse, bool want_lse) {
+  const int64_t row = q_heads * shape.head_dim * 2, kv_row = shape.kv_heads * shape.head_dim * 2;
+  Problem p;
+  p.shape = Shape{1, static_cast<int64_t>(q.size()) / row, static_cast<int64_t>(k.size()) / kv_row, q_heads,
+                  shape.kv_heads, shape.head_dim};
+  p.dtype = shape.dtype;
+  p.mask = Mask::kCausalBottomRight;
+  p.scale = DefaultScale(shape.head_dim);
+  p.want_lse = want_lse;
+  auto oracle = client::Oracle::Compute(p, q, k, v);
+  if (!oracle.ok()) return oracle.status().ToString();
+  const client::VerifyReport r = oracle->Check(o, lse);
+  return r.pass ? "" : r.detail;
+}
+
+class SequencesTest : public ::testing::TestWithParam<Via> {
+ protected:
+  static void SetUpTestSuite() {
+    server_ = new TestServer;
+    StartServer(server_, 64ull << 20, /*threads=*/2, /*max_queue=*/256, /*shm=*/true);
+  }
+  static void TearDownTestSuite() {
+    if (server_->server) server_->server->Shutdown();
+    delete server_;
+    server_ = nullptr;
+  }
+
+  void SetUp() override {
+    ASSERT_NE(server_->server, nullptr);
+    client::ClientOptions o;
+    // The shm channel's caller is "local", as the unix socket's is: it opens its sequences there.
+    o.target = server_->Target(GetParam() == Via::kTcp ? Listener::kTcp : Listener::kUnix);
+    o.transport = GetParam() == Via::kShm ? client::Transport::kShm : client::Transport::kUnary;
+    o.shm_socket = server_->shm_path;
+    o.default_deadline = absl::Seconds(60);
+    auto c = client::Client::Create(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = *std::move(c);
+  }
+
+  std::vector<std::string> Open(const client::SequenceShape& shape, uint32_t count = 1) {
+    auto opened = client_->OpenSequence(shape, 0, count);
+    EXPECT_TRUE(opened.ok()) << opened.status();
+    if (!opened.ok()) return {};
+    EXPECT_EQ(opened->ids.size(), count);
+    EXPECT_GT(opened->page_tokens, 0);
+    EXPECT_GT(opened->max_tokens, 0);
+    return opened->ids;
+  }
+
+  // Appends `tokens` random rows to `id` at `layer` and attends; checks the reply against `h` (which it extends).
+  void StepAndCheck(const std::string& id, History& h, const client::SequenceShape& shape, int64_t layer,
+                    int64_t tokens, bool lse, uint64_t seed) {
+    SCOPED_TRACE(absl::StrCat("layer ", layer, ", ", tokens, " tokens, seed ", seed));
+    const std::string q = client::RandomTensor(shape.dtype, tokens * kQHeads * shape.head_dim, seed * 3);
+    const std::string k = client::RandomTensor(shape.dtype, tokens * shape.kv_heads * shape.head_dim, seed * 3 + 1);
+    const std::string v = client::RandomTensor(shape.dtype, tokens * shape.kv_heads * shape.head_dim, seed * 3 + 2);
+    client::StepSpec spec;
+    spec.sequences = {{id, tokens}};
+    spec.layer = layer;
+    spec.q_heads = kQHeads;
+    spec.want_lse = lse;
+    spec.q.data = q;
+    spec.k.data = k;
+    spec.v.data = v;
+    auto r = client_->Step(spec);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->transport, GetParam() == Via::kShm ? client::Transport::kShm : client::Transport::kUnary);
+    EXPECT_EQ(r->backend, "cpu");
+    h.k[layer] += k;
+    h.v[layer] += v;
+    const int64_t keys = static_cast<int64_t>(h.k[layer].size()) / (shape.kv_heads * shape.head_dim * 2);
+    ASSERT_EQ(r->lengths.size(), 1u);
+    EXPECT_EQ(r->lengths[0], keys);
+    EXPECT_GE(r->timing.batch_sequences(), 1u);
+    EXPECT_EQ(CheckRows(shape, kQHeads, q, h.k[layer], h.v[layer], r->o, r->lse, lse), "");
+  }
+
+  static inline TestServer* server_ = nullptr;
+  std::unique_ptr<client::Client> client_;
+};
+
+TEST_P(SequencesTest, PrefillThenDecodeMatchesTheReferenceOverTheWholeHistory) {
+  const client::SequenceShape shape = TestShape();
+  const std::vector<std::string> ids = Open(shape);
+  ASSERT_EQ(ids.size(), 1u);
+  History h(shape.layers);
+  uint64_t seed = 1;
+  for (int64_t layer = 0; layer < shape.layers; ++layer) StepAndCheck(ids[0], h, shape, layer, 37, true, ++seed);
+  for (int step = 0; step < 4; ++step) {
+    for (int64_t layer = 0; layer < shape.layers; ++layer) StepAndCheck(ids[0], h, shape, layer, 1, step % 2, ++seed);
+  }
+  auto info = client_->GetSequence(ids[0]);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->sequence_id(), ids[0]);
+  EXPECT_EQ(std::vector<int64_t>(info->lengths().begin(), info->lengths().end()), std::vector<int64_t>({41, 41}));
+  EXPECT_EQ(info->shape().kv_heads(), shape.kv_heads);
+  ASSERT_TRUE(client_->CloseSequence(ids).ok());
+  EXPECT_EQ(client_->GetSequence(ids[0]).status().code(), absl::StatusCode::kNotFound);
+}
+
+// Append-only (prefill without q) and attend-only (q without k/v) steps, and the layers filled unevenly.
+TEST_P(SequencesTest, AppendOnlyAndAttendOnlySteps) {
+  const client::SequenceShape shape = TestShape();
+  const std::vector<std::string> ids = Open(shape);
+  ASSERT_EQ(ids.size(), 1u);
+  History h(shape.layers);
+  const std::string k = client::RandomTensor(shape.dtype, 20 * shape.kv_heads * shape.head_dim, 91);
+  const std::string v = client::RandomTensor(shape.dtype, 20 * shape.kv_heads * shape.head_dim, 92);
+  client::StepSpec append;
+  append.sequences = {{ids[0], 20}};
+  append.layer = 1;
+  append.k.data = k;
+  append.v.data = v;
+  auto a = client_->Step(append);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_TRUE(a->o.empty());
+  EXPECT_EQ(a->lengths, std::vector<int64_t>({20}));
+  h.k[1] = k;
+  h.v[1] = v;
+  // The queries of the last 3 cached positions.
+  const std::string q = client::RandomTensor(shape.dtype, 3 * kQHeads * shape.head_dim, 93);
+  client::StepSpec attend;
+  attend.sequences = {{ids[0], 3}};
+  attend.layer = 1;
+  attend.q_heads = kQHeads;
+  attend.want_lse = true;
+  attend.q.data = q;
+  auto r = client_->Step(attend);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->lengths, std::vector<int64_t>({20}));
+  EXPECT_EQ(CheckRows(shape, kQHeads, q, h.k[1], h.v[1], r->o, r->lse, true), "");
+  auto info = client_->GetSequence(ids[0]);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(std::vector<int64_t>(info->lengths().begin(), info->lengths().end()), std::vector<int64_t>({0, 20}));
+  EXPECT_TRUE(client_->CloseSequence(ids).ok());
+}
+
+// Several sequences of different lengths in ONE Step (the engine's batch): each one's rows of O and LSE are its
+// own attention.
+TEST_P(SequencesTest, ManySequencesInOneStep) {
+  const client::SequenceShape shape = TestShape(1);
+  const std::vector<std::string> ids = Open(shape, 3);
+  ASSERT_EQ(ids.size(), 3u);
+  std::vector<History> hs(3, History(1));
+  const int64_t prefill[3] = {5, 33, 17};
+  for (int i = 0; i < 3; ++i) StepAndCheck(ids[i], hs[i], shape, 0, prefill[i], false, 200 + i);
+  for (int64_t tokens : {1, 2}) {
+    const int64_t kv_row = shape.kv_heads * shape.head_dim, q_row = kQHeads * shape.head_dim;
+    const std::string q = client::RandomTensor(shape.dtype, 3 * tokens * q_row, 300 + tokens);
+    const std::string k = client::RandomTensor(shape.dtype, 3 * tokens * kv_row, 310 + tokens);
+    const std::string v = client::RandomTensor(shape.dtype, 3 * tokens * kv_row, 320 + tokens);
+    client::StepSpec spec;
+    for (const std::string& id : ids) spec.sequences.push_back({id, tokens});
+    spec.q_heads = kQHeads;
+    spec.want_lse = true;
+    spec.q.data = q;
+    spec.k.data = k;
+    spec.v.data = v;
+    auto r = client_->Step(spec);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_GE(r->timing.batch_sequences(), 3u);
+    for (int i = 0; i < 3; ++i) {
+      SCOPED_TRACE(absl::StrCat("sequence ", i, ", ", tokens, " tokens"));
+      const size_t qb = tokens * q_row * 2, kb = tokens * kv_row * 2, lb = tokens * kQHeads * 4;
+      hs[i].k[0] += k.substr(i * kb, kb);
+      hs[i].v[0] += v.substr(i * kb, kb);
+      EXPECT_EQ(r->lengths[i], static_cast<int64_t>(hs[i].k[0].size() / (kv_row * 2)));
+      EXPECT_EQ(CheckRows(shape, kQHeads, q.substr(i * qb, qb), hs[i].k[0], hs[i].v[0],
+                          std::string_view(r->o).substr(i * qb, qb), std::string_view(r->lse).substr(i * lb, lb), true),
+                "");
+    }
+  }
+  EXPECT_TRUE(client_->CloseSequence(ids).ok());
+}
+
+// A fork shares its parent's tokens and then goes its own way; so does a fork of the fork. Each is checked
+// against its own history, and the parent is unaffected by what its children append.
+TEST_P(SequencesTest, ForksAndForksOfForksDiverge) {
+  const client::SequenceShape shape = TestShape();
+  const std::vector<std::string> ids = Open(shape);
+  ASSERT_EQ(ids.size(), 1u);
+  History parent(shape.layers);
+  uint64_t seed = 400;
+  // Past a page boundary (pages are at least 16 tokens), so that the copy-on-write of a partly filled page shows.
+  for (int64_t layer = 0; layer < shape.layers; ++layer) StepAndCheck(ids[0], parent, shape, layer, 21, false, ++seed);
+  auto child = client_->ForkSequence(ids[0], 2);
+  ASSERT_TRUE(child.ok()) << child.status();
+  ASSERT_EQ(child->size(), 2u);
+  History c0 = parent, c1 = parent;
+  for (int64_t layer = 0; layer < shape.layers; ++layer) StepAndCheck((*child)[0], c0, shape, layer, 1, true, ++seed);
+  auto grandchild = client_->ForkSequence((*child)[0]);
+  ASSERT_TRUE(grandchild.ok()) << grandchild.status();
+  ASSERT_EQ(grandchild->size(), 1u);
+  History g = c0;
+  for (int round = 0; round < 3; ++round) {
+    for (int64_t layer = 0; layer < shape.layers; ++layer) {
+      StepAndCheck(ids[0], parent, shape, layer, 1, true, ++seed);
+      StepAndCheck((*child)[0], c0, shape, layer, 2, true, ++seed);
+      StepAndCheck((*child)[1], c1, shape, layer, 1, false, ++seed);
+      StepAndCheck((*grandchild)[0], g, shape, layer, 1, true, ++seed);
+    }
+  }
+  auto info = client_->GetSequence((*grandchild)[0]);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->lengths(0), 21 + 1 + 3);
+  EXPECT_GT(info->shared_pages(), 0);  // the parent's first full page is still shared
+  // Closing the parent leaves its children intact.
+  ASSERT_TRUE(client_->CloseSequence(ids).ok());
+  StepAndCheck((*grandchild)[0], g, shape, 0, 1, true, ++seed);
+  EXPECT_TRUE(client_->CloseSequence({(*child)[0], (*child)[1], (*grandchild)[0]}).ok());
+}
+
+TEST_P(SequencesTest, TruncateDropsTheTailOnEveryLayer) {
+  const client::SequenceShape shape = TestShape();
+  const std::vector<std::string> ids = Open(shape);
+  ASSERT_EQ(ids.size(), 1u);
+  History h(shape.layers);
+  uint64_t seed = 500;
+  StepAndCheck(ids[0], h, shape, 0, 30, false, ++seed);
+  StepAndCheck(ids[0], h, shape, 1, 12, false, ++seed);
+  auto lengths = client_->TruncateSequence(ids[0], 17);
+  ASSERT_TRUE(lengths.ok()) << lengths.status();
+  EXPECT_EQ(*lengths, std::vector<int64_t>({17, 12}));  // a shorter layer is unchanged
+  const size_t kv_row = shape.kv_heads * shape.head_dim * 2;
+  h.k[0].resize(17 * kv_row);
+  h.v[0].resize(17 * kv_row);
+  // The next token lands at position 17 and sees only the first 17 (the rejected ones are gone).
+  StepAndCheck(ids[0], h, shape, 0, 1, true, ++seed);
+  StepAndCheck(ids[0], h, shape, 1, 1, true, ++seed);
+  auto zero = client_->TruncateSequence(ids[0], 0);
+  ASSERT_TRUE(zero.ok()) << zero.status();
+  EXPECT_EQ(*zero, std::vector<int64_t>({0, 0}));
+  History fresh(shape.layers);
+  StepAndCheck(ids[0], fresh, shape, 0, 3, true, ++seed);
+  EXPECT_EQ(client_->TruncateSequence(ids[0], -1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(client_->CloseSequence(ids).ok());
+}
+
+// Each refusal names what is wrong; none leaves anything behind (the sequence steps fine afterwards).
+TEST_P(SequencesTest, BadInputIsRefusedWithAClearStatus) {
+  const client::SequenceShape shape = TestShape();
+  const std::vector<std::string> ids = Open(shape);
+  ASSERT_EQ(ids.size(), 1u);
+  const int64_t kv_elems = shape.kv_heads * shape.head_dim, q_elems = kQHeads * shape.head_dim;
+  const std::string q = client::RandomTensor(shape.dtype, q_elems, 1);
+  const std::string k = client::RandomTensor(shape.dtype, kv_elems, 2);
+  const std::string v = client::RandomTensor(shape.dtype, kv_elems, 3);
+  auto spec = [&](const std::string& id) {
+    client::StepSpec s;
+    s.sequences = {{id, 1}};
+    s.q_heads = kQHeads;
+    s.q.data = q;
+    s.k.data = k;
+    s.v.data = v;
+    return s;
+  };
+  auto expect = [&](const client::StepSpec& s, absl::StatusCode code, const std::string& names) {
+    auto r = client_->Step(s);
+    EXPECT_EQ(r.status().code(), code) << names << ": " << r.status();
+    EXPECT_TRUE(absl::StrContains(r.status().message(), names)) << r.status();
+  };
+  // Unknown: well-formed but never opened, and garbage.
+  std::string unknown = ids[0];
+  unknown[0] = unknown[0] == 'a' ? 'b' : 'a';
+  expect(spec(unknown), absl::StatusCode::kNotFound, "sequence");
+  expect(spec("nonsense"), absl::StatusCode::kNotFound, "sequence");
+  EXPECT_EQ(client_->GetSequence(unknown).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->ForkSequence(unknown).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->TruncateSequence(unknown, 0).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->CloseSequence({unknown}).code(), absl::StatusCode::kNotFound);
+  // Layer out of range.
+  client::StepSpec s = spec(ids[0]);
+  s.layer = shape.layers;
+  expect(s, absl::StatusCode::kInvalidArgument, "layer");
+  s.layer = -1;
+  expect(s, absl::StatusCode::kInvalidArgument, "layer");
+  // q_heads not a multiple of the sequence's kv_heads.
+  s = spec(ids[0]);
+  s.q_heads = 3;
+  expect(s, absl::StatusCode::kInvalidArgument, "q_heads");
+  // Byte sizes that do not match tokens x heads x head_dim.
+  s = spec(ids[0]);
+  s.sequences[0].tokens = 2;
+  expect(s, absl::StatusCode::kInvalidArgument, "q");
+  const std::string short_k = k.substr(0, k.size() - 2);
+  s = spec(ids[0]);
+  s.k.data = short_k;
+  expect(s, absl::StatusCode::kInvalidArgument, "k");
+  // A sequence twice in one step.
+  s = spec(ids[0]);
+  s.sequences.push_back({ids[0], 1});
+  const std::string q2 = q + q, k2 = k + k, v2 = v + v;
+  s.q.data = q2;
+  s.k.data = k2;
+  s.v.data = v2;
+  expect(s, absl::StatusCode::kInvalidArgument, "sequences");
+  // k without v: refused by the client before sending (MakeStepRequest), and by the server as a raw request.
+  s = spec(ids[0]);
+  s.v.data = {};
+  EXPECT_EQ(client_->Step(s).status().code(), absl::StatusCode::kInvalidArgument);
+  v1::StepRequest raw;
+  auto* t = raw.add_sequences();
+  t->set_sequence_id(ids[0]);
+  t->set_tokens(1);
+  raw.set_q_heads(kQHeads);
+  raw.mutable_q()->set_data(q);
+  raw.mutable_k()->set_data(k);
+  auto rr = client_->Step(raw);
+  EXPECT_EQ(rr.status().code(), absl::StatusCode::kInvalidArgument) << rr.status();
+  // Open with a bad shape.
+  client::SequenceShape bad = shape;
+  bad.head_dim = 0;
+  EXPECT_EQ(client_->OpenSequence(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  bad = shape;
+  bad.layers = 0;
+  EXPECT_EQ(client_->OpenSequence(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  // Nothing was appended by any of the refusals.
+  History h(shape.layers);
+  StepAndCheck(ids[0], h, shape, 0, 1, true, 77);
+  // Closed: NOT_FOUND, and a close of an already closed one too.
+  ASSERT_TRUE(client_->CloseSequence(ids).ok());
+  expect(spec(ids[0]), absl::StatusCode::kNotFound, "sequence");
+  EXPECT_EQ(client_->CloseSequence(ids).code(), absl::StatusCode::kNotFound);
+}
+
+// A sequence answers only to the credentials that opened it: without tokens, the peer. One opened over the
+// unix socket ("local") does not exist for a caller on TCP.
+TEST_P(SequencesTest, AnotherCallersSequenceDoesNotExist) {
+  if (GetParam() != Via::kTcp) GTEST_SKIP() << "the foreign caller is the TCP one";
+  auto local = Connect(server_->Target(Listener::kUnix));
+  ASSERT_NE(local, nullptr);
+  auto opened = local->OpenSequence(TestShape());
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->ids[0];
+  EXPECT_EQ(client_->GetSequence(id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->ForkSequence(id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->CloseSequence({id}).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(local->GetSequence(id).ok());  // still there for its owner
+  EXPECT_TRUE(local->CloseSequence({id}).ok());
+}
+
+// ---- The CLI's sequence commands: the engine behind them, then the attn binary.
+
+TEST_P(SequencesTest, RunSequenceVerifiesEveryStep) {
+  client::SeqRunOptions o;
+  o.shape = TestShape(3);
+  o.q_heads = kQHeads;
+  o.prefill = 40;
+  o.steps = 5;
+  o.verify = true;
+  o.want_lse = true;
+  auto r = client::RunSequence(*client_, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->steps, 5);
+  EXPECT_EQ(r->verified, 3 * (1 + 5));
+  EXPECT_EQ(r->verify_failures, 0) << r->first_verify_failure;
+  EXPECT_EQ(r->final_lengths, std::vector<int64_t>({45, 45, 45}));
+  EXPECT_EQ(r->step_us.size(), 5u);
+  EXPECT_EQ(r->transport, GetParam() == Via::kShm ? "shm" : "unary");
+  // It closed its sequence.
+  EXPECT_EQ(client_->GetSequence(r->sequence_id).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_P(SequencesTest, DecodeBenchPerSequenceAndOneMessage) {
+  for (bool one_message : {false, true}) {
+    SCOPED_TRACE(one_message ? "one message" : "per sequence");
+    client::DecodeBenchOptions o;
+    o.shape = TestShape(2);
+    o.q_heads = kQHeads;
+    o.sequences = 3;
+    o.context = 20;
+    o.steps = 4;
+    o.one_message = one_message;
+    auto r = client::RunDecodeBench(*client_, o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->errors, 0) << r->first_error;
+    EXPECT_EQ(r->calls_ok, (one_message ? 1 : 3) * 4 * 2);
+    EXPECT_GT(r->tokens_per_s, 0);
+    EXPECT_GT(r->lat_p50_us, 0);
+    EXPECT_LE(r->lat_p50_us, r->lat_p99_us);
+    EXPECT_GT(r->srv_kernel_us, 0);
+    EXPECT_GT(r->hbm_gbps, 0);
+    int64_t calls = 0;
+    for (const auto& [batch, n] : r->batch_sequences) {
+      calls += n;
+      if (one_message) {
+        EXPECT_GE(batch, 3u);  // the message itself is a batch of 3
+      }
+    }
+    EXPECT_EQ(calls, r->calls_ok);
+    EXPECT_EQ(r->transport, GetParam() == Via::kShm ? "shm" : GetParam() == Via::kUnix ? "grpc-unix" : "grpc-tcp");
+    const std::string text = client::FormatDecodeReport(*r);
+    EXPECT_TRUE(absl::StrContains(text, "tokens/s")) << text;
+    EXPECT_TRUE(absl::StrContains(client::DecodeReportJson(*r), "\"hbm_gbps\"")) << text;
+  }
+  // Nothing left open.
+  auto stats = client_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->sequences().open(), 0u);
+}
+
+// Runs a command, returns its exit status and its stdout+stderr.
+std::pair<int, std::string> RunCommand(const std::string& cmd) {
+  std::string out;
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (p == nullptr) return {-1, "popen failed"};
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int st = ::pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+TEST_P(SequencesTest, AttnSeqAndDecodeBench) {
+  std::string common = absl::StrCat(" --target=", client_->options().target);
+  if (GetParam() == Via::kShm) absl::StrAppend(&common, " --transport=shm --shm_socket=", server_->shm_path);
+  const std::string shape = " --layers=2 --q_heads=4 --kv_heads=2 --head_dim=64";
+  auto [rc, out] = RunCommand(absl::StrCat(ATTN_BINARY, " seq --verify --lse --prefill=24 --steps=3", common, shape));
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_TRUE(absl::StrContains(out, "step 3: 27 tokens cached")) << out;
+  EXPECT_TRUE(absl::StrContains(out, "verified: 8 layer-steps, 0 failed")) << out;
+  EXPECT_TRUE(absl::StrContains(out, "cached tokens per layer at the end: 27,27")) << out;
+
+  const std::string json =
+      absl::StrCat(::testing::TempDir(), "/attn_decode_", ::getpid(), "_", ViaName(GetParam()), ".json");
+  auto [b_rc, b_out] = RunCommand(absl::StrCat(ATTN_BINARY, " bench --workload=decode --sequences=3 --context=16 "
+                                               "--steps=3 --progress=false --json=", json, common, shape));
+  EXPECT_EQ(b_rc, 0) << b_out;
+  EXPECT_TRUE(absl::StrContains(b_out, "Step calls: 18 ok, 0 errors")) << b_out;
+  EXPECT_TRUE(absl::StrContains(b_out, "server batches")) << b_out;
+  EXPECT_TRUE(absl::StrContains(b_out, "K/V read")) << b_out;
+  std::FILE* f = std::fopen(json.c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  std::fclose(f);
+  std::remove(json.c_str());
+
+  auto [o_rc, o_out] = RunCommand(absl::StrCat(ATTN_BINARY, " bench --workload=decode --one_message --sequences=4 "
+                                               "--context=8 --steps=2 --progress=false", common, shape));
+  EXPECT_EQ(o_rc, 0) << o_out;
+  EXPECT_TRUE(absl::StrContains(o_out, "Step calls: 4 ok, 0 errors")) << o_out;
+
+  auto [bad_rc, bad_out] = RunCommand(absl::StrCat(ATTN_BINARY, " seq --q_heads=3 --kv_heads=2", common));
+  EXPECT_EQ(bad_rc, 1) << bad_out;
+  EXPECT_TRUE(absl::StrContains(bad_out, "--q_heads")) << bad_out;
+  auto [w_rc, w_out] = RunCommand(absl::StrCat(ATTN_BINARY, " bench --workload=nope", common));
+  EXPECT_EQ(w_rc, 2) << w_out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, SequencesTest, ::testing::Values(Via::kTcp, Via::kUnix, Via::kShm),
+                         [](const auto& info) { return std::string(ViaName(info.param)); });
+
+// ---- Servers of their own: a small pool, and a second server that sequences are pinned to.
+
+std::string FreshSocketPath() {
+  static std::atomic<int> counter{0};
+  return absl::StrCat(::testing::TempDir(), "/attnd_seq_", ::getpid(), "_", counter++, ".sock");
+}
+
+// A CPU-backend server on a loopback port and the unix socket `unix_path` (empty: a fresh one), with
+// `sequences` as its sequence options.
+void StartSequenceServer(TestServer* out, const server::SequenceOptions& sequences, std::string unix_path = "") {
+  server::ServerOptions so;
+  so.listen = "127.0.0.1:0";
+  out->unix_path = unix_path.empty() ? FreshSocketPath() : std::move(unix_path);
+  so.unix_socket = out->unix_path;
+  so.sequences = sequences;
+  server::BackendOptions bo;
+  bo.threads = 2;
+  auto backend = server::MakeBackend("cpu", bo);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto s = server::Server::Create(so, std::move(*backend));
+  ASSERT_TRUE(s.ok()) << s.status();
+  out->server = std::move(*s);
+  out->port = out->server->tcp_port();
+}
+
+// Opening or appending past the pool is RESOURCE_EXHAUSTED naming the pool, never the eviction of a live
+// sequence; closing one makes room again.
+TEST(SequencePool, FullPoolIsResourceExhaustedAndClosingFreesIt) {
+  const client::SequenceShape shape = TestShape(2);
+  server::SequenceOptions so;
+  so.page_tokens = 16;
+  // 8 pages of 16 tokens: [16, kv_heads 2, head_dim 64] bf16, K and V, 2 layers = 16 KiB a page.
+  so.pool_bytes = 8 * 16 * 2 * 64 * 2 * 2 * 2;
+  TestServer srv;
+  StartSequenceServer(&srv, so);
+  auto c = Connect(srv.Target(Listener::kUnix));
+  ASSERT_NE(c, nullptr);
+  auto opened = c->OpenSequence(shape, 0, 2);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const int64_t kv = shape.kv_heads * shape.head_dim;
+  const std::string k = client::RandomTensor(shape.dtype, 100 * kv, 1);
+  const std::string v = client::RandomTensor(shape.dtype, 100 * kv, 2);
+  auto append = [&](const std::string& id) {
+    client::StepSpec s;
+    s.sequences = {{id, 100}};
+    s.k.data = k;
+    s.v.data = v;
+    return c->Step(s);
+  };
+  auto first = append(opened->ids[0]);  // 7 of the 8 pages
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = append(opened->ids[1]);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kResourceExhausted) << second.status();
+  EXPECT_TRUE(absl::StrContains(second.status().message(), "pool")) << second.status();
+  // The first sequence is untouched: still all its tokens.
+  auto info = c->GetSequence(opened->ids[0]);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->lengths(0), 100);
+  ASSERT_TRUE(c->CloseSequence({opened->ids[0]}).ok());
+  auto retry = append(opened->ids[1]);
+  EXPECT_TRUE(retry.ok()) << retry.status();
+  EXPECT_TRUE(c->CloseSequence({opened->ids[1]}).ok());
+  srv.server->Shutdown();
+}
+
+// Ids of a server with an advertised address carry it after '@': a client whose target is another server
+// sends every call about those sequences to the one that holds them.
+TEST(SequencePinning, CallsFollowTheIdToItsServer) {
+  TestServer a, b;
+  StartSequenceServer(&a, server::SequenceOptions{});
+  server::SequenceOptions pinned;
+  // The unix socket is an address every client here reaches, and its callers are all "local".
+  const std::string b_socket = FreshSocketPath();
+  pinned.advertise_address = absl::StrCat("unix:", b_socket);
+  StartSequenceServer(&b, pinned, b_socket);
+  auto on_b = Connect(b.Target(Listener::kUnix));
+  auto via_a = Connect(a.Target(Listener::kUnix));
+  ASSERT_NE(on_b, nullptr);
+  ASSERT_NE(via_a, nullptr);
+  const client::SequenceShape shape = TestShape(1);
+  auto opened = on_b->OpenSequence(shape);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->ids[0];
+  ASSERT_EQ(client::SequenceAddress(id), pinned.advertise_address) << id;
+
+  // Every call through the client targeting A reaches B.
+  const int64_t q_elems = kQHeads * shape.head_dim, kv_elems = shape.kv_heads * shape.head_dim;
+  const std::string q = client::RandomTensor(shape.dtype, 5 * q_elems, 1);
+  const std::string k = client::RandomTensor(shape.dtype, 5 * kv_elems, 2);
+  const std::string v = client::RandomTensor(shape.dtype, 5 * kv_elems, 3);
+  client::StepSpec s;
+  s.sequences = {{id, 5}};
+  s.q_heads = kQHeads;
+  s.q.data = q;
+  s.k.data = k;
+  s.v.data = v;
+  auto r = via_a->Step(s);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(CheckRows(shape, kQHeads, q, k, v, r->o, r->lse, false), "");
+  auto info = via_a->GetSequence(id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->lengths(0), 5);
+  auto children = via_a->ForkSequence(id);
+  ASSERT_TRUE(children.ok()) << children.status();
+  EXPECT_EQ(client::SequenceAddress((*children)[0]), pinned.advertise_address);
+  auto truncated = via_a->TruncateSequence((*children)[0], 2);
+  ASSERT_TRUE(truncated.ok()) << truncated.status();
+  EXPECT_EQ(*truncated, std::vector<int64_t>({2}));
+  auto a_stats = via_a->Stats();
+  auto b_stats = on_b->Stats();
+  ASSERT_TRUE(a_stats.ok() && b_stats.ok());
+  EXPECT_EQ(a_stats->sequences().open(), 0u);
+  EXPECT_EQ(b_stats->sequences().open(), 2u);
+
+  // One of A's own sequences and one of B's in one step: refused by the client.
+  auto mine = via_a->OpenSequence(shape);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  EXPECT_EQ(client::SequenceAddress(mine->ids[0]), "");
+  client::StepSpec both;
+  both.sequences = {{mine->ids[0], 1}, {id, 1}};
+  both.k.data = std::string_view(k).substr(0, 2 * kv_elems * 2);
+  both.v.data = std::string_view(v).substr(0, 2 * kv_elems * 2);
+  auto mixed = via_a->Step(both);
+  EXPECT_EQ(mixed.status().code(), absl::StatusCode::kInvalidArgument) << mixed.status();
+
+  EXPECT_TRUE(via_a->CloseSequence({id, (*children)[0]}).ok());
+  EXPECT_TRUE(via_a->CloseSequence(mine->ids).ok());
+  b_stats = on_b->Stats();
+  ASSERT_TRUE(b_stats.ok());
+  EXPECT_EQ(b_stats->sequences().open(), 0u);
+  a.server->Shutdown();
+  b.server->Shutdown();
+}
+
+// ---- Client-side rules: nothing here needs a server.
+
+TEST(SequenceClient, AddressIsThePartAfterTheLastAt) {
+  EXPECT_EQ(client::SequenceAddress("abc"), "");
+  EXPECT_EQ(client::SequenceAddress("abc@10.0.0.7:50051"), "10.0.0.7:50051");
+  EXPECT_EQ(client::SequenceAddress("abc@attnd-1.attnd:50051"), "attnd-1.attnd:50051");
+}
+
+TEST(SequenceClient, AStepAcrossServersIsRefusedBeforeSending) {
+  client::ClientOptions o;
+  o.target = "127.0.0.1:1";  // nothing listens: a call that went out would be UNAVAILABLE
+  auto c = client::Client::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  client::StepSpec s;
+  s.sequences = {{"a@10.0.0.1:50051", 1}, {"b@10.0.0.2:50051", 1}};
+  const std::string kv(2 * 64 * 2 * 2, '\0');
+  s.k.data = kv;
+  s.v.data = kv;
+  auto r = (*c)->Step(s);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "sequences[1]")) << r.status();
+  EXPECT_EQ((*c)->CloseSequence({"a", "b@10.0.0.2:50051"}).code(), absl::StatusCode::kInvalidArgument);
+  // An empty batch and a k without v never leave the client either.
+  EXPECT_EQ((*c)->Step(client::StepSpec{}).status().code(), absl::StatusCode::kInvalidArgument);
+  s.sequences.pop_back();
+  s.v.data = {};
+  EXPECT_EQ((*c)->Step(s).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(SequenceClient, ShortRepliesAreErrors) {
+  v1::StepRequest req;
+  auto* t = req.add_sequences();
+  t->set_sequence_id("s");
+  t->set_tokens(2);
+  req.set_q_heads(4);
+  req.set_return_lse(true);
+  req.mutable_q()->set_data(std::string(2 * 4 * 64 * 2, '\1'));
+  v1::StepResponse good;
+  good.set_o(std::string(2 * 4 * 64 * 2, '\0'));
+  good.set_lse(std::string(2 * 4 * 4, '\0'));
+  good.add_lengths(9);
+  EXPECT_TRUE(client::StepResultOf(req, good, client::Transport::kUnary, absl::Now()).ok());
+  v1::StepResponse short_o = good;
+  short_o.mutable_o()->pop_back();
+  EXPECT_EQ(client::StepResultOf(req, short_o, client::Transport::kUnary, absl::Now()).status().code(),
+            absl::StatusCode::kInternal);
+  v1::StepResponse no_lse = good;
+  no_lse.clear_lse();
+  EXPECT_EQ(client::StepResultOf(req, no_lse, client::Transport::kUnary, absl::Now()).status().code(),
+            absl::StatusCode::kInternal);
+  v1::StepResponse no_lengths = good;
+  no_lengths.clear_lengths();
+  EXPECT_EQ(client::StepResultOf(req, no_lengths, client::Transport::kUnary, absl::Now()).status().code(),
+            absl::StatusCode::kInternal);
+}
+
+}  // namespace
+}  // namespace attnd::e2e
