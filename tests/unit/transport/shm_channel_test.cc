@@ -13,10 +13,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
-#include <filesystem>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -208,56 +207,6 @@ struct HandReply {
 HandReply SendHandHello(const std::string& path, const shm::Hello& hello, const std::vector<int>& fds,
                         const std::string& token) {
   HandReply out;
-// Step frames (kind 1) run on the server's KV sequences with the caller's identity: the token it presented, the
-// same owner as a gRPC caller with that token. A kind the server does not know is refused naming it, and the
-// channel goes on serving.
-TEST(ShmChannel, StepFramesOwnedByTheTokenAndUnknownKindsRefused) {
-  const std::string token_file = absl::StrCat(::testing::TempDir(), "attnd_shm_step_tokens_", ::getpid());
-  std::ofstream(token_file) << "first\nsecond\n";
-  const std::string path = SocketPath("step");
-  server::ServerOptions so = WithShm(path);
-  so.auth_token_file = token_file;
-  TestServer ts(so);
-  ASSERT_NE(ts.server, nullptr);
-  client::ClientOptions co;
-  co.target = absl::StrCat("127.0.0.1:", ts.server->tcp_port());
-  co.auth_token = "second";
-  auto grpc_client = client::Client::Create(co);
-  ASSERT_TRUE(grpc_client.ok()) << grpc_client.status();
-  client::SequenceShape shape;
-  shape.layers = 1;
-  shape.kv_heads = 1;
-  shape.head_dim = 64;
-  auto opened = (*grpc_client)->OpenSequence(shape);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-
-  v1::StepRequest step;
-  auto* t = step.add_sequences();
-  t->set_sequence_id(opened->ids[0]);
-  t->set_tokens(1);
-  step.set_q_heads(2);
-  std::mt19937_64 rng(5);
-  step.mutable_q()->set_data(testing::RandomTensor(2 * 64, DType::kBF16, rng));
-  step.mutable_k()->set_data(testing::RandomTensor(64, DType::kBF16, rng));
-  step.mutable_v()->set_data(testing::RandomTensor(64, DType::kBF16, rng));
-  ShmChannelOptions o = Opts(path);
-  o.auth_token = "second";
-  auto ch = ShmChannel::Connect(o);
-  ASSERT_TRUE(ch.ok()) << ch.status();
-  auto r = client::StepOverShm(**ch, step, absl::Seconds(30));
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->lengths, std::vector<int64_t>({1}));
-  EXPECT_EQ(r->transport, client::Transport::kShm);
-  EXPECT_EQ(r->o.size(), 2u * 64 * 2);
-  // Another token is another owner: the sequence does not exist for it.
-  o.auth_token = "first";
-  auto other = ShmChannel::Connect(o);
-  ASSERT_TRUE(other.ok()) << other.status();
-  EXPECT_EQ((*other)->Step(step, absl::Seconds(30)).status().code(), absl::StatusCode::kNotFound);
-
-  // A hand-made channel writes a kind no server knows, then a Forward on the same channel.
-  absl::StatusOr<int> memfd = shm::CreateChannelMemfd(1 << 20, 1 << 20);
-  ASSERT_TRUE(memfd.ok()) << memfd.status();
   const int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
@@ -391,6 +340,62 @@ TEST(ShmChannel, AtTheDescriptorLimitACallerIsRefusedAndTheAcceptorDoesNotSpin) 
   absl::StatusOr<v1::ForwardResponse> r = (*ch)->Forward(req);
   ASSERT_TRUE(r.ok()) << r.status();
   ExpectCorrect(req, r->o(), r->lse());
+}
+
+// Step frames (kind 1) run on the server's KV sequences with the caller's identity: the token it presented, the
+// same owner as a gRPC caller with that token. A kind the server does not know is refused naming it, and the
+// channel goes on serving.
+TEST(ShmChannel, StepFramesOwnedByTheTokenAndUnknownKindsRefused) {
+  const std::string token_file = absl::StrCat(::testing::TempDir(), "attnd_shm_step_tokens_", ::getpid());
+  std::ofstream(token_file) << "first\nsecond\n";
+  const std::string path = SocketPath("step");
+  server::ServerOptions so = WithShm(path);
+  so.auth_token_file = token_file;
+  TestServer ts(so);
+  ASSERT_NE(ts.server, nullptr);
+  client::ClientOptions co;
+  co.target = absl::StrCat("127.0.0.1:", ts.server->tcp_port());
+  co.auth_token = "second";
+  auto grpc_client = client::Client::Create(co);
+  ASSERT_TRUE(grpc_client.ok()) << grpc_client.status();
+  client::SequenceShape shape;
+  shape.layers = 1;
+  shape.kv_heads = 1;
+  shape.head_dim = 64;
+  auto opened = (*grpc_client)->OpenSequence(shape);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+
+  v1::StepRequest step;
+  auto* t = step.add_sequences();
+  t->set_sequence_id(opened->ids[0]);
+  t->set_tokens(1);
+  step.set_q_heads(2);
+  std::mt19937_64 rng(5);
+  step.mutable_q()->set_data(testing::RandomTensor(2 * 64, DType::kBF16, rng));
+  step.mutable_k()->set_data(testing::RandomTensor(64, DType::kBF16, rng));
+  step.mutable_v()->set_data(testing::RandomTensor(64, DType::kBF16, rng));
+  ShmChannelOptions o = Opts(path);
+  o.auth_token = "second";
+  auto ch = ShmChannel::Connect(o);
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  auto r = client::StepOverShm(**ch, step, absl::Seconds(30));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->lengths, std::vector<int64_t>({1}));
+  EXPECT_EQ(r->transport, client::Transport::kShm);
+  EXPECT_EQ(r->o.size(), 2u * 64 * 2);
+  // Another token is another owner: the sequence does not exist for it.
+  o.auth_token = "first";
+  auto other = ShmChannel::Connect(o);
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_EQ((*other)->Step(step, absl::Seconds(30)).status().code(), absl::StatusCode::kNotFound);
+
+  // A hand-made channel writes a kind no server knows, then a Forward on the same channel.
+  absl::StatusOr<int> memfd = shm::CreateChannelMemfd(1 << 20, 1 << 20);
+  ASSERT_TRUE(memfd.ok()) << memfd.status();
+  const int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path.c_str());
   ASSERT_EQ(::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
   const shm::Hello hello{shm::kMagic, shm::kVersion, 5, 0};
   ASSERT_TRUE(shm::SendWithFd(s, &hello, sizeof(hello), *memfd).ok());
