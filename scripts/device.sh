@@ -28,7 +28,7 @@ usage:
       alternating which goes first, each row's new/base ratio flagged outside 2%; seedbench: the seed family's
       tables (kernels/bench/bench_attention.py); decode: gpu_decode_test, then memcheck and racecheck on its small
       cases; decodebench: kernels/bench/decode_bench.py. bench and ab take about 5 minutes each.
-  scripts/device.sh service [test|bench|ab|python]...                    (default: test bench)
+  scripts/device.sh service [test|bench|ab|python|decode]...             (default: test bench)
       On the GPU machine. test: gpu_server_parts_test, gpu_server_forward_test, gpu_server_ipc_test; bench: one
       attnd, then CUDA IPC over gRPC and over the shm channel (ipc_peer bench), the TCP baseline (ipc_peer tcp)
       and inline unary/stream calls (attn bench); ab: bench with the new binaries, then with .carry/base's;
@@ -422,6 +422,60 @@ cmd_kernels() {
 }
 
 # service_measure BINDIR LABEL: one attnd from BINDIR and the measurements against it, each bounded in time.
+# KV sequences on a cuda server (docs/sequences.md, docs/benchmarks.md "Decode steps"): verified samples
+# (attn seq --verify), one sequence at kv 4k over shm and gRPC TCP, 64 sequences in one Step per layer and one
+# message each, the engine-shaped run (32 layers x 64 sequences, prefill 2k, 256 steps), with the server's
+# stats, pool and RSS before and after; then the decode kernel alone on the same rows (decode_bench.py).
+service_decode() {
+  local b=$1 port=${PORT:-50061} r=$OUT/decode_service.txt
+  local sock=/tmp/attnd_dec_$port.sock shm=/tmp/attnd_decshm_$port.sock
+  local shape="--kv_heads=8 --q_heads=32 --head_dim=128"
+  rm -f "$sock" "$shm"
+  "$b/attnd" --listen=127.0.0.1:$port --unix_socket=$sock --shm_socket=$shm --log_level=warn \
+    ${SERVER_FLAGS:-} > "$TMP/attnd_decode.log" 2>&1 &
+  local server=$! i
+  for i in $(seq 1 150); do "$b/attn" info --target=unix:$sock > /dev/null 2>&1 && break; sleep 0.2; done
+  { echo "== attnd rss_kb at start: $(ps -o rss= -p $server)"; "$b/attn" info --target=unix:$sock; } >> "$r" 2>&1
+  run_dec() {  # label, args...
+    local label=$1; shift
+    echo "== $label: $*" >> "$r"
+    timeout ${DECODE_CMD_TIMEOUT:-150} "$b/attn" "$@" --progress=false >> "$r" 2>&1
+    local rc=$?
+    echo "== $label rc=$rc rss_kb=$(ps -o rss= -p $server)" >> "$r"
+    if [ $rc -eq 0 ]; then note "decode $label" ok ""; else note "decode $label" FAIL "rc=$rc"; fi
+  }
+  run_dec verify_seq seq --target=unix:$sock --layers=2 $shape --prefill=4093 --steps=6 --verify --lse
+  run_dec verify_seq_shm seq --target=unix:$sock --transport=shm --shm_socket=$shm --layers=2 $shape --prefill=100 \
+    --steps=4 --verify
+  run_dec one_shm bench --workload=decode --target=unix:$sock --transport=shm --shm_socket=$shm --layers=1 $shape \
+    --sequences=1 --context=4096 --steps=${STEPS1:-2000}
+  run_dec one_tcp bench --workload=decode --target=127.0.0.1:$port --layers=1 $shape --sequences=1 --context=4096 \
+    --steps=${STEPS1:-2000}
+  run_dec s64_shm_onemsg bench --workload=decode --target=unix:$sock --transport=shm --shm_socket=$shm --layers=1 \
+    $shape --sequences=64 --context=4096 --steps=${STEPS64:-300} --one_message
+  run_dec s64_tcp_onemsg bench --workload=decode --target=127.0.0.1:$port --layers=1 $shape --sequences=64 \
+    --context=4096 --steps=${STEPS64:-300} --one_message
+  run_dec s64_shm_each bench --workload=decode --target=unix:$sock --transport=shm --shm_socket=$shm --layers=1 \
+    $shape --sequences=60 --context=4096 --steps=${STEPS64:-300}
+  run_dec s64_tcp_each bench --workload=decode --target=127.0.0.1:$port --layers=1 $shape --sequences=64 \
+    --context=4096 --steps=${STEPS64:-300}
+  "$b/attn" stats --target=unix:$sock >> "$r" 2>&1
+  run_dec engine bench --workload=decode --target=unix:$sock --transport=shm --shm_socket=$shm --layers=32 $shape \
+    --sequences=64 --context=2048 --steps=${ENGINE_STEPS:-256} --one_message
+  run_dec engine_verify seq --target=unix:$sock --layers=32 $shape --prefill=2048 --steps=4 --verify
+  { echo "== after"; "$b/attn" stats --target=unix:$sock; echo "rss_kb=$(ps -o rss= -p $server)"; } >> "$r" 2>&1
+  kill -TERM $server
+  wait $server
+  echo "attnd exit rc=$?" >> "$r"
+  { grep -E '\[(warning|error|critical)\]' "$TMP/attnd_decode.log" | head -20; tail -5 "$TMP/attnd_decode.log"; } >> "$r"
+  if command -v python3 > /dev/null && python3 -c "import torch, triton" 2> /dev/null; then
+    timeout 300 python3 kernels/bench/decode_bench.py --lib $C/libattnd_decode_c.so --rows 1x4k,64x4k \
+      --q-lens 1 --storages contig,paged16 --json "$OUT/decode_kernel_rows.json" > "$OUT/decode_kernel_rows.txt" 2>&1
+    note "decode kernel rows" "$([ $? -eq 0 ] && echo ok || echo FAIL)" ""
+  fi
+  cat "$r" >> "$LOG"
+}
+
 service_measure() {
   local b=$1 label=$2 port=${PORT:-50051} dur=${DUR:-2s}
   local sock=/tmp/attnd_bench_$port.sock shm=/tmp/attnd_shm_$port.sock r=$TMP/measure_$label.txt
@@ -501,7 +555,7 @@ cmd_service() {
   local steps=("$@")
   [ ${#steps[@]} -eq 0 ] && steps=(test bench)
   for s in "${steps[@]}"; do
-    case $s in test|bench|ab|python) ;; *) die "service: unknown step $s" ;; esac
+    case $s in test|bench|ab|python|decode) ;; *) die "service: unknown step $s" ;; esac
   done
   mkdir -p "$OUT"
   unpack
@@ -525,6 +579,8 @@ cmd_service() {
         done ;;
       bench)
         service_measure "$PWD/$C" new ;;
+      decode)
+        service_decode "$PWD/$C" ;;
       python)
         # The Python client's suite with this machine's Python and torch: CPU-backend servers, and with a GPU its CUDA
         # tests (a --backend=cuda server, torch CUDA tensors by IPC). The package loads its bundled libraries.
