@@ -439,7 +439,7 @@ class Client:
 
 
     def step(self, layer, sequences, q=None, k=None, v=None, q_heads=None, return_lse=False, scale=None,
-                     tokens=None, dtype=None, transport=None, timeout=None, request_id=None):
+             tokens=None, dtype=None, transport=None, timeout=None, request_id=None):
         """One Step at `layer` for a batch of sequences (Sequence objects or ids): appends k, v as each sequence's
         new rows and runs attention for q's rows over everything cached, causal (the row at position p sees keys
         0..p). Either q (attend only) or k and v (append only) may be left out.
@@ -448,7 +448,7 @@ class Client:
         uint16 bits take the sequences' dtype) or torch tensors (bfloat16, float16), the sequences' rows back to
         back, or a list of per-sequence tensors (concatenated; they give the tokens). tokens: rows per sequence, an
         int or a list; default: from the lists, else T split evenly. torch CUDA tensors are copied to host memory
-        and O comes back on their device (sequences have no zero-copy path yet).
+        and O comes back on their device (steps have no zero-copy path for them).
         Returns O (q's kind and dtype; None without q), or (O, LSE) with return_lse: LSE a list of fp32
         [q_heads, tokens] per sequence. Each Sequence object's `lengths[layer]` is updated from the reply."""
         if isinstance(sequences, (Sequence, str)):
@@ -822,8 +822,9 @@ def _step_tensor(name, x, dtype_hint):
                 raise _invalid(f"{name}[{i}]: must be a tensor of 3 dimensions [tokens, heads, head_dim]")
             t.rows.append(int(part.shape[0]))
         if torch is not None and all(isinstance(p, torch.Tensor) for p in x):
-            device = x[0].device
-            x = torch.cat([p.cpu() for p in x], dim=0).to(device)
+            if any(p.device != x[0].device for p in x):
+                raise _invalid(f"{name}: the list's tensors must be on one device")
+            x = torch.cat(list(x), dim=0)
         elif all(isinstance(p, np.ndarray) for p in x):
             x = np.concatenate(x, axis=0)
         else:

@@ -73,7 +73,7 @@ def open_seq(client):
 def test_prefill_then_decode_over_two_layers(client, open_seq):
     rng = np.random.default_rng(1)
     seq = open_seq()
-    assert isinstance(seq, attnd.client.Sequence) and seq.id
+    assert isinstance(seq, attnd.Sequence) and seq.id
     assert tuple(seq.shape) == (LAYERS, KV_HEADS, HEAD_DIM, "bf16") and seq.max_tokens > 0
     hist = History()
     for layer in range(LAYERS):
@@ -245,3 +245,22 @@ def test_step_transports(server, transport):
             q, k, v = rows(rng, 1), rows(rng, 1, KV_HEADS), rows(rng, 1, KV_HEADS)
             seq.step(1, q, k, v, transport="unary")
             assert c.last_info.transport == 1
+
+
+def test_torch_lists_batched(client, open_seq):
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(9)
+    seqs = open_seq(count=2)
+    hists = [History(), History()]
+    for tokens in ([7, 3], [1, 1]):
+        qs = [torch.randn((n, Q_HEADS, HEAD_DIM), generator=g).to(torch.bfloat16) for n in tokens]
+        ks = [torch.randn((n, KV_HEADS, HEAD_DIM), generator=g).to(torch.bfloat16) for n in tokens]
+        vs = [torch.randn((n, KV_HEADS, HEAD_DIM), generator=g).to(torch.bfloat16) for n in tokens]
+        o = client.step(1, seqs, qs, ks, vs)
+        assert isinstance(o, torch.Tensor) and o.shape == (sum(tokens), Q_HEADS, HEAD_DIM)
+        at = 0
+        for h, q, k, v, n in zip(hists, qs, ks, vs, tokens):
+            h.append(1, k.double().numpy(), v.double().numpy())
+            assert_close(o[at:at + n].double().numpy(), h.expect(1, q.double().numpy())[0])
+            at += n
+    assert [s.lengths for s in seqs] == [[0, 8], [0, 4]]
