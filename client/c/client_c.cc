@@ -556,6 +556,11 @@ absl::Status PrepareStep(attnd_client* c, const attnd_step_args* a, attnd::clien
     if (a->sequence_ids[i] == nullptr || a->sequence_ids[i][0] == '\0') {
       return absl::InvalidArgumentError(absl::StrCat("sequence_ids[", i, "]: empty"));
     }
+    // The server bounds tokens by the sequence's max_tokens; this bound only keeps the sums below from overflowing.
+    if (a->tokens[i] < 1 || a->tokens[i] > (int64_t{1} << 40)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens[", i, "]: must be 1..", int64_t{1} << 40, ", got ", a->tokens[i]));
+    }
     spec->sequences.push_back({a->sequence_ids[i], a->tokens[i]});
   }
   spec->layer = a->layer;
@@ -568,8 +573,23 @@ absl::Status PrepareStep(attnd_client* c, const attnd_step_args* a, attnd::clien
   if (auto s = StepInput("q", a->q, a->q_bytes, &spec->q); !s.ok()) return s;
   if (auto s = StepInput("k", a->k, a->k_bytes, &spec->k); !s.ok()) return s;
   if (auto s = StepInput("v", a->v, a->v_bytes, &spec->v); !s.ok()) return s;
-  if (spec->q.present() && a->o == nullptr) return absl::InvalidArgumentError("o: NULL while q is given");
-  if (spec->want_lse && a->lse == nullptr) return absl::InvalidArgumentError("lse: NULL while want_lse is set");
+  // O is q's shape, LSE one float per q row and head: the caller's buffers are checked before anything is sent,
+  // so a step that could not deliver its result is never committed.
+  if (spec->q.present()) {
+    if (a->o == nullptr) return absl::InvalidArgumentError("o: NULL while q is given");
+    if (a->o_bytes != a->q_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("o_bytes: ", a->o_bytes, ", q has ", a->q_bytes));
+    }
+  }
+  if (spec->want_lse) {
+    if (a->lse == nullptr) return absl::InvalidArgumentError("lse: NULL while want_lse is set");
+    int64_t rows = 0;
+    for (int64_t i = 0; i < a->count; ++i) rows += a->tokens[i];
+    const uint64_t want = static_cast<uint64_t>(rows) * static_cast<uint64_t>(std::max<int64_t>(a->q_heads, 0)) * 4;
+    if (a->lse_bytes != want) {
+      return absl::InvalidArgumentError(absl::StrCat("lse_bytes: ", a->lse_bytes, ", the step's LSE has ", want));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -603,21 +623,9 @@ ATTND_C_EXPORT int32_t attnd_step(attnd_client* client, const attnd_step_args* a
   auto r = client->client->Step(spec, CallFor(client, args->transport, args->timeout_s));
   client->End();
   if (!r.ok()) return Fail(err, r.status(), spec.request_id);
-  // The library has checked the reply against the request; what is left is the caller's buffers.
-  if (spec.q.present()) {
-    if (args->o_bytes != r->o.size()) {
-      const std::string m = absl::StrCat("o: ", args->o_bytes, " bytes, the step returned ", r->o.size());
-      return Fail(err, absl::InvalidArgumentError(m), spec.request_id);
-    }
-    std::memcpy(args->o, r->o.data(), r->o.size());
-  }
-  if (spec.want_lse) {
-    if (args->lse_bytes != r->lse.size()) {
-      const std::string m = absl::StrCat("lse: ", args->lse_bytes, " bytes, the step returned ", r->lse.size());
-      return Fail(err, absl::InvalidArgumentError(m), spec.request_id);
-    }
-    std::memcpy(args->lse, r->lse.data(), r->lse.size());
-  }
+  // The library has checked the reply's sizes against the request, and PrepareStep the caller's buffers.
+  if (spec.q.present()) std::memcpy(args->o, r->o.data(), std::min<size_t>(args->o_bytes, r->o.size()));
+  if (spec.want_lse) std::memcpy(args->lse, r->lse.data(), std::min<size_t>(args->lse_bytes, r->lse.size()));
   if (args->lengths != nullptr) std::copy(r->lengths.begin(), r->lengths.end(), args->lengths);
   if (info != nullptr) {
     Copy(info->request_id, sizeof(info->request_id), r->request_id);

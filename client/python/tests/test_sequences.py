@@ -264,3 +264,32 @@ def test_torch_lists_batched(client, open_seq):
             assert_close(o[at:at + n].double().numpy(), h.expect(1, q.double().numpy())[0])
             at += n
     assert [s.lengths for s in seqs] == [[0, 8], [0, 4]]
+
+
+def test_c_abi_rejects_wrong_buffers_before_sending(client, open_seq):
+    # attnd_step checks the caller's O and LSE sizes before the step is sent: a step whose result could not be
+    # delivered must not be committed.
+    import ctypes
+    from attnd import _lib
+    rng = np.random.default_rng(10)
+    seq = open_seq()
+    q, k, v = rows(rng, 3), rows(rng, 3, KV_HEADS), rows(rng, 3, KV_HEADS)
+    o = np.empty_like(q)
+    lse = np.empty(3 * Q_HEADS, dtype=np.float32)
+    for o_bytes, lse_bytes, tokens, field in ((o.nbytes - 2, lse.nbytes, 3, "o_bytes"),
+                                              (o.nbytes, lse.nbytes + 4, 3, "lse_bytes"),
+                                              (o.nbytes, lse.nbytes, 0, "tokens[0]")):
+        a = _lib.StepArgs()
+        a.layer, a.q_heads, a.count = 0, Q_HEADS, 1
+        a.sequence_ids = (ctypes.c_char_p * 1)(seq.id.encode())
+        a.tokens = (ctypes.c_int64 * 1)(tokens)
+        a.want_lse, a.transport = 1, -1
+        a.q, a.q_bytes = q.ctypes.data, q.nbytes
+        a.k, a.k_bytes = k.ctypes.data, k.nbytes
+        a.v, a.v_bytes = v.ctypes.data, v.nbytes
+        a.o, a.o_bytes = o.ctypes.data, o_bytes
+        a.lse, a.lse_bytes = lse.ctypes.data, lse_bytes
+        err = _lib.Error()
+        rc = client._lib.attnd_step(client._h(), ctypes.byref(a), None, ctypes.byref(err))
+        assert rc == attnd.StatusCode.INVALID_ARGUMENT and err.message.decode().startswith(field), err.message
+    assert seq.info()["lengths"] == [0, 0]
