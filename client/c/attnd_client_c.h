@@ -143,7 +143,7 @@ typedef struct attnd_step_args {
   int64_t q_heads;                  /* with q: a multiple of the sequences' kv_heads */
   int64_t count;                    /* sequences in the batch */
   const char* const* sequence_ids;  /* `count` ids */
-  const int64_t* tokens;            /* `count` row counts, each >= 1 */
+  const int64_t* tokens;            /* `count` row counts, each >= 1 (the sequences' max_tokens bounds them) */
   int32_t has_scale;                /* 0: the server's 1/sqrt(head_dim) */
   float scale;
   int32_t want_lse;
@@ -156,15 +156,16 @@ typedef struct attnd_step_args {
   uint64_t k_bytes;
   const void* v;
   uint64_t v_bytes;
-  void* o;           /* with q: exactly the O the step returns (T * q_heads * head_dim elements) */
+  void* o;           /* with q: O [T, q_heads, head_dim], so o_bytes must equal q_bytes */
   uint64_t o_bytes;
-  float* lse;        /* with want_lse: fp32, per sequence [q_heads, tokens], back to back */
+  float* lse;        /* with want_lse: fp32, per sequence [q_heads, tokens], back to back: 4 * T * q_heads bytes */
   uint64_t lse_bytes;
   int64_t* lengths;  /* NULL or `count` entries: each sequence's cached tokens at `layer` after the step */
 } attnd_step_args;
 
 /* Blocks until the step's reply; O, LSE and lengths are in the caller's memory on success. info may be NULL
- * (its queue/h2d/kernel/d2h/total are the step's timing). */
+ * (its queue/h2d/kernel/d2h/total are the step's timing). Buffer sizes are checked before the step is sent:
+ * INVALID_ARGUMENT naming o_bytes or lse_bytes, and nothing is committed. */
 int32_t attnd_step(attnd_client* client, const attnd_step_args* args, attnd_forward_info* info, attnd_error* err);
 
 /* Returns the ids of `count` (0 means 1) new sequences sharing the parent's tokens; NULL on failure. */
