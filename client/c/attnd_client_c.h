@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define ATTND_C_ABI_VERSION 1
+#define ATTND_C_ABI_VERSION 2
 
 enum attnd_transport {
   ATTND_TRANSPORT_DEFAULT = -1, /* per call: the client's transport */
@@ -118,6 +118,66 @@ int32_t attnd_register_cuda_buffer(attnd_client* client, const uint8_t* ipc_hand
                                    uint64_t byte_size, const char* name, char* buffer_id, size_t cap,
                                    attnd_error* err);
 int32_t attnd_unregister_cuda_buffer(attnd_client* client, const char* buffer_id, attnd_error* err);
+
+/* ---- KV sequences (docs/sequences.md) ----------------------------------------------------------------------
+ * Sequence ids are strings without whitespace; calls that return several give them one per line ('\n'
+ * separated, no trailing newline) in a string freed with attnd_free_string. OpenSequence, ForkSequence,
+ * TruncateSequence, CloseSequence and GetSequence go over gRPC; a Step goes over the shared-memory channel when
+ * the call's transport is shm (the client's shm_socket), else over the unary Step RPC. */
+
+typedef struct attnd_sequence_shape {
+  int64_t layers, kv_heads, head_dim;
+  int32_t dtype; /* enum attnd_dtype */
+} attnd_sequence_shape;
+
+/* Opens `count` sequences (0 means 1) of `shape`; max_tokens 0: the server's limit. Returns their ids, NULL on
+ * failure. max_tokens_out (the limit that applies) and page_tokens_out may be NULL. */
+char* attnd_sequence_open(attnd_client* client, const attnd_sequence_shape* shape, int64_t max_tokens, uint32_t count,
+                          int64_t* max_tokens_out, int32_t* page_tokens_out, attnd_error* err);
+
+/* One Step: the rows of q, k, v and O are the sequences' rows back to back, T = sum of tokens. Tensors are host
+ * memory, contiguous: q [T, q_heads, head_dim], k and v [T, kv_heads, head_dim] in the sequences' dtype; a NULL
+ * q means append only (no O), NULL k and v mean attend only. */
+typedef struct attnd_step_args {
+  int64_t layer;
+  int64_t q_heads;                  /* with q: a multiple of the sequences' kv_heads */
+  int64_t count;                    /* sequences in the batch */
+  const char* const* sequence_ids;  /* `count` ids */
+  const int64_t* tokens;            /* `count` row counts, each >= 1 (the sequences' max_tokens bounds them) */
+  int32_t has_scale;                /* 0: the server's 1/sqrt(head_dim) */
+  float scale;
+  int32_t want_lse;
+  int32_t transport;     /* enum attnd_transport; DEFAULT: the client's */
+  double timeout_s;      /* <= 0: the client's default */
+  const char* request_id;  /* NULL/empty: the library makes one */
+  const void* q;
+  uint64_t q_bytes;
+  const void* k;
+  uint64_t k_bytes;
+  const void* v;
+  uint64_t v_bytes;
+  void* o;           /* with q: O [T, q_heads, head_dim], so o_bytes must equal q_bytes */
+  uint64_t o_bytes;
+  float* lse;        /* with want_lse: fp32, per sequence [q_heads, tokens], back to back: 4 * T * q_heads bytes */
+  uint64_t lse_bytes;
+  int64_t* lengths;  /* NULL or `count` entries: each sequence's cached tokens at `layer` after the step */
+} attnd_step_args;
+
+/* Blocks until the step's reply; O, LSE and lengths are in the caller's memory on success. info may be NULL
+ * (its queue/h2d/kernel/d2h/total are the step's timing). Buffer sizes are checked before the step is sent:
+ * INVALID_ARGUMENT naming o_bytes or lse_bytes, and nothing is committed. */
+int32_t attnd_step(attnd_client* client, const attnd_step_args* args, attnd_forward_info* info, attnd_error* err);
+
+/* Returns the ids of `count` (0 means 1) new sequences sharing the parent's tokens; NULL on failure. */
+char* attnd_sequence_fork(attnd_client* client, const char* sequence_id, uint32_t count, attnd_error* err);
+/* Keeps the first `tokens` of every layer. Writes the per-layer lengths after it into lengths (capacity `cap`;
+ * NULL with cap 0 to skip them) and their number into *layers_out (may be NULL). */
+int32_t attnd_sequence_truncate(attnd_client* client, const char* sequence_id, int64_t tokens, int64_t* lengths,
+                                size_t cap, size_t* layers_out, attnd_error* err);
+/* Closes all of `count` ids, or none of them on failure. */
+int32_t attnd_sequence_close(attnd_client* client, const char* const* sequence_ids, size_t count, attnd_error* err);
+/* GetSequence as JSON (SequenceInfo, as attnd_client_info_json writes it); NULL on failure. */
+char* attnd_sequence_info_json(attnd_client* client, const char* sequence_id, attnd_error* err);
 
 #ifdef __cplusplus
 }

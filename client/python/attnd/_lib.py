@@ -8,7 +8,7 @@ points ATTND_CLIENT_LIB at a build tree's library instead (its dependencies then
 import ctypes
 import os
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 TRANSPORTS = {"auto": 0, "unary": 1, "stream": 2, "shm": 3}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
@@ -82,6 +82,42 @@ class ForwardInfo(ctypes.Structure):
     ]
 
 
+class SequenceShape(ctypes.Structure):
+    _fields_ = [
+        ("layers", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("dtype", ctypes.c_int32),
+    ]
+
+
+class StepArgs(ctypes.Structure):
+    _fields_ = [
+        ("layer", ctypes.c_int64),
+        ("q_heads", ctypes.c_int64),
+        ("count", ctypes.c_int64),
+        ("sequence_ids", ctypes.POINTER(ctypes.c_char_p)),
+        ("tokens", ctypes.POINTER(ctypes.c_int64)),
+        ("has_scale", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("want_lse", ctypes.c_int32),
+        ("transport", ctypes.c_int32),
+        ("timeout_s", ctypes.c_double),
+        ("request_id", ctypes.c_char_p),
+        ("q", ctypes.c_void_p),
+        ("q_bytes", ctypes.c_uint64),
+        ("k", ctypes.c_void_p),
+        ("k_bytes", ctypes.c_uint64),
+        ("v", ctypes.c_void_p),
+        ("v_bytes", ctypes.c_uint64),
+        ("o", ctypes.c_void_p),
+        ("o_bytes", ctypes.c_uint64),
+        ("lse", ctypes.c_void_p),
+        ("lse_bytes", ctypes.c_uint64),
+        ("lengths", ctypes.POINTER(ctypes.c_int64)),
+    ]
+
+
 DONE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(Error), ctypes.POINTER(ForwardInfo))
 
 _lib = None
@@ -137,5 +173,22 @@ def load():
     lib.attnd_register_cuda_buffer.restype = ctypes.c_int32
     lib.attnd_unregister_cuda_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(Error)]
     lib.attnd_unregister_cuda_buffer.restype = ctypes.c_int32
+    err_p = ctypes.POINTER(Error)
+    lib.attnd_sequence_open.argtypes = [ctypes.c_void_p, ctypes.POINTER(SequenceShape), ctypes.c_int64,
+                                        ctypes.c_uint32, ctypes.POINTER(ctypes.c_int64),
+                                        ctypes.POINTER(ctypes.c_int32), err_p]
+    lib.attnd_sequence_open.restype = ctypes.c_void_p
+    lib.attnd_step.argtypes = [ctypes.c_void_p, ctypes.POINTER(StepArgs), ctypes.POINTER(ForwardInfo), err_p]
+    lib.attnd_step.restype = ctypes.c_int32
+    lib.attnd_sequence_fork.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint32, err_p]
+    lib.attnd_sequence_fork.restype = ctypes.c_void_p
+    lib.attnd_sequence_truncate.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64,
+                                            ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t,
+                                            ctypes.POINTER(ctypes.c_size_t), err_p]
+    lib.attnd_sequence_truncate.restype = ctypes.c_int32
+    lib.attnd_sequence_close.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t, err_p]
+    lib.attnd_sequence_close.restype = ctypes.c_int32
+    lib.attnd_sequence_info_json.argtypes = [ctypes.c_void_p, ctypes.c_char_p, err_p]
+    lib.attnd_sequence_info_json.restype = ctypes.c_void_p
     _lib = lib
     return lib

@@ -12,12 +12,16 @@ Layouts: q [batch, q_len, q_heads, head_dim], k and v [batch, kv_len, kv_heads, 
 - torch CUDA tensors go by CUDA IPC (same host, a server started with --enable_cuda_ipc): each storage is
   registered once (RegisterCudaBuffer) and the call names it with the tensor's offset and strides, so nothing is
   copied. The registration is dropped when the storage is freed or the client closes.
+
+KV sequences (docs/sequences.md) keep K and V on the server: open_sequence() returns Sequence objects, step()
+sends only the new rows. Their tensors are [T, heads, head_dim], the sequences' rows back to back.
 """
 import concurrent.futures
 import ctypes
 import enum
 import itertools
 import json
+import collections
 import re
 import sys
 import threading
@@ -413,6 +417,204 @@ class Client:
         torch = _torch()
         return torch.empty(shape, dtype=torch.float32)
 
+    # -- KV sequences (docs/sequences.md) ----------------------------------------------------------------------
+
+    def open_sequence(self, layers, kv_heads, head_dim, dtype="bf16", max_tokens=0, count=None):
+        """Opens KV sequences of one shape: a Sequence, or a list of `count` of them. dtype: "bf16" or "fp16";
+        max_tokens 0: the server's limit."""
+        if dtype not in _SEQ_DTYPES:
+            raise _invalid(f"dtype: {dtype!r} is not 'bf16' or 'fp16'")
+        if count is not None and (not isinstance(count, int) or count < 1):
+            raise _invalid(f"count: {count!r} is not a positive int")
+        shape = SequenceShape(int(layers), int(kv_heads), int(head_dim), dtype)
+        cs = _lib.SequenceShape(shape.layers, shape.kv_heads, shape.head_dim, _SEQ_DTYPES[dtype])
+        got_max, page = ctypes.c_int64(0), ctypes.c_int32(0)
+        err = _lib.Error()
+        p = self._lib.attnd_sequence_open(self._h(), ctypes.byref(cs), int(max_tokens), count or 1,
+                                          ctypes.byref(got_max), ctypes.byref(page), ctypes.byref(err))
+        if not p:
+            _raise(err)
+        seqs = [Sequence(self, i, shape, got_max.value) for i in _ids_of(p, self._lib)]
+        return seqs if count is not None else seqs[0]
+
+
+    def step(self, layer, sequences, q=None, k=None, v=None, q_heads=None, return_lse=False, scale=None,
+             tokens=None, dtype=None, transport=None, timeout=None, request_id=None):
+        """One Step at `layer` for a batch of sequences (Sequence objects or ids): appends k, v as each sequence's
+        new rows and runs attention for q's rows over everything cached, causal (the row at position p sees keys
+        0..p). Either q (attend only) or k and v (append only) may be left out.
+
+        q [T, q_heads, head_dim], k and v [T, kv_heads, head_dim]: NumPy arrays (ml_dtypes.bfloat16 or float16;
+        uint16 bits take the sequences' dtype) or torch tensors (bfloat16, float16), the sequences' rows back to
+        back, or a list of per-sequence tensors (concatenated; they give the tokens). tokens: rows per sequence, an
+        int or a list; default: from the lists, else T split evenly. torch CUDA tensors are copied to host memory
+        and O comes back on their device (steps have no zero-copy path for them).
+        Returns O (q's kind and dtype; None without q), or (O, LSE) with return_lse: LSE a list of fp32
+        [q_heads, tokens] per sequence. Each Sequence object's `lengths[layer]` is updated from the reply."""
+        if isinstance(sequences, (Sequence, str)):
+            sequences = [sequences]
+        sequences = list(sequences)
+        if not sequences:
+            raise _invalid("sequences: empty")
+        ids = [_seq_id(f"sequences[{i}]", s) for i, s in enumerate(sequences)]
+        if dtype is None:
+            dtype = next((s.shape.dtype for s in sequences if isinstance(s, Sequence)), None)
+        views = {}
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x is not None:
+                views[name] = _step_tensor(name, x, dtype)
+        if ("k" in views) != ("v" in views):
+            raise _invalid("k, v: give both (append) or neither (attend only)")
+        if not views:
+            raise _invalid("q, k, v: none given")
+        first = next(iter(views.values()))
+        for name, t in views.items():
+            if t.kind != first.kind:
+                raise _invalid(f"{name}: must be of the same kind as the others ({first.kind}), is {t.kind}")
+            if t.dtype != first.dtype:
+                raise _invalid(f"{name}: dtype differs from the other tensors'")
+            if t.shape[0] != first.shape[0]:
+                raise _invalid(f"{name}: {t.shape[0]} rows, the other tensors have {first.shape[0]}")
+            if t.shape[2] != first.shape[2]:
+                raise _invalid(f"{name}: head_dim {t.shape[2]} differs from the other tensors' {first.shape[2]}")
+        if "k" in views and views["k"].shape[1] != views["v"].shape[1]:
+            raise _invalid(f"v: {views['v'].shape[1]} heads, k has {views['k'].shape[1]}")
+        total, d = first.shape[0], first.shape[2]
+        rows = next((t.rows for t in views.values() if t.rows is not None), None)
+        if tokens is None:
+            if rows is not None:
+                tokens = rows
+            elif total % len(ids) == 0:
+                tokens = [total // len(ids)] * len(ids)
+            else:
+                raise _invalid(f"tokens: {total} rows do not split evenly over {len(ids)} sequences; give tokens=")
+        elif isinstance(tokens, int):
+            tokens = [tokens] * len(ids)
+        tokens = [int(n) for n in tokens]
+        if len(tokens) != len(ids):
+            raise _invalid(f"tokens: {len(tokens)} entries for {len(ids)} sequences")
+        if sum(tokens) != total:
+            raise _invalid(f"tokens: they sum to {sum(tokens)}, the tensors have {total} rows")
+        for name, t in views.items():
+            if t.rows is not None and t.rows != tokens:
+                raise _invalid(f"{name}: rows per sequence {t.rows} differ from tokens {tokens}")
+        qv = views.get("q")
+        if qv is not None:
+            if q_heads is not None and int(q_heads) != qv.shape[1]:
+                raise _invalid(f"q_heads: {q_heads} but q has {qv.shape[1]} heads")
+            q_heads = qv.shape[1]
+        a = _lib.StepArgs()
+        a.layer = int(layer)
+        a.q_heads = int(q_heads or 0)
+        a.count = len(ids)
+        id_bytes = [i.encode() for i in ids]
+        c_ids = (ctypes.c_char_p * len(ids))(*id_bytes)
+        c_tokens = (ctypes.c_int64 * len(ids))(*tokens)
+        c_lengths = (ctypes.c_int64 * len(ids))()
+        a.sequence_ids = c_ids
+        a.tokens = c_tokens
+        a.lengths = c_lengths
+        a.has_scale = 0 if scale is None else 1
+        a.scale = 0.0 if scale is None else float(scale)
+        a.want_lse = 1 if return_lse else 0
+        if transport is None:
+            a.transport = -1
+        elif transport in _lib.TRANSPORTS:
+            a.transport = _lib.TRANSPORTS[transport]
+        else:
+            raise _invalid(f"transport: {transport!r} is not one of {', '.join(_lib.TRANSPORTS)}")
+        a.timeout_s = float(timeout or 0)
+        a.request_id = request_id.encode() if request_id else None
+        for name, t in views.items():
+            setattr(a, name, t.ptr)
+            setattr(a, f"{name}_bytes", t.nbytes)
+        o = lse = None
+        np = _np()
+        torch = _torch()
+        if qv is not None:
+            shape = (total, qv.shape[1], d)
+            o = np.empty(shape, dtype=qv.obj.dtype) if qv.kind == "numpy" else torch.empty(shape, dtype=qv.obj.dtype)
+            a.o = o.ctypes.data if qv.kind == "numpy" else o.data_ptr()
+            a.o_bytes = total * qv.shape[1] * d * 2
+        if return_lse:
+            if qv is None:
+                raise _invalid("return_lse: needs q")
+            n = total * qv.shape[1]
+            lse = np.empty(n, dtype=np.float32) if qv.kind == "numpy" else torch.empty(n, dtype=torch.float32)
+            a.lse = lse.ctypes.data if qv.kind == "numpy" else lse.data_ptr()
+            a.lse_bytes = n * 4
+        info = _lib.ForwardInfo()
+        err = _lib.Error()
+        if self._lib.attnd_step(self._h(), ctypes.byref(a), ctypes.byref(info), ctypes.byref(err)) != 0:
+            _raise(err)
+        self.last_info = info
+        for s, n in zip(sequences, c_lengths):
+            if isinstance(s, Sequence):
+                s.lengths[int(layer)] = int(n)
+        device = qv.device if qv is not None and qv.kind == "torch" and qv.device.type != "cpu" else None
+        if o is not None and device is not None:
+            o = o.to(device)
+        if not return_lse:
+            return o
+        parts, at = [], 0
+        for n in tokens:
+            part = lse[at:at + n * qv.shape[1]].reshape(qv.shape[1], n)
+            parts.append(part.to(device) if device is not None else part)
+            at += n * qv.shape[1]
+        return o, parts
+
+
+    def fork_sequence(self, sequence, n=None):
+        """New sequences sharing `sequence`'s tokens (copy-on-write): one Sequence, or a list of n."""
+        if n is not None and (not isinstance(n, int) or n < 1):
+            raise _invalid(f"n: {n!r} is not a positive int")
+        err = _lib.Error()
+        p = self._lib.attnd_sequence_fork(self._h(), _seq_id("sequence", sequence).encode(), n or 1, ctypes.byref(err))
+        if not p:
+            _raise(err)
+        ids = _ids_of(p, self._lib)
+        if isinstance(sequence, Sequence):
+            kids = [Sequence(self, i, sequence.shape, sequence.max_tokens, sequence.lengths) for i in ids]
+        else:
+            kids = ids
+        return kids if n is not None else kids[0]
+
+
+    def truncate_sequence(self, sequence, tokens):
+        """Keeps the first `tokens` of every layer of `sequence`; returns the per-layer lengths after it."""
+        if not isinstance(tokens, int) or tokens < 0:
+            raise _invalid(f"tokens: {tokens!r} is not an int >= 0")
+        lengths = (ctypes.c_int64 * 4096)()
+        n = ctypes.c_size_t(0)
+        err = _lib.Error()
+        if self._lib.attnd_sequence_truncate(self._h(), _seq_id("sequence", sequence).encode(), tokens, lengths,
+                                             len(lengths), ctypes.byref(n), ctypes.byref(err)) != 0:
+            _raise(err)
+        out = [int(x) for x in lengths[:min(n.value, len(lengths))]]
+        if isinstance(sequence, Sequence):
+            sequence.lengths = list(out)
+        return out
+
+
+    def close_sequences(self, sequences):
+        """Closes all of `sequences` (Sequence objects or ids), or none of them when one is unknown."""
+        if isinstance(sequences, (Sequence, str)):
+            sequences = [sequences]
+        sequences = list(sequences)
+        ids = [_seq_id(f"sequences[{i}]", s).encode() for i, s in enumerate(sequences)]
+        err = _lib.Error()
+        if self._lib.attnd_sequence_close(self._h(), (ctypes.c_char_p * len(ids))(*ids), len(ids),
+                                          ctypes.byref(err)) != 0:
+            _raise(err)
+        for s in sequences:
+            if isinstance(s, Sequence):
+                s.closed = True
+
+
+    def sequence_info(self, sequence):
+        """GetSequence as a dict (proto field names)."""
+        return self._json(self._lib.attnd_sequence_info_json, _seq_id("sequence", sequence).encode())
+
     # -- CUDA IPC ---------------------------------------------------------------------------------------------
 
     @staticmethod
@@ -536,6 +738,145 @@ def _drop_registration(client_ref, key, reg):
         if client._buffers.get(key) is reg:
             del client._buffers[key]
     client._unregister(client._handle, reg)
+
+
+# -- KV sequences -------------------------------------------------------------------------------------------------
+
+SequenceShape = collections.namedtuple("SequenceShape", ["layers", "kv_heads", "head_dim", "dtype"])
+_SEQ_DTYPES = {"bf16": _lib.DTYPE_BF16, "fp16": _lib.DTYPE_FP16}
+
+
+class Sequence:
+    """A KV sequence on the server: `id`, `shape` (SequenceShape), `max_tokens` (the limit that applies) and
+    `lengths` (its cached tokens per layer as this object last saw them: after its steps and truncations).
+    A `with` block closes it."""
+
+    def __init__(self, client, sequence_id, shape, max_tokens=0, lengths=None):
+        self.client = client
+        self.id = sequence_id
+        self.shape = shape
+        self.max_tokens = max_tokens
+        self.lengths = list(lengths) if lengths is not None else [0] * shape.layers
+        self.closed = False
+
+    def step(self, layer, q=None, k=None, v=None, return_lse=False, scale=None, q_heads=None, **kw):
+        """client.step(layer, [self], ...): O [tokens, q_heads, head_dim], or (O, LSE [q_heads, tokens])."""
+        r = self.client.step(layer, [self], q, k, v, q_heads=q_heads, return_lse=return_lse, scale=scale, **kw)
+        if return_lse:
+            return r[0], r[1][0]
+        return r
+
+    def fork(self, n=None):
+        """A new Sequence sharing this one's tokens (copy-on-write), or a list of n of them."""
+        return self.client.fork_sequence(self, n)
+
+    def truncate(self, tokens):
+        """Keeps the first `tokens` of every layer; returns the per-layer lengths after it."""
+        return self.client.truncate_sequence(self, tokens)
+
+    def info(self):
+        """GetSequence as a dict: sequence_id, shape, max_tokens, lengths, pages, shared_pages, idle_s, ..."""
+        return self.client.sequence_info(self)
+
+    def close(self):
+        """Frees the sequence on the server; closing it again does nothing."""
+        if not self.closed:
+            self.client.close_sequences([self])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __str__(self):
+        return self.id
+
+    def __repr__(self):
+        return f"Sequence({self.id!r}, {tuple(self.shape)}, lengths={self.lengths})"
+
+
+def _seq_id(name, s):
+    if isinstance(s, Sequence):
+        return s.id
+    if isinstance(s, str) and s:
+        return s
+    raise _invalid(f"{name}: {s!r} is not a Sequence or a sequence id")
+
+
+class _StepTensor:
+    __slots__ = ("kind", "device", "obj", "shape", "dtype", "ptr", "nbytes", "rows")
+
+
+def _step_tensor(name, x, dtype_hint):
+    """One of a step's q/k/v as contiguous host memory ([T, heads, head_dim]); a list is concatenated on T."""
+    t = _StepTensor()
+    torch = _torch()
+    np = _np()
+    if isinstance(x, (list, tuple)):
+        if not x:
+            raise _invalid(f"{name}: an empty list")
+        t.rows = []
+        for i, part in enumerate(x):
+            if getattr(part, "ndim", None) != 3:
+                raise _invalid(f"{name}[{i}]: must be a tensor of 3 dimensions [tokens, heads, head_dim]")
+            t.rows.append(int(part.shape[0]))
+        if torch is not None and all(isinstance(p, torch.Tensor) for p in x):
+            if any(p.device != x[0].device for p in x):
+                raise _invalid(f"{name}: the list's tensors must be on one device")
+            x = torch.cat(list(x), dim=0)
+        elif all(isinstance(p, np.ndarray) for p in x):
+            x = np.concatenate(x, axis=0)
+        else:
+            raise _invalid(f"{name}: a list must hold numpy arrays only or torch tensors only")
+    else:
+        t.rows = None
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.dim() != 3:
+            raise _invalid(f"{name}: must have 3 dimensions [tokens, heads, head_dim], has {x.dim()}")
+        if x.dtype == torch.bfloat16:
+            t.dtype = _lib.DTYPE_BF16
+        elif x.dtype == torch.float16:
+            t.dtype = _lib.DTYPE_FP16
+        else:
+            raise _invalid(f"{name}: dtype {x.dtype} is not torch.bfloat16 or torch.float16")
+        t.kind, t.device = "torch", x.device
+        x = x.detach().cpu().contiguous()
+        t.ptr = x.data_ptr()
+        t.nbytes = x.numel() * x.element_size()
+    elif isinstance(x, np.ndarray):
+        if x.ndim != 3:
+            raise _invalid(f"{name}: must have 3 dimensions [tokens, heads, head_dim], has {x.ndim}")
+        bf16 = _bf16_numpy_dtype()
+        if bf16 is not None and x.dtype == bf16:
+            t.dtype = _lib.DTYPE_BF16
+        elif x.dtype == np.float16:
+            t.dtype = _lib.DTYPE_FP16
+        elif x.dtype == np.uint16 and dtype_hint in _SEQ_DTYPES:
+            t.dtype = _SEQ_DTYPES[dtype_hint]
+        else:
+            hint = " (uint16 bf16 bits need the sequence's dtype: a Sequence or dtype=)" \
+                if x.dtype == np.uint16 else ""
+            raise _invalid(f"{name}: dtype {x.dtype} is not bfloat16 (ml_dtypes) or float16{hint}")
+        t.kind, t.device = "numpy", None
+        x = np.ascontiguousarray(x)
+        t.ptr = x.ctypes.data
+        t.nbytes = x.nbytes
+    else:
+        raise _invalid(f"{name}: {type(x).__name__} is not a numpy.ndarray or a torch.Tensor (or a list of them)")
+    t.obj = x
+    t.shape = tuple(int(n) for n in x.shape)
+    if t.shape[0] < 1:
+        raise _invalid(f"{name}: has no rows")
+    return t
+
+
+def _ids_of(p, lib):
+    try:
+        text = ctypes.string_at(p).decode()
+    finally:
+        lib.attnd_free_string(p)
+    return text.split("\n") if text else []
 
 
 # Async calls in flight: the C library hands back the key; the call object keeps its memory alive until then.

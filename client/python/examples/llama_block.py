@@ -1,11 +1,11 @@
-"""A small Llama-style decoder block in plain PyTorch whose attention runs in attnd: a prefill, then a few decode
-steps, each compared with the same block using torch's own attention.
+"""A small Llama-style decoder (a few blocks in plain PyTorch) whose attention runs in attnd: a prefill, then a
+few decode steps, each compared with the same model using torch's own attention and KV cache.
 
-    python3 llama_block.py [TARGET] [--device cuda]
+    python3 llama_block.py [TARGET] [--device cuda] [--layers 2]
 
-With --device cuda and a server on this host started with --enable_cuda_ipc, the tensors go by CUDA IPC (target
-unix:/path of the server's --unix_socket). Decode steps send the whole KV cache each time: attnd's KV sequences
-API (keeping the cache on the server) does not exist yet.
+attnd keeps the KV cache: the model opens one KV sequence (docs/sequences.md) with a layer per block, and every
+block's attention is one Step sending only the new tokens' q, k and v. CUDA tensors are copied through host
+memory for steps.
 """
 import argparse
 import math
@@ -69,50 +69,78 @@ class Block(torch.nn.Module):
         self.w3 = torch.nn.Linear(dim, hidden, bias=False)
         self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
 
-    def forward(self, x, start, cache, attention):
-        """x [batch, seq, dim] at positions start.. ; cache: dict with 'k', 'v' [batch, len, kv_heads, head_dim]."""
+    def forward(self, x, start, layer, attend):
+        """x [batch, seq, dim] at positions start.. ; attend(layer, q, k, v) appends k, v to the layer's cache and
+        returns q's attention over all of it."""
         b, l, _ = x.shape
         pos = torch.arange(start, start + l, device=x.device)
         h = self.norm1(x)
         q = rope(self.wq(h).view(b, l, self.heads, self.head_dim), pos)
         k = rope(self.wk(h).view(b, l, self.kv_heads, self.head_dim), pos)
         v = self.wv(h).view(b, l, self.kv_heads, self.head_dim)
-        cache["k"] = k if cache.get("k") is None else torch.cat((cache["k"], k), 1)
-        cache["v"] = v if cache.get("v") is None else torch.cat((cache["v"], v), 1)
-        # Queries are the last l positions of the cache: bottom-right causal.
-        a = attention(q, cache["k"], cache["v"], True)
+        a = attend(layer, q, k, v)
         x = x + self.wo(a.reshape(b, l, -1))
         h = self.norm2(x)
         return x + self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h))
+
+
+class TorchCache:
+    """The reference: K and V per layer in local tensors, attention by torch."""
+
+    def __init__(self, layers):
+        self.k, self.v = [None] * layers, [None] * layers
+
+    def __call__(self, layer, q, k, v):
+        self.k[layer] = k if self.k[layer] is None else torch.cat((self.k[layer], k), 1)
+        self.v[layer] = v if self.v[layer] is None else torch.cat((self.v[layer], v), 1)
+        # Queries are the last l positions of the cache: bottom-right causal.
+        return torch_attention(q, self.k[layer], self.v[layer], True)
+
+
+class SequenceCache:
+    """K and V in an attnd KV sequence: each call sends the new rows only (one sequence, so batch 1)."""
+
+    def __init__(self, seq):
+        self.seq = seq
+
+    def __call__(self, layer, q, k, v):
+        return self.seq.step(layer, q[0], k[0], v[0])[None]
+
+
+def run(blocks, x, start, attend):
+    for layer, block in enumerate(blocks):
+        x = block(x, start, layer, attend)
+    return x
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("target", nargs="?", default="127.0.0.1:50051")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--prefill", type=int, default=64)
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device(args.device)
-    block = Block().to(dev, torch.bfloat16).eval()
+    blocks = [Block().to(dev, torch.bfloat16).eval() for _ in range(args.layers)]
+    b0 = blocks[0]
     x = torch.randn(1, args.prefill, 512, device=dev).to(torch.bfloat16)
 
-    with attnd.Client(args.target) as client, torch.no_grad():
-        def attnd_attention(q, k, v, causal):
-            return client.attention(q, k, v, causal="bottom_right" if causal else False)
-
-        ours, theirs = {}, {}
-        y = block(x, 0, ours, attnd_attention)
-        y_ref = block(x, 0, theirs, torch_attention)
+    with attnd.Client(args.target) as client, torch.no_grad(), \
+            client.open_sequence(args.layers, b0.kv_heads, b0.head_dim, dtype="bf16") as seq:
+        ours, theirs = SequenceCache(seq), TorchCache(args.layers)
+        y = run(blocks, x, 0, ours)
+        y_ref = run(blocks, x, 0, theirs)
         print(f"prefill {args.prefill} tokens: max |attnd - torch| = {(y - y_ref).abs().max().item():.4g}")
         pos = args.prefill
         tok, tok_ref = y[:, -1:], y_ref[:, -1:]
         for step in range(args.steps):
-            tok = block(tok, pos, ours, attnd_attention)
-            tok_ref = block(tok_ref, pos, theirs, torch_attention)
+            tok = run(blocks, tok, pos, ours)
+            tok_ref = run(blocks, tok_ref, pos, theirs)
             pos += 1
-            print(f"decode step {step} (kv {pos}): max |attnd - torch| = {(tok - tok_ref).abs().max().item():.4g}")
+            print(f"decode step {step} (kv {pos}, cached in attnd: {seq.lengths[0]}): "
+                  f"max |attnd - torch| = {(tok - tok_ref).abs().max().item():.4g}")
 
 
 if __name__ == "__main__":

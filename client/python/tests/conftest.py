@@ -27,7 +27,7 @@ class Server:
         self.log_path = os.path.join(tmp, f"{name}.log")
         cmd = [binary, "--backend=cpu", "--threads=2", "--listen=127.0.0.1:0", f"--unix_socket={self.unix}",
                f"--shm_socket={self.shm}", f"--max_message_bytes={MAX_MESSAGE_BYTES}", "--access_log=false",
-               "--log_level=info"] + args
+               "--log_level=info", "--kv_pool_mb=64", "--kv_max_pools=4"] + args
         self.log = open(self.log_path, "w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.port = self._wait_for_port()

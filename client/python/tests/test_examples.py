@@ -26,5 +26,8 @@ def test_llama_block(server):
     out = run(server, os.path.join(EXAMPLES, "llama_block.py"), server.target, "--prefill", "32", "--steps", "3")
     errs = [float(x) for x in re.findall(r"max \|attnd - torch\| = (\S+)", out)]
     assert len(errs) == 4, out
+    # The decode steps' K and V are in the attnd sequence: its length follows the position.
+    cached = re.findall(r"kv (\d+), cached in attnd: (\d+)", out)
+    assert len(cached) == 3 and all(a == b for a, b in cached), out
     # bf16 activations of magnitude ~1-10 through one block: a few bf16 steps of difference.
     assert max(errs) < 0.25, out
