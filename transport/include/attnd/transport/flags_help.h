@@ -24,6 +24,10 @@ inline void HandleHelpFlag(int argc, char** argv, absl::string_view main_file) {
     wanted |= a == "--help" || a == "-help" || a == "--helpshort" || a == "-helpshort" || a == "-h";
   }
   if (!wanted) return;
+  // Abseil reports a flag's file with its leading slashes stripped (absl's default normalize_filename), so an
+  // absolute __FILE__ is compared the same way.
+  const size_t start = main_file.find_first_not_of("/\\");
+  main_file.remove_prefix(start == absl::string_view::npos ? main_file.size() : start);
   std::vector<const absl::CommandLineFlag*> flags;
   for (const auto& [name, flag] : absl::GetAllFlags()) {
     if (flag->Filename() == main_file) flags.push_back(flag);
