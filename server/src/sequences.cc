@@ -221,6 +221,26 @@ void Sequences::Free(Seq* seq, const std::string& reason) {
   if (--pool->sequences == 0) pools_.erase(pool->memory->shape());
 }
 
+absl::StatusOr<uint32_t> Sequences::NewSequences(uint32_t requested) const {
+  const uint32_t count = std::max<uint32_t>(requested, 1);
+  if (count > options_.max_open) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("count: ", count, " exceeds the ", options_.max_open, " sequences one call may open"));
+  }
+  return count;
+}
+
+absl::Status Sequences::CheckClientSequences(const std::string& owner, uint32_t count) const {
+  auto it = clients_.find(owner);
+  const uint32_t open = it == clients_.end() ? 0 : it->second.sequences;
+  if (options_.max_per_client > 0 && open + count > options_.max_per_client) {
+    return absl::ResourceExhaustedError(absl::StrCat("count: this client has ", open, " sequences open; ", count,
+                                                     " more would pass the limit of ", options_.max_per_client,
+                                                     " (--max_sequences_per_client)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::OpenSequenceResponse> Sequences::Open(const std::string& owner,
                                                          const v1::OpenSequenceRequest& request) {
   if (!options_.enabled) return absl::FailedPreconditionError("KV sequences are disabled on this server");
@@ -245,24 +265,16 @@ absl::StatusOr<v1::OpenSequenceResponse> Sequences::Open(const std::string& owne
                                                      options_.max_tokens));
   }
   const int64_t max_tokens = request.max_tokens() == 0 ? options_.max_tokens : request.max_tokens();
-  const uint32_t count = std::max<uint32_t>(request.count(), 1);
-  if (count > options_.max_open) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("count: ", count, " exceeds the ", options_.max_open, " sequences one call may open"));
-  }
+  absl::StatusOr<uint32_t> count = NewSequences(request.count());
+  if (!count.ok()) return count.status();
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the server is shutting down");
-  const ClientUse before = clients_.contains(owner) ? clients_[owner] : ClientUse{};
-  if (options_.max_per_client > 0 && before.sequences + count > options_.max_per_client) {
-    return absl::ResourceExhaustedError(absl::StrCat("count: this client has ", before.sequences,
-                                                     " sequences open; ", count, " more would pass the limit of ",
-                                                     options_.max_per_client, " (--max_sequences_per_client)"));
-  }
+  ATTND_RETURN_IF_ERROR(CheckClientSequences(owner, *count));
   absl::StatusOr<Pool*> pool = PoolFor(shape);
   if (!pool.ok()) return pool.status();
   v1::OpenSequenceResponse response;
   const absl::Time now = absl::Now();
-  for (uint32_t i = 0; i < count; ++i) {
+  for (uint32_t i = 0; i < *count; ++i) {
     auto seq = std::make_unique<Seq>();
     seq->id = NewId();
     seq->owner = owner;
@@ -282,11 +294,8 @@ absl::StatusOr<v1::OpenSequenceResponse> Sequences::Open(const std::string& owne
 
 absl::StatusOr<v1::ForkSequenceResponse> Sequences::Fork(const std::string& owner,
                                                          const v1::ForkSequenceRequest& request) {
-  const uint32_t count = std::max<uint32_t>(request.count(), 1);
-  if (count > options_.max_open) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("count: ", count, " exceeds the ", options_.max_open, " sequences one call may open"));
-  }
+  absl::StatusOr<uint32_t> count = NewSequences(request.count());
+  if (!count.ok()) return count.status();
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the server is shutting down");
   absl::StatusOr<Seq*> found = Find(owner, request.sequence_id(), "sequence_id");
@@ -296,14 +305,10 @@ absl::StatusOr<v1::ForkSequenceResponse> Sequences::Fork(const std::string& owne
     return absl::AbortedError(absl::StrCat("sequence_id: sequence ", parent->id,
                                            " has a step in flight; fork it after the step's reply"));
   }
+  ATTND_RETURN_IF_ERROR(CheckClientSequences(owner, *count));
   const ClientUse before = clients_[owner];
-  if (options_.max_per_client > 0 && before.sequences + count > options_.max_per_client) {
-    return absl::ResourceExhaustedError(absl::StrCat("count: this client has ", before.sequences,
-                                                     " sequences open; ", count, " more would pass the limit of ",
-                                                     options_.max_per_client, " (--max_sequences_per_client)"));
-  }
   if (options_.max_pages_per_client > 0 &&
-      before.pages + uint64_t{count} * parent->pages.size() > options_.max_pages_per_client) {
+      before.pages + uint64_t{*count} * parent->pages.size() > options_.max_pages_per_client) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "count: each child holds the parent's ", parent->pages.size(), " pages; this client holds ", before.pages,
         " and may hold ", options_.max_pages_per_client, " (--max_pages_per_client)"));
@@ -311,7 +316,7 @@ absl::StatusOr<v1::ForkSequenceResponse> Sequences::Fork(const std::string& owne
   v1::ForkSequenceResponse response;
   const absl::Time now = absl::Now();
   parent->last_used = now;
-  for (uint32_t i = 0; i < count; ++i) {
+  for (uint32_t i = 0; i < *count; ++i) {
     auto child = std::make_unique<Seq>();
     child->id = NewId();
     child->owner = owner;

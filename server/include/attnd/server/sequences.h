@@ -122,6 +122,10 @@ class Sequences {
   absl::StatusOr<Seq*> Find(const std::string& owner, const std::string& id, const std::string& field)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string NewId();
+  // The number of sequences an Open or Fork with `requested` (0 means 1) creates; RESOURCE_EXHAUSTED past max_open.
+  absl::StatusOr<uint32_t> NewSequences(uint32_t requested) const;
+  // RESOURCE_EXHAUSTED when `count` more sequences would pass the owner's limit.
+  absl::Status CheckClientSequences(const std::string& owner, uint32_t count) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Pool*> PoolFor(const SequenceShape& shape) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<int32_t> TakePage(Pool& pool, const std::string& owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Unref(Pool& pool, int32_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
