@@ -481,7 +481,10 @@ service_measure() {
   local sock=/tmp/attnd_bench_$port.sock shm=/tmp/attnd_shm_$port.sock r=$TMP/measure_$label.txt
   [ -x "$b/attnd" ] || { note "service bench $label" FAIL "no $b/attnd"; return; }
   rm -f "$sock" "$shm"
-  "$b/attnd" --listen=127.0.0.1:$port --unix_socket=$sock --shm_socket=$shm --enable_cuda_ipc \
+  # The unary rows hold up to 16 requests of 100 MB in gRPC's transport at once (docs/security-and-metrics.md).
+  local quota=""
+  "$b/attnd" --help 2>/dev/null | grep -q -- "--max_transport_memory_bytes" && quota=--max_transport_memory_bytes=8589934592
+  "$b/attnd" --listen=127.0.0.1:$port --unix_socket=$sock --shm_socket=$shm --enable_cuda_ipc $quota \
     --streams=${STREAMS:-8} --warm_shapes=1x1024x1024x32x32x128,1x4096x4096x32x32x128 --log_level=info \
     ${SERVER_FLAGS:-} > "$TMP/attnd_$label.log" 2>&1 &
   local server=$! i
