@@ -28,7 +28,7 @@ usage:
       alternating which goes first, each row's new/base ratio flagged outside 2%; seedbench: the seed family's
       tables (kernels/bench/bench_attention.py); decode: gpu_decode_test, then memcheck and racecheck on its small
       cases; decodebench: kernels/bench/decode_bench.py. bench and ab take about 5 minutes each.
-  scripts/device.sh service [test|bench|ab|python|decode]...             (default: test bench)
+  scripts/device.sh service [test|bench|ab|python|decode|pyoverhead]...  (default: test bench)
       On the GPU machine. test: gpu_server_parts_test, gpu_server_forward_test, gpu_server_ipc_test; bench: one
       attnd, then CUDA IPC over gRPC and over the shm channel (ipc_peer bench), the TCP baseline (ipc_peer tcp)
       and inline unary/stream calls (attn bench); ab: bench with the new binaries, then with .carry/base's;
@@ -476,6 +476,36 @@ service_decode() {
   cat "$r" >> "$LOG"
 }
 
+# The Python client's per-call cost beside the C++ tools', one server, same shapes (docs/benchmarks.md): a Forward
+# by CUDA IPC over the shm channel (ipc_peer, then client/python/bench/overhead.py with torch CUDA tensors) and a
+# decode step over the shm channel (attn bench --workload=decode, then the Python client).
+service_pyoverhead() {
+  local b=$1 port=${PORT:-50071} r=$OUT/pyoverhead.txt
+  local sock=/tmp/attnd_py_$port.sock shm=/tmp/attnd_pyshm_$port.sock
+  rm -f "$sock" "$shm"
+  "$b/attnd" --listen=127.0.0.1:$port --unix_socket=$sock --shm_socket=$shm --enable_cuda_ipc --log_level=warn \
+    --warm_shapes=1x1024x1024x32x32x128 > "$TMP/attnd_py.log" 2>&1 &
+  local server=$! i rc
+  for i in $(seq 1 150); do "$b/attn" info --target=unix:$sock > /dev/null 2>&1 && break; sleep 0.2; done
+  mkdir -p client/python/attnd/lib && cp -a $C/pylib/. client/python/attnd/lib/
+  for i in 1 2; do
+    timeout 120 "$b/ipc_peer" bench --target=unix:$sock --transport=shm --shm_socket=$shm --seqs=1024 \
+      --concurrency=1 --duration_s=2 --warmup_s=0.5 --verify_every=25 >> "$r" 2>&1
+    PYTHONPATH=$PWD/client/python PYTHONDONTWRITEBYTECODE=1 timeout 200 python3 client/python/bench/overhead.py \
+      --target unix:$sock --shm-socket $shm --seq 1024 --what forward >> "$r" 2>&1
+    timeout 120 "$b/attn" bench --workload=decode --target=unix:$sock --transport=shm --shm_socket=$shm --layers=1 \
+      --kv_heads=8 --q_heads=32 --head_dim=128 --sequences=1 --context=4096 --steps=2000 --progress=false >> "$r" 2>&1
+    PYTHONPATH=$PWD/client/python PYTHONDONTWRITEBYTECODE=1 timeout 200 python3 client/python/bench/overhead.py \
+      --target unix:$sock --shm-socket $shm --context 4096 --what step >> "$r" 2>&1
+    rc=$?
+  done
+  kill -TERM $server
+  wait $server
+  echo "attnd exit rc=$?" >> "$r"
+  if [ $rc -eq 0 ]; then note "python overhead" ok "$(grep -c '^python' "$r") python rows"; else note "python overhead" FAIL "rc=$rc"; fi
+  cat "$r" >> "$LOG"
+}
+
 service_measure() {
   local b=$1 label=$2 port=${PORT:-50051} dur=${DUR:-2s}
   local sock=/tmp/attnd_bench_$port.sock shm=/tmp/attnd_shm_$port.sock r=$TMP/measure_$label.txt
@@ -558,7 +588,7 @@ cmd_service() {
   local steps=("$@")
   [ ${#steps[@]} -eq 0 ] && steps=(test bench)
   for s in "${steps[@]}"; do
-    case $s in test|bench|ab|python|decode) ;; *) die "service: unknown step $s" ;; esac
+    case $s in test|bench|ab|python|decode|pyoverhead) ;; *) die "service: unknown step $s" ;; esac
   done
   mkdir -p "$OUT"
   unpack
@@ -584,6 +614,8 @@ cmd_service() {
         service_measure "$PWD/$C" new ;;
       decode)
         service_decode "$PWD/$C" ;;
+      pyoverhead)
+        service_pyoverhead "$PWD/$C" ;;
       python)
         # The Python client's suite with this machine's Python and torch: CPU-backend servers, and with a GPU its CUDA
         # tests (a --backend=cuda server, torch CUDA tensors by IPC). The package loads its bundled libraries.
