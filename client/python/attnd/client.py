@@ -196,6 +196,21 @@ class _Call:
     __slots__ = ("args", "keep", "out", "lse", "future", "ret")
 
 
+def _set_call_options(a, scale, return_lse, transport, timeout, request_id):
+    """The options ForwardArgs and StepArgs share: softmax scale, LSE, transport, timeout, request id."""
+    a.has_scale = 0 if scale is None else 1
+    a.scale = 0.0 if scale is None else float(scale)
+    a.want_lse = 1 if return_lse else 0
+    if transport is None:
+        a.transport = -1
+    elif transport in _lib.TRANSPORTS:
+        a.transport = _lib.TRANSPORTS[transport]
+    else:
+        raise _invalid(f"transport: {transport!r} is not one of {', '.join(_lib.TRANSPORTS)}")
+    a.timeout_s = float(timeout or 0)
+    a.request_id = request_id.encode() if request_id else None
+
+
 class Client:
     """A connection to an attnd server. Thread-safe; close() (or a `with` block) releases it."""
 
@@ -346,17 +361,7 @@ class Client:
         a.batch, a.q_len, a.kv_len, a.q_heads, a.kv_heads, a.head_dim = b, lq, lk, hq, hkv, d
         a.dtype = qv.dtype
         a.mask = _mask(causal)
-        a.has_scale = 0 if scale is None else 1
-        a.scale = 0.0 if scale is None else float(scale)
-        a.want_lse = 1 if return_lse else 0
-        if transport is None:
-            a.transport = -1
-        elif transport in _lib.TRANSPORTS:
-            a.transport = _lib.TRANSPORTS[transport]
-        else:
-            raise _invalid(f"transport: {transport!r} is not one of {', '.join(_lib.TRANSPORTS)}")
-        a.timeout_s = float(timeout or 0)
-        a.request_id = request_id.encode() if request_id else None
+        _set_call_options(a, scale, return_lse, transport, timeout, request_id)
         keep = [qv.obj, kv.obj, vv.obj]
         o = self._make_out(qv, out, (b, lq, hq, d))
         lse = None
@@ -514,17 +519,7 @@ class Client:
         a.sequence_ids = c_ids
         a.tokens = c_tokens
         a.lengths = c_lengths
-        a.has_scale = 0 if scale is None else 1
-        a.scale = 0.0 if scale is None else float(scale)
-        a.want_lse = 1 if return_lse else 0
-        if transport is None:
-            a.transport = -1
-        elif transport in _lib.TRANSPORTS:
-            a.transport = _lib.TRANSPORTS[transport]
-        else:
-            raise _invalid(f"transport: {transport!r} is not one of {', '.join(_lib.TRANSPORTS)}")
-        a.timeout_s = float(timeout or 0)
-        a.request_id = request_id.encode() if request_id else None
+        _set_call_options(a, scale, return_lse, transport, timeout, request_id)
         for name, t in views.items():
             setattr(a, name, t.ptr)
             setattr(a, f"{name}_bytes", t.nbytes)
