@@ -431,7 +431,7 @@ service_decode() {
   local sock=/tmp/attnd_dec_$port.sock shm=/tmp/attnd_decshm_$port.sock
   local shape="--kv_heads=8 --q_heads=32 --head_dim=128"
   rm -f "$sock" "$shm"
-  "$b/attnd" --listen=127.0.0.1:$port --unix_socket=$sock --shm_socket=$shm --log_level=warn \
+  "$b/attnd" --listen=127.0.0.1:$port --unix_socket=$sock --shm_socket=$shm --enable_cuda_ipc --log_level=warn \
     ${SERVER_FLAGS:-} > "$TMP/attnd_decode.log" 2>&1 &
   local server=$! i
   for i in $(seq 1 150); do "$b/attn" info --target=unix:$sock > /dev/null 2>&1 && break; sleep 0.2; done
@@ -459,6 +459,17 @@ service_decode() {
     $shape --sequences=60 --context=4096 --steps=${STEPS64:-300}
   run_dec s64_tcp_each bench --workload=decode --target=127.0.0.1:$port --layers=1 $shape --sequences=64 \
     --context=4096 --steps=${STEPS64:-300}
+  # The same steps with Q, the new K/V and O in the caller's CUDA buffers (ipc_peer decode: kernel-only time of
+  # the same batch measured in that process, replies checked against the oracle).
+  local tr rc
+  for tr in shm grpc; do
+    echo "== ipc_$tr: ipc_peer decode" >> "$r"
+    timeout ${DECODE_CMD_TIMEOUT:-150} "$b/ipc_peer" decode --target=unix:$sock --transport=$tr --shm_socket=$shm \
+      --decode_sequences=${IPC_DECODE_SEQS:-1,64} --context=4096 --steps=${IPC_DECODE_STEPS:-1000} >> "$r" 2>&1
+    rc=$?
+    echo "== ipc_$tr rc=$rc rss_kb=$(ps -o rss= -p $server)" >> "$r"
+    note "decode ipc_$tr" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" ""
+  done
   "$b/attn" stats --target=unix:$sock >> "$r" 2>&1
   run_dec engine bench --workload=decode --target=unix:$sock --transport=shm --shm_socket=$shm --layers=32 $shape \
     --sequences=64 --context=2048 --steps=${ENGINE_STEPS:-256} --one_message

@@ -36,6 +36,7 @@ ROWS = {
     "16x4k": (16, 4096, 32, 8),
 }
 HEAD_DIM = 128
+TABLE_ORDER = "random"  # --table-order
 
 
 class Layout(ctypes.Structure):
@@ -185,7 +186,10 @@ def run_case(dec, name, B, L, Hq, Hkv, q_len, storages, num_splits):
         else:
             ps = int(storage[len("paged"):])
             npp = L // ps
-            perm = torch.randperm(B * npp, device="cuda")
+            # Pages in a random order (a pool after churn), or each sequence's pages adjacent (a pool that handed
+            # them out in order).
+            perm = (torch.randperm(B * npp, device="cuda") if TABLE_ORDER == "random"
+                    else torch.arange(B * npp, device="cuda"))
             kk = torch.empty(B * npp, ps, Hkv, D, device="cuda", dtype=dtype)
             vv = torch.empty_like(kk)
             kk[perm] = k.reshape(B * npp, ps, Hkv, D)
@@ -251,8 +255,12 @@ def main():
     ap.add_argument("--q-lens", default="1,4,16")
     ap.add_argument("--storages", default="contig,paged16,paged64")
     ap.add_argument("--num-splits", type=int, default=0, help="0: the plan's heuristic")
+    ap.add_argument("--table-order", choices=("random", "sequential"), default="random",
+                    help="paged KV: page order in the pool")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    global TABLE_ORDER
+    TABLE_ORDER = args.table_order
     dec = Decode(os.path.abspath(args.lib))
     storages = args.storages.split(",")
     dev = torch.cuda.get_device_properties(0)
