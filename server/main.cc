@@ -126,6 +126,9 @@ ABSL_FLAG(uint32_t, max_step_batch, 256, "sequences in one batched step launch (
 ABSL_FLAG(int64_t, step_batch_wait_us, 0,
           "how long the first step of an idle layer waits for others to join its launch (0: launch at once; "
           "steps arriving during a launch still join the next one)");
+ABSL_FLAG(uint32_t, step_launches_in_flight, 2,
+          "batched step launches of one layer that may run at once (the host work of one overlaps the GPU work of "
+          "another); 1 runs them one after the other");
 ABSL_FLAG(std::string, advertise_address, "",
           "host:port clients reach this server at, written into sequence ids after '@' so that a client behind a "
           "load balancer sends a sequence's calls to the server that holds it; empty: none");
@@ -279,6 +282,8 @@ int main(int argc, char** argv) {
     so.max_open = so.max_batch;
     if (absl::GetFlag(FLAGS_step_batch_wait_us) < 0) return Fail("--step_batch_wait_us: must be >= 0");
     so.batch_wait = absl::Microseconds(absl::GetFlag(FLAGS_step_batch_wait_us));
+    so.launches_in_flight = absl::GetFlag(FLAGS_step_launches_in_flight);
+    if (so.launches_in_flight < 1) return Fail("--step_launches_in_flight: must be >= 1");
     so.max_waiting = absl::GetFlag(FLAGS_max_queue);
     so.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   }

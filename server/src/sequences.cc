@@ -93,13 +93,14 @@ struct Sequences::Admitted {
 
 struct Sequences::Lane {
   std::deque<Pending> waiting;
-  bool in_flight = false;
+  uint32_t in_flight = 0;  // launches running (at most options_.launches_in_flight)
   absl::Time launch_at = absl::InfiniteFuture();  // with batch_wait: when the waiting steps launch anyway
 };
 
 Sequences::Sequences(const SequenceOptions& options, const ValidationLimits& limits, Backend* backend,
                      const BufferRegistry* buffers)
     : options_(options), limits_(limits), backend_(backend), buffers_(buffers), instance_(RandomHex(4)) {
+  options_.launches_in_flight = std::max<uint32_t>(options_.launches_in_flight, 1);  // 0 would never launch
   reaper_ = std::thread([this] { ReaperLoop(); });
 }
 
@@ -446,24 +447,30 @@ absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& r
   int64_t rows = 0;
   for (int i = 0; i < request.sequences_size(); ++i) {
     const v1::SequenceTokens& st = request.sequences(i);
-    const std::string field = absl::StrCat("sequences[", i, "]");
-    absl::StatusOr<Seq*> found = Find(owner, st.sequence_id(), absl::StrCat(field, ".sequence_id"));
-    if (!found.ok()) return found.status();
-    Seq* seq = *found;
+    const auto field = [i] { return absl::StrCat("sequences[", i, "]"); };  // for messages only: a step names many
+    Seq* seq = nullptr;
+    auto it = seqs_.find(st.sequence_id());
+    if (it != seqs_.end() && it->second->owner == owner && !it->second->closing) {
+      seq = it->second.get();  // what Find answers for an open sequence of the caller's
+    } else {
+      absl::StatusOr<Seq*> found = Find(owner, st.sequence_id(), absl::StrCat(field(), ".sequence_id"));
+      if (!found.ok()) return found.status();
+      seq = *found;
+    }
     if (std::find(seqs.begin(), seqs.end(), seq) != seqs.end()) {
-      return Invalid(absl::StrCat(field, ".sequence_id"), "appears twice in one step");
+      return Invalid(absl::StrCat(field(), ".sequence_id"), "appears twice in one step");
     }
     if (seq->busy) {
-      return absl::AbortedError(absl::StrCat(field, ".sequence_id: sequence ", seq->id,
+      return absl::AbortedError(absl::StrCat(field(), ".sequence_id: sequence ", seq->id,
                                              " has a step in flight (a sequence takes one step at a time)"));
     }
     if (!seqs.empty() && seq->pool != seqs[0]->pool) {
-      return Invalid(absl::StrCat(field, ".sequence_id"),
+      return Invalid(absl::StrCat(field(), ".sequence_id"),
                      absl::StrCat("its shape (", ShapeText(seq->pool->memory->shape()), ") differs from sequences[0]'s (",
                                   ShapeText(seqs[0]->pool->memory->shape()), "): one step runs on one shape"));
     }
     if (st.tokens() < 1 || st.tokens() > seq->max_tokens) {
-      return Invalid(absl::StrCat(field, ".tokens"),
+      return Invalid(absl::StrCat(field(), ".tokens"),
                      absl::StrCat("must be 1..", seq->max_tokens, " (the sequence's max_tokens), got ", st.tokens()));
     }
     seqs.push_back(seq);
@@ -719,7 +726,7 @@ void Sequences::Enqueue(BatchKey key, Pending pending) {
     if (lane == nullptr) lane = std::make_unique<Lane>();
     lane->waiting.push_back(std::move(pending));
     ++waiting_;
-    if (!lane->in_flight) {
+    if (lane->in_flight < options_.launches_in_flight) {
       if (options_.batch_wait <= absl::ZeroDuration() || key.unique != 0) {
         launch_now = true;
       } else if (lane->launch_at == absl::InfiniteFuture()) {
@@ -740,7 +747,7 @@ void Sequences::Launch(const BatchKey& key) {
     auto it = lanes_.find(key);
     if (it == lanes_.end()) return;
     Lane& lane = *it->second;
-    if (lane.in_flight) return;
+    if (lane.in_flight >= options_.launches_in_flight) return;
     lane.launch_at = absl::InfiniteFuture();
     const absl::Time now = absl::Now();
     uint32_t sequences = 0;
@@ -767,9 +774,9 @@ void Sequences::Launch(const BatchKey& key) {
       batch->jobs.push_back(std::move(job));
     }
     if (batch->jobs.empty()) {
-      if (lane.waiting.empty()) lanes_.erase(it);
+      if (lane.waiting.empty() && lane.in_flight == 0) lanes_.erase(it);
     } else {
-      lane.in_flight = true;
+      ++lane.in_flight;
       ++launches_;
     }
   }
@@ -796,9 +803,10 @@ void Sequences::LaunchDone(const BatchKey& key) {
     absl::MutexLock lock(&mu_);
     auto it = lanes_.find(key);
     if (it == lanes_.end()) return;
-    it->second->in_flight = false;
-    if (it->second->waiting.empty()) {
-      lanes_.erase(it);
+    Lane& lane = *it->second;
+    --lane.in_flight;
+    if (lane.waiting.empty()) {
+      if (lane.in_flight == 0) lanes_.erase(it);
       return;
     }
   }
@@ -811,9 +819,12 @@ void Sequences::FailLane(const BatchKey& key, const absl::Status& status) {
     absl::MutexLock lock(&mu_);
     auto it = lanes_.find(key);
     if (it == lanes_.end()) return;
-    waiting.swap(it->second->waiting);
+    // The refused launch no longer runs; launches of this lane still running keep it.
+    Lane& lane = *it->second;
+    --lane.in_flight;
+    waiting.swap(lane.waiting);
     waiting_ -= static_cast<uint32_t>(waiting.size());
-    lanes_.erase(it);
+    if (lane.in_flight == 0) lanes_.erase(it);
   }
   for (Pending& p : waiting) p.job->done(status);
 }
@@ -868,7 +879,7 @@ void Sequences::ReaperLoop() {
       reaper_wake_ = false;
       const absl::Time now = absl::Now();
       for (const auto& [key, lane] : lanes_) {
-        if (!lane->in_flight && lane->launch_at <= now) due.push_back(key);
+        if (lane->in_flight < options_.launches_in_flight && lane->launch_at <= now) due.push_back(key);
       }
     }
     for (const BatchKey& key : due) Launch(key);
@@ -884,7 +895,7 @@ void Sequences::Shutdown() {
   stopping_ = true;
   // Steps waiting for a batch_wait launch go now rather than at their time.
   for (auto& [key, lane] : lanes_) {
-    if (!lane->in_flight && !lane->waiting.empty()) lane->launch_at = absl::InfinitePast();
+    if (!lane->waiting.empty()) lane->launch_at = absl::InfinitePast();
   }
   reaper_wake_ = true;
   const auto drained = +[](Sequences* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) { return self->admitted_ == 0; };
@@ -908,6 +919,7 @@ v1::SequenceLimits Sequences::limits() const {
   l.set_max_open(options_.max_open);
   l.set_max_batch(options_.max_batch);
   l.set_batch_wait_us(absl::ToDoubleMicroseconds(options_.batch_wait));
+  l.set_launches_in_flight(options_.launches_in_flight);
   return l;
 }
 

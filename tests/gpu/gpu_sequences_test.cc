@@ -560,13 +560,14 @@ TEST(SequencesBackendTest, CancelledAndExpiredJobsAnsweredTheOthersRun) {
   ASSERT_TRUE(pool.ok()) << pool.status();
   std::vector<uint16_t> q(8 * 128, 0x3f80), kv(2 * 128, 0x3f80);  // 1.0 in bf16
   std::vector<std::unique_ptr<StepJob>> jobs;
+  const std::vector<int32_t> tables = {0, 1, 2, 3};  // sequence i's one page: i (outlives the jobs)
   for (int i = 0; i < 4; ++i) {
     auto job = std::make_unique<StepJob>();
     job->pool = *pool;
     job->q_heads = 8;
     job->scale = DefaultScale(128);
     job->append = job->attend = true;
-    job->sequences.push_back(StepSequence{0, 1, {i}});
+    job->sequences.push_back(StepSequence{0, 1, absl::MakeConstSpan(&tables[i], 1)});
     job->rows = 1;
     job->q.host = reinterpret_cast<const uint8_t*>(q.data());
     job->q.host_bytes = q.size() * 2;
@@ -616,7 +617,8 @@ TEST(SequencesBackendTest, BadPoolsAndStepsAreRefusedNamingTheField) {
   job.q_heads = 4;
   job.scale = 0.1f;
   job.attend = true;
-  job.sequences.push_back(StepSequence{4, 1, {0}});
+  const int32_t table[1] = {0};
+  job.sequences.push_back(StepSequence{4, 1, table});
   job.rows = 1;
   alignas(16) static uint8_t buffer[64];
   job.q.buffer_id = "elsewhere";
@@ -645,6 +647,8 @@ TEST(SequencesBackendTest, ShutdownAnswersEveryAcceptedJobOnce) {
   absl::Mutex mu;
   std::vector<int> calls(32, 0);
   int submitted = 0;
+  std::vector<int32_t> tables(64);  // sequence i's one page: i (outlives the jobs)
+  for (int i = 0; i < 64; ++i) tables[i] = i;
   for (int i = 0; i < 32; ++i) {
     auto batch = std::make_unique<StepBatch>();
     auto job = std::make_unique<StepJob>();
@@ -653,7 +657,7 @@ TEST(SequencesBackendTest, ShutdownAnswersEveryAcceptedJobOnce) {
     job->q_heads = 4;
     job->scale = DefaultScale(64);
     job->append = job->attend = true;
-    job->sequences.push_back(StepSequence{0, 4, {i % 64}});
+    job->sequences.push_back(StepSequence{0, 4, absl::MakeConstSpan(&tables[i % 64], 1)});
     job->rows = 4;
     job->q.host = reinterpret_cast<const uint8_t*>(q.data());
     job->q.host_bytes = q.size() * 2;

@@ -485,7 +485,9 @@ TEST_F(SequencesTest, OneStepInFlightPerSequenceAndDeferredClose) {
 }
 
 TEST_F(SequencesTest, ConcurrentStepsOfOneLayerJoinOneLaunch) {
-  Start();
+  SequenceOptions o;
+  o.launches_in_flight = 1;
+  Start(o);
   const std::vector<std::string> ids = Open(4);
   StepAndVerify(ids, {3, 3, 3, 3}, 0);
   gate_->Gate();
@@ -525,6 +527,48 @@ TEST_F(SequencesTest, ConcurrentStepsOfOneLayerJoinOneLaunch) {
     Verify(steps[i], *outs[i]);
   }
   EXPECT_EQ(sequences_->stats().launches(), 3u);  // the first verified step, the lone one, the joined three
+}
+
+TEST_F(SequencesTest, TwoLaunchesOfOneLayerRunAtOnceAndTheRestJoinTheNext) {
+  SequenceOptions o;
+  o.launches_in_flight = 2;
+  Start(o);
+  const std::vector<std::string> ids = Open(5);
+  StepAndVerify(ids, {3, 3, 3, 3, 3}, 0);
+  gate_->Gate();
+  std::vector<v1::StepRequest> steps;
+  for (int i = 0; i < 5; ++i) steps.push_back(MakeStep({ids[i]}, {1}, 0));
+  std::vector<std::shared_ptr<Outcome>> outs(5);
+  absl::Mutex mu;
+  int finished = 0;
+  for (int i = 0; i < 5; ++i) {
+    outs[i] = std::make_shared<Outcome>();
+    sequences_->Step("alice", steps[i], Transport::kShm, CallFor(), [&, i](absl::Status s, StepJob* job) {
+      outs[i]->status = s;
+      if (job != nullptr) {
+        outs[i]->o = job->o;
+        outs[i]->lse = job->lse;
+        outs[i]->batch_requests = job->batch_requests;
+        outs[i]->batch_sequences = job->batch_sequences;
+      }
+      absl::MutexLock lock(&mu);
+      ++finished;
+    });
+  }
+  // The first two launch at once, each alone; the three that arrive while both run wait for one of them.
+  EXPECT_EQ(gate_->held_batch_sizes(), (std::vector<size_t>{1, 1}));
+  EXPECT_EQ(sequences_->waiting(), 3u);
+  gate_->Open();
+  absl::MutexLock lock(&mu);
+  mu.Await(absl::Condition(+[](int* n) { return *n == 5; }, &finished));
+  for (int i = 0; i < 5; ++i) {
+    ASSERT_TRUE(outs[i]->status.ok()) << i << ": " << outs[i]->status;
+    EXPECT_EQ(outs[i]->batch_requests, i < 2 ? 1u : 3u) << i;
+    Record(steps[i]);
+    Verify(steps[i], *outs[i]);
+  }
+  EXPECT_EQ(sequences_->stats().launches(), 4u);  // the first verified step, the two alone, the joined three
+  EXPECT_EQ(sequences_->limits().launches_in_flight(), 2u);
 }
 
 TEST_F(SequencesTest, ShutdownAnswersWaitingStepsAndRefusesNewOnes) {

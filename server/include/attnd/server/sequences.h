@@ -45,9 +45,13 @@ struct SequenceOptions {
   uint32_t max_open = 256;           // sequences one OpenSequence or ForkSequence may create
   uint32_t max_batch = 256;          // sequences in one launch
   // How long the first step of an idle layer waits for others to join its launch. Zero: it launches at once,
-  // and steps that arrive while a launch of their layer runs join the next one (batches form under load
+  // and steps that arrive while launches of their layer run join the next one (batches form under load
   // without adding latency to a lone caller).
   absl::Duration batch_wait = absl::ZeroDuration();
+  // Launches of one layer (and step parameters) that may run at once. With 2, the host work of one batch
+  // (admission, copies in, kernel launches) overlaps the GPU work of the other, as when an engine alternates two
+  // micro-batches; 1 serialises them. Their sequences differ (a sequence takes one step at a time).
+  uint32_t launches_in_flight = 2;
   uint32_t max_waiting = 256;        // steps waiting for a launch before RESOURCE_EXHAUSTED
   std::string advertise_address;     // appended to ids after '@' (the address clients reach this server at)
   size_t tombstones = 4096;          // closed/expired ids remembered for a clear NOT_FOUND reason
@@ -146,7 +150,7 @@ class Sequences {
   void FailLane(const BatchKey& key, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
   void ReaperLoop();
 
-  const SequenceOptions options_;
+  SequenceOptions options_;  // fixed after construction
   const ValidationLimits limits_;
   Backend* const backend_;
   const BufferRegistry* const buffers_;

@@ -12,6 +12,7 @@
 
 #include "absl/hash/hash.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "attnd/problem.h"
 
 namespace attnd::server {
@@ -74,8 +75,10 @@ struct PageCopy {
 struct StepSequence {
   int32_t cached = 0;  // keys cached at the step's layer before the step
   int32_t tokens = 0;  // rows of this sequence in the step's tensors
-  // The sequence's page table: covers cached + tokens keys when the step appends, cached keys otherwise.
-  std::vector<int32_t> pages;
+  // The sequence's page table: covers cached + tokens keys when the step appends, cached keys otherwise. A view of
+  // the core's own table, which stays as it is while the step is in flight (a sequence with a step in flight is
+  // neither forked, truncated, stepped again nor freed), so a step copies no table.
+  absl::Span<const int32_t> pages;
   // Keys the attention reads: cached + tokens when appending, else cached. Query row r sits at position
   // keys - tokens + r and sees keys [0, that position].
   int32_t keys(bool append) const { return append ? cached + tokens : cached; }
