@@ -19,23 +19,12 @@
 #include "epilogue_fwd_sm90.cuh"
 #include "mainloop_fwd_sm90_tma_wgmma_ws.cuh"
 #include "named_barrier_sm90.h"
+#include "scheduler_fwd_sm90.cuh"
 #include "split_tail_sm90.cuh"
 #include "tile_scheduler_sm90.cuh"
 #include "wgmma_desc_sm90.h"
 
 namespace attnd::kernels::hopper {
-
-// The dynamic order's tile ring, declared only in the kernels that use it (static shared memory, whose
-// addresses are constants). The static kernels get null, which they never use.
-template <bool kDynamicOrder>
-__device__ __forceinline__ TileRingSm90* TileRingStorage() {
-  if constexpr (kDynamicOrder) {
-    __shared__ TileRingSm90 ring;
-    return &ring;
-  } else {
-    return nullptr;
-  }
-}
 
 // The static orders, as the instantiation runs them.
 template <bool kPairedOrder>
@@ -96,8 +85,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const SharedStorageSm90<Tile> smem(base);
-  TileRingSm90* const tile_ring = TileRingStorage<kDynamicOrder>();
-  using TileSlots = TileSlotsSm90<Tile::kConsumerWarpgroups>;
+  using DynamicScheduler = DynamicSchedulerSm90<Tile>;
   // Through a shuffle from lane 0, so that ptxas knows it is warp-uniform (as CUTLASS's canonical_warp_group_idx):
   // from threadIdx.x alone ptxas keeps each warpgroup's Q descriptors in vector registers and moves them with two
   // R2UR before every S HGMMA. Except in d128 `_osk_p2`'s static-order split-tail kernel, at the edge of its 240
@@ -120,7 +108,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
       seed::MbarInit(&smem.k_empty[st], 4 * Tile::kConsumerWarpgroups);  // one arrival per consumer warp
       seed::MbarInit(&smem.v_empty[st], 4 * Tile::kConsumerWarpgroups);
     }
-    if constexpr (kDynamicOrder) TileSlots::Init(*tile_ring);
+    if constexpr (kDynamicOrder) DynamicScheduler::InitSharedStorage();
     seed::FenceBarrierInit();
   }
   __syncthreads();
@@ -128,26 +116,16 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
   if (warpgroup == 0) {
     SetMaxRegsDec<kDynamicOrder ? Tile::kProducerRegsDynamic : Tile::kProducerRegs>();
     if constexpr (kDynamicOrder) {
-      // The scheduler thread: blocks start on tiles 0..grid-1 and the counter hands out the rest, each taken
-      // when the ring has room (up to two tiles ahead of the consumers).
-      if (threadIdx.x == 32) {
-        TileSlots slots;
-        const auto decode = [&](int t) { return SectionTileAt<true>(sp, t); };
-        if (slots.Put(*tile_ring, [] { return static_cast<int>(blockIdx.x); }, decode) >= 0) {
-          while (slots.Put(*tile_ring, [&] { return TakeDynamicTile(sp); }, decode) >= 0) {
-          }
-        }
-        FinishDynamicTiles(sp);
-      }
+      if (threadIdx.x == 32) DynamicScheduler().RunSchedulerThread(sp);
     }
     if (threadIdx.x == 0) {
       ProducerSm90<Tile> producer{&q_map, &k_map, &v_map, smem};
       if constexpr (kDynamicOrder) {
-        TileSlots slots;
+        DynamicScheduler scheduler;
         TileCoord c;
-        for (int round = 0; slots.Take(*tile_ring, c) >= 0; ++round) {
+        for (int round = 0; scheduler.Take(c) >= 0; ++round) {
           ATTND_HOPPER_TRACE_SET_ROUND(producer, round);
-          producer.template LoadTile<true>(p, c.q_tile, c.head, c.batch);
+          producer.template LoadTile<DynamicScheduler::kPrefetchQ>(p, c.q_tile, c.head, c.batch);
         }
       } else {
         for (int round = 0, t; (t = TileOfRoundFor<kPairedOrder>(sp, round)) >= 0; ++round) {
@@ -175,7 +153,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
     if (consumer.wg == Tile::kConsumerWarpgroups - 1) PassTurn<Tile::kConsumerWarpgroups>(consumer.wg);
     {
       const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-      TileSlots slots;
+      DynamicScheduler scheduler;
       // Shared-memory epilogue: the V stage holding this warpgroup's O until its TMA store has read it (-1: none);
       // with split O stages, the index of its empty barrier after k_empty (warpgroup 0: a K stage, 1: a V stage),
       // so that no pointer stays live beside it (128x176 spilled with one).
@@ -187,7 +165,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
         }
         TileCoord c;
         if constexpr (kDynamicOrder) {
-          if (slots.Take(*tile_ring, c) < 0) break;
+          if (scheduler.Take(c) < 0) break;
         } else {
           const int t = TileOfRoundFor<kPairedOrder>(sp, round);
           if (t < 0) break;
