@@ -26,36 +26,6 @@
 
 namespace attnd::kernels::hopper {
 
-// The static orders, as the instantiation runs them.
-template <bool kPairedOrder>
-__device__ __forceinline__ int TileOfRoundFor(const SchedulerParams& sp, int round) {
-  return kPairedOrder ? PairedTileOfRound(sp, round, blockIdx.x, gridDim.x)
-                      : StaticTileOfRound(sp, round, blockIdx.x, gridDim.x);
-}
-template <bool kPairedOrder>
-__device__ __forceinline__ TileCoord TileAtFor(const SchedulerParams& sp, int t) {
-  return kPairedOrder ? PairedTileAt(sp, t) : SectionTileAt<false>(sp, t);
-}
-
-// Part k of this block's share of the split tail (static and paired orders), as producer and consumers both
-// walk them; false past the last.
-template <typename Tile, bool kPairedOrder>
-__device__ __forceinline__ bool TailPartHere(const LaunchParams& p, const SchedulerParams& sp, int k, TailPart* part) {
-  const auto blocks_of = [&](int t) {
-    return KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, TileAtFor<kPairedOrder>(sp, t).q_tile * Tile::kBlockM).n_blocks;
-  };
-  return TailPartAt<kPairedOrder ? 2 : 1>(sp, blockIdx.x, gridDim.x, blocks_of, k, part);
-}
-
-// The key blocks a part covers, in the tile's own range (masking stays that of the whole tile).
-template <typename Tile>
-__device__ __forceinline__ KeyRange PartRange(const LaunchParams& p, int q0, const TailPart& part) {
-  KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, q0);
-  r.first = part.first;
-  r.n_blocks = part.end;
-  return r;
-}
-
 // Shared-memory epilogue: hands the stage that held this warpgroup's O (o_stage; -1: none) back to the producer
 // once the TMA store has read it (`empty`: the V ring's barriers; with split O stages the K ring's, followed by the
 // V ring's, o_stage indexing both). The storing thread waits for that and arrives for the warpgroup's four warps.
@@ -78,14 +48,13 @@ template <typename Tile, typename Elem, int kOrder, bool kSplitTail>
 __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CUtensorMap& k_map,
                                               const CUtensorMap& v_map, const CUtensorMap* o_map, const LaunchParams p,
                                               const SchedulerParams sp) {
-  constexpr bool kPairedOrder = kOrder == kPaired;
   constexpr bool kDynamicOrder = kOrder == kDynamic;
   static_assert(!kSplitTail || !kDynamicOrder, "the split tail follows a static order");
   static_assert(!Tile::kSmemEpilogue || !kDynamicOrder, "the shared-memory epilogue: static and paired orders");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const SharedStorageSm90<Tile> smem(base);
-  using DynamicScheduler = DynamicSchedulerSm90<Tile>;
+  using Scheduler = typename SchedulerForSm90<Tile, kOrder, kSplitTail>::type;
   // Through a shuffle from lane 0, so that ptxas knows it is warp-uniform (as CUTLASS's canonical_warp_group_idx):
   // from threadIdx.x alone ptxas keeps each warpgroup's Q descriptors in vector registers and moves them with two
   // R2UR before every S HGMMA. Except in d128 `_osk_p2`'s static-order split-tail kernel, at the edge of its 240
@@ -108,7 +77,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
       seed::MbarInit(&smem.k_empty[st], 4 * Tile::kConsumerWarpgroups);  // one arrival per consumer warp
       seed::MbarInit(&smem.v_empty[st], 4 * Tile::kConsumerWarpgroups);
     }
-    if constexpr (kDynamicOrder) DynamicScheduler::InitSharedStorage();
+    if constexpr (kDynamicOrder) Scheduler::InitSharedStorage();
     seed::FenceBarrierInit();
   }
   __syncthreads();
@@ -116,32 +85,28 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
   if (warpgroup == 0) {
     SetMaxRegsDec<kDynamicOrder ? Tile::kProducerRegsDynamic : Tile::kProducerRegs>();
     if constexpr (kDynamicOrder) {
-      if (threadIdx.x == 32) DynamicScheduler().RunSchedulerThread(sp);
+      if (threadIdx.x == 32) Scheduler().RunSchedulerThread(sp);
     }
     if (threadIdx.x == 0) {
       ProducerSm90<Tile> producer{&q_map, &k_map, &v_map, smem};
-      if constexpr (kDynamicOrder) {
-        DynamicScheduler scheduler;
-        TileCoord c;
-        for (int round = 0; scheduler.Take(c) >= 0; ++round) {
-          ATTND_HOPPER_TRACE_SET_ROUND(producer, round);
-          producer.template LoadTile<DynamicScheduler::kPrefetchQ>(p, c.q_tile, c.head, c.batch);
-        }
-      } else {
-        for (int round = 0, t; (t = TileOfRoundFor<kPairedOrder>(sp, round)) >= 0; ++round) {
-          if constexpr (kSplitTail) {
-            if (round >= sp.tail_round) break;
-          }
-          const TileCoord c = TileAtFor<kPairedOrder>(sp, t);
-          ATTND_HOPPER_TRACE_SET_ROUND(producer, round);
-          producer.LoadTile(p, c.q_tile, c.head, c.batch);
-        }
+      Scheduler scheduler;
+      TileCoord c;
+      // The whole tiles, then the split tail's parts. The end of the whole tiles at sp.tail_round is checked here,
+      // where the loops have it, not in Take: there the split-tail kernels compile to other code.
+      for (int round = 0, t; (t = scheduler.Take(sp, round, c)) >= 0; ++round) {
         if constexpr (kSplitTail) {
-          TailPart part;
-          for (int k = 0; k < kMaxTailPartsPerBlock && TailPartHere<Tile, kPairedOrder>(p, sp, k, &part); ++k) {
-            const TileCoord c = TileAtFor<kPairedOrder>(sp, part.tile);
-            producer.LoadBlocks(p, c.q_tile, c.head, c.batch, PartRange<Tile>(p, c.q_tile * Tile::kBlockM, part));
-          }
+          if (round >= sp.tail_round) break;
+        }
+        c = scheduler.Coord(sp, t, c);
+        ATTND_HOPPER_TRACE_SET_ROUND(producer, round);
+        producer.template LoadTile<Scheduler::kPrefetchQ>(p, c.q_tile, c.head, c.batch);
+      }
+      if constexpr (kSplitTail) {
+        TailPart part;
+        for (int k = 0; k < kMaxTailPartsPerBlock && Scheduler::PartAt(p, sp, k, &part); ++k) {
+          const TileCoord pc = Scheduler::TileAt(sp, part.tile);
+          producer.LoadBlocks(p, pc.q_tile, pc.head, pc.batch,
+                              Scheduler::PartRange(p, pc.q_tile * Tile::kBlockM, part));
         }
       }
     }
@@ -153,7 +118,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
     if (consumer.wg == Tile::kConsumerWarpgroups - 1) PassTurn<Tile::kConsumerWarpgroups>(consumer.wg);
     {
       const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-      DynamicScheduler scheduler;
+      Scheduler scheduler;
       // Shared-memory epilogue: the V stage holding this warpgroup's O until its TMA store has read it (-1: none);
       // with split O stages, the index of its empty barrier after k_empty (warpgroup 0: a K stage, 1: a V stage),
       // so that no pointer stays live beside it (128x176 spilled with one).
@@ -164,13 +129,9 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
           if (round >= sp.tail_round) break;
         }
         TileCoord c;
-        if constexpr (kDynamicOrder) {
-          if (scheduler.Take(c) < 0) break;
-        } else {
-          const int t = TileOfRoundFor<kPairedOrder>(sp, round);
-          if (t < 0) break;
-          c = TileAtFor<kPairedOrder>(sp, t);
-        }
+        const int t = scheduler.Take(sp, round, c);
+        if (t < 0) break;
+        c = scheduler.Coord(sp, t, c);
         ATTND_HOPPER_TRACE_AT(1 + consumer.wg, round, trace::kTileStart);
         ATTND_HOPPER_TRACE_GLOBAL(1 + consumer.wg, round);
         ATTND_HOPPER_TRACE_TILE(1 + consumer.wg, round, c);
@@ -225,8 +186,8 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
       }
       if constexpr (kSplitTail) {
         TailPart part;
-        for (int k = 0; k < kMaxTailPartsPerBlock && TailPartHere<Tile, kPairedOrder>(p, sp, k, &part); ++k) {
-          const TileCoord c = TileAtFor<kPairedOrder>(sp, part.tile);
+        for (int k = 0; k < kMaxTailPartsPerBlock && Scheduler::PartAt(p, sp, k, &part); ++k) {
+          const TileCoord c = Scheduler::TileAt(sp, part.tile);
           ATTND_HOPPER_TRACE_AT(1 + consumer.wg, sp.tail_round + k, trace::kTileStart);
           ATTND_HOPPER_TRACE_GLOBAL(1 + consumer.wg, sp.tail_round + k);
           ATTND_HOPPER_TRACE_VALUE(1 + consumer.wg, sp.tail_round + k, trace::kPartFirst, part.first);
@@ -242,10 +203,10 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
             sm.Init();
           } else if constexpr (Tile::kSmemEpilogue) {
             // The first part hands back the stage of the last whole tile's O; parts store from registers.
-            consumer.template Run<true>(p, PartRange<Tile>(p, q0, part), row0, o, sm,
+            consumer.template Run<true>(p, Scheduler::PartRange(p, q0, part), row0, o, sm,
                                         [&] { ReleaseOStage(o_stage, o_empty); });
           } else {
-            consumer.template Run<true>(p, PartRange<Tile>(p, q0, part), row0, o, sm);
+            consumer.template Run<true>(p, Scheduler::PartRange(p, q0, part), row0, o, sm);
           }
           if (part.first == 0 && part.end == part.tile_blocks) {
             StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN, !Tile::kSmemEpilogue>(p, o, sm, row0, c.head, c.batch);
