@@ -14,9 +14,10 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "attnd/kernels/attention.h"
-#include "epilogue_fwd_sm90.cuh"
+#include "epilogue_kinds_sm90.cuh"
 #include "mainloop_fwd_sm90_tma_wgmma_ws.cuh"
 #include "named_barrier_sm90.h"
 #include "scheduler_fwd_sm90.cuh"
@@ -25,18 +26,6 @@
 #include "wgmma_desc_sm90.h"
 
 namespace attnd::kernels::hopper {
-
-// Shared-memory epilogue: hands the stage that held this warpgroup's O (o_stage; -1: none) back to the producer
-// once the TMA store has read it (`empty`: the V ring's barriers; with split O stages the K ring's, followed by the
-// V ring's, o_stage indexing both). The storing thread waits for that and arrives for the warpgroup's four warps.
-__device__ __forceinline__ void ReleaseOStage(int& o_stage, uint64_t* empty) {
-  if (o_stage < 0) return;
-  if ((threadIdx.x & 127) == 0) {
-    BulkWaitRead();
-    seed::MbarArriveCount(&empty[o_stage], 4);
-  }
-  o_stage = -1;
-}
 
 // kOrder (tile_scheduler_sm90.cuh): each schedule is an instantiation of its own, so that no kernel carries the
 // others' arithmetic (docs/tuning.md, "one kernel per order"). kSplitTail: the static and paired orders with their
@@ -55,6 +44,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const SharedStorageSm90<Tile> smem(base);
   using Scheduler = typename SchedulerForSm90<Tile, kOrder, kSplitTail>::type;
+  using Epilogue = std::conditional_t<Tile::kSmemEpilogue, EpilogueSmemSm90<Tile, Elem>, EpilogueRegSm90<Tile, Elem>>;
   // Through a shuffle from lane 0, so that ptxas knows it is warp-uniform (as CUTLASS's canonical_warp_group_idx):
   // from threadIdx.x alone ptxas keeps each warpgroup's Q descriptors in vector registers and moves them with two
   // R2UR before every S HGMMA. Except in d128 `_osk_p2`'s static-order split-tail kernel, at the edge of its 240
@@ -146,41 +136,17 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
 #pragma unroll
           for (int i = 0; i < Tile::kHeadDim / 2; ++i) o[i] = 0.f;
           sm.Init();
-          if constexpr (Tile::kSmemEpilogue) {
-            StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN, false>(p, o, sm, row0, c.head, c.batch);
+          if constexpr (!Epilogue::kOneStoreSite) {
+            Epilogue::Store(p, o, sm, row0, q0, c, consumer, smem, o_map, o_stage, false);
           }
-        } else if constexpr (Tile::kSmemEpilogue) {
-          consumer.Run(p, r, row0, o, sm, [&] { ReleaseOStage(o_stage, o_empty); });
-          uint32_t o_smem;
-          // Warpgroup 0 into the last block's K stage once warpgroup 1's last S has read it; warpgroup 1 into the
-          // V stage once warpgroup 0's last P V has (Run signals both).
-          if (consumer.wg == 0) {
-            NamedBarrierSync<FwdNamedBarrier::kLastQKDone, 256>();
-            o_smem = seed::SmemAddr(smem.k) + consumer.prev_st * Tile::kKVTileBytes;
-          } else {
-            NamedBarrierSync<FwdNamedBarrier::kLastPVDone, 256>();
-            o_smem = seed::SmemAddr(smem.v) + consumer.prev_st * Tile::kKVTileBytes;
-          }
-          WriteOutputSmemSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch, o_smem);
-          FenceProxyAsyncShared();
-          OWrittenBarrier(consumer.wg);
-          if ((threadIdx.x & 127) == 0) {
-#pragma unroll
-            for (int pn = 0; pn < Tile::kPanels; ++pn) {
-              TmaStore4d(o_map, o_smem + pn * 64 * 128, pn * 64, c.head, q0 + consumer.wg * 64, c.batch);
-            }
-            BulkCommit();
-          }
-          o_stage = consumer.wg == 1 ? Tile::kStages + consumer.prev_st : consumer.prev_st;
         } else {
-          consumer.Run(p, r, row0, o, sm);
-        }
-        // One call site for the register epilogue: a call in each branch above put its code in the kernel twice.
-        if constexpr (!Tile::kSmemEpilogue) {
-          // Shifted tiles: a warpgroup whose rows lie before 0 has nothing to store (the epilogue checks only the end).
-          if (!Tile::kWgRanges || q0 + consumer.wg * 64 >= 0) {
-            StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
+          consumer.Run(p, r, row0, o, sm, Epilogue::AfterFirst(o_stage, o_empty));
+          if constexpr (!Epilogue::kOneStoreSite) {
+            Epilogue::Store(p, o, sm, row0, q0, c, consumer, smem, o_map, o_stage, true);
           }
+        }
+        if constexpr (Epilogue::kOneStoreSite) {
+          Epilogue::Store(p, o, sm, row0, q0, c, consumer, smem, o_map, o_stage, r.n_blocks != 0);
         }
         ATTND_HOPPER_TRACE_AT(1 + consumer.wg, round, trace::kStored);
       }
@@ -201,26 +167,15 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
 #pragma unroll
             for (int i = 0; i < Tile::kHeadDim / 2; ++i) o[i] = 0.f;
             sm.Init();
-          } else if constexpr (Tile::kSmemEpilogue) {
-            // The first part hands back the stage of the last whole tile's O; parts store from registers.
+          } else {
+            // The first part hands back the stage of the last whole tile's O (shared-memory epilogue).
             consumer.template Run<true>(p, Scheduler::PartRange(p, q0, part), row0, o, sm,
-                                        [&] { ReleaseOStage(o_stage, o_empty); });
-          } else {
-            consumer.template Run<true>(p, Scheduler::PartRange(p, q0, part), row0, o, sm);
+                                        Epilogue::AfterFirst(o_stage, o_empty));
           }
-          if (part.first == 0 && part.end == part.tile_blocks) {
-            StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN, !Tile::kSmemEpilogue>(p, o, sm, row0, c.head, c.batch);
-          } else {
-            StoreTailPartSm90<Tile::kHeadDim, Elem, Tile::kBlockN, 4 * Tile::kConsumerWarpgroups, !Tile::kSmemEpilogue>(
-                p, sp, part, blockIdx.x * kMaxTailPartsPerBlock + k, o, sm, row0, c.head, c.batch,
-                consumer.wg * 4 + warp);
-          }
+          Epilogue::StorePart(p, sp, part, k, o, sm, row0, c, consumer.wg, warp);
         }
       }
-      // The last TMA stores must have read their shared memory (and written O) before the block exits.
-      if constexpr (Tile::kSmemEpilogue) {
-        if ((threadIdx.x & 127) == 0) BulkWaitAll();
-      }
+      Epilogue::Finish();
       ATTND_HOPPER_TRACE_GLOBAL(1 + consumer.wg, trace::kRounds - 1);
     }
     if (consumer.wg == 0) WaitTurn<Tile::kConsumerWarpgroups>(0);
