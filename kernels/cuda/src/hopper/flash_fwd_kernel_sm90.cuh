@@ -1,5 +1,6 @@
-// The Hopper-family forward kernel: warp-role orchestration of the mainloop (TMA producer + wgmma
-// consumers), the epilogue and the persistent tile scheduler.
+// The Hopper-family forward kernel, composed of the instantiation's tile scheduler (scheduler_fwd_sm90.cuh), the
+// mainloop's producer and consumers (mainloop_fwd_sm90_tma_wgmma_ws.cuh) and its epilogue (epilogue_kinds_sm90.cuh):
+// setup, then the producer thread's loop and each consumer warpgroup's loop over the scheduler's tiles.
 //
 //   warpgroup 0       producer: gives its registers away (setmaxnreg 24, or 32 beside 3 consumers); one
 //                     thread issues every TMA copy
