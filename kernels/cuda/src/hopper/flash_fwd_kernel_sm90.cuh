@@ -1,5 +1,6 @@
-// The Hopper-family forward kernel: warp-role orchestration of the mainloop (TMA producer + wgmma
-// consumers), the epilogue and the persistent tile scheduler.
+// The Hopper-family forward kernel, composed of the instantiation's tile scheduler (scheduler_fwd_sm90.cuh), the
+// mainloop's producer and consumers (mainloop_fwd_sm90_tma_wgmma_ws.cuh) and its epilogue (epilogue_kinds_sm90.cuh):
+// setup, then the producer thread's loop and each consumer warpgroup's loop over the scheduler's tiles.
 //
 //   warpgroup 0       producer: gives its registers away (setmaxnreg 24, or 32 beside 3 consumers); one
 //                     thread issues every TMA copy
@@ -14,70 +15,18 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "attnd/kernels/attention.h"
-#include "epilogue_fwd_sm90.cuh"
+#include "epilogue_kinds_sm90.cuh"
 #include "mainloop_fwd_sm90_tma_wgmma_ws.cuh"
 #include "named_barrier_sm90.h"
+#include "scheduler_fwd_sm90.cuh"
 #include "split_tail_sm90.cuh"
 #include "tile_scheduler_sm90.cuh"
 #include "wgmma_desc_sm90.h"
 
 namespace attnd::kernels::hopper {
-
-// The dynamic order's tile ring, declared only in the kernels that use it (static shared memory, whose
-// addresses are constants). The static kernels get null, which they never use.
-template <bool kDynamicOrder>
-__device__ __forceinline__ TileRingSm90* TileRingStorage() {
-  if constexpr (kDynamicOrder) {
-    __shared__ TileRingSm90 ring;
-    return &ring;
-  } else {
-    return nullptr;
-  }
-}
-
-// The static orders, as the instantiation runs them.
-template <bool kPairedOrder>
-__device__ __forceinline__ int TileOfRoundFor(const SchedulerParams& sp, int round) {
-  return kPairedOrder ? PairedTileOfRound(sp, round, blockIdx.x, gridDim.x)
-                      : StaticTileOfRound(sp, round, blockIdx.x, gridDim.x);
-}
-template <bool kPairedOrder>
-__device__ __forceinline__ TileCoord TileAtFor(const SchedulerParams& sp, int t) {
-  return kPairedOrder ? PairedTileAt(sp, t) : SectionTileAt<false>(sp, t);
-}
-
-// Part k of this block's share of the split tail (static and paired orders), as producer and consumers both
-// walk them; false past the last.
-template <typename Tile, bool kPairedOrder>
-__device__ __forceinline__ bool TailPartHere(const LaunchParams& p, const SchedulerParams& sp, int k, TailPart* part) {
-  const auto blocks_of = [&](int t) {
-    return KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, TileAtFor<kPairedOrder>(sp, t).q_tile * Tile::kBlockM).n_blocks;
-  };
-  return TailPartAt<kPairedOrder ? 2 : 1>(sp, blockIdx.x, gridDim.x, blocks_of, k, part);
-}
-
-// The key blocks a part covers, in the tile's own range (masking stays that of the whole tile).
-template <typename Tile>
-__device__ __forceinline__ KeyRange PartRange(const LaunchParams& p, int q0, const TailPart& part) {
-  KeyRange r = KeyRangeFor<Tile::kBlockM, Tile::kBlockN>(p, q0);
-  r.first = part.first;
-  r.n_blocks = part.end;
-  return r;
-}
-
-// Shared-memory epilogue: hands the stage that held this warpgroup's O (o_stage; -1: none) back to the producer
-// once the TMA store has read it (`empty`: the V ring's barriers; with split O stages the K ring's, followed by the
-// V ring's, o_stage indexing both). The storing thread waits for that and arrives for the warpgroup's four warps.
-__device__ __forceinline__ void ReleaseOStage(int& o_stage, uint64_t* empty) {
-  if (o_stage < 0) return;
-  if ((threadIdx.x & 127) == 0) {
-    BulkWaitRead();
-    seed::MbarArriveCount(&empty[o_stage], 4);
-  }
-  o_stage = -1;
-}
 
 // kOrder (tile_scheduler_sm90.cuh): each schedule is an instantiation of its own, so that no kernel carries the
 // others' arithmetic (docs/tuning.md, "one kernel per order"). kSplitTail: the static and paired orders with their
@@ -89,15 +38,14 @@ template <typename Tile, typename Elem, int kOrder, bool kSplitTail>
 __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CUtensorMap& k_map,
                                               const CUtensorMap& v_map, const CUtensorMap* o_map, const LaunchParams p,
                                               const SchedulerParams sp) {
-  constexpr bool kPairedOrder = kOrder == kPaired;
   constexpr bool kDynamicOrder = kOrder == kDynamic;
   static_assert(!kSplitTail || !kDynamicOrder, "the split tail follows a static order");
   static_assert(!Tile::kSmemEpilogue || !kDynamicOrder, "the shared-memory epilogue: static and paired orders");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const SharedStorageSm90<Tile> smem(base);
-  TileRingSm90* const tile_ring = TileRingStorage<kDynamicOrder>();
-  using TileSlots = TileSlotsSm90<Tile::kConsumerWarpgroups>;
+  using Scheduler = typename SchedulerForSm90<Tile, kOrder, kSplitTail>::type;
+  using Epilogue = std::conditional_t<Tile::kSmemEpilogue, EpilogueSmemSm90<Tile, Elem>, EpilogueRegSm90<Tile, Elem>>;
   // Through a shuffle from lane 0, so that ptxas knows it is warp-uniform (as CUTLASS's canonical_warp_group_idx):
   // from threadIdx.x alone ptxas keeps each warpgroup's Q descriptors in vector registers and moves them with two
   // R2UR before every S HGMMA. Except in d128 `_osk_p2`'s static-order split-tail kernel, at the edge of its 240
@@ -120,7 +68,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
       seed::MbarInit(&smem.k_empty[st], 4 * Tile::kConsumerWarpgroups);  // one arrival per consumer warp
       seed::MbarInit(&smem.v_empty[st], 4 * Tile::kConsumerWarpgroups);
     }
-    if constexpr (kDynamicOrder) TileSlots::Init(*tile_ring);
+    if constexpr (kDynamicOrder) Scheduler::InitSharedStorage();
     seed::FenceBarrierInit();
   }
   __syncthreads();
@@ -128,42 +76,28 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
   if (warpgroup == 0) {
     SetMaxRegsDec<kDynamicOrder ? Tile::kProducerRegsDynamic : Tile::kProducerRegs>();
     if constexpr (kDynamicOrder) {
-      // The scheduler thread: blocks start on tiles 0..grid-1 and the counter hands out the rest, each taken
-      // when the ring has room (up to two tiles ahead of the consumers).
-      if (threadIdx.x == 32) {
-        TileSlots slots;
-        const auto decode = [&](int t) { return SectionTileAt<true>(sp, t); };
-        if (slots.Put(*tile_ring, [] { return static_cast<int>(blockIdx.x); }, decode) >= 0) {
-          while (slots.Put(*tile_ring, [&] { return TakeDynamicTile(sp); }, decode) >= 0) {
-          }
-        }
-        FinishDynamicTiles(sp);
-      }
+      if (threadIdx.x == 32) Scheduler().RunSchedulerThread(sp);
     }
     if (threadIdx.x == 0) {
       ProducerSm90<Tile> producer{&q_map, &k_map, &v_map, smem};
-      if constexpr (kDynamicOrder) {
-        TileSlots slots;
-        TileCoord c;
-        for (int round = 0; slots.Take(*tile_ring, c) >= 0; ++round) {
-          ATTND_HOPPER_TRACE_SET_ROUND(producer, round);
-          producer.template LoadTile<true>(p, c.q_tile, c.head, c.batch);
-        }
-      } else {
-        for (int round = 0, t; (t = TileOfRoundFor<kPairedOrder>(sp, round)) >= 0; ++round) {
-          if constexpr (kSplitTail) {
-            if (round >= sp.tail_round) break;
-          }
-          const TileCoord c = TileAtFor<kPairedOrder>(sp, t);
-          ATTND_HOPPER_TRACE_SET_ROUND(producer, round);
-          producer.LoadTile(p, c.q_tile, c.head, c.batch);
-        }
+      Scheduler scheduler;
+      TileCoord c;
+      // The whole tiles, then the split tail's parts. The end of the whole tiles at sp.tail_round is checked here,
+      // where the loops have it, not in Take: there the split-tail kernels compile to other code.
+      for (int round = 0, t; (t = scheduler.Take(sp, round, c)) >= 0; ++round) {
         if constexpr (kSplitTail) {
-          TailPart part;
-          for (int k = 0; k < kMaxTailPartsPerBlock && TailPartHere<Tile, kPairedOrder>(p, sp, k, &part); ++k) {
-            const TileCoord c = TileAtFor<kPairedOrder>(sp, part.tile);
-            producer.LoadBlocks(p, c.q_tile, c.head, c.batch, PartRange<Tile>(p, c.q_tile * Tile::kBlockM, part));
-          }
+          if (round >= sp.tail_round) break;
+        }
+        c = scheduler.Coord(sp, t, c);
+        ATTND_HOPPER_TRACE_SET_ROUND(producer, round);
+        producer.template LoadTile<Scheduler::kPrefetchQ>(p, c.q_tile, c.head, c.batch);
+      }
+      if constexpr (kSplitTail) {
+        TailPart part;
+        for (int k = 0; k < kMaxTailPartsPerBlock && Scheduler::PartAt(p, sp, k, &part); ++k) {
+          const TileCoord pc = Scheduler::TileAt(sp, part.tile);
+          producer.LoadBlocks(p, pc.q_tile, pc.head, pc.batch,
+                              Scheduler::PartRange(p, pc.q_tile * Tile::kBlockM, part));
         }
       }
     }
@@ -175,7 +109,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
     if (consumer.wg == Tile::kConsumerWarpgroups - 1) PassTurn<Tile::kConsumerWarpgroups>(consumer.wg);
     {
       const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-      TileSlots slots;
+      Scheduler scheduler;
       // Shared-memory epilogue: the V stage holding this warpgroup's O until its TMA store has read it (-1: none);
       // with split O stages, the index of its empty barrier after k_empty (warpgroup 0: a K stage, 1: a V stage),
       // so that no pointer stays live beside it (128x176 spilled with one).
@@ -186,13 +120,9 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
           if (round >= sp.tail_round) break;
         }
         TileCoord c;
-        if constexpr (kDynamicOrder) {
-          if (slots.Take(*tile_ring, c) < 0) break;
-        } else {
-          const int t = TileOfRoundFor<kPairedOrder>(sp, round);
-          if (t < 0) break;
-          c = TileAtFor<kPairedOrder>(sp, t);
-        }
+        const int t = scheduler.Take(sp, round, c);
+        if (t < 0) break;
+        c = scheduler.Coord(sp, t, c);
         ATTND_HOPPER_TRACE_AT(1 + consumer.wg, round, trace::kTileStart);
         ATTND_HOPPER_TRACE_GLOBAL(1 + consumer.wg, round);
         ATTND_HOPPER_TRACE_TILE(1 + consumer.wg, round, c);
@@ -207,48 +137,24 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
 #pragma unroll
           for (int i = 0; i < Tile::kHeadDim / 2; ++i) o[i] = 0.f;
           sm.Init();
-          if constexpr (Tile::kSmemEpilogue) {
-            StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN, false>(p, o, sm, row0, c.head, c.batch);
+          if constexpr (!Epilogue::kOneStoreSite) {
+            Epilogue::Store(p, o, sm, row0, q0, c, consumer, smem, o_map, o_stage, false);
           }
-        } else if constexpr (Tile::kSmemEpilogue) {
-          consumer.Run(p, r, row0, o, sm, [&] { ReleaseOStage(o_stage, o_empty); });
-          uint32_t o_smem;
-          // Warpgroup 0 into the last block's K stage once warpgroup 1's last S has read it; warpgroup 1 into the
-          // V stage once warpgroup 0's last P V has (Run signals both).
-          if (consumer.wg == 0) {
-            NamedBarrierSync<FwdNamedBarrier::kLastQKDone, 256>();
-            o_smem = seed::SmemAddr(smem.k) + consumer.prev_st * Tile::kKVTileBytes;
-          } else {
-            NamedBarrierSync<FwdNamedBarrier::kLastPVDone, 256>();
-            o_smem = seed::SmemAddr(smem.v) + consumer.prev_st * Tile::kKVTileBytes;
-          }
-          WriteOutputSmemSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch, o_smem);
-          FenceProxyAsyncShared();
-          OWrittenBarrier(consumer.wg);
-          if ((threadIdx.x & 127) == 0) {
-#pragma unroll
-            for (int pn = 0; pn < Tile::kPanels; ++pn) {
-              TmaStore4d(o_map, o_smem + pn * 64 * 128, pn * 64, c.head, q0 + consumer.wg * 64, c.batch);
-            }
-            BulkCommit();
-          }
-          o_stage = consumer.wg == 1 ? Tile::kStages + consumer.prev_st : consumer.prev_st;
         } else {
-          consumer.Run(p, r, row0, o, sm);
-        }
-        // One call site for the register epilogue: a call in each branch above put its code in the kernel twice.
-        if constexpr (!Tile::kSmemEpilogue) {
-          // Shifted tiles: a warpgroup whose rows lie before 0 has nothing to store (the epilogue checks only the end).
-          if (!Tile::kWgRanges || q0 + consumer.wg * 64 >= 0) {
-            StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch);
+          consumer.Run(p, r, row0, o, sm, Epilogue::AfterFirst(o_stage, o_empty));
+          if constexpr (!Epilogue::kOneStoreSite) {
+            Epilogue::Store(p, o, sm, row0, q0, c, consumer, smem, o_map, o_stage, true);
           }
+        }
+        if constexpr (Epilogue::kOneStoreSite) {
+          Epilogue::Store(p, o, sm, row0, q0, c, consumer, smem, o_map, o_stage, r.n_blocks != 0);
         }
         ATTND_HOPPER_TRACE_AT(1 + consumer.wg, round, trace::kStored);
       }
       if constexpr (kSplitTail) {
         TailPart part;
-        for (int k = 0; k < kMaxTailPartsPerBlock && TailPartHere<Tile, kPairedOrder>(p, sp, k, &part); ++k) {
-          const TileCoord c = TileAtFor<kPairedOrder>(sp, part.tile);
+        for (int k = 0; k < kMaxTailPartsPerBlock && Scheduler::PartAt(p, sp, k, &part); ++k) {
+          const TileCoord c = Scheduler::TileAt(sp, part.tile);
           ATTND_HOPPER_TRACE_AT(1 + consumer.wg, sp.tail_round + k, trace::kTileStart);
           ATTND_HOPPER_TRACE_GLOBAL(1 + consumer.wg, sp.tail_round + k);
           ATTND_HOPPER_TRACE_VALUE(1 + consumer.wg, sp.tail_round + k, trace::kPartFirst, part.first);
@@ -262,26 +168,15 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
 #pragma unroll
             for (int i = 0; i < Tile::kHeadDim / 2; ++i) o[i] = 0.f;
             sm.Init();
-          } else if constexpr (Tile::kSmemEpilogue) {
-            // The first part hands back the stage of the last whole tile's O; parts store from registers.
-            consumer.template Run<true>(p, PartRange<Tile>(p, q0, part), row0, o, sm,
-                                        [&] { ReleaseOStage(o_stage, o_empty); });
           } else {
-            consumer.template Run<true>(p, PartRange<Tile>(p, q0, part), row0, o, sm);
+            // The first part hands back the stage of the last whole tile's O (shared-memory epilogue).
+            consumer.template Run<true>(p, Scheduler::PartRange(p, q0, part), row0, o, sm,
+                                        Epilogue::AfterFirst(o_stage, o_empty));
           }
-          if (part.first == 0 && part.end == part.tile_blocks) {
-            StoreOutputSm90<Tile::kHeadDim, Elem, Tile::kBlockN, !Tile::kSmemEpilogue>(p, o, sm, row0, c.head, c.batch);
-          } else {
-            StoreTailPartSm90<Tile::kHeadDim, Elem, Tile::kBlockN, 4 * Tile::kConsumerWarpgroups, !Tile::kSmemEpilogue>(
-                p, sp, part, blockIdx.x * kMaxTailPartsPerBlock + k, o, sm, row0, c.head, c.batch,
-                consumer.wg * 4 + warp);
-          }
+          Epilogue::StorePart(p, sp, part, k, o, sm, row0, c, consumer.wg, warp);
         }
       }
-      // The last TMA stores must have read their shared memory (and written O) before the block exits.
-      if constexpr (Tile::kSmemEpilogue) {
-        if ((threadIdx.x & 127) == 0) BulkWaitAll();
-      }
+      Epilogue::Finish();
       ATTND_HOPPER_TRACE_GLOBAL(1 + consumer.wg, trace::kRounds - 1);
     }
     if (consumer.wg == 0) WaitTurn<Tile::kConsumerWarpgroups>(0);
