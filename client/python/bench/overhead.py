@@ -5,7 +5,8 @@ server and shape (scripts/device.sh service pyoverhead runs both side by side):
 - forward: torch CUDA tensors by CUDA IPC over the shared-memory channel, batch 1, seq S, 32 heads, head_dim 128,
   causal, bf16, O into a preallocated tensor (`ipc_peer bench --transport=shm` times the same call in C++);
 - step: a KV-sequence decode step over the shared-memory channel, one sequence, 32 q : 8 kv heads, head_dim 128,
-  kv 4k, NumPy inputs (`attn bench --workload=decode --transport=shm` times the same step in C++).
+  kv 4k, NumPy inputs, O into a preallocated array (`attn bench --workload=decode --transport=shm` times the
+  same step in C++).
 
   python3 client/python/bench/overhead.py --target unix:/tmp/attnd.sock --shm-socket /tmp/attnd_shm.sock
 """
@@ -60,12 +61,13 @@ def bench_step(client, context, iters):
         n = min(1024, context - start)
         client.step(0, [seq], q=None, k=rows(n, 8), v=rows(n, 8), dtype="bf16")
     q, k, v = rows(1, 32), rows(1, 8), rows(1, 8)
+    o = np.empty_like(q)
     for _ in range(20):
-        client.step(0, [seq], q=q, k=k, v=v, q_heads=32, dtype="bf16")
+        client.step(0, [seq], q=q, k=k, v=v, q_heads=32, dtype="bf16", out=o)
     lat = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        client.step(0, [seq], q=q, k=k, v=v, q_heads=32, dtype="bf16")
+        client.step(0, [seq], q=q, k=k, v=v, q_heads=32, dtype="bf16", out=o)
         lat.append((time.perf_counter() - t0) * 1e6)
     seq.close()
     report(f"python step shm kv {context}", lat)

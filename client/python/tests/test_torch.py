@@ -189,3 +189,94 @@ def test_ipc_registration_errors(client, monkeypatch):
         client._register(_FakeStorage(b"\x01e" + bytes(100)), None, 0x7000)
     assert e.value.code == attnd.StatusCode.FAILED_PRECONDITION and "expandable" in e.value.message
     assert len(released) == 2 and not client._buffers
+
+
+class _Storage:
+    def __init__(self, base, nbytes):
+        self.base, self.size = base, nbytes
+
+    def data_ptr(self):
+        return self.base
+
+    def nbytes(self):
+        return self.size
+
+
+class _CudaView:
+    """What the IPC path reads from a CUDA tensor: its storage, offset (elements of 2 bytes) and address."""
+
+    def __init__(self, storage, offset):
+        self.storage, self.offset = storage, offset
+        self.device = "cuda:0"
+
+    def storage_offset(self):
+        return self.offset
+
+    def data_ptr(self):
+        return self.storage.base + 2 * self.offset
+
+    def untyped_storage(self):
+        return self.storage
+
+
+def test_ipc_registration_found_by_address(client, monkeypatch):
+    # The per-call lookup: a view anywhere inside a registered storage reuses its registration (offset in bytes);
+    # a tensor reaching past the registered region (another storage at the same address) takes the storage's
+    # own path, which replaces the registration.
+    import weakref
+    registered = []
+
+    def fake_register(storage, device, key):
+        reg = attnd.client._Registration()
+        reg.buffer_id, reg.id_buf, reg.id_addr = b"b%d" % len(registered), None, 0
+        reg.nbytes, reg.counter, reg.weak = storage.nbytes(), None, None
+        reg.finalizer = weakref.finalize(storage, lambda: None)
+        registered.append(storage)
+        client._buffers[key] = reg
+        return reg
+
+    monkeypatch.setattr(client, "_register", fake_register)
+    monkeypatch.setattr(attnd.client, "_release_counter", lambda counter: None)
+    try:
+        s1 = _Storage(0x10000, 4096)
+        whole = (1, 16, 2, 64)  # 2048 elements: the whole storage
+        reg, off = client._ref(_CudaView(s1, 0), whole, None)
+        assert off == 0 and registered == [s1]
+        assert client._ref(_CudaView(s1, 0), whole, None)[0] is reg
+        half = (1, 8, 2, 64)
+        assert client._ref(_CudaView(s1, 1024), half, None) == (reg, 2048) and registered == [s1]
+        # [b, l, h, d] strides of a [b, h, l, d] tensor: the last element is still inside.
+        assert client._ref(_CudaView(s1, 0), whole, (2048, 64, 1024))[0] is reg and registered == [s1]
+        s2 = _Storage(0x10000, 8192)
+        reg2, off = client._ref(_CudaView(s2, 0), (1, 32, 2, 64), None)
+        assert registered[-1] is s2 and reg2.nbytes == 8192 and client._buffers[0x10000] is reg2
+    finally:
+        client._buffers.clear()  # nothing was registered with the server
+
+
+def test_stream_cache_follows_the_current_stream(monkeypatch):
+    # The producer's stream is synchronized through a cached Stream object per stream identity: a different
+    # current stream gets its own (never the cached one of another stream).
+    current = ["s1"]
+    made, synced = [], []
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name = name
+
+        def synchronize(self):
+            synced.append(self.name)
+
+    def current_stream(device):
+        made.append(current[0])
+        return FakeStream(current[0])
+
+    monkeypatch.setattr(attnd.client, "_streams", {})
+    monkeypatch.setattr(attnd.client, "_stream_key", lambda device: (current[0], device))
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    attnd.client._wait_for_producer(0)
+    attnd.client._wait_for_producer(0)
+    current[0] = "s2"
+    attnd.client._wait_for_producer(0)
+    attnd.client._wait_for_producer(1)
+    assert synced == ["s1", "s1", "s2", "s2"] and made == ["s1", "s2", "s2"]
