@@ -8,6 +8,9 @@ server and shape (scripts/device.sh service pyoverhead runs both side by side):
   kv 4k, NumPy inputs, O into a preallocated array (`attn bench --workload=decode --transport=shm` times the
   same step in C++).
 
+"Outside the channel call" is each call's time less the C++ client's own latency of the shared-memory exchange
+(ForwardInfo.latency_us, about the span ipc_peer and attn bench time): what the Python layer and the C ABI add.
+
   python3 client/python/bench/overhead.py --target unix:/tmp/attnd.sock --shm-socket /tmp/attnd_shm.sock
 """
 import argparse
@@ -37,17 +40,18 @@ def bench_forward(client, seq, iters):
     torch.cuda.synchronize()
     for _ in range(50):
         client.attention(q, k, v, causal=True, out=o)
-    lat, srv = [], []
+    lat, srv, outside = [], [], []
     for _ in range(iters):
         t0 = time.perf_counter()
         client.attention(q, k, v, causal=True, out=o)
         lat.append((time.perf_counter() - t0) * 1e6)
         srv.append(client.last_info.total_us)
+        outside.append(lat[-1] - client.last_info.latency_us)
     ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                            is_causal=True).transpose(1, 2)
     err = (o.float() - ref.float()).abs().max().item()
     report(f"python forward ipc shm seq {seq}", lat, f"; server total mean {statistics.mean(srv):.1f} us; "
-           f"max |O - torch| {err:.4f}")
+           f"outside the channel call p50 {statistics.median(outside):.1f} us; max |O - torch| {err:.4f}")
 
 
 def bench_step(client, context, iters):
@@ -64,13 +68,14 @@ def bench_step(client, context, iters):
     o = np.empty_like(q)
     for _ in range(20):
         client.step(0, [seq], q=q, k=k, v=v, q_heads=32, dtype="bf16", out=o)
-    lat = []
+    lat, outside = [], []
     for _ in range(iters):
         t0 = time.perf_counter()
         client.step(0, [seq], q=q, k=k, v=v, q_heads=32, dtype="bf16", out=o)
         lat.append((time.perf_counter() - t0) * 1e6)
+        outside.append(lat[-1] - client.last_info.latency_us)
     seq.close()
-    report(f"python step shm kv {context}", lat)
+    report(f"python step shm kv {context}", lat, f"; outside the channel call p50 {statistics.median(outside):.1f} us")
 
 
 def main():
