@@ -236,7 +236,9 @@ def _view(name, x, dtype_hint):
         shape = x.shape
         if len(shape) != 4:
             raise _invalid(f"{name}: must have 4 dimensions, has {len(shape)}")
-        code = _torch_code(name, x)
+        code = _TORCH_CODES.get(x.dtype)
+        if code is None:
+            code = _torch_code(name, x)
         strides = x.stride()
         if strides[3] != 1:
             x = x.contiguous()
