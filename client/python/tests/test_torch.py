@@ -280,3 +280,49 @@ def test_stream_cache_follows_the_current_stream(monkeypatch):
     attnd.client._wait_for_producer(0)
     attnd.client._wait_for_producer(1)
     assert synced == ["s1", "s1", "s2", "s2"] and made == ["s1", "s2", "s2"]
+
+
+def test_ipc_call_arguments(client, monkeypatch):
+    # The CUDA branch of attention() on CPU tensors dressed as CUDA ones: what reaches attnd_forward names each
+    # tensor by its registration's buffer id, byte offset and strides (O contiguous), and no host pointer.
+    import ctypes
+    from attnd import _lib
+    real_view, synced, seen = attnd.client._view, [], {}
+
+    def cuda_view(name, x, hint):
+        return ("cuda", *real_view(name, x, hint)[1:4], 0, 0, x)
+
+    ids = {}
+
+    def fake_ref(x, shape, strides):
+        key = x.data_ptr() - 2 * x.storage_offset()
+        if key not in ids:
+            reg = attnd.client._Registration()
+            reg.id_buf = ctypes.create_string_buffer(b"buf-%d" % len(ids))
+            reg.id_addr = ctypes.addressof(reg.id_buf)
+            ids[key] = reg
+        return ids[key], 2 * x.storage_offset()
+
+    def fake_forward(handle, args, info, err):
+        a = _lib.ForwardArgs.from_address(args)
+        seen.update(shape=(a.batch, a.q_len, a.kv_len, a.q_heads, a.kv_heads, a.head_dim), mask=a.mask,
+                    tensors=[(t.data, t.buffer_id, t.offset, tuple(t.strides)) for t in (a.q, a.k, a.v, a.o)])
+        ctypes.memset(err, 0, ctypes.sizeof(_lib.Error))
+        return 0
+
+    monkeypatch.setattr(attnd.client, "_view", cuda_view)
+    monkeypatch.setattr(attnd.client, "_wait_for_producer", synced.append)
+    monkeypatch.setattr(client, "_ref", fake_ref)
+    monkeypatch.setattr(client, "_forward_at", fake_forward)
+    kvh = torch.zeros(1, 2, 12, 64, dtype=torch.bfloat16)  # [b, h, l, d]: k, v as views at offsets of one storage
+    q = torch.zeros(1, 5, 4, 64, dtype=torch.bfloat16)
+    k = kvh.transpose(1, 2)
+    v = torch.zeros(2, 1, 12, 2, 64, dtype=torch.bfloat16)[1]
+    o = client.attention(q, k, v, causal="bottom_right")
+    assert synced == [0] and o.shape == q.shape
+    assert seen["shape"] == (1, 5, 12, 4, 2, 64) and seen["mask"] == _lib.MASK_BOTTOM_RIGHT
+    tq, tk, tv, to = seen["tensors"]
+    assert tq[0] is None and tq[1:] == (b"buf-0", 0, (5 * 4 * 64, 4 * 64, 64))
+    assert tk[0] is None and tk[1:] == (b"buf-1", 0, (2 * 12 * 64, 64, 12 * 64))
+    assert tv[0] is None and tv[1:] == (b"buf-2", 2 * 12 * 2 * 64, (12 * 2 * 64, 2 * 64, 64))
+    assert to[0] is None and to[1:] == (b"buf-3", 0, (0, 0, 0))
