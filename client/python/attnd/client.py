@@ -953,7 +953,7 @@ def _seq_id(name, s):
 def _step_tensor(name, x, dtype_hint):
     """One of a step's q/k/v as contiguous host memory ([T, heads, head_dim]); a list is concatenated on T.
     Returns (kind, dtype code, shape, pointer, bytes, object, rows per list part or None, device or None): the
-    device of a torch tensor that is not in host memory (it was copied to host memory)."""
+    device of a torch tensor that is not in host memory (which is copied to host memory)."""
     np = _numpy
     if np is not None and isinstance(x, np.ndarray):
         shape = x.shape
