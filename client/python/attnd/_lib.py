@@ -7,11 +7,13 @@ points ATTND_CLIENT_LIB at a build tree's library instead (its dependencies then
 """
 import ctypes
 import os
+import struct
 
 ABI_VERSION = 2
 
 TRANSPORTS = {"auto": 0, "unary": 1, "stream": 2, "shm": 3}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
+TRANSPORT_DEFAULT = -1  # per call: the client's
 DTYPE_BF16, DTYPE_FP16 = 0, 1
 MASK_NONE, MASK_TOP_LEFT, MASK_BOTTOM_RIGHT = 0, 1, 2
 
@@ -118,6 +120,15 @@ class StepArgs(ctypes.Structure):
     ]
 
 
+# ForwardArgs and StepArgs as struct formats, so that a call fills its argument struct with one pack_into (a
+# ctypes field assignment each costs about as much as the whole pack). Pointers are packed as integers: whoever
+# packs them keeps the objects they point into alive until the call is done. tests/test_layout.py checks every
+# field's offset against the ctypes declarations above.
+FORWARD_ARGS = struct.Struct("@6q3if2idP" + "PPQ3q" * 4 + "P")
+STEP_ARGS = struct.Struct("@3q2PifiidP" + "PQ" * 5 + "P")
+assert FORWARD_ARGS.size == ctypes.sizeof(ForwardArgs) and STEP_ARGS.size == ctypes.sizeof(StepArgs)
+
+_BY_ADDRESS = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 DONE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(Error), ctypes.POINTER(ForwardInfo))
 
 _lib = None
@@ -164,6 +175,10 @@ def load():
     lib.attnd_forward.argtypes = [ctypes.c_void_p, ctypes.POINTER(ForwardArgs), ctypes.POINTER(ForwardInfo),
                                   ctypes.POINTER(Error)]
     lib.attnd_forward.restype = ctypes.c_int32
+    # attnd_forward and attnd_step with every argument an address (int): the per-call path packs its structs
+    # and passes their addresses, which ctypes converts in about half the time of byref() into POINTER types.
+    lib.forward_at = _BY_ADDRESS(("attnd_forward", lib))
+    lib.step_at = _BY_ADDRESS(("attnd_step", lib))
     lib.attnd_forward_async.argtypes = [ctypes.c_void_p, ctypes.POINTER(ForwardArgs), DONE_FN, ctypes.c_void_p,
                                         ctypes.POINTER(Error)]
     lib.attnd_forward_async.restype = ctypes.c_int32

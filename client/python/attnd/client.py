@@ -29,6 +29,10 @@ import weakref
 
 from . import _lib
 
+_byref = ctypes.byref
+_pack_forward = _lib.FORWARD_ARGS.pack_into
+_pack_step = _lib.STEP_ARGS.pack_into
+
 
 class StatusCode(enum.IntEnum):
     """gRPC status codes (the C library reports them numerically)."""
@@ -94,19 +98,57 @@ def _mask(causal):
     raise _invalid(f"causal: {causal!r} is not False, True, 'top_left' or 'bottom_right'")
 
 
-class _View:
-    """One tensor as the C library sees it: kind, shape, dtype code, pointer, element strides, the object."""
-    __slots__ = ("kind", "obj", "shape", "dtype", "ptr", "strides", "device")
+def _options(scale, transport, timeout):
+    """The options ForwardArgs and StepArgs share: (has_scale, scale, transport, timeout_s)."""
+    if transport is None:
+        code = _lib.TRANSPORT_DEFAULT
+    elif transport in _lib.TRANSPORTS:
+        code = _lib.TRANSPORTS[transport]
+    else:
+        raise _invalid(f"transport: {transport!r} is not one of {', '.join(_lib.TRANSPORTS)}")
+    # c_float: a finite double beyond fp32's range becomes inf (the server names the bad scale), as in a ctypes
+    # field, where struct's 'f' would raise OverflowError.
+    if scale is None:
+        return 0, 0.0, code, float(timeout or 0)
+    return 1, ctypes.c_float(float(scale)).value, code, float(timeout or 0)
+
+
+# Per-call work is kept to what the call's arguments need (the Python layer's cost is measured against the C++
+# tools' by client/python/bench/overhead.py): modules and types are looked up once, tensors are inspected with
+# one attribute read per property, and the argument structs are filled by one pack_into each.
+
+_numpy = None
+_F16 = _U16 = None
 
 
 def _np():
-    import numpy
-    return numpy
+    global _numpy, _F16, _U16
+    if _numpy is None:
+        import numpy
+        _F16, _U16 = numpy.dtype(numpy.float16), numpy.dtype(numpy.uint16)
+        _numpy = numpy
+    return _numpy
 
 
 def _torch():
     # A caller with torch tensors has imported torch; nobody else pays for importing it.
     return sys.modules.get("torch")
+
+
+_Tensor = None
+_TORCH_CODES = None
+
+
+def _tensor_type():
+    """torch.Tensor once torch is imported, else None."""
+    global _Tensor, _TORCH_CODES
+    if _Tensor is None:
+        torch = _torch()
+        if torch is None:
+            return None
+        _TORCH_CODES = {torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_FP16}
+        _Tensor = torch.Tensor
+    return _Tensor
 
 
 _BF16_UNSET = object()
@@ -125,63 +167,94 @@ def _bf16_numpy_dtype():
     return _bf16
 
 
-def _view(name, x, dtype_hint):
-    v = _View()
-    v.obj = x
-    torch = _torch()
-    if torch is not None and isinstance(x, torch.Tensor):
-        if x.dim() != 4:
-            raise _invalid(f"{name}: must have 4 dimensions, has {x.dim()}")
-        if x.dtype == torch.bfloat16:
-            v.dtype = _lib.DTYPE_BF16
-        elif x.dtype == torch.float16:
-            v.dtype = _lib.DTYPE_FP16
-        else:
-            raise _invalid(f"{name}: dtype {x.dtype} is not torch.bfloat16 or torch.float16")
-        if x.stride(3) != 1:
-            x = x.contiguous()
-            v.obj = x
-        v.kind = "cuda" if x.is_cuda else "torch"
-        v.device = x.device
-        v.shape = tuple(x.shape)
-        v.ptr = x.data_ptr()
-        v.strides = tuple(x.stride()[:3])
-        return v
-    np = _np()
-    if not isinstance(x, np.ndarray):
-        raise _invalid(f"{name}: {type(x).__name__} is not a numpy.ndarray or a torch.Tensor")
-    if x.ndim != 4:
-        raise _invalid(f"{name}: must have 4 dimensions, has {x.ndim}")
+def _torch_code(name, x):
+    code = _TORCH_CODES.get(x.dtype)
+    if code is None:
+        raise _invalid(f"{name}: dtype {x.dtype} is not torch.bfloat16 or torch.float16")
+    return code
+
+
+def _np_code(name, dt, hint, hint_text):
+    """The dtype code of a NumPy dtype: ml_dtypes.bfloat16, float16, or uint16 bits with the dtype hint."""
+    if dt is _U16 or dt == _U16:
+        if hint == "bf16":
+            return _lib.DTYPE_BF16
+        if hint == "fp16":
+            return _lib.DTYPE_FP16
+        raise _invalid(f"{name}: dtype {dt} is not bfloat16 (ml_dtypes) or float16 ({hint_text})")
+    if dt is _F16 or dt == _F16:
+        return _lib.DTYPE_FP16
     bf16 = _bf16_numpy_dtype()
-    if bf16 is not None and x.dtype == bf16:
-        v.dtype = _lib.DTYPE_BF16
-    elif x.dtype == np.float16:
-        v.dtype = _lib.DTYPE_FP16
-    elif x.dtype == np.uint16 and dtype_hint in ("bf16", "fp16"):
-        v.dtype = _lib.DTYPE_BF16 if dtype_hint == "bf16" else _lib.DTYPE_FP16
-    else:
-        hint = " (uint16 bf16 bits need dtype='bf16')" if x.dtype == np.uint16 else ""
-        raise _invalid(f"{name}: dtype {x.dtype} is not bfloat16 (ml_dtypes) or float16{hint}")
-    if x.strides[3] != x.itemsize:
-        x = np.ascontiguousarray(x)
-        v.obj = x
-    v.kind = "numpy"
-    v.device = None
-    v.shape = tuple(x.shape)
-    v.ptr = x.ctypes.data
-    v.strides = tuple(s // x.itemsize for s in x.strides[:3])
-    return v
+    if bf16 is not None and dt == bf16:
+        return _lib.DTYPE_BF16
+    raise _invalid(f"{name}: dtype {dt} is not bfloat16 (ml_dtypes) or float16")
 
 
-def _set_inline(t, v):
-    t.data = v.ptr
-    t.buffer_id = None
-    t.offset = 0
-    t.strides[:] = list(v.strides)
+_addressof = ctypes.addressof
+_char_at = ctypes.c_char.from_buffer
+
+
+def _np_ptr(x):
+    """The address of a NumPy array's first element. ndarray.ctypes.data costs about a microsecond; a ctypes view
+    of the buffer a tenth of that, where the buffer can be had that way (C-contiguous, writable, not empty)."""
+    f = x.flags
+    if f.c_contiguous and f.writeable:
+        try:
+            return _addressof(_char_at(x))
+        except (TypeError, ValueError, BufferError):
+            pass
+    return x.ctypes.data
+
+
+_NUMPY, _HOST_TORCH, _CUDA = "numpy", "torch", "cuda"
+_DT_BF16, _DT_FP16 = _lib.DTYPE_BF16, _lib.DTYPE_FP16
+_MASK_NONE, _TRANSPORT_DEFAULT = _lib.MASK_NONE, _lib.TRANSPORT_DEFAULT
+_QKV = ("q", "k", "v")
+
+
+def _view(name, x, dtype_hint):
+    """q, k or v as (kind, dtype code, shape, strides, pointer, CUDA device index, object). strides: in elements,
+    the first three used (head_dim is made contiguous, by a copy where it is not); pointer: host memory (0 for
+    CUDA); device index: -1 but for CUDA; object: what the call sends (keep it alive until the call is done)."""
+    np = _numpy
+    if np is not None and isinstance(x, np.ndarray):
+        shape = x.shape
+        if len(shape) != 4:
+            raise _invalid(f"{name}: must have 4 dimensions, has {len(shape)}")
+        dt = x.dtype
+        if dt is _U16 and dtype_hint == "bf16":
+            code = _DT_BF16
+        else:
+            code = _np_code(name, dt, dtype_hint, "uint16 bf16 bits need dtype='bf16'")
+        s = x.strides
+        if s[3] != 2:
+            x = np.ascontiguousarray(x)
+            s = x.strides
+        return _NUMPY, code, shape, (s[0] // 2, s[1] // 2, s[2] // 2), _np_ptr(x), -1, x
+    tensor_type = _Tensor if _Tensor is not None else _tensor_type()
+    if tensor_type is not None and isinstance(x, tensor_type):
+        shape = x.shape
+        if len(shape) != 4:
+            raise _invalid(f"{name}: must have 4 dimensions, has {len(shape)}")
+        code = _TORCH_CODES.get(x.dtype)
+        if code is None:
+            code = _torch_code(name, x)
+        strides = x.stride()
+        if strides[3] != 1:
+            x = x.contiguous()
+            strides = x.stride()
+        if x.is_cuda:
+            return _CUDA, code, shape, strides, 0, x.get_device(), x
+        return _HOST_TORCH, code, shape, strides, x.data_ptr(), -1, x
+    if np is None and isinstance(x, _np().ndarray):
+        return _view(name, x, dtype_hint)
+    raise _invalid(f"{name}: {type(x).__name__} is not a numpy.ndarray or a torch.Tensor")
 
 
 class _Registration:
-    __slots__ = ("buffer_id", "nbytes", "finalizer", "weak", "counter")
+    """A CUDA storage registered with the server: buffer_id (bytes), its NUL-terminated copy at id_addr (what
+    an argument struct points to), the region's size, and what releases it."""
+    __slots__ = ("buffer_id", "id_buf", "id_addr", "nbytes", "finalizer", "weak", "counter")
 
     def alive(self):
         return self.finalizer.alive if self.weak is None else not self.weak.expired()
@@ -192,23 +265,39 @@ class _Registration:
 
 
 class _Call:
-    """What one call holds until it completes: the argument struct and every object whose memory it names."""
-    __slots__ = ("args", "keep", "out", "lse", "future", "ret")
+    """An async call until it completes: its argument struct, every object whose memory it names, its result."""
+    __slots__ = ("args", "keep", "out", "lse", "lse_device", "future")
+
+    def ret(self):
+        if self.lse is None:
+            return self.out
+        return self.out, (self.lse.to(self.lse_device) if self.lse_device is not None else self.lse)
 
 
-def _set_call_options(a, scale, return_lse, transport, timeout, request_id):
-    """The options ForwardArgs and StepArgs share: softmax scale, LSE, transport, timeout, request id."""
-    a.has_scale = 0 if scale is None else 1
-    a.scale = 0.0 if scale is None else float(scale)
-    a.want_lse = 1 if return_lse else 0
-    if transport is None:
-        a.transport = -1
-    elif transport in _lib.TRANSPORTS:
-        a.transport = _lib.TRANSPORTS[transport]
-    else:
-        raise _invalid(f"transport: {transport!r} is not one of {', '.join(_lib.TRANSPORTS)}")
-    a.timeout_s = float(timeout or 0)
-    a.request_id = request_id.encode() if request_id else None
+# The current stream's Stream object per stream identity (torch._C._cuda_getCurrentStream's answer, which
+# torch.cuda.current_stream wraps in a new Stream on every call).
+_streams = {}
+_stream_key = None
+
+
+def _wait_for_producer(device):
+    """Waits for the caller's current stream on `device`: the server reads q, k, v from its own stream, so the
+    kernels still queued there (the ones that produced them) must be done first."""
+    global _stream_key
+    key_of = _stream_key
+    if key_of is None:
+        key_of = _stream_key = getattr(_torch()._C, "_cuda_getCurrentStream", False)
+    if not key_of:
+        _torch().cuda.current_stream(device).synchronize()
+        return
+    key = key_of(device)
+    stream = _streams.get(key)
+    if stream is None:
+        stream = _torch().cuda.current_stream(device)
+        if len(_streams) >= 64:  # streams come from torch's pools, so few; external ones could be many
+            _streams.clear()
+        _streams[key] = stream
+    stream.synchronize()
 
 
 class Client:
@@ -237,6 +326,8 @@ class Client:
         if not handle:
             _raise(err)
         self._handle = handle
+        self._forward_at, self._step_at = self._lib.forward_at, self._lib.step_at
+        self._errors = []
         self.transport = transport
         self._mu = threading.Lock()
         self._buffers = {}  # storage data_ptr -> _Registration
@@ -266,6 +357,13 @@ class Client:
             self.close()
         except Exception:
             pass
+
+    def _error(self):
+        # Error structs are reused (one is 2 KiB to clear): taken per call, given back after a success.
+        try:
+            return self._errors.pop()
+        except IndexError:
+            return _lib.Error()
 
     def _h(self):
         if not self._handle:
@@ -313,114 +411,126 @@ class Client:
         Returns O of q's kind (written into `out` when given: contiguous, q's shape and dtype), or (O, LSE) with
         return_lse, LSE fp32 [batch, q_heads, q_len]. transport overrides the client's for this call (not shm
         unless the client has a shm_socket)."""
-        call = self._prepare(q, k, v, causal, scale, return_lse, out, dtype, transport, timeout, request_id)
+        a = _lib.ForwardArgs()
+        # `keep` holds every object whose memory `a` names until the call returns.
+        o, lse, lse_device, keep = self._fill_forward(a, q, k, v, causal, scale, return_lse, out, dtype, transport,
+                                                      timeout, request_id)
         info = _lib.ForwardInfo()
-        err = _lib.Error()
-        if self._lib.attnd_forward(self._h(), ctypes.byref(call.args), ctypes.byref(info), ctypes.byref(err)) != 0:
+        err = self._error()
+        if self._forward_at(self._handle or self._h(), _addressof(a), _addressof(info), _addressof(err)) != 0:
             _raise(err)
+        self._errors.append(err)
         self.last_info = info
-        return call.ret()
+        if lse is None:
+            return o
+        return o, (lse.to(lse_device) if lse_device is not None else lse)
 
     def attention_async(self, q, k, v, causal=False, scale=None, return_lse=False, out=None, dtype=None,
                         transport=None, timeout=None, request_id=None):
         """attention() without waiting: a concurrent.futures.Future of its result (in asyncio:
         `await asyncio.wrap_future(client.attention_async(...))`). The inputs must not change until it is done."""
-        call = self._prepare(q, k, v, causal, scale, return_lse, out, dtype, transport, timeout, request_id)
+        call = _Call()
+        call.args = a = _lib.ForwardArgs()
+        call.out, call.lse, call.lse_device, call.keep = self._fill_forward(
+            a, q, k, v, causal, scale, return_lse, out, dtype, transport, timeout, request_id)
         call.future = concurrent.futures.Future()
         call.future.set_running_or_notify_cancel()
         key = next(_call_ids)
         with _pending_mu:
             _pending[key] = call
         err = _lib.Error()
-        rc = self._lib.attnd_forward_async(self._h(), ctypes.byref(call.args), _on_done, ctypes.c_void_p(key),
-                                           ctypes.byref(err))
+        rc = self._lib.attnd_forward_async(self._h(), _byref(a), _on_done, ctypes.c_void_p(key), _byref(err))
         if rc != 0:
             with _pending_mu:
                 _pending.pop(key, None)
             _raise(err)
         return call.future
 
-    def _prepare(self, q, k, v, causal, scale, return_lse, out, dtype, transport, timeout, request_id):
-        qv, kv, vv = _view("q", q, dtype), _view("k", k, dtype), _view("v", v, dtype)
-        if not (qv.kind == kv.kind == vv.kind):
-            raise _invalid(f"k, v: must be of q's kind ({qv.kind}), are {kv.kind} and {vv.kind}")
-        if qv.kind == "cuda" and not (qv.device == kv.device == vv.device):
-            raise _invalid(f"k, v: must be on q's device ({qv.device})")
-        if not (qv.dtype == kv.dtype == vv.dtype):
+    def _fill_forward(self, a, q, k, v, causal, scale, return_lse, out, dtype, transport, timeout, request_id):
+        """Checks a call's arguments and fills ForwardArgs `a`. Returns O (out, or a new one), the LSE (or None),
+        the device the LSE goes to (CUDA callers; else None), and what `a` points into."""
+        qk, code, qs, qst, qp, qdev, qx = _view("q", q, dtype)
+        kk, kcode, ks, kst, kp, kdev, kx = _view("k", k, dtype)
+        vk, vcode, vs, vst, vp, vdev, vx = _view("v", v, dtype)
+        if not (qk == kk == vk):
+            raise _invalid(f"k, v: must be of q's kind ({qk}), are {kk} and {vk}")
+        if qk is _CUDA and not (qdev == kdev == vdev):
+            raise _invalid(f"k, v: must be on q's device ({qx.device})")
+        if not (code == kcode == vcode):
             raise _invalid("k, v: must have q's dtype")
-        b, lq, hq, d = qv.shape
-        if kv.shape != vv.shape:
-            raise _invalid(f"v: shape {list(vv.shape)} differs from k's {list(kv.shape)}")
-        if kv.shape[0] != b:
-            raise _invalid(f"k: batch {kv.shape[0]} differs from q's {b}")
-        if kv.shape[3] != d:
-            raise _invalid(f"k: head_dim {kv.shape[3]} differs from q's {d}")
-        lk, hkv = kv.shape[1], kv.shape[2]
-        call = _Call()
-        a = _lib.ForwardArgs()
-        a.batch, a.q_len, a.kv_len, a.q_heads, a.kv_heads, a.head_dim = b, lq, lk, hq, hkv, d
-        a.dtype = qv.dtype
-        a.mask = _mask(causal)
-        _set_call_options(a, scale, return_lse, transport, timeout, request_id)
-        keep = [qv.obj, kv.obj, vv.obj]
-        o = self._make_out(qv, out, (b, lq, hq, d))
-        lse = None
-        if return_lse:
-            lse = self._make_lse(qv, (b, hq, lq))
-            keep.append(lse)
-            a.lse = lse.ctypes.data if qv.kind == "numpy" else lse.data_ptr()
-        if qv.kind == "cuda":
-            self._wait_for_producer(qv.device)
-            for name, vw in (("q", qv), ("k", kv), ("v", vv)):
-                self._set_ref(getattr(a, name), vw.obj, vw.strides)
-            self._set_ref(a.o, o, None)
+        b, lq, hq, d = qs
+        if ks != vs:
+            raise _invalid(f"v: shape {list(vs)} differs from k's {list(ks)}")
+        if ks[0] != b:
+            raise _invalid(f"k: batch {ks[0]} differs from q's {b}")
+        if ks[3] != d:
+            raise _invalid(f"k: head_dim {ks[3]} differs from q's {d}")
+        lk, hkv = ks[1], ks[2]
+        if causal is False or causal is None:
+            mask = _MASK_NONE
         else:
-            _set_inline(a.q, qv)
-            _set_inline(a.k, kv)
-            _set_inline(a.v, vv)
-            a.o.data = o.ctypes.data if qv.kind == "numpy" else o.data_ptr()
-            a.o.buffer_id = None
-            a.o.strides[:] = [0, 0, 0]
-        keep.append(o)
-        call.args, call.keep = a, keep
-        device = qv.device if qv.kind == "cuda" else None
-
-        def ret():
-            if not return_lse:
-                return o
-            return o, (lse.to(device) if device is not None else lse)
-
-        call.ret = ret
-        return call
+            mask = _mask(causal)
+        if scale is None and transport is None and timeout is None:
+            has_scale, scale_f, tr, timeout_s = 0, 0.0, _TRANSPORT_DEFAULT, 0.0
+        else:
+            has_scale, scale_f, tr, timeout_s = _options(scale, transport, timeout)
+        o = self._out(qk, qx, qs, out)
+        lse = lse_device = None
+        lse_ptr = want_lse = 0
+        if return_lse:
+            want_lse = 1
+            # LSE comes back inline (host memory) on every transport; a CUDA caller gets it moved to its device.
+            if qk is _NUMPY:
+                lse = _numpy.empty((b, hq, lq), dtype=_numpy.float32)
+                lse_ptr = _np_ptr(lse)
+            else:
+                torch = _torch()
+                lse = torch.empty((b, hq, lq), dtype=torch.float32)
+                lse_ptr = lse.data_ptr()
+                if qk is _CUDA:
+                    lse_device = qx.device
+        if qk is _CUDA:
+            _wait_for_producer(qdev)
+            rq, q_off = self._ref(qx, qs, qst)
+            rk, k_off = self._ref(kx, ks, kst)
+            rv, v_off = self._ref(vx, vs, vst)
+            ro, o_off = self._ref(o, qs, None)
+            _pack_forward(a, 0, b, lq, lk, hq, hkv, d, code, mask, has_scale, scale_f, want_lse, tr, timeout_s,
+                          0, 0, rq.id_addr, q_off, qst[0], qst[1], qst[2], 0, rk.id_addr, k_off, kst[0], kst[1], kst[2],
+                          0, rv.id_addr, v_off, vst[0], vst[1], vst[2], 0, ro.id_addr, o_off, 0, 0, 0, lse_ptr)
+            keep = (qx, kx, vx, o, lse, rq, rk, rv, ro)
+        else:
+            op = _np_ptr(o) if qk is _NUMPY else o.data_ptr()
+            _pack_forward(a, 0, b, lq, lk, hq, hkv, d, code, mask, has_scale, scale_f, want_lse, tr, timeout_s,
+                          0, qp, 0, 0, qst[0], qst[1], qst[2], kp, 0, 0, kst[0], kst[1], kst[2],
+                          vp, 0, 0, vst[0], vst[1], vst[2], op, 0, 0, 0, 0, 0, lse_ptr)
+            keep = (qx, kx, vx, o, lse)
+        if request_id:
+            a.request_id = request_id.encode()  # the struct keeps the bytes alive
+        return o, lse, lse_device, keep
 
     @staticmethod
-    def _make_out(qv, out, shape):
-        if qv.kind == "numpy":
-            np = _np()
+    def _out(kind, qx, shape, out):
+        """O for the call: a new array/tensor like q, or `out` checked (q's shape, dtype and device; contiguous)."""
+        if kind is _NUMPY:
             if out is None:
-                return np.empty(shape, dtype=qv.obj.dtype)
-            if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != qv.obj.dtype:
-                raise _invalid(f"out: must be a numpy array of shape {list(shape)} and dtype {qv.obj.dtype}")
-            if not out.flags["C_CONTIGUOUS"]:
+                return _numpy.empty(shape, dtype=qx.dtype)
+            if not isinstance(out, _numpy.ndarray) or out.shape != shape or out.dtype != qx.dtype:
+                raise _invalid(f"out: must be a numpy array of shape {list(shape)} and dtype {qx.dtype}")
+            f = out.flags
+            if not f.c_contiguous:
                 raise _invalid("out: must be contiguous")
+            if not f.writeable:
+                raise _invalid("out: is read-only")
             return out
-        torch = _torch()
         if out is None:
-            return torch.empty(shape, dtype=qv.obj.dtype, device=qv.device)
-        if (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != qv.obj.dtype
-                or out.device != qv.device):
-            raise _invalid(f"out: must be a {qv.obj.dtype} tensor of shape {list(shape)} on {qv.device}")
+            return _torch().empty(shape, dtype=qx.dtype, device=qx.device)
+        if (not isinstance(out, _Tensor) or out.shape != shape or out.dtype != qx.dtype
+                or out.device != qx.device):
+            raise _invalid(f"out: must be a {qx.dtype} tensor of shape {list(shape)} on {qx.device}")
         if not out.is_contiguous():
             raise _invalid("out: must be contiguous")
         return out
-
-    @staticmethod
-    def _make_lse(qv, shape):
-        # LSE comes back inline (host memory) on every transport; a CUDA caller gets it moved to its device.
-        if qv.kind == "numpy":
-            return _np().empty(shape, dtype=_np().float32)
-        torch = _torch()
-        return torch.empty(shape, dtype=torch.float32)
 
     # -- KV sequences (docs/sequences.md) ----------------------------------------------------------------------
 
@@ -444,7 +554,7 @@ class Client:
 
 
     def step(self, layer, sequences, q=None, k=None, v=None, q_heads=None, return_lse=False, scale=None,
-             tokens=None, dtype=None, transport=None, timeout=None, request_id=None):
+             tokens=None, dtype=None, transport=None, timeout=None, request_id=None, out=None):
         """One Step at `layer` for a batch of sequences (Sequence objects or ids): appends k, v as each sequence's
         new rows and runs attention for q's rows over everything cached, causal (the row at position p sees keys
         0..p). Either q (attend only) or k and v (append only) may be left out.
@@ -455,107 +565,135 @@ class Client:
         int or a list; default: from the lists, else T split evenly. torch CUDA tensors are copied to host memory
         and O comes back on their device (steps have no zero-copy path for them).
         Returns O (q's kind and dtype; None without q), or (O, LSE) with return_lse: LSE a list of fp32
-        [q_heads, tokens] per sequence. Each Sequence object's `lengths[layer]` is updated from the reply."""
+        [q_heads, tokens] per sequence. out: O's destination (q's kind, dtype and device, [T, q_heads, head_dim],
+        contiguous), returned as O. Each Sequence object's `lengths[layer]` is updated from the reply."""
         if isinstance(sequences, (Sequence, str)):
-            sequences = [sequences]
-        sequences = list(sequences)
-        if not sequences:
+            sequences = (sequences,)
+        elif not isinstance(sequences, (list, tuple)):
+            sequences = list(sequences)
+        n = len(sequences)
+        if n == 0:
             raise _invalid("sequences: empty")
-        ids = [_seq_id(f"sequences[{i}]", s) for i, s in enumerate(sequences)]
-        if dtype is None:
-            dtype = next((s.shape.dtype for s in sequences if isinstance(s, Sequence)), None)
-        views = {}
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if x is not None:
-                views[name] = _step_tensor(name, x, dtype)
-        if ("k" in views) != ("v" in views):
+        if n == 1 and isinstance(sequences[0], Sequence):
+            c_ids = sequences[0]._c_ids()
+            if dtype is None:
+                dtype = sequences[0].shape.dtype
+        else:
+            c_ids = (ctypes.c_char_p * n)(*[_seq_id(f"sequences[{i}]", s).encode() for i, s in enumerate(sequences)])
+            if dtype is None:
+                dtype = next((s.shape.dtype for s in sequences if isinstance(s, Sequence)), None)
+        qt = _step_tensor("q", q, dtype) if q is not None else None
+        kt = _step_tensor("k", k, dtype) if k is not None else None
+        vt = _step_tensor("v", v, dtype) if v is not None else None
+        if (kt is None) != (vt is None):
             raise _invalid("k, v: give both (append) or neither (attend only)")
-        if not views:
+        first = qt if qt is not None else kt
+        if first is None:
             raise _invalid("q, k, v: none given")
-        first = next(iter(views.values()))
-        for name, t in views.items():
-            if t.kind != first.kind:
-                raise _invalid(f"{name}: must be of the same kind as the others ({first.kind}), is {t.kind}")
-            if t.dtype != first.dtype:
+        kind, code, (total, _, d) = first[0], first[1], first[2]
+        rows = None
+        for name, t in zip(_QKV, (qt, kt, vt)):
+            if t is None:
+                continue
+            if t[0] != kind:
+                raise _invalid(f"{name}: must be of the same kind as the others ({kind}), is {t[0]}")
+            if t[1] != code:
                 raise _invalid(f"{name}: dtype differs from the other tensors'")
-            if t.shape[0] != first.shape[0]:
-                raise _invalid(f"{name}: {t.shape[0]} rows, the other tensors have {first.shape[0]}")
-            if t.shape[2] != first.shape[2]:
-                raise _invalid(f"{name}: head_dim {t.shape[2]} differs from the other tensors' {first.shape[2]}")
-        if "k" in views and views["k"].shape[1] != views["v"].shape[1]:
-            raise _invalid(f"v: {views['v'].shape[1]} heads, k has {views['k'].shape[1]}")
-        total, d = first.shape[0], first.shape[2]
-        rows = next((t.rows for t in views.values() if t.rows is not None), None)
-        if tokens is None:
-            if rows is not None:
-                tokens = rows
-            elif total % len(ids) == 0:
-                tokens = [total // len(ids)] * len(ids)
-            else:
-                raise _invalid(f"tokens: {total} rows do not split evenly over {len(ids)} sequences; give tokens=")
-        elif isinstance(tokens, int):
-            tokens = [tokens] * len(ids)
-        tokens = [int(n) for n in tokens]
-        if len(tokens) != len(ids):
-            raise _invalid(f"tokens: {len(tokens)} entries for {len(ids)} sequences")
-        if sum(tokens) != total:
-            raise _invalid(f"tokens: they sum to {sum(tokens)}, the tensors have {total} rows")
-        for name, t in views.items():
-            if t.rows is not None and t.rows != tokens:
-                raise _invalid(f"{name}: rows per sequence {t.rows} differ from tokens {tokens}")
-        qv = views.get("q")
-        if qv is not None:
-            if q_heads is not None and int(q_heads) != qv.shape[1]:
-                raise _invalid(f"q_heads: {q_heads} but q has {qv.shape[1]} heads")
-            q_heads = qv.shape[1]
-        a = _lib.StepArgs()
-        a.layer = int(layer)
-        a.q_heads = int(q_heads or 0)
-        a.count = len(ids)
-        id_bytes = [i.encode() for i in ids]
-        c_ids = (ctypes.c_char_p * len(ids))(*id_bytes)
-        c_tokens = (ctypes.c_int64 * len(ids))(*tokens)
-        c_lengths = (ctypes.c_int64 * len(ids))()
-        a.sequence_ids = c_ids
-        a.tokens = c_tokens
-        a.lengths = c_lengths
-        _set_call_options(a, scale, return_lse, transport, timeout, request_id)
-        for name, t in views.items():
-            setattr(a, name, t.ptr)
-            setattr(a, f"{name}_bytes", t.nbytes)
-        o = lse = None
-        np = _np()
-        torch = _torch()
-        if qv is not None:
-            shape = (total, qv.shape[1], d)
-            o = np.empty(shape, dtype=qv.obj.dtype) if qv.kind == "numpy" else torch.empty(shape, dtype=qv.obj.dtype)
-            a.o = o.ctypes.data if qv.kind == "numpy" else o.data_ptr()
-            a.o_bytes = total * qv.shape[1] * d * 2
+            if t[2][0] != total:
+                raise _invalid(f"{name}: {t[2][0]} rows, the other tensors have {total}")
+            if t[2][2] != d:
+                raise _invalid(f"{name}: head_dim {t[2][2]} differs from the other tensors' {d}")
+            if rows is None:
+                rows = t[6]
+        if kt is not None and kt[2][1] != vt[2][1]:
+            raise _invalid(f"v: {vt[2][1]} heads, k has {kt[2][1]}")
+        if tokens is None and rows is None and n == 1:
+            tokens = (total,)
+        else:
+            if tokens is None:
+                if rows is not None:
+                    tokens = rows
+                elif total % n == 0:
+                    tokens = [total // n] * n
+                else:
+                    raise _invalid(f"tokens: {total} rows do not split evenly over {n} sequences; give tokens=")
+            elif isinstance(tokens, int):
+                tokens = [tokens] * n
+            tokens = [int(x) for x in tokens]
+            if len(tokens) != n:
+                raise _invalid(f"tokens: {len(tokens)} entries for {n} sequences")
+            if sum(tokens) != total:
+                raise _invalid(f"tokens: they sum to {sum(tokens)}, the tensors have {total} rows")
+            for name, t in zip(_QKV, (qt, kt, vt)):
+                if t is not None and t[6] is not None and t[6] != tokens:
+                    raise _invalid(f"{name}: rows per sequence {t[6]} differ from tokens {tokens}")
+        if n == 1:
+            c_tokens, c_lengths = ctypes.c_int64(tokens[0]), ctypes.c_int64()
+        else:
+            c_tokens, c_lengths = (ctypes.c_int64 * n)(*tokens), (ctypes.c_int64 * n)()
+        if scale is None and transport is None and timeout is None:
+            has_scale, scale_f, tr, timeout_s = 0, 0.0, _TRANSPORT_DEFAULT, 0.0
+        else:
+            has_scale, scale_f, tr, timeout_s = _options(scale, transport, timeout)
+        o = lse = o_host = None
+        o_ptr = o_bytes = lse_ptr = lse_bytes = 0
+        device = None
+        if qt is not None:
+            qh = qt[2][1]
+            if q_heads is not None and int(q_heads) != qh:
+                raise _invalid(f"q_heads: {q_heads} but q has {qh} heads")
+            q_heads = qh
+            device = qt[7]
+            o, o_host = _step_out(kind, qt[5], (total, qh, d), device, out)
+            o_ptr = _np_ptr(o_host) if kind is _NUMPY else o_host.data_ptr()
+            o_bytes = qt[4]
+        elif out is not None:
+            raise _invalid("out: needs q")
         if return_lse:
-            if qv is None:
+            if qt is None:
                 raise _invalid("return_lse: needs q")
-            n = total * qv.shape[1]
-            lse = np.empty(n, dtype=np.float32) if qv.kind == "numpy" else torch.empty(n, dtype=torch.float32)
-            a.lse = lse.ctypes.data if qv.kind == "numpy" else lse.data_ptr()
-            a.lse_bytes = n * 4
+            m = total * q_heads
+            if kind is _NUMPY:
+                lse = _numpy.empty(m, dtype=_numpy.float32)
+                lse_ptr = _np_ptr(lse)
+            else:
+                torch = _torch()
+                lse = torch.empty(m, dtype=torch.float32)
+                lse_ptr = lse.data_ptr()
+            lse_bytes = 4 * m
+        a = _lib.StepArgs()
+        _pack_step(a, 0, int(layer), int(q_heads or 0), n, _addressof(c_ids), _addressof(c_tokens), has_scale, scale_f,
+                   1 if return_lse else 0, tr, timeout_s, 0,
+                   qt[3] if qt is not None else 0, qt[4] if qt is not None else 0,
+                   kt[3] if kt is not None else 0, kt[4] if kt is not None else 0,
+                   vt[3] if vt is not None else 0, vt[4] if vt is not None else 0,
+                   o_ptr, o_bytes, lse_ptr, lse_bytes, _addressof(c_lengths))
+        if request_id:
+            a.request_id = request_id.encode()  # the struct keeps the bytes alive
         info = _lib.ForwardInfo()
-        err = _lib.Error()
-        if self._lib.attnd_step(self._h(), ctypes.byref(a), ctypes.byref(info), ctypes.byref(err)) != 0:
+        err = self._error()
+        # qt, kt, vt, o_host and lse hold the memory `a` names until the call returns.
+        if self._step_at(self._handle or self._h(), _addressof(a), _addressof(info), _addressof(err)) != 0:
             _raise(err)
+        self._errors.append(err)
         self.last_info = info
-        for s, n in zip(sequences, c_lengths):
-            if isinstance(s, Sequence):
-                s.lengths[int(layer)] = int(n)
-        device = qv.device if qv is not None and qv.kind == "torch" and qv.device.type != "cpu" else None
-        if o is not None and device is not None:
-            o = o.to(device)
+        layer = int(layer)
+        if n == 1:
+            if isinstance(sequences[0], Sequence):
+                sequences[0].lengths[layer] = c_lengths.value
+        else:
+            for s, m in zip(sequences, c_lengths):
+                if isinstance(s, Sequence):
+                    s.lengths[layer] = m
+        if o is not o_host:  # q is on a device: O came back in host memory
+            o = o_host.to(device) if o is None else o.copy_(o_host)
         if not return_lse:
             return o
         parts, at = [], 0
-        for n in tokens:
-            part = lse[at:at + n * qv.shape[1]].reshape(qv.shape[1], n)
+        for m in tokens:
+            part = lse[at:at + m * q_heads].reshape(q_heads, m)
             parts.append(part.to(device) if device is not None else part)
-            at += n * qv.shape[1]
+            at += m * q_heads
         return o, parts
 
 
@@ -612,19 +750,23 @@ class Client:
 
     # -- CUDA IPC ---------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _wait_for_producer(device):
-        # The server reads the memory from its own stream: whatever the caller's current stream still has
-        # queued (the kernels that produced q, k, v) must be done first.
-        _torch().cuda.current_stream(device).synchronize()
+    def _ref(self, x, shape, strides):
+        """The registration covering CUDA tensor x (strides None: contiguous) and x's byte offset in it.
 
-    def _set_ref(self, t, tensor, strides):
-        storage = tensor.untyped_storage() if hasattr(tensor, "untyped_storage") else tensor.storage()
-        reg = self._registration(storage, tensor.device)
-        t.data = None
-        t.buffer_id = reg.buffer_id
-        t.offset = tensor.storage_offset() * tensor.element_size()
-        t.strides[:] = list(strides) if strides is not None else [0, 0, 0]
+        The cache is keyed by the storage's address (x's address less its offset). A hit covers x when x's last
+        byte is inside the registered region: an entry lives until its storage is freed (or, on older torch, the
+        next sweep), and torch keeps the block out of reuse until the registration releases its IPC count, so
+        the region's memory is this address's memory. Anything else takes the storage's own path."""
+        so = x.storage_offset()
+        reg = self._buffers.get(x.data_ptr() - 2 * so)
+        if strides is None:
+            end = so + shape[0] * shape[1] * shape[2] * shape[3]
+        else:
+            end = so + (shape[0] - 1) * strides[0] + (shape[1] - 1) * strides[1] + (shape[2] - 1) * strides[2] + shape[3]
+        if reg is None or 2 * end > reg.nbytes:
+            storage = x.untyped_storage() if hasattr(x, "untyped_storage") else x.storage()
+            reg = self._registration(storage, x.device)
+        return reg, 2 * so
 
     def _registration(self, storage, device):
         key = storage.data_ptr()
@@ -664,6 +806,7 @@ class Client:
             _raise(err)
         reg = _Registration()
         reg.buffer_id = buf.value
+        reg.id_buf, reg.id_addr = buf, ctypes.addressof(buf)
         reg.nbytes = size
         reg.counter = counter
         reg.finalizer, reg.weak = None, None
@@ -753,6 +896,14 @@ class Sequence:
         self.max_tokens = max_tokens
         self.lengths = list(lengths) if lengths is not None else [0] * shape.layers
         self.closed = False
+        self._c_id = None
+
+    def _c_ids(self):
+        """The id as a one-entry `const char* const*` for StepArgs, made once per id."""
+        c = self._c_id
+        if c is None or c[0] is not self.id:
+            c = self._c_id = (self.id, (ctypes.c_char_p * 1)(_seq_id("sequences[0]", self).encode()))
+        return c[1]
 
     def step(self, layer, q=None, k=None, v=None, return_lse=False, scale=None, q_heads=None, **kw):
         """client.step(layer, [self], ...): O [tokens, q_heads, head_dim], or (O, LSE [q_heads, tokens])."""
@@ -799,71 +950,91 @@ def _seq_id(name, s):
     raise _invalid(f"{name}: {s!r} is not a Sequence or a sequence id")
 
 
-class _StepTensor:
-    __slots__ = ("kind", "device", "obj", "shape", "dtype", "ptr", "nbytes", "rows")
-
-
 def _step_tensor(name, x, dtype_hint):
-    """One of a step's q/k/v as contiguous host memory ([T, heads, head_dim]); a list is concatenated on T."""
-    t = _StepTensor()
-    torch = _torch()
-    np = _np()
+    """One of a step's q/k/v as contiguous host memory ([T, heads, head_dim]); a list is concatenated on T.
+    Returns (kind, dtype code, shape, pointer, bytes, object, rows per list part or None, device or None): the
+    device of a torch tensor that is not in host memory (which is copied to host memory)."""
+    np = _numpy
+    if np is not None and isinstance(x, np.ndarray):
+        shape = x.shape
+        if len(shape) != 3:
+            raise _invalid(f"{name}: must have 3 dimensions [tokens, heads, head_dim], has {len(shape)}")
+        dt = x.dtype
+        if dt is _U16 and dtype_hint == "bf16":
+            code = _DT_BF16
+        else:
+            code = _np_code(name, dt, dtype_hint, "uint16 bf16 bits need the sequence's dtype: a Sequence or dtype=")
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        if shape[0] < 1:
+            raise _invalid(f"{name}: has no rows")
+        return _NUMPY, code, shape, _np_ptr(x), x.nbytes, x, None, None
+    tensor_type = _Tensor if _Tensor is not None else _tensor_type()
+    if tensor_type is not None and isinstance(x, tensor_type):
+        shape = x.shape
+        if len(shape) != 3:
+            raise _invalid(f"{name}: must have 3 dimensions [tokens, heads, head_dim], has {len(shape)}")
+        code = _torch_code(name, x)
+        device = x.device
+        if device.type != "cpu":
+            x = x.detach().cpu()
+        else:
+            device = None
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if shape[0] < 1:
+            raise _invalid(f"{name}: has no rows")
+        return _HOST_TORCH, code, shape, x.data_ptr(), 2 * x.numel(), x, None, device
     if isinstance(x, (list, tuple)):
         if not x:
             raise _invalid(f"{name}: an empty list")
-        t.rows = []
+        rows = []
         for i, part in enumerate(x):
             if getattr(part, "ndim", None) != 3:
                 raise _invalid(f"{name}[{i}]: must be a tensor of 3 dimensions [tokens, heads, head_dim]")
-            t.rows.append(int(part.shape[0]))
-        if torch is not None and all(isinstance(p, torch.Tensor) for p in x):
+            rows.append(int(part.shape[0]))
+        if tensor_type is not None and all(isinstance(p, tensor_type) for p in x):
             if any(p.device != x[0].device for p in x):
                 raise _invalid(f"{name}: the list's tensors must be on one device")
-            x = torch.cat(list(x), dim=0)
-        elif all(isinstance(p, np.ndarray) for p in x):
-            x = np.concatenate(x, axis=0)
+            joined = _torch().cat(list(x), dim=0)
+        elif all(isinstance(p, _np().ndarray) for p in x):
+            joined = _numpy.concatenate(x, axis=0)
         else:
             raise _invalid(f"{name}: a list must hold numpy arrays only or torch tensors only")
-    else:
-        t.rows = None
-    if torch is not None and isinstance(x, torch.Tensor):
-        if x.dim() != 3:
-            raise _invalid(f"{name}: must have 3 dimensions [tokens, heads, head_dim], has {x.dim()}")
-        if x.dtype == torch.bfloat16:
-            t.dtype = _lib.DTYPE_BF16
-        elif x.dtype == torch.float16:
-            t.dtype = _lib.DTYPE_FP16
+        t = _step_tensor(name, joined, dtype_hint)
+        return t[:6] + (rows, t[7])
+    if np is None and isinstance(x, _np().ndarray):
+        return _step_tensor(name, x, dtype_hint)
+    raise _invalid(f"{name}: {type(x).__name__} is not a numpy.ndarray or a torch.Tensor (or a list of them)")
+
+
+def _step_out(kind, qx, shape, device, out):
+    """A step's O: (what the call returns, or None where it is q's host copy moved to `device`; the host memory
+    the library writes O into)."""
+    if kind is _NUMPY:
+        if out is None:
+            o = _numpy.empty(shape, dtype=qx.dtype)
         else:
-            raise _invalid(f"{name}: dtype {x.dtype} is not torch.bfloat16 or torch.float16")
-        t.kind, t.device = "torch", x.device
-        x = x.detach().cpu().contiguous()
-        t.ptr = x.data_ptr()
-        t.nbytes = x.numel() * x.element_size()
-    elif isinstance(x, np.ndarray):
-        if x.ndim != 3:
-            raise _invalid(f"{name}: must have 3 dimensions [tokens, heads, head_dim], has {x.ndim}")
-        bf16 = _bf16_numpy_dtype()
-        if bf16 is not None and x.dtype == bf16:
-            t.dtype = _lib.DTYPE_BF16
-        elif x.dtype == np.float16:
-            t.dtype = _lib.DTYPE_FP16
-        elif x.dtype == np.uint16 and dtype_hint in _SEQ_DTYPES:
-            t.dtype = _SEQ_DTYPES[dtype_hint]
-        else:
-            hint = " (uint16 bf16 bits need the sequence's dtype: a Sequence or dtype=)" \
-                if x.dtype == np.uint16 else ""
-            raise _invalid(f"{name}: dtype {x.dtype} is not bfloat16 (ml_dtypes) or float16{hint}")
-        t.kind, t.device = "numpy", None
-        x = np.ascontiguousarray(x)
-        t.ptr = x.ctypes.data
-        t.nbytes = x.nbytes
-    else:
-        raise _invalid(f"{name}: {type(x).__name__} is not a numpy.ndarray or a torch.Tensor (or a list of them)")
-    t.obj = x
-    t.shape = tuple(int(n) for n in x.shape)
-    if t.shape[0] < 1:
-        raise _invalid(f"{name}: has no rows")
-    return t
+            if not isinstance(out, _numpy.ndarray) or out.shape != shape or out.dtype != qx.dtype:
+                raise _invalid(f"out: must be a numpy array of shape {list(shape)} and dtype {qx.dtype}")
+            f = out.flags
+            if not f.c_contiguous:
+                raise _invalid("out: must be contiguous")
+            if not f.writeable:
+                raise _invalid("out: is read-only")
+            o = out
+        return o, o
+    torch = _torch()
+    where = device if device is not None else qx.device
+    if out is not None:
+        if not isinstance(out, _Tensor) or out.shape != shape or out.dtype != qx.dtype or out.device != where:
+            raise _invalid(f"out: must be a {qx.dtype} tensor of shape {list(shape)} on {where}")
+        if not out.is_contiguous():
+            raise _invalid("out: must be contiguous")
+    if device is None:
+        o = out if out is not None else torch.empty(shape, dtype=qx.dtype)
+        return o, o
+    return out, torch.empty(shape, dtype=qx.dtype)
 
 
 def _ids_of(p, lib):

@@ -5,7 +5,11 @@ server and shape (scripts/device.sh service pyoverhead runs both side by side):
 - forward: torch CUDA tensors by CUDA IPC over the shared-memory channel, batch 1, seq S, 32 heads, head_dim 128,
   causal, bf16, O into a preallocated tensor (`ipc_peer bench --transport=shm` times the same call in C++);
 - step: a KV-sequence decode step over the shared-memory channel, one sequence, 32 q : 8 kv heads, head_dim 128,
-  kv 4k, NumPy inputs (`attn bench --workload=decode --transport=shm` times the same step in C++).
+  kv 4k, NumPy inputs, O into a preallocated array (`attn bench --workload=decode --transport=shm` times the
+  same step in C++).
+
+"Outside the channel call" is each call's time less the C++ client's own latency of the shared-memory exchange
+(ForwardInfo.latency_us, about the span ipc_peer and attn bench time): what the Python layer and the C ABI add.
 
   python3 client/python/bench/overhead.py --target unix:/tmp/attnd.sock --shm-socket /tmp/attnd_shm.sock
 """
@@ -36,17 +40,18 @@ def bench_forward(client, seq, iters):
     torch.cuda.synchronize()
     for _ in range(50):
         client.attention(q, k, v, causal=True, out=o)
-    lat, srv = [], []
+    lat, srv, outside = [], [], []
     for _ in range(iters):
         t0 = time.perf_counter()
         client.attention(q, k, v, causal=True, out=o)
         lat.append((time.perf_counter() - t0) * 1e6)
         srv.append(client.last_info.total_us)
+        outside.append(lat[-1] - client.last_info.latency_us)
     ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                            is_causal=True).transpose(1, 2)
     err = (o.float() - ref.float()).abs().max().item()
     report(f"python forward ipc shm seq {seq}", lat, f"; server total mean {statistics.mean(srv):.1f} us; "
-           f"max |O - torch| {err:.4f}")
+           f"outside the channel call p50 {statistics.median(outside):.1f} us; max |O - torch| {err:.4f}")
 
 
 def bench_step(client, context, iters):
@@ -60,15 +65,17 @@ def bench_step(client, context, iters):
         n = min(1024, context - start)
         client.step(0, [seq], q=None, k=rows(n, 8), v=rows(n, 8), dtype="bf16")
     q, k, v = rows(1, 32), rows(1, 8), rows(1, 8)
+    o = np.empty_like(q)
     for _ in range(20):
-        client.step(0, [seq], q=q, k=k, v=v, q_heads=32, dtype="bf16")
-    lat = []
+        client.step(0, [seq], q=q, k=k, v=v, q_heads=32, dtype="bf16", out=o)
+    lat, outside = [], []
     for _ in range(iters):
         t0 = time.perf_counter()
-        client.step(0, [seq], q=q, k=k, v=v, q_heads=32, dtype="bf16")
+        client.step(0, [seq], q=q, k=k, v=v, q_heads=32, dtype="bf16", out=o)
         lat.append((time.perf_counter() - t0) * 1e6)
+        outside.append(lat[-1] - client.last_info.latency_us)
     seq.close()
-    report(f"python step shm kv {context}", lat)
+    report(f"python step shm kv {context}", lat, f"; outside the channel call p50 {statistics.median(outside):.1f} us")
 
 
 def main():

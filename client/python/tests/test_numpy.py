@@ -218,3 +218,13 @@ def test_transport_unavailable():
         with pytest.raises(attnd.AttndError) as e:
             c.health()
         assert e.value.code in (attnd.StatusCode.UNAVAILABLE, attnd.StatusCode.DEADLINE_EXCEEDED)
+
+
+def test_read_only_inputs_and_out(client):
+    q, k, v = bf16_inputs(20, 1, 9, 9, 2, 2, 64)
+    for x in (q, k, v):
+        x.setflags(write=False)
+    check(client.attention(q, k, v, causal=True, dtype="bf16"), None, q, k, v, "top_left")
+    with pytest.raises(attnd.AttndError) as e:
+        client.attention(q, k, v, dtype="bf16", out=q)  # read-only: never written by the library
+    assert e.value.code == attnd.StatusCode.INVALID_ARGUMENT and "out" in e.value.message

@@ -293,3 +293,60 @@ def test_c_abi_rejects_wrong_buffers_before_sending(client, open_seq):
         rc = client._lib.attnd_step(client._h(), ctypes.byref(a), None, ctypes.byref(err))
         assert rc == attnd.StatusCode.INVALID_ARGUMENT and err.message.decode().startswith(field), err.message
     assert seq.info()["lengths"] == [0, 0]
+
+
+def test_step_out(client, open_seq):
+    # O straight into the caller's array, as attention(out=) does; a wrong out is refused before the step is sent.
+    rng = np.random.default_rng(11)
+    seq = open_seq()
+    hist = History()
+    out = np.full((3, Q_HEADS, HEAD_DIM), 0xFFFF, np.uint16)
+    for n in (3, 1):
+        q, k, v = rows(rng, n), rows(rng, n, KV_HEADS), rows(rng, n, KV_HEADS)
+        o, lse = seq.step(0, q, k, v, return_lse=True, out=out[:n])
+        assert o.base is out or o is out
+        hist.append(0, bf16_bits_to_f64(k), bf16_bits_to_f64(v))
+        ref_o, ref_lse = hist.expect(0, bf16_bits_to_f64(q))
+        assert_close(bf16_bits_to_f64(out[:n]), ref_o)
+        assert_lse_close(lse, ref_lse)
+    q, k, v = rows(rng, 2), rows(rng, 2, KV_HEADS), rows(rng, 2, KV_HEADS)
+    inv = attnd.StatusCode.INVALID_ARGUMENT
+    bad(lambda: seq.step(0, q, k, v, out=np.empty((2, Q_HEADS, 32), np.uint16)), inv, "out")
+    bad(lambda: seq.step(0, q, k, v, out=np.empty((2, Q_HEADS, HEAD_DIM), np.float16)), inv, "out")
+    bad(lambda: seq.step(0, q, k, v, out=np.empty((Q_HEADS, 2, HEAD_DIM), np.uint16).transpose(1, 0, 2)), inv,
+        "out: must be contiguous")
+    frozen = np.empty((2, Q_HEADS, HEAD_DIM), np.uint16)
+    frozen.setflags(write=False)
+    bad(lambda: seq.step(0, q, k, v, out=frozen), inv, "out")
+    bad(lambda: seq.step(0, None, k, v, out=np.empty((2, Q_HEADS, HEAD_DIM), np.uint16)), inv, "out")
+    assert seq.info()["lengths"] == [4, 0]
+
+
+def test_step_out_torch(client, open_seq):
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(12)
+    seq = open_seq()
+    q = torch.randn((2, Q_HEADS, HEAD_DIM), generator=g).bfloat16()
+    k, v = (torch.randn((2, KV_HEADS, HEAD_DIM), generator=g).bfloat16() for _ in range(2))
+    out = torch.empty((2, Q_HEADS, HEAD_DIM), dtype=torch.bfloat16)
+    assert seq.step(0, q, k, v, out=out) is out
+    hist = History()
+    hist.append(0, k.double().numpy(), v.double().numpy())
+    assert_close(out.double().numpy(), hist.expect(0, q.double().numpy())[0])
+    bad(lambda: seq.step(0, q, k, v, out=torch.empty((2, Q_HEADS, HEAD_DIM))), attnd.StatusCode.INVALID_ARGUMENT,
+        "out")
+
+
+def test_read_only_and_strided_step_inputs(client, open_seq):
+    # Inputs the fast pointer path does not take (read-only, non-contiguous) go the general way, same result.
+    rng = np.random.default_rng(13)
+    seq = open_seq()
+    q, k, v = rows(rng, 4), rows(rng, 4, KV_HEADS), rows(rng, 4, KV_HEADS)
+    for x in (q, k, v):
+        x.setflags(write=False)
+    kt = np.ascontiguousarray(k.transpose(1, 0, 2)).transpose(1, 0, 2)
+    assert not kt.flags.c_contiguous
+    o = seq.step(0, q, kt, v)
+    hist = History()
+    hist.append(0, bf16_bits_to_f64(k), bf16_bits_to_f64(v))
+    assert_close(bf16_bits_to_f64(o), hist.expect(0, bf16_bits_to_f64(q))[0])

@@ -189,3 +189,140 @@ def test_ipc_registration_errors(client, monkeypatch):
         client._register(_FakeStorage(b"\x01e" + bytes(100)), None, 0x7000)
     assert e.value.code == attnd.StatusCode.FAILED_PRECONDITION and "expandable" in e.value.message
     assert len(released) == 2 and not client._buffers
+
+
+class _Storage:
+    def __init__(self, base, nbytes):
+        self.base, self.size = base, nbytes
+
+    def data_ptr(self):
+        return self.base
+
+    def nbytes(self):
+        return self.size
+
+
+class _CudaView:
+    """What the IPC path reads from a CUDA tensor: its storage, offset (elements of 2 bytes) and address."""
+
+    def __init__(self, storage, offset):
+        self.storage, self.offset = storage, offset
+        self.device = "cuda:0"
+
+    def storage_offset(self):
+        return self.offset
+
+    def data_ptr(self):
+        return self.storage.base + 2 * self.offset
+
+    def untyped_storage(self):
+        return self.storage
+
+
+def test_ipc_registration_found_by_address(client, monkeypatch):
+    # The per-call lookup: a view anywhere inside a registered storage reuses its registration (offset in bytes);
+    # a tensor reaching past the registered region (another storage at the same address) takes the storage's
+    # own path, which replaces the registration.
+    import weakref
+    registered = []
+
+    def fake_register(storage, device, key):
+        reg = attnd.client._Registration()
+        reg.buffer_id, reg.id_buf, reg.id_addr = b"b%d" % len(registered), None, 0
+        reg.nbytes, reg.counter, reg.weak = storage.nbytes(), None, None
+        reg.finalizer = weakref.finalize(storage, lambda: None)
+        registered.append(storage)
+        client._buffers[key] = reg
+        return reg
+
+    monkeypatch.setattr(client, "_register", fake_register)
+    monkeypatch.setattr(attnd.client, "_release_counter", lambda counter: None)
+    try:
+        s1 = _Storage(0x10000, 4096)
+        whole = (1, 16, 2, 64)  # 2048 elements: the whole storage
+        reg, off = client._ref(_CudaView(s1, 0), whole, None)
+        assert off == 0 and registered == [s1]
+        assert client._ref(_CudaView(s1, 0), whole, None)[0] is reg
+        half = (1, 8, 2, 64)
+        assert client._ref(_CudaView(s1, 1024), half, None) == (reg, 2048) and registered == [s1]
+        # [b, l, h, d] strides of a [b, h, l, d] tensor: the last element is still inside.
+        assert client._ref(_CudaView(s1, 0), whole, (2048, 64, 1024))[0] is reg and registered == [s1]
+        s2 = _Storage(0x10000, 8192)
+        reg2, off = client._ref(_CudaView(s2, 0), (1, 32, 2, 64), None)
+        assert registered[-1] is s2 and reg2.nbytes == 8192 and client._buffers[0x10000] is reg2
+    finally:
+        client._buffers.clear()  # nothing was registered with the server
+
+
+def test_stream_cache_follows_the_current_stream(monkeypatch):
+    # The producer's stream is synchronized through a cached Stream object per stream identity: a different
+    # current stream gets its own (never the cached one of another stream).
+    current = ["s1"]
+    made, synced = [], []
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name = name
+
+        def synchronize(self):
+            synced.append(self.name)
+
+    def current_stream(device):
+        made.append(current[0])
+        return FakeStream(current[0])
+
+    monkeypatch.setattr(attnd.client, "_streams", {})
+    monkeypatch.setattr(attnd.client, "_stream_key", lambda device: (current[0], device))
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    attnd.client._wait_for_producer(0)
+    attnd.client._wait_for_producer(0)
+    current[0] = "s2"
+    attnd.client._wait_for_producer(0)
+    attnd.client._wait_for_producer(1)
+    assert synced == ["s1", "s1", "s2", "s2"] and made == ["s1", "s2", "s2"]
+
+
+def test_ipc_call_arguments(client, monkeypatch):
+    # The CUDA branch of attention() on CPU tensors dressed as CUDA ones: what reaches attnd_forward names each
+    # tensor by its registration's buffer id, byte offset and strides (O contiguous), and no host pointer.
+    import ctypes
+    from attnd import _lib
+    real_view, synced, seen = attnd.client._view, [], {}
+
+    def cuda_view(name, x, hint):
+        return ("cuda", *real_view(name, x, hint)[1:4], 0, 0, x)
+
+    ids = {}
+
+    def fake_ref(x, shape, strides):
+        key = x.data_ptr() - 2 * x.storage_offset()
+        if key not in ids:
+            reg = attnd.client._Registration()
+            reg.id_buf = ctypes.create_string_buffer(b"buf-%d" % len(ids))
+            reg.id_addr = ctypes.addressof(reg.id_buf)
+            ids[key] = reg
+        return ids[key], 2 * x.storage_offset()
+
+    def fake_forward(handle, args, info, err):
+        a = _lib.ForwardArgs.from_address(args)
+        seen.update(shape=(a.batch, a.q_len, a.kv_len, a.q_heads, a.kv_heads, a.head_dim), mask=a.mask,
+                    tensors=[(t.data, t.buffer_id, t.offset, tuple(t.strides)) for t in (a.q, a.k, a.v, a.o)])
+        ctypes.memset(err, 0, ctypes.sizeof(_lib.Error))
+        return 0
+
+    monkeypatch.setattr(attnd.client, "_view", cuda_view)
+    monkeypatch.setattr(attnd.client, "_wait_for_producer", synced.append)
+    monkeypatch.setattr(client, "_ref", fake_ref)
+    monkeypatch.setattr(client, "_forward_at", fake_forward)
+    kvh = torch.zeros(1, 2, 12, 64, dtype=torch.bfloat16)  # [b, h, l, d]: k, v as views at offsets of one storage
+    q = torch.zeros(1, 5, 4, 64, dtype=torch.bfloat16)
+    k = kvh.transpose(1, 2)
+    v = torch.zeros(2, 1, 12, 2, 64, dtype=torch.bfloat16)[1]
+    o = client.attention(q, k, v, causal="bottom_right")
+    assert synced == [0] and o.shape == q.shape
+    assert seen["shape"] == (1, 5, 12, 4, 2, 64) and seen["mask"] == _lib.MASK_BOTTOM_RIGHT
+    tq, tk, tv, to = seen["tensors"]
+    assert tq[0] is None and tq[1:] == (b"buf-0", 0, (5 * 4 * 64, 4 * 64, 64))
+    assert tk[0] is None and tk[1:] == (b"buf-1", 0, (2 * 12 * 64, 64, 12 * 64))
+    assert tv[0] is None and tv[1:] == (b"buf-2", 2 * 12 * 2 * 64, (12 * 2 * 64, 2 * 64, 64))
+    assert to[0] is None and to[1:] == (b"buf-3", 0, (0, 0, 0))
