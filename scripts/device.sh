@@ -461,14 +461,19 @@ service_decode() {
     --context=4096 --steps=${STEPS64:-300}
   # The same steps with Q, the new K/V and O in the caller's CUDA buffers (ipc_peer decode: kernel-only time of
   # the same batch measured in that process, replies checked against the oracle).
-  local tr rc
+  # One caller stepping all sequences, then two callers stepping half each (two launches in flight).
+  local tr rc callers seqs
   for tr in shm grpc; do
-    echo "== ipc_$tr: ipc_peer decode" >> "$r"
-    timeout ${DECODE_CMD_TIMEOUT:-150} "$b/ipc_peer" decode --target=unix:$sock --transport=$tr --shm_socket=$shm \
-      --decode_sequences=${IPC_DECODE_SEQS:-1,64} --context=4096 --steps=${IPC_DECODE_STEPS:-1000} >> "$r" 2>&1
-    rc=$?
-    echo "== ipc_$tr rc=$rc rss_kb=$(ps -o rss= -p $server)" >> "$r"
-    note "decode ipc_$tr" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" ""
+    for callers in 1 2; do
+      seqs=${IPC_DECODE_SEQS:-1,64}
+      [ $callers -gt 1 ] && seqs=64
+      echo "== ipc_${tr}_c$callers: ipc_peer decode" >> "$r"
+      timeout ${DECODE_CMD_TIMEOUT:-150} "$b/ipc_peer" decode --target=unix:$sock --transport=$tr --shm_socket=$shm \
+        --decode_sequences=$seqs --decode_callers=$callers --context=4096 --steps=${IPC_DECODE_STEPS:-1000} >> "$r" 2>&1
+      rc=$?
+      echo "== ipc_${tr}_c$callers rc=$rc rss_kb=$(ps -o rss= -p $server)" >> "$r"
+      note "decode ipc_${tr}_c$callers" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" ""
+    done
   done
   "$b/attn" stats --target=unix:$sock >> "$r" 2>&1
   run_dec engine bench --workload=decode --target=unix:$sock --transport=shm --shm_socket=$shm --layers=32 $shape \
