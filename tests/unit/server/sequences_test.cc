@@ -76,6 +76,19 @@ struct Outcome {
   uint32_t batch_sequences = 0, batch_requests = 0;
 };
 
+// Steps started without waiting (StepEach); Await blocks until every one is answered.
+struct StepsInFlight {
+  std::vector<v1::StepRequest> steps;
+  std::vector<std::shared_ptr<Outcome>> outs;
+  std::shared_ptr<absl::Mutex> mu = std::make_shared<absl::Mutex>();
+  std::shared_ptr<int> finished = std::make_shared<int>(0);
+  void Await() {
+    absl::MutexLock lock(mu.get());
+    mu->Await(absl::Condition(
+        +[](StepsInFlight* f) { return static_cast<size_t>(*f->finished) == f->steps.size(); }, this));
+  }
+};
+
 // The history the test keeps of one sequence: every layer's K and V rows as sent.
 struct History {
   std::vector<std::string> k, v;  // per layer, [tokens, kv_heads, head_dim] bytes
@@ -96,6 +109,28 @@ class SequencesTest : public ::testing::Test {
     limits.supported_dtypes = {DType::kBF16, DType::kFP16};
     if (options.pool_bytes == (1ull << 30)) options.pool_bytes = 64ull << 20;
     sequences_ = std::make_unique<Sequences>(options, limits, backend_.get(), nullptr);
+  }
+  // One step of one token per sequence at layer 0, each its own call, all started before any is awaited.
+  StepsInFlight StepEach(const std::vector<std::string>& ids) {
+    StepsInFlight f;
+    for (const std::string& id : ids) f.steps.push_back(MakeStep({id}, {1}, 0));
+    for (size_t i = 0; i < f.steps.size(); ++i) {
+      auto out = std::make_shared<Outcome>();
+      f.outs.push_back(out);
+      sequences_->Step("alice", f.steps[i], Transport::kShm, CallFor(),
+                       [out, mu = f.mu, finished = f.finished](absl::Status s, StepJob* job) {
+                         out->status = s;
+                         if (job != nullptr) {
+                           out->o = job->o;
+                           out->lse = job->lse;
+                           out->batch_requests = job->batch_requests;
+                           out->batch_sequences = job->batch_sequences;
+                         }
+                         absl::MutexLock lock(mu.get());
+                         ++*finished;
+                       });
+    }
+    return f;
   }
   void TearDown() override {
     if (gate_ != nullptr) gate_->Open();
@@ -493,38 +528,19 @@ TEST_F(SequencesTest, ConcurrentStepsOfOneLayerJoinOneLaunch) {
   gate_->Gate();
   // The first launches alone (nothing was running); the three that arrive while it runs wait and then go
   // together.
-  std::vector<v1::StepRequest> steps;
-  for (int i = 0; i < 4; ++i) steps.push_back(MakeStep({ids[i]}, {1}, 0));
-  std::vector<std::shared_ptr<Outcome>> outs(4);
-  absl::Mutex mu;
-  int finished = 0;
-  for (int i = 0; i < 4; ++i) {
-    outs[i] = std::make_shared<Outcome>();
-    sequences_->Step("alice", steps[i], Transport::kShm, CallFor(), [&, i](absl::Status s, StepJob* job) {
-      outs[i]->status = s;
-      if (job != nullptr) {
-        outs[i]->o = job->o;
-        outs[i]->lse = job->lse;
-        outs[i]->batch_requests = job->batch_requests;
-        outs[i]->batch_sequences = job->batch_sequences;
-      }
-      absl::MutexLock lock(&mu);
-      ++finished;
-    });
-  }
+  StepsInFlight f = StepEach(ids);
   EXPECT_EQ(gate_->held_batch_sizes(), std::vector<size_t>{1});
   EXPECT_EQ(sequences_->waiting(), 3u);
   gate_->Open();
-  absl::MutexLock lock(&mu);
-  mu.Await(absl::Condition(+[](int* n) { return *n == 4; }, &finished));
-  EXPECT_EQ(outs[0]->batch_requests, 1u);
+  f.Await();
+  EXPECT_EQ(f.outs[0]->batch_requests, 1u);
   for (int i = 1; i < 4; ++i) {
-    EXPECT_EQ(outs[i]->batch_requests, 3u);
-    EXPECT_EQ(outs[i]->batch_sequences, 3u);
+    EXPECT_EQ(f.outs[i]->batch_requests, 3u);
+    EXPECT_EQ(f.outs[i]->batch_sequences, 3u);
   }
   for (int i = 0; i < 4; ++i) {
-    Record(steps[i]);
-    Verify(steps[i], *outs[i]);
+    Record(f.steps[i]);
+    Verify(f.steps[i], *f.outs[i]);
   }
   EXPECT_EQ(sequences_->stats().launches(), 3u);  // the first verified step, the lone one, the joined three
 }
@@ -536,36 +552,17 @@ TEST_F(SequencesTest, TwoLaunchesOfOneLayerRunAtOnceAndTheRestJoinTheNext) {
   const std::vector<std::string> ids = Open(5);
   StepAndVerify(ids, {3, 3, 3, 3, 3}, 0);
   gate_->Gate();
-  std::vector<v1::StepRequest> steps;
-  for (int i = 0; i < 5; ++i) steps.push_back(MakeStep({ids[i]}, {1}, 0));
-  std::vector<std::shared_ptr<Outcome>> outs(5);
-  absl::Mutex mu;
-  int finished = 0;
-  for (int i = 0; i < 5; ++i) {
-    outs[i] = std::make_shared<Outcome>();
-    sequences_->Step("alice", steps[i], Transport::kShm, CallFor(), [&, i](absl::Status s, StepJob* job) {
-      outs[i]->status = s;
-      if (job != nullptr) {
-        outs[i]->o = job->o;
-        outs[i]->lse = job->lse;
-        outs[i]->batch_requests = job->batch_requests;
-        outs[i]->batch_sequences = job->batch_sequences;
-      }
-      absl::MutexLock lock(&mu);
-      ++finished;
-    });
-  }
+  StepsInFlight f = StepEach(ids);
   // The first two launch at once, each alone; the three that arrive while both run wait for one of them.
   EXPECT_EQ(gate_->held_batch_sizes(), (std::vector<size_t>{1, 1}));
   EXPECT_EQ(sequences_->waiting(), 3u);
   gate_->Open();
-  absl::MutexLock lock(&mu);
-  mu.Await(absl::Condition(+[](int* n) { return *n == 5; }, &finished));
+  f.Await();
   for (int i = 0; i < 5; ++i) {
-    ASSERT_TRUE(outs[i]->status.ok()) << i << ": " << outs[i]->status;
-    EXPECT_EQ(outs[i]->batch_requests, i < 2 ? 1u : 3u) << i;
-    Record(steps[i]);
-    Verify(steps[i], *outs[i]);
+    ASSERT_TRUE(f.outs[i]->status.ok()) << i << ": " << f.outs[i]->status;
+    EXPECT_EQ(f.outs[i]->batch_requests, i < 2 ? 1u : 3u) << i;
+    Record(f.steps[i]);
+    Verify(f.steps[i], *f.outs[i]);
   }
   EXPECT_EQ(sequences_->stats().launches(), 4u);  // the first verified step, the two alone, the joined three
   EXPECT_EQ(sequences_->limits().launches_in_flight(), 2u);
