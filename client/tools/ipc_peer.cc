@@ -693,7 +693,12 @@ KernelOnly DecodeKernelOnlyUs(const DecodeBuffers& b, int64_t keys, int page) {
   CUDA_OR_DIE(cudaMalloc(&o, b.o_bytes()));
   CUDA_OR_DIE(cudaMalloc(&dlens, lens.size() * sizeof(int32_t)));
   CUDA_OR_DIE(cudaMalloc(&dtable, table.size() * sizeof(int32_t)));
+  int32_t* counters = nullptr;
   if (plan->workspace_bytes > 0) CUDA_OR_DIE(cudaMalloc(&ws, plan->workspace_bytes));
+  if (plan->counter_bytes > 0) {
+    CUDA_OR_DIE(cudaMalloc(reinterpret_cast<void**>(&counters), plan->counter_bytes));
+    CUDA_OR_DIE(cudaMemset(counters, 0, plan->counter_bytes));  // once: every launch leaves them zero
+  }
   CUDA_OR_DIE(cudaMemset(k, 0x3C, pool));  // bf16 0x3C3C: 0.0115, a finite value in every element
   CUDA_OR_DIE(cudaMemset(v, 0x3C, pool));
   CUDA_OR_DIE(cudaMemcpy(dlens, lens.data(), lens.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
@@ -713,7 +718,7 @@ KernelOnly DecodeKernelOnlyUs(const DecodeBuffers& b, int64_t keys, int page) {
   const auto timed = [&](int n) {
     CUDA_OR_DIE(cudaEventRecord(e0, st));
     for (int i = 0; i < n; ++i) {
-      if (absl::Status s = dk::LaunchDecode(*plan, t, ws, st); !s.ok()) Fail(s.ToString());
+      if (absl::Status s = dk::LaunchDecode(*plan, t, {ws, counters}, st); !s.ok()) Fail(s.ToString());
     }
     CUDA_OR_DIE(cudaEventRecord(e1, st));
     CUDA_OR_DIE(cudaEventSynchronize(e1));
@@ -731,7 +736,7 @@ KernelOnly DecodeKernelOnlyUs(const DecodeBuffers& b, int64_t keys, int page) {
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   cudaStreamDestroy(st);
-  for (void* p : {k, v, o, ws, dlens, dtable}) {
+  for (void* p : {k, v, o, ws, static_cast<void*>(counters), dlens, dtable}) {
     if (p != nullptr) CUDA_OR_DIE(cudaFree(p));
   }
   return r;

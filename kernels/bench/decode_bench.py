@@ -59,10 +59,12 @@ class Decode:
                                                ctypes.POINTER(vp), ctypes.c_char_p, ctypes.c_size_t]
         L.attnd_decode_plan_workspace_bytes.restype = ctypes.c_size_t
         L.attnd_decode_plan_workspace_bytes.argtypes = [vp]
+        L.attnd_decode_plan_counter_bytes.restype = ctypes.c_size_t
+        L.attnd_decode_plan_counter_bytes.argtypes = [vp]
         L.attnd_decode_plan_num_splits.restype = ctypes.c_int
         L.attnd_decode_plan_num_splits.argtypes = [vp]
         L.attnd_decode_launch.restype = ctypes.c_int
-        L.attnd_decode_launch.argtypes = [vp] * 8 + [vp, vp, ctypes.c_char_p, ctypes.c_size_t]
+        L.attnd_decode_launch.argtypes = [vp] * 8 + [vp, vp, vp, ctypes.c_char_p, ctypes.c_size_t]
         L.attnd_decode_plan_destroy.argtypes = [vp]
         self.err = ctypes.create_string_buffer(1024)
 
@@ -76,10 +78,11 @@ class Decode:
             raise RuntimeError(self.err.value.decode())
         return out
 
-    def launch(self, plan, q, k, v, o, lens, table, ws, stream):
+    def launch(self, plan, q, k, v, o, lens, table, ws, counters, stream):
+        ptr = lambda t: t.data_ptr() if t is not None else None
         rc = self.lib.attnd_decode_launch(plan, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None,
-                                          lens.data_ptr(), table.data_ptr() if table is not None else None,
-                                          ws.data_ptr() if ws is not None else None, stream, self.err, len(self.err))
+                                          lens.data_ptr(), ptr(table), ptr(ws), ptr(counters), stream, self.err,
+                                          len(self.err))
         if rc != 0:
             raise RuntimeError(self.err.value.decode())
 
@@ -206,7 +209,10 @@ def run_case(dec, name, B, L, Hq, Hkv, q_len, storages, num_splits):
             continue
         ws_bytes = dec.lib.attnd_decode_plan_workspace_bytes(plan)
         ws = torch.empty(max(ws_bytes, 16), dtype=torch.uint8, device="cuda") if ws_bytes else None
-        fn = lambda: dec.launch(plan, q, kk, vv, o, lens, table, ws, stream)
+        counter_bytes = dec.lib.attnd_decode_plan_counter_bytes(plan)
+        # Zeroed once: every launch leaves its split counters zero.
+        counters = torch.zeros(counter_bytes // 4, dtype=torch.int32, device="cuda") if counter_bytes else None
+        fn = lambda: dec.launch(plan, q, kk, vv, o, lens, table, ws, counters, stream)
         fn()
         torch.cuda.synchronize()
         diff = (o.float() - ref).abs().max().item()
@@ -217,7 +223,7 @@ def run_case(dec, name, B, L, Hq, Hkv, q_len, storages, num_splits):
             entry["ms"] = triton.testing.do_bench(fn, return_mode="median")
         row["ours"][storage] = entry
         dec.lib.attnd_decode_plan_destroy(plan)
-        del kk, vv, ws
+        del kk, vv, ws, counters
     del q, k, v, ref
     torch.cuda.empty_cache()
     return row

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -521,34 +522,61 @@ TEST_P(GpuDecodeTest, MatchesReference) {
   }
   CUDA_OK(lens_d.Upload(c.lens));
 
-  auto run = [&](int num_splits, Outputs& out, int* splits_used) {
+  // fused_merge: -1 the plan's choice, 0 the merge kernel, 1 the last split block merges.
+  auto run = [&](int num_splits, int fused_merge, Outputs& out, int* splits_used, bool* merged_in_kernel) {
     DecodeOptions options;
     options.num_splits = num_splits;
+    if (fused_merge >= 0) options.max_fused_merge_bytes = fused_merge == 1 ? SIZE_MAX : 0;
     absl::StatusOr<DecodePlan> plan = MakeDecodePlan(l, c.lens, h.table, options);
     ASSERT_TRUE(plan.ok()) << plan.status();
     *splits_used = plan->max_splits;
+    *merged_in_kernel = plan->merge_in_kernel;
     DeviceBuffer<uint8_t> ws;
     CUDA_OK(ws.Alloc(plan->workspace_bytes));
-    CUDA_OK(cudaMemset(ws.ptr, 0xFF, std::max<size_t>(plan->workspace_bytes, 1)));  // NaN partials
-    CUDA_OK(cudaMemset(o.ptr, 0xFF, h.o_elems * sizeof(uint16_t)));
-    CUDA_OK(cudaMemset(lse.ptr, 0xFF, lse.count * sizeof(float)));
+    DeviceBuffer<int32_t> counters;
+    const size_t n_counters = plan->counter_bytes / sizeof(int32_t);
+    CUDA_OK(counters.Alloc(n_counters));
+    CUDA_OK(cudaMemset(counters.ptr, 0, std::max<size_t>(plan->counter_bytes, 1)));
     const DecodeTensors t{q.ptr, k.ptr, v.ptr, o.ptr, lse.ptr, lens_d.ptr, table_d.ptr};
-    absl::Status st = LaunchDecode(*plan, t, plan->workspace_bytes > 0 ? ws.ptr : nullptr, nullptr);
-    ASSERT_TRUE(st.ok()) << st;
-    CUDA_OK(cudaDeviceSynchronize());
+    const DecodeWorkspace w{plan->workspace_bytes > 0 ? ws.ptr : nullptr, n_counters > 0 ? counters.ptr : nullptr};
+    // Twice, poisoned before each: the second launch runs on the counters the first left, which must be zero.
+    for (int launch = 0; launch < 2; ++launch) {
+      CUDA_OK(cudaMemset(ws.ptr, 0xFF, std::max<size_t>(plan->workspace_bytes, 1)));  // NaN partials
+      CUDA_OK(cudaMemset(o.ptr, 0xFF, h.o_elems * sizeof(uint16_t)));
+      CUDA_OK(cudaMemset(lse.ptr, 0xFF, lse.count * sizeof(float)));
+      absl::Status st = LaunchDecode(*plan, t, w, nullptr);
+      ASSERT_TRUE(st.ok()) << st;
+      CUDA_OK(cudaDeviceSynchronize());
+      std::vector<int32_t> left(n_counters);
+      CUDA_OK(counters.Download(left));
+      for (size_t i = 0; i < left.size(); ++i) ASSERT_EQ(left[i], 0) << "split counter " << i << " after launch " << launch;
+    }
     CUDA_OK(o.Download(out.o));
     CUDA_OK(lse.Download(out.lse));
   };
 
   Outputs split_out;
   int splits = 0;
-  run(c.num_splits, split_out, &splits);
+  bool fused = false;
+  run(c.num_splits, -1, split_out, &splits, &fused);
   if (HasFatalFailure()) return;
-  Check(h, c.lens, refs, split_out, "splits " + std::to_string(splits));
+  Check(h, c.lens, refs, split_out, "splits " + std::to_string(splits) + (fused ? ", merged in kernel" : ""));
+  if (splits > 1) {
+    // The other merge path on the same split.
+    Outputs other;
+    int same = 0;
+    bool other_fused = fused;
+    run(c.num_splits, fused ? 0 : 1, other, &same, &other_fused);
+    if (HasFatalFailure()) return;
+    ASSERT_EQ(same, splits);
+    ASSERT_NE(other_fused, fused);
+    Check(h, c.lens, refs, other, other_fused ? "merged in kernel" : "merge kernel");
+  }
   if (splits > 1 && c.compare_unsplit) {
     Outputs single;
     int one = 0;
-    run(1, single, &one);
+    bool unused = false;
+    run(1, -1, single, &one, &unused);
     if (HasFatalFailure()) return;
     ASSERT_EQ(one, 1);
     Check(h, c.lens, refs, single, "unsplit");
@@ -586,16 +614,32 @@ TEST(DecodeLaunchValidation, NamesTheBadTensor) {
   alignas(16) static float lse_buf[4];
   DecodeTensors t{buf, buf, buf, buf, lse_buf, len, nullptr};
   t.q = nullptr;
-  EXPECT_EQ(LaunchDecode(*plan, t, nullptr, nullptr).message().substr(0, 10), "tensors.q:");
+  EXPECT_EQ(LaunchDecode(*plan, t, {}, nullptr).message().substr(0, 10), "tensors.q:");
   t.q = buf;
   t.k = reinterpret_cast<const uint8_t*>(buf) + 2;
-  EXPECT_EQ(LaunchDecode(*plan, t, nullptr, nullptr).message().substr(0, 10), "tensors.k:");
+  EXPECT_EQ(LaunchDecode(*plan, t, {}, nullptr).message().substr(0, 10), "tensors.k:");
   t.k = buf;
   t.lse = nullptr;
-  EXPECT_EQ(LaunchDecode(*plan, t, nullptr, nullptr).message().substr(0, 12), "tensors.lse:");
+  EXPECT_EQ(LaunchDecode(*plan, t, {}, nullptr).message().substr(0, 12), "tensors.lse:");
   t.lse = lse_buf;
   t.kv_lens = nullptr;
-  EXPECT_EQ(LaunchDecode(*plan, t, nullptr, nullptr).message().substr(0, 16), "tensors.kv_lens:");
+  EXPECT_EQ(LaunchDecode(*plan, t, {}, nullptr).message().substr(0, 16), "tensors.kv_lens:");
+  t.kv_lens = len;
+
+  // A split plan that merges in the kernel needs both scratch buffers.
+  options.max_fused_merge_bytes = SIZE_MAX;
+  BatchLayout longer = l;
+  longer.k = longer.v = ContiguousStrides(256, 1, 64);
+  longer.kv_capacity = 256;
+  options.num_splits = 2;
+  absl::StatusOr<DecodePlan> split = MakeDecodePlan(longer, {256}, {}, options);
+  ASSERT_TRUE(split.ok()) << split.status();
+  ASSERT_GT(split->max_splits, 1);
+  ASSERT_TRUE(split->merge_in_kernel);
+  ASSERT_GT(split->counter_bytes, 0u);
+  alignas(16) static int32_t scratch[4];
+  EXPECT_EQ(LaunchDecode(*split, t, {}, nullptr).message().substr(0, 19), "workspace.partials:");
+  EXPECT_EQ(LaunchDecode(*split, t, {scratch, nullptr}, nullptr).message().substr(0, 19), "workspace.counters:");
 }
 
 // The gather: every key of every sequence comes from its page and row, in K and V, and the output rows past a

@@ -76,6 +76,7 @@ CudaDevice::~CudaDevice() {
   for (auto& s : slots_) {
     if (s->workspace.ptr != nullptr && device_mem_) device_mem_->Release(s->workspace);
     if (s->decode_workspace.ptr != nullptr && device_mem_) device_mem_->Release(s->decode_workspace);
+    if (s->decode_counters.ptr != nullptr && device_mem_) device_mem_->Release(s->decode_counters);
     for (cudaEvent_t e : s->ev) {
       if (e) cudaEventDestroy(e);
     }

@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "attnd/kernels/attention.h"
+#include "attnd/kernels/decode.h"
 #include "attnd/server/backend.h"
 #include "attnd/server/copy_pool.h"
 #include "attnd/server/cuda/block_cache.h"
@@ -181,8 +182,11 @@ class CudaDevice {
     // The kernels' scratch memory (kernels::Plan::workspace_bytes), from the device budget: see SlotWorkspace.
     Block workspace;
     // The decode kernels' split partials (kernels::decode::DecodePlan::workspace_bytes): apart from `workspace`,
-    // which the prefill kernels need zero, while a decode launch leaves its workspace written.
+    // which the prefill kernels need zero, while a decode launch leaves its partials written.
     Block decode_workspace;
+    // The decode kernels' split counters (DecodePlan::counter_bytes): zeroed when allocated; every launch
+    // leaves them zero.
+    Block decode_counters;
   };
 
   // A device block and a pinned block of `bytes` each, or neither.
@@ -238,8 +242,10 @@ class CudaDevice {
   absl::Status EnqueueAttention(StepWork& w);
   absl::Status CollectSteps(StepWork& w);
   void ReleaseSteps(StepWork& w);
-  // The decode workspace of `slot`, grown when `bytes` is more than it holds (between batches, as SlotWorkspace).
-  absl::StatusOr<void*> SlotDecodeWorkspace(Slot& slot, size_t bytes);
+  // The decode scratch of `slot` for plans of at most `partial_bytes` / `counter_bytes`, each grown when it holds
+  // less (between batches, as SlotWorkspace); new counters are zeroed on `stream`.
+  absl::StatusOr<kernels::decode::DecodeWorkspace> SlotDecodeWorkspace(Slot& slot, size_t partial_bytes,
+                                                                       size_t counter_bytes, cudaStream_t stream);
 
   const int index_;
   const BackendOptions options_;

@@ -574,7 +574,7 @@ absl::Status CudaDevice::EnqueueAttention(StepWork& w) {
     std::string name;
   };
   std::vector<Launch> launches;
-  size_t decode_ws = 0;
+  size_t decode_ws = 0, decode_counters = 0;
   const kernels::Plan* largest_prefill = nullptr;
   const uint64_t gather_half = w.gather.ptr != nullptr ? w.gather.size / 2 : 0;
   uint8_t* gather_k = static_cast<uint8_t*>(w.gather.ptr);
@@ -615,6 +615,7 @@ absl::Status CudaDevice::EnqueueAttention(StepWork& w) {
       if (!plan.ok()) return absl::InternalError(absl::StrCat("steps: decode: ", plan.status().message()));
       l.decode_plan = *plan;
       decode_ws = std::max(decode_ws, plan->workspace_bytes);
+      decode_counters = std::max(decode_counters, plan->counter_bytes);
       l.name = absl::StrCat("decode_paged_d", w.head_dim, "_q", tokens);
     } else {
       // A long query runs on the prefill kernels, which read contiguous K/V: its own new rows when the sequence
@@ -662,7 +663,7 @@ absl::Status CudaDevice::EnqueueAttention(StepWork& w) {
       largest_prefill = &l.prefill_plan;
     }
   }
-  absl::StatusOr<void*> dws = SlotDecodeWorkspace(w.slot, decode_ws);
+  absl::StatusOr<kernels::decode::DecodeWorkspace> dws = SlotDecodeWorkspace(w.slot, decode_ws, decode_counters, st);
   if (!dws.ok()) return dws.status();
   void* pws = nullptr;
   if (largest_prefill != nullptr) {
@@ -753,16 +754,28 @@ void CudaDevice::ReleaseSteps(StepWork& w) {
   w.gather = Block{};
 }
 
-absl::StatusOr<void*> CudaDevice::SlotDecodeWorkspace(Slot& slot, size_t bytes) {
-  if (bytes == 0) return nullptr;
-  if (slot.decode_workspace.size < bytes) {
+absl::StatusOr<kernels::decode::DecodeWorkspace> CudaDevice::SlotDecodeWorkspace(Slot& slot, size_t partial_bytes,
+                                                                                   size_t counter_bytes,
+                                                                                   cudaStream_t stream) {
+  if (partial_bytes == 0 && counter_bytes == 0) return kernels::decode::DecodeWorkspace{};
+  if (slot.decode_workspace.size < partial_bytes) {
     device_mem_->Release(slot.decode_workspace);
     slot.decode_workspace = Block{};
-    absl::StatusOr<Block> b = device_mem_->Acquire(bytes);
+    absl::StatusOr<Block> b = device_mem_->Acquire(partial_bytes);
     if (!b.ok()) return b.status();
     slot.decode_workspace = *b;
   }
-  return slot.decode_workspace.ptr;
+  if (slot.decode_counters.size < counter_bytes) {
+    device_mem_->Release(slot.decode_counters);
+    slot.decode_counters = Block{};
+    absl::StatusOr<Block> b = device_mem_->Acquire(counter_bytes);
+    if (!b.ok()) return b.status();
+    slot.decode_counters = *b;
+    ATTND_RETURN_IF_ERROR(CudaStatus("zeroing the decode split counters",
+                                     cudaMemsetAsync(slot.decode_counters.ptr, 0, slot.decode_counters.size, stream)));
+  }
+  return kernels::decode::DecodeWorkspace{slot.decode_workspace.ptr,
+                                          static_cast<int32_t*>(slot.decode_counters.ptr)};
 }
 
 }  // namespace attnd::server::cuda

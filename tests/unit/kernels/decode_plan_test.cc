@@ -234,6 +234,7 @@ TEST(DecodeSplitHeuristic, TheOptionOverridesIt) {
   ASSERT_TRUE(one.ok()) << one.status();
   EXPECT_EQ(one->max_splits, 1);
   EXPECT_EQ(one->workspace_bytes, 0u);
+  EXPECT_EQ(one->counter_bytes, 0u);
   o.num_splits = 5;
   absl::StatusOr<DecodePlan> five = MakeDecodePlan(Contiguous(2, 4, 8, 2, 64, 4096), lens, {}, o);
   ASSERT_TRUE(five.ok()) << five.status();
@@ -243,6 +244,18 @@ TEST(DecodeSplitHeuristic, TheOptionOverridesIt) {
   const size_t rows = 2 * 5 * 4 * 8;
   EXPECT_GE(five->workspace_bytes, rows * 64 * 4 + rows * 4);
   EXPECT_LE(five->workspace_bytes, rows * 64 * 4 + rows * 4 + 256);
+  // 16 rows x 5 splits x 64 x 4 bytes = 20 KB of partials per block: merged in the kernel, with one counter per
+  // (sequence, kv head, row block): 2 x 2 x 1 (a group of 4 x q_len 4 fills one 16-row block).
+  EXPECT_EQ(five->m_blocks, 1);
+  EXPECT_TRUE(five->merge_in_kernel);
+  EXPECT_EQ(five->counter_bytes, 2u * 2 * 1 * sizeof(int32_t));
+  // Above the option's bytes the merge kernel does it, without counters.
+  o.max_fused_merge_bytes = 16 * 5 * 64 * 4 - 1;
+  absl::StatusOr<DecodePlan> kernel = MakeDecodePlan(Contiguous(2, 4, 8, 2, 64, 4096), lens, {}, o);
+  ASSERT_TRUE(kernel.ok()) << kernel.status();
+  EXPECT_FALSE(kernel->merge_in_kernel);
+  EXPECT_EQ(kernel->counter_bytes, 0u);
+  EXPECT_EQ(kernel->workspace_bytes, five->workspace_bytes);
 }
 
 TEST(DecodeSplitHeuristic, RowBlocksCoverTheGroupTimesQLen) {

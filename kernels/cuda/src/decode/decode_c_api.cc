@@ -80,15 +80,19 @@ size_t attnd_decode_plan_workspace_bytes(const attnd_decode_plan* plan) {
   return plan == nullptr ? 0 : plan->plan.workspace_bytes;
 }
 
+size_t attnd_decode_plan_counter_bytes(const attnd_decode_plan* plan) {
+  return plan == nullptr ? 0 : plan->plan.counter_bytes;
+}
+
 int attnd_decode_plan_num_splits(const attnd_decode_plan* plan) { return plan == nullptr ? 0 : plan->plan.max_splits; }
 
 int attnd_decode_launch(const attnd_decode_plan* plan, const void* q, const void* k, const void* v, void* o,
                         float* lse, const int32_t* kv_lens, const int32_t* block_table, void* workspace,
-                        void* stream, char* err, size_t err_len) {
+                        int32_t* counters, void* stream, char* err, size_t err_len) {
   if (plan == nullptr) return Fail(absl::InvalidArgumentError("plan: null"), err, err_len);
   const attnd::kernels::decode::DecodeTensors t{q, k, v, o, lse, kv_lens, block_table};
-  const absl::Status st =
-      attnd::kernels::decode::LaunchDecode(plan->plan, t, workspace, static_cast<cudaStream_t>(stream));
+  const absl::Status st = attnd::kernels::decode::LaunchDecode(plan->plan, t, {workspace, counters},
+                                                               static_cast<cudaStream_t>(stream));
   return st.ok() ? 0 : Fail(st, err, err_len);
 }
 

@@ -13,7 +13,7 @@
 // block barrier that also makes tile j visible. Every iteration commits a group (empty past the last tile),
 // so wait_group<kStages - 2> always means "tile j has landed".
 // Epilogue: one split writes O (normalised) and LSE; several write O / l and log2(l) + m per split to the
-// workspace for the merge kernel (merge_decode.cuh).
+// workspace, and the last of them to finish merges them, or the merge kernel does (merge_decode.cuh).
 #pragma once
 
 #include <math_constants.h>
@@ -22,6 +22,7 @@
 
 #include "decode_params.h"
 #include "load_kv_decode.cuh"
+#include "merge_decode.cuh"
 #include "mma_decode.cuh"
 #include "softmax_decode.cuh"
 
@@ -30,7 +31,7 @@ namespace attnd::kernels::decode {
 constexpr float kLn2 = 0.6931471805599453f;
 
 template <typename Tile, typename Elem>
-__global__ void __launch_bounds__(Tile::kThreads) DecodeKernel(const DecodeParams p) {
+__global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeKernel(const DecodeParams p) {
   constexpr int D = Tile::kHeadDim, BN = Tile::kBlockN, S = Tile::kStages, R = Tile::kRowBlock;
   constexpr int KW = Tile::kKeysPerWarp, WN = Tile::kWarpsN;
   constexpr int kKSteps = D / 16;   // k-steps of QK^T
@@ -82,10 +83,10 @@ __global__ void __launch_bounds__(Tile::kThreads) DecodeKernel(const DecodeParam
       CpAsync16(SmemAddr(q_s + SwizzledOffset<kRowBytes>(r, chunk)), (valid ? q_row(gr) : q) + chunk * 8, valid);
     }
   }
+  Loader loader(p, b, kvh, key_begin, key_end);
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
-    if (st < n_tiles) Loader::Load(p, b, kvh, key_begin + st * BN, key_end, k_s + st * Tile::kKVTileBytes,
-                                   v_s + st * Tile::kKVTileBytes);
+    if (st < n_tiles) loader.Load(key_begin + st * BN, k_s + st * Tile::kKVTileBytes, v_s + st * Tile::kKVTileBytes);
     CpAsyncCommit();
   }
 
@@ -114,8 +115,9 @@ __global__ void __launch_bounds__(Tile::kThreads) DecodeKernel(const DecodeParam
     CpAsyncWait<S - 2>();
     __syncthreads();
     const int jn = j + S - 1;
-    if (jn < n_tiles) Loader::Load(p, b, kvh, key_begin + jn * BN, key_end, k_s + (jn % S) * Tile::kKVTileBytes,
-                                   v_s + (jn % S) * Tile::kKVTileBytes);
+    if (jn < n_tiles) {
+      loader.Load(key_begin + jn * BN, k_s + (jn % S) * Tile::kKVTileBytes, v_s + (jn % S) * Tile::kKVTileBytes);
+    }
     CpAsyncCommit();
 
     const uint8_t* k_tile = k_s + (j % S) * Tile::kKVTileBytes;
@@ -241,6 +243,27 @@ __global__ void __launch_bounds__(Tile::kThreads) DecodeKernel(const DecodeParam
           make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
       if (c == 0) p.lse_part[part] = lse2;
     }
+  }
+  if (n_splits == 1 || !p.merge_in_kernel) return;
+
+  // The last split of this (sequence, kv head, row block) to finish merges them all, so no second launch waits
+  // for the grid: every thread fences its partials before the block counts itself done, and the counter is
+  // left at zero for the next launch once all n_splits have counted.
+  __shared__ int merges_here;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    int32_t* counter = p.split_counters + static_cast<int64_t>(b) * gridDim.y + blockIdx.y;
+    merges_here = atomicAdd(counter, 1) == n_splits - 1;
+    if (merges_here) *counter = 0;
+  }
+  __syncthreads();
+  if (!merges_here) return;
+  __threadfence();
+  for (int item = tid; item < R * kQuads; item += Tile::kThreads) {
+    const int r = mb * R + item / kQuads, c = (item % kQuads) * 4;
+    if (r >= p.rows) continue;
+    MergeSplitsRow<D, Elem>(p, b, r / p.group, kvh * p.group + r % p.group, c, n_splits);
   }
 }
 

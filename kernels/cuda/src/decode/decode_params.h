@@ -15,6 +15,7 @@ struct DecodeParams {
   const int32_t* block_table = nullptr;  // null: contiguous K/V
   float* o_part = nullptr;              // [batch, max_splits, q_len, q_heads, head_dim]: O / l of each split
   float* lse_part = nullptr;            // [batch, max_splits, q_len, q_heads]: log2 of each split's sum
+  int32_t* split_counters = nullptr;    // [batch, kv_heads * m_blocks]: splits done; zero between launches
   int64_t q_sb = 0, q_ss = 0, q_sh = 0;  // element strides
   int64_t o_sb = 0, o_ss = 0, o_sh = 0;
   int64_t k_sb = 0, k_ss = 0, k_sh = 0;  // paged: page, row, head
@@ -28,6 +29,7 @@ struct DecodeParams {
   int max_pages_per_seq = 0;
   int split_keys = 0;
   int max_splits = 1;
+  int merge_in_kernel = 0;  // the last split block to finish merges (with split_counters); 0: a merge kernel does
 };
 
 // Splits of a sequence of kv_len keys; the plan's split decision applied to the length read at launch.

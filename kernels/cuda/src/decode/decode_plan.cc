@@ -28,6 +28,21 @@ absl::Status Invalid(const std::string& field, const std::string& why) {
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
 
+// The split workspace: every split's fp32 O, then its log2 sums.
+struct WorkspaceLayout {
+  size_t lse_offset = 0;
+  size_t bytes = 0;
+};
+
+WorkspaceLayout LayoutWorkspace(const DecodePlan& plan) {
+  const BatchLayout& l = plan.layout;
+  const size_t rows = static_cast<size_t>(l.batch) * plan.max_splits * l.q_len * l.q_heads;
+  WorkspaceLayout w;
+  w.lse_offset = RoundUp(rows * l.head_dim * sizeof(float), kWorkspaceAlign);
+  w.bytes = w.lse_offset + rows * sizeof(float);
+  return w;
+}
+
 int Log2(int x) {
   int s = 0;
   while ((1 << s) < x) ++s;
@@ -202,14 +217,19 @@ absl::StatusOr<DecodePlan> MakeDecodePlan(const BatchLayout& layout, absl::Span<
   plan.split_keys = static_cast<int>(split_keys);
 
   if (plan.max_splits > 1) {
-    const size_t rows = static_cast<size_t>(l.batch) * plan.max_splits * l.q_len * l.q_heads;
-    const size_t o_bytes = (rows * l.head_dim * sizeof(float) + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
-    plan.workspace_bytes = o_bytes + rows * sizeof(float);
+    plan.workspace_bytes = LayoutWorkspace(plan).bytes;
+    const size_t merged_bytes = static_cast<size_t>(std::min(plan.rows, plan.row_block)) * plan.max_splits *
+                                l.head_dim * sizeof(float);
+    plan.merge_in_kernel = merged_bytes <= options.max_fused_merge_bytes;
+    if (plan.merge_in_kernel) {
+      plan.counter_bytes = static_cast<size_t>(l.batch) * l.kv_heads * plan.m_blocks * sizeof(int32_t);
+    }
   }
   return plan;
 }
 
-absl::Status LaunchDecode(const DecodePlan& plan, const DecodeTensors& t, void* workspace, cudaStream_t stream) {
+absl::Status LaunchDecode(const DecodePlan& plan, const DecodeTensors& t, const DecodeWorkspace& workspace,
+                          cudaStream_t stream) {
   const BatchLayout& l = plan.layout;
   if (plan.rows == 0) return absl::FailedPreconditionError("plan: not made by MakeDecodePlan");
   if (absl::Status st = CheckPointer("tensors.q", t.q, true); !st.ok()) return st;
@@ -220,7 +240,15 @@ absl::Status LaunchDecode(const DecodePlan& plan, const DecodeTensors& t, void* 
   if (t.kv_lens == nullptr) return Invalid("tensors.kv_lens", "null");
   const bool paged = l.kv_storage == KvStorage::kPaged;
   if (paged && t.block_table == nullptr) return Invalid("tensors.block_table", "null for paged KV");
-  if (absl::Status st = CheckPointer("workspace", workspace, plan.workspace_bytes > 0); !st.ok()) return st;
+  if (absl::Status st = CheckPointer("workspace.partials", workspace.partials, plan.workspace_bytes > 0); !st.ok()) {
+    return st;
+  }
+  if (plan.counter_bytes > 0 && workspace.counters == nullptr) {
+    return Invalid("workspace.counters", "null but the plan splits");
+  }
+  if (reinterpret_cast<uintptr_t>(workspace.counters) % alignof(int32_t) != 0) {
+    return Invalid("workspace.counters", "not 4-byte aligned");
+  }
 
   DecodeParams p;
   p.q = t.q;
@@ -231,10 +259,9 @@ absl::Status LaunchDecode(const DecodePlan& plan, const DecodeTensors& t, void* 
   p.kv_lens = t.kv_lens;
   p.block_table = paged ? t.block_table : nullptr;
   if (plan.max_splits > 1) {
-    const size_t rows = static_cast<size_t>(l.batch) * plan.max_splits * l.q_len * l.q_heads;
-    const size_t o_bytes = (rows * l.head_dim * sizeof(float) + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
-    p.o_part = static_cast<float*>(workspace);
-    p.lse_part = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + o_bytes);
+    p.split_counters = workspace.counters;
+    p.o_part = static_cast<float*>(workspace.partials);
+    p.lse_part = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace.partials) + LayoutWorkspace(plan).lse_offset);
   }
   p.q_sb = l.q.batch, p.q_ss = l.q.seq, p.q_sh = l.q.head;
   p.o_sb = l.o.batch, p.o_ss = l.o.seq, p.o_sh = l.o.head;
@@ -253,6 +280,7 @@ absl::Status LaunchDecode(const DecodePlan& plan, const DecodeTensors& t, void* 
   p.max_pages_per_seq = paged ? l.paged.max_pages_per_seq : 0;
   p.split_keys = plan.split_keys;
   p.max_splits = plan.max_splits;
+  p.merge_in_kernel = plan.merge_in_kernel ? 1 : 0;
 
   const dim3 grid(static_cast<unsigned>(plan.max_splits), static_cast<unsigned>(l.kv_heads * plan.m_blocks),
                   static_cast<unsigned>(l.batch));
@@ -269,7 +297,7 @@ absl::Status LaunchDecode(const DecodePlan& plan, const DecodeTensors& t, void* 
       break;
   }
   if (absl::Status st = FromCuda(err, "decode kernel launch"); !st.ok()) return st;
-  if (plan.max_splits > 1) {
+  if (plan.max_splits > 1 && !plan.merge_in_kernel) {
     return FromCuda(LaunchMergeSplits(p, l.dtype, l.head_dim, stream), "decode merge launch");
   }
   return absl::OkStatus();

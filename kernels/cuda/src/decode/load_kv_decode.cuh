@@ -1,7 +1,9 @@
 // Load role: K/V tiles of kBlockN keys gathered into shared memory with 16-byte cp.async, for contiguous and
-// paged KV alike. A thread copies whole 16-byte chunks; consecutive threads take consecutive chunks of one
-// key row, so each warp reads whole head rows (coalesced). For paged KV a key's row is found through the block
-// table (page = table[key >> page_shift], row = key & (page_size - 1)); the table row is tiny and cached.
+// paged KV alike. A thread copies one 16-byte chunk column of kRowsPerThread consecutive keys; the 16 (d128)
+// threads of a row cover it whole, so each warp reads whole head rows (coalesced).
+// Paged KV: kRowsPerThread (at most 8) divides the smallest page (16 keys), so a thread's keys of a tile lie
+// in one page and it reads one block-table slot per tile. That slot is read one tile ahead, so the table's
+// latency passes under a tile of compute instead of stalling the copies it addresses.
 #pragma once
 
 #include <cstdint>
@@ -11,52 +13,75 @@
 
 namespace attnd::kernels::decode {
 
-// Element offset of key `key`'s row of kv head `kvh` in sequence `b`, K and V alike up to the strides.
-struct KvRowOffsets {
-  int64_t k = 0;
-  int64_t v = 0;
-};
-
-__device__ __forceinline__ KvRowOffsets KvRow(const DecodeParams& p, int b, int kvh, int key) {
-  int64_t slot, row;
-  if (p.block_table != nullptr) {
-    slot = __ldg(p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq + (key >> p.page_shift));
-    row = key & ((1 << p.page_shift) - 1);
-  } else {
-    slot = b;
-    row = key;
-  }
-  return KvRowOffsets{slot * p.k_sb + row * p.k_ss + kvh * p.k_sh, slot * p.v_sb + row * p.v_ss + kvh * p.v_sh};
-}
-
 template <typename Tile>
-struct KvTileLoader {
+class KvTileLoader {
+ public:
   static constexpr int kChunksPerRow = Tile::kHeadDim / 8;
-  static constexpr int kChunks = Tile::kBlockN * kChunksPerRow;
-  static constexpr int kIters = kChunks / Tile::kThreads;
-  static_assert(kChunks % Tile::kThreads == 0, "every thread copies the same number of chunks");
-  static_assert(Tile::kThreads % kChunksPerRow == 0, "a thread keeps its chunk column across iterations");
+  static constexpr int kRowGroups = Tile::kThreads / kChunksPerRow;  // threads along the keys
+  static constexpr int kRowsPerThread = Tile::kBlockN / kRowGroups;
+  static_assert(Tile::kThreads % kChunksPerRow == 0, "a thread keeps its chunk column across a tile");
+  static_assert(Tile::kBlockN % kRowGroups == 0, "every thread copies the same number of rows");
+  static_assert(16 % kRowsPerThread == 0, "a thread's rows of a tile lie in one page of the smallest size");
+
+  // Tiles are then loaded in order from key_begin, one Load per tile.
+  __device__ __forceinline__ KvTileLoader(const DecodeParams& p, int b, int kvh, int key_begin, int key_end)
+      : chunk_(threadIdx.x % kChunksPerRow),
+        row0_(threadIdx.x / kChunksPerRow * kRowsPerThread),
+        key_end_(key_end),
+        k_ss_(p.k_ss),
+        v_ss_(p.v_ss),
+        k_(static_cast<const uint16_t*>(p.k) + kvh * p.k_sh + chunk_ * 8),
+        v_(static_cast<const uint16_t*>(p.v) + kvh * p.v_sh + chunk_ * 8) {
+    if (p.block_table != nullptr) {
+      table_ = p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq;
+      page_shift_ = p.page_shift;
+      k_sb_ = p.k_sb;
+      v_sb_ = p.v_sb;
+      next_slot_ = SlotOf(key_begin + row0_);
+    } else {
+      k_ += b * p.k_sb;
+      v_ += b * p.v_sb;
+    }
+  }
 
   // Issues the copies of keys [key0, key0 + kBlockN) into one K and one V stage; keys at or past key_end are
   // zero-filled without touching global memory.
-  __device__ __forceinline__ static void Load(const DecodeParams& p, int b, int kvh, int key0, int key_end,
-                                              uint8_t* k_stage, uint8_t* v_stage) {
-    const int tid = threadIdx.x;
-    const int chunk = tid % kChunksPerRow;
-    const uint16_t* k = static_cast<const uint16_t*>(p.k);
-    const uint16_t* v = static_cast<const uint16_t*>(p.v);
+  __device__ __forceinline__ void Load(int key0, uint8_t* k_stage, uint8_t* v_stage) {
+    const int key = key0 + row0_;
+    int64_t k_off, v_off;
+    if (table_ != nullptr) {
+      const int64_t slot = next_slot_;
+      next_slot_ = SlotOf(key + Tile::kBlockN);
+      const int64_t row = key & ((1 << page_shift_) - 1);
+      k_off = slot * k_sb_ + row * k_ss_;
+      v_off = slot * v_sb_ + row * v_ss_;
+    } else {
+      k_off = key * k_ss_;
+      v_off = key * v_ss_;
+    }
 #pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int row = tid / kChunksPerRow + it * (Tile::kThreads / kChunksPerRow);
-      const int key = key0 + row;
-      const bool valid = key < key_end;
-      KvRowOffsets off;
-      if (valid) off = KvRow(p, b, kvh, key);
-      const uint32_t s = SwizzledOffset<Tile::kRowBytes>(row, chunk);
-      CpAsync16(SmemAddr(k_stage + s), k + off.k + chunk * 8, valid);
-      CpAsync16(SmemAddr(v_stage + s), v + off.v + chunk * 8, valid);
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const bool valid = key + i < key_end_;
+      const uint32_t s = SwizzledOffset<Tile::kRowBytes>(row0_ + i, chunk_);
+      CpAsync16(SmemAddr(k_stage + s), k_ + k_off + i * k_ss_, valid);
+      CpAsync16(SmemAddr(v_stage + s), v_ + v_off + i * v_ss_, valid);
     }
   }
+
+ private:
+  // The page slot of `key`; 0 (never dereferenced: its rows are zero-filled) past the split's keys.
+  __device__ __forceinline__ int64_t SlotOf(int key) const {
+    return key < key_end_ ? __ldg(table_ + (key >> page_shift_)) : 0;
+  }
+
+  int chunk_, row0_, key_end_;
+  int64_t k_ss_, v_ss_;
+  const uint16_t* k_;
+  const uint16_t* v_;
+  const int32_t* table_ = nullptr;
+  int page_shift_ = 0;
+  int64_t k_sb_ = 0, v_sb_ = 0;
+  int64_t next_slot_ = 0;
 };
 
 }  // namespace attnd::kernels::decode

@@ -1,8 +1,10 @@
-// Merge role: combines the splits of each query row through their LSEs, exactly, in fp32:
+// Merge role: combines the splits of a query row through their LSEs, exactly, in fp32:
 //   lse = log2(sum_s 2^lse_s),  O = sum_s 2^(lse_s - lse) * O_s
 // where O_s is split s's normalised output and lse_s the log2 of its softmax sum (scaled scores, log2 domain).
-// A split with no visible key has lse_s = -inf and weight 0. Sequences planned into one split were written
-// by the decode kernel directly and are skipped.
+// A split with no visible key has lse_s = -inf and weight 0. It runs either in the decode kernel's last block of
+// each (sequence, kv head, row block) to finish, or, when that block would merge too many bytes alone, in a
+// kernel of its own over every row. Partials are read from L2 (ld.global.cg): in the decode kernel they were
+// written by other SMs, and this SM's L1 may still hold lines of the same workspace from an earlier launch.
 #pragma once
 
 #include <math_constants.h>
@@ -14,36 +16,27 @@
 
 namespace attnd::kernels::decode {
 
-constexpr int kMergeThreads = 128;
-
-// Each thread owns 4 columns of one row; a block holds kMergeThreads / (D / 4) rows.
+// Writes O (4 columns from c) and, for c == 0, the LSE of query position `pos`, q head `qh` of sequence b,
+// from its n splits' partials.
 template <int D, typename Elem>
-__global__ void __launch_bounds__(kMergeThreads) MergeSplitsKernel(const DecodeParams p) {
-  constexpr int kThreadsPerRow = D / 4;
-  constexpr int kRowsPerBlock = kMergeThreads / kThreadsPerRow;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kThreadsPerRow;
-  const int c = (threadIdx.x % kThreadsPerRow) * 4;
+__device__ __forceinline__ void MergeSplitsRow(const DecodeParams& p, int b, int pos, int qh, int c, int n) {
   const int64_t per_seq = static_cast<int64_t>(p.q_len) * p.q_heads;  // rows of a split: (pos, q head)
-  if (row >= p.batch * per_seq) return;
-  const int b = static_cast<int>(row / per_seq);
-  const int64_t within = row - b * per_seq;
-  const int pos = static_cast<int>(within / p.q_heads), qh = static_cast<int>(within % p.q_heads);
-  const int n = SplitsFor(p.kv_lens[b], p.split_keys, p.max_splits);
-  if (n == 1) return;
-
-  const int64_t first = static_cast<int64_t>(b) * p.max_splits * per_seq + within;
+  const int64_t first = static_cast<int64_t>(b) * p.max_splits * per_seq + static_cast<int64_t>(pos) * p.q_heads + qh;
   float mx = -CUDART_INF_F;
-  for (int s = 0; s < n; ++s) mx = fmaxf(mx, p.lse_part[first + s * per_seq]);
+#pragma unroll 8
+  for (int s = 0; s < n; ++s) mx = fmaxf(mx, __ldcg(p.lse_part + first + s * per_seq));
   float sum = 0.f;
   if (mx != -CUDART_INF_F) {
-    for (int s = 0; s < n; ++s) sum += exp2f(p.lse_part[first + s * per_seq] - mx);
+#pragma unroll 8
+    for (int s = 0; s < n; ++s) sum += exp2f(__ldcg(p.lse_part + first + s * per_seq) - mx);
   }
   const float lse2 = sum > 0.f ? mx + log2f(sum) : -CUDART_INF_F;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   if (sum > 0.f) {
+#pragma unroll 4
     for (int s = 0; s < n; ++s) {
-      const float w = exp2f(p.lse_part[first + s * per_seq] - lse2);
-      const float4 x = *reinterpret_cast<const float4*>(p.o_part + (first + s * per_seq) * D + c);
+      const float w = exp2f(__ldcg(p.lse_part + first + s * per_seq) - lse2);
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(p.o_part + (first + s * per_seq) * D + c));
       acc.x += w * x.x;
       acc.y += w * x.y;
       acc.z += w * x.z;
@@ -58,6 +51,26 @@ __global__ void __launch_bounds__(kMergeThreads) MergeSplitsKernel(const DecodeP
   if (p.lse != nullptr && c == 0) {
     p.lse[(static_cast<int64_t>(b) * p.q_heads + qh) * p.q_len + pos] = lse2 * 0.6931471805599453f;
   }
+}
+
+constexpr int kMergeThreads = 128;
+
+// The merge as a kernel of its own: each thread owns 4 columns of one row (sequence, position, q head); a block
+// holds kMergeThreads / (D / 4) rows. Sequences planned into one split were written by the decode kernel and are
+// skipped.
+template <int D, typename Elem>
+__global__ void __launch_bounds__(kMergeThreads) MergeSplitsKernel(const DecodeParams p) {
+  constexpr int kThreadsPerRow = D / 4;
+  constexpr int kRowsPerBlock = kMergeThreads / kThreadsPerRow;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kThreadsPerRow;
+  const int c = (threadIdx.x % kThreadsPerRow) * 4;
+  const int64_t per_seq = static_cast<int64_t>(p.q_len) * p.q_heads;
+  if (row >= p.batch * per_seq) return;
+  const int b = static_cast<int>(row / per_seq);
+  const int64_t within = row - b * per_seq;
+  const int n = SplitsFor(p.kv_lens[b], p.split_keys, p.max_splits);
+  if (n == 1) return;
+  MergeSplitsRow<D, Elem>(p, b, static_cast<int>(within / p.q_heads), static_cast<int>(within % p.q_heads), c, n);
 }
 
 }  // namespace attnd::kernels::decode

@@ -27,6 +27,9 @@ struct DecodeTile {
   static constexpr int kRowBytes = HeadDim * 2;
   static constexpr int kQBytes = kQInRegs ? 0 : RowBlock * kRowBytes;
   static constexpr int kKVTileBytes = BlockN * kRowBytes;  // one K or one V stage
+  // Blocks per SM the register allocation must leave room for: as many as shared memory lets reside on sm_90
+  // at d64 (three), two above; with no floor ptxas caps some shapes below what they need and spills.
+  static constexpr int kMinBlocksPerSm = HeadDim == 64 ? 3 : 2;
   static constexpr int kStageBytes = 2 * Stages * kKVTileBytes;
   // The epilogue reuses the whole buffer: per (warp column, row) the running max and sum, then its O in fp32
   // (rows padded by 4 floats against bank conflicts).

@@ -64,6 +64,11 @@ struct DecodeOptions {
   // (a shorter split costs more in its merge than it gains in parallelism).
   int target_blocks_per_sm = 2;
   int min_split_keys = 256;
+  // The most partial bytes (rows of a block x splits x head_dim x 4) the last block of a split sequence merges
+  // itself; above it a merge kernel spreads the merge over the GPU. In the kernel the merge costs no second
+  // launch and no wait for the whole grid, but one block per (sequence, kv head, row block) then reads all of
+  // its partials alone (docs/tuning.md, "Decode family").
+  size_t max_fused_merge_bytes = 64 * 1024;
 };
 
 // A validated layout with its split decision. Plain data; valid for any lengths up to the capacity the
@@ -79,7 +84,18 @@ struct DecodePlan {
                         // splits, at most max_splits, the last one taking the remainder
   int max_splits = 1;   // 1: no split, no merge, no workspace
   int sm_count = 0;
+  bool merge_in_kernel = false;  // the last block of each split sequence merges; false: a merge kernel runs after
   size_t workspace_bytes = 0;  // fp32 partial O and LSE of every split; 0 when max_splits == 1
+  size_t counter_bytes = 0;    // splits done per (sequence, kv head, row block); 0 unless merge_in_kernel
+};
+
+// A launch's scratch, owned by the caller. The partials need no initialisation. The counters must be zero when a
+// launch starts and every launch leaves them zero, so a buffer zeroed once when it is allocated serves any plan
+// whose counter_bytes it holds (partials and counters are apart so that no launch's partials land on them).
+// Neither may serve two launches in flight.
+struct DecodeWorkspace {
+  void* partials = nullptr;      // plan.workspace_bytes, 16-byte aligned; null when 0
+  int32_t* counters = nullptr;   // plan.counter_bytes, zero; null when 0
 };
 
 // Device pointers of one launch.
@@ -100,10 +116,10 @@ absl::StatusOr<DecodePlan> MakeDecodePlan(const BatchLayout& layout, absl::Span<
                                           absl::Span<const int32_t> block_table = {},
                                           const DecodeOptions& options = {});
 
-// Enqueues the attention kernel and, when the plan splits, the merge kernel on `stream` (current device).
-// workspace: plan.workspace_bytes bytes, 16-byte aligned (null when 0); needs no initialisation; one
-// workspace must not serve two launches in flight. Asynchronous errors surface at the caller's next sync.
-absl::Status LaunchDecode(const DecodePlan& plan, const DecodeTensors& tensors, void* workspace,
+// Enqueues the attention kernel on `stream` (current device); when the plan splits, the last block of each
+// (sequence, kv head, row block) to finish merges the splits, or (plan.merge_in_kernel false) a merge kernel
+// does. Asynchronous errors surface at the caller's next sync.
+absl::Status LaunchDecode(const DecodePlan& plan, const DecodeTensors& tensors, const DecodeWorkspace& workspace,
                           cudaStream_t stream);
 
 // Appending new K/V rows: new_k/new_v [batch, new_len, kv_heads, head_dim] are written to key positions

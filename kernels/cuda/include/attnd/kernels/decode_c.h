@@ -33,13 +33,17 @@ int attnd_decode_plan_create(const attnd_decode_layout* layout, const int32_t* k
                              int num_splits, int sm_count, attnd_decode_plan** out, char* err, size_t err_len);
 /* Bytes of workspace each launch needs (16-byte aligned; no initialisation needed). */
 size_t attnd_decode_plan_workspace_bytes(const attnd_decode_plan* plan);
+/* Bytes of split counters each launch needs (int32, 0 without splits). They must be zero when a launch starts and
+ * every launch leaves them zero: zero the buffer once when allocating it. Not the workspace's memory. */
+size_t attnd_decode_plan_counter_bytes(const attnd_decode_plan* plan);
 /* Splits of the longest sequence (1: no merge). */
 int attnd_decode_plan_num_splits(const attnd_decode_plan* plan);
-/* Enqueues the decode (and merge) kernels on `stream` (a cudaStream_t; NULL: the legacy default stream).
- * kv_lens and block_table are device pointers (block_table NULL for contiguous). */
+/* Enqueues the decode kernel (the last block of each split sequence merges it) on `stream` (a cudaStream_t;
+ * NULL: the legacy default stream). kv_lens and block_table are device pointers (block_table NULL for
+ * contiguous); workspace and counters as sized above (NULL when 0). */
 int attnd_decode_launch(const attnd_decode_plan* plan, const void* q, const void* k, const void* v, void* o,
                         float* lse, const int32_t* kv_lens, const int32_t* block_table, void* workspace,
-                        void* stream, char* err, size_t err_len);
+                        int32_t* counters, void* stream, char* err, size_t err_len);
 void attnd_decode_plan_destroy(attnd_decode_plan* plan);
 
 /* Writes new_k/new_v [batch, new_len, kv_heads, head_dim] (contiguous) into the cache described by `layout`
