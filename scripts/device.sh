@@ -19,7 +19,7 @@ usage:
       and packed into .carry/attnd.tar.xz. --base REV: REV's libattnd_kernels_c.so too, built in a temporary
       worktree, into .carry/base.tar.xz; --base-service: REV's attnd, attn and ipc_peer with it. Build trees
       under $BUILD_ROOT (build-device/), build type Release. Name .carry in the device call's carry.
-  scripts/device.sh kernels [test|sanitize|sass|bench|ab|seedbench|decode|decodebench]...
+  scripts/device.sh kernels [test|sanitize|sass|bench|ab|seedbench|decode|decodebench|raggedbench]...
                                                                           (default: test sanitize sass)
       On the GPU machine. test: gpu_attention_test, after a 30 s smoke run; sanitize: compute-sanitizer memcheck,
       racecheck and synccheck on small cases; sass: every Hopper kernel has HGMMA and no LDL/STL; bench: auto
@@ -27,7 +27,8 @@ usage:
       ab: the same rows, new against .carry/base's library in one process (--base_lib), AB_PROCS processes
       alternating which goes first, each row's new/base ratio flagged outside 2%; seedbench: the seed family's
       tables (kernels/bench/bench_attention.py); decode: gpu_decode_test, then memcheck and racecheck on its small
-      cases; decodebench: kernels/bench/decode_bench.py. bench and ab take about 5 minutes each.
+      cases; decodebench: kernels/bench/decode_bench.py; raggedbench: kernels/bench/ragged_prefill_bench.py. bench
+      and ab take about 5 minutes each.
   scripts/device.sh service [test|bench|ab|python|decode|pyoverhead]...  (default: test bench)
       On the GPU machine. test: gpu_server_parts_test, gpu_server_forward_test, gpu_server_ipc_test; bench: one
       attnd, then CUDA IPC over gRPC and over the shm channel (ipc_peer bench), the TCP baseline (ipc_peer tcp)
@@ -403,11 +404,22 @@ kernels_decodebench() {
   if [ $rc -eq 0 ]; then note "kernels decodebench" ok "table in kernels.log"; else note "kernels decodebench" FAIL "rc=$rc"; fi
 }
 
+# The ragged prefill into a paged cache (append, gather, prefill per sequence) beside the same prefill kernels on
+# contiguous K/V.
+kernels_raggedbench() {
+  local rc
+  timeout "${BENCH_TIMEOUT:-300}" python3 kernels/bench/ragged_prefill_bench.py --lib-dir $C \
+    --json "$OUT/ragged_prefill_bench.json" > "$TMP/raggedbench.log" 2>&1
+  rc=$?
+  cat "$TMP/raggedbench.log" >> "$LOG"
+  if [ $rc -eq 0 ]; then note "kernels raggedbench" ok "table in kernels.log"; else note "kernels raggedbench" FAIL "rc=$rc"; fi
+}
+
 cmd_kernels() {
   local steps=("$@") s n
   [ ${#steps[@]} -eq 0 ] && steps=(test sanitize sass)
   for s in "${steps[@]}"; do
-    case $s in test|sanitize|sass|bench|ab|seedbench|decode|decodebench) ;; *) die "kernels: unknown step $s" ;; esac
+    case $s in test|sanitize|sass|bench|ab|seedbench|decode|decodebench|raggedbench) ;; *) die "kernels: unknown step $s" ;; esac
   done
   mkdir -p "$OUT"
   unpack

@@ -311,6 +311,13 @@ TEST(GatherPlanValidation, ChecksPagedStorageCapacityAndEveryPageRead) {
   absl::StatusOr<GatherPlan> no_capacity = MakeGatherPlan(p, 0, out, out, {0, 0}, {0, 0, 0, 0, 0, 0});
   ASSERT_FALSE(no_capacity.ok());
   EXPECT_TRUE(absl::StartsWith(no_capacity.status().message(), "capacity: ")) << no_capacity.status();
+  // The kernel indexes a sequence's 16-byte chunks in 32 bits: 2 kv heads x 8 chunks = 16 a row, 2^27 rows.
+  absl::StatusOr<GatherPlan> huge = MakeGatherPlan(p, (1 << 27) + 1, out, out, {0, 0}, {0, 0, 0, 0, 0, 0});
+  ASSERT_FALSE(huge.ok());
+  EXPECT_TRUE(absl::StartsWith(huge.status().message(), "capacity: ")) << huge.status();
+  absl::StatusOr<GatherPlan> longest = MakeGatherPlan(p, 40, out, out, {17, 33}, {0, 3, 0, 1, 2, 0});
+  ASSERT_TRUE(longest.ok()) << longest.status();
+  EXPECT_EQ(longest->max_kv_len, 33);
   Strides odd = out;
   odd.head = 60;
   absl::StatusOr<GatherPlan> bad_stride = MakeGatherPlan(p, 40, out, odd, {1, 1}, {0, 0, 0, 0, 0, 0});

@@ -1,6 +1,7 @@
 // Append role: copies new K/V rows into the cache at key positions kv_len_b + t (through the block table for
-// paged KV). One thread per 16-byte chunk of a (sequence, new row, kv head) row, for K and V; consecutive
-// threads copy consecutive chunks of a row, so reads and writes are coalesced.
+// paged KV). Grid: x strides over the 16-byte chunks of one sequence's new rows, y is the sequence; consecutive
+// threads copy consecutive chunks of a (row, kv head), so reads and writes are coalesced. Index arithmetic is
+// 32-bit within a sequence (the plan bounds a sequence's chunks) and the chunk column a shift.
 #pragma once
 
 #include <cstdint>
@@ -12,26 +13,26 @@ namespace attnd::kernels::decode {
 constexpr int kAppendThreads = 256;
 
 __global__ void __launch_bounds__(kAppendThreads) AppendKvKernel(const AppendParams p) {
-  const int cpr = p.head_dim / 8;
-  const int64_t total = static_cast<int64_t>(p.batch) * p.new_len * p.kv_heads * cpr;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int chunk = static_cast<int>(idx % cpr);
-    int64_t rest = idx / cpr;
-    const int h = static_cast<int>(rest % p.kv_heads);
-    rest /= p.kv_heads;
-    const int t = static_cast<int>(rest % p.new_len);
-    const int b = static_cast<int>(rest / p.new_len);
-    const int key = p.kv_lens[b] + t;
+  const int b = blockIdx.y;
+  const uint32_t row_chunks = static_cast<uint32_t>(p.kv_heads) << p.chunk_shift;
+  const uint32_t total = static_cast<uint32_t>(p.new_len) * row_chunks;
+  const int base = p.kv_lens[b];
+  const int32_t* table = p.block_table != nullptr ? p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq
+                                                  : nullptr;
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+    const uint32_t t = i / row_chunks;
+    const uint32_t rem = i - t * row_chunks;
+    const int h = static_cast<int>(rem >> p.chunk_shift);
+    const int64_t col = static_cast<int64_t>(rem & ((1u << p.chunk_shift) - 1)) * 8;
+    const int key = base + static_cast<int>(t);
     int64_t slot, row;
-    if (p.block_table != nullptr) {
-      slot = p.block_table[static_cast<int64_t>(b) * p.max_pages_per_seq + (key >> p.page_shift)];
+    if (table != nullptr) {
+      slot = table[key >> p.page_shift];
       row = key & ((1 << p.page_shift) - 1);
     } else {
       slot = b;
       row = key;
     }
-    const int64_t col = static_cast<int64_t>(chunk) * 8;
     const uint16_t* nk = static_cast<const uint16_t*>(p.new_k) + b * p.nk_sb + t * p.nk_ss + h * p.nk_sh + col;
     const uint16_t* nv = static_cast<const uint16_t*>(p.new_v) + b * p.nv_sb + t * p.nv_ss + h * p.nv_sh + col;
     uint16_t* k = static_cast<uint16_t*>(p.k) + slot * p.k_sb + row * p.k_ss + h * p.k_sh + col;

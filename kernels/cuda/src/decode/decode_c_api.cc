@@ -116,4 +116,22 @@ int attnd_decode_append(const attnd_decode_layout* layout, int new_len, const in
   return st.ok() ? 0 : Fail(st, err, err_len);
 }
 
+int attnd_decode_gather(const attnd_decode_layout* layout, int capacity, const int32_t* host_kv_lens,
+                        const int32_t* host_block_table, const void* k, const void* v, void* out_k, void* out_v,
+                        const int32_t* kv_lens, const int32_t* block_table, void* stream, char* err, size_t err_len) {
+  absl::StatusOr<BatchLayout> l = ToLayout(layout);
+  if (!l.ok()) return Fail(l.status(), err, err_len);
+  if (host_kv_lens == nullptr || l->batch < 1) {
+    return Fail(absl::InvalidArgumentError("host_kv_lens: null or empty batch"), err, err_len);
+  }
+  const attnd::Strides rows = attnd::ContiguousStrides(capacity, l->kv_heads, l->head_dim);
+  absl::StatusOr<attnd::kernels::decode::GatherPlan> plan = attnd::kernels::decode::MakeGatherPlan(
+      *l, capacity, rows, rows, absl::Span<const int32_t>(host_kv_lens, static_cast<size_t>(l->batch)),
+      TableSpan(*l, host_block_table));
+  if (!plan.ok()) return Fail(plan.status(), err, err_len);
+  const attnd::kernels::decode::GatherTensors t{k, v, out_k, out_v, kv_lens, block_table};
+  const absl::Status st = attnd::kernels::decode::LaunchGather(*plan, t, static_cast<cudaStream_t>(stream));
+  return st.ok() ? 0 : Fail(st, err, err_len);
+}
+
 }  // extern "C"

@@ -43,20 +43,23 @@ cudaError_t LaunchMergeSplits(const DecodeParams& p, DType dtype, int head_dim, 
                                : LaunchMergeElem<__half>(p, head_dim, stream);
 }
 
+// Grids: y is the sequence; x covers the longest sequence's chunks (as planned), at most kMaxBlocksX blocks: past
+// that, or for a sequence grown since the plan, threads loop.
+constexpr int64_t kMaxBlocksX = 1024;
+
 cudaError_t LaunchAppendKv(const AppendParams& p, cudaStream_t stream) {
-  const int64_t chunks = static_cast<int64_t>(p.batch) * p.new_len * p.kv_heads * (p.head_dim / 8);
-  if (chunks == 0) return cudaSuccess;
-  // A grid-stride loop: a few thousand blocks cover any append, more would only add scheduling.
-  const int64_t blocks = std::min<int64_t>((chunks + kAppendThreads - 1) / kAppendThreads, 4096);
-  AppendKvKernel<<<static_cast<unsigned>(blocks), kAppendThreads, 0, stream>>>(p);
+  const int64_t chunks = static_cast<int64_t>(p.new_len) * p.kv_heads * (p.head_dim / 8);
+  if (chunks == 0 || p.batch == 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>((chunks + kAppendThreads - 1) / kAppendThreads, kMaxBlocksX);
+  AppendKvKernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(p.batch)), kAppendThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchGatherKv(const GatherParams& p, cudaStream_t stream) {
-  const int64_t chunks = static_cast<int64_t>(p.batch) * p.capacity * p.kv_heads * (p.head_dim / 8);
-  if (chunks == 0) return cudaSuccess;
-  const int64_t blocks = std::min<int64_t>((chunks + kGatherThreads - 1) / kGatherThreads, 4096);
-  GatherKvKernel<<<static_cast<unsigned>(blocks), kGatherThreads, 0, stream>>>(p);
+  const int64_t chunks = static_cast<int64_t>(std::max(p.max_kv_len, 1)) * p.kv_heads * (p.head_dim / 8);
+  if (p.batch == 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>((chunks + kGatherThreads - 1) / kGatherThreads, kMaxBlocksX);
+  GatherKvKernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(p.batch)), kGatherThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

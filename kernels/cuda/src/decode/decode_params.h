@@ -53,6 +53,7 @@ struct AppendParams {
   int64_t k_sb = 0, k_ss = 0, k_sh = 0;
   int64_t v_sb = 0, v_ss = 0, v_sh = 0;
   int batch = 0, new_len = 0, kv_heads = 0, head_dim = 0;
+  int chunk_shift = 0;  // log2(head_dim / 8): 16-byte chunks per head row
   int page_shift = 0, max_pages_per_seq = 0;
 };
 
@@ -68,6 +69,8 @@ struct GatherParams {
   int64_t ok_sb = 0, ok_ss = 0, ok_sh = 0;  // batch, seq, head of the contiguous output
   int64_t ov_sb = 0, ov_ss = 0, ov_sh = 0;
   int batch = 0, capacity = 0, kv_heads = 0, head_dim = 0;
+  int chunk_shift = 0;  // log2(head_dim / 8)
+  int max_kv_len = 0;   // the longest sequence at plan time: the grid's extent (longer ones loop)
   int page_shift = 0, max_pages_per_seq = 0;
 };
 

@@ -43,6 +43,11 @@ WorkspaceLayout LayoutWorkspace(const DecodePlan& plan) {
   return w;
 }
 
+// The append and gather kernels index one sequence's 16-byte chunks in 32 bits.
+constexpr int64_t kMaxChunksPerSequence = int64_t{1} << 31;
+
+int64_t RowChunks(const BatchLayout& l) { return int64_t{l.kv_heads} * (l.head_dim / 8); }
+
 int Log2(int x) {
   int s = 0;
   while ((1 << s) < x) ++s;
@@ -311,6 +316,10 @@ absl::StatusOr<AppendPlan> MakeAppendPlan(const BatchLayout& cache, int new_len,
   if (absl::Status st = CheckStrides("new_k", new_k); !st.ok()) return st;
   if (absl::Status st = CheckStrides("new_v", new_v); !st.ok()) return st;
   if (absl::Status st = CheckLengthsAndTable(cache, kv_lens, block_table, new_len, true); !st.ok()) return st;
+  if (RowChunks(cache) * new_len > kMaxChunksPerSequence) {
+    return Invalid("new_len", absl::StrCat(new_len, " rows of ", RowChunks(cache),
+                                           " 16-byte chunks exceed a launch's 2^31 chunks per sequence"));
+  }
   return AppendPlan{cache, new_len, new_k, new_v};
 }
 
@@ -339,6 +348,7 @@ absl::Status LaunchAppend(const AppendPlan& plan, const AppendTensors& t, cudaSt
   p.new_len = plan.new_len;
   p.kv_heads = l.kv_heads;
   p.head_dim = l.head_dim;
+  p.chunk_shift = Log2(l.head_dim / 8);
   p.page_shift = paged ? Log2(l.paged.page_size) : 0;
   p.max_pages_per_seq = paged ? l.paged.max_pages_per_seq : 0;
   return FromCuda(LaunchAppendKv(p, stream), "append launch");
@@ -353,13 +363,19 @@ absl::StatusOr<GatherPlan> MakeGatherPlan(const BatchLayout& cache, int capacity
   if (absl::Status st = CheckStrides("out_k", out_k); !st.ok()) return st;
   if (absl::Status st = CheckStrides("out_v", out_v); !st.ok()) return st;
   if (absl::Status st = CheckLengthsAndTable(cache, kv_lens, block_table, 0, false); !st.ok()) return st;
+  if (RowChunks(cache) * capacity > kMaxChunksPerSequence) {
+    return Invalid("capacity", absl::StrCat(capacity, " rows of ", RowChunks(cache),
+                                            " 16-byte chunks exceed a launch's 2^31 chunks per sequence"));
+  }
+  int max_kv_len = 0;
   for (size_t b = 0; b < kv_lens.size(); ++b) {
     if (kv_lens[b] > capacity) {
       return Invalid(absl::StrCat("kv_lens[", b, "]"),
                      absl::StrCat(kv_lens[b], " exceeds the output's capacity of ", capacity, " rows"));
     }
+    max_kv_len = std::max(max_kv_len, kv_lens[b]);
   }
-  return GatherPlan{cache, capacity, out_k, out_v};
+  return GatherPlan{cache, capacity, out_k, out_v, max_kv_len};
 }
 
 absl::Status LaunchGather(const GatherPlan& plan, const GatherTensors& t, cudaStream_t stream) {
@@ -386,6 +402,8 @@ absl::Status LaunchGather(const GatherPlan& plan, const GatherTensors& t, cudaSt
   p.capacity = plan.capacity;
   p.kv_heads = l.kv_heads;
   p.head_dim = l.head_dim;
+  p.chunk_shift = Log2(l.head_dim / 8);
+  p.max_kv_len = plan.max_kv_len;
   p.page_shift = Log2(l.paged.page_size);
   p.max_pages_per_seq = l.paged.max_pages_per_seq;
   return FromCuda(LaunchGatherKv(p, stream), "gather launch");

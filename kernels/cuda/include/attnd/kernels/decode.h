@@ -155,6 +155,7 @@ struct GatherPlan {
   BatchLayout layout;  // the paged cache's layout (q, o, mask and scale are not used)
   int capacity = 0;    // rows per sequence in out_k/out_v
   Strides out_k, out_v;  // element strides (batch, seq, head) of the output
+  int max_kv_len = 0;  // the longest sequence of the host lengths: how many rows the launch's grid covers
 };
 
 struct GatherTensors {

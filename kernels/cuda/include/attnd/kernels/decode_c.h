@@ -52,6 +52,13 @@ int attnd_decode_append(const attnd_decode_layout* layout, int new_len, const in
                         const int32_t* host_block_table, const void* new_k, const void* new_v, void* k, void* v,
                         const int32_t* kv_lens, const int32_t* block_table, void* stream, char* err, size_t err_len);
 
+/* Copies keys 0 .. kv_len_b - 1 of each sequence of the paged cache described by `layout` into rows 0 ..
+ * kv_len_b - 1 of out_k/out_v [batch, capacity, kv_heads, head_dim] (contiguous); for the prefill kernels, which
+ * read one contiguous K/V. Host kv_lens / block_table validate, device ones are read by the kernel. */
+int attnd_decode_gather(const attnd_decode_layout* layout, int capacity, const int32_t* host_kv_lens,
+                        const int32_t* host_block_table, const void* k, const void* v, void* out_k, void* out_v,
+                        const int32_t* kv_lens, const int32_t* block_table, void* stream, char* err, size_t err_len);
+
 #ifdef __cplusplus
 }
 #endif
