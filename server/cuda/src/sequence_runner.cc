@@ -757,20 +757,22 @@ void CudaDevice::ReleaseSteps(StepWork& w) {
 absl::StatusOr<kernels::decode::DecodeWorkspace> CudaDevice::SlotDecodeWorkspace(Slot& slot, size_t partial_bytes,
                                                                                    size_t counter_bytes,
                                                                                    cudaStream_t stream) {
+  // Replaces `block` by one of `bytes` when it holds less; true when it did.
+  const auto grow = [&](Block& block, size_t bytes) -> absl::StatusOr<bool> {
+    if (block.size >= bytes) return false;
+    device_mem_->Release(block);
+    block = Block{};
+    absl::StatusOr<Block> b = device_mem_->Acquire(bytes);
+    if (!b.ok()) return b.status();
+    block = *b;
+    return true;
+  };
   if (partial_bytes == 0 && counter_bytes == 0) return kernels::decode::DecodeWorkspace{};
-  if (slot.decode_workspace.size < partial_bytes) {
-    device_mem_->Release(slot.decode_workspace);
-    slot.decode_workspace = Block{};
-    absl::StatusOr<Block> b = device_mem_->Acquire(partial_bytes);
-    if (!b.ok()) return b.status();
-    slot.decode_workspace = *b;
-  }
-  if (slot.decode_counters.size < counter_bytes) {
-    device_mem_->Release(slot.decode_counters);
-    slot.decode_counters = Block{};
-    absl::StatusOr<Block> b = device_mem_->Acquire(counter_bytes);
-    if (!b.ok()) return b.status();
-    slot.decode_counters = *b;
+  absl::StatusOr<bool> grown = grow(slot.decode_workspace, partial_bytes);
+  if (!grown.ok()) return grown.status();
+  grown = grow(slot.decode_counters, counter_bytes);
+  if (!grown.ok()) return grown.status();
+  if (*grown) {
     ATTND_RETURN_IF_ERROR(CudaStatus("zeroing the decode split counters",
                                      cudaMemsetAsync(slot.decode_counters.ptr, 0, slot.decode_counters.size, stream)));
   }

@@ -55,6 +55,15 @@ absl::Span<const int32_t> TableSpan(const BatchLayout& l, const int32_t* table) 
   return absl::Span<const int32_t>(table, static_cast<size_t>(l.batch) * l.paged.max_pages_per_seq);
 }
 
+// The layout and the host lengths of an append or gather, checked, handed to `fn(layout, lengths)`.
+template <typename Fn>
+absl::Status WithHostLengths(const attnd_decode_layout* layout, const int32_t* host_kv_lens, Fn fn) {
+  absl::StatusOr<BatchLayout> l = ToLayout(layout);
+  if (!l.ok()) return l.status();
+  if (host_kv_lens == nullptr || l->batch < 1) return absl::InvalidArgumentError("host_kv_lens: null or empty batch");
+  return fn(*l, absl::Span<const int32_t>(host_kv_lens, static_cast<size_t>(l->batch)));
+}
+
 }  // namespace
 
 extern "C" {
@@ -101,36 +110,28 @@ void attnd_decode_plan_destroy(attnd_decode_plan* plan) { delete plan; }
 int attnd_decode_append(const attnd_decode_layout* layout, int new_len, const int32_t* host_kv_lens,
                         const int32_t* host_block_table, const void* new_k, const void* new_v, void* k, void* v,
                         const int32_t* kv_lens, const int32_t* block_table, void* stream, char* err, size_t err_len) {
-  absl::StatusOr<BatchLayout> l = ToLayout(layout);
-  if (!l.ok()) return Fail(l.status(), err, err_len);
-  if (host_kv_lens == nullptr || l->batch < 1) {
-    return Fail(absl::InvalidArgumentError("host_kv_lens: null or empty batch"), err, err_len);
-  }
-  const attnd::Strides rows = attnd::ContiguousStrides(new_len, l->kv_heads, l->head_dim);
-  absl::StatusOr<attnd::kernels::decode::AppendPlan> plan = attnd::kernels::decode::MakeAppendPlan(
-      *l, new_len, rows, rows, absl::Span<const int32_t>(host_kv_lens, static_cast<size_t>(l->batch)),
-      TableSpan(*l, host_block_table));
-  if (!plan.ok()) return Fail(plan.status(), err, err_len);
-  const attnd::kernels::decode::AppendTensors t{new_k, new_v, k, v, kv_lens, block_table};
-  const absl::Status st = attnd::kernels::decode::LaunchAppend(*plan, t, static_cast<cudaStream_t>(stream));
+  using namespace attnd::kernels::decode;
+  const absl::Status st = WithHostLengths(layout, host_kv_lens, [&](const BatchLayout& l, auto lens) {
+    const attnd::Strides rows = attnd::ContiguousStrides(new_len, l.kv_heads, l.head_dim);
+    absl::StatusOr<AppendPlan> plan = MakeAppendPlan(l, new_len, rows, rows, lens, TableSpan(l, host_block_table));
+    if (!plan.ok()) return plan.status();
+    return LaunchAppend(*plan, AppendTensors{new_k, new_v, k, v, kv_lens, block_table},
+                        static_cast<cudaStream_t>(stream));
+  });
   return st.ok() ? 0 : Fail(st, err, err_len);
 }
 
 int attnd_decode_gather(const attnd_decode_layout* layout, int capacity, const int32_t* host_kv_lens,
                         const int32_t* host_block_table, const void* k, const void* v, void* out_k, void* out_v,
                         const int32_t* kv_lens, const int32_t* block_table, void* stream, char* err, size_t err_len) {
-  absl::StatusOr<BatchLayout> l = ToLayout(layout);
-  if (!l.ok()) return Fail(l.status(), err, err_len);
-  if (host_kv_lens == nullptr || l->batch < 1) {
-    return Fail(absl::InvalidArgumentError("host_kv_lens: null or empty batch"), err, err_len);
-  }
-  const attnd::Strides rows = attnd::ContiguousStrides(capacity, l->kv_heads, l->head_dim);
-  absl::StatusOr<attnd::kernels::decode::GatherPlan> plan = attnd::kernels::decode::MakeGatherPlan(
-      *l, capacity, rows, rows, absl::Span<const int32_t>(host_kv_lens, static_cast<size_t>(l->batch)),
-      TableSpan(*l, host_block_table));
-  if (!plan.ok()) return Fail(plan.status(), err, err_len);
-  const attnd::kernels::decode::GatherTensors t{k, v, out_k, out_v, kv_lens, block_table};
-  const absl::Status st = attnd::kernels::decode::LaunchGather(*plan, t, static_cast<cudaStream_t>(stream));
+  using namespace attnd::kernels::decode;
+  const absl::Status st = WithHostLengths(layout, host_kv_lens, [&](const BatchLayout& l, auto lens) {
+    const attnd::Strides rows = attnd::ContiguousStrides(capacity, l.kv_heads, l.head_dim);
+    absl::StatusOr<GatherPlan> plan = MakeGatherPlan(l, capacity, rows, rows, lens, TableSpan(l, host_block_table));
+    if (!plan.ok()) return plan.status();
+    return LaunchGather(*plan, GatherTensors{k, v, out_k, out_v, kv_lens, block_table},
+                        static_cast<cudaStream_t>(stream));
+  });
   return st.ok() ? 0 : Fail(st, err, err_len);
 }
 
