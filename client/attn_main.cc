@@ -38,7 +38,9 @@ ABSL_FLAG(int64_t, deadline_ms, 60000, "per-call deadline in milliseconds");
 ABSL_FLAG(std::string, transport, "auto",
           "auto (streaming from the server's stream_preferred_from_bytes of inline tensors, see attn info; below "
           "it unary when it fits the server's message limit, else streaming) | unary | stream | shm (call and "
-          "bench: Forward over a same-host shared-memory channel at --shm_socket instead of gRPC)");
+          "bench: Forward over a same-host shared-memory channel at --shm_socket instead of gRPC). Steps of seq "
+          "and bench --workload=decode: auto and stream over StepStream, unary over the unary Step RPC, shm over "
+          "the channel");
 ABSL_FLAG(uint64_t, chunk_bytes, 0, "ForwardStream chunk size in bytes (0: 1 MiB, capped by the server's limit)");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "transport tuning: gRPC channel arguments, comma-separated name=value (e.g. "
