@@ -52,6 +52,9 @@ ABSL_FLAG(std::string, shm_socket, "",
 ABSL_FLAG(uint64_t, shm_max_bytes, 64ull << 20,
           "--transport=shm: largest request or reply area a channel may ask for (the server's --shm_max_bytes must "
           "allow it too); areas are sized from the request");
+ABSL_FLAG(int64_t, step_poll_us, 300,
+          "steps on a StepStream (seq, bench --workload=decode): microseconds a caller polls for a step's answer "
+          "before it sleeps, while at most two steps of the process wait (0: sleeps at once)");
 // Security (docs/security-and-metrics.md).
 ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle that signed the server's certificate: connect with TLS");
 ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate for mutual TLS (with --tls_key)");
@@ -152,6 +155,8 @@ absl::StatusOr<std::unique_ptr<Client>> Connect(bool own_connection = false) {
   o.grpc_args = absl::GetFlag(FLAGS_grpc_arg);
   o.shm_socket = absl::GetFlag(FLAGS_shm_socket);
   o.shm_max_area_bytes = absl::GetFlag(FLAGS_shm_max_bytes);
+  if (absl::GetFlag(FLAGS_step_poll_us) < 0) return absl::InvalidArgumentError("--step_poll_us: must be >= 0");
+  o.step_poll = absl::Microseconds(absl::GetFlag(FLAGS_step_poll_us));
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
     std::ifstream in(path);
     if (!in) return absl::InvalidArgumentError("--auth_token_file: cannot read '" + path + "'");

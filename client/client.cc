@@ -1,6 +1,7 @@
 #include "attnd/client/client.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -528,13 +529,20 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
   return std::unique_ptr<Client>(new Client(options, *std::move(channel)));
 }
 
+namespace {
+// Steps of this process waiting for their answers on StepStreams, and how many of them may poll.
+std::atomic<int> g_steps_waiting{0};
+constexpr int kPollingStepsAtMost = 2;
+}  // namespace
+
 // One StepStream, driven from the calling thread through a completion queue of its own (no gRPC thread and no
 // hand-over between threads: the caller's AsyncNext reads the socket, as a blocking unary call's does). Used by
 // one caller at a time. Between steps a read stays posted, so that a stream the server has ended while it sat
 // idle (a restart, a shutdown) is seen as such before a step is written to it.
 class Client::StepStreamCall {
  public:
-  StepStreamCall(v1::Attention::Stub* stub, const std::string& auth_token, bool wait_for_ready) {
+  StepStreamCall(v1::Attention::Stub* stub, const std::string& auth_token, bool wait_for_ready, absl::Duration poll)
+      : poll_(poll) {
     // No deadline on the stream: each step has its own (the wait below, and timeout_us for the server).
     ctx_.set_wait_for_ready(wait_for_ready);
     if (!auth_token.empty()) ctx_.AddMetadata("authorization", "Bearer " + auth_token);
@@ -589,10 +597,19 @@ class Client::StepStreamCall {
       ++outstanding_;
     }
     const std::chrono::system_clock::time_point until = absl::ToChronoTime(deadline);
+    struct Waiting {
+      const bool may_poll = g_steps_waiting.fetch_add(1, std::memory_order_relaxed) < kPollingStepsAtMost;
+      ~Waiting() { g_steps_waiting.fetch_sub(1, std::memory_order_relaxed); }
+    } waiting;
+    const absl::Time poll_end =
+        waiting.may_poll && poll_ > absl::ZeroDuration() ? absl::Now() + poll_ : absl::InfinitePast();
     while (!(wrote && read) && !failed) {
       void* tag;
       bool ok;
-      const grpc::CompletionQueue::NextStatus next = cq_.AsyncNext(&tag, &ok, until);
+      const bool polling = poll_end > absl::InfinitePast() && absl::Now() < poll_end;
+      const grpc::CompletionQueue::NextStatus next =
+          cq_.AsyncNext(&tag, &ok, polling ? std::chrono::system_clock::time_point() : until);
+      if (next == grpc::CompletionQueue::TIMEOUT && polling) continue;
       if (next == grpc::CompletionQueue::TIMEOUT) {
         broken_ = true;
         *sent = true;  // it may have reached the server
@@ -646,6 +663,7 @@ class Client::StepStreamCall {
     }
   }
 
+  const absl::Duration poll_;  // ClientOptions::step_poll
   grpc::ClientContext ctx_;
   grpc::CompletionQueue cq_;
   std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::StepStreamRequest, v1::StepStreamResponse>> rw_;
@@ -1174,7 +1192,9 @@ std::optional<absl::StatusOr<StepResult>> Client::StepOverStream(v1::Attention::
   // never sent, and goes on a new stream.
   for (int attempt = 0; attempt < 2; ++attempt) {
     const bool fresh = stream == nullptr;
-    if (fresh) stream = std::make_unique<StepStreamCall>(stub, options_.auth_token, call.wait_for_ready);
+    if (fresh) {
+      stream = std::make_unique<StepStreamCall>(stub, options_.auth_token, call.wait_for_ready, options_.step_poll);
+    }
     bool sent = false;
     status = stream->Round(message, &response, deadline, &sent);
     // The stream's own status UNIMPLEMENTED comes from a server without the method (a step's errors come in

@@ -80,6 +80,11 @@ struct ClientOptions {
   std::string shm_socket;
   // Largest request or reply area such a channel asks for (the server's --shm_max_bytes must allow it too).
   uint64_t shm_max_area_bytes = 64ull << 20;
+  // Steps on a StepStream: how long the calling thread polls for a step's answer before it sleeps until the
+  // answer wakes it (zero: it sleeps at once), while at most two steps of this process wait (more pollers
+  // would take the cores from the server and each other). The answer of a decode step comes within this on
+  // its own, and a wake-up from sleep costs more than the poll, as for the shm channel's caller.
+  absl::Duration step_poll = absl::Microseconds(300);
 };
 
 // Memory of the caller's that a call writes O (and LSE) into, instead of fresh strings in its ForwardResult.
