@@ -181,48 +181,45 @@ class StepStreamReactor final : public grpc::ServerBidiReactor<v1::StepStreamReq
                      [this, start](absl::Status status, StepJob* job) { Answer(start, std::move(status), job); });
   }
 
-  // Called once per step, on the thread that finished it (or on the reading thread for a refused one).
+  // Called once per step, on the thread that finished it (or on the reading thread for a refused one). The
+  // answer is handed to gRPC first and the step booked after: the caller waits for the one, not the other. The
+  // reactor stays (FinishableLocked) until the booking is done.
   void Answer(absl::Time start, absl::Status status, StepJob* job) {
     auto response = std::make_unique<v1::StepStreamResponse>();
     const v1::StepRequest& step = request_.step();
     response->set_request_id(step.request_id());
-    uint64_t in = 0, out = 0;
-    if (job != nullptr && status.ok()) {
-      v1::StepResponse* r = response->mutable_step();
-      sequences_->FillStepResponse(*job, r);
-      in = job->q.host_bytes + job->k.host_bytes + job->v.host_bytes;
-      r->set_o(std::move(job->o));
-      r->set_lse(std::move(job->lse));
-      out = r->o().size() + r->lse().size();
-      if (stats_->metrics() != nullptr) stats_->metrics()->RecordStep(job->batch_sequences);
-    } else {
-      response->set_code(static_cast<int32_t>(status.code()));
-      response->set_message(std::string(status.message()));
-    }
-    LogOutcome(kStepStreamMethod, step.request_id(), status, start);
     CallRecord rec;
     rec.method = kStepStreamMethod;
     rec.code = status.code();
-    if (!status.ok()) rec.error = std::string(status.message());
-    rec.total = absl::Now() - start;
-    if (status.ok() && response->step().has_timing()) {
-      rec.queue = absl::Microseconds(response->step().timing().timing().queue_us());
-      rec.kernel = absl::Microseconds(response->step().timing().timing().kernel_us());
-    }
-    rec.tensor_bytes_in = in;
-    rec.tensor_bytes_out = out;
     rec.in_stats = true;
     rec.access_log = true;
     rec.peer = peer_;
     rec.request_id = step.request_id();
     rec.shape = absl::StrCat("layer ", step.layer(), ", ", step.sequences_size(), " sequences");
-    stats_->Record(rec);
+    uint32_t batch_sequences = 0;
+    if (job != nullptr && status.ok()) {
+      v1::StepResponse* r = response->mutable_step();
+      sequences_->FillStepResponse(*job, r);
+      rec.tensor_bytes_in = job->q.host_bytes + job->k.host_bytes + job->v.host_bytes;
+      r->set_o(std::move(job->o));
+      r->set_lse(std::move(job->lse));
+      rec.tensor_bytes_out = r->o().size() + r->lse().size();
+      rec.queue = absl::Microseconds(r->timing().timing().queue_us());
+      rec.kernel = absl::Microseconds(r->timing().timing().kernel_us());
+      batch_sequences = job->batch_sequences;
+    } else {
+      response->set_code(static_cast<int32_t>(status.code()));
+      response->set_message(std::string(status.message()));
+      rec.error = std::string(status.message());
+    }
+    rec.total = absl::Now() - start;
 
     v1::StepStreamResponse* write = nullptr;
     bool read = false;
     {
       absl::MutexLock lock(&mu_);
       step_in_flight_ = false;
+      ++bookings_;
       if (writing_ == nullptr) {
         writing_ = std::move(response);
         write = writing_.get();
@@ -234,11 +231,24 @@ class StepStreamReactor final : public grpc::ServerBidiReactor<v1::StepStreamReq
     // Outside the lock: gRPC may run a reaction inline from these.
     if (write != nullptr) StartWrite(write);
     if (read) StartRead(&request_);
+    LogOutcome(kStepStreamMethod, rec.request_id, status, start);
+    if (batch_sequences > 0 && stats_->metrics() != nullptr) stats_->metrics()->RecordStep(batch_sequences);
+    stats_->Record(rec);
+    bool finish = false;
+    {
+      absl::MutexLock lock(&mu_);
+      --bookings_;
+      finish = FinishableLocked();
+    }
+    if (finish) Finish(grpc::Status::OK);
   }
 
-  // The call can end: no more steps come, none is in flight and every answer has been written.
+  // The call can end: no more steps come, none is in flight, every answer has been written and booked (so a
+  // client that sees its stream end finds its steps in the stats).
   bool FinishableLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (!reads_done_ || step_in_flight_ || writing_ != nullptr || queued_ != nullptr || finished_) return false;
+    if (!reads_done_ || step_in_flight_ || bookings_ > 0 || writing_ != nullptr || queued_ != nullptr || finished_) {
+      return false;
+    }
     finished_ = true;
     return true;
   }
@@ -252,6 +262,7 @@ class StepStreamReactor final : public grpc::ServerBidiReactor<v1::StepStreamReq
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
   bool step_in_flight_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  int bookings_ ABSL_GUARDED_BY(mu_) = 0;  // answers handed to gRPC whose stats are being recorded
   std::unique_ptr<v1::StepStreamResponse> writing_ ABSL_GUARDED_BY(mu_);  // handed to StartWrite, until its OnWriteDone
   std::unique_ptr<v1::StepStreamResponse> queued_ ABSL_GUARDED_BY(mu_);   // waiting for writing_ to complete
 };
