@@ -884,6 +884,53 @@ TEST(StepStream, AClientGoneMidStepLeavesTheSequenceConsistent) {
   srv.server->Shutdown();
 }
 
+// A step whose deadline passes is DEADLINE_EXCEEDED (the server's refusal in the answer, or the client's wait
+// running out, which cancels that stream); the client's next step goes through, over the committed length.
+TEST(StepStream, AStepPastItsDeadlineFailsAloneAndTheNextStepGoesThrough) {
+  TestServer srv;
+  StartSequenceServer(&srv, server::SequenceOptions{});
+  auto c = Connect(srv.Target(Listener::kTcp));
+  ASSERT_NE(c, nullptr);
+  const client::SequenceShape shape = TestShape(1);
+  auto opened = c->OpenSequence(shape);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->ids[0];
+  const int64_t q_row = kQHeads * shape.head_dim, kv_row = shape.kv_heads * shape.head_dim;
+  const std::string q = client::RandomTensor(shape.dtype, q_row, 51);
+  const std::string k = client::RandomTensor(shape.dtype, kv_row, 52);
+  const std::string v = client::RandomTensor(shape.dtype, kv_row, 53);
+  client::StepSpec s;
+  s.sequences = {{id, 1}};
+  s.q_heads = kQHeads;
+  s.q.data = q;
+  s.k.data = k;
+  s.v.data = v;
+  client::CallOptions hurried;
+  hurried.deadline = absl::Microseconds(1);
+  for (int i = 0; i < 3; ++i) {
+    auto late = c->Step(s, hurried);
+    EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  }
+  int64_t length = -1;
+  for (const absl::Time until = absl::Now() + absl::Seconds(30); absl::Now() < until;) {
+    auto info = c->GetSequence(id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    if (!info->step_in_flight()) {
+      length = info->lengths(0);
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(1));  // polling the server's state, bounded above
+  }
+  ASSERT_GE(length, 0);
+  ASSERT_LE(length, 3);
+  auto r = c->Step(s);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->transport, client::Transport::kStream);
+  EXPECT_EQ(r->lengths[0], length + 1);
+  EXPECT_TRUE(c->CloseSequence({id}).ok());
+  srv.server->Shutdown();
+}
+
 // The client keeps a stream for its next step. One the server ended while it sat idle (here: the server was
 // restarted on the same socket) is replaced before the step is sent, so the step reaches the new server, which
 // answers for itself: the old sequence is gone (NOT_FOUND), a new one steps normally.
