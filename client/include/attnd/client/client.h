@@ -82,8 +82,8 @@ struct ClientOptions {
   uint64_t shm_max_area_bytes = 64ull << 20;
   // Steps on a StepStream: how long the calling thread polls for a step's answer before it sleeps until the
   // answer wakes it (zero: it sleeps at once), while at most two steps of this process wait (more pollers
-  // would take the cores from the server and each other). The answer of a decode step comes within this on
-  // its own, and a wake-up from sleep costs more than the poll, as for the shm channel's caller.
+  // would take the cores from the server and each other). An answer that comes within the poll spares the
+  // caller a wake-up from sleep, as for the shm channel's caller (docs/tuning.md, "Service").
   absl::Duration step_poll = absl::Microseconds(300);
 };
 
