@@ -38,7 +38,9 @@ ABSL_FLAG(int64_t, deadline_ms, 60000, "per-call deadline in milliseconds");
 ABSL_FLAG(std::string, transport, "auto",
           "auto (streaming from the server's stream_preferred_from_bytes of inline tensors, see attn info; below "
           "it unary when it fits the server's message limit, else streaming) | unary | stream | shm (call and "
-          "bench: Forward over a same-host shared-memory channel at --shm_socket instead of gRPC)");
+          "bench: Forward over a same-host shared-memory channel at --shm_socket instead of gRPC). Steps of seq "
+          "and bench --workload=decode: auto and stream over StepStream, unary over the unary Step RPC, shm over "
+          "the channel");
 ABSL_FLAG(uint64_t, chunk_bytes, 0, "ForwardStream chunk size in bytes (0: 1 MiB, capped by the server's limit)");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "transport tuning: gRPC channel arguments, comma-separated name=value (e.g. "
@@ -50,6 +52,9 @@ ABSL_FLAG(std::string, shm_socket, "",
 ABSL_FLAG(uint64_t, shm_max_bytes, 64ull << 20,
           "--transport=shm: largest request or reply area a channel may ask for (the server's --shm_max_bytes must "
           "allow it too); areas are sized from the request");
+ABSL_FLAG(int64_t, step_poll_us, 300,
+          "steps on a StepStream (seq, bench --workload=decode): microseconds a caller polls for a step's answer "
+          "before it sleeps, while at most two steps of the process wait (0: sleeps at once)");
 // Security (docs/security-and-metrics.md).
 ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle that signed the server's certificate: connect with TLS");
 ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate for mutual TLS (with --tls_key)");
@@ -150,6 +155,8 @@ absl::StatusOr<std::unique_ptr<Client>> Connect(bool own_connection = false) {
   o.grpc_args = absl::GetFlag(FLAGS_grpc_arg);
   o.shm_socket = absl::GetFlag(FLAGS_shm_socket);
   o.shm_max_area_bytes = absl::GetFlag(FLAGS_shm_max_bytes);
+  if (absl::GetFlag(FLAGS_step_poll_us) < 0) return absl::InvalidArgumentError("--step_poll_us: must be >= 0");
+  o.step_poll = absl::Microseconds(absl::GetFlag(FLAGS_step_poll_us));
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
     std::ifstream in(path);
     if (!in) return absl::InvalidArgumentError("--auth_token_file: cannot read '" + path + "'");

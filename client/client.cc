@@ -1,6 +1,8 @@
 #include "attnd/client/client.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -14,9 +16,11 @@
 #include "attnd/client/shm_channel.h"
 #include "attnd/transport/channel_args.h"
 #include "attnd/transport/zero_copy.h"
+#include "grpcpp/completion_queue.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/security/credentials.h"
+#include "grpcpp/support/async_stream.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/support/client_callback.h"
@@ -525,6 +529,150 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
   return std::unique_ptr<Client>(new Client(options, *std::move(channel)));
 }
 
+namespace {
+// Steps of this process waiting for their answers on StepStreams, and how many of them may poll.
+std::atomic<int> g_steps_waiting{0};
+constexpr int kPollingStepsAtMost = 2;
+}  // namespace
+
+// One StepStream, driven from the calling thread through a completion queue of its own (no gRPC thread and no
+// hand-over between threads: the caller's AsyncNext reads the socket, as a blocking unary call's does). Used by
+// one caller at a time. Between steps a read stays posted, so that a stream the server has ended while it sat
+// idle (a restart, a shutdown) is seen as such before a step is written to it.
+class Client::StepStreamCall {
+ public:
+  StepStreamCall(v1::Attention::Stub* stub, const std::string& auth_token, bool wait_for_ready, absl::Duration poll)
+      : poll_(poll) {
+    // No deadline on the stream: each step has its own (the wait below, and timeout_us for the server).
+    ctx_.set_wait_for_ready(wait_for_ready);
+    if (!auth_token.empty()) ctx_.AddMetadata("authorization", "Bearer " + auth_token);
+    // Corked: the headers leave with the first step (one write), and StartCall itself completes no operation.
+    ctx_.set_initial_metadata_corked(true);
+    rw_ = stub->PrepareAsyncStepStream(&ctx_, &cq_);
+    rw_->StartCall(nullptr);
+  }
+
+  ~StepStreamCall() {
+    // Cancelling never waits for the server; a step in flight there is still answered (to no one) and
+    // committed as it would be for a unary call whose client went away.
+    ctx_.TryCancel();
+    if (!finish_started_) {
+      rw_->Finish(&final_, Tag(kFinish));
+      ++outstanding_;
+    }
+    Drain();
+    cq_.Shutdown();
+    void* tag;
+    bool ok;
+    while (cq_.Next(&tag, &ok)) {
+    }
+  }
+
+  bool usable() const { return !broken_; }
+
+  // One step: writes the request and reads its answer into `response`, or fails the stream. `*sent` says
+  // whether the request may have left this client (one that has not can go on a new stream).
+  absl::Status Round(const v1::StepStreamRequest& request, v1::StepStreamResponse* response, absl::Time deadline,
+                     bool* sent) {
+    *sent = false;
+    bool wrote = false, read = false, failed = false, cancel = false;
+    if (read_posted_) {
+      // Idle until now: anything that completed meanwhile means the stream has ended (a failed read), or that
+      // the server sent what nobody asked for (then this client ends it).
+      void* tag;
+      bool ok;
+      while (!failed && cq_.AsyncNext(&tag, &ok, std::chrono::system_clock::time_point()) ==
+                            grpc::CompletionQueue::GOT_EVENT) {
+        --outstanding_;
+        failed = true;
+        cancel = ok;
+      }
+    } else {
+      rw_->Read(&response_, Tag(kRead));
+      read_posted_ = true;
+      ++outstanding_;
+    }
+    if (!failed) {
+      rw_->Write(request, Tag(kWrite));
+      ++outstanding_;
+    }
+    const std::chrono::system_clock::time_point until = absl::ToChronoTime(deadline);
+    struct Waiting {
+      const bool may_poll = g_steps_waiting.fetch_add(1, std::memory_order_relaxed) < kPollingStepsAtMost;
+      ~Waiting() { g_steps_waiting.fetch_sub(1, std::memory_order_relaxed); }
+    } waiting;
+    const absl::Time poll_end =
+        waiting.may_poll && poll_ > absl::ZeroDuration() ? absl::Now() + poll_ : absl::InfinitePast();
+    while (!(wrote && read) && !failed) {
+      void* tag;
+      bool ok;
+      const bool polling = poll_end > absl::InfinitePast() && absl::Now() < poll_end;
+      const grpc::CompletionQueue::NextStatus next =
+          cq_.AsyncNext(&tag, &ok, polling ? std::chrono::system_clock::time_point() : until);
+      if (next == grpc::CompletionQueue::TIMEOUT && polling) continue;
+      if (next == grpc::CompletionQueue::TIMEOUT) {
+        broken_ = true;
+        *sent = true;  // it may have reached the server
+        return absl::DeadlineExceededError(
+            "no answer to the step before its deadline; the stream was cancelled (the step may have run)");
+      }
+      if (next != grpc::CompletionQueue::GOT_EVENT) break;
+      --outstanding_;
+      if (!ok) {
+        failed = true;
+        break;
+      }
+      if (reinterpret_cast<intptr_t>(tag) == kWrite) wrote = *sent = true;
+      if (reinterpret_cast<intptr_t>(tag) == kRead) read = true;
+    }
+    if (!failed && wrote && read) {
+      *response = std::move(response_);
+      response_.Clear();
+      rw_->Read(&response_, Tag(kRead));
+      ++outstanding_;
+      return absl::OkStatus();
+    }
+    // The call is over: its status says why (UNIMPLEMENTED from a server without StepStream, UNAVAILABLE ...).
+    broken_ = true;
+    if (cancel) ctx_.TryCancel();
+    rw_->Finish(&final_, Tag(kFinish));
+    finish_started_ = true;
+    ++outstanding_;
+    Drain(sent);
+    absl::Status status = FromGrpcStatus(final_);
+    if (status.ok() || status.code() == absl::StatusCode::kCancelled) {
+      status = absl::UnavailableError(absl::StrCat("the step stream ended before the step was answered",
+                                                   final_.error_message().empty() ? "" : ": ",
+                                                   final_.error_message()));
+    }
+    return status;
+  }
+
+ private:
+  enum : intptr_t { kWrite = 1, kRead, kFinish };
+  static void* Tag(intptr_t t) { return reinterpret_cast<void*>(t); }
+
+  // Waits for every operation started; `sent` (when given) learns whether a write went through.
+  void Drain(bool* sent = nullptr) {
+    while (outstanding_ > 0) {
+      void* tag;
+      bool ok;
+      if (!cq_.Next(&tag, &ok)) break;
+      --outstanding_;
+      if (sent != nullptr && ok && reinterpret_cast<intptr_t>(tag) == kWrite) *sent = true;
+    }
+  }
+
+  const absl::Duration poll_;  // ClientOptions::step_poll
+  grpc::ClientContext ctx_;
+  grpc::CompletionQueue cq_;
+  std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::StepStreamRequest, v1::StepStreamResponse>> rw_;
+  v1::StepStreamResponse response_;  // the posted read's destination
+  grpc::Status final_;
+  int outstanding_ = 0;  // operations started whose tags have not come back
+  bool read_posted_ = false, broken_ = false, finish_started_ = false;
+};
+
 Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
     : options_(std::move(options)),
       channel_(std::move(channel)),
@@ -1006,12 +1154,71 @@ absl::StatusOr<StepResult> Client::Step(const v1::StepRequest& request, const Ca
   if (t == Transport::kShm && !pinned_elsewhere) return StepOverShm(request, call);
   absl::StatusOr<v1::Attention::Stub*> stub = StubFor(*address);
   if (!stub.ok()) return stub.status();
+  if (t != Transport::kUnary) {
+    std::optional<absl::StatusOr<StepResult>> streamed = StepOverStream(*stub, *address, request, call);
+    if (streamed.has_value()) return *std::move(streamed);
+  }
   grpc::ClientContext ctx;
   Prepare(&ctx, call);
   const absl::Time start = absl::Now();
   v1::StepResponse resp;
   if (absl::Status st = FromGrpcStatus((*stub)->Step(&ctx, request, &resp)); !st.ok()) return st;
   return StepResultOf(request, std::move(resp), Transport::kUnary, start);
+}
+
+std::optional<absl::StatusOr<StepResult>> Client::StepOverStream(v1::Attention::Stub* stub, const std::string& address,
+                                                                 const v1::StepRequest& request,
+                                                                 const CallOptions& call) {
+  std::unique_ptr<StepStreamCall> stream;
+  {
+    absl::MutexLock lock(&step_streams_mu_);
+    if (no_step_stream_.contains(address)) return std::nullopt;
+    auto it = step_streams_.find(address);
+    if (it != step_streams_.end() && !it->second.empty()) {
+      stream = std::move(it->second.back());
+      it->second.pop_back();
+    }
+  }
+  const absl::Duration timeout = call.deadline ? *call.deadline : options_.default_deadline;
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = start + timeout;
+  v1::StepStreamRequest message;
+  // The request is the caller's: lent to the message for the write, never copied.
+  message.unsafe_arena_set_allocated_step(const_cast<v1::StepRequest*>(&request));
+  message.set_timeout_us(std::max<int64_t>(1, absl::ToInt64Microseconds(timeout)));
+  v1::StepStreamResponse response;
+  absl::Status status;
+  // A stream kept idle may have ended meanwhile (the server restarted, a connection dropped): its step is then
+  // never sent, and goes on a new stream.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const bool fresh = stream == nullptr;
+    if (fresh) {
+      stream = std::make_unique<StepStreamCall>(stub, options_.auth_token, call.wait_for_ready, options_.step_poll);
+    }
+    bool sent = false;
+    status = stream->Round(message, &response, deadline, &sent);
+    // The stream's own status UNIMPLEMENTED comes from a server without the method (a step's errors come in
+    // its answer): the step did not run there.
+    if (fresh && status.code() == absl::StatusCode::kUnimplemented) {
+      stream.reset();
+      absl::MutexLock lock(&step_streams_mu_);
+      no_step_stream_.insert(address);
+      message.unsafe_arena_release_step();
+      return std::nullopt;
+    }
+    if (status.ok() || sent || fresh) break;
+    stream.reset();
+  }
+  message.unsafe_arena_release_step();
+  if (stream != nullptr && stream->usable()) {
+    absl::MutexLock lock(&step_streams_mu_);
+    step_streams_[address].push_back(std::move(stream));
+  }
+  if (!status.ok()) return status;
+  if (response.code() != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(response.code()), response.message());
+  }
+  return StepResultOf(request, std::move(*response.mutable_step()), Transport::kStream, start);
 }
 
 // One channel per call in flight: an idle one is reused when its areas fit, else a new one is opened (areas of

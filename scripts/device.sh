@@ -463,6 +463,14 @@ service_decode() {
     --sequences=1 --context=4096 --steps=${STEPS1:-2000}
   run_dec one_tcp bench --workload=decode --target=127.0.0.1:$port --layers=1 $shape --sequences=1 --context=4096 \
     --steps=${STEPS1:-2000}
+  # The same steps as unary Step calls instead of messages on a StepStream (the client's default), and on the
+  # stream with a caller that sleeps at once instead of polling for the answer (--step_poll_us, default 300).
+  run_dec one_tcp_unary bench --workload=decode --target=127.0.0.1:$port --transport=unary --layers=1 $shape \
+    --sequences=1 --context=4096 --steps=${STEPS1:-2000}
+  run_dec one_tcp_nopoll bench --workload=decode --target=127.0.0.1:$port --step_poll_us=0 --layers=1 $shape \
+    --sequences=1 --context=4096 --steps=${STEPS1:-2000}
+  run_dec one_unix bench --workload=decode --target=unix:$sock --layers=1 $shape --sequences=1 --context=4096 \
+    --steps=${STEPS1:-2000}
   run_dec s64_shm_onemsg bench --workload=decode --target=unix:$sock --transport=shm --shm_socket=$shm --layers=1 \
     $shape --sequences=64 --context=4096 --steps=${STEPS64:-300} --one_message
   run_dec s64_tcp_onemsg bench --workload=decode --target=127.0.0.1:$port --layers=1 $shape --sequences=64 \

@@ -123,7 +123,8 @@ int32_t attnd_unregister_cuda_buffer(attnd_client* client, const char* buffer_id
  * Sequence ids are strings without whitespace; calls that return several give them one per line ('\n'
  * separated, no trailing newline) in a string freed with attnd_free_string. OpenSequence, ForkSequence,
  * TruncateSequence, CloseSequence and GetSequence go over gRPC; a Step goes over the shared-memory channel when
- * the call's transport is shm (the client's shm_socket), else over the unary Step RPC. */
+ * the call's transport is shm (the client's shm_socket), over the unary Step RPC when it is unary, else (auto,
+ * stream) as one message on a StepStream the client keeps open (docs/sequences.md). */
 
 typedef struct attnd_sequence_shape {
   int64_t layers, kv_heads, head_dim;

@@ -527,8 +527,8 @@ attnd::client::CallOptions CallFor(attnd_client* c, int32_t transport, double ti
   attnd::client::CallOptions o;
   if (timeout_s > 0) o.deadline = absl::Seconds(timeout_s);
   const Transport t = transport == ATTND_TRANSPORT_DEFAULT ? c->transport : static_cast<Transport>(transport);
-  // A Step is one unary RPC or one shared-memory frame: every gRPC transport means the RPC.
-  o.transport = t == Transport::kShm ? Transport::kShm : Transport::kUnary;
+  // A Step is one message on a StepStream (auto, stream), one unary RPC (unary) or one shared-memory frame.
+  o.transport = t == Transport::kShm || t == Transport::kUnary ? t : Transport::kStream;
   return o;
 }
 

@@ -121,7 +121,7 @@ using grpc::experimental::InterceptionHookPoints;
 
 constexpr absl::string_view kAttentionPrefix = "/attnd.v1.Attention/";
 
-enum class Kind { kForward, kForwardStream, kStep, kHealth, kOther };
+enum class Kind { kForward, kForwardStream, kStep, kStepStream, kHealth, kOther };
 
 std::string ShapeText(const v1::ForwardRequest& r) {
   const v1::AttentionShape& s = r.shape();
@@ -140,6 +140,7 @@ class CallObserver final : public grpc::experimental::Interceptor {
       if (method_ == "Forward") kind_ = Kind::kForward;
       if (method_ == "ForwardStream") kind_ = Kind::kForwardStream;
       if (method_ == "Step") kind_ = Kind::kStep;
+      if (method_ == "StepStream") kind_ = Kind::kStepStream;
     } else {
       method_ = std::string(absl::StripPrefix(path, "/"));
       if (absl::StartsWith(path, "/grpc.health.v1.Health/")) kind_ = Kind::kHealth;
@@ -276,6 +277,8 @@ class CallObserver final : public grpc::experimental::Interceptor {
     if (finished_) return;
     finished_ = true;
     ReleaseSlot();
+    // A StepStream's steps are recorded one by one by its reactor, as the calls they stand for.
+    if (kind_ == Kind::kStepStream) return;
     CallRecord r;
     r.method = method_;
     r.code = static_cast<absl::StatusCode>(status.error_code());

@@ -177,7 +177,7 @@ struct ServerMetrics::Impl {
                         .Add({})) {
     listener_up.Set(1);
     // The data-plane series exist from the start, so that rate() and absent() work before the first call.
-    for (const char* m : {"Forward", "ForwardStream", "Step"}) {
+    for (const char* m : {"Forward", "ForwardStream", "Step", "StepStream"}) {
       requests.Add({{"method", m}, {"code", "OK"}});
       bytes_in.Add({{"method", m}});
       bytes_out.Add({{"method", m}});

@@ -1,5 +1,7 @@
 // The KV-sequence RPCs of attnd.v1.Attention: each decodes its message, names the caller (OwnerOf) and calls
-// the Sequences core; Step's reply comes from a backend thread, as Forward's does.
+// the Sequences core; Step's reply comes from a backend thread, as Forward's does, and so does each answer of a
+// StepStream.
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
@@ -99,6 +101,177 @@ grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ct
                      reactor->Finish(ToGrpcStatus(status));
                    });
   return reactor;
+}
+
+namespace {
+
+constexpr const char* kStepStreamMethod = "StepStream";
+
+// One StepStream call: reads a step, hands it to the Sequences core, writes its answer from the thread that
+// finished it and reads the next; one step at a time, so a stream holds at most one request and one reply. The
+// stream ends (OK) once the client has half-closed (or the call has ended) and no step is in flight: a step
+// admitted is always answered, as a unary Step is, before the reactor lets gRPC drop the call.
+class StepStreamReactor final : public grpc::ServerBidiReactor<v1::StepStreamRequest, v1::StepStreamResponse> {
+ public:
+  StepStreamReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, CallStats* stats, CallInfo call)
+      : sequences_(sequences),
+        stats_(stats),
+        owner_(AttentionService::OwnerOf(ctx)),
+        peer_(ctx->peer()),
+        call_(std::move(call)) {
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client half-closed, or the call ended
+      bool finish = false;
+      {
+        absl::MutexLock lock(&mu_);
+        reads_done_ = true;
+        finish = FinishableLocked();
+      }
+      if (finish) Finish(grpc::Status::OK);
+      return;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      step_in_flight_ = true;
+    }
+    RunStep();
+  }
+
+  void OnWriteDone(bool ok) override {
+    v1::StepStreamResponse* next = nullptr;
+    bool finish = false;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_.reset();
+      if (ok && queued_ != nullptr) {
+        writing_ = std::move(queued_);
+        next = writing_.get();
+      }
+      queued_.reset();  // a failed write ended the call: nothing more reaches the client
+      finish = FinishableLocked();
+    }
+    if (next != nullptr) StartWrite(next);
+    if (finish) Finish(grpc::Status::OK);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void RunStep() {
+    const absl::Time start = absl::Now();
+    v1::StepRequest* step = request_.mutable_step();
+    if (step->request_id().empty()) step->set_request_id(GenerateRequestId());
+    CallInfo call = call_;
+    call.accepted = start;
+    if (request_.timeout_us() < 0) {
+      Answer(start, absl::InvalidArgumentError(absl::StrCat("timeout_us: must be >= 0 (0: the stream's deadline), got ",
+                                                            request_.timeout_us())),
+             nullptr);
+      return;
+    }
+    if (request_.timeout_us() > 0) {
+      call.deadline = std::min(call.deadline, start + absl::Microseconds(request_.timeout_us()));
+    }
+    // The request message is not read into again before the step is answered: the job's inline tensors point
+    // into it.
+    sequences_->Step(owner_, *step, Transport::kUnary, call,
+                     [this, start](absl::Status status, StepJob* job) { Answer(start, std::move(status), job); });
+  }
+
+  // Called once per step, on the thread that finished it (or on the reading thread for a refused one). The
+  // answer is handed to gRPC first and the step booked after: the caller waits for the one, not the other. The
+  // reactor stays (FinishableLocked) until the booking is done.
+  void Answer(absl::Time start, absl::Status status, StepJob* job) {
+    auto response = std::make_unique<v1::StepStreamResponse>();
+    const v1::StepRequest& step = request_.step();
+    response->set_request_id(step.request_id());
+    CallRecord rec;
+    rec.method = kStepStreamMethod;
+    rec.code = status.code();
+    rec.in_stats = true;
+    rec.access_log = true;
+    rec.peer = peer_;
+    rec.request_id = step.request_id();
+    rec.shape = absl::StrCat("layer ", step.layer(), ", ", step.sequences_size(), " sequences");
+    uint32_t batch_sequences = 0;
+    if (job != nullptr && status.ok()) {
+      v1::StepResponse* r = response->mutable_step();
+      sequences_->FillStepResponse(*job, r);
+      rec.tensor_bytes_in = job->q.host_bytes + job->k.host_bytes + job->v.host_bytes;
+      r->set_o(std::move(job->o));
+      r->set_lse(std::move(job->lse));
+      rec.tensor_bytes_out = r->o().size() + r->lse().size();
+      rec.queue = absl::Microseconds(r->timing().timing().queue_us());
+      rec.kernel = absl::Microseconds(r->timing().timing().kernel_us());
+      batch_sequences = job->batch_sequences;
+    } else {
+      response->set_code(static_cast<int32_t>(status.code()));
+      response->set_message(std::string(status.message()));
+      rec.error = std::string(status.message());
+    }
+    rec.total = absl::Now() - start;
+
+    v1::StepStreamResponse* write = nullptr;
+    bool read = false;
+    {
+      absl::MutexLock lock(&mu_);
+      step_in_flight_ = false;
+      ++bookings_;
+      if (writing_ == nullptr) {
+        writing_ = std::move(response);
+        write = writing_.get();
+      } else {
+        queued_ = std::move(response);  // the previous answer's write has not completed yet
+      }
+      read = !reads_done_;
+    }
+    // Outside the lock: gRPC may run a reaction inline from these.
+    if (write != nullptr) StartWrite(write);
+    if (read) StartRead(&request_);
+    LogOutcome(kStepStreamMethod, rec.request_id, status, start);
+    if (batch_sequences > 0 && stats_->metrics() != nullptr) stats_->metrics()->RecordStep(batch_sequences);
+    stats_->Record(rec);
+    bool finish = false;
+    {
+      absl::MutexLock lock(&mu_);
+      --bookings_;
+      finish = FinishableLocked();
+    }
+    if (finish) Finish(grpc::Status::OK);
+  }
+
+  // The call can end: no more steps come, none is in flight, every answer has been written and booked (so a
+  // client that sees its stream end finds its steps in the stats).
+  bool FinishableLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!reads_done_ || step_in_flight_ || bookings_ > 0 || writing_ != nullptr || queued_ != nullptr || finished_) {
+      return false;
+    }
+    finished_ = true;
+    return true;
+  }
+
+  Sequences* const sequences_;
+  CallStats* const stats_;
+  const std::string owner_, peer_;
+  const CallInfo call_;  // the stream's deadline, cancellation and admission; `accepted` is set per step
+  v1::StepStreamRequest request_;
+  absl::Mutex mu_;
+  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool step_in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  int bookings_ ABSL_GUARDED_BY(mu_) = 0;  // answers handed to gRPC whose stats are being recorded
+  std::unique_ptr<v1::StepStreamResponse> writing_ ABSL_GUARDED_BY(mu_);  // handed to StartWrite, until its OnWriteDone
+  std::unique_ptr<v1::StepStreamResponse> queued_ ABSL_GUARDED_BY(mu_);   // waiting for writing_ to complete
+};
+
+}  // namespace
+
+grpc::ServerBidiReactor<v1::StepStreamRequest, v1::StepStreamResponse>* AttentionService::StepStream(
+    grpc::CallbackServerContext* ctx) {
+  return new StepStreamReactor(ctx, sequences_, stats_, CallFor(ctx, absl::Now()));
 }
 
 }  // namespace attnd::server

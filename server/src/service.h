@@ -29,9 +29,9 @@ class PeerCalls;
 // tensors are written by reference and stream chunks read with one copy (attnd/transport/zero_copy.h). The wire
 // format is unchanged.
 using SequenceMethods = v1::Attention::WithCallbackMethod_OpenSequence<v1::Attention::WithCallbackMethod_Step<
-    v1::Attention::WithCallbackMethod_ForkSequence<v1::Attention::WithCallbackMethod_TruncateSequence<
-        v1::Attention::WithCallbackMethod_CloseSequence<v1::Attention::WithCallbackMethod_GetSequence<
-            v1::Attention::Service>>>>>>;
+    v1::Attention::WithCallbackMethod_StepStream<v1::Attention::WithCallbackMethod_ForkSequence<
+        v1::Attention::WithCallbackMethod_TruncateSequence<v1::Attention::WithCallbackMethod_CloseSequence<
+            v1::Attention::WithCallbackMethod_GetSequence<v1::Attention::Service>>>>>>>;
 using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_Forward<
     v1::Attention::WithRawCallbackMethod_ForwardStream<v1::Attention::WithCallbackMethod_RegisterCudaBuffer<
         v1::Attention::WithCallbackMethod_UnregisterCudaBuffer<v1::Attention::WithCallbackMethod_ListCudaBuffers<
@@ -66,6 +66,8 @@ class AttentionService final : public AttentionServiceBase {
                                          v1::OpenSequenceResponse* response) override;
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* request,
                                  v1::StepResponse* response) override;
+  grpc::ServerBidiReactor<v1::StepStreamRequest, v1::StepStreamResponse>* StepStream(
+      grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* ctx, const v1::ForkSequenceRequest* request,
                                          v1::ForkSequenceResponse* response) override;
   grpc::ServerUnaryReactor* TruncateSequence(grpc::CallbackServerContext* ctx,

@@ -1,11 +1,13 @@
 // KV sequences end to end through the client library against an in-process CPU-backend server, over gRPC on a
-// loopback port, on the unix socket and over the shared-memory channel's Step frames: every step's O and LSE
+// loopback port (StepStream, and the unary Step), on the unix socket and over the shared-memory channel's Step
+// frames: every step's O and LSE
 // checked against the double-precision reference of the whole history this test keeps, forks (and forks of
 // forks) diverging from their parents, truncation, closing, the statuses of bad input, and '@address' pinning.
 #include <sys/wait.h>
 
 #include <atomic>
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -14,6 +16,10 @@
 #include "attnd/client/bench.h"
 #include "attnd/client/shm_channel.h"
 #include "e2e_util.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
 
 #ifndef ATTN_BINARY
 #error "ATTN_BINARY (path of the built attn) must be defined by the build"
@@ -22,8 +28,25 @@
 namespace attnd::e2e {
 namespace {
 
-enum class Via { kTcp, kUnix, kShm };
-const char* ViaName(Via v) { return v == Via::kTcp ? "tcp" : v == Via::kUnix ? "unix" : "shm"; }
+// kTcp and kUnix step over StepStream (the client's default), kTcpUnary over the unary Step RPC.
+enum class Via { kTcp, kTcpUnary, kUnix, kShm };
+const char* ViaName(Via v) {
+  switch (v) {
+    case Via::kTcp:
+      return "tcp";
+    case Via::kTcpUnary:
+      return "tcp_unary";
+    case Via::kUnix:
+      return "unix";
+    case Via::kShm:
+      return "shm";
+  }
+  return "?";
+}
+client::Transport StepTransport(Via v) {
+  return v == Via::kShm ? client::Transport::kShm
+                        : v == Via::kTcpUnary ? client::Transport::kUnary : client::Transport::kStream;
+}
 
 // One sequence as the client knows it: the K and V rows it sent, per layer.
 struct History {
@@ -73,8 +96,11 @@ class SequencesTest : public ::testing::TestWithParam<Via> {
     ASSERT_NE(server_->server, nullptr);
     client::ClientOptions o;
     // The shm channel's caller is "local", as the unix socket's is: it opens its sequences there.
-    o.target = server_->Target(GetParam() == Via::kTcp ? Listener::kTcp : Listener::kUnix);
-    o.transport = GetParam() == Via::kShm ? client::Transport::kShm : client::Transport::kUnary;
+    o.target = server_->Target(GetParam() == Via::kTcp || GetParam() == Via::kTcpUnary ? Listener::kTcp
+                                                                                        : Listener::kUnix);
+    o.transport = GetParam() == Via::kShm       ? client::Transport::kShm
+                  : GetParam() == Via::kTcpUnary ? client::Transport::kUnary
+                                                 : client::Transport::kAuto;
     o.shm_socket = server_->shm_path;
     o.default_deadline = absl::Seconds(60);
     auto c = client::Client::Create(o);
@@ -109,7 +135,7 @@ class SequencesTest : public ::testing::TestWithParam<Via> {
     spec.v.data = v;
     auto r = client_->Step(spec);
     ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->transport, GetParam() == Via::kShm ? client::Transport::kShm : client::Transport::kUnary);
+    EXPECT_EQ(r->transport, StepTransport(GetParam()));
     EXPECT_EQ(r->backend, "cpu");
     h.k[layer] += k;
     h.v[layer] += v;
@@ -401,7 +427,7 @@ TEST_P(SequencesTest, RunSequenceVerifiesEveryStep) {
   EXPECT_EQ(r->verify_failures, 0) << r->first_verify_failure;
   EXPECT_EQ(r->final_lengths, std::vector<int64_t>({45, 45, 45}));
   EXPECT_EQ(r->step_us.size(), 5u);
-  EXPECT_EQ(r->transport, GetParam() == Via::kShm ? "shm" : "unary");
+  EXPECT_EQ(r->transport, client::TransportName(StepTransport(GetParam())));
   // It closed its sequence.
   EXPECT_EQ(client_->GetSequence(r->sequence_id).status().code(), absl::StatusCode::kNotFound);
 }
@@ -433,7 +459,12 @@ TEST_P(SequencesTest, DecodeBenchPerSequenceAndOneMessage) {
       }
     }
     EXPECT_EQ(calls, r->calls_ok);
-    EXPECT_EQ(r->transport, GetParam() == Via::kShm ? "shm" : GetParam() == Via::kUnix ? "grpc-unix" : "grpc-tcp");
+    const char* want = GetParam() == Via::kShm        ? "shm"
+                       : GetParam() == Via::kUnix     ? "grpc-unix (StepStream)"
+                       : GetParam() == Via::kTcpUnary ? "grpc-tcp (unary Step)"
+                                                      : "grpc-tcp (StepStream)";
+    EXPECT_EQ(r->transport, want);
+    EXPECT_GT(r->outside_p50_us, 0);
     const std::string text = client::FormatDecodeReport(*r);
     EXPECT_TRUE(absl::StrContains(text, "tokens/s")) << text;
     EXPECT_TRUE(absl::StrContains(client::DecodeReportJson(*r), "\"hbm_gbps\"")) << text;
@@ -459,6 +490,7 @@ std::pair<int, std::string> RunCommand(const std::string& cmd) {
 TEST_P(SequencesTest, AttnSeqAndDecodeBench) {
   std::string common = absl::StrCat(" --target=", client_->options().target);
   if (GetParam() == Via::kShm) absl::StrAppend(&common, " --transport=shm --shm_socket=", server_->shm_path);
+  if (GetParam() == Via::kTcpUnary) absl::StrAppend(&common, " --transport=unary");
   const std::string shape = " --layers=2 --q_heads=4 --kv_heads=2 --head_dim=64";
   auto [rc, out] = RunCommand(absl::StrCat(ATTN_BINARY, " seq --verify --lse --prefill=24 --steps=3", common, shape));
   EXPECT_EQ(rc, 0) << out;
@@ -491,7 +523,8 @@ TEST_P(SequencesTest, AttnSeqAndDecodeBench) {
   EXPECT_EQ(w_rc, 2) << w_out;
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, SequencesTest, ::testing::Values(Via::kTcp, Via::kUnix, Via::kShm),
+INSTANTIATE_TEST_SUITE_P(Transports, SequencesTest,
+                         ::testing::Values(Via::kTcp, Via::kTcpUnary, Via::kUnix, Via::kShm),
                          [](const auto& info) { return std::string(ViaName(info.param)); });
 
 // ---- Servers of their own: a small pool, and a second server that sequences are pinned to.
@@ -682,6 +715,304 @@ TEST(SequenceClient, ShortRepliesAreErrors) {
   no_lengths.clear_lengths();
   EXPECT_EQ(client::StepResultOf(req, no_lengths, client::Transport::kUnary, absl::Now()).status().code(),
             absl::StatusCode::kInternal);
+}
+
+// ---- StepStream: steps over one long-lived stream.
+
+v1::StepStreamRequest StreamStep(const std::string& id, int64_t tokens, int64_t layer, const std::string& q,
+                                 const std::string& k, const std::string& v) {
+  v1::StepStreamRequest m;
+  v1::StepRequest* s = m.mutable_step();
+  auto* t = s->add_sequences();
+  t->set_sequence_id(id);
+  t->set_tokens(tokens);
+  s->set_layer(layer);
+  s->set_q_heads(kQHeads);
+  if (!q.empty()) s->mutable_q()->set_data(q);
+  if (!k.empty()) s->mutable_k()->set_data(k);
+  if (!v.empty()) s->mutable_v()->set_data(v);
+  return m;
+}
+
+uint64_t MethodCount(client::Client& c, const std::string& method, uint64_t* errors = nullptr) {
+  auto stats = c.Stats();
+  EXPECT_TRUE(stats.ok()) << stats.status();
+  if (!stats.ok()) return 0;
+  for (const v1::RpcStats& r : stats->rpcs()) {
+    if (r.method() != method) continue;
+    if (errors != nullptr) *errors = r.errors();
+    return r.count();
+  }
+  return 0;
+}
+
+// Each bad step on a stream gets the status the unary Step would end with, in its answer; the stream stays open
+// and the next good step runs on a sequence the refusals left untouched. Every step is counted as a call.
+TEST(StepStream, BadStepsAreAnsweredAndTheStreamGoesOn) {
+  TestServer srv;
+  StartSequenceServer(&srv, server::SequenceOptions{});
+  auto c = Connect(srv.Target(Listener::kUnix));
+  ASSERT_NE(c, nullptr);
+  const client::SequenceShape shape = TestShape(2);
+  auto opened = c->OpenSequence(shape);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->ids[0];
+  const int64_t q_row = kQHeads * shape.head_dim, kv_row = shape.kv_heads * shape.head_dim;
+  const std::string q = client::RandomTensor(shape.dtype, 3 * q_row, 11);
+  const std::string k = client::RandomTensor(shape.dtype, 3 * kv_row, 12);
+  const std::string v = client::RandomTensor(shape.dtype, 3 * kv_row, 13);
+
+  auto stub =
+      v1::Attention::NewStub(grpc::CreateChannel(srv.Target(Listener::kUnix), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  auto rw = stub->StepStream(&ctx);
+  auto round = [&](const v1::StepStreamRequest& m) {
+    v1::StepStreamResponse r;
+    EXPECT_TRUE(rw->Write(m));
+    EXPECT_TRUE(rw->Read(&r));
+    return r;
+  };
+  auto expect_refused = [&](const v1::StepStreamRequest& m, absl::StatusCode code, const std::string& names) {
+    const v1::StepStreamResponse r = round(m);
+    EXPECT_EQ(r.code(), static_cast<int>(code)) << names << ": " << r.message();
+    EXPECT_TRUE(absl::StrContains(r.message(), names)) << r.message();
+    EXPECT_FALSE(r.has_step());
+    EXPECT_FALSE(r.request_id().empty());  // the server named it
+  };
+  std::string unknown = id;
+  unknown[0] = unknown[0] == 'a' ? 'b' : 'a';
+  expect_refused(StreamStep(unknown, 3, 0, q, k, v), absl::StatusCode::kNotFound, "sequences[0].sequence_id");
+  expect_refused(StreamStep(id, 3, 2, q, k, v), absl::StatusCode::kInvalidArgument, "layer");
+  expect_refused(StreamStep(id, 3, 0, q, k, ""), absl::StatusCode::kInvalidArgument, "v");
+  expect_refused(StreamStep(id, 3, 0, q, k.substr(2), v), absl::StatusCode::kInvalidArgument, "k.data");
+  expect_refused(v1::StepStreamRequest(), absl::StatusCode::kInvalidArgument, "sequences");
+  v1::StepStreamRequest negative = StreamStep(id, 3, 0, q, k, v);
+  negative.set_timeout_us(-1);
+  expect_refused(negative, absl::StatusCode::kInvalidArgument, "timeout_us");
+
+  // Nothing was appended by the refusals: the first good step attends over its own 3 rows only.
+  v1::StepStreamRequest good = StreamStep(id, 3, 0, q, k, v);
+  good.mutable_step()->set_request_id("mine");
+  good.set_timeout_us(30'000'000);
+  v1::StepStreamResponse r = round(good);
+  ASSERT_EQ(r.code(), 0) << r.message();
+  EXPECT_EQ(r.request_id(), "mine");
+  EXPECT_EQ(r.step().request_id(), "mine");
+  ASSERT_EQ(r.step().lengths_size(), 1);
+  EXPECT_EQ(r.step().lengths(0), 3);
+  EXPECT_EQ(CheckRows(shape, kQHeads, q, k, v, r.step().o(), "", false), "");
+  // And the stream goes on.
+  const std::string q1 = client::RandomTensor(shape.dtype, q_row, 14);
+  const std::string k1 = client::RandomTensor(shape.dtype, kv_row, 15);
+  const std::string v1 = client::RandomTensor(shape.dtype, kv_row, 16);
+  r = round(StreamStep(id, 1, 0, q1, k1, v1));
+  ASSERT_EQ(r.code(), 0) << r.message();
+  EXPECT_EQ(r.step().lengths(0), 4);
+  EXPECT_EQ(CheckRows(shape, kQHeads, q1, k + k1, v + v1, r.step().o(), "", false), "");
+  EXPECT_TRUE(rw->WritesDone());
+  const grpc::Status end = rw->Finish();
+  EXPECT_TRUE(end.ok()) << end.error_message();
+  uint64_t errors = 0;
+  EXPECT_EQ(MethodCount(*c, "StepStream", &errors), 8u);
+  EXPECT_EQ(errors, 6u);
+  EXPECT_TRUE(c->CloseSequence({id}).ok());
+  srv.server->Shutdown();
+}
+
+// A client that goes away with a step in flight: the step finishes or is dropped, the sequence is free again and
+// its length is one of the two outcomes, and the next step sees exactly what was committed.
+TEST(StepStream, AClientGoneMidStepLeavesTheSequenceConsistent) {
+  TestServer srv;
+  StartSequenceServer(&srv, server::SequenceOptions{});
+  auto c = Connect(srv.Target(Listener::kUnix));
+  ASSERT_NE(c, nullptr);
+  const client::SequenceShape shape = TestShape(1);
+  auto opened = c->OpenSequence(shape);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->ids[0];
+  const int64_t q_row = kQHeads * shape.head_dim, kv_row = shape.kv_heads * shape.head_dim;
+  constexpr int64_t kTokens = 1500;  // a prefill the CPU backend takes a while over
+  const std::string q = client::RandomTensor(shape.dtype, kTokens * q_row, 21);
+  const std::string k = client::RandomTensor(shape.dtype, kTokens * kv_row, 22);
+  const std::string v = client::RandomTensor(shape.dtype, kTokens * kv_row, 23);
+  // Polls the sequence (bounded) until `done` says so; its last state.
+  auto await = [&](const std::function<bool(const v1::SequenceInfo&)>& done) {
+    v1::SequenceInfo last;
+    for (const absl::Time until = absl::Now() + absl::Seconds(30); absl::Now() < until;) {
+      auto info = c->GetSequence(id);
+      EXPECT_TRUE(info.ok()) << info.status();
+      if (!info.ok()) break;
+      last = *info;
+      if (done(last)) break;
+      absl::SleepFor(absl::Milliseconds(1));  // polling the server's state, bounded above
+    }
+    return last;
+  };
+  {
+    auto stub =
+        v1::Attention::NewStub(grpc::CreateChannel(srv.Target(Listener::kUnix), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    auto rw = stub->StepStream(&ctx);
+    ASSERT_TRUE(rw->Write(StreamStep(id, kTokens, 0, q, k, v)));
+    // Admitted (running, or already done): nothing of it is still on its way when the client goes.
+    await([](const v1::SequenceInfo& i) { return i.step_in_flight() || i.lengths(0) > 0; });
+    ctx.TryCancel();
+    (void)rw->Finish();
+  }
+  const v1::SequenceInfo settled = await([](const v1::SequenceInfo& i) { return !i.step_in_flight(); });
+  ASSERT_FALSE(settled.step_in_flight());
+  const int64_t length = settled.lengths(0);
+  ASSERT_TRUE(length == 0 || length == kTokens) << length;
+  const std::string q1 = client::RandomTensor(shape.dtype, q_row, 24);
+  const std::string k1 = client::RandomTensor(shape.dtype, kv_row, 25);
+  const std::string v1 = client::RandomTensor(shape.dtype, kv_row, 26);
+  client::StepSpec s;
+  s.sequences = {{id, 1}};
+  s.q_heads = kQHeads;
+  s.q.data = q1;
+  s.k.data = k1;
+  s.v.data = v1;
+  auto r = c->Step(s);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->transport, client::Transport::kStream);
+  ASSERT_EQ(r->lengths.size(), 1u);
+  EXPECT_EQ(r->lengths[0], length + 1);
+  const std::string keys = length == 0 ? k1 : k + k1, values = length == 0 ? v1 : v + v1;
+  EXPECT_EQ(CheckRows(shape, kQHeads, q1, keys, values, r->o, "", false), "");
+  EXPECT_TRUE(c->CloseSequence({id}).ok());
+  srv.server->Shutdown();
+}
+
+// A step whose deadline passes is DEADLINE_EXCEEDED (the server's refusal in the answer, or the client's wait
+// running out, which cancels that stream); the client's next step goes through, over the committed length.
+TEST(StepStream, AStepPastItsDeadlineFailsAloneAndTheNextStepGoesThrough) {
+  TestServer srv;
+  StartSequenceServer(&srv, server::SequenceOptions{});
+  auto c = Connect(srv.Target(Listener::kTcp));
+  ASSERT_NE(c, nullptr);
+  const client::SequenceShape shape = TestShape(1);
+  auto opened = c->OpenSequence(shape);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->ids[0];
+  const int64_t q_row = kQHeads * shape.head_dim, kv_row = shape.kv_heads * shape.head_dim;
+  const std::string q = client::RandomTensor(shape.dtype, q_row, 51);
+  const std::string k = client::RandomTensor(shape.dtype, kv_row, 52);
+  const std::string v = client::RandomTensor(shape.dtype, kv_row, 53);
+  client::StepSpec s;
+  s.sequences = {{id, 1}};
+  s.q_heads = kQHeads;
+  s.q.data = q;
+  s.k.data = k;
+  s.v.data = v;
+  client::CallOptions hurried;
+  hurried.deadline = absl::Microseconds(1);
+  for (int i = 0; i < 3; ++i) {
+    auto late = c->Step(s, hurried);
+    EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  }
+  int64_t length = -1;
+  for (const absl::Time until = absl::Now() + absl::Seconds(30); absl::Now() < until;) {
+    auto info = c->GetSequence(id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    if (!info->step_in_flight()) {
+      length = info->lengths(0);
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(1));  // polling the server's state, bounded above
+  }
+  ASSERT_GE(length, 0);
+  ASSERT_LE(length, 3);
+  auto r = c->Step(s);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->transport, client::Transport::kStream);
+  EXPECT_EQ(r->lengths[0], length + 1);
+  EXPECT_TRUE(c->CloseSequence({id}).ok());
+  srv.server->Shutdown();
+}
+
+// The client keeps a stream for its next step. One the server ended while it sat idle (here: the server was
+// restarted on the same socket) is replaced before the step is sent, so the step reaches the new server, which
+// answers for itself: the old sequence is gone (NOT_FOUND), a new one steps normally.
+TEST(StepStream, AStreamEndedWhileIdleIsReplaced) {
+  const std::string socket = FreshSocketPath();
+  const std::string target = absl::StrCat("unix:", socket);
+  auto c = Connect(target);
+  ASSERT_NE(c, nullptr);
+  const client::SequenceShape shape = TestShape(1);
+  const int64_t q_row = kQHeads * shape.head_dim, kv_row = shape.kv_heads * shape.head_dim;
+  const std::string q = client::RandomTensor(shape.dtype, q_row, 31);
+  const std::string k = client::RandomTensor(shape.dtype, kv_row, 32);
+  const std::string v = client::RandomTensor(shape.dtype, kv_row, 33);
+  auto step = [&](const std::string& id) {
+    client::StepSpec s;
+    s.sequences = {{id, 1}};
+    s.q_heads = kQHeads;
+    s.q.data = q;
+    s.k.data = k;
+    s.v.data = v;
+    return c->Step(s);
+  };
+  std::string old_id;
+  {
+    TestServer first;
+    StartSequenceServer(&first, server::SequenceOptions{}, socket);
+    auto opened = c->OpenSequence(shape);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    old_id = opened->ids[0];
+    auto r = step(old_id);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->transport, client::Transport::kStream);
+    first.server->Shutdown();
+  }
+  TestServer second;
+  StartSequenceServer(&second, server::SequenceOptions{}, socket);
+  auto gone = step(old_id);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound) << gone.status();
+  auto opened = c->OpenSequence(shape);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  auto r = step(opened->ids[0]);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->lengths[0], 1);
+  EXPECT_EQ(CheckRows(shape, kQHeads, q, k, v, r->o, "", false), "");
+  second.server->Shutdown();
+}
+
+// A server without StepStream (an attnd from before it) gets the same steps as unary Step calls.
+class UnaryStepOnly final : public v1::Attention::Service {
+ public:
+  grpc::Status Step(grpc::ServerContext*, const v1::StepRequest* request, v1::StepResponse* response) override {
+    ++steps;
+    response->set_o(std::string(request->q().data().size(), '\0'));
+    for (int i = 0; i < request->sequences_size(); ++i) response->add_lengths(steps);
+    return grpc::Status::OK;
+  }
+  std::atomic<int> steps{0};
+};
+
+TEST(StepStream, AServerWithoutItGetsUnarySteps) {
+  UnaryStepOnly service;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto c = Connect(absl::StrCat("127.0.0.1:", port));
+  ASSERT_NE(c, nullptr);
+  const std::string q = client::RandomTensor(DType::kBF16, kQHeads * 64, 41);
+  client::StepSpec s;
+  s.sequences = {{"some-sequence", 1}};
+  s.q_heads = kQHeads;
+  s.q.data = q;
+  for (int i = 1; i <= 3; ++i) {
+    auto r = c->Step(s);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->transport, client::Transport::kUnary);
+    EXPECT_EQ(r->lengths[0], i);  // each step reached the server once
+  }
+  EXPECT_EQ(service.steps.load(), 3);
+  server->Shutdown();
 }
 
 }  // namespace

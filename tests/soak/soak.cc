@@ -118,6 +118,13 @@ class Soak {
     small_.push_back(MakeCase({1, 64, 96, 4, 2, 64}, attnd::Mask::kNone, 11, true));
     small_.push_back(MakeCase({2, 33, 70, 2, 1, 128}, attnd::Mask::kCausalBottomRight, 21, true));
     big_ = MakeCase({1, 512, 1024, 4, 4, 64}, attnd::Mask::kNone, 31, false);
+    // KV steps of 4 q heads : 2 kv heads, head_dim 64: one token, and 64.
+    kv_q_ = attnd::client::RandomTensor(DType::kBF16, 4 * 64, 41);
+    kv_k_ = attnd::client::RandomTensor(DType::kBF16, 2 * 64, 42);
+    kv_v_ = attnd::client::RandomTensor(DType::kBF16, 2 * 64, 43);
+    kv_q64_ = attnd::client::RandomTensor(DType::kBF16, 64 * 4 * 64, 44);
+    kv_k64_ = attnd::client::RandomTensor(DType::kBF16, 64 * 2 * 64, 45);
+    kv_v64_ = attnd::client::RandomTensor(DType::kBF16, 64 * 2 * 64, 46);
   }
 
   // Runs `seconds` of traffic on `clients` threads.
@@ -198,7 +205,9 @@ class Soak {
                   r.status().ToString());
     }
     if (pick < 90) return RawBytes(client, rng);
-    if (pick < 95) return ChunkFirst(*stub);
+    if (pick < 93) return ChunkFirst(*stub);
+    if (pick < 96) return KvSteps(client, rng);
+    if (pick < 98) return KvStreamCancelled(client, *stub, rng);
     grpc::GenericStub generic(client.channel());
     grpc::ClientContext ctx;
     grpc::Slice empty;
@@ -219,6 +228,65 @@ class Soak {
     if (!r.ok()) return;
     const attnd::client::VerifyReport v = c.oracle->Check(r->o_bytes(), r->lse_bytes());
     if (!v.pass) Error(absl::StrCat(what, " answer"), v.detail);
+  }
+
+  // A KV sequence opened, stepped 4-8 times over the client's StepStream (each answer's length checked) and closed.
+  void KvSteps(Client& client, std::mt19937_64& rng) {
+    auto opened = client.OpenSequence(KvShape());
+    Done("kv_open", static_cast<grpc::StatusCode>(opened.status().code()), {grpc::StatusCode::OK},
+         opened.status().ToString());
+    if (!opened.ok()) return;
+    const std::string id = opened->ids[0];
+    const int steps = 4 + static_cast<int>(rng() % 5);
+    for (int i = 0; i < steps; ++i) {
+      attnd::client::StepSpec spec;
+      spec.sequences = {{id, 1}};
+      spec.q_heads = 4;
+      spec.q.data = kv_q_;
+      spec.k.data = kv_k_;
+      spec.v.data = kv_v_;
+      auto r = client.Step(spec);
+      Done("kv_step", static_cast<grpc::StatusCode>(r.status().code()), {grpc::StatusCode::OK}, r.status().ToString());
+      if (!r.ok()) break;
+      if (r->lengths.size() != 1 || r->lengths[0] != i + 1) Error("kv_step answer", "wrong length");
+    }
+    const absl::Status closed = client.CloseSequence({id});
+    Done("kv_close", static_cast<grpc::StatusCode>(closed.code()), {grpc::StatusCode::OK}, closed.ToString());
+  }
+
+  // A StepStream whose client goes away 0-5 ms after sending a 64-token step; the sequence is then closed (at once,
+  // or when that step ends).
+  void KvStreamCancelled(Client& client, attnd::v1::Attention::Stub& stub, std::mt19937_64& rng) {
+    auto opened = client.OpenSequence(KvShape());
+    Done("kv_open", static_cast<grpc::StatusCode>(opened.status().code()), {grpc::StatusCode::OK},
+         opened.status().ToString());
+    if (!opened.ok()) return;
+    grpc::ClientContext ctx;
+    auto stream = stub.StepStream(&ctx);
+    attnd::v1::StepStreamRequest m;
+    attnd::v1::StepRequest* step = m.mutable_step();
+    auto* t = step->add_sequences();
+    t->set_sequence_id(opened->ids[0]);
+    t->set_tokens(64);
+    step->set_q_heads(4);
+    step->mutable_q()->set_data(kv_q64_);
+    step->mutable_k()->set_data(kv_k64_);
+    step->mutable_v()->set_data(kv_v64_);
+    stream->Write(m);
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 5000));  // a random moment, not synchronisation
+    ctx.TryCancel();
+    const grpc::Status s = stream->Finish();
+    Done("kv_stream_cancelled", s.error_code(), {grpc::StatusCode::CANCELLED}, s.error_message());
+    const absl::Status closed = client.CloseSequence({opened->ids[0]});
+    Done("kv_close", static_cast<grpc::StatusCode>(closed.code()), {grpc::StatusCode::OK}, closed.ToString());
+  }
+
+  static attnd::client::SequenceShape KvShape() {
+    attnd::client::SequenceShape shape;
+    shape.layers = 1;
+    shape.kv_heads = 2;
+    shape.head_dim = 64;
+    return shape;
   }
 
   void CancelUnary(attnd::v1::Attention::Stub& stub, std::mt19937_64& rng) {
@@ -282,6 +350,7 @@ class Soak {
 
   std::vector<Case> small_;
   Case big_;
+  std::string kv_q_, kv_k_, kv_v_, kv_q64_, kv_k64_, kv_v64_;
   std::atomic<uint64_t> calls_{0}, errors_{0};
   std::mutex mu_;
   std::map<std::string, uint64_t> outcomes_;

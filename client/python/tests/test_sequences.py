@@ -229,10 +229,11 @@ def test_torch_cpu_tensors(client, open_seq):
         seq.close()
 
 
-@pytest.mark.parametrize("transport", ["unary", "shm"])
+@pytest.mark.parametrize("transport", ["auto", "unary", "shm"])
 def test_step_transports(server, transport):
-    # Steps over the client's transport: the unary Step RPC, or a Step frame on the shared-memory channel. The
-    # shm channel's caller is the owner 'local', as on the unix socket: sequences it steps are opened there.
+    # Steps over the client's transport: a StepStream (auto), the unary Step RPC, or a Step frame on the
+    # shared-memory channel. The shm channel's caller is the owner 'local', as on the unix socket: sequences it
+    # steps are opened there.
     rng = np.random.default_rng(8)
     target = f"unix:{server.unix}" if transport == "shm" else server.target
     with attnd.Client(target, transport=transport, shm_socket=server.shm) as c:
@@ -240,7 +241,7 @@ def test_step_transports(server, transport):
             hist = History()
             for n in (37, 1):
                 step_checked(seq, hist, 0, rng, n)
-                assert c.last_info.transport == {"unary": 1, "shm": 3}[transport]
+                assert c.last_info.transport == {"auto": 2, "unary": 1, "shm": 3}[transport]
             # The per-call transport overrides the client's.
             q, k, v = rows(rng, 1), rows(rng, 1, KV_HEADS), rows(rng, 1, KV_HEADS)
             seq.step(1, q, k, v, transport="unary")

@@ -195,6 +195,9 @@ struct DecodeBenchReport {
   // StepTiming.batch_sequences of each call: how many sequences the server launched together -> calls.
   std::map<uint32_t, int64_t> batch_sequences;
   double srv_queue_us = 0, srv_h2d_us = 0, srv_kernel_us = 0, srv_d2h_us = 0, srv_total_us = 0;  // means
+  // Per call, client latency minus the server's total for it: the time outside the server's timer (the client
+  // library, the transport, the server's handling before and after the step), p50 and p99 in microseconds.
+  double outside_p50_us = 0, outside_p99_us = 0;
   // Achieved K/V read bandwidth, GB/s = sum over calls of B_c / sum over calls of (kernel_c x n_c / N_c), where
   // B_c = sum over the call's sequences of 2 x keys x kv_heads x head_dim x dtype bytes (K and V of every cached
   // key, the new one included: what attention reads), n_c the call's sequences and N_c its batch_sequences (a

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -79,6 +80,11 @@ struct ClientOptions {
   std::string shm_socket;
   // Largest request or reply area such a channel asks for (the server's --shm_max_bytes must allow it too).
   uint64_t shm_max_area_bytes = 64ull << 20;
+  // Steps on a StepStream: how long the calling thread polls for a step's answer before it sleeps until the
+  // answer wakes it (zero: it sleeps at once), while at most two steps of this process wait (more pollers
+  // would take the cores from the server and each other). An answer that comes within the poll spares the
+  // caller a wake-up from sleep, as for the shm channel's caller (docs/tuning.md, "Service").
+  absl::Duration step_poll = absl::Microseconds(300);
 };
 
 // Memory of the caller's that a call writes O (and LSE) into, instead of fresh strings in its ForwardResult.
@@ -277,8 +283,10 @@ class Client {
   absl::StatusOr<OpenedSequences> OpenSequence(const SequenceShape& shape, int64_t max_tokens = 0, uint32_t count = 1,
                                                const CallOptions& call = {});
   // Blocks until the step's reply. Transport: call.transport, else ClientOptions::transport; kShm goes over a
-  // shared-memory channel at ClientOptions::shm_socket, anything else over the unary Step RPC. The reply's
-  // O, LSE and lengths are checked against the sizes the request implies (INTERNAL otherwise).
+  // shared-memory channel at ClientOptions::shm_socket, kUnary over the unary Step RPC, kAuto and kStream over
+  // a StepStream (one stream per step in flight, opened on first use and kept for reuse; a server without
+  // StepStream gets unary Steps instead). The reply's O, LSE and lengths are checked against the sizes the
+  // request implies (INTERNAL otherwise).
   absl::StatusOr<StepResult> Step(const v1::StepRequest& request, const CallOptions& call = {});
   absl::StatusOr<StepResult> Step(const StepSpec& spec, const CallOptions& call = {});
   absl::StatusOr<std::vector<std::string>> ForkSequence(const std::string& sequence_id, uint32_t count = 1,
@@ -317,6 +325,11 @@ class Client {
   // The one address of `ids` (INVALID_ARGUMENT naming `field` when they name different servers).
   static absl::StatusOr<std::string> AddressOf(const std::vector<std::string>& ids, const char* field);
   absl::StatusOr<StepResult> StepOverShm(const v1::StepRequest& request, const CallOptions& call);
+  class StepStreamCall;
+  // A step over an idle StepStream to `address` (a new one when none is idle); nullopt when that server has no
+  // StepStream (the step was not sent).
+  std::optional<absl::StatusOr<StepResult>> StepOverStream(v1::Attention::Stub* stub, const std::string& address,
+                                                           const v1::StepRequest& request, const CallOptions& call);
   void Prepare(grpc::ClientContext* ctx, const CallOptions& call) const;
   uint64_t ChunkBytes(uint64_t max_message_bytes) const;
   // `request_bytes`: the whole message; `inline_bytes`: its tensors' share; `request`: at least its header.
@@ -341,6 +354,12 @@ class Client {
   std::vector<std::unique_ptr<ShmChannel>> shm_free_ ABSL_GUARDED_BY(shm_mu_);  // idle channels
   mutable absl::Mutex info_mu_;
   std::optional<v1::ServerInfo> info_ ABSL_GUARDED_BY(info_mu_);
+  // Idle StepStreams by server address ("" for the target), and the addresses whose server has none. Declared
+  // last: the streams end before the stubs and channels they were opened on.
+  absl::Mutex step_streams_mu_;
+  absl::flat_hash_map<std::string, std::vector<std::unique_ptr<StepStreamCall>>> step_streams_
+      ABSL_GUARDED_BY(step_streams_mu_);
+  absl::flat_hash_set<std::string> no_step_stream_ ABSL_GUARDED_BY(step_streams_mu_);
 };
 
 }  // namespace attnd::client
