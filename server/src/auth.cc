@@ -47,35 +47,25 @@ int BearerTokenProcessor::Find(absl::string_view token) const {
   return found;
 }
 
-grpc::Status BearerTokenProcessor::Process(const InputMetadata& auth_metadata, grpc::AuthContext* context,
-                                           OutputMetadata* consumed_auth_metadata, OutputMetadata*) {
+int BearerTokenProcessor::IndexOfHeader(absl::string_view value) const {
+  if (value.size() <= 7 || !absl::EqualsIgnoreCase(value.substr(0, 7), "bearer ")) return -1;
+  return Find(absl::StripLeadingAsciiWhitespace(value.substr(7)));
+}
+
+grpc::Status BearerTokenProcessor::Process(const InputMetadata& auth_metadata, grpc::AuthContext*,
+                                           OutputMetadata*, OutputMetadata*) {
   // Health stays open: orchestrators' probes (kubelet, HEALTHCHECK) carry no credentials.
   auto path = auth_metadata.find(":path");
   if (path != auth_metadata.end() &&
       absl::StartsWith(absl::string_view(path->second.data(), path->second.size()), "/grpc.health.v1.Health/")) {
     return grpc::Status::OK;
   }
-  auto header = auth_metadata.find("authorization");
-  if (header != auth_metadata.end()) {
-    const absl::string_view value(header->second.data(), header->second.size());
-    absl::string_view token = value;
-    // RFC 6750: the scheme is case-insensitive.
-    if (value.size() > 7 && absl::EqualsIgnoreCase(value.substr(0, 7), "bearer ")) {
-      token = absl::StripLeadingAsciiWhitespace(value.substr(7));
-      const int index = Find(token);
-      if (index >= 0) {
-        // Who the caller is, for what it owns (KV sequences): the token's place in the file, never the token.
-        if (context != nullptr) context->AddProperty(kTokenProperty, std::to_string(index));
-        consumed_auth_metadata->insert(std::make_pair(std::string(header->first.data(), header->first.size()),
-                                                      std::string(value)));
-        return grpc::Status::OK;
-      }
-    }
-  }
+  if (IndexOf(auth_metadata) >= 0) return grpc::Status::OK;
+  const bool missing = auth_metadata.find("authorization") == auth_metadata.end();
   if (on_reject_) on_reject_();
   // The message never repeats what was presented: tokens must not reach clients' logs either.
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                      header == auth_metadata.end()
+                      missing
                           ? "authorization: missing; this server needs 'authorization: Bearer <token>' metadata"
                           : "authorization: not a valid bearer token for this server");
 }

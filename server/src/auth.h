@@ -1,7 +1,9 @@
 // Bearer-token authentication (--auth_token_file): every RPC except grpc.health.v1 must carry
 // `authorization: Bearer <token>` with one of the file's tokens, else it is answered UNAUTHENTICATED before any
 // handler runs. Implemented as gRPC's AuthMetadataProcessor, so it covers every service on the server
-// (reflection included) and the token is consumed: handlers, interceptors and logs never see it.
+// (reflection included). The header stays in the call's metadata: gRPC hands a processor the connection's auth
+// context, shared by every call on that connection, so a call's identity can only come from its own header
+// (IndexOf); nothing logs client metadata.
 #pragma once
 
 #include <functional>
@@ -24,9 +26,6 @@ absl::StatusOr<std::vector<std::string>> LoadAuthTokens(const std::string& path)
 // `secret` (a timing side channel would let a client guess a token byte by byte).
 bool ConstantTimeEquals(absl::string_view presented, absl::string_view secret);
 
-// The auth-context property a call that presented a known token carries: the token's index in the file.
-inline constexpr char kTokenProperty[] = "attnd.token_index";
-
 class BearerTokenProcessor final : public grpc::AuthMetadataProcessor {
  public:
   // `on_reject` (may be empty) is called for every refused call, for the metrics.
@@ -38,7 +37,18 @@ class BearerTokenProcessor final : public grpc::AuthMetadataProcessor {
   grpc::Status Process(const InputMetadata& auth_metadata, grpc::AuthContext* context,
                        OutputMetadata* consumed_auth_metadata, OutputMetadata* response_metadata) override;
 
+  // The index in the file of the token that `authorization` metadata (any multimap of string_ref, a call's
+  // client_metadata or a processor's input) names; -1 when absent, malformed or unknown.
+  template <typename Metadata>
+  int IndexOf(const Metadata& metadata) const {
+    auto header = metadata.find("authorization");
+    if (header == metadata.end()) return -1;
+    return IndexOfHeader(absl::string_view(header->second.data(), header->second.size()));
+  }
+
  private:
+  // "Bearer <token>" (RFC 6750: the scheme is case-insensitive) -> the token's index, else -1.
+  int IndexOfHeader(absl::string_view value) const;
   // Index of `token` in tokens_, -1 when unknown; constant time in which one matches.
   int Find(absl::string_view token) const;
 

@@ -17,11 +17,11 @@
 
 namespace attnd::server {
 
-std::string AttentionService::OwnerOf(grpc::CallbackServerContext* ctx) {
-  const std::shared_ptr<const grpc::AuthContext> auth = ctx->auth_context();
-  if (auth != nullptr) {
-    const std::vector<grpc::string_ref> token = auth->FindPropertyValues(kTokenProperty);
-    if (!token.empty()) return absl::StrCat("token:", absl::string_view(token[0].data(), token[0].size()));
+std::string AttentionService::OwnerOf(grpc::CallbackServerContext* ctx) const {
+  if (auth_ != nullptr) {
+    // The processor admitted the call, so its header names a token; -1 only for the open health service.
+    const int index = auth_->IndexOf(ctx->client_metadata());
+    if (index >= 0) return absl::StrCat("token:", index);
   }
   // "ipv4:10.0.0.7:51234" -> "ipv4:10.0.0.7": a client keeps its sequences across reconnects (a new port).
   const std::string peer = ctx->peer();
@@ -113,10 +113,11 @@ constexpr const char* kStepStreamMethod = "StepStream";
 // admitted is always answered, as a unary Step is, before the reactor lets gRPC drop the call.
 class StepStreamReactor final : public grpc::ServerBidiReactor<v1::StepStreamRequest, v1::StepStreamResponse> {
  public:
-  StepStreamReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, CallStats* stats, CallInfo call)
+  StepStreamReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, CallStats* stats, CallInfo call,
+                    std::string owner)
       : sequences_(sequences),
         stats_(stats),
-        owner_(AttentionService::OwnerOf(ctx)),
+        owner_(std::move(owner)),
         peer_(ctx->peer()),
         call_(std::move(call)) {
     StartRead(&request_);
@@ -271,7 +272,7 @@ class StepStreamReactor final : public grpc::ServerBidiReactor<v1::StepStreamReq
 
 grpc::ServerBidiReactor<v1::StepStreamRequest, v1::StepStreamResponse>* AttentionService::StepStream(
     grpc::CallbackServerContext* ctx) {
-  return new StepStreamReactor(ctx, sequences_, stats_, CallFor(ctx, absl::Now()));
+  return new StepStreamReactor(ctx, sequences_, stats_, CallFor(ctx, absl::Now()), OwnerOf(ctx));
 }
 
 }  // namespace attnd::server

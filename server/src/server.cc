@@ -122,6 +122,7 @@ class ServerImpl final : public Server {
     observers.push_back(std::make_unique<CallObserverFactory>(&stats_, &peers_, &drain_));
     builder.experimental().SetInterceptorCreators(std::move(observers));
     service_.set_peer_calls(&peers_);
+    service_.set_auth(auth_.get());
     builder.SetMaxReceiveMessageSize(ClampToInt(options_.max_message_bytes));
     builder.SetMaxSendMessageSize(ClampToInt(options_.max_message_bytes));
     builder.RegisterService(&service_);
@@ -339,7 +340,7 @@ class ServerImpl final : public Server {
   CallStats stats_;  // the one stats sink: GetStats, metrics_ and the access log read it
   PeerCalls peers_;
   DrainTracker drain_;
-  std::shared_ptr<grpc::AuthMetadataProcessor> auth_;
+  std::shared_ptr<BearerTokenProcessor> auth_;
   std::shared_ptr<grpc::ServerCredentials> tcp_credentials_;
   std::unique_ptr<BufferRegistry> buffers_;  // cuda-ipc buffers; null unless enable_cuda_ipc on the cuda backend
   Dispatcher dispatcher_;

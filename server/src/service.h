@@ -19,6 +19,7 @@
 #include "attnd/server/server.h"
 #include "attnd/server/validation.h"
 #include "attnd/v1/attention.grpc.pb.h"
+#include "auth.h"
 #include "call_stats.h"
 
 namespace attnd::server {
@@ -77,12 +78,14 @@ class AttentionService final : public AttentionServiceBase {
                                           v1::CloseSequenceResponse* response) override;
   grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* ctx, const v1::GetSequenceRequest* request,
                                         v1::SequenceInfo* response) override;
-  // Who owns what a call creates: the bearer token's index when tokens are on, else the peer's address
-  // without its port ("local" for the unix socket). docs/sequences.md, "ownership".
-  static std::string OwnerOf(grpc::CallbackServerContext* ctx);
+  // Who owns what a call creates: the index of the bearer token in the call's own metadata when tokens are
+  // on, else the peer's address without its port ("local" for the unix socket). docs/sequences.md, "ownership".
+  std::string OwnerOf(grpc::CallbackServerContext* ctx) const;
 
   // Per-connection limit on Forward/ForwardStream calls (call_observer.h); null: none. Set before serving.
   void set_peer_calls(const PeerCalls* peers) { peer_calls_ = peers; }
+  // The bearer-token check (--auth_token_file), which names a call's owner; null: tokens off. Set before serving.
+  void set_auth(const BearerTokenProcessor* auth) { auth_ = auth; }
 
   // What the Dispatcher needs to know about a call: its deadline, cancellation and the per-connection limit.
   CallInfo CallFor(grpc::CallbackServerContext* ctx, absl::Time start, const InlineBytes* in_message = nullptr) const;
@@ -127,6 +130,7 @@ class AttentionService final : public AttentionServiceBase {
   const uint64_t stream_chunk_bytes_;
   std::atomic<uint32_t> streams_receiving_{0};
   const PeerCalls* peer_calls_ = nullptr;
+  const BearerTokenProcessor* auth_ = nullptr;
 };
 
 }  // namespace attnd::server

@@ -194,38 +194,43 @@ TEST_F(SecurityTest, StepStreamsCarryTheTokenAndItsOwnership) {
   o.auth_token_file = pki->Path("tokens");
   TestServer s(o);
   ASSERT_NE(s.server, nullptr);
-  auto client_with = [&](const std::string& token) {
-    client::ClientOptions co;
-    co.target = "127.0.0.1:" + std::to_string(s.server->tcp_port());
-    co.auth_token = token;
-    co.own_connection = true;  // three callers, three connections
-    auto c = client::Client::Create(co);
-    EXPECT_TRUE(c.ok()) << c.status();
-    return c.ok() ? std::move(*c) : nullptr;
-  };
-  auto alpha = client_with("tok-alpha-0123456789");
-  auto beta = client_with("tok-beta-abcdef");
-  auto none = client_with("");
-  ASSERT_TRUE(alpha && beta && none);
-  client::SequenceShape shape;
-  shape.layers = 1;
-  shape.kv_heads = 2;
-  shape.head_dim = 64;
-  auto opened = alpha->OpenSequence(shape);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  const std::string k(2 * 64 * 2, '\1'), v(2 * 64 * 2, '\2');
-  client::StepSpec spec;
-  spec.sequences = {{opened->ids[0], 1}};
-  spec.k.data = k;
-  spec.v.data = v;
-  auto mine = alpha->Step(spec);
-  ASSERT_TRUE(mine.ok()) << mine.status();
-  EXPECT_EQ(mine->transport, client::Transport::kStream);
-  EXPECT_EQ(none->Step(spec).status().code(), absl::StatusCode::kUnauthenticated);
-  EXPECT_EQ(beta->Step(spec).status().code(), absl::StatusCode::kNotFound);
-  auto again = alpha->Step(spec);
-  ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_EQ(again->lengths, std::vector<int64_t>({2}));  // the refused steps appended nothing
+  // Separate connections, then one connection shared by all three callers: gRPC gives every call on a
+  // connection the same auth context, so a call's owner must come from its own header, never the connection's.
+  for (const bool own_connection : {true, false}) {
+    SCOPED_TRACE(own_connection ? "a connection each" : "one shared connection");
+    auto client_with = [&](const std::string& token) {
+      client::ClientOptions co;
+      co.target = "127.0.0.1:" + std::to_string(s.server->tcp_port());
+      co.auth_token = token;
+      co.own_connection = own_connection;
+      auto c = client::Client::Create(co);
+      EXPECT_TRUE(c.ok()) << c.status();
+      return c.ok() ? std::move(*c) : nullptr;
+    };
+    auto alpha = client_with("tok-alpha-0123456789");
+    auto beta = client_with("tok-beta-abcdef");
+    auto none = client_with("");
+    ASSERT_TRUE(alpha && beta && none);
+    client::SequenceShape shape;
+    shape.layers = 1;
+    shape.kv_heads = 2;
+    shape.head_dim = 64;
+    auto opened = alpha->OpenSequence(shape);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    const std::string k(2 * 64 * 2, '\1'), v(2 * 64 * 2, '\2');
+    client::StepSpec spec;
+    spec.sequences = {{opened->ids[0], 1}};
+    spec.k.data = k;
+    spec.v.data = v;
+    auto mine = alpha->Step(spec);
+    ASSERT_TRUE(mine.ok()) << mine.status();
+    EXPECT_EQ(mine->transport, client::Transport::kStream);
+    EXPECT_EQ(none->Step(spec).status().code(), absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(beta->Step(spec).status().code(), absl::StatusCode::kNotFound);
+    auto again = alpha->Step(spec);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(again->lengths, std::vector<int64_t>({2}));  // the refused steps appended nothing
+  }
 }
 
 TEST_F(SecurityTest, TokensOnAPlaintextNetworkListenerAreRefusedAtStart) {
