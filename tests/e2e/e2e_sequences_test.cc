@@ -820,6 +820,26 @@ TEST(StepStream, BadStepsAreAnsweredAndTheStreamGoesOn) {
   srv.server->Shutdown();
 }
 
+// One decode step of one sequence: random Q, K and V rows (seeds seed, seed + 1, seed + 2) and the spec that
+// points at them (so it neither copies nor moves).
+struct OneTokenStep {
+  OneTokenStep(const client::SequenceShape& shape, const std::string& id, uint64_t seed)
+      : q(client::RandomTensor(shape.dtype, kQHeads * shape.head_dim, seed)),
+        k(client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, seed + 1)),
+        v(client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, seed + 2)) {
+    spec.sequences = {{id, 1}};
+    spec.q_heads = kQHeads;
+    spec.q.data = q;
+    spec.k.data = k;
+    spec.v.data = v;
+  }
+  OneTokenStep(const OneTokenStep&) = delete;
+  OneTokenStep& operator=(const OneTokenStep&) = delete;
+
+  const std::string q, k, v;
+  client::StepSpec spec;
+};
+
 // A client that goes away with a step in flight: the step finishes or is dropped, the sequence is free again and
 // its length is one of the two outcomes, and the next step sees exactly what was committed.
 TEST(StepStream, AClientGoneMidStepLeavesTheSequenceConsistent) {
@@ -864,22 +884,14 @@ TEST(StepStream, AClientGoneMidStepLeavesTheSequenceConsistent) {
   ASSERT_FALSE(settled.step_in_flight());
   const int64_t length = settled.lengths(0);
   ASSERT_TRUE(length == 0 || length == kTokens) << length;
-  const std::string q1 = client::RandomTensor(shape.dtype, q_row, 24);
-  const std::string k1 = client::RandomTensor(shape.dtype, kv_row, 25);
-  const std::string v1 = client::RandomTensor(shape.dtype, kv_row, 26);
-  client::StepSpec s;
-  s.sequences = {{id, 1}};
-  s.q_heads = kQHeads;
-  s.q.data = q1;
-  s.k.data = k1;
-  s.v.data = v1;
-  auto r = c->Step(s);
+  const OneTokenStep next(shape, id, 24);
+  auto r = c->Step(next.spec);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->transport, client::Transport::kStream);
   ASSERT_EQ(r->lengths.size(), 1u);
   EXPECT_EQ(r->lengths[0], length + 1);
-  const std::string keys = length == 0 ? k1 : k + k1, values = length == 0 ? v1 : v + v1;
-  EXPECT_EQ(CheckRows(shape, kQHeads, q1, keys, values, r->o, "", false), "");
+  const std::string keys = length == 0 ? next.k : k + next.k, values = length == 0 ? next.v : v + next.v;
+  EXPECT_EQ(CheckRows(shape, kQHeads, next.q, keys, values, r->o, "", false), "");
   EXPECT_TRUE(c->CloseSequence({id}).ok());
   srv.server->Shutdown();
 }
@@ -895,16 +907,8 @@ TEST(StepStream, AStepPastItsDeadlineFailsAloneAndTheNextStepGoesThrough) {
   auto opened = c->OpenSequence(shape);
   ASSERT_TRUE(opened.ok()) << opened.status();
   const std::string id = opened->ids[0];
-  const int64_t q_row = kQHeads * shape.head_dim, kv_row = shape.kv_heads * shape.head_dim;
-  const std::string q = client::RandomTensor(shape.dtype, q_row, 51);
-  const std::string k = client::RandomTensor(shape.dtype, kv_row, 52);
-  const std::string v = client::RandomTensor(shape.dtype, kv_row, 53);
-  client::StepSpec s;
-  s.sequences = {{id, 1}};
-  s.q_heads = kQHeads;
-  s.q.data = q;
-  s.k.data = k;
-  s.v.data = v;
+  const OneTokenStep step(shape, id, 51);
+  const client::StepSpec& s = step.spec;
   client::CallOptions hurried;
   hurried.deadline = absl::Microseconds(1);
   for (int i = 0; i < 3; ++i) {
@@ -940,18 +944,10 @@ TEST(StepStream, AStreamEndedWhileIdleIsReplaced) {
   auto c = Connect(target);
   ASSERT_NE(c, nullptr);
   const client::SequenceShape shape = TestShape(1);
-  const int64_t q_row = kQHeads * shape.head_dim, kv_row = shape.kv_heads * shape.head_dim;
-  const std::string q = client::RandomTensor(shape.dtype, q_row, 31);
-  const std::string k = client::RandomTensor(shape.dtype, kv_row, 32);
-  const std::string v = client::RandomTensor(shape.dtype, kv_row, 33);
+  OneTokenStep one(shape, "", 31);
   auto step = [&](const std::string& id) {
-    client::StepSpec s;
-    s.sequences = {{id, 1}};
-    s.q_heads = kQHeads;
-    s.q.data = q;
-    s.k.data = k;
-    s.v.data = v;
-    return c->Step(s);
+    one.spec.sequences[0].sequence_id = id;
+    return c->Step(one.spec);
   };
   std::string old_id;
   {
@@ -974,7 +970,7 @@ TEST(StepStream, AStreamEndedWhileIdleIsReplaced) {
   auto r = step(opened->ids[0]);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->lengths[0], 1);
-  EXPECT_EQ(CheckRows(shape, kQHeads, q, k, v, r->o, "", false), "");
+  EXPECT_EQ(CheckRows(shape, kQHeads, one.q, one.k, one.v, r->o, "", false), "");
   second.server->Shutdown();
 }
 
