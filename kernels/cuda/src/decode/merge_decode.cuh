@@ -22,25 +22,44 @@ template <int D, typename Elem>
 __device__ __forceinline__ void MergeSplitsRow(const DecodeParams& p, int b, int pos, int qh, int c, int n) {
   const int64_t per_seq = static_cast<int64_t>(p.q_len) * p.q_heads;  // rows of a split: (pos, q head)
   const int64_t first = static_cast<int64_t>(b) * p.max_splits * per_seq + static_cast<int64_t>(pos) * p.q_heads + qh;
-  float mx = -CUDART_INF_F;
-#pragma unroll 8
-  for (int s = 0; s < n; ++s) mx = fmaxf(mx, __ldcg(p.lse_part + first + s * per_seq));
-  float sum = 0.f;
-  if (mx != -CUDART_INF_F) {
-#pragma unroll 8
-    for (int s = 0; s < n; ++s) sum += exp2f(__ldcg(p.lse_part + first + s * per_seq) - mx);
+  // Splits in batches of kBatch: each batch's loads are issued together, so a row waits for L2 about twice per
+  // batch (its LSEs, then its O partials) rather than once per split, and only the batch maxima rescale the sum.
+  constexpr int kBatch = 16;
+  float m = -CUDART_INF_F, l = 0.f;
+  for (int s0 = 0; s0 < n; s0 += kBatch) {
+    // Past the last split the loads repeat it (always in bounds, so nothing predicates them) and weigh 0.
+    float ls[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const float x = __ldcg(p.lse_part + first + min(s0 + i, n - 1) * per_seq);
+      ls[i] = s0 + i < n ? x : -CUDART_INF_F;
+    }
+    float bm = ls[0];
+#pragma unroll
+    for (int i = 1; i < kBatch; ++i) bm = fmaxf(bm, ls[i]);
+    const float mn = fmaxf(m, bm);
+    if (mn == -CUDART_INF_F) continue;  // no split so far sees a key
+    float bs = 0.f;
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) bs += exp2f(ls[i] - mn);  // 0 for a split with no visible key
+    l = (m == -CUDART_INF_F ? 0.f : l * exp2f(m - mn)) + bs;
+    m = mn;
   }
-  const float lse2 = sum > 0.f ? mx + log2f(sum) : -CUDART_INF_F;
+  const float lse2 = l > 0.f ? m + log2f(l) : -CUDART_INF_F;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (sum > 0.f) {
-#pragma unroll 4
-    for (int s = 0; s < n; ++s) {
-      const float w = exp2f(__ldcg(p.lse_part + first + s * per_seq) - lse2);
-      const float4 x = __ldcg(reinterpret_cast<const float4*>(p.o_part + (first + s * per_seq) * D + c));
-      acc.x += w * x.x;
-      acc.y += w * x.y;
-      acc.z += w * x.z;
-      acc.w += w * x.w;
+  if (l > 0.f) {
+    for (int s0 = 0; s0 < n; s0 += kBatch) {
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int64_t at = first + min(s0 + i, n - 1) * per_seq;
+        const float ls = __ldcg(p.lse_part + at);
+        const float4 x = __ldcg(reinterpret_cast<const float4*>(p.o_part + at * D + c));
+        const float w = s0 + i < n ? exp2f(ls - lse2) : 0.f;
+        acc.x += w * x.x;
+        acc.y += w * x.y;
+        acc.z += w * x.z;
+        acc.w += w * x.w;
+      }
     }
   }
   uint2 packed;
