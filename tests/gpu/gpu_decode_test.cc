@@ -187,6 +187,40 @@ std::vector<DecodeCase> Cases() {
     c.q_len = 4;
     c.causal = true;
   }
+  // Fused appends: new rows straddling a split boundary (130 keys, two splits of 128), four row blocks reading
+  // them, the largest head_dim in fp16, one token per step on a GQA group of 4 with many splits.
+  {
+    DecodeCase& c = add("append_split_boundary", {130, 7, 64});
+    c.paged = true;
+    c.append = c.q_len = 4;
+    c.causal = true;
+    c.num_splits = 2;
+  }
+  {
+    DecodeCase& c = add("append_rows256", {40, 700});
+    c.q_heads = 16;
+    c.kv_heads = 1;
+    c.append = c.q_len = 16;
+    c.causal = true;
+    c.paged = true;
+    c.num_splits = 3;
+  }
+  {
+    DecodeCase& c = add("append_d256_fp16", {5, 1000});
+    c.head_dim = 256;
+    c.dtype = DType::kFP16;
+    c.append = c.q_len = 2;
+    c.causal = true;
+    c.paged = true;
+    c.page_size = 64;
+  }
+  {
+    DecodeCase& c = add("append_decode_step", {4096, 1, 4097});
+    c.q_heads = 32;
+    c.kv_heads = 8;
+    c.append = c.q_len = 1;
+    c.paged = true;
+  }
   // Long and ragged: lengths from 1 to 32k in one launch, the split heuristic at work, and one 128k sequence.
   {
     DecodeCase& c = add("long_ragged_paged16", {1, 7, 2000, 8191, 32768});
@@ -522,12 +556,14 @@ TEST_P(GpuDecodeTest, MatchesReference) {
   }
   CUDA_OK(lens_d.Upload(c.lens));
 
+  // The layout launched: the case's, or with the append fused into the decode launch.
+  BatchLayout run_layout = l;
   // fused_merge: -1 the plan's choice, 0 the merge kernel, 1 the last split block merges.
   auto run = [&](int num_splits, int fused_merge, Outputs& out, int* splits_used, bool* merged_in_kernel) {
     DecodeOptions options;
     options.num_splits = num_splits;
     if (fused_merge >= 0) options.max_fused_merge_bytes = fused_merge == 1 ? SIZE_MAX : 0;
-    absl::StatusOr<DecodePlan> plan = MakeDecodePlan(l, c.lens, h.table, options);
+    absl::StatusOr<DecodePlan> plan = MakeDecodePlan(run_layout, c.lens, h.table, options);
     ASSERT_TRUE(plan.ok()) << plan.status();
     *splits_used = plan->max_splits;
     *merged_in_kernel = plan->merge_in_kernel;
@@ -537,7 +573,7 @@ TEST_P(GpuDecodeTest, MatchesReference) {
     const size_t n_counters = plan->counter_bytes / sizeof(int32_t);
     CUDA_OK(counters.Alloc(n_counters));
     CUDA_OK(cudaMemset(counters.ptr, 0, std::max<size_t>(plan->counter_bytes, 1)));
-    const DecodeTensors t{q.ptr, k.ptr, v.ptr, o.ptr, lse.ptr, lens_d.ptr, table_d.ptr};
+    const DecodeTensors t{q.ptr, k.ptr, v.ptr, o.ptr, lse.ptr, lens_d.ptr, table_d.ptr, nk.ptr, nv.ptr};
     const DecodeWorkspace w{plan->workspace_bytes > 0 ? ws.ptr : nullptr, n_counters > 0 ? counters.ptr : nullptr};
     // Twice, poisoned before each: the second launch runs on the counters the first left, which must be zero.
     for (int launch = 0; launch < 2; ++launch) {
@@ -589,6 +625,33 @@ TEST_P(GpuDecodeTest, MatchesReference) {
     }
     EXPECT_LE(diff, 2 * kAtol + 1e-2) << "split vs unsplit";
   }
+
+  if (c.append > 0 && c.append == c.q_len) {
+    // The same step with the append fused into the decode launch, from the cache as it was before the append:
+    // the same answer, and the cache afterwards byte for byte what LaunchAppend left.
+    std::vector<uint16_t> appended_k, appended_v;
+    CUDA_OK(k.Download(appended_k));
+    CUDA_OK(v.Download(appended_v));
+    run_layout.append = true;
+    run_layout.new_k = run_layout.new_v = ContiguousStrides(c.append, l.kv_heads, l.head_dim);
+    for (const int num_splits : {c.num_splits, 1}) {
+      CUDA_OK(k.Upload(h.k_cache));
+      CUDA_OK(v.Upload(h.v_cache));
+      Outputs fused_out;
+      int used = 0;
+      bool in_kernel = false;
+      run(num_splits, -1, fused_out, &used, &in_kernel);
+      if (HasFatalFailure()) return;
+      Check(h, c.lens, refs, fused_out, "append fused, splits " + std::to_string(used));
+      std::vector<uint16_t> got_k, got_v;
+      CUDA_OK(k.Download(got_k));
+      CUDA_OK(v.Download(got_v));
+      for (size_t i = 0; i < got_k.size(); ++i) {
+        ASSERT_EQ(got_k[i], appended_k[i]) << "K cache element " << i << " after the fused append (splits " << used << ")";
+        ASSERT_EQ(got_v[i], appended_v[i]) << "V cache element " << i << " after the fused append (splits " << used << ")";
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Decode, GpuDecodeTest, ::testing::ValuesIn(Cases()),
@@ -625,6 +688,16 @@ TEST(DecodeLaunchValidation, NamesTheBadTensor) {
   t.kv_lens = nullptr;
   EXPECT_EQ(LaunchDecode(*plan, t, {}, nullptr).message().substr(0, 16), "tensors.kv_lens:");
   t.kv_lens = len;
+  // A fused append needs its new rows.
+  BatchLayout appending = l;
+  appending.append = true;
+  appending.new_k = appending.new_v = ContiguousStrides(1, 1, 64);
+  absl::StatusOr<DecodePlan> append_plan = MakeDecodePlan(appending, {64}, {}, options);
+  ASSERT_TRUE(append_plan.ok()) << append_plan.status();
+  EXPECT_EQ(LaunchDecode(*append_plan, t, {}, nullptr).message().substr(0, 14), "tensors.new_k:");
+  t.new_k = buf;
+  EXPECT_EQ(LaunchDecode(*append_plan, t, {}, nullptr).message().substr(0, 14), "tensors.new_v:");
+  t.new_k = nullptr;
 
   // A split plan that merges in the kernel needs both scratch buffers.
   options.max_fused_merge_bytes = SIZE_MAX;

@@ -140,6 +140,25 @@ TEST(DecodePlanValidation, NamesTheBadLengthOrTableEntry) {
   ExpectRejected(bad, {16, 16}, {}, "layout.paged.max_pages_per_seq");
 }
 
+TEST(DecodePlanValidation, AFusedAppendNeedsRowStridesAndAtLeastQLenKeys) {
+  BatchLayout l = Paged(2, 4, 8, 2, 128, 16, 5, 3);
+  l.mask = Mask::kCausalBottomRight;
+  l.append = true;
+  l.new_k = l.new_v = ContiguousStrides(4, 2, 128);
+  const std::vector<int32_t> table = {0, 1, 2, 3, 4, 0};
+  EXPECT_TRUE(MakeDecodePlan(l, {4, 40}, table, H200()).ok());
+  ExpectRejected(l, {40, 3}, table, "kv_lens[1]");  // 3 keys cannot end in 4 new rows
+  BatchLayout bad = l;
+  bad.new_k.seq = 100;
+  ExpectRejected(bad, {4, 40}, table, "layout.new_k.seq");
+  bad = l;
+  bad.new_v.head = -8;
+  ExpectRejected(bad, {4, 40}, table, "layout.new_v.head");
+  // Without append the same lengths are fine: a row that sees no key is 0.
+  l.append = false;
+  EXPECT_TRUE(MakeDecodePlan(l, {40, 3}, table, H200()).ok());
+}
+
 TEST(DecodePlanValidation, NamesTheBadOption) {
   const BatchLayout l = Contiguous(1, 1, 8, 2, 128, 256);
   DecodeOptions o = H200();

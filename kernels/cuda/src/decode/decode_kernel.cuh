@@ -12,6 +12,8 @@
 // Pipeline: kStages cp.async groups; tile j + kStages - 1 is issued into the stage tile j - 1 used, after the
 // block barrier that also makes tile j visible. Every iteration commits a group (empty past the last tile),
 // so wait_group<kStages - 2> always means "tile j has landed".
+// Fused append (a decode step): the sequence's last q_len keys are read from the new rows, which the blocks of
+// row block 0 also write into the cache.
 // Epilogue: one split writes O (normalised) and LSE; several write O / l and log2(l) + m per split to the
 // workspace, and the last of them to finish merges them, or the merge kernel does (merge_decode.cuh).
 #pragma once
@@ -83,11 +85,39 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
       CpAsync16(SmemAddr(q_s + SwizzledOffset<kRowBytes>(r, chunk)), (valid ? q_row(gr) : q) + chunk * 8, valid);
     }
   }
-  Loader loader(p, b, kvh, key_begin, key_end);
+  Loader loader(p, b, kvh, key_begin, key_end, kv_len);
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
     if (st < n_tiles) loader.Load(key_begin + st * BN, k_s + st * Tile::kKVTileBytes, v_s + st * Tile::kKVTileBytes);
     CpAsyncCommit();
+  }
+
+  // Fused append: this split's share of the new rows into the cache, while the first tiles are in flight. One
+  // block per key writes it (row block 0); no block of this launch reads those cache rows (the loader takes
+  // them from the new rows), so nothing here waits for the writes.
+  if (p.new_k != nullptr && mb == 0) {
+    constexpr int kChunks = D / 8;
+    const int new_begin = kv_len - p.q_len;
+    const int first = max(key_begin, new_begin);
+    for (int item = tid; item < (key_end - first) * kChunks; item += Tile::kThreads) {
+      const int key = first + item / kChunks, col = item % kChunks * 8, t = key - new_begin;
+      int64_t k_at, v_at;
+      if (p.block_table != nullptr) {
+        const int64_t slot = p.block_table[static_cast<int64_t>(b) * p.max_pages_per_seq + (key >> p.page_shift)];
+        const int64_t row = key & ((1 << p.page_shift) - 1);
+        k_at = slot * p.k_sb + row * p.k_ss;
+        v_at = slot * p.v_sb + row * p.v_ss;
+      } else {
+        k_at = b * p.k_sb + key * p.k_ss;
+        v_at = b * p.v_sb + key * p.v_ss;
+      }
+      const uint16_t* nk = static_cast<const uint16_t*>(p.new_k) + b * p.nk_sb + t * p.nk_ss + kvh * p.nk_sh + col;
+      const uint16_t* nv = static_cast<const uint16_t*>(p.new_v) + b * p.nv_sb + t * p.nv_ss + kvh * p.nv_sh + col;
+      uint16_t* k = static_cast<uint16_t*>(p.k_cache) + k_at + kvh * p.k_sh + col;
+      uint16_t* v = static_cast<uint16_t*>(p.v_cache) + v_at + kvh * p.v_sh + col;
+      *reinterpret_cast<uint4*>(k) = __ldg(reinterpret_cast<const uint4*>(nk));
+      *reinterpret_cast<uint4*>(v) = __ldg(reinterpret_cast<const uint4*>(nv));
+    }
   }
 
   // Q at d <= 128: A fragments straight from global memory, once (rows past p.rows are zero padding).

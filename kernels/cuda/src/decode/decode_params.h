@@ -30,6 +30,15 @@ struct DecodeParams {
   int split_keys = 0;
   int max_splits = 1;
   int merge_in_kernel = 0;  // the last split block to finish merges (with split_counters); 0: a merge kernel does
+  // Fused append (null: none): keys kv_len - q_len .. kv_len - 1 are read from these rows ([batch, q_len,
+  // kv_heads, head_dim]) and written into k_cache / v_cache (k / v, writable) by the row-block-0 block of the
+  // split holding them.
+  const void* new_k = nullptr;
+  const void* new_v = nullptr;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  int64_t nk_sb = 0, nk_ss = 0, nk_sh = 0;
+  int64_t nv_sb = 0, nv_ss = 0, nv_sh = 0;
 };
 
 // Splits of a sequence of kv_len keys; the plan's split decision applied to the length read at launch.

@@ -169,6 +169,17 @@ absl::StatusOr<DecodePlan> MakeDecodePlan(const BatchLayout& layout, absl::Span<
   }
   if (options.min_split_keys < 1) return Invalid("options.min_split_keys", absl::StrCat(options.min_split_keys, " < 1"));
   if (absl::Status st = CheckLengthsAndTable(l, kv_lens, block_table, 0, false); !st.ok()) return st;
+  if (l.append) {
+    if (absl::Status st = CheckStrides("layout.new_k", l.new_k); !st.ok()) return st;
+    if (absl::Status st = CheckStrides("layout.new_v", l.new_v); !st.ok()) return st;
+    for (int b = 0; b < l.batch; ++b) {
+      if (kv_lens[b] < l.q_len) {
+        return Invalid(absl::StrCat("kv_lens[", b, "]"),
+                       absl::StrCat(kv_lens[b], " < q_len ", l.q_len, ": with layout.append the last q_len keys are "
+                                                "the new rows"));
+      }
+    }
+  }
 
   DecodePlan plan;
   plan.layout = l;
@@ -248,6 +259,10 @@ absl::Status LaunchDecode(const DecodePlan& plan, const DecodeTensors& t, const 
   if (absl::Status st = CheckPointer("workspace.partials", workspace.partials, plan.workspace_bytes > 0); !st.ok()) {
     return st;
   }
+  if (l.append) {
+    if (absl::Status st = CheckPointer("tensors.new_k", t.new_k, true); !st.ok()) return st;
+    if (absl::Status st = CheckPointer("tensors.new_v", t.new_v, true); !st.ok()) return st;
+  }
   if (plan.counter_bytes > 0 && workspace.counters == nullptr) {
     return Invalid("workspace.counters", "null but the plan splits");
   }
@@ -286,6 +301,15 @@ absl::Status LaunchDecode(const DecodePlan& plan, const DecodeTensors& t, const 
   p.split_keys = plan.split_keys;
   p.max_splits = plan.max_splits;
   p.merge_in_kernel = plan.merge_in_kernel ? 1 : 0;
+  if (l.append) {
+    p.new_k = t.new_k;
+    p.new_v = t.new_v;
+    // The layout's contract: with append the cache is writable.
+    p.k_cache = const_cast<void*>(t.k);
+    p.v_cache = const_cast<void*>(t.v);
+    p.nk_sb = l.new_k.batch, p.nk_ss = l.new_k.seq, p.nk_sh = l.new_k.head;
+    p.nv_sb = l.new_v.batch, p.nv_ss = l.new_v.seq, p.nv_sh = l.new_v.head;
+  }
 
   const dim3 grid(static_cast<unsigned>(plan.max_splits), static_cast<unsigned>(l.kv_heads * plan.m_blocks),
                   static_cast<unsigned>(l.batch));

@@ -4,6 +4,8 @@
 // Paged KV: kRowsPerThread (at most 8) divides the smallest page (16 keys), so a thread's keys of a tile lie
 // in one page and it reads one block-table slot per tile. That slot is read one tile ahead, so the table's
 // latency passes under a tile of compute instead of stalling the copies it addresses.
+// Fused append: a sequence's last q_len keys come from the new rows instead of the cache (which this launch is
+// writing), on the few tiles that reach them.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +26,8 @@ class KvTileLoader {
   static_assert(16 % kRowsPerThread == 0, "a thread's rows of a tile lie in one page of the smallest size");
 
   // Tiles are then loaded in order from key_begin, one Load per tile.
-  __device__ __forceinline__ KvTileLoader(const DecodeParams& p, int b, int kvh, int key_begin, int key_end)
+  __device__ __forceinline__ KvTileLoader(const DecodeParams& p, int b, int kvh, int key_begin, int key_end,
+                                          int kv_len)
       : chunk_(threadIdx.x % kChunksPerRow),
         row0_(threadIdx.x / kChunksPerRow * kRowsPerThread),
         key_end_(key_end),
@@ -41,6 +44,13 @@ class KvTileLoader {
     } else {
       k_ += b * p.k_sb;
       v_ += b * p.v_sb;
+    }
+    if (p.new_k != nullptr) {
+      new_begin_ = kv_len - p.q_len;
+      nk_ss_ = p.nk_ss;
+      nv_ss_ = p.nv_ss;
+      nk_ = static_cast<const uint16_t*>(p.new_k) + b * p.nk_sb + kvh * p.nk_sh + chunk_ * 8;
+      nv_ = static_cast<const uint16_t*>(p.new_v) + b * p.nv_sb + kvh * p.nv_sh + chunk_ * 8;
     }
   }
 
@@ -59,12 +69,24 @@ class KvTileLoader {
       k_off = key * k_ss_;
       v_off = key * v_ss_;
     }
+    if (key + kRowsPerThread <= new_begin_) {
 #pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) {
-      const bool valid = key + i < key_end_;
-      const uint32_t s = SwizzledOffset<Tile::kRowBytes>(row0_ + i, chunk_);
-      CpAsync16(SmemAddr(k_stage + s), k_ + k_off + i * k_ss_, valid);
-      CpAsync16(SmemAddr(v_stage + s), v_ + v_off + i * v_ss_, valid);
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        const bool valid = key + i < key_end_;
+        const uint32_t s = SwizzledOffset<Tile::kRowBytes>(row0_ + i, chunk_);
+        CpAsync16(SmemAddr(k_stage + s), k_ + k_off + i * k_ss_, valid);
+        CpAsync16(SmemAddr(v_stage + s), v_ + v_off + i * v_ss_, valid);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        const bool valid = key + i < key_end_;
+        const bool fresh = key + i >= new_begin_;
+        const int64_t t = key + i - new_begin_;
+        const uint32_t s = SwizzledOffset<Tile::kRowBytes>(row0_ + i, chunk_);
+        CpAsync16(SmemAddr(k_stage + s), fresh ? nk_ + t * nk_ss_ : k_ + k_off + i * k_ss_, valid);
+        CpAsync16(SmemAddr(v_stage + s), fresh ? nv_ + t * nv_ss_ : v_ + v_off + i * v_ss_, valid);
+      }
     }
   }
 
@@ -82,6 +104,10 @@ class KvTileLoader {
   int page_shift_ = 0;
   int64_t k_sb_ = 0, v_sb_ = 0;
   int64_t next_slot_ = 0;
+  int new_begin_ = 0x7fffffff;  // the first key read from the new rows; none without a fused append
+  int64_t nk_ss_ = 0, nv_ss_ = 0;
+  const uint16_t* nk_ = nullptr;
+  const uint16_t* nv_ = nullptr;
 };
 
 }  // namespace attnd::kernels::decode

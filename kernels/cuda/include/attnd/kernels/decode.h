@@ -51,6 +51,13 @@ struct BatchLayout {
   Strides k, v;             // contiguous: (batch, seq, head); paged: (page, row, head)
   int kv_capacity = 0;      // contiguous only: key rows each sequence's K/V buffer holds
   PagedKv paged;            // paged only
+  // Append fused into the attention launch (a decode step): each sequence's last q_len keys, kv_len - q_len ..
+  // kv_len - 1, are its new rows, read from tensors.new_k / new_v ([batch, q_len, kv_heads, head_dim] at these
+  // strides) rather than from the cache, and the launch also writes them into the cache (tensors.k and v must
+  // then be writable). kv_len counts them, as it does for a separate LaunchAppend followed by LaunchDecode, and
+  // must be at least q_len.
+  bool append = false;
+  Strides new_k, new_v;     // append only: element strides (batch, seq, head) of the new rows
 };
 
 struct DecodeOptions {
@@ -107,6 +114,8 @@ struct DecodeTensors {
   float* lse = nullptr;           // only with want_lse
   const int32_t* kv_lens = nullptr;      // [batch] keys of each sequence (both storages)
   const int32_t* block_table = nullptr;  // paged only: [batch, max_pages_per_seq]
+  const void* new_k = nullptr;    // layout.append only: the new rows
+  const void* new_v = nullptr;
 };
 
 // kv_lens: host copy of the per-sequence lengths ([batch]). block_table: host copy of the table
