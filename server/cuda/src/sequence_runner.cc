@@ -454,6 +454,12 @@ absl::Status CudaDevice::StageSteps(StepWork& w) {
 
   cudaStream_t st = w.slot.stream;
   w.enqueued = true;
+  if (options_.poison_outputs && w.o_at != StepWork::kAbsent) {
+    // Test mode: NaN-fill O and LSE so that a launch that writes nothing cannot pass on stale results.
+    ATTND_RETURN_IF_ERROR(CudaStatus("poison", cudaMemsetAsync(w.dev() + w.o_at, 0xFF, w.total - w.o_at, st)));
+  } else if (options_.poison_outputs && w.lse_at != StepWork::kAbsent) {
+    ATTND_RETURN_IF_ERROR(CudaStatus("poison", cudaMemsetAsync(w.dev() + w.lse_at, 0xFF, w.total - w.lse_at, st)));
+  }
   ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(w.slot.ev[0], st)));
   ATTND_RETURN_IF_ERROR(
       CudaStatus("H2D copy (steps)", cudaMemcpyAsync(w.dev(), w.host(), w.in_bytes, cudaMemcpyHostToDevice, st)));
@@ -477,20 +483,14 @@ absl::Status CudaDevice::StageSteps(StepWork& w) {
       }
     }
   }
-  return CudaStatus("cudaEventRecord", cudaEventRecord(w.slot.ev[1], st));
+  // The end of the inputs is the start of the kernels (one event: each record is host time on every step).
+  return CudaStatus("cudaEventRecord", cudaEventRecord(w.slot.kernel_start, st));
 }
 
 absl::Status CudaDevice::EnqueueSteps(StepWork& w) {
   const StepJob& f = *w.first;
   Slot& slot = w.slot;
   cudaStream_t st = slot.stream;
-  if (options_.poison_outputs && w.o_at != StepWork::kAbsent) {
-    // Test mode: NaN-fill O and LSE so that a launch that writes nothing cannot pass on stale results.
-    ATTND_RETURN_IF_ERROR(CudaStatus("poison", cudaMemsetAsync(w.dev() + w.o_at, 0xFF, w.total - w.o_at, st)));
-  } else if (options_.poison_outputs && w.lse_at != StepWork::kAbsent) {
-    ATTND_RETURN_IF_ERROR(CudaStatus("poison", cudaMemsetAsync(w.dev() + w.lse_at, 0xFF, w.total - w.lse_at, st)));
-  }
-  ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(slot.kernel_start, st)));
 
   // Copy-on-write before anything writes: page `from` into page `to` at every layer, K and V. The pool is
   // 2 x layers page pools of num_pages pages each, so one 2D copy does it: a row per page pool.
@@ -509,11 +509,16 @@ absl::Status CudaDevice::EnqueueSteps(StepWork& w) {
   }
 
   if (f.append) {
-    // One launch per run of consecutive sequences with equal tokens: their new rows are evenly strided.
+    // One launch per run of consecutive sequences with equal tokens: their new rows are evenly strided. A run
+    // that attends on the decode kernel is appended by that launch (EnqueueAttention).
     for (size_t a = 0; a < w.seqs.size();) {
       const int32_t tokens = w.seqs[a].s->tokens;
       size_t b = a + 1;
       while (b < w.seqs.size() && w.seqs[b].s->tokens == tokens) ++b;
+      if (f.attend && tokens <= kMaxDecodeTokens) {
+        a = b;
+        continue;
+      }
       const int count = static_cast<int>(b - a);
       dk::BatchLayout cache;
       cache.batch = count;
@@ -607,6 +612,10 @@ absl::Status CudaDevice::EnqueueAttention(StepWork& w) {
       layout.scale = f.scale;
       layout.want_lse = f.want_lse;
       layout.q = layout.o = Strides{tokens * w.row_q, w.row_q, w.head_dim};
+      // The step's new rows are the last `tokens` keys of each sequence: the decode launch writes them into
+      // their pages and reads them from the step's rows, so no append kernel runs before it.
+      layout.append = f.append;
+      layout.new_k = layout.new_v = Strides{tokens * w.row_kv, w.row_kv, w.head_dim};
       dk::DecodeOptions opts;
       opts.sm_count = desc_.multiprocessor_count;
       opts.device = index_;
@@ -616,7 +625,7 @@ absl::Status CudaDevice::EnqueueAttention(StepWork& w) {
       l.decode_plan = *plan;
       decode_ws = std::max(decode_ws, plan->workspace_bytes);
       decode_counters = std::max(decode_counters, plan->counter_bytes);
-      l.name = absl::StrCat("decode_paged_d", w.head_dim, "_q", tokens);
+      l.name = absl::StrCat("decode_paged_d", w.head_dim, "_q", tokens, f.append ? "_append" : "");
     } else {
       // A long query runs on the prefill kernels, which read contiguous K/V: its own new rows when the sequence
       // was empty, else its keys gathered from the pages (after this step's append).
@@ -682,6 +691,11 @@ absl::Status CudaDevice::EnqueueAttention(StepWork& w) {
       t.lse = w.lse != nullptr ? w.lse + w.seqs[l.first].lse : nullptr;
       t.kv_lens = w.d_keys + l.first;
       t.block_table = w.d_table + l.first * w.max_pages;
+      if (f.append) {
+        const uint64_t kv_off = static_cast<uint64_t>(w.seqs[l.first].row * w.row_kv) * 2;
+        t.new_k = w.k + kv_off;
+        t.new_v = w.v + kv_off;
+      }
       ATTND_RETURN_IF_ERROR(dk::LaunchDecode(l.decode_plan, t, *dws, st));
     } else {
       if (l.gather) {
@@ -709,15 +723,17 @@ absl::Status CudaDevice::CollectSteps(StepWork& w) {
     ATTND_RETURN_IF_ERROR(CudaStatus("D2H copy (steps)", cudaMemcpyAsync(w.host() + w.out_from, w.dev() + w.out_from,
                                                                          w.out_bytes, cudaMemcpyDeviceToHost, st)));
   }
-  ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[3], st)));
-  ATTND_RETURN_IF_ERROR(WaitEvent(slot.ev[3], running_.load(std::memory_order_relaxed) <= kSpinWhileRunning
-                                                  ? options_.completion_spin
-                                                  : absl::ZeroDuration()));
+  // ev[2] (after the kernels) ends the step unless something is copied out after them.
+  const bool copies_out = w.out_bytes > 0 || w.ref_out;
+  cudaEvent_t last = copies_out ? slot.ev[3] : slot.ev[2];
+  if (copies_out) ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(last, st)));
+  ATTND_RETURN_IF_ERROR(WaitEvent(last, running_.load(std::memory_order_relaxed) <= kSpinWhileRunning
+                                            ? options_.completion_spin
+                                            : absl::ZeroDuration()));
   w.enqueued = false;
   float h2d = 0, kernel = 0, d2h = 0;
-  cudaEventElapsedTime(&h2d, slot.ev[0], slot.ev[1]);
+  cudaEventElapsedTime(&h2d, slot.ev[0], slot.kernel_start);
   cudaEventElapsedTime(&kernel, slot.kernel_start, slot.ev[2]);
-  const bool copies_out = w.out_bytes > 0 || w.ref_out;
   if (copies_out) cudaEventElapsedTime(&d2h, slot.ev[2], slot.ev[3]);
   std::vector<CopyPool::Part> parts;
   for (size_t j = 0; j < w.jobs.size(); ++j) {
