@@ -18,13 +18,12 @@ namespace attnd::kernels::decode {
 
 // Writes O (4 columns from c) and, for c == 0, the LSE of query position `pos`, q head `qh` of sequence b,
 // from its n splits' partials.
-template <int D, typename Elem>
-__device__ __forceinline__ void MergeSplitsRow(const DecodeParams& p, int b, int pos, int qh, int c, int n) {
+template <int D, typename Elem, int kBatch>
+__device__ __forceinline__ void MergeSplitsRowIn(const DecodeParams& p, int b, int pos, int qh, int c, int n) {
   const int64_t per_seq = static_cast<int64_t>(p.q_len) * p.q_heads;  // rows of a split: (pos, q head)
   const int64_t first = static_cast<int64_t>(b) * p.max_splits * per_seq + static_cast<int64_t>(pos) * p.q_heads + qh;
   // Splits in batches of kBatch: each batch's loads are issued together, so a row waits for L2 about twice per
   // batch (its LSEs, then its O partials) rather than once per split, and only the batch maxima rescale the sum.
-  constexpr int kBatch = 16;
   float m = -CUDART_INF_F, l = 0.f;
   for (int s0 = 0; s0 < n; s0 += kBatch) {
     // Past the last split the loads repeat it (always in bounds, so nothing predicates them) and weigh 0.
@@ -69,6 +68,17 @@ __device__ __forceinline__ void MergeSplitsRow(const DecodeParams& p, int b, int
   *reinterpret_cast<uint2*>(o + b * p.o_sb + pos * p.o_ss + qh * p.o_sh + c) = packed;
   if (p.lse != nullptr && c == 0) {
     p.lse[(static_cast<int64_t>(b) * p.q_heads + qh) * p.q_len + pos] = lse2 * 0.6931471805599453f;
+  }
+}
+
+// Batches of 32 above 16 splits (one batch where the plan's heuristic gives 17-32), of 16 otherwise: a batch
+// wider than the splits issues loads that weigh nothing, which cost more at 16 splits than a second batch does.
+template <int D, typename Elem>
+__device__ __forceinline__ void MergeSplitsRow(const DecodeParams& p, int b, int pos, int qh, int c, int n) {
+  if (n > 16) {
+    MergeSplitsRowIn<D, Elem, 32>(p, b, pos, qh, c, n);
+  } else {
+    MergeSplitsRowIn<D, Elem, 16>(p, b, pos, qh, c, n);
   }
 }
 
