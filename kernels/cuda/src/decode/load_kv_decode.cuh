@@ -69,7 +69,7 @@ class KvTileLoader {
       k_off = key * k_ss_;
       v_off = key * v_ss_;
     }
-    if (key + kRowsPerThread <= new_begin_) {
+    if (key + kRowsPerThread <= new_begin_) {  // rows before the new ones (nearly every tile): no per-row select
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
         const bool valid = key + i < key_end_;
