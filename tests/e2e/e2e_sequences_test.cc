@@ -746,24 +746,66 @@ uint64_t MethodCount(client::Client& c, const std::string& method, uint64_t* err
   return 0;
 }
 
+// A server of its own with one open sequence `id_` of `shape_`, and a client on the listener the test names;
+// the sequence is closed and the server shut down after the test.
+class StepStreamTest : public ::testing::Test {
+ protected:
+  void Open(Listener via, int layers) {
+    StartSequenceServer(&srv_, server::SequenceOptions{});
+    via_ = via;
+    c_ = Connect(srv_.Target(via));
+    ASSERT_NE(c_, nullptr);
+    shape_ = TestShape(layers);
+    auto opened = c_->OpenSequence(shape_);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    id_ = opened->ids[0];
+  }
+
+  void TearDown() override {
+    if (c_ != nullptr && !id_.empty()) {
+      EXPECT_TRUE(c_->CloseSequence({id_}).ok());
+    }
+    if (srv_.server) srv_.server->Shutdown();
+  }
+
+  // A raw StepStream to the server (the client library's own is not exposed).
+  std::unique_ptr<v1::Attention::Stub> RawStub() const {
+    return v1::Attention::NewStub(grpc::CreateChannel(srv_.Target(via_), grpc::InsecureChannelCredentials()));
+  }
+
+  // Polls the sequence (bounded) until `done` says so; its last state.
+  v1::SequenceInfo Await(const std::function<bool(const v1::SequenceInfo&)>& done) {
+    v1::SequenceInfo last;
+    for (const absl::Time until = absl::Now() + absl::Seconds(30); absl::Now() < until;) {
+      auto info = c_->GetSequence(id_);
+      EXPECT_TRUE(info.ok()) << info.status();
+      if (!info.ok()) break;
+      last = *info;
+      if (done(last)) break;
+      absl::SleepFor(absl::Milliseconds(1));  // polling the server's state, bounded above
+    }
+    return last;
+  }
+
+  TestServer srv_;
+  Listener via_ = Listener::kUnix;
+  std::unique_ptr<client::Client> c_;
+  client::SequenceShape shape_;
+  std::string id_;
+};
+
 // Each bad step on a stream gets the status the unary Step would end with, in its answer; the stream stays open
 // and the next good step runs on a sequence the refusals left untouched. Every step is counted as a call.
-TEST(StepStream, BadStepsAreAnsweredAndTheStreamGoesOn) {
-  TestServer srv;
-  StartSequenceServer(&srv, server::SequenceOptions{});
-  auto c = Connect(srv.Target(Listener::kUnix));
-  ASSERT_NE(c, nullptr);
-  const client::SequenceShape shape = TestShape(2);
-  auto opened = c->OpenSequence(shape);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  const std::string id = opened->ids[0];
+TEST_F(StepStreamTest, BadStepsAreAnsweredAndTheStreamGoesOn) {
+  ASSERT_NO_FATAL_FAILURE(Open(Listener::kUnix, 2));
+  const client::SequenceShape& shape = shape_;
+  const std::string& id = id_;
   const int64_t q_row = kQHeads * shape.head_dim, kv_row = shape.kv_heads * shape.head_dim;
   const std::string q = client::RandomTensor(shape.dtype, 3 * q_row, 11);
   const std::string k = client::RandomTensor(shape.dtype, 3 * kv_row, 12);
   const std::string v = client::RandomTensor(shape.dtype, 3 * kv_row, 13);
 
-  auto stub =
-      v1::Attention::NewStub(grpc::CreateChannel(srv.Target(Listener::kUnix), grpc::InsecureChannelCredentials()));
+  auto stub = RawStub();
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
   auto rw = stub->StepStream(&ctx);
@@ -814,10 +856,8 @@ TEST(StepStream, BadStepsAreAnsweredAndTheStreamGoesOn) {
   const grpc::Status end = rw->Finish();
   EXPECT_TRUE(end.ok()) << end.error_message();
   uint64_t errors = 0;
-  EXPECT_EQ(MethodCount(*c, "StepStream", &errors), 8u);
+  EXPECT_EQ(MethodCount(*c_, "StepStream", &errors), 8u);
   EXPECT_EQ(errors, 6u);
-  EXPECT_TRUE(c->CloseSequence({id}).ok());
-  srv.server->Shutdown();
 }
 
 // One decode step of one sequence: random Q, K and V rows (seeds seed, seed + 1, seed + 2) and the spec that
@@ -842,97 +882,62 @@ struct OneTokenStep {
 
 // A client that goes away with a step in flight: the step finishes or is dropped, the sequence is free again and
 // its length is one of the two outcomes, and the next step sees exactly what was committed.
-TEST(StepStream, AClientGoneMidStepLeavesTheSequenceConsistent) {
-  TestServer srv;
-  StartSequenceServer(&srv, server::SequenceOptions{});
-  auto c = Connect(srv.Target(Listener::kUnix));
-  ASSERT_NE(c, nullptr);
-  const client::SequenceShape shape = TestShape(1);
-  auto opened = c->OpenSequence(shape);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  const std::string id = opened->ids[0];
+TEST_F(StepStreamTest, AClientGoneMidStepLeavesTheSequenceConsistent) {
+  ASSERT_NO_FATAL_FAILURE(Open(Listener::kUnix, 1));
+  const client::SequenceShape& shape = shape_;
+  const std::string& id = id_;
   const int64_t q_row = kQHeads * shape.head_dim, kv_row = shape.kv_heads * shape.head_dim;
   constexpr int64_t kTokens = 1500;  // a prefill the CPU backend takes a while over
   const std::string q = client::RandomTensor(shape.dtype, kTokens * q_row, 21);
   const std::string k = client::RandomTensor(shape.dtype, kTokens * kv_row, 22);
   const std::string v = client::RandomTensor(shape.dtype, kTokens * kv_row, 23);
-  // Polls the sequence (bounded) until `done` says so; its last state.
-  auto await = [&](const std::function<bool(const v1::SequenceInfo&)>& done) {
-    v1::SequenceInfo last;
-    for (const absl::Time until = absl::Now() + absl::Seconds(30); absl::Now() < until;) {
-      auto info = c->GetSequence(id);
-      EXPECT_TRUE(info.ok()) << info.status();
-      if (!info.ok()) break;
-      last = *info;
-      if (done(last)) break;
-      absl::SleepFor(absl::Milliseconds(1));  // polling the server's state, bounded above
-    }
-    return last;
-  };
   {
-    auto stub =
-        v1::Attention::NewStub(grpc::CreateChannel(srv.Target(Listener::kUnix), grpc::InsecureChannelCredentials()));
+    auto stub = RawStub();
     grpc::ClientContext ctx;
     auto rw = stub->StepStream(&ctx);
     ASSERT_TRUE(rw->Write(StreamStep(id, kTokens, 0, q, k, v)));
     // Admitted (running, or already done): nothing of it is still on its way when the client goes.
-    await([](const v1::SequenceInfo& i) { return i.step_in_flight() || i.lengths(0) > 0; });
+    Await([](const v1::SequenceInfo& i) { return i.step_in_flight() || i.lengths(0) > 0; });
     ctx.TryCancel();
     (void)rw->Finish();
   }
-  const v1::SequenceInfo settled = await([](const v1::SequenceInfo& i) { return !i.step_in_flight(); });
+  const v1::SequenceInfo settled = Await([](const v1::SequenceInfo& i) { return !i.step_in_flight(); });
   ASSERT_FALSE(settled.step_in_flight());
+  ASSERT_EQ(settled.lengths_size(), 1);
   const int64_t length = settled.lengths(0);
   ASSERT_TRUE(length == 0 || length == kTokens) << length;
   const OneTokenStep next(shape, id, 24);
-  auto r = c->Step(next.spec);
+  auto r = c_->Step(next.spec);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->transport, client::Transport::kStream);
   ASSERT_EQ(r->lengths.size(), 1u);
   EXPECT_EQ(r->lengths[0], length + 1);
   const std::string keys = length == 0 ? next.k : k + next.k, values = length == 0 ? next.v : v + next.v;
   EXPECT_EQ(CheckRows(shape, kQHeads, next.q, keys, values, r->o, "", false), "");
-  EXPECT_TRUE(c->CloseSequence({id}).ok());
-  srv.server->Shutdown();
 }
 
 // A step whose deadline passes is DEADLINE_EXCEEDED (the server's refusal in the answer, or the client's wait
 // running out, which cancels that stream); the client's next step goes through, over the committed length.
-TEST(StepStream, AStepPastItsDeadlineFailsAloneAndTheNextStepGoesThrough) {
-  TestServer srv;
-  StartSequenceServer(&srv, server::SequenceOptions{});
-  auto c = Connect(srv.Target(Listener::kTcp));
-  ASSERT_NE(c, nullptr);
-  const client::SequenceShape shape = TestShape(1);
-  auto opened = c->OpenSequence(shape);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  const std::string id = opened->ids[0];
-  const OneTokenStep step(shape, id, 51);
+TEST_F(StepStreamTest, AStepPastItsDeadlineFailsAloneAndTheNextStepGoesThrough) {
+  ASSERT_NO_FATAL_FAILURE(Open(Listener::kTcp, 1));
+  const OneTokenStep step(shape_, id_, 51);
   const client::StepSpec& s = step.spec;
   client::CallOptions hurried;
   hurried.deadline = absl::Microseconds(1);
   for (int i = 0; i < 3; ++i) {
-    auto late = c->Step(s, hurried);
+    auto late = c_->Step(s, hurried);
     EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
   }
-  int64_t length = -1;
-  for (const absl::Time until = absl::Now() + absl::Seconds(30); absl::Now() < until;) {
-    auto info = c->GetSequence(id);
-    ASSERT_TRUE(info.ok()) << info.status();
-    if (!info->step_in_flight()) {
-      length = info->lengths(0);
-      break;
-    }
-    absl::SleepFor(absl::Milliseconds(1));  // polling the server's state, bounded above
-  }
+  const v1::SequenceInfo settled = Await([](const v1::SequenceInfo& i) { return !i.step_in_flight(); });
+  ASSERT_FALSE(settled.step_in_flight());
+  ASSERT_EQ(settled.lengths_size(), 1);
+  const int64_t length = settled.lengths(0);
   ASSERT_GE(length, 0);
   ASSERT_LE(length, 3);
-  auto r = c->Step(s);
+  auto r = c_->Step(s);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->transport, client::Transport::kStream);
   EXPECT_EQ(r->lengths[0], length + 1);
-  EXPECT_TRUE(c->CloseSequence({id}).ok());
-  srv.server->Shutdown();
 }
 
 // The client keeps a stream for its next step. One the server ended while it sat idle (here: the server was
