@@ -646,9 +646,10 @@ TEST_P(GpuDecodeTest, MatchesReference) {
       std::vector<uint16_t> got_k, got_v;
       CUDA_OK(k.Download(got_k));
       CUDA_OK(v.Download(got_v));
+      const std::string after = " after the fused append (splits " + std::to_string(used) + ")";
       for (size_t i = 0; i < got_k.size(); ++i) {
-        ASSERT_EQ(got_k[i], appended_k[i]) << "K cache element " << i << " after the fused append (splits " << used << ")";
-        ASSERT_EQ(got_v[i], appended_v[i]) << "V cache element " << i << " after the fused append (splits " << used << ")";
+        ASSERT_EQ(got_k[i], appended_k[i]) << "K cache element " << i << after;
+        ASSERT_EQ(got_v[i], appended_v[i]) << "V cache element " << i << after;
       }
     }
   }
