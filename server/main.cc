@@ -129,6 +129,9 @@ ABSL_FLAG(int64_t, step_batch_wait_us, 0,
 ABSL_FLAG(uint32_t, step_launches_in_flight, 2,
           "batched step launches of one layer that may run at once (the host work of one overlaps the GPU work of "
           "another); 1 runs them one after the other");
+ABSL_FLAG(double, step_order_timeout_s, 30,
+          "how long a stream-ordered step over the shared-memory channel waits for its caller's stream to write the "
+          "channel's wait word before it is refused DEADLINE_EXCEEDED, nothing done; 0: no limit");
 ABSL_FLAG(std::string, advertise_address, "",
           "host:port clients reach this server at, written into sequence ids after '@' so that a client behind a "
           "load balancer sends a sequence's calls to the server that holds it; empty: none");
@@ -284,6 +287,9 @@ int main(int argc, char** argv) {
     so.batch_wait = absl::Microseconds(absl::GetFlag(FLAGS_step_batch_wait_us));
     so.launches_in_flight = absl::GetFlag(FLAGS_step_launches_in_flight);
     if (so.launches_in_flight < 1) return Fail("--step_launches_in_flight: must be >= 1");
+    const double order_timeout = absl::GetFlag(FLAGS_step_order_timeout_s);
+    if (!(order_timeout >= 0)) return Fail("--step_order_timeout_s: must be >= 0");
+    so.order_timeout = order_timeout == 0 ? absl::InfiniteDuration() : absl::Seconds(order_timeout);
     so.max_waiting = absl::GetFlag(FLAGS_max_queue);
     so.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   }

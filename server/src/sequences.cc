@@ -435,6 +435,12 @@ absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& r
   if (request.has_o_ref() && !request.o_ref().strides().empty()) {
     return Invalid("o_ref.strides", "a step's tensors are contiguous: leave strides empty");
   }
+  if (request.has_order()) {
+    // The shared-memory channel waits for the order and passes the step on without it.
+    return absl::FailedPreconditionError(
+        "order: a step waits for the caller's stream only over the shared-memory channel (--shm_socket), whose "
+        "wait word the stream writes; over gRPC wait for the stream on the host and send the step without order");
+  }
   if (call.admit) ATTND_RETURN_IF_ERROR(call.admit());
 
   absl::MutexLock lock(&mu_);
@@ -920,6 +926,8 @@ v1::SequenceLimits Sequences::limits() const {
   l.set_max_batch(options_.max_batch);
   l.set_batch_wait_us(absl::ToDoubleMicroseconds(options_.batch_wait));
   l.set_launches_in_flight(options_.launches_in_flight);
+  l.set_order_timeout_s(options_.order_timeout == absl::InfiniteDuration() ? 0
+                                                                          : absl::ToDoubleSeconds(options_.order_timeout));
   return l;
 }
 

@@ -179,6 +179,7 @@ class ServerImpl final : public Server {
       so.max_channels = options_.shm_max_channels;
       so.spin = options_.shm_spin;
       so.reply_spin = options_.shm_reply_spin;
+      so.order_timeout = options_.sequences.order_timeout;
       so.tokens = auth_tokens_;
       so.stats = &stats_;
       absl::StatusOr<std::unique_ptr<ShmListener>> shm = ShmListener::Start(so, &dispatcher_, &sequences_);

@@ -584,6 +584,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   for (const std::string& k : backend()->kernels()) info->add_kernels(k);
   info->set_stream_preferred_from_bytes(backend()->stream_preferred_from_bytes());
   *info->mutable_sequences() = sequences_->limits();
+  info->set_stream_ordered_steps(info->sequences().enabled() && !options_.shm_socket.empty());
   return FinishNow(ctx, "GetServerInfo", start, absl::OkStatus());
 }
 

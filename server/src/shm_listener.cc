@@ -229,6 +229,35 @@ absl::Status ShmListener::Handshake(int socket, uid_t* uid, int* memfd, std::str
   return absl::OkStatus();
 }
 
+absl::Status ShmListener::AwaitWaitWord(const shm::Header* h, uint64_t value, int socket) const {
+  // The GPU stores the word, so there is no futex to sleep on: poll, first as the reply is polled (a producer of
+  // a decode step's inputs finishes within it), then in naps that stay short next to a step's kernel time.
+  const absl::Time start = absl::Now();
+  const absl::Time spin_end = start + options_.reply_spin;
+  const absl::Time deadline = options_.order_timeout == absl::InfiniteDuration()
+                                  ? absl::InfiniteFuture()
+                                  : start + options_.order_timeout;
+  absl::Duration nap = absl::Microseconds(5);
+  for (;;) {
+    if (static_cast<int64_t>(h->wait_word.load(std::memory_order_acquire) - value) >= 0) return absl::OkStatus();
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "order.wait_value: the channel's wait word did not reach ", value, " within --step_order_timeout_s=",
+          absl::ToDoubleSeconds(options_.order_timeout), " (the caller's stream never got there); nothing was done"));
+    }
+    if (now < spin_end) {
+      shm::CpuRelax();
+      continue;
+    }
+    if (PeerGone(socket)) {
+      return absl::CancelledError("the caller closed its channel while its step waited for order.wait_value");
+    }
+    absl::SleepFor(nap);
+    nap = std::min(nap * 2, absl::Microseconds(100));
+  }
+}
+
 void ShmListener::Serve(int socket) {
   uid_t uid = 0;
   int memfd = -1;
@@ -298,6 +327,19 @@ void ShmListener::Serve(int socket) {
         continue;
       }
       if (step.request_id().empty()) step.set_request_id(GenerateRequestId());
+      if (step.has_order()) {
+        // The step's inputs are ready once the caller's stream has written the wait word: only then does the step
+        // go to the sequences (which refuse an order they would have to wait for themselves).
+        const uint64_t want = step.order().wait_value();
+        absl::Status ready = want == 0 ? absl::InvalidArgumentError("order.wait_value: must be >= 1")
+                                       : AwaitWaitWord(h, want, socket);
+        if (!ready.ok()) {
+          LogOutcome(kStepMethod, step.request_id(), ready, start);
+          finish(std::move(ready), nullptr, nullptr);
+          continue;
+        }
+        step.clear_order();
+      }
       CallInfo call;
       call.accepted = absl::Now();
       uint64_t in = 0;

@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "attnd/server/dispatcher.h"
 #include "attnd/server/sequences.h"
+#include "attnd/transport/shm_channel.h"
 #include "call_stats.h"
 
 namespace attnd::server {
@@ -32,6 +33,8 @@ struct ShmListenerOptions {
   // ... and this long for the reply to the request it holds (while few channels await theirs): see the channel loop.
   absl::Duration reply_spin = absl::Microseconds(300);
   std::vector<std::string> tokens;  // non-empty: the hello must carry one of them (--auth_token_file)
+  // How long a stream-ordered step waits for its caller's stream to write the channel's wait word.
+  absl::Duration order_timeout = absl::Seconds(30);
   CallStats* stats = nullptr;  // where each call is recorded, as method "ForwardShm"
 };
 
@@ -51,6 +54,9 @@ class ShmListener {
       : options_(options), dispatcher_(dispatcher), sequences_(sequences), listen_fd_(fd) {}
   void AcceptLoop();
   void Serve(int socket);
+  // Until the channel's wait word reaches `value` (a stream-ordered step): DEADLINE_EXCEEDED after order_timeout,
+  // CANCELLED when the caller has gone.
+  absl::Status AwaitWaitWord(const shm::Header* h, uint64_t value, int socket) const;
   // *owner: the caller's identity for KV sequences ("local", or "token:<index>" when it presented a token).
   absl::Status Handshake(int socket, uid_t* uid, int* memfd, std::string* owner);
   // accept() failed with EMFILE/ENFILE: takes the pending caller off the backlog with a refusal (acceptor only).

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -392,6 +393,120 @@ TEST_P(SequencesTest, BadInputIsRefusedWithAClearStatus) {
   ASSERT_TRUE(client_->CloseSequence(ids).ok());
   expect(spec(ids[0]), absl::StatusCode::kNotFound, "sequence");
   EXPECT_EQ(client_->CloseSequence(ids).code(), absl::StatusCode::kNotFound);
+}
+
+// StreamOrder: over the shared-memory channel a step waits until the channel's wait word reaches its value (here
+// stored by the test, in place of a CUDA stream), then runs as any step; over gRPC it is FAILED_PRECONDITION, and a
+// wait value of 0 INVALID_ARGUMENT naming it. Nothing is appended by a refusal.
+TEST_P(SequencesTest, StreamOrderWaitsForTheChannelsWaitWord) {
+  const client::SequenceShape shape = TestShape();
+  const std::vector<std::string> ids = Open(shape);
+  ASSERT_EQ(ids.size(), 1u);
+  auto info = client_->ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_TRUE(info->stream_ordered_steps());  // the suite's server has a --shm_socket
+  EXPECT_EQ(info->sequences().order_timeout_s(), 30);
+  const std::string q = client::RandomTensor(shape.dtype, kQHeads * shape.head_dim, 1);
+  const std::string k = client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, 2);
+  const std::string v = client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, 3);
+  v1::StepRequest r;
+  auto* t = r.add_sequences();
+  t->set_sequence_id(ids[0]);
+  t->set_tokens(1);
+  r.set_q_heads(kQHeads);
+  r.mutable_q()->set_data(q);
+  r.mutable_k()->set_data(k);
+  r.mutable_v()->set_data(v);
+  r.mutable_order()->set_wait_value(3);
+  if (GetParam() != Via::kShm) {
+    auto got = client_->Step(r);
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kFailedPrecondition) << got.status();
+    EXPECT_TRUE(absl::StrContains(got.status().message(), "order")) << got.status();
+  } else {
+    client::ShmChannelOptions co;
+    co.socket_path = server_->shm_path;
+    auto channel = client::ShmChannel::Connect(co);
+    ASSERT_TRUE(channel.ok()) << channel.status();
+    v1::StepRequest zero = r;
+    zero.mutable_order()->set_wait_value(0);
+    auto refused = (*channel)->Step(zero);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), "order.wait_value")) << refused.status();
+    // The word reaches 2, then 3 (the value) 100 ms after the step was sent: the step runs only after that.
+    (*channel)->wait_word()->store(2);
+    const absl::Time sent = absl::Now();
+    std::thread writer([&] {
+      absl::SleepFor(absl::Milliseconds(100));
+      (*channel)->wait_word()->store(3);
+    });
+    auto got = client::StepOverShm(**channel, r);
+    const absl::Duration took = absl::Now() - sent;
+    writer.join();
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_GE(took, absl::Milliseconds(100));
+    History h(shape.layers);
+    h.k[0] = k;
+    h.v[0] = v;
+    EXPECT_EQ(CheckRows(shape, kQHeads, q, h.k[0], h.v[0], got->o, got->lse, false), "");
+    ASSERT_EQ(got->lengths.size(), 1u);
+    EXPECT_EQ(got->lengths[0], 1);
+    // A word already past the value: no wait (values are compared as a wrapping sequence).
+    (*channel)->wait_word()->store(10);
+    r.mutable_order()->set_wait_value(4);
+    got = client::StepOverShm(**channel, r);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->lengths[0], 2);
+  }
+  auto seq = client_->GetSequence(ids[0]);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  EXPECT_EQ(seq->lengths(0), GetParam() == Via::kShm ? 2 : 0);
+  ASSERT_TRUE(client_->CloseSequence(ids).ok());
+}
+
+// A stream-ordered step whose word never comes is refused after --step_order_timeout_s, nothing done, and the
+// channel serves the next step.
+TEST(StreamOrder, AWordThatNeverComesTimesOut) {
+  server::ServerOptions so;
+  so.unix_socket = absl::StrCat(::testing::TempDir(), "/attnd_order_", ::getpid(), ".sock");
+  so.shm_socket = absl::StrCat(::testing::TempDir(), "/attnd_order_", ::getpid(), ".shm");
+  so.sequences.order_timeout = absl::Milliseconds(200);
+  server::BackendOptions bo;
+  bo.threads = 2;
+  auto backend = server::MakeBackend("cpu", bo);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto srv = server::Server::Create(so, std::move(*backend));
+  ASSERT_TRUE(srv.ok()) << srv.status();
+  auto c = Connect(absl::StrCat("unix:", so.unix_socket));
+  const client::SequenceShape shape = TestShape();
+  auto opened = c->OpenSequence(shape);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  client::ShmChannelOptions co;
+  co.socket_path = so.shm_socket;
+  auto channel = client::ShmChannel::Connect(co);
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  const std::string q = client::RandomTensor(shape.dtype, kQHeads * shape.head_dim, 1);
+  const std::string kv = client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, 2);
+  v1::StepRequest r;
+  auto* t = r.add_sequences();
+  t->set_sequence_id(opened->ids[0]);
+  t->set_tokens(1);
+  r.set_q_heads(kQHeads);
+  r.mutable_q()->set_data(q);
+  r.mutable_k()->set_data(kv);
+  r.mutable_v()->set_data(kv);
+  r.mutable_order()->set_wait_value(1);
+  auto got = (*channel)->Step(r);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded) << got.status();
+  EXPECT_TRUE(absl::StrContains(got.status().message(), "order.wait_value")) << got.status();
+  auto seq = c->GetSequence(opened->ids[0]);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  EXPECT_EQ(seq->lengths(0), 0);
+  (*channel)->wait_word()->store(1);
+  got = (*channel)->Step(r);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->lengths_size(), 1);
+  EXPECT_EQ(got->lengths(0), 1);
+  (*srv)->Shutdown();
 }
 
 // A sequence answers only to the credentials that opened it: without tokens, the peer. One opened over the

@@ -53,6 +53,9 @@ struct SequenceOptions {
   // micro-batches; 1 serialises them. Their sequences differ (a sequence takes one step at a time).
   uint32_t launches_in_flight = 2;
   uint32_t max_waiting = 256;        // steps waiting for a launch before RESOURCE_EXHAUSTED
+  // How long a stream-ordered step waits for its caller's stream (StreamOrder in attention.proto; the shared-memory
+  // channel waits, this reports it in SequenceLimits).
+  absl::Duration order_timeout = absl::Seconds(30);
   std::string advertise_address;     // appended to ids after '@' (the address clients reach this server at)
   size_t tombstones = 4096;          // closed/expired ids remembered for a clear NOT_FOUND reason
 };

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -59,12 +60,21 @@ struct Header {
   uint64_t reply_bytes;
   int32_t status_code;     // absl::StatusCode of the reply; not OK: the reply area holds the message
   uint32_t reserved2;
+  // Stream-ordered steps (StreamOrder in attention.proto): the caller's CUDA stream stores increasing values here
+  // (cuStreamWriteValue64 through the caller's registration of this page) after the work that produces a step's
+  // inputs; the server starts a step whose order names wait_value once this word holds at least that. On a line of
+  // its own: the GPU writes it while both sides use the words above.
+  alignas(64) std::atomic<uint64_t> wait_word;
 };
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "the wait word is shared between processes");
+// Where the wait word is in the mapping (the caller registers the header page and writes at this offset).
+constexpr uint64_t kWaitWordOffset = 128;
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "the state word is shared between processes");
 constexpr uint64_t kHeaderBytes = 4096;
 // Largest request or reply area either side accepts: keeps ChannelBytes far from wrapping.
 constexpr uint64_t kMaxAreaBytes = uint64_t{1} << 40;
 static_assert(sizeof(Header) <= kHeaderBytes, "header page");
+static_assert(offsetof(Header, wait_word) == kWaitWordOffset, "the wait word's offset is part of the protocol");
 
 inline uint64_t ChannelBytes(uint64_t request_capacity, uint64_t reply_capacity) {
   return kHeaderBytes + request_capacity + reply_capacity;
