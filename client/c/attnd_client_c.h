@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define ATTND_C_ABI_VERSION 2
+#define ATTND_C_ABI_VERSION 3
 
 enum attnd_transport {
   ATTND_TRANSPORT_DEFAULT = -1, /* per call: the client's transport */
@@ -168,6 +168,46 @@ typedef struct attnd_step_args {
  * (its queue/h2d/kernel/d2h/total are the step's timing). Buffer sizes are checked before the step is sent:
  * INVALID_ARGUMENT naming o_bytes or lse_bytes, and nothing is committed. */
 int32_t attnd_step(attnd_client* client, const attnd_step_args* args, attnd_forward_info* info, attnd_error* err);
+
+/* ---- Steps from CUDA memory, ordered on the caller's stream (docs/sequences.md, "Stream-ordered steps") ---------
+ * A batch names its sequences once; each step then passes device addresses and a stream. Tensors are contiguous,
+ * rows of the batch's sequences back to back (`tokens` rows each): q and o [rows, q_heads, head_dim], k and v
+ * [rows, kv_heads, head_dim]. The library registers each CUDA allocation a tensor lies in once (CUDA IPC, the
+ * server must be on this host with --enable_cuda_ipc) and names tensors by their offset there. With a server that
+ * offers stream order the call returns once the step is enqueued: work the caller queues on `stream` before the
+ * call runs before the step reads its tensors, and work queued after the call runs after the step has written O
+ * and appended K/V. Otherwise the library synchronises `stream` before sending and returns after the step ran.
+ * The tensors must stay allocated until `stream` has passed the step (as for any kernel on that stream). */
+typedef struct attnd_batch attnd_batch;
+
+/* `count` sequence ids, stepped `tokens` rows each until a step says otherwise. NULL on failure. */
+attnd_batch* attnd_batch_create(attnd_client* client, const char* const* sequence_ids, int64_t count, int64_t tokens,
+                                attnd_error* err);
+void attnd_batch_destroy(attnd_batch* batch);
+
+typedef struct attnd_cuda_step_args {
+  int64_t layer;
+  int64_t q_heads;       /* with q: a multiple of the sequences' kv_heads */
+  int64_t tokens;        /* rows per sequence in this step; 0: as in the batch's last step */
+  int32_t has_scale;     /* 0: the server's 1/sqrt(head_dim) */
+  float scale;
+  int32_t transport;     /* enum attnd_transport; DEFAULT: the client's */
+  double timeout_s;      /* <= 0: the client's default */
+  const char* request_id;  /* NULL/empty: the library makes one */
+  uint64_t stream;       /* the caller's cudaStream_t; 0: the legacy default stream */
+  uint64_t q, k, v, o;   /* device addresses; 0: absent (q with o: attend; k with v: append) */
+  uint64_t q_bytes;      /* of q, and of o */
+  uint64_t kv_bytes;     /* of k, and of v */
+  int64_t* lengths;      /* NULL or the batch's count of entries: each sequence's cached tokens at `layer` after */
+} attnd_cuda_step_args;
+
+/* One step of the batch's sequences. The calling thread's current CUDA context must be the tensors' (torch makes
+ * its device's primary context current). info (may be NULL): kernel_us is 0 for a stream-ordered step, which had
+ * not run when answered. */
+int32_t attnd_batch_step_cuda(attnd_batch* batch, const attnd_cuda_step_args* args, attnd_forward_info* info,
+                              attnd_error* err);
+/* 1 when this client's CUDA steps are stream-ordered, 0 when host-ordered; the gRPC status code negated on error. */
+int32_t attnd_cuda_stream_ordered(attnd_client* client, attnd_error* err);
 
 /* Returns the ids of `count` (0 means 1) new sequences sharing the parent's tokens; NULL on failure. */
 char* attnd_sequence_fork(attnd_client* client, const char* sequence_id, uint32_t count, attnd_error* err);

@@ -21,6 +21,7 @@
 #include "absl/time/time.h"
 #include "attnd/client/bench.h"
 #include "attnd/client/client.h"
+#include "attnd/client/cuda_steps.h"
 #include "attnd/client/shm_channel.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -98,6 +99,10 @@ struct attnd_client {
   absl::Duration default_timeout = absl::Seconds(120);
   std::string id_prefix;
   std::atomic<uint64_t> next_id{0};
+
+  // Made on the first CUDA step, on that thread's context; destroyed before `client`.
+  absl::Mutex cuda_mu;
+  std::unique_ptr<attnd::client::CudaSteps> cuda ABSL_GUARDED_BY(cuda_mu);
 
   absl::Mutex mu;
   int64_t in_flight ABSL_GUARDED_BY(mu) = 0;
@@ -640,6 +645,111 @@ ATTND_C_EXPORT int32_t attnd_step(attnd_client* client, const attnd_step_args* a
     info->d2h_us = t.d2h_us();
     info->total_us = t.total_us();
     info->latency_us = absl::ToDoubleMicroseconds(r->latency);
+  }
+  Ok(err);
+  return 0;
+}
+
+struct attnd_batch {
+  attnd_client* client;
+  attnd::client::StepBatch batch;
+};
+
+namespace {
+
+absl::StatusOr<attnd::client::CudaSteps*> CudaStepsOf(attnd_client* c) {
+  absl::MutexLock l(&c->cuda_mu);
+  if (c->cuda == nullptr) {
+    auto made = attnd::client::CudaSteps::Create(c->client.get());
+    if (!made.ok()) return made.status();
+    c->cuda = *std::move(made);
+  }
+  return c->cuda.get();
+}
+
+}  // namespace
+
+ATTND_C_EXPORT attnd_batch* attnd_batch_create(attnd_client* client, const char* const* sequence_ids, int64_t count,
+                                               int64_t tokens, attnd_error* err) {
+  if (count < 1) return Fail(err, absl::InvalidArgumentError("count: need at least one sequence")), nullptr;
+  if (sequence_ids == nullptr) return Fail(err, absl::InvalidArgumentError("sequence_ids: NULL")), nullptr;
+  if (tokens < 1 || tokens > (int64_t{1} << 31)) {
+    return Fail(err, absl::InvalidArgumentError(absl::StrCat("tokens: must be 1..2^31, got ", tokens))), nullptr;
+  }
+  std::vector<std::string> ids;
+  ids.reserve(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) {
+    if (sequence_ids[i] == nullptr || sequence_ids[i][0] == '\0') {
+      return Fail(err, absl::InvalidArgumentError(absl::StrCat("sequence_ids[", i, "]: empty"))), nullptr;
+    }
+    ids.emplace_back(sequence_ids[i]);
+  }
+  Ok(err);
+  return new attnd_batch{client, attnd::client::StepBatch(ids, tokens)};
+}
+
+ATTND_C_EXPORT void attnd_batch_destroy(attnd_batch* batch) { delete batch; }
+
+ATTND_C_EXPORT int32_t attnd_cuda_stream_ordered(attnd_client* client, attnd_error* err) {
+  auto steps = CudaStepsOf(client);
+  if (!steps.ok()) return -Fail(err, steps.status());
+  auto ordered = (*steps)->StreamOrdered();
+  if (!ordered.ok()) return -Fail(err, ordered.status());
+  Ok(err);
+  return *ordered ? 1 : 0;
+}
+
+ATTND_C_EXPORT int32_t attnd_batch_step_cuda(attnd_batch* batch, const attnd_cuda_step_args* args,
+                                             attnd_forward_info* info, attnd_error* err) {
+  if (batch == nullptr) return Fail(err, absl::InvalidArgumentError("batch: NULL"));
+  if (args == nullptr) return Fail(err, absl::InvalidArgumentError("args: NULL"));
+  attnd_client* c = batch->client;
+  if (args->transport < ATTND_TRANSPORT_DEFAULT || args->transport > ATTND_TRANSPORT_SHM) {
+    return Fail(err, absl::InvalidArgumentError(absl::StrCat("transport: unknown value ", args->transport)));
+  }
+  if (args->tokens < 0 || args->tokens > (int64_t{1} << 31)) {
+    return Fail(err, absl::InvalidArgumentError(absl::StrCat("tokens: must be 0..2^31, got ", args->tokens)));
+  }
+  auto steps = CudaStepsOf(c);
+  if (!steps.ok()) return Fail(err, steps.status());
+  if (args->tokens > 0) batch->batch.set_tokens(args->tokens);
+  v1::StepRequest& r = batch->batch.request();
+  r.set_layer(args->layer);
+  r.set_q_heads(args->q_heads);
+  if (args->has_scale) {
+    r.set_softmax_scale(args->scale);
+  } else {
+    r.clear_softmax_scale();
+  }
+  r.set_request_id(args->request_id != nullptr && args->request_id[0] != '\0'
+                       ? std::string(args->request_id)
+                       : absl::StrCat(c->id_prefix, c->next_id.fetch_add(1, std::memory_order_relaxed)));
+  attnd::client::DeviceStepTensors t;
+  t.q = reinterpret_cast<const void*>(args->q);
+  t.k = reinterpret_cast<const void*>(args->k);
+  t.v = reinterpret_cast<const void*>(args->v);
+  t.o = reinterpret_cast<void*>(args->o);
+  t.q_bytes = args->q_bytes;
+  t.kv_bytes = args->kv_bytes;
+  c->Begin();
+  auto res = (*steps)->Step(batch->batch, t, reinterpret_cast<void*>(args->stream),
+                            CallFor(c, args->transport, args->timeout_s));
+  c->End();
+  if (!res.ok()) return Fail(err, res.status(), r.request_id());
+  if (args->lengths != nullptr) std::copy(res->lengths.begin(), res->lengths.end(), args->lengths);
+  if (info != nullptr) {
+    Copy(info->request_id, sizeof(info->request_id), res->request_id);
+    Copy(info->backend, sizeof(info->backend), res->backend);
+    Copy(info->kernel, sizeof(info->kernel), res->kernel);
+    info->device = res->device;
+    info->transport = static_cast<int32_t>(res->transport);
+    const auto& tm = res->timing.timing();
+    info->queue_us = tm.queue_us();
+    info->h2d_us = tm.h2d_us();
+    info->kernel_us = tm.kernel_us();
+    info->d2h_us = tm.d2h_us();
+    info->total_us = tm.total_us();
+    info->latency_us = absl::ToDoubleMicroseconds(res->latency);
   }
   Ok(err);
   return 0;

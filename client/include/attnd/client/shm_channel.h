@@ -3,6 +3,7 @@
 // request and reply are a few hundred bytes. Buffers are registered over gRPC (Client::RegisterCudaBuffer) first.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -48,6 +49,11 @@ class ShmChannel {
   // The same for a Step of KV sequences (shm::kStepRequest).
   absl::StatusOr<v1::StepResponse> Step(const v1::StepRequest& request,
                                         absl::Duration timeout = absl::InfiniteDuration());
+
+  // The channel's header page, and in it the wait word of stream-ordered steps (StreamOrder in attention.proto):
+  // a caller registers the page with CUDA so that its stream can write the word (attnd/client/cuda_steps.h).
+  void* header_page() const { return map_.header; }
+  std::atomic<uint64_t>* wait_word() const { return &map_.header->wait_word; }
 
   uint64_t request_capacity() const { return map_.request_capacity; }
   uint64_t reply_capacity() const { return map_.reply_capacity; }
