@@ -5,13 +5,16 @@
     o = client.attention(q, k, v, causal=True)   # [batch, seq, heads, head_dim]
     seq = client.open_sequence(layers, kv_heads, head_dim)   # a KV cache kept by the server
     o = seq.step(layer, q, k, v)                 # the new tokens' rows [tokens, heads, head_dim]
+    batch = client.batch(seqs)                   # many sequences, ids packed once
+    o = batch.step(layer, q, k, v)               # torch CUDA tensors: ordered on the current stream
 
 attnd.torch.scaled_dot_product_attention is a drop-in for torch's (its [batch, heads, seq, head_dim] layout).
 """
-from .client import AttndError, Client, Sequence, SequenceShape, StatusCode
+from .client import AttndError, Client, Sequence, SequenceShape, StatusCode, StepBatch
 
 __version__ = "0.1.0"
-__all__ = ["AttndError", "Client", "Sequence", "SequenceShape", "StatusCode", "default_client", "set_default_client"]
+__all__ = ["AttndError", "Client", "Sequence", "SequenceShape", "StatusCode", "StepBatch", "default_client",
+           "set_default_client"]
 
 _default = None
 

@@ -9,7 +9,7 @@ import ctypes
 import os
 import struct
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 TRANSPORTS = {"auto": 0, "unary": 1, "stream": 2, "shm": 3}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
@@ -120,13 +120,36 @@ class StepArgs(ctypes.Structure):
     ]
 
 
+class CudaStepArgs(ctypes.Structure):
+    _fields_ = [
+        ("layer", ctypes.c_int64),
+        ("q_heads", ctypes.c_int64),
+        ("tokens", ctypes.c_int64),
+        ("has_scale", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("transport", ctypes.c_int32),
+        ("timeout_s", ctypes.c_double),
+        ("request_id", ctypes.c_char_p),
+        ("stream", ctypes.c_uint64),
+        ("q", ctypes.c_uint64),
+        ("k", ctypes.c_uint64),
+        ("v", ctypes.c_uint64),
+        ("o", ctypes.c_uint64),
+        ("q_bytes", ctypes.c_uint64),
+        ("kv_bytes", ctypes.c_uint64),
+        ("lengths", ctypes.POINTER(ctypes.c_int64)),
+    ]
+
+
 # ForwardArgs and StepArgs as struct formats, so that a call fills its argument struct with one pack_into (a
 # ctypes field assignment each costs about as much as the whole pack). Pointers are packed as integers: whoever
 # packs them keeps the objects they point into alive until the call is done. tests/test_layout.py checks every
 # field's offset against the ctypes declarations above.
 FORWARD_ARGS = struct.Struct("@6q3if2idP" + "PPQ3q" * 4 + "P")
 STEP_ARGS = struct.Struct("@3q2PifiidP" + "PQ" * 5 + "P")
+CUDA_STEP_ARGS = struct.Struct("@3qifidP7QP")
 assert FORWARD_ARGS.size == ctypes.sizeof(ForwardArgs) and STEP_ARGS.size == ctypes.sizeof(StepArgs)
+assert CUDA_STEP_ARGS.size == ctypes.sizeof(CudaStepArgs)
 
 _BY_ADDRESS = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 DONE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(Error), ctypes.POINTER(ForwardInfo))
@@ -179,6 +202,7 @@ def load():
     # and passes their addresses, which ctypes converts in about half the time of byref() into POINTER types.
     lib.forward_at = _BY_ADDRESS(("attnd_forward", lib))
     lib.step_at = _BY_ADDRESS(("attnd_step", lib))
+    lib.cuda_step_at = _BY_ADDRESS(("attnd_batch_step_cuda", lib))
     lib.attnd_forward_async.argtypes = [ctypes.c_void_p, ctypes.POINTER(ForwardArgs), DONE_FN, ctypes.c_void_p,
                                         ctypes.POINTER(Error)]
     lib.attnd_forward_async.restype = ctypes.c_int32
@@ -203,6 +227,13 @@ def load():
     lib.attnd_sequence_truncate.restype = ctypes.c_int32
     lib.attnd_sequence_close.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t, err_p]
     lib.attnd_sequence_close.restype = ctypes.c_int32
+    lib.attnd_batch_create.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_char_p), ctypes.c_int64,
+                                       ctypes.c_int64, err_p]
+    lib.attnd_batch_create.restype = ctypes.c_void_p
+    lib.attnd_batch_destroy.argtypes = [ctypes.c_void_p]
+    lib.attnd_batch_destroy.restype = None
+    lib.attnd_cuda_stream_ordered.argtypes = [ctypes.c_void_p, err_p]
+    lib.attnd_cuda_stream_ordered.restype = ctypes.c_int32
     lib.attnd_sequence_info_json.argtypes = [ctypes.c_void_p, ctypes.c_char_p, err_p]
     lib.attnd_sequence_info_json.restype = ctypes.c_void_p
     _lib = lib

@@ -14,7 +14,12 @@ Layouts: q [batch, q_len, q_heads, head_dim], k and v [batch, kv_len, kv_heads, 
   copied. The registration is dropped when the storage is freed or the client closes.
 
 KV sequences (docs/sequences.md) keep K and V on the server: open_sequence() returns Sequence objects, step()
-sends only the new rows. Their tensors are [T, heads, head_dim], the sequences' rows back to back.
+sends only the new rows. Their tensors are [T, heads, head_dim], the sequences' rows back to back. With torch CUDA
+tensors and a server on this host with --enable_cuda_ipc a step sends references into the caller's memory (each
+CUDA allocation registered once). Over the shared-memory channel (transport="shm") it is also ordered on the current
+CUDA stream without a host wait: the server starts the step once the stream has passed the work queued before the
+call, and the call returns after the step has run (docs/sequences.md, "Stream-ordered steps"); elsewhere the stream
+is synchronised first. batch() names a set of sequences once for steps whose host work does not grow with the batch.
 """
 import concurrent.futures
 import ctypes
@@ -32,6 +37,7 @@ from . import _lib
 _byref = ctypes.byref
 _pack_forward = _lib.FORWARD_ARGS.pack_into
 _pack_step = _lib.STEP_ARGS.pack_into
+_pack_cuda_step = _lib.CUDA_STEP_ARGS.pack_into
 
 
 class StatusCode(enum.IntEnum):
@@ -300,6 +306,26 @@ def _wait_for_producer(device):
     stream.synchronize()
 
 
+# The current stream's raw cudaStream_t per stream identity, for steps ordered on it.
+_stream_handles = {}
+
+
+def _current_stream_handle(device):
+    global _stream_key
+    key_of = _stream_key
+    if key_of is None:
+        key_of = _stream_key = getattr(_torch()._C, "_cuda_getCurrentStream", False)
+    if not key_of:
+        return _torch().cuda.current_stream(device).cuda_stream
+    key = key_of(device)
+    h = _stream_handles.get(key)
+    if h is None:
+        if len(_stream_handles) >= 64:
+            _stream_handles.clear()
+        h = _stream_handles[key] = _torch().cuda.current_stream(device).cuda_stream
+    return h
+
+
 class Client:
     """A connection to an attnd server. Thread-safe; close() (or a `with` block) releases it."""
 
@@ -331,6 +357,8 @@ class Client:
         self.transport = transport
         self._mu = threading.Lock()
         self._buffers = {}  # storage data_ptr -> _Registration
+        self._cuda_steps = None  # whether CUDA steps go by reference (the server takes IPC from this host); None: unknown
+        self._batches = collections.OrderedDict()  # sequence ids -> StepBatch, for step() with CUDA tensors
 
     # -- lifetime ---------------------------------------------------------------------------------------------
 
@@ -341,6 +369,9 @@ class Client:
             return
         with self._mu:
             regs, self._buffers = list(self._buffers.values()), {}
+            batches, self._batches = list(self._batches.values()), collections.OrderedDict()
+        for b in batches:
+            b._free()
         for r in regs:
             r.detach()
             self._unregister(handle, r)
@@ -562,8 +593,9 @@ class Client:
         q [T, q_heads, head_dim], k and v [T, kv_heads, head_dim]: NumPy arrays (ml_dtypes.bfloat16 or float16;
         uint16 bits take the sequences' dtype) or torch tensors (bfloat16, float16), the sequences' rows back to
         back, or a list of per-sequence tensors (concatenated; they give the tokens). tokens: rows per sequence, an
-        int or a list; default: from the lists, else T split evenly. torch CUDA tensors are copied to host memory
-        and O comes back on their device (steps have no zero-copy path for them).
+        int or a list; default: from the lists, else T split evenly. torch CUDA tensors (one tensor each, rows
+        split evenly, no LSE) go by reference into their CUDA allocations, ordered on the current stream
+        (StepBatch); otherwise, or with a server that takes no CUDA IPC, they are copied through host memory.
         Returns O (q's kind and dtype; None without q), or (O, LSE) with return_lse: LSE a list of fp32
         [q_heads, tokens] per sequence. out: O's destination (q's kind, dtype and device, [T, q_heads, head_dim],
         contiguous), returned as O. Each Sequence object's `lengths[layer]` is updated from the reply."""
@@ -574,6 +606,17 @@ class Client:
         n = len(sequences)
         if n == 0:
             raise _invalid("sequences: empty")
+        if (not return_lse and _is_cuda_tensor(q if q is not None else k) and tokens is None
+                and self._cuda_path()):
+            ids = tuple(_seq_id(f"sequences[{i}]", s) for i, s in enumerate(sequences))
+            batch = self._batch_for(ids, sequences)
+            o = batch.step(layer, q, k, v, q_heads=q_heads, scale=scale, transport=transport, timeout=timeout,
+                           request_id=request_id, out=out)
+            layer = int(layer)
+            for s, m in zip(sequences, batch._lengths):
+                if isinstance(s, Sequence):
+                    s.lengths[layer] = m
+            return o
         if n == 1 and isinstance(sequences[0], Sequence):
             c_ids = sequences[0]._c_ids()
             if dtype is None:
@@ -696,6 +739,52 @@ class Client:
             at += m * q_heads
         return o, parts
 
+
+    def batch(self, sequences, tokens=None):
+        """A StepBatch of `sequences` (Sequence objects or ids): their ids are packed once, and its step() costs the
+        same host work for 1 or 256 sequences. tokens: rows per sequence per step (default: T // len(sequences) of
+        each step's tensors)."""
+        if isinstance(sequences, (Sequence, str)):
+            sequences = [sequences]
+        return StepBatch(self, list(sequences), tokens)
+
+    def _batch_for(self, ids, sequences):
+        with self._mu:
+            b = self._batches.get(ids)
+            if b is not None:
+                self._batches.move_to_end(ids)
+                return b
+        b = StepBatch(self, list(sequences), None)
+        with self._mu:
+            self._batches[ids] = b
+            old = self._batches.popitem(last=False)[1] if len(self._batches) > 64 else None
+        if old is not None:
+            old._free()
+        return b
+
+    def _cuda_path(self):
+        """Whether CUDA tensors can be stepped by reference: the server takes CUDA IPC (asked once)."""
+        ok = self._cuda_steps
+        if ok is None:
+            try:
+                ok = bool(self.info().get("cuda_ipc_enabled"))
+            except AttndError:
+                ok = False
+            self._cuda_steps = ok
+        return ok
+
+    @property
+    def stream_ordered(self):
+        """True when CUDA steps are ordered on the caller's stream: the client's transport is "shm" and the server
+        offers it (the library then never waits for the stream on the host); False when the library synchronises
+        the stream before each step."""
+        if self.transport != "shm" or not self._cuda_path():
+            return False
+        err = _lib.Error()
+        rc = self._lib.attnd_cuda_stream_ordered(self._h(), ctypes.byref(err))
+        if rc < 0:
+            _raise(err)
+        return rc == 1
 
     def fork_sequence(self, sequence, n=None):
         """New sequences sharing `sequence`'s tokens (copy-on-write): one Sequence, or a list of n."""
@@ -897,6 +986,7 @@ class Sequence:
         self.lengths = list(lengths) if lengths is not None else [0] * shape.layers
         self.closed = False
         self._c_id = None
+        self._batch = None  # a StepBatch of this sequence alone, for steps with CUDA tensors
 
     def _c_ids(self):
         """The id as a one-entry `const char* const*` for StepArgs, made once per id."""
@@ -907,6 +997,13 @@ class Sequence:
 
     def step(self, layer, q=None, k=None, v=None, return_lse=False, scale=None, q_heads=None, **kw):
         """client.step(layer, [self], ...): O [tokens, q_heads, head_dim], or (O, LSE [q_heads, tokens])."""
+        if not return_lse and _is_cuda_tensor(q if q is not None else k) and self.client._cuda_path():
+            b = self._batch
+            if b is None:
+                b = self._batch = StepBatch(self.client, [self], None)
+            o = b.step(layer, q, k, v, q_heads=q_heads, scale=scale, **kw)
+            self.lengths[int(layer)] = b._lengths[0]
+            return o
         r = self.client.step(layer, [self], q, k, v, q_heads=q_heads, return_lse=return_lse, scale=scale, **kw)
         if return_lse:
             return r[0], r[1][0]
@@ -940,6 +1037,164 @@ class Sequence:
 
     def __repr__(self):
         return f"Sequence({self.id!r}, {tuple(self.shape)}, lengths={self.lengths})"
+
+
+def _is_cuda_tensor(x):
+    t = _Tensor if _Tensor is not None else _tensor_type()
+    return t is not None and isinstance(x, t) and x.is_cuda
+
+
+_ELEM = None
+
+
+def _elem_bytes(x):
+    global _ELEM
+    if _ELEM is None:
+        torch = _torch()
+        _ELEM = {torch.bfloat16: 2, torch.float16: 2}
+    n = _ELEM.get(x.dtype)
+    if n is None:
+        raise _invalid(f"dtype {x.dtype} is not torch.bfloat16 or torch.float16")
+    return n
+
+
+class StepBatch:
+    """Sequences stepped together, layer after layer and step after step, with their ids packed once (the C
+    library keeps the request's sequence list): a step costs the same host work for one sequence or 256.
+
+    step(layer, q, k, v): q [T, q_heads, head_dim], k and v [T, kv_heads, head_dim] with T = sequences x tokens,
+    sequence i's rows at [i * tokens, (i + 1) * tokens). torch CUDA tensors go by reference, ordered on the current
+    stream (docs/sequences.md); NumPy arrays and CPU tensors go inline through Client.step. `lengths`
+    holds each sequence's cached tokens at the last step's layer after that step (Sequence.lengths is left as it
+    was: updating it is per-sequence work)."""
+
+    def __init__(self, client, sequences, tokens=None):
+        if not sequences:
+            raise _invalid("sequences: empty")
+        self.client = client
+        self.sequences = list(sequences)
+        self.tokens = tokens
+        ids = [_seq_id(f"sequences[{i}]", s).encode() for i, s in enumerate(self.sequences)]
+        n = len(ids)
+        err = _lib.Error()
+        handle = client._lib.attnd_batch_create(client._h(), (ctypes.c_char_p * n)(*ids), n, int(tokens or 1),
+                                                ctypes.byref(err))
+        if not handle:
+            _raise(err)
+        self._handle = handle
+        self._lib = client._lib
+        self._n = n
+        self._lengths = (ctypes.c_int64 * n)()
+        self._lengths_addr = ctypes.addressof(self._lengths)
+        self._step_at = client._lib.cuda_step_at
+        self._args = _lib.CudaStepArgs()
+        self._args_addr = ctypes.addressof(self._args)
+        self._info = _lib.ForwardInfo()
+        self._info_addr = ctypes.addressof(self._info)
+        self._err = _lib.Error()
+        self._err_addr = ctypes.addressof(self._err)
+        self._mu = threading.Lock()  # the argument struct is reused: one call at a time
+        self.last_info = None
+
+    def __len__(self):
+        return self._n
+
+    @property
+    def lengths(self):
+        return list(self._lengths)
+
+    def _free(self):
+        h, self._handle = getattr(self, "_handle", None), None
+        if h:
+            self._lib.attnd_batch_destroy(h)
+
+    def close(self):
+        self._free()
+
+    def __del__(self):
+        try:
+            self._free()
+        except Exception:
+            pass
+
+    def step(self, layer, q=None, k=None, v=None, out=None, tokens=None, q_heads=None, scale=None, transport=None,
+             timeout=None, request_id=None, dtype=None):
+        """One step at `layer`; returns O [T, q_heads, head_dim] (in `out` when given: contiguous, q's shape, dtype
+        and device), or None without q. dtype: for uint16 NumPy bits only, as in Client.step."""
+        first = q if q is not None else k
+        if first is None:
+            raise _invalid("q, k, v: none given")
+        if not _is_cuda_tensor(first) or not self.client._cuda_path():
+            t = tokens or self.tokens
+            if t is not None and first.shape[0] != t * self._n:
+                raise _invalid(f"tokens: {first.shape[0]} rows, the batch steps {self._n} sequences x {t} tokens")
+            return self.client.step(layer, self.sequences, q, k, v, q_heads=q_heads, scale=scale, tokens=t,
+                                    transport=transport, timeout=timeout, request_id=request_id, out=out,
+                                    dtype=dtype)
+        rows = first.shape[0]
+        t = tokens or self.tokens
+        if t is None:
+            if rows % self._n:
+                raise _invalid(f"q: {rows} rows do not split evenly over {self._n} sequences; give tokens=")
+            t = rows // self._n
+        elif rows != t * self._n:
+            raise _invalid(f"q: {rows} rows, the batch steps {self._n} sequences x {t} tokens")
+        device = first.device
+        qp = op = kp = vp = qb = kvb = 0
+        qh = 0
+        if q is not None:
+            if q.dim() != 3:
+                raise _invalid(f"q: must have 3 dimensions [tokens, heads, head_dim], has {q.dim()}")
+            if not q.is_contiguous():
+                q = q.contiguous()
+            qh = q.shape[1]
+            if q_heads is not None and int(q_heads) != qh:
+                raise _invalid(f"q_heads: {q_heads} but q has {qh} heads")
+            if out is None:
+                out = _torch().empty(q.shape, dtype=q.dtype, device=device)
+            elif (out.shape != q.shape or out.dtype != q.dtype or out.device != device
+                  or not out.is_contiguous()):
+                raise _invalid(f"out: must be a contiguous {q.dtype} tensor of shape {list(q.shape)} on {device}")
+            qp, op = q.data_ptr(), out.data_ptr()
+            qb = q.numel() * _elem_bytes(q)
+        elif out is not None:
+            raise _invalid("out: needs q")
+        if k is not None or v is not None:
+            if k is None or v is None:
+                raise _invalid("k, v: give both (append) or neither (attend only)")
+            if not (_is_cuda_tensor(k) and _is_cuda_tensor(v)) or k.device != device or v.device != device:
+                raise _invalid(f"k, v: must be CUDA tensors on {device} like q")
+            if k.shape != v.shape or k.dim() != 3 or k.shape[0] != rows:
+                raise _invalid(f"k, v: must both be [{rows}, kv_heads, head_dim], are {list(k.shape)} and "
+                               f"{list(v.shape)}")
+            if not k.is_contiguous():
+                k = k.contiguous()
+            if not v.is_contiguous():
+                v = v.contiguous()
+            kp, vp = k.data_ptr(), v.data_ptr()
+            kvb = k.numel() * _elem_bytes(k)
+        if scale is None and transport is None and timeout is None:
+            has_scale, scale_f, tr, timeout_s = 0, 0.0, _TRANSPORT_DEFAULT, 0.0
+        else:
+            has_scale, scale_f, tr, timeout_s = _options(scale, transport, timeout)
+        stream = _current_stream_handle(device)
+        with self._mu:
+            if not self._handle:
+                raise AttndError(StatusCode.FAILED_PRECONDITION, "batch: closed")
+            a = self._args
+            _pack_cuda_step(a, 0, int(layer), qh, t, has_scale, scale_f, tr, timeout_s, 0, stream, qp, kp, vp, op,
+                            qb, kvb, self._lengths_addr)
+            if request_id:
+                a.request_id = request_id.encode()
+            # q, k, v and out stay referenced by this frame until the call returns, which is after the step ran.
+            if self._step_at(self._handle, self._args_addr, self._info_addr, self._err_addr) != 0:
+                e = self._err
+                raise AttndError(e.code, e.message.decode(errors="replace"), e.request_id.decode(errors="replace"))
+            self.last_info = self._info
+        return out
+
+    def __repr__(self):
+        return f"StepBatch({self._n} sequences)"
 
 
 def _seq_id(name, s):

@@ -34,7 +34,8 @@ def _format_fields(fmt):
     return [(struct.calcsize("@" + "".join(codes[:i + 1])) - struct.calcsize(c), c) for i, c in enumerate(codes)]
 
 
-@pytest.mark.parametrize("packed,declared", [(_lib.FORWARD_ARGS, _lib.ForwardArgs), (_lib.STEP_ARGS, _lib.StepArgs)])
+@pytest.mark.parametrize("packed,declared", [(_lib.FORWARD_ARGS, _lib.ForwardArgs), (_lib.STEP_ARGS, _lib.StepArgs),
+                                             (_lib.CUDA_STEP_ARGS, _lib.CudaStepArgs)])
 def test_packed_layout_matches_the_declaration(packed, declared):
     assert _format_fields(packed.format) == _ctypes_fields(declared)
     assert packed.size == ctypes.sizeof(declared)
@@ -51,3 +52,12 @@ def test_packed_values_read_back():
     for t, ptr, st in ((a.q, 0x1000, strides[0]), (a.k, 0x2000, strides[1]), (a.v, 0x3000, strides[2])):
         assert t.data == ptr and tuple(t.strides) == st and t.offset == 0
     assert a.o.data == 0x4000 and tuple(a.o.strides) == (0, 0, 0) and a.lse == 0x5000
+
+
+def test_cuda_step_args_read_back():
+    a = _lib.CudaStepArgs()
+    _lib.CUDA_STEP_ARGS.pack_into(a, 0, 5, 32, 1, 1, 0.25, 3, 2.5, 0, 0x77, 0x1000, 0x2000, 0x3000, 0x4000, 4096, 1024,
+                                  0x5000)
+    assert (a.layer, a.q_heads, a.tokens, a.has_scale, a.scale, a.transport, a.timeout_s) == (5, 32, 1, 1, 0.25, 3, 2.5)
+    assert (a.stream, a.q, a.k, a.v, a.o, a.q_bytes, a.kv_bytes) == (0x77, 0x1000, 0x2000, 0x3000, 0x4000, 4096, 1024)
+    assert ctypes.cast(a.lengths, ctypes.c_void_p).value == 0x5000

@@ -351,3 +351,26 @@ def test_read_only_and_strided_step_inputs(client, open_seq):
     hist = History()
     hist.append(0, bf16_bits_to_f64(k), bf16_bits_to_f64(v))
     assert_close(bf16_bits_to_f64(o), hist.expect(0, bf16_bits_to_f64(q))[0])
+
+
+def test_step_batch_host_tensors(client, open_seq):
+    """A StepBatch of host arrays steps through Client.step: the same rows, the same answers; a CPU server offers no
+    stream order, and says so."""
+    rng = np.random.default_rng(9)
+    seqs = open_seq(count=4)
+    batch = client.batch(seqs)
+    assert isinstance(batch, attnd.StepBatch) and len(batch) == 4
+    assert client.stream_ordered is False
+    hists = [History() for _ in seqs]
+    for n, layer in ((3, 0), (1, 0), (1, 1)):
+        q, k, v = rows(rng, 4 * n), rows(rng, 4 * n, KV_HEADS), rows(rng, 4 * n, KV_HEADS)
+        o = batch.step(layer, q, k, v)
+        for i, (s, h) in enumerate(zip(seqs, hists)):
+            part = slice(i * n, (i + 1) * n)
+            h.append(layer, bf16_bits_to_f64(k[part]), bf16_bits_to_f64(v[part]))
+            assert_close(bf16_bits_to_f64(o[part]), h.expect(layer, bf16_bits_to_f64(q[part]))[0])
+            assert s.lengths[layer] == h.k[layer].shape[0]
+    with pytest.raises(attnd.AttndError) as e:
+        batch.step(0, rows(rng, 6), rows(rng, 6, KV_HEADS), rows(rng, 6, KV_HEADS), tokens=2)
+    assert e.value.code == attnd.StatusCode.INVALID_ARGUMENT and "tokens" in e.value.message
+    batch.close()

@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""Decode steps from a PyTorch caller with torch CUDA tensors, against a running attnd on this host (CUDA backend,
+--enable_cuda_ipc, --shm_socket), beside the server's own kernel time for the same steps (docs/benchmarks.md,
+"KV sequences from PyTorch"). 32 q : 8 kv heads, head_dim 128, bf16, kv 4k (--context).
+
+- one sequence: a dependent chain as in decoding, each step's Q produced on the stream from the previous step's O
+  (a copy kernel), then the step, ordered on the stream. The step time is the interval between consecutive steps'
+  completions on the GPU (CUDA events recorded after each step), so it includes everything a step costs the
+  engine's stream: the producer, the round trip to the server and its enqueue, the waits and the kernels. The
+  kernel alone is the server's kernel_us of the same step with NumPy inputs (host order).
+- N sequences (--sequences, 64) in one StepBatch from one caller, and from two caller processes of N/2 each: decode
+  tokens per second against the kernel-only rate (N / the kernel time of one step of all N).
+
+  python3 client/python/bench/cuda_steps.py --target unix:/tmp/attnd.sock --shm-socket /tmp/attnd_shm.sock
+"""
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import time
+
+import numpy as np
+
+KV, HQ, D = 8, 32, 128
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+
+
+def client_for(a):
+    import attnd
+    return attnd.Client(a.target, transport="shm", shm_socket=a.shm_socket)
+
+
+def fill(batch, n, context, torch):
+    """Appends `context` random keys to each of the batch's n sequences (append-only steps of at most 64k rows)."""
+    chunk = max(1, min(context, 65536 // n))
+    done = 0
+    while done < context:
+        t = min(chunk, context - done)
+        k = torch.randn((n * t, KV, D), device="cuda", dtype=torch.bfloat16)
+        batch.step(0, k=k, v=k.clone(), tokens=t)
+        done += t
+    torch.cuda.synchronize()
+
+
+def kernel_us(client, seqs, iters=50):
+    """The server's kernel time of one decode step of `seqs` (NumPy inputs: host order, so the reply has it)."""
+    rng = np.random.default_rng(0)
+    n = len(seqs)
+    q = rng.standard_normal((n, HQ, D)).astype(np.float32).view(np.uint32).__rshift__(16).astype(np.uint16)
+    k = q[:, :KV].copy()
+    times = []
+    for i in range(iters):
+        client.step(0, seqs, q=q, k=k, v=k, dtype="bf16")
+        if i >= 5:
+            times.append(client.last_info.kernel_us)
+    return statistics.median(times)
+
+
+def chain(batch, n, steps, torch, events=False):
+    """`steps` dependent decode steps: Q from the previous O on the stream, then the step. Returns the wall time, the
+    host time of each call, and (events) the GPU interval between consecutive steps' completions."""
+    q = torch.randn((n, HQ, D), device="cuda", dtype=torch.bfloat16)
+    k = torch.randn((n, KV, D), device="cuda", dtype=torch.bfloat16)
+    o = torch.empty_like(q)
+    evs = [torch.cuda.Event(enable_timing=True) for _ in range(steps)] if events else None
+    calls = []
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        q.copy_(o) if i else None
+        c0 = time.perf_counter()
+        batch.step(0, q, k, k, out=o)
+        calls.append((time.perf_counter() - c0) * 1e6)
+        if events:
+            evs[i].record()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    gaps = [evs[i - 1].elapsed_time(evs[i]) * 1e3 for i in range(1, steps)] if events else []
+    return wall, calls, gaps
+
+
+def one_sequence(a, torch, out):
+    client = client_for(a)
+    assert client.stream_ordered, "the server does not order steps on the caller's stream"
+    seq = client.open_sequence(layers=1, kv_heads=KV, head_dim=D)
+    batch = client.batch([seq])
+    fill(batch, 1, a.context, torch)
+    kern = kernel_us(client, [seq])
+    chain(batch, 1, 200, torch)  # warm-up: registrations, streams, the server's slots
+    wall, calls, gaps = chain(batch, 1, a.steps, torch, events=True)
+    row = {"kernel_us": kern, "step_p50_us": statistics.median(gaps), "step_p90_us": pct(gaps, 90),
+           "step_p99_us": pct(gaps, 99), "call_p50_us": statistics.median(calls),
+           "over_kernel_p50_us": statistics.median(gaps) - kern, "steps": a.steps}
+    print(f"one sequence kv {a.context}: step p50 {row['step_p50_us']:.1f} us (p90 {row['step_p90_us']:.1f}, p99 "
+          f"{row['step_p99_us']:.1f}) = kernel {kern:.1f} + {row['over_kernel_p50_us']:.1f} us; the call returns "
+          f"after {row['call_p50_us']:.1f} us (p50)", flush=True)
+    out["one_sequence"] = row
+    seq.close()
+    client.close()
+
+
+def caller(a, n, steps, start, results):
+    import torch
+    client = client_for(a)
+    seqs = client.open_sequence(layers=1, kv_heads=KV, head_dim=D, count=n)
+    batch = client.batch(seqs)
+    fill(batch, n, a.context, torch)
+    chain(batch, n, 20, torch)
+    start.wait()
+    wall, calls, _ = chain(batch, n, steps, torch)
+    results.put({"tokens_per_s": n * steps / wall, "call_p50_us": statistics.median(calls)})
+    client.close_sequences(seqs)
+    client.close()
+
+
+def many(a, torch, out):
+    client = client_for(a)
+    seqs = client.open_sequence(layers=1, kv_heads=KV, head_dim=D, count=a.sequences)
+    batch = client.batch(seqs)
+    fill(batch, a.sequences, a.context, torch)
+    kern = kernel_us(client, seqs)
+    kernel_rate = a.sequences / (kern * 1e-6)
+    chain(batch, a.sequences, 20, torch)
+    wall, calls, _ = chain(batch, a.sequences, a.steps64, torch)
+    one = a.sequences * a.steps64 / wall
+    client.close_sequences(seqs)
+    client.close()
+    ctx = mp.get_context("spawn")
+    start, results = ctx.Barrier(2), ctx.Queue()
+    half = a.sequences // 2
+    procs = [ctx.Process(target=caller, args=(a, half, a.steps64, start, results)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    two = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    two_rate = sum(r["tokens_per_s"] for r in two)
+    row = {"sequences": a.sequences, "kernel_us": kern, "kernel_tokens_per_s": kernel_rate,
+           "one_caller_tokens_per_s": one, "one_caller_ratio": one / kernel_rate,
+           "one_caller_call_p50_us": statistics.median(calls), "two_callers_tokens_per_s": two_rate,
+           "two_callers_ratio": two_rate / kernel_rate}
+    print(f"{a.sequences} sequences x {a.context}: kernel {kern:.1f} us = {kernel_rate:,.0f} tokens/s; one caller "
+          f"{one:,.0f} ({one / kernel_rate:.2f}x), two callers {two_rate:,.0f} ({two_rate / kernel_rate:.2f}x)",
+          flush=True)
+    out["many"] = row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--shm-socket", dest="shm_socket", required=True)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--sequences", type=int, default=64)
+    ap.add_argument("--steps64", type=int, default=500)
+    ap.add_argument("--what", default="one,many")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    import torch
+    torch.cuda.init()
+    out = {"context": a.context}
+    if "one" in a.what:
+        one_sequence(a, torch, out)
+    if "many" in a.what:
+        many(a, torch, out)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
