@@ -29,11 +29,14 @@ usage:
       tables (kernels/bench/bench_attention.py); decode: gpu_decode_test, then memcheck and racecheck on its small
       cases; decodebench: kernels/bench/decode_bench.py; raggedbench: kernels/bench/ragged_prefill_bench.py. bench
       and ab take about 5 minutes each.
-  scripts/device.sh service [test|bench|ab|python|decode|pyoverhead]...  (default: test bench)
+  scripts/device.sh service [test|bench|ab|python|decode|pyoverhead|torch]...  (default: test bench)
       On the GPU machine. test: gpu_server_parts_test, gpu_server_forward_test, gpu_server_ipc_test; bench: one
       attnd, then CUDA IPC over gRPC and over the shm channel (ipc_peer bench), the TCP baseline (ipc_peer tcp)
       and inline unary/stream calls (attn bench); ab: bench with the new binaries, then with .carry/base's;
-      python: the Python client's pytest suite (client/python/tests) with the GPU machine's Python and torch.
+      python: the Python client's pytest suite (client/python/tests) with the GPU machine's Python and torch;
+      torch: KV-sequence steps from PyTorch and C++ callers with CUDA tensors, ordered on their streams
+      (client/python/bench/cuda_steps.py, ordered_steps, ipc_peer decode beside them) and the engine example
+      (client/python/examples/llama_engine.py) against in-process SDPA.
 Logs: $OUT/kernels.log, $OUT/service.log, and the benchmarks' rows as kernels_bench.json, kernels_ab.json and
 kernels_seedbench.json; a summary table is printed last. The exit status is 0 when every check passed.
 Parameters (environment of this script):
@@ -51,7 +54,7 @@ die() { echo "device.sh: $*" >&2; exit 2; }
 # ---------------------------------------------------------------------------------------------------------------
 # build (here)
 
-STATIC_TARGETS="gpu_attention_test gpu_decode_test gpu_sequences_test gpu_server_parts_test gpu_server_forward_test gpu_server_ipc_test attnd attn ipc_peer"
+STATIC_TARGETS="gpu_attention_test gpu_decode_test gpu_sequences_test gpu_server_parts_test gpu_server_forward_test gpu_server_ipc_test attnd attn ipc_peer ordered_steps"
 SERVICE_TARGETS="attnd attn ipc_peer"
 
 # configure_and_build SRC BUILD_DIR STATIC(ON|OFF) TARGETS...
@@ -542,6 +545,45 @@ service_pyoverhead() {
   cat "$r" >> "$LOG"
 }
 
+# KV-sequence decode steps from callers whose tensors are CUDA memory, ordered on their streams (docs/benchmarks.md,
+# "KV sequences from PyTorch"): the Python benchmark (one sequence, 64 from one and from two processes), the C++
+# example (checked against the oracle, then timed), the C++ registered-buffer path (ipc_peer decode) in the same
+# server for comparison, and the engine example against in-process SDPA.
+service_torch() {
+  local b=$1 port=${PORT:-50081} r=$OUT/torch_steps.txt rc
+  local sock=/tmp/attnd_t_$port.sock shm=/tmp/attnd_tshm_$port.sock
+  rm -f "$sock" "$shm"
+  "$b/attnd" --listen=127.0.0.1:$port --unix_socket=$sock --shm_socket=$shm --enable_cuda_ipc --log_level=warn \
+    ${SERVER_FLAGS:-} > "$TMP/attnd_torch.log" 2>&1 &
+  local server=$! i
+  for i in $(seq 1 150); do "$b/attn" info --target=unix:$sock > /dev/null 2>&1 && break; sleep 0.2; done
+  mkdir -p client/python/attnd/lib && cp -a $C/pylib/. client/python/attnd/lib/
+  local py="env PYTHONPATH=$PWD/client/python PYTHONDONTWRITEBYTECODE=1 timeout ${TORCH_CMD_TIMEOUT:-240} python3"
+  run_torch() {  # label, command...
+    local label=$1; shift
+    echo "== $label: $*" >> "$r"
+    "$@" >> "$r" 2>&1
+    rc=$?
+    echo "== $label rc=$rc rss_kb=$(ps -o rss= -p $server)" >> "$r"
+    note "torch $label" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "$(grep -E '^(one|[0-9]+ seq|ordered_steps)' "$r" | tail -1)"
+  }
+  run_torch python_steps $py client/python/bench/cuda_steps.py --target unix:$sock --shm-socket $shm \
+    --json "$OUT/cuda_steps.json"
+  run_torch cpp_ordered timeout 120 "$b/ordered_steps" --target=unix:$sock --shm_socket=$shm --context=4096 --steps=2000
+  run_torch cpp_ipc timeout 150 "$b/ipc_peer" decode --target=unix:$sock --transport=shm --shm_socket=$shm \
+    --decode_sequences=1,64 --decode_callers=1 --context=4096 --steps=${IPC_DECODE_STEPS:-1000}
+  if [ -f client/python/examples/llama_engine.py ]; then
+    run_torch engine $py client/python/examples/llama_engine.py --target unix:$sock --transport shm --shm_socket $shm \
+      ${ENGINE_FLAGS:-} --json "$OUT/engine.json"
+  fi
+  "$b/attn" stats --target=unix:$sock >> "$r" 2>&1
+  kill -TERM $server
+  wait $server
+  echo "attnd exit rc=$?" >> "$r"
+  { grep -E '\[(warning|error|critical)\]' "$TMP/attnd_torch.log" | head -20; } >> "$r"
+  cat "$r" >> "$LOG"
+}
+
 service_measure() {
   local b=$1 label=$2 port=${PORT:-50051} dur=${DUR:-2s}
   local sock=/tmp/attnd_bench_$port.sock shm=/tmp/attnd_shm_$port.sock r=$TMP/measure_$label.txt
@@ -624,7 +666,7 @@ cmd_service() {
   local steps=("$@")
   [ ${#steps[@]} -eq 0 ] && steps=(test bench)
   for s in "${steps[@]}"; do
-    case $s in test|bench|ab|python|decode|pyoverhead) ;; *) die "service: unknown step $s" ;; esac
+    case $s in test|bench|ab|python|decode|pyoverhead|torch) ;; *) die "service: unknown step $s" ;; esac
   done
   mkdir -p "$OUT"
   unpack
@@ -652,6 +694,8 @@ cmd_service() {
         service_decode "$PWD/$C" ;;
       pyoverhead)
         service_pyoverhead "$PWD/$C" ;;
+      torch)
+        service_torch "$PWD/$C" ;;
       python)
         # The Python client's suite with this machine's Python and torch: CPU-backend servers, and with a GPU its CUDA
         # tests (a --backend=cuda server, torch CUDA tensors by IPC). The package loads its bundled libraries.
