@@ -44,6 +44,8 @@ struct Driver {
   CUresult (*mem_host_unregister)(void*) = nullptr;
   CUresult (*mem_host_get_device_pointer)(CUdeviceptr*, void*, unsigned) = nullptr;
   CUresult (*ctx_synchronize)() = nullptr;
+  CUresult (*init)(unsigned) = nullptr;
+  CUresult (*primary_ctx_retain)(CUcontext*, int) = nullptr;
 };
 
 // libcuda.so.1, loaded once for the process; null when the machine has no driver.
@@ -70,6 +72,8 @@ const Driver* LoadDriver() {
     bind(d->mem_host_unregister, "cuMemHostUnregister");
     bind(d->mem_host_get_device_pointer, "cuMemHostGetDevicePointer_v2");
     bind(d->ctx_synchronize, "cuCtxSynchronize");
+    bind(d->init, "cuInit");
+    bind(d->primary_ctx_retain, "cuDevicePrimaryCtxRetain");
     if (!ok) {
       delete d;
       return nullptr;
@@ -189,6 +193,12 @@ class CudaSteps::Impl {
     *ordered = *ordered && call.transport.value_or(client_->options().transport) == Transport::kShm;
     auto s = static_cast<CUstream>(stream);
     absl::StatusOr<Slot*> slot = *ordered ? SlotFor(s) : absl::StatusOr<Slot*>(nullptr);
+    if (!slot.ok() && absl::IsInternal(slot.status())) {
+      // The device cannot write the channel's page from a stream after all: host order from now on.
+      absl::MutexLock lock(&mu_);
+      ordered_ = false;
+      slot = nullptr;
+    }
     if (!slot.ok()) return slot.status();
     if (*slot == nullptr) {
       const CUresult r = d_.stream_synchronize(s);
@@ -325,10 +335,14 @@ absl::StatusOr<std::unique_ptr<CudaSteps>> CudaSteps::Create(Client* client, con
   if (d == nullptr) return absl::FailedPreconditionError("CUDA steps: libcuda.so.1 cannot be loaded");
   CUcontext ctx = nullptr;
   int device = -1;
-  if (d->ctx_get_current(&ctx) != kSuccess || ctx == nullptr || d->ctx_get_device(&device) != kSuccess) {
-    return absl::FailedPreconditionError(
-        "CUDA steps: the calling thread has no current CUDA context (use the device first, e.g. allocate on it)");
+  if (d->init(0) != kSuccess) return absl::FailedPreconditionError("CUDA steps: cuInit failed (no usable GPU)");
+  if (d->ctx_get_current(&ctx) != kSuccess || ctx == nullptr) {
+    // No context on this thread yet: device 0's primary context, the one the runtime (and torch) use.
+    if (d->primary_ctx_retain(&ctx, 0) != kSuccess || d->ctx_set_current(ctx) != kSuccess) {
+      return absl::FailedPreconditionError("CUDA steps: no CUDA context on the calling thread, nor device 0's");
+    }
   }
+  if (d->ctx_get_device(&device) != kSuccess) return absl::FailedPreconditionError("CUDA steps: cuCtxGetDevice failed");
   return std::unique_ptr<CudaSteps>(new CudaSteps(std::make_unique<Impl>(client, d, ctx, device, options)));
 }
 

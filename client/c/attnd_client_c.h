@@ -174,10 +174,9 @@ int32_t attnd_step(attnd_client* client, const attnd_step_args* args, attnd_forw
  * rows of the batch's sequences back to back (`tokens` rows each): q and o [rows, q_heads, head_dim], k and v
  * [rows, kv_heads, head_dim]. The library registers each CUDA allocation a tensor lies in once (CUDA IPC, the
  * server must be on this host with --enable_cuda_ipc) and names tensors by their offset there. With a server that
- * offers stream order the call returns once the step is enqueued: work the caller queues on `stream` before the
- * call runs before the step reads its tensors, and work queued after the call runs after the step has written O
- * and appended K/V. Otherwise the library synchronises `stream` before sending and returns after the step ran.
- * The tensors must stay allocated until `stream` has passed the step (as for any kernel on that stream). */
+ * offers stream order (the step's transport shm) work the caller queued on `stream` before the call runs before the
+ * step reads its tensors, without the caller waiting for it; otherwise the library synchronises `stream` before
+ * sending. Either way the call returns after the step has written O and appended K/V. */
 typedef struct attnd_batch attnd_batch;
 
 /* `count` sequence ids, stepped `tokens` rows each until a step says otherwise. NULL on failure. */
@@ -201,9 +200,9 @@ typedef struct attnd_cuda_step_args {
   int64_t* lengths;      /* NULL or the batch's count of entries: each sequence's cached tokens at `layer` after */
 } attnd_cuda_step_args;
 
-/* One step of the batch's sequences. The calling thread's current CUDA context must be the tensors' (torch makes
- * its device's primary context current). info (may be NULL): kernel_us is 0 for a stream-ordered step, which had
- * not run when answered. */
+/* One step of the batch's sequences; returns after the step ran. The tensors are in the CUDA context current on the
+ * thread of the client's first CUDA step (else device 0's primary context, which torch uses too). info may be
+ * NULL. */
 int32_t attnd_batch_step_cuda(attnd_batch* batch, const attnd_cuda_step_args* args, attnd_forward_info* info,
                               attnd_error* err);
 /* 1 when this client's CUDA steps are stream-ordered, 0 when host-ordered; the gRPC status code negated on error. */

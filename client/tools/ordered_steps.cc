@@ -1,7 +1,7 @@
 // ordered_steps: a C++ caller's KV-sequence steps from its own CUDA memory, ordered on its own CUDA stream
 // (attnd/client/cuda_steps.h; docs/sequences.md, "Stream-ordered steps"). The example for C++ callers of the
 // client library, and a check: every step's O is copied back on the same stream, right after the call, and
-// compared with the double-precision oracle over the sequence's whole history; then a dependent decode chain
+// compared with the double-precision oracle over the sequence's whole history (the prefill's only up to 1024 rows); then a dependent decode chain
 // (each Q copied on the stream from the previous O) is timed by CUDA events between consecutive steps.
 //
 //   ordered_steps --target=unix:/tmp/attnd.sock --shm_socket=/tmp/attnd_shm.sock --context=4096 --steps=2000
@@ -78,6 +78,7 @@ int main(int argc, char** argv) {
   std::string hist_k, hist_v;
   std::string o_host;
   double worst = 0;
+  int64_t checked = 0;
   for (int64_t i = 0; i <= absl::GetFlag(FLAGS_checked_steps); ++i) {
     const int64_t rows = i == 0 ? context : 1;  // the prefill, then one-token steps
     const std::string hq = client::RandomTensor(attnd::DType::kBF16, rows * kQHeads * kHeadDim, 3 * i + 1);
@@ -98,6 +99,7 @@ int main(int argc, char** argv) {
     CUDA_OK(cudaStreamSynchronize(stream));
     hist_k += hk;
     hist_v += hv;
+    if (i == 0 && context > 1024) continue;  // a long prefill's double-precision oracle takes the CPU seconds
     attnd::Problem p;
     p.shape = attnd::Shape{1, rows, static_cast<int64_t>(hist_k.size() / kv_row), kQHeads, kKvHeads, kHeadDim};
     p.mask = attnd::Mask::kCausalBottomRight;
@@ -107,10 +109,11 @@ int main(int argc, char** argv) {
     const client::VerifyReport check = oracle->Check(o_host, "");
     worst = std::max(worst, check.max_abs_err);
     if (!check.pass) return Die(absl::StrCat("step ", i, ": O differs from the oracle: ", check.detail));
+    ++checked;
   }
   std::printf("ordered_steps: %s; %lld checked steps, max |O - O_f64| %.4f\n",
               *ordered ? "stream-ordered" : "host-ordered (the server offers no stream order)",
-              static_cast<long long>(absl::GetFlag(FLAGS_checked_steps) + 1), worst);
+              static_cast<long long>(checked), worst);
 
   // The decode chain: Q of step i+1 is O of step i, produced on the stream.
   batch.set_tokens(1);

@@ -76,8 +76,8 @@ struct CudaStepsOptions {
 
 class CudaSteps {
  public:
-  // The driver is loaded and the calling thread's current CUDA context taken (FAILED_PRECONDITION without either);
-  // `client` must outlive this object.
+  // The driver is loaded and the calling thread's current CUDA context taken (none: device 0's primary context,
+  // the runtime's and torch's); FAILED_PRECONDITION without a driver. `client` must outlive this object.
   static absl::StatusOr<std::unique_ptr<CudaSteps>> Create(Client* client, const CudaStepsOptions& options = {});
   ~CudaSteps();
   CudaSteps(const CudaSteps&) = delete;
