@@ -548,6 +548,22 @@ absl::Status StepInput(const char* name, const void* data, uint64_t bytes, attnd
   return absl::OkStatus();
 }
 
+// A step's reply as the caller's attnd_forward_info.
+void FillStepInfo(const attnd::client::StepResult& r, attnd_forward_info* info) {
+  Copy(info->request_id, sizeof(info->request_id), r.request_id);
+  Copy(info->backend, sizeof(info->backend), r.backend);
+  Copy(info->kernel, sizeof(info->kernel), r.kernel);
+  info->device = r.device;
+  info->transport = static_cast<int32_t>(r.transport);
+  const auto& t = r.timing.timing();
+  info->queue_us = t.queue_us();
+  info->h2d_us = t.h2d_us();
+  info->kernel_us = t.kernel_us();
+  info->d2h_us = t.d2h_us();
+  info->total_us = t.total_us();
+  info->latency_us = absl::ToDoubleMicroseconds(r.latency);
+}
+
 absl::Status PrepareStep(attnd_client* c, const attnd_step_args* a, attnd::client::StepSpec* spec) {
   if (a == nullptr) return absl::InvalidArgumentError("args: NULL");
   if (a->count < 1) return absl::InvalidArgumentError(absl::StrCat("sequences: need at least one, got ", a->count));
@@ -632,20 +648,7 @@ ATTND_C_EXPORT int32_t attnd_step(attnd_client* client, const attnd_step_args* a
   if (spec.q.present()) std::memcpy(args->o, r->o.data(), std::min<size_t>(args->o_bytes, r->o.size()));
   if (spec.want_lse) std::memcpy(args->lse, r->lse.data(), std::min<size_t>(args->lse_bytes, r->lse.size()));
   if (args->lengths != nullptr) std::copy(r->lengths.begin(), r->lengths.end(), args->lengths);
-  if (info != nullptr) {
-    Copy(info->request_id, sizeof(info->request_id), r->request_id);
-    Copy(info->backend, sizeof(info->backend), r->backend);
-    Copy(info->kernel, sizeof(info->kernel), r->kernel);
-    info->device = r->device;
-    info->transport = static_cast<int32_t>(r->transport);
-    const auto& t = r->timing.timing();
-    info->queue_us = t.queue_us();
-    info->h2d_us = t.h2d_us();
-    info->kernel_us = t.kernel_us();
-    info->d2h_us = t.d2h_us();
-    info->total_us = t.total_us();
-    info->latency_us = absl::ToDoubleMicroseconds(r->latency);
-  }
+  if (info != nullptr) FillStepInfo(*r, info);
   Ok(err);
   return 0;
 }
@@ -737,20 +740,7 @@ ATTND_C_EXPORT int32_t attnd_batch_step_cuda(attnd_batch* batch, const attnd_cud
   c->End();
   if (!res.ok()) return Fail(err, res.status(), r.request_id());
   if (args->lengths != nullptr) std::copy(res->lengths.begin(), res->lengths.end(), args->lengths);
-  if (info != nullptr) {
-    Copy(info->request_id, sizeof(info->request_id), res->request_id);
-    Copy(info->backend, sizeof(info->backend), res->backend);
-    Copy(info->kernel, sizeof(info->kernel), res->kernel);
-    info->device = res->device;
-    info->transport = static_cast<int32_t>(res->transport);
-    const auto& tm = res->timing.timing();
-    info->queue_us = tm.queue_us();
-    info->h2d_us = tm.h2d_us();
-    info->kernel_us = tm.kernel_us();
-    info->d2h_us = tm.d2h_us();
-    info->total_us = tm.total_us();
-    info->latency_us = absl::ToDoubleMicroseconds(res->latency);
-  }
+  if (info != nullptr) FillStepInfo(*res, info);
   Ok(err);
   return 0;
 }
