@@ -435,8 +435,8 @@ absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& r
   if (request.has_o_ref() && !request.o_ref().strides().empty()) {
     return Invalid("o_ref.strides", "a step's tensors are contiguous: leave strides empty");
   }
-  if (request.has_order()) {
-    // The shared-memory channel waits for the order and passes the step on without it.
+  if (request.has_order() && !call.ready) {
+    // The shared-memory channel waits for the order (CallInfo::ready); no other transport can.
     return absl::FailedPreconditionError(
         "order: a step waits for the caller's stream only over the shared-memory channel (--shm_socket), whose "
         "wait word the stream writes; over gRPC wait for the stream on the host and send the step without order");
@@ -696,6 +696,15 @@ void Sequences::Step(const std::string& owner, const v1::StepRequest& request, T
   if (job->o_to_buffer) uses.push_back({"o_ref", &job->o_ref, 1, job->rows, job->q_heads});
   if (!uses.empty()) {
     status = ResolveTensorReferences(buffers_, absl::MakeSpan(uses), shape.head_dim, shape.dtype, &job->buffer_holds);
+    if (!status.ok()) {
+      Finish(*admitted, false);
+      reply(status, nullptr);
+      return Answered();
+    }
+  }
+  if (call.ready) {
+    // Admission above overlapped the caller's producers; the launch must not.
+    status = call.ready();
     if (!status.ok()) {
       Finish(*admitted, false);
       reply(status, nullptr);

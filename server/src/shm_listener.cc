@@ -327,21 +327,19 @@ void ShmListener::Serve(int socket) {
         continue;
       }
       if (step.request_id().empty()) step.set_request_id(GenerateRequestId());
-      if (step.has_order()) {
-        // The step's inputs are ready once the caller's stream has written the wait word: only then does the step
-        // go to the sequences (which refuse an order they would have to wait for themselves).
-        const uint64_t want = step.order().wait_value();
-        absl::Status ready = want == 0 ? absl::InvalidArgumentError("order.wait_value: must be >= 1")
-                                       : AwaitWaitWord(h, want, socket);
-        if (!ready.ok()) {
-          LogOutcome(kStepMethod, step.request_id(), ready, start);
-          finish(std::move(ready), nullptr, nullptr);
-          continue;
-        }
-        step.clear_order();
+      if (step.has_order() && step.order().wait_value() == 0) {
+        absl::Status bad = absl::InvalidArgumentError("order.wait_value: must be >= 1");
+        LogOutcome(kStepMethod, step.request_id(), bad, start);
+        finish(std::move(bad), nullptr, nullptr);
+        continue;
       }
       CallInfo call;
       call.accepted = absl::Now();
+      if (step.has_order()) {
+        // The step's inputs may be read once the caller's stream has written the wait word: the core admits the
+        // step meanwhile and calls this before the launch.
+        call.ready = [this, h, socket, want = step.order().wait_value()] { return AwaitWaitWord(h, want, socket); };
+      }
       uint64_t in = 0;
       for (const v1::TensorInput* t : {&step.q(), &step.k(), &step.v()}) {
         if (t->source_case() == v1::TensorInput::kData) in += t->data().size();

@@ -26,6 +26,9 @@ struct CallInfo {
   absl::Time deadline = absl::InfiniteFuture();   // the shm channel carries none: the caller's wait bounds it
   std::function<bool()> cancelled;                // true once the caller went away; may be empty
   std::function<absl::Status()> admit;            // the transport's own admission check (gRPC: calls per connection)
+  // Steps: called once the step is admitted and its references resolved, before it joins a launch; blocks until
+  // its inputs may be read (the shm channel: a stream-ordered step's wait word). Not OK: refused, nothing done.
+  std::function<absl::Status()> ready;
   const InlineBytes* in_message = nullptr;        // q/k/v left in the message's slices (ReadForwardRequest)
 };
 
