@@ -553,8 +553,13 @@ service_torch() {
   local b=$1 port=${PORT:-50081} r=$OUT/torch_steps.txt rc
   local sock=/tmp/attnd_t_$port.sock shm=/tmp/attnd_tshm_$port.sock
   rm -f "$sock" "$shm"
+  # MPS=1: the server and its callers as clients of one MPS daemon (one GPU context for all of them), started here
+  # and stopped at the end.
+  if [ "${MPS:-0}" = 1 ]; then
+    nvidia-cuda-mps-control -d && echo "== MPS daemon started" >> "$r" || echo "== MPS: cannot start the daemon" >> "$r"
+  fi
   "$b/attnd" --listen=127.0.0.1:$port --unix_socket=$sock --shm_socket=$shm --enable_cuda_ipc --log_level=warn \
-    ${SERVER_FLAGS:-} > "$TMP/attnd_torch.log" 2>&1 &
+    --kv_max_pools=2 --kv_pool_mb=${KV_POOL_MB:-49152} ${SERVER_FLAGS:-} > "$TMP/attnd_torch.log" 2>&1 &
   local server=$! i
   for i in $(seq 1 150); do "$b/attn" info --target=unix:$sock > /dev/null 2>&1 && break; sleep 0.2; done
   mkdir -p client/python/attnd/lib && cp -a $C/pylib/. client/python/attnd/lib/
@@ -581,6 +586,7 @@ service_torch() {
   wait $server
   echo "attnd exit rc=$?" >> "$r"
   { grep -E '\[(warning|error|critical)\]' "$TMP/attnd_torch.log" | head -20; } >> "$r"
+  [ "${MPS:-0}" = 1 ] && echo quit | nvidia-cuda-mps-control
   cat "$r" >> "$LOG"
 }
 

@@ -1177,7 +1177,7 @@ class StepBatch:
             has_scale, scale_f, tr, timeout_s = 0, 0.0, _TRANSPORT_DEFAULT, 0.0
         else:
             has_scale, scale_f, tr, timeout_s = _options(scale, transport, timeout)
-        stream = _current_stream_handle(device)
+        stream = _current_stream_handle(first.get_device())
         with self._mu:
             if not self._handle:
                 raise AttndError(StatusCode.FAILED_PRECONDITION, "batch: closed")

@@ -87,11 +87,14 @@ def one_sequence(a, torch, out):
     client = client_for(a)
     assert client.stream_ordered, "the server does not order steps on the caller's stream"
     seq = client.open_sequence(layers=1, kv_heads=KV, head_dim=D)
-    batch = client.batch([seq])
-    fill(batch, 1, a.context, torch)
-    kern = kernel_us(client, [seq])
-    chain(batch, 1, 200, torch)  # warm-up: registrations, streams, the server's slots
-    wall, calls, gaps = chain(batch, 1, a.steps, torch, events=True)
+    try:
+        batch = client.batch([seq])
+        fill(batch, 1, a.context, torch)
+        kern = kernel_us(client, [seq])
+        chain(batch, 1, 200, torch)  # warm-up: registrations, streams, the server's slots
+        wall, calls, gaps = chain(batch, 1, a.steps, torch, events=True)
+    finally:
+        seq.close()
     row = {"kernel_us": kern, "step_p50_us": statistics.median(gaps), "step_p90_us": pct(gaps, 90),
            "step_p99_us": pct(gaps, 99), "call_p50_us": statistics.median(calls),
            "over_kernel_p50_us": statistics.median(gaps) - kern, "steps": a.steps}
@@ -99,7 +102,6 @@ def one_sequence(a, torch, out):
           f"{row['step_p99_us']:.1f}) = kernel {kern:.1f} + {row['over_kernel_p50_us']:.1f} us; the call returns "
           f"after {row['call_p50_us']:.1f} us (p50)", flush=True)
     out["one_sequence"] = row
-    seq.close()
     client.close()
 
 
@@ -120,14 +122,16 @@ def caller(a, n, steps, start, results):
 def many(a, torch, out):
     client = client_for(a)
     seqs = client.open_sequence(layers=1, kv_heads=KV, head_dim=D, count=a.sequences)
-    batch = client.batch(seqs)
-    fill(batch, a.sequences, a.context, torch)
-    kern = kernel_us(client, seqs)
-    kernel_rate = a.sequences / (kern * 1e-6)
-    chain(batch, a.sequences, 20, torch)
-    wall, calls, _ = chain(batch, a.sequences, a.steps64, torch)
-    one = a.sequences * a.steps64 / wall
-    client.close_sequences(seqs)
+    try:
+        batch = client.batch(seqs)
+        fill(batch, a.sequences, a.context, torch)
+        kern = kernel_us(client, seqs)
+        kernel_rate = a.sequences / (kern * 1e-6)
+        chain(batch, a.sequences, 20, torch)
+        wall, calls, _ = chain(batch, a.sequences, a.steps64, torch)
+        one = a.sequences * a.steps64 / wall
+    finally:
+        client.close_sequences(seqs)
     client.close()
     ctx = mp.get_context("spawn")
     start, results = ctx.Barrier(2), ctx.Queue()
