@@ -20,11 +20,11 @@
 // the appended rows without any wait. Elsewhere (gRPC, or a server without ServerInfo.stream_ordered_steps) the
 // stream is synchronised before the step is sent (host order).
 //
-// Why the server's completion is not handed to the stream as a GPU-side wait as well: with both directions ordered
-// on the GPU (each stream waiting on a word the other process's stream writes), a one-sequence decode chain on the
-// H200 took 309 us per step, against 54 us for the same step with the host waiting: without MPS the GPU time-slices
-// between processes, and a stream blocked on the other process's write keeps its slice. The wait word is read by
-// the server's CPU, so neither process's GPU work waits on the other's.
+// The server's completion is not handed to the stream as a GPU-side wait: that makes the caller's stream wait on
+// the server's process, which a server's death leaves waiting forever, and it was no faster (309 us a step on the
+// H200 without MPS, as this form takes there; docs/sequences.md). The wait word is read by the server's CPU, so
+// neither process's GPU work waits on the other's. Share the GPU through MPS: without it, each step whose caller ran
+// GPU work since the last pays two switches between the processes' contexts (about 275 us on the H200).
 //
 // The driver API is loaded at run time (libcuda.so.1), so the library still builds and runs without CUDA.
 #pragma once
