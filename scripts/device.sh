@@ -54,7 +54,8 @@ die() { echo "device.sh: $*" >&2; exit 2; }
 # ---------------------------------------------------------------------------------------------------------------
 # build (here)
 
-STATIC_TARGETS="gpu_attention_test gpu_decode_test gpu_sequences_test gpu_server_parts_test gpu_server_forward_test gpu_server_ipc_test attnd attn ipc_peer ordered_steps"
+STATIC_TARGETS="gpu_attention_test gpu_decode_test gpu_sequences_test gpu_server_parts_test gpu_server_forward_test
+  gpu_server_ipc_test attnd attn ipc_peer ordered_steps"
 SERVICE_TARGETS="attnd attn ipc_peer"
 
 # configure_and_build SRC BUILD_DIR STATIC(ON|OFF) TARGETS...
@@ -570,7 +571,8 @@ service_torch() {
     "$@" >> "$r" 2>&1
     rc=$?
     echo "== $label rc=$rc rss_kb=$(ps -o rss= -p $server)" >> "$r"
-    note "torch $label" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "$(grep -E '^(one|[0-9]+ seq|ordered_steps)' "$r" | tail -1)"
+    note "torch $label" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" \
+      "$(grep -E '^(one|[0-9]+ seq|ordered_steps)' "$r" | tail -1)"
   }
   run_torch python_steps $py client/python/bench/cuda_steps.py --target unix:$sock --shm-socket $shm \
     --json "$OUT/cuda_steps.json"

@@ -169,7 +169,7 @@ typedef struct attnd_step_args {
  * INVALID_ARGUMENT naming o_bytes or lse_bytes, and nothing is committed. */
 int32_t attnd_step(attnd_client* client, const attnd_step_args* args, attnd_forward_info* info, attnd_error* err);
 
-/* ---- Steps from CUDA memory, ordered on the caller's stream (docs/sequences.md, "Stream-ordered steps") ---------
+/* ---- Steps from CUDA memory, ordered on the caller's stream (docs/sequences.md, "Steps from CUDA memory") ---------
  * A batch names its sequences once; each step then passes device addresses and a stream. Tensors are contiguous,
  * rows of the batch's sequences back to back (`tokens` rows each): q and o [rows, q_heads, head_dim], k and v
  * [rows, kv_heads, head_dim]. The library registers each CUDA allocation a tensor lies in once (CUDA IPC, the

@@ -1,8 +1,9 @@
 // ordered_steps: a C++ caller's KV-sequence steps from its own CUDA memory, ordered on its own CUDA stream
-// (attnd/client/cuda_steps.h; docs/sequences.md, "Stream-ordered steps"). The example for C++ callers of the
+// (attnd/client/cuda_steps.h; docs/sequences.md, "Steps from CUDA memory"). The example for C++ callers of the
 // client library, and a check: every step's O is copied back on the same stream, right after the call, and
-// compared with the double-precision oracle over the sequence's whole history (the prefill's only up to 1024 rows); then a dependent decode chain
-// (each Q copied on the stream from the previous O) is timed by CUDA events between consecutive steps.
+// compared with the double-precision oracle over the sequence's whole history (the prefill's only up to 1024
+// rows); then a dependent decode chain (each Q copied on the stream from the previous O) is timed by CUDA events
+// between consecutive steps.
 //
 //   ordered_steps --target=unix:/tmp/attnd.sock --shm_socket=/tmp/attnd_shm.sock --context=4096 --steps=2000
 #include <cuda_runtime_api.h>

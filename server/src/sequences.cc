@@ -935,8 +935,8 @@ v1::SequenceLimits Sequences::limits() const {
   l.set_max_batch(options_.max_batch);
   l.set_batch_wait_us(absl::ToDoubleMicroseconds(options_.batch_wait));
   l.set_launches_in_flight(options_.launches_in_flight);
-  l.set_order_timeout_s(options_.order_timeout == absl::InfiniteDuration() ? 0
-                                                                          : absl::ToDoubleSeconds(options_.order_timeout));
+  const absl::Duration order = options_.order_timeout;
+  l.set_order_timeout_s(order == absl::InfiniteDuration() ? 0 : absl::ToDoubleSeconds(order));
   return l;
 }
 

@@ -18,7 +18,7 @@ sends only the new rows. Their tensors are [T, heads, head_dim], the sequences' 
 tensors and a server on this host with --enable_cuda_ipc a step sends references into the caller's memory (each
 CUDA allocation registered once). Over the shared-memory channel (transport="shm") it is also ordered on the current
 CUDA stream without a host wait: the server starts the step once the stream has passed the work queued before the
-call, and the call returns after the step has run (docs/sequences.md, "Stream-ordered steps"); elsewhere the stream
+call, and the call returns after the step has run (docs/sequences.md, "Steps from CUDA memory"); elsewhere the stream
 is synchronised first. batch() names a set of sequences once for steps whose host work does not grow with the batch.
 """
 import concurrent.futures
@@ -357,7 +357,7 @@ class Client:
         self.transport = transport
         self._mu = threading.Lock()
         self._buffers = {}  # storage data_ptr -> _Registration
-        self._cuda_steps = None  # whether CUDA steps go by reference (the server takes IPC from this host); None: unknown
+        self._cuda_steps = None  # CUDA steps by reference (the server takes IPC from this host); None: not asked yet
         self._batches = collections.OrderedDict()  # sequence ids -> StepBatch, for step() with CUDA tensors
 
     # -- lifetime ---------------------------------------------------------------------------------------------
@@ -1104,7 +1104,11 @@ class StepBatch:
         return list(self._lengths)
 
     def _free(self):
-        h, self._handle = getattr(self, "_handle", None), None
+        mu = getattr(self, "_mu", None)
+        if mu is None:
+            return
+        with mu:  # a step of this batch in another thread finishes first
+            h, self._handle = self._handle, None
         if h:
             self._lib.attnd_batch_destroy(h)
 

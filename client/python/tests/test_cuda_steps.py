@@ -1,5 +1,5 @@
 """KV-sequence steps from torch CUDA tensors: by reference into the caller's memory and ordered on its CUDA stream
-(docs/sequences.md, "Stream-ordered steps"), against a CUDA-backend server of the same build on this host. Every
+(docs/sequences.md, "Steps from CUDA memory"), against a CUDA-backend server of the same build on this host. Every
 answer is checked against float64 attention over the sequence's whole history; the ordering test fails when the
 server reads Q before the caller's producer wrote it; the failure tests check that nothing hangs and nothing is
 half done when a step fails, the server dies, or a caller dies while its step waits for its stream."""

@@ -1,5 +1,5 @@
 // KV-sequence steps whose tensors live in the caller's CUDA memory, ordered on the caller's CUDA stream
-// (docs/sequences.md, "Stream-ordered steps"). What a PyTorch engine does through the Python package, and a C++
+// (docs/sequences.md, "Steps from CUDA memory"). What a PyTorch engine does through the Python package, and a C++
 // caller through this class:
 //
 //   auto steps = attnd::client::CudaSteps::Create(client.get());       // once per client, on the caller's context
