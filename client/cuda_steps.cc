@@ -313,6 +313,8 @@ class CudaSteps::Impl {
     }
     d_.stream_synchronize(stream);
     if (slot->registered) d_.mem_host_unregister(slot->channel->header_page());
+    slot->registered = false;
+    slot->channel.reset();  // the server's end of it goes too
     // The caller holds slot->mu (Step), which its MutexLock releases later: the slot lives until the client goes.
     absl::MutexLock lock(&mu_);
     retired_.push_back(std::move(slot));

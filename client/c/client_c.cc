@@ -109,6 +109,12 @@ struct attnd_client {
   // Idle channels: a channel carries one request at a time, so each call in flight over shm holds one.
   std::vector<ShmSlot> shm_idle ABSL_GUARDED_BY(mu);
 
+  // The caller's request id, or one this library makes (so that errors can name it).
+  std::string RequestId(const char* given) {
+    if (given != nullptr && given[0] != '\0') return given;
+    return absl::StrCat(id_prefix, next_id.fetch_add(1, std::memory_order_relaxed));
+  }
+
   void Begin() {
     absl::MutexLock l(&mu);
     ++in_flight;
@@ -231,9 +237,7 @@ absl::Status Prepare(attnd_client* c, const attnd_forward_args* a, Call* call) {
   }
   call->c = c;
   call->transport = a->transport == ATTND_TRANSPORT_DEFAULT ? c->transport : static_cast<Transport>(a->transport);
-  call->request_id = a->request_id != nullptr && a->request_id[0] != '\0'
-                         ? std::string(a->request_id)
-                         : absl::StrCat(c->id_prefix, c->next_id.fetch_add(1, std::memory_order_relaxed));
+  call->request_id = c->RequestId(a->request_id);
   auto& spec = call->spec;
   spec.shape = attnd::Shape{a->batch, a->q_len, a->kv_len, a->q_heads, a->kv_heads, a->head_dim};
   spec.dtype = static_cast<DType>(a->dtype);
@@ -588,9 +592,7 @@ absl::Status PrepareStep(attnd_client* c, const attnd_step_args* a, attnd::clien
   spec->q_heads = a->q_heads;
   if (a->has_scale) spec->scale = a->scale;
   spec->want_lse = a->want_lse != 0;
-  spec->request_id = a->request_id != nullptr && a->request_id[0] != '\0'
-                         ? std::string(a->request_id)
-                         : absl::StrCat(c->id_prefix, c->next_id.fetch_add(1, std::memory_order_relaxed));
+  spec->request_id = c->RequestId(a->request_id);
   if (auto s = StepInput("q", a->q, a->q_bytes, &spec->q); !s.ok()) return s;
   if (auto s = StepInput("k", a->k, a->k_bytes, &spec->k); !s.ok()) return s;
   if (auto s = StepInput("v", a->v, a->v_bytes, &spec->v); !s.ok()) return s;
@@ -724,9 +726,7 @@ ATTND_C_EXPORT int32_t attnd_batch_step_cuda(attnd_batch* batch, const attnd_cud
   } else {
     r.clear_softmax_scale();
   }
-  r.set_request_id(args->request_id != nullptr && args->request_id[0] != '\0'
-                       ? std::string(args->request_id)
-                       : absl::StrCat(c->id_prefix, c->next_id.fetch_add(1, std::memory_order_relaxed)));
+  r.set_request_id(c->RequestId(args->request_id));
   attnd::client::DeviceStepTensors t;
   t.q = reinterpret_cast<const void*>(args->q);
   t.k = reinterpret_cast<const void*>(args->k);

@@ -395,6 +395,26 @@ TEST_P(SequencesTest, BadInputIsRefusedWithAClearStatus) {
   EXPECT_EQ(client_->CloseSequence(ids).code(), absl::StatusCode::kNotFound);
 }
 
+// One decode step of one sequence: random Q, K and V rows (seeds seed, seed + 1, seed + 2) and the spec that
+// points at them (so it neither copies nor moves).
+struct OneTokenStep {
+  OneTokenStep(const client::SequenceShape& shape, const std::string& id, uint64_t seed)
+      : q(client::RandomTensor(shape.dtype, kQHeads * shape.head_dim, seed)),
+        k(client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, seed + 1)),
+        v(client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, seed + 2)) {
+    spec.sequences = {{id, 1}};
+    spec.q_heads = kQHeads;
+    spec.q.data = q;
+    spec.k.data = k;
+    spec.v.data = v;
+  }
+  OneTokenStep(const OneTokenStep&) = delete;
+  OneTokenStep& operator=(const OneTokenStep&) = delete;
+
+  const std::string q, k, v;
+  client::StepSpec spec;
+};
+
 // StreamOrder: over the shared-memory channel a step waits until the channel's wait word reaches its value (here
 // stored by the test, in place of a CUDA stream), then runs as any step; over gRPC it is FAILED_PRECONDITION, and a
 // wait value of 0 INVALID_ARGUMENT naming it. Nothing is appended by a refusal.
@@ -406,17 +426,10 @@ TEST_P(SequencesTest, StreamOrderWaitsForTheChannelsWaitWord) {
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_TRUE(info->stream_ordered_steps());  // the suite's server has a --shm_socket
   EXPECT_EQ(info->sequences().order_timeout_s(), 30);
-  const std::string q = client::RandomTensor(shape.dtype, kQHeads * shape.head_dim, 1);
-  const std::string k = client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, 2);
-  const std::string v = client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, 3);
-  v1::StepRequest r;
-  auto* t = r.add_sequences();
-  t->set_sequence_id(ids[0]);
-  t->set_tokens(1);
-  r.set_q_heads(kQHeads);
-  r.mutable_q()->set_data(q);
-  r.mutable_k()->set_data(k);
-  r.mutable_v()->set_data(v);
+  const OneTokenStep one(shape, ids[0], 1);
+  auto made = client::MakeStepRequest(one.spec);
+  ASSERT_TRUE(made.ok()) << made.status();
+  v1::StepRequest r = *std::move(made);
   r.mutable_order()->set_wait_value(3);
   if (GetParam() != Via::kShm) {
     auto got = client_->Step(r);
@@ -444,10 +457,7 @@ TEST_P(SequencesTest, StreamOrderWaitsForTheChannelsWaitWord) {
     writer.join();
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_GE(took, absl::Milliseconds(100));
-    History h(shape.layers);
-    h.k[0] = k;
-    h.v[0] = v;
-    EXPECT_EQ(CheckRows(shape, kQHeads, q, h.k[0], h.v[0], got->o, got->lse, false), "");
+    EXPECT_EQ(CheckRows(shape, kQHeads, one.q, one.k, one.v, got->o, got->lse, false), "");
     ASSERT_EQ(got->lengths.size(), 1u);
     EXPECT_EQ(got->lengths[0], 1);
     // A word already past the value: no wait (values are compared as a wrapping sequence).
@@ -484,16 +494,10 @@ TEST(StreamOrder, AWordThatNeverComesTimesOut) {
   co.socket_path = so.shm_socket;
   auto channel = client::ShmChannel::Connect(co);
   ASSERT_TRUE(channel.ok()) << channel.status();
-  const std::string q = client::RandomTensor(shape.dtype, kQHeads * shape.head_dim, 1);
-  const std::string kv = client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, 2);
-  v1::StepRequest r;
-  auto* t = r.add_sequences();
-  t->set_sequence_id(opened->ids[0]);
-  t->set_tokens(1);
-  r.set_q_heads(kQHeads);
-  r.mutable_q()->set_data(q);
-  r.mutable_k()->set_data(kv);
-  r.mutable_v()->set_data(kv);
+  const OneTokenStep one(shape, opened->ids[0], 1);
+  auto made = client::MakeStepRequest(one.spec);
+  ASSERT_TRUE(made.ok()) << made.status();
+  v1::StepRequest r = *std::move(made);
   r.mutable_order()->set_wait_value(1);
   auto got = (*channel)->Step(r);
   EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded) << got.status();
@@ -974,26 +978,6 @@ TEST_F(StepStreamTest, BadStepsAreAnsweredAndTheStreamGoesOn) {
   EXPECT_EQ(MethodCount(*c_, "StepStream", &errors), 8u);
   EXPECT_EQ(errors, 6u);
 }
-
-// One decode step of one sequence: random Q, K and V rows (seeds seed, seed + 1, seed + 2) and the spec that
-// points at them (so it neither copies nor moves).
-struct OneTokenStep {
-  OneTokenStep(const client::SequenceShape& shape, const std::string& id, uint64_t seed)
-      : q(client::RandomTensor(shape.dtype, kQHeads * shape.head_dim, seed)),
-        k(client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, seed + 1)),
-        v(client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, seed + 2)) {
-    spec.sequences = {{id, 1}};
-    spec.q_heads = kQHeads;
-    spec.q.data = q;
-    spec.k.data = k;
-    spec.v.data = v;
-  }
-  OneTokenStep(const OneTokenStep&) = delete;
-  OneTokenStep& operator=(const OneTokenStep&) = delete;
-
-  const std::string q, k, v;
-  client::StepSpec spec;
-};
 
 // A client that goes away with a step in flight: the step finishes or is dropped, the sequence is free again and
 // its length is one of the two outcomes, and the next step sees exactly what was committed.

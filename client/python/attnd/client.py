@@ -1044,20 +1044,6 @@ def _is_cuda_tensor(x):
     return t is not None and isinstance(x, t) and x.is_cuda
 
 
-_ELEM = None
-
-
-def _elem_bytes(x):
-    global _ELEM
-    if _ELEM is None:
-        torch = _torch()
-        _ELEM = {torch.bfloat16: 2, torch.float16: 2}
-    n = _ELEM.get(x.dtype)
-    if n is None:
-        raise _invalid(f"dtype {x.dtype} is not torch.bfloat16 or torch.float16")
-    return n
-
-
 class StepBatch:
     """Sequences stepped together, layer after layer and step after step, with their ids packed once (the C
     library keeps the request's sequence list): a step costs the same host work for one sequence or 256.
@@ -1160,7 +1146,8 @@ class StepBatch:
                   or not out.is_contiguous()):
                 raise _invalid(f"out: must be a contiguous {q.dtype} tensor of shape {list(q.shape)} on {device}")
             qp, op = q.data_ptr(), out.data_ptr()
-            qb = q.numel() * _elem_bytes(q)
+            _torch_code("q", q)
+            qb = 2 * q.numel()
         elif out is not None:
             raise _invalid("out: needs q")
         if k is not None or v is not None:
@@ -1176,7 +1163,8 @@ class StepBatch:
             if not v.is_contiguous():
                 v = v.contiguous()
             kp, vp = k.data_ptr(), v.data_ptr()
-            kvb = k.numel() * _elem_bytes(k)
+            _torch_code("k", k)
+            kvb = 2 * k.numel()
         if scale is None and transport is None and timeout is None:
             has_scale, scale_f, tr, timeout_s = 0, 0.0, _TRANSPORT_DEFAULT, 0.0
         else:
@@ -1192,8 +1180,7 @@ class StepBatch:
                 a.request_id = request_id.encode()
             # q, k, v and out stay referenced by this frame until the call returns, which is after the step ran.
             if self._step_at(self._handle, self._args_addr, self._info_addr, self._err_addr) != 0:
-                e = self._err
-                raise AttndError(e.code, e.message.decode(errors="replace"), e.request_id.decode(errors="replace"))
+                _raise(self._err)
             self.last_info = self._info
         return out
 
