@@ -35,7 +35,7 @@ ABSL_FLAG(uint64_t, max_message_bytes, 256ull << 20,
 ABSL_FLAG(uint64_t, max_transport_memory_bytes, 0,
           "memory gRPC's transport may hold in all: messages being received (whatever size their prefix announces), "
           "read buffers, unary requests still being computed; near it uploads slow down, beyond it streams are reset "
-          "RESOURCE_EXHAUSTED (0: 2 x --max_message_bytes, at least 64 MiB)");
+          "RESOURCE_EXHAUSTED (0: --max_message_bytes + 16 MiB, at least 64 MiB)");
 ABSL_FLAG(int64_t, max_batch, 0, "largest shape.batch of one request (0: no limit); more: RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_q_len, 0, "largest shape.q_len of one request (0: no limit); more: RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_kv_len, 0, "largest shape.kv_len of one request (0: no limit); more: RESOURCE_EXHAUSTED");
@@ -82,6 +82,9 @@ ABSL_FLAG(std::string, metrics_listen, "", "host:port of the Prometheus endpoint
 ABSL_FLAG(bool, access_log, true, "log one info line per RPC (method, peer, request id, shape, status, times, bytes)");
 ABSL_FLAG(uint32_t, max_calls_per_client, 0,
           "Forward/ForwardStream calls one connection may have in progress (0: no limit); more: RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint32_t, max_uploads_per_client, 0,
+          "ForwardStream uploads (header in, inputs arriving) one client may have at once (0: a quarter of "
+          "--max_queue); more: RESOURCE_EXHAUSTED");
 // Slow and idle clients (docs/security-and-metrics.md, limits); 0 turns each off.
 ABSL_FLAG(uint32_t, max_connections, 0,
           "gRPC connections (TCP and unix) held at once; one more is closed at accept (0: 7/8 of the descriptor "
@@ -89,6 +92,9 @@ ABSL_FLAG(uint32_t, max_connections, 0,
 ABSL_FLAG(double, stream_idle_timeout_s, 30,
           "a ForwardStream that sends no message for this long, before its header or between chunks, is ended "
           "DEADLINE_EXCEEDED and its inputs freed (0: never)");
+ABSL_FLAG(double, upload_timeout_s, 60,
+          "a call's request must arrive within this long of its start: a unary message, or a ForwardStream's "
+          "header and every input chunk; else DEADLINE_EXCEEDED (0: never)");
 ABSL_FLAG(double, max_connection_idle_s, 300, "a connection without calls for this long is closed (0: never)");
 ABSL_FLAG(double, keepalive_time_s, 60,
           "a connection with calls but no traffic for this long is pinged (0: never)");
@@ -202,6 +208,7 @@ int main(int argc, char** argv) {
   const double grace = absl::GetFlag(FLAGS_shutdown_grace_s);
   if (!(grace >= 0)) return Fail("--shutdown_grace_s: must be >= 0");
   for (const auto& [name, value] : {std::pair{"stream_idle_timeout_s", absl::GetFlag(FLAGS_stream_idle_timeout_s)},
+                                    std::pair{"upload_timeout_s", absl::GetFlag(FLAGS_upload_timeout_s)},
                                     std::pair{"max_connection_idle_s", absl::GetFlag(FLAGS_max_connection_idle_s)},
                                     std::pair{"keepalive_time_s", absl::GetFlag(FLAGS_keepalive_time_s)},
                                     std::pair{"keepalive_timeout_s", absl::GetFlag(FLAGS_keepalive_timeout_s)},
@@ -234,6 +241,7 @@ int main(int argc, char** argv) {
   options.shutdown_grace = absl::Seconds(grace);
   options.max_connections = absl::GetFlag(FLAGS_max_connections);
   options.stream_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_stream_idle_timeout_s));
+  options.upload_timeout = absl::Seconds(absl::GetFlag(FLAGS_upload_timeout_s));
   options.max_connection_idle = absl::Seconds(absl::GetFlag(FLAGS_max_connection_idle_s));
   options.keepalive_time = absl::Seconds(absl::GetFlag(FLAGS_keepalive_time_s));
   options.keepalive_timeout = absl::Seconds(absl::GetFlag(FLAGS_keepalive_timeout_s));
@@ -245,6 +253,7 @@ int main(int argc, char** argv) {
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.access_log = absl::GetFlag(FLAGS_access_log);
   options.max_calls_per_client = absl::GetFlag(FLAGS_max_calls_per_client);
+  options.max_uploads_per_client = absl::GetFlag(FLAGS_max_uploads_per_client);
   options.grpc_args = absl::GetFlag(FLAGS_grpc_arg);
   options.shm_socket = absl::GetFlag(FLAGS_shm_socket);
   options.shm_max_bytes = absl::GetFlag(FLAGS_shm_max_bytes);

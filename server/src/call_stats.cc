@@ -24,6 +24,7 @@ void CallStats::Record(const CallRecord& call) {
   const bool ok = call.code == absl::StatusCode::kOk;
   const std::string code = absl::StatusCodeToString(call.code);
   if (call.in_stats) {
+    service_calls_.fetch_add(1, std::memory_order_relaxed);
     absl::MutexLock lock(&mu_);
     Entry& e = entries_[call.method];
     ++e.count;

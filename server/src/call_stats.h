@@ -6,6 +6,7 @@
 // added through Annotate (the tensor bytes only the handler knows); shm calls by the shm listener.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -56,6 +57,8 @@ class CallStats {
 
   // GetStats: fills rpcs, bytes_in, bytes_out and uptime_s.
   void Fill(v1::ServerStats* out) const;
+  // Calls of the service recorded so far (health probes and other services left out): moves while clients call.
+  uint64_t service_calls() const { return service_calls_.load(std::memory_order_relaxed); }
 
  private:
   struct Entry {
@@ -66,6 +69,7 @@ class CallStats {
   ServerMetrics* metrics_ = nullptr;  // null: no --metrics_listen
   const bool access_log_;
   const absl::Time start_;
+  std::atomic<uint64_t> service_calls_{0};
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
   uint64_t bytes_in_ ABSL_GUARDED_BY(mu_) = 0, bytes_out_ ABSL_GUARDED_BY(mu_) = 0;

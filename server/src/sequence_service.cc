@@ -75,19 +75,17 @@ grpc::ServerUnaryReactor* AttentionService::GetSequence(grpc::CallbackServerCont
   return FinishNow(ctx, "GetSequence", start, info.status());
 }
 
-grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* request,
-                                                 v1::StepResponse* response) {
-  const absl::Time start = absl::Now();
+void AttentionService::ServeStep(grpc::CallbackServerContext* ctx, absl::Time start, const v1::StepRequest* request,
+                                 v1::StepResponse* response, std::function<void(const absl::Status&)> done) {
   std::string request_id = request->request_id();
   if (request_id.empty()) {
     request_id = GenerateRequestId();
     ctx->AddTrailingMetadata(std::string(kRequestIdMetadata), request_id);
   }
   CallInfo call = CallFor(ctx, start);
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  // The request message stays alive until the reactor finishes: the job's inline tensors point into it.
+  // The request message stays alive until the call finishes: the job's inline tensors point into it.
   sequences_->Step(OwnerOf(ctx), *request, Transport::kUnary, call,
-                   [this, ctx, reactor, request, response, request_id, start](absl::Status status, StepJob* job) {
+                   [this, ctx, response, request_id, start, done = std::move(done)](absl::Status status, StepJob* job) {
                      if (job != nullptr && status.ok()) {
                        sequences_->FillStepResponse(*job, response);
                        response->set_request_id(request_id);
@@ -98,9 +96,8 @@ grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ct
                        if (stats_->metrics() != nullptr) stats_->metrics()->RecordStep(job->batch_sequences);
                      }
                      LogOutcome("Step", request_id, status, start);
-                     reactor->Finish(ToGrpcStatus(status));
+                     done(status);
                    });
-  return reactor;
 }
 
 namespace {

@@ -19,6 +19,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "attnd/transport/channel_args.h"
+#include "attnd/transport/heap_tuning.h"
 #include "attnd/server/cuda_backend.h"
 #include "attnd/server/dispatcher.h"
 #include "attnd/server/status_util.h"
@@ -46,6 +47,9 @@ constexpr absl::Duration kDrainLinger = absl::Milliseconds(50);
 // idle connections, calls that arrived during the drain and are being refused UNAVAILABLE): gRPC gets this long
 // to send those refusals and its GOAWAYs, then cancels the rest and closes every connection.
 constexpr absl::Duration kLateCallWindow = absl::Milliseconds(200);
+// A server quiet this long hands its freed heap back (IdleHeapTrimmer): soon enough that a burst's memory is not
+// kept for good, long enough that a steady client never pays the page faults.
+constexpr absl::Duration kHeapTrimPeriod = absl::Seconds(10);
 // gRPC's default, stated: the third ping from a client within --min_client_ping_interval without data in
 // between closes its connection.
 constexpr int kMaxPingStrikes = 2;
@@ -65,10 +69,13 @@ void RemoveStaleSocket(const std::string& path) {
   if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) ::unlink(path.c_str());
 }
 
-// --max_transport_memory_bytes, or its default: two of the largest messages, and at least 64 MiB.
+// --max_transport_memory_bytes, or its default: the largest message and 16 MiB of read buffers beside it, at
+// least 64 MiB. gRPC 1.51 gives no way to stop one message short of its announced length, so the quota is what
+// one hostile upload can cost; servers that hold many large unary requests at once raise it.
 size_t TransportMemoryBytes(const ServerOptions& o) {
-  const uint64_t bytes = o.max_transport_memory_bytes > 0 ? o.max_transport_memory_bytes
-                                                          : std::max<uint64_t>(2 * o.max_message_bytes, 64ull << 20);
+  const uint64_t bytes = o.max_transport_memory_bytes > 0
+                             ? o.max_transport_memory_bytes
+                             : std::max<uint64_t>(o.max_message_bytes + (16ull << 20), 64ull << 20);
   return static_cast<size_t>(std::min<uint64_t>(bytes, SIZE_MAX));
 }
 
@@ -340,6 +347,9 @@ class ServerImpl final : public Server {
   std::unique_ptr<ServerMetrics> metrics_;
   CallStats stats_;  // the one stats sink: GetStats, metrics_ and the access log read it
   PeerCalls peers_;
+  // Steps in flight on a sequence or a shm channel do not pass through CallStats until they end; a trim then
+  // only costs their next allocations a page fault.
+  IdleHeapTrimmer heap_trimmer_{[this] { return stats_.service_calls(); }, kHeapTrimPeriod};
   DrainTracker drain_;
   std::shared_ptr<BearerTokenProcessor> auth_;
   std::shared_ptr<grpc::ServerCredentials> tcp_credentials_;

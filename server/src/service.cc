@@ -1,6 +1,7 @@
 #include "service.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -8,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "google/protobuf/descriptor.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -33,6 +35,24 @@ uint64_t ChunkBytes(uint64_t max_message_bytes) {
   return std::clamp<uint64_t>(max_message_bytes / 2, 4096, 1u << 20);
 }
 
+// The place of `method` in attnd.v1.Attention, which is how the generated service numbers its methods.
+int MethodIndex(const char* method) {
+  const google::protobuf::ServiceDescriptor* service =
+      v1::ForwardRequest::descriptor()->file()->FindServiceByName("Attention");
+  const google::protobuf::MethodDescriptor* m = service != nullptr ? service->FindMethodByName(method) : nullptr;
+  if (m == nullptr) {
+    spdlog::critical("attnd.v1.Attention has no method {}", method);
+    std::abort();
+  }
+  return m->index();
+}
+
+// --max_uploads_per_client, or its default: a quarter of the queue, so that three other clients still find room.
+uint32_t UploadsPerClient(const ServerOptions& o, uint32_t max_queue) {
+  if (o.max_uploads_per_client > 0) return o.max_uploads_per_client;
+  return max_queue == 0 ? 0 : std::max<uint32_t>(1, max_queue / 4);
+}
+
 // Lifecycle of one ForwardStream call; each state is entered once, in this order (Failed from any).
 enum class StreamState {
   kAwaitingHeader,  // nothing received yet
@@ -54,11 +74,16 @@ enum class StreamState {
 class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   ForwardStreamReactor(AttentionService* service, grpc::CallbackServerContext* ctx)
-      : service_(service), ctx_(ctx), start_(absl::Now()), idle_timeout_(service->stream_idle_timeout()) {
-    if (idle_timeout_ > absl::ZeroDuration()) {
+      : service_(service),
+        ctx_(ctx),
+        start_(absl::Now()),
+        idle_timeout_(service->stream_idle_timeout()),
+        upload_due_(service->upload_timeout() > absl::ZeroDuration() ? start_ + service->upload_timeout()
+                                                                       : absl::InfiniteFuture()) {
+    {
       absl::MutexLock lock(&mu_);
       last_input_ = start_;
-      ArmIdleCheck(start_ + idle_timeout_);
+      if (const absl::Time due = InputDue(); due != absl::InfiniteFuture()) ArmIdleCheck(due);
     }
     StartRead(&in_buf_);
   }
@@ -112,18 +137,32 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     idle_alarm_->Set(absl::ToChronoTime(when), [this](bool fired) { IdleCheck(fired); });
   }
 
+  // When the inputs must have made progress: the idle timeout after the last message, or the upload's end.
+  absl::Time InputDue() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const absl::Time idle_due =
+        idle_timeout_ > absl::ZeroDuration() ? last_input_ + idle_timeout_ : absl::InfiniteFuture();
+    return std::min(idle_due, upload_due_);
+  }
+
   void IdleCheck(bool fired) {
     if (fired) {
       absl::MutexLock lock(&mu_);
       if (awaiting_input_.load(std::memory_order_relaxed)) {
-        const absl::Time due = last_input_ + idle_timeout_;
+        const absl::Time due = InputDue();
+        const char* waiting =
+            state_ == StreamState::kAwaitingHeader ? "waiting for the header" : "receiving the inputs";
         if (absl::Now() < due) {
           ArmIdleCheck(due);
-        } else {
+        } else if (due == upload_due_) {
+          // A client that keeps sending, however slowly, is held to a whole upload's time.
           End(absl::DeadlineExceededError(absl::StrCat(
-              "stream_idle_timeout_s: no message for ", absl::FormatDuration(idle_timeout_), " while ",
-              state_ == StreamState::kAwaitingHeader ? "waiting for the header" : "receiving the inputs",
-              "; the stream is ended")));
+              "upload_timeout_s: the header and inputs did not arrive within ",
+              absl::FormatDuration(service_->upload_timeout()), " of the stream's start (", bytes_in_,
+              " bytes in); the stream is ended")));
+        } else {
+          End(absl::DeadlineExceededError(absl::StrCat("stream_idle_timeout_s: no message for ",
+                                                       absl::FormatDuration(idle_timeout_), " while ", waiting,
+                                                       "; the stream is ended")));
         }
       }
     }
@@ -224,6 +263,9 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     job_->accepts_lent_o = true;  // the chunks point into the loan, which they keep alive
     ATTND_RETURN_IF_ERROR(
         service_->dispatcher().Prepare(header_, Transport::kStream, service_->CallFor(ctx_, start_), job_.get(), &bytes_));
+    uploader_ = service_->UploaderOf(ctx_);
+    ATTND_RETURN_IF_ERROR(service_->receiving().Acquire(uploader_));
+    holds_upload_slot_ = true;
     const TensorSource* sources[3] = {&job_->q, &job_->k, &job_->v};
     const uint64_t sizes[3] = {bytes_.q, bytes_.k, bytes_.v};
     uint64_t inline_sizes[InputSink::kTensors] = {};
@@ -323,12 +365,12 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     StartWrite(&out_buf_);
   }
 
-  // Every change of state goes through here, so that the service's count of receiving streams stays exact.
+  // Every change of state goes through here, so that the service's count of receiving streams stays exact: the
+  // slot taken with the header is given back as the stream leaves kReceiving, whichever way.
   void SetState(StreamState next) {
-    if (next == StreamState::kReceiving) {
-      service_->CountReceiving(true);
-    } else if (state_ == StreamState::kReceiving) {
-      service_->CountReceiving(false);
+    if (next != StreamState::kReceiving && holds_upload_slot_) {
+      service_->receiving().Release(uploader_);
+      holds_upload_slot_ = false;
     }
     if (next != StreamState::kReceiving) awaiting_input_.store(false, std::memory_order_relaxed);
     state_ = next;
@@ -345,12 +387,15 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
   grpc::CallbackServerContext* const ctx_;
   const absl::Time start_;
   const absl::Duration idle_timeout_;  // zero: no idle check
+  const absl::Time upload_due_;        // --upload_timeout_s after the start (infinite: off)
   absl::Mutex mu_;                     // OnReadDone and IdleCheck
   absl::Time last_input_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<grpc::Alarm> idle_alarm_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> awaiting_input_{true};  // awaiting the header or receiving: what IdleCheck may end
   std::atomic<int> refs_{1};                // OnDone's, plus one per armed alarm and per OnReadDone running
   StreamState state_ = StreamState::kAwaitingHeader;
+  std::string uploader_;            // UploaderOf(ctx_), once the header came
+  bool holds_upload_slot_ = false;  // a slot of service_->receiving()
   grpc::ByteBuffer in_buf_;
   v1::ForwardStreamRequest in_;  // a message protobuf parses (headers, unusual encodings)
   v1::ForwardRequest header_;
@@ -372,16 +417,56 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
 
 }  // namespace
 
+absl::Status ReceivingSlots::Acquire(const std::string& client) {
+  absl::MutexLock lock(&mu_);
+  uint32_t& held = held_[client];
+  if (per_client_ > 0 && held >= per_client_) {
+    if (held == 0) held_.erase(client);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "max_uploads_per_client: this client already has ", held,
+        " ForwardStream uploads in progress (limit ", per_client_, "); retry when one finishes"));
+  }
+  ++held;
+  total_.fetch_add(1, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+void ReceivingSlots::Release(const std::string& client) {
+  absl::MutexLock lock(&mu_);
+  auto it = held_.find(client);
+  if (it == held_.end()) return;
+  if (--it->second == 0) held_.erase(it);
+  total_.fetch_sub(1, std::memory_order_relaxed);
+}
+
 AttentionService::AttentionService(const ServerOptions& options, Dispatcher* dispatcher, Sequences* sequences,
                                    BufferRegistry* buffers, CallStats* stats)
     : options_(options),
+      forward_handler_([this](grpc::CallbackServerContext* ctx, absl::Time start, const grpc::ByteBuffer* request,
+                              grpc::ByteBuffer* response, std::function<void(const absl::Status&)> done) {
+        ServeForward(ctx, start, request, response, std::move(done));
+      }),
+      step_handler_([this](grpc::CallbackServerContext* ctx, absl::Time start, const v1::StepRequest* request,
+                           v1::StepResponse* response, std::function<void(const absl::Status&)> done) {
+        ServeStep(ctx, start, request, response, std::move(done));
+      }),
       dispatcher_(dispatcher),
       sequences_(sequences),
       buffers_(buffers),
       stats_(stats),
-      stream_chunk_bytes_(ChunkBytes(options.max_message_bytes)) {}
+      stream_chunk_bytes_(ChunkBytes(options.max_message_bytes)),
+      receiving_(UploadsPerClient(options, dispatcher->backend()->max_queue())) {
+  ServeBounded<grpc::ByteBuffer, grpc::ByteBuffer>(MethodIndex("Forward"), /*raw=*/true, &forward_handler_);
+  ServeBounded<v1::StepRequest, v1::StepResponse>(MethodIndex("Step"), /*raw=*/false, &step_handler_);
+}
 
 absl::Duration AttentionService::stream_idle_timeout() const { return options_.stream_idle_timeout; }
+absl::Duration AttentionService::upload_timeout() const { return options_.upload_timeout; }
+
+std::string AttentionService::UploaderOf(grpc::CallbackServerContext* ctx) const {
+  std::string owner = OwnerOf(ctx);
+  return owner == "local" ? ConnectionKey(ctx) : owner;
+}
 
 CallInfo AttentionService::CallFor(grpc::CallbackServerContext* ctx, absl::Time start,
                                    const InlineBytes* in_message) const {
@@ -417,19 +502,9 @@ grpc::ServerUnaryReactor* AttentionService::FinishNow(grpc::CallbackServerContex
   return reactor;
 }
 
-grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext* ctx,
-                                                    const grpc::ByteBuffer* request_bytes,
-                                                    grpc::ByteBuffer* response_bytes) {
-  const absl::Time start = absl::Now();
-  // No message at all: the call ended (cancelled, or its deadline passed) while the request was on its way. A
-  // call half-closed without its one message is a client's protocol error.
-  if (!request_bytes->Valid()) {
-    const absl::Time deadline = absl::FromChrono(ctx->deadline());
-    return FinishNow(ctx, "Forward", start,
-                     ctx->IsCancelled() || absl::Now() >= deadline
-                         ? EndedEarly(start, deadline, "before the request arrived")
-                         : absl::InvalidArgumentError("request: missing (the call ended without its message)"));
-  }
+void AttentionService::ServeForward(grpc::CallbackServerContext* ctx, absl::Time start,
+                                    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes,
+                                    std::function<void(const absl::Status&)> done) {
   // Shared with the job's `done`: the job's inputs point into it, or into `request_bytes`' slices, until the
   // backend has finished. The tensors stay where gRPC received them (ReadForwardRequest), so the backend's
   // staging copy is their only one; protobuf parses whatever that reader leaves to it.
@@ -441,15 +516,17 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
   if (!by_reference) {
     grpc::ByteBuffer copy(*request_bytes);  // shares the slices; parsing consumes the buffer it is given
     if (!grpc::SerializationTraits<v1::ForwardRequest>::Deserialize(&copy, request.get()).ok()) {
-      return FinishNow(ctx, "Forward", start, absl::InvalidArgumentError("request: not a ForwardRequest (unparseable)"));
+      const absl::Status bad = absl::InvalidArgumentError("request: not a ForwardRequest (unparseable)");
+      LogOutcome("Forward", "", bad, start);
+      return done(bad);
     }
   }
   NameRequest(ctx, *request);
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   auto bytes = std::make_shared<RequestBytes>();
   dispatcher_->Dispatch(
       *request, Transport::kUnary, CallFor(ctx, start, by_reference ? in_message : nullptr), bytes.get(),
-      [this, ctx, reactor, request, received, response_bytes, start, bytes](absl::Status status, ForwardJob* job) {
+      [this, ctx, request, received, response_bytes, start, bytes, done = std::move(done)](absl::Status status,
+                                                                                          ForwardJob* job) {
         if (job != nullptr && status.ok()) {
           // O and LSE go out by reference (attnd/transport/zero_copy.h): the slices keep the response alive.
           auto response = std::make_shared<v1::ForwardResponse>();
@@ -465,9 +542,8 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
           }
         }
         LogOutcome("Forward", request->request_id(), status, start);
-        reactor->Finish(ToGrpcStatus(status));
+        done(status);
       });
-  return reactor;
 }
 
 void AttentionService::NameRequest(grpc::CallbackServerContext* ctx, v1::ForwardRequest& request) {

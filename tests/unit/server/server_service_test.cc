@@ -440,11 +440,111 @@ TEST(ServerStream, AStalledStreamIsEndedAfterTheIdleTimeout) {
   EXPECT_EQ(StreamsReceiving(stub.get()), 0u);
 }
 
+TEST(ServerStream, AnUploadSlowerThanItsTimeoutIsEnded) {
+  // Chunks every 100 ms keep the stream clear of the idle timeout (300 ms), but the whole upload takes longer
+  // than --upload_timeout_s (700 ms here): the stream is ended then, and its slot freed.
+  server::ServerOptions opts;
+  opts.stream_idle_timeout = absl::Milliseconds(300);
+  opts.upload_timeout = absl::Milliseconds(700);
+  TestServer ts(opts);
+  ASSERT_NE(ts.server, nullptr);
+  auto stub = ts.Stub();
+  std::mt19937_64 rng(83);
+  const v1::ForwardRequest r = MakeRequest({1, 64, 64, 2, 2, 64}, v1::MASK_TYPE_NONE, false, rng());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  std::unique_ptr<Stream> trickle = stub->ForwardStream(&ctx);
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(trickle->Write(Header(r)));
+  const std::string& q = r.q().data();
+  // 64 bytes at a time: the whole request would take far longer than the timeout.
+  for (uint64_t at = 0; at < q.size() && absl::Now() - start < absl::Seconds(5); at += 64) {
+    absl::SleepFor(absl::Milliseconds(100));
+    if (!trickle->Write(Chunk(v1::TENSOR_NAME_Q, q, at, 64))) break;
+  }
+  v1::ForwardStreamResponse ignored;
+  while (trickle->Read(&ignored)) {
+  }
+  const grpc::Status status = trickle->Finish();
+  const absl::Duration took = absl::Now() - start;
+  std::printf("trickled stream ended after %.0f ms (upload timeout 700 ms)\n", absl::ToDoubleMilliseconds(took));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+  EXPECT_TRUE(absl::StrContains(status.error_message(), "upload_timeout_s")) << status.error_message();
+  EXPECT_GE(took, absl::Milliseconds(690));
+  EXPECT_LT(took, absl::Seconds(3));
+  EXPECT_TRUE(testing::WaitFor([&] { return StreamsReceiving(stub.get()) == 0; }));
+}
+
+TEST(ServerStream, OneClientHoldsAtMostItsShareOfTheUploads) {
+  // --max_queue=8: by default a client may hold a quarter of it (2) in uploads. On the unix socket each
+  // connection is a client: the first holds two stalled uploads and its third is refused, naming the limit;
+  // the second client's upload still gets a place and is answered.
+  const std::string sock = "/tmp/attnd_uploads_" + std::to_string(::getpid()) + ".sock";
+  server::ServerOptions opts;
+  opts.unix_socket = sock;
+  server::BackendOptions bo;
+  bo.max_queue = 8;
+  TestServer ts(opts, bo);
+  ASSERT_NE(ts.server, nullptr);
+  auto connect = [&] {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own
+    return v1::Attention::NewStub(grpc::CreateCustomChannel("unix:" + sock, grpc::InsecureChannelCredentials(), args));
+  };
+  auto greedy = connect(), other = connect();
+  std::mt19937_64 rng(84);
+  const v1::ForwardRequest r = MakeRequest({1, 32, 48, 2, 1, 64}, v1::MASK_TYPE_NONE, true, rng());
+  grpc::ClientContext held_ctx[2];
+  std::unique_ptr<Stream> held[2];
+  for (int i = 0; i < 2; ++i) {
+    held_ctx[i].set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    held[i] = greedy->ForwardStream(&held_ctx[i]);
+    ASSERT_TRUE(held[i]->Write(Header(r)));
+  }
+  ASSERT_TRUE(testing::WaitFor([&] { return StreamsReceiving(greedy.get()) == 2; }));
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    std::unique_ptr<Stream> third = greedy->ForwardStream(&ctx);
+    ASSERT_TRUE(third->Write(Header(r)));
+    v1::ForwardStreamResponse m;
+    EXPECT_FALSE(third->Read(&m));
+    const grpc::Status refused = third->Finish();
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+    EXPECT_TRUE(absl::StrContains(refused.error_message(), "max_uploads_per_client")) << refused.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    std::unique_ptr<Stream> s = other->ForwardStream(&ctx);
+    ASSERT_TRUE(s->Write(Header(r)));
+    for (const auto& [name, bytes] : {std::pair{v1::TENSOR_NAME_Q, &r.q().data()}, std::pair{v1::TENSOR_NAME_K, &r.k().data()},
+                                      std::pair{v1::TENSOR_NAME_V, &r.v().data()}}) {
+      ASSERT_TRUE(s->Write(Chunk(name, *bytes, 0, bytes->size())));
+    }
+    ASSERT_TRUE(s->WritesDone());
+    std::string o, lse;
+    v1::ForwardStreamResponse m;
+    while (s->Read(&m)) {
+      if (m.has_chunk()) (m.chunk().tensor() == v1::TENSOR_NAME_O ? o : lse) += m.chunk().data();
+    }
+    const grpc::Status answered = s->Finish();
+    ASSERT_TRUE(answered.ok()) << answered.error_message();
+    ExpectCorrect(r, o, lse);
+  }
+  for (int i = 0; i < 2; ++i) held_ctx[i].TryCancel();
+  for (int i = 0; i < 2; ++i) held[i]->Finish();
+  EXPECT_TRUE(testing::WaitFor([&] { return StreamsReceiving(other.get()) == 0; }));
+}
+
 TEST(ServerStream, StreamsReceivingCountAgainstTheQueue) {
   server::BackendOptions bo;
   bo.threads = 1;
   bo.max_queue = 2;
-  TestServer ts({}, bo);
+  server::ServerOptions opts;
+  opts.max_uploads_per_client = 2;  // one client fills the queue here
+  TestServer ts(opts, bo);
   ASSERT_NE(ts.server, nullptr);
   auto stub = ts.Stub();
   std::mt19937_64 rng(82);

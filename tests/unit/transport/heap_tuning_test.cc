@@ -1,10 +1,12 @@
 // RetainFreedHeapMemory (attnd/transport/heap_tuning.h): tensor-sized blocks come from the heap, not from fresh mmaps
-// that every request would page-fault in again.
+// that every request would page-fault in again; IdleHeapTrimmer gives them back once requests stop.
 #include "attnd/transport/heap_tuning.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
 #if defined(__GLIBC__)
@@ -31,6 +33,25 @@ TEST(HeapTuning, TensorSizedBlocksStayInTheHeap) {
 #else
 TEST(HeapTuning, OtherCLibrariesAreLeftAlone) { EXPECT_FALSE(RetainFreedHeapMemory()); }
 #endif
+
+TEST(IdleHeapTrimmer, ReleasesOnceAQuietSpellAndNotWhileBusy) {
+  std::atomic<uint64_t> activity{0};
+  IdleHeapTrimmer trimmer([&] { return activity.load(); }, absl::Milliseconds(50));
+  // Busy: the count moves between every two looks.
+  const absl::Time busy_until = absl::Now() + absl::Milliseconds(400);
+  while (absl::Now() < busy_until) {
+    ++activity;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(trimmer.releases(), 0u);
+  // Quiet for many periods: one release, not one per period.
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_EQ(trimmer.releases(), 1u);
+  // Busy again, then quiet again: a second.
+  ++activity;
+  absl::SleepFor(absl::Milliseconds(400));
+  EXPECT_EQ(trimmer.releases(), 2u);
+}
 
 }  // namespace
 }  // namespace attnd

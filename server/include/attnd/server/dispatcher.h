@@ -74,6 +74,7 @@ class Dispatcher {
 
   // From here on new requests are answered UNAVAILABLE (those already accepted still complete).
   void BeginShutdown() { shutting_down_.store(true); }
+  bool shutting_down() const { return shutting_down_.load(); }
 
   Backend* backend() const { return backend_; }
   const BufferRegistry* buffers() const { return buffers_; }

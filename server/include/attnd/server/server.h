@@ -19,7 +19,8 @@ struct ServerOptions {
   uint64_t max_request_bytes = 1ull << 32;  // Q+K+V+O(+LSE) bytes of one request
   uint64_t max_message_bytes = 256ull << 20;  // one gRPC message
   // Memory gRPC's transport may hold in all (gRPC's resource quota): messages being received, read buffers, unary
-  // requests the backend still holds. 0: 2 x max_message_bytes, at least 64 MiB.
+  // requests the backend still holds. 0: max_message_bytes + 16 MiB, at least 64 MiB, which is also what one
+  // hostile upload can cost (gRPC 1.51 buffers a message to its announced length before checking it).
   uint64_t max_transport_memory_bytes = 0;
   // Per-request shape limits (RESOURCE_EXHAUSTED beyond); 0: none beyond what the byte limits imply.
   int64_t max_batch = 0;
@@ -40,6 +41,9 @@ struct ServerOptions {
   std::string metrics_listen;     // host:port of the Prometheus endpoint (HTTP GET /metrics); empty: none
   bool access_log = true;         // one info-level line per RPC (health checks excepted)
   uint32_t max_calls_per_client = 0;  // Forward/ForwardStream calls in progress per connection; 0: no limit
+  // ForwardStream uploads (header in, inputs arriving) one client holds at once (service.h, ReceivingSlots);
+  // 0: a quarter of the backend's max_queue.
+  uint32_t max_uploads_per_client = 0;
   uint32_t unix_socket_mode = 0660;   // permission bits the unix socket gets once bound
   // Same-host shared-memory channels (attnd/transport/shm_channel.h, docs/transport.md): a unix socket where callers
   // hand over a memfd; empty: off. Its file gets unix_socket_mode; peers must be the server's user or root.
@@ -55,6 +59,9 @@ struct ServerOptions {
   // A ForwardStream that receives no message for this long, before its header or between chunks, is ended
   // DEADLINE_EXCEEDED and its inputs are freed.
   absl::Duration stream_idle_timeout = absl::Seconds(30);
+  // A call's request must be in this long after the call starts: a unary message (upload_watch.h), or a
+  // ForwardStream's header and every input chunk. Ended DEADLINE_EXCEEDED "upload_timeout_s: ..." otherwise.
+  absl::Duration upload_timeout = absl::Seconds(60);
   // A connection without a call for this long is closed (GOAWAY; clients reconnect when they next call).
   absl::Duration max_connection_idle = absl::Minutes(5);
   // A connection with calls and no traffic for keepalive_time is pinged; no answer within keepalive_timeout
