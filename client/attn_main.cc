@@ -289,7 +289,7 @@ int CmdInfo(Client& client) {
   }
   std::cout << "  head dims: " << absl::StrJoin(info->supported_head_dims(), ", ") << "\n";
   std::vector<std::string> dtypes;
-  for (int t : info->supported_dtypes()) dtypes.push_back(attnd::v1::DType_Name(static_cast<attnd::v1::DType>(t)));
+  for (int t : info->supported_dtypes()) dtypes.push_back(attnd::v1::Dtype_Name(static_cast<attnd::v1::Dtype>(t)));
   std::cout << "  dtypes: " << absl::StrJoin(dtypes, ", ") << "\n";
   const auto& l = info->limits();
   std::cout << absl::StrFormat("  limits: max_request_bytes %d, max_message_bytes %d, max_queue %d, max_head_dim %d\n",

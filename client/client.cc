@@ -217,7 +217,7 @@ uint64_t RequestSpec::q_bytes() const { return static_cast<uint64_t>(QElems(shap
 uint64_t RequestSpec::kv_bytes() const { return static_cast<uint64_t>(KVElems(shape)) * DTypeBytes(dtype); }
 uint64_t RequestSpec::lse_bytes() const { return want_lse ? static_cast<uint64_t>(LseElems(shape)) * 4 : 0; }
 
-v1::DType ToProto(DType t) { return t == DType::kBF16 ? v1::DTYPE_BF16 : v1::DTYPE_FP16; }
+v1::Dtype ToProto(DType t) { return t == DType::kBF16 ? v1::DTYPE_BF16 : v1::DTYPE_FP16; }
 v1::MaskType ToProto(Mask m) {
   switch (m) {
     case Mask::kNone:
@@ -229,12 +229,14 @@ v1::MaskType ToProto(Mask m) {
   }
   return v1::MASK_TYPE_NONE;
 }
-absl::StatusOr<DType> FromProto(v1::DType t) {
+absl::StatusOr<DType> FromProto(v1::Dtype t) {
   switch (t) {
     case v1::DTYPE_BF16:
       return DType::kBF16;
     case v1::DTYPE_FP16:
       return DType::kFP16;
+    case v1::DTYPE_UNSPECIFIED:
+      return absl::InvalidArgumentError("dtype: DTYPE_UNSPECIFIED (set DTYPE_BF16 or DTYPE_FP16)");
     default:
       return absl::InvalidArgumentError(absl::StrCat("dtype: unknown value ", static_cast<int>(t)));
   }
@@ -247,6 +249,9 @@ absl::StatusOr<Mask> FromProto(v1::MaskType m) {
       return Mask::kCausalTopLeft;
     case v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT:
       return Mask::kCausalBottomRight;
+    case v1::MASK_TYPE_UNSPECIFIED:
+      return absl::InvalidArgumentError("mask: MASK_TYPE_UNSPECIFIED (set MASK_TYPE_NONE, MASK_TYPE_CAUSAL_TOP_LEFT or "
+                                        "MASK_TYPE_CAUSAL_BOTTOM_RIGHT)");
     default:
       return absl::InvalidArgumentError(absl::StrCat("mask: unknown value ", static_cast<int>(m)));
   }

@@ -56,6 +56,8 @@ void Validate(const attnd::v1::ForwardRequest& req, Transport transport, const V
   ATTND_FUZZ_CHECK(sh.q_heads() % sh.kv_heads() == 0);
   const u128 eb = req.dtype() == attnd::v1::DTYPE_FP16 || req.dtype() == attnd::v1::DTYPE_BF16 ? 2 : 0;
   ATTND_FUZZ_CHECK(eb == 2);
+  // A mask that passed is a real one: an unset or unknown mask is refused, never read as "none".
+  ATTND_FUZZ_CHECK(attnd::v1::MaskType_IsValid(req.mask()) && req.mask() != attnd::v1::MASK_TYPE_UNSPECIFIED);
   ATTND_FUZZ_CHECK(b.q == Product({sh.batch(), sh.q_len(), sh.q_heads(), sh.head_dim()}, eb));
   ATTND_FUZZ_CHECK(b.k == Product({sh.batch(), sh.kv_len(), sh.kv_heads(), sh.head_dim()}, eb));
   ATTND_FUZZ_CHECK(b.v == b.k && b.o == b.q);

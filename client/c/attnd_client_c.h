@@ -25,6 +25,7 @@ enum attnd_transport {
   ATTND_TRANSPORT_STREAM = 2,
   ATTND_TRANSPORT_SHM = 3, /* the server's --shm_socket (attnd_client_options.shm_socket) */
 };
+/* The ABI's own numbers; the library sends the proto's (attnd.v1.Dtype, MaskType) for them. */
 enum attnd_dtype { ATTND_DTYPE_BF16 = 0, ATTND_DTYPE_FP16 = 1 };
 enum attnd_mask { ATTND_MASK_NONE = 0, ATTND_MASK_CAUSAL_TOP_LEFT = 1, ATTND_MASK_CAUSAL_BOTTOM_RIGHT = 2 };
 

@@ -126,7 +126,7 @@ enum class Kind { kForward, kForwardStream, kStep, kStepStream, kHealth, kOther 
 std::string ShapeText(const v1::ForwardRequest& r) {
   const v1::AttentionShape& s = r.shape();
   return absl::StrCat(s.batch(), "x", s.q_len(), "x", s.kv_len(), "x", s.q_heads(), "x", s.kv_heads(), "x",
-                      s.head_dim(), "/", v1::DType_Name(r.dtype()), "/", v1::MaskType_Name(r.mask()));
+                      s.head_dim(), "/", v1::Dtype_Name(r.dtype()), "/", v1::MaskType_Name(r.mask()));
 }
 
 class CallObserver final : public grpc::experimental::Interceptor {

@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "attnd/server/status_util.h"
+#include "attnd/server/validation.h"
 
 namespace attnd::server {
 namespace {
@@ -254,11 +255,10 @@ absl::StatusOr<v1::OpenSequenceResponse> Sequences::Open(const std::string& owne
       limits_.supported_head_dims.end()) {
     return Invalid("shape.head_dim", absl::StrCat(s.head_dim(), " is not supported"));
   }
-  if (s.dtype() != v1::DTYPE_BF16 && s.dtype() != v1::DTYPE_FP16) {
-    return Invalid("shape.dtype", absl::StrCat("unknown value ", static_cast<int>(s.dtype())));
-  }
+  const absl::StatusOr<DType> dtype = DtypeFromProto(s.dtype(), "shape.dtype");
+  if (!dtype.ok()) return dtype.status();
   const SequenceShape shape{static_cast<int>(s.layers()), static_cast<int>(s.kv_heads()),
-                            static_cast<int>(s.head_dim()), s.dtype() == v1::DTYPE_FP16 ? DType::kFP16 : DType::kBF16};
+                            static_cast<int>(s.head_dim()), *dtype};
   if (request.max_tokens() < 0) return Invalid("max_tokens", absl::StrCat("must be >= 0, got ", request.max_tokens()));
   if (request.max_tokens() > options_.max_tokens) {
     return absl::ResourceExhaustedError(absl::StrCat("max_tokens: ", request.max_tokens(),
@@ -391,7 +391,7 @@ absl::StatusOr<v1::SequenceInfo> Sequences::Get(const std::string& owner, const 
   info.mutable_shape()->set_layers(shape.layers);
   info.mutable_shape()->set_kv_heads(shape.kv_heads);
   info.mutable_shape()->set_head_dim(shape.head_dim);
-  info.mutable_shape()->set_dtype(shape.dtype == DType::kFP16 ? v1::DTYPE_FP16 : v1::DTYPE_BF16);
+  info.mutable_shape()->set_dtype(DtypeToProto(shape.dtype));
   info.set_max_tokens(seq.max_tokens);
   for (int32_t len : seq.lengths) info.add_lengths(len);
   info.set_pages(static_cast<int64_t>(seq.pages.size()));

@@ -15,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "attnd/server/status_util.h"
+#include "attnd/server/validation.h"
 #include "attnd/transport/zero_copy.h"
 #include "call_observer.h"
 #include "grpcpp/alarm.h"
@@ -26,8 +27,6 @@
 
 namespace attnd::server {
 namespace {
-
-v1::DType ToProto(DType t) { return t == DType::kFP16 ? v1::DTYPE_FP16 : v1::DTYPE_BF16; }
 
 // Reply chunks stay well under the message limit and small enough that a client with gRPC's default 4 MiB
 // receive limit can read them.
@@ -646,7 +645,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
     info->add_supported_head_dims(hd);
     max_hd = std::max(max_hd, hd);
   }
-  for (DType t : dispatcher_->limits().supported_dtypes) info->add_supported_dtypes(ToProto(t));
+  for (DType t : dispatcher_->limits().supported_dtypes) info->add_supported_dtypes(DtypeToProto(t));
   v1::Limits* l = info->mutable_limits();
   l->set_max_request_bytes(options_.max_request_bytes);
   l->set_max_message_bytes(options_.max_message_bytes);

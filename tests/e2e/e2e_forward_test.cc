@@ -125,6 +125,10 @@ TEST_P(ForwardTest, BadRequestsKeepTheirStatusThroughTheClient) {
        absl::StatusCode::kInvalidArgument, "softmax_scale"},
       {"mask enum", [](v1::ForwardRequest& r) { r.set_mask(static_cast<v1::MaskType>(9)); },
        absl::StatusCode::kInvalidArgument, "mask"},
+      {"unset mask", [](v1::ForwardRequest& r) { r.clear_mask(); }, absl::StatusCode::kInvalidArgument,
+       "mask: MASK_TYPE_UNSPECIFIED"},
+      {"unset dtype", [](v1::ForwardRequest& r) { r.clear_dtype(); }, absl::StatusCode::kInvalidArgument,
+       "dtype: DTYPE_UNSPECIFIED"},
       {"missing v", [](v1::ForwardRequest& r) { r.clear_v(); }, absl::StatusCode::kInvalidArgument, "v"},
   };
   for (client::Transport t : {client::Transport::kUnary, client::Transport::kStream}) {

@@ -386,6 +386,21 @@ TEST_P(SequencesTest, BadInputIsRefusedWithAClearStatus) {
   bad = shape;
   bad.layers = 0;
   EXPECT_EQ(client_->OpenSequence(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  {
+    // The dtype has no default: a raw request that leaves it unset (as a JSON client's misspelled name arrives) is
+    // refused naming it, not opened as bf16.
+    const Listener via = GetParam() == Via::kTcp || GetParam() == Via::kTcpUnary ? Listener::kTcp : Listener::kUnix;
+    auto stub = v1::Attention::NewStub(grpc::CreateChannel(server_->Target(via), grpc::InsecureChannelCredentials()));
+    v1::OpenSequenceRequest open;
+    open.mutable_shape()->set_layers(shape.layers);
+    open.mutable_shape()->set_kv_heads(shape.kv_heads);
+    open.mutable_shape()->set_head_dim(shape.head_dim);
+    grpc::ClientContext ctx;
+    v1::OpenSequenceResponse opened;
+    const grpc::Status st = stub->OpenSequence(&ctx, open, &opened);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_TRUE(absl::StartsWith(st.error_message(), "shape.dtype: DTYPE_UNSPECIFIED")) << st.error_message();
+  }
   // Nothing was appended by any of the refusals.
   History h(shape.layers);
   StepAndCheck(ids[0], h, shape, 0, 1, true, 77);

@@ -37,7 +37,7 @@ inline std::string RandomTensor(int64_t elems, DType t, std::mt19937_64& rng) {
 }
 
 inline v1::ForwardRequest MakeRequest(const Shape& s, v1::MaskType mask = v1::MASK_TYPE_NONE, bool lse = false,
-                                      uint64_t seed = 1, v1::DType dtype = v1::DTYPE_BF16) {
+                                      uint64_t seed = 1, v1::Dtype dtype = v1::DTYPE_BF16) {
   std::mt19937_64 rng(seed);
   v1::ForwardRequest r;
   r.set_request_id("req-" + std::to_string(seed));

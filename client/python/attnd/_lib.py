@@ -14,6 +14,7 @@ ABI_VERSION = 3
 TRANSPORTS = {"auto": 0, "unary": 1, "stream": 2, "shm": 3}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
 TRANSPORT_DEFAULT = -1  # per call: the client's
+# enum attnd_dtype and enum attnd_mask of the C ABI, not the proto's numbers: the library maps them to those.
 DTYPE_BF16, DTYPE_FP16 = 0, 1
 MASK_NONE, MASK_TOP_LEFT, MASK_BOTTOM_RIGHT = 0, 1, 2
 

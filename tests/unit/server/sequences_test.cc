@@ -140,7 +140,7 @@ class SequencesTest : public ::testing::Test {
   }
 
   std::vector<std::string> Open(int count = 1, const std::string& owner = "alice", int head_dim = kHeadDim,
-                                v1::DType dtype = v1::DTYPE_BF16) {
+                                v1::Dtype dtype = v1::DTYPE_BF16) {
     v1::OpenSequenceRequest r;
     r.mutable_shape()->set_layers(kLayers);
     r.mutable_shape()->set_kv_heads(kKvHeads);
@@ -312,7 +312,7 @@ TEST_F(SequencesTest, PrefillInChunksThenDecodeEveryLayer) {
 }
 
 TEST_F(SequencesTest, RaggedBatchAndBothDtypesAndHeadDims) {
-  for (v1::DType dt : {v1::DTYPE_BF16, v1::DTYPE_FP16}) {
+  for (v1::Dtype dt : {v1::DTYPE_BF16, v1::DTYPE_FP16}) {
     for (int hd : {64, 128, 256}) {
       SCOPED_TRACE(absl::StrCat("hd ", hd, " dtype ", dt));
       Start();
@@ -463,6 +463,7 @@ TEST_F(SequencesTest, PerClientLimits) {
   r.mutable_shape()->set_layers(kLayers);
   r.mutable_shape()->set_kv_heads(kKvHeads);
   r.mutable_shape()->set_head_dim(kHeadDim);
+  r.mutable_shape()->set_dtype(v1::DTYPE_BF16);
   ExpectStatus(sequences_->Open("alice", r).status(), absl::StatusCode::kResourceExhausted, "count:");
   EXPECT_TRUE(sequences_->Open("bob", r).ok());  // another client is not affected
   StepAndVerify({ids[0]}, {40}, 0);  // 3 pages
@@ -663,6 +664,7 @@ TEST_F(SequencesTest, BadStepsNameTheirField) {
   small.mutable_shape()->set_layers(kLayers);
   small.mutable_shape()->set_kv_heads(kKvHeads);
   small.mutable_shape()->set_head_dim(kHeadDim);
+  small.mutable_shape()->set_dtype(v1::DTYPE_BF16);
   small.set_max_tokens(10);
   absl::StatusOr<v1::OpenSequenceResponse> s = sequences_->Open("alice", small);
   ASSERT_TRUE(s.ok());
@@ -677,8 +679,18 @@ TEST_F(SequencesTest, BadOpensNameTheirField) {
   r.mutable_shape()->set_layers(2);
   r.mutable_shape()->set_kv_heads(2);
   r.mutable_shape()->set_head_dim(96);
+  r.mutable_shape()->set_dtype(v1::DTYPE_BF16);
   ExpectStatus(sequences_->Open("alice", r).status(), absl::StatusCode::kInvalidArgument, "shape.head_dim:");
   r.mutable_shape()->set_head_dim(64);
+  // The dtype has no default: left unset (or misspelled by a JSON client, which reads as unset) it is refused,
+  // as is a number that names no dtype.
+  r.mutable_shape()->clear_dtype();
+  absl::Status unset = sequences_->Open("alice", r).status();
+  EXPECT_EQ(unset.code(), absl::StatusCode::kInvalidArgument) << unset;
+  EXPECT_EQ(unset.message(), "shape.dtype: DTYPE_UNSPECIFIED (set DTYPE_BF16 or DTYPE_FP16)");
+  r.mutable_shape()->set_dtype(static_cast<v1::Dtype>(7));
+  ExpectStatus(sequences_->Open("alice", r).status(), absl::StatusCode::kInvalidArgument, "shape.dtype:");
+  r.mutable_shape()->set_dtype(v1::DTYPE_BF16);
   r.mutable_shape()->set_layers(0);
   ExpectStatus(sequences_->Open("alice", r).status(), absl::StatusCode::kInvalidArgument, "shape.layers:");
   r.mutable_shape()->set_layers(2);

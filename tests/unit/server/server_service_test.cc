@@ -31,7 +31,7 @@ struct FwdCase {
   Shape shape;
   v1::MaskType mask;
   bool lse;
-  v1::DType dtype;
+  v1::Dtype dtype;
 };
 
 TEST(ServerForward, CorrectOverTcp) {
@@ -104,9 +104,10 @@ TEST(ServerForward, SixteenConcurrentClientsAllCorrect) {
   for (int c = 0; c < 16; ++c) {
     clients.emplace_back([&, c] {
       auto stub = ts.Stub();  // own channel each: 16 connections
+      const v1::MaskType masks[3] = {v1::MASK_TYPE_NONE, v1::MASK_TYPE_CAUSAL_TOP_LEFT,
+                                     v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT};
       for (int i = 0; i < 3; ++i) {
-        const v1::ForwardRequest r =
-            MakeRequest({1, 30 + c, 50 + i, 4, 1, 64}, static_cast<v1::MaskType>(i % 3), true, 1000 + c * 10 + i);
+        const v1::ForwardRequest r = MakeRequest({1, 30 + c, 50 + i, 4, 1, 64}, masks[i], true, 1000 + c * 10 + i);
         grpc::ClientContext ctx;
         v1::ForwardResponse resp;
         const grpc::Status s = stub->Forward(&ctx, r, &resp);
@@ -729,6 +730,25 @@ TEST(ServerStream, MalformedStreamsNameTheTensor) {
     v1::ForwardStreamRequest h = Header(r);
     h.mutable_header()->mutable_shape()->set_head_dim(80);
     bad.push_back({"bad_header_shape", {h}, "shape.head_dim:"});
+  }
+  {
+    // Enums have no default: a header that leaves one unset (as a JSON client's misspelled name arrives) is refused.
+    v1::ForwardStreamRequest h = Header(r);
+    h.mutable_header()->clear_dtype();
+    auto m = full();
+    m.insert(m.begin(), h);
+    bad.push_back({"header_dtype_unset", m, "dtype: DTYPE_UNSPECIFIED"});
+    h = Header(r);
+    h.mutable_header()->clear_mask();
+    m = full();
+    m.insert(m.begin(), h);
+    bad.push_back({"header_mask_unset", m, "mask: MASK_TYPE_UNSPECIFIED"});
+  }
+  {
+    auto m = full();
+    m.insert(m.begin(), Header(r));
+    m.push_back(Chunk(v1::TENSOR_NAME_UNSPECIFIED, q, 0, 16));
+    bad.push_back({"unspecified_tensor", m, "chunk.tensor:"});
   }
   bad.push_back({"empty_message", {Header(r), v1::ForwardStreamRequest()}, "message:"});
   for (const Bad& b : bad) {

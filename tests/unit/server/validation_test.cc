@@ -7,11 +7,14 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "attnd/server/cpu_backend.h"
 #include "attnd/server/status_util.h"
 #include "attnd/server/validation.h"
+#include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "server_test_util.h"
 
@@ -85,8 +88,11 @@ std::vector<BadCase> BadCases() {
        C::kResourceExhausted, "shape.q_heads"},
       {"kv_len_huge_over_max_kv_len", [](auto& r) { r.mutable_shape()->set_kv_len(int64_t{1} << 40); },
        C::kResourceExhausted, "shape.kv_len"},
-      {"unknown_dtype", [](auto& r) { r.set_dtype(static_cast<v1::DType>(7)); }, kInv, "dtype"},
+      {"unknown_dtype", [](auto& r) { r.set_dtype(static_cast<v1::Dtype>(7)); }, kInv, "dtype"},
       {"unknown_mask", [](auto& r) { r.set_mask(static_cast<v1::MaskType>(-1)); }, kInv, "mask"},
+      // Enums have no default: unset is refused, not read as bf16 or as no mask.
+      {"unset_dtype", [](auto& r) { r.clear_dtype(); }, kInv, "dtype"},
+      {"unset_mask", [](auto& r) { r.clear_mask(); }, kInv, "mask"},
       {"scale_nan", [](auto& r) { r.set_softmax_scale(std::nanf("")); }, kInv, "softmax_scale"},
       {"scale_inf", [](auto& r) { r.set_softmax_scale(std::numeric_limits<float>::infinity()); }, kInv,
        "softmax_scale"},
@@ -289,6 +295,44 @@ TEST(Validation, StreamHeaderRefusesInlineBytes) {
   const absl::Status s = Check(header, Transport::kStream, Limits());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StartsWith(s.message(), "k.data:")) << s;
+}
+
+TEST(Validation, UnsetEnumsAreRefusedNamingTheFieldAndTheChoices) {
+  v1::ForwardRequest r = testing::MakeRequest(kShape);
+  r.clear_dtype();
+  EXPECT_EQ(Check(r, Transport::kUnary, Limits()).message(), "dtype: DTYPE_UNSPECIFIED (set DTYPE_BF16 or DTYPE_FP16)");
+  r = testing::MakeRequest(kShape);
+  r.set_mask(v1::MASK_TYPE_UNSPECIFIED);
+  EXPECT_EQ(Check(r, Transport::kUnary, Limits()).message(),
+            "mask: MASK_TYPE_UNSPECIFIED (set MASK_TYPE_NONE, MASK_TYPE_CAUSAL_TOP_LEFT or MASK_TYPE_CAUSAL_BOTTOM_RIGHT)");
+}
+
+// A JSON request read as gateways read it: protobuf's JSON parser with ignore_unknown_fields drops an enum name it
+// does not know, so a misspelled mask arrives as the zero value. That must be refused rather than run unmasked.
+TEST(Validation, AMisspelledEnumInJsonIsRefusedNotReadAsADefault) {
+  const v1::ForwardRequest ref = testing::MakeRequest(kShape);
+  const std::string json = absl::StrCat(
+      R"({"shape": {"batch": 2, "qLen": 17, "kvLen": 33, "qHeads": 4, "kvHeads": 2, "headDim": 64},)",
+      R"( "dtype": "DTYPE_BF16", "mask": "MASK_TYPE_CAUSAL",)", R"( "q": {"data": ")",
+      absl::Base64Escape(ref.q().data()), R"("}, "k": {"data": ")", absl::Base64Escape(ref.k().data()),
+      R"("}, "v": {"data": ")", absl::Base64Escape(ref.v().data()), R"("}})");
+  auto parse = [](const std::string& text) {
+    google::protobuf::util::JsonParseOptions options;
+    options.ignore_unknown_fields = true;
+    v1::ForwardRequest r;
+    EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(text, &r, options).ok());
+    return r;
+  };
+  v1::ForwardRequest r = parse(json);
+  EXPECT_EQ(r.dtype(), v1::DTYPE_BF16);
+  EXPECT_EQ(r.mask(), v1::MASK_TYPE_UNSPECIFIED);
+  const absl::Status s = Check(r, Transport::kUnary, Limits());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(absl::StartsWith(s.message(), "mask: MASK_TYPE_UNSPECIFIED")) << s;
+  // Spelled right, the same request passes.
+  r = parse(absl::StrReplaceAll(json, {{"MASK_TYPE_CAUSAL\"", "MASK_TYPE_CAUSAL_TOP_LEFT\""}}));
+  EXPECT_EQ(r.mask(), v1::MASK_TYPE_CAUSAL_TOP_LEFT);
+  EXPECT_TRUE(Check(r, Transport::kUnary, Limits()).ok());
 }
 
 TEST(Validation, RegisterCudaBuffer) {

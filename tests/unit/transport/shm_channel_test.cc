@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -113,6 +114,11 @@ TEST(ShmChannel, BadRequestsGetTheFieldNamed) {
   r = (*ch)->Forward(req);
   ASSERT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
   EXPECT_NE(r.status().message().find("k"), std::string::npos) << r.status();
+  req = MakeRequest({1, 16, 16, 2, 2, 64});
+  req.clear_mask();  // no default: refused, not run unmasked
+  r = (*ch)->Forward(req);
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_TRUE(absl::StartsWith(r.status().message(), "mask: MASK_TYPE_UNSPECIFIED")) << r.status();
   // The channel stays usable after errors.
   const v1::ForwardRequest good = MakeRequest({1, 16, 16, 2, 2, 64}, v1::MASK_TYPE_NONE, false, 3);
   r = (*ch)->Forward(good);

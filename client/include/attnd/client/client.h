@@ -126,9 +126,9 @@ struct RequestSpec {
 // A ForwardRequest with inline tensors (the bytes are moved in, not copied).
 v1::ForwardRequest MakeForwardRequest(const RequestSpec& spec, std::string q, std::string k, std::string v);
 // The proto enums of the host ones and back.
-v1::DType ToProto(DType t);
+v1::Dtype ToProto(DType t);
 v1::MaskType ToProto(Mask m);
-absl::StatusOr<DType> FromProto(v1::DType t);
+absl::StatusOr<DType> FromProto(v1::Dtype t);
 absl::StatusOr<Mask> FromProto(v1::MaskType m);
 
 struct ForwardResult {

@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "attnd/server/backend.h"
 #include "attnd/v1/attention.pb.h"
 #include "attnd/transport/zero_copy.h"
@@ -49,6 +51,13 @@ inline constexpr uint64_t kMessageOverheadBytes = 64 * 1024;
 absl::Status ValidateForwardRequest(const v1::ForwardRequest& request, Transport transport,
                                     const ValidationLimits& limits, ForwardJob* job, RequestBytes* bytes,
                                     const InlineBytes* in_message = nullptr);
+
+// The proto's enums as the core's, or INVALID_ARGUMENT naming `field` ("shape.dtype", "mask"). The _UNSPECIFIED
+// zero is refused like an unknown number, never read as a default: it is what a field left unset, or an enum name a
+// JSON client misspelled, arrives as.
+absl::StatusOr<DType> DtypeFromProto(v1::Dtype value, absl::string_view field);
+absl::StatusOr<Mask> MaskFromProto(v1::MaskType value, absl::string_view field);
+v1::Dtype DtypeToProto(DType dtype);
 
 // Field-level checks shared with RegisterCudaBuffer.
 absl::Status ValidateRegisterCudaBuffer(const v1::RegisterCudaBufferRequest& request);
