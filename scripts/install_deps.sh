@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs everything attnd needs to build and test, from Debian's packages.
-# Used by the README quickstart and by .ci/run; safe to run again.
+# Installs everything attnd needs to build and test (and npm, for the checks that take their tools from it),
+# from Debian's packages. Used by the README quickstart and by .ci/run; safe to run again.
 set -euo pipefail
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
@@ -38,4 +38,12 @@ if [ "${#py_missing[@]}" -gt 0 ]; then
   echo "install_deps: installing ${py_missing[*]}"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${py_missing[@]}"
+fi
+
+# ---- npm for the checks that take their tools from the npm registry: buf (scripts/proto_check.sh) and the
+# manifest validators (scripts/validate_k8s.sh). Any npm on the PATH will do.
+if ! command -v npm >/dev/null || ! command -v node >/dev/null; then
+  echo "install_deps: installing nodejs npm"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends nodejs npm
 fi
