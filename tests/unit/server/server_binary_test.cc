@@ -426,7 +426,9 @@ void FloodAndWatchTheMemory(bool retain_heap) {
   EXPECT_TRUE(f.stream_ended) << "the server kept taking the message";
   // gRPC resets the stream once its reclaimer runs, a little past the quota.
   EXPECT_LE(f.sent, uint64_t{256 + 16 + 32} << 20);
-  const uint64_t bound = retain_heap ? before + (f.peak_rss - before) / 2 : before + before / 10;
+  // Retaining, the arena tops stay (80-105 MiB in quiet runs): the bound only asks that the bulk of the 272 MiB
+  // quota went back, whatever the sampled peak.
+  const uint64_t bound = retain_heap ? before + (uint64_t{160} << 20) : before + before / 10;
   uint64_t after = RssBytes(pid);
   const absl::Time quiet_from = absl::Now();
   while (after > bound && absl::Now() - quiet_from < absl::Minutes(1)) {
