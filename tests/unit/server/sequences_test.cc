@@ -18,7 +18,7 @@
 #include "absl/time/clock.h"
 #include "attnd/half.h"
 #include "attnd/server/cpu_backend.h"
-#include "forwarding_backend.h"
+#include "gated_backend.h"
 #include "gtest/gtest.h"
 #include "server_test_util.h"
 
@@ -26,48 +26,12 @@ namespace attnd {
 namespace {
 
 using server::CallInfo;
+using testing::GatedBackend;
 using server::SequenceOptions;
 using server::Sequences;
 using server::StepJob;
 using server::Transport;
 using server::ValidationLimits;
-
-// Holds every step batch until the test lets it through: steps stay "in flight" for as long as a test needs.
-class GatedBackend final : public testing::ForwardingBackend {
- public:
-  using ForwardingBackend::ForwardingBackend;
-  absl::Status SubmitSteps(std::unique_ptr<server::StepBatch> batch) override {
-    absl::MutexLock lock(&mu_);
-    if (!gated_) return ForwardingBackend::SubmitSteps(std::move(batch));
-    held_.push_back(std::move(batch));
-    return absl::OkStatus();
-  }
-  void Gate() {
-    absl::MutexLock lock(&mu_);
-    gated_ = true;
-  }
-  // Lets the held batches through and stops holding.
-  void Open() {
-    std::vector<std::unique_ptr<server::StepBatch>> held;
-    {
-      absl::MutexLock lock(&mu_);
-      gated_ = false;
-      held.swap(held_);
-    }
-    for (auto& b : held) ASSERT_TRUE(ForwardingBackend::SubmitSteps(std::move(b)).ok());
-  }
-  std::vector<size_t> held_batch_sizes() {
-    absl::MutexLock lock(&mu_);
-    std::vector<size_t> sizes;
-    for (const auto& b : held_) sizes.push_back(b->jobs.size());
-    return sizes;
-  }
-
- private:
-  absl::Mutex mu_;
-  bool gated_ = false;
-  std::vector<std::unique_ptr<server::StepBatch>> held_;
-};
 
 struct Outcome {
   absl::Status status;
