@@ -104,7 +104,7 @@ absl::StatusOr<std::shared_ptr<KvPool>> CpuBackend::MakeKvPool(const SequenceSha
   std::unique_ptr<uint16_t[]> data(new (std::nothrow) uint16_t[elems]);
   if (data == nullptr) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("kv pool: out of host memory for ", elems * 2, " bytes (--kv_pool_bytes)"));
+        absl::StrCat("kv pool: out of host memory for ", elems * 2, " bytes (--kv_pool_mb)"));
   }
   return std::make_shared<CpuKvPool>(shape, page_tokens, num_pages, std::move(data));
 }

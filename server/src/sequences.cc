@@ -154,7 +154,7 @@ absl::StatusOr<Sequences::Pool*> Sequences::PoolFor(const SequenceShape& shape) 
   if (pages == 0) {
     return absl::ResourceExhaustedError(absl::StrCat("kv pool: one page of ", ShapeText(shape), " takes ", page_bytes,
                                                      " bytes, more than the pool's ", share,
-                                                     " (--kv_pool_bytes / --kv_max_pools)"));
+                                                     " (--kv_pool_mb / --kv_max_pools)"));
   }
   absl::StatusOr<std::shared_ptr<KvPool>> memory =
       backend_->MakeKvPool(shape, options_.page_tokens, static_cast<int32_t>(pages));
@@ -169,18 +169,24 @@ absl::StatusOr<Sequences::Pool*> Sequences::PoolFor(const SequenceShape& shape) 
   return raw;
 }
 
+absl::Status Sequences::PoolFull(const Pool& pool, uint64_t needed) {
+  const uint64_t total = pool.refs.size(), free = pool.free.size();
+  const std::string state = free == 0 ? absl::StrCat("all ", total, " pages are in use")
+                                      : absl::StrCat("the step needs ", needed, " pages, ", free, " of the pool's ",
+                                                     total, " are free");
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "kv pool (", ShapeText(pool.memory->shape()), "): ", state,
+      "; close or truncate sequences, or start attnd with a larger --kv_pool_mb (shared equally by --kv_max_pools "
+      "shapes)"));
+}
+
 absl::StatusOr<int32_t> Sequences::TakePage(Pool& pool, const std::string& owner) {
   ClientUse& use = clients_[owner];
   if (options_.max_pages_per_client > 0 && use.pages >= options_.max_pages_per_client) {
     return absl::ResourceExhaustedError(absl::StrCat("kv pool: this client's sequences hold ", use.pages,
                                                      " pages, the limit (--max_pages_per_client)"));
   }
-  if (pool.free.empty()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "kv pool (", ShapeText(pool.memory->shape()), "): all ", pool.refs.size(),
-        " pages are in use by open sequences; close or truncate sequences, or start attnd with a larger "
-        "--kv_pool_bytes"));
-  }
+  if (pool.free.empty()) return PoolFull(pool, 1);
   const int32_t page = pool.free.back();
   pool.free.pop_back();
   pool.refs[page] = 1;
@@ -585,13 +591,25 @@ absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& r
   ATTND_RETURN_IF_ERROR(backend_->AcceptStep(*job));
 
   // Pages: grow each table to cover the new rows, and give each sequence its own copy of every shared page the
-  // new rows land in. Undone in full when the pool runs out part way.
+  // new rows land in. Counted first, so that a step the pool cannot hold is refused before it takes any and says
+  // what it needs; undone in full when the client's page limit stops it part way.
   Pool& pool = *seqs[0]->pool;
+  const int page = options_.page_tokens;
+  uint64_t needed = 0;
+  for (size_t i = 0; i < seqs.size() && append; ++i) {
+    const Seq* seq = seqs[i];
+    const int64_t cached = seq->lengths[layer], end = cached + job->sequences[i].tokens;
+    const int64_t held = static_cast<int64_t>(seq->pages.size());
+    for (int64_t slot = cached / page; slot < std::min(CeilDiv(end, page), held); ++slot) {
+      if (pool.refs[seq->pages[slot]] > 1) ++needed;  // a shared page the rows land in: copied
+    }
+    needed += static_cast<uint64_t>(std::max<int64_t>(CeilDiv(end, page) - held, 0));
+  }
+  if (needed > pool.free.size()) return PoolFull(pool, needed);
   admitted->pool = &pool;
   admitted->layer = layer;
   admitted->append = append;
   admitted->owner = owner;
-  const int page = options_.page_tokens;
   std::vector<size_t> table_sizes;
   absl::Status status;
   for (size_t i = 0; i < seqs.size() && status.ok() && append; ++i) {

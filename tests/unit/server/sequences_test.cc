@@ -417,6 +417,40 @@ TEST_F(SequencesTest, PoolFullIsResourceExhaustedAndEvictsNothing) {
   EXPECT_EQ(Info(ids[0]).lengths(0), 101);
 }
 
+// The refusal says what the step needs against what is free, and names the flag that sizes the pool.
+TEST_F(SequencesTest, PoolFullSaysWhatTheStepNeedsAndNamesTheFlag) {
+  SequenceOptions o;
+  o.pool_bytes = 10 * 16 * kKvHeads * kHeadDim * 2 * 2 * kLayers;  // 10 pages
+  Start(o);
+  const std::vector<std::string> ids = Open(2);
+  StepAndVerify({ids[0]}, {100}, 0);  // 7 pages
+  // 60 tokens need 4 pages; 3 are free.
+  const Outcome short_of = Run(MakeStep({ids[1]}, {60}, 0));
+  ExpectStatus(short_of.status, absl::StatusCode::kResourceExhausted, "kv pool");
+  EXPECT_TRUE(absl::StrContains(short_of.status.message(), "needs 4 pages, 3 of the pool's 10 are free"))
+      << short_of.status;
+  EXPECT_FALSE(absl::StrContains(short_of.status.message(), "all 10 pages")) << short_of.status;
+  EXPECT_TRUE(absl::StrContains(short_of.status.message(), "--kv_pool_mb")) << short_of.status;
+  StepAndVerify({ids[1]}, {48}, 0);  // the last 3
+  const Outcome none = Run(MakeStep({ids[1]}, {1}, 0));
+  ExpectStatus(none.status, absl::StatusCode::kResourceExhausted, "kv pool");
+  EXPECT_TRUE(absl::StrContains(none.status.message(), "all 10 pages are in use")) << none.status;
+  EXPECT_TRUE(absl::StrContains(none.status.message(), "--kv_pool_mb")) << none.status;
+  // A pool too small for one page names the flag too.
+  TearDown();
+  o.pool_bytes = 1000;
+  Start(o);
+  v1::OpenSequenceRequest r;
+  r.mutable_shape()->set_layers(kLayers);
+  r.mutable_shape()->set_kv_heads(kKvHeads);
+  r.mutable_shape()->set_head_dim(kHeadDim);
+  r.mutable_shape()->set_dtype(v1::DTYPE_BF16);
+  const absl::Status tiny = sequences_->Open("alice", r).status();
+  ExpectStatus(tiny, absl::StatusCode::kResourceExhausted, "kv pool");
+  EXPECT_TRUE(absl::StrContains(tiny.message(), "--kv_pool_mb")) << tiny;
+  EXPECT_FALSE(absl::StrContains(tiny.message(), "--kv_pool_bytes")) << tiny;
+}
+
 TEST_F(SequencesTest, PerClientLimits) {
   SequenceOptions o;
   o.max_per_client = 2;

@@ -134,6 +134,8 @@ class Sequences {
   // RESOURCE_EXHAUSTED when `count` more sequences would pass the owner's limit.
   absl::Status CheckClientSequences(const std::string& owner, uint32_t count) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Pool*> PoolFor(const SequenceShape& shape) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED naming the pool: a step needs `needed` pages more than it has free.
+  static absl::Status PoolFull(const Pool& pool, uint64_t needed);
   absl::StatusOr<int32_t> TakePage(Pool& pool, const std::string& owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Unref(Pool& pool, int32_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the sequence's pages past the first `keep`.
