@@ -518,7 +518,9 @@ absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& r
                                   " tokens (without k and v, q's rows are the last cached positions)"));
     }
   }
-  // Sizes: each inline tensor exactly its shape, the whole within the request limits.
+  // Sizes: each inline tensor exactly its shape. --max_request_bytes bounds all of a step's tensors together (the
+  // memory the step takes); over gRPC the request and the reply are two messages, each held to --max_message_bytes
+  // on its own, with what it carries: Q, K and V inline, O unless it goes to o_ref, and LSE.
   const uint64_t elem = DTypeBytes(shape.dtype);
   const int64_t q_heads = attend ? request.q_heads() : 0;
   uint64_t q_bytes = 0, kv_bytes = 0, lse_bytes = 0;
@@ -532,14 +534,24 @@ absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& r
   if (!append) kv_bytes = 0;
   const uint64_t total = 2 * q_bytes + 2 * kv_bytes + lse_bytes;  // q, o, k, v, lse
   if (total > limits_.max_request_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("sequences: the step's tensors take ", total,
+    return absl::ResourceExhaustedError(absl::StrCat("sequences: the step's tensors (Q+K+V+O+LSE) take ", total,
                                                      " bytes, over the server limit --max_request_bytes=",
-                                                     limits_.max_request_bytes));
+                                                     limits_.max_request_bytes, "; send fewer tokens per step"));
   }
-  if (transport == Transport::kUnary && total + kMessageOverheadBytes > limits_.max_message_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("sequences: the step's tensors take ", total,
-                                                     " bytes, over one message (--max_message_bytes=",
-                                                     limits_.max_message_bytes, "); send fewer tokens per step"));
+  if (transport == Transport::kUnary) {
+    const uint64_t in = (request.q().has_ref() ? 0 : q_bytes) + (request.k().has_ref() ? 0 : kv_bytes) +
+                        (request.v().has_ref() ? 0 : kv_bytes);
+    const uint64_t out = (request.has_o_ref() ? 0 : q_bytes) + lse_bytes;
+    for (const auto& [what, bytes] : {std::pair<const char*, uint64_t>{"request (inline Q, K and V)", in},
+                                      {"reply (O and LSE)", out}}) {
+      if (bytes + kMessageOverheadBytes > limits_.max_message_bytes) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "sequences: the step's ", what, " takes ", bytes, " bytes, more than one message holds (",
+            limits_.max_message_bytes > kMessageOverheadBytes ? limits_.max_message_bytes - kMessageOverheadBytes : 0,
+            ": --max_message_bytes=", limits_.max_message_bytes, " less ", kMessageOverheadBytes,
+            " for framing); send fewer tokens per step"));
+      }
+    }
   }
   const auto bind = [&](const char* field, const v1::TensorInput& in, uint64_t bytes, TensorSource* src) {
     if (in.has_ref()) {

@@ -726,6 +726,40 @@ TEST(SequencePool, FullPoolIsResourceExhaustedAndClosingFreesIt) {
   srv.server->Shutdown();
 }
 
+// Over gRPC a step's request and its reply are two messages, each held to --max_message_bytes: a step goes through
+// when each fits, however large the two are together, on the unary Step as on StepStream.
+TEST(SequenceLimits, RequestAndReplyEachFitOneMessage) {
+  TestServer srv;
+  StartServer(&srv, /*max_message_bytes=*/1 << 20);
+  auto c = Connect(srv.Target(Listener::kUnix));
+  ASSERT_NE(c, nullptr);
+  const client::SequenceShape shape = TestShape(1);
+  // 900 rows: a request of 921,600 bytes (Q 512 a row, K and V 256 each), a reply of 460,800; 1,382,400 together.
+  constexpr int64_t kTokens = 900;
+  const std::string q = client::RandomTensor(shape.dtype, kTokens * kQHeads * shape.head_dim, 81);
+  const std::string k = client::RandomTensor(shape.dtype, kTokens * shape.kv_heads * shape.head_dim, 82);
+  const std::string v = client::RandomTensor(shape.dtype, kTokens * shape.kv_heads * shape.head_dim, 83);
+  for (client::Transport t : {client::Transport::kUnary, client::Transport::kStream}) {
+    SCOPED_TRACE(t == client::Transport::kUnary ? "unary" : "stream");
+    auto opened = c->OpenSequence(shape);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    client::StepSpec s;
+    s.sequences = {{opened->ids[0], kTokens}};
+    s.q_heads = kQHeads;
+    s.q.data = q;
+    s.k.data = k;
+    s.v.data = v;
+    client::CallOptions call;
+    call.transport = t;
+    auto r = c->Step(s, call);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->transport, t);
+    EXPECT_EQ(CheckRows(shape, kQHeads, q, k, v, r->o, "", false), "");
+    EXPECT_TRUE(c->CloseSequence(opened->ids).ok());
+  }
+  srv.server->Shutdown();
+}
+
 // Ids of a server with an advertised address carry it after '@': a client whose target is another server
 // sends every call about those sequences to the one that holds them.
 TEST(SequencePinning, CallsFollowTheIdToItsServer) {

@@ -52,8 +52,9 @@ BF16 = torch.bfloat16
 ROPE_THETA = 500000.0
 NORM_EPS = 1e-5
 # Sequences per prefill pass when --prefill_batch is 0: as many as keep one Step's q, k and v
-# within this. A Step is one message: the server refuses one above --max_message_bytes (256 MiB by
-# default), and a shared-memory channel's area is --shm_max_bytes (64 MiB by default).
+# within this. A Step's request is one message (and its reply another): the server refuses one above
+# --max_message_bytes (256 MiB by default), and a shared-memory channel's area is --shm_max_bytes
+# (64 MiB by default).
 PREFILL_STEP_BYTES = 64 << 20
 
 

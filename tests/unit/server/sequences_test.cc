@@ -68,7 +68,7 @@ class SequencesTest : public ::testing::Test {
     auto gated = std::make_unique<GatedBackend>(std::make_unique<server::CpuBackend>(bo));
     gate_ = gated.get();
     backend_ = std::move(gated);
-    ValidationLimits limits;
+    ValidationLimits limits = limits_;
     limits.supported_head_dims = {64, 128, 256};
     limits.supported_dtypes = {DType::kBF16, DType::kFP16};
     if (options.pool_bytes == (1ull << 30)) options.pool_bytes = 64ull << 20;
@@ -118,10 +118,11 @@ class SequencesTest : public ::testing::Test {
   }
 
   // Runs a step and waits for its reply.
-  Outcome Run(const v1::StepRequest& request, const std::string& owner = "alice") {
+  Outcome Run(const v1::StepRequest& request, const std::string& owner = "alice",
+              Transport transport = Transport::kShm) {
     auto out = std::make_shared<Outcome>();
     auto done = std::make_shared<absl::Notification>();
-    sequences_->Step(owner, request, Transport::kShm, CallFor(), [this, out, done](absl::Status s, StepJob* job) {
+    sequences_->Step(owner, request, transport, CallFor(), [this, out, done](absl::Status s, StepJob* job) {
       out->status = s;
       if (job != nullptr && s.ok()) {
         v1::StepResponse response;
@@ -248,6 +249,7 @@ class SequencesTest : public ::testing::Test {
     EXPECT_TRUE(absl::StartsWith(s.message(), prefix)) << s;
   }
 
+  ValidationLimits limits_;  // set before Start: what the core checks steps against (head dims and dtypes: Start's)
   std::unique_ptr<server::Backend> backend_;
   GatedBackend* gate_ = nullptr;
   std::unique_ptr<Sequences> sequences_;
@@ -449,6 +451,50 @@ TEST_F(SequencesTest, PoolFullSaysWhatTheStepNeedsAndNamesTheFlag) {
   ExpectStatus(tiny, absl::StatusCode::kResourceExhausted, "kv pool");
   EXPECT_TRUE(absl::StrContains(tiny.message(), "--kv_pool_mb")) << tiny;
   EXPECT_FALSE(absl::StrContains(tiny.message(), "--kv_pool_bytes")) << tiny;
+}
+
+// Over gRPC a step's request (Q, K, V) and its reply (O, LSE) are two messages, each held to --max_message_bytes
+// on its own; --max_request_bytes bounds all of them together.
+TEST_F(SequencesTest, RequestAndReplyEachFitOneMessage) {
+  limits_.max_message_bytes = 1 << 20;  // 983,040 bytes of tensors after the framing allowance
+  Start();
+  const std::vector<std::string> ids = Open(1);
+  // Per row: Q and O 1,024 bytes each, K and V 256 each, LSE 32. 600 rows: a request of 921,600 bytes and a reply
+  // of 633,600, 1,555,200 together.
+  const v1::StepRequest both = MakeStep(ids, {600}, 0);
+  const Outcome fits = Run(both, "alice", Transport::kUnary);
+  ASSERT_TRUE(fits.status.ok()) << fits.status;
+  Record(both);
+  Verify(both, fits);
+  // 700 rows: a request of 1,075,200 bytes.
+  const Outcome big_request = Run(MakeStep(ids, {700}, 0), "alice", Transport::kUnary);
+  ExpectStatus(big_request.status, absl::StatusCode::kResourceExhausted, "sequences:");
+  EXPECT_TRUE(absl::StrContains(big_request.status.message(), "request")) << big_request.status;
+  EXPECT_TRUE(absl::StrContains(big_request.status.message(), "1075200")) << big_request.status;
+  EXPECT_TRUE(absl::StrContains(big_request.status.message(), "--max_message_bytes=1048576")) << big_request.status;
+  // Attending without appending, 950 rows: a request of 972,800 bytes (Q) and a reply of 1,003,200 (O and LSE).
+  const v1::StepRequest more = MakeStep(ids, {400}, 0, /*append=*/true, /*attend=*/false);
+  ASSERT_TRUE(Run(more, "alice", Transport::kUnary).status.ok());
+  Record(more);
+  const Outcome big_reply = Run(MakeStep(ids, {950}, 0, /*append=*/false), "alice", Transport::kUnary);
+  ExpectStatus(big_reply.status, absl::StatusCode::kResourceExhausted, "sequences:");
+  EXPECT_TRUE(absl::StrContains(big_reply.status.message(), "reply")) << big_reply.status;
+  EXPECT_TRUE(absl::StrContains(big_reply.status.message(), "1003200")) << big_reply.status;
+  EXPECT_TRUE(absl::StrContains(big_reply.status.message(), "--max_message_bytes=1048576")) << big_reply.status;
+  // Not over gRPC (the shared-memory channel): no message limit.
+  EXPECT_TRUE(Run(MakeStep(ids, {950}, 0, /*append=*/false), "alice", Transport::kShm).status.ok());
+  EXPECT_EQ(Info(ids[0]).lengths(0), 1000);
+
+  // The sum is --max_request_bytes's, on every transport.
+  TearDown();
+  limits_ = ValidationLimits();
+  limits_.max_request_bytes = 1 << 20;
+  Start();
+  const std::vector<std::string> again = Open(1);
+  const Outcome total = Run(MakeStep(again, {600}, 0), "alice", Transport::kShm);
+  ExpectStatus(total.status, absl::StatusCode::kResourceExhausted, "sequences:");
+  EXPECT_TRUE(absl::StrContains(total.status.message(), "1555200")) << total.status;
+  EXPECT_TRUE(absl::StrContains(total.status.message(), "--max_request_bytes=1048576")) << total.status;
 }
 
 TEST_F(SequencesTest, PerClientLimits) {
