@@ -107,7 +107,8 @@ constexpr const char* kStepStreamMethod = "StepStream";
 // One StepStream call: reads a step, hands it to the Sequences core, writes its answer from the thread that
 // finished it and reads the next; one step at a time, so a stream holds at most one request and one reply. The
 // stream ends (OK) once the client has half-closed (or the call has ended) and no step is in flight: a step
-// admitted is always answered, as a unary Step is, before the reactor lets gRPC drop the call.
+// admitted is always run and answered, also when the call is cancelled meanwhile, before the reactor lets gRPC
+// drop the call.
 class StepStreamReactor final : public grpc::ServerBidiReactor<v1::StepStreamRequest, v1::StepStreamResponse> {
  public:
   StepStreamReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, CallStats* stats, CallInfo call,
@@ -173,6 +174,16 @@ class StepStreamReactor final : public grpc::ServerBidiReactor<v1::StepStreamReq
     if (request_.timeout_us() > 0) {
       call.deadline = std::min(call.deadline, start + absl::Microseconds(request_.timeout_us()));
     }
+    // A step read from a stream already cancelled is refused. Once admitted it runs and commits even if the stream
+    // is cancelled, or its client goes away, before its launch (docs/sequences.md, "StepStream"): the server took
+    // it, and a caller whose answer was lost learns the outcome from GetSequence. Its deadline still drops it while
+    // it waits.
+    if (call.cancelled && call.cancelled()) {
+      Answer(start, absl::CancelledError("the stream was cancelled before the step was admitted; nothing was done"),
+             nullptr);
+      return;
+    }
+    call.cancelled = nullptr;
     // The request message is not read into again before the step is answered: the job's inline tensors point
     // into it.
     sequences_->Step(owner_, *step, Transport::kUnary, call,

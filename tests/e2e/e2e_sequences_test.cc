@@ -12,11 +12,13 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "attnd/client/bench.h"
 #include "attnd/client/shm_channel.h"
 #include "e2e_util.h"
+#include "gated_backend.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
@@ -669,8 +671,9 @@ std::string FreshSocketPath() {
 }
 
 // A CPU-backend server on a loopback port and the unix socket `unix_path` (empty: a fresh one), with
-// `sequences` as its sequence options.
-void StartSequenceServer(TestServer* out, const server::SequenceOptions& sequences, std::string unix_path = "") {
+// `sequences` as its sequence options; `wrap`, when set, gets the CPU backend and returns the one served.
+void StartSequenceServer(TestServer* out, const server::SequenceOptions& sequences, std::string unix_path = "",
+                         const WrapBackend& wrap = nullptr) {
   server::ServerOptions so;
   so.listen = "127.0.0.1:0";
   out->unix_path = unix_path.empty() ? FreshSocketPath() : std::move(unix_path);
@@ -680,7 +683,9 @@ void StartSequenceServer(TestServer* out, const server::SequenceOptions& sequenc
   bo.threads = 2;
   auto backend = server::MakeBackend("cpu", bo);
   ASSERT_TRUE(backend.ok()) << backend.status();
-  auto s = server::Server::Create(so, std::move(*backend));
+  std::unique_ptr<server::Backend> served = std::move(*backend);
+  if (wrap) served = wrap(std::move(served));
+  auto s = server::Server::Create(so, std::move(served));
   ASSERT_TRUE(s.ok()) << s.status();
   out->server = std::move(*s);
   out->port = out->server->tcp_port();
@@ -918,8 +923,8 @@ uint64_t MethodCount(client::Client& c, const std::string& method, uint64_t* err
 // the sequence is closed and the server shut down after the test.
 class StepStreamTest : public ::testing::Test {
  protected:
-  void Open(Listener via, int layers) {
-    StartSequenceServer(&srv_, server::SequenceOptions{});
+  void Open(Listener via, int layers, const server::SequenceOptions& options = {}, const WrapBackend& wrap = nullptr) {
+    StartSequenceServer(&srv_, options, "", wrap);
     via_ = via;
     c_ = Connect(srv_.Target(via));
     ASSERT_NE(c_, nullptr);
@@ -1062,6 +1067,70 @@ TEST_F(StepStreamTest, AClientGoneMidStepLeavesTheSequenceConsistent) {
   EXPECT_EQ(r->lengths[0], length + 1);
   const std::string keys = length == 0 ? next.k : k + next.k, values = length == 0 ? next.v : v + next.v;
   EXPECT_EQ(CheckRows(shape, kQHeads, next.q, keys, values, r->o, "", false), "");
+}
+
+// A step the server has admitted from a stream is run and committed even when the stream is cancelled while the
+// step waits for its launch (its answer reaches no one): the sequence advances by exactly that step, and the next
+// step attends over it.
+TEST_F(StepStreamTest, AStepWaitingForItsLaunchWhenTheStreamIsCancelledIsCommitted) {
+  server::SequenceOptions options;
+  options.launches_in_flight = 1;  // a layer's second step waits for the first one's launch to end
+  testing::GatedBackend* gate = nullptr;
+  ASSERT_NO_FATAL_FAILURE(Open(Listener::kUnix, 1, options, [&gate](std::unique_ptr<server::Backend> inner) {
+    auto gated = std::make_unique<testing::GatedBackend>(std::move(inner));
+    gate = gated.get();
+    return gated;
+  }));
+  auto other = c_->OpenSequence(shape_);
+  ASSERT_TRUE(other.ok()) << other.status();
+  const std::string held_id = other->ids[0];
+  // A step of the other sequence holds the layer's one launch.
+  gate->Gate();
+  const OneTokenStep held(shape_, held_id, 71);
+  std::thread holder([&] {
+    auto r = c_->Step(held.spec);
+    EXPECT_TRUE(r.ok()) << r.status();
+  });
+  absl::Cleanup release = [&] {
+    gate->Open();
+    holder.join();
+  };
+  for (const absl::Time until = absl::Now() + absl::Seconds(30); gate->held_batch_sizes().empty();) {
+    ASSERT_LT(absl::Now(), until) << "the holding step never reached the backend";
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  // The step on the stream is admitted (the sequence shows it in flight) and waits behind it.
+  const OneTokenStep cancelled(shape_, id_, 72);
+  auto stub = RawStub();
+  {
+    grpc::ClientContext ctx;
+    auto rw = stub->StepStream(&ctx);
+    ASSERT_TRUE(rw->Write(StreamStep(id_, 1, 0, cancelled.q, cancelled.k, cancelled.v)));
+    ASSERT_TRUE(Await([](const v1::SequenceInfo& i) { return i.step_in_flight(); }).step_in_flight());
+    ctx.TryCancel();
+    EXPECT_EQ(rw->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  // A call on the same connection after the cancellation: the server has read the cancellation before it.
+  {
+    grpc::ClientContext ctx;
+    v1::GetSequenceRequest get;
+    get.set_sequence_id(id_);
+    v1::SequenceInfo info;
+    ASSERT_TRUE(stub->GetSequence(&ctx, get, &info).ok());
+    EXPECT_TRUE(info.step_in_flight());
+    EXPECT_EQ(info.lengths(0), 0);
+  }
+  std::move(release).Invoke();
+  const v1::SequenceInfo settled = Await([](const v1::SequenceInfo& i) { return !i.step_in_flight(); });
+  ASSERT_FALSE(settled.step_in_flight());
+  EXPECT_EQ(settled.lengths(0), 1);
+  const OneTokenStep next(shape_, id_, 73);
+  auto r = c_->Step(next.spec);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->lengths.size(), 1u);
+  EXPECT_EQ(r->lengths[0], 2);
+  EXPECT_EQ(CheckRows(shape_, kQHeads, next.q, cancelled.k + next.k, cancelled.v + next.v, r->o, "", false), "");
+  EXPECT_TRUE(c_->CloseSequence({held_id}).ok());
 }
 
 // A step whose deadline passes is DEADLINE_EXCEEDED (the server's refusal in the answer, or the client's wait
