@@ -20,6 +20,10 @@ namespace {
 
 constexpr size_t kMaxRequestIdBytes = 256;
 constexpr size_t kMaxIdBytes = 512;
+// How long an open waits for pool memory on its way back (Releases). A job is dropped right after its reply on
+// the CPU backend and once its batch's GPU work has ended on CUDA, so the wait is that short; the bound only
+// matters behind a backend that keeps a job.
+constexpr absl::Duration kPoolReleaseWait = absl::Seconds(10);
 
 std::string RandomHex(size_t bytes) {
   std::string raw(bytes, '\0');
@@ -55,7 +59,27 @@ bool RowsBytes(int64_t rows, int64_t heads, int64_t head_dim, uint64_t elem, uin
 
 }  // namespace
 
+// Pools the core has let go of (their last sequence closed) whose memory a finishing step still holds: a job
+// outlives its reply until the backend drops it, so a caller that closes its last sequence on a reply and opens
+// again at once would find the memory not yet given back. Shared with the deleters of the pools' memory, which
+// may run after the core is gone.
+struct Sequences::Releases {
+  absl::Mutex mu;
+  int pending ABSL_GUARDED_BY(mu) = 0;
+};
+
 struct Sequences::Pool {
+  explicit Pool(std::shared_ptr<Releases> r) : releases(std::move(r)) {}
+  // The core lets go of the pool: pending until the deleter of `memory` runs (at once, or when the last step that
+  // holds it drops it).
+  ~Pool() {
+    absl::MutexLock lock(&releases->mu);
+    ++releases->pending;
+  }
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+
+  const std::shared_ptr<Releases> releases;
   std::shared_ptr<KvPool> memory;
   std::vector<uint32_t> refs;   // per page: sequences holding it, plus steps holding it as a copy source
   std::vector<int32_t> free;    // pages with refs == 0
@@ -100,7 +124,12 @@ struct Sequences::Lane {
 
 Sequences::Sequences(const SequenceOptions& options, const ValidationLimits& limits, Backend* backend,
                      const BufferRegistry* buffers)
-    : options_(options), limits_(limits), backend_(backend), buffers_(buffers), instance_(RandomHex(4)) {
+    : options_(options),
+      limits_(limits),
+      backend_(backend),
+      buffers_(buffers),
+      instance_(RandomHex(4)),
+      releases_(std::make_shared<Releases>()) {
   options_.launches_in_flight = std::max<uint32_t>(options_.launches_in_flight, 1);  // 0 would never launch
   reaper_ = std::thread([this] { ReaperLoop(); });
 }
@@ -159,14 +188,27 @@ absl::StatusOr<Sequences::Pool*> Sequences::PoolFor(const SequenceShape& shape) 
   absl::StatusOr<std::shared_ptr<KvPool>> memory =
       backend_->MakeKvPool(shape, options_.page_tokens, static_cast<int32_t>(pages));
   if (!memory.ok()) return memory.status();
-  auto pool = std::make_unique<Pool>();
-  pool->memory = *std::move(memory);
+  auto pool = std::make_unique<Pool>(releases_);
+  // Steps hold the pool through this handle too: once its last holder drops it, the backend's memory is given back
+  // and the release counted done.
+  KvPool* const kv = memory->get();
+  pool->memory = std::shared_ptr<KvPool>(kv, [held = *std::move(memory), releases = releases_](KvPool*) mutable {
+    held.reset();
+    absl::MutexLock lock(&releases->mu);
+    --releases->pending;
+  });
   pool->refs.assign(pages, 0);
   pool->free.reserve(pages);
   for (int64_t p = static_cast<int64_t>(pages) - 1; p >= 0; --p) pool->free.push_back(static_cast<int32_t>(p));
   Pool* raw = pool.get();
   pools_.emplace(shape, std::move(pool));
   return raw;
+}
+
+void Sequences::AwaitPoolReleases() const {
+  absl::MutexLock lock(&releases_->mu);
+  releases_->mu.AwaitWithTimeout(absl::Condition(+[](int* pending) { return *pending == 0; }, &releases_->pending),
+                                 kPoolReleaseWait);
 }
 
 absl::Status Sequences::PoolFull(const Pool& pool, uint64_t needed) {
@@ -275,6 +317,14 @@ absl::StatusOr<v1::OpenSequenceResponse> Sequences::Open(const std::string& owne
   absl::StatusOr<uint32_t> count = NewSequences(request.count());
   if (!count.ok()) return count.status();
   absl::MutexLock lock(&mu_);
+  if (!pools_.contains(shape)) {
+    // The new pool may need memory that a pool whose last sequence just closed still holds through the last step
+    // that ran on it: wait for it rather than refuse this open for memory on its way back. Without mu_, which
+    // that step's end takes.
+    mu_.Unlock();
+    AwaitPoolReleases();
+    mu_.Lock();
+  }
   if (stopping_) return absl::UnavailableError("the server is shutting down");
   ATTND_RETURN_IF_ERROR(CheckClientSequences(owner, *count));
   absl::StatusOr<Pool*> pool = PoolFor(shape);

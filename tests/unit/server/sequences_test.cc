@@ -5,10 +5,12 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -18,6 +20,7 @@
 #include "absl/time/clock.h"
 #include "attnd/half.h"
 #include "attnd/server/cpu_backend.h"
+#include "forwarding_backend.h"
 #include "gated_backend.h"
 #include "gtest/gtest.h"
 #include "server_test_util.h"
@@ -68,6 +71,7 @@ class SequencesTest : public ::testing::Test {
     auto gated = std::make_unique<GatedBackend>(std::make_unique<server::CpuBackend>(bo));
     gate_ = gated.get();
     backend_ = std::move(gated);
+    if (wrap_) backend_ = wrap_(std::move(backend_));
     ValidationLimits limits = limits_;
     limits.supported_head_dims = {64, 128, 256};
     limits.supported_dtypes = {DType::kBF16, DType::kFP16};
@@ -249,7 +253,10 @@ class SequencesTest : public ::testing::Test {
     EXPECT_TRUE(absl::StartsWith(s.message(), prefix)) << s;
   }
 
-  ValidationLimits limits_;  // set before Start: what the core checks steps against (head dims and dtypes: Start's)
+  // Set before Start: the limits the core checks steps against (head dims and dtypes are Start's), and what wraps
+  // the gated CPU backend.
+  ValidationLimits limits_;
+  std::function<std::unique_ptr<server::Backend>(std::unique_ptr<server::Backend>)> wrap_;
   std::unique_ptr<server::Backend> backend_;
   GatedBackend* gate_ = nullptr;
   std::unique_ptr<Sequences> sequences_;
@@ -495,6 +502,65 @@ TEST_F(SequencesTest, RequestAndReplyEachFitOneMessage) {
   ExpectStatus(total.status, absl::StatusCode::kResourceExhausted, "sequences:");
   EXPECT_TRUE(absl::StrContains(total.status.message(), "1555200")) << total.status;
   EXPECT_TRUE(absl::StrContains(total.status.message(), "--max_request_bytes=1048576")) << total.status;
+}
+
+// Pool memory as the CUDA backend has it: one budget, so a pool is refused while an earlier one is still alive,
+// and a step's job keeps its pool for `linger` after the step's reply, as a CUDA job does until its batch's GPU
+// work is over.
+class OnePoolBudget final : public testing::ForwardingBackend {
+ public:
+  OnePoolBudget(std::unique_ptr<server::Backend> inner, absl::Duration linger)
+      : ForwardingBackend(std::move(inner)), linger_(linger) {}
+  ~OnePoolBudget() override {
+    for (std::thread& t : lingering_) t.join();
+  }
+  absl::StatusOr<std::shared_ptr<server::KvPool>> MakeKvPool(const server::SequenceShape& shape, int page_tokens,
+                                                             int32_t num_pages) override {
+    absl::MutexLock lock(&mu_);
+    if (!last_.expired()) return absl::ResourceExhaustedError("budget exhausted: an earlier pool is still held");
+    absl::StatusOr<std::shared_ptr<server::KvPool>> pool = ForwardingBackend::MakeKvPool(shape, page_tokens, num_pages);
+    if (pool.ok()) last_ = *pool;
+    return pool;
+  }
+  absl::Status SubmitSteps(std::unique_ptr<server::StepBatch> batch) override {
+    for (std::unique_ptr<StepJob>& job : batch->jobs) {
+      job->done = [this, pool = job->pool, done = std::move(job->done)](absl::Status s) mutable {
+        done(std::move(s));
+        absl::MutexLock lock(&mu_);
+        lingering_.emplace_back([pool = std::move(pool), linger = linger_]() mutable {
+          absl::SleepFor(linger);
+          pool.reset();
+        });
+      };
+    }
+    return ForwardingBackend::SubmitSteps(std::move(batch));
+  }
+
+ private:
+  const absl::Duration linger_;
+  absl::Mutex mu_;
+  std::weak_ptr<server::KvPool> last_;
+  std::vector<std::thread> lingering_;
+};
+
+// Closing a shape's last sequence gives its pool back once the last step that ran on it is dropped, which may be
+// after that step's reply: an open right then waits for the memory instead of being refused for it.
+TEST_F(SequencesTest, AnOpenWaitsForPoolMemoryOnItsWayBack) {
+  wrap_ = [](std::unique_ptr<server::Backend> inner) {
+    return std::make_unique<OnePoolBudget>(std::move(inner), absl::Milliseconds(200));
+  };
+  Start();
+  const std::vector<std::string> first = Open(1);
+  ASSERT_EQ(first.size(), 1u);
+  StepAndVerify(first, {3}, 0);
+  v1::CloseSequenceRequest close;
+  close.add_sequence_ids(first[0]);
+  ASSERT_TRUE(sequences_->Close("alice", close).ok());
+  const absl::Time start = absl::Now();
+  const std::vector<std::string> second = Open(1);
+  ASSERT_EQ(second.size(), 1u);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  StepAndVerify(second, {2}, 0);
 }
 
 TEST_F(SequencesTest, PerClientLimits) {

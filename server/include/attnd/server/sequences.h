@@ -97,6 +97,7 @@ class Sequences {
 
  private:
   struct Pool;
+  struct Releases;
   struct Seq;
   struct Lane;
   struct Admitted;
@@ -134,6 +135,8 @@ class Sequences {
   // RESOURCE_EXHAUSTED when `count` more sequences would pass the owner's limit.
   absl::Status CheckClientSequences(const std::string& owner, uint32_t count) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Pool*> PoolFor(const SequenceShape& shape) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits (bounded) until the memory of every pool the core has dropped is back in the backend.
+  void AwaitPoolReleases() const ABSL_LOCKS_EXCLUDED(mu_);
   // RESOURCE_EXHAUSTED naming the pool: a step needs `needed` pages more than it has free.
   static absl::Status PoolFull(const Pool& pool, uint64_t needed);
   absl::StatusOr<int32_t> TakePage(Pool& pool, const std::string& owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -160,6 +163,7 @@ class Sequences {
   Backend* const backend_;
   const BufferRegistry* const buffers_;
   const std::string instance_;  // random per process: ids of an earlier process are recognised as such
+  const std::shared_ptr<Releases> releases_;
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::unique_ptr<Seq>> seqs_ ABSL_GUARDED_BY(mu_);
