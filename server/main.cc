@@ -93,7 +93,7 @@ ABSL_FLAG(double, stream_idle_timeout_s, 30,
           "a ForwardStream that sends no message for this long, before its header or between chunks, is ended "
           "DEADLINE_EXCEEDED and its inputs freed (0: never)");
 ABSL_FLAG(double, upload_timeout_s, 60,
-          "a call's request must arrive within this long of its start: a unary message, or a ForwardStream's "
+          "a call's request must arrive within this long of its start: a unary call's message, or a ForwardStream's "
           "header and every input chunk; else DEADLINE_EXCEEDED (0: never)");
 ABSL_FLAG(double, max_connection_idle_s, 300, "a connection without calls for this long is closed (0: never)");
 ABSL_FLAG(double, keepalive_time_s, 60,

@@ -38,8 +38,8 @@ class BoundedUnaryReactor final : public grpc::ServerBidiReactor<Request, Respon
   // is read: a server shutting down tells a late caller UNAVAILABLE while its request is still on the way, rather
   // than leaving it to be cancelled when the transport closes.
   BoundedUnaryReactor(grpc::CallbackServerContext* ctx, absl::Duration upload_timeout, const absl::Status& refusal,
-                      const Handler& handler)
-      : ctx_(ctx), start_(absl::Now()), upload_timeout_(upload_timeout), handler_(handler) {
+                      std::shared_ptr<const Handler> handler)
+      : ctx_(ctx), start_(absl::Now()), upload_timeout_(upload_timeout), handler_(std::move(handler)) {
     if (!refusal.ok()) {
       {
         absl::MutexLock lock(&mu_);
@@ -70,7 +70,7 @@ class BoundedUnaryReactor final : public grpc::ServerBidiReactor<Request, Respon
                         ? EndedEarly(start_, deadline, "before the request arrived")
                         : absl::InvalidArgumentError("request: missing (the call ended without its message)"));
     }
-    handler_(ctx_, start_, &request_, &response_, [this](const absl::Status& status) { Finish(status); });
+    (*handler_)(ctx_, start_, &request_, &response_, [this](const absl::Status& status) { Finish(status); });
   }
 
   void OnDone() override { Unref(); }
@@ -112,7 +112,7 @@ class BoundedUnaryReactor final : public grpc::ServerBidiReactor<Request, Respon
   grpc::CallbackServerContext* const ctx_;
   const absl::Time start_;
   const absl::Duration upload_timeout_;
-  const Handler& handler_;
+  const std::shared_ptr<const Handler> handler_;
   absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kReading;
   grpc::Alarm alarm_;

@@ -32,51 +32,44 @@ std::string AttentionService::OwnerOf(grpc::CallbackServerContext* ctx) const {
   return peer;
 }
 
-grpc::ServerUnaryReactor* AttentionService::OpenSequence(grpc::CallbackServerContext* ctx,
-                                                         const v1::OpenSequenceRequest* request,
-                                                         v1::OpenSequenceResponse* response) {
-  const absl::Time start = absl::Now();
-  absl::StatusOr<v1::OpenSequenceResponse> opened = sequences_->Open(OwnerOf(ctx), *request);
+absl::Status AttentionService::ServeOpenSequence(grpc::CallbackServerContext* ctx,
+                                                const v1::OpenSequenceRequest& request,
+                                                v1::OpenSequenceResponse* response) {
+  absl::StatusOr<v1::OpenSequenceResponse> opened = sequences_->Open(OwnerOf(ctx), request);
   if (opened.ok()) *response = *std::move(opened);
-  return FinishNow(ctx, "OpenSequence", start, opened.status());
+  return opened.status();
 }
 
-grpc::ServerUnaryReactor* AttentionService::ForkSequence(grpc::CallbackServerContext* ctx,
-                                                         const v1::ForkSequenceRequest* request,
-                                                         v1::ForkSequenceResponse* response) {
-  const absl::Time start = absl::Now();
-  absl::StatusOr<v1::ForkSequenceResponse> forked = sequences_->Fork(OwnerOf(ctx), *request);
+absl::Status AttentionService::ServeForkSequence(grpc::CallbackServerContext* ctx,
+                                                const v1::ForkSequenceRequest& request,
+                                                v1::ForkSequenceResponse* response) {
+  absl::StatusOr<v1::ForkSequenceResponse> forked = sequences_->Fork(OwnerOf(ctx), request);
   if (forked.ok()) *response = *std::move(forked);
-  return FinishNow(ctx, "ForkSequence", start, forked.status());
+  return forked.status();
 }
 
-grpc::ServerUnaryReactor* AttentionService::TruncateSequence(grpc::CallbackServerContext* ctx,
-                                                             const v1::TruncateSequenceRequest* request,
-                                                             v1::TruncateSequenceResponse* response) {
-  const absl::Time start = absl::Now();
-  absl::StatusOr<v1::TruncateSequenceResponse> truncated = sequences_->Truncate(OwnerOf(ctx), *request);
+absl::Status AttentionService::ServeTruncateSequence(grpc::CallbackServerContext* ctx,
+                                                    const v1::TruncateSequenceRequest& request,
+                                                    v1::TruncateSequenceResponse* response) {
+  absl::StatusOr<v1::TruncateSequenceResponse> truncated = sequences_->Truncate(OwnerOf(ctx), request);
   if (truncated.ok()) *response = *std::move(truncated);
-  return FinishNow(ctx, "TruncateSequence", start, truncated.status());
+  return truncated.status();
 }
 
-grpc::ServerUnaryReactor* AttentionService::CloseSequence(grpc::CallbackServerContext* ctx,
-                                                          const v1::CloseSequenceRequest* request,
-                                                          v1::CloseSequenceResponse*) {
-  const absl::Time start = absl::Now();
-  return FinishNow(ctx, "CloseSequence", start, sequences_->Close(OwnerOf(ctx), *request));
+absl::Status AttentionService::ServeCloseSequence(grpc::CallbackServerContext* ctx,
+                                                 const v1::CloseSequenceRequest& request, v1::CloseSequenceResponse*) {
+  return sequences_->Close(OwnerOf(ctx), request);
 }
 
-grpc::ServerUnaryReactor* AttentionService::GetSequence(grpc::CallbackServerContext* ctx,
-                                                        const v1::GetSequenceRequest* request,
-                                                        v1::SequenceInfo* response) {
-  const absl::Time start = absl::Now();
-  absl::StatusOr<v1::SequenceInfo> info = sequences_->Get(OwnerOf(ctx), *request);
+absl::Status AttentionService::ServeGetSequence(grpc::CallbackServerContext* ctx,
+                                               const v1::GetSequenceRequest& request, v1::SequenceInfo* response) {
+  absl::StatusOr<v1::SequenceInfo> info = sequences_->Get(OwnerOf(ctx), request);
   if (info.ok()) *response = *std::move(info);
-  return FinishNow(ctx, "GetSequence", start, info.status());
+  return info.status();
 }
 
 void AttentionService::ServeStep(grpc::CallbackServerContext* ctx, absl::Time start, const v1::StepRequest* request,
-                                 v1::StepResponse* response, std::function<void(const absl::Status&)> done) {
+                                 v1::StepResponse* response, Done done) {
   std::string request_id = request->request_id();
   if (request_id.empty()) {
     request_id = GenerateRequestId();

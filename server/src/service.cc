@@ -34,18 +34,6 @@ uint64_t ChunkBytes(uint64_t max_message_bytes) {
   return std::clamp<uint64_t>(max_message_bytes / 2, 4096, 1u << 20);
 }
 
-// The place of `method` in attnd.v1.Attention, which is how the generated service numbers its methods.
-int MethodIndex(const char* method) {
-  const google::protobuf::ServiceDescriptor* service =
-      v1::ForwardRequest::descriptor()->file()->FindServiceByName("Attention");
-  const google::protobuf::MethodDescriptor* m = service != nullptr ? service->FindMethodByName(method) : nullptr;
-  if (m == nullptr) {
-    spdlog::critical("attnd.v1.Attention has no method {}", method);
-    std::abort();
-  }
-  return m->index();
-}
-
 // --max_uploads_per_client, or its default: a quarter of the queue, so that three other clients still find room.
 uint32_t UploadsPerClient(const ServerOptions& o, uint32_t max_queue) {
   if (o.max_uploads_per_client > 0) return o.max_uploads_per_client;
@@ -416,6 +404,17 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
 
 }  // namespace
 
+int AttentionService::MethodIndex(const char* method) {
+  const google::protobuf::ServiceDescriptor* service =
+      v1::ForwardRequest::descriptor()->file()->FindServiceByName("Attention");
+  const google::protobuf::MethodDescriptor* m = service != nullptr ? service->FindMethodByName(method) : nullptr;
+  if (m == nullptr) {
+    spdlog::critical("attnd.v1.Attention has no method {}", method);
+    std::abort();
+  }
+  return m->index();
+}
+
 absl::Status ReceivingSlots::Acquire(const std::string& client) {
   absl::MutexLock lock(&mu_);
   uint32_t& held = held_[client];
@@ -441,22 +440,27 @@ void ReceivingSlots::Release(const std::string& client) {
 AttentionService::AttentionService(const ServerOptions& options, Dispatcher* dispatcher, Sequences* sequences,
                                    BufferRegistry* buffers, CallStats* stats)
     : options_(options),
-      forward_handler_([this](grpc::CallbackServerContext* ctx, absl::Time start, const grpc::ByteBuffer* request,
-                              grpc::ByteBuffer* response, std::function<void(const absl::Status&)> done) {
-        ServeForward(ctx, start, request, response, std::move(done));
-      }),
-      step_handler_([this](grpc::CallbackServerContext* ctx, absl::Time start, const v1::StepRequest* request,
-                           v1::StepResponse* response, std::function<void(const absl::Status&)> done) {
-        ServeStep(ctx, start, request, response, std::move(done));
-      }),
       dispatcher_(dispatcher),
       sequences_(sequences),
       buffers_(buffers),
       stats_(stats),
       stream_chunk_bytes_(ChunkBytes(options.max_message_bytes)),
       receiving_(UploadsPerClient(options, dispatcher->backend()->max_queue())) {
-  ServeBounded<grpc::ByteBuffer, grpc::ByteBuffer>(MethodIndex("Forward"), /*raw=*/true, &forward_handler_);
-  ServeBounded<v1::StepRequest, v1::StepResponse>(MethodIndex("Step"), /*raw=*/false, &step_handler_);
+  using namespace std::placeholders;  // NOLINT(build/namespaces): the handlers' five arguments
+  ServeBounded<grpc::ByteBuffer, grpc::ByteBuffer>("Forward", /*raw=*/true, /*refused_while_draining=*/true,
+                                                   std::bind(&AttentionService::ServeForward, this, _1, _2, _3, _4, _5));
+  ServeBounded<v1::StepRequest, v1::StepResponse>("Step", /*raw=*/false, /*refused_while_draining=*/true,
+                                                  std::bind(&AttentionService::ServeStep, this, _1, _2, _3, _4, _5));
+  ServeBoundedNow("RegisterCudaBuffer", &AttentionService::ServeRegisterCudaBuffer);
+  ServeBoundedNow("UnregisterCudaBuffer", &AttentionService::ServeUnregisterCudaBuffer);
+  ServeBoundedNow("ListCudaBuffers", &AttentionService::ServeListCudaBuffers);
+  ServeBoundedNow("GetServerInfo", &AttentionService::ServeGetServerInfo);
+  ServeBoundedNow("GetStats", &AttentionService::ServeGetStats);
+  ServeBoundedNow("OpenSequence", &AttentionService::ServeOpenSequence);
+  ServeBoundedNow("ForkSequence", &AttentionService::ServeForkSequence);
+  ServeBoundedNow("TruncateSequence", &AttentionService::ServeTruncateSequence);
+  ServeBoundedNow("CloseSequence", &AttentionService::ServeCloseSequence);
+  ServeBoundedNow("GetSequence", &AttentionService::ServeGetSequence);
 }
 
 absl::Duration AttentionService::stream_idle_timeout() const { return options_.stream_idle_timeout; }
@@ -492,18 +496,9 @@ absl::Status AttentionService::AdmitToQueue() const {
                                                    " together); retry when one finishes"));
 }
 
-grpc::ServerUnaryReactor* AttentionService::FinishNow(grpc::CallbackServerContext* ctx, const char* method,
-                                                      absl::Time start, const absl::Status& status,
-                                                      const std::string& request_id) {
-  if (!status.ok()) LogOutcome(method, request_id, status, start);
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
-
 void AttentionService::ServeForward(grpc::CallbackServerContext* ctx, absl::Time start,
                                     const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes,
-                                    std::function<void(const absl::Status&)> done) {
+                                    Done done) {
   // Shared with the job's `done`: the job's inputs point into it, or into `request_bytes`' slices, until the
   // backend has finished. The tensors stay where gRPC received them (ReadForwardRequest), so the backend's
   // staging copy is their only one; protobuf parses whatever that reader leaves to it.
@@ -579,41 +574,37 @@ absl::Status AttentionService::CheckIpcTransport(grpc::CallbackServerContext* ct
       ctx->peer()));
 }
 
-grpc::ServerUnaryReactor* AttentionService::RegisterCudaBuffer(grpc::CallbackServerContext* ctx,
-                                                               const v1::RegisterCudaBufferRequest* request,
-                                                               v1::RegisterCudaBufferResponse* response) {
-  const absl::Time start = absl::Now();
-  absl::Status s = ValidateRegisterCudaBuffer(*request);
+absl::Status AttentionService::ServeRegisterCudaBuffer(grpc::CallbackServerContext* ctx,
+                                                      const v1::RegisterCudaBufferRequest& request,
+                                                      v1::RegisterCudaBufferResponse* response) {
+  absl::Status s = ValidateRegisterCudaBuffer(request);
   if (s.ok()) s = CheckIpcTransport(ctx, "RegisterCudaBuffer");
   if (s.ok()) {
     CudaBufferRegistration reg;
-    reg.ipc_handle = request->ipc_handle();
-    reg.device = request->device();
-    reg.offset = request->offset();
-    reg.byte_size = request->byte_size();
-    reg.name = request->name();
+    reg.ipc_handle = request.ipc_handle();
+    reg.device = request.device();
+    reg.offset = request.offset();
+    reg.byte_size = request.byte_size();
+    reg.name = request.name();
     absl::StatusOr<std::string> id =
         buffers_ != nullptr ? buffers_->Register(reg) : absl::StatusOr<std::string>(NoBuffers("RegisterCudaBuffer"));
     if (id.ok()) response->set_buffer_id(*id);
     s = id.status();
   }
-  return FinishNow(ctx, "RegisterCudaBuffer", start, s);
+  return s;
 }
 
-grpc::ServerUnaryReactor* AttentionService::UnregisterCudaBuffer(grpc::CallbackServerContext* ctx,
-                                                                 const v1::UnregisterCudaBufferRequest* request,
-                                                                 v1::UnregisterCudaBufferResponse*) {
-  const absl::Time start = absl::Now();
-  absl::Status s = request->buffer_id().empty() ? absl::InvalidArgumentError("buffer_id: empty")
-                                                : CheckIpcTransport(ctx, "UnregisterCudaBuffer");
-  if (s.ok()) s = buffers_ != nullptr ? buffers_->Unregister(request->buffer_id()) : NoBuffers("UnregisterCudaBuffer");
-  return FinishNow(ctx, "UnregisterCudaBuffer", start, s);
+absl::Status AttentionService::ServeUnregisterCudaBuffer(grpc::CallbackServerContext* ctx,
+                                                        const v1::UnregisterCudaBufferRequest& request,
+                                                        v1::UnregisterCudaBufferResponse*) {
+  absl::Status s = request.buffer_id().empty() ? absl::InvalidArgumentError("buffer_id: empty")
+                                               : CheckIpcTransport(ctx, "UnregisterCudaBuffer");
+  if (s.ok()) s = buffers_ != nullptr ? buffers_->Unregister(request.buffer_id()) : NoBuffers("UnregisterCudaBuffer");
+  return s;
 }
 
-grpc::ServerUnaryReactor* AttentionService::ListCudaBuffers(grpc::CallbackServerContext* ctx,
-                                                            const v1::ListCudaBuffersRequest*,
-                                                            v1::ListCudaBuffersResponse* response) {
-  const absl::Time start = absl::Now();
+absl::Status AttentionService::ServeListCudaBuffers(grpc::CallbackServerContext*, const v1::ListCudaBuffersRequest&,
+                                                   v1::ListCudaBuffersResponse* response) {
   for (const CudaBufferDescription& d : buffers_ != nullptr ? buffers_->List() : std::vector<CudaBufferDescription>()) {
     v1::CudaBufferInfo* b = response->add_buffers();
     b->set_buffer_id(d.buffer_id);
@@ -623,12 +614,11 @@ grpc::ServerUnaryReactor* AttentionService::ListCudaBuffers(grpc::CallbackServer
     b->set_byte_size(d.byte_size);
     b->set_requests_in_flight(d.requests_in_flight);
   }
-  return FinishNow(ctx, "ListCudaBuffers", start, absl::OkStatus());
+  return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* ctx,
-                                                          const v1::GetServerInfoRequest*, v1::ServerInfo* info) {
-  const absl::Time start = absl::Now();
+absl::Status AttentionService::ServeGetServerInfo(grpc::CallbackServerContext*, const v1::GetServerInfoRequest&,
+                                                 v1::ServerInfo* info) {
   info->set_version(ATTND_VERSION);
   info->set_backend(backend()->name());
   for (const DeviceDescription& d : backend()->devices()) {
@@ -660,12 +650,11 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   info->set_stream_preferred_from_bytes(backend()->stream_preferred_from_bytes());
   *info->mutable_sequences() = sequences_->limits();
   info->set_stream_ordered_steps(info->sequences().enabled() && !options_.shm_socket.empty());
-  return FinishNow(ctx, "GetServerInfo", start, absl::OkStatus());
+  return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* AttentionService::GetStats(grpc::CallbackServerContext* ctx, const v1::GetStatsRequest*,
-                                                     v1::ServerStats* out) {
-  const absl::Time start = absl::Now();
+absl::Status AttentionService::ServeGetStats(grpc::CallbackServerContext*, const v1::GetStatsRequest&,
+                                            v1::ServerStats* out) {
   stats_->Fill(out);
   out->set_queue_depth(backend()->queue_depth());
   out->set_in_flight(backend()->in_flight());
@@ -675,7 +664,7 @@ grpc::ServerUnaryReactor* AttentionService::GetStats(grpc::CallbackServerContext
   out->set_tensor_map_cache_misses(b.tensor_map_cache_misses);
   *out->mutable_sequences() = sequences_->stats();
   out->set_queue_depth(out->queue_depth() + sequences_->waiting());
-  return FinishNow(ctx, "GetStats", start, absl::OkStatus());
+  return absl::OkStatus();
 }
 
 }  // namespace attnd::server

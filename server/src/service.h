@@ -1,6 +1,6 @@
 // The attnd.v1.Attention service on the gRPC callback API (the grpc-tcp and grpc-unix transports). Forward
 // and ForwardStream decode their messages and hand the request to the Dispatcher; its reply (on a backend
-// thread) finishes the reactor, so no gRPC thread ever waits for a computation. Forward and Step are served as
+// thread) finishes the reactor, so no gRPC thread ever waits for a computation. The unary methods are served as
 // streams of one message each way (bounded_unary.h) so that their uploads are bounded. The buffer RPCs go to
 // the BufferRegistry the server owns.
 #pragma once
@@ -50,18 +50,12 @@ class ReceivingSlots {
   std::atomic<uint32_t> total_{0};
 };
 
-// Every method on the callback API; Forward and ForwardStream raw (ByteBuffer messages) so that their
-// tensors are written by reference and stream chunks read with one copy (attnd/transport/zero_copy.h). The wire
-// format is unchanged.
-using SequenceMethods = v1::Attention::WithCallbackMethod_OpenSequence<v1::Attention::WithCallbackMethod_Step<
-    v1::Attention::WithCallbackMethod_StepStream<v1::Attention::WithCallbackMethod_ForkSequence<
-        v1::Attention::WithCallbackMethod_TruncateSequence<v1::Attention::WithCallbackMethod_CloseSequence<
-            v1::Attention::WithCallbackMethod_GetSequence<v1::Attention::Service>>>>>>>;
-using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_Forward<
-    v1::Attention::WithRawCallbackMethod_ForwardStream<v1::Attention::WithCallbackMethod_RegisterCudaBuffer<
-        v1::Attention::WithCallbackMethod_UnregisterCudaBuffer<v1::Attention::WithCallbackMethod_ListCudaBuffers<
-            v1::Attention::WithCallbackMethod_GetServerInfo<v1::Attention::WithCallbackMethod_GetStats<
-                SequenceMethods>>>>>>>;
+// The proto's two streams on the callback API, ForwardStream raw (ByteBuffer messages) so that its chunks are read
+// with one copy and written by reference (attnd/transport/zero_copy.h). Every other method is unary in the proto
+// and served as a stream of one message each way (bounded_unary.h), marked so in the constructor: the server
+// then sees a call from its headers on and bounds its upload (--upload_timeout_s). The wire format is unchanged.
+using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_ForwardStream<
+    v1::Attention::WithCallbackMethod_StepStream<v1::Attention::Service>>;
 
 class AttentionService final : public AttentionServiceBase {
  public:
@@ -69,41 +63,40 @@ class AttentionService final : public AttentionServiceBase {
   AttentionService(const ServerOptions& options, Dispatcher* dispatcher, Sequences* sequences, BufferRegistry* buffers,
                    CallStats* stats);
 
-  // Forward and Step are served as streams of one message each way (bounded_unary.h): their requests carry
-  // tensors, and the upload bound needs to see the call before its message is in.
-  void ServeForward(grpc::CallbackServerContext* ctx, absl::Time start, const grpc::ByteBuffer* request,
-                    grpc::ByteBuffer* response, std::function<void(const absl::Status&)> done);
-  void ServeStep(grpc::CallbackServerContext* ctx, absl::Time start, const v1::StepRequest* request,
-                 v1::StepResponse* response, std::function<void(const absl::Status&)> done);
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ForwardStream(grpc::CallbackServerContext* ctx) override;
-  grpc::ServerUnaryReactor* RegisterCudaBuffer(grpc::CallbackServerContext* ctx,
-                                               const v1::RegisterCudaBufferRequest* request,
-                                               v1::RegisterCudaBufferResponse* response) override;
-  grpc::ServerUnaryReactor* UnregisterCudaBuffer(grpc::CallbackServerContext* ctx,
-                                                 const v1::UnregisterCudaBufferRequest* request,
-                                                 v1::UnregisterCudaBufferResponse* response) override;
-  grpc::ServerUnaryReactor* ListCudaBuffers(grpc::CallbackServerContext* ctx,
-                                            const v1::ListCudaBuffersRequest* request,
-                                            v1::ListCudaBuffersResponse* response) override;
-  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx, const v1::GetServerInfoRequest* request,
-                                          v1::ServerInfo* response) override;
-  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx, const v1::GetStatsRequest* request,
-                                     v1::ServerStats* response) override;
-
-  // KV sequences (sequence_service.cc): thin over the Sequences core.
-  grpc::ServerUnaryReactor* OpenSequence(grpc::CallbackServerContext* ctx, const v1::OpenSequenceRequest* request,
-                                         v1::OpenSequenceResponse* response) override;
+  // KV sequences' steps over a stream (sequence_service.cc).
   grpc::ServerBidiReactor<v1::StepStreamRequest, v1::StepStreamResponse>* StepStream(
       grpc::CallbackServerContext* ctx) override;
-  grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* ctx, const v1::ForkSequenceRequest* request,
-                                         v1::ForkSequenceResponse* response) override;
-  grpc::ServerUnaryReactor* TruncateSequence(grpc::CallbackServerContext* ctx,
-                                             const v1::TruncateSequenceRequest* request,
-                                             v1::TruncateSequenceResponse* response) override;
-  grpc::ServerUnaryReactor* CloseSequence(grpc::CallbackServerContext* ctx, const v1::CloseSequenceRequest* request,
-                                          v1::CloseSequenceResponse* response) override;
-  grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* ctx, const v1::GetSequenceRequest* request,
-                                        v1::SequenceInfo* response) override;
+
+  // The unary methods, each answering through `done` (Forward and Step, whose answer comes from the backend) or
+  // by its return value (the rest), with the response filled when OK.
+  using Done = std::function<void(const absl::Status&)>;
+  void ServeForward(grpc::CallbackServerContext* ctx, absl::Time start, const grpc::ByteBuffer* request,
+                    grpc::ByteBuffer* response, Done done);
+  void ServeStep(grpc::CallbackServerContext* ctx, absl::Time start, const v1::StepRequest* request,
+                 v1::StepResponse* response, Done done);
+  absl::Status ServeRegisterCudaBuffer(grpc::CallbackServerContext* ctx, const v1::RegisterCudaBufferRequest& request,
+                                       v1::RegisterCudaBufferResponse* response);
+  absl::Status ServeUnregisterCudaBuffer(grpc::CallbackServerContext* ctx,
+                                         const v1::UnregisterCudaBufferRequest& request,
+                                         v1::UnregisterCudaBufferResponse* response);
+  absl::Status ServeListCudaBuffers(grpc::CallbackServerContext* ctx, const v1::ListCudaBuffersRequest& request,
+                                    v1::ListCudaBuffersResponse* response);
+  absl::Status ServeGetServerInfo(grpc::CallbackServerContext* ctx, const v1::GetServerInfoRequest& request,
+                                  v1::ServerInfo* response);
+  absl::Status ServeGetStats(grpc::CallbackServerContext* ctx, const v1::GetStatsRequest& request,
+                             v1::ServerStats* response);
+  // KV sequences (sequence_service.cc): thin over the Sequences core.
+  absl::Status ServeOpenSequence(grpc::CallbackServerContext* ctx, const v1::OpenSequenceRequest& request,
+                                 v1::OpenSequenceResponse* response);
+  absl::Status ServeForkSequence(grpc::CallbackServerContext* ctx, const v1::ForkSequenceRequest& request,
+                                 v1::ForkSequenceResponse* response);
+  absl::Status ServeTruncateSequence(grpc::CallbackServerContext* ctx, const v1::TruncateSequenceRequest& request,
+                                     v1::TruncateSequenceResponse* response);
+  absl::Status ServeCloseSequence(grpc::CallbackServerContext* ctx, const v1::CloseSequenceRequest& request,
+                                  v1::CloseSequenceResponse* response);
+  absl::Status ServeGetSequence(grpc::CallbackServerContext* ctx, const v1::GetSequenceRequest& request,
+                                v1::SequenceInfo* response);
   // Who owns what a call creates: the index of the bearer token in the call's own metadata when tokens are
   // on, else the peer's address without its port ("local" for the unix socket). docs/sequences.md, "ownership".
   std::string OwnerOf(grpc::CallbackServerContext* ctx) const;
@@ -140,19 +133,24 @@ class AttentionService final : public AttentionServiceBase {
   uint64_t stream_chunk_bytes() const { return stream_chunk_bytes_; }
 
  private:
-  // Serves method `index` (its place in the proto's service, as the generated code numbers it) through
-  // BoundedUnaryReactor: marked twice, for the API (raw or typed callback) and for the method type (a stream),
-  // each mark owning the handler it is given.
+  // Serves `method` through BoundedUnaryReactor. It is marked twice, for the API (raw or typed callback) and for the
+  // method type (a stream), each mark owning the handler it is given. `refused_while_draining`: once the server
+  // shuts down, calls are answered UNAVAILABLE as their headers arrive (the data plane; the control methods keep
+  // answering, so that a client can still close its sequences and read the stats).
   template <typename Request, typename Response>
-  void ServeBounded(int index, bool raw, const typename BoundedUnaryReactor<Request, Response>::Handler* handler) {
-    auto make = [this, handler] {
-      return new grpc::internal::CallbackBidiHandler<Request, Response>([this, handler](grpc::CallbackServerContext* ctx) {
-        return new BoundedUnaryReactor<Request, Response>(
-            ctx, options_.upload_timeout,
-            dispatcher_->shutting_down() ? absl::UnavailableError("the server is shutting down") : absl::OkStatus(),
-            *handler);
-      });
+  void ServeBounded(const char* method, bool raw, bool refused_while_draining,
+                    typename BoundedUnaryReactor<Request, Response>::Handler handler) {
+    auto shared = std::make_shared<const typename BoundedUnaryReactor<Request, Response>::Handler>(std::move(handler));
+    auto make = [this, shared, refused_while_draining] {
+      return new grpc::internal::CallbackBidiHandler<Request, Response>(
+          [this, shared, refused_while_draining](grpc::CallbackServerContext* ctx) {
+            const bool refuse = refused_while_draining && dispatcher_->shutting_down();
+            return new BoundedUnaryReactor<Request, Response>(
+                ctx, options_.upload_timeout,
+                refuse ? absl::UnavailableError("the server is shutting down") : absl::OkStatus(), shared);
+          });
     };
+    const int index = MethodIndex(method);
     if (raw) {
       MarkMethodRawCallback(index, make());
     } else {
@@ -161,16 +159,27 @@ class AttentionService final : public AttentionServiceBase {
     MarkMethodStreamed(index, make());
   }
 
-  // Finishes a call answered without the backend (errors, metadata RPCs).
-  grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* ctx, const char* method, absl::Time start,
-                                      const absl::Status& status, const std::string& request_id = "");
+  // A method answered at once, on the gRPC thread that read its request.
+  template <typename Request, typename Response>
+  void ServeBoundedNow(const char* method, absl::Status (AttentionService::*serve)(grpc::CallbackServerContext*,
+                                                                                   const Request&, Response*)) {
+    ServeBounded<Request, Response>(
+        method, /*raw=*/false, /*refused_while_draining=*/false,
+        [this, method, serve](grpc::CallbackServerContext* ctx, absl::Time start, const Request* request,
+                              Response* response, Done done) {
+          const absl::Status status = (this->*serve)(ctx, *request, response);
+          if (!status.ok()) LogOutcome(method, "", status, start);
+          done(status);
+        });
+  }
+
+  // The place of `method` in attnd.v1.Attention, which is how the generated service numbers its methods.
+  static int MethodIndex(const char* method);
   absl::Status CheckIpcTransport(grpc::CallbackServerContext* ctx, const char* method) const;
   // Why a buffer RPC fails on a server without a BufferRegistry.
   absl::Status NoBuffers(const char* method) const;
 
   const ServerOptions options_;
-  const BoundedUnaryReactor<grpc::ByteBuffer, grpc::ByteBuffer>::Handler forward_handler_;
-  const BoundedUnaryReactor<v1::StepRequest, v1::StepResponse>::Handler step_handler_;
   Dispatcher* const dispatcher_;
   Sequences* const sequences_;
   BufferRegistry* const buffers_;

@@ -59,8 +59,8 @@ struct ServerOptions {
   // A ForwardStream that receives no message for this long, before its header or between chunks, is ended
   // DEADLINE_EXCEEDED and its inputs are freed.
   absl::Duration stream_idle_timeout = absl::Seconds(30);
-  // A call's request must be in this long after the call starts: a unary message (upload_watch.h), or a
-  // ForwardStream's header and every input chunk. Ended DEADLINE_EXCEEDED "upload_timeout_s: ..." otherwise.
+  // A call's request must be in this long after the call starts: a unary call's message, or a ForwardStream's
+  // header and every input chunk. Ended DEADLINE_EXCEEDED "upload_timeout_s: ..." otherwise.
   absl::Duration upload_timeout = absl::Seconds(60);
   // A connection without a call for this long is closed (GOAWAY; clients reconnect when they next call).
   absl::Duration max_connection_idle = absl::Minutes(5);
