@@ -218,9 +218,13 @@ absl::Status ValidateForwardRequest(const v1::ForwardRequest& req, Transport tra
                                                      limits.max_request_bytes, " (--max_request_bytes)"));
   }
   if (transport == Transport::kUnary) {
-    const bool refs = req.has_o_ref();
-    const uint64_t reply = (refs ? 0 : b.o) + b.lse;
-    const uint64_t in = b.q + b.k + b.v;
+    // What the two messages carry: a tensor given by reference travels as its buffer id, not as its bytes.
+    const auto inline_bytes = [](bool present, const v1::TensorInput& t, uint64_t bytes) -> uint64_t {
+      return present && t.source_case() == v1::TensorInput::kRef ? 0 : bytes;
+    };
+    const uint64_t reply = (req.has_o_ref() ? 0 : b.o) + b.lse;
+    const uint64_t in = inline_bytes(req.has_q(), req.q(), b.q) + inline_bytes(req.has_k(), req.k(), b.k) +
+                        inline_bytes(req.has_v(), req.v(), b.v);
     if (in + kMessageOverheadBytes > limits.max_message_bytes ||
         reply + kMessageOverheadBytes > limits.max_message_bytes) {
       return absl::ResourceExhaustedError(

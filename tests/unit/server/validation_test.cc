@@ -288,6 +288,29 @@ TEST(Validation, UnaryMessageLimitIsResourceExhausted) {
   EXPECT_TRUE(absl::StrContains(local.message(), "--max_request_bytes")) << local;
 }
 
+TEST(Validation, TensorsByReferenceDoNotCountTowardTheUnaryMessages) {
+  // Q, K, V and O by reference: the request and the reply carry ids, so tensors far above the message limit fit.
+  ValidationLimits l = Limits();
+  l.max_message_bytes = 128 * 1024;  // the 64 KiB framing allowance and 64 KiB of tensors
+  constexpr Shape big{1, 256, 256, 4, 4, 64};  // Q, K and V of 128 KiB each
+  v1::ForwardRequest r = testing::MakeRequest(big, v1::MASK_TYPE_NONE, false, 7);
+  *r.mutable_q()->mutable_ref() = Ref("bq");
+  *r.mutable_k()->mutable_ref() = Ref("bk");
+  *r.mutable_v()->mutable_ref() = Ref("bv");
+  *r.mutable_o_ref() = Ref("bo");
+  server::ForwardJob job;
+  server::RequestBytes bytes;
+  const absl::Status by_reference = server::ValidateForwardRequest(r, Transport::kUnary, l, &job, &bytes);
+  EXPECT_TRUE(by_reference.ok()) << by_reference;
+  EXPECT_GT(bytes.q + bytes.k + bytes.v, l.max_message_bytes);
+  // One tensor inline brings the request back over the limit.
+  *r.mutable_q() = testing::MakeRequest(big, v1::MASK_TYPE_NONE, false, 7).q();
+  server::ForwardJob job2;
+  const absl::Status inline_q = server::ValidateForwardRequest(r, Transport::kUnary, l, &job2, &bytes);
+  EXPECT_EQ(inline_q.code(), absl::StatusCode::kResourceExhausted) << inline_q;
+  EXPECT_TRUE(absl::StrContains(inline_q.message(), "--max_message_bytes")) << inline_q;
+}
+
 TEST(Validation, StreamHeaderRefusesInlineBytes) {
   v1::ForwardRequest header = testing::MakeRequest(kShape);
   header.clear_q();
