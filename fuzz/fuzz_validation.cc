@@ -65,7 +65,14 @@ void Validate(const attnd::v1::ForwardRequest& req, Transport transport, const V
   const u128 total = u128{b.q} + b.k + b.v + b.o + b.lse;
   ATTND_FUZZ_CHECK(total <= limits.max_request_bytes);
   if (transport == Transport::kUnary) {
-    ATTND_FUZZ_CHECK(u128{b.q} + b.k + b.v + attnd::server::kMessageOverheadBytes <= limits.max_message_bytes);
+    // Each message holds what it carries inline; a tensor by reference travels as its buffer id.
+    const auto carried = [](const attnd::server::TensorSource& t, uint64_t bytes) -> u128 {
+      return t.is_reference() ? 0 : bytes;
+    };
+    const u128 in = carried(job.q, b.q) + carried(job.k, b.k) + carried(job.v, b.v);
+    const u128 reply = u128{req.has_o_ref() ? 0 : b.o} + b.lse;
+    ATTND_FUZZ_CHECK(in + attnd::server::kMessageOverheadBytes <= limits.max_message_bytes);
+    ATTND_FUZZ_CHECK(reply + attnd::server::kMessageOverheadBytes <= limits.max_message_bytes);
   }
   const std::pair<int64_t, int64_t> limited[] = {{limits.max_batch, sh.batch()}, {limits.max_q_len, sh.q_len()},
                                                  {limits.max_kv_len, sh.kv_len()}, {limits.max_heads, sh.q_heads()}};
