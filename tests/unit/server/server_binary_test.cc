@@ -454,7 +454,8 @@ TEST(BinaryLimits, AHugeLengthPrefixIsNotBufferedWhole) {
 
 // Default limits (256 MiB messages, so a 272 MiB transport quota): a call announcing 1 GiB is cut off near the
 // quota, and once the server is quiet it hands the memory back. With --retain_heap=false its resident size comes
-// back to within 10% of where it was; with the default, what glibc's per-thread arenas keep at their tops
+// back to within 16 MiB of where it was (0.3-0.5 MiB above it on a quiet machine, 1.5 MiB and more on a loaded
+// one, where gRPC starts more threads); with the default, what glibc's per-thread arenas keep at their tops
 // (malloc_trim cannot release it) stays, and the rest goes.
 void FloodAndWatchTheMemory(bool retain_heap) {
   TcpServer server({retain_heap ? "--retain_heap=true" : "--retain_heap=false"});
@@ -470,7 +471,7 @@ void FloodAndWatchTheMemory(bool retain_heap) {
   EXPECT_LE(f.sent, uint64_t{256 + 16 + 64} << 20) << "sent " << f.sent;
   // Retaining, the arena tops stay (80-105 MiB in quiet runs): the bound only asks that the bulk of the 272 MiB
   // quota went back, whatever the sampled peak.
-  const uint64_t bound = retain_heap ? before + (uint64_t{160} << 20) : before + before / 10;
+  const uint64_t bound = before + (retain_heap ? uint64_t{160} << 20 : uint64_t{16} << 20);
   uint64_t after = RssBytes(pid);
   const absl::Time quiet_from = absl::Now();
   while (after > bound && absl::Now() - quiet_from < absl::Minutes(1)) {
