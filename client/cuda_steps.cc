@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <optional>
+#include <thread>
 #include <type_traits>
 #include <utility>
 
@@ -26,7 +28,9 @@ constexpr CUresult kSuccess = 0;
 constexpr int kAttrBufferId = 7, kAttrDeviceOrdinal = 9, kAttrRangeStart = 11, kAttrRangeSize = 12;
 constexpr int kDeviceAttr64BitMemOps = 122;  // CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
 constexpr int kDeviceAttrHostPointerForRegisteredMem = 91;  // CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_...
-constexpr unsigned kWriteDefault = 0, kHostRegisterDeviceMap = 2;
+constexpr unsigned kWriteDefault = 0, kWaitGeq = 0, kHostRegisterDeviceMap = 2;
+constexpr unsigned kHostAllocPortableMapped = 1 | 2;  // CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP
+constexpr unsigned kStreamNonBlocking = 1;
 constexpr size_t kIpcHandleBytes = 64;
 constexpr size_t kMaxStreams = 256;  // streams one client may order steps on (a channel and a server thread each)
 
@@ -34,6 +38,12 @@ struct Driver {
   CUresult (*pointer_get_attributes)(unsigned, int*, void**, CUdeviceptr) = nullptr;
   CUresult (*ipc_get_mem_handle)(void*, CUdeviceptr) = nullptr;
   CUresult (*write_value64)(CUstream, CUdeviceptr, uint64_t, unsigned) = nullptr;
+  CUresult (*wait_value64)(CUstream, CUdeviceptr, uint64_t, unsigned) = nullptr;
+  CUresult (*mem_host_alloc)(void**, size_t, unsigned) = nullptr;
+  CUresult (*mem_free_host)(void*) = nullptr;
+  CUresult (*memset_d16_async)(CUdeviceptr, unsigned short, size_t, CUstream) = nullptr;  // NOLINT(runtime/int)
+  CUresult (*stream_create)(CUstream*, unsigned) = nullptr;
+  CUresult (*stream_destroy)(CUstream) = nullptr;
   CUresult (*stream_synchronize)(CUstream) = nullptr;
   CUresult (*ctx_get_current)(CUcontext*) = nullptr;
   CUresult (*ctx_set_current)(CUcontext) = nullptr;
@@ -62,6 +72,12 @@ const Driver* LoadDriver() {
     bind(d->pointer_get_attributes, "cuPointerGetAttributes");
     bind(d->ipc_get_mem_handle, "cuIpcGetMemHandle");
     bind(d->write_value64, "cuStreamWriteValue64_v2");
+    bind(d->wait_value64, "cuStreamWaitValue64_v2");
+    bind(d->mem_host_alloc, "cuMemHostAlloc");
+    bind(d->mem_free_host, "cuMemFreeHost");
+    bind(d->memset_d16_async, "cuMemsetD16Async");
+    bind(d->stream_create, "cuStreamCreate");
+    bind(d->stream_destroy, "cuStreamDestroy_v2");
     bind(d->stream_synchronize, "cuStreamSynchronize");
     bind(d->ctx_get_current, "cuCtxGetCurrent");
     bind(d->ctx_set_current, "cuCtxSetCurrent");
@@ -111,11 +127,10 @@ class CudaSteps::Impl {
 
   ~Impl() {
     d_.ctx_set_current(ctx_);
+    for (auto& [stream, slot] : slots_) StopSender(*slot);
     // Writes of wait words may still be queued on the callers' streams: they land before the pages go.
     if (!slots_.empty()) d_.ctx_synchronize();
-    for (auto& [stream, slot] : slots_) {
-      if (slot->registered) d_.mem_host_unregister(slot->channel->header_page());
-    }
+    for (auto& [stream, slot] : slots_) Release(*slot);
     for (const auto& [base, reg] : regs_) client_->UnregisterCudaBuffer(reg.buffer_id).IgnoreError();
   }
 
@@ -165,6 +180,147 @@ class CudaSteps::Impl {
 
   absl::StatusOr<StepResult> Step(StepBatch& batch, const DeviceStepTensors& t, void* stream, const CallOptions& call) {
     d_.ctx_set_current(ctx_);  // any calling thread: the driver calls below name the context's memory
+    auto s = static_cast<CUstream>(stream);
+    absl::StatusOr<Slot*> slot = Prepare(batch, t, s, call);
+    if (!slot.ok()) return slot.status();
+    v1::StepRequest& request = batch.request();
+    if (*slot == nullptr) {
+      const CUresult r = d_.stream_synchronize(s);
+      if (r != kSuccess) return DriverError(d_, "cuStreamSynchronize (the step's producers)", r);
+      return client_->Step(request, call);
+    }
+    Slot& sl = **slot;
+    absl::StatusOr<StepResult> result;
+    bool broken = false;
+    {
+      absl::MutexLock lock(&sl.mu);
+      // Steps submitted earlier on this stream are sent first; a failure among them is this call's.
+      sl.mu.Await(absl::Condition(+[](Slot* x) { return x->queue.empty(); }, &sl));
+      if (sl.channel == nullptr) return Gone();
+      absl::Status earlier = TakeFailure(sl, &broken);
+      if (!earlier.ok()) {
+        result = earlier;
+      } else {
+        const uint64_t value = sl.next + 1;
+        const CUresult r = d_.write_value64(s, sl.word, value, kWriteDefault);
+        if (r != kSuccess) return DriverError(d_, "cuStreamWriteValue64 (the step's wait word)", r);
+        sl.next = value;
+        request.mutable_order()->set_wait_value(value);
+        result = StepOverShm(*sl.channel, request, Timeout(call));
+        // The channel is unusable after these (shm_channel.h): the next step on this stream opens another.
+        broken = !result.ok() && Breaks(result.status());
+      }
+    }
+    request.clear_order();
+    if (broken) Drop(s);
+    return result;
+  }
+
+  absl::Status Submit(StepBatch& batch, const DeviceStepTensors& t, void* stream, const CallOptions& call) {
+    d_.ctx_set_current(ctx_);
+    auto s = static_cast<CUstream>(stream);
+    absl::StatusOr<Slot*> slot = Prepare(batch, t, s, call);
+    if (!slot.ok()) return slot.status();
+    v1::StepRequest& request = batch.request();
+    if (*slot == nullptr) {  // host order: the step runs now, as Step's
+      const CUresult r = d_.stream_synchronize(s);
+      if (r != kSuccess) return DriverError(d_, "cuStreamSynchronize (the step's producers)", r);
+      return client_->Step(request, call).status();
+    }
+    Slot& sl = **slot;
+    bool broken = false;
+    absl::Status status;
+    {
+      absl::MutexLock lock(&sl.mu);
+      const auto room = [](Slot* x) { return !x->failure.ok() || x->queue.size() < x->ahead; };
+      sl.mu.Await(absl::Condition(+room, &sl));
+      if (sl.channel == nullptr) return Gone();
+      status = TakeFailure(sl, &broken);
+      if (status.ok()) {
+        const uint64_t value = sl.next + 1;
+        CUresult r = d_.write_value64(s, sl.word, value, kWriteDefault);
+        if (r != kSuccess) return DriverError(d_, "cuStreamWriteValue64 (the step's wait word)", r);
+        sl.next = value;
+        // Work queued after this call waits for the sender to write the step's value into the done word: after
+        // the step's reply, or after O was filled with NaN when it failed.
+        r = d_.wait_value64(s, sl.done_device, value, kWaitGeq);
+        if (r != kSuccess) {
+          // The stream cannot wait on the done word: finish this step on the host, and every later one too.
+          sl.failure = DriverError(d_, "cuStreamWaitValue64 (the step's done word)", r);
+          broken = true;
+          status = sl.failure;
+        } else {
+          request.mutable_order()->set_wait_value(value);
+          sl.queue.push_back(Queued{request, value, const_cast<void*>(t.o), t.o != nullptr ? t.q_bytes : 0,
+                                    Timeout(call)});
+          if (!sl.sender.joinable()) sl.sender = std::thread([this, x = &sl] { Send(*x); });
+        }
+      }
+    }
+    request.clear_order();
+    if (broken) Drop(s);
+    return status;
+  }
+
+  absl::Status Sync(void* stream) {
+    auto s = static_cast<CUstream>(stream);
+    Slot* slot = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = slots_.find(s);
+      if (it == slots_.end()) return absl::OkStatus();
+      slot = it->second.get();
+    }
+    bool broken = false;
+    absl::Status status;
+    {
+      absl::MutexLock lock(&slot->mu);
+      slot->mu.Await(absl::Condition(+[](Slot* x) { return x->queue.empty(); }, slot));
+      status = TakeFailure(*slot, &broken);
+    }
+    if (broken) Drop(s);
+    return status;
+  }
+
+  size_t registered() const {
+    absl::MutexLock lock(&mu_);
+    return regs_.size();
+  }
+
+ private:
+  struct Registration {
+    std::string buffer_id;
+    unsigned long long allocation = 0;  // NOLINT(runtime/int): CU_POINTER_ATTRIBUTE_BUFFER_ID
+  };
+  // A submitted step waiting for its stream's sender.
+  struct Queued {
+    v1::StepRequest request;
+    uint64_t value = 0;  // its wait word value, and the done word value that releases the stream
+    void* o = nullptr;   // filled with NaN when the step fails
+    uint64_t o_bytes = 0;
+    absl::Duration timeout;
+  };
+  // A calling stream's channel, its wait word as the stream's device sees it, and the done word its stream waits
+  // on after submitted steps (host memory that this process's sender thread writes).
+  struct Slot {
+    absl::Mutex mu;  // held while a step on this stream is written and sent, and over the fields below
+    std::unique_ptr<ShmChannel> channel;
+    bool registered = false;
+    CUdeviceptr word = 0;
+    uint64_t next = 0;  // the last value written to the wait word
+    std::atomic<uint64_t>* done = nullptr;  // pinned, mapped host memory
+    CUdeviceptr done_device = 0;
+    CUstream fill_stream = nullptr;  // a failed step's NaN fill: not the caller's stream, which waits
+    size_t ahead = 4;
+    std::deque<Queued> queue;  // submitted, not yet answered (the front is being sent)
+    absl::Status failure;      // the first failure of a submitted step not yet reported
+    bool broken = false;       // the channel is unusable: later steps fail unsent
+    bool stop = false;
+    std::thread sender;
+  };
+
+  // The checks and references Step and Submit share; the stream's slot, or null for host order.
+  absl::StatusOr<Slot*> Prepare(StepBatch& batch, const DeviceStepTensors& t, CUstream s, const CallOptions& call) {
     v1::StepRequest& request = batch.request();
     request.clear_q(), request.clear_k(), request.clear_v(), request.clear_o_ref(), request.clear_order();
     if ((t.q == nullptr) != (t.o == nullptr)) return absl::InvalidArgumentError("q, o: give both or neither");
@@ -190,56 +346,95 @@ class CudaSteps::Impl {
     }
     absl::StatusOr<bool> ordered = StreamOrdered();
     if (!ordered.ok()) return ordered.status();
-    *ordered = *ordered && call.transport.value_or(client_->options().transport) == Transport::kShm;
-    auto s = static_cast<CUstream>(stream);
-    absl::StatusOr<Slot*> slot = *ordered ? SlotFor(s) : absl::StatusOr<Slot*>(nullptr);
+    if (!*ordered || call.transport.value_or(client_->options().transport) != Transport::kShm) {
+      return static_cast<Slot*>(nullptr);
+    }
+    absl::StatusOr<Slot*> slot = SlotFor(s);
     if (!slot.ok() && absl::IsInternal(slot.status())) {
       // The device cannot write the channel's page from a stream after all: host order from now on.
       absl::MutexLock lock(&mu_);
       ordered_ = false;
-      slot = nullptr;
+      return static_cast<Slot*>(nullptr);
     }
-    if (!slot.ok()) return slot.status();
-    if (*slot == nullptr) {
-      const CUresult r = d_.stream_synchronize(s);
-      if (r != kSuccess) return DriverError(d_, "cuStreamSynchronize (the step's producers)", r);
-      return client_->Step(request, call);
-    }
-    // One step at a time per stream and channel: values increase in the order the stream runs their writes.
-    absl::MutexLock stream_lock(&(*slot)->mu);
-    const uint64_t value = (*slot)->next + 1;
-    const CUresult r = d_.write_value64(s, (*slot)->word, value, kWriteDefault);
-    if (r != kSuccess) return DriverError(d_, "cuStreamWriteValue64 (the step's wait word)", r);
-    (*slot)->next = value;
-    request.mutable_order()->set_wait_value(value);
-    const absl::Duration timeout = call.deadline.value_or(client_->options().default_deadline);
-    absl::StatusOr<StepResult> result = StepOverShm(*(*slot)->channel, request, timeout);
-    request.clear_order();
-    if (!result.ok() && (absl::IsDeadlineExceeded(result.status()) || absl::IsUnavailable(result.status()))) {
-      // The channel is unusable now (shm_channel.h): the next step on this stream opens another.
-      Drop(s);
-    }
-    return result;
+    return slot;
   }
 
-  size_t registered() const {
-    absl::MutexLock lock(&mu_);
-    return regs_.size();
+  absl::Duration Timeout(const CallOptions& call) const {
+    return call.deadline.value_or(client_->options().default_deadline);
+  }
+  static absl::Status Gone() {
+    return absl::UnavailableError("stream: its channel broke under another thread's step; step again");
+  }
+  static bool Breaks(const absl::Status& s) { return absl::IsDeadlineExceeded(s) || absl::IsUnavailable(s); }
+
+  // The stream's unreported failure, now reported (cleared); *broken when the channel must go.
+  static absl::Status TakeFailure(Slot& sl, bool* broken) ABSL_EXCLUSIVE_LOCKS_REQUIRED(sl.mu) {
+    absl::Status f = std::move(sl.failure);
+    sl.failure = absl::OkStatus();
+    *broken = sl.broken;
+    return f;
   }
 
- private:
-  struct Registration {
-    std::string buffer_id;
-    unsigned long long allocation = 0;  // NOLINT(runtime/int): CU_POINTER_ATTRIBUTE_BUFFER_ID
-  };
-  // A calling stream's channel and its wait word as the stream's device sees it.
-  struct Slot {
-    absl::Mutex mu;  // held while a step on this stream is written and sent
-    std::unique_ptr<ShmChannel> channel;
-    bool registered = false;
-    CUdeviceptr word = 0;
-    uint64_t next = 0;  // the last value written to the word (under mu)
-  };
+  // The stream's sender: sends its submitted steps one after another over its channel and releases the stream
+  // past each (the done word) once it is answered. A failed step's O is filled with NaN first, and steps queued
+  // behind a failure are not sent: they fail with it, so the engine's next layer never reads a stale O as valid.
+  void Send(Slot& sl) {
+    d_.ctx_set_current(ctx_);
+    for (;;) {
+      Queued* q = nullptr;
+      absl::Status before;
+      {
+        absl::MutexLock lock(&sl.mu);
+        sl.mu.Await(absl::Condition(+[](Slot* x) { return !x->queue.empty() || x->stop; }, &sl));
+        if (sl.queue.empty()) return;
+        q = &sl.queue.front();  // a deque's elements stay put while others are pushed behind them
+        if (!sl.failure.ok()) {
+          before = absl::Status(sl.failure.code(),
+                                absl::StrCat("not sent: an earlier step on this stream failed: ", sl.failure.message()));
+        }
+      }
+      absl::Status status = before;
+      if (status.ok()) {
+        absl::StatusOr<StepResult> r = StepOverShm(*sl.channel, q->request, q->timeout);
+        if (!r.ok()) {
+          status = absl::Status(r.status().code(),
+                                absl::StrCat("step ", q->request.request_id(), " (layer ", q->request.layer(),
+                                             ", submitted): ", r.status().message()));
+        }
+      }
+      if (!status.ok() && q->o != nullptr) {
+        // 0xFFFF is a NaN in bf16 and in fp16.
+        if (d_.memset_d16_async(reinterpret_cast<CUdeviceptr>(q->o), 0xFFFF, q->o_bytes / 2, sl.fill_stream) ==
+            kSuccess) {
+          d_.stream_synchronize(sl.fill_stream);
+        }
+      }
+      sl.done->store(q->value, std::memory_order_release);
+      absl::MutexLock lock(&sl.mu);
+      if (!status.ok() && sl.failure.ok()) sl.failure = status;
+      if (!status.ok() && Breaks(status)) sl.broken = true;
+      sl.queue.pop_front();
+    }
+  }
+
+  // Ends a slot's sender after the steps it holds are answered (or failed).
+  void StopSender(Slot& sl) {
+    {
+      absl::MutexLock lock(&sl.mu);
+      sl.stop = true;
+    }
+    if (sl.sender.joinable()) sl.sender.join();
+  }
+
+  // Gives a slot's CUDA resources back, once no stream can still use them.
+  void Release(Slot& sl) {
+    if (sl.registered) d_.mem_host_unregister(sl.channel->header_page());
+    sl.registered = false;
+    if (sl.done != nullptr) d_.mem_free_host(sl.done);
+    sl.done = nullptr;
+    if (sl.fill_stream != nullptr) d_.stream_destroy(sl.fill_stream);
+    sl.fill_stream = nullptr;
+  }
 
   absl::StatusOr<std::string> Register(CUdeviceptr start, size_t size, unsigned long long allocation,  // NOLINT
                                        int ordinal) {
@@ -292,16 +487,31 @@ class CudaSteps::Impl {
     CUdeviceptr base = 0;
     r = d_.mem_host_get_device_pointer(&base, page, 0);
     if (r != kSuccess) {
-      d_.mem_host_unregister(page);
+      Release(*slot);
       return DriverError(d_, "cuMemHostGetDevicePointer (the channel's wait word)", r);
     }
     slot->word = base + shm::kWaitWordOffset;
+    void* done = nullptr;
+    r = d_.mem_host_alloc(&done, 64, kHostAllocPortableMapped);
+    if (r != kSuccess) {
+      Release(*slot);
+      return DriverError(d_, "cuMemHostAlloc (the stream's done word)", r);
+    }
+    slot->done = new (done) std::atomic<uint64_t>(0);
+    r = d_.mem_host_get_device_pointer(&slot->done_device, done, 0);
+    if (r == kSuccess) r = d_.stream_create(&slot->fill_stream, kStreamNonBlocking);
+    if (r != kSuccess) {
+      Release(*slot);
+      return DriverError(d_, "the stream's done word", r);
+    }
+    slot->ahead = std::max<size_t>(1, options_.max_steps_ahead);
     Slot* s = slot.get();
     slots_.emplace(stream, std::move(slot));
     return s;
   }
 
-  // Forgets a stream's channel after it broke; its word's writes already queued land first.
+  // Forgets a stream's channel after it broke (the caller holds none of its locks); the steps it holds are answered
+  // first, and its word's writes already queued land.
   void Drop(CUstream stream) {
     std::unique_ptr<Slot> slot;
     {
@@ -311,11 +521,14 @@ class CudaSteps::Impl {
       slot = std::move(it->second);
       slots_.erase(it);
     }
+    StopSender(*slot);
     d_.stream_synchronize(stream);
-    if (slot->registered) d_.mem_host_unregister(slot->channel->header_page());
-    slot->registered = false;
-    slot->channel.reset();  // the server's end of it goes too
-    // The caller holds slot->mu (Step), which its MutexLock releases later: the slot lives until the client goes.
+    Release(*slot);
+    {
+      absl::MutexLock lock(&slot->mu);
+      slot->channel.reset();  // the server's end of it goes too
+    }
+    // Another thread stepping on this stream may still hold the slot: it lives until the client goes.
     absl::MutexLock lock(&mu_);
     retired_.push_back(std::move(slot));
   }
@@ -356,6 +569,11 @@ absl::StatusOr<StepResult> CudaSteps::Step(StepBatch& batch, const DeviceStepTen
                                            const CallOptions& call) {
   return impl_->Step(batch, tensors, stream, call);
 }
+absl::Status CudaSteps::Submit(StepBatch& batch, const DeviceStepTensors& tensors, void* stream,
+                               const CallOptions& call) {
+  return impl_->Submit(batch, tensors, stream, call);
+}
+absl::Status CudaSteps::Sync(void* stream) { return impl_->Sync(stream); }
 absl::StatusOr<bool> CudaSteps::StreamOrdered() { return impl_->StreamOrdered(); }
 size_t CudaSteps::registered() const { return impl_->registered(); }
 

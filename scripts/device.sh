@@ -36,7 +36,7 @@ usage:
       python: the Python client's pytest suite (client/python/tests) with the GPU machine's Python and torch;
       torch: KV-sequence steps from PyTorch and C++ callers with CUDA tensors, ordered on their streams
       (client/python/bench/cuda_steps.py, ordered_steps, ipc_peer decode beside them) and the engine example
-      (client/python/examples/llama_engine.py) against in-process SDPA.
+      (client/python/examples/llama_engine.py) against in-process SDPA, then alone with steps that wait.
 Logs: $OUT/kernels.log, $OUT/service.log, and the benchmarks' rows as kernels_bench.json, kernels_ab.json and
 kernels_seedbench.json; a summary table is printed last. The exit status is 0 when every check passed.
 Parameters (environment of this script):
@@ -572,7 +572,7 @@ service_torch() {
     rc=$?
     echo "== $label rc=$rc rss_kb=$(ps -o rss= -p $server)" >> "$r"
     note "torch $label" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" \
-      "$(grep -E '^(one|[0-9]+ seq|ordered_steps)' "$r" | tail -1)"
+      "$(grep -E '^(one|[0-9]+ seq|ordered_steps|attnd / sdpa|attnd  )' "$r" | tail -1)"
   }
   run_torch python_steps $py client/python/bench/cuda_steps.py --target unix:$sock --shm-socket $shm \
     --json "$OUT/cuda_steps.json"
@@ -582,6 +582,9 @@ service_torch() {
   if [ -f client/python/examples/llama_engine.py ]; then
     run_torch engine $py client/python/examples/llama_engine.py --target unix:$sock --transport shm --shm_socket $shm \
       ${ENGINE_FLAGS:-} --json "$OUT/engine.json"
+    # The same engine with steps that return after they ran, attnd alone (the lock step above checked the model).
+    run_torch engine_wait $py client/python/examples/llama_engine.py --target unix:$sock --transport shm \
+      --shm_socket $shm --backend attnd --wait ${ENGINE_FLAGS:-} --json "$OUT/engine_wait.json"
   fi
   "$b/attn" stats --target=unix:$sock >> "$r" 2>&1
   kill -TERM $server

@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define ATTND_C_ABI_VERSION 3
+#define ATTND_C_ABI_VERSION 4
 
 enum attnd_transport {
   ATTND_TRANSPORT_DEFAULT = -1, /* per call: the client's transport */
@@ -206,6 +206,14 @@ typedef struct attnd_cuda_step_args {
  * NULL. */
 int32_t attnd_batch_step_cuda(attnd_batch* batch, const attnd_cuda_step_args* args, attnd_forward_info* info,
                               attnd_error* err);
+/* The same step without waiting for it (attnd::client::CudaSteps::Submit): returns once the step is queued to the
+ * stream's sender, and work queued on `stream` afterwards waits on the GPU until the step has been answered. A
+ * failed step's O is filled with NaN, steps submitted behind it on the stream are not sent, and the failure is
+ * returned by the next call on the stream (submit, step or attnd_cuda_sync). `lengths` is not filled. Host order:
+ * as attnd_batch_step_cuda. */
+int32_t attnd_batch_submit_cuda(attnd_batch* batch, const attnd_cuda_step_args* args, attnd_error* err);
+/* Waits on the host until every step submitted on `stream` is answered; the first failure not yet reported. */
+int32_t attnd_cuda_sync(attnd_client* client, uint64_t stream, attnd_error* err);
 /* 1 when this client's CUDA steps are stream-ordered, 0 when host-ordered; the gRPC status code negated on error. */
 int32_t attnd_cuda_stream_ordered(attnd_client* client, attnd_error* err);
 

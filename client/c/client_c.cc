@@ -704,19 +704,22 @@ ATTND_C_EXPORT int32_t attnd_cuda_stream_ordered(attnd_client* client, attnd_err
   return *ordered ? 1 : 0;
 }
 
-ATTND_C_EXPORT int32_t attnd_batch_step_cuda(attnd_batch* batch, const attnd_cuda_step_args* args,
-                                             attnd_forward_info* info, attnd_error* err) {
-  if (batch == nullptr) return Fail(err, absl::InvalidArgumentError("batch: NULL"));
-  if (args == nullptr) return Fail(err, absl::InvalidArgumentError("args: NULL"));
+namespace {
+
+// The checks of a CUDA step's arguments and the batch's request set from them; the tensors in *t.
+absl::StatusOr<attnd::client::CudaSteps*> PrepareCudaStep(attnd_batch* batch, const attnd_cuda_step_args* args,
+                                                          attnd::client::DeviceStepTensors* t) {
+  if (batch == nullptr) return absl::InvalidArgumentError("batch: NULL");
+  if (args == nullptr) return absl::InvalidArgumentError("args: NULL");
   attnd_client* c = batch->client;
   if (args->transport < ATTND_TRANSPORT_DEFAULT || args->transport > ATTND_TRANSPORT_SHM) {
-    return Fail(err, absl::InvalidArgumentError(absl::StrCat("transport: unknown value ", args->transport)));
+    return absl::InvalidArgumentError(absl::StrCat("transport: unknown value ", args->transport));
   }
   if (args->tokens < 0 || args->tokens > (int64_t{1} << 31)) {
-    return Fail(err, absl::InvalidArgumentError(absl::StrCat("tokens: must be 0..2^31, got ", args->tokens)));
+    return absl::InvalidArgumentError(absl::StrCat("tokens: must be 0..2^31, got ", args->tokens));
   }
   auto steps = CudaStepsOf(c);
-  if (!steps.ok()) return Fail(err, steps.status());
+  if (!steps.ok()) return steps.status();
   if (args->tokens > 0) batch->batch.set_tokens(args->tokens);
   v1::StepRequest& r = batch->batch.request();
   r.set_layer(args->layer);
@@ -727,20 +730,57 @@ ATTND_C_EXPORT int32_t attnd_batch_step_cuda(attnd_batch* batch, const attnd_cud
     r.clear_softmax_scale();
   }
   r.set_request_id(c->RequestId(args->request_id));
+  t->q = reinterpret_cast<const void*>(args->q);
+  t->k = reinterpret_cast<const void*>(args->k);
+  t->v = reinterpret_cast<const void*>(args->v);
+  t->o = reinterpret_cast<void*>(args->o);
+  t->q_bytes = args->q_bytes;
+  t->kv_bytes = args->kv_bytes;
+  return steps;
+}
+
+}  // namespace
+
+ATTND_C_EXPORT int32_t attnd_batch_step_cuda(attnd_batch* batch, const attnd_cuda_step_args* args,
+                                             attnd_forward_info* info, attnd_error* err) {
   attnd::client::DeviceStepTensors t;
-  t.q = reinterpret_cast<const void*>(args->q);
-  t.k = reinterpret_cast<const void*>(args->k);
-  t.v = reinterpret_cast<const void*>(args->v);
-  t.o = reinterpret_cast<void*>(args->o);
-  t.q_bytes = args->q_bytes;
-  t.kv_bytes = args->kv_bytes;
+  auto steps = PrepareCudaStep(batch, args, &t);
+  if (!steps.ok()) return Fail(err, steps.status());
+  attnd_client* c = batch->client;
   c->Begin();
   auto res = (*steps)->Step(batch->batch, t, reinterpret_cast<void*>(args->stream),
                             CallFor(c, args->transport, args->timeout_s));
   c->End();
-  if (!res.ok()) return Fail(err, res.status(), r.request_id());
+  if (!res.ok()) return Fail(err, res.status(), batch->batch.request().request_id());
   if (args->lengths != nullptr) std::copy(res->lengths.begin(), res->lengths.end(), args->lengths);
   if (info != nullptr) FillStepInfo(*res, info);
+  Ok(err);
+  return 0;
+}
+
+ATTND_C_EXPORT int32_t attnd_batch_submit_cuda(attnd_batch* batch, const attnd_cuda_step_args* args,
+                                               attnd_error* err) {
+  attnd::client::DeviceStepTensors t;
+  auto steps = PrepareCudaStep(batch, args, &t);
+  if (!steps.ok()) return Fail(err, steps.status());
+  attnd_client* c = batch->client;
+  c->Begin();
+  absl::Status s = (*steps)->Submit(batch->batch, t, reinterpret_cast<void*>(args->stream),
+                                    CallFor(c, args->transport, args->timeout_s));
+  c->End();
+  if (!s.ok()) return Fail(err, s, batch->batch.request().request_id());
+  Ok(err);
+  return 0;
+}
+
+ATTND_C_EXPORT int32_t attnd_cuda_sync(attnd_client* client, uint64_t stream, attnd_error* err) {
+  if (client == nullptr) return Fail(err, absl::InvalidArgumentError("client: NULL"));
+  auto steps = CudaStepsOf(client);
+  if (!steps.ok()) return Fail(err, steps.status());
+  client->Begin();
+  absl::Status s = (*steps)->Sync(reinterpret_cast<void*>(stream));
+  client->End();
+  if (!s.ok()) return Fail(err, s);
   Ok(err);
   return 0;
 }

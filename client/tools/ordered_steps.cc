@@ -3,7 +3,8 @@
 // client library, and a check: every step's O is copied back on the same stream, right after the call, and
 // compared with the double-precision oracle over the sequence's whole history (the prefill's only up to 1024
 // rows); then a dependent decode chain (each Q copied on the stream from the previous O) is timed by CUDA events
-// between consecutive steps.
+// between consecutive steps, once with Step (the call returns after the step ran) and once with Submit (it returns
+// before; the stream waits for the step on the GPU). --submit checks the steps through Submit too.
 //
 //   ordered_steps --target=unix:/tmp/attnd.sock --shm_socket=/tmp/attnd_shm.sock --context=4096 --steps=2000
 #include <cuda_runtime_api.h>
@@ -15,6 +16,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "attnd/client/client.h"
 #include "attnd/client/cuda_steps.h"
@@ -25,6 +27,7 @@ ABSL_FLAG(std::string, shm_socket, "", "the server's --shm_socket (empty: steps 
 ABSL_FLAG(int64_t, context, 1024, "keys cached before the decode steps");
 ABSL_FLAG(int64_t, checked_steps, 8, "decode steps whose O is checked against the oracle");
 ABSL_FLAG(int64_t, steps, 1000, "timed decode steps");
+ABSL_FLAG(bool, submit, false, "the checked steps through Submit (the call returns before the step runs)");
 
 namespace {
 
@@ -92,12 +95,15 @@ int main(int argc, char** argv) {
     batch.set_tokens(rows);
     batch.request().set_layer(0);
     batch.request().set_q_heads(kQHeads);
-    auto r = cuda.Step(batch, {q, k, v, out, rows * q_row, rows * kv_row}, stream);
-    if (!r.ok()) return Die(absl::StrCat("step ", i, ": ", r.status().ToString()));
+    const client::DeviceStepTensors t{q, k, v, out, rows * q_row, rows * kv_row};
+    const absl::Status r =
+        absl::GetFlag(FLAGS_submit) ? cuda.Submit(batch, t, stream) : cuda.Step(batch, t, stream).status();
+    if (!r.ok()) return Die(absl::StrCat("step ", i, ": ", r.ToString()));
     // The consumer: O copied back on the stream after the call, before any host wait.
     o_host.resize(rows * q_row);
     CUDA_OK(cudaMemcpyAsync(o_host.data(), out, o_host.size(), cudaMemcpyDeviceToHost, stream));
     CUDA_OK(cudaStreamSynchronize(stream));
+    if (absl::Status done = cuda.Sync(stream); !done.ok()) return Die(absl::StrCat("step ", i, ": ", done.ToString()));
     hist_k += hk;
     hist_v += hv;
     if (i == 0 && context > 1024) continue;  // a long prefill's double-precision oracle takes the CPU seconds
@@ -120,24 +126,29 @@ int main(int argc, char** argv) {
   batch.set_tokens(1);
   std::vector<cudaEvent_t> ev(steps);
   for (cudaEvent_t& e : ev) CUDA_OK(cudaEventCreate(&e));
-  for (int64_t i = 0; i < steps; ++i) {
-    CUDA_OK(cudaMemcpyAsync(q, out, q_row, cudaMemcpyDeviceToDevice, stream));
-    auto r = cuda.Step(batch, {q, k, v, out, q_row, kv_row}, stream);
-    if (!r.ok()) return Die(absl::StrCat("timed step ", i, ": ", r.status().ToString()));
-    CUDA_OK(cudaEventRecord(ev[i], stream));
-  }
-  CUDA_OK(cudaStreamSynchronize(stream));
-  std::vector<double> gaps;
-  for (int64_t i = 1; i < steps; ++i) {
-    float ms = 0;
-    CUDA_OK(cudaEventElapsedTime(&ms, ev[i - 1], ev[i]));
-    gaps.push_back(ms * 1e3);
-  }
-  std::sort(gaps.begin(), gaps.end());
-  if (!gaps.empty()) {
-    std::printf("ordered_steps: %lld decode steps at %lld keys: step p50 %.1f us, p90 %.1f us, p99 %.1f us\n",
-                static_cast<long long>(steps), static_cast<long long>(context), gaps[gaps.size() / 2],
-                gaps[gaps.size() * 9 / 10], gaps[std::min(gaps.size() - 1, gaps.size() * 99 / 100)]);
+  for (const bool submit : {false, true}) {
+    for (int64_t i = 0; i < steps; ++i) {
+      CUDA_OK(cudaMemcpyAsync(q, out, q_row, cudaMemcpyDeviceToDevice, stream));
+      const client::DeviceStepTensors t{q, k, v, out, q_row, kv_row};
+      const absl::Status r = submit ? cuda.Submit(batch, t, stream) : cuda.Step(batch, t, stream).status();
+      if (!r.ok()) return Die(absl::StrCat("timed step ", i, ": ", r.ToString()));
+      CUDA_OK(cudaEventRecord(ev[i], stream));
+    }
+    CUDA_OK(cudaStreamSynchronize(stream));
+    if (absl::Status done = cuda.Sync(stream); !done.ok()) return Die(absl::StrCat("timed steps: ", done.ToString()));
+    std::vector<double> gaps;
+    for (int64_t i = 1; i < steps; ++i) {
+      float ms = 0;
+      CUDA_OK(cudaEventElapsedTime(&ms, ev[i - 1], ev[i]));
+      gaps.push_back(ms * 1e3);
+    }
+    std::sort(gaps.begin(), gaps.end());
+    if (!gaps.empty()) {
+      std::printf("ordered_steps: %lld decode steps at %lld keys (%s): step p50 %.1f us, p90 %.1f us, p99 %.1f us\n",
+                  static_cast<long long>(steps), static_cast<long long>(context), submit ? "Submit" : "Step",
+                  gaps[gaps.size() / 2], gaps[gaps.size() * 9 / 10],
+                  gaps[std::min(gaps.size() - 1, gaps.size() * 99 / 100)]);
+    }
   }
   for (cudaEvent_t e : ev) cudaEventDestroy(e);
   (void)(*c)->CloseSequence(opened->ids);

@@ -9,7 +9,7 @@ import ctypes
 import os
 import struct
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 TRANSPORTS = {"auto": 0, "unary": 1, "stream": 2, "shm": 3}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
@@ -153,6 +153,7 @@ assert FORWARD_ARGS.size == ctypes.sizeof(ForwardArgs) and STEP_ARGS.size == cty
 assert CUDA_STEP_ARGS.size == ctypes.sizeof(CudaStepArgs)
 
 _BY_ADDRESS = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+_BY_ADDRESS3 = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 DONE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(Error), ctypes.POINTER(ForwardInfo))
 
 _lib = None
@@ -204,6 +205,9 @@ def load():
     lib.forward_at = _BY_ADDRESS(("attnd_forward", lib))
     lib.step_at = _BY_ADDRESS(("attnd_step", lib))
     lib.cuda_step_at = _BY_ADDRESS(("attnd_batch_step_cuda", lib))
+    lib.cuda_submit_at = _BY_ADDRESS3(("attnd_batch_submit_cuda", lib))
+    lib.attnd_cuda_sync.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(Error)]
+    lib.attnd_cuda_sync.restype = ctypes.c_int32
     lib.attnd_forward_async.argtypes = [ctypes.c_void_p, ctypes.POINTER(ForwardArgs), DONE_FN, ctypes.c_void_p,
                                         ctypes.POINTER(Error)]
     lib.attnd_forward_async.restype = ctypes.c_int32

@@ -740,13 +740,13 @@ class Client:
         return o, parts
 
 
-    def batch(self, sequences, tokens=None):
+    def batch(self, sequences, tokens=None, wait=True):
         """A StepBatch of `sequences` (Sequence objects or ids): their ids are packed once, and its step() costs the
         same host work for 1 or 256 sequences. tokens: rows per sequence per step (default: T // len(sequences) of
-        each step's tensors)."""
+        each step's tensors). wait=False: stream-ordered steps return before they run (StepBatch says how)."""
         if isinstance(sequences, (Sequence, str)):
             sequences = [sequences]
-        return StepBatch(self, list(sequences), tokens)
+        return StepBatch(self, list(sequences), tokens, wait=wait)
 
     def _batch_for(self, ids, sequences):
         with self._mu:
@@ -1052,9 +1052,16 @@ class StepBatch:
     sequence i's rows at [i * tokens, (i + 1) * tokens). torch CUDA tensors go by reference, ordered on the current
     stream (docs/sequences.md); NumPy arrays and CPU tensors go inline through Client.step. `lengths`
     holds each sequence's cached tokens at the last step's layer after that step (Sequence.lengths is left as it
-    was: updating it is per-sequence work)."""
+    was: updating it is per-sequence work).
 
-    def __init__(self, client, sequences, tokens=None):
+    wait=False (the batch's default, or per step): where steps are stream-ordered (Client.stream_ordered), step()
+    returns once the step is queued, before it runs, and work queued afterwards on the current stream waits on the
+    GPU until it has run; so the host queues the engine's next kernels while attnd attends. A step that fails has
+    its O filled with NaN before the stream goes on, later steps submitted on that stream are not sent, and the
+    error is raised by the next step() or synchronize() on the stream. `lengths` and `last_info` are not updated
+    by such steps. Elsewhere wait=False steps run as wait=True ones."""
+
+    def __init__(self, client, sequences, tokens=None, wait=True):
         if not sequences:
             raise _invalid("sequences: empty")
         self.client = client
@@ -1080,6 +1087,9 @@ class StepBatch:
         self._err = _lib.Error()
         self._err_addr = ctypes.addressof(self._err)
         self._mu = threading.Lock()  # the argument struct is reused: one call at a time
+        self._submit_at = client._lib.cuda_submit_at
+        self.wait = bool(wait)
+        self._device = None  # of the last CUDA step: synchronize() waits for that device's current stream
         self.last_info = None
 
     def __len__(self):
@@ -1107,10 +1117,20 @@ class StepBatch:
         except Exception:
             pass
 
+    def synchronize(self):
+        """Waits until every step submitted with wait=False on the current stream has run; raises the first failure
+        not yet raised."""
+        if self._device is None:
+            return
+        err = _lib.Error()
+        if self._lib.attnd_cuda_sync(self.client._h(), _current_stream_handle(self._device), ctypes.byref(err)) != 0:
+            _raise(err)
+
     def step(self, layer, q=None, k=None, v=None, out=None, tokens=None, q_heads=None, scale=None, transport=None,
-             timeout=None, request_id=None, dtype=None):
+             timeout=None, request_id=None, dtype=None, wait=None):
         """One step at `layer`; returns O [T, q_heads, head_dim] (in `out` when given: contiguous, q's shape, dtype
-        and device), or None without q. dtype: for uint16 NumPy bits only, as in Client.step."""
+        and device), or None without q. dtype: for uint16 NumPy bits only, as in Client.step. wait: None for the
+        batch's."""
         first = q if q is not None else k
         if first is None:
             raise _invalid("q, k, v: none given")
@@ -1169,7 +1189,9 @@ class StepBatch:
             has_scale, scale_f, tr, timeout_s = 0, 0.0, _TRANSPORT_DEFAULT, 0.0
         else:
             has_scale, scale_f, tr, timeout_s = _options(scale, transport, timeout)
-        stream = _current_stream_handle(first.get_device())
+        index = first.get_device()
+        stream = _current_stream_handle(index)
+        submit = not (self.wait if wait is None else wait)
         with self._mu:
             if not self._handle:
                 raise AttndError(StatusCode.FAILED_PRECONDITION, "batch: closed")
@@ -1178,6 +1200,13 @@ class StepBatch:
                             qb, kvb, self._lengths_addr)
             if request_id:
                 a.request_id = request_id.encode()
+            self._device = index
+            if submit:
+                # The step reads q, k, v and writes out in stream order: torch's allocator reuses their memory only
+                # for work queued on this stream after it, which waits for the step.
+                if self._submit_at(self._handle, self._args_addr, self._err_addr) != 0:
+                    _raise(self._err)
+                return out
             # q, k, v and out stay referenced by this frame until the call returns, which is after the step ran.
             if self._step_at(self._handle, self._args_addr, self._info_addr, self._err_addr) != 0:
                 _raise(self._err)

@@ -11,6 +11,9 @@
 - N sequences (--sequences, 64) in one StepBatch from one caller, and from two caller processes of N/2 each: decode
   tokens per second against the kernel-only rate (N / the kernel time of one step of all N).
 
+Each is run twice: with steps that return after they ran ("wait", StepBatch wait=True) and with steps that return
+before ("submit", wait=False: the stream waits for the step on the GPU, the host runs ahead).
+
   python3 client/python/bench/cuda_steps.py --target unix:/tmp/attnd.sock --shm-socket /tmp/attnd_shm.sock
 """
 import argparse
@@ -83,37 +86,47 @@ def chain(batch, n, steps, torch, events=False):
     return wall, calls, gaps
 
 
+MODES = (("wait", True), ("submit", False))
+
+
 def one_sequence(a, torch, out):
     client = client_for(a)
     assert client.stream_ordered, "the server does not order steps on the caller's stream"
     seq = client.open_sequence(layers=1, kv_heads=KV, head_dim=D)
+    rows = {}
     try:
         batch = client.batch([seq])
         fill(batch, 1, a.context, torch)
         kern = kernel_us(client, [seq])
-        chain(batch, 1, 200, torch)  # warm-up: registrations, streams, the server's slots
-        wall, calls, gaps = chain(batch, 1, a.steps, torch, events=True)
+        for mode, wait in MODES:
+            batch.wait = wait
+            chain(batch, 1, 200, torch)  # warm-up: registrations, streams, the server's slots
+            wall, calls, gaps = chain(batch, 1, a.steps, torch, events=True)
+            batch.synchronize()
+            row = rows[mode] = {
+                "kernel_us": kern, "step_p50_us": statistics.median(gaps), "step_p90_us": pct(gaps, 90),
+                "step_p99_us": pct(gaps, 99), "call_p50_us": statistics.median(calls),
+                "over_kernel_p50_us": statistics.median(gaps) - kern, "steps": a.steps}
+            print(f"one sequence kv {a.context} ({mode}): step p50 {row['step_p50_us']:.1f} us (p90 "
+                  f"{row['step_p90_us']:.1f}, p99 {row['step_p99_us']:.1f}) = kernel {kern:.1f} + "
+                  f"{row['over_kernel_p50_us']:.1f} us; the call returns after {row['call_p50_us']:.1f} us (p50)",
+                  flush=True)
     finally:
         seq.close()
-    row = {"kernel_us": kern, "step_p50_us": statistics.median(gaps), "step_p90_us": pct(gaps, 90),
-           "step_p99_us": pct(gaps, 99), "call_p50_us": statistics.median(calls),
-           "over_kernel_p50_us": statistics.median(gaps) - kern, "steps": a.steps}
-    print(f"one sequence kv {a.context}: step p50 {row['step_p50_us']:.1f} us (p90 {row['step_p90_us']:.1f}, p99 "
-          f"{row['step_p99_us']:.1f}) = kernel {kern:.1f} + {row['over_kernel_p50_us']:.1f} us; the call returns "
-          f"after {row['call_p50_us']:.1f} us (p50)", flush=True)
-    out["one_sequence"] = row
+    out["one_sequence"] = rows
     client.close()
 
 
-def caller(a, n, steps, start, results):
+def caller(a, n, steps, wait, start, results):
     import torch
     client = client_for(a)
     seqs = client.open_sequence(layers=1, kv_heads=KV, head_dim=D, count=n)
-    batch = client.batch(seqs)
+    batch = client.batch(seqs, wait=wait)
     fill(batch, n, a.context, torch)
     chain(batch, n, 20, torch)
     start.wait()
     wall, calls, _ = chain(batch, n, steps, torch)
+    batch.synchronize()
     results.put({"tokens_per_s": n * steps / wall, "call_p50_us": statistics.median(calls)})
     client.close_sequences(seqs)
     client.close()
@@ -122,35 +135,42 @@ def caller(a, n, steps, start, results):
 def many(a, torch, out):
     client = client_for(a)
     seqs = client.open_sequence(layers=1, kv_heads=KV, head_dim=D, count=a.sequences)
+    one, calls = {}, {}
     try:
         batch = client.batch(seqs)
         fill(batch, a.sequences, a.context, torch)
         kern = kernel_us(client, seqs)
         kernel_rate = a.sequences / (kern * 1e-6)
-        chain(batch, a.sequences, 20, torch)
-        wall, calls, _ = chain(batch, a.sequences, a.steps64, torch)
-        one = a.sequences * a.steps64 / wall
+        for mode, wait in MODES:
+            batch.wait = wait
+            chain(batch, a.sequences, 20, torch)
+            wall, calls[mode], _ = chain(batch, a.sequences, a.steps64, torch)
+            batch.synchronize()
+            one[mode] = a.sequences * a.steps64 / wall
     finally:
         client.close_sequences(seqs)
     client.close()
-    ctx = mp.get_context("spawn")
-    start, results = ctx.Barrier(2), ctx.Queue()
-    half = a.sequences // 2
-    procs = [ctx.Process(target=caller, args=(a, half, a.steps64, start, results)) for _ in range(2)]
-    for p in procs:
-        p.start()
-    two = [results.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join()
-    two_rate = sum(r["tokens_per_s"] for r in two)
-    row = {"sequences": a.sequences, "kernel_us": kern, "kernel_tokens_per_s": kernel_rate,
-           "one_caller_tokens_per_s": one, "one_caller_ratio": one / kernel_rate,
-           "one_caller_call_p50_us": statistics.median(calls), "two_callers_tokens_per_s": two_rate,
-           "two_callers_ratio": two_rate / kernel_rate}
-    print(f"{a.sequences} sequences x {a.context}: kernel {kern:.1f} us = {kernel_rate:,.0f} tokens/s; one caller "
-          f"{one:,.0f} ({one / kernel_rate:.2f}x), two callers {two_rate:,.0f} ({two_rate / kernel_rate:.2f}x)",
-          flush=True)
-    out["many"] = row
+    rows = {}
+    for mode, wait in MODES:
+        ctx = mp.get_context("spawn")
+        start, results = ctx.Barrier(2), ctx.Queue()
+        half = a.sequences // 2
+        procs = [ctx.Process(target=caller, args=(a, half, a.steps64, wait, start, results)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        two = [results.get(timeout=600) for _ in procs]
+        for p in procs:
+            p.join()
+        two_rate = sum(r["tokens_per_s"] for r in two)
+        rows[mode] = {"sequences": a.sequences, "kernel_us": kern, "kernel_tokens_per_s": kernel_rate,
+                      "one_caller_tokens_per_s": one[mode], "one_caller_ratio": one[mode] / kernel_rate,
+                      "one_caller_call_p50_us": statistics.median(calls[mode]),
+                      "two_callers_tokens_per_s": two_rate, "two_callers_ratio": two_rate / kernel_rate}
+        print(f"{a.sequences} sequences x {a.context} ({mode}): kernel {kern:.1f} us = {kernel_rate:,.0f} tokens/s; "
+              f"one caller {one[mode]:,.0f} ({one[mode] / kernel_rate:.2f}x, the call returns after "
+              f"{rows[mode]['one_caller_call_p50_us']:.0f} us), two callers {two_rate:,.0f} "
+              f"({two_rate / kernel_rate:.2f}x)", flush=True)
+    out["many"] = rows
 
 
 def main():

@@ -186,6 +186,136 @@ def test_server_death_while_a_step_waits(tmpdir_short):
         s.stop()
 
 
+def test_submitted_steps_layer_after_layer(cuda_server):
+    """wait=False: each layer's Q is made on the stream from the previous layer's O and its step submitted without
+    waiting; the consumer's copy of O queued right after each call must see that step's answer."""
+    s, c = cuda_server
+    g = torch.Generator().manual_seed(7)
+    seqs = c.open_sequence(layers=2, kv_heads=KV, head_dim=D, count=4)
+    try:
+        batch = c.batch(seqs, wait=False)
+        hists = [[History() for _ in seqs] for _ in range(2)]
+        o = rand(g, 4, HQ)
+        seen, sent = [], []
+        for step in range(6):
+            n = 16 if step == 0 else 1  # a prefill chunk, then decode steps
+            for layer in range(2):
+                q = (o[:4].repeat_interleave(n, 0) * 3.0).contiguous()  # the producer reads the last O
+                k, v = rand(g, 4 * n, KV), rand(g, 4 * n, KV)
+                o = torch.full_like(q, float("nan"))
+                batch.step(layer, q, k, v, out=o)
+                seen.append(o.clone())  # the consumer, queued right after the call
+                sent.append((layer, n, q.clone(), k, v))
+        batch.synchronize()
+        for (layer, n, q, k, v), got in zip(sent, seen):
+            for i, h in enumerate(hists[layer]):
+                part = slice(i * n, (i + 1) * n)
+                h.add(k[part], v[part])
+                assert_close(f64(got[part]), h.expect(q[part]), atol=3e-2)
+        assert [c.sequence_info(x.id)["lengths"] for x in seqs] == [[21, 21]] * 4
+    finally:
+        c.close_sequences(seqs)
+
+
+def test_submitted_step_returns_before_its_producer_ends(cuda_server):
+    s, c = cuda_server
+    g = torch.Generator().manual_seed(8)
+    stream = torch.cuda.Stream()
+    with c.open_sequence(layers=1, kv_heads=KV, head_dim=D) as seq, torch.cuda.stream(stream):
+        batch = c.batch([seq], wait=False)
+        h = History()
+        k0, v0 = rand(g, 64, KV), rand(g, 64, KV)
+        batch.step(0, k=k0, v=v0)
+        h.add(k0, v0)
+        q_true, k, v = rand(g, 1, HQ, 4.0), rand(g, 1, KV), rand(g, 1, KV)
+        q = torch.zeros_like(q_true)
+        o = torch.full_like(q_true, float("nan"))
+        stream.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        q.copy_(q_true)
+        t0 = time.perf_counter()
+        batch.step(0, q, k, v, out=o)
+        took = time.perf_counter() - t0
+        seen = o.clone()
+        stream.synchronize()
+        assert took < 0.05, f"the call waited {took:.3f} s for its producer"
+        h.add(k, v)
+        assert_close(f64(seen), h.expect(q_true), atol=3e-2)
+        batch.synchronize()
+
+
+def test_a_failed_submitted_step_poisons_o_and_stops_the_steps_behind_it(cuda_server):
+    """A submitted step the server refuses (no layer 3): its O and that of the step submitted behind it become
+    NaN before the stream reads them, the second is not sent (nothing appended), the next call raises the
+    failure, and steps after that run normally."""
+    s, c = cuda_server
+    g = torch.Generator().manual_seed(9)
+    with c.open_sequence(layers=1, kv_heads=KV, head_dim=D) as seq:
+        batch = c.batch([seq], wait=False)
+        q, k, v = rand(g, 1, HQ), rand(g, 1, KV), rand(g, 1, KV)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)  # the first step waits for this, so the others queue behind it
+        o1, o2, o3 = torch.zeros_like(q), torch.zeros_like(q), torch.zeros_like(q)
+        batch.step(0, q, k, v, out=o1)
+        batch.step(3, q, k, v, out=o2)  # refused by the server
+        batch.step(0, q, k, v, out=o3)  # behind it: not sent
+        seen2, seen3 = o2.clone(), o3.clone()
+        with pytest.raises(attnd.AttndError) as e:
+            batch.synchronize()
+        assert e.value.code == attnd.StatusCode.INVALID_ARGUMENT and "layer" in e.value.message, e.value
+        torch.cuda.synchronize()
+        assert torch.isnan(seen2).all() and torch.isnan(seen3).all()
+        h = History()
+        h.add(k, v)
+        assert_close(f64(o1), h.expect(q), atol=3e-2)
+        assert seq.info()["lengths"] == [1]
+        batch.synchronize()  # reported once
+        q2, k2, v2 = rand(g, 1, HQ), rand(g, 1, KV), rand(g, 1, KV)
+        o = batch.step(0, q2, k2, v2)
+        batch.synchronize()
+        h.add(k2, v2)
+        assert_close(f64(o), h.expect(q2), atol=3e-2)
+
+
+def test_server_death_releases_a_stream_waiting_on_submitted_steps(tmpdir_short):
+    """Steps submitted behind a 2 s producer when the server is killed: the stream, which waits for them on the
+    GPU, is released once the client sees the server gone (their O filled with NaN), and the next call raises
+    UNAVAILABLE."""
+    s, c = start_cuda_server(tmpdir_short, "dying2")
+    try:
+        g = torch.Generator().manual_seed(10)
+        seq = c.open_sequence(layers=1, kv_heads=KV, head_dim=D)
+        batch = c.batch([seq], wait=False)
+        q, k, v = rand(g, 1, HQ), rand(g, 1, KV), rand(g, 1, KV)
+        batch.step(0, q, k, v)
+        batch.synchronize()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES * 20)
+        o1, o2 = torch.zeros_like(q), torch.zeros_like(q)  # written on the stream after the producer
+        t0 = time.time()
+        batch.step(0, q, k, v, out=o1)
+        batch.step(0, q, k, v, out=o2)
+        seen = torch.cat([o1, o2]).clone()
+        s.proc.send_signal(signal.SIGKILL)
+        s.proc.wait()
+        gone = time.time() - t0
+        torch.cuda.current_stream().synchronize()
+        done = time.time() - t0
+        err = None
+        try:
+            batch.synchronize()
+        except attnd.AttndError as e:
+            err = e
+        detail = (f"server gone after {gone:.2f} s, stream done after {done:.2f} s, error {err!r}, "
+                  f"O {seen[:, 0, :4].tolist()}")
+        assert done < 10, detail
+        assert torch.isnan(seen).all(), detail
+        assert err is not None and err.code == attnd.StatusCode.UNAVAILABLE, detail
+    finally:
+        c.close()
+        s.stop()
+
+
 CALLER = textwrap.dedent("""
     import sys, time, torch, attnd
     c = attnd.Client(sys.argv[1], transport="shm", shm_socket=sys.argv[2])

@@ -6,6 +6,7 @@
 //   auto batch = attnd::client::StepBatch({ids...}, /*tokens=*/1);    // once per set of sequences
 //   batch.request().set_layer(l);                                       // per call: layer and device tensors
 //   (*steps)->Step(batch, {q, k, v, o, q_bytes, kv_bytes}, stream);     // no wait for `stream` on the host
+//   (*steps)->Submit(batch, {q, k, v, o, q_bytes, kv_bytes}, stream);   // nor for the step itself
 //
 // Memory: each tensor is named by the CUDA allocation it lies in (cuMemGetAddressRange) and its offset there. An
 // allocation is registered with the server (RegisterCudaBuffer) the first time a tensor in it is stepped, and kept
@@ -20,11 +21,12 @@
 // the appended rows without any wait. Elsewhere (gRPC, or a server without ServerInfo.stream_ordered_steps) the
 // stream is synchronised before the step is sent (host order).
 //
-// The server's completion is not handed to the stream as a GPU-side wait: that makes the caller's stream wait on
-// the server's process, which a server's death leaves waiting forever, and it was no faster (309 us a step on the
-// H200 without MPS, as this form takes there; docs/sequences.md). The wait word is read by the server's CPU, so
-// neither process's GPU work waits on the other's. Share the GPU through MPS: without it, each step whose caller ran
-// GPU work since the last pays two switches between the processes' contexts (about 275 us on the H200).
+// Submit returns before the step has run: the caller's stream then waits on a done word in this process's memory,
+// which this process's sender thread writes when the reply comes (or, after filling O with NaN, when the step
+// failed or the server died). The stream never waits on memory another process must write, so a server's death
+// cannot leave it waiting; the wait word is read by the server's CPU, so neither process's GPU work waits on the
+// other's. Share the GPU through MPS: without it, each step whose caller ran GPU work since the last pays two
+// switches between the processes' contexts (about 275 us on the H200).
 //
 // The driver API is loaded at run time (libcuda.so.1), so the library still builds and runs without CUDA.
 #pragma once
@@ -72,6 +74,9 @@ struct DeviceStepTensors {
 struct CudaStepsOptions {
   // Use host order even where the server offers stream order (for comparisons and tests).
   bool host_order = false;
+  // Submitted steps a stream may have unanswered before Submit waits for the oldest: how far the caller's host
+  // may run ahead of the server (an engine needs one layer ahead; a few absorb jitter).
+  size_t max_steps_ahead = 4;
 };
 
 class CudaSteps {
@@ -91,6 +96,17 @@ class CudaSteps {
   // Thread-safe; calls on one stream are sent in the order they are issued.
   absl::StatusOr<StepResult> Step(StepBatch& batch, const DeviceStepTensors& tensors, void* stream,
                                   const CallOptions& call = {});
+  // The same step without waiting for it: returns once the step is queued to this stream's sender thread, and
+  // work the caller queues on `stream` afterwards waits on the GPU (cuStreamWaitValue64 on a done word in this
+  // process's host memory) until the step has been answered. So the caller's host runs ahead and queues its next
+  // kernels while the step runs. A step that fails has its O filled with NaN before the stream goes on, steps
+  // submitted behind it on the stream are not sent, and the failure is returned by the next Submit, Step or Sync
+  // on the stream (which then does nothing else). The tensors must stay allocated until the stream passes the step
+  // (stream-ordered reuse, as torch's caching allocator does, is fine). Host order (see StreamOrdered): as Step.
+  absl::Status Submit(StepBatch& batch, const DeviceStepTensors& tensors, void* stream, const CallOptions& call = {});
+  // Waits on the host until every step submitted on `stream` is answered; returns the first failure not yet
+  // reported (OK when there is none).
+  absl::Status Sync(void* stream);
   // Whether steps with transport kShm go stream-ordered (the client has a shm_socket, the server offers it, the
   // device can write host memory from a stream, host_order is off); asks the server once.
   absl::StatusOr<bool> StreamOrdered();
