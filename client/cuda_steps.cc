@@ -403,6 +403,13 @@ class CudaSteps::Impl {
         }
       }
       if (!status.ok() && q->o != nullptr) {
+        // The fill runs on another stream, so it must come after what the caller queued before the step (which may
+        // write O too): once the caller's stream has written the step's wait word, or after the step's timeout.
+        const absl::Time give_up = absl::Now() + q->timeout;
+        while (static_cast<int64_t>(sl.channel->wait_word()->load(std::memory_order_acquire) - q->value) < 0 &&
+               absl::Now() < give_up) {
+          absl::SleepFor(absl::Microseconds(50));
+        }
         // 0xFFFF is a NaN in bf16 and in fp16.
         if (d_.memset_d16_async(reinterpret_cast<CUdeviceptr>(q->o), 0xFFFF, q->o_bytes / 2, sl.fill_stream) ==
             kSuccess) {
