@@ -210,9 +210,9 @@ absl::Status ValidateProblem(const Problem& p, const Layout& layout) {
       return absl::InvalidArgumentError(absl::StrCat("shape.", f.name, " ", f.value, " exceeds the limit ", f.max));
     }
   }
-  if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shape.head_dim ", s.head_dim, " is not supported (supported: 64, 128, 256)"));
+  if (!IsSupportedHeadDim(s.head_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat("shape.head_dim ", s.head_dim, " is not supported (supported: ",
+                                                   absl::StrJoin(kHeadDims, ", "), ")"));
   }
   if (s.q_heads % s.kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat("shape.q_heads (", s.q_heads,
@@ -311,7 +311,7 @@ absl::StatusOr<std::vector<ConfigInfo>> AutoConfigsForDevice(int device) {
   // The rules branch on head_dim, the mask, q_len and how many blocks a problem fills: the extremes of each
   // reach every branch.
   std::set<std::string> names;
-  for (int64_t head_dim : {64, 128, 256}) {
+  for (int64_t head_dim : kHeadDims) {
     for (Mask mask : {Mask::kNone, Mask::kCausalTopLeft, Mask::kCausalBottomRight}) {
       for (int64_t q_len : {int64_t{1}, int64_t{1} << 20}) {
         for (int64_t batch : {int64_t{1}, int64_t{1} << 12}) {

@@ -726,7 +726,7 @@ class CudaBackendImpl final : public Backend {
     for (const auto& d : devices_) out.push_back(d->description());
     return out;
   }
-  std::vector<int64_t> supported_head_dims() const override { return {64, 128, 256}; }
+  std::vector<int64_t> supported_head_dims() const override { return {kHeadDims.begin(), kHeadDims.end()}; }
   std::vector<DType> supported_dtypes() const override { return {DType::kBF16, DType::kFP16}; }
   std::vector<std::string> kernels() const override {
     std::vector<std::string> out;

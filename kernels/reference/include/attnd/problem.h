@@ -2,6 +2,8 @@
 // Plain C++ (no CUDA, no gRPC), so the server, the kernels, the client and the tests share one definition.
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 
@@ -50,6 +52,13 @@ struct Problem {
   float scale = 0.f;  // softmax scale applied to Q.K
   bool want_lse = false;
 };
+
+// The head dims every kernel family is built for. The CPU reference serves the same set, so that a client sees one
+// API whichever backend answers.
+inline constexpr std::array<int64_t, 3> kHeadDims = {64, 128, 256};
+inline bool IsSupportedHeadDim(int64_t head_dim) {
+  return std::find(kHeadDims.begin(), kHeadDims.end(), head_dim) != kHeadDims.end();
+}
 
 inline float DefaultScale(int64_t head_dim) { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
 
