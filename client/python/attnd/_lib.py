@@ -144,8 +144,8 @@ class CudaStepArgs(ctypes.Structure):
 
 # ForwardArgs and StepArgs as struct formats, so that a call fills its argument struct with one pack_into (a
 # ctypes field assignment each costs about as much as the whole pack). Pointers are packed as integers: whoever
-# packs them keeps the objects they point into alive until the call is done. tests/test_layout.py checks every
-# field's offset against the ctypes declarations above.
+# packs them keeps the objects they point into alive until the call is done. client/python/tests/test_layout.py
+# checks every field's offset against the ctypes declarations above.
 FORWARD_ARGS = struct.Struct("@6q3if2idP" + "PPQ3q" * 4 + "P")
 STEP_ARGS = struct.Struct("@3q2PifiidP" + "PQ" * 5 + "P")
 CUDA_STEP_ARGS = struct.Struct("@3qifidP7QP")

@@ -112,7 +112,7 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
       Scheduler scheduler;
       // Shared-memory epilogue: the V stage holding this warpgroup's O until its TMA store has read it (-1: none);
       // with split O stages, the index of its empty barrier after k_empty (warpgroup 0: a K stage, 1: a V stage),
-      // so that no pointer stays live beside it (128x176 spilled with one).
+      // so that no pointer stays live beside it (a wider tile spilled with one).
       int o_stage = -1;
       uint64_t* const o_empty = smem.k_empty;
       for (int round = 0;; ++round) {

@@ -1,7 +1,8 @@
 // The Hopper family's launch schedule, decided on the host when a plan is made (PlanOptions::hopper): how many
 // persistent blocks, which tile order (static, paired, dynamic), whether the last round is split, and where the
-// launch's scratch lies in the caller's workspace. Plain host code with no device calls, so that host tests
-// check the decisions (tests/hopper_scheduler_test.cc); flash_fwd_launch_sm90.cuh applies them per tile shape.
+// launch's scratch lies in the caller's workspace. Plain host code with no device calls, so that host tests check
+// the decisions (tests/unit/kernels/hopper_scheduler_test.cc); flash_fwd_launch_sm90.cuh applies them per tile
+// shape.
 #pragma once
 
 #include <cstddef>

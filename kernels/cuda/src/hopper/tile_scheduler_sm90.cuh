@@ -16,7 +16,7 @@
 // ~600 MB for a 68 GFLOP problem), and sections of the LPT order could not be balanced by a static snake.
 #pragma once
 
-#include <cuda_runtime.h>  // __host__ __device__ (host compilers too: tests/hopper_scheduler_test.cc)
+#include <cuda_runtime.h>  // __host__ __device__ (host compilers too: tests/unit/kernels/hopper_scheduler_test.cc)
 
 #include <cstdint>
 

@@ -41,7 +41,7 @@ struct SequenceShape {
 
 // The pages of one shape, in the backend's memory (device memory on CUDA, host memory on the CPU backend).
 // One allocation, laid out so that every layer's K (and V) is a page pool the paged decode kernels read
-// directly (kernels/decode.h, KvStorage::kPaged): layer l's K pages start at element (2 l) * num_pages *
+// directly (attnd/kernels/decode.h, KvStorage::kPaged): layer l's K pages start at element (2 l) * num_pages *
 // page_elems, its V pages at (2 l + 1) * num_pages * page_elems; page p of a pool holds [page_tokens, kv_heads,
 // head_dim]. A page index means the same page at every layer, so a sequence has one page table for all layers.
 class KvPool {
