@@ -1,0 +1,144 @@
+#include "attnd/client/client.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace attnd::client {
+
+v1::Dtype ToProto(DType t) { return t == DType::kBF16 ? v1::DTYPE_BF16 : v1::DTYPE_FP16; }
+v1::MaskType ToProto(Mask m) {
+  switch (m) {
+    case Mask::kNone:
+      return v1::MASK_TYPE_NONE;
+    case Mask::kCausalTopLeft:
+      return v1::MASK_TYPE_CAUSAL_TOP_LEFT;
+    case Mask::kCausalBottomRight:
+      return v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT;
+  }
+  return v1::MASK_TYPE_NONE;
+}
+absl::StatusOr<DType> FromProto(v1::Dtype t) {
+  switch (t) {
+    case v1::DTYPE_BF16:
+      return DType::kBF16;
+    case v1::DTYPE_FP16:
+      return DType::kFP16;
+    case v1::DTYPE_UNSPECIFIED:
+      return absl::InvalidArgumentError("dtype: DTYPE_UNSPECIFIED (set DTYPE_BF16 or DTYPE_FP16)");
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("dtype: unknown value ", static_cast<int>(t)));
+  }
+}
+absl::StatusOr<Mask> FromProto(v1::MaskType m) {
+  switch (m) {
+    case v1::MASK_TYPE_NONE:
+      return Mask::kNone;
+    case v1::MASK_TYPE_CAUSAL_TOP_LEFT:
+      return Mask::kCausalTopLeft;
+    case v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT:
+      return Mask::kCausalBottomRight;
+    case v1::MASK_TYPE_UNSPECIFIED:
+      return absl::InvalidArgumentError("mask: MASK_TYPE_UNSPECIFIED (set MASK_TYPE_NONE, MASK_TYPE_CAUSAL_TOP_LEFT or "
+                                        "MASK_TYPE_CAUSAL_BOTTOM_RIGHT)");
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("mask: unknown value ", static_cast<int>(m)));
+  }
+}
+
+v1::ForwardRequest MakeForwardRequest(const RequestSpec& spec, std::string q, std::string k, std::string v) {
+  v1::ForwardRequest r;
+  r.set_request_id(spec.request_id);
+  auto* s = r.mutable_shape();
+  s->set_batch(spec.shape.batch);
+  s->set_q_len(spec.shape.q_len);
+  s->set_kv_len(spec.shape.kv_len);
+  s->set_q_heads(spec.shape.q_heads);
+  s->set_kv_heads(spec.shape.kv_heads);
+  s->set_head_dim(spec.shape.head_dim);
+  r.set_dtype(ToProto(spec.dtype));
+  r.set_mask(ToProto(spec.mask));
+  if (spec.scale) r.set_softmax_scale(*spec.scale);
+  r.set_return_lse(spec.want_lse);
+  *r.mutable_q()->mutable_data() = std::move(q);
+  *r.mutable_k()->mutable_data() = std::move(k);
+  *r.mutable_v()->mutable_data() = std::move(v);
+  return r;
+}
+
+absl::StatusOr<v1::StepRequest> MakeStepRequest(const StepSpec& spec) {
+  if (spec.sequences.empty()) return absl::InvalidArgumentError("sequences: empty (a step needs at least one)");
+  if (spec.k.present() != spec.v.present()) {
+    return absl::InvalidArgumentError("k, v: both or neither (a step appends keys and values together)");
+  }
+  v1::StepRequest r;
+  r.set_request_id(spec.request_id);
+  r.set_layer(spec.layer);
+  r.set_q_heads(spec.q_heads);
+  if (spec.scale) r.set_softmax_scale(*spec.scale);
+  r.set_return_lse(spec.want_lse);
+  for (const StepSpec::Entry& e : spec.sequences) {
+    v1::SequenceTokens* t = r.add_sequences();
+    t->set_sequence_id(e.sequence_id);
+    t->set_tokens(e.tokens);
+  }
+  const std::pair<const StepTensor*, v1::TensorInput* (v1::StepRequest::*)()> tensors[] = {
+      {&spec.q, &v1::StepRequest::mutable_q},
+      {&spec.k, &v1::StepRequest::mutable_k},
+      {&spec.v, &v1::StepRequest::mutable_v}};
+  for (const auto& [t, field] : tensors) {
+    if (t->ref) {
+      *(r.*field)()->mutable_ref() = *t->ref;
+    } else if (!t->data.empty()) {
+      (r.*field)()->set_data(t->data.data(), t->data.size());
+    }
+  }
+  if (spec.o_ref) *r.mutable_o_ref() = *spec.o_ref;
+  return r;
+}
+
+absl::StatusOr<StepResult> StepResultOf(const v1::StepRequest& request, v1::StepResponse response, Transport t,
+                                        absl::Time start) {
+  StepResult res;
+  res.request_id = std::move(*response.mutable_request_id());
+  res.o = std::move(*response.mutable_o());
+  res.lse = std::move(*response.mutable_lse());
+  res.timing = response.timing();
+  res.lengths.assign(response.lengths().begin(), response.lengths().end());
+  res.backend = std::move(*response.mutable_backend());
+  res.kernel = std::move(*response.mutable_kernel());
+  res.device = response.device();
+  res.transport = t;
+  res.latency = absl::Now() - start;
+  for (const v1::TensorInput* in : {&request.q(), &request.k(), &request.v()}) {
+    if (in->source_case() == v1::TensorInput::kData) res.bytes_sent += in->data().size();
+  }
+  res.bytes_received = res.o.size() + res.lse.size();
+  // O has Q's shape and dtype; LSE is fp32 [q_heads, tokens] per sequence.
+  const bool attend = request.q().source_case() != v1::TensorInput::SOURCE_NOT_SET;
+  uint64_t rows = 0;
+  for (const auto& s : request.sequences()) rows += static_cast<uint64_t>(std::max<int64_t>(s.tokens(), 0));
+  if (request.q().source_case() == v1::TensorInput::kData && !request.has_o_ref() &&
+      res.o.size() != request.q().data().size()) {
+    return absl::InternalError(
+        absl::StrCat("server returned ", res.o.size(), " bytes of O, expected ", request.q().data().size()));
+  }
+  if ((!attend || request.has_o_ref()) && !res.o.empty()) {
+    return absl::InternalError(
+        absl::StrCat("server returned ", res.o.size(), " bytes of O to a step that asked for none"));
+  }
+  const uint64_t want_lse =
+      attend && request.return_lse() ? rows * static_cast<uint64_t>(std::max<int64_t>(request.q_heads(), 0)) * 4 : 0;
+  if (res.lse.size() != want_lse) {
+    return absl::InternalError(absl::StrCat("server returned ", res.lse.size(), " bytes of LSE, expected ", want_lse));
+  }
+  if (res.lengths.size() != static_cast<size_t>(request.sequences_size())) {
+    return absl::InternalError(absl::StrCat("server returned ", res.lengths.size(), " lengths for ",
+                                            request.sequences_size(), " sequences"));
+  }
+  return res;
+}
+
+}  // namespace attnd::client
