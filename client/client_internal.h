@@ -1,0 +1,56 @@
+// What the client library's files share beyond client.h: the channel factory and the StepStream call.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "attnd/client/client.h"
+#include "attnd/v1/attention.grpc.pb.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/completion_queue.h"
+#include "grpcpp/support/async_stream.h"
+
+namespace attnd::client {
+
+// A channel to `target` with `options`' arguments and credentials: the main one, and those of pinned sequences.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& options, const std::string& target);
+
+// One StepStream, driven from the calling thread through a completion queue of its own (no gRPC thread and no
+// hand-over between threads: the caller's AsyncNext reads the socket, as a blocking unary call's does). Used by
+// one caller at a time. Between steps a read stays posted, so that a stream the server has ended while it sat
+// idle (a restart, a shutdown) is seen as such before a step is written to it.
+class Client::StepStreamCall {
+ public:
+  StepStreamCall(v1::Attention::Stub* stub, const std::string& auth_token, bool wait_for_ready, absl::Duration poll);
+  ~StepStreamCall();
+
+  bool usable() const { return !broken_; }
+
+  // One step: writes the request and reads its answer into `response`, or fails the stream. `*sent` says
+  // whether the request may have left this client (one that has not can go on a new stream).
+  absl::Status Round(const v1::StepStreamRequest& request, v1::StepStreamResponse* response, absl::Time deadline,
+                     bool* sent);
+
+ private:
+  enum : intptr_t { kWrite = 1, kRead, kFinish };
+  static void* Tag(intptr_t t) { return reinterpret_cast<void*>(t); }
+
+  // Waits for every operation started; `sent` (when given) learns whether a write went through.
+  void Drain(bool* sent = nullptr);
+
+  const absl::Duration poll_;  // ClientOptions::step_poll
+  grpc::ClientContext ctx_;
+  grpc::CompletionQueue cq_;
+  std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::StepStreamRequest, v1::StepStreamResponse>> rw_;
+  v1::StepStreamResponse response_;  // the posted read's destination
+  grpc::Status final_;
+  int outstanding_ = 0;  // operations started whose tags have not come back
+  bool read_posted_ = false, broken_ = false, finish_started_ = false;
+};
+
+}  // namespace attnd::client

@@ -1,0 +1,378 @@
+#include "attnd/client/client.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "attnd/client/shm_channel.h"
+#include "client_internal.h"
+
+namespace attnd::client {
+namespace {
+// Steps of this process waiting for their answers on StepStreams, and how many of them may poll.
+std::atomic<int> g_steps_waiting{0};
+constexpr int kPollingStepsAtMost = 2;
+}  // namespace
+
+Client::StepStreamCall::StepStreamCall(v1::Attention::Stub* stub, const std::string& auth_token,
+                                       bool wait_for_ready, absl::Duration poll)
+    : poll_(poll) {
+  // No deadline on the stream: each step has its own (the wait below, and timeout_us for the server).
+  ctx_.set_wait_for_ready(wait_for_ready);
+  if (!auth_token.empty()) ctx_.AddMetadata("authorization", "Bearer " + auth_token);
+  // Corked: the headers leave with the first step (one write), and StartCall itself completes no operation.
+  ctx_.set_initial_metadata_corked(true);
+  rw_ = stub->PrepareAsyncStepStream(&ctx_, &cq_);
+  rw_->StartCall(nullptr);
+}
+
+Client::StepStreamCall::~StepStreamCall() {
+  // Cancelling never waits for the server; a step in flight there is still answered (to no one) and
+  // committed as it would be for a unary call whose client went away.
+  ctx_.TryCancel();
+  if (!finish_started_) {
+    rw_->Finish(&final_, Tag(kFinish));
+    ++outstanding_;
+  }
+  Drain();
+  cq_.Shutdown();
+  void* tag;
+  bool ok;
+  while (cq_.Next(&tag, &ok)) {
+  }
+}
+
+absl::Status Client::StepStreamCall::Round(const v1::StepStreamRequest& request, v1::StepStreamResponse* response,
+                                           absl::Time deadline, bool* sent) {
+  *sent = false;
+  bool wrote = false, read = false, failed = false, cancel = false;
+  if (read_posted_) {
+    // Idle until now: anything that completed meanwhile means the stream has ended (a failed read), or that
+    // the server sent what nobody asked for (then this client ends it).
+    void* tag;
+    bool ok;
+    while (!failed && cq_.AsyncNext(&tag, &ok, std::chrono::system_clock::time_point()) ==
+                          grpc::CompletionQueue::GOT_EVENT) {
+      --outstanding_;
+      failed = true;
+      cancel = ok;
+    }
+  } else {
+    rw_->Read(&response_, Tag(kRead));
+    read_posted_ = true;
+    ++outstanding_;
+  }
+  if (!failed) {
+    rw_->Write(request, Tag(kWrite));
+    ++outstanding_;
+  }
+  const std::chrono::system_clock::time_point until = absl::ToChronoTime(deadline);
+  struct Waiting {
+    const bool may_poll = g_steps_waiting.fetch_add(1, std::memory_order_relaxed) < kPollingStepsAtMost;
+    ~Waiting() { g_steps_waiting.fetch_sub(1, std::memory_order_relaxed); }
+  } waiting;
+  const absl::Time poll_end =
+      waiting.may_poll && poll_ > absl::ZeroDuration() ? absl::Now() + poll_ : absl::InfinitePast();
+  while (!(wrote && read) && !failed) {
+    void* tag;
+    bool ok;
+    const bool polling = poll_end > absl::InfinitePast() && absl::Now() < poll_end;
+    const grpc::CompletionQueue::NextStatus next =
+        cq_.AsyncNext(&tag, &ok, polling ? std::chrono::system_clock::time_point() : until);
+    if (next == grpc::CompletionQueue::TIMEOUT && polling) continue;
+    if (next == grpc::CompletionQueue::TIMEOUT) {
+      broken_ = true;
+      *sent = true;  // it may have reached the server
+      return absl::DeadlineExceededError(
+          "no answer to the step before its deadline; the stream was cancelled (the step may have run)");
+    }
+    if (next != grpc::CompletionQueue::GOT_EVENT) break;
+    --outstanding_;
+    if (!ok) {
+      failed = true;
+      break;
+    }
+    if (reinterpret_cast<intptr_t>(tag) == kWrite) wrote = *sent = true;
+    if (reinterpret_cast<intptr_t>(tag) == kRead) read = true;
+  }
+  if (!failed && wrote && read) {
+    *response = std::move(response_);
+    response_.Clear();
+    rw_->Read(&response_, Tag(kRead));
+    ++outstanding_;
+    return absl::OkStatus();
+  }
+  // The call is over: its status says why (UNIMPLEMENTED from a server without StepStream, UNAVAILABLE ...).
+  broken_ = true;
+  if (cancel) ctx_.TryCancel();
+  rw_->Finish(&final_, Tag(kFinish));
+  finish_started_ = true;
+  ++outstanding_;
+  Drain(sent);
+  absl::Status status = FromGrpcStatus(final_);
+  if (status.ok() || status.code() == absl::StatusCode::kCancelled) {
+    status = absl::UnavailableError(absl::StrCat("the step stream ended before the step was answered",
+                                                 final_.error_message().empty() ? "" : ": ",
+                                                 final_.error_message()));
+  }
+  return status;
+}
+
+void Client::StepStreamCall::Drain(bool* sent) {
+  while (outstanding_ > 0) {
+    void* tag;
+    bool ok;
+    if (!cq_.Next(&tag, &ok)) break;
+    --outstanding_;
+    if (sent != nullptr && ok && reinterpret_cast<intptr_t>(tag) == kWrite) *sent = true;
+  }
+}
+
+std::string SequenceAddress(std::string_view sequence_id) {
+  const size_t at = sequence_id.rfind('@');
+  return at == std::string_view::npos ? std::string() : std::string(sequence_id.substr(at + 1));
+}
+
+absl::StatusOr<std::string> Client::AddressOf(const std::vector<std::string>& ids, const char* field) {
+  std::string address;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    std::string a = SequenceAddress(ids[i]);
+    if (i == 0) {
+      address = std::move(a);
+    } else if (a != address) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, "[", i, "]: lives on '", a, "' but ", field, "[0] on '", address,
+          "'; one call reaches one server (send a call per server)"));
+    }
+  }
+  return address;
+}
+
+absl::StatusOr<v1::Attention::Stub*> Client::StubFor(const std::string& address) {
+  if (address.empty() || address == options_.target) return stub_.get();
+  absl::MutexLock lock(&pinned_mu_);
+  auto it = pinned_.find(address);
+  if (it != pinned_.end()) return it->second.get();
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(options_, address);
+  if (!channel.ok()) {
+    return absl::Status(channel.status().code(),
+                        absl::StrCat("sequence pinned to '", address, "': ", channel.status().message()));
+  }
+  return pinned_.emplace(address, v1::Attention::NewStub(*channel)).first->second.get();
+}
+
+absl::StatusOr<OpenedSequences> Client::OpenSequence(const SequenceShape& shape, int64_t max_tokens, uint32_t count,
+                                                     const CallOptions& call) {
+  v1::OpenSequenceRequest req;
+  v1::SequenceShape* s = req.mutable_shape();
+  s->set_layers(shape.layers);
+  s->set_kv_heads(shape.kv_heads);
+  s->set_head_dim(shape.head_dim);
+  s->set_dtype(ToProto(shape.dtype));
+  req.set_max_tokens(max_tokens);
+  req.set_count(count);
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  v1::OpenSequenceResponse resp;
+  if (absl::Status st = FromGrpcStatus(stub_->OpenSequence(&ctx, req, &resp)); !st.ok()) return st;
+  const uint32_t want = count == 0 ? 1 : count;
+  if (resp.sequence_ids_size() != static_cast<int>(want)) {
+    return absl::InternalError(absl::StrCat("OpenSequence: the server returned ", resp.sequence_ids_size(),
+                                            " ids for ", want, " sequences"));
+  }
+  OpenedSequences out;
+  out.ids.assign(resp.sequence_ids().begin(), resp.sequence_ids().end());
+  out.max_tokens = resp.max_tokens();
+  out.page_tokens = resp.page_tokens();
+  return out;
+}
+
+absl::StatusOr<StepResult> Client::Step(const StepSpec& spec, const CallOptions& call) {
+  absl::StatusOr<v1::StepRequest> request = MakeStepRequest(spec);
+  if (!request.ok()) return request.status();
+  return Step(*request, call);
+}
+
+absl::StatusOr<StepResult> Client::Step(const v1::StepRequest& request, const CallOptions& call) {
+  std::vector<std::string> ids;
+  ids.reserve(request.sequences_size());
+  for (const auto& s : request.sequences()) ids.push_back(s.sequence_id());
+  absl::StatusOr<std::string> address = AddressOf(ids, "sequences");
+  if (!address.ok()) return address.status();
+  const bool pinned_elsewhere = !address->empty() && *address != options_.target;
+  const Transport t = call.transport ? *call.transport : options_.transport;
+  if (t == Transport::kShm && !pinned_elsewhere) return StepOverShm(request, call);
+  absl::StatusOr<v1::Attention::Stub*> stub = StubFor(*address);
+  if (!stub.ok()) return stub.status();
+  if (t != Transport::kUnary) {
+    std::optional<absl::StatusOr<StepResult>> streamed = StepOverStream(*stub, *address, request, call);
+    if (streamed.has_value()) return *std::move(streamed);
+  }
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  const absl::Time start = absl::Now();
+  v1::StepResponse resp;
+  if (absl::Status st = FromGrpcStatus((*stub)->Step(&ctx, request, &resp)); !st.ok()) return st;
+  return StepResultOf(request, std::move(resp), Transport::kUnary, start);
+}
+
+std::optional<absl::StatusOr<StepResult>> Client::StepOverStream(v1::Attention::Stub* stub, const std::string& address,
+                                                                 const v1::StepRequest& request,
+                                                                 const CallOptions& call) {
+  std::unique_ptr<StepStreamCall> stream;
+  {
+    absl::MutexLock lock(&step_streams_mu_);
+    if (no_step_stream_.contains(address)) return std::nullopt;
+    auto it = step_streams_.find(address);
+    if (it != step_streams_.end() && !it->second.empty()) {
+      stream = std::move(it->second.back());
+      it->second.pop_back();
+    }
+  }
+  const absl::Duration timeout = call.deadline ? *call.deadline : options_.default_deadline;
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = start + timeout;
+  v1::StepStreamRequest message;
+  // The request is the caller's: lent to the message for the write, never copied.
+  message.unsafe_arena_set_allocated_step(const_cast<v1::StepRequest*>(&request));
+  message.set_timeout_us(std::max<int64_t>(1, absl::ToInt64Microseconds(timeout)));
+  v1::StepStreamResponse response;
+  absl::Status status;
+  // A stream kept idle may have ended meanwhile (the server restarted, a connection dropped): its step is then
+  // never sent, and goes on a new stream.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const bool fresh = stream == nullptr;
+    if (fresh) {
+      stream = std::make_unique<StepStreamCall>(stub, options_.auth_token, call.wait_for_ready, options_.step_poll);
+    }
+    bool sent = false;
+    status = stream->Round(message, &response, deadline, &sent);
+    // The stream's own status UNIMPLEMENTED comes from a server without the method (a step's errors come in
+    // its answer): the step did not run there.
+    if (fresh && status.code() == absl::StatusCode::kUnimplemented) {
+      stream.reset();
+      absl::MutexLock lock(&step_streams_mu_);
+      no_step_stream_.insert(address);
+      message.unsafe_arena_release_step();
+      return std::nullopt;
+    }
+    if (status.ok() || sent || fresh) break;
+    stream.reset();
+  }
+  message.unsafe_arena_release_step();
+  if (stream != nullptr && stream->usable()) {
+    absl::MutexLock lock(&step_streams_mu_);
+    step_streams_[address].push_back(std::move(stream));
+  }
+  if (!status.ok()) return status;
+  if (response.code() != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(response.code()), response.message());
+  }
+  return StepResultOf(request, std::move(*response.mutable_step()), Transport::kStream, start);
+}
+
+// One channel per call in flight: an idle one is reused when its areas fit, else a new one is opened (areas of
+// at least 1 MiB, so that steps of similar size reuse it). A channel a call left unusable is dropped.
+absl::StatusOr<StepResult> Client::StepOverShm(const v1::StepRequest& request, const CallOptions& call) {
+  if (options_.shm_socket.empty()) {
+    return absl::InvalidArgumentError("transport: shm needs ClientOptions::shm_socket (the server's --shm_socket)");
+  }
+  const uint64_t request_bytes = request.ByteSizeLong();
+  const uint64_t reply_bytes = std::min(StepReplyBytes(request), options_.shm_max_area_bytes);
+  if (request_bytes > options_.shm_max_area_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("request: ", request_bytes,
+                                                     " bytes exceed the shared-memory area limit of ",
+                                                     options_.shm_max_area_bytes, " (shm_max_area_bytes)"));
+  }
+  std::unique_ptr<ShmChannel> channel;
+  {
+    absl::MutexLock lock(&shm_mu_);
+    for (auto it = shm_free_.begin(); it != shm_free_.end(); ++it) {
+      if ((*it)->request_capacity() >= request_bytes && (*it)->reply_capacity() >= reply_bytes) {
+        channel = std::move(*it);
+        shm_free_.erase(it);
+        break;
+      }
+    }
+  }
+  if (channel == nullptr) {
+    ShmChannelOptions o;
+    o.socket_path = options_.shm_socket;
+    o.auth_token = options_.auth_token;
+    o.request_capacity = std::max<uint64_t>(request_bytes, 1 << 20);
+    o.reply_capacity = std::max<uint64_t>(reply_bytes, 1 << 20);
+    absl::StatusOr<std::unique_ptr<ShmChannel>> opened = ShmChannel::Connect(o);
+    if (!opened.ok()) return opened.status();
+    channel = *std::move(opened);
+  }
+  const absl::Duration timeout = call.deadline ? *call.deadline : options_.default_deadline;
+  absl::StatusOr<StepResult> r = client::StepOverShm(*channel, request, timeout);
+  const bool unusable = !r.ok() && (r.status().code() == absl::StatusCode::kDeadlineExceeded ||
+                                    r.status().code() == absl::StatusCode::kUnavailable);
+  if (!unusable) {
+    absl::MutexLock lock(&shm_mu_);
+    shm_free_.push_back(std::move(channel));
+  }
+  return r;
+}
+
+absl::StatusOr<std::vector<std::string>> Client::ForkSequence(const std::string& sequence_id, uint32_t count,
+                                                              const CallOptions& call) {
+  absl::StatusOr<v1::Attention::Stub*> stub = StubFor(SequenceAddress(sequence_id));
+  if (!stub.ok()) return stub.status();
+  v1::ForkSequenceRequest req;
+  req.set_sequence_id(sequence_id);
+  req.set_count(count);
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  v1::ForkSequenceResponse resp;
+  if (absl::Status st = FromGrpcStatus((*stub)->ForkSequence(&ctx, req, &resp)); !st.ok()) return st;
+  return std::vector<std::string>(resp.sequence_ids().begin(), resp.sequence_ids().end());
+}
+
+absl::StatusOr<std::vector<int64_t>> Client::TruncateSequence(const std::string& sequence_id, int64_t tokens,
+                                                              const CallOptions& call) {
+  absl::StatusOr<v1::Attention::Stub*> stub = StubFor(SequenceAddress(sequence_id));
+  if (!stub.ok()) return stub.status();
+  v1::TruncateSequenceRequest req;
+  req.set_sequence_id(sequence_id);
+  req.set_tokens(tokens);
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  v1::TruncateSequenceResponse resp;
+  if (absl::Status st = FromGrpcStatus((*stub)->TruncateSequence(&ctx, req, &resp)); !st.ok()) return st;
+  return std::vector<int64_t>(resp.lengths().begin(), resp.lengths().end());
+}
+
+absl::Status Client::CloseSequence(const std::vector<std::string>& sequence_ids, const CallOptions& call) {
+  absl::StatusOr<std::string> address = AddressOf(sequence_ids, "sequence_ids");
+  if (!address.ok()) return address.status();
+  absl::StatusOr<v1::Attention::Stub*> stub = StubFor(*address);
+  if (!stub.ok()) return stub.status();
+  v1::CloseSequenceRequest req;
+  for (const std::string& id : sequence_ids) req.add_sequence_ids(id);
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  v1::CloseSequenceResponse resp;
+  return FromGrpcStatus((*stub)->CloseSequence(&ctx, req, &resp));
+}
+
+absl::StatusOr<v1::SequenceInfo> Client::GetSequence(const std::string& sequence_id, const CallOptions& call) {
+  absl::StatusOr<v1::Attention::Stub*> stub = StubFor(SequenceAddress(sequence_id));
+  if (!stub.ok()) return stub.status();
+  v1::GetSequenceRequest req;
+  req.set_sequence_id(sequence_id);
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call);
+  v1::SequenceInfo resp;
+  if (absl::Status st = FromGrpcStatus((*stub)->GetSequence(&ctx, req, &resp)); !st.ok()) return st;
+  return resp;
+}
+
+}  // namespace attnd::client
