@@ -1,9 +1,12 @@
-// What the client library's files share beyond client.h: the channel factory and the StepStream call.
+// What the client library's files share beyond client.h: the channel factory, what one Forward call
+// sends, and the StepStream call.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -17,8 +20,28 @@
 
 namespace attnd::client {
 
+// Room for the request's non-tensor fields and the framing of one message on top of its tensor bytes.
+constexpr uint64_t kMessageOverhead = 64 << 10;
+
 // A channel to `target` with `options`' arguments and credentials: the main one, and those of pinned sequences.
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& options, const std::string& target);
+
+// The reply header's fields (all but O and LSE) into `res`, moved out of `header`.
+void FillResultHeader(v1::ForwardResponse& header, ForwardResult& res);
+
+// What one Forward call sends: every request field but the inline tensor bytes, and those bytes, which
+// go out by reference while `owner` keeps them alive (zero_copy.h) or are copied when it is null.
+struct Client::Outgoing {
+  v1::ForwardRequest header;                   // q, k, v unset or references
+  std::optional<std::string_view> tensors[3];  // Q, K, V inline bytes; nullopt: not inline
+  std::shared_ptr<const void> owner;
+
+  uint64_t inline_bytes() const {
+    uint64_t n = 0;
+    for (const auto& t : tensors) n += t ? t->size() : 0;
+    return n;
+  }
+};
 
 // One StepStream, driven from the calling thread through a completion queue of its own (no gRPC thread and no
 // hand-over between threads: the caller's AsyncNext reads the socket, as a blocking unary call's does). Used by

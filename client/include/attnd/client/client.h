@@ -313,7 +313,7 @@ class Client {
 
  private:
   class StreamCall;
-  struct Outgoing;  // what one call sends: a header and the inline tensors (forward_calls.cc)
+  struct Outgoing;  // what one call sends: a header and the inline tensors (client_internal.h)
 
   // A request as an Outgoing; the result of a call whose reply arrived in full, accounted and size-checked.
   static std::shared_ptr<Outgoing> Split(std::shared_ptr<const v1::ForwardRequest> request);
