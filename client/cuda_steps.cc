@@ -389,8 +389,8 @@ class CudaSteps::Impl {
         if (sl.queue.empty()) return;
         q = &sl.queue.front();  // a deque's elements stay put while others are pushed behind them
         if (!sl.failure.ok()) {
-          before = absl::Status(sl.failure.code(),
-                                absl::StrCat("not sent: an earlier step on this stream failed: ", sl.failure.message()));
+          before = absl::Status(sl.failure.code(), absl::StrCat("not sent: an earlier step on this stream failed: ",
+                                                                sl.failure.message()));
         }
       }
       absl::Status status = before;
