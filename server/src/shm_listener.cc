@@ -170,7 +170,9 @@ void ShmListener::AcceptLoop() {
 
 void ShmListener::RefuseAtDescriptorLimit() {
   // The pending caller stays in the backlog, so poll() keeps saying readable: without taking it off, this loop
-  // would spin. The reserved descriptor makes room to accept it and tell it why.
+  // would spin. The reserved descriptor makes room to accept it and tell it why. Another thread may take the slot
+  // it frees before accept does (the reserve is lost): it is taken again here as soon as a descriptor is free.
+  if (reserve_fd_ < 0) reserve_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   if (reserve_fd_ >= 0) {
     ::close(reserve_fd_);
     reserve_fd_ = -1;
@@ -185,7 +187,7 @@ void ShmListener::RefuseAtDescriptorLimit() {
     spdlog::warn("shm channel refused: the server is at its open-descriptor limit ({} such refusals)",
                  refused_at_fd_limit_);
   }
-  // Without a reserve (another thread took the freed slot) the caller stays queued: wait rather than spin.
+  // Without a reserve (another thread holds the freed slot) the caller stays queued: wait rather than spin.
   if (reserve_fd_ < 0) absl::SleepFor(kIdlePoll);
 }
 
