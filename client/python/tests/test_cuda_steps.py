@@ -289,14 +289,24 @@ def test_server_death_releases_a_stream_waiting_on_submitted_steps(tmpdir_short)
         q, k, v = rand(g, 1, HQ), rand(g, 1, KV), rand(g, 1, KV)
         batch.step(0, q, k, v)
         batch.synchronize()
+        # Everything the stream needs is allocated (and registered by a step) first, so that nothing below waits
+        # for the producer on the host.
+        o1, o2 = torch.zeros_like(q), torch.zeros_like(q)
+        seen = torch.empty((2,) + tuple(q.shape[1:]), dtype=q.dtype, device=q.device)
+        batch.step(0, q, k, v, out=o1)
+        batch.step(0, q, k, v, out=o2)
+        batch.synchronize()
+        o1.zero_()
+        o2.zero_()
         torch.cuda.synchronize()
         torch.cuda._sleep(SLEEP_CYCLES * 20)
-        o1, o2 = torch.zeros_like(q), torch.zeros_like(q)  # written on the stream after the producer
         t0 = time.time()
         batch.step(0, q, k, v, out=o1)
         batch.step(0, q, k, v, out=o2)
-        seen = torch.cat([o1, o2]).clone()
+        torch.cat([o1, o2], out=seen)
+        killed = time.time() - t0
         s.proc.send_signal(signal.SIGKILL)
+        assert killed < 1.0, f"the calls took {killed:.2f} s: they waited for the producer"
         s.proc.wait()
         gone = time.time() - t0
         torch.cuda.current_stream().synchronize()
