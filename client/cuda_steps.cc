@@ -245,10 +245,9 @@ class CudaSteps::Impl {
         // the step's reply, or after O was filled with NaN when it failed.
         r = d_.wait_value64(s, sl.done_device, value, kWaitGeq);
         if (r != kSuccess) {
-          // The stream cannot wait on the done word: finish this step on the host, and every later one too.
-          sl.failure = DriverError(d_, "cuStreamWaitValue64 (the step's done word)", r);
+          // The stream cannot wait on the done word: the step is not sent, and the stream's channel goes.
+          status = DriverError(d_, "cuStreamWaitValue64 (the step's done word)", r);
           broken = true;
-          status = sl.failure;
         } else {
           request.mutable_order()->set_wait_value(value);
           sl.queue.push_back(Queued{request, value, const_cast<void*>(t.o), t.o != nullptr ? t.q_bytes : 0,
