@@ -184,11 +184,7 @@ class CudaSteps::Impl {
     absl::StatusOr<Slot*> slot = Prepare(batch, t, s, call);
     if (!slot.ok()) return slot.status();
     v1::StepRequest& request = batch.request();
-    if (*slot == nullptr) {
-      const CUresult r = d_.stream_synchronize(s);
-      if (r != kSuccess) return DriverError(d_, "cuStreamSynchronize (the step's producers)", r);
-      return client_->Step(request, call);
-    }
+    if (*slot == nullptr) return StepInHostOrder(request, s, call);
     Slot& sl = **slot;
     absl::StatusOr<StepResult> result;
     bool broken = false;
@@ -201,11 +197,9 @@ class CudaSteps::Impl {
       if (!earlier.ok()) {
         result = earlier;
       } else {
-        const uint64_t value = sl.next + 1;
-        const CUresult r = d_.write_value64(s, sl.word, value, kWriteDefault);
-        if (r != kSuccess) return DriverError(d_, "cuStreamWriteValue64 (the step's wait word)", r);
-        sl.next = value;
-        request.mutable_order()->set_wait_value(value);
+        absl::StatusOr<uint64_t> value = WriteWaitWord(sl, s);
+        if (!value.ok()) return value.status();
+        request.mutable_order()->set_wait_value(*value);
         result = StepOverShm(*sl.channel, request, Timeout(call));
         // The channel is unusable after these (shm_channel.h): the next step on this stream opens another.
         broken = !result.ok() && Breaks(result.status());
@@ -222,11 +216,7 @@ class CudaSteps::Impl {
     absl::StatusOr<Slot*> slot = Prepare(batch, t, s, call);
     if (!slot.ok()) return slot.status();
     v1::StepRequest& request = batch.request();
-    if (*slot == nullptr) {  // host order: the step runs now, as Step's
-      const CUresult r = d_.stream_synchronize(s);
-      if (r != kSuccess) return DriverError(d_, "cuStreamSynchronize (the step's producers)", r);
-      return client_->Step(request, call).status();
-    }
+    if (*slot == nullptr) return StepInHostOrder(request, s, call).status();  // the step runs now, as Step's
     Slot& sl = **slot;
     bool broken = false;
     absl::Status status;
@@ -237,20 +227,18 @@ class CudaSteps::Impl {
       if (sl.channel == nullptr) return Gone();
       status = TakeFailure(sl, &broken);
       if (status.ok()) {
-        const uint64_t value = sl.next + 1;
-        CUresult r = d_.write_value64(s, sl.word, value, kWriteDefault);
-        if (r != kSuccess) return DriverError(d_, "cuStreamWriteValue64 (the step's wait word)", r);
-        sl.next = value;
+        absl::StatusOr<uint64_t> value = WriteWaitWord(sl, s);
+        if (!value.ok()) return value.status();
         // Work queued after this call waits for the sender to write the step's value into the done word: after
         // the step's reply, or after O was filled with NaN when it failed.
-        r = d_.wait_value64(s, sl.done_device, value, kWaitGeq);
+        const CUresult r = d_.wait_value64(s, sl.done_device, *value, kWaitGeq);
         if (r != kSuccess) {
           // The stream cannot wait on the done word: the step is not sent, and the stream's channel goes.
           status = DriverError(d_, "cuStreamWaitValue64 (the step's done word)", r);
           broken = true;
         } else {
-          request.mutable_order()->set_wait_value(value);
-          sl.queue.push_back(Queued{request, value, const_cast<void*>(t.o), t.o != nullptr ? t.q_bytes : 0,
+          request.mutable_order()->set_wait_value(*value);
+          sl.queue.push_back(Queued{request, *value, const_cast<void*>(t.o), t.o != nullptr ? t.q_bytes : 0,
                                     Timeout(call)});
           if (!sl.sender.joinable()) sl.sender = std::thread([this, x = &sl] { Send(*x); });
         }
@@ -356,6 +344,23 @@ class CudaSteps::Impl {
       return static_cast<Slot*>(nullptr);
     }
     return slot;
+  }
+
+  // Host order: the stream is synchronised, then the step sent as any other.
+  absl::StatusOr<StepResult> StepInHostOrder(const v1::StepRequest& request, CUstream s, const CallOptions& call) {
+    const CUresult r = d_.stream_synchronize(s);
+    if (r != kSuccess) return DriverError(d_, "cuStreamSynchronize (the step's producers)", r);
+    return client_->Step(request, call);
+  }
+
+  // Enqueues on `s` the write of the stream's next wait word value (values increase in the order the stream runs
+  // them: the caller holds sl.mu) and returns it.
+  absl::StatusOr<uint64_t> WriteWaitWord(Slot& sl, CUstream s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(sl.mu) {
+    const uint64_t value = sl.next + 1;
+    const CUresult r = d_.write_value64(s, sl.word, value, kWriteDefault);
+    if (r != kSuccess) return DriverError(d_, "cuStreamWriteValue64 (the step's wait word)", r);
+    sl.next = value;
+    return value;
   }
 
   absl::Duration Timeout(const CallOptions& call) const {
