@@ -63,9 +63,13 @@ def kernel_us(client, seqs, iters=50):
     return statistics.median(times)
 
 
-def chain(batch, n, steps, torch, events=False):
+INFO = ("queue_us", "h2d_us", "kernel_us", "total_us", "latency_us")
+
+
+def chain(batch, n, steps, torch, events=False, infos=None):
     """`steps` dependent decode steps: Q from the previous O on the stream, then the step. Returns the wall time, the
-    host time of each call, and (events) the GPU interval between consecutive steps' completions."""
+    host time of each call, and (events) the GPU interval between consecutive steps' completions. `infos` (a list,
+    steps that wait) receives each step's server timing (INFO) as the reply gave it."""
     q = torch.randn((n, HQ, D), device="cuda", dtype=torch.bfloat16)
     k = torch.randn((n, KV, D), device="cuda", dtype=torch.bfloat16)
     o = torch.empty_like(q)
@@ -78,6 +82,8 @@ def chain(batch, n, steps, torch, events=False):
         c0 = time.perf_counter()
         batch.step(0, q, k, k, out=o)
         calls.append((time.perf_counter() - c0) * 1e6)
+        if infos is not None and batch.wait:
+            infos.append([getattr(batch.last_info, f) for f in INFO])
         if events:
             evs[i].record()
     torch.cuda.synchronize()
@@ -87,6 +93,18 @@ def chain(batch, n, steps, torch, events=False):
 
 
 MODES = (("wait", True), ("submit", False))
+
+
+def breakdown(label, gaps, infos):
+    """Where a waiting step's time goes: the p50 of each server timing beside the step interval on the stream.
+    queue: from the server reading the step to its launch (admission, the wait for the caller's stream, the hand-over
+    to a device worker); total - queue - kernel: staging, launch and completion; latency: the client's channel call."""
+    med = {f: statistics.median(x[i] for x in infos) for i, f in enumerate(INFO)}
+    step = statistics.median(gaps)
+    print(f"{label} (wait) breakdown, p50 us: step {step:.1f} = server total {med['total_us']:.1f} (queue "
+          f"{med['queue_us']:.1f}, h2d {med['h2d_us']:.1f}, kernel {med['kernel_us']:.1f}) + outside the server "
+          f"{step - med['total_us']:.1f}; the channel call {med['latency_us']:.1f}", flush=True)
+    return dict(med, step_us=step)
 
 
 def one_sequence(a, torch, out):
@@ -101,8 +119,11 @@ def one_sequence(a, torch, out):
         for mode, wait in MODES:
             batch.wait = wait
             chain(batch, 1, 200, torch)  # warm-up: registrations, streams, the server's slots
-            wall, calls, gaps = chain(batch, 1, a.steps, torch, events=True)
+            infos = []
+            wall, calls, gaps = chain(batch, 1, a.steps, torch, events=True, infos=infos)
             batch.synchronize()
+            if infos:
+                rows[mode + "_breakdown"] = breakdown(f"one sequence kv {a.context}", gaps, infos)
             row = rows[mode] = {
                 "kernel_us": kern, "step_p50_us": statistics.median(gaps), "step_p90_us": pct(gaps, 90),
                 "step_p99_us": pct(gaps, 99), "call_p50_us": statistics.median(calls),
@@ -144,9 +165,12 @@ def many(a, torch, out):
         for mode, wait in MODES:
             batch.wait = wait
             chain(batch, a.sequences, 20, torch)
-            wall, calls[mode], _ = chain(batch, a.sequences, a.steps64, torch)
+            infos = []
+            wall, calls[mode], gaps = chain(batch, a.sequences, a.steps64, torch, events=True, infos=infos)
             batch.synchronize()
             one[mode] = a.sequences * a.steps64 / wall
+            if infos:
+                one[mode + "_breakdown"] = breakdown(f"{a.sequences} sequences x {a.context}, one caller", gaps, infos)
     finally:
         client.close_sequences(seqs)
     client.close()
@@ -165,7 +189,8 @@ def many(a, torch, out):
         rows[mode] = {"sequences": a.sequences, "kernel_us": kern, "kernel_tokens_per_s": kernel_rate,
                       "one_caller_tokens_per_s": one[mode], "one_caller_ratio": one[mode] / kernel_rate,
                       "one_caller_call_p50_us": statistics.median(calls[mode]),
-                      "two_callers_tokens_per_s": two_rate, "two_callers_ratio": two_rate / kernel_rate}
+                      "two_callers_tokens_per_s": two_rate, "two_callers_ratio": two_rate / kernel_rate,
+                      "one_caller_breakdown": one.get(mode + "_breakdown")}
         print(f"{a.sequences} sequences x {a.context} ({mode}): kernel {kern:.1f} us = {kernel_rate:,.0f} tokens/s; "
               f"one caller {one[mode]:,.0f} ({one[mode] / kernel_rate:.2f}x, the call returns after "
               f"{rows[mode]['one_caller_call_p50_us']:.0f} us), two callers {two_rate:,.0f} "

@@ -302,7 +302,9 @@ def test_server_death_releases_a_stream_waiting_on_submitted_steps(tmpdir_short)
             torch.cuda._sleep(SLEEP_CYCLES * 20)
             t0 = time.time()
             batch.step(0, q, k, v, out=o1)
+            t1 = time.time() - t0
             batch.step(0, q, k, v, out=o2)
+            t2 = time.time() - t0
             torch.cat([o1, o2], out=seen)
             killed = time.time() - t0
             s.proc.send_signal(signal.SIGKILL)
@@ -315,7 +317,8 @@ def test_server_death_releases_a_stream_waiting_on_submitted_steps(tmpdir_short)
                 batch.synchronize()
             except attnd.AttndError as e:
                 err = e
-        detail = (f"calls returned after {killed:.2f} s, server gone after {gone:.2f} s, stream done after "
+        detail = (f"steps returned after {t1:.3f} and {t2:.3f} s, the read after {killed:.3f} s, server gone "
+                  f"after {gone:.2f} s, stream done after "
                   f"{done:.2f} s, error {err!r}, O {seen[:, 0, :4].tolist()}")
         assert killed < 1.0, detail
         assert done < 10, detail
