@@ -67,7 +67,8 @@ ABSL_FLAG(std::string, warm_shapes, "",
 ABSL_FLAG(uint64_t, tensor_map_cache, 4096, "CUDA: encoded TMA tensor maps kept in the LRU cache");
 ABSL_FLAG(int64_t, completion_spin_us, 300,
           "CUDA: microseconds a worker polls its request's completion before sleeping, while at most one other "
-          "request runs on the device (0: always sleep)");
+          "request runs on the device; longer (1.5x, up to 4x this) after a request that took longer (0: always "
+          "sleep)");
 ABSL_FLAG(bool, ipc_over_tcp, false, "serve CUDA IPC registration over TCP too (default: the unix socket only)");
 ABSL_FLAG(double, shutdown_grace_s, 60,
           "seconds a shutdown waits for accepted calls before cancelling the rest; it bounds the exit (idle "

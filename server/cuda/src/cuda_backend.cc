@@ -69,6 +69,15 @@ absl::Status WaitEvent(cudaEvent_t ev, absl::Duration spin) {
   }
 }
 
+absl::Status CudaDevice::AwaitCompletion(Slot& slot, cudaEvent_t last) {
+  // Spin only while this request has the GPU (nearly) to itself; behind others it would poll a queue.
+  const bool alone = running_.load(std::memory_order_relaxed) <= kSpinWhileRunning;
+  const absl::Time start = absl::Now();
+  const absl::Status status =
+      WaitEvent(last, alone ? CompletionSpin(options_.completion_spin, slot.last_wait) : absl::ZeroDuration());
+  slot.last_wait = absl::Now() - start;
+  return status;
+}
 
 CudaDevice::~CudaDevice() {
   Stop();
@@ -632,10 +641,7 @@ absl::Status CudaDevice::CollectOutputs(Work& w) {
   const bool after_kernel = w.out_bytes == 0 && compute_ == nullptr;
   cudaEvent_t last = after_kernel ? slot.ev[2] : slot.ev[3];
   if (!after_kernel) ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(slot.ev[3], st)));
-  // Spin only while this request has the GPU (nearly) to itself; behind others it would poll a queue.
-  ATTND_RETURN_IF_ERROR(WaitEvent(last, running_.load(std::memory_order_relaxed) <= kSpinWhileRunning
-                                            ? options_.completion_spin
-                                            : absl::ZeroDuration()));
+  ATTND_RETURN_IF_ERROR(AwaitCompletion(slot, last));
   float h2d = 0, kernel = 0, d2h = 0;
   if (w.copies_in) cudaEventElapsedTime(&h2d, slot.ev[0], slot.ev[1]);
   cudaEventElapsedTime(&kernel, slot.kernel_start, slot.ev[2]);

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <deque>
 #include <memory>
@@ -73,6 +74,15 @@ inline Placement Place(const Shape& s, bool q_inline, bool k_inline, bool v_inli
 // the driver. The caller passes no spin when the device is busy: waiters polling a queue of GPU work only
 // take cores from gRPC and the clients (seen on the H200 host: IPC at concurrency 16 kept the GPU half busy).
 absl::Status WaitEvent(cudaEvent_t ev, absl::Duration spin);
+
+// A slot's poll for its request's completion: BackendOptions::completion_spin, or 1.5x as long as the slot's
+// previous request took from this wait to its end, up to kMaxSpinFactor x the option. Work about as long as
+// the option (a 64-sequence decode step at 4k, ~300 us) would otherwise straddle a fixed poll and pay the
+// driver's wake-up on most calls.
+constexpr int kMaxSpinFactor = 4;
+inline absl::Duration CompletionSpin(absl::Duration option, absl::Duration last_wait) {
+  return std::min(std::max(option, last_wait * 3 / 2), option * kMaxSpinFactor);
+}
 
 // What a device's queue holds: a Forward job with the kernel selected for it, or a batch of KV sequence steps.
 struct Pending {
@@ -179,6 +189,7 @@ class CudaDevice {
     // pieces) the GPU reaches ev[1] at once while the host still plans the launch. This event, recorded right
     // before the launch on the stream that runs it, makes the reported kernel time the kernel's own.
     cudaEvent_t kernel_start = nullptr;
+    absl::Duration last_wait;  // the previous request's wait for its completion (CompletionSpin)
     // The kernels' scratch memory (kernels::Plan::workspace_bytes), from the device budget: see SlotWorkspace.
     Block workspace;
     // The decode kernels' split partials (kernels::decode::DecodePlan::workspace_bytes): apart from `workspace`,
@@ -197,6 +208,8 @@ class CudaDevice {
   // zero, and a slot runs one request at a time, so launches in flight never share one. The slot's earlier
   // launches must be complete when it grows (true between requests: Run returns after its work).
   absl::StatusOr<void*> SlotWorkspace(Slot& slot, const kernels::Plan& plan, cudaStream_t stream);
+  // Waits for the slot's request to complete at `last` (WaitEvent), polling while the device is not busy.
+  absl::Status AwaitCompletion(Slot& slot, cudaEvent_t last);
   absl::Status WarmUpKernels();
   absl::Status WarmShape(const Shape& s);
   void SlotLoop(Slot* slot);

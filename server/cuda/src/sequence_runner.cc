@@ -727,9 +727,7 @@ absl::Status CudaDevice::CollectSteps(StepWork& w) {
   const bool copies_out = w.out_bytes > 0 || w.ref_out;
   cudaEvent_t last = copies_out ? slot.ev[3] : slot.ev[2];
   if (copies_out) ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(last, st)));
-  ATTND_RETURN_IF_ERROR(WaitEvent(last, running_.load(std::memory_order_relaxed) <= kSpinWhileRunning
-                                            ? options_.completion_spin
-                                            : absl::ZeroDuration()));
+  ATTND_RETURN_IF_ERROR(AwaitCompletion(slot, last));
   w.enqueued = false;
   float h2d = 0, kernel = 0, d2h = 0;
   cudaEventElapsedTime(&h2d, slot.ev[0], slot.kernel_start);

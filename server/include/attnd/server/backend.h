@@ -286,7 +286,8 @@ struct BackendOptions {
   size_t tensor_map_cache_entries = 4096;  // CUDA: encoded tensor maps kept (LRU)
   bool poison_outputs = false;             // CUDA, tests: NaN-fill output buffers before each launch
   // CUDA: how long a worker polls its request's completion before sleeping in the driver, while at most one
-  // other request runs on the device (busier: it sleeps at once). Zero: always sleep.
+  // other request runs on the device (busier: it sleeps at once); after a request that took longer, 1.5x that
+  // request's wait, up to 4x this. Zero: always sleep.
   absl::Duration completion_spin = absl::Microseconds(300);
   // CUDA: run the kernels of all of a device's slots back to back on one compute stream, each slot keeping
   // its own stream for the copies. Every kernel is a persistent grid sized for the whole GPU, so kernels of
