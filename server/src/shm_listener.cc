@@ -9,6 +9,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <string>
@@ -32,6 +33,11 @@ namespace {
 constexpr absl::Duration kIdlePoll = absl::Milliseconds(50);
 // Channel threads that poll for their replies at once; the rest sleep until theirs is written.
 constexpr int kPollingRepliesAtMost = 2;
+// How long a channel's thread polls for the caller's next request: --shm_spin_us, or 1.5x the gap before the
+// channel's previous request, up to this, while at most kPollingRepliesAtMost threads poll past the flag. A caller
+// whose own work between calls outlasts the flag (a Python step's return and next call, 50-70 us) would otherwise
+// find the thread asleep and pay its wake-up on every call.
+constexpr absl::Duration kLongRequestPoll = absl::Milliseconds(1);
 // Calls on a shm channel are recorded (GetStats, metrics, logs) under this method name.
 constexpr const char* kMethod = "ForwardShm";
 constexpr const char* kStepMethod = "StepShm";
@@ -280,12 +286,18 @@ void ShmListener::Serve(int socket) {
   const shm::Mapping m = *mapped;
   shm::Header* h = m.header;
   spdlog::info("shm channel opened (uid {}, {} + {} bytes)", uid, m.request_capacity, m.reply_capacity);
+  absl::Duration last_gap = absl::ZeroDuration();  // from a reply to the next request
   for (;;) {
-    const bool got = shm::AwaitState(&h->state, shm::kRequest, &h->server_sleeping, options_.spin,
-                                     absl::InfiniteFuture(), kIdlePoll,
+    const absl::Time replied_at = absl::Now();
+    const absl::Duration want = std::min(last_gap * 3 / 2, kLongRequestPoll);
+    const bool long_poll = want > options_.spin && polling_requests_.fetch_add(1) < kPollingRepliesAtMost;
+    const bool got = shm::AwaitState(&h->state, shm::kRequest, &h->server_sleeping,
+                                     long_poll ? want : options_.spin, absl::InfiniteFuture(), kIdlePoll,
                                      [&] { return stopping_.load() || PeerGone(socket); });
+    if (want > options_.spin) polling_requests_.fetch_sub(1);
     if (!got) break;
     const absl::Time start = absl::Now();
+    last_gap = start - replied_at;
     // Copied out before anything reads it: the caller can write to the mapping at any time.
     const uint64_t n = h->request_bytes;
     // Writes the reply and records the call (GetStats and metrics; the access log is the gRPC calls').

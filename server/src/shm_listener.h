@@ -73,6 +73,7 @@ class ShmListener {
   absl::Mutex stop_mu_;  // a second Stop() waits for the first to finish
   std::atomic<int> open_{0};
   std::atomic<int> awaiting_reply_{0};  // channel threads whose request is with the backend
+  std::atomic<int> polling_requests_{0};  // channel threads polling for a request past --shm_spin_us
   std::thread acceptor_;
   struct Channel {
     std::thread thread;
