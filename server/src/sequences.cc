@@ -461,6 +461,41 @@ absl::StatusOr<v1::SequenceInfo> Sequences::Get(const std::string& owner, const 
 
 absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& request, Transport transport,
                               const CallInfo& call, StepJob* job, Admitted* admitted) {
+  const bool append = request.has_k() || request.has_v();
+  const bool attend = request.has_q();
+  ATTND_RETURN_IF_ERROR(CheckStepRequest(request, call, append, attend));
+  if (call.admit) ATTND_RETURN_IF_ERROR(call.admit());
+
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("the server is shutting down");
+  if (waiting_ >= options_.max_waiting) {
+    return absl::ResourceExhaustedError(absl::StrCat("queue full: ", waiting_,
+                                                     " steps waiting for a launch (--max_queue)"));
+  }
+  std::vector<Seq*> seqs;
+  int64_t rows = 0;
+  ATTND_RETURN_IF_ERROR(FindStepSequences(owner, request, &seqs, &rows));
+  ATTND_RETURN_IF_ERROR(CheckStepCounts(request, seqs, append, attend));
+  const SequenceShape& shape = seqs[0]->pool->memory->shape();
+  absl::StatusOr<StepBytes> bytes = SizeStep(request, transport, shape, rows, append, attend);
+  if (!bytes.ok()) return bytes.status();
+  ATTND_RETURN_IF_ERROR(BindStepTensors(request, *bytes, append, attend, job));
+  DescribeStep(request, call, seqs, rows, append, attend, job);
+  ATTND_RETURN_IF_ERROR(backend_->AcceptStep(*job));
+  ATTND_RETURN_IF_ERROR(TakeStepPages(owner, seqs, job, admitted));
+  const absl::Time now = absl::Now();
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    seqs[i]->busy = true;
+    seqs[i]->last_used = now;
+    job->sequences[i].pages = seqs[i]->pages;
+    admitted->parts.push_back({seqs[i], job->sequences[i].cached, job->sequences[i].tokens});
+  }
+  ++admitted_;
+  return absl::OkStatus();
+}
+
+absl::Status Sequences::CheckStepRequest(const v1::StepRequest& request, const CallInfo& call, bool append,
+                                         bool attend) const {
   if (!options_.enabled) return absl::FailedPreconditionError("KV sequences are disabled on this server");
   if (request.request_id().size() > kMaxRequestIdBytes) {
     return Invalid("request_id", absl::StrCat("longer than ", kMaxRequestIdBytes, " bytes"));
@@ -471,8 +506,6 @@ absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& r
                                                      " exceeds the server limit --max_step_batch=",
                                                      options_.max_batch));
   }
-  const bool append = request.has_k() || request.has_v();
-  const bool attend = request.has_q();
   if (append && !(request.has_k() && request.has_v())) {
     return Invalid(request.has_k() ? "v" : "k", "k and v are both set (append) or both unset");
   }
@@ -497,16 +530,13 @@ absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& r
         "order: a step waits for the caller's stream only over the shared-memory channel (--shm_socket), whose "
         "wait word the stream writes; over gRPC wait for the stream on the host and send the step without order");
   }
-  if (call.admit) ATTND_RETURN_IF_ERROR(call.admit());
+  return absl::OkStatus();
+}
 
-  absl::MutexLock lock(&mu_);
-  if (stopping_) return absl::UnavailableError("the server is shutting down");
-  if (waiting_ >= options_.max_waiting) {
-    return absl::ResourceExhaustedError(absl::StrCat("queue full: ", waiting_,
-                                                     " steps waiting for a launch (--max_queue)"));
-  }
-  std::vector<Seq*> seqs;
-  int64_t rows = 0;
+absl::Status Sequences::FindStepSequences(const std::string& owner, const v1::StepRequest& request,
+                                          std::vector<Seq*>* seqs_out, int64_t* rows_out) {
+  std::vector<Seq*>& seqs = *seqs_out;
+  int64_t& rows = *rows_out;
   for (int i = 0; i < request.sequences_size(); ++i) {
     const v1::SequenceTokens& st = request.sequences(i);
     const auto field = [i] { return absl::StrCat("sequences[", i, "]"); };  // for messages only: a step names many
@@ -538,6 +568,11 @@ absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& r
     seqs.push_back(seq);
     rows += st.tokens();
   }
+  return absl::OkStatus();
+}
+
+absl::Status Sequences::CheckStepCounts(const v1::StepRequest& request, const std::vector<Seq*>& seqs, bool append,
+                                        bool attend) const {
   const SequenceShape& shape = seqs[0]->pool->memory->shape();
   if (request.layer() < 0 || request.layer() >= shape.layers) {
     return Invalid("layer", absl::StrCat("must be 0..", shape.layers - 1, " (the sequences have ", shape.layers,
@@ -568,6 +603,12 @@ absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& r
                                   " tokens (without k and v, q's rows are the last cached positions)"));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Sequences::StepBytes> Sequences::SizeStep(const v1::StepRequest& request, Transport transport,
+                                                         const SequenceShape& shape, int64_t rows, bool append,
+                                                         bool attend) const {
   // Sizes: each inline tensor exactly its shape. --max_request_bytes bounds all of a step's tensors together (the
   // memory the step takes); over gRPC the request and the reply are two messages, each held to --max_message_bytes
   // on its own, with what it carries: Q, K and V inline, O unless it goes to o_ref, and LSE.
@@ -603,6 +644,11 @@ absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& r
       }
     }
   }
+  return StepBytes{q_bytes, kv_bytes};
+}
+
+absl::Status Sequences::BindStepTensors(const v1::StepRequest& request, const StepBytes& sizes, bool append,
+                                        bool attend, StepJob* job) const {
   const auto bind = [&](const char* field, const v1::TensorInput& in, uint64_t bytes, TensorSource* src) {
     if (in.has_ref()) {
       if (buffers_ == nullptr) {
@@ -619,10 +665,10 @@ absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& r
     src->host_bytes = bytes;
     return absl::OkStatus();
   };
-  if (attend) ATTND_RETURN_IF_ERROR(bind("q", request.q(), q_bytes, &job->q));
+  if (attend) ATTND_RETURN_IF_ERROR(bind("q", request.q(), sizes.q, &job->q));
   if (append) {
-    ATTND_RETURN_IF_ERROR(bind("k", request.k(), kv_bytes, &job->k));
-    ATTND_RETURN_IF_ERROR(bind("v", request.v(), kv_bytes, &job->v));
+    ATTND_RETURN_IF_ERROR(bind("k", request.k(), sizes.kv, &job->k));
+    ATTND_RETURN_IF_ERROR(bind("v", request.v(), sizes.kv, &job->v));
   }
   if (request.has_o_ref()) {
     if (buffers_ == nullptr) {
@@ -632,6 +678,14 @@ absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& r
     job->o_ref.buffer_id = request.o_ref().buffer_id();
     job->o_ref.offset = request.o_ref().offset();
   }
+  return absl::OkStatus();
+}
+
+void Sequences::DescribeStep(const v1::StepRequest& request, const CallInfo& call, const std::vector<Seq*>& seqs,
+                             int64_t rows, bool append, bool attend, StepJob* job) const {
+  const SequenceShape& shape = seqs[0]->pool->memory->shape();
+  const int layer = static_cast<int>(request.layer());
+  const int64_t q_heads = attend ? request.q_heads() : 0;
   job->request_id = request.request_id();
   job->pool = seqs[0]->pool->memory;
   job->layer = layer;
@@ -650,8 +704,12 @@ absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& r
     part.tokens = static_cast<int32_t>(request.sequences(i).tokens());
     job->sequences.push_back(std::move(part));
   }
-  ATTND_RETURN_IF_ERROR(backend_->AcceptStep(*job));
+}
 
+absl::Status Sequences::TakeStepPages(const std::string& owner, const std::vector<Seq*>& seqs, StepJob* job,
+                                      Admitted* admitted) {
+  const int layer = job->layer;
+  const bool append = job->append;
   // Pages: grow each table to cover the new rows, and give each sequence its own copy of every shared page the
   // new rows land in. Counted first, so that a step the pool cannot hold is refused before it takes any and says
   // what it needs; undone in full when the client's page limit stops it part way.
@@ -703,26 +761,24 @@ absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& r
     }
   }
   if (!status.ok()) {
-    for (auto it = admitted->copies.rbegin(); it != admitted->copies.rend(); ++it) {
-      it->seq->pages[it->slot] = it->from;
-      ++clients_[owner].pages;
-      Unref(pool, it->to);
-      --clients_[owner].pages;
-    }
-    for (size_t i = 0; i < table_sizes.size(); ++i) DropPages(seqs[i], table_sizes[i]);
-    admitted->copies.clear();
-    job->copies.clear();
+    UndoStepPages(owner, seqs, table_sizes, job, admitted);
     return status;
   }
-  const absl::Time now = absl::Now();
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    seqs[i]->busy = true;
-    seqs[i]->last_used = now;
-    job->sequences[i].pages = seqs[i]->pages;
-    admitted->parts.push_back({seqs[i], job->sequences[i].cached, job->sequences[i].tokens});
-  }
-  ++admitted_;
   return absl::OkStatus();
+}
+
+void Sequences::UndoStepPages(const std::string& owner, const std::vector<Seq*>& seqs,
+                              const std::vector<size_t>& table_sizes, StepJob* job, Admitted* admitted) {
+  Pool& pool = *admitted->pool;
+  for (auto it = admitted->copies.rbegin(); it != admitted->copies.rend(); ++it) {
+    it->seq->pages[it->slot] = it->from;
+    ++clients_[owner].pages;
+    Unref(pool, it->to);
+    --clients_[owner].pages;
+  }
+  for (size_t i = 0; i < table_sizes.size(); ++i) DropPages(seqs[i], table_sizes[i]);
+  admitted->copies.clear();
+  job->copies.clear();
 }
 
 void Sequences::Finish(const Admitted& admitted, bool ok) {

@@ -146,8 +146,39 @@ class Sequences {
   // Drops the pages past those its longest layer needs.
   void TrimPages(Seq* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Free(Seq* seq, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Admits one step: its request checked, its sequences found and made busy, its tensors bound to the job, its
+  // pages taken and copy-on-write planned. The steps below run in this order, so a request with several faults
+  // is refused for the first.
   absl::Status Admit(const std::string& owner, const v1::StepRequest& request, Transport transport,
                      const CallInfo& call, StepJob* job, Admitted* admitted) ABSL_LOCKS_EXCLUDED(mu_);
+  // What the request alone decides: the id's length, the number of sequences, which tensors go together,
+  // strides, the stream order.
+  absl::Status CheckStepRequest(const v1::StepRequest& request, const CallInfo& call, bool append,
+                                bool attend) const;
+  // The step's sequences: the caller's, idle, of one shape, each with 1..max_tokens new tokens; `rows`: the new
+  // tokens of all of them.
+  absl::Status FindStepSequences(const std::string& owner, const v1::StepRequest& request, std::vector<Seq*>* seqs,
+                                 int64_t* rows) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The layer, q_heads and each sequence's tokens against what the sequences hold.
+  absl::Status CheckStepCounts(const v1::StepRequest& request, const std::vector<Seq*>& seqs, bool append,
+                               bool attend) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Bytes of the step's Q (and O) and of each of K and V; 0 for a tensor the step has none of.
+  struct StepBytes {
+    uint64_t q = 0, kv = 0;
+  };
+  absl::StatusOr<StepBytes> SizeStep(const v1::StepRequest& request, Transport transport, const SequenceShape& shape,
+                                     int64_t rows, bool append, bool attend) const;
+  // Points the job's tensors at the request's inline bytes or at registered buffers.
+  absl::Status BindStepTensors(const v1::StepRequest& request, const StepBytes& sizes, bool append, bool attend,
+                               StepJob* job) const;
+  // The job's layer, heads, scale, modes, deadline and each sequence's cached and new tokens.
+  void DescribeStep(const v1::StepRequest& request, const CallInfo& call, const std::vector<Seq*>& seqs,
+                    int64_t rows, bool append, bool attend, StepJob* job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status TakeStepPages(const std::string& owner, const std::vector<Seq*>& seqs, StepJob* job,
+                             Admitted* admitted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives back what TakeStepPages took before it was stopped: the copies, then the pages past `table_sizes`.
+  void UndoStepPages(const std::string& owner, const std::vector<Seq*>& seqs, const std::vector<size_t>& table_sizes,
+                     StepJob* job, Admitted* admitted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends an admitted step: commits the lengths (ok) or undoes its copy-on-write (not ok), frees deferred closes.
   void Finish(const Admitted& admitted, bool ok) ABSL_LOCKS_EXCLUDED(mu_);
   // After the step's reply: Shutdown waits for every admitted step to get here.
