@@ -174,43 +174,54 @@ std::string FormatSeqReport(const SeqRunReport& r) {
   return out;
 }
 
-absl::StatusOr<DecodeBenchReport> RunDecodeBench(Client& client, const DecodeBenchOptions& o) {
-  const SequenceShape& shape = o.shape;
-  const int64_t q_heads = o.q_heads > 0 ? o.q_heads : shape.kv_heads;
-  if (absl::Status s = CheckSequenceShape(shape, q_heads); !s.ok()) return s;
-  if (o.sequences < 1) return absl::InvalidArgumentError("sequences: must be >= 1");
-  if (o.context < 0 || o.steps < 1) return absl::InvalidArgumentError("context: must be >= 0; steps: >= 1");
-  DecodeBenchReport report;
-  report.transport = StepTransportName(client, o.call);
-  report.target = report.transport == "shm" ? client.options().shm_socket : client.options().target;
-  report.shape = shape;
-  report.q_heads = q_heads;
-  report.sequences = o.sequences;
-  report.context = o.context;
-  report.steps = o.steps;
-  report.one_message = o.one_message;
+namespace {
 
-  std::vector<std::string> ids;
-  // Opened in groups within the server's per-call limit (SequenceLimits.max_open).
+// One decode caller's counts, written by that caller's thread alone.
+struct CallerStats {
+  std::vector<double> lat_us, outside_us;
+  std::map<uint32_t, int64_t> batches;
+  double queue = 0, h2d = 0, kernel = 0, d2h = 0, total = 0;
+  double bytes_read = 0, kernel_share_us = 0;
+  int64_t tokens = 0, ok = 0, errors = 0;
+  std::map<std::string, int64_t> errors_by_code;
+  std::string first_error;
+};
+
+// What the decode phase's callers share. Each caller owns a set of sequences (one, or all of them in one_message
+// mode).
+struct DecodePhase {
+  Client& client;
+  const DecodeBenchOptions& o;
+  const std::vector<std::string>& ids;
+  int64_t q_heads = 0;
+  int per_caller = 1;
+  absl::Time start, hard_stop;
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> progress_calls{0};
+};
+
+// Opened in groups within the server's per-call limit (SequenceLimits.max_open). `ids` keeps those opened, also
+// after a failure, for the caller to close.
+absl::Status OpenDecodeSequences(Client& client, const DecodeBenchOptions& o, std::vector<std::string>& ids) {
   uint32_t group = 64;
   absl::StatusOr<v1::ServerInfo> info = client.ServerInfo(false, o.call);
   if (info.ok() && info->sequences().max_open() > 0) group = info->sequences().max_open();
-  auto close_all = [&] {
-    if (!ids.empty()) (void)client.CloseSequence(ids, o.call);
-  };
   while (static_cast<int>(ids.size()) < o.sequences) {
     const uint32_t n = std::min<uint32_t>(group, o.sequences - ids.size());
-    absl::StatusOr<OpenedSequences> opened = client.OpenSequence(shape, 0, n, o.call);
+    absl::StatusOr<OpenedSequences> opened = client.OpenSequence(o.shape, 0, n, o.call);
     if (!opened.ok()) {
-      close_all();
       return absl::Status(opened.status().code(), absl::StrCat("open: ", opened.status().message()));
     }
     ids.insert(ids.end(), opened->ids.begin(), opened->ids.end());
   }
+  return absl::OkStatus();
+}
+
+// Prefill, untimed: append-only Steps in message-sized chunks. Every sequence gets the same random context
+// (values do not matter to the timing).
+absl::Status PrefillDecodeSequences(Client& client, const DecodeBenchOptions& o, const std::vector<std::string>& ids) {
+  const SequenceShape& shape = o.shape;
   const int64_t kv_elems_row = shape.kv_heads * shape.head_dim;
-  const int64_t q_elems_row = q_heads * shape.head_dim;
-  // Prefill, untimed: append-only Steps in message-sized chunks. Every sequence gets the same random context
-  // (values do not matter to the timing).
   if (o.context > 0) {
     const int64_t chunk = std::min(PrefillChunkTokens(shape), o.context);
     const std::string k = RandomTensor(shape.dtype, chunk * kv_elems_row, o.seed * 7 + 1);
@@ -227,104 +238,98 @@ absl::StatusOr<DecodeBenchReport> RunDecodeBench(Client& client, const DecodeBen
           spec.v.data = std::string_view(v).substr(0, n * row_bytes);
           absl::StatusOr<StepResult> r = client.Step(spec, o.call);
           if (!r.ok()) {
-            close_all();
             return absl::Status(r.status().code(), absl::StrCat("prefill: ", r.status().message()));
           }
         }
       }
     }
   }
+  return absl::OkStatus();
+}
 
-  // The decode phase. Each caller owns a set of sequences (one, or all of them in one_message mode).
-  const int callers = o.one_message ? 1 : o.sequences;
-  const int per_caller = o.one_message ? o.sequences : 1;
-  struct CallerStats {
-    std::vector<double> lat_us, outside_us;
-    std::map<uint32_t, int64_t> batches;
-    double queue = 0, h2d = 0, kernel = 0, d2h = 0, total = 0;
-    double bytes_read = 0, kernel_share_us = 0;
-    int64_t tokens = 0, ok = 0, errors = 0;
-    std::map<std::string, int64_t> errors_by_code;
-    std::string first_error;
-  };
-  std::vector<CallerStats> stats(callers);
-  std::atomic<bool> stop{false};
-  std::atomic<int64_t> progress_calls{0};
+// Caller `c`'s decode steps: every layer of each step, until o.steps, the hard stop, or another caller's stop.
+void DecodeCaller(DecodePhase& p, int c, CallerStats& st) {
+  Client& client = p.client;
+  const DecodeBenchOptions& o = p.o;
+  const SequenceShape& shape = o.shape;
+  const int per_caller = p.per_caller;
+  const int64_t kv_elems_row = shape.kv_heads * shape.head_dim;
+  const int64_t q_elems_row = p.q_heads * shape.head_dim;
   const uint64_t ebytes = DTypeBytes(shape.dtype);
-  const absl::Time start = absl::Now();
-  const absl::Time hard_stop = start + o.max_duration;
-  auto caller = [&](int c) {
-    CallerStats& st = stats[c];
-    const std::string q = RandomTensor(shape.dtype, per_caller * q_elems_row, o.seed * 11 + c);
-    const std::string k = RandomTensor(shape.dtype, per_caller * kv_elems_row, o.seed * 13 + c);
-    const std::string v = RandomTensor(shape.dtype, per_caller * kv_elems_row, o.seed * 17 + c);
-    StepSpec spec;
-    for (int i = 0; i < per_caller; ++i) spec.sequences.push_back({ids[c * per_caller + i], 1});
-    spec.q_heads = q_heads;
-    spec.q.data = q;
-    spec.k.data = k;
-    spec.v.data = v;
-    for (int64_t s = 0; s < o.steps && !stop.load(std::memory_order_relaxed); ++s) {
-      bool all_ok = true;
-      for (int64_t layer = 0; layer < shape.layers; ++layer) {
-        if (absl::Now() >= hard_stop) {
-          stop.store(true);
-          return;
-        }
-        spec.layer = layer;
-        absl::StatusOr<StepResult> r = client.Step(spec, o.call);
-        progress_calls.fetch_add(1, std::memory_order_relaxed);
-        if (!r.ok()) {
-          all_ok = false;
-          ++st.errors;
-          ++st.errors_by_code[absl::StatusCodeToString(r.status().code())];
-          if (st.first_error.empty()) st.first_error = r.status().ToString();
-          continue;
-        }
-        ++st.ok;
-        st.lat_us.push_back(absl::ToDoubleMicroseconds(r->latency));
-        const v1::Timing& t = r->timing.timing();
-        st.queue += t.queue_us();
-        st.h2d += t.h2d_us();
-        st.kernel += t.kernel_us();
-        st.d2h += t.d2h_us();
-        st.total += t.total_us();
-        st.outside_us.push_back(absl::ToDoubleMicroseconds(r->latency) - t.total_us());
-        const uint32_t batch = std::max<uint32_t>(r->timing.batch_sequences(), 1);
-        ++st.batches[batch];
-        for (int64_t len : r->lengths) st.bytes_read += 2.0 * len * kv_elems_row * ebytes;
-        st.kernel_share_us += t.kernel_us() * per_caller / std::max<uint32_t>(batch, per_caller);
+  const std::string q = RandomTensor(shape.dtype, per_caller * q_elems_row, o.seed * 11 + c);
+  const std::string k = RandomTensor(shape.dtype, per_caller * kv_elems_row, o.seed * 13 + c);
+  const std::string v = RandomTensor(shape.dtype, per_caller * kv_elems_row, o.seed * 17 + c);
+  StepSpec spec;
+  for (int i = 0; i < per_caller; ++i) spec.sequences.push_back({p.ids[c * per_caller + i], 1});
+  spec.q_heads = p.q_heads;
+  spec.q.data = q;
+  spec.k.data = k;
+  spec.v.data = v;
+  for (int64_t s = 0; s < o.steps && !p.stop.load(std::memory_order_relaxed); ++s) {
+    bool all_ok = true;
+    for (int64_t layer = 0; layer < shape.layers; ++layer) {
+      if (absl::Now() >= p.hard_stop) {
+        p.stop.store(true);
+        return;
       }
-      if (all_ok) st.tokens += per_caller;
+      spec.layer = layer;
+      absl::StatusOr<StepResult> r = client.Step(spec, o.call);
+      p.progress_calls.fetch_add(1, std::memory_order_relaxed);
+      if (!r.ok()) {
+        all_ok = false;
+        ++st.errors;
+        ++st.errors_by_code[absl::StatusCodeToString(r.status().code())];
+        if (st.first_error.empty()) st.first_error = r.status().ToString();
+        continue;
+      }
+      ++st.ok;
+      st.lat_us.push_back(absl::ToDoubleMicroseconds(r->latency));
+      const v1::Timing& t = r->timing.timing();
+      st.queue += t.queue_us();
+      st.h2d += t.h2d_us();
+      st.kernel += t.kernel_us();
+      st.d2h += t.d2h_us();
+      st.total += t.total_us();
+      st.outside_us.push_back(absl::ToDoubleMicroseconds(r->latency) - t.total_us());
+      const uint32_t batch = std::max<uint32_t>(r->timing.batch_sequences(), 1);
+      ++st.batches[batch];
+      for (int64_t len : r->lengths) st.bytes_read += 2.0 * len * kv_elems_row * ebytes;
+      st.kernel_share_us += t.kernel_us() * per_caller / std::max<uint32_t>(batch, per_caller);
     }
-  };
+    if (all_ok) st.tokens += per_caller;
+  }
+}
+
+// One thread per caller, and with o.progress a line about once a second until they are done.
+void RunDecodeCallers(DecodePhase& p, std::vector<CallerStats>& stats) {
+  const int callers = static_cast<int>(stats.size());
   std::vector<std::thread> threads;
-  for (int c = 0; c < callers; ++c) threads.emplace_back(caller, c);
-  if (o.progress) {
+  for (int c = 0; c < callers; ++c) threads.emplace_back([&p, &stats, c] { DecodeCaller(p, c, stats[c]); });
+  if (p.o.progress) {
     std::thread watcher([&] {
-      const int64_t total = static_cast<int64_t>(callers) * o.steps * shape.layers;
-      while (!stop.load()) {
+      const int64_t total = static_cast<int64_t>(callers) * p.o.steps * p.o.shape.layers;
+      while (!p.stop.load()) {
         absl::SleepFor(absl::Seconds(1));  // a progress line's period, not synchronisation
-        const int64_t n = progress_calls.load();
+        const int64_t n = p.progress_calls.load();
         if (n >= total) break;
-        o.progress(absl::StrFormat("decode: %d of %d Step calls, %.1f s", n, total,
-                                   absl::ToDoubleSeconds(absl::Now() - start)));
+        p.o.progress(absl::StrFormat("decode: %d of %d Step calls, %.1f s", n, total,
+                                     absl::ToDoubleSeconds(absl::Now() - p.start)));
       }
     });
     for (auto& t : threads) t.join();
-    stop.store(true);
+    p.stop.store(true);
     watcher.join();
   } else {
     for (auto& t : threads) t.join();
   }
-  report.elapsed_s = absl::ToDoubleSeconds(absl::Now() - start);
-  report.hit_max_duration = absl::Now() >= hard_stop;
-  close_all();
+}
 
+// The callers' counts into the report; report.elapsed_s is already set.
+void SummarizeDecode(const std::vector<CallerStats>& stats, DecodeBenchReport& report) {
   std::vector<double> lat, outside;
   double queue = 0, h2d = 0, kernel = 0, d2h = 0, total = 0, bytes_read = 0, kernel_share = 0;
   int64_t tokens = 0;
-  for (CallerStats& st : stats) {
+  for (const CallerStats& st : stats) {
     lat.insert(lat.end(), st.lat_us.begin(), st.lat_us.end());
     outside.insert(outside.end(), st.outside_us.begin(), st.outside_us.end());
     for (const auto& [b, n] : st.batches) report.batch_sequences[b] += n;
@@ -354,6 +359,49 @@ absl::StatusOr<DecodeBenchReport> RunDecodeBench(Client& client, const DecodeBen
   }
   if (kernel_share > 0) report.hbm_gbps = bytes_read / kernel_share / 1e3;
   if (report.elapsed_s > 0) report.tokens_per_s = tokens / report.elapsed_s;
+}
+
+}  // namespace
+
+absl::StatusOr<DecodeBenchReport> RunDecodeBench(Client& client, const DecodeBenchOptions& o) {
+  const SequenceShape& shape = o.shape;
+  const int64_t q_heads = o.q_heads > 0 ? o.q_heads : shape.kv_heads;
+  if (absl::Status s = CheckSequenceShape(shape, q_heads); !s.ok()) return s;
+  if (o.sequences < 1) return absl::InvalidArgumentError("sequences: must be >= 1");
+  if (o.context < 0 || o.steps < 1) return absl::InvalidArgumentError("context: must be >= 0; steps: >= 1");
+  DecodeBenchReport report;
+  report.transport = StepTransportName(client, o.call);
+  report.target = report.transport == "shm" ? client.options().shm_socket : client.options().target;
+  report.shape = shape;
+  report.q_heads = q_heads;
+  report.sequences = o.sequences;
+  report.context = o.context;
+  report.steps = o.steps;
+  report.one_message = o.one_message;
+
+  std::vector<std::string> ids;
+  auto close_all = [&] {
+    if (!ids.empty()) (void)client.CloseSequence(ids, o.call);
+  };
+  if (absl::Status s = OpenDecodeSequences(client, o, ids); !s.ok()) {
+    close_all();
+    return s;
+  }
+  if (absl::Status s = PrefillDecodeSequences(client, o, ids); !s.ok()) {
+    close_all();
+    return s;
+  }
+
+  // The decode phase.
+  const int callers = o.one_message ? 1 : o.sequences;
+  std::vector<CallerStats> stats(callers);
+  const absl::Time start = absl::Now();
+  DecodePhase phase{client, o, ids, q_heads, o.one_message ? o.sequences : 1, start, start + o.max_duration};
+  RunDecodeCallers(phase, stats);
+  report.elapsed_s = absl::ToDoubleSeconds(absl::Now() - start);
+  report.hit_max_duration = absl::Now() >= phase.hard_stop;
+  close_all();
+  SummarizeDecode(stats, report);
   return report;
 }
 
