@@ -33,19 +33,9 @@ void ExpectCode(const std::string& what, const absl::Status& s, absl::StatusCode
   Pass(absl::StrCat(what, " -> ", absl::StatusCodeToString(code), " (", s.message(), ")"));
 }
 
-}  // namespace
-
-int Check(client::Client& c) {
-  // Correctness over every mask, GQA ratio and head_dim, with lengths that are not tile multiples; with
-  // --shm_socket every case again over the shared-memory channel.
-  std::unique_ptr<client::ShmChannel> shm;
-  if (!absl::GetFlag(FLAGS_shm_socket).empty()) {
-    client::ShmChannelOptions so;
-    so.socket_path = absl::GetFlag(FLAGS_shm_socket);
-    absl::StatusOr<std::unique_ptr<client::ShmChannel>> opened = client::ShmChannel::Connect(so);
-    if (!opened.ok()) return Fail(absl::StrCat("shm channel: ", opened.status().ToString())), 1;
-    shm = *std::move(opened);
-  }
+// Correctness over every mask, GQA ratio and head_dim, with lengths that are not tile multiples; with
+// --shm_socket (shm not null) every case again over the shared-memory channel. 1: the run cannot go on.
+int CheckCases(client::Client& c, client::ShmChannel* shm) {
   int cases = 0;
   for (int64_t hd : {64, 128, 256}) {
     const Shape s{2, 200, 333, 8, 8, hd};
@@ -81,8 +71,68 @@ int Check(client::Client& c) {
     (void)c.UnregisterCudaBuffer(b.inputs_id);
     CUDA_OR_DIE(cudaFree(b.base));
   }
+  return 0;
+}
 
-  // Bad input is rejected with the field named, and the server keeps serving.
+// Registrations the server refuses, each naming its field.
+void CheckBadRegistrations(client::Client& c, const Buffers& b) {
+  v1::RegisterCudaBufferRequest r;
+  std::string junk(64, '\0');
+  for (int i = 0; i < 64; ++i) junk[i] = static_cast<char>(i * 37 + 11);
+  r.set_ipc_handle(junk);
+  r.set_device(absl::GetFlag(FLAGS_device));
+  r.set_byte_size(4096);
+  ExpectCode("register a forged handle", c.RegisterCudaBuffer(r).status(), absl::StatusCode::kInvalidArgument,
+             "ipc_handle");
+  r.set_ipc_handle(b.handle);
+  r.set_offset(0);
+  r.set_byte_size(b.total + 4096);
+  ExpectCode("register past the allocation's end", c.RegisterCudaBuffer(r).status(),
+             absl::StatusCode::kInvalidArgument, "byte_size");
+  r.set_offset(b.total - 16);
+  r.set_byte_size(32);
+  ExpectCode("register a region straddling the end", c.RegisterCudaBuffer(r).status(),
+             absl::StatusCode::kInvalidArgument, "byte_size");
+  r.set_offset(0);
+  r.set_byte_size(4096);
+  r.set_device(999);
+  ExpectCode("register on a device the server does not serve", c.RegisterCudaBuffer(r).status(),
+             absl::StatusCode::kInvalidArgument, "device");
+}
+
+// References the server refuses, each naming its field.
+void CheckBadReferences(client::Client& c, const Buffers& b, const client::RequestSpec& spec,
+                        client::ShmChannel* shm) {
+  const Shape& s = spec.shape;
+  v1::ForwardRequest req = RefRequest(spec, b, 0);
+  req.mutable_v()->mutable_ref()->set_offset(b.o_off - 1024);  // V would run past the inputs region
+  ExpectCode("V reference past its region", c.Forward(req).status(), absl::StatusCode::kInvalidArgument, "v.ref");
+  req = RefRequest(spec, b, 0);
+  req.mutable_o_ref()->set_offset(16);
+  ExpectCode("O reference past its region", c.Forward(req).status(), absl::StatusCode::kInvalidArgument, "o_ref");
+  req = RefRequest(spec, b, 0);
+  req.mutable_q()->mutable_ref()->set_offset(~uint64_t{0} - 15);
+  ExpectCode("offset near 2^64 (overflow)", c.Forward(req).status(), absl::StatusCode::kInvalidArgument, "q.ref");
+  req = RefRequest(spec, b, 0);
+  req.mutable_k()->mutable_ref()->set_buffer_id("cuda-1-0000000000000000");
+  ExpectCode("unknown buffer id", c.Forward(req).status(), absl::StatusCode::kInvalidArgument, "k.ref");
+  if (shm != nullptr) {
+    ExpectCode("unknown buffer id (shm)", client::ForwardOverShm(*shm, req).status(), absl::StatusCode::kInvalidArgument, "k.ref");
+  }
+  req = RefRequest(spec, b, 0);
+  // Valid strides (multiples of 16 bytes) whose span, 8x the contiguous one, runs past the region.
+  const int64_t row = s.q_heads * s.head_dim;
+  for (int64_t st : {8 * row * s.q_len, 8 * row, s.head_dim}) req.mutable_q()->mutable_ref()->add_strides(st);
+  ExpectCode("strides reaching outside the region", c.Forward(req).status(), absl::StatusCode::kInvalidArgument,
+             "q.ref");
+  req = RefRequest(spec, b, 0);
+  for (int i = 0; i < 3; ++i) req.mutable_k()->mutable_ref()->add_strides(i == 0 ? 1ll << 60 : 64);
+  ExpectCode("strides the kernel cannot address", c.Forward(req).status(), absl::StatusCode::kInvalidArgument,
+             "layout.k");
+}
+
+// Bad input is rejected with the field named, and the server keeps serving. 1: the run cannot go on.
+int CheckRejections(client::Client& c, client::ShmChannel* shm) {
   const Shape s{1, 128, 128, 4, 4, 64};
   Buffers b = Allocate(s, 1);
   if (absl::Status st = Register(c, b, 1); !st.ok()) return Fail(st.ToString()), 1;
@@ -91,78 +141,30 @@ int Check(client::Client& c) {
   Inputs in = Upload(spec, b, 7);
   auto oracle = client::Oracle::Compute(spec.ToProblem(), in.q, in.k, in.v);
   if (!oracle.ok()) return Fail(oracle.status().ToString()), 1;
-  {
-    v1::RegisterCudaBufferRequest r;
-    std::string junk(64, '\0');
-    for (int i = 0; i < 64; ++i) junk[i] = static_cast<char>(i * 37 + 11);
-    r.set_ipc_handle(junk);
-    r.set_device(absl::GetFlag(FLAGS_device));
-    r.set_byte_size(4096);
-    ExpectCode("register a forged handle", c.RegisterCudaBuffer(r).status(), absl::StatusCode::kInvalidArgument,
-               "ipc_handle");
-    r.set_ipc_handle(b.handle);
-    r.set_offset(0);
-    r.set_byte_size(b.total + 4096);
-    ExpectCode("register past the allocation's end", c.RegisterCudaBuffer(r).status(),
-               absl::StatusCode::kInvalidArgument, "byte_size");
-    r.set_offset(b.total - 16);
-    r.set_byte_size(32);
-    ExpectCode("register a region straddling the end", c.RegisterCudaBuffer(r).status(),
-               absl::StatusCode::kInvalidArgument, "byte_size");
-    r.set_offset(0);
-    r.set_byte_size(4096);
-    r.set_device(999);
-    ExpectCode("register on a device the server does not serve", c.RegisterCudaBuffer(r).status(),
-               absl::StatusCode::kInvalidArgument, "device");
+  CheckBadRegistrations(c, b);
+  CheckBadReferences(c, b, spec, shm);
+  const std::string why = CallAndCheck(c, RefRequest(spec, b, 0), b, 0, *oracle);
+  why.empty() ? Pass("still correct after the rejected calls") : Fail(absl::StrCat("after rejections: ", why));
+  auto list = c.ListCudaBuffers();
+  if (!list.ok()) {
+    Fail(list.status().ToString());
+  } else {
+    bool idle = true;
+    for (const auto& info : *list) idle = idle && info.requests_in_flight() == 0;
+    idle && list->size() >= 2 ? Pass(absl::StrCat("ListCudaBuffers: ", list->size(), " buffers, none in use"))
+                              : Fail("ListCudaBuffers: buffers missing or still in use after the replies");
   }
-  {
-    v1::ForwardRequest req = RefRequest(spec, b, 0);
-    req.mutable_v()->mutable_ref()->set_offset(b.o_off - 1024);  // V would run past the inputs region
-    ExpectCode("V reference past its region", c.Forward(req).status(), absl::StatusCode::kInvalidArgument, "v.ref");
-    req = RefRequest(spec, b, 0);
-    req.mutable_o_ref()->set_offset(16);
-    ExpectCode("O reference past its region", c.Forward(req).status(), absl::StatusCode::kInvalidArgument, "o_ref");
-    req = RefRequest(spec, b, 0);
-    req.mutable_q()->mutable_ref()->set_offset(~uint64_t{0} - 15);
-    ExpectCode("offset near 2^64 (overflow)", c.Forward(req).status(), absl::StatusCode::kInvalidArgument, "q.ref");
-    req = RefRequest(spec, b, 0);
-    req.mutable_k()->mutable_ref()->set_buffer_id("cuda-1-0000000000000000");
-    ExpectCode("unknown buffer id", c.Forward(req).status(), absl::StatusCode::kInvalidArgument, "k.ref");
-    if (shm != nullptr) {
-      ExpectCode("unknown buffer id (shm)", client::ForwardOverShm(*shm, req).status(), absl::StatusCode::kInvalidArgument, "k.ref");
-    }
-    req = RefRequest(spec, b, 0);
-    // Valid strides (multiples of 16 bytes) whose span, 8x the contiguous one, runs past the region.
-    const int64_t row = s.q_heads * s.head_dim;
-    for (int64_t st : {8 * row * s.q_len, 8 * row, s.head_dim}) req.mutable_q()->mutable_ref()->add_strides(st);
-    ExpectCode("strides reaching outside the region", c.Forward(req).status(), absl::StatusCode::kInvalidArgument,
-               "q.ref");
-    req = RefRequest(spec, b, 0);
-    for (int i = 0; i < 3; ++i) req.mutable_k()->mutable_ref()->add_strides(i == 0 ? 1ll << 60 : 64);
-    ExpectCode("strides the kernel cannot address", c.Forward(req).status(), absl::StatusCode::kInvalidArgument,
-               "layout.k");
-  }
-  {
-    const std::string why = CallAndCheck(c, RefRequest(spec, b, 0), b, 0, *oracle);
-    why.empty() ? Pass("still correct after the rejected calls") : Fail(absl::StrCat("after rejections: ", why));
-    auto list = c.ListCudaBuffers();
-    if (!list.ok()) {
-      Fail(list.status().ToString());
-    } else {
-      bool idle = true;
-      for (const auto& info : *list) idle = idle && info.requests_in_flight() == 0;
-      idle && list->size() >= 2 ? Pass(absl::StrCat("ListCudaBuffers: ", list->size(), " buffers, none in use"))
-                                : Fail("ListCudaBuffers: buffers missing or still in use after the replies");
-    }
-    ExpectCode("unregister", c.UnregisterCudaBuffer(b.out_ids[0]), absl::StatusCode::kOk, "");
-    ExpectCode("use after unregister", c.Forward(RefRequest(spec, b, 0)).status(), absl::StatusCode::kInvalidArgument,
-               "o_ref");
-    ExpectCode("unregister twice", c.UnregisterCudaBuffer(b.out_ids[0]), absl::StatusCode::kNotFound, "buffer_id");
-    (void)c.UnregisterCudaBuffer(b.inputs_id);
-  }
+  ExpectCode("unregister", c.UnregisterCudaBuffer(b.out_ids[0]), absl::StatusCode::kOk, "");
+  ExpectCode("use after unregister", c.Forward(RefRequest(spec, b, 0)).status(), absl::StatusCode::kInvalidArgument,
+             "o_ref");
+  ExpectCode("unregister twice", c.UnregisterCudaBuffer(b.out_ids[0]), absl::StatusCode::kNotFound, "buffer_id");
+  (void)c.UnregisterCudaBuffer(b.inputs_id);
   CUDA_OR_DIE(cudaFree(b.base));
+  return 0;
+}
 
-  // Concurrent callers, each with its own O region of one shared allocation and distinct inputs per request.
+// Concurrent callers, each with its own O region of one shared allocation and distinct inputs per request.
+void CheckConcurrent(client::Client& c) {
   const int clients = absl::GetFlag(FLAGS_clients), requests = absl::GetFlag(FLAGS_requests);
   if (clients > 0) {
     const Shape cs{1, 256, 256, 8, 2, 128};
@@ -199,6 +201,22 @@ int Check(client::Client& c) {
     bad == 0 ? Pass(absl::StrCat(clients, " concurrent IPC callers: ", ok.load(), " correct replies"))
              : Fail(absl::StrCat(clients, " concurrent IPC callers: ", bad.load(), " failures"));
   }
+}
+
+}  // namespace
+
+int Check(client::Client& c) {
+  std::unique_ptr<client::ShmChannel> shm;
+  if (!absl::GetFlag(FLAGS_shm_socket).empty()) {
+    client::ShmChannelOptions so;
+    so.socket_path = absl::GetFlag(FLAGS_shm_socket);
+    absl::StatusOr<std::unique_ptr<client::ShmChannel>> opened = client::ShmChannel::Connect(so);
+    if (!opened.ok()) return Fail(absl::StrCat("shm channel: ", opened.status().ToString())), 1;
+    shm = *std::move(opened);
+  }
+  if (CheckCases(c, shm.get()) != 0) return 1;
+  if (CheckRejections(c, shm.get()) != 0) return 1;
+  CheckConcurrent(c);
   std::printf("%s: %d failures\n", failures == 0 ? "PASS" : "FAIL", failures);
   return failures == 0 ? 0 : 1;
 }
