@@ -94,6 +94,123 @@ KernelOnly KernelOnlyUs(const attnd::Problem& p, const Buffers& b, void* o, absl
   return k;
 }
 
+// One measured point (a sequence length at a concurrency): what its callers are given.
+struct PointSetup {
+  client::Client& c;
+  const client::RequestSpec& spec;
+  const Buffers& b;
+  const client::Oracle* oracle;  // null: no verification
+  bool use_shm;
+  absl::Time warm_end, end;
+  int64_t verify_rounds;
+};
+
+// The counts of one point's callers, under mu.
+struct PointCounts {
+  absl::Mutex mu;
+  std::vector<double> lat;
+  int64_t verified = 0, verify_failures = 0, errors = 0;
+  double srv_queue = 0, srv_kernel = 0, srv_total = 0;  // sums over measured replies
+  std::string first_error;
+  absl::Time first = absl::InfiniteFuture(), last = absl::InfinitePast();
+};
+
+// One caller of a point: its own connection (or shm channel), calls until the end, then its verify rounds.
+void BenchCaller(const PointSetup& p, int t, PointCounts& n) {
+  client::Client& c = p.c;
+  const Buffers& b = p.b;
+  cudaSetDevice(absl::GetFlag(FLAGS_device));
+  client::ClientOptions co = c.options();
+  co.own_connection = true;
+  auto own = client::Client::Create(co);
+  client::Client& cl = own.ok() ? **own : c;
+  std::unique_ptr<client::ShmChannel> shm;
+  if (p.use_shm) {
+    client::ShmChannelOptions so;
+    so.socket_path = absl::GetFlag(FLAGS_shm_socket);
+    absl::StatusOr<std::unique_ptr<client::ShmChannel>> opened = client::ShmChannel::Connect(so);
+    if (!opened.ok()) {
+      absl::MutexLock lock(&n.mu);
+      ++n.errors;
+      if (n.first_error.empty()) n.first_error = opened.status().ToString();
+      return;
+    }
+    shm = *std::move(opened);
+  }
+  const ForwardFn forward = [&](const v1::ForwardRequest& r) -> absl::StatusOr<client::ForwardResult> {
+    return shm != nullptr ? client::ForwardOverShm(*shm, r) : cl.Forward(r);
+  };
+  const v1::ForwardRequest req = RefRequest(p.spec, b, t);
+  for (;;) {
+    const absl::Time s0 = absl::Now();
+    if (s0 >= p.end) break;
+    absl::StatusOr<client::ForwardResult> r = forward(req);
+    const absl::Time s1 = absl::Now();
+    if (s0 < p.warm_end) continue;
+    absl::MutexLock lock(&n.mu);
+    if (!r.ok()) {
+      ++n.errors;
+      if (n.first_error.empty()) n.first_error = r.status().ToString();
+      continue;
+    }
+    n.lat.push_back(absl::ToDoubleMicroseconds(s1 - s0));
+    n.srv_queue += r->timing.queue_us();
+    n.srv_kernel += r->timing.kernel_us();
+    n.srv_total += r->timing.total_us();
+    n.first = std::min(n.first, s0);
+    n.last = std::max(n.last, s1);
+  }
+  for (int64_t i = 0; i < p.verify_rounds; ++i) {
+    const std::string why = CallAndCheck(forward, req, b, t, *p.oracle);
+    absl::MutexLock lock(&n.mu);
+    ++n.verified;
+    if (!why.empty()) {
+      ++n.verify_failures;
+      if (n.first_error.empty()) n.first_error = why;
+    }
+  }
+}
+
+// One point: `conc` callers over the measured span, then its CSV row.
+void MeasurePoint(client::Client& c, const client::RequestSpec& spec, const Buffers& b, const client::Oracle* oracle,
+                  const KernelOnly& kernel, int64_t seq, int64_t conc, bool use_shm) {
+  const double kernel_us = kernel.burst_us;
+  PointCounts n;
+  const absl::Time warm_end = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_warmup_s));
+  const absl::Time end = warm_end + absl::Seconds(absl::GetFlag(FLAGS_duration_s));
+  std::vector<std::thread> threads;
+  // Each caller has its own connection, as separate engine processes would. Verification runs after the
+  // measured span (every caller at once, so still under concurrency): checking inside the loop would
+  // take callers away for the copy and the check and lower the offered load.
+  const PointSetup p{c, spec, b, oracle, use_shm, warm_end, end,
+                     oracle ? std::max<int64_t>(1, absl::GetFlag(FLAGS_verify_every) / 10) : 0};
+  for (int t = 0; t < conc; ++t) {
+    threads.emplace_back([&p, &n, t] { BenchCaller(p, t, n); });
+  }
+  for (auto& th : threads) th.join();
+  std::sort(n.lat.begin(), n.lat.end());
+  double mean = 0;
+  for (double v : n.lat) mean += v;
+  mean = n.lat.empty() ? 0 : mean / n.lat.size();
+  const double elapsed = n.lat.empty() ? 1 : absl::ToDoubleSeconds(n.last - n.first);
+  const double rps = n.lat.size() / elapsed;
+  const double kernel_rps = kernel_us > 0 ? 1e6 / kernel_us : 0;
+  const double sustained_rps = kernel.sustained_us > 0 ? 1e6 / kernel.sustained_us : 0;
+  const double p50 = client::Percentile(n.lat, 50), p99 = client::Percentile(n.lat, 99);
+  const double nrep = n.lat.empty() ? 1 : static_cast<double>(n.lat.size());
+  std::printf("csv,%s,%d,%d,%zu,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.3f,%d,%d,%.1f,%.1f,%.1f,%.1f,%.3f,%.1f,%.1f\n",
+              use_shm ? "ipc_shm" : "ipc", static_cast<int>(seq), static_cast<int>(conc), n.lat.size(), p50, p99,
+              mean, rps, kernel_us, kernel_rps, p50 - kernel_us, sustained_rps > 0 ? rps / sustained_rps : 0,
+              static_cast<int>(n.verified), static_cast<int>(n.verify_failures), n.srv_queue / nrep,
+              n.srv_kernel / nrep, n.srv_total / nrep, kernel.sustained_us, kernel_rps > 0 ? rps / kernel_rps : 0,
+              kernel.isolated_us, kernel.flushed_us);
+  if (n.errors > 0) {
+    Fail(absl::StrCat("bench seq ", seq, " concurrency ", conc, ": ", n.errors, " errors, first: ", n.first_error));
+  }
+  if (n.verify_failures > 0) Fail(absl::StrCat("bench seq ", seq, ": ", n.verify_failures, " wrong replies"));
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int Bench(client::Client& c) {
@@ -126,96 +243,7 @@ int Bench(client::Client& c) {
     }
     const KernelOnly kernel = KernelOnlyUs(spec.ToProblem(), b, b.out(max_conc),
                                            absl::Seconds(absl::GetFlag(FLAGS_duration_s)));
-    const double kernel_us = kernel.burst_us;
-    for (int64_t conc : concs) {
-      absl::Mutex mu;
-      std::vector<double> lat;
-      int64_t verified = 0, verify_failures = 0, errors = 0;
-      double srv_queue = 0, srv_kernel = 0, srv_total = 0;  // sums over measured replies
-      std::string first_error;
-      const absl::Time warm_end = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_warmup_s));
-      const absl::Time end = warm_end + absl::Seconds(absl::GetFlag(FLAGS_duration_s));
-      std::vector<std::thread> threads;
-      absl::Time first = absl::InfiniteFuture(), last = absl::InfinitePast();
-      // Each caller has its own connection, as separate engine processes would. Verification runs after the
-      // measured span (every caller at once, so still under concurrency): checking inside the loop would
-      // take callers away for the copy and the check and lower the offered load.
-      const int64_t verify_rounds = oracle ? std::max<int64_t>(1, absl::GetFlag(FLAGS_verify_every) / 10) : 0;
-      for (int t = 0; t < conc; ++t) {
-        threads.emplace_back([&, t] {
-          cudaSetDevice(absl::GetFlag(FLAGS_device));
-          client::ClientOptions co = c.options();
-          co.own_connection = true;
-          auto own = client::Client::Create(co);
-          client::Client& cl = own.ok() ? **own : c;
-          std::unique_ptr<client::ShmChannel> shm;
-          if (use_shm) {
-            client::ShmChannelOptions so;
-            so.socket_path = absl::GetFlag(FLAGS_shm_socket);
-            absl::StatusOr<std::unique_ptr<client::ShmChannel>> opened = client::ShmChannel::Connect(so);
-            if (!opened.ok()) {
-              absl::MutexLock lock(&mu);
-              ++errors;
-              if (first_error.empty()) first_error = opened.status().ToString();
-              return;
-            }
-            shm = *std::move(opened);
-          }
-          const ForwardFn forward = [&](const v1::ForwardRequest& r) -> absl::StatusOr<client::ForwardResult> {
-            return shm != nullptr ? client::ForwardOverShm(*shm, r) : cl.Forward(r);
-          };
-          const v1::ForwardRequest req = RefRequest(spec, b, t);
-          for (;;) {
-            const absl::Time s0 = absl::Now();
-            if (s0 >= end) break;
-            absl::StatusOr<client::ForwardResult> r = forward(req);
-            const absl::Time s1 = absl::Now();
-            if (s0 < warm_end) continue;
-            absl::MutexLock lock(&mu);
-            if (!r.ok()) {
-              ++errors;
-              if (first_error.empty()) first_error = r.status().ToString();
-              continue;
-            }
-            lat.push_back(absl::ToDoubleMicroseconds(s1 - s0));
-            srv_queue += r->timing.queue_us();
-            srv_kernel += r->timing.kernel_us();
-            srv_total += r->timing.total_us();
-            first = std::min(first, s0);
-            last = std::max(last, s1);
-          }
-          for (int64_t i = 0; i < verify_rounds; ++i) {
-            const std::string why = CallAndCheck(forward, req, b, t, *oracle);
-            absl::MutexLock lock(&mu);
-            ++verified;
-            if (!why.empty()) {
-              ++verify_failures;
-              if (first_error.empty()) first_error = why;
-            }
-          }
-        });
-      }
-      for (auto& th : threads) th.join();
-      std::sort(lat.begin(), lat.end());
-      double mean = 0;
-      for (double v : lat) mean += v;
-      mean = lat.empty() ? 0 : mean / lat.size();
-      const double elapsed = lat.empty() ? 1 : absl::ToDoubleSeconds(last - first);
-      const double rps = lat.size() / elapsed;
-      const double kernel_rps = kernel_us > 0 ? 1e6 / kernel_us : 0;
-      const double sustained_rps = kernel.sustained_us > 0 ? 1e6 / kernel.sustained_us : 0;
-      const double p50 = client::Percentile(lat, 50), p99 = client::Percentile(lat, 99);
-      const double nrep = lat.empty() ? 1 : static_cast<double>(lat.size());
-      std::printf("csv,%s,%d,%d,%zu,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.3f,%d,%d,%.1f,%.1f,%.1f,%.1f,%.3f,%.1f,%.1f\n",
-                  use_shm ? "ipc_shm" : "ipc", static_cast<int>(seq), static_cast<int>(conc), lat.size(), p50, p99,
-                  mean, rps, kernel_us, kernel_rps, p50 - kernel_us, sustained_rps > 0 ? rps / sustained_rps : 0,
-                  static_cast<int>(verified), static_cast<int>(verify_failures), srv_queue / nrep, srv_kernel / nrep,
-                  srv_total / nrep, kernel.sustained_us, kernel_rps > 0 ? rps / kernel_rps : 0, kernel.isolated_us,
-                  kernel.flushed_us);
-      if (errors > 0) Fail(absl::StrCat("bench seq ", seq, " concurrency ", conc, ": ", errors, " errors, first: ", first_error));
-      if (verify_failures > 0) Fail(absl::StrCat("bench seq ", seq, ": ", verify_failures, " wrong replies"));
-      std::fflush(stdout);
-    }
+    for (int64_t conc : concs) MeasurePoint(c, spec, b, oracle.get(), kernel, seq, conc, use_shm);
     for (const std::string& id : b.out_ids) (void)c.UnregisterCudaBuffer(id);
     (void)c.UnregisterCudaBuffer(b.inputs_id);
     CUDA_OR_DIE(cudaFree(b.base));
