@@ -223,6 +223,184 @@ std::string DecodeCheck(client::Client& c, const v1::StepRequest& req, const Dec
   return "";
 }
 
+// One decode caller's share: sequences first .. first + count - 1, and its Step request of each layer.
+struct Group {
+  int64_t first = 0, count = 0;
+  std::vector<v1::StepRequest> reqs;  // per layer
+};
+
+// The counts of one run (one --decode_sequences value): errors of every phase, the checks, and the measured
+// steps' timings; the callers write them under mu.
+struct DecodeCounts {
+  absl::Mutex mu;
+  int64_t errors = 0;
+  std::string first_error;
+  std::vector<double> lat;
+  double queue = 0, kernel = 0, total = 0;
+  int64_t batch = 0;
+  int64_t verified = 0, verify_failures = 0;
+
+  void Note(const absl::Status& s) {
+    ++errors;
+    if (first_error.empty()) first_error = s.ToString();
+  }
+};
+
+// Prefill: each sequence's layers from the registered chunk, append only.
+void DecodePrefill(client::Client& c, const DecodeBuffers& b, const std::vector<std::string>& ids, int64_t layers,
+                   DecodeCounts& counts) {
+  const int64_t seqs = b.seqs, context = b.context;
+  for (int64_t l = 0; l < layers && counts.errors == 0; ++l) {
+    for (int64_t s = 0; s < seqs && counts.errors == 0; ++s) {
+      client::StepSpec spec;
+      spec.sequences.push_back({ids[s], context});
+      spec.layer = l;
+      spec.k.ref = DecodeRef(b.inputs_id, b.pk_off);
+      spec.v.ref = DecodeRef(b.inputs_id, b.pv_off);
+      if (absl::StatusOr<client::StepResult> r = c.Step(spec); !r.ok()) counts.Note(r.status());
+    }
+  }
+}
+
+// `callers` groups of near-equal size, and each group's Step request of every layer through the registered buffers.
+absl::StatusOr<std::vector<Group>> DecodeGroups(const DecodeBuffers& b, const std::vector<std::string>& ids,
+                                                int64_t callers, int64_t layers) {
+  const int64_t seqs = b.seqs;
+  std::vector<Group> groups(static_cast<size_t>(callers));
+  const uint64_t q_row = static_cast<uint64_t>(b.q_row) * 2, kv_row = static_cast<uint64_t>(b.kv_row) * 2;
+  for (int64_t g = 0, first = 0; g < callers; ++g) {
+    Group& gr = groups[g];
+    gr.first = first;
+    gr.count = seqs / callers + (g < seqs % callers ? 1 : 0);
+    first += gr.count;
+    for (int64_t l = 0; l < layers; ++l) {
+      client::StepSpec spec;
+      for (int64_t i = gr.first; i < gr.first + gr.count; ++i) spec.sequences.push_back({ids[i], 1});
+      spec.layer = l;
+      spec.q_heads = kDecodeQHeads;
+      spec.q.ref = DecodeRef(b.inputs_id, b.q_off + gr.first * q_row);
+      spec.k.ref = DecodeRef(b.inputs_id, b.k_off + gr.first * kv_row);
+      spec.v.ref = DecodeRef(b.inputs_id, b.v_off + gr.first * kv_row);
+      spec.o_ref = DecodeRef(b.out_id, gr.first * q_row);
+      absl::StatusOr<v1::StepRequest> req = client::MakeStepRequest(spec);
+      if (!req.ok()) return req.status();
+      gr.reqs.push_back(*std::move(req));
+    }
+  }
+  return groups;
+}
+
+// One group's caller; the timings of a measured run go into counts.
+void DecodeCaller(client::Client& c, const Group& gr, int64_t n, bool measured, DecodeCounts& counts) {
+  cudaSetDevice(absl::GetFlag(FLAGS_device));
+  std::vector<double> mine;
+  double q = 0, k = 0, t = 0;
+  int64_t most = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    for (const v1::StepRequest& req : gr.reqs) {
+      const absl::Time t0 = absl::Now();
+      absl::StatusOr<client::StepResult> r = c.Step(req);
+      const absl::Time t1 = absl::Now();
+      if (!r.ok()) {
+        absl::MutexLock lock(&counts.mu);
+        counts.Note(r.status());
+        return;
+      }
+      mine.push_back(absl::ToDoubleMicroseconds(t1 - t0));
+      q += r->timing.timing().queue_us();
+      k += r->timing.timing().kernel_us();
+      t += r->timing.timing().total_us();
+      most = std::max<int64_t>(most, r->timing.batch_sequences());
+    }
+  }
+  if (!measured) return;
+  absl::MutexLock lock(&counts.mu);
+  counts.lat.insert(counts.lat.end(), mine.begin(), mine.end());
+  counts.queue += q, counts.kernel += k, counts.total += t;
+  counts.batch = std::max(counts.batch, most);
+}
+
+// Every caller runs n steps of its group (all layers each), one thread per group.
+void RunDecodeSteps(client::Client& c, const std::vector<Group>& groups, int64_t n, bool measured,
+                    DecodeCounts& counts) {
+  std::vector<std::thread> threads;
+  for (const Group& gr : groups) {
+    threads.emplace_back([&c, &gr, &counts, n, measured] { DecodeCaller(c, gr, n, measured, counts); });
+  }
+  for (std::thread& th : threads) th.join();
+}
+
+// Each group's next step checked against the oracle (DecodeCheck); none once an error is counted.
+void VerifyDecode(client::Client& c, const std::vector<Group>& groups, const DecodeBuffers& b, DecodeCounts& counts) {
+  for (const Group& gr : groups) {
+    if (counts.errors > 0) return;
+    const std::string why = DecodeCheck(c, gr.reqs[0], b, gr.first, gr.count);
+    ++counts.verified;
+    if (!why.empty()) {
+      ++counts.verify_failures;
+      if (counts.first_error.empty()) counts.first_error = why;
+    }
+    for (size_t l = 1; l < gr.reqs.size() && counts.errors == 0; ++l) {  // the other layers take the same step
+      if (absl::StatusOr<client::StepResult> r = c.Step(gr.reqs[l]); !r.ok()) counts.Note(r.status());
+    }
+  }
+}
+
+// One --decode_sequences value: prefill, warm-up and measured steps, each checked after, and its CSV row.
+// 1: the mode cannot go on.
+int DecodeRun(client::Client& c, int64_t seqs, int64_t context, int64_t steps, int64_t layers, int page,
+              bool use_shm) {
+  absl::StatusOr<DecodeBuffers> made = MakeDecodeBuffers(c, seqs, context);
+  if (!made.ok()) return Fail(made.status().ToString()), 1;
+  const DecodeBuffers& b = *made;
+  client::SequenceShape shape;
+  shape.layers = layers;
+  shape.kv_heads = kDecodeKvHeads;
+  shape.head_dim = kDecodeHeadDim;
+  absl::StatusOr<client::OpenedSequences> opened =
+      c.OpenSequence(shape, context + steps + 64, static_cast<uint32_t>(seqs));
+  if (!opened.ok()) return Fail(opened.status().ToString()), 1;
+  const std::vector<std::string>& ids = opened->ids;
+  DecodeCounts counts;
+  DecodePrefill(c, b, ids, layers, counts);
+  // Callers: the sequences split into --decode_callers groups, each stepping its own in one Step per layer.
+  const int64_t callers = std::min<int64_t>(std::max(1, absl::GetFlag(FLAGS_decode_callers)), seqs);
+  absl::StatusOr<std::vector<Group>> groups = DecodeGroups(b, ids, callers, layers);
+  if (!groups.ok()) return Fail(groups.status().ToString()), 1;
+  RunDecodeSteps(c, *groups, std::min<int64_t>(20, steps), false, counts);
+  VerifyDecode(c, *groups, b, counts);
+  const absl::Time start = absl::Now();
+  RunDecodeSteps(c, *groups, steps, true, counts);
+  const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
+  VerifyDecode(c, *groups, b, counts);
+  // At the keys the measured steps held on average.
+  const KernelOnly k = DecodeKernelOnlyUs(b, context + std::min<int64_t>(20, steps) + 1 + steps / 2, page);
+  const double n = counts.lat.empty() ? 1 : static_cast<double>(counts.lat.size());
+  std::sort(counts.lat.begin(), counts.lat.end());
+  const double tokens_per_s = elapsed > 0 && counts.errors == 0 ? static_cast<double>(seqs * steps) / elapsed : 0;
+  const double kernel_rate = k.burst_us > 0 ? static_cast<double>(seqs) / (k.burst_us * 1e-6) / layers : 0;
+  const double p50 = client::Percentile(counts.lat, 50);
+  std::printf("csv,%s,%d,%d,%d,%d,%d,%zu,%.1f,%.1f,%.1f,%.0f,%.1f,%.1f,%.0f,%.3f,%.1f,%.1f,%.1f,%.1f,%d,%d,%d\n",
+              use_shm ? "ipc_shm" : "ipc", static_cast<int>(seqs), static_cast<int>(callers),
+              static_cast<int>(context), static_cast<int>(layers), static_cast<int>(steps), counts.lat.size(), p50,
+              client::Percentile(counts.lat, 90), client::Percentile(counts.lat, 99), tokens_per_s, k.burst_us,
+              k.isolated_us, kernel_rate, kernel_rate > 0 ? tokens_per_s / kernel_rate : 0, p50 - k.isolated_us,
+              counts.queue / n, counts.kernel / n, counts.total / n, static_cast<int>(counts.batch),
+              static_cast<int>(counts.verified), static_cast<int>(counts.verify_failures));
+  std::fflush(stdout);
+  if (counts.errors > 0) {
+    Fail(absl::StrCat("decode ", seqs, " sequences: ", counts.errors, " errors, first: ", counts.first_error));
+  }
+  if (counts.verify_failures > 0) {
+    Fail(absl::StrCat("decode ", seqs, " sequences: wrong replies: ", counts.first_error));
+  }
+  if (absl::Status s = c.CloseSequence(ids); !s.ok()) Fail(absl::StrCat("close: ", s.ToString()));
+  (void)c.UnregisterCudaBuffer(b.out_id);
+  (void)c.UnregisterCudaBuffer(b.inputs_id);
+  CUDA_OR_DIE(cudaFree(b.base));
+  return 0;
+}
+
 }  // namespace
 
 int Decode(client::Client& c) {
@@ -239,142 +417,7 @@ int Decode(client::Client& c) {
               "srv_kernel_us,srv_total_us,batch_sequences,verified,verify_failures\n");
   for (int64_t seqs : Ints(absl::GetFlag(FLAGS_decode_sequences))) {
     if (seqs < 1) return Fail("--decode_sequences: each >= 1"), 1;
-    absl::StatusOr<DecodeBuffers> made = MakeDecodeBuffers(c, seqs, context);
-    if (!made.ok()) return Fail(made.status().ToString()), 1;
-    const DecodeBuffers& b = *made;
-    client::SequenceShape shape;
-    shape.layers = layers;
-    shape.kv_heads = kDecodeKvHeads;
-    shape.head_dim = kDecodeHeadDim;
-    absl::StatusOr<client::OpenedSequences> opened =
-        c.OpenSequence(shape, context + steps + 64, static_cast<uint32_t>(seqs));
-    if (!opened.ok()) return Fail(opened.status().ToString()), 1;
-    const std::vector<std::string>& ids = opened->ids;
-    int64_t errors = 0;
-    std::string first_error;
-    const auto note = [&](const absl::Status& s) {
-      ++errors;
-      if (first_error.empty()) first_error = s.ToString();
-    };
-    // Prefill: each sequence's layers from the registered chunk, append only.
-    for (int64_t l = 0; l < layers && errors == 0; ++l) {
-      for (int64_t s = 0; s < seqs && errors == 0; ++s) {
-        client::StepSpec spec;
-        spec.sequences.push_back({ids[s], context});
-        spec.layer = l;
-        spec.k.ref = DecodeRef(b.inputs_id, b.pk_off);
-        spec.v.ref = DecodeRef(b.inputs_id, b.pv_off);
-        if (absl::StatusOr<client::StepResult> r = c.Step(spec); !r.ok()) note(r.status());
-      }
-    }
-    // Callers: the sequences split into --decode_callers groups, each stepping its own in one Step per layer.
-    const int64_t callers = std::min<int64_t>(std::max(1, absl::GetFlag(FLAGS_decode_callers)), seqs);
-    struct Group {
-      int64_t first = 0, count = 0;
-      std::vector<v1::StepRequest> reqs;  // per layer
-    };
-    std::vector<Group> groups(static_cast<size_t>(callers));
-    const uint64_t q_row = static_cast<uint64_t>(b.q_row) * 2, kv_row = static_cast<uint64_t>(b.kv_row) * 2;
-    for (int64_t g = 0, first = 0; g < callers; ++g) {
-      Group& gr = groups[g];
-      gr.first = first;
-      gr.count = seqs / callers + (g < seqs % callers ? 1 : 0);
-      first += gr.count;
-      for (int64_t l = 0; l < layers; ++l) {
-        client::StepSpec spec;
-        for (int64_t i = gr.first; i < gr.first + gr.count; ++i) spec.sequences.push_back({ids[i], 1});
-        spec.layer = l;
-        spec.q_heads = kDecodeQHeads;
-        spec.q.ref = DecodeRef(b.inputs_id, b.q_off + gr.first * q_row);
-        spec.k.ref = DecodeRef(b.inputs_id, b.k_off + gr.first * kv_row);
-        spec.v.ref = DecodeRef(b.inputs_id, b.v_off + gr.first * kv_row);
-        spec.o_ref = DecodeRef(b.out_id, gr.first * q_row);
-        absl::StatusOr<v1::StepRequest> req = client::MakeStepRequest(spec);
-        if (!req.ok()) return Fail(req.status().ToString()), 1;
-        gr.reqs.push_back(*std::move(req));
-      }
-    }
-    absl::Mutex mu;
-    std::vector<double> lat;
-    double queue = 0, kernel = 0, total = 0;
-    int64_t batch = 0;
-    // Every caller runs n steps of its group (all layers each); measured ones are recorded.
-    const auto run = [&](int64_t n, bool measured) {
-      std::vector<std::thread> threads;
-      for (const Group& gr : groups) {
-        threads.emplace_back([&, n, measured] {
-          cudaSetDevice(absl::GetFlag(FLAGS_device));
-          std::vector<double> mine;
-          double q = 0, k = 0, t = 0;
-          int64_t most = 0;
-          for (int64_t i = 0; i < n; ++i) {
-            for (const v1::StepRequest& req : gr.reqs) {
-              const absl::Time t0 = absl::Now();
-              absl::StatusOr<client::StepResult> r = c.Step(req);
-              const absl::Time t1 = absl::Now();
-              if (!r.ok()) {
-                absl::MutexLock lock(&mu);
-                note(r.status());
-                return;
-              }
-              mine.push_back(absl::ToDoubleMicroseconds(t1 - t0));
-              q += r->timing.timing().queue_us();
-              k += r->timing.timing().kernel_us();
-              t += r->timing.timing().total_us();
-              most = std::max<int64_t>(most, r->timing.batch_sequences());
-            }
-          }
-          if (!measured) return;
-          absl::MutexLock lock(&mu);
-          lat.insert(lat.end(), mine.begin(), mine.end());
-          queue += q, kernel += k, total += t;
-          batch = std::max(batch, most);
-        });
-      }
-      for (std::thread& th : threads) th.join();
-    };
-    int64_t verified = 0, verify_failures = 0;
-    const auto verify = [&] {
-      for (const Group& gr : groups) {
-        if (errors > 0) return;
-        const std::string why = DecodeCheck(c, gr.reqs[0], b, gr.first, gr.count);
-        ++verified;
-        if (!why.empty()) {
-          ++verify_failures;
-          if (first_error.empty()) first_error = why;
-        }
-        for (size_t l = 1; l < gr.reqs.size() && errors == 0; ++l) {  // the other layers take the same step
-          if (absl::StatusOr<client::StepResult> r = c.Step(gr.reqs[l]); !r.ok()) note(r.status());
-        }
-      }
-    };
-    run(std::min<int64_t>(20, steps), false);
-    verify();
-    const absl::Time start = absl::Now();
-    run(steps, true);
-    const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
-    verify();
-    // At the keys the measured steps held on average.
-    const KernelOnly k = DecodeKernelOnlyUs(b, context + std::min<int64_t>(20, steps) + 1 + steps / 2, page);
-    const double n = lat.empty() ? 1 : static_cast<double>(lat.size());
-    std::sort(lat.begin(), lat.end());
-    const double tokens_per_s = elapsed > 0 && errors == 0 ? static_cast<double>(seqs * steps) / elapsed : 0;
-    const double kernel_rate = k.burst_us > 0 ? static_cast<double>(seqs) / (k.burst_us * 1e-6) / layers : 0;
-    const double p50 = client::Percentile(lat, 50);
-    std::printf("csv,%s,%d,%d,%d,%d,%d,%zu,%.1f,%.1f,%.1f,%.0f,%.1f,%.1f,%.0f,%.3f,%.1f,%.1f,%.1f,%.1f,%d,%d,%d\n",
-                use_shm ? "ipc_shm" : "ipc", static_cast<int>(seqs), static_cast<int>(callers),
-                static_cast<int>(context), static_cast<int>(layers), static_cast<int>(steps), lat.size(), p50,
-                client::Percentile(lat, 90), client::Percentile(lat, 99), tokens_per_s, k.burst_us, k.isolated_us,
-                kernel_rate, kernel_rate > 0 ? tokens_per_s / kernel_rate : 0, p50 - k.isolated_us, queue / n,
-                kernel / n, total / n, static_cast<int>(batch), static_cast<int>(verified),
-                static_cast<int>(verify_failures));
-    std::fflush(stdout);
-    if (errors > 0) Fail(absl::StrCat("decode ", seqs, " sequences: ", errors, " errors, first: ", first_error));
-    if (verify_failures > 0) Fail(absl::StrCat("decode ", seqs, " sequences: wrong replies: ", first_error));
-    if (absl::Status s = c.CloseSequence(ids); !s.ok()) Fail(absl::StrCat("close: ", s.ToString()));
-    (void)c.UnregisterCudaBuffer(b.out_id);
-    (void)c.UnregisterCudaBuffer(b.inputs_id);
-    CUDA_OR_DIE(cudaFree(b.base));
+    if (int rc = DecodeRun(c, seqs, context, steps, layers, page, use_shm); rc != 0) return rc;
   }
   return failures == 0 ? 0 : 1;
 }
