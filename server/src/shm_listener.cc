@@ -86,6 +86,40 @@ Replied WriteReply(const shm::Mapping& m, absl::Status status, const google::pro
   return Replied{status.code(), message.size()};
 }
 
+// One request at a time: the reply is written before this thread looks at the word again. While few channels
+// are busy, the thread polls for the reply (up to --shm_reply_spin_us) before it sleeps: the worker writes the
+// reply, and a caller answered while this thread slept sends its next request at once and then waits on
+// this thread's wake-up (H200, one caller at 1k: 32 us above the kernel, 39 without). So the poll must
+// outlast the request: a 4k request spends ~265 us in the server, past the 50 us request poll. With many
+// busy channels the pollers take CPU from the callers and workers (16 callers at 1k: 0.82 of the
+// kernel-only rate, 0.87 without), hence kPollingRepliesAtMost.
+class ReplyWait {
+ public:
+  // Counts this thread in `awaiting` until Wait returns.
+  ReplyWait(std::atomic<int>* awaiting, absl::Duration reply_spin)
+      : awaiting_(awaiting), poll_(awaiting->fetch_add(1) < kPollingRepliesAtMost), reply_spin_(reply_spin) {}
+  // Called by whoever wrote the reply, last.
+  void Replied() {
+    done_.store(true, std::memory_order_release);
+    replied_.Notify();
+  }
+  void Wait() {
+    for (const absl::Time spin_end = absl::Now() + (poll_ ? reply_spin_ : absl::ZeroDuration());
+         !done_.load(std::memory_order_acquire) && absl::Now() < spin_end;) {
+      shm::CpuRelax();
+    }
+    replied_.WaitForNotification();
+    awaiting_->fetch_sub(1);
+  }
+
+ private:
+  std::atomic<int>* const awaiting_;
+  const bool poll_;
+  const absl::Duration reply_spin_;
+  std::atomic<bool> done_{false};
+  absl::Notification replied_;
+};
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmListener>> ShmListener::Start(const ShmListenerOptions& options,
@@ -266,6 +300,16 @@ absl::Status ShmListener::AwaitWaitWord(const shm::Header* h, uint64_t value, in
   }
 }
 
+// One request taken off a channel: where its reply goes, and what the record of the call needs.
+struct ShmListener::Exchange {
+  const shm::Mapping& m;
+  int socket;
+  const std::string& owner;
+  uint32_t kind;
+  uint64_t n;  // the request's bytes
+  absl::Time start;
+};
+
 void ShmListener::Serve(int socket) {
   uid_t uid = 0;
   int memfd = -1;
@@ -300,136 +344,23 @@ void ShmListener::Serve(int socket) {
     last_gap = start - replied_at;
     // Copied out before anything reads it: the caller can write to the mapping at any time.
     const uint64_t n = h->request_bytes;
-    // Writes the reply and records the call (GetStats and metrics; the access log is the gRPC calls').
     const uint32_t kind = h->kind;
-    const auto finish = [&](absl::Status s, const google::protobuf::MessageLite* response, const v1::Timing* timing,
-                            uint64_t tensor_bytes_in = 0, uint64_t tensor_bytes_out = 0) {
-      const Replied sent = WriteReply(m, s, response);
-      if (options_.stats == nullptr) return;
-      CallRecord r;
-      r.method = kind == shm::kStepRequest ? kStepMethod : kMethod;
-      r.code = sent.code;
-      if (!s.ok()) r.error = std::string(s.message());
-      r.total = absl::Now() - start;
-      if (sent.code == absl::StatusCode::kOk) {
-        r.queue = absl::Microseconds(timing->queue_us());
-        r.kernel = absl::Microseconds(timing->kernel_us());
-        r.bytes_out = sent.bytes;
-        r.tensor_bytes_in = tensor_bytes_in;
-        r.tensor_bytes_out = tensor_bytes_out;
-      }
-      r.bytes_in = n <= m.request_capacity ? n : 0;
-      r.in_stats = true;
-      options_.stats->Record(r);
-    };
+    const Exchange ex{m, socket, owner, kind, n, start};
     if (n > m.request_capacity) {
-      finish(absl::InvalidArgumentError(absl::StrCat("request_bytes: ", n, " exceeds the channel's request area (",
-                                                     m.request_capacity, " bytes)")), nullptr, nullptr);
+      Finish(ex, absl::InvalidArgumentError(absl::StrCat("request_bytes: ", n, " exceeds the channel's request area (",
+                                                         m.request_capacity, " bytes)")), nullptr, nullptr);
       continue;
     }
     if (kind == shm::kStepRequest) {
-      v1::StepRequest step;
-      {
-        std::string bytes(reinterpret_cast<const char*>(m.request()), n);
-        if (!step.ParseFromString(bytes)) {
-          finish(absl::InvalidArgumentError("request: not a StepRequest (unparseable)"), nullptr, nullptr);
-          continue;
-        }
-      }
-      if (sequences_ == nullptr) {
-        finish(absl::FailedPreconditionError("KV sequences are not enabled on this server"), nullptr, nullptr);
-        continue;
-      }
-      if (step.request_id().empty()) step.set_request_id(GenerateRequestId());
-      if (step.has_order() && step.order().wait_value() == 0) {
-        absl::Status bad = absl::InvalidArgumentError("order.wait_value: must be >= 1");
-        LogOutcome(kStepMethod, step.request_id(), bad, start);
-        finish(std::move(bad), nullptr, nullptr);
-        continue;
-      }
-      CallInfo call;
-      call.accepted = absl::Now();
-      if (step.has_order()) {
-        // The step's inputs may be read once the caller's stream has written the wait word: the core admits the
-        // step meanwhile and calls this before the launch.
-        call.ready = [this, h, socket, want = step.order().wait_value()] { return AwaitWaitWord(h, want, socket); };
-      }
-      uint64_t in = 0;
-      for (const v1::TensorInput* t : {&step.q(), &step.k(), &step.v()}) {
-        if (t->source_case() == v1::TensorInput::kData) in += t->data().size();
-      }
-      // The step is answered before this thread looks at the word again, and the thread polls for the reply
-      // while few channels wait, as for a Forward (below, which says why).
-      std::atomic<bool> done{false};
-      absl::Notification replied;
-      const bool poll = awaiting_reply_.fetch_add(1) < kPollingRepliesAtMost;
-      sequences_->Step(owner, step, Transport::kShm, call, [&](absl::Status s, StepJob* job) {
-        std::unique_ptr<v1::StepResponse> response;
-        if (job != nullptr && s.ok()) {
-          response = std::make_unique<v1::StepResponse>();
-          sequences_->FillStepResponse(*job, response.get());
-          response->set_o(std::move(job->o));
-          response->set_lse(std::move(job->lse));
-        }
-        LogOutcome(kStepMethod, step.request_id(), s, call.accepted);
-        const uint64_t out = response != nullptr ? response->o().size() + response->lse().size() : 0;
-        finish(std::move(s), response.get(), response != nullptr ? &response->timing().timing() : nullptr, in, out);
-        done.store(true, std::memory_order_release);
-        replied.Notify();
-      });
-      for (const absl::Time spin_end = absl::Now() + (poll ? options_.reply_spin : absl::ZeroDuration());
-           !done.load(std::memory_order_acquire) && absl::Now() < spin_end;) {
-        shm::CpuRelax();
-      }
-      replied.WaitForNotification();
-      awaiting_reply_.fetch_sub(1);
+      ServeStep(ex);
       continue;
     }
     if (kind != shm::kForwardRequest) {
-      finish(absl::InvalidArgumentError(absl::StrCat("kind: ", kind, " is not a request kind this server knows (0: "
-                                                     "Forward, 1: Step)")), nullptr, nullptr);
+      Finish(ex, absl::InvalidArgumentError(absl::StrCat("kind: ", kind, " is not a request kind this server knows (0: "
+                                                         "Forward, 1: Step)")), nullptr, nullptr);
       continue;
     }
-    auto request = std::make_shared<v1::ForwardRequest>();
-    if (absl::Status read = shm::ReadRequest(m, n, request.get()); !read.ok()) {
-      finish(std::move(read), nullptr, nullptr);
-      continue;
-    }
-    // One request at a time: the reply is written before this thread looks at the word again. While few channels
-    // are busy, the thread polls for the reply (up to --shm_reply_spin_us) before it sleeps: the worker writes the
-    // reply, and a caller answered while this thread slept sends its next request at once and then waits on
-    // this thread's wake-up (H200, one caller at 1k: 32 us above the kernel, 39 without). So the poll must
-    // outlast the request: a 4k request spends ~265 us in the server, past the 50 us request poll. With many
-    // busy channels the pollers take CPU from the callers and workers (16 callers at 1k: 0.82 of the
-    // kernel-only rate, 0.87 without), hence kPollingRepliesAtMost.
-    std::atomic<bool> done{false};
-    absl::Notification replied;
-    const bool poll = awaiting_reply_.fetch_add(1) < kPollingRepliesAtMost;
-    if (request->request_id().empty()) request->set_request_id(GenerateRequestId());
-    CallInfo call;
-    call.accepted = absl::Now();
-    RequestBytes bytes;  // the reply runs before this thread goes on (it waits for `replied` below)
-    dispatcher_->Dispatch(*request, Transport::kShm, call, &bytes, [&](absl::Status s, ForwardJob* job) {
-      std::unique_ptr<v1::ForwardResponse> response;
-      if (job != nullptr && s.ok()) {
-        response = std::make_unique<v1::ForwardResponse>();
-        dispatcher_->FillResponseHeader(*job, response.get());
-        response->set_o(std::move(job->o));
-        response->set_lse(std::move(job->lse));
-      }
-      LogOutcome(kMethod, request->request_id(), s, call.accepted);
-      const uint64_t out = response != nullptr ? response->o().size() + response->lse().size() : 0;
-      finish(std::move(s), response.get(), response != nullptr ? &response->timing() : nullptr,
-             bytes.q + bytes.k + bytes.v, out);
-      done.store(true, std::memory_order_release);
-      replied.Notify();
-    });
-    for (const absl::Time spin_end = absl::Now() + (poll ? options_.reply_spin : absl::ZeroDuration());
-         !done.load(std::memory_order_acquire) && absl::Now() < spin_end;) {
-      shm::CpuRelax();
-    }
-    replied.WaitForNotification();
-    awaiting_reply_.fetch_sub(1);
+    ServeForward(ex);
   }
   // A request published after the last look, during a shutdown, is answered rather than dropped.
   if (stopping_.load() && h->state.load(std::memory_order_acquire) == shm::kRequest) {
@@ -439,6 +370,105 @@ void ShmListener::Serve(int socket) {
   open_.fetch_sub(1);
   ::close(socket);
   spdlog::info("shm channel closed (uid {})", uid);
+}
+
+void ShmListener::Finish(const Exchange& ex, absl::Status s, const google::protobuf::MessageLite* response,
+                         const v1::Timing* timing, uint64_t tensor_bytes_in, uint64_t tensor_bytes_out) const {
+  const Replied sent = WriteReply(ex.m, s, response);
+  if (options_.stats == nullptr) return;
+  CallRecord r;
+  r.method = ex.kind == shm::kStepRequest ? kStepMethod : kMethod;
+  r.code = sent.code;
+  if (!s.ok()) r.error = std::string(s.message());
+  r.total = absl::Now() - ex.start;
+  if (sent.code == absl::StatusCode::kOk) {
+    r.queue = absl::Microseconds(timing->queue_us());
+    r.kernel = absl::Microseconds(timing->kernel_us());
+    r.bytes_out = sent.bytes;
+    r.tensor_bytes_in = tensor_bytes_in;
+    r.tensor_bytes_out = tensor_bytes_out;
+  }
+  r.bytes_in = ex.n <= ex.m.request_capacity ? ex.n : 0;
+  r.in_stats = true;
+  options_.stats->Record(r);
+}
+
+void ShmListener::ServeStep(const Exchange& ex) {
+  v1::StepRequest step;
+  {
+    std::string bytes(reinterpret_cast<const char*>(ex.m.request()), ex.n);
+    if (!step.ParseFromString(bytes)) {
+      Finish(ex, absl::InvalidArgumentError("request: not a StepRequest (unparseable)"), nullptr, nullptr);
+      return;
+    }
+  }
+  if (sequences_ == nullptr) {
+    Finish(ex, absl::FailedPreconditionError("KV sequences are not enabled on this server"), nullptr, nullptr);
+    return;
+  }
+  if (step.request_id().empty()) step.set_request_id(GenerateRequestId());
+  if (step.has_order() && step.order().wait_value() == 0) {
+    absl::Status bad = absl::InvalidArgumentError("order.wait_value: must be >= 1");
+    LogOutcome(kStepMethod, step.request_id(), bad, ex.start);
+    Finish(ex, std::move(bad), nullptr, nullptr);
+    return;
+  }
+  CallInfo call;
+  call.accepted = absl::Now();
+  if (step.has_order()) {
+    // The step's inputs may be read once the caller's stream has written the wait word: the core admits the
+    // step meanwhile and calls this before the launch.
+    call.ready = [this, h = ex.m.header, socket = ex.socket, want = step.order().wait_value()] {
+      return AwaitWaitWord(h, want, socket);
+    };
+  }
+  uint64_t in = 0;
+  for (const v1::TensorInput* t : {&step.q(), &step.k(), &step.v()}) {
+    if (t->source_case() == v1::TensorInput::kData) in += t->data().size();
+  }
+  ReplyWait wait(&awaiting_reply_, options_.reply_spin);
+  sequences_->Step(ex.owner, step, Transport::kShm, call, [&](absl::Status s, StepJob* job) {
+    std::unique_ptr<v1::StepResponse> response;
+    if (job != nullptr && s.ok()) {
+      response = std::make_unique<v1::StepResponse>();
+      sequences_->FillStepResponse(*job, response.get());
+      response->set_o(std::move(job->o));
+      response->set_lse(std::move(job->lse));
+    }
+    LogOutcome(kStepMethod, step.request_id(), s, call.accepted);
+    const uint64_t out = response != nullptr ? response->o().size() + response->lse().size() : 0;
+    Finish(ex, std::move(s), response.get(), response != nullptr ? &response->timing().timing() : nullptr, in, out);
+    wait.Replied();
+  });
+  wait.Wait();
+}
+
+void ShmListener::ServeForward(const Exchange& ex) {
+  auto request = std::make_shared<v1::ForwardRequest>();
+  if (absl::Status read = shm::ReadRequest(ex.m, ex.n, request.get()); !read.ok()) {
+    Finish(ex, std::move(read), nullptr, nullptr);
+    return;
+  }
+  ReplyWait wait(&awaiting_reply_, options_.reply_spin);
+  if (request->request_id().empty()) request->set_request_id(GenerateRequestId());
+  CallInfo call;
+  call.accepted = absl::Now();
+  RequestBytes bytes;  // the reply runs before this thread goes on (it waits for the reply below)
+  dispatcher_->Dispatch(*request, Transport::kShm, call, &bytes, [&](absl::Status s, ForwardJob* job) {
+    std::unique_ptr<v1::ForwardResponse> response;
+    if (job != nullptr && s.ok()) {
+      response = std::make_unique<v1::ForwardResponse>();
+      dispatcher_->FillResponseHeader(*job, response.get());
+      response->set_o(std::move(job->o));
+      response->set_lse(std::move(job->lse));
+    }
+    LogOutcome(kMethod, request->request_id(), s, call.accepted);
+    const uint64_t out = response != nullptr ? response->o().size() + response->lse().size() : 0;
+    Finish(ex, std::move(s), response.get(), response != nullptr ? &response->timing() : nullptr,
+           bytes.q + bytes.k + bytes.v, out);
+    wait.Replied();
+  });
+  wait.Wait();
 }
 
 }  // namespace attnd::server

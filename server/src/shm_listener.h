@@ -52,8 +52,15 @@ class ShmListener {
  private:
   ShmListener(const ShmListenerOptions& options, Dispatcher* dispatcher, Sequences* sequences, int fd)
       : options_(options), dispatcher_(dispatcher), sequences_(sequences), listen_fd_(fd) {}
+  struct Exchange;  // one request taken off a channel (shm_listener.cc)
   void AcceptLoop();
+  // One channel, from the caller's hello to its close: waits for each request on the state word and serves it.
   void Serve(int socket);
+  void ServeStep(const Exchange& ex);
+  void ServeForward(const Exchange& ex);
+  // Writes the reply and records the call (GetStats and metrics; the access log is the gRPC calls').
+  void Finish(const Exchange& ex, absl::Status s, const google::protobuf::MessageLite* response,
+              const v1::Timing* timing, uint64_t tensor_bytes_in = 0, uint64_t tensor_bytes_out = 0) const;
   // Until the channel's wait word reaches `value` (a stream-ordered step): DEADLINE_EXCEEDED after order_timeout,
   // CANCELLED when the caller has gone.
   absl::Status AwaitWaitWord(const shm::Header* h, uint64_t value, int socket) const;
