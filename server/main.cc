@@ -16,6 +16,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
@@ -145,44 +147,42 @@ ABSL_FLAG(std::string, advertise_address, "",
 
 namespace {
 
+using attnd::server::BackendOptions;
+using attnd::server::SequenceOptions;
+using attnd::server::ServerOptions;
+
 int Fail(const std::string& message) {
   std::fprintf(stderr, "attnd: %s\n", message.c_str());
   return 2;
 }
+int Fail(const absl::Status& status) { return Fail(std::string(status.message())); }
 
 // Once the grace is spent every unfinished call has been cancelled to its client; what may still run is a
 // computation the backend cannot interrupt (a CPU one), and the process does not wait for it beyond this.
 constexpr absl::Duration kExitMargin = absl::Seconds(1);
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("attnd: fused attention as a gRPC service.\n  attnd --listen=0.0.0.0:50051 [--backend=auto]");
-  attnd::HandleHelpFlag(argc, argv, __FILE__);
-  absl::ParseCommandLine(argc, argv);
-
+absl::Status SetLogLevel() {
   const spdlog::level::level_enum level = spdlog::level::from_str(absl::GetFlag(FLAGS_log_level));
   if (level == spdlog::level::off && absl::GetFlag(FLAGS_log_level) != "off") {
-    return Fail("--log_level: unknown value '" + absl::GetFlag(FLAGS_log_level) + "'");
+    return absl::InvalidArgumentError("--log_level: unknown value '" + absl::GetFlag(FLAGS_log_level) + "'");
   }
   spdlog::set_level(level);
-  // Every connection and shared-memory channel takes descriptors; the soft limit (often 1024) is raised to
-  // what the hard limit allows.
-  const uint64_t fd_limit = attnd::server::RaiseDescriptorLimit();
-  spdlog::debug("descriptor limit {}", fd_limit);
-  if (absl::GetFlag(FLAGS_retain_heap) && !attnd::RetainFreedHeapMemory()) {
-    spdlog::warn("--retain_heap: this C library's allocator cannot be tuned; running with its defaults");
-  }
+  return absl::OkStatus();
+}
 
-  // Block the shutdown signals before any thread exists so that every thread inherits the mask and only
-  // sigwait below receives them: no work happens inside a signal handler.
+// Block the shutdown signals before any thread exists so that every thread inherits the mask and only
+// sigwait below receives them: no work happens inside a signal handler.
+sigset_t BlockShutdownSignals() {
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  return signals;
+}
 
-  attnd::server::BackendOptions backend_options;
+absl::StatusOr<BackendOptions> BackendFlags() {
+  BackendOptions backend_options;
   backend_options.threads = absl::GetFlag(FLAGS_threads);
   backend_options.max_queue = absl::GetFlag(FLAGS_max_queue);
   backend_options.streams_per_device = absl::GetFlag(FLAGS_streams);
@@ -193,21 +193,28 @@ int main(int argc, char** argv) {
   backend_options.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_mb) << 20;
   backend_options.warm_shapes = absl::GetFlag(FLAGS_warm_shapes);
   backend_options.tensor_map_cache_entries = absl::GetFlag(FLAGS_tensor_map_cache);
-  if (absl::GetFlag(FLAGS_completion_spin_us) < 0) return Fail("--completion_spin_us: must be >= 0");
+  if (absl::GetFlag(FLAGS_completion_spin_us) < 0) {
+    return absl::InvalidArgumentError("--completion_spin_us: must be >= 0");
+  }
   backend_options.completion_spin = absl::Microseconds(absl::GetFlag(FLAGS_completion_spin_us));
   for (absl::string_view d : absl::StrSplit(absl::GetFlag(FLAGS_devices), ',', absl::SkipWhitespace())) {
     int index;
     if (!absl::SimpleAtoi(d, &index) || index < 0) {
-      return Fail("--devices: '" + std::string(d) + "' is not a device index");
+      return absl::InvalidArgumentError("--devices: '" + std::string(d) + "' is not a device index");
     }
     backend_options.devices.push_back(index);
   }
-  if (backend_options.streams_per_device < 1) return Fail("--streams: must be >= 1");
+  if (backend_options.streams_per_device < 1) return absl::InvalidArgumentError("--streams: must be >= 1");
   if (backend_options.copy_threads < -1 || backend_options.copy_threads > 64) {
-    return Fail("--copy_threads: -1 (default), or 0 to 64");
+    return absl::InvalidArgumentError("--copy_threads: -1 (default), or 0 to 64");
   }
+  return backend_options;
+}
+
+// The shutdown grace and the limits on slow and idle clients.
+absl::Status TimeoutFlags(ServerOptions* options) {
   const double grace = absl::GetFlag(FLAGS_shutdown_grace_s);
-  if (!(grace >= 0)) return Fail("--shutdown_grace_s: must be >= 0");
+  if (!(grace >= 0)) return absl::InvalidArgumentError("--shutdown_grace_s: must be >= 0");
   for (const auto& [name, value] : {std::pair{"stream_idle_timeout_s", absl::GetFlag(FLAGS_stream_idle_timeout_s)},
                                     std::pair{"upload_timeout_s", absl::GetFlag(FLAGS_upload_timeout_s)},
                                     std::pair{"max_connection_idle_s", absl::GetFlag(FLAGS_max_connection_idle_s)},
@@ -215,106 +222,129 @@ int main(int argc, char** argv) {
                                     std::pair{"keepalive_timeout_s", absl::GetFlag(FLAGS_keepalive_timeout_s)},
                                     std::pair{"min_client_ping_interval_s",
                                               absl::GetFlag(FLAGS_min_client_ping_interval_s)}}) {
-    if (!(value >= 0)) return Fail(std::string("--") + name + ": must be >= 0");
+    if (!(value >= 0)) return absl::InvalidArgumentError(std::string("--") + name + ": must be >= 0");
   }
+  options->shutdown_grace = absl::Seconds(grace);
+  options->stream_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_stream_idle_timeout_s));
+  options->upload_timeout = absl::Seconds(absl::GetFlag(FLAGS_upload_timeout_s));
+  options->max_connection_idle = absl::Seconds(absl::GetFlag(FLAGS_max_connection_idle_s));
+  options->keepalive_time = absl::Seconds(absl::GetFlag(FLAGS_keepalive_time_s));
+  options->keepalive_timeout = absl::Seconds(absl::GetFlag(FLAGS_keepalive_timeout_s));
+  options->min_client_ping_interval = absl::Seconds(absl::GetFlag(FLAGS_min_client_ping_interval_s));
+  return absl::OkStatus();
+}
+
+// What one request, one message, the transport and one client may take.
+absl::Status LimitFlags(ServerOptions* options) {
   for (const auto& [name, value] : {std::pair{"max_batch", absl::GetFlag(FLAGS_max_batch)},
                                     std::pair{"max_q_len", absl::GetFlag(FLAGS_max_q_len)},
                                     std::pair{"max_kv_len", absl::GetFlag(FLAGS_max_kv_len)},
                                     std::pair{"max_heads", absl::GetFlag(FLAGS_max_heads)}}) {
-    if (value < 0) return Fail(std::string("--") + name + ": must be >= 0 (0: no limit)");
+    if (value < 0) return absl::InvalidArgumentError(std::string("--") + name + ": must be >= 0 (0: no limit)");
   }
+  options->max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  options->max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options->max_transport_memory_bytes = absl::GetFlag(FLAGS_max_transport_memory_bytes);
+  options->max_batch = absl::GetFlag(FLAGS_max_batch);
+  options->max_q_len = absl::GetFlag(FLAGS_max_q_len);
+  options->max_kv_len = absl::GetFlag(FLAGS_max_kv_len);
+  options->max_heads = absl::GetFlag(FLAGS_max_heads);
+  options->max_calls_per_client = absl::GetFlag(FLAGS_max_calls_per_client);
+  options->max_uploads_per_client = absl::GetFlag(FLAGS_max_uploads_per_client);
+  return absl::OkStatus();
+}
 
-  auto backend = attnd::server::MakeBackend(absl::GetFlag(FLAGS_backend), backend_options);
-  if (!backend.ok()) return Fail(std::string(backend.status().message()));
-
-  attnd::server::ServerOptions options;
-  options.listen = absl::GetFlag(FLAGS_listen);
-  options.unix_socket = absl::GetFlag(FLAGS_unix_socket);
-  options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
-  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  options.max_transport_memory_bytes = absl::GetFlag(FLAGS_max_transport_memory_bytes);
-  options.max_batch = absl::GetFlag(FLAGS_max_batch);
-  options.max_q_len = absl::GetFlag(FLAGS_max_q_len);
-  options.max_kv_len = absl::GetFlag(FLAGS_max_kv_len);
-  options.max_heads = absl::GetFlag(FLAGS_max_heads);
-  options.enable_cuda_ipc = absl::GetFlag(FLAGS_enable_cuda_ipc);
-  options.ipc_over_tcp = absl::GetFlag(FLAGS_ipc_over_tcp);
-  options.shutdown_grace = absl::Seconds(grace);
-  options.max_connections = absl::GetFlag(FLAGS_max_connections);
-  options.stream_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_stream_idle_timeout_s));
-  options.upload_timeout = absl::Seconds(absl::GetFlag(FLAGS_upload_timeout_s));
-  options.max_connection_idle = absl::Seconds(absl::GetFlag(FLAGS_max_connection_idle_s));
-  options.keepalive_time = absl::Seconds(absl::GetFlag(FLAGS_keepalive_time_s));
-  options.keepalive_timeout = absl::Seconds(absl::GetFlag(FLAGS_keepalive_timeout_s));
-  options.min_client_ping_interval = absl::Seconds(absl::GetFlag(FLAGS_min_client_ping_interval_s));
-  options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
-  options.tls_key = absl::GetFlag(FLAGS_tls_key);
-  options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
-  options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
-  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
-  options.access_log = absl::GetFlag(FLAGS_access_log);
-  options.max_calls_per_client = absl::GetFlag(FLAGS_max_calls_per_client);
-  options.max_uploads_per_client = absl::GetFlag(FLAGS_max_uploads_per_client);
-  options.grpc_args = absl::GetFlag(FLAGS_grpc_arg);
-  options.shm_socket = absl::GetFlag(FLAGS_shm_socket);
-  options.shm_max_bytes = absl::GetFlag(FLAGS_shm_max_bytes);
-  options.shm_max_channels = absl::GetFlag(FLAGS_shm_max_channels);
-  if (absl::GetFlag(FLAGS_shm_spin_us) < 0) return Fail("--shm_spin_us: must be >= 0");
-  options.shm_spin = absl::Microseconds(absl::GetFlag(FLAGS_shm_spin_us));
-  if (absl::GetFlag(FLAGS_shm_reply_spin_us) < 0) return Fail("--shm_reply_spin_us: must be >= 0");
-  options.shm_reply_spin = absl::Microseconds(absl::GetFlag(FLAGS_shm_reply_spin_us));
-  {
-    const std::string mode = absl::GetFlag(FLAGS_unix_socket_mode);
-    char* end = nullptr;
-    const unsigned long bits = std::strtoul(mode.c_str(), &end, 8);
-    if (mode.empty() || *end != '\0' || bits > 0777) {
-      return Fail("--unix_socket_mode: '" + mode + "' is not octal permission bits (e.g. 0660)");
-    }
-    options.unix_socket_mode = static_cast<uint32_t>(bits);
+absl::Status ShmFlags(ServerOptions* options) {
+  options->shm_socket = absl::GetFlag(FLAGS_shm_socket);
+  options->shm_max_bytes = absl::GetFlag(FLAGS_shm_max_bytes);
+  options->shm_max_channels = absl::GetFlag(FLAGS_shm_max_channels);
+  if (absl::GetFlag(FLAGS_shm_spin_us) < 0) return absl::InvalidArgumentError("--shm_spin_us: must be >= 0");
+  options->shm_spin = absl::Microseconds(absl::GetFlag(FLAGS_shm_spin_us));
+  if (absl::GetFlag(FLAGS_shm_reply_spin_us) < 0) {
+    return absl::InvalidArgumentError("--shm_reply_spin_us: must be >= 0");
   }
-  {
-    attnd::server::SequenceOptions& so = options.sequences;
-    so.enabled = absl::GetFlag(FLAGS_sequences);
-    so.pool_bytes = absl::GetFlag(FLAGS_kv_pool_mb) << 20;
-    if (so.pool_bytes == 0) so.pool_bytes = (*backend)->default_kv_pool_bytes();
-    so.max_pools = absl::GetFlag(FLAGS_kv_max_pools);
-    if (so.max_pools < 1) return Fail("--kv_max_pools: must be >= 1");
-    so.page_tokens = absl::GetFlag(FLAGS_kv_page_tokens);
-    if (so.page_tokens < 16 || so.page_tokens > 256 || (so.page_tokens & (so.page_tokens - 1)) != 0) {
-      return Fail("--kv_page_tokens: must be a power of two from 16 to 256");
-    }
-    so.max_tokens = absl::GetFlag(FLAGS_max_sequence_tokens);
-    if (so.max_tokens < 1 || so.max_tokens > INT32_MAX) return Fail("--max_sequence_tokens: must be 1..2^31-1");
-    const double ttl = absl::GetFlag(FLAGS_sequence_ttl_s);
-    if (!(ttl >= 0)) return Fail("--sequence_ttl_s: must be >= 0");
-    so.ttl = ttl == 0 ? absl::InfiniteDuration() : absl::Seconds(ttl);
-    so.max_per_client = absl::GetFlag(FLAGS_max_sequences_per_client);
-    so.max_pages_per_client = absl::GetFlag(FLAGS_max_pages_per_client);
-    so.max_batch = absl::GetFlag(FLAGS_max_step_batch);
-    if (so.max_batch < 1) return Fail("--max_step_batch: must be >= 1");
-    so.max_open = so.max_batch;
-    if (absl::GetFlag(FLAGS_step_batch_wait_us) < 0) return Fail("--step_batch_wait_us: must be >= 0");
-    so.batch_wait = absl::Microseconds(absl::GetFlag(FLAGS_step_batch_wait_us));
-    so.launches_in_flight = absl::GetFlag(FLAGS_step_launches_in_flight);
-    if (so.launches_in_flight < 1) return Fail("--step_launches_in_flight: must be >= 1");
-    const double order_timeout = absl::GetFlag(FLAGS_step_order_timeout_s);
-    if (!(order_timeout >= 0)) return Fail("--step_order_timeout_s: must be >= 0");
-    so.order_timeout = order_timeout == 0 ? absl::InfiniteDuration() : absl::Seconds(order_timeout);
-    so.max_waiting = absl::GetFlag(FLAGS_max_queue);
-    so.advertise_address = absl::GetFlag(FLAGS_advertise_address);
-  }
-  auto server = attnd::server::Server::Create(options, std::move(*backend));
-  if (!server.ok()) return Fail(std::string(server.status().message()));
+  options->shm_reply_spin = absl::Microseconds(absl::GetFlag(FLAGS_shm_reply_spin_us));
+  return absl::OkStatus();
+}
 
+// The gRPC listeners: where, the socket file's mode, how many connections, CUDA IPC, channel arguments.
+absl::Status ListenerFlags(ServerOptions* options) {
+  options->listen = absl::GetFlag(FLAGS_listen);
+  options->unix_socket = absl::GetFlag(FLAGS_unix_socket);
+  options->max_connections = absl::GetFlag(FLAGS_max_connections);
+  options->enable_cuda_ipc = absl::GetFlag(FLAGS_enable_cuda_ipc);
+  options->ipc_over_tcp = absl::GetFlag(FLAGS_ipc_over_tcp);
+  options->grpc_args = absl::GetFlag(FLAGS_grpc_arg);
+  const std::string mode = absl::GetFlag(FLAGS_unix_socket_mode);
+  char* end = nullptr;
+  const unsigned long bits = std::strtoul(mode.c_str(), &end, 8);
+  if (mode.empty() || *end != '\0' || bits > 0777) {
+    return absl::InvalidArgumentError("--unix_socket_mode: '" + mode + "' is not octal permission bits (e.g. 0660)");
+  }
+  options->unix_socket_mode = static_cast<uint32_t>(bits);
+  return absl::OkStatus();
+}
+
+// TLS, bearer tokens, the metrics endpoint and the access log.
+void SecurityAndObservabilityFlags(ServerOptions* options) {
+  options->tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  options->tls_key = absl::GetFlag(FLAGS_tls_key);
+  options->tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  options->auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  options->metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options->access_log = absl::GetFlag(FLAGS_access_log);
+}
+
+// `backend` gives the pool's size when --kv_pool_mb leaves it to the backend.
+absl::StatusOr<SequenceOptions> SequenceFlags(const attnd::server::Backend& backend) {
+  SequenceOptions so;
+  so.enabled = absl::GetFlag(FLAGS_sequences);
+  so.pool_bytes = absl::GetFlag(FLAGS_kv_pool_mb) << 20;
+  if (so.pool_bytes == 0) so.pool_bytes = backend.default_kv_pool_bytes();
+  so.max_pools = absl::GetFlag(FLAGS_kv_max_pools);
+  if (so.max_pools < 1) return absl::InvalidArgumentError("--kv_max_pools: must be >= 1");
+  so.page_tokens = absl::GetFlag(FLAGS_kv_page_tokens);
+  if (so.page_tokens < 16 || so.page_tokens > 256 || (so.page_tokens & (so.page_tokens - 1)) != 0) {
+    return absl::InvalidArgumentError("--kv_page_tokens: must be a power of two from 16 to 256");
+  }
+  so.max_tokens = absl::GetFlag(FLAGS_max_sequence_tokens);
+  if (so.max_tokens < 1 || so.max_tokens > INT32_MAX) {
+    return absl::InvalidArgumentError("--max_sequence_tokens: must be 1..2^31-1");
+  }
+  const double ttl = absl::GetFlag(FLAGS_sequence_ttl_s);
+  if (!(ttl >= 0)) return absl::InvalidArgumentError("--sequence_ttl_s: must be >= 0");
+  so.ttl = ttl == 0 ? absl::InfiniteDuration() : absl::Seconds(ttl);
+  so.max_per_client = absl::GetFlag(FLAGS_max_sequences_per_client);
+  so.max_pages_per_client = absl::GetFlag(FLAGS_max_pages_per_client);
+  so.max_batch = absl::GetFlag(FLAGS_max_step_batch);
+  if (so.max_batch < 1) return absl::InvalidArgumentError("--max_step_batch: must be >= 1");
+  so.max_open = so.max_batch;
+  if (absl::GetFlag(FLAGS_step_batch_wait_us) < 0) {
+    return absl::InvalidArgumentError("--step_batch_wait_us: must be >= 0");
+  }
+  so.batch_wait = absl::Microseconds(absl::GetFlag(FLAGS_step_batch_wait_us));
+  so.launches_in_flight = absl::GetFlag(FLAGS_step_launches_in_flight);
+  if (so.launches_in_flight < 1) return absl::InvalidArgumentError("--step_launches_in_flight: must be >= 1");
+  const double order_timeout = absl::GetFlag(FLAGS_step_order_timeout_s);
+  if (!(order_timeout >= 0)) return absl::InvalidArgumentError("--step_order_timeout_s: must be >= 0");
+  so.order_timeout = order_timeout == 0 ? absl::InfiniteDuration() : absl::Seconds(order_timeout);
+  so.max_waiting = absl::GetFlag(FLAGS_max_queue);
+  so.advertise_address = absl::GetFlag(FLAGS_advertise_address);
+  return so;
+}
+
+// Waits for SIGINT or SIGTERM, then shuts the server down within the grace (and kExitMargin).
+int ServeUntilSignalled(attnd::server::Server& server, const sigset_t& signals, const ServerOptions& options) {
   int sig = 0;
   sigwait(&signals, &sig);
   spdlog::info("received {}, finishing accepted requests", sig == SIGINT ? "SIGINT" : "SIGTERM");
   absl::Notification stopped;
   std::thread stopper([&] {
-    (*server)->Shutdown();
+    server.Shutdown();
     stopped.Notify();
   });
-  if (grace < 365.0 * 24 * 3600 && !stopped.WaitForNotificationWithTimeout(absl::Seconds(grace) + kExitMargin)) {
+  const absl::Duration grace = options.shutdown_grace;
+  if (grace < absl::Hours(365 * 24) && !stopped.WaitForNotificationWithTimeout(grace + kExitMargin)) {
     spdlog::warn("attnd exits with a computation still running past --shutdown_grace_s (its call was cancelled)");
     struct stat st;
     if (!options.unix_socket.empty() && ::lstat(options.unix_socket.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
@@ -325,4 +355,40 @@ int main(int argc, char** argv) {
   }
   stopper.join();
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("attnd: fused attention as a gRPC service.\n  attnd --listen=0.0.0.0:50051 [--backend=auto]");
+  attnd::HandleHelpFlag(argc, argv, __FILE__);
+  absl::ParseCommandLine(argc, argv);
+
+  if (absl::Status s = SetLogLevel(); !s.ok()) return Fail(s);
+  // Every connection and shared-memory channel takes descriptors; the soft limit (often 1024) is raised to
+  // what the hard limit allows.
+  const uint64_t fd_limit = attnd::server::RaiseDescriptorLimit();
+  spdlog::debug("descriptor limit {}", fd_limit);
+  if (absl::GetFlag(FLAGS_retain_heap) && !attnd::RetainFreedHeapMemory()) {
+    spdlog::warn("--retain_heap: this C library's allocator cannot be tuned; running with its defaults");
+  }
+  const sigset_t signals = BlockShutdownSignals();
+
+  absl::StatusOr<BackendOptions> backend_options = BackendFlags();
+  if (!backend_options.ok()) return Fail(backend_options.status());
+  ServerOptions options;
+  if (absl::Status s = TimeoutFlags(&options); !s.ok()) return Fail(s);
+  if (absl::Status s = LimitFlags(&options); !s.ok()) return Fail(s);
+  auto backend = attnd::server::MakeBackend(absl::GetFlag(FLAGS_backend), *backend_options);
+  if (!backend.ok()) return Fail(std::string(backend.status().message()));
+  if (absl::Status s = ShmFlags(&options); !s.ok()) return Fail(s);
+  if (absl::Status s = ListenerFlags(&options); !s.ok()) return Fail(s);
+  SecurityAndObservabilityFlags(&options);
+  absl::StatusOr<SequenceOptions> sequences = SequenceFlags(**backend);
+  if (!sequences.ok()) return Fail(sequences.status());
+  options.sequences = *std::move(sequences);
+
+  auto server = attnd::server::Server::Create(options, std::move(*backend));
+  if (!server.ok()) return Fail(std::string(server.status().message()));
+  return ServeUntilSignalled(**server, signals, options);
 }
