@@ -1,0 +1,93 @@
+// Shared pieces of the KV-sequence end-to-end tests: their sequence shape, the reference check of a step's rows,
+// a one-token decode step, and a server of a test's own with given sequence options.
+#pragma once
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "e2e_util.h"
+#include "gtest/gtest.h"
+
+namespace attnd::e2e {
+
+inline client::SequenceShape TestShape(int64_t layers = 2) {
+  client::SequenceShape s;
+  s.layers = layers;
+  s.kv_heads = 2;
+  s.head_dim = 64;
+  return s;
+}
+inline constexpr int64_t kQHeads = 4;
+
+// Empty when `o` (and `lse`) are causal attention of q's `tokens` rows over the cached `k`/`v`; else why not.
+inline std::string CheckRows(const client::SequenceShape& shape, int64_t q_heads, const std::string& q,
+                             const std::string& k, const std::string& v, std::string_view o, std::string_view lse,
+                             bool want_lse) {
+  const int64_t row = q_heads * shape.head_dim * 2, kv_row = shape.kv_heads * shape.head_dim * 2;
+  Problem p;
+  p.shape = Shape{1, static_cast<int64_t>(q.size()) / row, static_cast<int64_t>(k.size()) / kv_row, q_heads,
+                  shape.kv_heads, shape.head_dim};
+  p.dtype = shape.dtype;
+  p.mask = Mask::kCausalBottomRight;
+  p.scale = DefaultScale(shape.head_dim);
+  p.want_lse = want_lse;
+  auto oracle = client::Oracle::Compute(p, q, k, v);
+  if (!oracle.ok()) return oracle.status().ToString();
+  const client::VerifyReport r = oracle->Check(o, lse);
+  return r.pass ? "" : r.detail;
+}
+
+// One decode step of one sequence: random Q, K and V rows (seeds seed, seed + 1, seed + 2) and the spec that
+// points at them (so it neither copies nor moves).
+struct OneTokenStep {
+  OneTokenStep(const client::SequenceShape& shape, const std::string& id, uint64_t seed)
+      : q(client::RandomTensor(shape.dtype, kQHeads * shape.head_dim, seed)),
+        k(client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, seed + 1)),
+        v(client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, seed + 2)) {
+    spec.sequences = {{id, 1}};
+    spec.q_heads = kQHeads;
+    spec.q.data = q;
+    spec.k.data = k;
+    spec.v.data = v;
+  }
+  OneTokenStep(const OneTokenStep&) = delete;
+  OneTokenStep& operator=(const OneTokenStep&) = delete;
+
+  const std::string q, k, v;
+  client::StepSpec spec;
+};
+
+inline std::string FreshSocketPath() {
+  static std::atomic<int> counter{0};
+  return absl::StrCat(::testing::TempDir(), "/attnd_seq_", ::getpid(), "_", counter++, ".sock");
+}
+
+// A CPU-backend server on a loopback port and the unix socket `unix_path` (empty: a fresh one), with
+// `sequences` as its sequence options; `wrap`, when set, gets the CPU backend and returns the one served.
+inline void StartSequenceServer(TestServer* out, const server::SequenceOptions& sequences,
+                                std::string unix_path = "", const WrapBackend& wrap = nullptr) {
+  server::ServerOptions so;
+  so.listen = "127.0.0.1:0";
+  out->unix_path = unix_path.empty() ? FreshSocketPath() : std::move(unix_path);
+  so.unix_socket = out->unix_path;
+  so.sequences = sequences;
+  server::BackendOptions bo;
+  bo.threads = 2;
+  auto backend = server::MakeBackend("cpu", bo);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  std::unique_ptr<server::Backend> served = std::move(*backend);
+  if (wrap) served = wrap(std::move(served));
+  auto s = server::Server::Create(so, std::move(served));
+  ASSERT_TRUE(s.ok()) << s.status();
+  out->server = std::move(*s);
+  out->port = out->server->tcp_port();
+}
+
+}  // namespace attnd::e2e
