@@ -30,7 +30,7 @@ struct ShmListenerOptions {
   uint64_t max_area_bytes = 64ull << 20;  // per channel, request and reply area each
   uint32_t max_channels = 64;       // open channels; more are refused with RESOURCE_EXHAUSTED
   absl::Duration spin = absl::Microseconds(50);  // a channel thread polls this long for a request before sleeping
-  // ... and this long for the reply to the request it holds (while few channels await theirs): see the channel loop.
+  // ... and this long for the reply to the request it holds (while few channels await theirs): see ReplyWait.
   absl::Duration reply_spin = absl::Microseconds(300);
   std::vector<std::string> tokens;  // non-empty: the hello must carry one of them (--auth_token_file)
   // How long a stream-ordered step waits for its caller's stream to write the channel's wait word.
