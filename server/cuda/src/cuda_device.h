@@ -253,6 +253,11 @@ class CudaDevice {
   absl::Status StageSteps(StepWork& w);
   absl::Status EnqueueSteps(StepWork& w);
   absl::Status EnqueueAttention(StepWork& w);
+  struct StepLaunch;
+  absl::Status PlanDecodeLaunch(StepWork& w, const kernels::decode::BatchLayout& cache, StepLaunch& l);
+  absl::Status PlanPrefillLaunch(StepWork& w, const kernels::decode::BatchLayout& cache, StepLaunch& l);
+  absl::Status EnqueueLaunch(StepWork& w, const StepLaunch& l, const kernels::decode::DecodeWorkspace& dws,
+                             void* prefill_workspace);
   absl::Status CollectSteps(StepWork& w);
   void ReleaseSteps(StepWork& w);
   // The decode scratch of `slot` for plans of at most `partial_bytes` / `counter_bytes`, each grown when it holds
@@ -288,9 +293,35 @@ class CudaDevice {
   QueueExpiry expiry_;                 // after the queue and its counts: its sweeps change them
 };
 
+// The pages of one sequence shape in one block of a device's memory budget (layout: step.h, KvPool). The block
+// goes back to the device's allocator when the last holder (the core's pool, a StepJob in flight) drops it; a
+// job is dropped only after its batch's GPU work has finished.
+class CudaKvPool final : public KvPool {
+ public:
+  CudaKvPool(const SequenceShape& shape, int page_tokens, int32_t num_pages, int device, Block block,
+             std::shared_ptr<BlockCache> memory)
+      : KvPool(shape, page_tokens, num_pages), device_(device), block_(block), memory_(std::move(memory)) {}
+  ~CudaKvPool() override { memory_->Release(block_); }
+
+  int device() const { return device_; }
+  uint64_t bytes() const { return block_.size; }
+  // Layer `layer`'s K (kv = 0) or V (kv = 1) page pool.
+  uint8_t* pool(int layer, int kv) const {
+    return static_cast<uint8_t*>(block_.ptr) + pool_offset(layer, kv) * DTypeBytes(shape().dtype);
+  }
+
+ private:
+  const int device_;
+  const Block block_;
+  const std::shared_ptr<BlockCache> memory_;
+};
+
+// A sequence shape this backend can hold in pages: layers and kv_heads >= 1, head_dim 64, 128 or 256, bf16 or fp16.
+absl::Status CheckKvShape(const SequenceShape& s);
+
 // KV sequences on this backend (sequence_runner.cc): whether `job` can run on the pool's device.
 absl::Status AcceptStepJob(const StepJob& job);
-// The device index a pool made by CudaDevice::MakeKvPool lives on; -1 for any other pool.
+// The device index a pool made by CudaDevice::MakeKvPool (kv_pool.cc) lives on; -1 for any other pool.
 int KvPoolDevice(const KvPool& pool);
 // Such a pool's device memory (step.h's layout); null for any other pool. For tests, which poison and read it.
 uint8_t* KvPoolData(const KvPool& pool);

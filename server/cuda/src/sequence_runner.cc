@@ -1,5 +1,5 @@
-// KV sequences on the CUDA backend (docs/sequences.md, "On the CUDA backend"): the page pools, one block of the
-// serving device's memory budget each, and the steps. A batch of steps runs on one slot, every part of it on the
+// KV sequence steps on the CUDA backend (docs/sequences.md, "On the CUDA backend"; the page pools are in
+// kv_pool.cc). A batch of steps runs on one slot, every part of it on the
 // slot's stream in this order: the inputs and the per-sequence arrays copied in (one H2D from pinned staging,
 // plus device-to-device copies of registered buffers when several requests share the batch), the copy-on-write
 // page copies, the appends, the attention (decode launches for runs of sequences of up to 16 tokens, the prefill
@@ -33,42 +33,6 @@ namespace dk = kernels::decode;
 // Query rows per sequence from which a sequence runs on the prefill kernels instead of the decode kernel (whose
 // q_len is 1 to 16).
 constexpr int kMaxDecodeTokens = 16;
-
-// The pages of one sequence shape in one block of a device's memory budget (layout: step.h, KvPool). The block
-// goes back to the device's allocator when the last holder (the core's pool, a StepJob in flight) drops it; a
-// job is dropped only after its batch's GPU work has finished.
-class CudaKvPool final : public KvPool {
- public:
-  CudaKvPool(const SequenceShape& shape, int page_tokens, int32_t num_pages, int device, Block block,
-             std::shared_ptr<BlockCache> memory)
-      : KvPool(shape, page_tokens, num_pages), device_(device), block_(block), memory_(std::move(memory)) {}
-  ~CudaKvPool() override { memory_->Release(block_); }
-
-  int device() const { return device_; }
-  uint64_t bytes() const { return block_.size; }
-  // Layer `layer`'s K (kv = 0) or V (kv = 1) page pool.
-  uint8_t* pool(int layer, int kv) const {
-    return static_cast<uint8_t*>(block_.ptr) + pool_offset(layer, kv) * DTypeBytes(shape().dtype);
-  }
-
- private:
-  const int device_;
-  const Block block_;
-  const std::shared_ptr<BlockCache> memory_;
-};
-
-absl::Status CheckShape(const SequenceShape& s) {
-  if (s.layers < 1) return absl::InvalidArgumentError(absl::StrCat("shape.layers: ", s.layers, " < 1"));
-  if (s.kv_heads < 1) return absl::InvalidArgumentError(absl::StrCat("shape.kv_heads: ", s.kv_heads, " < 1"));
-  if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shape.head_dim: ", s.head_dim, " is not one of the CUDA backend's 64, 128 and 256"));
-  }
-  if (s.dtype != DType::kBF16 && s.dtype != DType::kFP16) {
-    return absl::InvalidArgumentError("shape.dtype: the CUDA backend runs bf16 and fp16");
-  }
-  return absl::OkStatus();
-}
 
 // A reference of a step: on the pool's device (once resolved), contiguous [rows, heads, head_dim], and 16-byte
 // aligned (the kernels move rows in 16-byte copies and TMA boxes).
@@ -132,21 +96,11 @@ absl::Status CheckJobHere(const StepJob& job, int device) {
 
 }  // namespace
 
-int KvPoolDevice(const KvPool& pool) {
-  const auto* p = dynamic_cast<const CudaKvPool*>(&pool);
-  return p != nullptr ? p->device() : -1;
-}
-
-uint8_t* KvPoolData(const KvPool& pool) {
-  const auto* p = dynamic_cast<const CudaKvPool*>(&pool);
-  return p != nullptr ? p->pool(0, 0) : nullptr;
-}
-
 absl::Status AcceptStepJob(const StepJob& job) {
   const auto* pool = dynamic_cast<const CudaKvPool*>(job.pool.get());
   if (pool == nullptr) return absl::FailedPreconditionError("step: the sequences' pool is not the CUDA backend's");
   const SequenceShape& shape = pool->shape();
-  ATTND_RETURN_IF_ERROR(CheckShape(shape));
+  ATTND_RETURN_IF_ERROR(CheckKvShape(shape));
   // References are checked again when the batch runs, where the core has resolved them.
   ATTND_RETURN_IF_ERROR(CheckRefs(job, shape, pool->device(), false));
   if (!job.attend) return absl::OkStatus();
@@ -163,33 +117,6 @@ absl::Status AcceptStepJob(const StepJob& job) {
     }
   }
   return absl::OkStatus();
-}
-
-absl::StatusOr<std::shared_ptr<KvPool>> CudaDevice::MakeKvPool(const SequenceShape& shape, int page_tokens,
-                                                              int32_t num_pages) {
-  ATTND_RETURN_IF_ERROR(CheckShape(shape));
-  if (page_tokens < 16 || page_tokens > 256 || (page_tokens & (page_tokens - 1)) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("page_tokens: ", page_tokens, " is not a power of two from 16 to 256"));
-  }
-  if (num_pages < 1) return absl::InvalidArgumentError(absl::StrCat("num_pages: ", num_pages, " < 1"));
-  // layers x 2 x num_pages x page_elems elements, computed where it cannot wrap.
-  const long double bytes_ld = static_cast<long double>(shape.page_bytes(page_tokens)) * num_pages;
-  const std::string what = absl::StrCat("the KV page pool (", num_pages, " pages of ", page_tokens, " tokens, ",
-                                        shape.layers, " layers x ", shape.kv_heads, " kv heads x ", shape.head_dim,
-                                        " ", DTypeName(shape.dtype), ")");
-  if (bytes_ld > static_cast<long double>(uint64_t{1} << 62)) {
-    return absl::ResourceExhaustedError(absl::StrCat(what, " is too large to allocate"));
-  }
-  const uint64_t bytes = static_cast<uint64_t>(shape.page_bytes(page_tokens)) * static_cast<uint64_t>(num_pages);
-  absl::StatusOr<Block> block = device_mem_->Acquire(bytes);
-  if (!block.ok()) {
-    return absl::ResourceExhaustedError(absl::StrCat(what, ": ", bytes, " bytes do not fit device ", index_,
-                                                     "'s memory: ", block.status().message()));
-  }
-  spdlog::info("device {}: {} allocated, {} MiB", index_, what, bytes >> 20);
-  return std::shared_ptr<KvPool>(
-      std::make_shared<CudaKvPool>(shape, page_tokens, num_pages, index_, *block, device_mem_));
 }
 
 // One batch of steps while it runs on a slot.
@@ -237,6 +164,13 @@ struct CudaDevice::StepWork {
   std::vector<std::vector<std::string>> kernels;  // per job: the kernels its sequences ran
 
   uint8_t* dev() const { return static_cast<uint8_t*>(dblock.ptr); }
+  // The page-table rows of `count` sequences from `first`, as staged in the pinned block.
+  absl::Span<const int32_t> TableOf(size_t first, size_t count) const {
+    return absl::MakeConstSpan(h_table + first * max_pages, count * max_pages);
+  }
+  // The halves of `gather`: K, then V.
+  uint8_t* gather_k() const { return static_cast<uint8_t*>(gather.ptr); }
+  uint8_t* gather_v() const { return gather_k() + (gather.ptr != nullptr ? gather.size / 2 : 0); }
   uint8_t* host() const { return static_cast<uint8_t*>(hblock.ptr); }
   void AddKernel(size_t job, const std::string& name) {
     std::vector<std::string>& names = kernels[job];
@@ -563,27 +497,23 @@ absl::Status CudaDevice::EnqueueSteps(StepWork& w) {
   return absl::OkStatus();
 }
 
+// One launch of a batch's attention: a decode launch for a run of sequences of equal (short) q_len, or the
+// prefill kernels for one long sequence, with the gather of its keys from the pages first when it had some.
+struct CudaDevice::StepLaunch {
+  size_t first = 0, count = 0;
+  bool decode = false;
+  dk::DecodePlan decode_plan;
+  bool gather = false;
+  dk::GatherPlan gather_plan;
+  kernels::Plan prefill_plan;
+  std::string name;
+};
+
 absl::Status CudaDevice::EnqueueAttention(StepWork& w) {
-  const StepJob& f = *w.first;
   const SequenceShape& shape = w.pool->shape();
   cudaStream_t st = w.slot.stream;
   // Every launch is planned before any is enqueued, so that each workspace grows once, before its first use:
   // growing gives the old block back to the allocator while an earlier launch of this batch may still use it.
-  struct Launch {
-    size_t first = 0, count = 0;
-    bool decode = false;
-    dk::DecodePlan decode_plan;
-    bool gather = false;
-    dk::GatherPlan gather_plan;
-    kernels::Plan prefill_plan;
-    std::string name;
-  };
-  std::vector<Launch> launches;
-  size_t decode_ws = 0, decode_counters = 0;
-  const kernels::Plan* largest_prefill = nullptr;
-  const uint64_t gather_half = w.gather.ptr != nullptr ? w.gather.size / 2 : 0;
-  uint8_t* gather_k = static_cast<uint8_t*>(w.gather.ptr);
-  uint8_t* gather_v = gather_k + gather_half;
   dk::BatchLayout cache;
   cache.q_heads = w.q_heads;
   cache.kv_heads = w.kv_heads;
@@ -592,81 +522,23 @@ absl::Status CudaDevice::EnqueueAttention(StepWork& w) {
   cache.kv_storage = dk::KvStorage::kPaged;
   cache.k = cache.v = Strides{shape.page_elems(w.pool->page_tokens()), w.row_kv, w.head_dim};
   cache.paged = dk::PagedKv{w.pool->page_tokens(), w.pool->num_pages(), w.max_pages};
-  const auto table_of = [&w](size_t first, size_t count) {
-    return absl::MakeConstSpan(w.h_table + first * w.max_pages, count * w.max_pages);
-  };
+  std::vector<StepLaunch> launches;
+  size_t decode_ws = 0, decode_counters = 0;
   for (size_t a = 0; a < w.seqs.size();) {
-    const int32_t tokens = w.seqs[a].s->tokens;
-    Launch l;
+    StepLaunch l;
     l.first = a;
-    if (tokens <= kMaxDecodeTokens) {
-      // A run of consecutive sequences with equal tokens is one decode launch: their rows are evenly strided.
-      size_t b = a + 1;
-      while (b < w.seqs.size() && w.seqs[b].s->tokens == tokens) ++b;
-      l.count = b - a;
-      l.decode = true;
-      dk::BatchLayout layout = cache;
-      layout.batch = static_cast<int>(l.count);
-      layout.q_len = tokens;
-      layout.mask = Mask::kCausalBottomRight;
-      layout.scale = f.scale;
-      layout.want_lse = f.want_lse;
-      layout.q = layout.o = Strides{tokens * w.row_q, w.row_q, w.head_dim};
-      // The step's new rows are the last `tokens` keys of each sequence: the decode launch writes them into
-      // their pages and reads them from the step's rows, so no append kernel runs before it.
-      layout.append = f.append;
-      layout.new_k = layout.new_v = Strides{tokens * w.row_kv, w.row_kv, w.head_dim};
-      dk::DecodeOptions opts;
-      opts.sm_count = desc_.multiprocessor_count;
-      opts.device = index_;
-      absl::StatusOr<dk::DecodePlan> plan =
-          dk::MakeDecodePlan(layout, absl::MakeConstSpan(w.h_keys + a, l.count), table_of(a, l.count), opts);
-      if (!plan.ok()) return absl::InternalError(absl::StrCat("steps: decode: ", plan.status().message()));
-      l.decode_plan = *plan;
-      decode_ws = std::max(decode_ws, plan->workspace_bytes);
-      decode_counters = std::max(decode_counters, plan->counter_bytes);
-      l.name = absl::StrCat("decode_paged_d", w.head_dim, "_q", tokens, f.append ? "_append" : "");
+    if (w.seqs[a].s->tokens <= kMaxDecodeTokens) {
+      ATTND_RETURN_IF_ERROR(PlanDecodeLaunch(w, cache, l));
+      decode_ws = std::max(decode_ws, l.decode_plan.workspace_bytes);
+      decode_counters = std::max(decode_counters, l.decode_plan.counter_bytes);
     } else {
-      // A long query runs on the prefill kernels, which read contiguous K/V: its own new rows when the sequence
-      // was empty, else its keys gathered from the pages (after this step's append).
-      l.count = 1;
-      const StepSequence& s = *w.seqs[a].s;
-      const int32_t keys = s.keys(f.append);
-      const uint64_t q_off = static_cast<uint64_t>(w.seqs[a].row * w.row_q) * 2;
-      kernels::DeviceTensors t;
-      t.q = w.q + q_off;
-      t.o = w.o + q_off;
-      t.lse = w.lse != nullptr ? w.lse + w.seqs[a].lse : nullptr;
-      if (f.append && s.cached == 0) {
-        const uint64_t kv_off = static_cast<uint64_t>(w.seqs[a].row * w.row_kv) * 2;
-        t.k = w.k + kv_off;
-        t.v = w.v + kv_off;
-      } else {
-        l.gather = true;
-        dk::BatchLayout one = cache;
-        one.batch = 1;
-        const Strides out{keys * w.row_kv, w.row_kv, w.head_dim};
-        absl::StatusOr<dk::GatherPlan> plan =
-            dk::MakeGatherPlan(one, keys, out, out, absl::MakeConstSpan(w.h_keys + a, 1), table_of(a, 1));
-        if (!plan.ok()) return absl::InternalError(absl::StrCat("steps: gather: ", plan.status().message()));
-        l.gather_plan = *plan;
-        t.k = gather_k;
-        t.v = gather_v;
-      }
-      const Problem p = PrefillProblem(f, shape, tokens, keys);
-      kernels::PlanOptions po;
-      po.device = index_;
-      absl::StatusOr<kernels::Selection> sel = kernels::Select(p, ContiguousLayout(p.shape), po);
-      if (!sel.ok()) return sel.status();
-      absl::StatusOr<kernels::Plan> plan = PlanLaunch(*sel, t);
-      if (!plan.ok()) return plan.status();
-      l.prefill_plan = *std::move(plan);
-      l.name = l.gather ? absl::StrCat("gather+", sel->info().name) : sel->info().name;
+      ATTND_RETURN_IF_ERROR(PlanPrefillLaunch(w, cache, l));
     }
     launches.push_back(std::move(l));
     a += launches.back().count;
   }
-  for (const Launch& l : launches) {
+  const kernels::Plan* largest_prefill = nullptr;
+  for (const StepLaunch& l : launches) {
     if (l.decode) continue;
     if (largest_prefill == nullptr || l.prefill_plan.workspace_bytes > largest_prefill->workspace_bytes) {
       largest_prefill = &l.prefill_plan;
@@ -680,39 +552,117 @@ absl::Status CudaDevice::EnqueueAttention(StepWork& w) {
     if (!ws.ok()) return ws.status();
     pws = *ws;
   }
-  for (const Launch& l : launches) {
-    if (l.decode) {
-      const uint64_t q_off = static_cast<uint64_t>(w.seqs[l.first].row * w.row_q) * 2;
-      dk::DecodeTensors t;
-      t.q = w.q + q_off;
-      t.k = w.pool->pool(f.layer, 0);
-      t.v = w.pool->pool(f.layer, 1);
-      t.o = w.o + q_off;
-      t.lse = w.lse != nullptr ? w.lse + w.seqs[l.first].lse : nullptr;
-      t.kv_lens = w.d_keys + l.first;
-      t.block_table = w.d_table + l.first * w.max_pages;
-      if (f.append) {
-        const uint64_t kv_off = static_cast<uint64_t>(w.seqs[l.first].row * w.row_kv) * 2;
-        t.new_k = w.k + kv_off;
-        t.new_v = w.v + kv_off;
-      }
-      ATTND_RETURN_IF_ERROR(dk::LaunchDecode(l.decode_plan, t, *dws, st));
-    } else {
-      if (l.gather) {
-        dk::GatherTensors t;
-        t.k = w.pool->pool(f.layer, 0);
-        t.v = w.pool->pool(f.layer, 1);
-        t.out_k = gather_k;
-        t.out_v = gather_v;
-        t.kv_lens = w.d_keys + l.first;
-        t.block_table = w.d_table + l.first * w.max_pages;
-        ATTND_RETURN_IF_ERROR(dk::LaunchGather(l.gather_plan, t, st));
-      }
-      ATTND_RETURN_IF_ERROR(kernels::Launch(l.prefill_plan, l.prefill_plan.workspace_bytes > 0 ? pws : nullptr, st));
-    }
+  for (const StepLaunch& l : launches) {
+    ATTND_RETURN_IF_ERROR(EnqueueLaunch(w, l, *dws, pws));
     for (size_t i = l.first; i < l.first + l.count; ++i) w.AddKernel(w.seqs[i].job, l.name);
   }
   return absl::OkStatus();
+}
+
+absl::Status CudaDevice::PlanDecodeLaunch(StepWork& w, const dk::BatchLayout& cache, StepLaunch& l) {
+  const StepJob& f = *w.first;
+  const size_t a = l.first;
+  const int32_t tokens = w.seqs[a].s->tokens;
+  // A run of consecutive sequences with equal tokens is one decode launch: their rows are evenly strided.
+  size_t b = a + 1;
+  while (b < w.seqs.size() && w.seqs[b].s->tokens == tokens) ++b;
+  l.count = b - a;
+  l.decode = true;
+  dk::BatchLayout layout = cache;
+  layout.batch = static_cast<int>(l.count);
+  layout.q_len = tokens;
+  layout.mask = Mask::kCausalBottomRight;
+  layout.scale = f.scale;
+  layout.want_lse = f.want_lse;
+  layout.q = layout.o = Strides{tokens * w.row_q, w.row_q, w.head_dim};
+  // The step's new rows are the last `tokens` keys of each sequence: the decode launch writes them into
+  // their pages and reads them from the step's rows, so no append kernel runs before it.
+  layout.append = f.append;
+  layout.new_k = layout.new_v = Strides{tokens * w.row_kv, w.row_kv, w.head_dim};
+  dk::DecodeOptions opts;
+  opts.sm_count = desc_.multiprocessor_count;
+  opts.device = index_;
+  absl::StatusOr<dk::DecodePlan> plan = dk::MakeDecodePlan(layout, absl::MakeConstSpan(w.h_keys + a, l.count),
+                                                           w.TableOf(a, l.count), opts);
+  if (!plan.ok()) return absl::InternalError(absl::StrCat("steps: decode: ", plan.status().message()));
+  l.decode_plan = *plan;
+  l.name = absl::StrCat("decode_paged_d", w.head_dim, "_q", tokens, f.append ? "_append" : "");
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::PlanPrefillLaunch(StepWork& w, const dk::BatchLayout& cache, StepLaunch& l) {
+  // A long query runs on the prefill kernels, which read contiguous K/V: its own new rows when the sequence
+  // was empty, else its keys gathered from the pages (after this step's append).
+  const StepJob& f = *w.first;
+  const size_t a = l.first;
+  l.count = 1;
+  const StepSequence& s = *w.seqs[a].s;
+  const int32_t keys = s.keys(f.append);
+  const uint64_t q_off = static_cast<uint64_t>(w.seqs[a].row * w.row_q) * 2;
+  kernels::DeviceTensors t;
+  t.q = w.q + q_off;
+  t.o = w.o + q_off;
+  t.lse = w.lse != nullptr ? w.lse + w.seqs[a].lse : nullptr;
+  if (f.append && s.cached == 0) {
+    const uint64_t kv_off = static_cast<uint64_t>(w.seqs[a].row * w.row_kv) * 2;
+    t.k = w.k + kv_off;
+    t.v = w.v + kv_off;
+  } else {
+    l.gather = true;
+    dk::BatchLayout one = cache;
+    one.batch = 1;
+    const Strides out{keys * w.row_kv, w.row_kv, w.head_dim};
+    absl::StatusOr<dk::GatherPlan> plan =
+        dk::MakeGatherPlan(one, keys, out, out, absl::MakeConstSpan(w.h_keys + a, 1), w.TableOf(a, 1));
+    if (!plan.ok()) return absl::InternalError(absl::StrCat("steps: gather: ", plan.status().message()));
+    l.gather_plan = *plan;
+    t.k = w.gather_k();
+    t.v = w.gather_v();
+  }
+  const Problem p = PrefillProblem(f, w.pool->shape(), s.tokens, keys);
+  kernels::PlanOptions po;
+  po.device = index_;
+  absl::StatusOr<kernels::Selection> sel = kernels::Select(p, ContiguousLayout(p.shape), po);
+  if (!sel.ok()) return sel.status();
+  absl::StatusOr<kernels::Plan> plan = PlanLaunch(*sel, t);
+  if (!plan.ok()) return plan.status();
+  l.prefill_plan = *std::move(plan);
+  l.name = l.gather ? absl::StrCat("gather+", sel->info().name) : sel->info().name;
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::EnqueueLaunch(StepWork& w, const StepLaunch& l, const dk::DecodeWorkspace& dws,
+                                       void* prefill_workspace) {
+  const StepJob& f = *w.first;
+  cudaStream_t st = w.slot.stream;
+  if (l.decode) {
+    const uint64_t q_off = static_cast<uint64_t>(w.seqs[l.first].row * w.row_q) * 2;
+    dk::DecodeTensors t;
+    t.q = w.q + q_off;
+    t.k = w.pool->pool(f.layer, 0);
+    t.v = w.pool->pool(f.layer, 1);
+    t.o = w.o + q_off;
+    t.lse = w.lse != nullptr ? w.lse + w.seqs[l.first].lse : nullptr;
+    t.kv_lens = w.d_keys + l.first;
+    t.block_table = w.d_table + l.first * w.max_pages;
+    if (f.append) {
+      const uint64_t kv_off = static_cast<uint64_t>(w.seqs[l.first].row * w.row_kv) * 2;
+      t.new_k = w.k + kv_off;
+      t.new_v = w.v + kv_off;
+    }
+    return dk::LaunchDecode(l.decode_plan, t, dws, st);
+  }
+  if (l.gather) {
+    dk::GatherTensors t;
+    t.k = w.pool->pool(f.layer, 0);
+    t.v = w.pool->pool(f.layer, 1);
+    t.out_k = w.gather_k();
+    t.out_v = w.gather_v();
+    t.kv_lens = w.d_keys + l.first;
+    t.block_table = w.d_table + l.first * w.max_pages;
+    ATTND_RETURN_IF_ERROR(dk::LaunchGather(l.gather_plan, t, st));
+  }
+  return kernels::Launch(l.prefill_plan, l.prefill_plan.workspace_bytes > 0 ? prefill_workspace : nullptr, st);
 }
 
 absl::Status CudaDevice::CollectSteps(StepWork& w) {

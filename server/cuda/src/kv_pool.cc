@@ -1,0 +1,64 @@
+// The KV sequences' page pools on the CUDA backend: one block of the serving device's memory budget per
+// sequence shape (layout: step.h, KvPool), and what the steps and tests ask of a pool.
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "attnd/server/status_util.h"
+#include "cuda_device.h"
+#include "spdlog/spdlog.h"
+
+namespace attnd::server::cuda {
+
+absl::Status CheckKvShape(const SequenceShape& s) {
+  if (s.layers < 1) return absl::InvalidArgumentError(absl::StrCat("shape.layers: ", s.layers, " < 1"));
+  if (s.kv_heads < 1) return absl::InvalidArgumentError(absl::StrCat("shape.kv_heads: ", s.kv_heads, " < 1"));
+  if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shape.head_dim: ", s.head_dim, " is not one of the CUDA backend's 64, 128 and 256"));
+  }
+  if (s.dtype != DType::kBF16 && s.dtype != DType::kFP16) {
+    return absl::InvalidArgumentError("shape.dtype: the CUDA backend runs bf16 and fp16");
+  }
+  return absl::OkStatus();
+}
+
+int KvPoolDevice(const KvPool& pool) {
+  const auto* p = dynamic_cast<const CudaKvPool*>(&pool);
+  return p != nullptr ? p->device() : -1;
+}
+
+uint8_t* KvPoolData(const KvPool& pool) {
+  const auto* p = dynamic_cast<const CudaKvPool*>(&pool);
+  return p != nullptr ? p->pool(0, 0) : nullptr;
+}
+
+absl::StatusOr<std::shared_ptr<KvPool>> CudaDevice::MakeKvPool(const SequenceShape& shape, int page_tokens,
+                                                              int32_t num_pages) {
+  ATTND_RETURN_IF_ERROR(CheckKvShape(shape));
+  if (page_tokens < 16 || page_tokens > 256 || (page_tokens & (page_tokens - 1)) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_tokens: ", page_tokens, " is not a power of two from 16 to 256"));
+  }
+  if (num_pages < 1) return absl::InvalidArgumentError(absl::StrCat("num_pages: ", num_pages, " < 1"));
+  // layers x 2 x num_pages x page_elems elements, computed where it cannot wrap.
+  const long double bytes_ld = static_cast<long double>(shape.page_bytes(page_tokens)) * num_pages;
+  const std::string what = absl::StrCat("the KV page pool (", num_pages, " pages of ", page_tokens, " tokens, ",
+                                        shape.layers, " layers x ", shape.kv_heads, " kv heads x ", shape.head_dim,
+                                        " ", DTypeName(shape.dtype), ")");
+  if (bytes_ld > static_cast<long double>(uint64_t{1} << 62)) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, " is too large to allocate"));
+  }
+  const uint64_t bytes = static_cast<uint64_t>(shape.page_bytes(page_tokens)) * static_cast<uint64_t>(num_pages);
+  absl::StatusOr<Block> block = device_mem_->Acquire(bytes);
+  if (!block.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, ": ", bytes, " bytes do not fit device ", index_,
+                                                     "'s memory: ", block.status().message()));
+  }
+  spdlog::info("device {}: {} allocated, {} MiB", index_, what, bytes >> 20);
+  return std::shared_ptr<KvPool>(
+      std::make_shared<CudaKvPool>(shape, page_tokens, num_pages, index_, *block, device_mem_));
+}
+
+}  // namespace attnd::server::cuda
