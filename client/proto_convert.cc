@@ -5,48 +5,14 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "attnd/proto/enums.h"
 
 namespace attnd::client {
 
-v1::Dtype ToProto(DType t) { return t == DType::kBF16 ? v1::DTYPE_BF16 : v1::DTYPE_FP16; }
-v1::MaskType ToProto(Mask m) {
-  switch (m) {
-    case Mask::kNone:
-      return v1::MASK_TYPE_NONE;
-    case Mask::kCausalTopLeft:
-      return v1::MASK_TYPE_CAUSAL_TOP_LEFT;
-    case Mask::kCausalBottomRight:
-      return v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT;
-  }
-  return v1::MASK_TYPE_NONE;
-}
-absl::StatusOr<DType> FromProto(v1::Dtype t) {
-  switch (t) {
-    case v1::DTYPE_BF16:
-      return DType::kBF16;
-    case v1::DTYPE_FP16:
-      return DType::kFP16;
-    case v1::DTYPE_UNSPECIFIED:
-      return absl::InvalidArgumentError("dtype: DTYPE_UNSPECIFIED (set DTYPE_BF16 or DTYPE_FP16)");
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("dtype: unknown value ", static_cast<int>(t)));
-  }
-}
-absl::StatusOr<Mask> FromProto(v1::MaskType m) {
-  switch (m) {
-    case v1::MASK_TYPE_NONE:
-      return Mask::kNone;
-    case v1::MASK_TYPE_CAUSAL_TOP_LEFT:
-      return Mask::kCausalTopLeft;
-    case v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT:
-      return Mask::kCausalBottomRight;
-    case v1::MASK_TYPE_UNSPECIFIED:
-      return absl::InvalidArgumentError("mask: MASK_TYPE_UNSPECIFIED (set MASK_TYPE_NONE, MASK_TYPE_CAUSAL_TOP_LEFT or "
-                                        "MASK_TYPE_CAUSAL_BOTTOM_RIGHT)");
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("mask: unknown value ", static_cast<int>(m)));
-  }
-}
+v1::Dtype ToProto(DType t) { return proto::DtypeToProto(t); }
+v1::MaskType ToProto(Mask m) { return proto::MaskToProto(m); }
+absl::StatusOr<DType> FromProto(v1::Dtype t) { return proto::DtypeFromProto(t, "dtype"); }
+absl::StatusOr<Mask> FromProto(v1::MaskType m) { return proto::MaskFromProto(m, "mask"); }
 
 v1::ForwardRequest MakeForwardRequest(const RequestSpec& spec, std::string q, std::string k, std::string v) {
   v1::ForwardRequest r;

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "attnd/proto/enums.h"
 #include "attnd/server/status_util.h"
 #include "attnd/server/validation.h"
 #include "sequences_internal.h"
@@ -226,7 +227,7 @@ absl::StatusOr<v1::OpenSequenceResponse> Sequences::Open(const std::string& owne
       limits_.supported_head_dims.end()) {
     return Invalid("shape.head_dim", absl::StrCat(s.head_dim(), " is not supported"));
   }
-  const absl::StatusOr<DType> dtype = DtypeFromProto(s.dtype(), "shape.dtype");
+  const absl::StatusOr<DType> dtype = proto::DtypeFromProto(s.dtype(), "shape.dtype");
   if (!dtype.ok()) return dtype.status();
   const SequenceShape shape{static_cast<int>(s.layers()), static_cast<int>(s.kv_heads()),
                             static_cast<int>(s.head_dim()), *dtype};
@@ -370,7 +371,7 @@ absl::StatusOr<v1::SequenceInfo> Sequences::Get(const std::string& owner, const 
   info.mutable_shape()->set_layers(shape.layers);
   info.mutable_shape()->set_kv_heads(shape.kv_heads);
   info.mutable_shape()->set_head_dim(shape.head_dim);
-  info.mutable_shape()->set_dtype(DtypeToProto(shape.dtype));
+  info.mutable_shape()->set_dtype(proto::DtypeToProto(shape.dtype));
   info.set_max_tokens(seq.max_tokens);
   for (int32_t len : seq.lengths) info.add_lengths(len);
   info.set_pages(static_cast<int64_t>(seq.pages.size()));

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "attnd/proto/enums.h"
 #include "attnd/server/status_util.h"
 #include "attnd/server/validation.h"
 #include "attnd/transport/zero_copy.h"
@@ -635,7 +636,7 @@ absl::Status AttentionService::ServeGetServerInfo(grpc::CallbackServerContext*, 
     info->add_supported_head_dims(hd);
     max_hd = std::max(max_hd, hd);
   }
-  for (DType t : dispatcher_->limits().supported_dtypes) info->add_supported_dtypes(DtypeToProto(t));
+  for (DType t : dispatcher_->limits().supported_dtypes) info->add_supported_dtypes(proto::DtypeToProto(t));
   v1::Limits* l = info->mutable_limits();
   l->set_max_request_bytes(options_.max_request_bytes);
   l->set_max_message_bytes(options_.max_message_bytes);

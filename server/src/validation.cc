@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "attnd/proto/enums.h"
 #include "attnd/server/status_util.h"
 
 namespace attnd::server {
@@ -114,37 +115,6 @@ absl::Status CheckInput(absl::string_view name, bool present, const v1::TensorIn
 
 }  // namespace
 
-absl::StatusOr<DType> DtypeFromProto(v1::Dtype value, absl::string_view field) {
-  switch (value) {
-    case v1::DTYPE_BF16:
-      return DType::kBF16;
-    case v1::DTYPE_FP16:
-      return DType::kFP16;
-    case v1::DTYPE_UNSPECIFIED:
-      return Invalid(field, "DTYPE_UNSPECIFIED (set DTYPE_BF16 or DTYPE_FP16)");
-    default:
-      return Invalid(field, absl::StrCat("unknown value ", static_cast<int>(value)));
-  }
-}
-
-absl::StatusOr<Mask> MaskFromProto(v1::MaskType value, absl::string_view field) {
-  switch (value) {
-    case v1::MASK_TYPE_NONE:
-      return Mask::kNone;
-    case v1::MASK_TYPE_CAUSAL_TOP_LEFT:
-      return Mask::kCausalTopLeft;
-    case v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT:
-      return Mask::kCausalBottomRight;
-    case v1::MASK_TYPE_UNSPECIFIED:
-      return Invalid(field,
-                     "MASK_TYPE_UNSPECIFIED (set MASK_TYPE_NONE, MASK_TYPE_CAUSAL_TOP_LEFT or MASK_TYPE_CAUSAL_BOTTOM_RIGHT)");
-    default:
-      return Invalid(field, absl::StrCat("unknown value ", static_cast<int>(value)));
-  }
-}
-
-v1::Dtype DtypeToProto(DType dtype) { return dtype == DType::kFP16 ? v1::DTYPE_FP16 : v1::DTYPE_BF16; }
-
 absl::Status ValidateForwardRequest(const v1::ForwardRequest& req, Transport transport,
                                     const ValidationLimits& limits, ForwardJob* job, RequestBytes* bytes,
                                     const InlineBytes* in_message) {
@@ -171,14 +141,14 @@ absl::Status ValidateForwardRequest(const v1::ForwardRequest& req, Transport tra
                    absl::StrCat(sh.head_dim(), " is not supported (supported: ", absl::StrJoin(hds, ", "), ")"));
   }
 
-  const absl::StatusOr<DType> dtype_or = DtypeFromProto(req.dtype(), "dtype");
+  const absl::StatusOr<DType> dtype_or = proto::DtypeFromProto(req.dtype(), "dtype");
   if (!dtype_or.ok()) return dtype_or.status();
   const DType dtype = *dtype_or;
   const auto& dts = limits.supported_dtypes;
   if (std::find(dts.begin(), dts.end(), dtype) == dts.end()) {
     return Invalid("dtype", absl::StrCat(v1::Dtype_Name(req.dtype()), " is not supported by this backend"));
   }
-  const absl::StatusOr<Mask> mask_or = MaskFromProto(req.mask(), "mask");
+  const absl::StatusOr<Mask> mask_or = proto::MaskFromProto(req.mask(), "mask");
   if (!mask_or.ok()) return mask_or.status();
   const Mask mask = *mask_or;
 

@@ -52,13 +52,6 @@ absl::Status ValidateForwardRequest(const v1::ForwardRequest& request, Transport
                                     const ValidationLimits& limits, ForwardJob* job, RequestBytes* bytes,
                                     const InlineBytes* in_message = nullptr);
 
-// The proto's enums as the core's, or INVALID_ARGUMENT naming `field` ("shape.dtype", "mask"). The _UNSPECIFIED
-// zero is refused like an unknown number, never read as a default: it is what a field left unset, or an enum name a
-// JSON client misspelled, arrives as.
-absl::StatusOr<DType> DtypeFromProto(v1::Dtype value, absl::string_view field);
-absl::StatusOr<Mask> MaskFromProto(v1::MaskType value, absl::string_view field);
-v1::Dtype DtypeToProto(DType dtype);
-
 // Field-level checks shared with RegisterCudaBuffer.
 absl::Status ValidateRegisterCudaBuffer(const v1::RegisterCudaBufferRequest& request);
 

@@ -1,0 +1,58 @@
+#include "attnd/proto/enums.h"
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace attnd::proto {
+namespace {
+
+absl::Status Invalid(absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+}
+
+}  // namespace
+
+v1::Dtype DtypeToProto(DType dtype) { return dtype == DType::kFP16 ? v1::DTYPE_FP16 : v1::DTYPE_BF16; }
+
+v1::MaskType MaskToProto(Mask mask) {
+  switch (mask) {
+    case Mask::kNone:
+      return v1::MASK_TYPE_NONE;
+    case Mask::kCausalTopLeft:
+      return v1::MASK_TYPE_CAUSAL_TOP_LEFT;
+    case Mask::kCausalBottomRight:
+      return v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT;
+  }
+  return v1::MASK_TYPE_NONE;
+}
+
+absl::StatusOr<DType> DtypeFromProto(v1::Dtype value, absl::string_view field) {
+  switch (value) {
+    case v1::DTYPE_BF16:
+      return DType::kBF16;
+    case v1::DTYPE_FP16:
+      return DType::kFP16;
+    case v1::DTYPE_UNSPECIFIED:
+      return Invalid(field, "DTYPE_UNSPECIFIED (set DTYPE_BF16 or DTYPE_FP16)");
+    default:
+      return Invalid(field, absl::StrCat("unknown value ", static_cast<int>(value)));
+  }
+}
+
+absl::StatusOr<Mask> MaskFromProto(v1::MaskType value, absl::string_view field) {
+  switch (value) {
+    case v1::MASK_TYPE_NONE:
+      return Mask::kNone;
+    case v1::MASK_TYPE_CAUSAL_TOP_LEFT:
+      return Mask::kCausalTopLeft;
+    case v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT:
+      return Mask::kCausalBottomRight;
+    case v1::MASK_TYPE_UNSPECIFIED:
+      return Invalid(field,
+                     "MASK_TYPE_UNSPECIFIED (set MASK_TYPE_NONE, MASK_TYPE_CAUSAL_TOP_LEFT or MASK_TYPE_CAUSAL_BOTTOM_RIGHT)");
+    default:
+      return Invalid(field, absl::StrCat("unknown value ", static_cast<int>(value)));
+  }
+}
+
+}  // namespace attnd::proto
