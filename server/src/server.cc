@@ -86,7 +86,7 @@ ValidationLimits LimitsFor(const ServerOptions& o, const Backend& backend) {
 
 // The cuda-ipc buffers: a registry over the devices the cuda backend serves, when enabled; null otherwise.
 std::unique_ptr<BufferRegistry> MakeBufferRegistry(const ServerOptions& o, const Backend& backend) {
-  if (!o.enable_cuda_ipc || backend.name() != "cuda") return nullptr;
+  if (!o.enable_cuda_ipc || !backend.cuda_ipc()) return nullptr;
 #if defined(ATTND_HAVE_CUDA_BACKEND)
   std::vector<int> devices;
   for (const DeviceDescription& d : backend.devices()) devices.push_back(d.index);

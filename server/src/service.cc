@@ -554,7 +554,7 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::F
 }
 
 absl::Status AttentionService::NoBuffers(const char* method) const {
-  if (backend()->name() != "cuda") {
+  if (!backend()->cuda_ipc()) {
     return absl::FailedPreconditionError(
         absl::StrCat(method, ": CUDA IPC needs the cuda backend; this server runs the ", backend()->name(), " backend"));
   }
@@ -568,7 +568,7 @@ absl::Status AttentionService::NoBuffers(const char* method) const {
 absl::Status AttentionService::CheckIpcTransport(grpc::CallbackServerContext* ctx, const char* method) const {
   // A CUDA IPC handle only means something to a process on the same host: by default registration is
   // served over the unix socket only, so a remote peer cannot make the server map memory.
-  if (options_.ipc_over_tcp || backend()->name() != "cuda") return absl::OkStatus();
+  if (options_.ipc_over_tcp || !backend()->cuda_ipc()) return absl::OkStatus();
   if (absl::StartsWith(ctx->peer(), "unix:")) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       method, ": CUDA IPC is served only over the server's unix socket (--unix_socket); this call came from ",

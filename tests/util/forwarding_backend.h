@@ -16,6 +16,7 @@ class ForwardingBackend : public server::Backend {
   explicit ForwardingBackend(std::unique_ptr<server::Backend> inner) : inner_(std::move(inner)) {}
 
   std::string name() const override { return inner_->name(); }
+  bool cuda_ipc() const override { return inner_->cuda_ipc(); }
   std::vector<server::DeviceDescription> devices() const override { return inner_->devices(); }
   std::vector<int64_t> supported_head_dims() const override { return inner_->supported_head_dims(); }
   std::vector<DType> supported_dtypes() const override { return inner_->supported_dtypes(); }

@@ -90,6 +90,7 @@ class CudaBackendImpl final : public Backend {
   }
 
   std::string name() const override { return "cuda"; }
+  bool cuda_ipc() const override { return true; }
   std::vector<DeviceDescription> devices() const override {
     std::vector<DeviceDescription> out;
     for (const auto& d : devices_) out.push_back(d->description());

@@ -211,6 +211,9 @@ class Backend {
   virtual ~Backend() = default;
 
   virtual std::string name() const = 0;  // "cpu" or "cuda"
+  // Whether the backend's kernels can read and write device memory other processes on this host share by CUDA IPC
+  // (RegisterCudaBuffer, tensor references).
+  virtual bool cuda_ipc() const { return false; }
   virtual std::vector<DeviceDescription> devices() const = 0;
   virtual std::vector<int64_t> supported_head_dims() const = 0;
   virtual std::vector<DType> supported_dtypes() const = 0;
