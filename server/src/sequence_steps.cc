@@ -520,6 +520,7 @@ void Sequences::Launch(const BatchKey& key) {
     } else {
       ++lane.in_flight;
       ++launches_;
+      ++launches_running_;
     }
   }
   for (auto& [job, status] : dropped) job->done(status);
@@ -530,14 +531,23 @@ void Sequences::Launch(const BatchKey& key) {
   for (std::unique_ptr<StepJob>& job : batch->jobs) {
     job->done = [this, key, remaining, done = std::move(job->done)](absl::Status s) {
       done(std::move(s));
-      if (remaining->fetch_sub(1) == 1) LaunchDone(key);
+      if (remaining->fetch_sub(1) == 1) {
+        LaunchDone(key);
+        LaunchEnded();
+      }
     };
   }
   const absl::Status status = backend_->SubmitSteps(std::move(batch));
   if (!status.ok()) {
     for (auto& refuse : refusals) refuse(status);
     FailLane(key, status);
+    LaunchEnded();
   }
+}
+
+void Sequences::LaunchEnded() {
+  absl::MutexLock lock(&mu_);
+  --launches_running_;
 }
 
 void Sequences::LaunchDone(const BatchKey& key) {

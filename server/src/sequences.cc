@@ -435,7 +435,9 @@ void Sequences::Shutdown() {
     if (!lane->waiting.empty()) lane->launch_at = absl::InfinitePast();
   }
   reaper_wake_ = true;
-  const auto drained = +[](Sequences* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) { return self->admitted_ == 0; };
+  const auto drained = +[](Sequences* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+    return self->admitted_ == 0 && self->launches_running_ == 0;
+  };
   mu_.Await(absl::Condition(drained, this));
 }
 

@@ -85,7 +85,8 @@ class Sequences {
   // request_id, timing, backend, kernel, device and the new lengths of a finished step (not o/lse).
   void FillStepResponse(const StepJob& job, v1::StepResponse* response) const;
 
-  // Refuses new steps (UNAVAILABLE) and waits until every admitted step has been answered. Idempotent.
+  // Refuses new steps (UNAVAILABLE) and waits until every admitted step has been answered and every launch has
+  // ended; the core may be destroyed once it returns. Idempotent.
   void Shutdown();
 
   v1::SequenceLimits limits() const;
@@ -187,6 +188,8 @@ class Sequences {
   void Launch(const BatchKey& key) ABSL_LOCKS_EXCLUDED(mu_);
   void LaunchDone(const BatchKey& key) ABSL_LOCKS_EXCLUDED(mu_);
   void FailLane(const BatchKey& key, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
+  // The last thing a launched batch's end does (see launches_running_).
+  void LaunchEnded() ABSL_LOCKS_EXCLUDED(mu_);
   void ReaperLoop();
 
   SequenceOptions options_;  // fixed after construction
@@ -209,6 +212,9 @@ class Sequences {
   absl::flat_hash_map<BatchKey, std::unique_ptr<Lane>> lanes_ ABSL_GUARDED_BY(mu_);
   uint32_t waiting_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t admitted_ ABSL_GUARDED_BY(mu_) = 0;  // admitted steps whose reply has not returned yet
+  // Launched batches whose end (LaunchDone, or FailLane for a refused one) has not returned yet. It runs after
+  // its steps' replies and still reads the lanes, so Shutdown waits for it as well as for admitted_.
+  uint64_t launches_running_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_unique_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool reaper_stop_ ABSL_GUARDED_BY(mu_) = false;
