@@ -318,6 +318,18 @@ TEST(ShmChannel, AtTheDescriptorLimitACallerIsRefusedAndTheAcceptorDoesNotSpin) 
   std::vector<int> filler;
   for (int f; (f = ::dup(s)) >= 0;) filler.push_back(f);
   ASSERT_EQ(errno, EMFILE);
+  // Other threads of the process open a descriptor for a moment on their first use of some library call (glibc's
+  // get_nprocs reads /sys/devices/system/cpu/online for absl's NumCPUs and for a new malloc arena). One held across
+  // the fill is closed after it, and that free slot would let the caller in as an ordinary channel, which then waits
+  // for its hello. So the fill is topped up until a whole pause passes with no slot coming free.
+  for (int pauses = 0;; ++pauses) {
+    ASSERT_LT(pauses, 50) << "descriptors kept coming free after the fill";
+    absl::SleepFor(absl::Milliseconds(100));
+    const size_t filled = filler.size();
+    for (int f; (f = ::dup(s)) >= 0;) filler.push_back(f);
+    ASSERT_EQ(errno, EMFILE);
+    if (filler.size() == filled) break;
+  }
 
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
