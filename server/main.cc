@@ -110,7 +110,9 @@ ABSL_FLAG(std::string, shm_socket, "",
           "unix socket for same-host shared-memory channels (Forward without gRPC; docs/transport.md); empty: off");
 ABSL_FLAG(uint64_t, shm_max_bytes, 64ull << 20, "largest request or reply area a shared-memory channel may have");
 ABSL_FLAG(uint32_t, shm_max_channels, 64, "shared-memory channels open at once (each has a server thread)");
-ABSL_FLAG(int64_t, shm_spin_us, 50, "how long a shared-memory channel's thread polls for a request before sleeping");
+ABSL_FLAG(int64_t, shm_spin_us, 50,
+          "how long a shared-memory channel's thread polls for a request before sleeping; up to 1 ms (1.5x the gap "
+          "before its previous request) while at most two threads poll that long");
 ABSL_FLAG(int64_t, shm_reply_spin_us, 300,
           "how long a shared-memory channel's thread polls for the reply to its request before sleeping (while at "
           "most two channels wait for theirs); best above the kernel time of the requests served");
