@@ -90,7 +90,12 @@ absl::StatusOr<Sequences::Seq*> Sequences::Find(const std::string& owner, const 
         " was not opened by this server process (a restarted server has lost its sequences: open and prefill "
         "again; behind a load balancer, calls about a sequence must reach the server named after its '@')"));
   }
-  return absl::NotFoundError(absl::StrCat(field, ": no open sequence ", id));
+  // The caller's identity in the message: a sequence opened over TCP and stepped over the shared-memory channel
+  // (two identities) reads as unknown, and this says why.
+  return absl::NotFoundError(absl::StrCat(field, ": no open sequence ", id, " of this caller (", owner,
+                                          "; a sequence belongs to the identity that opened it: its bearer token, "
+                                          "else its host's address over TCP, else 'local' over the unix socket and "
+                                          "the shared-memory channel)"));
 }
 
 absl::StatusOr<Sequences::Pool*> Sequences::PoolFor(const SequenceShape& shape) {
