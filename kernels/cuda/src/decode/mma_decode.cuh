@@ -1,4 +1,4 @@
-// Compute and copy primitives of the decode kernels: the seed family's mma.sync.m16n8k16 (fp32 accumulators),
+// Compute and copy primitives of the decode kernels: common/'s mma.sync.m16n8k16 (fp32 accumulators),
 // ldmatrix and exp2, plus 16-byte cp.async with zero fill and the tile swizzle (sm_80 instructions, available on
 // sm_90a and sm_120a). Fragment layouts follow the PTX ISA's "mma.m16n8k16" figures: lane = 4 * g + t; an
 // accumulator holds rows g and g + 8, columns 2t and 2t + 1 of its 16x8 tile.
@@ -9,16 +9,16 @@
 
 #include <cstdint>
 
-#include "../seed/mma_sm80.cuh"
+#include "../common/mma_sm80.cuh"
 
 namespace attnd::kernels::decode {
 
-// The mma.sync / ldmatrix / exp2 primitives are the seed family's (one implementation for both).
+// The mma.sync / ldmatrix / exp2 primitives are common/'s (one implementation for every family).
 template <typename Elem>
-using ElemOps = seed::ElemTraits<Elem>;
-using seed::Exp2;
-using seed::LdMatrixX4;
-using seed::LdMatrixX4Trans;
+using ElemOps = common::ElemTraits<Elem>;
+using common::Exp2;
+using common::LdMatrixX4;
+using common::LdMatrixX4Trans;
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));

@@ -6,13 +6,13 @@
 
 #include <math_constants.h>
 
-#include "../seed/softmax.cuh"
+#include "../common/softmax_quad.cuh"
 #include "mma_decode.cuh"
 
 namespace attnd::kernels::decode {
 
-using seed::QuadMax;
-using seed::QuadSum;
+using common::QuadMax;
+using common::QuadSum;
 
 template <int kNTiles>  // 8-key tiles of the warp's slice
 struct OnlineSoftmax {
@@ -58,13 +58,7 @@ struct OnlineSoftmax {
     m[1] = mx1;
     l[0] *= f0;
     l[1] *= f1;
-#pragma unroll
-    for (int d = 0; d < kDTiles; ++d) {
-      acc_o[d][0] *= f0;
-      acc_o[d][1] *= f0;
-      acc_o[d][2] *= f1;
-      acc_o[d][3] *= f1;
-    }
+    common::RescaleRows(acc_o, f0, f1);
 #pragma unroll
     for (int i = 0; i < kNTiles; ++i) {
       s[i][0] = Exp2(s[i][0] - b0);

@@ -9,8 +9,8 @@
 
 #include <cstdint>
 
-#include "../seed/load_tma_sm90.cuh"  // Swizzle128
-#include "../seed/mma_sm80.cuh"       // ElemTraits<Elem>::Pack
+#include "../common/mma_sm80.cuh"  // ElemTraits<Elem>::Pack
+#include "../common/tma_sm90.cuh"  // Swizzle128
 #include "attnd/kernels/attention.h"
 #include "softmax_sm90.cuh"
 
@@ -76,8 +76,8 @@ __device__ __forceinline__ void StoreOutputSm90(const LaunchParams& p, const flo
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int i = 4 * j + k;  // 8-column group
-      a0[k] = seed::ElemTraits<Elem>::Pack(o[4 * i] * inv0, o[4 * i + 1] * inv0);
-      a1[k] = seed::ElemTraits<Elem>::Pack(o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+      a0[k] = common::ElemTraits<Elem>::Pack(o[4 * i] * inv0, o[4 * i + 1] * inv0);
+      a1[k] = common::ElemTraits<Elem>::Pack(o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
     }
     const uint4 w0 = QuadTranspose(a0, t);
     const uint4 w1 = QuadTranspose(a1, t);
@@ -144,12 +144,12 @@ __device__ __forceinline__ void WriteOutputSmemSm90(const LaunchParams& p, const
 #pragma unroll
   for (int j = 0; j < kHeadDim / 16; ++j) {
     const int g = 2 * j + (lane >> 4);  // this lane's 8-column group
-    const uint32_t addr = o_smem + (g / 8) * kBoxBytes + seed::Swizzle128(row, g % 8);
+    const uint32_t addr = o_smem + (g / 8) * kBoxBytes + common::Swizzle128(row, g % 8);
     const int i0 = 2 * j, i1 = 2 * j + 1;  // the two 8-column groups of this stmatrix
-    StMatrixX4(addr, seed::ElemTraits<Elem>::Pack(o[4 * i0] * inv0, o[4 * i0 + 1] * inv0),
-               seed::ElemTraits<Elem>::Pack(o[4 * i0 + 2] * inv1, o[4 * i0 + 3] * inv1),
-               seed::ElemTraits<Elem>::Pack(o[4 * i1] * inv0, o[4 * i1 + 1] * inv0),
-               seed::ElemTraits<Elem>::Pack(o[4 * i1 + 2] * inv1, o[4 * i1 + 3] * inv1));
+    StMatrixX4(addr, common::ElemTraits<Elem>::Pack(o[4 * i0] * inv0, o[4 * i0 + 1] * inv0),
+               common::ElemTraits<Elem>::Pack(o[4 * i0 + 2] * inv1, o[4 * i0 + 3] * inv1),
+               common::ElemTraits<Elem>::Pack(o[4 * i1] * inv0, o[4 * i1 + 1] * inv0),
+               common::ElemTraits<Elem>::Pack(o[4 * i1 + 2] * inv1, o[4 * i1 + 3] * inv1));
   }
   if (p.lse != nullptr && t == 0) {
     constexpr float kLn2 = 0.693147180559945309f;

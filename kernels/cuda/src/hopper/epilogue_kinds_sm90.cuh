@@ -31,7 +31,7 @@ __device__ __forceinline__ void ReleaseOStage(int& o_stage, uint64_t* empty) {
   if (o_stage < 0) return;
   if ((threadIdx.x & 127) == 0) {
     BulkWaitRead();
-    seed::MbarArriveCount(&empty[o_stage], 4);
+    common::MbarArriveCount(&empty[o_stage], 4);
   }
   o_stage = -1;
 }
@@ -113,10 +113,10 @@ struct EpilogueSmemSm90 {
     // V stage once warpgroup 0's last P V has (Run signals both).
     if (consumer.wg == 0) {
       NamedBarrierSync<FwdNamedBarrier::kLastQKDone, 256>();
-      o_smem = seed::SmemAddr(smem.k) + consumer.prev_st * Tile::kKVTileBytes;
+      o_smem = common::SmemAddr(smem.k) + consumer.prev_st * Tile::kKVTileBytes;
     } else {
       NamedBarrierSync<FwdNamedBarrier::kLastPVDone, 256>();
-      o_smem = seed::SmemAddr(smem.v) + consumer.prev_st * Tile::kKVTileBytes;
+      o_smem = common::SmemAddr(smem.v) + consumer.prev_st * Tile::kKVTileBytes;
     }
     WriteOutputSmemSm90<Tile::kHeadDim, Elem, Tile::kBlockN>(p, o, sm, row0, c.head, c.batch, o_smem);
     FenceProxyAsyncShared();

@@ -55,21 +55,21 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
   const int warpgroup = kPlainIndex ? thread_wg : __shfl_sync(0xffffffffu, thread_wg, 0);
 
   if (threadIdx.x == 0) {
-    seed::PrefetchTensorMap(&q_map);
-    seed::PrefetchTensorMap(&k_map);
-    seed::PrefetchTensorMap(&v_map);
-    if constexpr (Tile::kSmemEpilogue) seed::PrefetchTensorMap(o_map);
-    seed::MbarInit(smem.q_full, 1);
-    seed::MbarInit(smem.q_empty, 4 * Tile::kConsumerWarpgroups);  // one arrival per consumer warp
+    common::PrefetchTensorMap(&q_map);
+    common::PrefetchTensorMap(&k_map);
+    common::PrefetchTensorMap(&v_map);
+    if constexpr (Tile::kSmemEpilogue) common::PrefetchTensorMap(o_map);
+    common::MbarInit(smem.q_full, 1);
+    common::MbarInit(smem.q_empty, 4 * Tile::kConsumerWarpgroups);  // one arrival per consumer warp
 #pragma unroll
     for (int st = 0; st < Tile::kStages; ++st) {
-      seed::MbarInit(&smem.k_full[st], 1);
-      seed::MbarInit(&smem.v_full[st], 1);
-      seed::MbarInit(&smem.k_empty[st], 4 * Tile::kConsumerWarpgroups);  // one arrival per consumer warp
-      seed::MbarInit(&smem.v_empty[st], 4 * Tile::kConsumerWarpgroups);
+      common::MbarInit(&smem.k_full[st], 1);
+      common::MbarInit(&smem.v_full[st], 1);
+      common::MbarInit(&smem.k_empty[st], 4 * Tile::kConsumerWarpgroups);  // one arrival per consumer warp
+      common::MbarInit(&smem.v_empty[st], 4 * Tile::kConsumerWarpgroups);
     }
     if constexpr (kDynamicOrder) Scheduler::InitSharedStorage();
-    seed::FenceBarrierInit();
+    common::FenceBarrierInit();
   }
   __syncthreads();
 

@@ -20,8 +20,8 @@
 
 #include <cstdint>
 
-#include "../seed/load_tma_sm90.cuh"
-#include "../seed/mma_sm80.cuh"
+#include "../common/mma_sm80.cuh"
+#include "../common/tma_sm90.cuh"
 #include "attnd/kernels/attention.h"
 #include "named_barrier_sm90.h"
 #include "softmax_sm90.cuh"
@@ -32,11 +32,11 @@
 
 namespace attnd::kernels::hopper {
 
-using seed::MbarArrive;
-using seed::MbarArriveExpectTx;
-using seed::MbarWait;
-using seed::SmemAddr;
-using seed::TmaLoad4d;
+using common::MbarArrive;
+using common::MbarArriveExpectTx;
+using common::MbarWait;
+using common::SmemAddr;
+using common::TmaLoad4d;
 
 // Which key blocks a tile visits: [0, n_blocks), of which [n_full, n_blocks) need the element-wise mask.
 struct KeyRange {
@@ -145,8 +145,8 @@ struct TileSlotsSm90 {
   __device__ __forceinline__ static void Init(TileRingSm90& ring) {
 #pragma unroll
     for (int i = 0; i < TileRingSm90::kSlots; ++i) {
-      seed::MbarInit(&ring.full[i], 1);
-      seed::MbarInit(&ring.empty[i], kReaders);
+      common::MbarInit(&ring.full[i], 1);
+      common::MbarInit(&ring.empty[i], kReaders);
     }
   }
 
@@ -250,7 +250,7 @@ struct ProducerSm90 {
     if constexpr (kPrefetchQ) {
 #pragma unroll
       for (int pn = 0; pn < Tile::kPanels; ++pn) {
-        seed::TmaPrefetchL2_4d(q_map, pn * 64, head, TileFirstRow<Tile>(q_tile, p.q_len, p.causal), batch);
+        common::TmaPrefetchL2_4d(q_map, pn * 64, head, TileFirstRow<Tile>(q_tile, p.q_len, p.causal), batch);
       }
     }
     // The first K block before Q: it waits only on the ring, so the ring keeps filling while the
@@ -343,7 +343,7 @@ struct ConsumerSm90 {
 #pragma unroll
     for (int kk = 0; kk < kPSteps; ++kk) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) pf[kk][e] = seed::ElemTraits<Elem>::Pack(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+      for (int e = 0; e < 4; ++e) pf[kk][e] = common::ElemTraits<Elem>::Pack(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
     }
   }
 
@@ -513,7 +513,7 @@ struct ConsumerSm90 {
     bool accepted = false;
     if (b < w.r.n_full) {
       ATTND_HOPPER_STEP_MARK(kSpMax);  // no row max taken: the step parts count the check under exp
-      accepted = sm.TryStep(s, p.scale_log2, next, seed::ElemTraits<Elem>::Pack);
+      accepted = sm.TryStep(s, p.scale_log2, next, common::ElemTraits<Elem>::Pack);
     }
     bool rescale = false;
     if (!accepted) {

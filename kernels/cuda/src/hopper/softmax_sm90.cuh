@@ -12,13 +12,14 @@
 
 #include <math_constants.h>
 
-#include "../seed/softmax.cuh"  // QuadMax, QuadSum, Exp2, kRescaleThresholdLog2
+#include "../common/mma_sm80.cuh"       // Exp2
+#include "../common/softmax_quad.cuh"  // QuadMax, QuadSum, kRescaleThresholdLog2
 
 namespace attnd::kernels::hopper {
 
-using seed::Exp2;
-using seed::QuadMax;
-using seed::QuadSum;
+using common::Exp2;
+using common::QuadMax;
+using common::QuadSum;
 
 // The default of the family's hooks (a callback that does nothing): the softmax's after_max, the mainloop's
 // after_issue / after_first.
@@ -45,7 +46,7 @@ struct SoftmaxSm90 {
   template <bool kMasked, bool kToRowMax = false, typename AfterMax = NoOp>
   __device__ __forceinline__ bool Step(float (&s)[kRegs], float scale_log2, int key0, int limit0, int limit1,
                                        float (&f)[2], AfterMax after_max = {}) {
-    constexpr float kThreshold = kToRowMax ? 0.f : seed::kRescaleThresholdLog2;
+    constexpr float kThreshold = kToRowMax ? 0.f : common::kRescaleThresholdLog2;
     const int t = threadIdx.x & 3;
     // A positive scale commutes with the max: take it over the raw scores and fold the scale into the
     // exponent's FFMA (one FP32 op per score fewer, and the softmax is what bounds this kernel between
@@ -135,7 +136,7 @@ struct SoftmaxSm90 {
                                           Pack pack) {
     static_assert(kPSteps * 8 == kRegs, "P holds the block's 16-key steps");
     constexpr float kBound = 256.f;  // 2^kRescaleThresholdLog2
-    static_assert(kBound == (1 << static_cast<int>(seed::kRescaleThresholdLog2)), "bound and threshold agree");
+    static_assert(kBound == (1 << static_cast<int>(common::kRescaleThresholdLog2)), "bound and threshold agree");
     float bs0 = 0.f, bs1 = 0.f;
 #pragma unroll
     for (int i = 0; i < kBlockN / 8; ++i) {

@@ -8,8 +8,8 @@
 #include <cstdint>
 
 #include "attnd/kernels/attention.h"
-#include "load_tma_sm90.cuh"
-#include "mma_sm80.cuh"
+#include "../common/mma_sm80.cuh"
+#include "../common/tma_sm90.cuh"
 #include "softmax.cuh"
 
 namespace attnd::kernels::seed {
@@ -20,8 +20,8 @@ __device__ __forceinline__ void StoreOutput(const LaunchParams& p, float (&acc_o
                                             int q0, int batch, int head) {
   constexpr int kPanelBytes = Tile::kBlockM * 128;
   const int g = lane >> 2, t = lane & 3;
-  const float l0 = QuadSum(sm.l[0]);
-  const float l1 = QuadSum(sm.l[1]);
+  const float l0 = common::QuadSum(sm.l[0]);
+  const float l1 = common::QuadSum(sm.l[1]);
   // A row that saw no key (bottom-right causal with q_len > kv_len) has l = 0: O = 0, LSE = -inf.
   const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
   const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
@@ -33,10 +33,10 @@ __device__ __forceinline__ void StoreOutput(const LaunchParams& p, float (&acc_o
 #pragma unroll
   for (int d = 0; d < kDTiles; ++d) {
     uint8_t* panel = q_smem + (d / 8) * kPanelBytes + t * 4;
-    *reinterpret_cast<uint32_t*>(panel + Swizzle128(row_a, d % 8)) =
-        ElemTraits<Elem>::Pack(acc_o[d][0] * inv0, acc_o[d][1] * inv0);
-    *reinterpret_cast<uint32_t*>(panel + Swizzle128(row_b, d % 8)) =
-        ElemTraits<Elem>::Pack(acc_o[d][2] * inv1, acc_o[d][3] * inv1);
+    *reinterpret_cast<uint32_t*>(panel + common::Swizzle128(row_a, d % 8)) =
+        common::ElemTraits<Elem>::Pack(acc_o[d][0] * inv0, acc_o[d][1] * inv0);
+    *reinterpret_cast<uint32_t*>(panel + common::Swizzle128(row_b, d % 8)) =
+        common::ElemTraits<Elem>::Pack(acc_o[d][2] * inv1, acc_o[d][3] * inv1);
   }
   __syncwarp();
 
@@ -49,7 +49,7 @@ __device__ __forceinline__ void StoreOutput(const LaunchParams& p, float (&acc_o
     const int c = idx % kChunksPerRow;
     const int q_row = q0 + r;
     if (q_row < p.q_len) {
-      const uint4 v = *reinterpret_cast<const uint4*>(q_smem + (c / 8) * kPanelBytes + Swizzle128(r, c % 8));
+      const uint4 v = *reinterpret_cast<const uint4*>(q_smem + (c / 8) * kPanelBytes + common::Swizzle128(r, c % 8));
       const int64_t off = batch * p.o_stride_b + static_cast<int64_t>(q_row) * p.o_stride_s +
                           head * p.o_stride_h + c * 8;
       *reinterpret_cast<uint4*>(o + off) = v;

@@ -17,8 +17,8 @@
 
 #include "attnd/kernels/attention.h"
 #include "epilogue.cuh"
-#include "load_tma_sm90.cuh"
-#include "mma_sm80.cuh"
+#include "../common/mma_sm80.cuh"
+#include "../common/tma_sm90.cuh"
 #include "softmax.cuh"
 
 namespace attnd::kernels::seed {
@@ -87,36 +87,36 @@ __global__ void __launch_bounds__(Tile::kThreads)
 
   auto issue_kv = [&](int tile) {
     const int st = tile % S;
-    MbarArriveExpectTx(&k_full[st], Tile::kKVTileBytes);
+    common::MbarArriveExpectTx(&k_full[st], Tile::kKVTileBytes);
 #pragma unroll
     for (int pn = 0; pn < kPanels; ++pn)
-      TmaLoad4d(k_s + st * Tile::kKVTileBytes + pn * kKVPanelBytes, &k_map, &k_full[st], pn * 64, kv_head,
+      common::TmaLoad4d(k_s + st * Tile::kKVTileBytes + pn * kKVPanelBytes, &k_map, &k_full[st], pn * 64, kv_head,
                 tile * BN, batch);
-    MbarArriveExpectTx(&v_full[st], Tile::kKVTileBytes);
+    common::MbarArriveExpectTx(&v_full[st], Tile::kKVTileBytes);
 #pragma unroll
     for (int pn = 0; pn < kPanels; ++pn)
-      TmaLoad4d(v_s + st * Tile::kKVTileBytes + pn * kKVPanelBytes, &v_map, &v_full[st], pn * 64, kv_head,
+      common::TmaLoad4d(v_s + st * Tile::kKVTileBytes + pn * kKVPanelBytes, &v_map, &v_full[st], pn * 64, kv_head,
                 tile * BN, batch);
   };
 
   if (tid == 0) {
-    PrefetchTensorMap(&q_map);
-    PrefetchTensorMap(&k_map);
-    PrefetchTensorMap(&v_map);
-    MbarInit(q_full, 1);
+    common::PrefetchTensorMap(&q_map);
+    common::PrefetchTensorMap(&k_map);
+    common::PrefetchTensorMap(&v_map);
+    common::MbarInit(q_full, 1);
 #pragma unroll
     for (int st = 0; st < S; ++st) {
-      MbarInit(&k_full[st], 1);
-      MbarInit(&v_full[st], 1);
-      MbarInit(&kv_empty[st], Tile::kThreads);
+      common::MbarInit(&k_full[st], 1);
+      common::MbarInit(&v_full[st], 1);
+      common::MbarInit(&kv_empty[st], Tile::kThreads);
     }
-    FenceBarrierInit();
+    common::FenceBarrierInit();
   }
   __syncthreads();
   if (tid == 0) {
-    MbarArriveExpectTx(q_full, Tile::kQBytes);
+    common::MbarArriveExpectTx(q_full, Tile::kQBytes);
 #pragma unroll
-    for (int pn = 0; pn < kPanels; ++pn) TmaLoad4d(q_s + pn * kQPanelBytes, &q_map, q_full, pn * 64, head, q0, batch);
+    for (int pn = 0; pn < kPanels; ++pn) common::TmaLoad4d(q_s + pn * kQPanelBytes, &q_map, q_full, pn * 64, head, q0, batch);
     for (int tile = 0; tile < S - 1 && tile < n_tiles; ++tile) issue_kv(tile);
   }
   __syncwarp();
@@ -132,20 +132,20 @@ __global__ void __launch_bounds__(Tile::kThreads)
   // V (B operand of PV, transposed): key = l % 8 + 8 * ((l / 8) % 2), d-chunk = l / 16.
   const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3);
   const int v_chunk = lane >> 4;
-  const uint32_t q_base = SmemAddr(q_s);
+  const uint32_t q_base = common::SmemAddr(q_s);
 
   auto q_frag_addr = [&](int ma, int kk) {
     const int chunk = kk * 2 + q_chunk;
-    return q_base + (chunk / 8) * kQPanelBytes + Swizzle128(q_row + ma * 16, chunk % 8);
+    return q_base + (chunk / 8) * kQPanelBytes + common::Swizzle128(q_row + ma * 16, chunk % 8);
   };
 
-  MbarWait(q_full, 0);
+  common::MbarWait(q_full, 0);
   uint32_t q_frag[MR][Tile::kQInRegs ? kKTiles : 1][4];
   if constexpr (Tile::kQInRegs) {
 #pragma unroll
     for (int ma = 0; ma < MR; ++ma)
 #pragma unroll
-      for (int kk = 0; kk < kKTiles; ++kk) LdMatrixX4(q_frag[ma][kk], q_frag_addr(ma, kk));
+      for (int kk = 0; kk < kKTiles; ++kk) common::LdMatrixX4(q_frag[ma][kk], q_frag_addr(ma, kk));
   }
 
   float acc_o[MR][kDTiles][4];
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(Tile::kThreads)
     const uint32_t parity = (j / S) & 1;
     if (tid == 0 && j + S - 1 < n_tiles) {
       const int tile = j + S - 1;
-      if (tile >= S) MbarWait(&kv_empty[tile % S], ((tile / S) - 1) & 1);  // tile - S has left the stage
+      if (tile >= S) common::MbarWait(&kv_empty[tile % S], ((tile / S) - 1) & 1);  // tile - S has left the stage
       issue_kv(tile);
     }
     __syncwarp();
@@ -182,8 +182,8 @@ __global__ void __launch_bounds__(Tile::kThreads)
     for (int ma = 0; ma < MR; ++ma)
 #pragma unroll
       for (int i = 0; i < kNTiles; ++i) s[ma][i][0] = s[ma][i][1] = s[ma][i][2] = s[ma][i][3] = 0.f;
-    const uint32_t k_base = SmemAddr(k_s + st * Tile::kKVTileBytes);
-    MbarWait(&k_full[st], parity);
+    const uint32_t k_base = common::SmemAddr(k_s + st * Tile::kKVTileBytes);
+    common::MbarWait(&k_full[st], parity);
 #pragma unroll
     for (int kk = 0; kk < kKTiles; ++kk) {
       uint32_t a[MR][4];
@@ -193,18 +193,18 @@ __global__ void __launch_bounds__(Tile::kThreads)
           a[ma][0] = q_frag[ma][kk][0], a[ma][1] = q_frag[ma][kk][1];
           a[ma][2] = q_frag[ma][kk][2], a[ma][3] = q_frag[ma][kk][3];
         } else {
-          LdMatrixX4(a[ma], q_frag_addr(ma, kk));
+          common::LdMatrixX4(a[ma], q_frag_addr(ma, kk));
         }
       }
       const int chunk = kk * 2 + k_chunk;
 #pragma unroll
       for (int nn = 0; nn < BN / 16; ++nn) {
         uint32_t b[4];
-        LdMatrixX4(b, k_base + (chunk / 8) * kKVPanelBytes + Swizzle128(nn * 16 + k_row, chunk % 8));
+        common::LdMatrixX4(b, k_base + (chunk / 8) * kKVPanelBytes + common::Swizzle128(nn * 16 + k_row, chunk % 8));
 #pragma unroll
         for (int ma = 0; ma < MR; ++ma) {  // one K fragment, MR mma
-          ElemTraits<Elem>::Mma(s[ma][2 * nn], a[ma], b[0], b[1]);
-          ElemTraits<Elem>::Mma(s[ma][2 * nn + 1], a[ma], b[2], b[3]);
+          common::ElemTraits<Elem>::Mma(s[ma][2 * nn], a[ma], b[0], b[1]);
+          common::ElemTraits<Elem>::Mma(s[ma][2 * nn + 1], a[ma], b[2], b[3]);
         }
       }
     }
@@ -225,30 +225,30 @@ __global__ void __launch_bounds__(Tile::kThreads)
     for (int ma = 0; ma < MR; ++ma)
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
-        p_frag[ma][kk][0] = ElemTraits<Elem>::Pack(s[ma][2 * kk][0], s[ma][2 * kk][1]);
-        p_frag[ma][kk][1] = ElemTraits<Elem>::Pack(s[ma][2 * kk][2], s[ma][2 * kk][3]);
-        p_frag[ma][kk][2] = ElemTraits<Elem>::Pack(s[ma][2 * kk + 1][0], s[ma][2 * kk + 1][1]);
-        p_frag[ma][kk][3] = ElemTraits<Elem>::Pack(s[ma][2 * kk + 1][2], s[ma][2 * kk + 1][3]);
+        p_frag[ma][kk][0] = common::ElemTraits<Elem>::Pack(s[ma][2 * kk][0], s[ma][2 * kk][1]);
+        p_frag[ma][kk][1] = common::ElemTraits<Elem>::Pack(s[ma][2 * kk][2], s[ma][2 * kk][3]);
+        p_frag[ma][kk][2] = common::ElemTraits<Elem>::Pack(s[ma][2 * kk + 1][0], s[ma][2 * kk + 1][1]);
+        p_frag[ma][kk][3] = common::ElemTraits<Elem>::Pack(s[ma][2 * kk + 1][2], s[ma][2 * kk + 1][3]);
       }
 
     // O += P V
-    const uint32_t v_base = SmemAddr(v_s + st * Tile::kKVTileBytes);
-    MbarWait(&v_full[st], parity);
+    const uint32_t v_base = common::SmemAddr(v_s + st * Tile::kKVTileBytes);
+    common::MbarWait(&v_full[st], parity);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
 #pragma unroll
       for (int dd = 0; dd < D / 16; ++dd) {
         const int chunk = dd * 2 + v_chunk;
         uint32_t b[4];
-        LdMatrixX4Trans(b, v_base + (chunk / 8) * kKVPanelBytes + Swizzle128(kk * 16 + v_row, chunk % 8));
+        common::LdMatrixX4Trans(b, v_base + (chunk / 8) * kKVPanelBytes + common::Swizzle128(kk * 16 + v_row, chunk % 8));
 #pragma unroll
         for (int ma = 0; ma < MR; ++ma) {  // one V fragment, MR mma
-          ElemTraits<Elem>::Mma(acc_o[ma][2 * dd], p_frag[ma][kk], b[0], b[1]);
-          ElemTraits<Elem>::Mma(acc_o[ma][2 * dd + 1], p_frag[ma][kk], b[2], b[3]);
+          common::ElemTraits<Elem>::Mma(acc_o[ma][2 * dd], p_frag[ma][kk], b[0], b[1]);
+          common::ElemTraits<Elem>::Mma(acc_o[ma][2 * dd + 1], p_frag[ma][kk], b[2], b[3]);
         }
       }
     }
-    MbarArrive(&kv_empty[st]);  // this thread's reads of the stage are done (arrive has release semantics)
+    common::MbarArrive(&kv_empty[st]);  // this thread's reads of the stage are done (arrive has release semantics)
   };
 
   int j = 0;

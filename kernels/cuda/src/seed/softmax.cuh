@@ -1,29 +1,15 @@
 // Softmax role: online softmax over the m16n8k16 accumulator layout, in the exp2 domain, with the seed's
-// lazy rescale. Each thread holds two rows of its warp's 16 (g and g + 8) and, of each 8-column tile, the
+// lazy rescale (common/softmax_quad.cuh). Each thread holds two rows of its warp's 16 (g and g + 8) and, of each 8-column tile, the
 // columns 2t and 2t + 1; a row's four threads form a quad (lanes 4g..4g+3), so row reductions are two
 // xor-shuffles.
 #pragma once
 
 #include <math_constants.h>
 
-#include "mma_sm80.cuh"
+#include "../common/mma_sm80.cuh"
+#include "../common/softmax_quad.cuh"
 
 namespace attnd::kernels::seed {
-
-__device__ __forceinline__ float QuadMax(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-
-__device__ __forceinline__ float QuadSum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
-// Lazy rescale: the reference max m only moves when a tile's max exceeds it by more than 2^8, so P is at
-// most 256 (exact enough in bf16, far from fp32 overflow) and the O accumulator is rescaled only on the rare
-// tiles that move m, not on every tile.
-constexpr float kRescaleThresholdLog2 = 8.0f;
 
 template <int kNTiles>  // 8-column tiles of one S row block (block_n / 8)
 struct OnlineSoftmax {
@@ -57,40 +43,34 @@ struct OnlineSoftmax {
       mx0 = fmaxf(mx0, fmaxf(s[i][0], s[i][1]));
       mx1 = fmaxf(mx1, fmaxf(s[i][2], s[i][3]));
     }
-    mx0 = QuadMax(mx0);
-    mx1 = QuadMax(mx1);
-    const bool move0 = mx0 > m[0] + kRescaleThresholdLog2;
-    const bool move1 = mx1 > m[1] + kRescaleThresholdLog2;
+    mx0 = common::QuadMax(mx0);
+    mx1 = common::QuadMax(mx1);
+    const bool move0 = mx0 > m[0] + common::kRescaleThresholdLog2;
+    const bool move1 = mx1 > m[1] + common::kRescaleThresholdLog2;
     if (__any_sync(0xffffffffu, move0 || move1)) {
       // exp2(-inf - mx) = 0 on a row's first visible tile: acc_o and l are still zero there.
       float f0 = 1.f, f1 = 1.f;
       if (move0) {
-        f0 = Exp2(m[0] - mx0);
+        f0 = common::Exp2(m[0] - mx0);
         m[0] = mx0;
         l[0] *= f0;
       }
       if (move1) {
-        f1 = Exp2(m[1] - mx1);
+        f1 = common::Exp2(m[1] - mx1);
         m[1] = mx1;
         l[1] *= f1;
       }
-#pragma unroll
-      for (int d = 0; d < kDTiles; ++d) {
-        acc_o[d][0] *= f0;
-        acc_o[d][1] *= f0;
-        acc_o[d][2] *= f1;
-        acc_o[d][3] *= f1;
-      }
+      common::RescaleRows(acc_o, f0, f1);
     }
     // A row with no visible key so far keeps m = -inf; its masked scores are -inf and exp2(-inf - 0) = 0.
     const float b0 = m[0] == -CUDART_INF_F ? 0.f : m[0];
     const float b1 = m[1] == -CUDART_INF_F ? 0.f : m[1];
 #pragma unroll
     for (int i = 0; i < kNTiles; ++i) {
-      s[i][0] = Exp2(s[i][0] - b0);
-      s[i][1] = Exp2(s[i][1] - b0);
-      s[i][2] = Exp2(s[i][2] - b1);
-      s[i][3] = Exp2(s[i][3] - b1);
+      s[i][0] = common::Exp2(s[i][0] - b0);
+      s[i][1] = common::Exp2(s[i][1] - b0);
+      s[i][2] = common::Exp2(s[i][2] - b1);
+      s[i][3] = common::Exp2(s[i][3] - b1);
       l[0] += s[i][0] + s[i][1];
       l[1] += s[i][2] + s[i][3];
     }

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-namespace attnd::kernels::seed {
+namespace attnd::kernels::common {
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -79,4 +79,4 @@ __device__ __forceinline__ uint32_t Swizzle128(int row, int chunk) {
   return static_cast<uint32_t>(row * 128 + ((chunk ^ (row & 7)) << 4));
 }
 
-}  // namespace attnd::kernels::seed
+}  // namespace attnd::kernels::common

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-namespace attnd::kernels::seed {
+namespace attnd::kernels::common {
 
 template <typename Elem>
 struct ElemTraits;
@@ -61,4 +61,4 @@ __device__ __forceinline__ float Exp2(float x) {
   return y;
 }
 
-}  // namespace attnd::kernels::seed
+}  // namespace attnd::kernels::common
