@@ -143,15 +143,7 @@ class CudaBackendImpl final : public Backend {
     absl::StatusOr<kernels::Selection> selection = SelectionFor(*job, *target);
     if (!selection.ok()) return selection.status();
     p.selection = *std::move(selection);
-    // Bound the waiting jobs across devices; the check and the increment are one step so that concurrent
-    // submitters cannot overshoot.
-    uint32_t q = queued_total_.load();
-    do {
-      if (q >= options_.max_queue) {
-        return absl::ResourceExhaustedError(absl::StrCat("queue full: ", q, " requests waiting (--max_queue=",
-                                                         options_.max_queue, ")"));
-      }
-    } while (!queued_total_.compare_exchange_weak(q, q + 1));
+    ATTND_RETURN_IF_ERROR(TakeQueuePlace());
     if (streamed != nullptr) streamed->Submitted();
     p.job = std::move(job);
     target->Enqueue(std::move(p));
@@ -195,13 +187,7 @@ class CudaBackendImpl final : public Backend {
     }
     if (target == nullptr) return absl::InternalError("steps: the pool was not made by this backend");
     // A batch is one launch and takes one place in the queue, as a Forward request does.
-    uint32_t q = queued_total_.load();
-    do {
-      if (q >= options_.max_queue) {
-        return absl::ResourceExhaustedError(absl::StrCat("queue full: ", q, " requests waiting (--max_queue=",
-                                                         options_.max_queue, ")"));
-      }
-    } while (!queued_total_.compare_exchange_weak(q, q + 1));
+    ATTND_RETURN_IF_ERROR(TakeQueuePlace());
     Pending p;
     p.steps = std::move(batch);
     target->Enqueue(std::move(p));
@@ -270,6 +256,19 @@ class CudaBackendImpl final : public Backend {
   // (a request spends most of its time in transfer, so devices are often idle when one is chosen): the scan
   // starts one device further each time, or device 0 would take them all (2 x H200: 82 of 96 requests from
   // 16 callers before this rotation).
+  // One place among the jobs waiting on all devices (--max_queue); the check and the increment are one step so that
+  // concurrent submitters cannot overshoot.
+  absl::Status TakeQueuePlace() {
+    uint32_t q = queued_total_.load();
+    do {
+      if (q >= options_.max_queue) {
+        return absl::ResourceExhaustedError(absl::StrCat("queue full: ", q, " requests waiting (--max_queue=",
+                                                         options_.max_queue, ")"));
+      }
+    } while (!queued_total_.compare_exchange_weak(q, q + 1));
+    return absl::OkStatus();
+  }
+
   CudaDevice* PickInlineDevice() {
     CudaDevice* target = nullptr;
     const size_t n = devices_.size();

@@ -168,6 +168,20 @@ struct CudaDevice::StepWork {
   absl::Span<const int32_t> TableOf(size_t first, size_t count) const {
     return absl::MakeConstSpan(h_table + first * max_pages, count * max_pages);
   }
+  // The K/V side of the decode kernels' layout over the pool's pages at the step's layer (the batch, q_len and
+  // query strides are the launch's).
+  dk::BatchLayout PagedLayout(int layout_q_heads) const {
+    const SequenceShape& shape = pool->shape();
+    dk::BatchLayout l;
+    l.q_heads = layout_q_heads;
+    l.kv_heads = kv_heads;
+    l.head_dim = head_dim;
+    l.dtype = shape.dtype;
+    l.kv_storage = dk::KvStorage::kPaged;
+    l.k = l.v = Strides{shape.page_elems(pool->page_tokens()), row_kv, head_dim};
+    l.paged = dk::PagedKv{pool->page_tokens(), pool->num_pages(), max_pages};
+    return l;
+  }
   // The halves of `gather`: K, then V.
   uint8_t* gather_k() const { return static_cast<uint8_t*>(gather.ptr); }
   uint8_t* gather_v() const { return gather_k() + (gather.ptr != nullptr ? gather.size / 2 : 0); }
@@ -454,15 +468,8 @@ absl::Status CudaDevice::EnqueueSteps(StepWork& w) {
         continue;
       }
       const int count = static_cast<int>(b - a);
-      dk::BatchLayout cache;
+      dk::BatchLayout cache = w.PagedLayout(w.kv_heads);
       cache.batch = count;
-      cache.q_heads = w.kv_heads;
-      cache.kv_heads = w.kv_heads;
-      cache.head_dim = w.head_dim;
-      cache.dtype = shape.dtype;
-      cache.kv_storage = dk::KvStorage::kPaged;
-      cache.k = cache.v = Strides{shape.page_elems(w.pool->page_tokens()), w.row_kv, w.head_dim};
-      cache.paged = dk::PagedKv{w.pool->page_tokens(), w.pool->num_pages(), w.max_pages};
       const Strides rows{tokens * w.row_kv, w.row_kv, w.head_dim};
       absl::StatusOr<dk::AppendPlan> plan =
           dk::MakeAppendPlan(cache, tokens, rows, rows, absl::MakeConstSpan(w.h_cached + a, count),
@@ -510,18 +517,10 @@ struct CudaDevice::StepLaunch {
 };
 
 absl::Status CudaDevice::EnqueueAttention(StepWork& w) {
-  const SequenceShape& shape = w.pool->shape();
   cudaStream_t st = w.slot.stream;
   // Every launch is planned before any is enqueued, so that each workspace grows once, before its first use:
   // growing gives the old block back to the allocator while an earlier launch of this batch may still use it.
-  dk::BatchLayout cache;
-  cache.q_heads = w.q_heads;
-  cache.kv_heads = w.kv_heads;
-  cache.head_dim = w.head_dim;
-  cache.dtype = shape.dtype;
-  cache.kv_storage = dk::KvStorage::kPaged;
-  cache.k = cache.v = Strides{shape.page_elems(w.pool->page_tokens()), w.row_kv, w.head_dim};
-  cache.paged = dk::PagedKv{w.pool->page_tokens(), w.pool->num_pages(), w.max_pages};
+  const dk::BatchLayout cache = w.PagedLayout(w.q_heads);
   std::vector<StepLaunch> launches;
   size_t decode_ws = 0, decode_counters = 0;
   for (size_t a = 0; a < w.seqs.size();) {
