@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attnd/kernels/attention.h"
+#include "c_abi_status.h"
 
 struct attnd_kernels_plan {
   attnd::kernels::Plan plan;
@@ -19,14 +20,7 @@ struct attnd_kernels_plan {
 
 namespace {
 
-int Fail(const absl::Status& st, char* err, size_t err_len) {
-  if (err != nullptr && err_len > 0) {
-    const std::string msg = st.ToString();
-    std::strncpy(err, msg.c_str(), err_len - 1);
-    err[err_len - 1] = '\0';
-  }
-  return static_cast<int>(st.code());
-}
+int Fail(const absl::Status& st, char* err, size_t err_len) { return attnd::kernels::FailInto(st, err, err_len); }
 
 attnd::kernels::HopperScheduleOptions FromC(const attnd_kernels_hopper_options& c) {
   using attnd::kernels::CausalOrder;

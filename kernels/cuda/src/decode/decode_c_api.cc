@@ -4,6 +4,7 @@
 #include <string>
 
 #include "attnd/kernels/decode.h"
+#include "../c_abi_status.h"
 
 struct attnd_decode_plan {
   attnd::kernels::decode::DecodePlan plan;
@@ -13,14 +14,7 @@ namespace {
 
 using attnd::kernels::decode::BatchLayout;
 
-int Fail(const absl::Status& st, char* err, size_t err_len) {
-  if (err != nullptr && err_len > 0) {
-    const std::string msg = st.ToString();
-    std::strncpy(err, msg.c_str(), err_len - 1);
-    err[err_len - 1] = '\0';
-  }
-  return static_cast<int>(st.code());
-}
+int Fail(const absl::Status& st, char* err, size_t err_len) { return attnd::kernels::FailInto(st, err, err_len); }
 
 absl::StatusOr<BatchLayout> ToLayout(const attnd_decode_layout* c) {
   using namespace attnd;
