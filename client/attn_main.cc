@@ -189,6 +189,13 @@ absl::StatusOr<attnd::client::ShmChannelOptions> ShmOptions(const Client& client
   return o;
 }
 
+absl::StatusOr<attnd::DType> DTypeFromFlags() {
+  const std::string dtype = absl::GetFlag(FLAGS_dtype);
+  if (dtype == "bf16") return attnd::DType::kBF16;
+  if (dtype == "fp16") return attnd::DType::kFP16;
+  return absl::InvalidArgumentError(absl::StrCat("--dtype: '", dtype, "' is not bf16 or fp16"));
+}
+
 absl::StatusOr<RequestSpec> SpecFromFlags() {
   RequestSpec s;
   s.shape.batch = absl::GetFlag(FLAGS_batch);
@@ -202,14 +209,9 @@ absl::StatusOr<RequestSpec> SpecFromFlags() {
     return absl::InvalidArgumentError("--batch, --q_len, --kv_len, --q_heads, --kv_heads, --head_dim: must be positive");
   }
   if (sh.q_heads % sh.kv_heads != 0) return absl::InvalidArgumentError("--q_heads: must be a multiple of --kv_heads");
-  const std::string dtype = absl::GetFlag(FLAGS_dtype);
-  if (dtype == "bf16") {
-    s.dtype = attnd::DType::kBF16;
-  } else if (dtype == "fp16") {
-    s.dtype = attnd::DType::kFP16;
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat("--dtype: '", dtype, "' is not bf16 or fp16"));
-  }
+  absl::StatusOr<attnd::DType> dtype = DTypeFromFlags();
+  if (!dtype.ok()) return dtype.status();
+  s.dtype = *dtype;
   const std::string mask = absl::GetFlag(FLAGS_mask);
   if (mask == "none") {
     s.mask = attnd::Mask::kNone;
@@ -511,14 +513,9 @@ absl::StatusOr<attnd::client::SequenceShape> SequenceShapeFromFlags(int64_t* q_h
     return absl::InvalidArgumentError("--layers, --q_heads, --kv_heads, --head_dim: must be positive");
   }
   if (*q_heads % s.kv_heads != 0) return absl::InvalidArgumentError("--q_heads: must be a multiple of --kv_heads");
-  const std::string dtype = absl::GetFlag(FLAGS_dtype);
-  if (dtype == "bf16") {
-    s.dtype = attnd::DType::kBF16;
-  } else if (dtype == "fp16") {
-    s.dtype = attnd::DType::kFP16;
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat("--dtype: '", dtype, "' is not bf16 or fp16"));
-  }
+  absl::StatusOr<attnd::DType> dtype = DTypeFromFlags();
+  if (!dtype.ok()) return dtype.status();
+  s.dtype = *dtype;
   return s;
 }
 
