@@ -502,35 +502,35 @@ int CmdBench(Client& client) {
   return 0;
 }
 
-// The sequence shape of `attn seq` and the decode bench: --kv_heads (0: --q_heads) of --head_dim over --layers.
-absl::StatusOr<attnd::client::SequenceShape> SequenceShapeFromFlags(int64_t* q_heads) {
-  attnd::client::SequenceShape s;
+// What `attn seq` (SeqRunOptions) and the decode bench (DecodeBenchOptions) read alike: the sequence shape,
+// --kv_heads (0: --q_heads) of --head_dim over --layers, with --q_heads, --steps, --seed and the call options.
+template <typename SequenceOptions>
+absl::Status SequenceOptionsFromFlags(SequenceOptions& o) {
+  attnd::client::SequenceShape& s = o.shape;
   s.layers = absl::GetFlag(FLAGS_layers);
-  *q_heads = absl::GetFlag(FLAGS_q_heads);
-  s.kv_heads = absl::GetFlag(FLAGS_kv_heads) ? absl::GetFlag(FLAGS_kv_heads) : *q_heads;
+  o.q_heads = absl::GetFlag(FLAGS_q_heads);
+  s.kv_heads = absl::GetFlag(FLAGS_kv_heads) ? absl::GetFlag(FLAGS_kv_heads) : o.q_heads;
   s.head_dim = absl::GetFlag(FLAGS_head_dim);
-  if (s.layers <= 0 || *q_heads <= 0 || s.kv_heads <= 0 || s.head_dim <= 0) {
+  if (s.layers <= 0 || o.q_heads <= 0 || s.kv_heads <= 0 || s.head_dim <= 0) {
     return absl::InvalidArgumentError("--layers, --q_heads, --kv_heads, --head_dim: must be positive");
   }
-  if (*q_heads % s.kv_heads != 0) return absl::InvalidArgumentError("--q_heads: must be a multiple of --kv_heads");
+  if (o.q_heads % s.kv_heads != 0) return absl::InvalidArgumentError("--q_heads: must be a multiple of --kv_heads");
   absl::StatusOr<attnd::DType> dtype = DTypeFromFlags();
   if (!dtype.ok()) return dtype.status();
   s.dtype = *dtype;
-  return s;
+  o.steps = absl::GetFlag(FLAGS_steps);
+  o.seed = absl::GetFlag(FLAGS_seed);
+  o.call = CallOpts();
+  return absl::OkStatus();
 }
 
 // `attn seq`: one sequence through its whole life, a line per step.
 int CmdSeq(Client& client) {
   attnd::client::SeqRunOptions o;
-  auto shape = SequenceShapeFromFlags(&o.q_heads);
-  if (!shape.ok()) return Fail(shape.status(), "flags");
-  o.shape = *shape;
+  if (absl::Status s = SequenceOptionsFromFlags(o); !s.ok()) return Fail(s, "flags");
   o.prefill = absl::GetFlag(FLAGS_prefill);
-  o.steps = absl::GetFlag(FLAGS_steps);
   o.verify = absl::GetFlag(FLAGS_verify);
   o.want_lse = absl::GetFlag(FLAGS_lse);
-  o.seed = absl::GetFlag(FLAGS_seed);
-  o.call = CallOpts();
   o.line = [](const std::string& line) { std::cout << line << "\n" << std::flush; };
   auto report = attnd::client::RunSequence(client, o);
   if (!report.ok()) return Fail(report.status(), "seq");
@@ -546,16 +546,11 @@ int CmdSeq(Client& client) {
 // `attn bench --workload=decode`.
 int CmdBenchDecode(Client& client) {
   attnd::client::DecodeBenchOptions o;
-  auto shape = SequenceShapeFromFlags(&o.q_heads);
-  if (!shape.ok()) return Fail(shape.status(), "flags");
-  o.shape = *shape;
+  if (absl::Status s = SequenceOptionsFromFlags(o); !s.ok()) return Fail(s, "flags");
   o.sequences = absl::GetFlag(FLAGS_sequences);
   o.context = absl::GetFlag(FLAGS_context);
-  o.steps = absl::GetFlag(FLAGS_steps);
   o.one_message = absl::GetFlag(FLAGS_one_message);
-  o.seed = absl::GetFlag(FLAGS_seed);
   o.max_duration = absl::GetFlag(FLAGS_max_duration);
-  o.call = CallOpts();
   if (absl::GetFlag(FLAGS_progress)) {
     o.progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
   }
