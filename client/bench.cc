@@ -97,6 +97,19 @@ struct Schedule {
     return Next::kStart;
   }
 
+  // Take() for a caller holding `mu`, which on kWait sleeps without it until *wake (or `until`, if sooner) and
+  // answers kWait: another caller may take that call first, so the schedule is looked at again after the sleep.
+  Next TakeOrSleep(absl::Mutex& mu, absl::Time now, absl::Time until, Start* call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    absl::Time wake;
+    const Next next = Take(now, call, &wake);
+    if (next == Next::kWait) {
+      mu.Unlock();
+      absl::SleepFor(std::min(wake, until) - now);
+      mu.Lock();
+    }
+    return next;
+  }
+
   const BenchOptions& opt;
   const absl::Time start, warmup_end, measure_end, hard_end;
   absl::Time first_measured = absl::InfiniteFuture();
@@ -331,15 +344,9 @@ absl::StatusOr<BenchReport> RunBench(const std::vector<Client*>& clients,
       continue;
     }
     Schedule::Start call;
-    absl::Time wake;
-    const Schedule::Next next = sched.Take(now, &call, &wake);
+    const Schedule::Next next = sched.TakeOrSleep(run.mu, now, next_progress, &call);
     if (next == Schedule::Next::kStop) break;
-    if (next == Schedule::Next::kWait) {
-      run.mu.Unlock();
-      absl::SleepFor(std::min(wake, next_progress) - now);
-      run.mu.Lock();
-      continue;
-    }
+    if (next == Schedule::Next::kWait) continue;
     ++run.in_flight;
     CallOptions options = opt.call;
     int output = -1;
@@ -394,16 +401,9 @@ absl::StatusOr<BenchReport> RunBench(const std::vector<SyncForward>& callers, co
     for (;;) {
       const absl::Time now = absl::Now();
       Schedule::Start call;
-      absl::Time wake;
-      const Schedule::Next next = sched.Take(now, &call, &wake);
+      const Schedule::Next next = sched.TakeOrSleep(run.mu, now, absl::InfiniteFuture(), &call);
       if (next == Schedule::Next::kStop) break;
-      if (next == Schedule::Next::kWait) {
-        // Not yet: another free caller may take it first, so the schedule is looked at again after the sleep.
-        run.mu.Unlock();
-        absl::SleepFor(wake - now);
-        run.mu.Lock();
-        continue;
-      }
+      if (next == Schedule::Next::kWait) continue;
       ++run.in_flight;
       run.mu.Unlock();
       absl::StatusOr<ForwardResult> r = forward(*request);
