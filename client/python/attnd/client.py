@@ -212,6 +212,25 @@ def _np_ptr(x):
     return x.ctypes.data
 
 
+def _check_np_out(out, shape, dtype):
+    """`out` as a call's O into NumPy memory: an array of `shape` and `dtype`, contiguous and writable."""
+    if not isinstance(out, _numpy.ndarray) or out.shape != shape or out.dtype != dtype:
+        raise _invalid(f"out: must be a numpy array of shape {list(shape)} and dtype {dtype}")
+    f = out.flags
+    if not f.c_contiguous:
+        raise _invalid("out: must be contiguous")
+    if not f.writeable:
+        raise _invalid("out: is read-only")
+
+
+def _check_torch_out(out, shape, dtype, device):
+    """`out` as a call's O into a torch tensor: of `shape` and `dtype` on `device`, contiguous."""
+    if not isinstance(out, _Tensor) or out.shape != shape or out.dtype != dtype or out.device != device:
+        raise _invalid(f"out: must be a {dtype} tensor of shape {list(shape)} on {device}")
+    if not out.is_contiguous():
+        raise _invalid("out: must be contiguous")
+
+
 _NUMPY, _HOST_TORCH, _CUDA = "numpy", "torch", "cuda"
 _DT_BF16, _DT_FP16 = _lib.DTYPE_BF16, _lib.DTYPE_FP16
 _MASK_NONE, _TRANSPORT_DEFAULT = _lib.MASK_NONE, _lib.TRANSPORT_DEFAULT
@@ -546,21 +565,11 @@ class Client:
         if kind is _NUMPY:
             if out is None:
                 return _numpy.empty(shape, dtype=qx.dtype)
-            if not isinstance(out, _numpy.ndarray) or out.shape != shape or out.dtype != qx.dtype:
-                raise _invalid(f"out: must be a numpy array of shape {list(shape)} and dtype {qx.dtype}")
-            f = out.flags
-            if not f.c_contiguous:
-                raise _invalid("out: must be contiguous")
-            if not f.writeable:
-                raise _invalid("out: is read-only")
+            _check_np_out(out, shape, qx.dtype)
             return out
         if out is None:
             return _torch().empty(shape, dtype=qx.dtype, device=qx.device)
-        if (not isinstance(out, _Tensor) or out.shape != shape or out.dtype != qx.dtype
-                or out.device != qx.device):
-            raise _invalid(f"out: must be a {qx.dtype} tensor of shape {list(shape)} on {qx.device}")
-        if not out.is_contiguous():
-            raise _invalid("out: must be contiguous")
+        _check_torch_out(out, shape, qx.dtype, qx.device)
         return out
 
     # -- KV sequences (docs/sequences.md) ----------------------------------------------------------------------
@@ -1290,22 +1299,13 @@ def _step_out(kind, qx, shape, device, out):
         if out is None:
             o = _numpy.empty(shape, dtype=qx.dtype)
         else:
-            if not isinstance(out, _numpy.ndarray) or out.shape != shape or out.dtype != qx.dtype:
-                raise _invalid(f"out: must be a numpy array of shape {list(shape)} and dtype {qx.dtype}")
-            f = out.flags
-            if not f.c_contiguous:
-                raise _invalid("out: must be contiguous")
-            if not f.writeable:
-                raise _invalid("out: is read-only")
+            _check_np_out(out, shape, qx.dtype)
             o = out
         return o, o
     torch = _torch()
     where = device if device is not None else qx.device
     if out is not None:
-        if not isinstance(out, _Tensor) or out.shape != shape or out.dtype != qx.dtype or out.device != where:
-            raise _invalid(f"out: must be a {qx.dtype} tensor of shape {list(shape)} on {where}")
-        if not out.is_contiguous():
-            raise _invalid("out: must be contiguous")
+        _check_torch_out(out, shape, qx.dtype, where)
     if device is None:
         o = out if out is not None else torch.empty(shape, dtype=qx.dtype)
         return o, o
