@@ -237,20 +237,25 @@ _MASK_NONE, _TRANSPORT_DEFAULT = _lib.MASK_NONE, _lib.TRANSPORT_DEFAULT
 _QKV = ("q", "k", "v")
 
 
+def _np_shape_code(name, x, ndim, dims, dtype_hint, hint_text):
+    """A NumPy array's shape, which must have `ndim` dimensions (`dims` names them in the error), and its dtype
+    code (hint_text: what _np_code says of uint16 without a dtype hint)."""
+    shape = x.shape
+    if len(shape) != ndim:
+        raise _invalid(f"{name}: must have {ndim} dimensions{dims}, has {len(shape)}")
+    dt = x.dtype
+    if dt is _U16 and dtype_hint == "bf16":  # bf16 bits as uint16, the usual input: no _np_code call
+        return shape, _DT_BF16
+    return shape, _np_code(name, dt, dtype_hint, hint_text)
+
+
 def _view(name, x, dtype_hint):
     """q, k or v as (kind, dtype code, shape, strides, pointer, CUDA device index, object). strides: in elements,
     the first three used (head_dim is made contiguous, by a copy where it is not); pointer: host memory (0 for
     CUDA); device index: -1 but for CUDA; object: what the call sends (keep it alive until the call is done)."""
     np = _numpy
     if np is not None and isinstance(x, np.ndarray):
-        shape = x.shape
-        if len(shape) != 4:
-            raise _invalid(f"{name}: must have 4 dimensions, has {len(shape)}")
-        dt = x.dtype
-        if dt is _U16 and dtype_hint == "bf16":
-            code = _DT_BF16
-        else:
-            code = _np_code(name, dt, dtype_hint, "uint16 bf16 bits need dtype='bf16'")
+        shape, code = _np_shape_code(name, x, 4, "", dtype_hint, "uint16 bf16 bits need dtype='bf16'")
         s = x.strides
         if s[3] != 2:
             x = np.ascontiguousarray(x)
@@ -1240,14 +1245,8 @@ def _step_tensor(name, x, dtype_hint):
     device of a torch tensor that is not in host memory (which is copied to host memory)."""
     np = _numpy
     if np is not None and isinstance(x, np.ndarray):
-        shape = x.shape
-        if len(shape) != 3:
-            raise _invalid(f"{name}: must have 3 dimensions [tokens, heads, head_dim], has {len(shape)}")
-        dt = x.dtype
-        if dt is _U16 and dtype_hint == "bf16":
-            code = _DT_BF16
-        else:
-            code = _np_code(name, dt, dtype_hint, "uint16 bf16 bits need the sequence's dtype: a Sequence or dtype=")
+        shape, code = _np_shape_code(name, x, 3, " [tokens, heads, head_dim]", dtype_hint,
+                                     "uint16 bf16 bits need the sequence's dtype: a Sequence or dtype=")
         if not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)
         if shape[0] < 1:
