@@ -268,16 +268,17 @@ class ServerImpl final : public Server {
   void GuardListeners() {
     ListenerGuardOptions g;
     const uint64_t fd_limit = DescriptorLimit();
-    g.max_connections = options_.max_connections > 0 ? options_.max_connections : DefaultMaxConnections(fd_limit);
+    const uint32_t configured = options_.max_connections;
+    g.max_connections = configured > 0 ? configured : DefaultMaxConnections(fd_limit);
     ServerMetrics* metrics = metrics_.get();
-    g.on_refused = [metrics, this] {
+    g.on_refused = [metrics, configured, this] {
       if (metrics != nullptr) metrics->RecordConnectionRefused();
       const absl::Time now = absl::Now();
       absl::MutexLock lock(&health_mu_);
       if (now - last_refusal_log_ < absl::Seconds(10)) return;
       last_refusal_log_ = now;
       spdlog::warn("attnd refusing gRPC connections: {} open (--max_connections) or descriptor limit {} reached",
-                   options_.max_connections > 0 ? options_.max_connections : DefaultMaxConnections(DescriptorLimit()),
+                   configured > 0 ? configured : DefaultMaxConnections(DescriptorLimit()),
                    DescriptorLimit());
     };
     g.on_lost = [metrics, this](int error) {
@@ -297,7 +298,7 @@ class ServerImpl final : public Server {
     }
     guard_ = *std::move(guard);
     spdlog::info("attnd accepts up to {} gRPC connections (descriptor limit {})",
-                 options_.max_connections > 0 ? options_.max_connections : DefaultMaxConnections(fd_limit), fd_limit);
+                 configured > 0 ? configured : DefaultMaxConnections(fd_limit), fd_limit);
   }
 
   // Credentials, the token check and the metrics endpoint: everything that can fail on a bad flag is done
