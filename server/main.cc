@@ -214,7 +214,7 @@ absl::StatusOr<BackendOptions> BackendFlags() {
 }
 
 // The shutdown grace and the limits on slow and idle clients.
-absl::Status TimeoutFlags(ServerOptions* options) {
+absl::Status TimeoutFlags(ServerOptions::Timeouts* timeouts) {
   const double grace = absl::GetFlag(FLAGS_shutdown_grace_s);
   if (!(grace >= 0)) return absl::InvalidArgumentError("--shutdown_grace_s: must be >= 0");
   for (const auto& [name, value] : {std::pair{"stream_idle_timeout_s", absl::GetFlag(FLAGS_stream_idle_timeout_s)},
@@ -226,75 +226,75 @@ absl::Status TimeoutFlags(ServerOptions* options) {
                                               absl::GetFlag(FLAGS_min_client_ping_interval_s)}}) {
     if (!(value >= 0)) return absl::InvalidArgumentError(std::string("--") + name + ": must be >= 0");
   }
-  options->shutdown_grace = absl::Seconds(grace);
-  options->stream_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_stream_idle_timeout_s));
-  options->upload_timeout = absl::Seconds(absl::GetFlag(FLAGS_upload_timeout_s));
-  options->max_connection_idle = absl::Seconds(absl::GetFlag(FLAGS_max_connection_idle_s));
-  options->keepalive_time = absl::Seconds(absl::GetFlag(FLAGS_keepalive_time_s));
-  options->keepalive_timeout = absl::Seconds(absl::GetFlag(FLAGS_keepalive_timeout_s));
-  options->min_client_ping_interval = absl::Seconds(absl::GetFlag(FLAGS_min_client_ping_interval_s));
+  timeouts->shutdown_grace = absl::Seconds(grace);
+  timeouts->stream_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_stream_idle_timeout_s));
+  timeouts->upload_timeout = absl::Seconds(absl::GetFlag(FLAGS_upload_timeout_s));
+  timeouts->max_connection_idle = absl::Seconds(absl::GetFlag(FLAGS_max_connection_idle_s));
+  timeouts->keepalive_time = absl::Seconds(absl::GetFlag(FLAGS_keepalive_time_s));
+  timeouts->keepalive_timeout = absl::Seconds(absl::GetFlag(FLAGS_keepalive_timeout_s));
+  timeouts->min_client_ping_interval = absl::Seconds(absl::GetFlag(FLAGS_min_client_ping_interval_s));
   return absl::OkStatus();
 }
 
 // What one request, one message, the transport and one client may take.
-absl::Status LimitFlags(ServerOptions* options) {
+absl::Status LimitFlags(ServerOptions::Limits* limits) {
   for (const auto& [name, value] : {std::pair{"max_batch", absl::GetFlag(FLAGS_max_batch)},
                                     std::pair{"max_q_len", absl::GetFlag(FLAGS_max_q_len)},
                                     std::pair{"max_kv_len", absl::GetFlag(FLAGS_max_kv_len)},
                                     std::pair{"max_heads", absl::GetFlag(FLAGS_max_heads)}}) {
     if (value < 0) return absl::InvalidArgumentError(std::string("--") + name + ": must be >= 0 (0: no limit)");
   }
-  options->max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
-  options->max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  options->max_transport_memory_bytes = absl::GetFlag(FLAGS_max_transport_memory_bytes);
-  options->max_batch = absl::GetFlag(FLAGS_max_batch);
-  options->max_q_len = absl::GetFlag(FLAGS_max_q_len);
-  options->max_kv_len = absl::GetFlag(FLAGS_max_kv_len);
-  options->max_heads = absl::GetFlag(FLAGS_max_heads);
-  options->max_calls_per_client = absl::GetFlag(FLAGS_max_calls_per_client);
-  options->max_uploads_per_client = absl::GetFlag(FLAGS_max_uploads_per_client);
+  limits->max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  limits->max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  limits->max_transport_memory_bytes = absl::GetFlag(FLAGS_max_transport_memory_bytes);
+  limits->max_batch = absl::GetFlag(FLAGS_max_batch);
+  limits->max_q_len = absl::GetFlag(FLAGS_max_q_len);
+  limits->max_kv_len = absl::GetFlag(FLAGS_max_kv_len);
+  limits->max_heads = absl::GetFlag(FLAGS_max_heads);
+  limits->max_calls_per_client = absl::GetFlag(FLAGS_max_calls_per_client);
+  limits->max_uploads_per_client = absl::GetFlag(FLAGS_max_uploads_per_client);
   return absl::OkStatus();
 }
 
-absl::Status ShmFlags(ServerOptions* options) {
-  options->shm_socket = absl::GetFlag(FLAGS_shm_socket);
-  options->shm_max_bytes = absl::GetFlag(FLAGS_shm_max_bytes);
-  options->shm_max_channels = absl::GetFlag(FLAGS_shm_max_channels);
+absl::Status ShmFlags(ServerOptions::Shm* shm) {
+  shm->socket = absl::GetFlag(FLAGS_shm_socket);
+  shm->max_bytes = absl::GetFlag(FLAGS_shm_max_bytes);
+  shm->max_channels = absl::GetFlag(FLAGS_shm_max_channels);
   if (absl::GetFlag(FLAGS_shm_spin_us) < 0) return absl::InvalidArgumentError("--shm_spin_us: must be >= 0");
-  options->shm_spin = absl::Microseconds(absl::GetFlag(FLAGS_shm_spin_us));
+  shm->spin = absl::Microseconds(absl::GetFlag(FLAGS_shm_spin_us));
   if (absl::GetFlag(FLAGS_shm_reply_spin_us) < 0) {
     return absl::InvalidArgumentError("--shm_reply_spin_us: must be >= 0");
   }
-  options->shm_reply_spin = absl::Microseconds(absl::GetFlag(FLAGS_shm_reply_spin_us));
+  shm->reply_spin = absl::Microseconds(absl::GetFlag(FLAGS_shm_reply_spin_us));
   return absl::OkStatus();
 }
 
-// The gRPC listeners: where, the socket file's mode, how many connections, CUDA IPC, channel arguments.
-absl::Status ListenerFlags(ServerOptions* options) {
-  options->listen = absl::GetFlag(FLAGS_listen);
-  options->unix_socket = absl::GetFlag(FLAGS_unix_socket);
-  options->max_connections = absl::GetFlag(FLAGS_max_connections);
-  options->enable_cuda_ipc = absl::GetFlag(FLAGS_enable_cuda_ipc);
-  options->ipc_over_tcp = absl::GetFlag(FLAGS_ipc_over_tcp);
-  options->grpc_args = absl::GetFlag(FLAGS_grpc_arg);
+// The gRPC listeners: where, the socket file's mode, how many connections, channel arguments.
+absl::Status ListenerFlags(ServerOptions::Network* network) {
+  network->listen = absl::GetFlag(FLAGS_listen);
+  network->unix_socket = absl::GetFlag(FLAGS_unix_socket);
+  network->max_connections = absl::GetFlag(FLAGS_max_connections);
+  network->grpc_args = absl::GetFlag(FLAGS_grpc_arg);
   const std::string mode = absl::GetFlag(FLAGS_unix_socket_mode);
   char* end = nullptr;
   const unsigned long bits = std::strtoul(mode.c_str(), &end, 8);
   if (mode.empty() || *end != '\0' || bits > 0777) {
     return absl::InvalidArgumentError("--unix_socket_mode: '" + mode + "' is not octal permission bits (e.g. 0660)");
   }
-  options->unix_socket_mode = static_cast<uint32_t>(bits);
+  network->unix_socket_mode = static_cast<uint32_t>(bits);
   return absl::OkStatus();
 }
 
-// TLS, bearer tokens, the metrics endpoint and the access log.
-void SecurityAndObservabilityFlags(ServerOptions* options) {
-  options->tls_cert = absl::GetFlag(FLAGS_tls_cert);
-  options->tls_key = absl::GetFlag(FLAGS_tls_key);
-  options->tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
-  options->auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
-  options->metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
-  options->access_log = absl::GetFlag(FLAGS_access_log);
+// TLS, bearer tokens and CUDA IPC; the metrics endpoint and the access log.
+void SecurityAndObservabilityFlags(ServerOptions::Security* security, ServerOptions::Observability* observability) {
+  security->tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  security->tls_key = absl::GetFlag(FLAGS_tls_key);
+  security->tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  security->auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  security->enable_cuda_ipc = absl::GetFlag(FLAGS_enable_cuda_ipc);
+  security->ipc_over_tcp = absl::GetFlag(FLAGS_ipc_over_tcp);
+  observability->metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  observability->access_log = absl::GetFlag(FLAGS_access_log);
 }
 
 // `backend` gives the pool's size when --kv_pool_mb leaves it to the backend.
@@ -345,12 +345,13 @@ int ServeUntilSignalled(attnd::server::Server& server, const sigset_t& signals, 
     server.Shutdown();
     stopped.Notify();
   });
-  const absl::Duration grace = options.shutdown_grace;
+  const absl::Duration grace = options.timeouts.shutdown_grace;
   if (grace < absl::Hours(365 * 24) && !stopped.WaitForNotificationWithTimeout(grace + kExitMargin)) {
     spdlog::warn("attnd exits with a computation still running past --shutdown_grace_s (its call was cancelled)");
     struct stat st;
-    if (!options.unix_socket.empty() && ::lstat(options.unix_socket.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
-      ::unlink(options.unix_socket.c_str());
+    if (!options.network.unix_socket.empty() && ::lstat(options.network.unix_socket.c_str(), &st) == 0 &&
+        S_ISSOCK(st.st_mode)) {
+      ::unlink(options.network.unix_socket.c_str());
     }
     std::fflush(nullptr);
     std::_Exit(0);
@@ -379,13 +380,13 @@ int main(int argc, char** argv) {
   absl::StatusOr<BackendOptions> backend_options = BackendFlags();
   if (!backend_options.ok()) return Fail(backend_options.status());
   ServerOptions options;
-  if (absl::Status s = TimeoutFlags(&options); !s.ok()) return Fail(s);
-  if (absl::Status s = LimitFlags(&options); !s.ok()) return Fail(s);
+  if (absl::Status s = TimeoutFlags(&options.timeouts); !s.ok()) return Fail(s);
+  if (absl::Status s = LimitFlags(&options.limits); !s.ok()) return Fail(s);
   auto backend = attnd::server::MakeBackend(absl::GetFlag(FLAGS_backend), *backend_options);
   if (!backend.ok()) return Fail(std::string(backend.status().message()));
-  if (absl::Status s = ShmFlags(&options); !s.ok()) return Fail(s);
-  if (absl::Status s = ListenerFlags(&options); !s.ok()) return Fail(s);
-  SecurityAndObservabilityFlags(&options);
+  if (absl::Status s = ShmFlags(&options.shm); !s.ok()) return Fail(s);
+  if (absl::Status s = ListenerFlags(&options.network); !s.ok()) return Fail(s);
+  SecurityAndObservabilityFlags(&options.security, &options.observability);
   absl::StatusOr<SequenceOptions> sequences = SequenceFlags(**backend);
   if (!sequences.ok()) return Fail(sequences.status());
   options.sequences = *std::move(sequences);

@@ -72,21 +72,21 @@ void RemoveStaleSocket(const std::string& path) {
 // --max_transport_memory_bytes, or its default: the largest message and 16 MiB of read buffers beside it, at
 // least 64 MiB. gRPC 1.51 gives no way to stop one message short of its announced length, so the quota is what
 // one hostile upload can cost; servers that hold many large unary requests at once raise it.
-size_t TransportMemoryBytes(const ServerOptions& o) {
-  const uint64_t bytes = o.max_transport_memory_bytes > 0
-                             ? o.max_transport_memory_bytes
-                             : std::max<uint64_t>(o.max_message_bytes + (16ull << 20), 64ull << 20);
+size_t TransportMemoryBytes(const ServerOptions::Limits& l) {
+  const uint64_t bytes = l.max_transport_memory_bytes > 0
+                             ? l.max_transport_memory_bytes
+                             : std::max<uint64_t>(l.max_message_bytes + (16ull << 20), 64ull << 20);
   return static_cast<size_t>(std::min<uint64_t>(bytes, SIZE_MAX));
 }
 
-ValidationLimits LimitsFor(const ServerOptions& o, const Backend& backend) {
-  return ValidationLimits{o.max_request_bytes, o.max_message_bytes, backend.supported_head_dims(),
-                          backend.supported_dtypes(), o.max_batch, o.max_q_len, o.max_kv_len, o.max_heads};
+ValidationLimits LimitsFor(const ServerOptions::Limits& l, const Backend& backend) {
+  return ValidationLimits{l.max_request_bytes, l.max_message_bytes, backend.supported_head_dims(),
+                          backend.supported_dtypes(), l.max_batch, l.max_q_len, l.max_kv_len, l.max_heads};
 }
 
 // The cuda-ipc buffers: a registry over the devices the cuda backend serves, when enabled; null otherwise.
 std::unique_ptr<BufferRegistry> MakeBufferRegistry(const ServerOptions& o, const Backend& backend) {
-  if (!o.enable_cuda_ipc || !backend.cuda_ipc()) return nullptr;
+  if (!o.security.enable_cuda_ipc || !backend.cuda_ipc()) return nullptr;
 #if defined(ATTND_HAVE_CUDA_BACKEND)
   std::vector<int> devices;
   for (const DeviceDescription& d : backend.devices()) devices.push_back(d.index);
@@ -101,11 +101,11 @@ class ServerImpl final : public Server {
   ServerImpl(const ServerOptions& options, std::unique_ptr<Backend> backend)
       : options_(options),
         backend_(std::move(backend)),
-        stats_(options_.access_log),
-        peers_(options_.max_calls_per_client),
+        stats_(options_.observability.access_log),
+        peers_(options_.limits.max_calls_per_client),
         buffers_(MakeBufferRegistry(options_, *backend_)),
-        dispatcher_(LimitsFor(options_, *backend_), backend_.get(), buffers_.get()),
-        sequences_(options_.sequences, LimitsFor(options_, *backend_), backend_.get(), buffers_.get()),
+        dispatcher_(LimitsFor(options_.limits, *backend_), backend_.get(), buffers_.get()),
+        sequences_(options_.sequences, LimitsFor(options_.limits, *backend_), backend_.get(), buffers_.get()),
         service_(options_, &dispatcher_, &sequences_, buffers_.get(), &stats_) {}
 
   ~ServerImpl() override { Shutdown(); }
@@ -119,36 +119,39 @@ class ServerImpl final : public Server {
     // Both must be set before the builder exists: they install server-builder plugins.
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    const ServerOptions::Network& network = options_.network;
+    const ServerOptions::Timeouts& timeouts = options_.timeouts;
     grpc::ServerBuilder builder;
-    if (!options_.listen.empty()) builder.AddListeningPort(options_.listen, tcp_credentials_, &tcp_port_);
-    if (!options_.unix_socket.empty()) {
-      RemoveStaleSocket(options_.unix_socket);
-      builder.AddListeningPort("unix:" + options_.unix_socket, UnixListenerCredentials(auth_));
+    if (!network.listen.empty()) builder.AddListeningPort(network.listen, tcp_credentials_, &tcp_port_);
+    if (!network.unix_socket.empty()) {
+      RemoveStaleSocket(network.unix_socket);
+      builder.AddListeningPort("unix:" + network.unix_socket, UnixListenerCredentials(auth_));
     }
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> observers;
     observers.push_back(std::make_unique<CallObserverFactory>(&stats_, &peers_, &drain_));
     builder.experimental().SetInterceptorCreators(std::move(observers));
     service_.set_peer_calls(&peers_);
     service_.set_auth(auth_.get());
-    builder.SetMaxReceiveMessageSize(ClampToInt(options_.max_message_bytes));
-    builder.SetMaxSendMessageSize(ClampToInt(options_.max_message_bytes));
+    builder.SetMaxReceiveMessageSize(ClampToInt(options_.limits.max_message_bytes));
+    builder.SetMaxSendMessageSize(ClampToInt(options_.limits.max_message_bytes));
     builder.RegisterService(&service_);
     // gRPC 1.51 grants a message all the flow-control window its length prefix asks for and checks the
     // message limit only once the whole message is in, so a prefix announcing 1 GiB has the server buffer
     // 1 GiB. The quota bounds what the transport holds in all (read buffers, messages being received, unary
     // requests still held by the backend): near it gRPC shrinks the windows, beyond it resets streams
     // RESOURCE_EXHAUSTED "Buffers full".
-    quota_.Resize(TransportMemoryBytes(options_));
+    quota_.Resize(TransportMemoryBytes(options_.limits));
     builder.SetResourceQuota(quota_);
     // Slow and idle clients; a --grpc_arg of the same name replaces each (SetsChannelArg).
     const std::pair<const char*, int> limits[] = {
-        {GRPC_ARG_MAX_CONNECTION_IDLE_MS, ToGrpcMillis(options_.max_connection_idle)},
-        {GRPC_ARG_KEEPALIVE_TIME_MS, ToGrpcMillis(options_.keepalive_time)},
-        {GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ToGrpcMillis(options_.keepalive_timeout)},
+        {GRPC_ARG_MAX_CONNECTION_IDLE_MS, ToGrpcMillis(timeouts.max_connection_idle)},
+        {GRPC_ARG_KEEPALIVE_TIME_MS, ToGrpcMillis(timeouts.keepalive_time)},
+        {GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ToGrpcMillis(timeouts.keepalive_timeout)},
         // Keepalive pings go out also on a connection whose calls send nothing (a stalled upload's).
         {GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0},
         {GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
-         options_.min_client_ping_interval > absl::ZeroDuration() ? ToGrpcMillis(options_.min_client_ping_interval) : 0},
+         timeouts.min_client_ping_interval > absl::ZeroDuration() ? ToGrpcMillis(timeouts.min_client_ping_interval)
+                                                                  : 0},
         {GRPC_ARG_HTTP2_MAX_PING_STRIKES, kMaxPingStrikes},
     };
     for (const auto& [name, value] : limits) {
@@ -158,34 +161,34 @@ class ServerImpl final : public Server {
       std::visit([&](const auto& v) { builder.AddChannelArgument(arg.name, v); }, arg.value);
     }
     server_ = builder.BuildAndStart();
-    if (server_ == nullptr || (!options_.listen.empty() && tcp_port_ == 0)) {
+    if (server_ == nullptr || (!network.listen.empty() && tcp_port_ == 0)) {
       if (server_ != nullptr) server_->Shutdown();
       server_.reset();
       backend_->Shutdown();
-      return absl::UnavailableError(absl::StrCat("cannot listen on '", options_.listen, "'",
-                                                 options_.unix_socket.empty() ? "" : " and unix:",
-                                                 options_.unix_socket, " (address in use or invalid?)"));
+      return absl::UnavailableError(absl::StrCat("cannot listen on '", network.listen, "'",
+                                                 network.unix_socket.empty() ? "" : " and unix:",
+                                                 network.unix_socket, " (address in use or invalid?)"));
     }
     // gRPC binds with the process umask; narrow it to the configured mode before anyone is told we are up.
-    if (!options_.unix_socket.empty() && ::chmod(options_.unix_socket.c_str(), options_.unix_socket_mode) != 0) {
+    if (!network.unix_socket.empty() && ::chmod(network.unix_socket.c_str(), network.unix_socket_mode) != 0) {
       server_->Shutdown();
       server_.reset();
       backend_->Shutdown();
-      return absl::PermissionDeniedError(absl::StrCat("unix_socket_mode: cannot chmod ", options_.unix_socket));
+      return absl::PermissionDeniedError(absl::StrCat("unix_socket_mode: cannot chmod ", network.unix_socket));
     }
     GuardListeners();
     {
       absl::MutexLock lock(&health_mu_);
       if (!listener_lost_) SetServing(true);
     }
-    if (!options_.shm_socket.empty()) {
+    if (!options_.shm.socket.empty()) {
       ShmListenerOptions so;
-      so.path = options_.shm_socket;
-      so.mode = options_.unix_socket_mode;
-      so.max_area_bytes = options_.shm_max_bytes;
-      so.max_channels = options_.shm_max_channels;
-      so.spin = options_.shm_spin;
-      so.reply_spin = options_.shm_reply_spin;
+      so.path = options_.shm.socket;
+      so.mode = network.unix_socket_mode;
+      so.max_area_bytes = options_.shm.max_bytes;
+      so.max_channels = options_.shm.max_channels;
+      so.spin = options_.shm.spin;
+      so.reply_spin = options_.shm.reply_spin;
       so.order_timeout = options_.sequences.order_timeout;
       so.tokens = auth_tokens_;
       so.stats = &stats_;
@@ -200,11 +203,12 @@ class ServerImpl final : public Server {
     }
     spdlog::info("attnd listening on {}{}{} (backend {}{}, max_message_bytes {}, max_request_bytes {}, "
                  "max_transport_memory_bytes {})",
-                 options_.listen.empty() ? "" : absl::StrCat(kGrpcTcp, " ", options_.listen, " [port ", tcp_port_, "]"),
-                 options_.listen.empty() || options_.unix_socket.empty() ? "" : " and ",
-                 options_.unix_socket.empty() ? "" : absl::StrCat(kGrpcUnix, " ", options_.unix_socket),
+                 network.listen.empty() ? "" : absl::StrCat(kGrpcTcp, " ", network.listen, " [port ", tcp_port_, "]"),
+                 network.listen.empty() || network.unix_socket.empty() ? "" : " and ",
+                 network.unix_socket.empty() ? "" : absl::StrCat(kGrpcUnix, " ", network.unix_socket),
                  backend_->name(), buffers_ != nullptr ? absl::StrCat(", ", kCudaIpc, " buffers") : "",
-                 options_.max_message_bytes, options_.max_request_bytes, TransportMemoryBytes(options_));
+                 options_.limits.max_message_bytes, options_.limits.max_request_bytes,
+                 TransportMemoryBytes(options_.limits));
     return absl::OkStatus();
   }
 
@@ -230,9 +234,10 @@ class ServerImpl final : public Server {
     if (shm_ != nullptr) shm_->Stop();
     drain_.BeginDrain();
     // Graces beyond a year (infinite included) mean "wait for ever".
-    const bool forever = options_.shutdown_grace >= absl::Hours(24 * 365);
+    const absl::Duration grace = options_.timeouts.shutdown_grace;
+    const bool forever = grace >= absl::Hours(24 * 365);
     const absl::Time deadline =
-        forever ? absl::InfiniteFuture() : absl::Now() + std::max(options_.shutdown_grace, absl::ZeroDuration());
+        forever ? absl::InfiniteFuture() : absl::Now() + std::max(grace, absl::ZeroDuration());
     // Every accepted Forward ends (its reply handed to the transport) before gRPC is told to stop: see
     // DrainTracker for the connection reset that telling it earlier invites.
     if (drain_.AwaitDrained(deadline)) {
@@ -247,7 +252,7 @@ class ServerImpl final : public Server {
     // Watch or a reflection stream therefore never holds the exit.
     server_->Shutdown(absl::ToChronoTime(absl::Now() + kLateCallWindow));
     backend_->Shutdown();
-    if (!options_.unix_socket.empty()) RemoveStaleSocket(options_.unix_socket);
+    if (!options_.network.unix_socket.empty()) RemoveStaleSocket(options_.network.unix_socket);
     spdlog::info("attnd stopped");
     done_.Notify();
   }
@@ -268,7 +273,7 @@ class ServerImpl final : public Server {
   void GuardListeners() {
     ListenerGuardOptions g;
     const uint64_t fd_limit = DescriptorLimit();
-    const uint32_t configured = options_.max_connections;
+    const uint32_t configured = options_.network.max_connections;
     g.max_connections = configured > 0 ? configured : DefaultMaxConnections(fd_limit);
     ServerMetrics* metrics = metrics_.get();
     g.on_refused = [metrics, configured, this] {
@@ -290,8 +295,8 @@ class ServerImpl final : public Server {
                     std::strerror(error));
       SetServing(false);
     };
-    absl::StatusOr<std::unique_ptr<ListenerGuard>> guard =
-        ListenerGuard::Install(options_.listen.empty() ? 0 : tcp_port_, options_.unix_socket, std::move(g));
+    absl::StatusOr<std::unique_ptr<ListenerGuard>> guard = ListenerGuard::Install(
+        options_.network.listen.empty() ? 0 : tcp_port_, options_.network.unix_socket, std::move(g));
     if (!guard.ok()) {
       spdlog::warn("attnd: {}; the gRPC listeners run unguarded", std::string(guard.status().message()));
       return;
@@ -304,7 +309,7 @@ class ServerImpl final : public Server {
   // Credentials, the token check and the metrics endpoint: everything that can fail on a bad flag is done
   // before a port is bound.
   absl::Status StartSecurityAndMetrics() {
-    absl::StatusOr<std::vector<ChannelArg>> grpc_args = ParseChannelArgs(options_.grpc_args, "grpc_arg");
+    absl::StatusOr<std::vector<ChannelArg>> grpc_args = ParseChannelArgs(options_.network.grpc_args, "grpc_arg");
     if (!grpc_args.ok()) return grpc_args.status();
     grpc_args_ = *std::move(grpc_args);
     // One source of truth for the message limit: GetServerInfo reports --max_message_bytes to clients.
@@ -313,15 +318,16 @@ class ServerImpl final : public Server {
         return absl::InvalidArgumentError(absl::StrCat("grpc_arg: ", owned, " is set by --max_message_bytes; use that"));
       }
     }
-    if (!options_.metrics_listen.empty()) {
+    if (!options_.observability.metrics_listen.empty()) {
       metrics_ = std::make_unique<ServerMetrics>(
           backend_.get(), [this] { return service_.streams_receiving(); }, [this] { return sequences_.stats(); });
-      ATTND_RETURN_IF_ERROR(metrics_->Serve(options_.metrics_listen));
+      ATTND_RETURN_IF_ERROR(metrics_->Serve(options_.observability.metrics_listen));
       stats_.set_metrics(metrics_.get());
-      spdlog::info("attnd metrics on http://{}/metrics [port {}]", options_.metrics_listen, metrics_->port());
+      spdlog::info("attnd metrics on http://{}/metrics [port {}]", options_.observability.metrics_listen,
+                   metrics_->port());
     }
-    if (!options_.auth_token_file.empty()) {
-      absl::StatusOr<std::vector<std::string>> tokens = LoadAuthTokens(options_.auth_token_file);
+    if (!options_.security.auth_token_file.empty()) {
+      absl::StatusOr<std::vector<std::string>> tokens = LoadAuthTokens(options_.security.auth_token_file);
       if (!tokens.ok()) return tokens.status();
       ServerMetrics* metrics = metrics_.get();
       auth_tokens_ = *tokens;
@@ -329,10 +335,10 @@ class ServerImpl final : public Server {
         if (metrics != nullptr) metrics->RecordAuthFailure();
       });
     }
-    if (!options_.listen.empty()) {
-      const TlsFiles tls{options_.tls_cert, options_.tls_key, options_.tls_client_ca};
+    if (!options_.network.listen.empty()) {
+      const TlsFiles tls{options_.security.tls_cert, options_.security.tls_key, options_.security.tls_client_ca};
       absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds =
-          TcpListenerCredentials(options_.listen, tls, auth_);
+          TcpListenerCredentials(options_.network.listen, tls, auth_);
       if (!creds.ok()) return creds.status();
       tcp_credentials_ = std::move(*creds);
       spdlog::info("attnd {} security: {}{}", kGrpcTcp, !tls.enabled() ? "plaintext" : tls.client_ca.empty() ? "TLS" : "mutual TLS",
@@ -377,17 +383,19 @@ class ServerImpl final : public Server {
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& options, std::unique_ptr<Backend> backend) {
   if (backend == nullptr) return absl::InvalidArgumentError("backend: null");
-  if (options.listen.empty() && options.unix_socket.empty()) {
+  if (options.network.listen.empty() && options.network.unix_socket.empty()) {
     return absl::InvalidArgumentError("listen: no listener (set listen and/or unix_socket)");
   }
-  if (options.max_message_bytes < 4096) {
-    return absl::InvalidArgumentError(absl::StrCat("max_message_bytes: ", options.max_message_bytes, " is below 4096"));
+  if (options.limits.max_message_bytes < 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_message_bytes: ", options.limits.max_message_bytes, " is below 4096"));
   }
-  if (options.max_request_bytes == 0) return absl::InvalidArgumentError("max_request_bytes: must be > 0");
+  if (options.limits.max_request_bytes == 0) return absl::InvalidArgumentError("max_request_bytes: must be > 0");
   // gRPC counts message sizes in int: a larger limit would be silently capped by gRPC while validation and
   // GetServerInfo promised more, so the effective value is used everywhere.
   ServerOptions effective = options;
-  effective.max_message_bytes = std::min<uint64_t>(options.max_message_bytes, static_cast<uint64_t>(INT_MAX));
+  effective.limits.max_message_bytes =
+      std::min<uint64_t>(options.limits.max_message_bytes, static_cast<uint64_t>(INT_MAX));
   auto server = std::make_unique<ServerImpl>(effective, std::move(backend));
   absl::Status s = server->Start();
   if (!s.ok()) return s;

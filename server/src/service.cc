@@ -37,7 +37,7 @@ uint64_t ChunkBytes(uint64_t max_message_bytes) {
 
 // --max_uploads_per_client, or its default: a quarter of the queue, so that three other clients still find room.
 uint32_t UploadsPerClient(const ServerOptions& o, uint32_t max_queue) {
-  if (o.max_uploads_per_client > 0) return o.max_uploads_per_client;
+  if (o.limits.max_uploads_per_client > 0) return o.limits.max_uploads_per_client;
   return max_queue == 0 ? 0 : std::max<uint32_t>(1, max_queue / 4);
 }
 
@@ -445,7 +445,7 @@ AttentionService::AttentionService(const ServerOptions& options, Dispatcher* dis
       sequences_(sequences),
       buffers_(buffers),
       stats_(stats),
-      stream_chunk_bytes_(ChunkBytes(options.max_message_bytes)),
+      stream_chunk_bytes_(ChunkBytes(options.limits.max_message_bytes)),
       receiving_(UploadsPerClient(options, dispatcher->backend()->max_queue())) {
   using namespace std::placeholders;  // NOLINT(build/namespaces): the handlers' five arguments
   ServeBounded<grpc::ByteBuffer, grpc::ByteBuffer>("Forward", /*raw=*/true, /*refused_while_draining=*/true,
@@ -464,8 +464,8 @@ AttentionService::AttentionService(const ServerOptions& options, Dispatcher* dis
   ServeBoundedNow("GetSequence", &AttentionService::ServeGetSequence);
 }
 
-absl::Duration AttentionService::stream_idle_timeout() const { return options_.stream_idle_timeout; }
-absl::Duration AttentionService::upload_timeout() const { return options_.upload_timeout; }
+absl::Duration AttentionService::stream_idle_timeout() const { return options_.timeouts.stream_idle_timeout; }
+absl::Duration AttentionService::upload_timeout() const { return options_.timeouts.upload_timeout; }
 
 std::string AttentionService::UploaderOf(grpc::CallbackServerContext* ctx) const {
   std::string owner = OwnerOf(ctx);
@@ -568,7 +568,7 @@ absl::Status AttentionService::NoBuffers(const char* method) const {
 absl::Status AttentionService::CheckIpcTransport(grpc::CallbackServerContext* ctx, const char* method) const {
   // A CUDA IPC handle only means something to a process on the same host: by default registration is
   // served over the unix socket only, so a remote peer cannot make the server map memory.
-  if (options_.ipc_over_tcp || !backend()->cuda_ipc()) return absl::OkStatus();
+  if (options_.security.ipc_over_tcp || !backend()->cuda_ipc()) return absl::OkStatus();
   if (absl::StartsWith(ctx->peer(), "unix:")) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       method, ": CUDA IPC is served only over the server's unix socket (--unix_socket); this call came from ",
@@ -638,8 +638,8 @@ absl::Status AttentionService::ServeGetServerInfo(grpc::CallbackServerContext*, 
   }
   for (DType t : dispatcher_->limits().supported_dtypes) info->add_supported_dtypes(proto::DtypeToProto(t));
   v1::Limits* l = info->mutable_limits();
-  l->set_max_request_bytes(options_.max_request_bytes);
-  l->set_max_message_bytes(options_.max_message_bytes);
+  l->set_max_request_bytes(options_.limits.max_request_bytes);
+  l->set_max_message_bytes(options_.limits.max_message_bytes);
   l->set_max_queue(backend()->max_queue());
   l->set_max_head_dim(max_hd);
   l->set_max_batch(dispatcher_->limits().max_batch);
@@ -650,7 +650,7 @@ absl::Status AttentionService::ServeGetServerInfo(grpc::CallbackServerContext*, 
   for (const std::string& k : backend()->kernels()) info->add_kernels(k);
   info->set_stream_preferred_from_bytes(backend()->stream_preferred_from_bytes());
   *info->mutable_sequences() = sequences_->limits();
-  info->set_stream_ordered_steps(info->sequences().enabled() && !options_.shm_socket.empty());
+  info->set_stream_ordered_steps(info->sequences().enabled() && !options_.shm.socket.empty());
   return absl::OkStatus();
 }
 

@@ -146,7 +146,7 @@ class AttentionService final : public AttentionServiceBase {
           [this, shared, refused_while_draining](grpc::CallbackServerContext* ctx) {
             const bool refuse = refused_while_draining && dispatcher_->shutting_down();
             return new BoundedUnaryReactor<Request, Response>(
-                ctx, options_.upload_timeout,
+                ctx, options_.timeouts.upload_timeout,
                 refuse ? absl::UnavailableError("the server is shutting down") : absl::OkStatus(), shared);
           });
     };

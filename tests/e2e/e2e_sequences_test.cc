@@ -445,8 +445,8 @@ TEST_P(SequencesTest, StreamOrderWaitsForTheChannelsWaitWord) {
 // channel serves the next step.
 TEST(StreamOrder, AWordThatNeverComesTimesOut) {
   server::ServerOptions so;
-  so.unix_socket = absl::StrCat(::testing::TempDir(), "/attnd_order_", ::getpid(), ".sock");
-  so.shm_socket = absl::StrCat(::testing::TempDir(), "/attnd_order_", ::getpid(), ".shm");
+  so.network.unix_socket = absl::StrCat(::testing::TempDir(), "/attnd_order_", ::getpid(), ".sock");
+  so.shm.socket = absl::StrCat(::testing::TempDir(), "/attnd_order_", ::getpid(), ".shm");
   so.sequences.order_timeout = absl::Milliseconds(200);
   server::BackendOptions bo;
   bo.threads = 2;
@@ -454,12 +454,12 @@ TEST(StreamOrder, AWordThatNeverComesTimesOut) {
   ASSERT_TRUE(backend.ok()) << backend.status();
   auto srv = server::Server::Create(so, std::move(*backend));
   ASSERT_TRUE(srv.ok()) << srv.status();
-  auto c = Connect(absl::StrCat("unix:", so.unix_socket));
+  auto c = Connect(absl::StrCat("unix:", so.network.unix_socket));
   const client::SequenceShape shape = TestShape();
   auto opened = c->OpenSequence(shape);
   ASSERT_TRUE(opened.ok()) << opened.status();
   client::ShmChannelOptions co;
-  co.socket_path = so.shm_socket;
+  co.socket_path = so.shm.socket;
   auto channel = client::ShmChannel::Connect(co);
   ASSERT_TRUE(channel.ok()) << channel.status();
   const OneTokenStep one(shape, opened->ids[0], 1);

@@ -74,9 +74,9 @@ inline std::string FreshSocketPath() {
 inline void StartSequenceServer(TestServer* out, const server::SequenceOptions& sequences,
                                 std::string unix_path = "", const WrapBackend& wrap = nullptr) {
   server::ServerOptions so;
-  so.listen = "127.0.0.1:0";
+  so.network.listen = "127.0.0.1:0";
   out->unix_path = unix_path.empty() ? FreshSocketPath() : std::move(unix_path);
-  so.unix_socket = out->unix_path;
+  so.network.unix_socket = out->unix_path;
   so.sequences = sequences;
   server::BackendOptions bo;
   bo.threads = 2;

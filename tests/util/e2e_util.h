@@ -41,14 +41,14 @@ inline void StartServer(TestServer* out, uint64_t max_message_bytes = 64ull << 2
                         uint32_t max_queue = 256, bool shm = false, const WrapBackend& wrap = nullptr) {
   static std::atomic<int> counter{0};
   server::ServerOptions so;
-  so.listen = "127.0.0.1:0";
+  so.network.listen = "127.0.0.1:0";
   out->unix_path = absl::StrCat(::testing::TempDir(), "/attnd_e2e_", ::getpid(), "_", counter++, ".sock");
-  so.unix_socket = out->unix_path;
+  so.network.unix_socket = out->unix_path;
   if (shm) {
     out->shm_path = absl::StrCat(::testing::TempDir(), "/attnd_e2e_", ::getpid(), "_", counter++, ".shm");
-    so.shm_socket = out->shm_path;
+    so.shm.socket = out->shm_path;
   }
-  so.max_message_bytes = max_message_bytes;
+  so.limits.max_message_bytes = max_message_bytes;
   server::BackendOptions bo;
   bo.threads = threads;
   bo.max_queue = max_queue;

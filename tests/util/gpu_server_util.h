@@ -88,12 +88,12 @@ inline void StartCudaServer(TestServer* out, const CudaServerOptions& o, std::st
   }
   ASSERT_TRUE(backend.ok()) << backend.status();
   server::ServerOptions so;
-  so.listen = "127.0.0.1:0";
+  so.network.listen = "127.0.0.1:0";
   out->unix_path = absl::StrCat(::testing::TempDir(), "/attnd_gpu_", ::getpid(), "_", counter++, ".sock");
-  so.unix_socket = out->unix_path;
-  if (o.shm) so.shm_socket = out->unix_path + ".shm";
-  so.max_message_bytes = o.max_message_bytes;
-  so.enable_cuda_ipc = o.enable_ipc;
+  so.network.unix_socket = out->unix_path;
+  if (o.shm) so.shm.socket = out->unix_path + ".shm";
+  so.limits.max_message_bytes = o.max_message_bytes;
+  so.security.enable_cuda_ipc = o.enable_ipc;
   std::unique_ptr<server::Backend> b = std::move(*backend);
   if (o.counter != nullptr) b = std::make_unique<CountingBackend>(std::move(b), o.counter);
   auto s = server::Server::Create(so, std::move(b));

@@ -114,7 +114,7 @@ struct TestServer {
   using Wrap = std::function<std::unique_ptr<server::Backend>(std::unique_ptr<server::Backend>)>;
   explicit TestServer(server::ServerOptions options = {}, server::BackendOptions backend_options = {},
                       server::CpuBackendHooks hooks = {}, const Wrap& wrap = nullptr) {
-    if (options.listen == "127.0.0.1:50051") options.listen = "127.0.0.1:0";
+    if (options.network.listen == "127.0.0.1:50051") options.network.listen = "127.0.0.1:0";
     if (backend_options.threads == 0) backend_options.threads = 2;
     auto cpu_backend = std::make_unique<server::CpuBackend>(backend_options, std::move(hooks));
     cpu = cpu_backend.get();
@@ -123,7 +123,7 @@ struct TestServer {
     auto created = server::Server::Create(options, std::move(backend));
     EXPECT_TRUE(created.ok()) << created.status();
     if (created.ok()) server = std::move(*created);
-    max_message_bytes = options.max_message_bytes;
+    max_message_bytes = options.limits.max_message_bytes;
   }
 
   std::shared_ptr<grpc::Channel> Channel(const std::string& target = "") const {

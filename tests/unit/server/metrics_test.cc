@@ -97,8 +97,8 @@ class MetricsTest : public ::testing::Test {
  protected:
   void Start(server::CpuBackendHooks hooks = {}, const std::string& shm_socket = "") {
     server::ServerOptions o;
-    o.metrics_listen = "127.0.0.1:0";
-    o.shm_socket = shm_socket;
+    o.observability.metrics_listen = "127.0.0.1:0";
+    o.shm.socket = shm_socket;
     server_ = std::make_unique<TestServer>(o, server::BackendOptions{}, std::move(hooks));
     ASSERT_NE(server_->server, nullptr);
     port_ = server_->server->metrics_port();
@@ -290,12 +290,12 @@ TEST_F(MetricsTest, InFlightAndQueueDepthFollowTheBackend) {
 
 TEST(MetricsListenTest, AnAddressInUseFailsTheStartNamingTheFlag) {
   server::ServerOptions o;
-  o.metrics_listen = "127.0.0.1:0";
+  o.observability.metrics_listen = "127.0.0.1:0";
   TestServer first(o);
   ASSERT_NE(first.server, nullptr);
-  o.metrics_listen = "127.0.0.1:" + std::to_string(first.server->metrics_port());
+  o.observability.metrics_listen = "127.0.0.1:" + std::to_string(first.server->metrics_port());
   auto backend = std::make_unique<server::CpuBackend>(server::BackendOptions{});
-  o.listen = "127.0.0.1:0";
+  o.network.listen = "127.0.0.1:0";
   auto second = server::Server::Create(o, std::move(backend));
   ASSERT_FALSE(second.ok());
   EXPECT_TRUE(absl::StrContains(second.status().message(), "metrics_listen")) << second.status();
@@ -455,7 +455,7 @@ TEST_F(AccessLogTest, CancellationsAndDeadlinesAreBookedAsTheClientSawThemEveryw
     }
   };
   server::ServerOptions o;
-  o.metrics_listen = "127.0.0.1:0";
+  o.observability.metrics_listen = "127.0.0.1:0";
   TestServer server(o, server::BackendOptions{}, hooks);
   ASSERT_NE(server.server, nullptr);
   auto channel = server.Channel();
@@ -524,7 +524,7 @@ TEST_F(AccessLogTest, CancellationsAndDeadlinesAreBookedAsTheClientSawThemEveryw
 
 TEST_F(AccessLogTest, OffByOption) {
   server::ServerOptions o;
-  o.access_log = false;
+  o.observability.access_log = false;
   TestServer server(o);
   auto stub = server.Stub();
   const v1::ForwardRequest r = MakeRequest({1, 4, 4, 1, 1, 64});

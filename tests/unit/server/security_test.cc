@@ -94,10 +94,10 @@ class SecurityTest : public ::testing::Test {
 
   static server::ServerOptions TlsOptions(bool mutual) {
     server::ServerOptions o;
-    o.listen = "127.0.0.1:0";
-    o.tls_cert = pki->Path("server.pem");
-    o.tls_key = pki->Path("server.key");
-    if (mutual) o.tls_client_ca = pki->Path("ca.pem");
+    o.network.listen = "127.0.0.1:0";
+    o.security.tls_cert = pki->Path("server.pem");
+    o.security.tls_key = pki->Path("server.key");
+    if (mutual) o.security.tls_client_ca = pki->Path("ca.pem");
     return o;
   }
 
@@ -140,7 +140,7 @@ TEST_F(SecurityTest, MutualTlsNeedsAClientCertificateFromTheClientCa) {
 
 TEST_F(SecurityTest, BearerTokenOnEveryRpcButHealth) {
   server::ServerOptions o = TlsOptions(false);
-  o.auth_token_file = pki->Path("tokens");
+  o.security.auth_token_file = pki->Path("tokens");
   TestServer s(o);
   ASSERT_NE(s.server, nullptr);
   auto channel = TlsChannel(s, "ca");
@@ -174,12 +174,12 @@ TEST_F(SecurityTest, BearerTokenOnEveryRpcButHealth) {
 
 TEST_F(SecurityTest, TokensOnPlaintextLoopbackAndTheUnixSocket) {
   server::ServerOptions o;
-  o.listen = "127.0.0.1:0";
-  o.unix_socket = pki->Path("attnd.sock");
-  o.auth_token_file = pki->Path("tokens");
+  o.network.listen = "127.0.0.1:0";
+  o.network.unix_socket = pki->Path("attnd.sock");
+  o.security.auth_token_file = pki->Path("tokens");
   TestServer s(o);
   ASSERT_NE(s.server, nullptr);
-  for (const std::string& target : {std::string(""), "unix:" + o.unix_socket}) {
+  for (const std::string& target : {std::string(""), "unix:" + o.network.unix_socket}) {
     SCOPED_TRACE(target);
     EXPECT_EQ(Call(s.Channel(target)).error_code(), grpc::StatusCode::UNAUTHENTICATED);
     EXPECT_TRUE(Call(s.Channel(target), "Bearer tok-beta-abcdef").ok());
@@ -190,8 +190,8 @@ TEST_F(SecurityTest, TokensOnPlaintextLoopbackAndTheUnixSocket) {
 // sequence opened with one token does not exist for a step presented with another.
 TEST_F(SecurityTest, StepStreamsCarryTheTokenAndItsOwnership) {
   server::ServerOptions o;
-  o.listen = "127.0.0.1:0";
-  o.auth_token_file = pki->Path("tokens");
+  o.network.listen = "127.0.0.1:0";
+  o.security.auth_token_file = pki->Path("tokens");
   TestServer s(o);
   ASSERT_NE(s.server, nullptr);
   // Separate connections, then one connection shared by all three callers: gRPC gives every call on a
@@ -235,8 +235,8 @@ TEST_F(SecurityTest, StepStreamsCarryTheTokenAndItsOwnership) {
 
 TEST_F(SecurityTest, TokensOnAPlaintextNetworkListenerAreRefusedAtStart) {
   server::ServerOptions o;
-  o.listen = "0.0.0.0:0";
-  o.auth_token_file = pki->Path("tokens");
+  o.network.listen = "0.0.0.0:0";
+  o.security.auth_token_file = pki->Path("tokens");
   auto created = server::Server::Create(o, std::make_unique<server::CpuBackend>(server::BackendOptions{}));
   ASSERT_FALSE(created.ok());
   EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument);
@@ -268,11 +268,11 @@ TEST_F(SecurityTest, BadSecurityOptionsFailTheStartNamingTheFlag) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.expect + " " + c.cert + " " + c.key + " " + c.client_ca + " " + c.tokens);
     server::ServerOptions o;
-    o.listen = "127.0.0.1:0";
-    o.tls_cert = c.cert;
-    o.tls_key = c.key;
-    o.tls_client_ca = c.client_ca;
-    o.auth_token_file = c.tokens;
+    o.network.listen = "127.0.0.1:0";
+    o.security.tls_cert = c.cert;
+    o.security.tls_key = c.key;
+    o.security.tls_client_ca = c.client_ca;
+    o.security.auth_token_file = c.tokens;
     auto created = server::Server::Create(o, std::make_unique<server::CpuBackend>(server::BackendOptions{}));
     ASSERT_FALSE(created.ok());
     EXPECT_TRUE(absl::StartsWith(created.status().message(), c.expect)) << created.status();
@@ -281,7 +281,7 @@ TEST_F(SecurityTest, BadSecurityOptionsFailTheStartNamingTheFlag) {
 
 TEST_F(SecurityTest, ClientLibraryAndAttnSpeakMutualTlsWithAToken) {
   server::ServerOptions o = TlsOptions(true);
-  o.auth_token_file = pki->Path("tokens");
+  o.security.auth_token_file = pki->Path("tokens");
   TestServer s(o);
   ASSERT_NE(s.server, nullptr);
   const std::string target = "localhost:" + std::to_string(s.server->tcp_port());
@@ -320,14 +320,14 @@ TEST_F(SecurityTest, PerConnectionCallLimit) {
     SCOPED_TRACE(unix_socket ? "unix socket" : "tcp");
     Gate gate;
     server::ServerOptions o;
-    o.max_calls_per_client = 2;
-    if (unix_socket) o.unix_socket = pki->Path("limit.sock");
+    o.limits.max_calls_per_client = 2;
+    if (unix_socket) o.network.unix_socket = pki->Path("limit.sock");
     server::BackendOptions bo;
     bo.threads = 2;
     TestServer s(o, bo, gate.Hooks());
     ASSERT_NE(s.server, nullptr);
     const std::string target =
-        unix_socket ? "unix:" + o.unix_socket : "127.0.0.1:" + std::to_string(s.server->tcp_port());
+        unix_socket ? "unix:" + o.network.unix_socket : "127.0.0.1:" + std::to_string(s.server->tcp_port());
     const auto own_connection = [&] {
       grpc::ChannelArguments args;
       args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
@@ -357,16 +357,16 @@ TEST_F(SecurityTest, PerConnectionCallLimit) {
 TEST_F(SecurityTest, UnixSocketPermissions) {
   for (uint32_t mode : {0660u, 0600u}) {
     server::ServerOptions o;
-    o.listen = "";
-    o.unix_socket = pki->Path("perm.sock");
-    o.unix_socket_mode = mode;
+    o.network.listen = "";
+    o.network.unix_socket = pki->Path("perm.sock");
+    o.network.unix_socket_mode = mode;
     TestServer s(o);
     ASSERT_NE(s.server, nullptr);
     struct stat st;
-    ASSERT_EQ(::stat(o.unix_socket.c_str(), &st), 0);
+    ASSERT_EQ(::stat(o.network.unix_socket.c_str(), &st), 0);
     EXPECT_TRUE(S_ISSOCK(st.st_mode));
     EXPECT_EQ(st.st_mode & 0777, mode);
-    EXPECT_TRUE(Call(s.Channel("unix:" + o.unix_socket)).ok());
+    EXPECT_TRUE(Call(s.Channel("unix:" + o.network.unix_socket)).ok());
   }
 }
 

@@ -235,7 +235,7 @@ TEST(Shutdown, GraceRunsOutAndTheUnfinishedCallIsCancelledNotHung) {
   // and the server still stops once the backend lets go.
   Gate gate;
   server::ServerOptions options;
-  options.shutdown_grace = absl::Milliseconds(300);
+  options.timeouts.shutdown_grace = absl::Milliseconds(300);
   TestServer ts(options, OneWorker(4), gate.Hooks());
   ASSERT_NE(ts.server, nullptr);
   auto stub = ts.Stub();
@@ -259,7 +259,7 @@ TEST(Shutdown, IdleStreamsAndConnectionsDoNotHoldTheExit) {
   // Nothing accepted is in flight: a health Watch, an idle HTTP/2 connection and a TCP connection that never
   // sent a byte must not keep Shutdown waiting for the (long) grace.
   server::ServerOptions options;
-  options.shutdown_grace = absl::Seconds(20);
+  options.timeouts.shutdown_grace = absl::Seconds(20);
   TestServer ts(options, OneWorker(4));
   ASSERT_NE(ts.server, nullptr);
   auto channel = ts.Channel();

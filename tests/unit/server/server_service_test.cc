@@ -71,12 +71,12 @@ TEST(ServerForward, CorrectOverTcp) {
 
 TEST(ServerForward, CorrectOverUnixSocket) {
   server::ServerOptions o;
-  o.listen = "";
-  o.unix_socket = "/tmp/attnd_test_" + std::to_string(::getpid()) + ".sock";
+  o.network.listen = "";
+  o.network.unix_socket = "/tmp/attnd_test_" + std::to_string(::getpid()) + ".sock";
   TestServer ts(o);
   ASSERT_NE(ts.server, nullptr);
   EXPECT_EQ(ts.server->tcp_port(), 0);
-  auto stub = ts.Stub("unix:" + o.unix_socket);
+  auto stub = ts.Stub("unix:" + o.network.unix_socket);
   const v1::ForwardRequest r = MakeRequest({2, 40, 70, 4, 2, 128}, v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT, true, 5);
   grpc::ClientContext ctx;
   v1::ForwardResponse resp;
@@ -84,7 +84,7 @@ TEST(ServerForward, CorrectOverUnixSocket) {
   ASSERT_TRUE(s.ok()) << s.error_message();
   ExpectCorrect(r, resp.o(), resp.lse());
   ts.server->Shutdown();
-  EXPECT_NE(::access(o.unix_socket.c_str(), F_OK), 0) << "socket file left behind";
+  EXPECT_NE(::access(o.network.unix_socket.c_str(), F_OK), 0) << "socket file left behind";
 }
 
 TEST(ServerForward, SixteenConcurrentClientsAllCorrect) {
@@ -117,7 +117,7 @@ TEST(ServerForward, SixteenConcurrentClientsAllCorrect) {
 
 TEST(ServerConnections, AnIdleConnectionIsClosedAndTheClientReconnects) {
   server::ServerOptions opts;
-  opts.max_connection_idle = absl::Milliseconds(300);
+  opts.timeouts.max_connection_idle = absl::Milliseconds(300);
   TestServer ts(opts);
   ASSERT_NE(ts.server, nullptr);
   auto channel = ts.Channel();
@@ -178,8 +178,8 @@ TEST(ServerMeta, ReflectionListsTheServices) {
 
 TEST(ServerMeta, ServerInfoDescribesTheCpuBackend) {
   server::ServerOptions o;
-  o.max_request_bytes = 123456789;
-  o.max_message_bytes = 1 << 20;
+  o.limits.max_request_bytes = 123456789;
+  o.limits.max_message_bytes = 1 << 20;
   server::BackendOptions bo;
   bo.max_queue = 17;
   TestServer ts(o, bo);
@@ -327,7 +327,7 @@ TEST(ServerQueue, ADeadlinePassingInTheQueueFreesTheSlotAtOnce) {
 
 TEST(ServerCreate, MessageLimitIsCappedAtWhatGrpcCanCount) {
   server::ServerOptions o;
-  o.max_message_bytes = 8ull << 30;
+  o.limits.max_message_bytes = 8ull << 30;
   TestServer ts(o);
   ASSERT_NE(ts.server, nullptr);
   grpc::ClientContext ctx;
@@ -340,11 +340,11 @@ TEST(ServerCreate, RefusesBadOptions) {
   server::BackendOptions bo;
   bo.threads = 1;
   server::ServerOptions none;
-  none.listen = "";
+  none.network.listen = "";
   EXPECT_EQ(server::Server::Create(none, std::make_unique<server::CpuBackend>(bo)).status().code(),
             absl::StatusCode::kInvalidArgument);
   server::ServerOptions bad_addr;
-  bad_addr.listen = "256.1.1.1:99999";
+  bad_addr.network.listen = "256.1.1.1:99999";
   EXPECT_EQ(server::Server::Create(bad_addr, std::make_unique<server::CpuBackend>(bo)).status().code(),
             absl::StatusCode::kUnavailable);
   EXPECT_EQ(server::Server::Create({}, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
@@ -353,7 +353,7 @@ TEST(ServerCreate, RefusesBadOptions) {
 TEST(ServerCreate, GrpcArgsReachTheServerAndBadOnesAreRefused) {
   // A header limit of one byte: the server refuses every call, which shows the argument was applied.
   server::ServerOptions tight;
-  tight.grpc_args = {"grpc.max_metadata_size=1"};
+  tight.network.grpc_args = {"grpc.max_metadata_size=1"};
   TestServer ts(tight);
   ASSERT_NE(ts.server, nullptr);
   {
@@ -362,7 +362,7 @@ TEST(ServerCreate, GrpcArgsReachTheServerAndBadOnesAreRefused) {
     EXPECT_FALSE(ts.Stub()->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
   }
   server::ServerOptions tuned;  // a string and an integer argument that leave the service working
-  tuned.grpc_args = {"grpc.primary_user_agent=attnd-test", "grpc.http2.lookahead_bytes=8388608"};
+  tuned.network.grpc_args = {"grpc.primary_user_agent=attnd-test", "grpc.http2.lookahead_bytes=8388608"};
   TestServer ok(tuned);
   ASSERT_NE(ok.server, nullptr);
   {
@@ -374,8 +374,8 @@ TEST(ServerCreate, GrpcArgsReachTheServerAndBadOnesAreRefused) {
   bo.threads = 1;
   for (const char* bad : {"no_equals", "=5", "grpc.max_receive_message_length=1000"}) {
     server::ServerOptions o;
-    o.listen = "127.0.0.1:0";
-    o.grpc_args = {bad};
+    o.network.listen = "127.0.0.1:0";
+    o.network.grpc_args = {bad};
     absl::StatusOr<std::unique_ptr<server::Server>> s = server::Server::Create(o, std::make_unique<server::CpuBackend>(bo));
     ASSERT_FALSE(s.ok()) << bad;
     EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();

@@ -67,7 +67,7 @@ bool WriteInterleaved(Stream& stream, const v1::ForwardRequest& r, uint64_t chun
 
 TEST(ServerStream, TensorsLargerThanTheUnaryLimit) {
   server::ServerOptions opts;
-  opts.max_message_bytes = 256 * 1024;
+  opts.limits.max_message_bytes = 256 * 1024;
   TestServer ts(opts);
   ASSERT_NE(ts.server, nullptr);
   auto stub = ts.Stub();
@@ -279,7 +279,7 @@ TEST(ServerStream, GetStatsCountsStreamsStillReceiving) {
 
 TEST(ServerStream, AStalledStreamIsEndedAfterTheIdleTimeout) {
   server::ServerOptions opts;
-  opts.stream_idle_timeout = absl::Milliseconds(300);
+  opts.timeouts.stream_idle_timeout = absl::Milliseconds(300);
   TestServer ts(opts);
   ASSERT_NE(ts.server, nullptr);
   auto stub = ts.Stub();
@@ -349,8 +349,8 @@ TEST(ServerStream, AnUploadSlowerThanItsTimeoutIsEnded) {
   // Chunks every 100 ms keep the stream clear of the idle timeout (300 ms), but the whole upload takes longer
   // than --upload_timeout_s (700 ms here): the stream is ended then, and its slot freed.
   server::ServerOptions opts;
-  opts.stream_idle_timeout = absl::Milliseconds(300);
-  opts.upload_timeout = absl::Milliseconds(700);
+  opts.timeouts.stream_idle_timeout = absl::Milliseconds(300);
+  opts.timeouts.upload_timeout = absl::Milliseconds(700);
   TestServer ts(opts);
   ASSERT_NE(ts.server, nullptr);
   auto stub = ts.Stub();
@@ -386,7 +386,7 @@ TEST(ServerStream, OneClientHoldsAtMostItsShareOfTheUploads) {
   // the second client's upload still gets a place and is answered.
   const std::string sock = "/tmp/attnd_uploads_" + std::to_string(::getpid()) + ".sock";
   server::ServerOptions opts;
-  opts.unix_socket = sock;
+  opts.network.unix_socket = sock;
   server::BackendOptions bo;
   bo.max_queue = 8;
   TestServer ts(opts, bo);
@@ -448,7 +448,7 @@ TEST(ServerStream, StreamsReceivingCountAgainstTheQueue) {
   bo.threads = 1;
   bo.max_queue = 2;
   server::ServerOptions opts;
-  opts.max_uploads_per_client = 2;  // one client fills the queue here
+  opts.limits.max_uploads_per_client = 2;  // one client fills the queue here
   TestServer ts(opts, bo);
   ASSERT_NE(ts.server, nullptr);
   auto stub = ts.Stub();

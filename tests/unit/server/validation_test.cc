@@ -396,11 +396,11 @@ TEST(StatusMapping, EveryCanonicalCodeKeepsItsNumberAndMessage) {
 // The whole table once more through a running server: the code and the field survive the trip.
 TEST(ValidationOverGrpc, EveryBadRequestGetsItsStatus) {
   server::ServerOptions options;
-  options.max_request_bytes = 8u << 20;
-  options.max_batch = kMaxBatch;
-  options.max_q_len = kMaxQLen;
-  options.max_kv_len = kMaxKvLen;
-  options.max_heads = kMaxHeads;
+  options.limits.max_request_bytes = 8u << 20;
+  options.limits.max_batch = kMaxBatch;
+  options.limits.max_q_len = kMaxQLen;
+  options.limits.max_kv_len = kMaxKvLen;
+  options.limits.max_heads = kMaxHeads;
   testing::TestServer ts(options);
   ASSERT_NE(ts.server, nullptr);
   auto stub = ts.Stub();

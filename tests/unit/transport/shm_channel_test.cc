@@ -50,7 +50,7 @@ std::string SocketPath(const char* tag) {
 
 server::ServerOptions WithShm(const std::string& path) {
   server::ServerOptions o;
-  o.shm_socket = path;
+  o.shm.socket = path;
   return o;
 }
 
@@ -88,12 +88,12 @@ TEST(ShmChannel, ForwardMatchesTheReference) {
 TEST(ShmChannel, GrpcMessageLimitDoesNotApply) {
   const std::string path = SocketPath("msg");
   server::ServerOptions o = WithShm(path);
-  o.max_message_bytes = 64 * 1024;  // the request below is ~200 KB: too large for one gRPC message
+  o.limits.max_message_bytes = 64 * 1024;  // the request below is ~200 KB: too large for one gRPC message
   TestServer ts(o);
   auto ch = ShmChannel::Connect(Opts(path));
   ASSERT_TRUE(ch.ok()) << ch.status();
   const v1::ForwardRequest req = MakeRequest({1, 256, 256, 2, 2, 64}, v1::MASK_TYPE_NONE, false, 11);
-  ASSERT_GT(req.ByteSizeLong(), o.max_message_bytes);
+  ASSERT_GT(req.ByteSizeLong(), o.limits.max_message_bytes);
   absl::StatusOr<v1::ForwardResponse> r = (*ch)->Forward(req);
   ASSERT_TRUE(r.ok()) << r.status();
   ExpectCorrect(req, r->o(), r->lse());
@@ -150,9 +150,9 @@ TEST(ShmChannel, HandshakeChecksTokenSealsSizeAndChannelCount) {
   std::ofstream(token_file) << "s3cret\n";
   const std::string path = SocketPath("auth");
   server::ServerOptions so = WithShm(path);
-  so.auth_token_file = token_file;
-  so.shm_max_channels = 2;
-  so.shm_max_bytes = 1 << 20;
+  so.security.auth_token_file = token_file;
+  so.shm.max_channels = 2;
+  so.shm.max_bytes = 1 << 20;
   TestServer ts(so);
   ASSERT_NE(ts.server, nullptr);
   EXPECT_EQ(ShmChannel::Connect(Opts(path)).status().code(), absl::StatusCode::kUnauthenticated);
@@ -368,7 +368,7 @@ TEST(ShmChannel, StepFramesOwnedByTheTokenAndUnknownKindsRefused) {
   std::ofstream(token_file) << "first\nsecond\n";
   const std::string path = SocketPath("step");
   server::ServerOptions so = WithShm(path);
-  so.auth_token_file = token_file;
+  so.security.auth_token_file = token_file;
   TestServer ts(so);
   ASSERT_NE(ts.server, nullptr);
   client::ClientOptions co;

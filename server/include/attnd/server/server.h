@@ -14,65 +14,87 @@
 namespace attnd::server {
 
 struct ServerOptions {
-  std::string listen = "127.0.0.1:50051";  // host:port; ":0" port picks a free one; empty: no TCP listener
-  std::string unix_socket;                 // path of a unix-domain listener; empty: none
-  uint64_t max_request_bytes = 1ull << 32;  // Q+K+V+O(+LSE) bytes of one request
-  uint64_t max_message_bytes = 256ull << 20;  // one gRPC message
-  // Memory gRPC's transport may hold in all (gRPC's resource quota): messages being received, read buffers, unary
-  // requests the backend still holds. 0: max_message_bytes + 16 MiB, at least 64 MiB, which is also what one
-  // hostile upload can cost (gRPC 1.51 buffers a message to its announced length before checking it).
-  uint64_t max_transport_memory_bytes = 0;
-  // Per-request shape limits (RESOURCE_EXHAUSTED beyond); 0: none beyond what the byte limits imply.
-  int64_t max_batch = 0;
-  int64_t max_q_len = 0;
-  int64_t max_kv_len = 0;
-  int64_t max_heads = 0;  // shape.q_heads
-  // cuda-ipc buffers: accept RegisterCudaBuffer and tensor references (cuda backend only).
-  bool enable_cuda_ipc = false;
-  bool ipc_over_tcp = false;               // accept CUDA IPC registration over TCP too (off: unix socket only)
-  // Shutdown waits this long for accepted calls (a stream still uploading included) before gRPC cancels what
-  // is left; an infinite grace would let one stalled client hold a SIGTERM forever.
-  absl::Duration shutdown_grace = absl::Seconds(60);
+  // Where the gRPC listeners are and how their connections are held.
+  struct Network {
+    std::string listen = "127.0.0.1:50051";  // host:port; ":0" port picks a free one; empty: no TCP listener
+    std::string unix_socket;                 // path of a unix-domain listener; empty: none
+    uint32_t unix_socket_mode = 0660;        // permission bits the unix socket gets once bound
+    // Connections the gRPC listeners (TCP and unix) hold at once; one more is closed at accept and counted
+    // (attnd_connections_refused_total). 0: seven eighths of the process's descriptor limit (listener_guard.h).
+    uint32_t max_connections = 0;
+    // gRPC channel arguments "name=value" applied last (channel_args.h); a malformed one fails Create.
+    std::vector<std::string> grpc_args;
+  };
+  // Sizes and counts beyond which a request, an upload or a client is refused.
+  struct Limits {
+    uint64_t max_request_bytes = 1ull << 32;    // Q+K+V+O(+LSE) bytes of one request
+    uint64_t max_message_bytes = 256ull << 20;  // one gRPC message
+    // Memory gRPC's transport may hold in all (gRPC's resource quota): messages being received, read buffers,
+    // unary requests the backend still holds. 0: max_message_bytes + 16 MiB, at least 64 MiB, which is also what
+    // one hostile upload can cost (gRPC 1.51 buffers a message to its announced length before checking it).
+    uint64_t max_transport_memory_bytes = 0;
+    // Per-request shape limits (RESOURCE_EXHAUSTED beyond); 0: none beyond what the byte limits imply.
+    int64_t max_batch = 0;
+    int64_t max_q_len = 0;
+    int64_t max_kv_len = 0;
+    int64_t max_heads = 0;              // shape.q_heads
+    uint32_t max_calls_per_client = 0;  // Forward/ForwardStream calls in progress per connection; 0: no limit
+    // ForwardStream uploads (header in, inputs arriving) one client holds at once (service.h, ReceivingSlots);
+    // 0: a quarter of the backend's max_queue.
+    uint32_t max_uploads_per_client = 0;
+  };
+  // How long a shutdown waits, and how long slow or idle clients may hold a call or a connection
+  // (docs/security-and-metrics.md, limits); zero turns each client bound off.
+  struct Timeouts {
+    // Shutdown waits this long for accepted calls (a stream still uploading included) before gRPC cancels what
+    // is left; an infinite grace would let one stalled client hold a SIGTERM forever.
+    absl::Duration shutdown_grace = absl::Seconds(60);
+    // A ForwardStream that receives no message for this long, before its header or between chunks, is ended
+    // DEADLINE_EXCEEDED and its inputs are freed.
+    absl::Duration stream_idle_timeout = absl::Seconds(30);
+    // A call's request must be in this long after the call starts: a unary call's message, or a ForwardStream's
+    // header and every input chunk. Ended DEADLINE_EXCEEDED "upload_timeout_s: ..." otherwise.
+    absl::Duration upload_timeout = absl::Seconds(60);
+    // A connection without a call for this long is closed (GOAWAY; clients reconnect when they next call).
+    absl::Duration max_connection_idle = absl::Minutes(5);
+    // A connection with calls and no traffic for keepalive_time is pinged; no answer within keepalive_timeout
+    // closes it and cancels its calls.
+    absl::Duration keepalive_time = absl::Minutes(1);
+    absl::Duration keepalive_timeout = absl::Seconds(20);
+    // Client pings closer together than this without data are strikes; the third closes the connection
+    // (ENHANCE_YOUR_CALM). A client's keepalive time must not be shorter.
+    absl::Duration min_client_ping_interval = absl::Seconds(10);
+  };
+  // Same-host shared-memory channels (attnd/transport/shm_channel.h, docs/transport.md): a unix socket where
+  // callers hand over a memfd. Its file gets network.unix_socket_mode; peers must be the server's user or root.
+  struct Shm {
+    std::string socket;                // empty: off
+    uint64_t max_bytes = 64ull << 20;  // per channel, request and reply area each
+    uint32_t max_channels = 64;
+    absl::Duration spin = absl::Microseconds(50);         // a channel's thread polls this long for a request
+    absl::Duration reply_spin = absl::Microseconds(300);  // ... and for its reply (shm_listener.h)
+  };
+  // Who may connect and call, and which calls may hand the server device memory (docs/security-and-metrics.md).
+  struct Security {
+    std::string tls_cert, tls_key;  // PEM files: TLS on the TCP listener (the unix socket stays plaintext)
+    std::string tls_client_ca;      // PEM CA bundle: require and verify client certificates (mutual TLS)
+    std::string auth_token_file;    // tokens, one a line: every RPC but grpc.health.v1 needs "Bearer <token>"
+    // cuda-ipc buffers: accept RegisterCudaBuffer and tensor references (cuda backend only).
+    bool enable_cuda_ipc = false;
+    bool ipc_over_tcp = false;  // accept CUDA IPC registration over TCP too (off: unix socket only)
+  };
+  // What the server reports about its calls (docs/security-and-metrics.md).
+  struct Observability {
+    std::string metrics_listen;  // host:port of the Prometheus endpoint (HTTP GET /metrics); empty: none
+    bool access_log = true;      // one info-level line per RPC (health checks excepted)
+  };
 
-  // Security and observability (docs/security-and-metrics.md).
-  std::string tls_cert, tls_key;  // PEM files: TLS on the TCP listener (the unix socket stays plaintext)
-  std::string tls_client_ca;      // PEM CA bundle: require and verify client certificates (mutual TLS)
-  std::string auth_token_file;    // tokens, one a line: every RPC but grpc.health.v1 needs "Bearer <token>"
-  std::string metrics_listen;     // host:port of the Prometheus endpoint (HTTP GET /metrics); empty: none
-  bool access_log = true;         // one info-level line per RPC (health checks excepted)
-  uint32_t max_calls_per_client = 0;  // Forward/ForwardStream calls in progress per connection; 0: no limit
-  // ForwardStream uploads (header in, inputs arriving) one client holds at once (service.h, ReceivingSlots);
-  // 0: a quarter of the backend's max_queue.
-  uint32_t max_uploads_per_client = 0;
-  uint32_t unix_socket_mode = 0660;   // permission bits the unix socket gets once bound
-  // Same-host shared-memory channels (attnd/transport/shm_channel.h, docs/transport.md): a unix socket where callers
-  // hand over a memfd; empty: off. Its file gets unix_socket_mode; peers must be the server's user or root.
-  std::string shm_socket;
-  uint64_t shm_max_bytes = 64ull << 20;  // per channel, request and reply area each
-  uint32_t shm_max_channels = 64;
-  absl::Duration shm_spin = absl::Microseconds(50);  // a channel's thread polls this long for a request before sleeping
-  absl::Duration shm_reply_spin = absl::Microseconds(300);  // ... and for its reply (shm_listener.h)
-  // Connections the gRPC listeners (TCP and unix) hold at once; one more is closed at accept and counted
-  // (attnd_connections_refused_total). 0: seven eighths of the process's descriptor limit (listener_guard.h).
-  uint32_t max_connections = 0;
-  // Slow and idle clients (docs/security-and-metrics.md, limits). Zero turns each off.
-  // A ForwardStream that receives no message for this long, before its header or between chunks, is ended
-  // DEADLINE_EXCEEDED and its inputs are freed.
-  absl::Duration stream_idle_timeout = absl::Seconds(30);
-  // A call's request must be in this long after the call starts: a unary call's message, or a ForwardStream's
-  // header and every input chunk. Ended DEADLINE_EXCEEDED "upload_timeout_s: ..." otherwise.
-  absl::Duration upload_timeout = absl::Seconds(60);
-  // A connection without a call for this long is closed (GOAWAY; clients reconnect when they next call).
-  absl::Duration max_connection_idle = absl::Minutes(5);
-  // A connection with calls and no traffic for keepalive_time is pinged; no answer within keepalive_timeout
-  // closes it and cancels its calls.
-  absl::Duration keepalive_time = absl::Minutes(1);
-  absl::Duration keepalive_timeout = absl::Seconds(20);
-  // Client pings closer together than this without data are strikes; the third closes the connection
-  // (ENHANCE_YOUR_CALM). A client's keepalive time must not be shorter.
-  absl::Duration min_client_ping_interval = absl::Seconds(10);
-  // gRPC channel arguments "name=value" applied last (channel_args.h); a malformed one fails Create.
-  std::vector<std::string> grpc_args;
+  Network network;
+  Limits limits;
+  Timeouts timeouts;
+  Shm shm;
+  Security security;
+  Observability observability;
   // KV sequences (docs/sequences.md). pool_bytes 0: half the backend's memory budget on CUDA, 1 GiB on CPU.
   SequenceOptions sequences;
 };
