@@ -80,14 +80,7 @@ inline void StartSequenceServer(TestServer* out, const server::SequenceOptions& 
   so.sequences = sequences;
   server::BackendOptions bo;
   bo.threads = 2;
-  auto backend = server::MakeBackend("cpu", bo);
-  ASSERT_TRUE(backend.ok()) << backend.status();
-  std::unique_ptr<server::Backend> served = std::move(*backend);
-  if (wrap) served = wrap(std::move(served));
-  auto s = server::Server::Create(so, std::move(served));
-  ASSERT_TRUE(s.ok()) << s.status();
-  out->server = std::move(*s);
-  out->port = out->server->tcp_port();
+  ServeOnCpu(out, so, bo, wrap);
 }
 
 }  // namespace attnd::e2e

@@ -34,6 +34,20 @@ struct TestServer {
 
 using WrapBackend = std::function<std::unique_ptr<server::Backend>(std::unique_ptr<server::Backend>)>;
 
+// Serves `so` on the CPU backend made with `bo` (through `wrap` when set) and records the TCP port. Fails the
+// test (fatally) if it cannot start.
+inline void ServeOnCpu(TestServer* out, const server::ServerOptions& so, const server::BackendOptions& bo,
+                       const WrapBackend& wrap) {
+  auto backend = server::MakeBackend("cpu", bo);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  std::unique_ptr<server::Backend> served = std::move(*backend);
+  if (wrap) served = wrap(std::move(served));
+  auto s = server::Server::Create(so, std::move(served));
+  ASSERT_TRUE(s.ok()) << s.status();
+  out->server = std::move(*s);
+  out->port = out->server->tcp_port();
+}
+
 // A server on 127.0.0.1:<free port> and on a fresh unix socket (and, with `shm`, shared-memory channels on
 // another). `wrap`, when set, is given the CPU backend and returns the one served (tests that fake what a
 // backend reports). Fails the test (fatally) if it cannot start.
@@ -52,14 +66,8 @@ inline void StartServer(TestServer* out, uint64_t max_message_bytes = 64ull << 2
   server::BackendOptions bo;
   bo.threads = threads;
   bo.max_queue = max_queue;
-  auto backend = server::MakeBackend("cpu", bo);
-  ASSERT_TRUE(backend.ok()) << backend.status();
-  std::unique_ptr<server::Backend> served = std::move(*backend);
-  if (wrap) served = wrap(std::move(served));
-  auto s = server::Server::Create(so, std::move(served));
-  ASSERT_TRUE(s.ok()) << s.status();
-  out->server = std::move(*s);
-  out->port = out->server->tcp_port();
+  ServeOnCpu(out, so, bo, wrap);
+  if (::testing::Test::HasFatalFailure()) return;
   ASSERT_GT(out->port, 0);
 }
 
