@@ -6,10 +6,10 @@
 #   bash scripts/soak.sh                 # 10 minutes
 #   bash scripts/soak.sh --duration 120  # CI
 #
-# Options: --duration S (traffic after a 10 s warm-up), --clients N (default 4), --build-dir DIR (default build;
+# Options: --duration S (traffic after a 30 s warm-up), --clients N (default 4), --build-dir DIR (default build;
 # builds attnd and attnd_soak there when missing), --out DIR (server log and samples CSV; default
-# /var/tmp/attnd-soak). Exits non-zero on an unexpected outcome, a wrong answer, a leak, RSS still growing, or
-# an unclean server exit.
+# /var/tmp/attnd-soak). Exits non-zero on an unexpected outcome, a wrong answer, a leak (the quiet server holding
+# more memory, descriptors or threads after the run than after the warm-up), or an unclean server exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,7 +23,7 @@ while [ "$#" -gt 0 ]; do
     --clients) clients=$2; shift 2 ;;
     --build-dir) build=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "soak.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
