@@ -1,6 +1,7 @@
-// ValidateForwardRequest (server/src/validation.cc) on whatever a client's bytes parse to: as protobuf parses
-// them for each transport (unary, stream header, shm channel), and as the zero-copy reader leaves them (unary,
-// tensors in the message's slices). A request it accepts must be one the backends can run without another
+// A request's way to the backend on whatever a client's bytes parse to: the frontends' decoding
+// (ForwardArgsFromProto, server/src/core_messages.cc), then the core's ValidateForward (server/src/validation.cc),
+// as protobuf parses the bytes for each way a request arrives (a unary message, a stream header, a shm channel),
+// and as the zero-copy reader leaves them (unary, tensors in the message's slices). A request it accepts must be one the backends can run without another
 // check: every dimension >= 1, sizes that are the shape's (recomputed here in 128 bits), under the limits, and
 // inline bytes that are exactly the tensor.
 // Input: the limits (from the end), then the message.
@@ -11,6 +12,7 @@
 #include "attnd/server/validation.h"
 #include "attnd/transport/zero_copy.h"
 #include "attnd/v1/attention.pb.h"
+#include "core_messages.h"
 #include "fuzz_util.h"
 
 namespace {
@@ -18,7 +20,6 @@ namespace {
 using attnd::DType;
 using attnd::server::ForwardJob;
 using attnd::server::RequestBytes;
-using attnd::server::Transport;
 using attnd::server::ValidationLimits;
 using u128 = unsigned __int128;
 
@@ -39,11 +40,20 @@ void CheckInline(const attnd::server::TensorSource& t, uint64_t expected) {
   }
 }
 
-void Validate(const attnd::v1::ForwardRequest& req, Transport transport, const ValidationLimits& limits,
-              const attnd::InlineBytes* in_message) {
+// How a request arrives: in one gRPC message (bounded by max_message_bytes), as a ForwardStream header (its
+// inline tensors follow as chunks) or in a shared-memory channel's areas.
+enum class Via { kUnary, kStream, kShm };
+
+void Validate(const attnd::v1::ForwardRequest& req, Via via, const ValidationLimits& limits,
+              uint64_t max_message_bytes, const attnd::InlineBytes* in_message) {
   ForwardJob job;
   RequestBytes b;
-  const absl::Status s = attnd::server::ValidateForwardRequest(req, transport, limits, &job, &b, in_message);
+  attnd::server::ForwardArgs args;
+  attnd::server::CallInfo call;
+  call.inputs_follow = via == Via::kStream;
+  call.message_limit = via == Via::kUnary ? max_message_bytes : 0;
+  absl::Status s = attnd::server::ForwardArgsFromProto(req, in_message, &args);
+  if (s.ok()) s = attnd::server::ValidateForward(args, call, limits, &job, &b);
   if (!s.ok()) {
     ATTND_FUZZ_CHECK(absl::IsInvalidArgument(s) || absl::IsResourceExhausted(s));
     ATTND_FUZZ_CHECK(!s.message().empty());
@@ -64,15 +74,15 @@ void Validate(const attnd::v1::ForwardRequest& req, Transport transport, const V
   ATTND_FUZZ_CHECK(b.lse == (req.return_lse() ? Product({sh.batch(), sh.q_heads(), sh.q_len()}, 4) : 0));
   const u128 total = u128{b.q} + b.k + b.v + b.o + b.lse;
   ATTND_FUZZ_CHECK(total <= limits.max_request_bytes);
-  if (transport == Transport::kUnary) {
+  if (via == Via::kUnary) {
     // Each message holds what it carries inline; a tensor by reference travels as its buffer id.
     const auto carried = [](const attnd::server::TensorSource& t, uint64_t bytes) -> u128 {
       return t.is_reference() ? 0 : bytes;
     };
     const u128 in = carried(job.q, b.q) + carried(job.k, b.k) + carried(job.v, b.v);
     const u128 reply = u128{req.has_o_ref() ? 0 : b.o} + b.lse;
-    ATTND_FUZZ_CHECK(in + attnd::server::kMessageOverheadBytes <= limits.max_message_bytes);
-    ATTND_FUZZ_CHECK(reply + attnd::server::kMessageOverheadBytes <= limits.max_message_bytes);
+    ATTND_FUZZ_CHECK(in + attnd::server::kMessageOverheadBytes <= max_message_bytes);
+    ATTND_FUZZ_CHECK(reply + attnd::server::kMessageOverheadBytes <= max_message_bytes);
   }
   const std::pair<int64_t, int64_t> limited[] = {{limits.max_batch, sh.batch()}, {limits.max_q_len, sh.q_len()},
                                                  {limits.max_kv_len, sh.kv_len()}, {limits.max_heads, sh.q_heads()}};
@@ -80,7 +90,7 @@ void Validate(const attnd::v1::ForwardRequest& req, Transport transport, const V
   CheckInline(job.q, b.q);
   CheckInline(job.k, b.k);
   CheckInline(job.v, b.v);
-  if (transport != Transport::kStream) {
+  if (via != Via::kStream) {
     for (const auto* t : {&job.q, &job.k, &job.v}) {
       ATTND_FUZZ_CHECK(t->is_reference() || t->host != nullptr || !t->pieces.empty() || t->host_bytes == 0);
     }
@@ -93,7 +103,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
   ValidationLimits limits;
   limits.max_request_bytes = in.ConsumeIntegralInRange<uint64_t>(0, uint64_t{1} << 34);
-  limits.max_message_bytes = in.ConsumeIntegralInRange<uint64_t>(0, uint64_t{1} << 30);
+  // The server refuses to start with less than 4096 (a message limit of 0 would mean none).
+  const uint64_t max_message_bytes = in.ConsumeIntegralInRange<uint64_t>(4096, uint64_t{1} << 30);
   const uint8_t pick = in.ConsumeIntegral<uint8_t>();
   for (int64_t hd : {64, 128, 256}) {
     if ((pick & (hd >> 6)) != 0 || (pick & 0x80) != 0) limits.supported_head_dims.push_back(hd);
@@ -108,7 +119,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   attnd::v1::ForwardRequest req;
   if (req.ParseFromString(bytes)) {
-    for (Transport t : {Transport::kUnary, Transport::kStream, Transport::kShm}) Validate(req, t, limits, nullptr);
+    for (Via via : {Via::kUnary, Via::kStream, Via::kShm}) Validate(req, via, limits, max_message_bytes, nullptr);
   }
   const grpc::Slice slice(bytes.data(), bytes.size());
   const grpc::ByteBuffer message(&slice, 1);
@@ -116,7 +127,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   attnd::v1::ForwardRequest header;
   attnd::InlineBytes tensors[3];
   if (attnd::ReadForwardRequest(message, &slices, &header, tensors)) {
-    Validate(header, Transport::kUnary, limits, tensors);
+    Validate(header, Via::kUnary, limits, max_message_bytes, tensors);
   }
   return 0;
 }

@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 #include "attnd/server/status_util.h"
 #include "call_observer.h"
+#include "grpc_status.h"
 #include "grpcpp/alarm.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/support/server_callback.h"

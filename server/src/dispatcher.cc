@@ -10,12 +10,12 @@
 
 namespace attnd::server {
 
-absl::Status Dispatcher::Prepare(const v1::ForwardRequest& request, Transport transport, const CallInfo& call,
-                                 ForwardJob* job, RequestBytes* bytes) const {
+absl::Status Dispatcher::Prepare(const ForwardArgs& request, const CallInfo& call, ForwardJob* job,
+                                 RequestBytes* bytes) const {
   if (shutting_down_.load()) return absl::UnavailableError("the server is shutting down");
   if (call.admit) ATTND_RETURN_IF_ERROR(call.admit());
   job->accepted = call.accepted;
-  ATTND_RETURN_IF_ERROR(ValidateForwardRequest(request, transport, limits_, job, bytes, call.in_message));
+  ATTND_RETURN_IF_ERROR(ValidateForward(request, call, limits_, job, bytes));
   ATTND_RETURN_IF_ERROR(backend_->Accept(job));
   if (buffers_ == nullptr && (job->q.is_reference() || job->k.is_reference() || job->v.is_reference() ||
                               job->o_to_buffer)) {
@@ -102,25 +102,11 @@ void Dispatcher::Submit(std::unique_ptr<ForwardJob> job, Reply reply) {
   if (!status.ok()) reply(status, nullptr);
 }
 
-void Dispatcher::Dispatch(const v1::ForwardRequest& request, Transport transport, const CallInfo& call,
-                          RequestBytes* bytes, Reply reply) {
+void Dispatcher::Dispatch(const ForwardArgs& request, const CallInfo& call, RequestBytes* bytes, Reply reply) {
   auto job = std::make_unique<ForwardJob>();
-  const absl::Status prepared = Prepare(request, transport, call, job.get(), bytes);
+  const absl::Status prepared = Prepare(request, call, job.get(), bytes);
   if (!prepared.ok()) return reply(prepared, nullptr);
   Submit(std::move(job), std::move(reply));
-}
-
-void Dispatcher::FillResponseHeader(const ForwardJob& job, v1::ForwardResponse* response) const {
-  response->set_request_id(job.request_id);
-  v1::Timing* t = response->mutable_timing();
-  t->set_queue_us(job.timing.queue_us);
-  t->set_h2d_us(job.timing.h2d_us);
-  t->set_kernel_us(job.timing.kernel_us);
-  t->set_d2h_us(job.timing.d2h_us);
-  t->set_total_us(job.timing.total_us);
-  response->set_backend(backend_->name());
-  response->set_kernel(job.kernel);
-  response->set_device(job.device);
 }
 
 }  // namespace attnd::server

@@ -1,4 +1,4 @@
-#include "attnd/server/status_util.h"
+#include "grpc_status.h"
 
 #include <string>
 

@@ -57,7 +57,7 @@ prometheus::ClientMetric Value(prometheus::MetricType type, double v, std::vecto
 class BackendCollector final : public prometheus::Collectable {
  public:
   BackendCollector(const Backend* backend, std::function<uint32_t()> streams_receiving,
-                   std::function<v1::SequenceStats()> sequences)
+                   std::function<SequenceCounts()> sequences)
       : backend_(backend), streams_receiving_(std::move(streams_receiving)), sequences_(std::move(sequences)) {}
 
   std::vector<prometheus::MetricFamily> Collect() const override {
@@ -100,18 +100,18 @@ class BackendCollector final : public prometheus::Collectable {
     }
     out.push_back(std::move(memory));
     if (sequences_) {
-      const v1::SequenceStats q = sequences_();
+      const SequenceCounts q = sequences_();
       auto open = Family("attnd_sequences_open", "KV sequences open now.", MetricType::Gauge);
-      open.metric.push_back(Value(MetricType::Gauge, static_cast<double>(q.open())));
+      open.metric.push_back(Value(MetricType::Gauge, static_cast<double>(q.open)));
       out.push_back(std::move(open));
       auto pages = Family("attnd_kv_pages", "Pages of the KV pools, by state (used: held by a sequence).",
                           MetricType::Gauge);
-      pages.metric.push_back(Value(MetricType::Gauge, static_cast<double>(q.pages_used()), {{"state", "used"}}));
-      pages.metric.push_back(Value(MetricType::Gauge, static_cast<double>(q.pages_free()), {{"state", "free"}}));
+      pages.metric.push_back(Value(MetricType::Gauge, static_cast<double>(q.pages_used), {{"state", "used"}}));
+      pages.metric.push_back(Value(MetricType::Gauge, static_cast<double>(q.pages_free), {{"state", "free"}}));
       out.push_back(std::move(pages));
       auto expired = Family("attnd_sequences_expired_total", "KV sequences closed by --sequence_ttl_s.",
                             MetricType::Counter);
-      expired.metric.push_back(Value(MetricType::Counter, static_cast<double>(q.expired())));
+      expired.metric.push_back(Value(MetricType::Counter, static_cast<double>(q.expired)));
       out.push_back(std::move(expired));
     }
     return out;
@@ -120,7 +120,7 @@ class BackendCollector final : public prometheus::Collectable {
  private:
   const Backend* const backend_;
   const std::function<uint32_t()> streams_receiving_;
-  const std::function<v1::SequenceStats()> sequences_;
+  const std::function<SequenceCounts()> sequences_;
 };
 
 // 1 .. 256 sequences per launch (--max_step_batch's default).
@@ -133,7 +133,7 @@ const prometheus::Histogram::BucketBoundaries& BatchBuckets() {
 
 struct ServerMetrics::Impl {
   Impl(const Backend* backend, std::function<uint32_t()> streams_receiving,
-       std::function<v1::SequenceStats()> sequences)
+       std::function<SequenceCounts()> sequences)
       : registry(std::make_shared<prometheus::Registry>()),
         backend_collector(
             std::make_shared<BackendCollector>(backend, std::move(streams_receiving), std::move(sequences))),
@@ -202,7 +202,7 @@ struct ServerMetrics::Impl {
 };
 
 ServerMetrics::ServerMetrics(const Backend* backend, std::function<uint32_t()> streams_receiving,
-                             std::function<v1::SequenceStats()> sequences)
+                             std::function<SequenceCounts()> sequences)
     : impl_(std::make_unique<Impl>(backend, std::move(streams_receiving), std::move(sequences))) {}
 
 ServerMetrics::~ServerMetrics() {
@@ -265,7 +265,7 @@ int ServerMetrics::port() const {
 #else  // !ATTND_HAVE_METRICS
 
 struct ServerMetrics::Impl {};
-ServerMetrics::ServerMetrics(const Backend*, std::function<uint32_t()>, std::function<v1::SequenceStats()>) {}
+ServerMetrics::ServerMetrics(const Backend*, std::function<uint32_t()>, std::function<SequenceCounts()>) {}
 ServerMetrics::~ServerMetrics() = default;
 bool ServerMetrics::Available() { return false; }
 void ServerMetrics::RecordCall(const CallRecord&) {}

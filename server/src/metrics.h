@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "attnd/server/backend.h"
+#include "attnd/server/requests.h"
 #include "attnd/v1/attention.pb.h"
 #include "call_stats.h"
 
@@ -27,7 +28,7 @@ class ServerMetrics {
   // `backend`, `streams_receiving` and `sequences` (may be empty) are sampled at scrape time and must outlive
   // this object.
   explicit ServerMetrics(const Backend* backend, std::function<uint32_t()> streams_receiving = nullptr,
-                         std::function<v1::SequenceStats()> sequences = nullptr);
+                         std::function<SequenceCounts()> sequences = nullptr);
   ~ServerMetrics();
   ServerMetrics(const ServerMetrics&) = delete;
   ServerMetrics& operator=(const ServerMetrics&) = delete;

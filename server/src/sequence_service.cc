@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -12,6 +13,7 @@
 #include "attnd/server/status_util.h"
 #include "auth.h"
 #include "call_observer.h"
+#include "core_messages.h"
 #include "metrics.h"
 #include "service.h"
 
@@ -35,37 +37,47 @@ std::string AttentionService::OwnerOf(grpc::CallbackServerContext* ctx) const {
 absl::Status AttentionService::ServeOpenSequence(grpc::CallbackServerContext* ctx,
                                                 const v1::OpenSequenceRequest& request,
                                                 v1::OpenSequenceResponse* response) {
-  absl::StatusOr<v1::OpenSequenceResponse> opened = sequences_->Open(OwnerOf(ctx), request);
-  if (opened.ok()) *response = *std::move(opened);
-  return opened.status();
+  absl::StatusOr<OpenArgs> args = OpenArgsFromProto(request);
+  if (!args.ok()) return args.status();
+  absl::StatusOr<OpenedSequences> opened = sequences_->Open(OwnerOf(ctx), *args);
+  if (!opened.ok()) return opened.status();
+  for (std::string& id : opened->sequence_ids) response->add_sequence_ids(std::move(id));
+  response->set_max_tokens(opened->max_tokens);
+  response->set_page_tokens(opened->page_tokens);
+  return absl::OkStatus();
 }
 
 absl::Status AttentionService::ServeForkSequence(grpc::CallbackServerContext* ctx,
                                                 const v1::ForkSequenceRequest& request,
                                                 v1::ForkSequenceResponse* response) {
-  absl::StatusOr<v1::ForkSequenceResponse> forked = sequences_->Fork(OwnerOf(ctx), request);
-  if (forked.ok()) *response = *std::move(forked);
-  return forked.status();
+  absl::StatusOr<std::vector<std::string>> forked = sequences_->Fork(OwnerOf(ctx), request.sequence_id(), request.count());
+  if (!forked.ok()) return forked.status();
+  for (std::string& id : *forked) response->add_sequence_ids(std::move(id));
+  return absl::OkStatus();
 }
 
 absl::Status AttentionService::ServeTruncateSequence(grpc::CallbackServerContext* ctx,
                                                     const v1::TruncateSequenceRequest& request,
                                                     v1::TruncateSequenceResponse* response) {
-  absl::StatusOr<v1::TruncateSequenceResponse> truncated = sequences_->Truncate(OwnerOf(ctx), request);
-  if (truncated.ok()) *response = *std::move(truncated);
-  return truncated.status();
+  absl::StatusOr<std::vector<int64_t>> lengths =
+      sequences_->Truncate(OwnerOf(ctx), request.sequence_id(), request.tokens());
+  if (!lengths.ok()) return lengths.status();
+  for (int64_t len : *lengths) response->add_lengths(len);
+  return absl::OkStatus();
 }
 
 absl::Status AttentionService::ServeCloseSequence(grpc::CallbackServerContext* ctx,
                                                  const v1::CloseSequenceRequest& request, v1::CloseSequenceResponse*) {
-  return sequences_->Close(OwnerOf(ctx), request);
+  const std::vector<absl::string_view> ids(request.sequence_ids().begin(), request.sequence_ids().end());
+  return sequences_->Close(OwnerOf(ctx), ids);
 }
 
 absl::Status AttentionService::ServeGetSequence(grpc::CallbackServerContext* ctx,
                                                const v1::GetSequenceRequest& request, v1::SequenceInfo* response) {
-  absl::StatusOr<v1::SequenceInfo> info = sequences_->Get(OwnerOf(ctx), request);
-  if (info.ok()) *response = *std::move(info);
-  return info.status();
+  absl::StatusOr<SequenceState> state = sequences_->Get(OwnerOf(ctx), request.sequence_id());
+  if (!state.ok()) return state.status();
+  *response = SequenceInfoToProto(*state);
+  return absl::OkStatus();
 }
 
 void AttentionService::ServeStep(grpc::CallbackServerContext* ctx, absl::Time start, const v1::StepRequest* request,
@@ -77,10 +89,10 @@ void AttentionService::ServeStep(grpc::CallbackServerContext* ctx, absl::Time st
   }
   CallInfo call = CallFor(ctx, start);
   // The request message stays alive until the call finishes: the job's inline tensors point into it.
-  sequences_->Step(OwnerOf(ctx), *request, Transport::kUnary, call,
+  sequences_->Step(OwnerOf(ctx), StepArgsFromProto(*request), call,
                    [this, ctx, response, request_id, start, done = std::move(done)](absl::Status status, StepJob* job) {
                      if (job != nullptr && status.ok()) {
-                       sequences_->FillStepResponse(*job, response);
+                       FillStepReply(*job, backend()->name(), response);
                        response->set_request_id(request_id);
                        const uint64_t in = job->q.host_bytes + job->k.host_bytes + job->v.host_bytes;
                        response->set_o(std::move(job->o));
@@ -104,9 +116,10 @@ constexpr const char* kStepStreamMethod = "StepStream";
 // drop the call.
 class StepStreamReactor final : public grpc::ServerBidiReactor<v1::StepStreamRequest, v1::StepStreamResponse> {
  public:
-  StepStreamReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, CallStats* stats, CallInfo call,
-                    std::string owner)
+  StepStreamReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, std::string backend_name, CallStats* stats,
+                    CallInfo call, std::string owner)
       : sequences_(sequences),
+        backend_name_(std::move(backend_name)),
         stats_(stats),
         owner_(std::move(owner)),
         peer_(ctx->peer()),
@@ -179,7 +192,7 @@ class StepStreamReactor final : public grpc::ServerBidiReactor<v1::StepStreamReq
     call.cancelled = nullptr;
     // The request message is not read into again before the step is answered: the job's inline tensors point
     // into it.
-    sequences_->Step(owner_, *step, Transport::kUnary, call,
+    sequences_->Step(owner_, StepArgsFromProto(*step), call,
                      [this, start](absl::Status status, StepJob* job) { Answer(start, std::move(status), job); });
   }
 
@@ -201,7 +214,7 @@ class StepStreamReactor final : public grpc::ServerBidiReactor<v1::StepStreamReq
     uint32_t batch_sequences = 0;
     if (job != nullptr && status.ok()) {
       v1::StepResponse* r = response->mutable_step();
-      sequences_->FillStepResponse(*job, r);
+      FillStepReply(*job, backend_name_, r);
       rec.tensor_bytes_in = job->q.host_bytes + job->k.host_bytes + job->v.host_bytes;
       r->set_o(std::move(job->o));
       r->set_lse(std::move(job->lse));
@@ -256,6 +269,7 @@ class StepStreamReactor final : public grpc::ServerBidiReactor<v1::StepStreamReq
   }
 
   Sequences* const sequences_;
+  const std::string backend_name_;  // for the replies
   CallStats* const stats_;
   const std::string owner_, peer_;
   const CallInfo call_;  // the stream's deadline, cancellation and admission; `accepted` is set per step
@@ -273,7 +287,7 @@ class StepStreamReactor final : public grpc::ServerBidiReactor<v1::StepStreamReq
 
 grpc::ServerBidiReactor<v1::StepStreamRequest, v1::StepStreamResponse>* AttentionService::StepStream(
     grpc::CallbackServerContext* ctx) {
-  return new StepStreamReactor(ctx, sequences_, stats_, CallFor(ctx, absl::Now()), OwnerOf(ctx));
+  return new StepStreamReactor(ctx, sequences_, backend()->name(), stats_, CallFor(ctx, absl::Now()), OwnerOf(ctx));
 }
 
 }  // namespace attnd::server

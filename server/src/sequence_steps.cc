@@ -50,10 +50,10 @@ struct Sequences::Admitted {
   std::string owner;
 };
 
-absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& request, Transport transport,
-                              const CallInfo& call, StepJob* job, Admitted* admitted) {
-  const bool append = request.has_k() || request.has_v();
-  const bool attend = request.has_q();
+absl::Status Sequences::Admit(const std::string& owner, const StepArgs& request, const CallInfo& call, StepJob* job,
+                              Admitted* admitted) {
+  const bool append = request.k.present() || request.v.present();
+  const bool attend = request.q.present();
   ATTND_RETURN_IF_ERROR(CheckStepRequest(request, call, append, attend));
   if (call.admit) ATTND_RETURN_IF_ERROR(call.admit());
 
@@ -68,7 +68,7 @@ absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& r
   ATTND_RETURN_IF_ERROR(FindStepSequences(owner, request, &seqs, &rows));
   ATTND_RETURN_IF_ERROR(CheckStepCounts(request, seqs, append, attend));
   const SequenceShape& shape = seqs[0]->pool->memory->shape();
-  absl::StatusOr<StepBytes> bytes = SizeStep(request, transport, shape, rows, append, attend);
+  absl::StatusOr<StepBytes> bytes = SizeStep(request, call, shape, rows, append, attend);
   if (!bytes.ok()) return bytes.status();
   ATTND_RETURN_IF_ERROR(BindStepTensors(request, *bytes, append, attend, job));
   DescribeStep(request, call, seqs, rows, append, attend, job);
@@ -85,37 +85,37 @@ absl::Status Sequences::Admit(const std::string& owner, const v1::StepRequest& r
   return absl::OkStatus();
 }
 
-absl::Status Sequences::CheckStepRequest(const v1::StepRequest& request, const CallInfo& call, bool append,
+absl::Status Sequences::CheckStepRequest(const StepArgs& request, const CallInfo& call, bool append,
                                          bool attend) const {
   if (!options_.enabled) return absl::FailedPreconditionError("KV sequences are disabled on this server");
-  if (request.request_id().size() > kMaxRequestIdBytes) {
+  if (request.request_id.size() > kMaxRequestIdBytes) {
     return Invalid("request_id", absl::StrCat("longer than ", kMaxRequestIdBytes, " bytes"));
   }
-  if (request.sequences_size() == 0) return Invalid("sequences", "empty: a step names at least one sequence");
-  if (static_cast<uint32_t>(request.sequences_size()) > options_.max_batch) {
-    return absl::ResourceExhaustedError(absl::StrCat("sequences: ", request.sequences_size(),
+  if (request.sequences.empty()) return Invalid("sequences", "empty: a step names at least one sequence");
+  if (request.sequences.size() > options_.max_batch) {
+    return absl::ResourceExhaustedError(absl::StrCat("sequences: ", request.sequences.size(),
                                                      " exceeds the server limit --max_step_batch=",
                                                      options_.max_batch));
   }
-  if (append && !(request.has_k() && request.has_v())) {
-    return Invalid(request.has_k() ? "v" : "k", "k and v are both set (append) or both unset");
+  if (append && !(request.k.present() && request.v.present())) {
+    return Invalid(request.k.present() ? "v" : "k", "k and v are both set (append) or both unset");
   }
   if (!append && !attend) return Invalid("q", "a step needs q (attend), k and v (append), or all three");
-  if (!attend && request.has_o_ref()) return Invalid("o_ref", "given without q: a step without q has no O");
-  if (!attend && request.return_lse()) return Invalid("return_lse", "set without q: a step without q has no LSE");
-  if (request.has_softmax_scale() && !std::isfinite(request.softmax_scale())) {
+  if (!attend && request.o_ref.has_value()) return Invalid("o_ref", "given without q: a step without q has no O");
+  if (!attend && request.return_lse) return Invalid("return_lse", "set without q: a step without q has no LSE");
+  if (request.softmax_scale.has_value() && !std::isfinite(*request.softmax_scale)) {
     return Invalid("softmax_scale", "must be finite");
   }
-  for (const auto& [field, input] : {std::pair<const char*, const v1::TensorInput*>{"q", &request.q()},
-                                     {"k", &request.k()}, {"v", &request.v()}}) {
-    if (input->has_ref() && !input->ref().strides().empty()) {
+  for (const auto& [field, input] : {std::pair<const char*, const TensorArg*>{"q", &request.q},
+                                     {"k", &request.k}, {"v", &request.v}}) {
+    if (input->is_ref() && !input->ref.strides.empty()) {
       return Invalid(absl::StrCat(field, ".ref.strides"), "a step's tensors are contiguous: leave strides empty");
     }
   }
-  if (request.has_o_ref() && !request.o_ref().strides().empty()) {
+  if (request.o_ref.has_value() && !request.o_ref->strides.empty()) {
     return Invalid("o_ref.strides", "a step's tensors are contiguous: leave strides empty");
   }
-  if (request.has_order() && !call.ready) {
+  if (request.stream_ordered && !call.ready) {
     // The shared-memory channel waits for the order (CallInfo::ready); no other transport can.
     return absl::FailedPreconditionError(
         "order: a step waits for the caller's stream only over the shared-memory channel (--shm_socket), whose "
@@ -124,19 +124,19 @@ absl::Status Sequences::CheckStepRequest(const v1::StepRequest& request, const C
   return absl::OkStatus();
 }
 
-absl::Status Sequences::FindStepSequences(const std::string& owner, const v1::StepRequest& request,
+absl::Status Sequences::FindStepSequences(const std::string& owner, const StepArgs& request,
                                           std::vector<Seq*>* seqs_out, int64_t* rows_out) {
   std::vector<Seq*>& seqs = *seqs_out;
   int64_t& rows = *rows_out;
-  for (int i = 0; i < request.sequences_size(); ++i) {
-    const v1::SequenceTokens& st = request.sequences(i);
+  for (size_t i = 0; i < request.sequences.size(); ++i) {
+    const SequenceTokensArg& st = request.sequences[i];
     const auto field = [i] { return absl::StrCat("sequences[", i, "]"); };  // for messages only: a step names many
     Seq* seq = nullptr;
-    auto it = seqs_.find(st.sequence_id());
+    auto it = seqs_.find(st.sequence_id);
     if (it != seqs_.end() && it->second->owner == owner && !it->second->closing) {
       seq = it->second.get();  // what Find answers for an open sequence of the caller's
     } else {
-      absl::StatusOr<Seq*> found = Find(owner, st.sequence_id(), absl::StrCat(field(), ".sequence_id"));
+      absl::StatusOr<Seq*> found = Find(owner, st.sequence_id, absl::StrCat(field(), ".sequence_id"));
       if (!found.ok()) return found.status();
       seq = *found;
     }
@@ -152,36 +152,36 @@ absl::Status Sequences::FindStepSequences(const std::string& owner, const v1::St
                      absl::StrCat("its shape (", ShapeText(seq->pool->memory->shape()), ") differs from sequences[0]'s (",
                                   ShapeText(seqs[0]->pool->memory->shape()), "): one step runs on one shape"));
     }
-    if (st.tokens() < 1 || st.tokens() > seq->max_tokens) {
+    if (st.tokens < 1 || st.tokens > seq->max_tokens) {
       return Invalid(absl::StrCat(field(), ".tokens"),
-                     absl::StrCat("must be 1..", seq->max_tokens, " (the sequence's max_tokens), got ", st.tokens()));
+                     absl::StrCat("must be 1..", seq->max_tokens, " (the sequence's max_tokens), got ", st.tokens));
     }
     seqs.push_back(seq);
-    rows += st.tokens();
+    rows += st.tokens;
   }
   return absl::OkStatus();
 }
 
-absl::Status Sequences::CheckStepCounts(const v1::StepRequest& request, const std::vector<Seq*>& seqs, bool append,
+absl::Status Sequences::CheckStepCounts(const StepArgs& request, const std::vector<Seq*>& seqs, bool append,
                                         bool attend) const {
   const SequenceShape& shape = seqs[0]->pool->memory->shape();
-  if (request.layer() < 0 || request.layer() >= shape.layers) {
+  if (request.layer < 0 || request.layer >= shape.layers) {
     return Invalid("layer", absl::StrCat("must be 0..", shape.layers - 1, " (the sequences have ", shape.layers,
-                                         " layers), got ", request.layer()));
+                                         " layers), got ", request.layer));
   }
-  const int layer = static_cast<int>(request.layer());
+  const int layer = static_cast<int>(request.layer);
   if (attend) {
-    if (request.q_heads() < 1 || request.q_heads() % shape.kv_heads != 0) {
+    if (request.q_heads < 1 || request.q_heads % shape.kv_heads != 0) {
       return Invalid("q_heads", absl::StrCat("must be a positive multiple of the sequences' kv_heads (",
-                                             shape.kv_heads, "), got ", request.q_heads()));
+                                             shape.kv_heads, "), got ", request.q_heads));
     }
-    if (limits_.max_heads > 0 && request.q_heads() > limits_.max_heads) {
+    if (limits_.max_heads > 0 && request.q_heads > limits_.max_heads) {
       return absl::ResourceExhaustedError(
-          absl::StrCat("q_heads: ", request.q_heads(), " exceeds the server limit --max_heads=", limits_.max_heads));
+          absl::StrCat("q_heads: ", request.q_heads, " exceeds the server limit --max_heads=", limits_.max_heads));
     }
   }
-  for (int i = 0; i < request.sequences_size(); ++i) {
-    const int64_t tokens = request.sequences(i).tokens();
+  for (size_t i = 0; i < request.sequences.size(); ++i) {
+    const int64_t tokens = request.sequences[i].tokens;
     const int64_t cached = seqs[i]->lengths[layer];
     if (append && cached + tokens > seqs[i]->max_tokens) {
       return absl::ResourceExhaustedError(absl::StrCat("sequences[", i, "].tokens: ", cached, " cached + ", tokens,
@@ -197,14 +197,14 @@ absl::Status Sequences::CheckStepCounts(const v1::StepRequest& request, const st
   return absl::OkStatus();
 }
 
-absl::StatusOr<Sequences::StepBytes> Sequences::SizeStep(const v1::StepRequest& request, Transport transport,
+absl::StatusOr<Sequences::StepBytes> Sequences::SizeStep(const StepArgs& request, const CallInfo& call,
                                                          const SequenceShape& shape, int64_t rows, bool append,
                                                          bool attend) const {
   // Sizes: each inline tensor exactly its shape. --max_request_bytes bounds all of a step's tensors together (the
   // memory the step takes); over gRPC the request and the reply are two messages, each held to --max_message_bytes
   // on its own, with what it carries: Q, K and V inline, O unless it goes to o_ref, and LSE.
   const uint64_t elem = DTypeBytes(shape.dtype);
-  const int64_t q_heads = attend ? request.q_heads() : 0;
+  const int64_t q_heads = attend ? request.q_heads : 0;
   uint64_t q_bytes = 0, kv_bytes = 0, lse_bytes = 0;
   if (!RowsBytes(rows, std::max<int64_t>(q_heads, 1), shape.head_dim, elem, &q_bytes) ||
       !RowsBytes(rows, shape.kv_heads, shape.head_dim, elem, &kv_bytes) ||
@@ -212,7 +212,7 @@ absl::StatusOr<Sequences::StepBytes> Sequences::SizeStep(const v1::StepRequest& 
     return Invalid("sequences", "the step's tensors are too large to address");
   }
   if (!attend) q_bytes = lse_bytes = 0;
-  if (!request.return_lse()) lse_bytes = 0;
+  if (!request.return_lse) lse_bytes = 0;
   if (!append) kv_bytes = 0;
   const uint64_t total = 2 * q_bytes + 2 * kv_bytes + lse_bytes;  // q, o, k, v, lse
   if (total > limits_.max_request_bytes) {
@@ -220,17 +220,18 @@ absl::StatusOr<Sequences::StepBytes> Sequences::SizeStep(const v1::StepRequest& 
                                                      " bytes, over the server limit --max_request_bytes=",
                                                      limits_.max_request_bytes, "; send fewer tokens per step"));
   }
-  if (transport == Transport::kUnary) {
-    const uint64_t in = (request.q().has_ref() ? 0 : q_bytes) + (request.k().has_ref() ? 0 : kv_bytes) +
-                        (request.v().has_ref() ? 0 : kv_bytes);
-    const uint64_t out = (request.has_o_ref() ? 0 : q_bytes) + lse_bytes;
+  if (call.message_limit != 0) {
+    const uint64_t limit = call.message_limit;
+    const uint64_t in = (request.q.is_ref() ? 0 : q_bytes) + (request.k.is_ref() ? 0 : kv_bytes) +
+                        (request.v.is_ref() ? 0 : kv_bytes);
+    const uint64_t out = (request.o_ref.has_value() ? 0 : q_bytes) + lse_bytes;
     for (const auto& [what, bytes] : {std::pair<const char*, uint64_t>{"request (inline Q, K and V)", in},
                                       {"reply (O and LSE)", out}}) {
-      if (bytes + kMessageOverheadBytes > limits_.max_message_bytes) {
+      if (bytes + kMessageOverheadBytes > limit) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "sequences: the step's ", what, " takes ", bytes, " bytes, more than one message holds (",
-            limits_.max_message_bytes > kMessageOverheadBytes ? limits_.max_message_bytes - kMessageOverheadBytes : 0,
-            ": --max_message_bytes=", limits_.max_message_bytes, " less ", kMessageOverheadBytes,
+            limit > kMessageOverheadBytes ? limit - kMessageOverheadBytes : 0, ": --max_message_bytes=", limit,
+            " less ", kMessageOverheadBytes,
             " for framing); send fewer tokens per step"));
       }
     }
@@ -238,61 +239,65 @@ absl::StatusOr<Sequences::StepBytes> Sequences::SizeStep(const v1::StepRequest& 
   return StepBytes{q_bytes, kv_bytes};
 }
 
-absl::Status Sequences::BindStepTensors(const v1::StepRequest& request, const StepBytes& sizes, bool append,
-                                        bool attend, StepJob* job) const {
-  const auto bind = [&](const char* field, const v1::TensorInput& in, uint64_t bytes, TensorSource* src) {
-    if (in.has_ref()) {
+absl::Status Sequences::BindStepTensors(const StepArgs& request, const StepBytes& sizes, bool append, bool attend,
+                                        StepJob* job) const {
+  const auto bind = [&](const char* field, const TensorArg& in, uint64_t bytes, TensorSource* src) {
+    if (in.is_ref()) {
       if (buffers_ == nullptr) {
         return absl::FailedPreconditionError(absl::StrCat(field, ".ref: CUDA IPC is not enabled (--enable_cuda_ipc)"));
       }
-      src->buffer_id = in.ref().buffer_id();
-      src->offset = in.ref().offset();
+      src->buffer_id = std::string(in.ref.buffer_id);
+      src->offset = in.ref.offset;
       return absl::OkStatus();
     }
-    if (in.data().size() != bytes) {
-      return Invalid(absl::StrCat(field, ".data"), absl::StrCat(in.data().size(), " bytes, expected ", bytes));
+    if (in.inline_bytes() != bytes) {
+      return Invalid(absl::StrCat(field, ".data"), absl::StrCat(in.inline_bytes(), " bytes, expected ", bytes));
     }
-    src->host = reinterpret_cast<const uint8_t*>(in.data().data());
+    if (in.source == TensorArg::Source::kPieces) {
+      src->pieces.assign(in.pieces.begin(), in.pieces.end());
+    } else {
+      src->host = reinterpret_cast<const uint8_t*>(in.data.data());
+    }
     src->host_bytes = bytes;
     return absl::OkStatus();
   };
-  if (attend) ATTND_RETURN_IF_ERROR(bind("q", request.q(), sizes.q, &job->q));
+  if (attend) ATTND_RETURN_IF_ERROR(bind("q", request.q, sizes.q, &job->q));
   if (append) {
-    ATTND_RETURN_IF_ERROR(bind("k", request.k(), sizes.kv, &job->k));
-    ATTND_RETURN_IF_ERROR(bind("v", request.v(), sizes.kv, &job->v));
+    ATTND_RETURN_IF_ERROR(bind("k", request.k, sizes.kv, &job->k));
+    ATTND_RETURN_IF_ERROR(bind("v", request.v, sizes.kv, &job->v));
   }
-  if (request.has_o_ref()) {
+  if (request.o_ref.has_value()) {
     if (buffers_ == nullptr) {
       return absl::FailedPreconditionError("o_ref: CUDA IPC is not enabled (--enable_cuda_ipc)");
     }
     job->o_to_buffer = true;
-    job->o_ref.buffer_id = request.o_ref().buffer_id();
-    job->o_ref.offset = request.o_ref().offset();
+    job->o_ref.buffer_id = std::string(request.o_ref->buffer_id);
+    job->o_ref.offset = request.o_ref->offset;
   }
   return absl::OkStatus();
 }
 
-void Sequences::DescribeStep(const v1::StepRequest& request, const CallInfo& call, const std::vector<Seq*>& seqs,
+void Sequences::DescribeStep(const StepArgs& request, const CallInfo& call, const std::vector<Seq*>& seqs,
                              int64_t rows, bool append, bool attend, StepJob* job) const {
   const SequenceShape& shape = seqs[0]->pool->memory->shape();
-  const int layer = static_cast<int>(request.layer());
-  const int64_t q_heads = attend ? request.q_heads() : 0;
-  job->request_id = request.request_id();
+  const int layer = static_cast<int>(request.layer);
+  const int64_t q_heads = attend ? request.q_heads : 0;
+  job->request_id = std::string(request.request_id);
   job->pool = seqs[0]->pool->memory;
   job->layer = layer;
   job->q_heads = static_cast<int>(q_heads);
-  job->scale = request.has_softmax_scale() ? request.softmax_scale() : DefaultScale(shape.head_dim);
-  job->want_lse = request.return_lse();
+  job->scale = request.softmax_scale.value_or(DefaultScale(shape.head_dim));
+  job->want_lse = request.return_lse;
   job->append = append;
   job->attend = attend;
   job->rows = rows;
   job->accepted = call.accepted;
   job->deadline = call.deadline;
   job->cancelled = call.cancelled;
-  for (int i = 0; i < request.sequences_size(); ++i) {
+  for (size_t i = 0; i < request.sequences.size(); ++i) {
     StepSequence part;
     part.cached = seqs[i]->lengths[layer];
-    part.tokens = static_cast<int32_t>(request.sequences(i).tokens());
+    part.tokens = static_cast<int32_t>(request.sequences[i].tokens);
     job->sequences.push_back(std::move(part));
   }
 }
@@ -401,8 +406,7 @@ void Sequences::Answered() {
   --admitted_;
 }
 
-void Sequences::Step(const std::string& owner, const v1::StepRequest& request, Transport transport,
-                     const CallInfo& call, StepReply reply) {
+void Sequences::Step(const std::string& owner, const StepArgs& request, const CallInfo& call, StepReply reply) {
   auto job = std::make_unique<StepJob>();
   auto admitted = std::make_shared<Admitted>();
   if (absl::Now() >= call.deadline) {
@@ -412,7 +416,7 @@ void Sequences::Step(const std::string& owner, const v1::StepRequest& request, T
   if (call.cancelled && call.cancelled()) {
     return reply(absl::CancelledError("the call was cancelled before it was queued"), nullptr);
   }
-  absl::Status status = Admit(owner, request, transport, call, job.get(), admitted.get());
+  absl::Status status = Admit(owner, request, call, job.get(), admitted.get());
   if (!status.ok()) return reply(status, nullptr);
   // References: resolved against the buffer registry, as a Forward's.
   const SequenceShape& shape = job->pool->shape();
@@ -579,23 +583,6 @@ void Sequences::FailLane(const BatchKey& key, const absl::Status& status) {
     if (lane.in_flight == 0) lanes_.erase(it);
   }
   for (Pending& p : waiting) p.job->done(status);
-}
-
-void Sequences::FillStepResponse(const StepJob& job, v1::StepResponse* response) const {
-  response->set_request_id(job.request_id);
-  v1::StepTiming* st = response->mutable_timing();
-  v1::Timing* t = st->mutable_timing();
-  t->set_queue_us(job.timing.queue_us);
-  t->set_h2d_us(job.timing.h2d_us);
-  t->set_kernel_us(job.timing.kernel_us);
-  t->set_d2h_us(job.timing.d2h_us);
-  t->set_total_us(job.timing.total_us);
-  st->set_batch_sequences(job.batch_sequences);
-  st->set_batch_requests(job.batch_requests);
-  for (const StepSequence& s : job.sequences) response->add_lengths(s.keys(job.append));
-  response->set_backend(backend_->name());
-  response->set_kernel(job.kernel);
-  response->set_device(job.device);
 }
 
 }  // namespace attnd::server

@@ -8,8 +8,8 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/match.h"
 #include "absl/time/clock.h"
-#include "attnd/proto/enums.h"
 #include "attnd/server/status_util.h"
 #include "attnd/server/validation.h"
 #include "sequences_internal.h"
@@ -73,7 +73,7 @@ std::string Sequences::NewId() {
   return id;
 }
 
-absl::StatusOr<Sequences::Seq*> Sequences::Find(const std::string& owner, const std::string& id,
+absl::StatusOr<Sequences::Seq*> Sequences::Find(const std::string& owner, absl::string_view id,
                                                 const std::string& field) {
   if (id.empty()) return Invalid(field, "empty");
   if (id.size() > kMaxIdBytes) return Invalid(field, absl::StrCat("longer than ", kMaxIdBytes, " bytes"));
@@ -84,7 +84,7 @@ absl::StatusOr<Sequences::Seq*> Sequences::Find(const std::string& owner, const 
   if (tomb != tombstones_.end() && (it == seqs_.end() || it->second->owner == owner)) {
     return absl::NotFoundError(absl::StrCat(field, ": sequence ", id, " is gone: ", tomb->second));
   }
-  if (id.compare(0, instance_.size() + 1, absl::StrCat(instance_, "-")) != 0) {
+  if (!absl::StartsWith(id, absl::StrCat(instance_, "-"))) {
     return absl::NotFoundError(absl::StrCat(
         field, ": sequence ", id,
         " was not opened by this server process (a restarted server has lost its sequences: open and prefill "
@@ -220,30 +220,28 @@ absl::Status Sequences::CheckClientSequences(const std::string& owner, uint32_t 
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::OpenSequenceResponse> Sequences::Open(const std::string& owner,
-                                                         const v1::OpenSequenceRequest& request) {
+absl::StatusOr<OpenedSequences> Sequences::Open(const std::string& owner, const OpenArgs& request) {
   if (!options_.enabled) return absl::FailedPreconditionError("KV sequences are disabled on this server");
-  const v1::SequenceShape& s = request.shape();
-  if (s.layers() < 1 || s.layers() > 4096) return Invalid("shape.layers", absl::StrCat("must be 1..4096, got ", s.layers()));
-  if (s.kv_heads() < 1 || s.kv_heads() > 4096) {
-    return Invalid("shape.kv_heads", absl::StrCat("must be 1..4096, got ", s.kv_heads()));
+  if (request.layers < 1 || request.layers > 4096) {
+    return Invalid("shape.layers", absl::StrCat("must be 1..4096, got ", request.layers));
   }
-  if (std::find(limits_.supported_head_dims.begin(), limits_.supported_head_dims.end(), s.head_dim()) ==
+  if (request.kv_heads < 1 || request.kv_heads > 4096) {
+    return Invalid("shape.kv_heads", absl::StrCat("must be 1..4096, got ", request.kv_heads));
+  }
+  if (std::find(limits_.supported_head_dims.begin(), limits_.supported_head_dims.end(), request.head_dim) ==
       limits_.supported_head_dims.end()) {
-    return Invalid("shape.head_dim", absl::StrCat(s.head_dim(), " is not supported"));
+    return Invalid("shape.head_dim", absl::StrCat(request.head_dim, " is not supported"));
   }
-  const absl::StatusOr<DType> dtype = proto::DtypeFromProto(s.dtype(), "shape.dtype");
-  if (!dtype.ok()) return dtype.status();
-  const SequenceShape shape{static_cast<int>(s.layers()), static_cast<int>(s.kv_heads()),
-                            static_cast<int>(s.head_dim()), *dtype};
-  if (request.max_tokens() < 0) return Invalid("max_tokens", absl::StrCat("must be >= 0, got ", request.max_tokens()));
-  if (request.max_tokens() > options_.max_tokens) {
-    return absl::ResourceExhaustedError(absl::StrCat("max_tokens: ", request.max_tokens(),
+  const SequenceShape shape{static_cast<int>(request.layers), static_cast<int>(request.kv_heads),
+                            static_cast<int>(request.head_dim), request.dtype};
+  if (request.max_tokens < 0) return Invalid("max_tokens", absl::StrCat("must be >= 0, got ", request.max_tokens));
+  if (request.max_tokens > options_.max_tokens) {
+    return absl::ResourceExhaustedError(absl::StrCat("max_tokens: ", request.max_tokens,
                                                      " exceeds the server limit --max_sequence_tokens=",
                                                      options_.max_tokens));
   }
-  const int64_t max_tokens = request.max_tokens() == 0 ? options_.max_tokens : request.max_tokens();
-  absl::StatusOr<uint32_t> count = NewSequences(request.count());
+  const int64_t max_tokens = request.max_tokens == 0 ? options_.max_tokens : request.max_tokens;
+  absl::StatusOr<uint32_t> count = NewSequences(request.count);
   if (!count.ok()) return count.status();
   absl::MutexLock lock(&mu_);
   if (!pools_.contains(shape)) {
@@ -258,7 +256,7 @@ absl::StatusOr<v1::OpenSequenceResponse> Sequences::Open(const std::string& owne
   ATTND_RETURN_IF_ERROR(CheckClientSequences(owner, *count));
   absl::StatusOr<Pool*> pool = PoolFor(shape);
   if (!pool.ok()) return pool.status();
-  v1::OpenSequenceResponse response;
+  OpenedSequences response;
   const absl::Time now = absl::Now();
   for (uint32_t i = 0; i < *count; ++i) {
     auto seq = std::make_unique<Seq>();
@@ -270,21 +268,21 @@ absl::StatusOr<v1::OpenSequenceResponse> Sequences::Open(const std::string& owne
     seq->last_used = now;
     ++(*pool)->sequences;
     ++clients_[owner].sequences;
-    response.add_sequence_ids(seq->id);
+    response.sequence_ids.push_back(seq->id);
     seqs_.emplace(seq->id, std::move(seq));
   }
-  response.set_max_tokens(max_tokens);
-  response.set_page_tokens(options_.page_tokens);
+  response.max_tokens = max_tokens;
+  response.page_tokens = options_.page_tokens;
   return response;
 }
 
-absl::StatusOr<v1::ForkSequenceResponse> Sequences::Fork(const std::string& owner,
-                                                         const v1::ForkSequenceRequest& request) {
-  absl::StatusOr<uint32_t> count = NewSequences(request.count());
+absl::StatusOr<std::vector<std::string>> Sequences::Fork(const std::string& owner, absl::string_view sequence_id,
+                                                         uint32_t children) {
+  absl::StatusOr<uint32_t> count = NewSequences(children);
   if (!count.ok()) return count.status();
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the server is shutting down");
-  absl::StatusOr<Seq*> found = Find(owner, request.sequence_id(), "sequence_id");
+  absl::StatusOr<Seq*> found = Find(owner, sequence_id, "sequence_id");
   if (!found.ok()) return found.status();
   Seq* parent = *found;
   if (parent->busy) {
@@ -299,7 +297,7 @@ absl::StatusOr<v1::ForkSequenceResponse> Sequences::Fork(const std::string& owne
         "count: each child holds the parent's ", parent->pages.size(), " pages; this client holds ", before.pages,
         " and may hold ", options_.max_pages_per_client, " (--max_pages_per_client)"));
   }
-  v1::ForkSequenceResponse response;
+  std::vector<std::string> ids;
   const absl::Time now = absl::Now();
   parent->last_used = now;
   for (uint32_t i = 0; i < *count; ++i) {
@@ -316,39 +314,39 @@ absl::StatusOr<v1::ForkSequenceResponse> Sequences::Fork(const std::string& owne
     ClientUse& use = clients_[owner];
     ++use.sequences;
     use.pages += child->pages.size();
-    response.add_sequence_ids(child->id);
+    ids.push_back(child->id);
     seqs_.emplace(child->id, std::move(child));
   }
-  return response;
+  return ids;
 }
 
-absl::StatusOr<v1::TruncateSequenceResponse> Sequences::Truncate(const std::string& owner,
-                                                                 const v1::TruncateSequenceRequest& request) {
-  if (request.tokens() < 0) return Invalid("tokens", absl::StrCat("must be >= 0, got ", request.tokens()));
+absl::StatusOr<std::vector<int64_t>> Sequences::Truncate(const std::string& owner, absl::string_view sequence_id,
+                                                         int64_t tokens) {
+  if (tokens < 0) return Invalid("tokens", absl::StrCat("must be >= 0, got ", tokens));
   absl::MutexLock lock(&mu_);
-  absl::StatusOr<Seq*> found = Find(owner, request.sequence_id(), "sequence_id");
+  absl::StatusOr<Seq*> found = Find(owner, sequence_id, "sequence_id");
   if (!found.ok()) return found.status();
   Seq* seq = *found;
   if (seq->busy) {
     return absl::AbortedError(absl::StrCat("sequence_id: sequence ", seq->id,
                                            " has a step in flight; truncate it after the step's reply"));
   }
-  v1::TruncateSequenceResponse response;
+  std::vector<int64_t> lengths;
   for (int32_t& len : seq->lengths) {
-    len = static_cast<int32_t>(std::min<int64_t>(len, request.tokens()));
-    response.add_lengths(len);
+    len = static_cast<int32_t>(std::min<int64_t>(len, tokens));
+    lengths.push_back(len);
   }
   TrimPages(seq);
   seq->last_used = absl::Now();
-  return response;
+  return lengths;
 }
 
-absl::Status Sequences::Close(const std::string& owner, const v1::CloseSequenceRequest& request) {
-  if (request.sequence_ids_size() == 0) return Invalid("sequence_ids", "empty");
+absl::Status Sequences::Close(const std::string& owner, absl::Span<const absl::string_view> sequence_ids) {
+  if (sequence_ids.empty()) return Invalid("sequence_ids", "empty");
   absl::MutexLock lock(&mu_);
   std::vector<Seq*> found;
-  for (int i = 0; i < request.sequence_ids_size(); ++i) {
-    absl::StatusOr<Seq*> seq = Find(owner, request.sequence_ids(i), absl::StrCat("sequence_ids[", i, "]"));
+  for (size_t i = 0; i < sequence_ids.size(); ++i) {
+    absl::StatusOr<Seq*> seq = Find(owner, sequence_ids[i], absl::StrCat("sequence_ids[", i, "]"));
     if (!seq.ok()) return seq.status();
     if (std::find(found.begin(), found.end(), *seq) != found.end()) {
       return Invalid(absl::StrCat("sequence_ids[", i, "]"), "appears twice");
@@ -365,26 +363,24 @@ absl::Status Sequences::Close(const std::string& owner, const v1::CloseSequenceR
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::SequenceInfo> Sequences::Get(const std::string& owner, const v1::GetSequenceRequest& request) {
+absl::StatusOr<SequenceState> Sequences::Get(const std::string& owner, absl::string_view sequence_id) {
   absl::MutexLock lock(&mu_);
-  absl::StatusOr<Seq*> found = Find(owner, request.sequence_id(), "sequence_id");
+  absl::StatusOr<Seq*> found = Find(owner, sequence_id, "sequence_id");
   if (!found.ok()) return found.status();
   const Seq& seq = **found;
   const SequenceShape& shape = seq.pool->memory->shape();
-  v1::SequenceInfo info;
-  info.set_sequence_id(seq.id);
-  info.mutable_shape()->set_layers(shape.layers);
-  info.mutable_shape()->set_kv_heads(shape.kv_heads);
-  info.mutable_shape()->set_head_dim(shape.head_dim);
-  info.mutable_shape()->set_dtype(proto::DtypeToProto(shape.dtype));
-  info.set_max_tokens(seq.max_tokens);
-  for (int32_t len : seq.lengths) info.add_lengths(len);
-  info.set_pages(static_cast<int64_t>(seq.pages.size()));
-  int64_t shared = 0;
-  for (int32_t p : seq.pages) shared += seq.pool->refs[p] > 1 ? 1 : 0;
-  info.set_shared_pages(shared);
-  info.set_idle_s(absl::ToDoubleSeconds(absl::Now() - seq.last_used));
-  info.set_step_in_flight(seq.busy);
+  SequenceState info;
+  info.sequence_id = seq.id;
+  info.layers = shape.layers;
+  info.kv_heads = shape.kv_heads;
+  info.head_dim = shape.head_dim;
+  info.dtype = shape.dtype;
+  info.max_tokens = seq.max_tokens;
+  info.lengths.assign(seq.lengths.begin(), seq.lengths.end());
+  info.pages = static_cast<int64_t>(seq.pages.size());
+  for (int32_t p : seq.pages) info.shared_pages += seq.pool->refs[p] > 1 ? 1 : 0;
+  info.idle_s = absl::ToDoubleSeconds(absl::Now() - seq.last_used);
+  info.step_in_flight = seq.busy;
   return info;
 }
 
@@ -451,39 +447,18 @@ uint32_t Sequences::waiting() const {
   return waiting_;
 }
 
-v1::SequenceLimits Sequences::limits() const {
-  v1::SequenceLimits l;
-  l.set_enabled(options_.enabled);
-  l.set_pool_bytes(options_.pool_bytes);
-  l.set_page_tokens(options_.page_tokens);
-  l.set_max_tokens(options_.max_tokens);
-  l.set_ttl_s(options_.ttl == absl::InfiniteDuration() ? 0 : absl::ToDoubleSeconds(options_.ttl));
-  l.set_max_per_client(options_.max_per_client);
-  l.set_max_pages_per_client(options_.max_pages_per_client);
-  l.set_max_open(options_.max_open);
-  l.set_max_batch(options_.max_batch);
-  l.set_batch_wait_us(absl::ToDoubleMicroseconds(options_.batch_wait));
-  l.set_launches_in_flight(options_.launches_in_flight);
-  const absl::Duration order = options_.order_timeout;
-  l.set_order_timeout_s(order == absl::InfiniteDuration() ? 0 : absl::ToDoubleSeconds(order));
-  return l;
-}
-
-v1::SequenceStats Sequences::stats() const {
+SequenceCounts Sequences::stats() const {
   absl::MutexLock lock(&mu_);
-  v1::SequenceStats s;
-  s.set_open(seqs_.size());
-  uint64_t used = 0, free = 0;
+  SequenceCounts s;
+  s.open = seqs_.size();
   for (const auto& [shape, pool] : pools_) {
-    free += pool->free.size();
-    used += pool->refs.size() - pool->free.size();
+    s.pages_free += pool->free.size();
+    s.pages_used += pool->refs.size() - pool->free.size();
   }
-  s.set_pages_used(used);
-  s.set_pages_free(free);
-  s.set_pools(pools_.size());
-  s.set_steps(steps_);
-  s.set_launches(launches_);
-  s.set_expired(expired_);
+  s.pools = pools_.size();
+  s.steps = steps_;
+  s.launches = launches_;
+  s.expired = expired_;
   return s;
 }
 

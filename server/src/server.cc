@@ -80,8 +80,9 @@ size_t TransportMemoryBytes(const ServerOptions::Limits& l) {
 }
 
 ValidationLimits LimitsFor(const ServerOptions::Limits& l, const Backend& backend) {
-  return ValidationLimits{l.max_request_bytes, l.max_message_bytes, backend.supported_head_dims(),
-                          backend.supported_dtypes(), l.max_batch, l.max_q_len, l.max_kv_len, l.max_heads};
+  return ValidationLimits{l.max_request_bytes, backend.supported_head_dims(), backend.supported_dtypes(),
+                          l.max_batch,         l.max_q_len,                  l.max_kv_len,
+                          l.max_heads};
 }
 
 // The cuda-ipc buffers: a registry over the devices the cuda backend serves, when enabled; null otherwise.

@@ -19,6 +19,8 @@
 #include "attnd/server/validation.h"
 #include "attnd/transport/zero_copy.h"
 #include "call_observer.h"
+#include "core_messages.h"
+#include "grpc_status.h"
 #include "grpcpp/alarm.h"
 #include "spdlog/spdlog.h"
 
@@ -249,8 +251,12 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     service_->NameRequest(ctx_, header_);
     job_ = std::make_unique<ForwardJob>();
     job_->accepts_lent_o = true;  // the chunks point into the loan, which they keep alive
-    ATTND_RETURN_IF_ERROR(
-        service_->dispatcher().Prepare(header_, Transport::kStream, service_->CallFor(ctx_, start_), job_.get(), &bytes_));
+    ForwardArgs args;
+    ATTND_RETURN_IF_ERROR(ForwardArgsFromProto(header_, nullptr, &args));
+    CallInfo call = service_->CallFor(ctx_, start_);
+    call.inputs_follow = true;  // as chunks, which no one message bounds
+    call.message_limit = 0;
+    ATTND_RETURN_IF_ERROR(service_->dispatcher().Prepare(args, call, job_.get(), &bytes_));
     uploader_ = service_->UploaderOf(ctx_);
     ATTND_RETURN_IF_ERROR(service_->receiving().Acquire(uploader_));
     holds_upload_slot_ = true;
@@ -313,7 +319,7 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
   void OnJobDone(ForwardJob& job, const absl::Status& status) {
     if (!status.ok()) return End(status);
     v1::ForwardStreamResponse header;
-    service_->dispatcher().FillResponseHeader(job, header.mutable_header());
+    FillForwardReply(job, service_->backend()->name(), header.mutable_header());
     bool own_buffer = false;
     const grpc::Status serialized =
         grpc::SerializationTraits<v1::ForwardStreamResponse>::Serialize(header, &out_buf_, &own_buffer);
@@ -472,8 +478,7 @@ std::string AttentionService::UploaderOf(grpc::CallbackServerContext* ctx) const
   return owner == "local" ? ConnectionKey(ctx) : owner;
 }
 
-CallInfo AttentionService::CallFor(grpc::CallbackServerContext* ctx, absl::Time start,
-                                   const InlineBytes* in_message) const {
+CallInfo AttentionService::CallFor(grpc::CallbackServerContext* ctx, absl::Time start) const {
   CallInfo call;
   call.accepted = start;
   call.deadline = absl::FromChrono(ctx->deadline());
@@ -482,7 +487,7 @@ CallInfo AttentionService::CallFor(grpc::CallbackServerContext* ctx, absl::Time 
     if (peers != nullptr) ATTND_RETURN_IF_ERROR(peers->Admit(connection));
     return AdmitToQueue();
   };
-  call.in_message = in_message;
+  call.message_limit = options_.limits.max_message_bytes;
   return call;
 }
 
@@ -518,27 +523,29 @@ void AttentionService::ServeForward(grpc::CallbackServerContext* ctx, absl::Time
   }
   NameRequest(ctx, *request);
   auto bytes = std::make_shared<RequestBytes>();
-  dispatcher_->Dispatch(
-      *request, Transport::kUnary, CallFor(ctx, start, by_reference ? in_message : nullptr), bytes.get(),
-      [this, ctx, request, received, response_bytes, start, bytes, done = std::move(done)](absl::Status status,
-                                                                                          ForwardJob* job) {
-        if (job != nullptr && status.ok()) {
-          // O and LSE go out by reference (attnd/transport/zero_copy.h): the slices keep the response alive.
-          auto response = std::make_shared<v1::ForwardResponse>();
-          dispatcher_->FillResponseHeader(*job, response.get());
-          response->set_o(std::move(job->o));
-          response->set_lse(std::move(job->lse));
-          stats_->Annotate(ctx, bytes->q + bytes->k + bytes->v, response->o().size() + response->lse().size());
-          absl::StatusOr<grpc::ByteBuffer> out = SerializeByReference(response);
-          if (out.ok()) {
-            *response_bytes = *std::move(out);
-          } else {
-            status = out.status();
-          }
-        }
-        LogOutcome("Forward", request->request_id(), status, start);
-        done(status);
-      });
+  Dispatcher::Reply reply = [this, ctx, request, received, response_bytes, start, bytes, done = std::move(done)](
+                                absl::Status status, ForwardJob* job) {
+    if (job != nullptr && status.ok()) {
+      // O and LSE go out by reference (attnd/transport/zero_copy.h): the slices keep the response alive.
+      auto response = std::make_shared<v1::ForwardResponse>();
+      FillForwardReply(*job, backend()->name(), response.get());
+      response->set_o(std::move(job->o));
+      response->set_lse(std::move(job->lse));
+      stats_->Annotate(ctx, bytes->q + bytes->k + bytes->v, response->o().size() + response->lse().size());
+      absl::StatusOr<grpc::ByteBuffer> out = SerializeByReference(response);
+      if (out.ok()) {
+        *response_bytes = *std::move(out);
+      } else {
+        status = out.status();
+      }
+    }
+    LogOutcome("Forward", request->request_id(), status, start);
+    done(status);
+  };
+  ForwardArgs args;
+  const absl::Status decoded = ForwardArgsFromProto(*request, by_reference ? in_message : nullptr, &args);
+  if (!decoded.ok()) return reply(decoded, nullptr);
+  dispatcher_->Dispatch(args, CallFor(ctx, start), bytes.get(), std::move(reply));
 }
 
 void AttentionService::NameRequest(grpc::CallbackServerContext* ctx, v1::ForwardRequest& request) {
@@ -649,7 +656,7 @@ absl::Status AttentionService::ServeGetServerInfo(grpc::CallbackServerContext*, 
   info->set_cuda_ipc_enabled(buffers_ != nullptr);
   for (const std::string& k : backend()->kernels()) info->add_kernels(k);
   info->set_stream_preferred_from_bytes(backend()->stream_preferred_from_bytes());
-  *info->mutable_sequences() = sequences_->limits();
+  *info->mutable_sequences() = SequenceLimitsToProto(sequences_->options());
   info->set_stream_ordered_steps(info->sequences().enabled() && !options_.shm.socket.empty());
   return absl::OkStatus();
 }
@@ -663,7 +670,7 @@ absl::Status AttentionService::ServeGetStats(grpc::CallbackServerContext*, const
   const BackendStats b = backend()->stats();
   out->set_tensor_map_cache_hits(b.tensor_map_cache_hits);
   out->set_tensor_map_cache_misses(b.tensor_map_cache_misses);
-  *out->mutable_sequences() = sequences_->stats();
+  *out->mutable_sequences() = SequenceStatsToProto(sequences_->stats());
   out->set_queue_depth(out->queue_depth() + sequences_->waiting());
   return absl::OkStatus();
 }

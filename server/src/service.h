@@ -107,7 +107,7 @@ class AttentionService final : public AttentionServiceBase {
   void set_auth(const BearerTokenProcessor* auth) { auth_ = auth; }
 
   // What the Dispatcher needs to know about a call: its deadline, cancellation and the per-connection limit.
-  CallInfo CallFor(grpc::CallbackServerContext* ctx, absl::Time start, const InlineBytes* in_message = nullptr) const;
+  CallInfo CallFor(grpc::CallbackServerContext* ctx, absl::Time start) const;
   // Gives a request without an id one, and sends that id back in trailing metadata (kRequestIdMetadata).
   void NameRequest(grpc::CallbackServerContext* ctx, v1::ForwardRequest& request);
 

@@ -23,6 +23,7 @@
 #include "attnd/transport/shm_channel.h"
 #include "auth.h"
 #include "call_observer.h"
+#include "core_messages.h"
 #include "spdlog/spdlog.h"
 
 namespace attnd::server {
@@ -427,11 +428,11 @@ void ShmListener::ServeStep(const Exchange& ex) {
     if (t->source_case() == v1::TensorInput::kData) in += t->data().size();
   }
   ReplyWait wait(&awaiting_reply_, options_.reply_spin);
-  sequences_->Step(ex.owner, step, Transport::kShm, call, [&](absl::Status s, StepJob* job) {
+  sequences_->Step(ex.owner, StepArgsFromProto(step), call, [&](absl::Status s, StepJob* job) {
     std::unique_ptr<v1::StepResponse> response;
     if (job != nullptr && s.ok()) {
       response = std::make_unique<v1::StepResponse>();
-      sequences_->FillStepResponse(*job, response.get());
+      FillStepReply(*job, dispatcher_->backend()->name(), response.get());
       response->set_o(std::move(job->o));
       response->set_lse(std::move(job->lse));
     }
@@ -449,16 +450,22 @@ void ShmListener::ServeForward(const Exchange& ex) {
     Finish(ex, std::move(read), nullptr, nullptr);
     return;
   }
-  ReplyWait wait(&awaiting_reply_, options_.reply_spin);
   if (request->request_id().empty()) request->set_request_id(GenerateRequestId());
   CallInfo call;
   call.accepted = absl::Now();
+  ForwardArgs args;
+  if (absl::Status decoded = ForwardArgsFromProto(*request, nullptr, &args); !decoded.ok()) {
+    LogOutcome(kMethod, request->request_id(), decoded, call.accepted);
+    Finish(ex, std::move(decoded), nullptr, nullptr);
+    return;
+  }
+  ReplyWait wait(&awaiting_reply_, options_.reply_spin);
   RequestBytes bytes;  // the reply runs before this thread goes on (it waits for the reply below)
-  dispatcher_->Dispatch(*request, Transport::kShm, call, &bytes, [&](absl::Status s, ForwardJob* job) {
+  dispatcher_->Dispatch(args, call, &bytes, [&](absl::Status s, ForwardJob* job) {
     std::unique_ptr<v1::ForwardResponse> response;
     if (job != nullptr && s.ok()) {
       response = std::make_unique<v1::ForwardResponse>();
-      dispatcher_->FillResponseHeader(*job, response.get());
+      FillForwardReply(*job, dispatcher_->backend()->name(), response.get());
       response->set_o(std::move(job->o));
       response->set_lse(std::move(job->lse));
     }

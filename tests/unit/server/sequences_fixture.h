@@ -17,6 +17,7 @@
 #include "attnd/half.h"
 #include "attnd/server/cpu_backend.h"
 #include "attnd/server/sequences.h"
+#include "core_messages.h"
 #include "gated_backend.h"
 #include "gtest/gtest.h"
 #include "server_test_util.h"
@@ -28,8 +29,77 @@ using testing::GatedBackend;
 using server::SequenceOptions;
 using server::Sequences;
 using server::StepJob;
-using server::Transport;
 using server::ValidationLimits;
+
+// How a step arrives: in one gRPC message each way (bounded by max_message_bytes), or in a shared-memory
+// channel's areas (no message bound).
+enum class Via { kUnary, kShm };
+
+// The core's limits and the gRPC frontend's message limit, as a server sets them together.
+struct StepLimits : ValidationLimits {
+  uint64_t max_message_bytes = 256ull << 20;
+};
+
+// The core driven as the frontends drive it: each message decoded into the core's arguments and each answer
+// encoded (core_messages.h), so that the tests speak the API's messages.
+class SequencesOverProto {
+ public:
+  SequencesOverProto(std::unique_ptr<Sequences> core, uint64_t max_message_bytes)
+      : core_(std::move(core)), max_message_bytes_(max_message_bytes) {}
+
+  absl::StatusOr<v1::OpenSequenceResponse> Open(const std::string& owner, const v1::OpenSequenceRequest& r) {
+    absl::StatusOr<server::OpenArgs> args = server::OpenArgsFromProto(r);
+    if (!args.ok()) return args.status();
+    absl::StatusOr<server::OpenedSequences> opened = core_->Open(owner, *args);
+    if (!opened.ok()) return opened.status();
+    v1::OpenSequenceResponse out;
+    for (const std::string& id : opened->sequence_ids) out.add_sequence_ids(id);
+    out.set_max_tokens(opened->max_tokens);
+    out.set_page_tokens(opened->page_tokens);
+    return out;
+  }
+  absl::StatusOr<v1::ForkSequenceResponse> Fork(const std::string& owner, const v1::ForkSequenceRequest& r) {
+    absl::StatusOr<std::vector<std::string>> ids = core_->Fork(owner, r.sequence_id(), r.count());
+    if (!ids.ok()) return ids.status();
+    v1::ForkSequenceResponse out;
+    for (const std::string& id : *ids) out.add_sequence_ids(id);
+    return out;
+  }
+  absl::StatusOr<v1::TruncateSequenceResponse> Truncate(const std::string& owner,
+                                                        const v1::TruncateSequenceRequest& r) {
+    absl::StatusOr<std::vector<int64_t>> lengths = core_->Truncate(owner, r.sequence_id(), r.tokens());
+    if (!lengths.ok()) return lengths.status();
+    v1::TruncateSequenceResponse out;
+    for (int64_t len : *lengths) out.add_lengths(len);
+    return out;
+  }
+  absl::Status Close(const std::string& owner, const v1::CloseSequenceRequest& r) {
+    const std::vector<absl::string_view> ids(r.sequence_ids().begin(), r.sequence_ids().end());
+    return core_->Close(owner, ids);
+  }
+  absl::StatusOr<v1::SequenceInfo> Get(const std::string& owner, const v1::GetSequenceRequest& r) {
+    absl::StatusOr<server::SequenceState> state = core_->Get(owner, r.sequence_id());
+    if (!state.ok()) return state.status();
+    return server::SequenceInfoToProto(*state);
+  }
+  // The request must outlive the reply (the job's inline tensors point into it).
+  void Step(const std::string& owner, const v1::StepRequest& r, Via via, CallInfo call, Sequences::StepReply reply) {
+    call.message_limit = via == Via::kUnary ? max_message_bytes_ : 0;
+    core_->Step(owner, server::StepArgsFromProto(r), call, std::move(reply));
+  }
+  void FillStepResponse(const StepJob& job, v1::StepResponse* response) const {
+    server::FillStepReply(job, "cpu", response);
+  }
+  v1::SequenceLimits limits() const { return server::SequenceLimitsToProto(core_->options()); }
+  v1::SequenceStats stats() const { return server::SequenceStatsToProto(core_->stats()); }
+  int ExpireIdle(absl::Time now) { return core_->ExpireIdle(now); }
+  uint32_t waiting() const { return core_->waiting(); }
+  void Shutdown() { core_->Shutdown(); }
+
+ private:
+  const std::unique_ptr<Sequences> core_;
+  const uint64_t max_message_bytes_;
+};
 
 struct Outcome {
   absl::Status status;
@@ -71,7 +141,8 @@ class SequencesTest : public ::testing::Test {
     limits.supported_head_dims = {64, 128, 256};
     limits.supported_dtypes = {DType::kBF16, DType::kFP16};
     if (options.pool_bytes == (1ull << 30)) options.pool_bytes = 64ull << 20;
-    sequences_ = std::make_unique<Sequences>(options, limits, backend_.get(), nullptr);
+    sequences_ = std::make_unique<SequencesOverProto>(
+        std::make_unique<Sequences>(options, limits, backend_.get(), nullptr), limits_.max_message_bytes);
   }
   // One step of one token per sequence at layer 0, each its own call, all started before any is awaited.
   StepsInFlight StepEach(const std::vector<std::string>& ids) {
@@ -80,7 +151,7 @@ class SequencesTest : public ::testing::Test {
     for (size_t i = 0; i < f.steps.size(); ++i) {
       auto out = std::make_shared<Outcome>();
       f.outs.push_back(out);
-      sequences_->Step("alice", f.steps[i], Transport::kShm, CallFor(),
+      sequences_->Step("alice", f.steps[i], Via::kShm, CallFor(),
                        [out, mu = f.mu, finished = f.finished](absl::Status s, StepJob* job) {
                          out->status = s;
                          if (job != nullptr) {
@@ -117,11 +188,10 @@ class SequencesTest : public ::testing::Test {
   }
 
   // Runs a step and waits for its reply.
-  Outcome Run(const v1::StepRequest& request, const std::string& owner = "alice",
-              Transport transport = Transport::kShm) {
+  Outcome Run(const v1::StepRequest& request, const std::string& owner = "alice", Via via = Via::kShm) {
     auto out = std::make_shared<Outcome>();
     auto done = std::make_shared<absl::Notification>();
-    sequences_->Step(owner, request, transport, CallFor(), [this, out, done](absl::Status s, StepJob* job) {
+    sequences_->Step(owner, request, via, CallFor(), [this, out, done](absl::Status s, StepJob* job) {
       out->status = s;
       if (job != nullptr && s.ok()) {
         v1::StepResponse response;
@@ -250,11 +320,11 @@ class SequencesTest : public ::testing::Test {
 
   // Set before Start: the limits the core checks steps against (head dims and dtypes are Start's), and what wraps
   // the gated CPU backend.
-  ValidationLimits limits_;
+  StepLimits limits_;
   std::function<std::unique_ptr<server::Backend>(std::unique_ptr<server::Backend>)> wrap_;
   std::unique_ptr<server::Backend> backend_;
   GatedBackend* gate_ = nullptr;
-  std::unique_ptr<Sequences> sequences_;
+  std::unique_ptr<SequencesOverProto> sequences_;
   std::mt19937_64 rng_{7};
   int head_dim_ = kHeadDim;
   DType dtype_ = DType::kBF16;

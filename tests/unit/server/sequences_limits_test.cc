@@ -82,36 +82,36 @@ TEST_F(SequencesTest, RequestAndReplyEachFitOneMessage) {
   // Per row: Q and O 1,024 bytes each, K and V 256 each, LSE 32. 600 rows: a request of 921,600 bytes and a reply
   // of 633,600, 1,555,200 together.
   const v1::StepRequest both = MakeStep(ids, {600}, 0);
-  const Outcome fits = Run(both, "alice", Transport::kUnary);
+  const Outcome fits = Run(both, "alice", Via::kUnary);
   ASSERT_TRUE(fits.status.ok()) << fits.status;
   Record(both);
   Verify(both, fits);
   // 700 rows: a request of 1,075,200 bytes.
-  const Outcome big_request = Run(MakeStep(ids, {700}, 0), "alice", Transport::kUnary);
+  const Outcome big_request = Run(MakeStep(ids, {700}, 0), "alice", Via::kUnary);
   ExpectStatus(big_request.status, absl::StatusCode::kResourceExhausted, "sequences:");
   EXPECT_TRUE(absl::StrContains(big_request.status.message(), "request")) << big_request.status;
   EXPECT_TRUE(absl::StrContains(big_request.status.message(), "1075200")) << big_request.status;
   EXPECT_TRUE(absl::StrContains(big_request.status.message(), "--max_message_bytes=1048576")) << big_request.status;
   // Attending without appending, 950 rows: a request of 972,800 bytes (Q) and a reply of 1,003,200 (O and LSE).
   const v1::StepRequest more = MakeStep(ids, {400}, 0, /*append=*/true, /*attend=*/false);
-  ASSERT_TRUE(Run(more, "alice", Transport::kUnary).status.ok());
+  ASSERT_TRUE(Run(more, "alice", Via::kUnary).status.ok());
   Record(more);
-  const Outcome big_reply = Run(MakeStep(ids, {950}, 0, /*append=*/false), "alice", Transport::kUnary);
+  const Outcome big_reply = Run(MakeStep(ids, {950}, 0, /*append=*/false), "alice", Via::kUnary);
   ExpectStatus(big_reply.status, absl::StatusCode::kResourceExhausted, "sequences:");
   EXPECT_TRUE(absl::StrContains(big_reply.status.message(), "reply")) << big_reply.status;
   EXPECT_TRUE(absl::StrContains(big_reply.status.message(), "1003200")) << big_reply.status;
   EXPECT_TRUE(absl::StrContains(big_reply.status.message(), "--max_message_bytes=1048576")) << big_reply.status;
   // Not over gRPC (the shared-memory channel): no message limit.
-  EXPECT_TRUE(Run(MakeStep(ids, {950}, 0, /*append=*/false), "alice", Transport::kShm).status.ok());
+  EXPECT_TRUE(Run(MakeStep(ids, {950}, 0, /*append=*/false), "alice", Via::kShm).status.ok());
   EXPECT_EQ(Info(ids[0]).lengths(0), 1000);
 
   // The sum is --max_request_bytes's, on every transport.
   TearDown();
-  limits_ = ValidationLimits();
+  limits_ = StepLimits();
   limits_.max_request_bytes = 1 << 20;
   Start();
   const std::vector<std::string> again = Open(1);
-  const Outcome total = Run(MakeStep(again, {600}, 0), "alice", Transport::kShm);
+  const Outcome total = Run(MakeStep(again, {600}, 0), "alice", Via::kShm);
   ExpectStatus(total.status, absl::StatusCode::kResourceExhausted, "sequences:");
   EXPECT_TRUE(absl::StrContains(total.status.message(), "1555200")) << total.status;
   EXPECT_TRUE(absl::StrContains(total.status.message(), "--max_request_bytes=1048576")) << total.status;
@@ -201,7 +201,7 @@ TEST_F(SequencesTest, OneStepInFlightPerSequenceAndDeferredClose) {
   const v1::StepRequest first = MakeStep({ids[0]}, {1}, 0);
   auto first_out = std::make_shared<Outcome>();
   absl::Notification first_done;
-  sequences_->Step("alice", first, Transport::kShm, CallFor(), [&](absl::Status s, StepJob* job) {
+  sequences_->Step("alice", first, Via::kShm, CallFor(), [&](absl::Status s, StepJob* job) {
     first_out->status = s;
     if (job != nullptr) first_out->o = job->o;
     first_done.Notify();
@@ -283,11 +283,11 @@ TEST_F(SequencesTest, ShutdownAnswersWaitingStepsAndRefusesNewOnes) {
   gate_->Gate();
   absl::Notification a, b;
   absl::Status sa, sb;
-  sequences_->Step("alice", MakeStep({ids[0]}, {2}, 0), Transport::kShm, CallFor(), [&](absl::Status s, StepJob*) {
+  sequences_->Step("alice", MakeStep({ids[0]}, {2}, 0), Via::kShm, CallFor(), [&](absl::Status s, StepJob*) {
     sa = s;
     a.Notify();
   });
-  sequences_->Step("alice", MakeStep({ids[1]}, {2}, 0), Transport::kShm, CallFor(), [&](absl::Status s, StepJob*) {
+  sequences_->Step("alice", MakeStep({ids[1]}, {2}, 0), Via::kShm, CallFor(), [&](absl::Status s, StepJob*) {
     sb = s;
     b.Notify();
   });

@@ -14,6 +14,8 @@
 #include "attnd/server/cpu_backend.h"
 #include "attnd/server/status_util.h"
 #include "attnd/server/validation.h"
+#include "core_messages.h"
+#include "grpc_status.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "server_test_util.h"
@@ -21,8 +23,28 @@
 namespace attnd {
 namespace {
 
-using server::Transport;
 using server::ValidationLimits;
+
+// The core's limits and the gRPC frontend's message limit, as a server sets them together.
+struct TestLimits : ValidationLimits {
+  uint64_t max_message_bytes = 16u << 20;
+};
+
+// How a request arrives: in one gRPC message (bounded by max_message_bytes), as a ForwardStream header (its
+// inline tensors follow as chunks) or in a shared-memory channel's areas (no message bound).
+enum class Via { kUnary, kStream, kShm };
+
+// A request's way through a server up to the backend: the frontend's decoding (core_messages.h), then the core's
+// validation.
+absl::Status Validate(const v1::ForwardRequest& r, Via via, const TestLimits& limits, server::ForwardJob* job,
+                      server::RequestBytes* bytes, const InlineBytes* in_message = nullptr) {
+  server::ForwardArgs args;
+  ATTND_RETURN_IF_ERROR(server::ForwardArgsFromProto(r, in_message, &args));
+  server::CallInfo call;
+  call.inputs_follow = via == Via::kStream;
+  call.message_limit = via == Via::kUnary ? limits.max_message_bytes : 0;
+  return server::ValidateForward(args, call, limits, job, bytes);
+}
 
 constexpr Shape kShape{2, 17, 33, 4, 2, 64};
 // Shape limits of the table's server: well above kShape, and small enough that each is hit before the
@@ -132,10 +154,9 @@ std::vector<BadCase> BadCases() {
   return t;
 }
 
-ValidationLimits Limits() {
-  ValidationLimits l;
+TestLimits Limits() {
+  TestLimits l;
   l.max_request_bytes = 8u << 20;
-  l.max_message_bytes = 16u << 20;
   l.max_batch = kMaxBatch;
   l.max_q_len = kMaxQLen;
   l.max_kv_len = kMaxKvLen;
@@ -147,10 +168,10 @@ ValidationLimits Limits() {
 }
 
 // Validation plus the backend's own acceptance, as the service runs them.
-absl::Status Check(const v1::ForwardRequest& r, Transport transport, const ValidationLimits& limits) {
+absl::Status Check(const v1::ForwardRequest& r, Via via, const TestLimits& limits) {
   server::ForwardJob job;
   server::RequestBytes bytes;
-  absl::Status s = server::ValidateForwardRequest(r, transport, limits, &job, &bytes);
+  absl::Status s = Validate(r, via, limits, &job, &bytes);
   if (!s.ok()) return s;
   server::BackendOptions o;
   o.threads = 1;
@@ -163,7 +184,7 @@ TEST_P(BadRequest, RefusedNamingTheField) {
   const BadCase& c = GetParam();
   v1::ForwardRequest r = testing::MakeRequest(kShape);
   c.mutate(r);
-  const absl::Status s = Check(r, Transport::kUnary, Limits());
+  const absl::Status s = Check(r, Via::kUnary, Limits());
   EXPECT_EQ(s.code(), c.code) << s;
   EXPECT_TRUE(absl::StartsWith(s.message(), c.field + ":")) << "message '" << s.message() << "' should name "
                                                             << c.field;
@@ -177,7 +198,7 @@ TEST(Validation, ValidRequestPassesAndFillsTheJob) {
   r.set_softmax_scale(0.25f);
   server::ForwardJob job;
   server::RequestBytes bytes;
-  ASSERT_TRUE(server::ValidateForwardRequest(r, Transport::kUnary, Limits(), &job, &bytes).ok());
+  ASSERT_TRUE(Validate(r, Via::kUnary, Limits(), &job, &bytes).ok());
   EXPECT_EQ(job.problem.shape.kv_len, 33);
   EXPECT_EQ(job.problem.mask, Mask::kCausalBottomRight);
   EXPECT_EQ(job.problem.scale, 0.25f);
@@ -188,7 +209,7 @@ TEST(Validation, ValidRequestPassesAndFillsTheJob) {
   EXPECT_EQ(job.q.host, reinterpret_cast<const uint8_t*>(r.q().data().data()));
   EXPECT_EQ(job.request_id, r.request_id());
   r.clear_softmax_scale();
-  ASSERT_TRUE(server::ValidateForwardRequest(r, Transport::kUnary, Limits(), &job, &bytes).ok());
+  ASSERT_TRUE(Validate(r, Via::kUnary, Limits(), &job, &bytes).ok());
   EXPECT_FLOAT_EQ(job.problem.scale, 0.125f);  // 1/sqrt(64)
 }
 
@@ -209,7 +230,7 @@ TEST(Validation, TensorsLeftInTheMessageAreSizeCheckedAndPassedAsPieces) {
   }
   server::ForwardJob job;
   server::RequestBytes bytes;
-  ASSERT_TRUE(server::ValidateForwardRequest(header, Transport::kUnary, Limits(), &job, &bytes, in_message).ok());
+  ASSERT_TRUE(Validate(header, Via::kUnary, Limits(), &job, &bytes, in_message).ok());
   EXPECT_EQ(job.q.host, nullptr);
   EXPECT_EQ(job.k.pieces.size(), 2u);
   EXPECT_EQ(job.v.host_bytes, data[2]->size());
@@ -219,59 +240,59 @@ TEST(Validation, TensorsLeftInTheMessageAreSizeCheckedAndPassedAsPieces) {
   // A wrong size names the field, as for bytes protobuf parsed.
   in_message[1].size -= 2;
   in_message[1].pieces.back() = in_message[1].pieces.back().subspan(2);
-  const absl::Status s = server::ValidateForwardRequest(header, Transport::kUnary, Limits(), &job, &bytes, in_message);
+  const absl::Status s = Validate(header, Via::kUnary, Limits(), &job, &bytes, in_message);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StartsWith(s.message(), "k.data:")) << s;
   // Without them the header alone is missing its tensors.
-  EXPECT_TRUE(absl::StartsWith(Check(header, Transport::kUnary, Limits()).message(), "q:"));
+  EXPECT_TRUE(absl::StartsWith(Check(header, Via::kUnary, Limits()).message(), "q:"));
 }
 
 TEST(Validation, HeadDimMessageListsSupportedValues) {
   v1::ForwardRequest r = testing::MakeRequest(kShape);
   r.mutable_shape()->set_head_dim(96);
-  EXPECT_EQ(Check(r, Transport::kUnary, Limits()).message(),
+  EXPECT_EQ(Check(r, Via::kUnary, Limits()).message(),
             "shape.head_dim: 96 is not supported (supported: 64, 128, 256)");
 }
 
 TEST(Validation, ShapeLimitMessageNamesFieldAndFlag) {
   v1::ForwardRequest r = testing::MakeRequest(kShape);
   r.mutable_shape()->set_q_len(65536);
-  ValidationLimits l = Limits();
+  TestLimits l = Limits();
   l.max_q_len = 32768;
-  EXPECT_EQ(Check(r, Transport::kUnary, l).message(), "shape.q_len: 65536 exceeds the server limit --max_q_len=32768");
+  EXPECT_EQ(Check(r, Via::kUnary, l).message(), "shape.q_len: 65536 exceeds the server limit --max_q_len=32768");
   r = testing::MakeRequest(kShape);
   r.mutable_shape()->set_q_heads(kMaxHeads + 2);
-  EXPECT_EQ(Check(r, Transport::kUnary, Limits()).message(),
+  EXPECT_EQ(Check(r, Via::kUnary, Limits()).message(),
             absl::StrCat("shape.q_heads: ", kMaxHeads + 2, " exceeds the server limit --max_heads=", kMaxHeads));
 }
 
 // A shape exactly at each limit is accepted (the limit is inclusive), and 0 means no shape limit: the same
 // over-limit shape then runs into the byte limit instead.
 TEST(Validation, ShapeLimitsAreInclusiveAndZeroMeansNone) {
-  ValidationLimits l = Limits();
+  TestLimits l = Limits();
   l.max_request_bytes = l.max_message_bytes = 1ull << 40;
   const Shape at{kMaxBatch, 5, 7, kMaxHeads, 2, 64};
-  EXPECT_TRUE(Check(testing::MakeRequest(at), Transport::kUnary, l).ok());
+  EXPECT_TRUE(Check(testing::MakeRequest(at), Via::kUnary, l).ok());
   v1::ForwardRequest header = testing::MakeRequest(Shape{3, kMaxQLen, kMaxKvLen, 4, 2, 64});
   header.clear_q();
   header.clear_k();
   header.clear_v();
-  EXPECT_TRUE(Check(header, Transport::kStream, l).ok());
+  EXPECT_TRUE(Check(header, Via::kStream, l).ok());
   header.mutable_shape()->set_kv_len(kMaxKvLen + 1);
-  EXPECT_EQ(Check(header, Transport::kStream, l).code(), absl::StatusCode::kResourceExhausted);  // stream too
+  EXPECT_EQ(Check(header, Via::kStream, l).code(), absl::StatusCode::kResourceExhausted);  // stream too
 
   l = Limits();
   l.max_batch = l.max_q_len = l.max_kv_len = l.max_heads = 0;
   header.mutable_shape()->set_kv_len(int64_t{1} << 30);
-  const absl::Status s = Check(header, Transport::kStream, l);
+  const absl::Status s = Check(header, Via::kStream, l);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   EXPECT_TRUE(absl::StrContains(s.message(), "--max_request_bytes")) << s;
 }
 
 TEST(Validation, UnaryMessageLimitIsResourceExhausted) {
-  ValidationLimits l = Limits();
+  TestLimits l = Limits();
   l.max_message_bytes = 64 * 1024;  // below the tensors plus framing allowance
-  const absl::Status s = Check(testing::MakeRequest(kShape), Transport::kUnary, l);
+  const absl::Status s = Check(testing::MakeRequest(kShape), Via::kUnary, l);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   EXPECT_TRUE(absl::StrContains(s.message(), "ForwardStream")) << s;
   // The same shape is fine as a stream, and inline in a shared-memory channel (no gRPC message there).
@@ -279,18 +300,18 @@ TEST(Validation, UnaryMessageLimitIsResourceExhausted) {
   header.clear_q();
   header.clear_k();
   header.clear_v();
-  EXPECT_TRUE(Check(header, Transport::kStream, l).ok());
-  EXPECT_TRUE(Check(testing::MakeRequest(kShape), Transport::kShm, l).ok());
+  EXPECT_TRUE(Check(header, Via::kStream, l).ok());
+  EXPECT_TRUE(Check(testing::MakeRequest(kShape), Via::kShm, l).ok());
   // The request limit still holds there.
   l.max_request_bytes = 1024;
-  const absl::Status local = Check(testing::MakeRequest(kShape), Transport::kShm, l);
+  const absl::Status local = Check(testing::MakeRequest(kShape), Via::kShm, l);
   EXPECT_EQ(local.code(), absl::StatusCode::kResourceExhausted) << local;
   EXPECT_TRUE(absl::StrContains(local.message(), "--max_request_bytes")) << local;
 }
 
 TEST(Validation, TensorsByReferenceDoNotCountTowardTheUnaryMessages) {
   // Q, K, V and O by reference: the request and the reply carry ids, so tensors far above the message limit fit.
-  ValidationLimits l = Limits();
+  TestLimits l = Limits();
   l.max_message_bytes = 128 * 1024;  // the 64 KiB framing allowance and 64 KiB of tensors
   constexpr Shape big{1, 256, 256, 4, 4, 64};  // Q, K and V of 128 KiB each
   v1::ForwardRequest r = testing::MakeRequest(big, v1::MASK_TYPE_NONE, false, 7);
@@ -300,13 +321,13 @@ TEST(Validation, TensorsByReferenceDoNotCountTowardTheUnaryMessages) {
   *r.mutable_o_ref() = Ref("bo");
   server::ForwardJob job;
   server::RequestBytes bytes;
-  const absl::Status by_reference = server::ValidateForwardRequest(r, Transport::kUnary, l, &job, &bytes);
+  const absl::Status by_reference = Validate(r, Via::kUnary, l, &job, &bytes);
   EXPECT_TRUE(by_reference.ok()) << by_reference;
   EXPECT_GT(bytes.q + bytes.k + bytes.v, l.max_message_bytes);
   // One tensor inline brings the request back over the limit.
   *r.mutable_q() = testing::MakeRequest(big, v1::MASK_TYPE_NONE, false, 7).q();
   server::ForwardJob job2;
-  const absl::Status inline_q = server::ValidateForwardRequest(r, Transport::kUnary, l, &job2, &bytes);
+  const absl::Status inline_q = Validate(r, Via::kUnary, l, &job2, &bytes);
   EXPECT_EQ(inline_q.code(), absl::StatusCode::kResourceExhausted) << inline_q;
   EXPECT_TRUE(absl::StrContains(inline_q.message(), "--max_message_bytes")) << inline_q;
 }
@@ -315,7 +336,7 @@ TEST(Validation, StreamHeaderRefusesInlineBytes) {
   v1::ForwardRequest header = testing::MakeRequest(kShape);
   header.clear_q();
   header.clear_v();
-  const absl::Status s = Check(header, Transport::kStream, Limits());
+  const absl::Status s = Check(header, Via::kStream, Limits());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StartsWith(s.message(), "k.data:")) << s;
 }
@@ -323,10 +344,10 @@ TEST(Validation, StreamHeaderRefusesInlineBytes) {
 TEST(Validation, UnsetEnumsAreRefusedNamingTheFieldAndTheChoices) {
   v1::ForwardRequest r = testing::MakeRequest(kShape);
   r.clear_dtype();
-  EXPECT_EQ(Check(r, Transport::kUnary, Limits()).message(), "dtype: DTYPE_UNSPECIFIED (set DTYPE_BF16 or DTYPE_FP16)");
+  EXPECT_EQ(Check(r, Via::kUnary, Limits()).message(), "dtype: DTYPE_UNSPECIFIED (set DTYPE_BF16 or DTYPE_FP16)");
   r = testing::MakeRequest(kShape);
   r.set_mask(v1::MASK_TYPE_UNSPECIFIED);
-  EXPECT_EQ(Check(r, Transport::kUnary, Limits()).message(),
+  EXPECT_EQ(Check(r, Via::kUnary, Limits()).message(),
             "mask: MASK_TYPE_UNSPECIFIED (set MASK_TYPE_NONE, MASK_TYPE_CAUSAL_TOP_LEFT or MASK_TYPE_CAUSAL_BOTTOM_RIGHT)");
 }
 
@@ -349,13 +370,13 @@ TEST(Validation, AMisspelledEnumInJsonIsRefusedNotReadAsADefault) {
   v1::ForwardRequest r = parse(json);
   EXPECT_EQ(r.dtype(), v1::DTYPE_BF16);
   EXPECT_EQ(r.mask(), v1::MASK_TYPE_UNSPECIFIED);
-  const absl::Status s = Check(r, Transport::kUnary, Limits());
+  const absl::Status s = Check(r, Via::kUnary, Limits());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_TRUE(absl::StartsWith(s.message(), "mask: MASK_TYPE_UNSPECIFIED")) << s;
   // Spelled right, the same request passes.
   r = parse(absl::StrReplaceAll(json, {{"MASK_TYPE_CAUSAL\"", "MASK_TYPE_CAUSAL_TOP_LEFT\""}}));
   EXPECT_EQ(r.mask(), v1::MASK_TYPE_CAUSAL_TOP_LEFT);
-  EXPECT_TRUE(Check(r, Transport::kUnary, Limits()).ok());
+  EXPECT_TRUE(Check(r, Via::kUnary, Limits()).ok());
 }
 
 TEST(Validation, RegisterCudaBuffer) {

@@ -15,22 +15,10 @@
 #include "absl/types/span.h"
 #include "attnd/server/backend.h"
 #include "attnd/server/buffer_registry.h"
+#include "attnd/server/requests.h"
 #include "attnd/server/validation.h"
-#include "attnd/v1/attention.pb.h"
 
 namespace attnd::server {
-
-// What a transport knows about one call besides its request message.
-struct CallInfo {
-  absl::Time accepted;                            // when the transport took the request (queue time starts here)
-  absl::Time deadline = absl::InfiniteFuture();   // the shm channel carries none: the caller's wait bounds it
-  std::function<bool()> cancelled;                // true once the caller went away; may be empty
-  std::function<absl::Status()> admit;            // the transport's own admission check (gRPC: calls per connection)
-  // Steps: called once the step is admitted and its references resolved, before it joins a launch; blocks until
-  // its inputs may be read (the shm channel: a stream-ordered step's wait word). Not OK: refused, nothing done.
-  std::function<absl::Status()> ready;
-  const InlineBytes* in_message = nullptr;        // q/k/v left in the message's slices (ReadForwardRequest)
-};
 
 // A tensor of a request given by reference, and the [batch, seq, heads, head_dim] extent it must have.
 struct TensorUse {
@@ -56,8 +44,7 @@ class Dispatcher {
 
   // Validation, the backend's acceptance and the deadline/cancel check of a request about to be submitted;
   // fills *job (but its inputs' InputSink) and *bytes.
-  absl::Status Prepare(const v1::ForwardRequest& request, Transport transport, const CallInfo& call, ForwardJob* job,
-                       RequestBytes* bytes) const;
+  absl::Status Prepare(const ForwardArgs& request, const CallInfo& call, ForwardJob* job, RequestBytes* bytes) const;
   // Where a stream's inline inputs go as they arrive (Backend::OpenInputs), after Prepare.
   absl::StatusOr<std::unique_ptr<InputSink>> OpenInputs(const ForwardJob& job,
                                                         const uint64_t (&sizes)[InputSink::kTensors]) const {
@@ -66,11 +53,7 @@ class Dispatcher {
   // Resolves the job's buffer references (holding them until the reply) and hands it to the backend.
   void Submit(std::unique_ptr<ForwardJob> job, Reply reply);
   // Prepare and Submit for a request that arrived whole; *bytes gets its sizes (when it passes validation).
-  void Dispatch(const v1::ForwardRequest& request, Transport transport, const CallInfo& call, RequestBytes* bytes,
-                Reply reply);
-
-  // The reply's header fields (request_id, timing, backend, kernel, device) from a finished job.
-  void FillResponseHeader(const ForwardJob& job, v1::ForwardResponse* response) const;
+  void Dispatch(const ForwardArgs& request, const CallInfo& call, RequestBytes* bytes, Reply reply);
 
   // From here on new requests are answered UNAVAILABLE (those already accepted still complete).
   void BeginShutdown() { shutting_down_.store(true); }

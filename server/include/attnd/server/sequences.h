@@ -26,8 +26,8 @@
 #include "attnd/server/backend.h"
 #include "attnd/server/buffer_registry.h"
 #include "attnd/server/dispatcher.h"
+#include "attnd/server/requests.h"
 #include "attnd/server/validation.h"
-#include "attnd/v1/attention.pb.h"
 
 namespace attnd::server {
 
@@ -68,29 +68,30 @@ class Sequences {
   ~Sequences();
 
   // `owner`: who calls (the transport's identity of the caller; docs/sequences.md, "ownership").
-  absl::StatusOr<v1::OpenSequenceResponse> Open(const std::string& owner, const v1::OpenSequenceRequest& request);
-  absl::StatusOr<v1::ForkSequenceResponse> Fork(const std::string& owner, const v1::ForkSequenceRequest& request);
-  absl::StatusOr<v1::TruncateSequenceResponse> Truncate(const std::string& owner,
-                                                        const v1::TruncateSequenceRequest& request);
-  absl::Status Close(const std::string& owner, const v1::CloseSequenceRequest& request);
-  absl::StatusOr<v1::SequenceInfo> Get(const std::string& owner, const v1::GetSequenceRequest& request);
+  absl::StatusOr<OpenedSequences> Open(const std::string& owner, const OpenArgs& request);
+  // The ids of `count` (0 means 1) children sharing the parent's pages.
+  absl::StatusOr<std::vector<std::string>> Fork(const std::string& owner, absl::string_view sequence_id,
+                                                uint32_t count);
+  // Each layer's length after keeping at most `tokens`.
+  absl::StatusOr<std::vector<int64_t>> Truncate(const std::string& owner, absl::string_view sequence_id,
+                                                int64_t tokens);
+  // All or none: every id must be open and the caller's.
+  absl::Status Close(const std::string& owner, absl::Span<const absl::string_view> sequence_ids);
+  absl::StatusOr<SequenceState> Get(const std::string& owner, absl::string_view sequence_id);
 
   // Called exactly once per Step: on a backend thread with the finished job, or inline with a null job when the
   // step was refused before it was queued.
   using StepReply = std::function<void(absl::Status, StepJob*)>;
-  // Validates, admits, batches and runs one step. For Transport::kUnary the inline tensors of `request` are
-  // read in place (it must outlive the reply), as Dispatcher::Dispatch does.
-  void Step(const std::string& owner, const v1::StepRequest& request, Transport transport, const CallInfo& call,
-            StepReply reply);
-  // request_id, timing, backend, kernel, device and the new lengths of a finished step (not o/lse).
-  void FillStepResponse(const StepJob& job, v1::StepResponse* response) const;
+  // Validates, admits, batches and runs one step. Its inline tensors are read where `request` views them (the
+  // message must outlive the reply), as Dispatcher::Dispatch does.
+  void Step(const std::string& owner, const StepArgs& request, const CallInfo& call, StepReply reply);
 
   // Refuses new steps (UNAVAILABLE) and waits until every admitted step has been answered and every launch has
   // ended; the core may be destroyed once it returns. Idempotent.
   void Shutdown();
 
-  v1::SequenceLimits limits() const;
-  v1::SequenceStats stats() const;
+  const SequenceOptions& options() const { return options_; }
+  SequenceCounts stats() const;
   // Closes sequences idle since before now - ttl (also done by a background thread); the number closed.
   int ExpireIdle(absl::Time now);
   // Steps waiting for a launch (counted in the queue depth the server reports).
@@ -128,7 +129,7 @@ class Sequences {
     std::function<void(const absl::Status&)> refuse;
   };
 
-  absl::StatusOr<Seq*> Find(const std::string& owner, const std::string& id, const std::string& field)
+  absl::StatusOr<Seq*> Find(const std::string& owner, absl::string_view id, const std::string& field)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string NewId();
   // The number of sequences an Open or Fork with `requested` (0 means 1) creates; RESOURCE_EXHAUSTED past max_open.
@@ -150,30 +151,29 @@ class Sequences {
   // Admits one step: its request checked, its sequences found and made busy, its tensors bound to the job, its
   // pages taken and copy-on-write planned. The steps below run in this order, so a request with several faults
   // is refused for the first.
-  absl::Status Admit(const std::string& owner, const v1::StepRequest& request, Transport transport,
-                     const CallInfo& call, StepJob* job, Admitted* admitted) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Admit(const std::string& owner, const StepArgs& request, const CallInfo& call, StepJob* job,
+                     Admitted* admitted) ABSL_LOCKS_EXCLUDED(mu_);
   // What the request alone decides: the id's length, the number of sequences, which tensors go together,
   // strides, the stream order.
-  absl::Status CheckStepRequest(const v1::StepRequest& request, const CallInfo& call, bool append,
-                                bool attend) const;
+  absl::Status CheckStepRequest(const StepArgs& request, const CallInfo& call, bool append, bool attend) const;
   // The step's sequences: the caller's, idle, of one shape, each with 1..max_tokens new tokens; `rows`: the new
   // tokens of all of them.
-  absl::Status FindStepSequences(const std::string& owner, const v1::StepRequest& request, std::vector<Seq*>* seqs,
+  absl::Status FindStepSequences(const std::string& owner, const StepArgs& request, std::vector<Seq*>* seqs,
                                  int64_t* rows) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The layer, q_heads and each sequence's tokens against what the sequences hold.
-  absl::Status CheckStepCounts(const v1::StepRequest& request, const std::vector<Seq*>& seqs, bool append,
+  absl::Status CheckStepCounts(const StepArgs& request, const std::vector<Seq*>& seqs, bool append,
                                bool attend) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Bytes of the step's Q (and O) and of each of K and V; 0 for a tensor the step has none of.
   struct StepBytes {
     uint64_t q = 0, kv = 0;
   };
-  absl::StatusOr<StepBytes> SizeStep(const v1::StepRequest& request, Transport transport, const SequenceShape& shape,
+  absl::StatusOr<StepBytes> SizeStep(const StepArgs& request, const CallInfo& call, const SequenceShape& shape,
                                      int64_t rows, bool append, bool attend) const;
   // Points the job's tensors at the request's inline bytes or at registered buffers.
-  absl::Status BindStepTensors(const v1::StepRequest& request, const StepBytes& sizes, bool append, bool attend,
+  absl::Status BindStepTensors(const StepArgs& request, const StepBytes& sizes, bool append, bool attend,
                                StepJob* job) const;
   // The job's layer, heads, scale, modes, deadline and each sequence's cached and new tokens.
-  void DescribeStep(const v1::StepRequest& request, const CallInfo& call, const std::vector<Seq*>& seqs,
+  void DescribeStep(const StepArgs& request, const CallInfo& call, const std::vector<Seq*>& seqs,
                     int64_t rows, bool append, bool attend, StepJob* job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status TakeStepPages(const std::string& owner, const std::vector<Seq*>& seqs, StepJob* job,
                              Admitted* admitted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -1,0 +1,13 @@
+// absl::Status is the one error type inside attnd; it becomes a grpc::Status only at the RPC boundary, here.
+#pragma once
+
+#include "absl/status/status.h"
+#include "grpcpp/support/status.h"
+
+namespace attnd::server {
+
+// The single absl -> gRPC status translation. The codes share their numbering; kept as a function so that a
+// future change (details, trailers) happens in one place.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+}  // namespace attnd::server
