@@ -18,7 +18,7 @@ if(NOT ATTND_STATIC)
   find_package(absl CONFIG REQUIRED)
   find_package(Protobuf REQUIRED)
   find_package(gRPC CONFIG REQUIRED)
-  # gRPC's TLS library; the server checks a TLS key against its certificate with it (server/src/tls.cc).
+  # gRPC's TLS library; the server checks a TLS key against its certificate with it (server/grpc/tls.cc).
   find_package(OpenSSL REQUIRED)
   add_library(attnd_absl INTERFACE)
   target_link_libraries(attnd_absl INTERFACE

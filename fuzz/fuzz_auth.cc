@@ -1,4 +1,4 @@
-// The bearer-token check (server/src/auth.cc) on any metadata a client sends: BearerTokenProcessor::Process
+// The bearer-token check (server/frontend/auth.cc) on any metadata a client sends: BearerTokenProcessor::Process
 // must let a call through exactly when RFC 6750's rule says so (health always; else the first `authorization`
 // value is "Bearer <known token>", scheme in any case), leave the metadata as it is (the owner of a call is read
 // from its own header, IndexOf, which must name that token's place), and never echo what was presented. Also

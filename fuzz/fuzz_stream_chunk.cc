@@ -2,7 +2,7 @@
 // from gRPC's slices to where the stream's assembly puts it. A chunk it reads must be the one protobuf reads from
 // the same bytes (tensor, offset, data), and it must write exactly the `size` bytes it announced to `place`: the
 // destination here is a buffer of exactly that size, so one byte more is an ASan report.
-// The assembly's own checks (ForwardStreamReactor::Place in server/src/service.cc: header first, tensor known,
+// The assembly's own checks (ForwardStreamReactor::Place in server/grpc/service.cc: header first, tensor known,
 // offsets in order, no overrun) live inside the gRPC reactor and are exercised by the service tests, not here.
 // Input: a refusal threshold, a cut count and cut steps, then the message.
 #include <cstdint>

@@ -1,5 +1,5 @@
 // A request's way to the backend on whatever a client's bytes parse to: the frontends' decoding
-// (ForwardArgsFromProto, server/src/core_messages.cc), then the core's ValidateForward (server/src/validation.cc),
+// (ForwardArgsFromProto, server/frontend/core_messages.cc), then the core's ValidateForward (server/core/src/validation.cc),
 // as protobuf parses the bytes for each way a request arrives (a unary message, a stream header, a shm channel),
 // and as the zero-copy reader leaves them (unary, tensors in the message's slices). A request it accepts must be one the backends can run without another
 // check: every dimension >= 1, sizes that are the shape's (recomputed here in 128 bits), under the limits, and
