@@ -14,9 +14,28 @@
 #include "absl/time/clock.h"
 #include "attnd/reference.h"
 #include "attnd/server/queue_expiry.h"
+#include "attnd/server/status_util.h"
 
 namespace attnd::server {
 namespace {
+
+// The reference reads each tensor contiguously: q, k and v still in a message's pieces are gathered into
+// `gathered`; in[i] is where tensor i's bytes are (null for a tensor with none).
+absl::Status GatherInputs(const TensorSource* const (&sources)[3], std::string (&gathered)[3],
+                          const uint8_t* (&in)[3]) {
+  try {
+    for (int i = 0; i < 3; ++i) {
+      in[i] = sources[i]->host;
+      if (in[i] != nullptr || sources[i]->host_bytes == 0) continue;
+      gathered[i].resize(sources[i]->host_bytes);
+      CopyInline(*sources[i], reinterpret_cast<uint8_t*>(gathered[i].data()));
+      in[i] = reinterpret_cast<const uint8_t*>(gathered[i].data());
+    }
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("out of host memory for the inputs");
+  }
+  return absl::OkStatus();
+}
 
 double Micros(absl::Duration d) { return absl::ToDoubleMicroseconds(d); }
 
@@ -147,18 +166,8 @@ absl::Status CpuBackend::RunStep(StepJob& job, int compute_threads) {
     return pool.pool(job.layer, kv) + int64_t{s.pages[t / page]} * page_elems + (t % page) * row_elems;
   };
   std::string gathered[3];
-  const uint8_t* in[3] = {job.q.host, job.k.host, job.v.host};
-  const TensorSource* sources[3] = {&job.q, &job.k, &job.v};
-  try {
-    for (int i = 0; i < 3; ++i) {
-      if (in[i] != nullptr || sources[i]->host_bytes == 0) continue;
-      gathered[i].resize(sources[i]->host_bytes);
-      CopyInline(*sources[i], reinterpret_cast<uint8_t*>(gathered[i].data()));
-      in[i] = reinterpret_cast<const uint8_t*>(gathered[i].data());
-    }
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError("out of host memory for the step's inputs");
-  }
+  const uint8_t* in[3];
+  ATTND_RETURN_IF_ERROR(GatherInputs({&job.q, &job.k, &job.v}, gathered, in));
   const absl::Time compute_start = absl::Now();
   if (job.append) {
     const auto* k = reinterpret_cast<const uint16_t*>(in[1]);
@@ -356,20 +365,9 @@ absl::Status CpuBackend::Run(ForwardJob& job, int compute_threads) {
   layout.o = ContiguousStrides(s.q_len, s.q_heads, s.head_dim);
   ReferenceOptions opts;
   opts.num_threads = compute_threads;
-  // The reference reads each tensor contiguously: inputs still in the message's pieces are gathered first.
   std::string gathered[3];
-  const uint8_t* in[3] = {job.q.host, job.k.host, job.v.host};
-  const TensorSource* sources[3] = {&job.q, &job.k, &job.v};
-  try {
-    for (int i = 0; i < 3; ++i) {
-      if (in[i] != nullptr) continue;
-      gathered[i].resize(sources[i]->host_bytes);
-      CopyInline(*sources[i], reinterpret_cast<uint8_t*>(gathered[i].data()));
-      in[i] = reinterpret_cast<const uint8_t*>(gathered[i].data());
-    }
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError("out of host memory for the inputs");
-  }
+  const uint8_t* in[3];
+  ATTND_RETURN_IF_ERROR(GatherInputs({&job.q, &job.k, &job.v}, gathered, in));
   const absl::Time compute_start = absl::Now();
   try {
     ReferenceAttention(p, layout, reinterpret_cast<const uint16_t*>(in[0]), reinterpret_cast<const uint16_t*>(in[1]),

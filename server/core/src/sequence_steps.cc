@@ -253,12 +253,7 @@ absl::Status Sequences::BindStepTensors(const StepArgs& request, const StepBytes
     if (in.inline_bytes() != bytes) {
       return Invalid(absl::StrCat(field, ".data"), absl::StrCat(in.inline_bytes(), " bytes, expected ", bytes));
     }
-    if (in.source == TensorArg::Source::kPieces) {
-      src->pieces.assign(in.pieces.begin(), in.pieces.end());
-    } else {
-      src->host = reinterpret_cast<const uint8_t*>(in.data.data());
-    }
-    src->host_bytes = bytes;
+    BindInline(in, src);
     return absl::OkStatus();
   };
   if (attend) ATTND_RETURN_IF_ERROR(bind("q", request.q, sizes.q, &job->q));

@@ -96,12 +96,7 @@ absl::Status CheckInput(absl::string_view name, const TensorArg& in, uint64_t ex
     return Invalid(absl::StrCat(name, ".data"),
                    absl::StrCat(in.inline_bytes(), " bytes, expected ", expected, " (", dims, ")"));
   }
-  if (in.source == TensorArg::Source::kPieces) {
-    source->pieces.assign(in.pieces.begin(), in.pieces.end());
-  } else {
-    source->host = reinterpret_cast<const uint8_t*>(in.data.data());
-  }
-  source->host_bytes = expected;
+  BindInline(in, source);
   return absl::OkStatus();
 }
 
@@ -220,6 +215,15 @@ absl::Status ValidateForward(const ForwardArgs& args, const CallInfo& call, cons
   }
   *bytes = b;
   return absl::OkStatus();
+}
+
+void BindInline(const TensorArg& in, TensorSource* source) {
+  if (in.source == TensorArg::Source::kPieces) {
+    source->pieces.assign(in.pieces.begin(), in.pieces.end());
+  } else {
+    source->host = reinterpret_cast<const uint8_t*>(in.data.data());
+  }
+  source->host_bytes = in.inline_bytes();
 }
 
 }  // namespace attnd::server

@@ -42,4 +42,7 @@ struct ValidationLimits {
 absl::Status ValidateForward(const ForwardArgs& args, const CallInfo& call, const ValidationLimits& limits,
                              ForwardJob* job, RequestBytes* bytes);
 
+// Points `source` at an inline tensor's bytes, contiguous or in pieces (their size already checked).
+void BindInline(const TensorArg& in, TensorSource* source);
+
 }  // namespace attnd::server
