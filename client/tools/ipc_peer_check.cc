@@ -37,7 +37,7 @@ void ExpectCode(const std::string& what, const absl::Status& s, absl::StatusCode
 // --shm_socket (shm not null) every case again over the shared-memory channel. 1: the run cannot go on.
 int CheckCases(client::Client& c, client::ShmChannel* shm) {
   int cases = 0;
-  for (int64_t hd : {64, 128, 256}) {
+  for (int64_t hd : attnd::kHeadDims) {
     const Shape s{2, 200, 333, 8, 8, hd};
     Buffers b = Allocate(s, 1);
     if (absl::Status st = Register(c, b, 1); !st.ok()) {

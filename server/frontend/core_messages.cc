@@ -120,10 +120,10 @@ v1::SequenceInfo SequenceInfoToProto(const SequenceState& state) {
   v1::SequenceInfo info;
   info.set_sequence_id(state.sequence_id);
   v1::SequenceShape* shape = info.mutable_shape();
-  shape->set_layers(state.layers);
-  shape->set_kv_heads(state.kv_heads);
-  shape->set_head_dim(state.head_dim);
-  shape->set_dtype(proto::DtypeToProto(state.dtype));
+  shape->set_layers(state.shape.layers);
+  shape->set_kv_heads(state.shape.kv_heads);
+  shape->set_head_dim(state.shape.head_dim);
+  shape->set_dtype(proto::DtypeToProto(state.shape.dtype));
   info.set_max_tokens(state.max_tokens);
   for (int64_t len : state.lengths) info.add_lengths(len);
   info.set_pages(state.pages);

@@ -368,13 +368,9 @@ absl::StatusOr<SequenceState> Sequences::Get(const std::string& owner, absl::str
   absl::StatusOr<Seq*> found = Find(owner, sequence_id, "sequence_id");
   if (!found.ok()) return found.status();
   const Seq& seq = **found;
-  const SequenceShape& shape = seq.pool->memory->shape();
   SequenceState info;
   info.sequence_id = seq.id;
-  info.layers = shape.layers;
-  info.kv_heads = shape.kv_heads;
-  info.head_dim = shape.head_dim;
-  info.dtype = shape.dtype;
+  info.shape = seq.pool->memory->shape();
   info.max_tokens = seq.max_tokens;
   info.lengths.assign(seq.lengths.begin(), seq.lengths.end());
   info.pages = static_cast<int64_t>(seq.pages.size());

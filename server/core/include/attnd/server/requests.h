@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "attnd/problem.h"
+#include "attnd/server/step.h"
 
 namespace attnd::server {
 
@@ -97,8 +98,7 @@ struct OpenedSequences {
 // GetSequence's answer.
 struct SequenceState {
   std::string sequence_id;
-  int layers = 0, kv_heads = 0, head_dim = 0;
-  DType dtype = DType::kBF16;
+  SequenceShape shape;
   int64_t max_tokens = 0;
   std::vector<int64_t> lengths;  // cached tokens per layer
   int64_t pages = 0, shared_pages = 0;
