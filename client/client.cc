@@ -87,6 +87,12 @@ absl::Status FromGrpcStatus(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
+bool IsFleetTarget(const std::string& target) {
+  if (absl::StartsWith(target, "dns:")) return true;
+  return (absl::StartsWith(target, "ipv4:") || absl::StartsWith(target, "ipv6:")) &&
+         target.find(',') != std::string::npos;
+}
+
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& options, const std::string& target) {
   absl::StatusOr<std::vector<ChannelArg>> extra = ParseChannelArgs(options.grpc_args, "grpc_arg");
   if (!extra.ok()) return extra.status();
@@ -94,8 +100,8 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& 
   grpc::ChannelArguments args;
   if (ours(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH)) args.SetMaxSendMessageSize(options.max_send_message_bytes);
   if (ours(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH)) args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
-  if (absl::StartsWith(target, "dns:") && !options.dns_load_balancing.empty() && ours(GRPC_ARG_LB_POLICY_NAME)) {
-    args.SetLoadBalancingPolicyName(options.dns_load_balancing);
+  if (IsFleetTarget(target) && !options.load_balancing.empty() && ours(GRPC_ARG_LB_POLICY_NAME)) {
+    args.SetLoadBalancingPolicyName(options.load_balancing);
   }
   if (options.own_connection && ours(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL)) {
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);

@@ -23,6 +23,10 @@ namespace attnd::client {
 // Room for the request's non-tensor fields and the framing of one message on top of its tensor bytes.
 constexpr uint64_t kMessageOverhead = 64 << 10;
 
+// A target naming several servers (dns:..., or ipv4:/ipv6: with more than one address): calls are spread by
+// ClientOptions::load_balancing.
+bool IsFleetTarget(const std::string& target);
+
 // A channel to `target` with `options`' arguments and credentials: the main one, and those of pinned sequences.
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& options, const std::string& target);
 

@@ -167,6 +167,31 @@ absl::StatusOr<v1::Attention::Stub*> Client::StubFor(const std::string& address)
   return pinned_.emplace(address, v1::Attention::NewStub(*channel)).first->second.get();
 }
 
+absl::StatusOr<v1::OpenSequenceResponse> Client::PlaceSequences(const v1::OpenSequenceRequest& request,
+                                                                const CallOptions& call) {
+  // Each attempt is a new call, which the load balancer gives to the next server; a server answering a second
+  // time means every server it can reach has refused.
+  std::vector<std::pair<std::string, absl::Status>> refusals;
+  for (;;) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx, call);
+    v1::OpenSequenceResponse response;
+    absl::Status st = FromGrpcStatus(stub_->OpenSequence(&ctx, request, &response));
+    if (st.ok()) return response;
+    if (st.code() != absl::StatusCode::kResourceExhausted || !IsFleetTarget(options_.target)) return st;
+    const std::string peer = ctx.peer();
+    for (const auto& [seen, why] : refusals) {
+      if (seen != peer) continue;
+      if (refusals.size() == 1) return why;
+      std::string reasons;
+      for (const auto& [server, status] : refusals) absl::StrAppend(&reasons, "; ", server, ": ", status.message());
+      return absl::ResourceExhaustedError(
+          absl::StrCat("every server of ", options_.target, " refused the sequences", reasons));
+    }
+    refusals.emplace_back(peer, std::move(st));
+  }
+}
+
 absl::StatusOr<OpenedSequences> Client::OpenSequence(const SequenceShape& shape, int64_t max_tokens, uint32_t count,
                                                      const CallOptions& call) {
   v1::OpenSequenceRequest req;
@@ -177,10 +202,9 @@ absl::StatusOr<OpenedSequences> Client::OpenSequence(const SequenceShape& shape,
   s->set_dtype(ToProto(shape.dtype));
   req.set_max_tokens(max_tokens);
   req.set_count(count);
-  grpc::ClientContext ctx;
-  Prepare(&ctx, call);
-  v1::OpenSequenceResponse resp;
-  if (absl::Status st = FromGrpcStatus(stub_->OpenSequence(&ctx, req, &resp)); !st.ok()) return st;
+  absl::StatusOr<v1::OpenSequenceResponse> opened = PlaceSequences(req, call);
+  if (!opened.ok()) return opened.status();
+  const v1::OpenSequenceResponse& resp = *opened;
   const uint32_t want = count == 0 ? 1 : count;
   if (resp.sequence_ids_size() != static_cast<int>(want)) {
     return absl::InternalError(absl::StrCat("OpenSequence: the server returned ", resp.sequence_ids_size(),

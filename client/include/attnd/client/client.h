@@ -48,8 +48,10 @@ const char* TransportName(Transport t);
 absl::StatusOr<Transport> ParseTransport(const std::string& name);
 
 struct ClientOptions {
-  // host:port, unix:/path (or unix:///abs/path), dns:///name:port (round-robin over the resolved addresses),
-  // or any other gRPC target URI.
+  // host:port, unix:/path (or unix:///abs/path), or a fleet of servers: dns:///name:port (every address the
+  // name resolves to, e.g. a Kubernetes headless Service) or ipv4:host:port,host:port,... (ipv6: likewise);
+  // or any other gRPC target URI. Over a fleet, calls are spread by `load_balancing` and a sequence's calls go
+  // to the server that holds it ("Pinning" below).
   std::string target = "127.0.0.1:50051";
   // Deadline of a call that does not give its own (CallOptions::deadline).
   absl::Duration default_deadline = absl::Seconds(120);
@@ -59,8 +61,9 @@ struct ClientOptions {
   // Largest message this client sends/accepts; -1: no client-side limit (the server enforces its own).
   int max_send_message_bytes = -1;
   int max_receive_message_bytes = -1;
-  // Load-balancing policy for targets that resolve to several addresses ("dns:///..."); empty: gRPC's default.
-  std::string dns_load_balancing = "round_robin";
+  // gRPC load-balancing policy of a fleet target (dns:, ipv4: or ipv6: with several addresses); empty: gRPC's
+  // default (pick_first: every call to one server).
+  std::string load_balancing = "round_robin";
   // Give this client its own connection instead of sharing one with other clients of the same target
   // (in-process load tests and "N clients" tests want N real connections).
   bool own_connection = false;
@@ -278,8 +281,10 @@ class Client {
   absl::StatusOr<Transport> ChooseTransport(const v1::ForwardRequest& request);
 
 
-  // KV sequences (pinning: see above). `count` sequences of `shape` (0 means 1); max_tokens 0: the server's
-  // limit.
+  // KV sequences (pinning: see above). `count` sequences of `shape` (0 means 1) on one server; max_tokens 0: the
+  // server's limit. Over a fleet, a server that refuses them RESOURCE_EXHAUSTED (its pool full, its per-client
+  // limits) passes the open on to the next one the load balancer picks, until one takes them or every server
+  // has refused (RESOURCE_EXHAUSTED naming each server's reason).
   absl::StatusOr<OpenedSequences> OpenSequence(const SequenceShape& shape, int64_t max_tokens = 0, uint32_t count = 1,
                                                const CallOptions& call = {});
   // Blocks until the step's reply. Transport: call.transport, else ClientOptions::transport; kShm goes over a
@@ -322,6 +327,9 @@ class Client {
   Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
   // The stub for calls about sequences pinned to `address` ("" or the target: the main one).
   absl::StatusOr<v1::Attention::Stub*> StubFor(const std::string& address);
+  // OpenSequence on the first server that has room (over a fleet, each RESOURCE_EXHAUSTED tries the next).
+  absl::StatusOr<v1::OpenSequenceResponse> PlaceSequences(const v1::OpenSequenceRequest& request,
+                                                          const CallOptions& call);
   // The one address of `ids` (INVALID_ARGUMENT naming `field` when they name different servers).
   static absl::StatusOr<std::string> AddressOf(const std::vector<std::string>& ids, const char* field);
   absl::StatusOr<StepResult> StepOverShm(const v1::StepRequest& request, const CallOptions& call);

@@ -1,0 +1,210 @@
+// A fleet of servers as one: three CPU servers on loopback ports, each advertising its own address, and one client
+// whose target names all three (ipv4:a,b,c). Forwards and new sequences are spread by round robin, every call
+// about a sequence reaches the server that holds it, and an open that one server refuses for room goes to the next.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "e2e_sequences_util.h"
+#include "e2e_util.h"
+
+namespace attnd::e2e {
+namespace {
+
+// A loopback port free now: the servers must know their address before they start, to advertise it.
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    if (fd >= 0) ::close(fd);
+    return 0;
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+class Fleet : public ::testing::Test {
+ protected:
+  static constexpr int kServers = 3;
+
+  // Starts the servers, each with `max_per_client` sequences per client (0: no limit), and the fleet client.
+  void Start(uint32_t max_per_client = 0) {
+    std::vector<std::string> addresses;
+    for (int i = 0; i < kServers; ++i) {
+      const int port = FreePort();
+      ASSERT_GT(port, 0);
+      const std::string address = absl::StrCat("127.0.0.1:", port);
+      server::ServerOptions so;
+      so.network.listen = address;
+      so.sequences.advertise_address = address;
+      so.sequences.max_per_client = max_per_client;
+      server::BackendOptions bo;
+      bo.threads = 2;
+      ServeOnCpu(&servers_[i], so, bo, nullptr);
+      if (HasFatalFailure()) return;
+      direct_[i] = Connect(address);
+      ASSERT_NE(direct_[i], nullptr);
+      addresses.push_back(address);
+      index_[address] = i;
+    }
+    target_ = absl::StrCat("ipv4:", absl::StrJoin(addresses, ","));
+    fleet_ = Connect(target_);
+    ASSERT_NE(fleet_, nullptr);
+  }
+  void TearDown() override {
+    fleet_.reset();
+    for (int i = 0; i < kServers; ++i) {
+      direct_[i].reset();
+      if (servers_[i].server != nullptr) servers_[i].server->Shutdown();
+    }
+  }
+
+  // Forward calls served by server i so far.
+  uint64_t Forwards(int i) {
+    auto stats = direct_[i]->Stats();
+    EXPECT_TRUE(stats.ok()) << stats.status();
+    if (!stats.ok()) return 0;
+    for (const v1::RpcStats& r : stats->rpcs()) {
+      if (r.method() == "Forward") return r.count();
+    }
+    return 0;
+  }
+  // Round robin spreads calls over the servers it has connected to: until every one has served a call, the
+  // first calls may all go to the first server up.
+  void AwaitEveryServer(const Case& c) {
+    for (int attempt = 0; attempt < 200; ++attempt) {
+      bool all = true;
+      for (int i = 0; i < kServers; ++i) all = all && Forwards(i) > 0;
+      if (all) return;
+      ASSERT_EQ(CheckReply(c, fleet_->Forward(*c.request)), "");
+    }
+    FAIL() << "round robin never reached every server";
+  }
+
+  TestServer servers_[kServers];
+  std::unique_ptr<client::Client> direct_[kServers];
+  std::map<std::string, int> index_;  // advertised address -> server
+  std::string target_;
+  std::unique_ptr<client::Client> fleet_;
+};
+
+TEST_F(Fleet, ForwardsAndSequencesAreSpreadAndStepsFollowTheirSequence) {
+  Start();
+  ASSERT_FALSE(HasFatalFailure());
+  const Case c = MakeCase(Spec(1, 16, 40, 4, 2, 64), 5);
+  AwaitEveryServer(c);
+  ASSERT_FALSE(HasFatalFailure());
+  uint64_t before[kServers];
+  for (int i = 0; i < kServers; ++i) before[i] = Forwards(i);
+  constexpr int kCalls = 30;
+  for (int n = 0; n < kCalls; ++n) ASSERT_EQ(CheckReply(c, fleet_->Forward(*c.request)), "");
+  for (int i = 0; i < kServers; ++i) {
+    const uint64_t served = Forwards(i) - before[i];
+    EXPECT_GE(served, 9u) << "server " << i;
+    EXPECT_LE(served, 11u) << "server " << i;
+  }
+
+  // Sequences opened one by one land round robin, and every call about one reaches its server.
+  const client::SequenceShape shape = TestShape(1);
+  std::vector<std::string> ids;
+  int per_server[kServers] = {};
+  for (int n = 0; n < kCalls; ++n) {
+    auto opened = fleet_->OpenSequence(shape);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    const std::string address = client::SequenceAddress(opened->ids[0]);
+    ASSERT_EQ(index_.count(address), 1u) << opened->ids[0];
+    ++per_server[index_[address]];
+    ids.push_back(opened->ids[0]);
+  }
+  for (int i = 0; i < kServers; ++i) {
+    EXPECT_GE(per_server[i], 9) << "server " << i;
+    EXPECT_LE(per_server[i], 11) << "server " << i;
+    auto stats = direct_[i]->Stats();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->sequences().open(), static_cast<uint64_t>(per_server[i]));
+  }
+  for (size_t n = 0; n < ids.size(); ++n) {
+    SCOPED_TRACE(ids[n]);
+    for (int step = 0; step < 2; ++step) {
+      OneTokenStep s(shape, ids[n], 100 * n + 10 * step);
+      auto r = fleet_->Step(s.spec);
+      ASSERT_TRUE(r.ok()) << r.status();
+      ASSERT_EQ(r->lengths, std::vector<int64_t>({step + 1}));
+    }
+  }
+  ASSERT_TRUE(fleet_->CloseSequence({ids[0]}).ok());
+  auto gone = fleet_->GetSequence(ids[0]);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound) << gone.status();
+  // A close names one server: the fleet's sequences go server by server.
+  std::map<std::string, std::vector<std::string>> by_server;
+  for (size_t n = 1; n < ids.size(); ++n) by_server[client::SequenceAddress(ids[n])].push_back(ids[n]);
+  for (const auto& [address, of_server] : by_server) {
+    ASSERT_TRUE(fleet_->CloseSequence(of_server).ok()) << address;
+  }
+  for (int i = 0; i < kServers; ++i) {
+    auto stats = direct_[i]->Stats();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->sequences().open(), 0u);
+  }
+}
+
+// A server without room (here: its per-client limit reached) passes the open on; once every server has
+// refused, the error names each one's reason.
+TEST_F(Fleet, AnOpenAServerHasNoRoomForGoesToAnother) {
+  Start(/*max_per_client=*/2);
+  ASSERT_FALSE(HasFatalFailure());
+  const client::SequenceShape shape = TestShape(1);
+  int per_server[kServers] = {};
+  std::vector<std::string> ids;
+  for (int n = 0; n < 2 * kServers; ++n) {
+    auto opened = fleet_->OpenSequence(shape);
+    ASSERT_TRUE(opened.ok()) << "open " << n << ": " << opened.status();
+    ++per_server[index_[client::SequenceAddress(opened->ids[0])]];
+    ids.push_back(opened->ids[0]);
+  }
+  for (int i = 0; i < kServers; ++i) EXPECT_EQ(per_server[i], 2) << "server " << i;
+  auto full = fleet_->OpenSequence(shape);
+  ASSERT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted) << full.status();
+  EXPECT_TRUE(absl::StrContains(full.status().message(), "every server of " + target_)) << full.status();
+  for (int i = 0; i < kServers; ++i) {
+    EXPECT_TRUE(absl::StrContains(full.status().message(), absl::StrCat("127.0.0.1:", servers_[i].port)))
+        << full.status();
+  }
+  EXPECT_TRUE(absl::StrContains(full.status().message(), "--max_sequences_per_client")) << full.status();
+  // Room on one server again: the next open finds it, wherever round robin starts.
+  ASSERT_TRUE(fleet_->CloseSequence({ids[0]}).ok());
+  auto again = fleet_->OpenSequence(shape);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(client::SequenceAddress(again->ids[0]), client::SequenceAddress(ids[0]));
+}
+
+// One server's target is not a fleet: its refusal comes back as it is, after one call.
+TEST(FleetClient, OneServerRefusalIsItsOwn) {
+  server::SequenceOptions so;
+  so.max_per_client = 1;
+  TestServer srv;
+  StartSequenceServer(&srv, so);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  auto c = Connect(srv.Target(Listener::kTcp));
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->OpenSequence(TestShape(1)).ok());
+  auto refused = c->OpenSequence(TestShape(1));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_TRUE(absl::StartsWith(refused.status().message(), "count:")) << refused.status();
+  srv.server->Shutdown();
+}
+
+}  // namespace
+}  // namespace attnd::e2e
