@@ -139,6 +139,18 @@ std::string SequenceAddress(std::string_view sequence_id) {
   return at == std::string_view::npos ? std::string() : std::string(sequence_id.substr(at + 1));
 }
 
+namespace {
+
+// A call about sequences pinned to `address` that did not reach that server: UNAVAILABLE naming it, so that a
+// fleet's caller knows which sequences went with it (the others carry on).
+absl::Status NameTheServer(const std::string& address, const std::string& target, absl::Status st) {
+  if (st.code() != absl::StatusCode::kUnavailable || address.empty() || address == target) return st;
+  return absl::UnavailableError(
+      absl::StrCat("the server holding the sequence (", address, ") is unreachable: ", st.message()));
+}
+
+}  // namespace
+
 absl::StatusOr<std::string> Client::AddressOf(const std::vector<std::string>& ids, const char* field) {
   std::string address;
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -236,13 +248,18 @@ absl::StatusOr<StepResult> Client::Step(const v1::StepRequest& request, const Ca
   if (!stub.ok()) return stub.status();
   if (t != Transport::kUnary) {
     std::optional<absl::StatusOr<StepResult>> streamed = StepOverStream(*stub, *address, request, call);
-    if (streamed.has_value()) return *std::move(streamed);
+    if (streamed.has_value()) {
+      if (!streamed->ok()) return NameTheServer(*address, options_.target, streamed->status());
+      return *std::move(streamed);
+    }
   }
   grpc::ClientContext ctx;
   Prepare(&ctx, call);
   const absl::Time start = absl::Now();
   v1::StepResponse resp;
-  if (absl::Status st = FromGrpcStatus((*stub)->Step(&ctx, request, &resp)); !st.ok()) return st;
+  if (absl::Status st = FromGrpcStatus((*stub)->Step(&ctx, request, &resp)); !st.ok()) {
+    return NameTheServer(*address, options_.target, std::move(st));
+  }
   return StepResultOf(request, std::move(resp), Transport::kUnary, start);
 }
 
@@ -356,7 +373,9 @@ absl::StatusOr<std::vector<std::string>> Client::ForkSequence(const std::string&
   grpc::ClientContext ctx;
   Prepare(&ctx, call);
   v1::ForkSequenceResponse resp;
-  if (absl::Status st = FromGrpcStatus((*stub)->ForkSequence(&ctx, req, &resp)); !st.ok()) return st;
+  if (absl::Status st = FromGrpcStatus((*stub)->ForkSequence(&ctx, req, &resp)); !st.ok()) {
+    return NameTheServer(SequenceAddress(sequence_id), options_.target, std::move(st));
+  }
   return std::vector<std::string>(resp.sequence_ids().begin(), resp.sequence_ids().end());
 }
 
@@ -370,7 +389,9 @@ absl::StatusOr<std::vector<int64_t>> Client::TruncateSequence(const std::string&
   grpc::ClientContext ctx;
   Prepare(&ctx, call);
   v1::TruncateSequenceResponse resp;
-  if (absl::Status st = FromGrpcStatus((*stub)->TruncateSequence(&ctx, req, &resp)); !st.ok()) return st;
+  if (absl::Status st = FromGrpcStatus((*stub)->TruncateSequence(&ctx, req, &resp)); !st.ok()) {
+    return NameTheServer(SequenceAddress(sequence_id), options_.target, std::move(st));
+  }
   return std::vector<int64_t>(resp.lengths().begin(), resp.lengths().end());
 }
 
@@ -384,7 +405,7 @@ absl::Status Client::CloseSequence(const std::vector<std::string>& sequence_ids,
   grpc::ClientContext ctx;
   Prepare(&ctx, call);
   v1::CloseSequenceResponse resp;
-  return FromGrpcStatus((*stub)->CloseSequence(&ctx, req, &resp));
+  return NameTheServer(*address, options_.target, FromGrpcStatus((*stub)->CloseSequence(&ctx, req, &resp)));
 }
 
 absl::StatusOr<v1::SequenceInfo> Client::GetSequence(const std::string& sequence_id, const CallOptions& call) {
@@ -395,7 +416,9 @@ absl::StatusOr<v1::SequenceInfo> Client::GetSequence(const std::string& sequence
   grpc::ClientContext ctx;
   Prepare(&ctx, call);
   v1::SequenceInfo resp;
-  if (absl::Status st = FromGrpcStatus((*stub)->GetSequence(&ctx, req, &resp)); !st.ok()) return st;
+  if (absl::Status st = FromGrpcStatus((*stub)->GetSequence(&ctx, req, &resp)); !st.ok()) {
+    return NameTheServer(SequenceAddress(sequence_id), options_.target, std::move(st));
+  }
   return resp;
 }
 

@@ -190,6 +190,50 @@ TEST_F(Fleet, AnOpenAServerHasNoRoomForGoesToAnother) {
   EXPECT_EQ(client::SequenceAddress(again->ids[0]), client::SequenceAddress(ids[0]));
 }
 
+// A server that goes away takes its sequences with it: their calls fail UNAVAILABLE naming it, the others' go
+// on, and new sequences go to the servers left.
+TEST_F(Fleet, AServerThatLeavesIsNamedAndAvoided) {
+  Start();
+  ASSERT_FALSE(HasFatalFailure());
+  const client::SequenceShape shape = TestShape(1);
+  std::vector<std::string> ids;
+  for (int n = 0; n < 2 * kServers; ++n) {
+    auto opened = fleet_->OpenSequence(shape);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    ids.push_back(opened->ids[0]);
+  }
+  const std::string gone_address = client::SequenceAddress(ids[0]);
+  const int gone = index_[gone_address];
+  direct_[gone].reset();
+  servers_[gone].server->Shutdown();
+  servers_[gone].server.reset();
+  int elsewhere = 0, carried_on = 0;
+  for (size_t n = 0; n < ids.size(); ++n) {
+    elsewhere += client::SequenceAddress(ids[n]) != gone_address;
+    OneTokenStep s(shape, ids[n], 7 * n);
+    client::CallOptions call;
+    call.deadline = absl::Seconds(5);
+    auto r = fleet_->Step(s.spec, call);
+    if (client::SequenceAddress(ids[n]) == gone_address) {
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+      EXPECT_TRUE(absl::StrContains(r.status().message(),
+                                    absl::StrCat("the server holding the sequence (", gone_address, ")")))
+          << r.status();
+    } else {
+      EXPECT_TRUE(r.ok()) << r.status();
+      ++carried_on;
+    }
+  }
+  EXPECT_EQ(carried_on, elsewhere);
+  for (int n = 0; n < 2 * kServers; ++n) {
+    client::CallOptions call;
+    call.deadline = absl::Seconds(5);
+    auto opened = fleet_->OpenSequence(shape, 0, 1, call);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    EXPECT_NE(client::SequenceAddress(opened->ids[0]), gone_address);
+  }
+}
+
 // One server's target is not a fleet: its refusal comes back as it is, after one call.
 TEST(FleetClient, OneServerRefusalIsItsOwn) {
   server::SequenceOptions so;
