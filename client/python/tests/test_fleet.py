@@ -1,0 +1,56 @@
+"""A fleet from Python: three CPU-backend servers on loopback ports, each advertising its address, and one Client
+whose target names all three (ipv4:a,b,c). Sequences are placed round robin and each step reaches the server
+that holds its sequence, its O and LSE checked against float64 attention."""
+import socket
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import attnd
+from conftest import Server
+from test_sequences import KV_HEADS, HEAD_DIM, History, step_checked
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmpdir_short):
+    servers = []
+    try:
+        for i in range(3):
+            port = free_port()
+            servers.append(Server([f"--listen=127.0.0.1:{port}", f"--advertise_address=127.0.0.1:{port}"],
+                                  tmpdir_short, f"fleet{i}"))
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_fleet_places_sequences_and_steps_follow_them(fleet):
+    rng = np.random.default_rng(11)
+    target = "ipv4:" + ",".join(s.target for s in fleet)
+    with attnd.Client(target) as c:
+        # Round robin reaches a server once its connection is up: until then the first ready one takes the calls.
+        for _ in range(50):
+            probe = c.open_sequence(layers=1, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+            probe.close()
+        seqs = [c.open_sequence(layers=1, kv_heads=KV_HEADS, head_dim=HEAD_DIM) for _ in range(12)]
+        where = Counter(s.id.rsplit("@", 1)[1] for s in seqs)
+        assert set(where) == {s.target for s in fleet}
+        assert all(3 <= n <= 5 for n in where.values()), where
+        for seq in seqs:
+            hist = History(layers=1)
+            step_checked(seq, hist, 0, rng, 5)
+            step_checked(seq, hist, 0, rng, 1)
+            assert seq.lengths == [6]
+        for seq in seqs:
+            seq.close()
+        for s in fleet:
+            with attnd.Client(s.target) as direct:
+                assert direct.stats()["sequences"].get("open", 0) == 0
