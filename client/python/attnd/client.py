@@ -356,10 +356,11 @@ class Client:
     def __init__(self, target, transport="auto", tls=None, token=None, shm_socket=None, timeout=None,
                  tls_server_name=None):
         """target: host:port, unix:/path, or a fleet: ipv4:host:port,host:port,... or dns:///name:port (calls
-        spread round robin, sequences placed where there is room and followed to their server). transport: auto | unary | stream | shm (shm: Forward calls over the
-        server's --shm_socket, given as shm_socket; the other RPCs still use target). tls: path of the PEM CA
-        file the server's certificate chains to (the channel then speaks TLS). token: the bearer token of a
-        server started with --auth_token_file. timeout: seconds per call (default 120)."""
+        spread round robin, sequences placed where there is room and followed to their server). transport:
+        auto | unary | stream | shm (shm: Forward calls over the server's --shm_socket, given as shm_socket; the
+        other RPCs still use target). tls: path of the PEM CA file the server's certificate chains to (the
+        channel then speaks TLS). token: the bearer token of a server started with --auth_token_file. timeout:
+        seconds per call (default 120)."""
         self._lib = _lib.load()
         if transport not in _lib.TRANSPORTS:
             raise _invalid(f"transport: {transport!r} is not one of {', '.join(_lib.TRANSPORTS)}")
