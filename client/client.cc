@@ -1,5 +1,6 @@
 #include "attnd/client/client.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <type_traits>
@@ -91,6 +92,11 @@ bool IsFleetTarget(const std::string& target) {
   if (absl::StartsWith(target, "dns:")) return true;
   return (absl::StartsWith(target, "ipv4:") || absl::StartsWith(target, "ipv6:")) &&
          target.find(',') != std::string::npos;
+}
+
+size_t ListedServers(const std::string& target) {
+  if (!absl::StartsWith(target, "ipv4:") && !absl::StartsWith(target, "ipv6:")) return 0;
+  return static_cast<size_t>(std::count(target.begin(), target.end(), ',')) + 1;
 }
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& options, const std::string& target) {

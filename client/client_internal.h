@@ -26,6 +26,8 @@ constexpr uint64_t kMessageOverhead = 64 << 10;
 // A target naming several servers (dns:..., or ipv4:/ipv6: with more than one address): calls are spread by
 // ClientOptions::load_balancing.
 bool IsFleetTarget(const std::string& target);
+// The servers an ipv4:/ipv6: target lists (ipv4:a:p,b:p: 2); 0 for any other target (dns: finds its own).
+size_t ListedServers(const std::string& target);
 
 // A channel to `target` with `options`' arguments and credentials: the main one, and those of pinned sequences.
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& options, const std::string& target);

@@ -181,24 +181,40 @@ absl::StatusOr<v1::Attention::Stub*> Client::StubFor(const std::string& address)
 
 absl::StatusOr<v1::OpenSequenceResponse> Client::PlaceSequences(const v1::OpenSequenceRequest& request,
                                                                 const CallOptions& call) {
-  // Each attempt is a new call, which the load balancer gives to the next server; a server answering a second
-  // time means every server it can reach has refused.
+  // Each attempt is a new call, which the load balancer gives to the next server it has a connection to; a
+  // server answering a second time means every one of those has refused. Servers the target lists but the
+  // balancer has not connected to yet (a fresh client) get a few short waits to come up first.
   std::vector<std::pair<std::string, absl::Status>> refusals;
+  const size_t listed = ListedServers(options_.target);
+  absl::Duration backoff = absl::Milliseconds(1);
   for (;;) {
     grpc::ClientContext ctx;
     Prepare(&ctx, call);
     v1::OpenSequenceResponse response;
     absl::Status st = FromGrpcStatus(stub_->OpenSequence(&ctx, request, &response));
     if (st.ok()) return response;
-    if (st.code() != absl::StatusCode::kResourceExhausted || !IsFleetTarget(options_.target)) return st;
+    // No room (RESOURCE_EXHAUSTED) or no new sequences at all (UNAVAILABLE: draining, shutting down).
+    const bool elsewhere =
+        st.code() == absl::StatusCode::kResourceExhausted || st.code() == absl::StatusCode::kUnavailable;
+    if (!elsewhere || !IsFleetTarget(options_.target)) return st;
     const std::string peer = ctx.peer();
+    const bool repeated = std::any_of(refusals.begin(), refusals.end(), [&](const auto& r) { return r.first == peer; });
+    if (repeated && refusals.size() < listed && backoff <= absl::Milliseconds(32)) {
+      absl::SleepFor(backoff);
+      backoff *= 2;
+      continue;
+    }
     for (const auto& [seen, why] : refusals) {
       if (seen != peer) continue;
       if (refusals.size() == 1) return why;
+      // RESOURCE_EXHAUSTED when some server is out of room; UNAVAILABLE when all are only going away.
       std::string reasons;
-      for (const auto& [server, status] : refusals) absl::StrAppend(&reasons, "; ", server, ": ", status.message());
-      return absl::ResourceExhaustedError(
-          absl::StrCat("every server of ", options_.target, " refused the sequences", reasons));
+      absl::StatusCode code = absl::StatusCode::kUnavailable;
+      for (const auto& [server, status] : refusals) {
+        absl::StrAppend(&reasons, "; ", server, ": ", status.message());
+        if (status.code() == absl::StatusCode::kResourceExhausted) code = status.code();
+      }
+      return absl::Status(code, absl::StrCat("every server of ", options_.target, " refused the sequences", reasons));
     }
     refusals.emplace_back(peer, std::move(st));
   }

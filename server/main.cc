@@ -75,6 +75,10 @@ ABSL_FLAG(bool, ipc_over_tcp, false, "serve CUDA IPC registration over TCP too (
 ABSL_FLAG(double, shutdown_grace_s, 60,
           "seconds a shutdown waits for accepted calls before cancelling the rest; it bounds the exit (idle "
           "connections and health/reflection streams do not hold it)");
+ABSL_FLAG(double, sequence_drain_s, 0,
+          "on shutdown, seconds (within --shutdown_grace_s) the open KV sequences keep being served while their "
+          "callers close them: health NOT_SERVING, new sequences refused UNAVAILABLE (a fleet client opens them "
+          "elsewhere); 0: no drain, open sequences are lost at once");
 // Security and observability (docs/security-and-metrics.md).
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS on the TCP listener (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
@@ -219,6 +223,7 @@ absl::Status TimeoutFlags(ServerOptions::Timeouts* timeouts) {
   if (!(grace >= 0)) return absl::InvalidArgumentError("--shutdown_grace_s: must be >= 0");
   for (const auto& [name, value] : {std::pair{"stream_idle_timeout_s", absl::GetFlag(FLAGS_stream_idle_timeout_s)},
                                     std::pair{"upload_timeout_s", absl::GetFlag(FLAGS_upload_timeout_s)},
+                                    std::pair{"sequence_drain_s", absl::GetFlag(FLAGS_sequence_drain_s)},
                                     std::pair{"max_connection_idle_s", absl::GetFlag(FLAGS_max_connection_idle_s)},
                                     std::pair{"keepalive_time_s", absl::GetFlag(FLAGS_keepalive_time_s)},
                                     std::pair{"keepalive_timeout_s", absl::GetFlag(FLAGS_keepalive_timeout_s)},
@@ -227,6 +232,7 @@ absl::Status TimeoutFlags(ServerOptions::Timeouts* timeouts) {
     if (!(value >= 0)) return absl::InvalidArgumentError(std::string("--") + name + ": must be >= 0");
   }
   timeouts->shutdown_grace = absl::Seconds(grace);
+  timeouts->sequence_drain = absl::Seconds(absl::GetFlag(FLAGS_sequence_drain_s));
   timeouts->stream_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_stream_idle_timeout_s));
   timeouts->upload_timeout = absl::Seconds(absl::GetFlag(FLAGS_upload_timeout_s));
   timeouts->max_connection_idle = absl::Seconds(absl::GetFlag(FLAGS_max_connection_idle_s));

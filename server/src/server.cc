@@ -225,6 +225,12 @@ class ServerImpl final : public Server {
       stopping_ = true;
     }
     SetServing(false);
+    // Graces beyond a year (infinite included) mean "wait for ever".
+    const absl::Duration grace = options_.timeouts.shutdown_grace;
+    const bool forever = grace >= absl::Hours(24 * 365);
+    const absl::Time deadline =
+        forever ? absl::InfiniteFuture() : absl::Now() + std::max(grace, absl::ZeroDuration());
+    DrainSequences(std::min(deadline, absl::Now() + options_.timeouts.sequence_drain));
     // gRPC shuts its listeners down from here on: their errors are no loss.
     guard_.reset();
     // In this order: a call the service still accepts has had its metadata, so DrainTracker counted it.
@@ -234,11 +240,6 @@ class ServerImpl final : public Server {
     // Shm channels finish the requests they hold (the backend still runs) and close.
     if (shm_ != nullptr) shm_->Stop();
     drain_.BeginDrain();
-    // Graces beyond a year (infinite included) mean "wait for ever".
-    const absl::Duration grace = options_.timeouts.shutdown_grace;
-    const bool forever = grace >= absl::Hours(24 * 365);
-    const absl::Time deadline =
-        forever ? absl::InfiniteFuture() : absl::Now() + std::max(grace, absl::ZeroDuration());
     // Every accepted Forward ends (its reply handed to the transport) before gRPC is told to stop: see
     // DrainTracker for the connection reset that telling it earlier invites.
     if (drain_.AwaitDrained(deadline)) {
@@ -259,6 +260,21 @@ class ServerImpl final : public Server {
   }
 
   void Wait() override { done_.WaitForNotification(); }
+
+  // Serves the open sequences (no new ones) until their callers have closed them or `until`.
+  void DrainSequences(absl::Time until) {
+    if (options_.timeouts.sequence_drain <= absl::ZeroDuration() || !options_.sequences.enabled) return;
+    const uint64_t open = sequences_.stats().open;
+    if (open == 0) return;
+    sequences_.BeginDrain();
+    spdlog::info("attnd draining {} KV sequences for up to {} (--sequence_drain_s); new ones are refused", open,
+                 absl::FormatDuration(until - absl::Now()));
+    if (const size_t left = sequences_.AwaitClosed(until); left > 0) {
+      spdlog::warn("attnd drain over with {} KV sequences still open; they are lost", left);
+    } else {
+      spdlog::info("attnd drain over: every KV sequence was closed");
+    }
+  }
 
  private:
   // Health for the whole server and the service, unless a listener was lost (it then stays NOT_SERVING).

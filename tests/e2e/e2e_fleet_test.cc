@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -232,6 +233,83 @@ TEST_F(Fleet, AServerThatLeavesIsNamedAndAvoided) {
     ASSERT_TRUE(opened.ok()) << opened.status();
     EXPECT_NE(client::SequenceAddress(opened->ids[0]), gone_address);
   }
+}
+
+// A server on a free loopback port advertising it, with `drain` as its --sequence_drain_s.
+void StartAdvertised(TestServer* out, absl::Duration drain, absl::Duration grace = absl::Seconds(30)) {
+  const int port = FreePort();
+  ASSERT_GT(port, 0);
+  server::ServerOptions so;
+  so.network.listen = absl::StrCat("127.0.0.1:", port);
+  so.sequences.advertise_address = so.network.listen;
+  so.timeouts.sequence_drain = drain;
+  so.timeouts.shutdown_grace = grace;
+  server::BackendOptions bo;
+  bo.threads = 2;
+  ServeOnCpu(out, so, bo, nullptr);
+}
+
+// A server asked to stop drains its sequences first: it serves them until their callers close them, while new
+// ones go to the rest of the fleet; then it stops, without waiting out the drain.
+TEST(FleetDrain, OpenSequencesAreServedUntilClosedAndNewOnesGoElsewhere) {
+  TestServer leaving, staying;
+  StartAdvertised(&leaving, absl::Seconds(20));
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  StartAdvertised(&staying, absl::ZeroDuration());
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  const std::string leaving_address = absl::StrCat("127.0.0.1:", leaving.port);
+  auto fleet = Connect(absl::StrCat("ipv4:", leaving_address, ",127.0.0.1:", staying.port));
+  auto direct = Connect(leaving_address);
+  ASSERT_NE(fleet, nullptr);
+  ASSERT_NE(direct, nullptr);
+  const client::SequenceShape shape = TestShape(1);
+  auto held = direct->OpenSequence(shape, 0, 2);
+  ASSERT_TRUE(held.ok()) << held.status();
+
+  const absl::Time asked = absl::Now();
+  std::thread stop([&] { leaving.server->Shutdown(); });
+  // The drain has begun once the server refuses new sequences (one opened before then is held like the rest).
+  std::vector<std::string> ids = held->ids;
+  absl::Status refusal;
+  for (int i = 0; i < 200; ++i) {
+    auto probe = direct->OpenSequence(shape);
+    refusal = probe.status();
+    if (!probe.ok()) break;
+    ids.push_back(probe->ids[0]);
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(refusal.code(), absl::StatusCode::kUnavailable) << refusal;
+  EXPECT_TRUE(absl::StrContains(refusal.message(), "draining")) << refusal;
+  for (int n = 0; n < 4; ++n) {
+    auto opened = fleet->OpenSequence(shape);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    EXPECT_EQ(client::SequenceAddress(opened->ids[0]), absl::StrCat("127.0.0.1:", staying.port));
+  }
+  for (size_t n = 0; n < ids.size(); ++n) {
+    OneTokenStep s(shape, ids[n], 30 + 3 * n);
+    auto r = fleet->Step(s.spec);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->lengths, std::vector<int64_t>({1}));
+  }
+  ASSERT_TRUE(fleet->CloseSequence(ids).ok());
+  stop.join();
+  EXPECT_LT(absl::Now() - asked, absl::Seconds(10)) << "the stop waited out the drain";
+  staying.server->Shutdown();
+}
+
+// Sequences still open when the drain runs out are lost with the server, which then stops.
+TEST(FleetDrain, TheDrainIsBounded) {
+  TestServer srv;
+  StartAdvertised(&srv, absl::Milliseconds(500));
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  auto c = Connect(absl::StrCat("127.0.0.1:", srv.port));
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->OpenSequence(TestShape(1)).ok());
+  const absl::Time asked = absl::Now();
+  srv.server->Shutdown();
+  const absl::Duration took = absl::Now() - asked;
+  EXPECT_GE(took, absl::Milliseconds(450));
+  EXPECT_LT(took, absl::Seconds(10));
 }
 
 // One server's target is not a fleet: its refusal comes back as it is, after one call.

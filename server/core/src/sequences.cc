@@ -252,7 +252,7 @@ absl::StatusOr<OpenedSequences> Sequences::Open(const std::string& owner, const 
     AwaitPoolReleases();
     mu_.Lock();
   }
-  if (stopping_) return absl::UnavailableError("the server is shutting down");
+  ATTND_RETURN_IF_ERROR(TakesNewSequences());
   ATTND_RETURN_IF_ERROR(CheckClientSequences(owner, *count));
   absl::StatusOr<Pool*> pool = PoolFor(shape);
   if (!pool.ok()) return pool.status();
@@ -281,7 +281,7 @@ absl::StatusOr<std::vector<std::string>> Sequences::Fork(const std::string& owne
   absl::StatusOr<uint32_t> count = NewSequences(children);
   if (!count.ok()) return count.status();
   absl::MutexLock lock(&mu_);
-  if (stopping_) return absl::UnavailableError("the server is shutting down");
+  ATTND_RETURN_IF_ERROR(TakesNewSequences());
   absl::StatusOr<Seq*> found = Find(owner, sequence_id, "sequence_id");
   if (!found.ok()) return found.status();
   Seq* parent = *found;
@@ -422,6 +422,28 @@ void Sequences::ReaperLoop() {
       next_sweep = absl::Now() + sweep;
     }
   }
+}
+
+absl::Status Sequences::TakesNewSequences() const {
+  if (stopping_) return absl::UnavailableError("the server is shutting down");
+  if (draining_) {
+    return absl::UnavailableError(
+        "the server is draining before it shuts down: it serves its open sequences but takes no new ones; open "
+        "them on another server");
+  }
+  return absl::OkStatus();
+}
+
+void Sequences::BeginDrain() {
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+}
+
+size_t Sequences::AwaitClosed(absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  const auto none = +[](const Sequences* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) { return self->seqs_.empty(); };
+  mu_.AwaitWithDeadline(absl::Condition(none, this), deadline);
+  return seqs_.size();
 }
 
 void Sequences::Shutdown() {

@@ -283,8 +283,9 @@ class Client {
 
   // KV sequences (pinning: see above). `count` sequences of `shape` (0 means 1) on one server; max_tokens 0: the
   // server's limit. Over a fleet, a server that refuses them RESOURCE_EXHAUSTED (its pool full, its per-client
-  // limits) passes the open on to the next one the load balancer picks, until one takes them or every server
-  // has refused (RESOURCE_EXHAUSTED naming each server's reason).
+  // limits) or UNAVAILABLE (draining before a shutdown) passes the open on to the next one the load balancer
+  // picks, until one takes them or every server has refused (RESOURCE_EXHAUSTED if any was out of room, else
+  // UNAVAILABLE, naming each server's reason).
   absl::StatusOr<OpenedSequences> OpenSequence(const SequenceShape& shape, int64_t max_tokens = 0, uint32_t count = 1,
                                                const CallOptions& call = {});
   // Blocks until the step's reply. Transport: call.transport, else ClientOptions::transport; kShm goes over a

@@ -49,6 +49,11 @@ struct ServerOptions {
     // Shutdown waits this long for accepted calls (a stream still uploading included) before gRPC cancels what
     // is left; an infinite grace would let one stalled client hold a SIGTERM forever.
     absl::Duration shutdown_grace = absl::Seconds(60);
+    // Shutdown first drains the KV sequences for up to this long, within shutdown_grace: health turns
+    // NOT_SERVING, new sequences (OpenSequence, ForkSequence) are refused UNAVAILABLE so that a fleet client opens
+    // them on another server, and the open ones are served until their callers close them; those still open after
+    // it are lost with the process. Zero: no drain.
+    absl::Duration sequence_drain = absl::ZeroDuration();
     // A ForwardStream that receives no message for this long, before its header or between chunks, is ended
     // DEADLINE_EXCEEDED and its inputs are freed.
     absl::Duration stream_idle_timeout = absl::Seconds(30);

@@ -86,6 +86,10 @@ class Sequences {
   // message must outlive the reply), as Dispatcher::Dispatch does.
   void Step(const std::string& owner, const StepArgs& request, const CallInfo& call, StepReply reply);
 
+  // From here on new sequences (Open, Fork) are refused UNAVAILABLE; the open ones are served as before.
+  void BeginDrain();
+  // Waits until no sequence is open (closed by their callers, or expired) or `deadline`; the number still open.
+  size_t AwaitClosed(absl::Time deadline) const;
   // Refuses new steps (UNAVAILABLE) and waits until every admitted step has been answered and every launch has
   // ended; the core may be destroyed once it returns. Idempotent.
   void Shutdown();
@@ -134,6 +138,8 @@ class Sequences {
   std::string NewId();
   // The number of sequences an Open or Fork with `requested` (0 means 1) creates; RESOURCE_EXHAUSTED past max_open.
   absl::StatusOr<uint32_t> NewSequences(uint32_t requested) const;
+  // UNAVAILABLE once shutting down or draining: no sequence may be created.
+  absl::Status TakesNewSequences() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RESOURCE_EXHAUSTED when `count` more sequences would pass the owner's limit.
   absl::Status CheckClientSequences(const std::string& owner, uint32_t count) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Pool*> PoolFor(const SequenceShape& shape) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -217,6 +223,7 @@ class Sequences {
   uint64_t launches_running_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_unique_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;  // new sequences refused (BeginDrain)
   bool reaper_stop_ ABSL_GUARDED_BY(mu_) = false;
   bool reaper_wake_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0, launches_ ABSL_GUARDED_BY(mu_) = 0, expired_ ABSL_GUARDED_BY(mu_) = 0;
