@@ -141,12 +141,11 @@ std::string SequenceAddress(std::string_view sequence_id) {
 
 namespace {
 
-// A call about sequences pinned to `address` that did not reach that server: UNAVAILABLE naming it, so that a
-// fleet's caller knows which sequences went with it (the others carry on).
+// UNAVAILABLE from the server sequences are pinned to (gone, or going): the message names that server, so that
+// a fleet's caller knows which sequences went with it (the others carry on).
 absl::Status NameTheServer(const std::string& address, const std::string& target, absl::Status st) {
   if (st.code() != absl::StatusCode::kUnavailable || address.empty() || address == target) return st;
-  return absl::UnavailableError(
-      absl::StrCat("the server holding the sequence (", address, ") is unreachable: ", st.message()));
+  return absl::UnavailableError(absl::StrCat("the server holding the sequence (", address, "): ", st.message()));
 }
 
 }  // namespace
