@@ -106,8 +106,13 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& 
   grpc::ChannelArguments args;
   if (ours(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH)) args.SetMaxSendMessageSize(options.max_send_message_bytes);
   if (ours(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH)) args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
-  if (IsFleetTarget(target) && !options.load_balancing.empty() && ours(GRPC_ARG_LB_POLICY_NAME)) {
-    args.SetLoadBalancingPolicyName(options.load_balancing);
+  if (IsFleetTarget(target) && !options.load_balancing.empty() && ours(GRPC_ARG_LB_POLICY_NAME) &&
+      ours(GRPC_ARG_SERVICE_CONFIG)) {
+    // The balancer also watches each server's grpc.health.v1 status for the service: a server going away
+    // (NOT_SERVING from the start of its shutdown, its drain included) gets no new calls, while its sequences'
+    // calls still reach it over their pinned channels, which do not check health.
+    args.SetServiceConfigJSON(absl::StrCat(R"({"loadBalancingConfig":[{")", options.load_balancing,
+                                           R"(":{}}],"healthCheckConfig":{"serviceName":"attnd.v1.Attention"}})"));
   }
   if (options.own_connection && ours(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL)) {
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);

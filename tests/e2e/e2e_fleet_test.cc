@@ -280,6 +280,19 @@ TEST(FleetDrain, OpenSequencesAreServedUntilClosedAndNewOnesGoElsewhere) {
   }
   EXPECT_EQ(refusal.code(), absl::StatusCode::kUnavailable) << refusal;
   EXPECT_TRUE(absl::StrContains(refusal.message(), "draining")) << refusal;
+  // Its health says NOT_SERVING, which the fleet client's balancer watches: no new call goes there.
+  const auto forwards = [&](client::Client& c) -> uint64_t {
+    auto stats = c.Stats();
+    EXPECT_TRUE(stats.ok()) << stats.status();
+    for (const v1::RpcStats& r : stats.ok() ? stats->rpcs() : decltype(stats->rpcs()){}) {
+      if (r.method() == "Forward") return r.count();
+    }
+    return 0;
+  };
+  const uint64_t leaving_forwards = forwards(*direct);
+  const Case c = MakeCase(Spec(1, 8, 24, 4, 2, 64), 9);
+  for (int n = 0; n < 10; ++n) ASSERT_EQ(CheckReply(c, fleet->Forward(*c.request)), "");
+  EXPECT_EQ(forwards(*direct), leaving_forwards);
   for (int n = 0; n < 4; ++n) {
     auto opened = fleet->OpenSequence(shape);
     ASSERT_TRUE(opened.ok()) << opened.status();

@@ -48,7 +48,7 @@
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd's address");
 ABSL_FLAG(int, server_pid, 0, "pid of the server, for RSS, descriptors and threads (0: not sampled)");
 ABSL_FLAG(double, duration_s, 120, "seconds of traffic after the warm-up");
-ABSL_FLAG(double, warmup_s, 30, "seconds of traffic before the quiet baseline is taken");
+ABSL_FLAG(double, warmup_s, 60, "seconds of traffic before the quiet baseline is taken");
 ABSL_FLAG(int, clients, 4, "client threads, each with its own connection");
 ABSL_FLAG(double, sample_every_s, 2, "seconds between samples");
 ABSL_FLAG(int, slack, 2, "descriptors or threads the idle server may hold beyond its idle baseline");

@@ -61,8 +61,9 @@ struct ClientOptions {
   // Largest message this client sends/accepts; -1: no client-side limit (the server enforces its own).
   int max_send_message_bytes = -1;
   int max_receive_message_bytes = -1;
-  // gRPC load-balancing policy of a fleet target (dns:, ipv4: or ipv6: with several addresses); empty: gRPC's
-  // default (pick_first: every call to one server).
+  // gRPC load-balancing policy of a fleet target (dns:, ipv4: or ipv6: with several addresses), over the servers
+  // whose grpc.health.v1 status is SERVING (watched); empty: gRPC's default (pick_first: every call to one
+  // server, health not watched).
   std::string load_balancing = "round_robin";
   // Give this client its own connection instead of sharing one with other clients of the same target
   // (in-process load tests and "N clients" tests want N real connections).
