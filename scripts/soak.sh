@@ -6,7 +6,7 @@
 #   bash scripts/soak.sh                 # 10 minutes
 #   bash scripts/soak.sh --duration 120  # CI
 #
-# Options: --duration S (traffic after a 30 s warm-up), --clients N (default 4), --build-dir DIR (default build;
+# Options: --duration S (traffic after a 60 s warm-up), --clients N (default 4), --build-dir DIR (default build;
 # builds attnd and attnd_soak there when missing), --out DIR (server log and samples CSV; default
 # /var/tmp/attnd-soak). Exits non-zero on an unexpected outcome, a wrong answer, a leak (the quiet server holding
 # more memory, descriptors or threads after the run than after the warm-up), or an unclean server exit.
