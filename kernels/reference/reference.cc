@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "attnd/fp8.h"
 #include "attnd/half.h"
 
 namespace attnd {
@@ -31,6 +32,31 @@ int64_t VisiblePairs(Mask m, int64_t q_len, int64_t kv_len) {
   int64_t pairs = 0;
   for (int64_t i = 0; i < q_len; ++i) pairs += LastVisibleKey(m, q_len, kv_len, i) + 1;
   return pairs;
+}
+
+float Fp8E4M3ToFloat(uint8_t v) {
+  const float sign = (v & 0x80) != 0 ? -1.0f : 1.0f;
+  const int exponent = (v >> 3) & 0xf, mantissa = v & 0x7;
+  if (exponent == 0xf && mantissa == 0x7) return std::numeric_limits<float>::quiet_NaN();
+  if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -9);  // subnormal: m * 2^-6 / 8
+  return sign * std::ldexp(1.0f + static_cast<float>(mantissa) / 8.0f, exponent - 7);
+}
+
+uint8_t FloatToFp8E4M3(float f) {
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
+  if (std::isnan(f)) return sign | 0x7f;
+  const double a = std::fabs(static_cast<double>(f));
+  if (a >= kFp8E4M3Max) return sign | 0x7e;  // satfinite (infinities included)
+  // Below 2^-6 the step is 2^-9 everywhere (subnormals), and the code is the count of steps: rounding up to 8
+  // steps lands on the smallest normal, code 8.
+  if (a < std::ldexp(1.0, -6)) return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0));
+  int e;
+  const double m = std::frexp(a, &e);              // a = m * 2^e, m in [0.5, 1)
+  const double steps = std::nearbyint((2.0 * m - 1.0) * 8.0);  // of 1/8 above 1.0, ties to even (the default mode)
+  int exponent = e - 1 + 7, mantissa = static_cast<int>(steps);
+  if (mantissa == 8) ++exponent, mantissa = 0;
+  if (exponent > 15 || (exponent == 15 && mantissa == 7)) return sign | 0x7e;  // rounded past 448
+  return sign | static_cast<uint8_t>((exponent << 3) | mantissa);
 }
 
 float Fp16ToFloat(uint16_t h) {
