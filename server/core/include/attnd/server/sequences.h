@@ -1,7 +1,7 @@
 // KV sequences in the core (docs/sequences.md): the sequences a server holds, their page tables over one page
-// pool per shape, their owners and expiry, and the Step path — validate a StepRequest, admit it against the
+// pool per shape, their owners and expiry, and the Step path — validate a step (StepArgs), admit it against the
 // sequences (pages allocated, copy-on-write planned), gather steps of the same layer into batches, hand them to
-// the backend and commit the new lengths when they finish. Every transport (gRPC, the shm channel) calls this
+// the backend and commit the new lengths when they finish. Both frontends (gRPC, the shm channel) call this
 // class; the backend only moves bytes where a StepJob says.
 //
 // Consistency: a sequence has at most one step in flight (a second is ABORTED, retryable); fork and truncate
