@@ -197,25 +197,25 @@ absl::StatusOr<v1::OpenSequenceResponse> Client::PlaceSequences(const v1::OpenSe
         st.code() == absl::StatusCode::kResourceExhausted || st.code() == absl::StatusCode::kUnavailable;
     if (!elsewhere || !IsFleetTarget(options_.target)) return st;
     const std::string peer = ctx.peer();
-    const bool repeated = std::any_of(refusals.begin(), refusals.end(), [&](const auto& r) { return r.first == peer; });
-    if (repeated && refusals.size() < listed && backoff <= absl::Milliseconds(32)) {
+    const auto seen = std::find_if(refusals.begin(), refusals.end(), [&](const auto& r) { return r.first == peer; });
+    if (seen == refusals.end()) {
+      refusals.emplace_back(peer, std::move(st));
+      continue;
+    }
+    if (refusals.size() < listed && backoff <= absl::Milliseconds(32)) {
       absl::SleepFor(backoff);
       backoff *= 2;
       continue;
     }
-    for (const auto& [seen, why] : refusals) {
-      if (seen != peer) continue;
-      if (refusals.size() == 1) return why;
-      // RESOURCE_EXHAUSTED when some server is out of room; UNAVAILABLE when all are only going away.
-      std::string reasons;
-      absl::StatusCode code = absl::StatusCode::kUnavailable;
-      for (const auto& [server, status] : refusals) {
-        absl::StrAppend(&reasons, "; ", server, ": ", status.message());
-        if (status.code() == absl::StatusCode::kResourceExhausted) code = status.code();
-      }
-      return absl::Status(code, absl::StrCat("every server of ", options_.target, " refused the sequences", reasons));
+    if (refusals.size() == 1) return seen->second;
+    // RESOURCE_EXHAUSTED when some server is out of room; UNAVAILABLE when all are only going away.
+    std::string reasons;
+    absl::StatusCode code = absl::StatusCode::kUnavailable;
+    for (const auto& [server, status] : refusals) {
+      absl::StrAppend(&reasons, "; ", server, ": ", status.message());
+      if (status.code() == absl::StatusCode::kResourceExhausted) code = status.code();
     }
-    refusals.emplace_back(peer, std::move(st));
+    return absl::Status(code, absl::StrCat("every server of ", options_.target, " refused the sequences", reasons));
   }
 }
 
