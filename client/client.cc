@@ -88,15 +88,13 @@ absl::Status FromGrpcStatus(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
-bool IsFleetTarget(const std::string& target) {
-  if (absl::StartsWith(target, "dns:")) return true;
-  return (absl::StartsWith(target, "ipv4:") || absl::StartsWith(target, "ipv6:")) &&
-         target.find(',') != std::string::npos;
-}
-
 size_t ListedServers(const std::string& target) {
   if (!absl::StartsWith(target, "ipv4:") && !absl::StartsWith(target, "ipv6:")) return 0;
   return static_cast<size_t>(std::count(target.begin(), target.end(), ',')) + 1;
+}
+
+bool IsFleetTarget(const std::string& target) {
+  return absl::StartsWith(target, "dns:") || ListedServers(target) > 1;
 }
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& options, const std::string& target) {
