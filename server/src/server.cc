@@ -261,12 +261,14 @@ class ServerImpl final : public Server {
 
   void Wait() override { done_.WaitForNotification(); }
 
-  // Serves the open sequences (no new ones) until their callers have closed them or `until`.
+  // Refuses new sequences, then serves the open ones until their callers have closed them or `until`. The refusal
+  // comes first and whatever is open: an OpenSequence taken after SIGTERM would be lost with the process, where a
+  // refusal (UNAVAILABLE) sends the fleet client on to another server.
   void DrainSequences(absl::Time until) {
-    if (options_.timeouts.sequence_drain <= absl::ZeroDuration() || !options_.sequences.enabled) return;
-    const uint64_t open = sequences_.stats().open;
-    if (open == 0) return;
+    if (!options_.sequences.enabled) return;
     sequences_.BeginDrain();
+    const uint64_t open = sequences_.stats().open;
+    if (options_.timeouts.sequence_drain <= absl::ZeroDuration() || open == 0) return;
     spdlog::info("attnd draining {} KV sequences for up to {} (--sequence_drain_s); new ones are refused", open,
                  absl::FormatDuration(until - absl::Now()));
     if (const size_t left = sequences_.AwaitClosed(until); left > 0) {
