@@ -47,6 +47,13 @@ void FillTiming(const Timing& from, v1::Timing* t) {
 
 double SecondsOrZero(absl::Duration d) { return d == absl::InfiniteDuration() ? 0 : absl::ToDoubleSeconds(d); }
 
+void ShapeToProto(const SequenceShape& s, v1::SequenceShape* shape) {
+  shape->set_layers(s.layers);
+  shape->set_kv_heads(s.kv_heads);
+  shape->set_head_dim(s.head_dim);
+  shape->set_dtype(proto::DtypeToProto(s.dtype));
+}
+
 }  // namespace
 
 absl::Status ForwardArgsFromProto(const v1::ForwardRequest& request, const InlineBytes* in_message,
@@ -96,6 +103,23 @@ absl::StatusOr<OpenArgs> OpenArgsFromProto(const v1::OpenSequenceRequest& reques
   return OpenArgs{s.layers(), s.kv_heads(), s.head_dim(), *dtype, request.max_tokens(), request.count()};
 }
 
+absl::StatusOr<ImportArgs> ImportArgsFromProto(const v1::SequenceHeader& header) {
+  v1::OpenSequenceRequest open;
+  *open.mutable_shape() = header.shape();
+  open.set_max_tokens(header.max_tokens());
+  absl::StatusOr<OpenArgs> args = OpenArgsFromProto(open);
+  if (!args.ok()) return absl::Status(args.status().code(), absl::StrCat("sequence.", args.status().message()));
+  return ImportArgs{*args, {header.lengths().begin(), header.lengths().end()}};
+}
+
+v1::SequenceHeader SequenceHeaderToProto(const MovingSequence& m) {
+  v1::SequenceHeader header;
+  ShapeToProto(m.shape, header.mutable_shape());
+  header.set_max_tokens(m.max_tokens);
+  for (int64_t len : m.lengths) header.add_lengths(len);
+  return header;
+}
+
 void FillForwardReply(const ForwardJob& job, absl::string_view backend, v1::ForwardResponse* response) {
   response->set_request_id(job.request_id);
   FillTiming(job.timing, response->mutable_timing());
@@ -119,11 +143,7 @@ void FillStepReply(const StepJob& job, absl::string_view backend, v1::StepRespon
 v1::SequenceInfo SequenceInfoToProto(const SequenceState& state) {
   v1::SequenceInfo info;
   info.set_sequence_id(state.sequence_id);
-  v1::SequenceShape* shape = info.mutable_shape();
-  shape->set_layers(state.shape.layers);
-  shape->set_kv_heads(state.shape.kv_heads);
-  shape->set_head_dim(state.shape.head_dim);
-  shape->set_dtype(proto::DtypeToProto(state.shape.dtype));
+  ShapeToProto(state.shape, info.mutable_shape());
   info.set_max_tokens(state.max_tokens);
   for (int64_t len : state.lengths) info.add_lengths(len);
   info.set_pages(state.pages);

@@ -21,6 +21,9 @@ absl::Status ForwardArgsFromProto(const v1::ForwardRequest& request, const Inlin
                                   ForwardArgs* args);
 StepArgs StepArgsFromProto(const v1::StepRequest& request);
 absl::StatusOr<OpenArgs> OpenArgsFromProto(const v1::OpenSequenceRequest& request);
+// An import's header (its fields named "sequence.*" in errors), and an export's.
+absl::StatusOr<ImportArgs> ImportArgsFromProto(const v1::SequenceHeader& header);
+v1::SequenceHeader SequenceHeaderToProto(const MovingSequence& m);
 
 // The reply's header fields (request_id, timing, backend, kernel, device) from a finished job.
 void FillForwardReply(const ForwardJob& job, absl::string_view backend, v1::ForwardResponse* response);

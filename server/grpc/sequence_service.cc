@@ -69,7 +69,7 @@ absl::Status AttentionService::ServeTruncateSequence(grpc::CallbackServerContext
 absl::Status AttentionService::ServeCloseSequence(grpc::CallbackServerContext* ctx,
                                                  const v1::CloseSequenceRequest& request, v1::CloseSequenceResponse*) {
   const std::vector<absl::string_view> ids(request.sequence_ids().begin(), request.sequence_ids().end());
-  return sequences_->Close(OwnerOf(ctx), ids);
+  return sequences_->Close(OwnerOf(ctx), ids, request.moved_to());
 }
 
 absl::Status AttentionService::ServeGetSequence(grpc::CallbackServerContext* ctx,

@@ -55,7 +55,8 @@ class ReceivingSlots {
 // and served as a stream of one message each way (bounded_unary.h), marked so in the constructor: the server
 // then sees a call from its headers on and bounds its upload (--upload_timeout_s). The wire format is unchanged.
 using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_ForwardStream<
-    v1::Attention::WithCallbackMethod_StepStream<v1::Attention::Service>>;
+    v1::Attention::WithCallbackMethod_StepStream<v1::Attention::WithCallbackMethod_ExportSequence<
+        v1::Attention::WithCallbackMethod_ImportSequence<v1::Attention::Service>>>>;
 
 class AttentionService final : public AttentionServiceBase {
  public:
@@ -67,6 +68,11 @@ class AttentionService final : public AttentionServiceBase {
   // KV sequences' steps over a stream (sequence_service.cc).
   grpc::ServerBidiReactor<v1::StepStreamRequest, v1::StepStreamResponse>* StepStream(
       grpc::CallbackServerContext* ctx) override;
+  // sequence_moves.cc: a sequence's rows out of this server and into it.
+  grpc::ServerWriteReactor<v1::SequenceChunk>* ExportSequence(grpc::CallbackServerContext* ctx,
+                                                              const v1::ExportSequenceRequest* request) override;
+  grpc::ServerReadReactor<v1::SequenceChunk>* ImportSequence(grpc::CallbackServerContext* ctx,
+                                                             v1::ImportSequenceResponse* response) override;
 
   // The unary methods, each answering through `done` (Forward and Step, whose answer comes from the backend) or
   // by its return value (the rest), with the response filled when OK.

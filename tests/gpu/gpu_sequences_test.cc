@@ -453,6 +453,40 @@ class SequencesTest : public ::testing::TestWithParam<Case> {
     EXPECT_EQ(wrong, 0) << "of " << checked << " cached rows differ from what was appended";
   }
 
+  // What moving a sequence copies (Backend::CopyKvRows): every layer's K and V rows of sequence `i` read out as the
+  // model has them, from token 0 and from a token inside a page; random rows written over part of one layer read
+  // back as written; then the model's rows written back (CheckPool after this sees them).
+  void CheckMovingRows(int i) {
+    const Model::Seq& s = model_->seq(i);
+    const int64_t row = int64_t{c_.kv_heads} * c_.head_dim;
+    for (int layer = 0; layer < c_.layers; ++layer) {
+      for (int kv = 0; kv < 2; ++kv) {
+        const std::vector<uint16_t>& want = kv == 0 ? s.k[layer] : s.v[layer];
+        for (int32_t first : {0, 5}) {
+          const int32_t rows = s.len[layer] - first;
+          ASSERT_GT(rows, c_.page_tokens);
+          std::vector<uint16_t> got(rows * row, 0xFFFF);
+          absl::Status st = backend_->CopyKvRows(*pool_, s.pages, layer, kv, first, rows, true,
+                                                 reinterpret_cast<uint8_t*>(got.data()));
+          ASSERT_TRUE(st.ok()) << st;
+          EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin() + first * row))
+              << "layer " << layer << " kv " << kv << " from token " << first;
+        }
+      }
+    }
+    const int32_t first = 3, rows = c_.page_tokens + 7;
+    std::vector<uint16_t> noise(rows * row), back(rows * row);
+    for (uint16_t& x : noise) x = static_cast<uint16_t>(rng_() & 0x3FFF);
+    ASSERT_TRUE(backend_->CopyKvRows(*pool_, s.pages, 0, 1, first, rows, false,
+                                     reinterpret_cast<uint8_t*>(noise.data())).ok());
+    ASSERT_TRUE(backend_->CopyKvRows(*pool_, s.pages, 0, 1, first, rows, true,
+                                     reinterpret_cast<uint8_t*>(back.data())).ok());
+    EXPECT_EQ(back, noise);
+    std::vector<uint16_t> original(s.v[0].begin() + first * row, s.v[0].begin() + (first + rows) * row);
+    ASSERT_TRUE(backend_->CopyKvRows(*pool_, s.pages, 0, 1, first, rows, false,
+                                     reinterpret_cast<uint8_t*>(original.data())).ok());
+  }
+
   int Open() {
     ++seqs_opened_;
     return model_->Open();
@@ -510,6 +544,8 @@ TEST_P(SequencesTest, PrefillForkDecodeChunkReattend) {
     Step(layer, {{{a, a1, a2, b, c, d, d1, e}, {2, 2, 1, 18, 3, 3, 3, 1}}}, true, true,
          absl::StrCat("ragged mix, layer ", layer));
   }
+  CheckPool();
+  CheckMovingRows(a2);
   CheckPool();
 }
 

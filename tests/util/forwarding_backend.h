@@ -40,6 +40,10 @@ class ForwardingBackend : public server::Backend {
   }
   uint64_t default_kv_pool_bytes() const override { return inner_->default_kv_pool_bytes(); }
   absl::Status AcceptStep(const server::StepJob& job) const override { return inner_->AcceptStep(job); }
+  absl::Status CopyKvRows(const server::KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv,
+                          int64_t first, int64_t rows, bool to_host, uint8_t* host) override {
+    return inner_->CopyKvRows(pool, pages, layer, kv, first, rows, to_host, host);
+  }
   absl::Status SubmitSteps(std::unique_ptr<server::StepBatch> batch) override {
     return inner_->SubmitSteps(std::move(batch));
   }

@@ -109,6 +109,7 @@ class CpuKvPool final : public KvPool {
   CpuKvPool(const SequenceShape& shape, int page_tokens, int32_t num_pages, std::unique_ptr<uint16_t[]> data)
       : KvPool(shape, page_tokens, num_pages), data_(std::move(data)) {}
   uint16_t* pool(int layer, int kv) { return data_.get() + pool_offset(layer, kv); }
+  uint8_t* bytes() const { return reinterpret_cast<uint8_t*>(data_.get()); }
 
  private:
   std::unique_ptr<uint16_t[]> data_;
@@ -125,6 +126,19 @@ absl::StatusOr<std::shared_ptr<KvPool>> CpuBackend::MakeKvPool(const SequenceSha
         absl::StrCat("kv pool: out of host memory for ", elems * 2, " bytes (--kv_pool_mb)"));
   }
   return std::make_shared<CpuKvPool>(shape, page_tokens, num_pages, std::move(data));
+}
+
+absl::Status CpuBackend::CopyKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv,
+                                    int64_t first, int64_t rows, bool to_host, uint8_t* host) {
+  uint8_t* const data = static_cast<const CpuKvPool&>(pool).bytes();
+  ForEachKvRowRun(pool, pages, layer, kv, first, rows, [&](uint64_t at, uint64_t bytes, uint64_t host_at) {
+    if (to_host) {
+      std::memcpy(host + host_at, data + at, bytes);
+    } else {
+      std::memcpy(data + at, host + host_at, bytes);
+    }
+  });
+  return absl::OkStatus();
 }
 
 absl::Status CpuBackend::SubmitSteps(std::unique_ptr<StepBatch> batch) {

@@ -145,7 +145,8 @@ absl::Status Sequences::FindStepSequences(const std::string& owner, const StepAr
     }
     if (seq->busy) {
       return absl::AbortedError(absl::StrCat(field(), ".sequence_id: sequence ", seq->id,
-                                             " has a step in flight (a sequence takes one step at a time)"));
+                                             seq->moving ? " is being moved (ExportSequence); step it after"
+                                                         : " has a step in flight (a sequence takes one step at a time)"));
     }
     if (!seqs.empty() && seq->pool != seqs[0]->pool) {
       return Invalid(absl::StrCat(field(), ".sequence_id"),
@@ -391,7 +392,7 @@ void Sequences::Finish(const Admitted& admitted, bool ok) {
     seq->last_used = now;
     if (ok && admitted.append) seq->lengths[admitted.layer] = part.cached + part.tokens;
     if (!ok) TrimPages(seq);
-    if (seq->closing) Free(seq, "closed by its owner");
+    if (seq->closing) Free(seq, seq->close_reason);
   }
   if (ok) ++steps_;
 }

@@ -18,6 +18,7 @@ namespace attnd::server {
 namespace {
 
 constexpr size_t kMaxIdBytes = 512;
+constexpr const char* kMovingText = " is being moved (ExportSequence)";
 // How long an open waits for pool memory on its way back (Releases). A job is dropped right after its reply on
 // the CPU backend and once its batch's GPU work has ended on CUDA, so the wait is that short; the bound only
 // matters behind a backend that keeps a job.
@@ -140,10 +141,10 @@ void Sequences::AwaitPoolReleases() const {
                                  kPoolReleaseWait);
 }
 
-absl::Status Sequences::PoolFull(const Pool& pool, uint64_t needed) {
+absl::Status Sequences::PoolFull(const Pool& pool, uint64_t needed, const char* who) {
   const uint64_t total = pool.refs.size(), free = pool.free.size();
   const std::string state = free == 0 ? absl::StrCat("all ", total, " pages are in use")
-                                      : absl::StrCat("the step needs ", needed, " pages, ", free, " of the pool's ",
+                                      : absl::StrCat(who, " needs ", needed, " pages, ", free, " of the pool's ",
                                                      total, " are free");
   return absl::ResourceExhaustedError(absl::StrCat(
       "kv pool (", ShapeText(pool.memory->shape()), "): ", state,
@@ -183,7 +184,7 @@ void Sequences::TrimPages(Seq* seq) {
   DropPages(seq, static_cast<size_t>(CeilDiv(longest, options_.page_tokens)));
 }
 
-void Sequences::Free(Seq* seq, const std::string& reason) {
+void Sequences::Free(Seq* seq, std::string reason) {
   DropPages(seq, 0);
   ClientUse& use = clients_[seq->owner];
   --use.sequences;
@@ -191,7 +192,7 @@ void Sequences::Free(Seq* seq, const std::string& reason) {
   Pool* pool = seq->pool;
   const std::string id = seq->id;
   seqs_.erase(id);
-  tombstones_[id] = reason;
+  tombstones_[id] = std::move(reason);
   tombstone_order_.push_back(id);
   while (tombstone_order_.size() > options_.tombstones) {
     tombstones_.erase(tombstone_order_.front());
@@ -220,7 +221,7 @@ absl::Status Sequences::CheckClientSequences(const std::string& owner, uint32_t 
   return absl::OkStatus();
 }
 
-absl::StatusOr<OpenedSequences> Sequences::Open(const std::string& owner, const OpenArgs& request) {
+absl::StatusOr<std::pair<SequenceShape, int64_t>> Sequences::CheckOpen(const OpenArgs& request) const {
   if (!options_.enabled) return absl::FailedPreconditionError("KV sequences are disabled on this server");
   if (request.layers < 1 || request.layers > 4096) {
     return Invalid("shape.layers", absl::StrCat("must be 1..4096, got ", request.layers));
@@ -240,37 +241,48 @@ absl::StatusOr<OpenedSequences> Sequences::Open(const std::string& owner, const 
                                                      " exceeds the server limit --max_sequence_tokens=",
                                                      options_.max_tokens));
   }
-  const int64_t max_tokens = request.max_tokens == 0 ? options_.max_tokens : request.max_tokens;
+  return std::make_pair(shape, request.max_tokens == 0 ? options_.max_tokens : request.max_tokens);
+}
+
+void Sequences::AwaitPoolFor(const SequenceShape& shape) {
+  if (pools_.contains(shape)) return;
+  // The new pool may need memory that a pool whose last sequence just closed still holds through the last step that
+  // ran on it: wait for it rather than refuse for memory on its way back. Without mu_, which that step's end takes.
+  mu_.Unlock();
+  AwaitPoolReleases();
+  mu_.Lock();
+}
+
+Sequences::Seq* Sequences::AddSequence(const std::string& owner, Pool* pool, int64_t max_tokens, absl::Time now) {
+  auto seq = std::make_unique<Seq>();
+  seq->id = NewId();
+  seq->owner = owner;
+  seq->pool = pool;
+  seq->max_tokens = max_tokens;
+  seq->lengths.assign(pool->memory->shape().layers, 0);
+  seq->last_used = now;
+  ++pool->sequences;
+  ++clients_[owner].sequences;
+  Seq* raw = seq.get();
+  seqs_.emplace(raw->id, std::move(seq));
+  return raw;
+}
+
+absl::StatusOr<OpenedSequences> Sequences::Open(const std::string& owner, const OpenArgs& request) {
+  absl::StatusOr<std::pair<SequenceShape, int64_t>> checked = CheckOpen(request);
+  if (!checked.ok()) return checked.status();
+  const auto& [shape, max_tokens] = *checked;
   absl::StatusOr<uint32_t> count = NewSequences(request.count);
   if (!count.ok()) return count.status();
   absl::MutexLock lock(&mu_);
-  if (!pools_.contains(shape)) {
-    // The new pool may need memory that a pool whose last sequence just closed still holds through the last step
-    // that ran on it: wait for it rather than refuse this open for memory on its way back. Without mu_, which
-    // that step's end takes.
-    mu_.Unlock();
-    AwaitPoolReleases();
-    mu_.Lock();
-  }
+  AwaitPoolFor(shape);
   ATTND_RETURN_IF_ERROR(TakesNewSequences());
   ATTND_RETURN_IF_ERROR(CheckClientSequences(owner, *count));
   absl::StatusOr<Pool*> pool = PoolFor(shape);
   if (!pool.ok()) return pool.status();
   OpenedSequences response;
   const absl::Time now = absl::Now();
-  for (uint32_t i = 0; i < *count; ++i) {
-    auto seq = std::make_unique<Seq>();
-    seq->id = NewId();
-    seq->owner = owner;
-    seq->pool = *pool;
-    seq->max_tokens = max_tokens;
-    seq->lengths.assign(shape.layers, 0);
-    seq->last_used = now;
-    ++(*pool)->sequences;
-    ++clients_[owner].sequences;
-    response.sequence_ids.push_back(seq->id);
-    seqs_.emplace(seq->id, std::move(seq));
-  }
+  for (uint32_t i = 0; i < *count; ++i) response.sequence_ids.push_back(AddSequence(owner, *pool, max_tokens, now)->id);
   response.max_tokens = max_tokens;
   response.page_tokens = options_.page_tokens;
   return response;
@@ -286,8 +298,8 @@ absl::StatusOr<std::vector<std::string>> Sequences::Fork(const std::string& owne
   if (!found.ok()) return found.status();
   Seq* parent = *found;
   if (parent->busy) {
-    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", parent->id,
-                                           " has a step in flight; fork it after the step's reply"));
+    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", parent->id, parent->moving ? kMovingText : " has a step in flight",
+                                           "; fork it after the step's reply"));
   }
   ATTND_RETURN_IF_ERROR(CheckClientSequences(owner, *count));
   const ClientUse before = clients_[owner];
@@ -301,21 +313,12 @@ absl::StatusOr<std::vector<std::string>> Sequences::Fork(const std::string& owne
   const absl::Time now = absl::Now();
   parent->last_used = now;
   for (uint32_t i = 0; i < *count; ++i) {
-    auto child = std::make_unique<Seq>();
-    child->id = NewId();
-    child->owner = owner;
-    child->pool = parent->pool;
-    child->max_tokens = parent->max_tokens;
+    Seq* child = AddSequence(owner, parent->pool, parent->max_tokens, now);
     child->lengths = parent->lengths;
     child->pages = parent->pages;
-    child->last_used = now;
     for (int32_t p : child->pages) ++parent->pool->refs[p];
-    ++parent->pool->sequences;
-    ClientUse& use = clients_[owner];
-    ++use.sequences;
-    use.pages += child->pages.size();
+    clients_[owner].pages += child->pages.size();
     ids.push_back(child->id);
-    seqs_.emplace(child->id, std::move(child));
   }
   return ids;
 }
@@ -328,8 +331,8 @@ absl::StatusOr<std::vector<int64_t>> Sequences::Truncate(const std::string& owne
   if (!found.ok()) return found.status();
   Seq* seq = *found;
   if (seq->busy) {
-    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", seq->id,
-                                           " has a step in flight; truncate it after the step's reply"));
+    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", seq->id, seq->moving ? kMovingText : " has a step in flight",
+                                           "; truncate it after the step's reply"));
   }
   std::vector<int64_t> lengths;
   for (int32_t& len : seq->lengths) {
@@ -341,8 +344,16 @@ absl::StatusOr<std::vector<int64_t>> Sequences::Truncate(const std::string& owne
   return lengths;
 }
 
-absl::Status Sequences::Close(const std::string& owner, absl::Span<const absl::string_view> sequence_ids) {
+absl::Status Sequences::Close(const std::string& owner, absl::Span<const absl::string_view> sequence_ids,
+                              absl::string_view moved_to) {
   if (sequence_ids.empty()) return Invalid("sequence_ids", "empty");
+  if (!moved_to.empty() && sequence_ids.size() != 1) {
+    return Invalid("moved_to", absl::StrCat("names where one sequence went; ", sequence_ids.size(), " are closed"));
+  }
+  if (moved_to.size() > kMaxIdBytes) return Invalid("moved_to", absl::StrCat("longer than ", kMaxIdBytes, " bytes"));
+  const std::string reason =
+      moved_to.empty() ? std::string("closed by its owner")
+                       : absl::StrCat("moved to ", moved_to, " (ImportSequence there; the client library follows it)");
   absl::MutexLock lock(&mu_);
   std::vector<Seq*> found;
   for (size_t i = 0; i < sequence_ids.size(); ++i) {
@@ -355,9 +366,10 @@ absl::Status Sequences::Close(const std::string& owner, absl::Span<const absl::s
   }
   for (Seq* seq : found) {
     if (seq->busy) {
-      seq->closing = true;  // Finish frees it
+      seq->closing = true;  // Finish (or EndExport) frees it
+      seq->close_reason = reason;
     } else {
-      Free(seq, "closed by its owner");
+      Free(seq, reason);
     }
   }
   return absl::OkStatus();
@@ -376,7 +388,7 @@ absl::StatusOr<SequenceState> Sequences::Get(const std::string& owner, absl::str
   info.pages = static_cast<int64_t>(seq.pages.size());
   for (int32_t p : seq.pages) info.shared_pages += seq.pool->refs[p] > 1 ? 1 : 0;
   info.idle_s = absl::ToDoubleSeconds(absl::Now() - seq.last_used);
-  info.step_in_flight = seq.busy;
+  info.step_in_flight = seq.busy && !seq.moving;
   return info;
 }
 

@@ -58,8 +58,10 @@ struct Sequences::Seq {
   std::vector<int32_t> lengths;  // per layer
   std::vector<int32_t> pages;    // shared by every layer
   absl::Time last_used;
-  bool busy = false;     // a step in flight
+  bool busy = false;     // a step in flight, or held for a move
+  bool moving = false;   // held by an export or an import (busy too)
   bool closing = false;  // closed while busy: freed when the step ends
+  std::string close_reason;  // what its tombstone says then
 };
 
 struct Sequences::Lane {

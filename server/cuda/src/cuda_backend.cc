@@ -174,6 +174,10 @@ class CudaBackendImpl final : public Backend {
   uint64_t default_kv_pool_bytes() const override { return devices_.front()->device_budget_bytes() / 2; }
 
   absl::Status AcceptStep(const StepJob& job) const override { return cuda::AcceptStepJob(job); }
+  absl::Status CopyKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
+                          int64_t rows, bool to_host, uint8_t* host) override {
+    return cuda::CopyKvRows(pool, pages, layer, kv, first, rows, to_host, host);
+  }
 
   absl::Status SubmitSteps(std::unique_ptr<StepBatch> batch) override {
     absl::ReaderMutexLock lock(&submit_mu_);

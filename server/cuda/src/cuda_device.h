@@ -325,5 +325,8 @@ absl::Status AcceptStepJob(const StepJob& job);
 int KvPoolDevice(const KvPool& pool);
 // Such a pool's device memory (step.h's layout); null for any other pool. For tests, which poison and read it.
 uint8_t* KvPoolData(const KvPool& pool);
+// Backend::CopyKvRows on such a pool.
+absl::Status CopyKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
+                        int64_t rows, bool to_host, uint8_t* host);
 
 }  // namespace attnd::server::cuda

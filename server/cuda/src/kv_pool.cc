@@ -34,6 +34,27 @@ uint8_t* KvPoolData(const KvPool& pool) {
   return p != nullptr ? p->pool(0, 0) : nullptr;
 }
 
+absl::Status CopyKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
+                        int64_t rows, bool to_host, uint8_t* host) {
+  const auto* p = dynamic_cast<const CudaKvPool*>(&pool);
+  if (p == nullptr) return absl::InternalError("kv rows: the pool was not made by this backend");
+  ATTND_RETURN_IF_ERROR(CudaStatus("cudaSetDevice", cudaSetDevice(p->device())));
+  uint8_t* const data = p->pool(0, 0);
+  absl::Status status;
+  // One copy per run of rows within a page, queued on this thread's stream and waited for once: the pages are the
+  // caller's alone while it copies, and the steps that wrote them have finished (a step's reply comes after its
+  // GPU work).
+  ForEachKvRowRun(pool, pages, layer, kv, first, rows, [&](uint64_t at, uint64_t bytes, uint64_t host_at) {
+    if (!status.ok()) return;
+    status = to_host ? CudaStatus("kv rows to the host", cudaMemcpyAsync(host + host_at, data + at, bytes,
+                                                                         cudaMemcpyDeviceToHost, cudaStreamPerThread))
+                     : CudaStatus("kv rows to the device", cudaMemcpyAsync(data + at, host + host_at, bytes,
+                                                                           cudaMemcpyHostToDevice, cudaStreamPerThread));
+  });
+  const absl::Status synced = CudaStatus("kv rows", cudaStreamSynchronize(cudaStreamPerThread));
+  return status.ok() ? synced : status;
+}
+
 absl::StatusOr<std::shared_ptr<KvPool>> CudaDevice::MakeKvPool(const SequenceShape& shape, int page_tokens,
                                                               int32_t num_pages) {
   ATTND_RETURN_IF_ERROR(CheckKvShape(shape));

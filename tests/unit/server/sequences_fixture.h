@@ -95,6 +95,7 @@ class SequencesOverProto {
   int ExpireIdle(absl::Time now) { return core_->ExpireIdle(now); }
   uint32_t waiting() const { return core_->waiting(); }
   void Shutdown() { core_->Shutdown(); }
+  Sequences* core() { return core_.get(); }
 
  private:
   const std::unique_ptr<Sequences> core_;
@@ -297,9 +298,9 @@ class SequencesTest : public ::testing::Test {
 
   // Step, record, verify.
   void StepAndVerify(const std::vector<std::string>& ids, const std::vector<int>& tokens, int layer,
-                     bool hard = false) {
+                     bool hard = false, const std::string& owner = "alice") {
     const v1::StepRequest r = MakeStep(ids, tokens, layer, true, true, true, hard);
-    const Outcome out = Run(r);
+    const Outcome out = Run(r, owner);
     ASSERT_TRUE(out.status.ok()) << out.status;
     Record(r);
     Verify(r, out);

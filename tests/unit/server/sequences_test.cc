@@ -108,6 +108,90 @@ TEST_F(SequencesTest, ForkSharesPagesAndDiverges) {
   EXPECT_EQ(sequences_->stats().pools(), 0u);
 }
 
+// Moving a sequence, in the core: an export holds it (no step, fork or truncate; a close waits for the end) and
+// reads its rows as they were sent, shared pages included; an import opens it only once it is complete.
+TEST_F(SequencesTest, AnExportHoldsItsSequenceAndAnImportOpensItWhole) {
+  Start();
+  const std::vector<std::string> ids = Open(1);
+  for (int layer = 0; layer < kLayers; ++layer) StepAndVerify(ids, {20 + 7 * layer}, layer);
+  v1::ForkSequenceRequest fr;
+  fr.set_sequence_id(ids[0]);
+  const std::string child = sequences_->Fork("alice", fr)->sequence_ids(0);
+  Sequences* core = sequences_->core();
+  absl::StatusOr<server::MovingSequence> held = core->BeginExport("alice", child);
+  ASSERT_TRUE(held.ok()) << held.status();
+  ExpectStatus(core->BeginExport("alice", child).status(), absl::StatusCode::kAborted, "sequence_id: ");
+  ExpectStatus(core->BeginExport("bob", ids[0]).status(), absl::StatusCode::kNotFound, "sequence_id: ");
+  ExpectStatus(Run(MakeStep({child}, {1}, 0)).status, absl::StatusCode::kAborted, "sequences[0].sequence_id: ");
+  EXPECT_TRUE(absl::StrContains(Run(MakeStep({child}, {1}, 0)).status.message(), "being moved"));
+  v1::TruncateSequenceRequest tr;
+  tr.set_sequence_id(child);
+  ExpectStatus(sequences_->Truncate("alice", tr).status(), absl::StatusCode::kAborted, "sequence_id: ");
+  fr.set_sequence_id(child);
+  ExpectStatus(sequences_->Fork("alice", fr).status(), absl::StatusCode::kAborted, "sequence_id: ");
+  EXPECT_FALSE(Info(child).step_in_flight());  // held, not stepping
+  StepAndVerify(ids, {1}, 0);  // the parent it shares pages with steps on
+
+  // Every row of every layer as the child's history has it, into a new sequence of another owner.
+  server::ImportArgs header;
+  header.open = {kLayers, kKvHeads, head_dim_, dtype_, 0, 0};
+  header.lengths = held->lengths;
+  EXPECT_EQ(held->lengths, std::vector<int64_t>({20, 27, 34}));
+  absl::StatusOr<server::MovingSequence> in = core->BeginImport("carol", header);
+  ASSERT_TRUE(in.ok()) << in.status();
+  const History& h = history_[ids[0]];
+  for (int layer = 0; layer < kLayers; ++layer) {
+    for (int kv = 0; kv < 2; ++kv) {
+      std::string rows(held->lengths[layer] * held->row_bytes(), '\0');
+      ASSERT_TRUE(core->ReadRows(*held, layer, kv, 0, held->lengths[layer], reinterpret_cast<uint8_t*>(rows.data()))
+                      .ok());
+      // The parent's history, less the token it appended after the fork at layer 0.
+      EXPECT_EQ(rows, (kv == 0 ? h.k : h.v)[layer].substr(0, rows.size())) << "layer " << layer << " kv " << kv;
+      // In two writes, the second not page-aligned.
+      ASSERT_TRUE(core->WriteRows(*in, layer, kv, 0, 5, reinterpret_cast<const uint8_t*>(rows.data())).ok());
+      ASSERT_TRUE(core->WriteRows(*in, layer, kv, 5, held->lengths[layer] - 5,
+                                  reinterpret_cast<const uint8_t*>(rows.data() + 5 * held->row_bytes()))
+                      .ok());
+    }
+  }
+  ExpectStatus(core->WriteRows(*in, 0, 0, 15, 6, nullptr), absl::StatusCode::kInvalidArgument, "first_token: ");
+  ExpectStatus(core->WriteRows(*in, 0, 2, 0, 1, nullptr), absl::StatusCode::kInvalidArgument, "kv: ");
+  // Not yet opened: its owner cannot step it.
+  ExpectStatus(Run(MakeStep({in->sequence_id}, {1}, 0), "carol").status, absl::StatusCode::kAborted,
+               "sequences[0].sequence_id: ");
+  absl::StatusOr<server::OpenedSequences> opened = core->EndImport(*in, true);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  ASSERT_EQ(opened->sequence_ids, std::vector<std::string>({in->sequence_id}));
+  History copy = h;
+  copy.k[0].resize(held->lengths[0] * held->row_bytes());
+  copy.v[0].resize(held->lengths[0] * held->row_bytes());
+  history_[in->sequence_id] = copy;
+  for (int layer = 0; layer < kLayers; ++layer) StepAndVerify({in->sequence_id}, {2}, layer, false, "carol");
+
+  // A close during the export waits for its end, and the tombstone says where the sequence went.
+  const absl::string_view child_id[] = {child};
+  ASSERT_TRUE(core->Close("alice", child_id, in->sequence_id).ok());
+  EXPECT_EQ(sequences_->stats().open(), 3u);
+  core->EndExport(*held);
+  EXPECT_EQ(sequences_->stats().open(), 2u);
+  v1::GetSequenceRequest g;
+  g.set_sequence_id(child);
+  ExpectStatus(sequences_->Get("alice", g).status(), absl::StatusCode::kNotFound, "sequence_id: ");
+  EXPECT_TRUE(absl::StrContains(sequences_->Get("alice", g).status().message(), "moved to " + in->sequence_id))
+      << sequences_->Get("alice", g).status();
+
+  // An import that does not complete leaves nothing behind.
+  const uint64_t used = sequences_->stats().pages_used();
+  absl::StatusOr<server::MovingSequence> partial = core->BeginImport("carol", header);
+  ASSERT_TRUE(partial.ok()) << partial.status();
+  EXPECT_GT(sequences_->stats().pages_used(), used);
+  EXPECT_FALSE(core->EndImport(*partial, false).ok());
+  EXPECT_EQ(sequences_->stats().pages_used(), used);
+  EXPECT_EQ(sequences_->stats().open(), 2u);
+  header.lengths = {20};
+  ExpectStatus(core->BeginImport("carol", header).status(), absl::StatusCode::kInvalidArgument, "sequence.lengths: ");
+}
+
 TEST_F(SequencesTest, TruncateDropsTokensAndPages) {
   Start();
   const std::vector<std::string> ids = Open(1);

@@ -251,6 +251,14 @@ class Backend {
     (void)job;
     return absl::OkStatus();
   }
+  // Moving a sequence between servers: copies rows [first, first + rows) of `layer`'s K (kv 0) or V (kv 1) of the
+  // sequence whose page table is `pages` from the pool into `host` (to_host) or from `host` into the pool. Nothing
+  // steps on those pages meanwhile (the core holds the sequence).
+  virtual absl::Status CopyKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv,
+                                  int64_t first, int64_t rows, bool to_host, uint8_t* host) {
+    (void)pool, (void)pages, (void)layer, (void)kv, (void)first, (void)rows, (void)to_host, (void)host;
+    return absl::UnimplementedError(absl::StrCat("moving sequences is not available on the ", name(), " backend"));
+  }
   // Queues a batch of steps. RESOURCE_EXHAUSTED (and no done called) when the queue is full; otherwise every
   // job's done is called exactly once later, also across Shutdown.
   virtual absl::Status SubmitSteps(std::unique_ptr<StepBatch> batch) {

@@ -52,6 +52,8 @@ class CpuBackend final : public Backend {
   // KV sequences on host memory, computed by the reference: the oracle the CUDA backend is tested against.
   absl::StatusOr<std::shared_ptr<KvPool>> MakeKvPool(const SequenceShape& shape, int page_tokens,
                                                      int32_t num_pages) override;
+  absl::Status CopyKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
+                          int64_t rows, bool to_host, uint8_t* host) override;
   absl::Status SubmitSteps(std::unique_ptr<StepBatch> batch) override;
 
   // Jobs whose computation ran (not those answered DEADLINE_EXCEEDED/CANCELLED before starting).

@@ -89,6 +89,12 @@ struct OpenArgs {
   uint32_t count = 0;      // 0 means 1
 };
 
+// ImportSequence's header: the shape and limit as an open's, and the tokens cached per layer.
+struct ImportArgs {
+  OpenArgs open;
+  std::vector<int64_t> lengths;
+};
+
 struct OpenedSequences {
   std::vector<std::string> sequence_ids;
   int64_t max_tokens = 0;  // the limit that applies

@@ -60,6 +60,20 @@ struct SequenceOptions {
   size_t tombstones = 4096;          // closed/expired ids remembered for a clear NOT_FOUND reason
 };
 
+// A sequence held for a move (Sequences::BeginExport / BeginImport): what its rows are, and where they are. The
+// sequence takes no step, fork or truncate while held, so its pages stay as `pages` says.
+struct MovingSequence {
+  std::string sequence_id;
+  SequenceShape shape;
+  int64_t max_tokens = 0;
+  std::vector<int64_t> lengths;  // per layer
+  std::shared_ptr<KvPool> pool;
+  std::vector<int32_t> pages;
+  uint64_t row_bytes() const {
+    return static_cast<uint64_t>(shape.kv_heads) * static_cast<uint64_t>(shape.head_dim) * DTypeBytes(shape.dtype);
+  }
+};
+
 class Sequences {
  public:
   // `backend` and `buffers` (null: no references) must outlive this object.
@@ -75,9 +89,23 @@ class Sequences {
   // Each layer's length after keeping at most `tokens`.
   absl::StatusOr<std::vector<int64_t>> Truncate(const std::string& owner, absl::string_view sequence_id,
                                                 int64_t tokens);
-  // All or none: every id must be open and the caller's.
-  absl::Status Close(const std::string& owner, absl::Span<const absl::string_view> sequence_ids);
+  // All or none: every id must be open and the caller's. `moved_to` (one id only): the id it was imported as
+  // elsewhere, which later calls naming it are told.
+  absl::Status Close(const std::string& owner, absl::Span<const absl::string_view> sequence_ids,
+                     absl::string_view moved_to = {});
   absl::StatusOr<SequenceState> Get(const std::string& owner, absl::string_view sequence_id);
+
+  // Moving a sequence to another server (docs/sequences.md, "Moving a sequence"). BeginExport holds the caller's
+  // sequence (a step, fork or truncate is ABORTED, a close waits) until EndExport; ReadRows copies rows
+  // [first, first + rows) of a layer's K (kv 0) or V (kv 1) out. BeginImport opens a held sequence for `owner`
+  // with the header's lengths (its pages taken); WriteRows fills it; EndImport(true) lets it step and answers its
+  // id, EndImport(false) frees it. Every Begin is ended exactly once.
+  absl::StatusOr<MovingSequence> BeginExport(const std::string& owner, absl::string_view sequence_id);
+  absl::Status ReadRows(const MovingSequence& m, int layer, int kv, int64_t first, int64_t rows, uint8_t* dst);
+  void EndExport(const MovingSequence& m) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<MovingSequence> BeginImport(const std::string& owner, const ImportArgs& header);
+  absl::Status WriteRows(const MovingSequence& m, int layer, int kv, int64_t first, int64_t rows, const uint8_t* src);
+  absl::StatusOr<OpenedSequences> EndImport(const MovingSequence& m, bool ok) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Called exactly once per Step: on a backend thread with the finished job, or inline with a null job when the
   // step was refused before it was queued.
@@ -136,6 +164,15 @@ class Sequences {
   absl::StatusOr<Seq*> Find(const std::string& owner, absl::string_view id, const std::string& field)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string NewId();
+  // An open's shape and limit checked: the shape and the max_tokens that applies.
+  absl::StatusOr<std::pair<SequenceShape, int64_t>> CheckOpen(const OpenArgs& request) const;
+  // Waits (without mu_) for pool memory on its way back when `shape` has no pool yet.
+  void AwaitPoolFor(const SequenceShape& shape) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A new sequence of `owner` in `pool`, counted; the caller fills its lengths and pages.
+  Seq* AddSequence(const std::string& owner, Pool* pool, int64_t max_tokens, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The rows' range checked against a held sequence.
+  static absl::Status CheckRows(const MovingSequence& m, int layer, int kv, int64_t first, int64_t rows);
   // The number of sequences an Open or Fork with `requested` (0 means 1) creates; RESOURCE_EXHAUSTED past max_open.
   absl::StatusOr<uint32_t> NewSequences(uint32_t requested) const;
   // UNAVAILABLE once shutting down or draining: no sequence may be created.
@@ -145,15 +182,16 @@ class Sequences {
   absl::StatusOr<Pool*> PoolFor(const SequenceShape& shape) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits (bounded) until the memory of every pool the core has dropped is back in the backend.
   void AwaitPoolReleases() const ABSL_LOCKS_EXCLUDED(mu_);
-  // RESOURCE_EXHAUSTED naming the pool: a step needs `needed` pages more than it has free.
-  static absl::Status PoolFull(const Pool& pool, uint64_t needed);
+  // RESOURCE_EXHAUSTED naming the pool: `who` (a step, an import) needs `needed` pages more than it has free.
+  static absl::Status PoolFull(const Pool& pool, uint64_t needed, const char* who = "the step");
   absl::StatusOr<int32_t> TakePage(Pool& pool, const std::string& owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Unref(Pool& pool, int32_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the sequence's pages past the first `keep`.
   void DropPages(Seq* seq, size_t keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the pages past those its longest layer needs.
   void TrimPages(Seq* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Free(Seq* seq, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // By value: the reason may be the sequence's own close_reason, which freeing it destroys.
+  void Free(Seq* seq, std::string reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Admits one step: its request checked, its sequences found and made busy, its tensors bound to the job, its
   // pages taken and copy-on-write planned. The steps below run in this order, so a request with several faults
   // is refused for the first.

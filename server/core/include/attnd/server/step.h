@@ -4,6 +4,7 @@
 // (sequences.h); a backend only reads and writes pages where a job tells it to.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -65,6 +66,26 @@ class KvPool {
   const int page_tokens_;
   const int32_t num_pages_;
 };
+
+// Rows [first, first + rows) of one layer's K (kv 0) or V (kv 1) of a sequence whose page table is `pages`, as the
+// runs of consecutive rows within one page: fn(byte offset from the pool's start, bytes, byte offset in the rows).
+// What moving a sequence copies (Backend::CopyKvRows); the pages must cover the rows.
+template <typename Fn>
+void ForEachKvRowRun(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
+                     int64_t rows, Fn fn) {
+  const SequenceShape& shape = pool.shape();
+  const int64_t page = pool.page_tokens();
+  const uint64_t elem = DTypeBytes(shape.dtype);
+  const uint64_t row_bytes = static_cast<uint64_t>(shape.kv_heads) * shape.head_dim * elem;
+  const uint64_t base = static_cast<uint64_t>(pool.pool_offset(layer, kv)) * elem;
+  for (int64_t t = first; t < first + rows;) {
+    const int64_t in_page = t % page, run = std::min(page - in_page, first + rows - t);
+    const uint64_t at = base + static_cast<uint64_t>(pages[t / page]) * shape.page_elems(pool.page_tokens()) * elem +
+                        static_cast<uint64_t>(in_page) * row_bytes;
+    fn(at, static_cast<uint64_t>(run) * row_bytes, static_cast<uint64_t>(t - first) * row_bytes);
+    t += run;
+  }
+}
 
 // Copy-on-write: page `from`, every layer's K and V, into page `to`, before the step writes anything.
 struct PageCopy {

@@ -1,0 +1,142 @@
+// Moving a sequence between servers (docs/sequences.md, "Moving a sequence"): a sequence held while its rows are
+// read out (export) or written in (import). The frontends stream the rows; this file keeps the sequence's state
+// consistent meanwhile: an exported sequence stays open and unchanged until the mover closes it, an imported one is
+// invisible to steps until every row has arrived.
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "attnd/server/sequences.h"
+#include "attnd/server/status_util.h"
+#include "sequences_internal.h"
+
+namespace attnd::server {
+
+absl::StatusOr<MovingSequence> Sequences::BeginExport(const std::string& owner, absl::string_view sequence_id) {
+  if (!options_.enabled) return absl::FailedPreconditionError("KV sequences are disabled on this server");
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Seq*> found = Find(owner, sequence_id, "sequence_id");
+  if (!found.ok()) return found.status();
+  Seq* seq = *found;
+  if (seq->busy) {
+    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", seq->id,
+                                           seq->moving ? " is being moved already" : " has a step in flight",
+                                           "; export it after"));
+  }
+  seq->busy = seq->moving = true;
+  MovingSequence m;
+  m.sequence_id = seq->id;
+  m.shape = seq->pool->memory->shape();
+  m.max_tokens = seq->max_tokens;
+  m.lengths.assign(seq->lengths.begin(), seq->lengths.end());
+  m.pool = seq->pool->memory;
+  m.pages = seq->pages;
+  return m;
+}
+
+void Sequences::EndExport(const MovingSequence& m) {
+  absl::MutexLock lock(&mu_);
+  auto it = seqs_.find(m.sequence_id);
+  if (it == seqs_.end()) return;
+  Seq* seq = it->second.get();
+  seq->busy = seq->moving = false;
+  seq->last_used = absl::Now();
+  if (seq->closing) Free(seq, seq->close_reason);
+}
+
+absl::Status Sequences::CheckRows(const MovingSequence& m, int layer, int kv, int64_t first, int64_t rows) {
+  if (layer < 0 || layer >= m.shape.layers) {
+    return Invalid("layer", absl::StrCat("must be 0..", m.shape.layers - 1, ", got ", layer));
+  }
+  if (kv != 0 && kv != 1) return Invalid("kv", absl::StrCat("must be 0 (K) or 1 (V), got ", kv));
+  if (first < 0 || rows < 0 || first + rows > m.lengths[layer]) {
+    return Invalid("first_token", absl::StrCat("rows [", first, ", ", first + rows, ") are not within layer ", layer,
+                                               "'s ", m.lengths[layer], " tokens"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Sequences::ReadRows(const MovingSequence& m, int layer, int kv, int64_t first, int64_t rows,
+                                 uint8_t* dst) {
+  ATTND_RETURN_IF_ERROR(CheckRows(m, layer, kv, first, rows));
+  if (rows == 0) return absl::OkStatus();
+  return backend_->CopyKvRows(*m.pool, m.pages, layer, kv, first, rows, /*to_host=*/true, dst);
+}
+
+absl::Status Sequences::WriteRows(const MovingSequence& m, int layer, int kv, int64_t first, int64_t rows,
+                                  const uint8_t* src) {
+  ATTND_RETURN_IF_ERROR(CheckRows(m, layer, kv, first, rows));
+  if (rows == 0) return absl::OkStatus();
+  return backend_->CopyKvRows(*m.pool, m.pages, layer, kv, first, rows, /*to_host=*/false, const_cast<uint8_t*>(src));
+}
+
+absl::StatusOr<MovingSequence> Sequences::BeginImport(const std::string& owner, const ImportArgs& header) {
+  if (header.open.count > 1) return Invalid("sequence.count", "an import opens one sequence");
+  absl::StatusOr<std::pair<SequenceShape, int64_t>> checked = CheckOpen(header.open);
+  if (!checked.ok()) return checked.status();
+  const auto& [shape, max_tokens] = *checked;
+  if (header.lengths.size() != static_cast<size_t>(shape.layers)) {
+    return Invalid("sequence.lengths", absl::StrCat(header.lengths.size(), " lengths for ", shape.layers, " layers"));
+  }
+  int64_t longest = 0;
+  for (size_t l = 0; l < header.lengths.size(); ++l) {
+    if (header.lengths[l] < 0 || header.lengths[l] > max_tokens) {
+      return Invalid(absl::StrCat("sequence.lengths[", l, "]"),
+                     absl::StrCat("must be 0..", max_tokens, " (the sequence's max_tokens), got ", header.lengths[l]));
+    }
+    longest = std::max(longest, header.lengths[l]);
+  }
+  absl::MutexLock lock(&mu_);
+  AwaitPoolFor(shape);
+  ATTND_RETURN_IF_ERROR(TakesNewSequences());
+  ATTND_RETURN_IF_ERROR(CheckClientSequences(owner, 1));
+  absl::StatusOr<Pool*> pool = PoolFor(shape);
+  if (!pool.ok()) return pool.status();
+  const uint64_t needed = static_cast<uint64_t>(CeilDiv(longest, options_.page_tokens));
+  if (needed > (*pool)->free.size()) {
+    absl::Status full = PoolFull(**pool, needed, "the import");
+    if ((*pool)->sequences == 0) pools_.erase(shape);  // a pool made for this import alone goes again
+    return full;
+  }
+  Seq* seq = AddSequence(owner, *pool, max_tokens, absl::Now());
+  seq->busy = seq->moving = true;
+  for (uint64_t i = 0; i < needed; ++i) {
+    absl::StatusOr<int32_t> page = TakePage(**pool, owner);
+    if (!page.ok()) {
+      Free(seq, "its import was refused");
+      return page.status();
+    }
+    seq->pages.push_back(*page);
+  }
+  seq->lengths.assign(header.lengths.begin(), header.lengths.end());
+  MovingSequence m;
+  m.sequence_id = seq->id;
+  m.shape = shape;
+  m.max_tokens = max_tokens;
+  m.lengths = header.lengths;
+  m.pool = (*pool)->memory;
+  m.pages = seq->pages;
+  return m;
+}
+
+absl::StatusOr<OpenedSequences> Sequences::EndImport(const MovingSequence& m, bool ok) {
+  absl::MutexLock lock(&mu_);
+  auto it = seqs_.find(m.sequence_id);
+  if (it == seqs_.end()) return absl::InternalError("import: the held sequence is gone");
+  Seq* seq = it->second.get();
+  if (!ok || seq->closing || stopping_) {
+    // Its id was never answered, so nobody else can have named it: it goes without a tombstone's reason to show.
+    Free(seq, "its import did not complete");
+    return absl::AbortedError("import: the sequence was not completed and is freed");
+  }
+  seq->busy = seq->moving = false;
+  seq->last_used = absl::Now();
+  OpenedSequences opened;
+  opened.sequence_ids.push_back(seq->id);
+  opened.max_tokens = seq->max_tokens;
+  opened.page_tokens = options_.page_tokens;
+  return opened;
+}
+
+}  // namespace attnd::server
