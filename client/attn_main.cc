@@ -114,6 +114,9 @@ ABSL_FLAG(std::string, workload, "forward",
           "--context tokens prefilled untimed, then --steps decode steps each over every layer)");
 ABSL_FLAG(int64_t, layers, 2, "seq, bench --workload=decode: layers of the sequence (each its own K/V)");
 ABSL_FLAG(int64_t, prefill, 16, "seq: tokens prefilled on every layer (append and attend) before decoding");
+ABSL_FLAG(std::string, move_to, "",
+          "seq: after the prefill, move the sequence to the server at this address (the one after its ids' '@'), "
+          "report the move's time and rate, and decode there");
 ABSL_FLAG(int64_t, steps, 8, "seq, bench --workload=decode: decode steps (per sequence), each over every layer");
 ABSL_FLAG(int32_t, sequences, 4, "bench --workload=decode: sequences decoding concurrently");
 ABSL_FLAG(int64_t, context, 128, "bench --workload=decode: tokens prefilled per sequence and layer (untimed)");
@@ -529,6 +532,7 @@ int CmdSeq(Client& client) {
   attnd::client::SeqRunOptions o;
   if (absl::Status s = SequenceOptionsFromFlags(o); !s.ok()) return Fail(s, "flags");
   o.prefill = absl::GetFlag(FLAGS_prefill);
+  o.move_to = absl::GetFlag(FLAGS_move_to);
   o.verify = absl::GetFlag(FLAGS_verify);
   o.want_lse = absl::GetFlag(FLAGS_lse);
   o.line = [](const std::string& line) { std::cout << line << "\n" << std::flush; };

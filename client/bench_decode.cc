@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -43,6 +44,12 @@ std::string StepTransportName(const Client& client, const CallOptions& call) {
   if (t == Transport::kShm) return "shm";
   return absl::StrCat(absl::StartsWith(client.options().target, "unix:") ? "grpc-unix" : "grpc-tcp",
                       t == Transport::kUnary ? " (unary Step)" : " (StepStream)");
+}
+
+// "<old id> -> <new id>: <MB> in <ms> (<GB/s>)".
+std::string MoveText(const SeqRunReport& r) {
+  return absl::StrFormat("%s -> %s: %.1f MB of K and V in %.3f ms (%.2f GB/s)", r.moved_from, r.sequence_id,
+                         r.moved_bytes / 1e6, r.move_us / 1e3, r.move_us > 0 ? r.moved_bytes / r.move_us / 1e3 : 0.0);
 }
 
 }  // namespace
@@ -126,6 +133,15 @@ absl::StatusOr<SeqRunReport> RunSequence(Client& client, const SeqRunOptions& o)
       o.line(absl::StrFormat("prefill: %d tokens x %d layers in %.3f ms", o.prefill, shape.layers,
                              report.prefill_us / 1e3));
     }
+    if (!o.move_to.empty()) {
+      const absl::Time t0 = absl::Now();
+      absl::StatusOr<std::string> moved = client.MoveSequence(report.sequence_id, o.move_to, o.call);
+      if (!moved.ok()) return absl::Status(moved.status().code(), absl::StrCat("move: ", moved.status().message()));
+      report.move_us = absl::ToDoubleMicroseconds(absl::Now() - t0);
+      report.moved_from = std::exchange(report.sequence_id, *moved);
+      report.moved_bytes = 2 * static_cast<uint64_t>(o.prefill) * kv_row * static_cast<uint64_t>(shape.layers);
+      if (o.line) o.line(absl::StrCat("move: ", MoveText(report)));
+    }
     for (int64_t i = 0; i < o.steps; ++i) {
       const absl::Time t0 = absl::Now();
       for (int64_t layer = 0; layer < shape.layers; ++layer) {
@@ -166,6 +182,7 @@ std::string FormatSeqReport(const SeqRunReport& r) {
   absl::StrAppendFormat(&out, "  step (every layer) ms: p50 %.3f, p99 %.3f; one Step call mean %.3f ms, server kernel "
                         "mean %.3f ms\n", r.step_p50_us / 1e3, r.step_p99_us / 1e3, r.layer_step_mean_us / 1e3,
                         r.srv_kernel_mean_us / 1e3);
+  if (!r.moved_from.empty()) absl::StrAppend(&out, "  moved: ", MoveText(r), "\n");
   absl::StrAppend(&out, "  cached tokens per layer at the end: ", absl::StrJoin(r.final_lengths, ","), "\n");
   if (r.verified > 0) {
     absl::StrAppendFormat(&out, "  verified: %d layer-steps, %d failed%s\n", r.verified, r.verify_failures,

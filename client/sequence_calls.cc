@@ -423,6 +423,73 @@ absl::Status Client::CloseSequence(const std::vector<std::string>& sequence_ids,
   return NameTheServer(*address, options_.target, FromGrpcStatus((*stub)->CloseSequence(&ctx, req, &resp)));
 }
 
+namespace {
+
+// A move's failure, naming the server and the side that failed.
+absl::Status Side(const char* side, const std::string& server, const absl::Status& s) {
+  return absl::Status(s.code(), absl::StrCat(side, " ", server, " failed (the sequence stays where it was): ",
+                                             s.message()));
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> Client::MoveSequence(const std::string& sequence_id, const std::string& to,
+                                                 const CallOptions& call) {
+  const std::string from = SequenceAddress(sequence_id);
+  if (to.empty()) return absl::InvalidArgumentError("to: empty (the address of the server to move the sequence to)");
+  if (to == (from.empty() ? options_.target : from)) {
+    return absl::InvalidArgumentError(absl::StrCat("to: the sequence is on ", to, " already"));
+  }
+  absl::StatusOr<v1::Attention::Stub*> source = StubFor(from);
+  if (!source.ok()) return source.status();
+  absl::StatusOr<v1::Attention::Stub*> target = StubFor(to);
+  if (!target.ok()) return target.status();
+  // The export's chunks go on to the import one at a time, each as it arrives.
+  grpc::ClientContext export_ctx, import_ctx;
+  Prepare(&export_ctx, call);
+  Prepare(&import_ctx, call);
+  v1::ExportSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  request.set_chunk_bytes(ChunkBytes(0));  // the stream chunk size ClientOptions sets for uploads
+  std::unique_ptr<grpc::ClientReader<v1::SequenceChunk>> reader = (*source)->ExportSequence(&export_ctx, request);
+  v1::ImportSequenceResponse imported;
+  std::unique_ptr<grpc::ClientWriter<v1::SequenceChunk>> writer = (*target)->ImportSequence(&import_ctx, &imported);
+  v1::SequenceChunk chunk;
+  bool relayed = true;
+  while (relayed && reader->Read(&chunk)) relayed = writer->Write(chunk);
+  if (!relayed) {
+    // The importer stopped taking chunks: its status says why; the export is cut short (the sequence stays).
+    export_ctx.TryCancel();
+    reader->Finish().ok();
+    return Side("the import on", to, FromGrpcStatus(writer->Finish()));
+  }
+  if (absl::Status exported = FromGrpcStatus(reader->Finish()); !exported.ok()) {
+    import_ctx.TryCancel();  // the importer frees what it took
+    writer->Finish().ok();
+    return Side("the export from", from.empty() ? options_.target : from, exported);
+  }
+  writer->WritesDone();
+  if (absl::Status st = FromGrpcStatus(writer->Finish()); !st.ok()) return Side("the import on", to, st);
+  const std::string& moved = imported.sequence_id();
+  if (SequenceAddress(moved).empty() && to != options_.target) {
+    // Calls naming the new id would go to this client's target, not to `to`: undo the import.
+    CloseSequence({moved}, call).IgnoreError();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "to: ", to, " answers ids without an address (start it with --advertise_address), so calls about the moved "
+        "sequence could not find it; the sequence stays where it was"));
+  }
+  // The sequence is on both servers now: the old one closes, telling later callers where it went. Should the close
+  // fail, the old copy stays until its TTL; the move has happened.
+  v1::CloseSequenceRequest close;
+  close.add_sequence_ids(sequence_id);
+  close.set_moved_to(moved);
+  grpc::ClientContext close_ctx;
+  Prepare(&close_ctx, call);
+  v1::CloseSequenceResponse closed;
+  (*source)->CloseSequence(&close_ctx, close, &closed).ok();
+  return moved;
+}
+
 absl::StatusOr<v1::SequenceInfo> Client::GetSequence(const std::string& sequence_id, const CallOptions& call) {
   absl::StatusOr<v1::Attention::Stub*> stub = StubFor(SequenceAddress(sequence_id));
   if (!stub.ok()) return stub.status();

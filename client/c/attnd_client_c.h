@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define ATTND_C_ABI_VERSION 4
+#define ATTND_C_ABI_VERSION 5
 
 enum attnd_transport {
   ATTND_TRANSPORT_DEFAULT = -1, /* per call: the client's transport */
@@ -227,6 +227,9 @@ int32_t attnd_sequence_truncate(attnd_client* client, const char* sequence_id, i
 int32_t attnd_sequence_close(attnd_client* client, const char* const* sequence_ids, size_t count, attnd_error* err);
 /* GetSequence as JSON (SequenceInfo, as attnd_client_info_json writes it); NULL on failure. */
 char* attnd_sequence_info_json(attnd_client* client, const char* sequence_id, attnd_error* err);
+/* Moves a sequence to the server at `to` (Client::MoveSequence): returns its new id, NULL on failure (the sequence
+ * then stays where it was). */
+char* attnd_sequence_move(attnd_client* client, const char* sequence_id, const char* to, attnd_error* err);
 
 #ifdef __cplusplus
 }

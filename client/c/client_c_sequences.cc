@@ -292,6 +292,14 @@ ATTND_C_EXPORT char* attnd_sequence_fork(attnd_client* client, const char* seque
   return Dup(JoinIds(*ids));
 }
 
+ATTND_C_EXPORT char* attnd_sequence_move(attnd_client* client, const char* sequence_id, const char* to,
+                                         attnd_error* err) {
+  absl::StatusOr<std::string> moved = client->client->MoveSequence(Str(sequence_id), Str(to));
+  if (!moved.ok()) return Fail(err, moved.status()), nullptr;
+  Ok(err);
+  return Dup(*moved);
+}
+
 ATTND_C_EXPORT int32_t attnd_sequence_truncate(attnd_client* client, const char* sequence_id, int64_t tokens,
                                                int64_t* lengths, size_t cap, size_t* layers_out, attnd_error* err) {
   auto got = client->client->TruncateSequence(Str(sequence_id), tokens);

@@ -1,10 +1,6 @@
 // A fleet of servers as one: three CPU servers on loopback ports, each advertising its own address, and one client
 // whose target names all three (ipv4:a,b,c). Forwards and new sequences are spread by round robin, every call
 // about a sequence reaches the server that holds it, and an open that one server refuses for room goes to the next.
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <map>
 #include <memory>
 #include <string>
@@ -20,22 +16,6 @@
 namespace attnd::e2e {
 namespace {
 
-// A loopback port free now: the servers must know their address before they start, to advertise it.
-int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    if (fd >= 0) ::close(fd);
-    return 0;
-  }
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
 class Fleet : public ::testing::Test {
  protected:
   static constexpr int kServers = 3;
@@ -44,7 +24,7 @@ class Fleet : public ::testing::Test {
   void Start(uint32_t max_per_client = 0) {
     std::vector<std::string> addresses;
     for (int i = 0; i < kServers; ++i) {
-      const int port = FreePort();
+      const int port = FreeLoopbackPort();
       ASSERT_GT(port, 0);
       const std::string address = absl::StrCat("127.0.0.1:", port);
       server::ServerOptions so;
@@ -237,7 +217,7 @@ TEST_F(Fleet, AServerThatLeavesIsNamedAndAvoided) {
 
 // A server on a free loopback port advertising it, with `drain` as its --sequence_drain_s.
 void StartAdvertised(TestServer* out, absl::Duration drain, absl::Duration grace = absl::Seconds(30)) {
-  const int port = FreePort();
+  const int port = FreeLoopbackPort();
   ASSERT_GT(port, 0);
   server::ServerOptions so;
   so.network.listen = absl::StrCat("127.0.0.1:", port);

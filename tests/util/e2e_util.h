@@ -2,6 +2,8 @@
 // socket), clients for either transport, and random requests with their double-precision oracle.
 #pragma once
 
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -33,6 +35,22 @@ struct TestServer {
 };
 
 using WrapBackend = std::function<std::unique_ptr<server::Backend>(std::unique_ptr<server::Backend>)>;
+
+// A loopback port free now: servers of a fleet must know their address before they start, to advertise it.
+inline int FreeLoopbackPort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    if (fd >= 0) ::close(fd);
+    return 0;
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
 
 // Serves `so` on the CPU backend made with `bo` (through `wrap` when set) and records the TCP port. Fails the
 // test (fatally) if it cannot start.

@@ -9,7 +9,7 @@ import ctypes
 import os
 import struct
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 TRANSPORTS = {"auto": 0, "unary": 1, "stream": 2, "shm": 3}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
@@ -226,6 +226,8 @@ def load():
     lib.attnd_step.restype = ctypes.c_int32
     lib.attnd_sequence_fork.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint32, err_p]
     lib.attnd_sequence_fork.restype = ctypes.c_void_p
+    lib.attnd_sequence_move.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, err_p]
+    lib.attnd_sequence_move.restype = ctypes.c_void_p
     lib.attnd_sequence_truncate.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64,
                                             ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t,
                                             ctypes.POINTER(ctypes.c_size_t), err_p]

@@ -818,6 +818,24 @@ class Client:
         return kids if n is not None else kids[0]
 
 
+    def move_sequence(self, sequence, to):
+        """Moves `sequence` (a Sequence or an id) to the server at `to` (the address that server advertises after
+        its ids' '@'): its cached K and V go there, the old one closes. Returns the new id; a Sequence object
+        follows it (a StepBatch made before names the old id: make a new one). On failure the sequence stays where
+        it was."""
+        if not isinstance(to, str) or not to:
+            raise _invalid(f"to: {to!r} is not a server address")
+        err = _lib.Error()
+        p = self._lib.attnd_sequence_move(self._h(), _seq_id("sequence", sequence).encode(), to.encode(),
+                                          ctypes.byref(err))
+        if not p:
+            _raise(err)
+        moved = _ids_of(p, self._lib)[0]
+        if isinstance(sequence, Sequence):
+            sequence.id = moved
+            sequence._batch = None
+        return moved
+
     def truncate_sequence(self, sequence, tokens):
         """Keeps the first `tokens` of every layer of `sequence`; returns the per-layer lengths after it."""
         if not isinstance(tokens, int) or tokens < 0:
@@ -1032,6 +1050,10 @@ class Sequence:
     def truncate(self, tokens):
         """Keeps the first `tokens` of every layer; returns the per-layer lengths after it."""
         return self.client.truncate_sequence(self, tokens)
+
+    def move(self, to):
+        """Moves this sequence to the server at `to` (client.move_sequence); `id` is the new one afterwards."""
+        return self.client.move_sequence(self, to)
 
     def info(self):
         """GetSequence as a dict: sequence_id, shape, max_tokens, lengths, pages, shared_pages, idle_s, ..."""

@@ -54,3 +54,29 @@ def test_fleet_places_sequences_and_steps_follow_them(fleet):
         for s in fleet:
             with attnd.Client(s.target) as direct:
                 assert direct.stats()["sequences"].get("open", 0) == 0
+
+
+def test_a_sequence_moves_to_another_server_and_follows(fleet):
+    """Sequence.move: the cached K and V go to another server of the fleet, the object takes the new id, steps go on
+    over the whole history there, and the old id says where the sequence went."""
+    rng = np.random.default_rng(12)
+    target = "ipv4:" + ",".join(s.target for s in fleet)
+    with attnd.Client(target) as c:
+        seq = c.open_sequence(layers=2, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+        hist = History(layers=2)
+        step_checked(seq, hist, 0, rng, 21)
+        step_checked(seq, hist, 1, rng, 9)
+        old, here = seq.id, seq.id.rsplit("@", 1)[1]
+        there = next(s.target for s in fleet if s.target != here)
+        new = seq.move(there)
+        assert new == seq.id and new != old and new.rsplit("@", 1)[1] == there
+        assert seq.info()["lengths"] == [21, 9]
+        step_checked(seq, hist, 0, rng, 1)
+        step_checked(seq, hist, 1, rng, 2)
+        with pytest.raises(attnd.AttndError) as gone:
+            c.sequence_info(old)
+        assert gone.value.code == attnd.StatusCode.NOT_FOUND and f"moved to {new}" in str(gone.value)
+        with pytest.raises(attnd.AttndError) as again:
+            seq.move(there)
+        assert again.value.code == attnd.StatusCode.INVALID_ARGUMENT, again.value
+        seq.close()

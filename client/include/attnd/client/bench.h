@@ -135,6 +135,7 @@ struct SeqRunOptions {
   SequenceShape shape;
   int64_t q_heads = 0;  // 0: kv_heads
   int64_t prefill = 16;
+  std::string move_to;  // after the prefill, the sequence moves to this server (Client::MoveSequence)
   int64_t steps = 8;
   bool verify = false;
   bool want_lse = false;
@@ -150,6 +151,9 @@ struct SeqRunReport {
   int64_t verified = 0, verify_failures = 0;  // layer-steps checked (prefill included)
   std::string first_verify_failure;
   double prefill_us = 0;              // the prefill, every layer, client-side
+  std::string moved_from;             // the id before the move (move_to), and what the move took
+  double move_us = 0;
+  uint64_t moved_bytes = 0;           // K and V of every layer
   std::vector<double> step_us;        // each decode step over every layer, client-side
   double step_p50_us = 0, step_p99_us = 0;
   double layer_step_mean_us = 0;      // one Step call, mean

@@ -304,6 +304,13 @@ class Client {
   // All of `sequence_ids` must live on one server (else INVALID_ARGUMENT).
   absl::Status CloseSequence(const std::vector<std::string>& sequence_ids, const CallOptions& call = {});
   absl::StatusOr<v1::SequenceInfo> GetSequence(const std::string& sequence_id, const CallOptions& call = {});
+  // Moves a sequence to the server at `to` (an address as after a sequence id's '@', which that server must
+  // advertise): its cached K and V, every layer, stream from its server through this client into a new sequence
+  // there, and the old one closes, answering later calls NOT_FOUND "moved to <new id>". Returns the new id. On any
+  // failure the sequence stays where it was, unchanged, and nothing is left on `to` (docs/sequences.md, "Moving a
+  // sequence"). A sequence with a step in flight is ABORTED (retry); shared pages arrive as the sequence's own.
+  absl::StatusOr<std::string> MoveSequence(const std::string& sequence_id, const std::string& to,
+                                           const CallOptions& call = {});
 
   // GetServerInfo, cached after the first success unless `refresh`.
   absl::StatusOr<v1::ServerInfo> ServerInfo(bool refresh = false, const CallOptions& call = {});

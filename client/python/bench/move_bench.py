@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Prefill on one server, decode on another (docs/benchmarks.md, "Moving sequences"): `--sequences` sequences are
+opened and prefilled on server A (`--source`, append-only steps of random K/V, untimed), moved one after another to
+server B (`--dest`, Sequence.move: ExportSequence from A through this client into ImportSequence on B), then decoded
+there. Reports the moves' rate (K and V bytes over wall time) and time per sequence, checks that every sequence
+answers the same query with the same O on B as it did on A (bit for bit: same rows, same kernel), and times decode
+steps on B. Both servers must advertise their addresses (--advertise_address), which are what --source and --dest
+name.
+
+  python3 client/python/bench/move_bench.py --source 127.0.0.1:50051 --dest 127.0.0.1:50052 --layers 32 \\
+      --context 2048 --sequences 8
+"""
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+import attnd
+
+
+def bf16(rng, shape):
+    """Random bf16 bits (uint16) of standard normal values."""
+    return (rng.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--source", required=True)
+    ap.add_argument("--dest", required=True)
+    ap.add_argument("--sequences", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--kv-heads", dest="kv_heads", type=int, default=8)
+    ap.add_argument("--q-heads", dest="q_heads", type=int, default=32)
+    ap.add_argument("--head-dim", dest="head_dim", type=int, default=128)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    kv_row = a.kv_heads * a.head_dim
+    with attnd.Client(a.source) as c:
+        seqs = c.open_sequence(layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim, count=a.sequences)
+        try:
+            # Prefill: every layer, all sequences in one append-only step per chunk of at most 64 MiB of K.
+            chunk = max(1, min(a.context, (64 << 20) // (2 * kv_row * a.sequences)))
+            t0 = time.perf_counter()
+            for layer in range(a.layers):
+                for done in range(0, a.context, chunk):
+                    t = min(chunk, a.context - done)
+                    k = bf16(rng, (a.sequences * t, a.kv_heads, a.head_dim))
+                    c.step(layer, seqs, k=k, v=k, tokens=t, dtype="bf16")
+            prefill_s = time.perf_counter() - t0
+            q = bf16(rng, (a.sequences, a.q_heads, a.head_dim))
+            probe = [0, a.layers - 1]
+            before = {l: c.step(l, seqs, q=q, q_heads=a.q_heads, dtype="bf16") for l in probe}
+
+            per = []
+            t0 = time.perf_counter()
+            for s in seqs:
+                s0 = time.perf_counter()
+                s.move(a.dest)
+                per.append(time.perf_counter() - s0)
+            move_s = time.perf_counter() - t0
+            moved_bytes = 2 * a.context * kv_row * 2 * a.layers * a.sequences
+            assert all(s.id.rsplit("@", 1)[-1] == a.dest for s in seqs), "a moved id does not name --dest"
+
+            after = {l: c.step(l, seqs, q=q, q_heads=a.q_heads, dtype="bf16") for l in probe}
+            same = all(np.array_equal(np.asarray(before[l]).view(np.uint16), np.asarray(after[l]).view(np.uint16))
+                       for l in probe)
+
+            lat = []
+            for i in range(a.steps):
+                s0 = time.perf_counter()
+                for layer in range(a.layers):
+                    k = bf16(rng, (a.sequences, a.kv_heads, a.head_dim))
+                    c.step(layer, seqs, q=q, k=k, v=k, q_heads=a.q_heads, dtype="bf16")
+                lat.append(time.perf_counter() - s0)
+        finally:
+            c.close_sequences(seqs)
+    out = {
+        "sequences": a.sequences, "layers": a.layers, "context": a.context, "kv_heads": a.kv_heads,
+        "head_dim": a.head_dim, "prefill_s": prefill_s, "moved_bytes": moved_bytes, "move_s": move_s,
+        "move_gb_per_s": moved_bytes / move_s / 1e9, "move_ms_per_sequence_p50": statistics.median(per) * 1e3,
+        "same_o_after_move": same, "decode_step_ms_p50_on_dest": statistics.median(lat) * 1e3 if lat else None,
+    }
+    print(f"prefill on {a.source}: {a.sequences} x {a.context} tokens x {a.layers} layers in {prefill_s:.2f} s")
+    print(f"move {a.source} -> {a.dest}: {moved_bytes / 1e6:.1f} MB in {move_s * 1e3:.1f} ms = "
+          f"{out['move_gb_per_s']:.2f} GB/s; per sequence p50 {out['move_ms_per_sequence_p50']:.1f} ms; "
+          f"O after the move {'identical' if same else 'DIFFERENT'}")
+    if lat:
+        print(f"decode on {a.dest}: {a.sequences} sequences x {a.layers} layers, step p50 "
+              f"{out['decode_step_ms_p50_on_dest']:.2f} ms")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    if not same:
+        raise SystemExit("O differs after the move")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+// Moving a sequence between two CPU servers (ExportSequence, ImportSequence, Client::MoveSequence): its tokens
+// arrive whole, its new id is stepped on the new server and gives the answers the old one gave, the old id says
+// where it went, and a move that fails anywhere leaves the sequence where it was and nothing on the other server.
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "e2e_sequences_util.h"
+#include "e2e_util.h"
+
+namespace attnd::e2e {
+namespace {
+
+class Moves : public ::testing::Test {
+ protected:
+  // Servers A (0) and B (1), each advertising its loopback address; B with `b_sequences` when given. The client
+  // targets A.
+  void Start(const server::SequenceOptions* b_sequences = nullptr) {
+    for (int i = 0; i < 2; ++i) {
+      const int port = FreeLoopbackPort();
+      ASSERT_GT(port, 0);
+      address_[i] = absl::StrCat("127.0.0.1:", port);
+      server::ServerOptions so;
+      so.network.listen = address_[i];
+      if (i == 1 && b_sequences != nullptr) so.sequences = *b_sequences;
+      so.sequences.advertise_address = address_[i];
+      server::BackendOptions bo;
+      bo.threads = 2;
+      ServeOnCpu(&servers_[i], so, bo, nullptr);
+      if (HasFatalFailure()) return;
+    }
+    client_ = Connect(address_[0]);
+    direct_b_ = Connect(address_[1]);
+    ASSERT_NE(client_, nullptr);
+    ASSERT_NE(direct_b_, nullptr);
+  }
+  void TearDown() override {
+    client_.reset();
+    direct_b_.reset();
+    for (TestServer& s : servers_) {
+      if (s.server != nullptr) s.server->Shutdown();
+    }
+  }
+
+  uint64_t Open(int server) {
+    auto stats = (server == 0 ? client_ : direct_b_)->Stats();
+    EXPECT_TRUE(stats.ok()) << stats.status();
+    return stats.ok() ? stats->sequences().open() : ~0ull;
+  }
+
+  // Appends `tokens` random rows (seed) to `id` at `layer`, keeping them in the mirror.
+  void Append(const std::string& id, int64_t layer, int64_t tokens, uint64_t seed) {
+    const int64_t row = shape_.kv_heads * shape_.head_dim;
+    const std::string k = client::RandomTensor(shape_.dtype, tokens * row, seed);
+    const std::string v = client::RandomTensor(shape_.dtype, tokens * row, seed + 1);
+    client::StepSpec spec;
+    spec.sequences = {{id, tokens}};
+    spec.layer = layer;
+    spec.k.data = k;
+    spec.v.data = v;
+    auto r = client_->Step(spec);
+    ASSERT_TRUE(r.ok()) << r.status();
+    k_[layer] += k;
+    v_[layer] += v;
+  }
+
+  // O of `rows` query rows (seed) over what `id` caches at `layer`, without appending.
+  absl::StatusOr<std::string> Attend(const std::string& id, int64_t layer, int64_t rows, uint64_t seed) {
+    const std::string q = client::RandomTensor(shape_.dtype, rows * kQHeads * shape_.head_dim, seed);
+    client::StepSpec spec;
+    spec.sequences = {{id, rows}};
+    spec.layer = layer;
+    spec.q_heads = kQHeads;
+    spec.q.data = q;
+    auto r = client_->Step(spec);
+    if (!r.ok()) return r.status();
+    return r->o;
+  }
+
+  // One decode step (append and attend) at `layer`, checked against attention over the mirror.
+  void DecodeAndCheck(const std::string& id, int64_t layer, uint64_t seed) {
+    OneTokenStep s(shape_, id, seed);
+    s.spec.layer = layer;
+    auto r = client_->Step(s.spec);
+    ASSERT_TRUE(r.ok()) << r.status();
+    k_[layer] += s.k;
+    v_[layer] += s.v;
+    EXPECT_EQ(CheckRows(shape_, kQHeads, s.q, k_[layer], v_[layer], r->o, "", false), "");
+  }
+
+  const client::SequenceShape shape_ = TestShape(2);
+  std::string address_[2];
+  TestServer servers_[2];
+  std::unique_ptr<client::Client> client_, direct_b_;
+  std::string k_[2], v_[2];  // the rows each layer caches
+};
+
+TEST_F(Moves, ASequenceMovesWithItsTokensAndItsIdFollows) {
+  Start();
+  ASSERT_FALSE(HasFatalFailure());
+  auto opened = client_->OpenSequence(shape_);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->ids[0];
+  // Layers of different lengths, neither a whole number of pages.
+  Append(id, 0, 37, 10);
+  Append(id, 1, 20, 20);
+  ASSERT_FALSE(HasFatalFailure());
+  std::string before[2];
+  for (int layer = 0; layer < 2; ++layer) {
+    auto o = Attend(id, layer, 3, 100 + layer);
+    ASSERT_TRUE(o.ok()) << o.status();
+    before[layer] = *o;
+  }
+
+  auto moved = client_->MoveSequence(id, address_[1]);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(client::SequenceAddress(*moved), address_[1]);
+  EXPECT_EQ(Open(0), 0u);
+  EXPECT_EQ(Open(1), 1u);
+  auto info = client_->GetSequence(*moved);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(std::vector<int64_t>(info->lengths().begin(), info->lengths().end()), std::vector<int64_t>({37, 20}));
+  EXPECT_FALSE(info->step_in_flight());
+  // The same queries give the same answers, bit for bit: the rows arrived as they were.
+  for (int layer = 0; layer < 2; ++layer) {
+    auto o = Attend(*moved, layer, 3, 100 + layer);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_EQ(*o, before[layer]) << "layer " << layer;
+  }
+  // The old id says where the sequence went.
+  auto old = client_->GetSequence(id);
+  EXPECT_EQ(old.status().code(), absl::StatusCode::kNotFound) << old.status();
+  EXPECT_TRUE(absl::StrContains(old.status().message(), "moved to " + *moved)) << old.status();
+  // The moved sequence goes on: decode steps over the cache it brought.
+  for (int n = 0; n < 3; ++n) DecodeAndCheck(*moved, n % 2, 500 + 10 * n);
+  ASSERT_TRUE(client_->CloseSequence({*moved}).ok());
+  EXPECT_EQ(Open(1), 0u);
+}
+
+TEST_F(Moves, AnEmptySequenceAndAForkedOneMove) {
+  Start();
+  ASSERT_FALSE(HasFatalFailure());
+  auto opened = client_->OpenSequence(shape_, 0, 2);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  // Nothing cached yet.
+  auto empty = client_->MoveSequence(opened->ids[1], address_[1]);
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  auto info = client_->GetSequence(*empty);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(std::vector<int64_t>(info->lengths().begin(), info->lengths().end()), std::vector<int64_t>({0, 0}));
+
+  // A child shares its parent's pages: it moves with its own copy of them, and the parent keeps its own.
+  const std::string parent = opened->ids[0];
+  Append(parent, 0, 40, 30);
+  ASSERT_FALSE(HasFatalFailure());
+  auto child = client_->ForkSequence(parent);
+  ASSERT_TRUE(child.ok()) << child.status();
+  auto moved = client_->MoveSequence((*child)[0], address_[1]);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  const std::string k = k_[0], v = v_[0];
+  DecodeAndCheck(*moved, 0, 700);
+  k_[0] = k, v_[0] = v;
+  DecodeAndCheck(parent, 0, 800);
+  auto parent_info = client_->GetSequence(parent);
+  ASSERT_TRUE(parent_info.ok()) << parent_info.status();
+  EXPECT_EQ(parent_info->shared_pages(), 0);
+}
+
+TEST_F(Moves, ARefusedImportLeavesTheSequenceWhereItWas) {
+  // B's pool holds 2 pages of this shape; the sequence needs 3.
+  server::SequenceOptions small;
+  small.pool_bytes = 2 * TestShape(2).layers * 2 * 16 * 2 * 64 * 2;
+  Start(&small);
+  ASSERT_FALSE(HasFatalFailure());
+  auto opened = client_->OpenSequence(shape_);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->ids[0];
+  Append(id, 0, 40, 40);
+  ASSERT_FALSE(HasFatalFailure());
+  auto moved = client_->MoveSequence(id, address_[1]);
+  ASSERT_EQ(moved.status().code(), absl::StatusCode::kResourceExhausted) << moved.status();
+  EXPECT_TRUE(absl::StrContains(moved.status().message(), address_[1])) << moved.status();
+  EXPECT_EQ(Open(1), 0u);
+  EXPECT_EQ(Open(0), 1u);
+  auto info = client_->GetSequence(id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_FALSE(info->step_in_flight());
+  DecodeAndCheck(id, 0, 900);
+
+  // Moving to the server it is on already, or to nowhere, is refused before anything moves.
+  EXPECT_EQ(client_->MoveSequence(id, address_[0]).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->MoveSequence(id, "").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// An export leaves its sequence open, also when it is cut short; a close during one frees the sequence at its end.
+// (That the sequence takes no step while its export runs is the core's test: here the stream may have been
+// written in full before the client reads it.)
+TEST_F(Moves, AnExportLeavesItsSequenceOpenUntilItIsClosed) {
+  Start();
+  ASSERT_FALSE(HasFatalFailure());
+  auto opened = client_->OpenSequence(shape_);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->ids[0];
+  Append(id, 0, 20, 50);
+  ASSERT_FALSE(HasFatalFailure());
+  auto stub = v1::Attention::NewStub(client_->channel());
+  {
+    grpc::ClientContext ctx;
+    v1::ExportSequenceRequest request;
+    request.set_sequence_id(id);
+    auto reader = stub->ExportSequence(&ctx, request);
+    v1::SequenceChunk header;
+    ASSERT_TRUE(reader->Read(&header));
+    ASSERT_TRUE(header.has_sequence());
+    EXPECT_EQ(header.sequence().lengths(0), 20);
+    ctx.TryCancel();
+    reader->Finish().ok();
+  }
+  // The sequence steps again once the server has ended the export.
+  absl::StatusOr<std::string> after = absl::AbortedError("not tried");
+  for (int i = 0; i < 500 && absl::IsAborted(after.status()); ++i) {
+    after = Attend(id, 0, 1, 60);
+    if (absl::IsAborted(after.status())) absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(after.ok()) << after.status();
+
+  // A close during an export (or after it) frees the sequence, and the export still gives every row.
+  grpc::ClientContext ctx;
+  v1::ExportSequenceRequest request;
+  request.set_sequence_id(id);
+  request.set_chunk_bytes(1);  // a row per chunk
+  auto reader = stub->ExportSequence(&ctx, request);
+  v1::SequenceChunk chunk;
+  ASSERT_TRUE(reader->Read(&chunk));
+  ASSERT_TRUE(client_->CloseSequence({id}).ok());
+  int rows = 0;
+  while (reader->Read(&chunk)) rows += static_cast<int>(chunk.data().size() / (shape_.kv_heads * shape_.head_dim * 2));
+  EXPECT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(rows, 2 * 20);  // layer 0's K and V; layer 1 holds none
+  EXPECT_EQ(client_->GetSequence(id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Open(0), 0u);
+}
+
+// An import takes only the stream its header announces, in the export's order; anything else is refused and
+// leaves nothing open.
+TEST_F(Moves, AnImportChecksItsStream) {
+  Start();
+  ASSERT_FALSE(HasFatalFailure());
+  auto stub = v1::Attention::NewStub(direct_b_->channel());
+  const int64_t row_bytes = shape_.kv_heads * shape_.head_dim * 2;
+  v1::SequenceChunk header;
+  v1::SequenceShape* s = header.mutable_sequence()->mutable_shape();
+  s->set_layers(2);
+  s->set_kv_heads(shape_.kv_heads);
+  s->set_head_dim(shape_.head_dim);
+  s->set_dtype(v1::DTYPE_BF16);
+  header.mutable_sequence()->add_lengths(3);
+  header.mutable_sequence()->add_lengths(0);
+  const auto rows = [&](int kv, int64_t first, int64_t n) {
+    v1::SequenceChunk c;
+    c.set_layer(0);
+    c.set_kv(kv);
+    c.set_first_token(first);
+    c.set_data(client::RandomTensor(DType::kBF16, n * row_bytes / 2, 7 + first));
+    return c;
+  };
+  struct Try {
+    const char* name;
+    std::vector<v1::SequenceChunk> chunks;
+    const char* says;
+  };
+  v1::SequenceChunk bad_lengths = header;
+  bad_lengths.mutable_sequence()->add_lengths(1);
+  const std::vector<Try> tries = {
+      {"no header", {rows(0, 0, 3)}, "sequence: the first chunk"},
+      {"a header with three lengths for two layers", {bad_lengths}, "sequence.lengths"},
+      {"V before K", {header, rows(1, 0, 3)}, "first_token: expected rows of layer 0 K"},
+      {"a gap", {header, rows(0, 1, 2)}, "first_token"},
+      {"rows past the end", {header, rows(0, 0, 3), rows(1, 0, 3), rows(1, 3, 1)}, "past the last row"},
+      {"a short stream", {header, rows(0, 0, 3), rows(1, 0, 2)}, "ended before layer 0 V from token 2"},
+      {"a second header", {header, header}, "only the first chunk"},
+  };
+  for (const Try& t : tries) {
+    SCOPED_TRACE(t.name);
+    grpc::ClientContext ctx;
+    v1::ImportSequenceResponse response;
+    auto writer = stub->ImportSequence(&ctx, &response);
+    for (const v1::SequenceChunk& c : t.chunks) {
+      if (!writer->Write(c)) break;
+    }
+    writer->WritesDone();
+    const grpc::Status st = writer->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_TRUE(absl::StrContains(st.error_message(), t.says)) << st.error_message();
+    EXPECT_EQ(Open(1), 0u);
+  }
+  // The whole stream opens the sequence.
+  grpc::ClientContext ctx;
+  v1::ImportSequenceResponse response;
+  auto writer = stub->ImportSequence(&ctx, &response);
+  for (const v1::SequenceChunk& c : {header, rows(0, 0, 2), rows(0, 2, 1), rows(1, 0, 3)}) ASSERT_TRUE(writer->Write(c));
+  writer->WritesDone();
+  const grpc::Status st = writer->Finish();
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(client::SequenceAddress(response.sequence_id()), address_[1]);
+  EXPECT_EQ(Open(1), 1u);
+}
+
+}  // namespace
+}  // namespace attnd::e2e
