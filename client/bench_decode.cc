@@ -52,6 +52,18 @@ std::string MoveText(const SeqRunReport& r) {
                          r.moved_bytes / 1e6, r.move_us / 1e3, r.move_us > 0 ? r.moved_bytes / r.move_us / 1e3 : 0.0);
 }
 
+// attn seq --move_to: the sequence moves after the prefill; `token_bytes`: K and V of one token, every layer.
+absl::Status MoveDuringRun(Client& client, const SeqRunOptions& o, uint64_t token_bytes, SeqRunReport& report) {
+  const absl::Time t0 = absl::Now();
+  absl::StatusOr<std::string> moved = client.MoveSequence(report.sequence_id, o.move_to, o.call);
+  if (!moved.ok()) return absl::Status(moved.status().code(), absl::StrCat("move: ", moved.status().message()));
+  report.move_us = absl::ToDoubleMicroseconds(absl::Now() - t0);
+  report.moved_from = std::exchange(report.sequence_id, *moved);
+  report.moved_bytes = static_cast<uint64_t>(o.prefill) * token_bytes;
+  if (o.line) o.line(absl::StrCat("move: ", MoveText(report)));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<SeqRunReport> RunSequence(Client& client, const SeqRunOptions& o) {
@@ -134,13 +146,7 @@ absl::StatusOr<SeqRunReport> RunSequence(Client& client, const SeqRunOptions& o)
                              report.prefill_us / 1e3));
     }
     if (!o.move_to.empty()) {
-      const absl::Time t0 = absl::Now();
-      absl::StatusOr<std::string> moved = client.MoveSequence(report.sequence_id, o.move_to, o.call);
-      if (!moved.ok()) return absl::Status(moved.status().code(), absl::StrCat("move: ", moved.status().message()));
-      report.move_us = absl::ToDoubleMicroseconds(absl::Now() - t0);
-      report.moved_from = std::exchange(report.sequence_id, *moved);
-      report.moved_bytes = 2 * static_cast<uint64_t>(o.prefill) * kv_row * static_cast<uint64_t>(shape.layers);
-      if (o.line) o.line(absl::StrCat("move: ", MoveText(report)));
+      if (absl::Status s = MoveDuringRun(client, o, 2 * kv_row * shape.layers, report); !s.ok()) return s;
     }
     for (int64_t i = 0; i < o.steps; ++i) {
       const absl::Time t0 = absl::Now();

@@ -29,14 +29,15 @@ usage:
       tables (kernels/bench/bench_attention.py); decode: gpu_decode_test, then memcheck and racecheck on its small
       cases; decodebench: kernels/bench/decode_bench.py; raggedbench: kernels/bench/ragged_prefill_bench.py. bench
       and ab take about 5 minutes each.
-  scripts/device.sh service [test|bench|ab|python|decode|pyoverhead|torch]...  (default: test bench)
+  scripts/device.sh service [test|bench|ab|python|decode|pyoverhead|torch|move]...  (default: test bench)
       On the GPU machine. test: gpu_server_parts_test, gpu_server_forward_test, gpu_server_ipc_test; bench: one
       attnd, then CUDA IPC over gRPC and over the shm channel (ipc_peer bench), the TCP baseline (ipc_peer tcp)
       and inline unary/stream calls (attn bench); ab: bench with the new binaries, then with .carry/base's;
       python: the Python client's pytest suite (client/python/tests) with the GPU machine's Python and torch;
       torch: KV-sequence steps from PyTorch and C++ callers with CUDA tensors, ordered on their streams
       (client/python/bench/cuda_steps.py, ordered_steps, ipc_peer decode beside them) and the engine example
-      (client/python/examples/llama_engine.py) against in-process SDPA, then alone with steps that wait.
+      (client/python/examples/llama_engine.py) against in-process SDPA, then alone with steps that wait; move: two
+      attnd on the GPU and client/python/bench/move_bench.py between them (MOVE_FLAGS: its shape and count).
 Logs: $OUT/kernels.log, $OUT/service.log, and the benchmarks' rows as kernels_bench.json, kernels_ab.json and
 kernels_seedbench.json; a summary table is printed last. The exit status is 0 when every check passed.
 Parameters (environment of this script):
@@ -595,6 +596,33 @@ service_torch() {
   cat "$r" >> "$LOG"
 }
 
+# Prefill on one server, move, decode on another (docs/benchmarks.md, "Moving sequences"): two attnd on this GPU,
+# each advertising its loopback address, and client/python/bench/move_bench.py between them.
+service_move() {
+  local b=$1 pa=${PORT:-50091} pb=$(( ${PORT:-50091} + 1 )) r=$OUT/move.txt rc
+  "$b/attnd" --listen=127.0.0.1:$pa --advertise_address=127.0.0.1:$pa --log_level=warn --memory_budget_mb=32768 --kv_pool_mb=16384 \
+    ${SERVER_FLAGS:-} > "$TMP/attnd_move_a.log" 2>&1 &
+  local sa=$!
+  "$b/attnd" --listen=127.0.0.1:$pb --advertise_address=127.0.0.1:$pb --log_level=warn --memory_budget_mb=32768 --kv_pool_mb=16384 \
+    ${SERVER_FLAGS:-} > "$TMP/attnd_move_b.log" 2>&1 &
+  local sb=$! i
+  for i in $(seq 1 150); do
+    "$b/attn" info --target=127.0.0.1:$pa > /dev/null 2>&1 && "$b/attn" info --target=127.0.0.1:$pb > /dev/null 2>&1 \
+      && break
+    sleep 0.2
+  done
+  mkdir -p client/python/attnd/lib && cp -a $C/pylib/. client/python/attnd/lib/
+  PYTHONPATH=$PWD/client/python PYTHONDONTWRITEBYTECODE=1 timeout ${MOVE_TIMEOUT:-240} python3 \
+    client/python/bench/move_bench.py --source 127.0.0.1:$pa --dest 127.0.0.1:$pb ${MOVE_FLAGS:-} \
+    --json "$OUT/move.json" >> "$r" 2>&1
+  rc=$?
+  kill -TERM $sa $sb
+  wait $sa $sb
+  { grep -hE '\[(warning|error|critical)\]' "$TMP/attnd_move_a.log" "$TMP/attnd_move_b.log" | head -20; } >> "$r"
+  note "service move" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "$(grep -E '^move ' "$r" | tail -1)"
+  cat "$r" >> "$LOG"
+}
+
 service_measure() {
   local b=$1 label=$2 port=${PORT:-50051} dur=${DUR:-2s}
   local sock=/tmp/attnd_bench_$port.sock shm=/tmp/attnd_shm_$port.sock r=$TMP/measure_$label.txt
@@ -677,7 +705,7 @@ cmd_service() {
   local steps=("$@")
   [ ${#steps[@]} -eq 0 ] && steps=(test bench)
   for s in "${steps[@]}"; do
-    case $s in test|bench|ab|python|decode|pyoverhead|torch) ;; *) die "service: unknown step $s" ;; esac
+    case $s in test|bench|ab|python|decode|pyoverhead|torch|move) ;; *) die "service: unknown step $s" ;; esac
   done
   mkdir -p "$OUT"
   unpack
@@ -707,6 +735,8 @@ cmd_service() {
         service_pyoverhead "$PWD/$C" ;;
       torch)
         service_torch "$PWD/$C" ;;
+      move)
+        service_move "$PWD/$C" ;;
       python)
         # The Python client's suite with this machine's Python and torch: CPU-backend servers, and with a GPU its CUDA
         # tests (a --backend=cuda server, torch CUDA tensors by IPC). The package loads its bundled libraries.
