@@ -2,12 +2,20 @@
 // server, and a stream of them taken in as a new sequence. The rows go in a fixed order (layer 0 K, layer 0 V,
 // layer 1 K, ..., each from token 0), so the importer knows where every chunk belongs and that none is missing; one
 // chunk is in memory at a time on either side.
+//
+// Both streams are bounded as a ForwardStream's upload is: a stream that makes no progress (a chunk read, a chunk's
+// write completed) for --stream_idle_timeout_s ends DEADLINE_EXCEEDED, and an import must arrive whole within
+// --upload_timeout_s, so a stalled mover cannot hold a sequence (export) or pool pages (import) for ever. The
+// checks run on a gRPC alarm; mu_ orders it against the stream's callbacks, and the reactor is deleted by whichever
+// of OnDone and the last alarm callback comes last (refs_).
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "call_observer.h"
 #include "core_messages.h"
@@ -37,11 +45,78 @@ struct RowCursor {
   std::string Text() const { return absl::StrCat("layer ", layer, " ", kv == 0 ? "K" : "V", " from token ", next); }
 };
 
-class ExportReactor final : public grpc::ServerWriteReactor<v1::SequenceChunk> {
+// What both streams share: the progress clock, its alarm and the reactor's references.
+class Bounded {
  public:
-  ExportReactor(Sequences* sequences, const std::string& owner, const v1::ExportSequenceRequest& request,
-                uint64_t max_message_bytes, absl::Time start)
-      : sequences_(sequences), start_(start) {
+  Bounded(absl::Duration idle, absl::Time upload_due) : idle_(idle), upload_due_(upload_due) {}
+  virtual ~Bounded() = default;
+
+ protected:
+  // Arms the first check; the caller holds no lock yet (constructor).
+  void StartClock(absl::Time now) {
+    absl::MutexLock lock(&mu_);
+    last_progress_ = now;
+    Arm();
+  }
+  void Progress() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { last_progress_ = absl::Now(); }
+  void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
+  void Unref() {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+  // From OnDone: no check runs after it; its pending callback drops its reference.
+  void StopClock() {
+    absl::MutexLock lock(&mu_);
+    stopped_ = true;
+    if (alarm_ != nullptr) alarm_->Cancel();
+  }
+  // Past its bound: the stream ends, with why (under mu_).
+  virtual void Expired(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
+
+  absl::Mutex mu_;
+
+ private:
+  absl::Time Due() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return std::min(idle_ > absl::ZeroDuration() ? last_progress_ + idle_ : absl::InfiniteFuture(), upload_due_);
+  }
+  // A fresh alarm each time: one may not be set again from its own callback.
+  void Arm() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const absl::Time due = Due();
+    if (due == absl::InfiniteFuture() || stopped_) return;
+    Ref();
+    alarm_ = std::make_unique<grpc::Alarm>();
+    alarm_->Set(absl::ToChronoTime(due), [this](bool fired) { Check(fired); });
+  }
+  void Check(bool fired) {
+    if (fired) {
+      absl::MutexLock lock(&mu_);
+      if (!stopped_) {
+        if (absl::Now() < Due()) {
+          Arm();
+        } else if (Due() == upload_due_) {
+          Expired(absl::DeadlineExceededError("upload_timeout_s: the import did not arrive whole in time"));
+        } else {
+          Expired(absl::DeadlineExceededError(absl::StrCat("stream_idle_timeout_s: no progress for ",
+                                                           absl::FormatDuration(idle_), "; the stream is ended")));
+        }
+      }
+    }
+    Unref();
+  }
+
+  const absl::Duration idle_;
+  const absl::Time upload_due_;
+  std::atomic<int> refs_{1};  // the stream's (dropped at OnDone) and each armed alarm's
+  absl::Time last_progress_ ABSL_GUARDED_BY(mu_);
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  std::unique_ptr<grpc::Alarm> alarm_ ABSL_GUARDED_BY(mu_);
+};
+
+class ExportReactor final : public grpc::ServerWriteReactor<v1::SequenceChunk>, public Bounded {
+ public:
+  ExportReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, const std::string& owner,
+                const v1::ExportSequenceRequest& request, uint64_t max_message_bytes, absl::Duration idle,
+                absl::Time start)
+      : Bounded(idle, absl::InfiniteFuture()), ctx_(ctx), sequences_(sequences), start_(start) {
     absl::StatusOr<MovingSequence> held = sequences_->BeginExport(owner, request.sequence_id());
     if (!held.ok()) {
       LogOutcome("ExportSequence", "", held.status(), start_);
@@ -54,11 +129,14 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::SequenceChunk> {
     const uint64_t want = std::min(request.chunk_bytes() == 0 ? kDefaultChunkBytes : request.chunk_bytes(), most);
     chunk_rows_ = std::max<int64_t>(1, static_cast<int64_t>(want / moving_.row_bytes()));
     *chunk_.mutable_sequence() = SequenceHeaderToProto(moving_);
+    StartClock(start_);
     StartWrite(&chunk_);
   }
 
   void OnWriteDone(bool ok) override {
-    if (!ok) return End(absl::CancelledError("the export stream broke before its last chunk"));
+    absl::MutexLock lock(&mu_);
+    if (!ok) return End(expired_.ok() ? absl::CancelledError("the export stream broke before its last chunk") : expired_);
+    Progress();
     chunk_.Clear();
     if (!cursor_.Settle(moving_)) return End(absl::OkStatus());
     const int64_t rows = std::min(chunk_rows_, moving_.lengths[cursor_.layer] - cursor_.next);
@@ -74,41 +152,65 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::SequenceChunk> {
     StartWrite(&chunk_);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    StopClock();
+    Unref();
+  }
 
  private:
-  void End(const absl::Status& status) {
+  // A write is pending: cancelling the call completes it (not ok), and OnWriteDone ends the stream with `why`.
+  void Expired(const absl::Status& why) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    expired_ = why;
+    ctx_->TryCancel();
+  }
+  void End(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     sequences_->EndExport(moving_);
     LogOutcome("ExportSequence", "", status, start_);
     Finish(ToGrpcStatus(status));
   }
 
+  grpc::CallbackServerContext* const ctx_;
   Sequences* const sequences_;
   const absl::Time start_;
   MovingSequence moving_;
+  absl::Status expired_ ABSL_GUARDED_BY(mu_);
   int64_t chunk_rows_ = 1;
   RowCursor cursor_;
   v1::SequenceChunk chunk_;
 };
 
-class ImportReactor final : public grpc::ServerReadReactor<v1::SequenceChunk> {
+class ImportReactor final : public grpc::ServerReadReactor<v1::SequenceChunk>, public Bounded {
  public:
   ImportReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, std::string owner,
-                v1::ImportSequenceResponse* response, absl::Time start)
-      : ctx_(ctx), sequences_(sequences), owner_(std::move(owner)), response_(response), start_(start) {
+                v1::ImportSequenceResponse* response, absl::Duration idle, absl::Duration upload, absl::Time start)
+      : Bounded(idle, upload > absl::ZeroDuration() ? start + upload : absl::InfiniteFuture()),
+        ctx_(ctx),
+        sequences_(sequences),
+        owner_(std::move(owner)),
+        response_(response),
+        start_(start) {
+    StartClock(start_);
     StartRead(&chunk_);
   }
 
   void OnReadDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    if (finished_) return;  // ended by its bound while this read was pending
     if (!ok) return Complete();
+    Progress();
     const absl::Status taken = Take();
     if (!taken.ok()) return End(taken);
     StartRead(&chunk_);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    StopClock();
+    Unref();
+  }
 
  private:
+  void Expired(const absl::Status& why) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { End(why); }
+
   // One chunk: the header (the first), else rows where the cursor says.
   absl::Status Take() {
     if (!held_) {
@@ -159,7 +261,8 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::SequenceChunk> {
     End(opened.status());
   }
 
-  void End(const absl::Status& status) {
+  void End(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    finished_ = true;
     if (held_) sequences_->EndImport(moving_, false).IgnoreError();
     held_ = false;
     LogOutcome("ImportSequence", "", status, start_);
@@ -173,6 +276,7 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::SequenceChunk> {
   const absl::Time start_;
   MovingSequence moving_;
   bool held_ = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
   RowCursor cursor_;
   v1::SequenceChunk chunk_;
 };
@@ -181,12 +285,14 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::SequenceChunk> {
 
 grpc::ServerWriteReactor<v1::SequenceChunk>* AttentionService::ExportSequence(
     grpc::CallbackServerContext* ctx, const v1::ExportSequenceRequest* request) {
-  return new ExportReactor(sequences_, OwnerOf(ctx), *request, options_.limits.max_message_bytes, absl::Now());
+  return new ExportReactor(ctx, sequences_, OwnerOf(ctx), *request, options_.limits.max_message_bytes,
+                           stream_idle_timeout(), absl::Now());
 }
 
 grpc::ServerReadReactor<v1::SequenceChunk>* AttentionService::ImportSequence(grpc::CallbackServerContext* ctx,
                                                                             v1::ImportSequenceResponse* response) {
-  return new ImportReactor(ctx, sequences_, OwnerOf(ctx), response, absl::Now());
+  return new ImportReactor(ctx, sequences_, OwnerOf(ctx), response, stream_idle_timeout(), upload_timeout(),
+                           absl::Now());
 }
 
 }  // namespace attnd::server

@@ -20,7 +20,7 @@ class Moves : public ::testing::Test {
  protected:
   // Servers A (0) and B (1), each advertising its loopback address; B with `b_sequences` when given. The client
   // targets A.
-  void Start(const server::SequenceOptions* b_sequences = nullptr) {
+  void Start(const server::SequenceOptions* b_sequences = nullptr, absl::Duration idle = absl::Seconds(30)) {
     for (int i = 0; i < 2; ++i) {
       const int port = FreeLoopbackPort();
       ASSERT_GT(port, 0);
@@ -28,6 +28,7 @@ class Moves : public ::testing::Test {
       server::ServerOptions so;
       so.network.listen = address_[i];
       if (i == 1 && b_sequences != nullptr) so.sequences = *b_sequences;
+      so.timeouts.stream_idle_timeout = idle;
       so.sequences.advertise_address = address_[i];
       server::BackendOptions bo;
       bo.threads = 2;
@@ -244,6 +245,51 @@ TEST_F(Moves, AnExportLeavesItsSequenceOpenUntilItIsClosed) {
   EXPECT_EQ(rows, 2 * 20);  // layer 0's K and V; layer 1 holds none
   EXPECT_EQ(client_->GetSequence(id).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(Open(0), 0u);
+}
+
+// A mover that stalls holds nothing for long: an export whose reader stops reading lets its sequence step again
+// after --stream_idle_timeout_s, and an import that stops sending is ended and freed as soon.
+TEST_F(Moves, AStalledMoveIsEndedAfterTheIdleTimeout) {
+  Start(nullptr, absl::Milliseconds(400));
+  ASSERT_FALSE(HasFatalFailure());
+  auto opened = client_->OpenSequence(shape_);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->ids[0];
+  // 16 MiB of K and V: more than the stream's flow-control window, so the export cannot finish unread.
+  for (int layer = 0; layer < 2; ++layer) {
+    for (int n = 0; n < 8; ++n) Append(id, layer, 2048, 1000 * layer + 10 * n);
+  }
+  ASSERT_FALSE(HasFatalFailure());
+  auto stub = v1::Attention::NewStub(client_->channel());
+  grpc::ClientContext ctx;
+  v1::ExportSequenceRequest request;
+  request.set_sequence_id(id);
+  auto reader = stub->ExportSequence(&ctx, request);
+  v1::SequenceChunk header;
+  ASSERT_TRUE(reader->Read(&header));
+  EXPECT_EQ(Attend(id, 0, 1, 5).status().code(), absl::StatusCode::kAborted);  // held while the export runs
+  const absl::Time stalled = absl::Now();
+  absl::StatusOr<std::string> after = absl::AbortedError("not tried");
+  while (absl::IsAborted(after.status()) && absl::Now() - stalled < absl::Seconds(10)) {
+    after = Attend(id, 0, 1, 5);
+    if (absl::IsAborted(after.status())) absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(after.ok()) << after.status();
+  EXPECT_GE(absl::Now() - stalled, absl::Milliseconds(300));
+  ctx.TryCancel();
+  reader->Finish().ok();
+
+  auto stub_b = v1::Attention::NewStub(direct_b_->channel());
+  grpc::ClientContext import_ctx;
+  v1::ImportSequenceResponse response;
+  auto writer = stub_b->ImportSequence(&import_ctx, &response);
+  ASSERT_TRUE(writer->Write(header));  // a header announcing 16 MiB, then nothing
+  for (int i = 0; i < 500 && Open(1) == 0; ++i) absl::SleepFor(absl::Milliseconds(2));
+  EXPECT_EQ(Open(1), 1u);  // held, its pages taken
+  const grpc::Status st = writer->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
+  EXPECT_TRUE(absl::StrContains(st.error_message(), "stream_idle_timeout_s")) << st.error_message();
+  EXPECT_EQ(Open(1), 0u);
 }
 
 // An import takes only the stream its header announces, in the export's order; anything else is refused and
