@@ -3,12 +3,16 @@
 // where it went, and a move that fails anywhere leaves the sequence where it was and nothing on the other server.
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "e2e_sequences_util.h"
 #include "e2e_util.h"
@@ -355,6 +359,129 @@ TEST_F(Moves, AnImportChecksItsStream) {
   ASSERT_TRUE(st.ok()) << st.error_message();
   EXPECT_EQ(client::SequenceAddress(response.sequence_id()), address_[1]);
   EXPECT_EQ(Open(1), 1u);
+}
+
+// A rolling restart that loses no sequence: each server in turn is asked to stop with a drain, and the callers
+// whose sequences it holds move them to a server still SERVING when its health turns NOT_SERVING, then step on;
+// the drain ends as soon as the last one has left, and the server comes back on its port. Every step of every
+// sequence is checked against the double reference over its whole history, before and after its moves.
+TEST(FleetRollingRestart, SequencesMovedOffEachDrainingServerSurviveEveryRestart) {
+  constexpr int kServers = 3, kCallers = 3, kPerCaller = 2;
+  TestServer servers[kServers];
+  server::ServerOptions options[kServers];
+  std::unique_ptr<client::Client> direct[kServers];
+  std::vector<std::string> addresses;
+  for (int i = 0; i < kServers; ++i) {
+    const int port = FreeLoopbackPort();
+    ASSERT_GT(port, 0);
+    options[i].network.listen = absl::StrCat("127.0.0.1:", port);
+    options[i].sequences.advertise_address = options[i].network.listen;
+    options[i].timeouts.sequence_drain = absl::Seconds(20);
+    addresses.push_back(options[i].network.listen);
+  }
+  server::BackendOptions bo;
+  bo.threads = 2;
+  for (int i = 0; i < kServers; ++i) {
+    ServeOnCpu(&servers[i], options[i], bo, nullptr);
+    ASSERT_FALSE(::testing::Test::HasFatalFailure());
+    direct[i] = Connect(addresses[i]);
+  }
+  auto fleet = Connect(absl::StrCat("ipv4:", absl::StrJoin(addresses, ",")));
+  ASSERT_NE(fleet, nullptr);
+  const client::SequenceShape shape = TestShape(1);
+  const auto serving = [&](const std::string& address) {
+    for (int i = 0; i < kServers; ++i) {
+      if (addresses[i] == address) return direct[i]->CheckHealth("attnd.v1.Attention").ok();
+    }
+    return false;
+  };
+
+  struct Owned {
+    std::string id, k, v;
+    int moves = 0;
+  };
+  std::atomic<bool> stop{false};
+  std::atomic<int> steps{0}, wrong{0}, failed{0};
+  absl::Mutex mu;
+  std::string first_problem;
+  const auto problem = [&](const std::string& what) {
+    absl::MutexLock lock(&mu);
+    if (first_problem.empty()) first_problem = what;
+  };
+  std::vector<std::vector<Owned>> owned(kCallers);
+  for (int c = 0; c < kCallers; ++c) {
+    for (int n = 0; n < kPerCaller; ++n) {
+      auto opened = fleet->OpenSequence(shape);
+      ASSERT_TRUE(opened.ok()) << opened.status();
+      owned[c].push_back({opened->ids[0], "", "", 0});
+    }
+  }
+  const auto caller = [&](int c) {
+    uint64_t seed = 10000 * (c + 1);
+    while (!stop.load()) {
+      for (Owned& o : owned[c]) {
+        const std::string here = client::SequenceAddress(o.id);
+        if (!serving(here)) {
+          for (const std::string& there : addresses) {
+            if (there == here || !serving(there)) continue;
+            auto moved = fleet->MoveSequence(o.id, there);
+            if (moved.ok()) {
+              o.id = *moved;
+              ++o.moves;
+              break;
+            }
+          }
+        }
+        OneTokenStep s(shape, o.id, seed += 3);
+        auto r = fleet->Step(s.spec);
+        if (!r.ok()) {
+          ++failed;
+          problem(absl::StrCat(o.id, ": ", r.status().ToString()));
+          continue;
+        }
+        o.k += s.k;
+        o.v += s.v;
+        const std::string check = CheckRows(shape, kQHeads, s.q, o.k, o.v, r->o, "", false);
+        if (!check.empty()) {
+          ++wrong;
+          problem(absl::StrCat(o.id, ": ", check));
+        }
+        ++steps;
+      }
+    }
+  };
+  std::vector<std::thread> callers;
+  for (int c = 0; c < kCallers; ++c) callers.emplace_back(caller, c);
+  for (int i = 0; i < kServers; ++i) {
+    absl::SleepFor(absl::Milliseconds(200));
+    const absl::Time asked = absl::Now();
+    servers[i].server->Shutdown();  // returns once the drain is over: every sequence moved off
+    EXPECT_LT(absl::Now() - asked, absl::Seconds(15)) << "server " << i << " waited out its drain";
+    servers[i].server.reset();
+    ServeOnCpu(&servers[i], options[i], bo, nullptr);
+    ASSERT_FALSE(::testing::Test::HasFatalFailure());
+    for (int n = 0; n < 500 && !direct[i]->CheckHealth("attnd.v1.Attention").ok(); ++n) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+  }
+  absl::SleepFor(absl::Milliseconds(200));
+  stop = true;
+  for (std::thread& t : callers) t.join();
+  EXPECT_EQ(failed.load(), 0) << first_problem;
+  EXPECT_EQ(wrong.load(), 0) << first_problem;
+  EXPECT_GT(steps.load(), 100);
+  int moves = 0;
+  for (const auto& mine : owned) {
+    for (const Owned& o : mine) {
+      moves += o.moves;
+      auto info = fleet->GetSequence(o.id);
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->lengths(0), static_cast<int64_t>(o.k.size() / (shape.kv_heads * shape.head_dim * 2)));
+      EXPECT_TRUE(fleet->CloseSequence({o.id}).ok());
+    }
+  }
+  EXPECT_GE(moves, kCallers * kPerCaller);  // each sequence left at least the server it started on
+  for (TestServer& srv : servers) srv.server->Shutdown();
 }
 
 }  // namespace
