@@ -135,7 +135,9 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::SequenceChunk>, 
 
   void OnWriteDone(bool ok) override {
     absl::MutexLock lock(&mu_);
-    if (!ok) return End(expired_.ok() ? absl::CancelledError("the export stream broke before its last chunk") : expired_);
+    if (!ok) {
+      return End(expired_.ok() ? absl::CancelledError("the export stream broke before its last chunk") : expired_);
+    }
     Progress();
     chunk_.Clear();
     if (!cursor_.Settle(moving_)) return End(absl::OkStatus());

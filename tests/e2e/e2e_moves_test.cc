@@ -353,7 +353,9 @@ TEST_F(Moves, AnImportChecksItsStream) {
   grpc::ClientContext ctx;
   v1::ImportSequenceResponse response;
   auto writer = stub->ImportSequence(&ctx, &response);
-  for (const v1::SequenceChunk& c : {header, rows(0, 0, 2), rows(0, 2, 1), rows(1, 0, 3)}) ASSERT_TRUE(writer->Write(c));
+  for (const v1::SequenceChunk& c : {header, rows(0, 0, 2), rows(0, 2, 1), rows(1, 0, 3)}) {
+    ASSERT_TRUE(writer->Write(c));
+  }
   writer->WritesDone();
   const grpc::Status st = writer->Finish();
   ASSERT_TRUE(st.ok()) << st.error_message();

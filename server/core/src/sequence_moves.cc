@@ -21,8 +21,8 @@ absl::StatusOr<MovingSequence> Sequences::BeginExport(const std::string& owner, 
   Seq* seq = *found;
   if (seq->busy) {
     return absl::AbortedError(absl::StrCat("sequence_id: sequence ", seq->id,
-                                           seq->moving ? " is being moved already" : " has a step in flight",
-                                           "; export it after"));
+                                           seq->moving ? " is being moved already"
+                                                       : " has a step in flight; export it after the step's reply"));
   }
   seq->busy = seq->moving = true;
   MovingSequence m;

@@ -144,9 +144,9 @@ absl::Status Sequences::FindStepSequences(const std::string& owner, const StepAr
       return Invalid(absl::StrCat(field(), ".sequence_id"), "appears twice in one step");
     }
     if (seq->busy) {
-      return absl::AbortedError(absl::StrCat(field(), ".sequence_id: sequence ", seq->id,
-                                             seq->moving ? " is being moved (ExportSequence); step it after"
-                                                         : " has a step in flight (a sequence takes one step at a time)"));
+      const char* why = seq->moving ? " is being moved (ExportSequence); step it once the move is over"
+                                    : " has a step in flight (a sequence takes one step at a time)";
+      return absl::AbortedError(absl::StrCat(field(), ".sequence_id: sequence ", seq->id, why));
     }
     if (!seqs.empty() && seq->pool != seqs[0]->pool) {
       return Invalid(absl::StrCat(field(), ".sequence_id"),

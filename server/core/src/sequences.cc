@@ -18,7 +18,11 @@ namespace attnd::server {
 namespace {
 
 constexpr size_t kMaxIdBytes = 512;
-constexpr const char* kMovingText = " is being moved (ExportSequence)";
+// Why a busy sequence refuses to be forked, truncated or exported now, after "sequence <id>".
+std::string BusyText(bool moving, const char* what) {
+  return moving ? absl::StrCat(" is being moved (ExportSequence); ", what, " it once the move is over")
+                : absl::StrCat(" has a step in flight; ", what, " it after the step's reply");
+}
 // How long an open waits for pool memory on its way back (Releases). A job is dropped right after its reply on
 // the CPU backend and once its batch's GPU work has ended on CUDA, so the wait is that short; the bound only
 // matters behind a backend that keeps a job.
@@ -298,8 +302,7 @@ absl::StatusOr<std::vector<std::string>> Sequences::Fork(const std::string& owne
   if (!found.ok()) return found.status();
   Seq* parent = *found;
   if (parent->busy) {
-    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", parent->id, parent->moving ? kMovingText : " has a step in flight",
-                                           "; fork it after the step's reply"));
+    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", parent->id, BusyText(parent->moving, "fork")));
   }
   ATTND_RETURN_IF_ERROR(CheckClientSequences(owner, *count));
   const ClientUse before = clients_[owner];
@@ -331,8 +334,7 @@ absl::StatusOr<std::vector<int64_t>> Sequences::Truncate(const std::string& owne
   if (!found.ok()) return found.status();
   Seq* seq = *found;
   if (seq->busy) {
-    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", seq->id, seq->moving ? kMovingText : " has a step in flight",
-                                           "; truncate it after the step's reply"));
+    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", seq->id, BusyText(seq->moving, "truncate")));
   }
   std::vector<int64_t> lengths;
   for (int32_t& len : seq->lengths) {

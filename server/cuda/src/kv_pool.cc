@@ -46,10 +46,10 @@ absl::Status CopyKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int
   // GPU work).
   ForEachKvRowRun(pool, pages, layer, kv, first, rows, [&](uint64_t at, uint64_t bytes, uint64_t host_at) {
     if (!status.ok()) return;
-    status = to_host ? CudaStatus("kv rows to the host", cudaMemcpyAsync(host + host_at, data + at, bytes,
-                                                                         cudaMemcpyDeviceToHost, cudaStreamPerThread))
-                     : CudaStatus("kv rows to the device", cudaMemcpyAsync(data + at, host + host_at, bytes,
-                                                                           cudaMemcpyHostToDevice, cudaStreamPerThread));
+    const cudaError_t err =
+        to_host ? cudaMemcpyAsync(host + host_at, data + at, bytes, cudaMemcpyDeviceToHost, cudaStreamPerThread)
+                : cudaMemcpyAsync(data + at, host + host_at, bytes, cudaMemcpyHostToDevice, cudaStreamPerThread);
+    status = CudaStatus(to_host ? "kv rows to the host" : "kv rows to the device", err);
   });
   const absl::Status synced = CudaStatus("kv rows", cudaStreamSynchronize(cudaStreamPerThread));
   return status.ok() ? synced : status;
