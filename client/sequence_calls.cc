@@ -451,12 +451,18 @@ absl::StatusOr<std::string> Client::MoveSequence(const std::string& sequence_id,
   v1::ExportSequenceRequest request;
   request.set_sequence_id(sequence_id);
   request.set_chunk_bytes(ChunkBytes(0));  // the stream chunk size ClientOptions sets for uploads
-  std::unique_ptr<grpc::ClientReader<v1::SequenceChunk>> reader = (*source)->ExportSequence(&export_ctx, request);
+  std::unique_ptr<grpc::ClientReader<v1::ExportSequenceResponse>> reader =
+      (*source)->ExportSequence(&export_ctx, request);
   v1::ImportSequenceResponse imported;
-  std::unique_ptr<grpc::ClientWriter<v1::SequenceChunk>> writer = (*target)->ImportSequence(&import_ctx, &imported);
-  v1::SequenceChunk chunk;
+  std::unique_ptr<grpc::ClientWriter<v1::ImportSequenceRequest>> writer =
+      (*target)->ImportSequence(&import_ctx, &imported);
+  v1::ExportSequenceResponse in;
+  v1::ImportSequenceRequest out;
   bool relayed = true;
-  while (relayed && reader->Read(&chunk)) relayed = writer->Write(chunk);
+  while (relayed && reader->Read(&in)) {
+    out.mutable_chunk()->Swap(in.mutable_chunk());  // the chunk's bytes change hands, not copied
+    relayed = writer->Write(out);
+  }
   if (!relayed) {
     // The importer stopped taking chunks: its status says why; the export is cut short (the sequence stays).
     export_ctx.TryCancel();

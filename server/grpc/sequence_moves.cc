@@ -111,7 +111,7 @@ class Bounded {
   std::unique_ptr<grpc::Alarm> alarm_ ABSL_GUARDED_BY(mu_);
 };
 
-class ExportReactor final : public grpc::ServerWriteReactor<v1::SequenceChunk>, public Bounded {
+class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceResponse>, public Bounded {
  public:
   ExportReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, const std::string& owner,
                 const v1::ExportSequenceRequest& request, uint64_t max_message_bytes, absl::Duration idle,
@@ -128,9 +128,9 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::SequenceChunk>, 
                                                                       : kChunkOverheadBytes;
     const uint64_t want = std::min(request.chunk_bytes() == 0 ? kDefaultChunkBytes : request.chunk_bytes(), most);
     chunk_rows_ = std::max<int64_t>(1, static_cast<int64_t>(want / moving_.row_bytes()));
-    *chunk_.mutable_sequence() = SequenceHeaderToProto(moving_);
+    *out_.mutable_chunk()->mutable_sequence() = SequenceHeaderToProto(moving_);
     StartClock(start_);
-    StartWrite(&chunk_);
+    StartWrite(&out_);
   }
 
   void OnWriteDone(bool ok) override {
@@ -139,19 +139,20 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::SequenceChunk>, 
       return End(expired_.ok() ? absl::CancelledError("the export stream broke before its last chunk") : expired_);
     }
     Progress();
-    chunk_.Clear();
+    out_.Clear();
     if (!cursor_.Settle(moving_)) return End(absl::OkStatus());
     const int64_t rows = std::min(chunk_rows_, moving_.lengths[cursor_.layer] - cursor_.next);
-    chunk_.set_layer(cursor_.layer);
-    chunk_.set_kv(cursor_.kv);
-    chunk_.set_first_token(cursor_.next);
-    std::string* data = chunk_.mutable_data();
+    v1::SequenceChunk& chunk = *out_.mutable_chunk();
+    chunk.set_layer(cursor_.layer);
+    chunk.set_kv(cursor_.kv);
+    chunk.set_first_token(cursor_.next);
+    std::string* data = chunk.mutable_data();
     data->resize(static_cast<size_t>(rows) * moving_.row_bytes());
     const absl::Status read = sequences_->ReadRows(moving_, cursor_.layer, cursor_.kv, cursor_.next, rows,
                                                    reinterpret_cast<uint8_t*>(data->data()));
     if (!read.ok()) return End(read);
     cursor_.next += rows;
-    StartWrite(&chunk_);
+    StartWrite(&out_);
   }
 
   void OnDone() override {
@@ -178,10 +179,10 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::SequenceChunk>, 
   absl::Status expired_ ABSL_GUARDED_BY(mu_);
   int64_t chunk_rows_ = 1;
   RowCursor cursor_;
-  v1::SequenceChunk chunk_;
+  v1::ExportSequenceResponse out_;
 };
 
-class ImportReactor final : public grpc::ServerReadReactor<v1::SequenceChunk>, public Bounded {
+class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSequenceRequest>, public Bounded {
  public:
   ImportReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, std::string owner,
                 v1::ImportSequenceResponse* response, absl::Duration idle, absl::Duration upload, absl::Time start)
@@ -192,7 +193,7 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::SequenceChunk>, p
         response_(response),
         start_(start) {
     StartClock(start_);
-    StartRead(&chunk_);
+    StartRead(&in_);
   }
 
   void OnReadDone(bool ok) override {
@@ -202,7 +203,7 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::SequenceChunk>, p
     Progress();
     const absl::Status taken = Take();
     if (!taken.ok()) return End(taken);
-    StartRead(&chunk_);
+    StartRead(&in_);
   }
 
   void OnDone() override {
@@ -215,9 +216,10 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::SequenceChunk>, p
 
   // One chunk: the header (the first), else rows where the cursor says.
   absl::Status Take() {
+    const v1::SequenceChunk& chunk = in_.chunk();
     if (!held_) {
-      if (!chunk_.has_sequence()) return absl::InvalidArgumentError("sequence: the first chunk carries the header");
-      absl::StatusOr<ImportArgs> args = ImportArgsFromProto(chunk_.sequence());
+      if (!chunk.has_sequence()) return absl::InvalidArgumentError("sequence: the first chunk carries the header");
+      absl::StatusOr<ImportArgs> args = ImportArgsFromProto(chunk.sequence());
       if (!args.ok()) return args.status();
       absl::StatusOr<MovingSequence> held = sequences_->BeginImport(owner_, *args);
       if (!held.ok()) return held.status();
@@ -225,23 +227,23 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::SequenceChunk>, p
       held_ = true;
       return absl::OkStatus();
     }
-    if (chunk_.has_sequence()) return absl::InvalidArgumentError("sequence: only the first chunk carries the header");
+    if (chunk.has_sequence()) return absl::InvalidArgumentError("sequence: only the first chunk carries the header");
     if (!cursor_.Settle(moving_)) {
       return absl::InvalidArgumentError("data: a chunk past the last row the header announced");
     }
-    if (chunk_.layer() != cursor_.layer || chunk_.kv() != cursor_.kv || chunk_.first_token() != cursor_.next) {
+    if (chunk.layer() != cursor_.layer || chunk.kv() != cursor_.kv || chunk.first_token() != cursor_.next) {
       return absl::InvalidArgumentError(absl::StrCat("first_token: expected rows of ", cursor_.Text(), ", got layer ",
-                                                     chunk_.layer(), " kv ", chunk_.kv(), " from token ",
-                                                     chunk_.first_token(), " (rows go in the export's order)"));
+                                                     chunk.layer(), " kv ", chunk.kv(), " from token ",
+                                                     chunk.first_token(), " (rows go in the export's order)"));
     }
-    const uint64_t bytes = chunk_.data().size();
+    const uint64_t bytes = chunk.data().size();
     if (bytes == 0 || bytes % moving_.row_bytes() != 0) {
       return absl::InvalidArgumentError(absl::StrCat("data: ", bytes, " bytes is not a whole number of rows of ",
                                                      moving_.row_bytes(), " bytes"));
     }
     const int64_t rows = static_cast<int64_t>(bytes / moving_.row_bytes());
     ATTND_RETURN_IF_ERROR(sequences_->WriteRows(moving_, cursor_.layer, cursor_.kv, cursor_.next, rows,
-                                                reinterpret_cast<const uint8_t*>(chunk_.data().data())));
+                                                reinterpret_cast<const uint8_t*>(chunk.data().data())));
     cursor_.next += rows;
     return absl::OkStatus();
   }
@@ -280,18 +282,18 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::SequenceChunk>, p
   bool held_ = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   RowCursor cursor_;
-  v1::SequenceChunk chunk_;
+  v1::ImportSequenceRequest in_;
 };
 
 }  // namespace
 
-grpc::ServerWriteReactor<v1::SequenceChunk>* AttentionService::ExportSequence(
+grpc::ServerWriteReactor<v1::ExportSequenceResponse>* AttentionService::ExportSequence(
     grpc::CallbackServerContext* ctx, const v1::ExportSequenceRequest* request) {
   return new ExportReactor(ctx, sequences_, OwnerOf(ctx), *request, options_.limits.max_message_bytes,
                            stream_idle_timeout(), absl::Now());
 }
 
-grpc::ServerReadReactor<v1::SequenceChunk>* AttentionService::ImportSequence(grpc::CallbackServerContext* ctx,
+grpc::ServerReadReactor<v1::ImportSequenceRequest>* AttentionService::ImportSequence(grpc::CallbackServerContext* ctx,
                                                                             v1::ImportSequenceResponse* response) {
   return new ImportReactor(ctx, sequences_, OwnerOf(ctx), response, stream_idle_timeout(), upload_timeout(),
                            absl::Now());

@@ -69,10 +69,10 @@ class AttentionService final : public AttentionServiceBase {
   grpc::ServerBidiReactor<v1::StepStreamRequest, v1::StepStreamResponse>* StepStream(
       grpc::CallbackServerContext* ctx) override;
   // sequence_moves.cc: a sequence's rows out of this server and into it.
-  grpc::ServerWriteReactor<v1::SequenceChunk>* ExportSequence(grpc::CallbackServerContext* ctx,
-                                                              const v1::ExportSequenceRequest* request) override;
-  grpc::ServerReadReactor<v1::SequenceChunk>* ImportSequence(grpc::CallbackServerContext* ctx,
-                                                             v1::ImportSequenceResponse* response) override;
+  grpc::ServerWriteReactor<v1::ExportSequenceResponse>* ExportSequence(
+      grpc::CallbackServerContext* ctx, const v1::ExportSequenceRequest* request) override;
+  grpc::ServerReadReactor<v1::ImportSequenceRequest>* ImportSequence(grpc::CallbackServerContext* ctx,
+                                                                     v1::ImportSequenceResponse* response) override;
 
   // The unary methods, each answering through `done` (Forward and Step, whose answer comes from the backend) or
   // by its return value (the rest), with the response filled when OK.

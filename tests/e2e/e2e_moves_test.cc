@@ -219,10 +219,10 @@ TEST_F(Moves, AnExportLeavesItsSequenceOpenUntilItIsClosed) {
     v1::ExportSequenceRequest request;
     request.set_sequence_id(id);
     auto reader = stub->ExportSequence(&ctx, request);
-    v1::SequenceChunk header;
+    v1::ExportSequenceResponse header;
     ASSERT_TRUE(reader->Read(&header));
-    ASSERT_TRUE(header.has_sequence());
-    EXPECT_EQ(header.sequence().lengths(0), 20);
+    ASSERT_TRUE(header.chunk().has_sequence());
+    EXPECT_EQ(header.chunk().sequence().lengths(0), 20);
     ctx.TryCancel();
     reader->Finish().ok();
   }
@@ -240,11 +240,13 @@ TEST_F(Moves, AnExportLeavesItsSequenceOpenUntilItIsClosed) {
   request.set_sequence_id(id);
   request.set_chunk_bytes(1);  // a row per chunk
   auto reader = stub->ExportSequence(&ctx, request);
-  v1::SequenceChunk chunk;
+  v1::ExportSequenceResponse chunk;
   ASSERT_TRUE(reader->Read(&chunk));
   ASSERT_TRUE(client_->CloseSequence({id}).ok());
   int rows = 0;
-  while (reader->Read(&chunk)) rows += static_cast<int>(chunk.data().size() / (shape_.kv_heads * shape_.head_dim * 2));
+  while (reader->Read(&chunk)) {
+    rows += static_cast<int>(chunk.chunk().data().size() / (shape_.kv_heads * shape_.head_dim * 2));
+  }
   EXPECT_TRUE(reader->Finish().ok());
   EXPECT_EQ(rows, 2 * 20);  // layer 0's K and V; layer 1 holds none
   EXPECT_EQ(client_->GetSequence(id).status().code(), absl::StatusCode::kNotFound);
@@ -269,7 +271,7 @@ TEST_F(Moves, AStalledMoveIsEndedAfterTheIdleTimeout) {
   v1::ExportSequenceRequest request;
   request.set_sequence_id(id);
   auto reader = stub->ExportSequence(&ctx, request);
-  v1::SequenceChunk header;
+  v1::ExportSequenceResponse header;
   ASSERT_TRUE(reader->Read(&header));
   EXPECT_EQ(Attend(id, 0, 1, 5).status().code(), absl::StatusCode::kAborted);  // held while the export runs
   const absl::Time stalled = absl::Now();
@@ -287,7 +289,9 @@ TEST_F(Moves, AStalledMoveIsEndedAfterTheIdleTimeout) {
   grpc::ClientContext import_ctx;
   v1::ImportSequenceResponse response;
   auto writer = stub_b->ImportSequence(&import_ctx, &response);
-  ASSERT_TRUE(writer->Write(header));  // a header announcing 16 MiB, then nothing
+  v1::ImportSequenceRequest announce;
+  *announce.mutable_chunk() = header.chunk();
+  ASSERT_TRUE(writer->Write(announce));  // a header announcing 16 MiB, then nothing
   for (int i = 0; i < 500 && Open(1) == 0; ++i) absl::SleepFor(absl::Milliseconds(2));
   EXPECT_EQ(Open(1), 1u);  // held, its pages taken
   const grpc::Status st = writer->Finish();
@@ -319,6 +323,11 @@ TEST_F(Moves, AnImportChecksItsStream) {
     c.set_data(client::RandomTensor(DType::kBF16, n * row_bytes / 2, 7 + first));
     return c;
   };
+  const auto Wrap = [](const v1::SequenceChunk& c) {
+    v1::ImportSequenceRequest m;
+    *m.mutable_chunk() = c;
+    return m;
+  };
   struct Try {
     const char* name;
     std::vector<v1::SequenceChunk> chunks;
@@ -341,7 +350,7 @@ TEST_F(Moves, AnImportChecksItsStream) {
     v1::ImportSequenceResponse response;
     auto writer = stub->ImportSequence(&ctx, &response);
     for (const v1::SequenceChunk& c : t.chunks) {
-      if (!writer->Write(c)) break;
+      if (!writer->Write(Wrap(c))) break;
     }
     writer->WritesDone();
     const grpc::Status st = writer->Finish();
@@ -354,7 +363,7 @@ TEST_F(Moves, AnImportChecksItsStream) {
   v1::ImportSequenceResponse response;
   auto writer = stub->ImportSequence(&ctx, &response);
   for (const v1::SequenceChunk& c : {header, rows(0, 0, 2), rows(0, 2, 1), rows(1, 0, 3)}) {
-    ASSERT_TRUE(writer->Write(c));
+    ASSERT_TRUE(writer->Write(Wrap(c)));
   }
   writer->WritesDone();
   const grpc::Status st = writer->Finish();
