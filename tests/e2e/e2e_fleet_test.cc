@@ -1,6 +1,7 @@
 // A fleet of servers as one: three CPU servers on loopback ports, each advertising its own address, and one client
 // whose target names all three (ipv4:a,b,c). Forwards and new sequences are spread by round robin, every call
 // about a sequence reaches the server that holds it, and an open that one server refuses for room goes to the next.
+#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
@@ -206,6 +207,88 @@ TEST_F(Fleet, AServerThatLeavesIsNamedAndAvoided) {
     }
   }
   EXPECT_EQ(carried_on, elsewhere);
+  for (int n = 0; n < 2 * kServers; ++n) {
+    client::CallOptions call;
+    call.deadline = absl::Seconds(5);
+    auto opened = fleet_->OpenSequence(shape, 0, 1, call);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    EXPECT_NE(client::SequenceAddress(opened->ids[0]), gone_address);
+  }
+}
+
+// The same under load: callers step their sequences on every server, each step checked against the reference,
+// when one server goes. Only that server's sequences fail (UNAVAILABLE naming it); every other sequence keeps
+// stepping with right answers, and new sequences avoid the server that left.
+TEST_F(Fleet, AServerThatLeavesUnderLoadTakesOnlyItsOwnSequences) {
+  Start();
+  ASSERT_FALSE(HasFatalFailure());
+  const client::SequenceShape shape = TestShape(1);
+  constexpr int kCallers = 3, kPerCaller = 3;
+  struct Owned {
+    std::string id, k, v;
+    int ok_after_leave = 0;
+    absl::Status failure;
+  };
+  std::vector<std::vector<Owned>> owned(kCallers);
+  for (auto& mine : owned) {
+    for (int n = 0; n < kPerCaller; ++n) {
+      auto opened = fleet_->OpenSequence(shape);
+      ASSERT_TRUE(opened.ok()) << opened.status();
+      mine.push_back({opened->ids[0], "", "", 0, absl::OkStatus()});
+    }
+  }
+  const std::string gone_address = client::SequenceAddress(owned[0][0].id);
+  std::atomic<bool> stop{false}, left{false};
+  std::atomic<int> wrong{0};
+  const auto caller = [&](int c) {
+    uint64_t seed = 1000 * (c + 1);
+    while (!stop.load()) {
+      for (Owned& o : owned[c]) {
+        if (!o.failure.ok()) continue;
+        const bool after = left.load();
+        OneTokenStep s(shape, o.id, seed += 3);
+        client::CallOptions call;
+        call.deadline = absl::Seconds(5);
+        auto r = fleet_->Step(s.spec, call);
+        if (!r.ok()) {
+          o.failure = r.status();
+          continue;
+        }
+        o.k += s.k;
+        o.v += s.v;
+        if (!CheckRows(shape, kQHeads, s.q, o.k, o.v, r->o, "", false).empty()) ++wrong;
+        if (after) ++o.ok_after_leave;
+      }
+    }
+  };
+  std::vector<std::thread> callers;
+  for (int c = 0; c < kCallers; ++c) callers.emplace_back(caller, c);
+  absl::SleepFor(absl::Milliseconds(300));
+  const int gone = index_[gone_address];
+  direct_[gone].reset();
+  servers_[gone].server->Shutdown();
+  servers_[gone].server.reset();
+  left = true;
+  absl::SleepFor(absl::Milliseconds(500));
+  stop = true;
+  for (std::thread& t : callers) t.join();
+  EXPECT_EQ(wrong.load(), 0);
+  int lost = 0;
+  for (const auto& mine : owned) {
+    for (const Owned& o : mine) {
+      SCOPED_TRACE(o.id);
+      if (client::SequenceAddress(o.id) == gone_address) {
+        ++lost;
+        EXPECT_EQ(o.failure.code(), absl::StatusCode::kUnavailable) << o.failure;
+        EXPECT_TRUE(absl::StrContains(o.failure.message(), gone_address)) << o.failure;
+      } else {
+        EXPECT_TRUE(o.failure.ok()) << o.failure;
+        EXPECT_GT(o.ok_after_leave, 0);
+      }
+    }
+  }
+  EXPECT_GT(lost, 0);
+  EXPECT_LT(lost, kCallers * kPerCaller);
   for (int n = 0; n < 2 * kServers; ++n) {
     client::CallOptions call;
     call.deadline = absl::Seconds(5);
