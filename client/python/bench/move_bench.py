@@ -2,7 +2,8 @@
 """Prefill on one server, decode on another (docs/benchmarks.md, "Moving sequences"): `--sequences` sequences are
 opened and prefilled on server A (`--source`, append-only steps of random K/V, untimed), moved one after another to
 server B (`--dest`, Sequence.move: ExportSequence from A through this client into ImportSequence on B), then decoded
-there. Reports the moves' rate (K and V bytes over wall time) and time per sequence, checks that every sequence
+there. Reports the moves' rate (K and V bytes over wall time, and with torch on a GPU beside this machine's
+device-to-device copy rate) and time per sequence, checks that every sequence
 answers the same query with the same O on B as it did on A (bit for bit: same rows, same kernel), and times decode
 steps on B. Both servers must advertise their addresses (--advertise_address), which are what --source and --dest
 name.
@@ -23,6 +24,29 @@ import attnd
 def bf16(rng, shape):
     """Random bf16 bits (uint16) of standard normal values."""
     return (rng.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def d2d_copy_gb_per_s():
+    """The device-to-device copy rate on this machine's GPU (bytes copied per second, 1 GiB copies), the ceiling a
+    same-host move is compared with; None without torch or a GPU."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    rate = 10 * src.numel() / (time.perf_counter() - t0) / 1e9
+    del src, dst
+    torch.cuda.empty_cache()
+    return rate
 
 
 def main():
@@ -85,10 +109,16 @@ def main():
         "move_gb_per_s": moved_bytes / move_s / 1e9, "move_ms_per_sequence_p50": statistics.median(per) * 1e3,
         "same_o_after_move": same, "decode_step_ms_p50_on_dest": statistics.median(lat) * 1e3 if lat else None,
     }
+    d2d = d2d_copy_gb_per_s()
+    out["d2d_copy_gb_per_s"] = d2d
+    if d2d:
+        out["move_over_d2d"] = out["move_gb_per_s"] / d2d
     print(f"prefill on {a.source}: {a.sequences} x {a.context} tokens x {a.layers} layers in {prefill_s:.2f} s")
     print(f"move {a.source} -> {a.dest}: {moved_bytes / 1e6:.1f} MB in {move_s * 1e3:.1f} ms = "
           f"{out['move_gb_per_s']:.2f} GB/s; per sequence p50 {out['move_ms_per_sequence_p50']:.1f} ms; "
           f"O after the move {'identical' if same else 'DIFFERENT'}")
+    if d2d:
+        print(f"device-to-device copy on this GPU: {d2d:.1f} GB/s; the move reaches {out['move_over_d2d']:.3f} of it")
     if lat:
         print(f"decode on {a.dest}: {a.sequences} sequences x {a.layers} layers, step p50 "
               f"{out['decode_step_ms_p50_on_dest']:.2f} ms")
