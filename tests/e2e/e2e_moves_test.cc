@@ -147,6 +147,31 @@ TEST_F(Moves, ASequenceMovesWithItsTokensAndItsIdFollows) {
   EXPECT_EQ(Open(1), 0u);
 }
 
+// Rows travel token by token, not page by page: a server with pages of another size takes them as they were.
+TEST_F(Moves, ToAServerWithAnotherPageSize) {
+  server::SequenceOptions big_pages;
+  big_pages.page_tokens = 64;
+  Start(&big_pages);
+  ASSERT_FALSE(HasFatalFailure());
+  auto opened = client_->OpenSequence(shape_);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->ids[0];
+  Append(id, 0, 83, 60);
+  Append(id, 1, 17, 70);
+  ASSERT_FALSE(HasFatalFailure());
+  auto before = Attend(id, 0, 5, 80);
+  ASSERT_TRUE(before.ok()) << before.status();
+  auto moved = client_->MoveSequence(id, address_[1]);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  auto info = client_->GetSequence(*moved);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->pages(), 2);  // 83 tokens in pages of 64
+  auto after = Attend(*moved, 0, 5, 80);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(*after, *before);
+  for (int n = 0; n < 2; ++n) DecodeAndCheck(*moved, n, 90 + 10 * n);
+}
+
 TEST_F(Moves, AnEmptySequenceAndAForkedOneMove) {
   Start();
   ASSERT_FALSE(HasFatalFailure());
