@@ -290,11 +290,14 @@ def test_server_death_releases_a_stream_waiting_on_submitted_steps(tmpdir_short)
         with torch.cuda.stream(stream):
             batch = c.batch([seq], wait=False)
             q, k, v = rand(g, 1, HQ), rand(g, 1, KV), rand(g, 1, KV)
-            # Everything the stream needs is allocated (and registered by a step) first.
+            # Everything the stream needs is allocated (and registered by a step) first, and every kernel it runs
+            # after the sleep launched once: CUDA loads a kernel's module at its first launch (lazy loading), and
+            # that load waits for the device, sleep included.
             o1, o2 = torch.zeros_like(q), torch.zeros_like(q)
             seen = torch.empty((2,) + tuple(q.shape[1:]), dtype=q.dtype, device=q.device)
             batch.step(0, q, k, v, out=o1)
             batch.step(0, q, k, v, out=o2)
+            torch.cat([o1, o2], out=seen)
             batch.synchronize()
             o1.zero_()
             o2.zero_()
