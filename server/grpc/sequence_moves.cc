@@ -25,10 +25,6 @@
 namespace attnd::server {
 namespace {
 
-constexpr uint64_t kDefaultChunkBytes = 1 << 20;
-// What a chunk's message holds besides its rows (the header is in the first, which has no rows).
-constexpr uint64_t kChunkOverheadBytes = 4096;
-
 // Where the next rows of a moving sequence go: a layer's K or V from a token. Walks the fixed order, skipping
 // layers that hold no token.
 struct RowCursor {
@@ -114,7 +110,7 @@ class Bounded {
 class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceResponse>, public Bounded {
  public:
   ExportReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, const std::string& owner,
-                const v1::ExportSequenceRequest& request, uint64_t max_message_bytes, absl::Duration idle,
+                const v1::ExportSequenceRequest& request, uint64_t stream_chunk_bytes, absl::Duration idle,
                 absl::Time start)
       : Bounded(idle, absl::InfiniteFuture()), ctx_(ctx), sequences_(sequences), start_(start) {
     absl::StatusOr<MovingSequence> held = sequences_->BeginExport(owner, request.sequence_id());
@@ -124,9 +120,9 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceRe
       return;
     }
     moving_ = *std::move(held);
-    const uint64_t most = max_message_bytes > 2 * kChunkOverheadBytes ? max_message_bytes - kChunkOverheadBytes
-                                                                      : kChunkOverheadBytes;
-    const uint64_t want = std::min(request.chunk_bytes() == 0 ? kDefaultChunkBytes : request.chunk_bytes(), most);
+    // Chunks as large as the server's ForwardStream replies at most: those fit a message by construction.
+    const uint64_t want = request.chunk_bytes() == 0 ? stream_chunk_bytes
+                                                     : std::min<uint64_t>(request.chunk_bytes(), stream_chunk_bytes);
     chunk_rows_ = std::max<int64_t>(1, static_cast<int64_t>(want / moving_.row_bytes()));
     *out_.mutable_chunk()->mutable_sequence() = SequenceHeaderToProto(moving_);
     StartClock(start_);
@@ -289,7 +285,7 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSequenceReq
 
 grpc::ServerWriteReactor<v1::ExportSequenceResponse>* AttentionService::ExportSequence(
     grpc::CallbackServerContext* ctx, const v1::ExportSequenceRequest* request) {
-  return new ExportReactor(ctx, sequences_, OwnerOf(ctx), *request, options_.limits.max_message_bytes,
+  return new ExportReactor(ctx, sequences_, OwnerOf(ctx), *request, stream_chunk_bytes(),
                            stream_idle_timeout(), absl::Now());
 }
 
