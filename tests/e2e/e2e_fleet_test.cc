@@ -75,6 +75,17 @@ class Fleet : public ::testing::Test {
     FAIL() << "round robin never reached every server";
   }
 
+  // New sequences (a few per server) all land on servers other than `gone`.
+  void ExpectNewOpensAvoid(const client::SequenceShape& shape, const std::string& gone) {
+    for (int n = 0; n < 2 * kServers; ++n) {
+      client::CallOptions call;
+      call.deadline = absl::Seconds(5);
+      auto opened = fleet_->OpenSequence(shape, 0, 1, call);
+      ASSERT_TRUE(opened.ok()) << opened.status();
+      EXPECT_NE(client::SequenceAddress(opened->ids[0]), gone);
+    }
+  }
+
   TestServer servers_[kServers];
   std::unique_ptr<client::Client> direct_[kServers];
   std::map<std::string, int> index_;  // advertised address -> server
@@ -207,13 +218,7 @@ TEST_F(Fleet, AServerThatLeavesIsNamedAndAvoided) {
     }
   }
   EXPECT_EQ(carried_on, elsewhere);
-  for (int n = 0; n < 2 * kServers; ++n) {
-    client::CallOptions call;
-    call.deadline = absl::Seconds(5);
-    auto opened = fleet_->OpenSequence(shape, 0, 1, call);
-    ASSERT_TRUE(opened.ok()) << opened.status();
-    EXPECT_NE(client::SequenceAddress(opened->ids[0]), gone_address);
-  }
+  ExpectNewOpensAvoid(shape, gone_address);
 }
 
 // The same under load: callers step their sequences on every server, each step checked against the reference,
@@ -289,13 +294,7 @@ TEST_F(Fleet, AServerThatLeavesUnderLoadTakesOnlyItsOwnSequences) {
   }
   EXPECT_GT(lost, 0);
   EXPECT_LT(lost, kCallers * kPerCaller);
-  for (int n = 0; n < 2 * kServers; ++n) {
-    client::CallOptions call;
-    call.deadline = absl::Seconds(5);
-    auto opened = fleet_->OpenSequence(shape, 0, 1, call);
-    ASSERT_TRUE(opened.ok()) << opened.status();
-    EXPECT_NE(client::SequenceAddress(opened->ids[0]), gone_address);
-  }
+  ExpectNewOpensAvoid(shape, gone_address);
 }
 
 // A server on a free loopback port advertising it, with `drain` as its --sequence_drain_s.

@@ -43,12 +43,41 @@ class Moves : public ::testing::Test {
     direct_b_ = Connect(address_[1]);
     ASSERT_NE(client_, nullptr);
     ASSERT_NE(direct_b_, nullptr);
+    stub_a_ = v1::Attention::NewStub(client_->channel());
+    stub_b_ = v1::Attention::NewStub(direct_b_->channel());
   }
   void TearDown() override {
     client_.reset();
     direct_b_.reset();
     for (TestServer& s : servers_) {
       if (s.server != nullptr) s.server->Shutdown();
+    }
+  }
+
+  // A sequence of the test's shape opened on A; "" (and a failure) if it cannot be.
+  std::string OpenOnA() {
+    auto opened = client_->OpenSequence(shape_);
+    EXPECT_TRUE(opened.ok()) << opened.status();
+    return opened.ok() ? opened->ids[0] : "";
+  }
+
+  // An ExportSequence call on A that the test reads itself; chunk_bytes 0: the server's size.
+  std::unique_ptr<grpc::ClientReader<v1::ExportSequenceResponse>> Export(grpc::ClientContext* ctx,
+                                                                         const std::string& id,
+                                                                         uint64_t chunk_bytes = 0) {
+    v1::ExportSequenceRequest request;
+    request.set_sequence_id(id);
+    request.set_chunk_bytes(chunk_bytes);
+    return stub_a_->ExportSequence(ctx, request);
+  }
+
+  // Attention over `id` once it is no longer held by an export (ABORTED meanwhile), retried for up to 10 s.
+  absl::StatusOr<std::string> AttendOnceReleased(const std::string& id) {
+    const absl::Time give_up = absl::Now() + absl::Seconds(10);
+    for (;;) {
+      absl::StatusOr<std::string> o = Attend(id, 0, 1, 5);
+      if (!absl::IsAborted(o.status()) || absl::Now() >= give_up) return o;
+      absl::SleepFor(absl::Milliseconds(10));
     }
   }
 
@@ -102,15 +131,15 @@ class Moves : public ::testing::Test {
   std::string address_[2];
   TestServer servers_[2];
   std::unique_ptr<client::Client> client_, direct_b_;
+  std::unique_ptr<v1::Attention::Stub> stub_a_, stub_b_;  // the raw API over the same channels
   std::string k_[2], v_[2];  // the rows each layer caches
 };
 
 TEST_F(Moves, ASequenceMovesWithItsTokensAndItsIdFollows) {
   Start();
   ASSERT_FALSE(HasFatalFailure());
-  auto opened = client_->OpenSequence(shape_);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  const std::string id = opened->ids[0];
+  const std::string id = OpenOnA();
+  ASSERT_FALSE(id.empty());
   // Layers of different lengths, neither a whole number of pages.
   Append(id, 0, 37, 10);
   Append(id, 1, 20, 20);
@@ -153,9 +182,8 @@ TEST_F(Moves, ToAServerWithAnotherPageSize) {
   big_pages.page_tokens = 64;
   Start(&big_pages);
   ASSERT_FALSE(HasFatalFailure());
-  auto opened = client_->OpenSequence(shape_);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  const std::string id = opened->ids[0];
+  const std::string id = OpenOnA();
+  ASSERT_FALSE(id.empty());
   Append(id, 0, 83, 60);
   Append(id, 1, 17, 70);
   ASSERT_FALSE(HasFatalFailure());
@@ -207,9 +235,8 @@ TEST_F(Moves, ARefusedImportLeavesTheSequenceWhereItWas) {
   small.pool_bytes = 2 * TestShape(2).layers * 2 * 16 * 2 * 64 * 2;
   Start(&small);
   ASSERT_FALSE(HasFatalFailure());
-  auto opened = client_->OpenSequence(shape_);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  const std::string id = opened->ids[0];
+  const std::string id = OpenOnA();
+  ASSERT_FALSE(id.empty());
   Append(id, 0, 40, 40);
   ASSERT_FALSE(HasFatalFailure());
   auto moved = client_->MoveSequence(id, address_[1]);
@@ -233,17 +260,13 @@ TEST_F(Moves, ARefusedImportLeavesTheSequenceWhereItWas) {
 TEST_F(Moves, AnExportLeavesItsSequenceOpenUntilItIsClosed) {
   Start();
   ASSERT_FALSE(HasFatalFailure());
-  auto opened = client_->OpenSequence(shape_);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  const std::string id = opened->ids[0];
+  const std::string id = OpenOnA();
+  ASSERT_FALSE(id.empty());
   Append(id, 0, 20, 50);
   ASSERT_FALSE(HasFatalFailure());
-  auto stub = v1::Attention::NewStub(client_->channel());
   {
     grpc::ClientContext ctx;
-    v1::ExportSequenceRequest request;
-    request.set_sequence_id(id);
-    auto reader = stub->ExportSequence(&ctx, request);
+    auto reader = Export(&ctx, id);
     v1::ExportSequenceResponse header;
     ASSERT_TRUE(reader->Read(&header));
     ASSERT_TRUE(header.chunk().has_sequence());
@@ -252,19 +275,12 @@ TEST_F(Moves, AnExportLeavesItsSequenceOpenUntilItIsClosed) {
     reader->Finish().ok();
   }
   // The sequence steps again once the server has ended the export.
-  absl::StatusOr<std::string> after = absl::AbortedError("not tried");
-  for (int i = 0; i < 500 && absl::IsAborted(after.status()); ++i) {
-    after = Attend(id, 0, 1, 60);
-    if (absl::IsAborted(after.status())) absl::SleepFor(absl::Milliseconds(10));
-  }
+  const absl::StatusOr<std::string> after = AttendOnceReleased(id);
   EXPECT_TRUE(after.ok()) << after.status();
 
   // A close during an export (or after it) frees the sequence, and the export still gives every row.
   grpc::ClientContext ctx;
-  v1::ExportSequenceRequest request;
-  request.set_sequence_id(id);
-  request.set_chunk_bytes(1);  // a row per chunk
-  auto reader = stub->ExportSequence(&ctx, request);
+  auto reader = Export(&ctx, id, /*chunk_bytes=*/1);  // a row per chunk
   v1::ExportSequenceResponse chunk;
   ASSERT_TRUE(reader->Read(&chunk));
   ASSERT_TRUE(client_->CloseSequence({id}).ok());
@@ -283,37 +299,28 @@ TEST_F(Moves, AnExportLeavesItsSequenceOpenUntilItIsClosed) {
 TEST_F(Moves, AStalledMoveIsEndedAfterTheIdleTimeout) {
   Start(nullptr, absl::Milliseconds(400));
   ASSERT_FALSE(HasFatalFailure());
-  auto opened = client_->OpenSequence(shape_);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  const std::string id = opened->ids[0];
+  const std::string id = OpenOnA();
+  ASSERT_FALSE(id.empty());
   // 16 MiB of K and V: more than the stream's flow-control window, so the export cannot finish unread.
   for (int layer = 0; layer < 2; ++layer) {
     for (int n = 0; n < 8; ++n) Append(id, layer, 2048, 1000 * layer + 10 * n);
   }
   ASSERT_FALSE(HasFatalFailure());
-  auto stub = v1::Attention::NewStub(client_->channel());
   grpc::ClientContext ctx;
-  v1::ExportSequenceRequest request;
-  request.set_sequence_id(id);
-  auto reader = stub->ExportSequence(&ctx, request);
+  auto reader = Export(&ctx, id);
   v1::ExportSequenceResponse header;
   ASSERT_TRUE(reader->Read(&header));
   EXPECT_EQ(Attend(id, 0, 1, 5).status().code(), absl::StatusCode::kAborted);  // held while the export runs
   const absl::Time stalled = absl::Now();
-  absl::StatusOr<std::string> after = absl::AbortedError("not tried");
-  while (absl::IsAborted(after.status()) && absl::Now() - stalled < absl::Seconds(10)) {
-    after = Attend(id, 0, 1, 5);
-    if (absl::IsAborted(after.status())) absl::SleepFor(absl::Milliseconds(20));
-  }
+  const absl::StatusOr<std::string> after = AttendOnceReleased(id);
   EXPECT_TRUE(after.ok()) << after.status();
   EXPECT_GE(absl::Now() - stalled, absl::Milliseconds(300));
   ctx.TryCancel();
   reader->Finish().ok();
 
-  auto stub_b = v1::Attention::NewStub(direct_b_->channel());
   grpc::ClientContext import_ctx;
   v1::ImportSequenceResponse response;
-  auto writer = stub_b->ImportSequence(&import_ctx, &response);
+  auto writer = stub_b_->ImportSequence(&import_ctx, &response);
   v1::ImportSequenceRequest announce;
   *announce.mutable_chunk() = header.chunk();
   ASSERT_TRUE(writer->Write(announce));  // a header announcing 16 MiB, then nothing
@@ -330,7 +337,6 @@ TEST_F(Moves, AStalledMoveIsEndedAfterTheIdleTimeout) {
 TEST_F(Moves, AnImportChecksItsStream) {
   Start();
   ASSERT_FALSE(HasFatalFailure());
-  auto stub = v1::Attention::NewStub(direct_b_->channel());
   const int64_t row_bytes = shape_.kv_heads * shape_.head_dim * 2;
   v1::SequenceChunk header;
   v1::SequenceShape* s = header.mutable_sequence()->mutable_shape();
@@ -373,7 +379,7 @@ TEST_F(Moves, AnImportChecksItsStream) {
     SCOPED_TRACE(t.name);
     grpc::ClientContext ctx;
     v1::ImportSequenceResponse response;
-    auto writer = stub->ImportSequence(&ctx, &response);
+    auto writer = stub_b_->ImportSequence(&ctx, &response);
     for (const v1::SequenceChunk& c : t.chunks) {
       if (!writer->Write(Wrap(c))) break;
     }
@@ -386,7 +392,7 @@ TEST_F(Moves, AnImportChecksItsStream) {
   // The whole stream opens the sequence.
   grpc::ClientContext ctx;
   v1::ImportSequenceResponse response;
-  auto writer = stub->ImportSequence(&ctx, &response);
+  auto writer = stub_b_->ImportSequence(&ctx, &response);
   for (const v1::SequenceChunk& c : {header, rows(0, 0, 2), rows(0, 2, 1), rows(1, 0, 3)}) {
     ASSERT_TRUE(writer->Write(Wrap(c)));
   }
