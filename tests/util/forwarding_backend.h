@@ -44,6 +44,10 @@ class ForwardingBackend : public server::Backend {
                           int64_t first, int64_t rows, bool to_host, uint8_t* host) override {
     return inner_->CopyKvRows(pool, pages, layer, kv, first, rows, to_host, host);
   }
+  bool device_order() const override { return inner_->device_order(); }
+  absl::StatusOr<MappedHostMemory> MapHostMemory(void* page, size_t bytes) override {
+    return inner_->MapHostMemory(page, bytes);
+  }
   absl::Status SubmitSteps(std::unique_ptr<server::StepBatch> batch) override {
     return inner_->SubmitSteps(std::move(batch));
   }

@@ -19,12 +19,12 @@ absl::StatusOr<MovingSequence> Sequences::BeginExport(const std::string& owner, 
   absl::StatusOr<Seq*> found = Find(owner, sequence_id, "sequence_id");
   if (!found.ok()) return found.status();
   Seq* seq = *found;
-  if (seq->busy) {
+  if (seq->busy()) {
     return absl::AbortedError(absl::StrCat("sequence_id: sequence ", seq->id,
                                            seq->moving ? " is being moved already"
                                                        : " has a step in flight; export it after the step's reply"));
   }
-  seq->busy = seq->moving = true;
+  seq->moving = true;
   MovingSequence m;
   m.sequence_id = seq->id;
   m.shape = seq->pool->memory->shape();
@@ -40,7 +40,7 @@ void Sequences::EndExport(const MovingSequence& m) {
   auto it = seqs_.find(m.sequence_id);
   if (it == seqs_.end()) return;
   Seq* seq = it->second.get();
-  seq->busy = seq->moving = false;
+  seq->moving = false;
   seq->last_used = absl::Now();
   if (seq->closing) Free(seq, seq->close_reason);
 }
@@ -100,7 +100,7 @@ absl::StatusOr<MovingSequence> Sequences::BeginImport(const std::string& owner, 
     return full;
   }
   Seq* seq = AddSequence(owner, *pool, max_tokens, absl::Now());
-  seq->busy = seq->moving = true;
+  seq->moving = true;
   for (uint64_t i = 0; i < needed; ++i) {
     absl::StatusOr<int32_t> page = TakePage(**pool, owner);
     if (!page.ok()) {
@@ -130,7 +130,7 @@ absl::StatusOr<OpenedSequences> Sequences::EndImport(const MovingSequence& m, bo
     Free(seq, "its import did not complete");
     return absl::AbortedError("import: the sequence was not completed and is freed");
   }
-  seq->busy = seq->moving = false;
+  seq->moving = false;
   seq->last_used = absl::Now();
   OpenedSequences opened;
   opened.sequence_ids.push_back(seq->id);

@@ -31,27 +31,8 @@ bool RowsBytes(int64_t rows, int64_t heads, int64_t head_dim, uint64_t elem, uin
 
 }  // namespace
 
-// One admitted step as the core remembers it until the step ends (the job itself may be gone by then).
-struct Sequences::Admitted {
-  struct Part {
-    Seq* seq;
-    int32_t cached, tokens;
-  };
-  struct Copy {
-    Seq* seq;
-    size_t slot;  // index in seq->pages
-    int32_t from, to;
-  };
-  Pool* pool = nullptr;
-  int layer = 0;
-  bool append = false;
-  std::vector<Part> parts;
-  std::vector<Copy> copies;
-  std::string owner;
-};
-
 absl::Status Sequences::Admit(const std::string& owner, const StepArgs& request, const CallInfo& call, StepJob* job,
-                              Admitted* admitted) {
+                              const std::shared_ptr<Admitted>& admitted) {
   const bool append = request.k.present() || request.v.present();
   const bool attend = request.q.present();
   ATTND_RETURN_IF_ERROR(CheckStepRequest(request, call, append, attend));
@@ -65,7 +46,7 @@ absl::Status Sequences::Admit(const std::string& owner, const StepArgs& request,
   }
   std::vector<Seq*> seqs;
   int64_t rows = 0;
-  ATTND_RETURN_IF_ERROR(FindStepSequences(owner, request, &seqs, &rows));
+  ATTND_RETURN_IF_ERROR(FindStepSequences(owner, request, call, &seqs, &rows));
   ATTND_RETURN_IF_ERROR(CheckStepCounts(request, seqs, append, attend));
   const SequenceShape& shape = seqs[0]->pool->memory->shape();
   absl::StatusOr<StepBytes> bytes = SizeStep(request, call, shape, rows, append, attend);
@@ -73,13 +54,36 @@ absl::Status Sequences::Admit(const std::string& owner, const StepArgs& request,
   ATTND_RETURN_IF_ERROR(BindStepTensors(request, *bytes, append, attend, job));
   DescribeStep(request, call, seqs, rows, append, attend, job);
   ATTND_RETURN_IF_ERROR(backend_->AcceptStep(*job));
-  ATTND_RETURN_IF_ERROR(TakeStepPages(owner, seqs, job, admitted));
+  ATTND_RETURN_IF_ERROR(TakeStepPages(owner, seqs, job, admitted.get()));
+  admitted->chain = call.chain;
+  admitted->device = call.device_order.has_value();
+  if (admitted->device) admitted->order_outcome = call.device_order->outcome;
+  if (call.chain) {
+    // A step admitted behind this one may grow the tables (and move them) while this one runs.
+    size_t entries = 0;
+    for (const Seq* seq : seqs) entries += seq->pages.size();
+    job->tables.reserve(entries);
+  }
   const absl::Time now = absl::Now();
   for (size_t i = 0; i < seqs.size(); ++i) {
-    seqs[i]->busy = true;
-    seqs[i]->last_used = now;
-    job->sequences[i].pages = seqs[i]->pages;
-    admitted->parts.push_back({seqs[i], job->sequences[i].cached, job->sequences[i].tokens});
+    Seq* seq = seqs[i];
+    if (seq->last != nullptr &&
+        std::find(admitted->after.begin(), admitted->after.end(), seq->last) == admitted->after.end()) {
+      admitted->after.push_back(seq->last);
+    }
+    ++seq->steps;
+    seq->last = admitted;
+    if (seq->ahead.empty()) seq->ahead.assign(seq->lengths.size(), 0);
+    if (append) seq->ahead[job->layer] += job->sequences[i].tokens;
+    seq->last_used = now;
+    if (call.chain) {
+      const size_t at = job->tables.size();
+      job->tables.insert(job->tables.end(), seq->pages.begin(), seq->pages.end());
+      job->sequences[i].pages = absl::MakeConstSpan(job->tables).subspan(at);
+    } else {
+      job->sequences[i].pages = seq->pages;
+    }
+    admitted->parts.push_back({seq, job->sequences[i].cached, job->sequences[i].tokens});
   }
   ++admitted_;
   return absl::OkStatus();
@@ -115,7 +119,7 @@ absl::Status Sequences::CheckStepRequest(const StepArgs& request, const CallInfo
   if (request.o_ref.has_value() && !request.o_ref->strides.empty()) {
     return Invalid("o_ref.strides", "a step's tensors are contiguous: leave strides empty");
   }
-  if (request.stream_ordered && !call.ready) {
+  if (request.stream_ordered && !call.ready && !call.device_order.has_value()) {
     // The shared-memory channel waits for the order (CallInfo::ready); no other transport can.
     return absl::FailedPreconditionError(
         "order: a step waits for the caller's stream only over the shared-memory channel (--shm_socket), whose "
@@ -124,7 +128,7 @@ absl::Status Sequences::CheckStepRequest(const StepArgs& request, const CallInfo
   return absl::OkStatus();
 }
 
-absl::Status Sequences::FindStepSequences(const std::string& owner, const StepArgs& request,
+absl::Status Sequences::FindStepSequences(const std::string& owner, const StepArgs& request, const CallInfo& call,
                                           std::vector<Seq*>* seqs_out, int64_t* rows_out) {
   std::vector<Seq*>& seqs = *seqs_out;
   int64_t& rows = *rows_out;
@@ -143,11 +147,14 @@ absl::Status Sequences::FindStepSequences(const std::string& owner, const StepAr
     if (std::find(seqs.begin(), seqs.end(), seq) != seqs.end()) {
       return Invalid(absl::StrCat(field(), ".sequence_id"), "appears twice in one step");
     }
-    if (seq->busy) {
-      const char* why = seq->moving ? " is being moved (ExportSequence); step it once the move is over"
-                                    : " has a step in flight (a sequence takes one step at a time)";
-      return absl::AbortedError(absl::StrCat(field(), ".sequence_id: sequence ", seq->id, why));
-    }
+    // A step in flight: only a caller that pipelines its steps (CallInfo::chain) may queue one more behind it.
+    const char* why = seq->moving     ? " is being moved (ExportSequence); step it once the move is over"
+                      : seq->steps == 0 ? nullptr
+                      : !call.chain || !seq->last->chain
+                          ? " has a step in flight (a sequence takes one step at a time)"
+                      : seq->steps > 1  ? " has two steps in flight (one step may wait behind another, no more)"
+                                        : nullptr;
+    if (why != nullptr) return absl::AbortedError(absl::StrCat(field(), ".sequence_id: sequence ", seq->id, why));
     if (!seqs.empty() && seq->pool != seqs[0]->pool) {
       return Invalid(absl::StrCat(field(), ".sequence_id"),
                      absl::StrCat("its shape (", ShapeText(seq->pool->memory->shape()), ") differs from sequences[0]'s (",
@@ -183,7 +190,7 @@ absl::Status Sequences::CheckStepCounts(const StepArgs& request, const std::vect
   }
   for (size_t i = 0; i < request.sequences.size(); ++i) {
     const int64_t tokens = request.sequences[i].tokens;
-    const int64_t cached = seqs[i]->lengths[layer];
+    const int64_t cached = seqs[i]->cached(layer);
     if (append && cached + tokens > seqs[i]->max_tokens) {
       return absl::ResourceExhaustedError(absl::StrCat("sequences[", i, "].tokens: ", cached, " cached + ", tokens,
                                                        " new would pass the sequence's max_tokens (",
@@ -292,7 +299,7 @@ void Sequences::DescribeStep(const StepArgs& request, const CallInfo& call, cons
   job->cancelled = call.cancelled;
   for (size_t i = 0; i < request.sequences.size(); ++i) {
     StepSequence part;
-    part.cached = seqs[i]->lengths[layer];
+    part.cached = seqs[i]->cached(layer);
     part.tokens = static_cast<int32_t>(request.sequences[i].tokens);
     job->sequences.push_back(std::move(part));
   }
@@ -310,7 +317,7 @@ absl::Status Sequences::TakeStepPages(const std::string& owner, const std::vecto
   uint64_t needed = 0;
   for (size_t i = 0; i < seqs.size() && append; ++i) {
     const Seq* seq = seqs[i];
-    const int64_t cached = seq->lengths[layer], end = cached + job->sequences[i].tokens;
+    const int64_t cached = job->sequences[i].cached, end = cached + job->sequences[i].tokens;
     const int64_t held = static_cast<int64_t>(seq->pages.size());
     for (int64_t slot = cached / page; slot < std::min(CeilDiv(end, page), held); ++slot) {
       if (pool.refs[seq->pages[slot]] > 1) ++needed;  // a shared page the rows land in: copied
@@ -327,7 +334,7 @@ absl::Status Sequences::TakeStepPages(const std::string& owner, const std::vecto
   for (size_t i = 0; i < seqs.size() && status.ok() && append; ++i) {
     Seq* seq = seqs[i];
     table_sizes.push_back(seq->pages.size());
-    const int64_t cached = seq->lengths[layer], end = cached + job->sequences[i].tokens;
+    const int64_t cached = job->sequences[i].cached, end = cached + job->sequences[i].tokens;
     const size_t old_size = seq->pages.size();
     for (int64_t slot = cached / page; slot < CeilDiv(end, page) && slot < static_cast<int64_t>(old_size); ++slot) {
       const int32_t from = seq->pages[slot];
@@ -373,28 +380,91 @@ void Sequences::UndoStepPages(const std::string& owner, const std::vector<Seq*>&
   job->copies.clear();
 }
 
-void Sequences::Finish(const Admitted& admitted, bool ok) {
+absl::Status Sequences::Finish(Admitted& admitted, absl::Status status) {
   absl::MutexLock lock(&mu_);
+  // Steps end in the order they were admitted; one admitted behind a step that failed fails too, since it ran on
+  // rows that are not committed.
+  mu_.Await(absl::Condition(+[](Admitted* a) { return AllDone(a->after); }, &admitted));
+  if (status.ok()) status = PredecessorFailure(admitted);
+  if (status.ok() && admitted.order_outcome) status = admitted.order_outcome();
+  admitted.after.clear();
+  const bool ok = status.ok();
   Pool& pool = *admitted.pool;
+  const auto revert = [this, &pool](const Admitted::Copy& c) {
+    // The copy may not have run: the sequence goes back to the shared page it had.
+    c.seq->pages[c.slot] = c.from;
+    Unref(pool, c.to);
+  };
   for (const Admitted::Copy& c : admitted.copies) {
     if (ok) {
       Unref(pool, c.from);
+    } else if (c.seq->steps > 1) {
+      c.seq->reverts.push_back(c);  // the step behind this one reads and writes the copy: undone after it
     } else {
-      // The copy may not have run: the sequence goes back to the shared page it had.
-      c.seq->pages[c.slot] = c.from;
-      Unref(pool, c.to);
+      revert(c);
     }
   }
   const absl::Time now = absl::Now();
   for (const Admitted::Part& part : admitted.parts) {
     Seq* seq = part.seq;
-    seq->busy = false;
+    --seq->steps;
+    if (admitted.append) seq->ahead[admitted.layer] -= part.tokens;
     seq->last_used = now;
     if (ok && admitted.append) seq->lengths[admitted.layer] = part.cached + part.tokens;
-    if (!ok) TrimPages(seq);
+    seq->trim = seq->trim || !ok;
+    if (seq->steps > 0) continue;
+    for (auto it = seq->reverts.rbegin(); it != seq->reverts.rend(); ++it) revert(*it);
+    seq->reverts.clear();
+    if (seq->trim) TrimPages(seq);
+    seq->trim = false;
+    seq->last = nullptr;
     if (seq->closing) Free(seq, seq->close_reason);
   }
+  admitted.outcome = status;
+  admitted.done = true;
   if (ok) ++steps_;
+  return status;
+}
+
+bool Sequences::AllDone(const std::vector<std::shared_ptr<Admitted>>& steps) {
+  return std::all_of(steps.begin(), steps.end(), [](const std::shared_ptr<Admitted>& a) { return a->done; });
+}
+
+absl::Status Sequences::PredecessorFailure(const Admitted& admitted) {
+  for (const std::shared_ptr<Admitted>& before : admitted.after) {
+    if (before->done && !before->outcome.ok()) {
+      return absl::AbortedError(absl::StrCat("the step before it on the same sequences failed, so nothing of this "
+                                             "one was kept: ", before->outcome.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool Sequences::MayLaunch(const Admitted& admitted) {
+  // Ordered by the host, a step reads what the one before it wrote once that one has ended; ordered by the device,
+  // once that one's GPU work is queued ahead of it (the caller's stream writes this step's word after the other's
+  // done word).
+  return std::all_of(admitted.after.begin(), admitted.after.end(), [&](const std::shared_ptr<Admitted>& a) {
+    return a->done || (admitted.device && a->enqueued);
+  });
+}
+
+absl::Status Sequences::AwaitPredecessors(Admitted& admitted, const CallInfo& call) {
+  absl::MutexLock lock(&mu_);
+  const absl::Condition ready(+[](Admitted* a) { return MayLaunch(*a); }, &admitted);
+  while (!MayLaunch(admitted)) {
+    // In slices, to see a cancelled call.
+    const absl::Time now = absl::Now();
+    if (now >= call.deadline) {
+      return absl::DeadlineExceededError(
+          "the deadline expired while the step waited for the one before it on its sequences; nothing was done");
+    }
+    if (call.cancelled && call.cancelled()) {
+      return absl::CancelledError("the call was cancelled while it waited for the step before it; nothing was done");
+    }
+    mu_.AwaitWithDeadline(ready, std::min(call.deadline, now + absl::Milliseconds(20)));
+  }
+  return PredecessorFailure(admitted);
 }
 
 void Sequences::Answered() {
@@ -412,8 +482,12 @@ void Sequences::Step(const std::string& owner, const StepArgs& request, const Ca
   if (call.cancelled && call.cancelled()) {
     return reply(absl::CancelledError("the call was cancelled before it was queued"), nullptr);
   }
-  absl::Status status = Admit(owner, request, call, job.get(), admitted.get());
+  absl::Status status = Admit(owner, request, call, job.get(), admitted);
   if (!status.ok()) return reply(status, nullptr);
+  const auto fail = [&](absl::Status s) {
+    reply(Finish(*admitted, std::move(s)), nullptr);
+    Answered();
+  };
   // References: resolved against the buffer registry, as a Forward's.
   const SequenceShape& shape = job->pool->shape();
   std::vector<TensorUse> uses;
@@ -423,37 +497,42 @@ void Sequences::Step(const std::string& owner, const StepArgs& request, const Ca
   if (job->o_to_buffer) uses.push_back({"o_ref", &job->o_ref, 1, job->rows, job->q_heads});
   if (!uses.empty()) {
     status = ResolveTensorReferences(buffers_, absl::MakeSpan(uses), shape.head_dim, shape.dtype, &job->buffer_holds);
-    if (!status.ok()) {
-      Finish(*admitted, false);
-      reply(status, nullptr);
-      return Answered();
-    }
+    if (!status.ok()) return fail(std::move(status));
+  }
+  // A step admitted behind another launches once that one has ended: it reads the rows that one appends.
+  if (!admitted->after.empty()) {
+    status = AwaitPredecessors(*admitted, call);
+    if (!status.ok()) return fail(std::move(status));
   }
   if (call.ready) {
     // Admission above overlapped the caller's producers; the launch must not.
     status = call.ready();
-    if (!status.ok()) {
-      Finish(*admitted, false);
-      reply(status, nullptr);
-      return Answered();
-    }
+    if (!status.ok()) return fail(std::move(status));
   }
   StepJob* j = job.get();
+  if (call.device_order.has_value()) {
+    j->device_order = StepJob::DeviceOrder{call.device_order->wait_word, call.device_order->done_word,
+                                           call.device_order->value};
+    j->enqueued = [this, admitted] {
+      absl::MutexLock lock(&mu_);
+      admitted->enqueued = true;
+    };
+  }
   j->done = [this, j, admitted, reply](absl::Status s) {
     j->buffer_holds.clear();
-    Finish(*admitted, s.ok());
+    s = Finish(*admitted, std::move(s));
     reply(std::move(s), j);
     Answered();
   };
   bool uniform = true;
   for (const StepSequence& s : j->sequences) uniform = uniform && s.tokens == j->sequences[0].tokens;
+  // A step the device orders runs alone: a launch waits on the GPU for its caller's stream.
   BatchKey key{j->pool.get(), j->layer, j->q_heads, 0, j->want_lse, j->append, j->attend,
-               uniform ? j->sequences[0].tokens : -1, 0};
+               uniform && !j->device_order.has_value() ? j->sequences[0].tokens : -1, 0};
   std::memcpy(&key.scale_bits, &j->scale, sizeof(float));
   // A batch the backend refuses is dropped with its jobs: this answers such a job without touching it.
   auto refuse = [this, admitted, reply](const absl::Status& s) {
-    Finish(*admitted, false);
-    reply(s, nullptr);
+    reply(Finish(*admitted, s), nullptr);
     Answered();
   };
   Enqueue(key, Pending{std::move(job), std::move(refuse)});

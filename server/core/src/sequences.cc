@@ -301,7 +301,7 @@ absl::StatusOr<std::vector<std::string>> Sequences::Fork(const std::string& owne
   absl::StatusOr<Seq*> found = Find(owner, sequence_id, "sequence_id");
   if (!found.ok()) return found.status();
   Seq* parent = *found;
-  if (parent->busy) {
+  if (parent->busy()) {
     return absl::AbortedError(absl::StrCat("sequence_id: sequence ", parent->id, BusyText(parent->moving, "fork")));
   }
   ATTND_RETURN_IF_ERROR(CheckClientSequences(owner, *count));
@@ -333,7 +333,7 @@ absl::StatusOr<std::vector<int64_t>> Sequences::Truncate(const std::string& owne
   absl::StatusOr<Seq*> found = Find(owner, sequence_id, "sequence_id");
   if (!found.ok()) return found.status();
   Seq* seq = *found;
-  if (seq->busy) {
+  if (seq->busy()) {
     return absl::AbortedError(absl::StrCat("sequence_id: sequence ", seq->id, BusyText(seq->moving, "truncate")));
   }
   std::vector<int64_t> lengths;
@@ -367,7 +367,7 @@ absl::Status Sequences::Close(const std::string& owner, absl::Span<const absl::s
     found.push_back(*seq);
   }
   for (Seq* seq : found) {
-    if (seq->busy) {
+    if (seq->busy()) {
       seq->closing = true;  // Finish (or EndExport) frees it
       seq->close_reason = reason;
     } else {
@@ -390,7 +390,7 @@ absl::StatusOr<SequenceState> Sequences::Get(const std::string& owner, absl::str
   info.pages = static_cast<int64_t>(seq.pages.size());
   for (int32_t p : seq.pages) info.shared_pages += seq.pool->refs[p] > 1 ? 1 : 0;
   info.idle_s = absl::ToDoubleSeconds(absl::Now() - seq.last_used);
-  info.step_in_flight = seq.busy && !seq.moving;
+  info.step_in_flight = seq.steps > 0;
   return info;
 }
 
@@ -399,7 +399,7 @@ int Sequences::ExpireIdle(absl::Time now) {
   absl::MutexLock lock(&mu_);
   std::vector<Seq*> idle;
   for (auto& [id, seq] : seqs_) {
-    if (!seq->busy && !seq->closing && now - seq->last_used > options_.ttl) idle.push_back(seq.get());
+    if (!seq->busy() && !seq->closing && now - seq->last_used > options_.ttl) idle.push_back(seq.get());
   }
   for (Seq* seq : idle) {
     Free(seq, absl::StrCat("closed after ", absl::FormatDuration(options_.ttl),

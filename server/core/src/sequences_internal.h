@@ -51,6 +51,33 @@ struct Sequences::Pool {
   uint64_t sequences = 0;
 };
 
+// One admitted step as the core remembers it until the step ends (the job itself may be gone by then).
+struct Sequences::Admitted {
+  struct Part {
+    Seq* seq;
+    int32_t cached, tokens;
+  };
+  struct Copy {
+    Seq* seq;
+    size_t slot;  // index in seq->pages
+    int32_t from, to;
+  };
+  Pool* pool = nullptr;
+  int layer = 0;
+  bool append = false;
+  std::vector<Part> parts;
+  std::vector<Copy> copies;
+  std::string owner;
+  bool chain = false;  // admitted with CallInfo::chain: a step may be admitted behind it
+  // The steps in flight it was admitted behind (CallInfo::chain); cleared when it ends.
+  std::vector<std::shared_ptr<Admitted>> after;
+  bool device = false;   // ordered on the caller's stream by the device (CallInfo::device_order)
+  bool enqueued = false; // its GPU work is queued (StepJob::enqueued)
+  bool done = false;     // Finish has run
+  absl::Status outcome;  // once done
+  std::function<absl::Status()> order_outcome;  // CallInfo::DeviceOrder::outcome
+};
+
 struct Sequences::Seq {
   std::string id, owner;
   Pool* pool = nullptr;
@@ -58,10 +85,21 @@ struct Sequences::Seq {
   std::vector<int32_t> lengths;  // per layer
   std::vector<int32_t> pages;    // shared by every layer
   absl::Time last_used;
-  bool busy = false;     // a step in flight, or held for a move
-  bool moving = false;   // held by an export or an import (busy too)
+  // Steps in flight: one, or two when the second was admitted behind the first (CallInfo::chain).
+  int steps = 0;
+  std::vector<int32_t> ahead;  // per layer: rows the steps in flight append, not yet in `lengths`
+  std::shared_ptr<Admitted> last;  // the newest step in flight, which a chained step follows
+  // A step failed while a later one was in flight: its copy-on-write is undone and the pages past the lengths
+  // trimmed once the last step in flight has ended (that step still uses them).
+  std::vector<Admitted::Copy> reverts;
+  bool trim = false;
+  bool moving = false;   // held by an export or an import
   bool closing = false;  // closed while busy: freed when the step ends
   std::string close_reason;  // what its tombstone says then
+
+  bool busy() const { return steps > 0 || moving; }
+  // The tokens a step admitted now finds cached at `layer`: the committed ones and those the steps in flight add.
+  int32_t cached(int layer) const { return lengths[layer] + (ahead.empty() ? 0 : ahead[layer]); }
 };
 
 struct Sequences::Lane {

@@ -133,7 +133,7 @@ class SequencesTest : public ::testing::Test {
 
   void Start(SequenceOptions options = {}) {
     server::BackendOptions bo;
-    bo.threads = 2;
+    bo.threads = backend_threads_;
     auto gated = std::make_unique<GatedBackend>(std::make_unique<server::CpuBackend>(bo));
     gate_ = gated.get();
     backend_ = std::move(gated);
@@ -324,6 +324,7 @@ class SequencesTest : public ::testing::Test {
   StepLimits limits_;
   std::function<std::unique_ptr<server::Backend>(std::unique_ptr<server::Backend>)> wrap_;
   std::unique_ptr<server::Backend> backend_;
+  int backend_threads_ = 2;  // the CPU backend's workers (1: batches run in the order they were submitted)
   GatedBackend* gate_ = nullptr;
   std::unique_ptr<SequencesOverProto> sequences_;
   std::mt19937_64 rng_{7};

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <new>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -157,6 +158,9 @@ struct StepJob {
   bool append = false;  // k and v given
   bool attend = false;  // q given
   std::vector<StepSequence> sequences;
+  // The page tables `sequences` view when the core's own may change under the step: a step admitted behind this
+  // one (CallInfo::chain) grows them. Empty otherwise.
+  std::vector<int32_t> tables;
   int64_t rows = 0;  // sum of sequences[i].tokens: rows of q, k, v, o
   std::vector<PageCopy> copies;
   // q: [rows, q_heads, head_dim]; k, v: [rows, kv_heads, head_dim] (inline, or resolved references).
@@ -167,6 +171,15 @@ struct StepJob {
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> cancelled;
   std::vector<std::shared_ptr<const void>> buffer_holds;
+  // Ordered on the caller's stream by the device (CallInfo::device_order; such a step runs alone): the step's
+  // stream waits until the word at `wait_word` holds at least `value` before it reads the caller's tensors, and
+  // writes `value` to `done_word` once its kernels have run. Device addresses of host memory (MapHostMemory).
+  struct DeviceOrder {
+    uint64_t wait_word = 0, done_word = 0, value = 0;
+  };
+  std::optional<DeviceOrder> device_order;
+  // Called once the step's GPU work is queued on its stream, before it completes (backends that queue it).
+  std::function<void()> enqueued;
 
   // Outputs.
   std::string o;    // [rows, q_heads, head_dim] when attend && !o_to_buffer
@@ -258,6 +271,18 @@ class Backend {
                                   int64_t first, int64_t rows, bool to_host, uint8_t* host) {
     (void)pool, (void)pages, (void)layer, (void)kv, (void)first, (void)rows, (void)to_host, (void)host;
     return absl::UnimplementedError(absl::StrCat("moving sequences is not available on the ", name(), " backend"));
+  }
+  // Steps ordered on a caller's stream by the device (StepJob::device_order): whether the backend runs them, and
+  // the device address of `bytes` of host memory at `page` (page-aligned; a shared-memory channel's header) for
+  // their words, mapped until the returned hold is dropped (after the last step that names it has ended).
+  virtual bool device_order() const { return false; }
+  struct MappedHostMemory {
+    uint64_t device_address = 0;
+    std::shared_ptr<void> hold;
+  };
+  virtual absl::StatusOr<MappedHostMemory> MapHostMemory(void* page, size_t bytes) {
+    (void)page, (void)bytes;
+    return absl::UnimplementedError(absl::StrCat("the ", name(), " backend does not order steps on the device"));
   }
   // Queues a batch of steps. RESOURCE_EXHAUSTED (and no done called) when the queue is full; otherwise every
   // job's done is called exactly once later, also across Shutdown.

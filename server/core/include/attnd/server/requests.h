@@ -126,6 +126,22 @@ struct CallInfo {
   // Steps: called once the step is admitted and its references resolved, before it joins a launch; blocks until
   // its inputs may be read (the shm channel: a stream-ordered step's wait word). Not OK: refused, nothing done.
   std::function<absl::Status()> ready;
+  // Steps: the caller may send a sequence's next step before the last one's reply (the shm channel's stream-ordered
+  // steps, two channels a stream). Such a step is admitted behind the step in flight (against the lengths that
+  // step leaves, at most one waiting behind another) and launched once that step has ended; it fails if that
+  // step fails. Without it, a step for a sequence with a step in flight is ABORTED.
+  bool chain = false;
+  // Steps whose order on the caller's stream the device keeps (the shm channel's StreamOrder.device; instead of
+  // `ready`): the step runs alone, its stream waits for the caller's word and writes the value to the channel's
+  // done word (StepJob::device_order, device addresses from Backend::MapHostMemory). A step admitted behind
+  // another launches once that one's GPU work is queued. `outcome`, asked when the step ends: not OK when the
+  // frontend had to release the wait itself (the caller's stream never got there, or the caller left); the step
+  // then fails with it.
+  struct DeviceOrder {
+    uint64_t wait_word = 0, done_word = 0, value = 0;
+    std::function<absl::Status()> outcome;
+  };
+  std::optional<DeviceOrder> device_order;
   // How the tensors travel. Inline tensors follow the request (a stream's chunks): it may carry references only.
   bool inputs_follow = false;
   // The request and its reply each travel as one message of at most this many bytes, framing included (gRPC's

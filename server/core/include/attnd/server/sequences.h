@@ -196,14 +196,14 @@ class Sequences {
   // pages taken and copy-on-write planned. The steps below run in this order, so a request with several faults
   // is refused for the first.
   absl::Status Admit(const std::string& owner, const StepArgs& request, const CallInfo& call, StepJob* job,
-                     Admitted* admitted) ABSL_LOCKS_EXCLUDED(mu_);
+                     const std::shared_ptr<Admitted>& admitted) ABSL_LOCKS_EXCLUDED(mu_);
   // What the request alone decides: the id's length, the number of sequences, which tensors go together,
   // strides, the stream order.
   absl::Status CheckStepRequest(const StepArgs& request, const CallInfo& call, bool append, bool attend) const;
   // The step's sequences: the caller's, idle, of one shape, each with 1..max_tokens new tokens; `rows`: the new
   // tokens of all of them.
-  absl::Status FindStepSequences(const std::string& owner, const StepArgs& request, std::vector<Seq*>* seqs,
-                                 int64_t* rows) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status FindStepSequences(const std::string& owner, const StepArgs& request, const CallInfo& call,
+                                 std::vector<Seq*>* seqs, int64_t* rows) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The layer, q_heads and each sequence's tokens against what the sequences hold.
   absl::Status CheckStepCounts(const StepArgs& request, const std::vector<Seq*>& seqs, bool append,
                                bool attend) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -224,8 +224,17 @@ class Sequences {
   // Gives back what TakeStepPages took before it was stopped: the copies, then the pages past `table_sizes`.
   void UndoStepPages(const std::string& owner, const std::vector<Seq*>& seqs, const std::vector<size_t>& table_sizes,
                      StepJob* job, Admitted* admitted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Ends an admitted step: commits the lengths (ok) or undoes its copy-on-write (not ok), frees deferred closes.
-  void Finish(const Admitted& admitted, bool ok) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends an admitted step once the steps it was admitted behind have ended: commits the lengths (ok) or undoes its
+  // copy-on-write (not ok; deferred while a step behind it runs), frees deferred closes. Returns the step's
+  // outcome: `status`, or ABORTED when a step before it failed.
+  absl::Status Finish(Admitted& admitted, absl::Status status) ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until the steps `admitted` follows have ended (bounded by the call's deadline and cancellation); not OK
+  // when one of them failed.
+  absl::Status AwaitPredecessors(Admitted& admitted, const CallInfo& call) ABSL_LOCKS_EXCLUDED(mu_);
+  static bool AllDone(const std::vector<std::shared_ptr<Admitted>>& steps);
+  // Whether the steps `admitted` follows let it launch now.
+  static bool MayLaunch(const Admitted& admitted);
+  static absl::Status PredecessorFailure(const Admitted& admitted);
   // After the step's reply: Shutdown waits for every admitted step to get here.
   void Answered() ABSL_LOCKS_EXCLUDED(mu_);
   void Enqueue(BatchKey key, Pending pending) ABSL_LOCKS_EXCLUDED(mu_);

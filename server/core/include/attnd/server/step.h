@@ -98,7 +98,8 @@ struct StepSequence {
   int32_t tokens = 0;  // rows of this sequence in the step's tensors
   // The sequence's page table: covers cached + tokens keys when the step appends, cached keys otherwise. A view of
   // the core's own table, which stays as it is while the step is in flight (a sequence with a step in flight is
-  // neither forked, truncated, stepped again nor freed), so a step copies no table.
+  // neither forked, truncated nor freed), so a step copies no table; or, for a step that another may be admitted
+  // behind (CallInfo::chain), of the job's copy (StepJob::tables).
   absl::Span<const int32_t> pages;
   // Keys the attention reads: cached + tokens when appending, else cached. Query row r sits at position
   // keys - tokens + r and sees keys [0, that position].
