@@ -174,6 +174,7 @@ class CudaSteps::Impl {
       d_.device_get_attribute(&memops, kDeviceAttr64BitMemOps, device_);
       d_.device_get_attribute(&host_ptr, kDeviceAttrHostPointerForRegisteredMem, device_);
       ordered_ = info->stream_ordered_steps() && memops != 0 && host_ptr != 0;
+      device_ordered_ = *ordered_ && options_.device_order && info->device_ordered_steps();
     }
     return *ordered_;
   }
@@ -191,8 +192,8 @@ class CudaSteps::Impl {
     {
       absl::MutexLock lock(&sl.mu);
       // Steps submitted earlier on this stream are sent first; a failure among them is this call's.
-      sl.mu.Await(absl::Condition(+[](Slot* x) { return x->queue.empty(); }, &sl));
-      if (sl.channel == nullptr) return Gone();
+      sl.mu.Await(absl::Condition(+[](Slot* x) { return x->queued() == 0; }, &sl));
+      if (sl.lanes[0].channel == nullptr) return Gone();
       absl::Status earlier = TakeFailure(sl, &broken);
       if (!earlier.ok()) {
         result = earlier;
@@ -200,7 +201,7 @@ class CudaSteps::Impl {
         absl::StatusOr<uint64_t> value = WriteWaitWord(sl, s);
         if (!value.ok()) return value.status();
         request.mutable_order()->set_wait_value(*value);
-        result = StepOverShm(*sl.channel, request, Timeout(call));
+        result = StepOverShm(*sl.LaneOf(*value).channel, request, Timeout(call));
         // The channel is unusable after these (shm_channel.h): the next step on this stream opens another.
         broken = !result.ok() && Breaks(result.status());
       }
@@ -222,25 +223,28 @@ class CudaSteps::Impl {
     absl::Status status;
     {
       absl::MutexLock lock(&sl.mu);
-      const auto room = [](Slot* x) { return !x->failure.ok() || x->queue.size() < x->ahead; };
+      const auto room = [](Slot* x) { return !x->failure.ok() || x->queued() < x->ahead; };
       sl.mu.Await(absl::Condition(+room, &sl));
-      if (sl.channel == nullptr) return Gone();
+      if (sl.lanes[0].channel == nullptr) return Gone();
       status = TakeFailure(sl, &broken);
       if (status.ok()) {
         absl::StatusOr<uint64_t> value = WriteWaitWord(sl, s);
         if (!value.ok()) return value.status();
-        // Work queued after this call waits for the sender to write the step's value into the done word: after
-        // the step's reply, or after O was filled with NaN when it failed.
-        const CUresult r = d_.wait_value64(s, sl.done_device, *value, kWaitGeq);
+        Lane& lane = sl.LaneOf(*value);
+        // Work queued after this call waits until the step's value is in the done word: written by the server's
+        // stream after the step's kernels (device order), or by the sender after the step's reply; by the sender
+        // after O was filled with NaN when the step failed.
+        const CUresult r = d_.wait_value64(s, sl.device ? lane.done_word : sl.done_device, *value, kWaitGeq);
         if (r != kSuccess) {
           // The stream cannot wait on the done word: the step is not sent, and the stream's channel goes.
           status = DriverError(d_, "cuStreamWaitValue64 (the step's done word)", r);
           broken = true;
         } else {
           request.mutable_order()->set_wait_value(*value);
-          sl.queue.push_back(Queued{request, *value, const_cast<void*>(t.o), t.o != nullptr ? t.q_bytes : 0,
-                                    Timeout(call)});
-          if (!sl.sender.joinable()) sl.sender = std::thread([this, x = &sl] { Send(*x); });
+          if (sl.device) request.mutable_order()->set_device(true);
+          lane.queue.push_back(Queued{request, *value, const_cast<void*>(t.o), t.o != nullptr ? t.q_bytes : 0,
+                                      Timeout(call)});
+          if (!lane.sender.joinable()) lane.sender = std::thread([this, x = &sl, l = &lane] { Send(*x, *l); });
         }
       }
     }
@@ -262,7 +266,7 @@ class CudaSteps::Impl {
     absl::Status status;
     {
       absl::MutexLock lock(&slot->mu);
-      slot->mu.Await(absl::Condition(+[](Slot* x) { return x->queue.empty(); }, slot));
+      slot->mu.Await(absl::Condition(+[](Slot* x) { return x->queued() == 0; }, slot));
       status = TakeFailure(*slot, &broken);
     }
     if (broken) Drop(s);
@@ -287,23 +291,35 @@ class CudaSteps::Impl {
     uint64_t o_bytes = 0;
     absl::Duration timeout;
   };
-  // A calling stream's channel, its wait word as the stream's device sees it, and the done word its stream waits
-  // on after submitted steps (host memory that this process's sender thread writes).
-  struct Slot {
-    absl::Mutex mu;  // held while a step on this stream is written and sent, and over the fields below
+  // One of a calling stream's channels, its words as the stream's device sees them, and its sender.
+  struct Lane {
     std::unique_ptr<ShmChannel> channel;
     bool registered = false;
-    CUdeviceptr word = 0;
-    uint64_t next = 0;  // the last value written to the wait word
-    std::atomic<uint64_t>* done = nullptr;  // pinned, mapped host memory
+    CUdeviceptr word = 0;       // the channel's wait word
+    CUdeviceptr done_word = 0;  // the channel's done word (device order)
+    std::deque<Queued> queue;   // submitted, not yet answered (the front is being sent)
+    const bool* stop = nullptr; // the slot's
+    std::thread sender;
+  };
+  // A calling stream: its channels (two with device order, whose steps alternate between them so that one is
+  // admitted while the one before it runs; else one), the last value written to a wait word, and, in host order,
+  // the done word its stream waits on after submitted steps (host memory that this process's sender writes).
+  struct Slot {
+    absl::Mutex mu;  // held while a step on this stream is written and sent, and over the fields below
+    bool device = false;
+    Lane lanes[2];
+    uint64_t next = 0;
+    std::atomic<uint64_t>* done = nullptr;  // pinned, mapped host memory (host order)
     CUdeviceptr done_device = 0;
     CUstream fill_stream = nullptr;  // a failed step's NaN fill: not the caller's stream, which waits
     size_t ahead = 4;
-    std::deque<Queued> queue;  // submitted, not yet answered (the front is being sent)
     absl::Status failure;      // the first failure of a submitted step not yet reported
-    bool broken = false;       // the channel is unusable: later steps fail unsent
+    bool broken = false;       // a channel is unusable: later steps fail unsent
     bool stop = false;
-    std::thread sender;
+
+    int lane_count() const { return device ? 2 : 1; }
+    Lane& LaneOf(uint64_t value) { return lanes[device ? value % 2 : 0]; }
+    size_t queued() const { return lanes[0].queue.size() + lanes[1].queue.size(); }
   };
 
   // The checks and references Step and Submit share; the stream's slot, or null for host order.
@@ -357,7 +373,7 @@ class CudaSteps::Impl {
   // them: the caller holds sl.mu) and returns it.
   absl::StatusOr<uint64_t> WriteWaitWord(Slot& sl, CUstream s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(sl.mu) {
     const uint64_t value = sl.next + 1;
-    const CUresult r = d_.write_value64(s, sl.word, value, kWriteDefault);
+    const CUresult r = d_.write_value64(s, sl.LaneOf(value).word, value, kWriteDefault);
     if (r != kSuccess) return DriverError(d_, "cuStreamWriteValue64 (the step's wait word)", r);
     sl.next = value;
     return value;
@@ -379,68 +395,103 @@ class CudaSteps::Impl {
     return f;
   }
 
-  // The stream's sender: sends its submitted steps one after another over its channel and releases the stream
-  // past each (the done word) once it is answered. A failed step's O is filled with NaN first, and steps queued
-  // behind a failure are not sent: they fail with it, so the engine's next layer never reads a stale O as valid.
-  void Send(Slot& sl) {
+  // A lane's sender: sends its submitted steps one after another over its channel, each once the stream's step
+  // before it is in the server (device order: that one went over the other channel), and releases the stream past
+  // each (the done word) once it is answered, unless the server's stream did. A failed step's O is filled with NaN
+  // first, and steps queued behind a failure are not sent: they fail with it, so the engine's next layer never
+  // reads a stale O as valid.
+  void Send(Slot& sl, Lane& lane) {
     d_.ctx_set_current(ctx_);
     for (;;) {
       Queued* q = nullptr;
       absl::Status before;
       {
         absl::MutexLock lock(&sl.mu);
-        sl.mu.Await(absl::Condition(+[](Slot* x) { return !x->queue.empty() || x->stop; }, &sl));
-        if (sl.queue.empty()) return;
-        q = &sl.queue.front();  // a deque's elements stay put while others are pushed behind them
+        sl.mu.Await(absl::Condition(+[](Lane* l) { return !l->queue.empty() || *l->stop; }, &lane));
+        if (lane.queue.empty()) return;
+        q = &lane.queue.front();  // a deque's elements stay put while others are pushed behind them
         if (!sl.failure.ok()) {
           before = absl::Status(sl.failure.code(), absl::StrCat("not sent: an earlier step on this stream failed: ",
                                                                 sl.failure.message()));
         }
       }
       absl::Status status = before;
+      if (status.ok() && sl.device && q->value > 1) AwaitAdmitted(sl, q->value - 1);
       if (status.ok()) {
-        absl::StatusOr<StepResult> r = StepOverShm(*sl.channel, q->request, q->timeout);
+        absl::StatusOr<StepResult> r = StepOverShm(*lane.channel, q->request, q->timeout);
         if (!r.ok()) {
           status = absl::Status(r.status().code(),
                                 absl::StrCat("step ", q->request.request_id(), " (layer ", q->request.layer(),
                                              ", submitted): ", r.status().message()));
         }
       }
-      if (!status.ok() && q->o != nullptr) {
-        // The fill runs on another stream, so it must come after what the caller queued before the step (which may
-        // write O too): once the caller's stream has written the step's wait word, or after the step's timeout.
-        const absl::Time give_up = absl::Now() + q->timeout;
-        while (static_cast<int64_t>(sl.channel->wait_word()->load(std::memory_order_acquire) - q->value) < 0 &&
-               absl::Now() < give_up) {
-          absl::SleepFor(absl::Microseconds(50));
-        }
-        // 0xFFFF is a NaN in bf16 and in fp16.
-        if (d_.memset_d16_async(reinterpret_cast<CUdeviceptr>(q->o), 0xFFFF, q->o_bytes / 2, sl.fill_stream) ==
-            kSuccess) {
-          d_.stream_synchronize(sl.fill_stream);
+      if (!status.ok() && q->o != nullptr) FillNaN(sl, lane, *q);
+      // Device order: the server's stream wrote the done word after the step's kernels; a step that failed may
+      // not have got there.
+      if (!sl.device) {
+        sl.done->store(q->value, std::memory_order_release);
+      } else if (!status.ok()) {
+        std::atomic<uint64_t>* done = lane.channel->done_word();
+        uint64_t word = done->load();
+        while (static_cast<int64_t>(word - q->value) < 0 && !done->compare_exchange_weak(word, q->value)) {
         }
       }
-      sl.done->store(q->value, std::memory_order_release);
       absl::MutexLock lock(&sl.mu);
       if (!status.ok() && sl.failure.ok()) sl.failure = status;
       if (!status.ok() && Breaks(status)) sl.broken = true;
-      sl.queue.pop_front();
+      lane.queue.pop_front();
     }
   }
 
-  // Ends a slot's sender after the steps it holds are answered (or failed).
+  // Until the server has taken in the stream's step `value` (its channel's admitted word), or that step is
+  // answered or will not be sent (an earlier failure), or the stream stops.
+  void AwaitAdmitted(Slot& sl, uint64_t value) {
+    Lane& other = sl.LaneOf(value);
+    for (int polls = 0;; ++polls) {
+      if (static_cast<int64_t>(other.channel->admitted_word()->load(std::memory_order_acquire) - value) >= 0) return;
+      if (polls % 64 == 63) {
+        absl::MutexLock lock(&sl.mu);
+        if (!sl.failure.ok() || sl.stop || other.queue.empty() || other.queue.front().value > value) return;
+      }
+      if (polls < 4096) {
+        shm::CpuRelax();
+      } else {
+        absl::SleepFor(absl::Microseconds(20));
+      }
+    }
+  }
+
+  // A failed step's O, filled with NaN on another stream: after what the caller queued before the step (which may
+  // write O too), so once the caller's stream has written the step's wait word, or after the step's timeout.
+  void FillNaN(Slot& sl, Lane& lane, const Queued& q) {
+    const absl::Time give_up = absl::Now() + q.timeout;
+    while (static_cast<int64_t>(lane.channel->wait_word()->load(std::memory_order_acquire) - q.value) < 0 &&
+           absl::Now() < give_up) {
+      absl::SleepFor(absl::Microseconds(50));
+    }
+    // 0xFFFF is a NaN in bf16 and in fp16.
+    if (d_.memset_d16_async(reinterpret_cast<CUdeviceptr>(q.o), 0xFFFF, q.o_bytes / 2, sl.fill_stream) == kSuccess) {
+      d_.stream_synchronize(sl.fill_stream);
+    }
+  }
+
+  // Ends a slot's senders after the steps they hold are answered (or failed).
   void StopSender(Slot& sl) {
     {
       absl::MutexLock lock(&sl.mu);
       sl.stop = true;
     }
-    if (sl.sender.joinable()) sl.sender.join();
+    for (Lane& lane : sl.lanes) {
+      if (lane.sender.joinable()) lane.sender.join();
+    }
   }
 
   // Gives a slot's CUDA resources back, once no stream can still use them.
   void Release(Slot& sl) {
-    if (sl.registered) d_.mem_host_unregister(sl.channel->header_page());
-    sl.registered = false;
+    for (Lane& lane : sl.lanes) {
+      if (lane.registered) d_.mem_host_unregister(lane.channel->header_page());
+      lane.registered = false;
+    }
     if (sl.done != nullptr) d_.mem_free_host(sl.done);
     sl.done = nullptr;
     if (sl.fill_stream != nullptr) d_.stream_destroy(sl.fill_stream);
@@ -476,6 +527,26 @@ class CudaSteps::Impl {
     return id;
   }
 
+  // A channel of a stream's, its header page registered with CUDA: the words the stream writes and waits on.
+  absl::Status OpenLane(Lane& lane) {
+    ShmChannelOptions co;
+    co.socket_path = client_->options().shm_socket;
+    co.auth_token = client_->options().auth_token;
+    absl::StatusOr<std::unique_ptr<ShmChannel>> channel = ShmChannel::Connect(co);
+    if (!channel.ok()) return channel.status();
+    lane.channel = *std::move(channel);
+    void* page = lane.channel->header_page();
+    CUresult r = d_.mem_host_register(page, shm::kHeaderBytes, kHostRegisterDeviceMap);
+    if (r != kSuccess) return DriverError(d_, "cuMemHostRegister (the channel's wait word)", r);
+    lane.registered = true;
+    CUdeviceptr base = 0;
+    r = d_.mem_host_get_device_pointer(&base, page, 0);
+    if (r != kSuccess) return DriverError(d_, "cuMemHostGetDevicePointer (the channel's wait word)", r);
+    lane.word = base + shm::kWaitWordOffset;
+    lane.done_word = base + shm::kDoneWordOffset;
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<Slot*> SlotFor(CUstream stream) {
     absl::MutexLock lock(&mu_);
     auto it = slots_.find(stream);
@@ -484,24 +555,17 @@ class CudaSteps::Impl {
       return absl::ResourceExhaustedError(
           absl::StrCat("stream: a client orders steps on at most ", kMaxStreams, " streams"));
     }
-    ShmChannelOptions co;
-    co.socket_path = client_->options().shm_socket;
-    co.auth_token = client_->options().auth_token;
-    absl::StatusOr<std::unique_ptr<ShmChannel>> channel = ShmChannel::Connect(co);
-    if (!channel.ok()) return channel.status();
     auto slot = std::make_unique<Slot>();
-    slot->channel = *std::move(channel);
-    void* page = slot->channel->header_page();
-    CUresult r = d_.mem_host_register(page, shm::kHeaderBytes, kHostRegisterDeviceMap);
-    if (r != kSuccess) return DriverError(d_, "cuMemHostRegister (the channel's wait word)", r);
-    slot->registered = true;
-    CUdeviceptr base = 0;
-    r = d_.mem_host_get_device_pointer(&base, page, 0);
-    if (r != kSuccess) {
-      Release(*slot);
-      return DriverError(d_, "cuMemHostGetDevicePointer (the channel's wait word)", r);
+    slot->device = device_ordered_.value_or(false);
+    for (int i = 0; i < slot->lane_count(); ++i) {
+      absl::Status opened = OpenLane(slot->lanes[i]);
+      if (!opened.ok()) {
+        Release(*slot);
+        return opened;
+      }
+      slot->lanes[i].stop = &slot->stop;
     }
-    slot->word = base + shm::kWaitWordOffset;
+    CUresult r = kSuccess;
     void* done = nullptr;
     r = d_.mem_host_alloc(&done, 64, kHostAllocPortableMapped);
     if (r != kSuccess) {
@@ -537,7 +601,7 @@ class CudaSteps::Impl {
     Release(*slot);
     {
       absl::MutexLock lock(&slot->mu);
-      slot->channel.reset();  // the server's end of it goes too
+      for (Lane& lane : slot->lanes) lane.channel.reset();  // the server's ends go too
     }
     // Another thread stepping on this stream may still hold the slot: it lives until the client goes.
     absl::MutexLock lock(&mu_);
@@ -554,6 +618,7 @@ class CudaSteps::Impl {
   absl::flat_hash_map<CUstream, std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<Slot>> retired_ ABSL_GUARDED_BY(mu_);  // broken channels' slots (Drop)
   std::optional<bool> ordered_ ABSL_GUARDED_BY(mu_);
+  std::optional<bool> device_ordered_ ABSL_GUARDED_BY(mu_);
 };
 
 absl::StatusOr<std::unique_ptr<CudaSteps>> CudaSteps::Create(Client* client, const CudaStepsOptions& options) {

@@ -34,7 +34,8 @@ usage:
       attnd, then CUDA IPC over gRPC and over the shm channel (ipc_peer bench), the TCP baseline (ipc_peer tcp)
       and inline unary/stream calls (attn bench); ab: bench with the new binaries, then with .carry/base's;
       python: the Python client's pytest suite (client/python/tests) with the GPU machine's Python and torch;
-      torch: KV-sequence steps from PyTorch and C++ callers with CUDA tensors, ordered on their streams
+      torch (TORCH_RUNS: which of python_steps cpp_ordered cpp_ipc engine; STEPS_FLAGS: cuda_steps.py's; TORCH_TAG:
+      a suffix for its JSON): KV-sequence steps from PyTorch and C++ callers with CUDA tensors, ordered on their streams
       (client/python/bench/cuda_steps.py, ordered_steps, ipc_peer decode beside them) and the engine example
       (client/python/examples/llama_engine.py) against in-process SDPA, then alone with steps that wait; move: two
       attnd on the GPU and client/python/bench/move_bench.py between them (MOVE_FLAGS: its shape and count).
@@ -575,12 +576,15 @@ service_torch() {
     note "torch $label" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" \
       "$(grep -E '^(one|[0-9]+ seq|ordered_steps|attnd / sdpa|attnd  )' "$r" | tail -1)"
   }
-  run_torch python_steps $py client/python/bench/cuda_steps.py --target unix:$sock --shm-socket $shm \
-    --json "$OUT/cuda_steps.json"
-  run_torch cpp_ordered timeout 120 "$b/ordered_steps" --target=unix:$sock --shm_socket=$shm --context=4096 --steps=2000
-  run_torch cpp_ipc timeout 150 "$b/ipc_peer" decode --target=unix:$sock --transport=shm --shm_socket=$shm \
-    --decode_sequences=1,64 --decode_callers=1 --context=4096 --steps=${IPC_DECODE_STEPS:-1000}
-  if [ -f client/python/examples/llama_engine.py ]; then
+  local runs=" ${TORCH_RUNS:-python_steps cpp_ordered cpp_ipc engine} "
+  [[ $runs == *" python_steps "* ]] && run_torch python_steps $py client/python/bench/cuda_steps.py --target unix:$sock \
+    --shm-socket $shm ${STEPS_FLAGS:-} --json "$OUT/cuda_steps${TORCH_TAG:-}.json"
+  [[ $runs == *" cpp_ordered "* ]] && run_torch cpp_ordered timeout 120 "$b/ordered_steps" --target=unix:$sock \
+    --shm_socket=$shm --context=4096 --steps=2000
+  [[ $runs == *" cpp_ipc "* ]] && run_torch cpp_ipc timeout 150 "$b/ipc_peer" decode --target=unix:$sock \
+    --transport=shm --shm_socket=$shm --decode_sequences=1,64 --decode_callers=1 --context=4096 \
+    --steps=${IPC_DECODE_STEPS:-1000}
+  if [[ $runs == *" engine "* ]] && [ -f client/python/examples/llama_engine.py ]; then
     run_torch engine $py client/python/examples/llama_engine.py --target unix:$sock --transport shm --shm_socket $shm \
       ${ENGINE_FLAGS:-} --json "$OUT/engine.json"
     # The same engine with steps that return after they ran, attnd alone (the lock step above checked the model).

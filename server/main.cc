@@ -144,6 +144,10 @@ ABSL_FLAG(int64_t, step_batch_wait_us, 0,
 ABSL_FLAG(uint32_t, step_launches_in_flight, 2,
           "batched step launches of one layer that may run at once (the host work of one overlaps the GPU work of "
           "another); 1 runs them one after the other");
+ABSL_FLAG(bool, shm_device_order, true,
+          "offer KV-sequence steps ordered on the caller's CUDA stream by the device (StreamOrder.device: the server's "
+          "stream waits for the caller's word and writes the done word the caller's stream waits on) where the "
+          "backend can; false: the server's host waits for the word and the caller's process releases its stream");
 ABSL_FLAG(double, step_order_timeout_s, 30,
           "how long a stream-ordered step over the shared-memory channel waits for its caller's stream to write the "
           "channel's wait word before it is refused DEADLINE_EXCEEDED, nothing done; 0: no limit");
@@ -272,6 +276,7 @@ absl::Status ShmFlags(ServerOptions::Shm* shm) {
     return absl::InvalidArgumentError("--shm_reply_spin_us: must be >= 0");
   }
   shm->reply_spin = absl::Microseconds(absl::GetFlag(FLAGS_shm_reply_spin_us));
+  shm->device_order = absl::GetFlag(FLAGS_shm_device_order);
   return absl::OkStatus();
 }
 

@@ -658,6 +658,8 @@ absl::Status AttentionService::ServeGetServerInfo(grpc::CallbackServerContext*, 
   info->set_stream_preferred_from_bytes(backend()->stream_preferred_from_bytes());
   *info->mutable_sequences() = SequenceLimitsToProto(sequences_->options());
   info->set_stream_ordered_steps(info->sequences().enabled() && !options_.shm.socket.empty());
+  info->set_device_ordered_steps(info->stream_ordered_steps() && options_.shm.device_order &&
+                                 backend()->device_order());
   return absl::OkStatus();
 }
 

@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -34,6 +36,8 @@ namespace {
 constexpr absl::Duration kIdlePoll = absl::Milliseconds(50);
 // Channel threads that poll for their replies at once; the rest sleep until theirs is written.
 constexpr int kPollingRepliesAtMost = 2;
+// Why a channel thread released a device-ordered step's wait itself (WatchDeviceOrder).
+constexpr int kReleasedLate = 1, kReleasedGone = 2;
 // How long a channel's thread polls for the caller's next request: --shm_spin_us, or 1.5x the gap before the
 // channel's previous request, up to this, while at most kPollingRepliesAtMost threads poll past the flag. A caller
 // whose own work between calls outlasts the flag (a Python step's return and next call, 50-70 us) would otherwise
@@ -104,6 +108,7 @@ class ReplyWait {
     done_.store(true, std::memory_order_release);
     replied_.Notify();
   }
+  bool replied() const { return done_.load(std::memory_order_acquire); }
   void Wait() {
     for (const absl::Time spin_end = absl::Now() + (poll_ ? reply_spin_ : absl::ZeroDuration());
          !done_.load(std::memory_order_acquire) && absl::Now() < spin_end;) {
@@ -309,6 +314,9 @@ struct ShmListener::Exchange {
   uint32_t kind;
   uint64_t n;  // the request's bytes
   absl::Time start;
+  // The header page as the device sees it, mapped by the channel's first step the device orders; unmapped when the
+  // channel closes (no step is in flight then).
+  std::optional<Backend::MappedHostMemory>* device_header;
 };
 
 void ShmListener::Serve(int socket) {
@@ -332,6 +340,7 @@ void ShmListener::Serve(int socket) {
   shm::Header* h = m.header;
   spdlog::info("shm channel opened (uid {}, {} + {} bytes)", uid, m.request_capacity, m.reply_capacity);
   absl::Duration last_gap = absl::ZeroDuration();  // from a reply to the next request
+  std::optional<Backend::MappedHostMemory> device_header;
   for (;;) {
     const absl::Time replied_at = absl::Now();
     const absl::Duration want = std::min(last_gap * 3 / 2, kLongRequestPoll);
@@ -346,7 +355,7 @@ void ShmListener::Serve(int socket) {
     // Copied out before anything reads it: the caller can write to the mapping at any time.
     const uint64_t n = h->request_bytes;
     const uint32_t kind = h->kind;
-    const Exchange ex{m, socket, owner, kind, n, start};
+    const Exchange ex{m, socket, owner, kind, n, start, &device_header};
     if (n > m.request_capacity) {
       Finish(ex, absl::InvalidArgumentError(absl::StrCat("request_bytes: ", n, " exceeds the channel's request area (",
                                                          m.request_capacity, " bytes)")), nullptr, nullptr);
@@ -367,6 +376,7 @@ void ShmListener::Serve(int socket) {
   if (stopping_.load() && h->state.load(std::memory_order_acquire) == shm::kRequest) {
     WriteReply(m, absl::UnavailableError("the server is shutting down"), nullptr);
   }
+  device_header.reset();  // unregistered before the pages go
   ::munmap(h, m.bytes);
   open_.fetch_sub(1);
   ::close(socket);
@@ -416,12 +426,26 @@ void ShmListener::ServeStep(const Exchange& ex) {
   }
   CallInfo call;
   call.accepted = absl::Now();
+  std::shared_ptr<std::atomic<int>> released;  // a device-ordered step's wait, released by this thread: why
   if (step.has_order()) {
-    // The step's inputs may be read once the caller's stream has written the wait word: the core admits the
-    // step meanwhile and calls this before the launch.
-    call.ready = [this, h = ex.m.header, socket = ex.socket, want = step.order().wait_value()] {
-      return AwaitWaitWord(h, want, socket);
-    };
+    // A stream-ordered caller pipelines: it may send a sequence's next step on another channel before this one's
+    // reply (the core admits it behind this one).
+    call.chain = true;
+    if (step.order().device()) {
+      absl::Status mapped = OrderOnDevice(ex, step.order().wait_value(), &call, &released);
+      if (!mapped.ok()) {
+        LogOutcome(kStepMethod, step.request_id(), mapped, ex.start);
+        ex.m.header->admitted_word.store(step.order().wait_value(), std::memory_order_release);
+        Finish(ex, std::move(mapped), nullptr, nullptr);
+        return;
+      }
+    } else {
+      // The step's inputs may be read once the caller's stream has written the wait word: the core admits the
+      // step meanwhile and calls this before the launch.
+      call.ready = [this, h = ex.m.header, socket = ex.socket, want = step.order().wait_value()] {
+        return AwaitWaitWord(h, want, socket);
+      };
+    }
   }
   uint64_t in = 0;
   for (const v1::TensorInput* t : {&step.q(), &step.k(), &step.v()}) {
@@ -441,7 +465,74 @@ void ShmListener::ServeStep(const Exchange& ex) {
     Finish(ex, std::move(s), response.get(), response != nullptr ? &response->timing().timing() : nullptr, in, out);
     wait.Replied();
   });
+  if (step.has_order()) ex.m.header->admitted_word.store(step.order().wait_value(), std::memory_order_release);
+  if (released != nullptr) {
+    WatchDeviceOrder(ex, step.order().wait_value(), released.get(), [&wait] { return wait.replied(); });
+  }
   wait.Wait();
+}
+
+absl::Status ShmListener::OrderOnDevice(const Exchange& ex, uint64_t value, CallInfo* call,
+                                        std::shared_ptr<std::atomic<int>>* released) {
+  Backend* backend = dispatcher_->backend();
+  if (!options_.device_order || !backend->device_order()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "order.device: this server does not order steps on the device (",
+        options_.device_order ? absl::StrCat("the ", backend->name(), " backend cannot") : "--shm_device_order=false",
+        "; ServerInfo.device_ordered_steps); send the step without it"));
+  }
+  if (!ex.device_header->has_value()) {
+    absl::StatusOr<Backend::MappedHostMemory> mapped = backend->MapHostMemory(ex.m.header, shm::kHeaderBytes);
+    if (!mapped.ok()) return mapped.status();
+    *ex.device_header = *std::move(mapped);
+  }
+  const uint64_t base = (*ex.device_header)->device_address;
+  auto why = std::make_shared<std::atomic<int>>(0);
+  *released = why;
+  call->device_order = CallInfo::DeviceOrder{
+      base + shm::kWaitWordOffset, base + shm::kDoneWordOffset, value, [why, value, this]() -> absl::Status {
+        switch (why->load()) {
+          case kReleasedLate:
+            return absl::DeadlineExceededError(absl::StrCat(
+                "order.wait_value: the channel's wait word did not reach ", value, " within --step_order_timeout_s=",
+                absl::ToDoubleSeconds(options_.order_timeout), " (the caller's stream never got there); the "
+                "server released the wait and kept nothing of the step"));
+          case kReleasedGone:
+            return absl::CancelledError("the caller closed its channel while its step waited for order.wait_value");
+          default:
+            return absl::OkStatus();
+        }
+      }};
+  return absl::OkStatus();
+}
+
+void ShmListener::WatchDeviceOrder(const Exchange& ex, uint64_t value, std::atomic<int>* released,
+                                   const std::function<bool()>& replied) const {
+  // The step's stream waits for the caller's word on the GPU. Should it never come (a producer that hangs, a caller
+  // that died), this thread writes the word itself, so the server's stream goes on; the step then fails.
+  shm::Header* h = ex.m.header;
+  const absl::Time deadline = options_.order_timeout == absl::InfiniteDuration()
+                                  ? absl::InfiniteFuture()
+                                  : ex.start + options_.order_timeout;
+  absl::Duration nap = absl::Microseconds(20);
+  absl::Time next_peer_check = absl::Now() + absl::Milliseconds(1);
+  while (!replied() && static_cast<int64_t>(h->wait_word.load(std::memory_order_acquire) - value) < 0) {
+    const absl::Time now = absl::Now();
+    int why = now >= deadline ? kReleasedLate : 0;
+    if (why == 0 && now >= next_peer_check) {
+      why = PeerGone(ex.socket) ? kReleasedGone : 0;
+      next_peer_check = now + absl::Milliseconds(1);
+    }
+    if (why != 0) {
+      released->store(why);
+      uint64_t word = h->wait_word.load();
+      while (static_cast<int64_t>(word - value) < 0 && !h->wait_word.compare_exchange_weak(word, value)) {
+      }
+      return;
+    }
+    absl::SleepFor(nap);
+    nap = std::min(nap * 2, absl::Microseconds(200));
+  }
 }
 
 void ShmListener::ServeForward(const Exchange& ex) {

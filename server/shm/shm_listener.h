@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <memory>
 #include <string>
@@ -35,6 +36,7 @@ struct ShmListenerOptions {
   std::vector<std::string> tokens;  // non-empty: the hello must carry one of them (--auth_token_file)
   // How long a stream-ordered step waits for its caller's stream to write the channel's wait word.
   absl::Duration order_timeout = absl::Seconds(30);
+  bool device_order = true;  // StreamOrder.device accepted where the backend can (ServerOptions::Shm)
   CallStats* stats = nullptr;  // where each call is recorded, as method "ForwardShm"
 };
 
@@ -64,6 +66,14 @@ class ShmListener {
   // Until the channel's wait word reaches `value` (a stream-ordered step): DEADLINE_EXCEEDED after order_timeout,
   // CANCELLED when the caller has gone.
   absl::Status AwaitWaitWord(const shm::Header* h, uint64_t value, int socket) const;
+  // A step the device orders (StreamOrder.device): the channel's header mapped for the device (once per channel)
+  // and the call's DeviceOrder; *released is where WatchDeviceOrder says why it released the wait, if it did.
+  absl::Status OrderOnDevice(const Exchange& ex, uint64_t value, CallInfo* call,
+                             std::shared_ptr<std::atomic<int>>* released);
+  // Until the step's reply, or its word reached `value`: releases the wait (writes the word) once order_timeout
+  // has passed or the caller has gone.
+  void WatchDeviceOrder(const Exchange& ex, uint64_t value, std::atomic<int>* released,
+                        const std::function<bool()>& replied) const;
   // *owner: the caller's identity for KV sequences ("local", or "token:<index>" when it presented a token).
   absl::Status Handshake(int socket, uid_t* uid, int* memfd, std::string* owner);
   // accept() failed with EMFILE/ENFILE: takes the pending caller off the backlog with a refusal (acceptor only).

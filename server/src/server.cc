@@ -191,6 +191,7 @@ class ServerImpl final : public Server {
       so.spin = options_.shm.spin;
       so.reply_spin = options_.shm.reply_spin;
       so.order_timeout = options_.sequences.order_timeout;
+      so.device_order = options_.shm.device_order;
       so.tokens = auth_tokens_;
       so.stats = &stats_;
       absl::StatusOr<std::unique_ptr<ShmListener>> shm = ShmListener::Start(so, &dispatcher_, &sequences_);

@@ -28,6 +28,7 @@
 #include "attnd/server/cuda/tensor_map_cache.h"
 #include "attnd/server/status_util.h"
 #include "cuda_device.h"
+#include "stream_words.h"
 
 namespace attnd::server {
 namespace cuda {
@@ -78,6 +79,7 @@ class CudaBackendImpl final : public Backend {
       ATTND_RETURN_IF_ERROR(dev->Start(*warm));
       devices_.push_back(std::move(dev));
     }
+    device_order_ = cuda::StreamWordsAvailable(devices);
     // A kernel selection depends on the device's model only (compute capability, SMs, shared memory, L2).
     one_model_ = true;
     for (const auto& d : devices_) {
@@ -177,6 +179,12 @@ class CudaBackendImpl final : public Backend {
   absl::Status CopyKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
                           int64_t rows, bool to_host, uint8_t* host) override {
     return cuda::CopyKvRows(pool, pages, layer, kv, first, rows, to_host, host);
+  }
+
+  bool device_order() const override { return device_order_; }
+  absl::StatusOr<MappedHostMemory> MapHostMemory(void* page, size_t bytes) override {
+    if (!device_order_) return Backend::MapHostMemory(page, bytes);
+    return cuda::MapHostPage(page, bytes);
   }
 
   absl::Status SubmitSteps(std::unique_ptr<StepBatch> batch) override {
@@ -288,6 +296,7 @@ class CudaBackendImpl final : public Backend {
   CopyPool copies_;  // outlives the devices, whose workers use it
   mutable TensorMapCache maps_;
   std::vector<std::unique_ptr<CudaDevice>> devices_;
+  bool device_order_ = false;  // steps ordered on callers' streams by the device (StepJob::device_order)
   bool one_model_ = true;  // every served device is the same GPU model (Start)
   absl::Mutex submit_mu_;
   bool stopping_ ABSL_GUARDED_BY(submit_mu_) = false;

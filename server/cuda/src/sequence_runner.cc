@@ -23,6 +23,7 @@
 #include "attnd/kernels/decode.h"
 #include "attnd/server/status_util.h"
 #include "cuda_device.h"
+#include "stream_words.h"
 #include "spdlog/spdlog.h"
 
 namespace attnd::server::cuda {
@@ -216,7 +217,12 @@ void CudaDevice::RunSteps(Slot& slot, StepBatch& batch, std::vector<absl::Status
   absl::Status status = PlaceSteps(w);
   if (status.ok()) status = StageSteps(w);
   if (status.ok()) status = EnqueueSteps(w);
-  if (status.ok()) status = CollectSteps(w);
+  if (status.ok()) {
+    for (StepJob* job : w.jobs) {
+      if (job->enqueued) job->enqueued();
+    }
+    status = CollectSteps(w);
+  }
   if (!status.ok()) {
     ReleaseSteps(w);
     if (absl::IsInternal(status)) {
@@ -411,6 +417,10 @@ absl::Status CudaDevice::StageSteps(StepWork& w) {
   ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(w.slot.ev[0], st)));
   ATTND_RETURN_IF_ERROR(
       CudaStatus("H2D copy (steps)", cudaMemcpyAsync(w.dev(), w.host(), w.in_bytes, cudaMemcpyHostToDevice, st)));
+  if (f.device_order.has_value()) {
+    // Ordered by the device (it runs alone): nothing of the caller's is read before its stream has got here.
+    ATTND_RETURN_IF_ERROR(WaitWord(st, f.device_order->wait_word, f.device_order->value));
+  }
   if (w.ref_in) {
     // Registered inputs join the inline ones in the block, so that every launch reads one tensor in batch order.
     // After the H2D copy, which also covers (and would overwrite) their rows.
@@ -500,6 +510,10 @@ absl::Status CudaDevice::EnqueueSteps(StepWork& w) {
           cudaMemcpyAsync(job.o_ref.device_data, w.o + static_cast<uint64_t>(w.job_row[j] * w.row_q) * 2,
                           static_cast<uint64_t>(job.rows * w.row_q) * 2, cudaMemcpyDeviceToDevice, st)));
     }
+  }
+  // Ordered by the device: the caller's stream goes on once O and the appended rows are written.
+  if (f.device_order.has_value()) {
+    ATTND_RETURN_IF_ERROR(WriteWord(st, f.device_order->done_word, f.device_order->value));
   }
   return absl::OkStatus();
 }

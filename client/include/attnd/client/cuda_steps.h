@@ -21,11 +21,14 @@
 // the appended rows without any wait. Elsewhere (gRPC, or a server without ServerInfo.stream_ordered_steps) the
 // stream is synchronised before the step is sent (host order).
 //
-// Submit returns before the step has run: the caller's stream then waits on a done word in this process's memory,
-// which this process's sender thread writes when the reply comes (or, after filling O with NaN, when the step
-// failed or the server died). The stream never waits on memory another process must write, so a server's death
-// cannot leave it waiting; the wait word is read by the server's CPU, so neither process's GPU work waits on the
-// other's. Share the GPU through MPS: without it, each step whose caller ran GPU work since the last pays two
+// Submit returns before the step has run: the caller's stream then waits on a done word. Where the server offers
+// it (ServerInfo.device_ordered_steps), the device keeps the order: the server's stream waits for the wait word on
+// the GPU and writes the channel's done word (shm::Header::done_word) after the step's kernels, and a stream's steps
+// alternate between two channels so that each is admitted and launched while the one before it runs; nothing
+// between a step's producers and its consumers passes through a host. Otherwise the done word is in this process's
+// memory and its sender thread writes it when the reply comes. Either way this process's sender writes it itself
+// (after filling O with NaN) when the step failed or the server died, so a server's death cannot leave the stream
+// waiting. Share the GPU through MPS: without it, each step whose caller ran GPU work since the last pays two
 // switches between the processes' contexts (about 275 us on the H200).
 //
 // The driver API is loaded at run time (libcuda.so.1), so the library still builds and runs without CUDA.
@@ -74,6 +77,11 @@ struct DeviceStepTensors {
 struct CudaStepsOptions {
   // Use host order even where the server offers stream order (for comparisons and tests).
   bool host_order = false;
+  // Where the server offers it (ServerInfo.device_ordered_steps), let the device keep the order of submitted steps:
+  // the server's stream waits for the caller's word and writes the done word the caller's stream waits on, and a
+  // stream's steps alternate between two channels so that the next one is admitted while one runs. Off: the
+  // server's host waits for the word and this process's sender writes the done word (for comparisons and tests).
+  bool device_order = true;
   // Submitted steps a stream may have unanswered before Submit waits for the oldest: how far the caller's host
   // may run ahead of the server (an engine needs one layer ahead; a few absorb jitter).
   size_t max_steps_ahead = 4;

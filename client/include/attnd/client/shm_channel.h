@@ -54,6 +54,8 @@ class ShmChannel {
   // a caller registers the page with CUDA so that its stream can write the word (attnd/client/cuda_steps.h).
   void* header_page() const { return map_.header; }
   std::atomic<uint64_t>* wait_word() const { return &map_.header->wait_word; }
+  std::atomic<uint64_t>* done_word() const { return &map_.header->done_word; }
+  const std::atomic<uint64_t>* admitted_word() const { return &map_.header->admitted_word; }
 
   uint64_t request_capacity() const { return map_.request_capacity; }
   uint64_t reply_capacity() const { return map_.reply_capacity; }

@@ -78,6 +78,8 @@ struct ServerOptions {
     uint32_t max_channels = 64;
     absl::Duration spin = absl::Microseconds(50);         // a channel's thread polls this long for a request
     absl::Duration reply_spin = absl::Microseconds(300);  // ... and for its reply (shm_listener.h)
+    // Offer steps ordered on the caller's stream by the device (StreamOrder.device) where the backend can.
+    bool device_order = true;
   };
   // Who may connect and call, and which calls may hand the server device memory (docs/security-and-metrics.md).
   struct Security {

@@ -65,16 +65,26 @@ struct Header {
   // inputs; the server starts a step whose order names wait_value once this word holds at least that. On a line of
   // its own: the GPU writes it while both sides use the words above.
   alignas(64) std::atomic<uint64_t> wait_word;
+  // Steps the device orders (StreamOrder.device): the server's stream writes the step's wait_value here once its
+  // kernels have run, and the caller's stream waits on it. A caller whose step failed, or whose server left, writes
+  // it from its host instead, so its stream never waits on a process that is gone.
+  alignas(64) std::atomic<uint64_t> done_word;
+  // The wait_value of the last step the server has taken in from this channel (admitted, or refused): a caller that
+  // pipelines a stream's steps over two channels sends a step once the one before it is in, so that the server
+  // admits them in the stream's order.
+  alignas(64) std::atomic<uint64_t> admitted_word;
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "the wait word is shared between processes");
-// Where the wait word is in the mapping (the caller registers the header page and writes at this offset).
+// Where the words are in the mapping (each side registers the header page with CUDA and uses these offsets).
 constexpr uint64_t kWaitWordOffset = 128;
+constexpr uint64_t kDoneWordOffset = 192;
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "the state word is shared between processes");
 constexpr uint64_t kHeaderBytes = 4096;
 // Largest request or reply area either side accepts: keeps ChannelBytes far from wrapping.
 constexpr uint64_t kMaxAreaBytes = uint64_t{1} << 40;
 static_assert(sizeof(Header) <= kHeaderBytes, "header page");
 static_assert(offsetof(Header, wait_word) == kWaitWordOffset, "the wait word's offset is part of the protocol");
+static_assert(offsetof(Header, done_word) == kDoneWordOffset, "the done word's offset is part of the protocol");
 
 inline uint64_t ChannelBytes(uint64_t request_capacity, uint64_t reply_capacity) {
   return kHeaderBytes + request_capacity + reply_capacity;
