@@ -198,10 +198,12 @@ class CudaSteps::Impl {
       if (!earlier.ok()) {
         result = earlier;
       } else {
-        absl::StatusOr<uint64_t> value = WriteWaitWord(sl, s);
+        // A step that waits goes over the first channel: its own thread polls for it at the stream's pace.
+        absl::StatusOr<uint64_t> value = WriteWaitWord(sl, sl.lanes[0], s);
         if (!value.ok()) return value.status();
+        sl.previous = nullptr;  // answered before the next step is sent
         request.mutable_order()->set_wait_value(*value);
-        result = StepOverShm(*sl.LaneOf(*value).channel, request, Timeout(call));
+        result = StepOverShm(*sl.lanes[0].channel, request, Timeout(call));
         // The channel is unusable after these (shm_channel.h): the next step on this stream opens another.
         broken = !result.ok() && Breaks(result.status());
       }
@@ -228,9 +230,10 @@ class CudaSteps::Impl {
       if (sl.lanes[0].channel == nullptr) return Gone();
       status = TakeFailure(sl, &broken);
       if (status.ok()) {
-        absl::StatusOr<uint64_t> value = WriteWaitWord(sl, s);
+        // Device order: submitted steps alternate between the channels.
+        Lane& lane = sl.lanes[sl.device ? sl.next_lane : 0];
+        absl::StatusOr<uint64_t> value = WriteWaitWord(sl, lane, s);
         if (!value.ok()) return value.status();
-        Lane& lane = sl.LaneOf(*value);
         // Work queued after this call waits until the step's value is in the done word: written by the server's
         // stream after the step's kernels (device order), or by the sender after the step's reply; by the sender
         // after O was filled with NaN when the step failed.
@@ -243,7 +246,12 @@ class CudaSteps::Impl {
           request.mutable_order()->set_wait_value(*value);
           if (sl.device) request.mutable_order()->set_device(true);
           lane.queue.push_back(Queued{request, *value, const_cast<void*>(t.o), t.o != nullptr ? t.q_bytes : 0,
-                                      Timeout(call)});
+                                      Timeout(call), sl.previous, sl.previous_value});
+          if (sl.device) {
+            sl.previous = &lane;
+            sl.previous_value = *value;
+            sl.next_lane ^= 1;
+          }
           if (!lane.sender.joinable()) lane.sender = std::thread([this, x = &sl, l = &lane] { Send(*x, *l); });
         }
       }
@@ -283,6 +291,7 @@ class CudaSteps::Impl {
     std::string buffer_id;
     unsigned long long allocation = 0;  // NOLINT(runtime/int): CU_POINTER_ATTRIBUTE_BUFFER_ID
   };
+  struct Lane;
   // A submitted step waiting for its stream's sender.
   struct Queued {
     v1::StepRequest request;
@@ -290,6 +299,8 @@ class CudaSteps::Impl {
     void* o = nullptr;   // filled with NaN when the step fails
     uint64_t o_bytes = 0;
     absl::Duration timeout;
+    Lane* previous = nullptr;  // device order: the channel of the stream's step before it, sent first
+    uint64_t previous_value = 0;
   };
   // One of a calling stream's channels, its words as the stream's device sees them, and its sender.
   struct Lane {
@@ -317,8 +328,11 @@ class CudaSteps::Impl {
     bool broken = false;       // a channel is unusable: later steps fail unsent
     bool stop = false;
 
+    int next_lane = 0;             // device order: the channel of the next submitted step
+    Lane* previous = nullptr;      // ... and where the one before it went, if it may be unanswered
+    uint64_t previous_value = 0;
+
     int lane_count() const { return device ? 2 : 1; }
-    Lane& LaneOf(uint64_t value) { return lanes[device ? value % 2 : 0]; }
     size_t queued() const { return lanes[0].queue.size() + lanes[1].queue.size(); }
   };
 
@@ -371,9 +385,9 @@ class CudaSteps::Impl {
 
   // Enqueues on `s` the write of the stream's next wait word value (values increase in the order the stream runs
   // them: the caller holds sl.mu) and returns it.
-  absl::StatusOr<uint64_t> WriteWaitWord(Slot& sl, CUstream s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(sl.mu) {
+  absl::StatusOr<uint64_t> WriteWaitWord(Slot& sl, Lane& lane, CUstream s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(sl.mu) {
     const uint64_t value = sl.next + 1;
-    const CUresult r = d_.write_value64(s, sl.LaneOf(value).word, value, kWriteDefault);
+    const CUresult r = d_.write_value64(s, lane.word, value, kWriteDefault);
     if (r != kSuccess) return DriverError(d_, "cuStreamWriteValue64 (the step's wait word)", r);
     sl.next = value;
     return value;
@@ -410,13 +424,17 @@ class CudaSteps::Impl {
         sl.mu.Await(absl::Condition(+[](Lane* l) { return !l->queue.empty() || *l->stop; }, &lane));
         if (lane.queue.empty()) return;
         q = &lane.queue.front();  // a deque's elements stay put while others are pushed behind them
+      }
+      if (q->previous != nullptr) AwaitAdmitted(sl, *q->previous, q->previous_value);
+      {
+        // After the step before it is admitted or answered: a refusal of that one is seen here.
+        absl::MutexLock lock(&sl.mu);
         if (!sl.failure.ok()) {
           before = absl::Status(sl.failure.code(), absl::StrCat("not sent: an earlier step on this stream failed: ",
                                                                 sl.failure.message()));
         }
       }
       absl::Status status = before;
-      if (status.ok() && sl.device && q->value > 1) AwaitAdmitted(sl, q->value - 1);
       if (status.ok()) {
         absl::StatusOr<StepResult> r = StepOverShm(*lane.channel, q->request, q->timeout);
         if (!r.ok()) {
@@ -443,10 +461,9 @@ class CudaSteps::Impl {
     }
   }
 
-  // Until the server has taken in the stream's step `value` (its channel's admitted word), or that step is
-  // answered or will not be sent (an earlier failure), or the stream stops.
-  void AwaitAdmitted(Slot& sl, uint64_t value) {
-    Lane& other = sl.LaneOf(value);
+  // Until the server has admitted the stream's step `value` (its channel's admitted word), or that step is answered
+  // (a refusal comes at once) or will not be sent (an earlier failure), or the stream stops.
+  void AwaitAdmitted(Slot& sl, Lane& other, uint64_t value) {
     for (int polls = 0;; ++polls) {
       if (static_cast<int64_t>(other.channel->admitted_word()->load(std::memory_order_acquire) - value) >= 0) return;
       if (polls % 64 == 63) {

@@ -435,7 +435,6 @@ void ShmListener::ServeStep(const Exchange& ex) {
       absl::Status mapped = OrderOnDevice(ex, step.order().wait_value(), &call, &released);
       if (!mapped.ok()) {
         LogOutcome(kStepMethod, step.request_id(), mapped, ex.start);
-        ex.m.header->admitted_word.store(step.order().wait_value(), std::memory_order_release);
         Finish(ex, std::move(mapped), nullptr, nullptr);
         return;
       }
@@ -452,7 +451,9 @@ void ShmListener::ServeStep(const Exchange& ex) {
     if (t->source_case() == v1::TensorInput::kData) in += t->data().size();
   }
   ReplyWait wait(&awaiting_reply_, options_.reply_spin);
+  std::atomic<bool> failed{false};
   sequences_->Step(ex.owner, StepArgsFromProto(step), call, [&](absl::Status s, StepJob* job) {
+    failed.store(!s.ok());
     std::unique_ptr<v1::StepResponse> response;
     if (job != nullptr && s.ok()) {
       response = std::make_unique<v1::StepResponse>();
@@ -465,7 +466,11 @@ void ShmListener::ServeStep(const Exchange& ex) {
     Finish(ex, std::move(s), response.get(), response != nullptr ? &response->timing().timing() : nullptr, in, out);
     wait.Replied();
   });
-  if (step.has_order()) ex.m.header->admitted_word.store(step.order().wait_value(), std::memory_order_release);
+  // Admitted unless refused already: a step refused at admission is not, and its caller learns that from the
+  // reply (a step that fails later was admitted, and one admitted behind it fails with it).
+  if (step.has_order() && !failed.load()) {
+    ex.m.header->admitted_word.store(step.order().wait_value(), std::memory_order_release);
+  }
   if (released != nullptr) {
     WatchDeviceOrder(ex, step.order().wait_value(), released.get(), [&wait] { return wait.replied(); });
   }

@@ -413,15 +413,15 @@ TEST_P(SequencesTest, StreamOrderWaitsForTheChannelsWaitWord) {
     auto refused = (*channel)->Step(zero);
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
     EXPECT_TRUE(absl::StrContains(refused.status().message(), "order.wait_value")) << refused.status();
-    // The device keeps the order only where the backend can (the CUDA backend); the refusal is taken in all the
-    // same (the admitted word, which a caller pipelining over two channels waits on).
+    // The device keeps the order only where the backend can (the CUDA backend). A refusal is not admitted: the
+    // admitted word, which a caller pipelining over two channels waits on, stays, and the reply says why.
     EXPECT_FALSE(info->device_ordered_steps());
     v1::StepRequest on_device = r;
     on_device.mutable_order()->set_device(true);
     refused = (*channel)->Step(on_device);
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
     EXPECT_TRUE(absl::StrContains(refused.status().message(), "order.device")) << refused.status();
-    EXPECT_EQ((*channel)->admitted_word()->load(), 3u);
+    EXPECT_EQ((*channel)->admitted_word()->load(), 0u);
     // The word reaches 2, then 3 (the value) 100 ms after the step was sent: the step runs only after that.
     (*channel)->wait_word()->store(2);
     const absl::Time sent = absl::Now();

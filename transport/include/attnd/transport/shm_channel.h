@@ -69,9 +69,9 @@ struct Header {
   // kernels have run, and the caller's stream waits on it. A caller whose step failed, or whose server left, writes
   // it from its host instead, so its stream never waits on a process that is gone.
   alignas(64) std::atomic<uint64_t> done_word;
-  // The wait_value of the last step the server has taken in from this channel (admitted, or refused): a caller that
-  // pipelines a stream's steps over two channels sends a step once the one before it is in, so that the server
-  // admits them in the stream's order.
+  // The wait_value of the last step the server has admitted from this channel (not written for a step refused at
+  // admission, whose reply comes at once): a caller that pipelines a stream's steps over two channels sends a step
+  // once the one before it is admitted or answered, so that the server admits them in the stream's order.
   alignas(64) std::atomic<uint64_t> admitted_word;
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "the wait word is shared between processes");
