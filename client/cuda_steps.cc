@@ -449,10 +449,7 @@ class CudaSteps::Impl {
       if (!sl.device) {
         sl.done->store(q->value, std::memory_order_release);
       } else if (!status.ok()) {
-        std::atomic<uint64_t>* done = lane.channel->done_word();
-        uint64_t word = done->load();
-        while (static_cast<int64_t>(word - q->value) < 0 && !done->compare_exchange_weak(word, q->value)) {
-        }
+        shm::RaiseWord(lane.channel->done_word(), q->value);
       }
       absl::MutexLock lock(&sl.mu);
       if (!status.ok() && sl.failure.ok()) sl.failure = status;

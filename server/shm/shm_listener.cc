@@ -36,8 +36,6 @@ namespace {
 constexpr absl::Duration kIdlePoll = absl::Milliseconds(50);
 // Channel threads that poll for their replies at once; the rest sleep until theirs is written.
 constexpr int kPollingRepliesAtMost = 2;
-// Why a channel thread released a device-ordered step's wait itself (WatchDeviceOrder).
-constexpr int kReleasedLate = 1, kReleasedGone = 2;
 // How long a channel's thread polls for the caller's next request: --shm_spin_us, or 1.5x the gap before the
 // channel's previous request, up to this, while at most kPollingRepliesAtMost threads poll past the flag. A caller
 // whose own work between calls outlasts the flag (a Python step's return and next call, 50-70 us) would otherwise
@@ -277,7 +275,8 @@ absl::Status ShmListener::Handshake(int socket, uid_t* uid, int* memfd, std::str
   return absl::OkStatus();
 }
 
-absl::Status ShmListener::AwaitWaitWord(const shm::Header* h, uint64_t value, int socket) const {
+absl::Status ShmListener::AwaitWaitWord(const shm::Header* h, uint64_t value, int socket,
+                                        const std::function<bool()>& stop) const {
   // The GPU stores the word, so there is no futex to sleep on: poll, first as the reply is polled (a producer of
   // a decode step's inputs finishes within it), then in naps that stay short next to a step's kernel time.
   const absl::Time start = absl::Now();
@@ -288,11 +287,13 @@ absl::Status ShmListener::AwaitWaitWord(const shm::Header* h, uint64_t value, in
   absl::Duration nap = absl::Microseconds(5);
   for (;;) {
     if (static_cast<int64_t>(h->wait_word.load(std::memory_order_acquire) - value) >= 0) return absl::OkStatus();
+    if (stop && stop()) return absl::OkStatus();
     const absl::Time now = absl::Now();
     if (now >= deadline) {
       return absl::DeadlineExceededError(absl::StrCat(
           "order.wait_value: the channel's wait word did not reach ", value, " within --step_order_timeout_s=",
-          absl::ToDoubleSeconds(options_.order_timeout), " (the caller's stream never got there); nothing was done"));
+          absl::ToDoubleSeconds(options_.order_timeout),
+          " (the caller's stream never got there); nothing of the step was kept"));
     }
     if (now < spin_end) {
       shm::CpuRelax();
@@ -426,7 +427,7 @@ void ShmListener::ServeStep(const Exchange& ex) {
   }
   CallInfo call;
   call.accepted = absl::Now();
-  std::shared_ptr<std::atomic<int>> released;  // a device-ordered step's wait, released by this thread: why
+  std::shared_ptr<OrderRelease> released;  // a device-ordered step's wait, if this thread released it: why
   if (step.has_order()) {
     // A stream-ordered caller pipelines: it may send a sequence's next step on another channel before this one's
     // reply (the core admits it behind this one).
@@ -477,8 +478,14 @@ void ShmListener::ServeStep(const Exchange& ex) {
   wait.Wait();
 }
 
+// Why a channel thread released a device-ordered step's wait itself (WatchDeviceOrder), read when the step ends.
+struct ShmListener::OrderRelease {
+  absl::Mutex mu;
+  absl::Status why ABSL_GUARDED_BY(mu);
+};
+
 absl::Status ShmListener::OrderOnDevice(const Exchange& ex, uint64_t value, CallInfo* call,
-                                        std::shared_ptr<std::atomic<int>>* released) {
+                                        std::shared_ptr<OrderRelease>* released) {
   Backend* backend = dispatcher_->backend();
   if (!options_.device_order || !backend->device_order()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -492,52 +499,27 @@ absl::Status ShmListener::OrderOnDevice(const Exchange& ex, uint64_t value, Call
     *ex.device_header = *std::move(mapped);
   }
   const uint64_t base = (*ex.device_header)->device_address;
-  auto why = std::make_shared<std::atomic<int>>(0);
-  *released = why;
-  call->device_order = CallInfo::DeviceOrder{
-      base + shm::kWaitWordOffset, base + shm::kDoneWordOffset, value, [why, value, this]() -> absl::Status {
-        switch (why->load()) {
-          case kReleasedLate:
-            return absl::DeadlineExceededError(absl::StrCat(
-                "order.wait_value: the channel's wait word did not reach ", value, " within --step_order_timeout_s=",
-                absl::ToDoubleSeconds(options_.order_timeout), " (the caller's stream never got there); the "
-                "server released the wait and kept nothing of the step"));
-          case kReleasedGone:
-            return absl::CancelledError("the caller closed its channel while its step waited for order.wait_value");
-          default:
-            return absl::OkStatus();
-        }
-      }};
+  auto release = std::make_shared<OrderRelease>();
+  *released = release;
+  call->device_order = CallInfo::DeviceOrder{base + shm::kWaitWordOffset, base + shm::kDoneWordOffset, value,
+                                             [release]() -> absl::Status {
+                                               absl::MutexLock lock(&release->mu);
+                                               return release->why;
+                                             }};
   return absl::OkStatus();
 }
 
-void ShmListener::WatchDeviceOrder(const Exchange& ex, uint64_t value, std::atomic<int>* released,
+void ShmListener::WatchDeviceOrder(const Exchange& ex, uint64_t value, OrderRelease* released,
                                    const std::function<bool()>& replied) const {
   // The step's stream waits for the caller's word on the GPU. Should it never come (a producer that hangs, a caller
   // that died), this thread writes the word itself, so the server's stream goes on; the step then fails.
-  shm::Header* h = ex.m.header;
-  const absl::Time deadline = options_.order_timeout == absl::InfiniteDuration()
-                                  ? absl::InfiniteFuture()
-                                  : ex.start + options_.order_timeout;
-  absl::Duration nap = absl::Microseconds(20);
-  absl::Time next_peer_check = absl::Now() + absl::Milliseconds(1);
-  while (!replied() && static_cast<int64_t>(h->wait_word.load(std::memory_order_acquire) - value) < 0) {
-    const absl::Time now = absl::Now();
-    int why = now >= deadline ? kReleasedLate : 0;
-    if (why == 0 && now >= next_peer_check) {
-      why = PeerGone(ex.socket) ? kReleasedGone : 0;
-      next_peer_check = now + absl::Milliseconds(1);
-    }
-    if (why != 0) {
-      released->store(why);
-      uint64_t word = h->wait_word.load();
-      while (static_cast<int64_t>(word - value) < 0 && !h->wait_word.compare_exchange_weak(word, value)) {
-      }
-      return;
-    }
-    absl::SleepFor(nap);
-    nap = std::min(nap * 2, absl::Microseconds(200));
+  absl::Status waited = AwaitWaitWord(ex.m.header, value, ex.socket, replied);
+  if (waited.ok()) return;
+  {
+    absl::MutexLock lock(&released->mu);
+    released->why = std::move(waited);
   }
+  shm::RaiseWord(&ex.m.header->wait_word, value);
 }
 
 void ShmListener::ServeForward(const Exchange& ex) {

@@ -65,14 +65,17 @@ class ShmListener {
               const v1::Timing* timing, uint64_t tensor_bytes_in = 0, uint64_t tensor_bytes_out = 0) const;
   // Until the channel's wait word reaches `value` (a stream-ordered step): DEADLINE_EXCEEDED after order_timeout,
   // CANCELLED when the caller has gone.
-  absl::Status AwaitWaitWord(const shm::Header* h, uint64_t value, int socket) const;
+  // OK also once `stop` (when given) says so.
+  absl::Status AwaitWaitWord(const shm::Header* h, uint64_t value, int socket,
+                             const std::function<bool()>& stop = nullptr) const;
+  struct OrderRelease;
   // A step the device orders (StreamOrder.device): the channel's header mapped for the device (once per channel)
   // and the call's DeviceOrder; *released is where WatchDeviceOrder says why it released the wait, if it did.
   absl::Status OrderOnDevice(const Exchange& ex, uint64_t value, CallInfo* call,
-                             std::shared_ptr<std::atomic<int>>* released);
-  // Until the step's reply, or its word reached `value`: releases the wait (writes the word) once order_timeout
-  // has passed or the caller has gone.
-  void WatchDeviceOrder(const Exchange& ex, uint64_t value, std::atomic<int>* released,
+                             std::shared_ptr<OrderRelease>* released);
+  // Until the step's reply, or its word reached `value` (AwaitWaitWord): releases the wait (writes the word) once
+  // order_timeout has passed or the caller has gone.
+  void WatchDeviceOrder(const Exchange& ex, uint64_t value, OrderRelease* released,
                         const std::function<bool()>& replied) const;
   // *owner: the caller's identity for KV sequences ("local", or "token:<index>" when it presented a token).
   absl::Status Handshake(int socket, uid_t* uid, int* memfd, std::string* owner);

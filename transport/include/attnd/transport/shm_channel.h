@@ -86,6 +86,14 @@ static_assert(sizeof(Header) <= kHeaderBytes, "header page");
 static_assert(offsetof(Header, wait_word) == kWaitWordOffset, "the wait word's offset is part of the protocol");
 static_assert(offsetof(Header, done_word) == kDoneWordOffset, "the done word's offset is part of the protocol");
 
+// Raises a wait or done word to at least `value` (values compare as a wrapping sequence) from a host: how either side
+// releases the wait on a word its own stream depends on when the other side is gone or failed.
+inline void RaiseWord(std::atomic<uint64_t>* word, uint64_t value) {
+  uint64_t now = word->load();
+  while (static_cast<int64_t>(now - value) < 0 && !word->compare_exchange_weak(now, value)) {
+  }
+}
+
 inline uint64_t ChannelBytes(uint64_t request_capacity, uint64_t reply_capacity) {
   return kHeaderBytes + request_capacity + reply_capacity;
 }
