@@ -1,7 +1,7 @@
 // The decode kernel: one block per (sequence, kv head, row block, split). Its rows are the q heads of one GQA
 // group times the q_len query positions (row r: position r / group, head r % group), so each K/V tile read
 // from memory serves all of them. Composed of the load (load_kv_decode.cuh), compute (mma_decode.cuh) and
-// softmax (softmax_decode.cuh) roles:
+// softmax (common/online_softmax.cuh, eager rescale) roles:
 //
 //   S = Q K^T          Q fragments in registers (shared memory at d=256), K via ldmatrix from a stage
 //   P = softmax(S)     online, exp2 domain; masked only on tiles holding the kv_len tail or the causal edge
@@ -22,13 +22,15 @@
 
 #include <cstdint>
 
+#include "../common/online_softmax.cuh"
 #include "decode_params.h"
 #include "load_kv_decode.cuh"
 #include "merge_decode.cuh"
 #include "mma_decode.cuh"
-#include "softmax_decode.cuh"
 
 namespace attnd::kernels::decode {
+
+using common::QuadSum;
 
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -138,7 +140,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
   float acc_o[kDTiles][4];
 #pragma unroll
   for (int d = 0; d < kDTiles; ++d) acc_o[d][0] = acc_o[d][1] = acc_o[d][2] = acc_o[d][3] = 0.f;
-  OnlineSoftmax<kNTiles> softmax;
+  common::OnlineSoftmax<kNTiles, common::Rescale::kEager> softmax;
   softmax.Init();
 
   for (int j = 0; j < n_tiles; ++j) {

@@ -5,9 +5,8 @@
 
 #include <algorithm>
 
-#include "append_decode.cuh"
+#include "copy_kv_decode.cuh"
 #include "decode_launch.h"
-#include "gather_decode.cuh"
 #include "merge_decode.cuh"
 
 namespace attnd::kernels::decode {
@@ -47,19 +46,27 @@ cudaError_t LaunchMergeSplits(const DecodeParams& p, DType dtype, int head_dim, 
 // that, or for a sequence grown since the plan, threads loop.
 constexpr int64_t kMaxBlocksX = 1024;
 
+namespace {
+
+// The grid of a copy kernel over `chunks` 16-byte chunks a sequence.
+dim3 CopyGrid(int64_t chunks, int batch) {
+  const int64_t blocks = std::min<int64_t>((chunks + kCopyThreads - 1) / kCopyThreads, kMaxBlocksX);
+  return dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(batch));
+}
+
+}  // namespace
+
 cudaError_t LaunchAppendKv(const AppendParams& p, cudaStream_t stream) {
   const int64_t chunks = static_cast<int64_t>(p.new_len) * p.kv_heads * (p.head_dim / 8);
   if (chunks == 0 || p.batch == 0) return cudaSuccess;
-  const int64_t blocks = std::min<int64_t>((chunks + kAppendThreads - 1) / kAppendThreads, kMaxBlocksX);
-  AppendKvKernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(p.batch)), kAppendThreads, 0, stream>>>(p);
+  AppendKvKernel<<<CopyGrid(chunks, p.batch), kCopyThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchGatherKv(const GatherParams& p, cudaStream_t stream) {
   const int64_t chunks = static_cast<int64_t>(std::max(p.max_kv_len, 1)) * p.kv_heads * (p.head_dim / 8);
   if (p.batch == 0) return cudaSuccess;
-  const int64_t blocks = std::min<int64_t>((chunks + kGatherThreads - 1) / kGatherThreads, kMaxBlocksX);
-  GatherKvKernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(p.batch)), kGatherThreads, 0, stream>>>(p);
+  GatherKvKernel<<<CopyGrid(chunks, p.batch), kCopyThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "../common/key_range.cuh"
 #include "../common/mma_sm80.cuh"
 #include "../common/tma_sm90.cuh"
 #include "attnd/kernels/attention.h"
@@ -32,32 +33,13 @@
 
 namespace attnd::kernels::hopper {
 
+using common::KeyRange;
+using common::KeyRangeFor;
 using common::MbarArrive;
 using common::MbarArriveExpectTx;
 using common::MbarWait;
 using common::SmemAddr;
 using common::TmaLoad4d;
-
-// Which key blocks a tile visits: [0, n_blocks), of which [n_full, n_blocks) need the element-wise mask.
-struct KeyRange {
-  int n_blocks, n_full;
-  int first = 0;  // the lowest key block visited: > 0 for a part of a split tile (blocks [first, n_blocks))
-};
-
-template <int kBlockM, int kBlockN>
-__device__ __forceinline__ KeyRange KeyRangeFor(const LaunchParams& p, int q0) {
-  int kv_end = p.kv_len;
-  int n_full = p.kv_len / kBlockN;
-  if (p.causal) {
-    const int last_row = min(q0 + kBlockM, p.q_len) - 1;
-    const int64_t end = static_cast<int64_t>(last_row) + p.causal_offset + 1;
-    kv_end = static_cast<int>(end < 0 ? 0 : (end > p.kv_len ? p.kv_len : end));
-    const int64_t first = static_cast<int64_t>(q0) + p.causal_offset + 1;  // keys < first: every row sees them
-    n_full = min(n_full, static_cast<int>(first < 0 ? 0 : (first > p.kv_len ? p.kv_len : first)) / kBlockN);
-  }
-  const int n_blocks = (kv_end + kBlockN - 1) / kBlockN;
-  return KeyRange{n_blocks, min(n_full, n_blocks)};
-}
 
 // The first query row of q tile q_tile: q_tile * block_m, or with shifted tiles (`_wrs`, causal) up to two warpgroups
 // before that, so that the first tile holds the rows past a multiple of block_m. Its rows before 0 are TMA's zero fill

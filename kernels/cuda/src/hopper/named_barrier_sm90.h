@@ -27,35 +27,43 @@ __device__ __forceinline__ void NamedBarrierArrive() {
   asm volatile("bar.arrive %0, %1;" ::"n"(static_cast<int>(kId)), "n"(kThreads) : "memory");
 }
 
-// Turns go round the consumer warpgroups 0, 1, .., n-1, 0, ...: warpgroup wg waits on its own barrier
-// (its 128 threads plus the 128 of the one handing over) and hands over on the next one's.
-__device__ __forceinline__ void SyncSchedulerBarrier(int wg) {
-  if (wg == 0) {
-    NamedBarrierSync<FwdNamedBarrier::kWarpSchedulerWG1, 256>();
-  } else if (wg == 1) {
-    NamedBarrierSync<FwdNamedBarrier::kWarpSchedulerWG2, 256>();
+template <bool kSync, FwdNamedBarrier kId, int kThreads>
+__device__ __forceinline__ void NamedBarrierOp() {
+  if constexpr (kSync) {
+    NamedBarrierSync<kId, kThreads>();
   } else {
-    NamedBarrierSync<FwdNamedBarrier::kWarpSchedulerWG3, 256>();
+    NamedBarrierArrive<kId, kThreads>();
   }
 }
 
-__device__ __forceinline__ void ArriveSchedulerBarrier(int wg) {
+// Warpgroup wg's barrier of kCount (2 or 3) with consecutive ids from kFirst: kFirst for warpgroup 0, the next for
+// warpgroup 1, the third for any other. bar.sync when kSync, else bar.arrive. A branch per warpgroup keeps every id
+// an immediate.
+template <bool kSync, FwdNamedBarrier kFirst, int kThreads, int kCount>
+__device__ __forceinline__ void WarpgroupBarrier(int wg) {
+  static_assert(kCount == 2 || kCount == 3);
   if (wg == 0) {
-    NamedBarrierArrive<FwdNamedBarrier::kWarpSchedulerWG1, 256>();
-  } else if (wg == 1) {
-    NamedBarrierArrive<FwdNamedBarrier::kWarpSchedulerWG2, 256>();
-  } else {
-    NamedBarrierArrive<FwdNamedBarrier::kWarpSchedulerWG3, 256>();
+    NamedBarrierOp<kSync, kFirst, kThreads>();
+  } else if (kCount == 2 || wg == 1) {
+    NamedBarrierOp<kSync, static_cast<FwdNamedBarrier>(static_cast<int>(kFirst) + 1), kThreads>();
+  } else if constexpr (kCount == 3) {
+    NamedBarrierOp<kSync, static_cast<FwdNamedBarrier>(static_cast<int>(kFirst) + 2), kThreads>();
   }
+}
+
+// Turns go round the consumer warpgroups 0, 1, .., n-1, 0, ...: warpgroup wg waits on its own barrier
+// (its 128 threads plus the 128 of the one handing over) and hands over on the next one's.
+__device__ __forceinline__ void SyncSchedulerBarrier(int wg) {
+  WarpgroupBarrier<true, FwdNamedBarrier::kWarpSchedulerWG1, 256, 3>(wg);
+}
+
+__device__ __forceinline__ void ArriveSchedulerBarrier(int wg) {
+  WarpgroupBarrier<false, FwdNamedBarrier::kWarpSchedulerWG1, 256, 3>(wg);
 }
 
 // Shared-memory epilogue: warpgroup wg's 128 threads have written and fenced their part of O.
 __device__ __forceinline__ void OWrittenBarrier(int wg) {
-  if (wg == 0) {
-    NamedBarrierSync<FwdNamedBarrier::kOWrittenWG1, 128>();
-  } else {
-    NamedBarrierSync<FwdNamedBarrier::kOWrittenWG2, 128>();
-  }
+  WarpgroupBarrier<true, FwdNamedBarrier::kOWrittenWG1, 128, 2>(wg);
 }
 
 template <int kConsumerWGs>

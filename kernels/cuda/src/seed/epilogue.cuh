@@ -9,15 +9,14 @@
 
 #include "attnd/kernels/attention.h"
 #include "../common/mma_sm80.cuh"
+#include "../common/softmax_quad.cuh"
 #include "../common/tma_sm90.cuh"
-#include "softmax.cuh"
 
 namespace attnd::kernels::seed {
 
-template <typename Tile, typename Elem, int kDTiles, int kNTiles>
-__device__ __forceinline__ void StoreOutput(const LaunchParams& p, float (&acc_o)[kDTiles][4],
-                                            OnlineSoftmax<kNTiles>& sm, uint8_t* q_smem, int row16, int lane,
-                                            int q0, int batch, int head) {
+template <typename Tile, typename Elem, int kDTiles, typename Softmax>
+__device__ __forceinline__ void StoreOutput(const LaunchParams& p, float (&acc_o)[kDTiles][4], const Softmax& sm,
+                                            uint8_t* q_smem, int row16, int lane, int q0, int batch, int head) {
   constexpr int kPanelBytes = Tile::kBlockM * 128;
   const int g = lane >> 2, t = lane & 3;
   const float l0 = common::QuadSum(sm.l[0]);

@@ -2,7 +2,7 @@
 // roles. One block computes block_m query rows of one (batch, head); each warp owns 16 * kMRep of them.
 //
 //   S = Q K^T          Q from registers (or shared memory at d=256), K from a swizzled stage via ldmatrix
-//   P = softmax(S)     online, exp2 domain, lazy rescale (softmax.cuh); masked only on tiles that need it
+//   P = softmax(S)     online, exp2 domain, lazy rescale (common/online_softmax.cuh); masked only where needed
 //   O += P V           P reused in registers as the A operand; V via ldmatrix.trans
 //
 // Pipeline: thread 0 issues TMA copies; K and V of a stage complete on separate barriers so QK^T starts while
@@ -17,9 +17,10 @@
 
 #include "attnd/kernels/attention.h"
 #include "epilogue.cuh"
+#include "../common/key_range.cuh"
 #include "../common/mma_sm80.cuh"
+#include "../common/online_softmax.cuh"
 #include "../common/tma_sm90.cuh"
-#include "softmax.cuh"
 
 namespace attnd::kernels::seed {
 
@@ -71,19 +72,10 @@ __global__ void __launch_bounds__(Tile::kThreads)
   const int kv_head = head / p.group;
   const int q0 = q_tile * BM;
 
-  // Key range: tiles [0, n_full) are visible to every row of the block and need no mask; tiles
-  // [n_full, n_tiles) hold the diagonal and/or the kv_len tail and are masked element-wise.
-  int kv_end = p.kv_len;
-  int n_full = p.kv_len / BN;
-  if (p.causal) {
-    const int last_row = min(q0 + BM, p.q_len) - 1;
-    const int64_t end = static_cast<int64_t>(last_row) + p.causal_offset + 1;
-    kv_end = static_cast<int>(end < 0 ? 0 : (end > p.kv_len ? p.kv_len : end));
-    const int64_t first = static_cast<int64_t>(q0) + p.causal_offset + 1;  // keys < first: all rows see them
-    n_full = min(n_full, static_cast<int>(first < 0 ? 0 : (first > p.kv_len ? p.kv_len : first)) / BN);
-  }
-  const int n_tiles = (kv_end + BN - 1) / BN;
-  n_full = min(n_full, n_tiles);
+  // Key tiles [0, n_full) are visible to every row of the block and need no mask; tiles [n_full, n_tiles) hold the
+  // diagonal and/or the kv_len tail and are masked element-wise.
+  const common::KeyRange keys = common::KeyRangeFor<BM, BN>(p, q0);
+  const int n_tiles = keys.n_blocks, n_full = keys.n_full;
 
   auto issue_kv = [&](int tile) {
     const int st = tile % S;
@@ -149,7 +141,7 @@ __global__ void __launch_bounds__(Tile::kThreads)
   }
 
   float acc_o[MR][kDTiles][4];
-  OnlineSoftmax<kNTiles> softmax[MR];
+  common::OnlineSoftmax<kNTiles, common::Rescale::kLazy> softmax[MR];
 #pragma unroll
   for (int ma = 0; ma < MR; ++ma) {
 #pragma unroll
@@ -158,11 +150,11 @@ __global__ void __launch_bounds__(Tile::kThreads)
   }
 
   const int g = lane >> 2;
-  // Last key each of this thread's two rows may see.
-  auto row_limit = [&](int row) {
-    if (!p.causal) return p.kv_len - 1;
-    const int64_t lim = static_cast<int64_t>(row) + p.causal_offset;
-    return static_cast<int>(lim < -1 ? -1 : (lim > p.kv_len - 1 ? p.kv_len - 1 : lim));
+  // One past the last key a row may see.
+  auto row_end = [&](int row) {
+    if (!p.causal) return p.kv_len;
+    const int64_t end = static_cast<int64_t>(row) + p.causal_offset + 1;
+    return static_cast<int>(end < 0 ? 0 : (end > p.kv_len ? p.kv_len : end));
   };
 
   auto step = [&](int j, auto masked) {
@@ -212,10 +204,10 @@ __global__ void __launch_bounds__(Tile::kThreads)
     // P = exp2(S * scale_log2 - m), O rescaled when m moves
 #pragma unroll
     for (int ma = 0; ma < MR; ++ma) {
-      // Row limits only matter on masked tiles; recomputing them there keeps registers free on the others.
+      // Row ends only matter on masked tiles; recomputing them there keeps registers free on the others.
       const int row = q0 + warp_row0 + ma * 16 + g;
-      softmax[ma].template Step<kMasked>(s[ma], acc_o[ma], p.scale_log2, j * BN, kMasked ? row_limit(row) : 0,
-                                         kMasked ? row_limit(row + 8) : 0);
+      softmax[ma].template Step<kMasked>(s[ma], acc_o[ma], p.scale_log2, j * BN, kMasked ? row_end(row) : 0,
+                                         kMasked ? row_end(row + 8) : 0);
     }
 
     // The S accumulators of columns 16kk..16kk+15 are, register for register, the A fragment of P. Packing
