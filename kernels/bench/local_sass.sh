@@ -21,8 +21,10 @@ nvcc=${NVCC:-/usr/local/cuda/bin/nvcc}
 disasm=$cache/x/usr/bin/nvdisasm
 src=""  # the temporary apt source, while it exists
 one=""  # the one-shape translation unit, while it exists
+generated=""  # the generated headers' folder, while it exists
 cleanup() {
   rm -f "$one"
+  [ -z "$generated" ] || rm -rf "$generated"
   if [ -n "$src" ]; then
     rm -f "$src"
     apt-get update -qq >/dev/null 2>&1 || true
@@ -40,8 +42,10 @@ if [ ! -x "$disasm" ]; then
   rm -f "$cache"/nvidia-cuda-toolkit_*.deb
 fi
 
-flags=(-I"$repo/kernels/cuda/include" -I"$repo/kernels/cuda/src" -I"$repo/kernels/reference/include" -O2 -DNDEBUG
-       -std=c++17 "-gencode=arch=compute_90a,code=sm_90a" -cubin -x cu)
+generated=$(mktemp -d)  # wgmma_sm90.h, as the build generates it
+python3 "$repo/kernels/cuda/src/hopper/gen_wgmma_sm90.py" "$generated/wgmma_sm90.h"
+flags=(-I"$repo/kernels/cuda/include" -I"$repo/kernels/cuda/src" -I"$generated" -I"$repo/kernels/reference/include"
+       -O2 -DNDEBUG -std=c++17 "-gencode=arch=compute_90a,code=sm_90a" -cubin -x cu)
 case "$what" in
   d64 | d128 | d256)
     "$nvcc" "${flags[@]}" "$repo/kernels/cuda/src/hopper/attention_sm90_$what.cu" -o "$out.cubin" ;;
@@ -54,7 +58,7 @@ case "$what" in
 namespace attnd::kernels::hopper {
 EntryList Sm90D64Entries() {
   static const KernelEntry kEntries[] = {Entry<$what>("k")};
-  return {kEntries, 1};
+  return ListOf(kEntries);
 }
 }  // namespace attnd::kernels::hopper
 EOF

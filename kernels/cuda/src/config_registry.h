@@ -37,6 +37,21 @@ struct EntryList {
   int count;
 };
 
+// The list over an instantiation file's static table.
+template <size_t N>
+constexpr EntryList ListOf(const KernelEntry (&entries)[N]) {
+  return {entries, static_cast<int>(N)};
+}
+
+// The fields of an entry that come from its tile shape, with its launch and prepare functions by DType (bf16,
+// fp16); the family's Entry<Tile> sets what else it has.
+template <typename Tile>
+constexpr KernelEntry TileEntry(const char* name, Family family, LaunchFn bf16, LaunchFn fp16,
+                                PrepareFn prepare_bf16, PrepareFn prepare_fp16) {
+  return KernelEntry{name, family, Tile::kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kStages, Tile::kThreads,
+                     Tile::kSmemBytes, false, {bf16, fp16}, {prepare_bf16, prepare_fp16}};
+}
+
 namespace seed {
 EntryList Sm120D64Entries();
 EntryList Sm120D128Entries();

@@ -45,6 +45,7 @@ std::vector<std::string> ConfigNames() {
 namespace {
 
 struct DeviceCaps {
+  int device = 0;  // the index, resolved
   int major = 0, minor = 0;
   int smem_optin = 0;
   int sms = 0;
@@ -60,6 +61,7 @@ absl::StatusOr<int> ResolveDevice(int device) {
 
 absl::StatusOr<DeviceCaps> Caps(int device) {
   DeviceCaps caps;
+  caps.device = device;
   cudaError_t err = cudaDeviceGetAttribute(&caps.major, cudaDevAttrComputeCapabilityMajor, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&caps.minor, cudaDevAttrComputeCapabilityMinor, device);
   if (err == cudaSuccess) {
@@ -262,9 +264,8 @@ absl::Status CheckPointer(const char* name, const void* ptr) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::Status CheckDevice(int device) {
+// The capabilities of `device` (-1: the current one), or why attnd's kernels cannot run on it.
+absl::StatusOr<DeviceCaps> SupportedDevice(int device) {
   absl::StatusOr<int> dev = ResolveDevice(device);
   if (!dev.ok()) return dev.status();
   absl::StatusOr<DeviceCaps> caps = Caps(*dev);
@@ -276,14 +277,15 @@ absl::Status CheckDevice(int device) {
                                                       "; attnd's kernels are built for sm_90a (9.0) and sm_120a "
                                                       "(12.0) only"));
   }
-  return absl::OkStatus();
+  return caps;
 }
 
+}  // namespace
+
+absl::Status CheckDevice(int device) { return SupportedDevice(device).status(); }
+
 absl::StatusOr<std::vector<ConfigInfo>> ConfigsForDevice(int device) {
-  absl::StatusOr<int> dev = ResolveDevice(device);
-  if (!dev.ok()) return dev.status();
-  if (absl::Status st = CheckDevice(*dev); !st.ok()) return st;
-  absl::StatusOr<DeviceCaps> caps = Caps(*dev);
+  absl::StatusOr<DeviceCaps> caps = SupportedDevice(device);
   if (!caps.ok()) return caps.status();
   std::vector<ConfigInfo> out;
   for (size_t i = 0; i < AllEntries().size(); ++i) {
@@ -303,10 +305,7 @@ const char* AutoConfig(const DeviceCaps& caps, const Problem& p) {
 }  // namespace
 
 absl::StatusOr<std::vector<ConfigInfo>> AutoConfigsForDevice(int device) {
-  absl::StatusOr<int> dev = ResolveDevice(device);
-  if (!dev.ok()) return dev.status();
-  if (absl::Status st = CheckDevice(*dev); !st.ok()) return st;
-  absl::StatusOr<DeviceCaps> caps = Caps(*dev);
+  absl::StatusOr<DeviceCaps> caps = SupportedDevice(device);
   if (!caps.ok()) return caps.status();
   // The rules branch on head_dim, the mask, q_len and how many blocks a problem fills: the extremes of each
   // reach every branch.
@@ -333,10 +332,7 @@ absl::StatusOr<std::vector<ConfigInfo>> AutoConfigsForDevice(int device) {
 absl::StatusOr<Selection> Select(const Problem& problem, const Layout& layout, const PlanOptions& options) {
   if (absl::Status st = ValidateProblem(problem, layout); !st.ok()) return st;
   if (absl::Status st = CheckHopperOptions(options.hopper); !st.ok()) return st;
-  absl::StatusOr<int> dev = ResolveDevice(options.device);
-  if (!dev.ok()) return dev.status();
-  if (absl::Status st = CheckDevice(*dev); !st.ok()) return st;
-  absl::StatusOr<DeviceCaps> caps = Caps(*dev);
+  absl::StatusOr<DeviceCaps> caps = SupportedDevice(options.device);
   if (!caps.ok()) return caps.status();
 
   const std::vector<KernelEntry>& entries = AllEntries();
@@ -356,7 +352,7 @@ absl::StatusOr<Selection> Select(const Problem& problem, const Layout& layout, c
     }
     if (!Runs(entries[chosen], *caps)) {
       return absl::FailedPreconditionError(absl::StrCat("kernel configuration ", options.config,
-                                                        " cannot run on device ", *dev, " (compute capability ",
+                                                        " cannot run on device ", caps->device, " (compute capability ",
                                                         caps->major, ".", caps->minor, ")"));
     }
   } else {
@@ -364,7 +360,7 @@ absl::StatusOr<Selection> Select(const Problem& problem, const Layout& layout, c
     if (options.family == Family::kHopper) {
       if (caps->major != 9 || caps->minor != 0) {
         return absl::FailedPreconditionError(absl::StrCat("the hopper (wgmma) kernel family needs compute capability "
-                                                          "9.0; device ", *dev, " has ", caps->major, ".",
+                                                          "9.0; device ", caps->device, " has ", caps->major, ".",
                                                           caps->minor));
       }
       name = DefaultHopperConfig(problem);
@@ -380,7 +376,7 @@ absl::StatusOr<Selection> Select(const Problem& problem, const Layout& layout, c
   sel.problem = problem;
   sel.layout = layout;
   sel.config = chosen;
-  sel.device = *dev;
+  sel.device = caps->device;
   sel.hopper = options.hopper;
   return sel;
 }

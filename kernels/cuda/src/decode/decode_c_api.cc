@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "attnd/kernels/decode.h"
 #include "../c_abi_status.h"
@@ -12,7 +13,9 @@ struct attnd_decode_plan {
 
 namespace {
 
+using attnd::kernels::decode::AppendPlan;
 using attnd::kernels::decode::BatchLayout;
+using attnd::kernels::decode::GatherPlan;
 
 int Fail(const absl::Status& st, char* err, size_t err_len) { return attnd::kernels::FailInto(st, err, err_len); }
 
@@ -49,13 +52,33 @@ absl::Span<const int32_t> TableSpan(const BatchLayout& l, const int32_t* table) 
   return absl::Span<const int32_t>(table, static_cast<size_t>(l.batch) * l.paged.max_pages_per_seq);
 }
 
-// The layout and the host lengths of an append or gather, checked, handed to `fn(layout, lengths)`.
-template <typename Fn>
-absl::Status WithHostLengths(const attnd_decode_layout* layout, const int32_t* host_kv_lens, Fn fn) {
+// An append (Plan = AppendPlan) or a gather (GatherPlan): the layout and the host lengths checked, the plan made for
+// `rows` contiguous rows a sequence on the caller's side (the new rows, or the gathered ones) and handed to `launch`.
+template <typename Plan, typename LaunchFn>
+absl::Status CopyKvStatus(const attnd_decode_layout* layout, int rows, const int32_t* host_kv_lens,
+                          const int32_t* host_block_table, LaunchFn launch) {
   absl::StatusOr<BatchLayout> l = ToLayout(layout);
   if (!l.ok()) return l.status();
   if (host_kv_lens == nullptr || l->batch < 1) return absl::InvalidArgumentError("host_kv_lens: null or empty batch");
-  return fn(*l, absl::Span<const int32_t>(host_kv_lens, static_cast<size_t>(l->batch)));
+  const attnd::Strides contiguous = attnd::ContiguousStrides(rows, l->kv_heads, l->head_dim);
+  const absl::Span<const int32_t> lens(host_kv_lens, static_cast<size_t>(l->batch));
+  const absl::Span<const int32_t> table = TableSpan(*l, host_block_table);
+  absl::StatusOr<Plan> plan;
+  if constexpr (std::is_same_v<Plan, AppendPlan>) {
+    plan = attnd::kernels::decode::MakeAppendPlan(*l, rows, contiguous, contiguous, lens, table);
+  } else {
+    plan = attnd::kernels::decode::MakeGatherPlan(*l, rows, contiguous, contiguous, lens, table);
+  }
+  if (!plan.ok()) return plan.status();
+  return launch(*plan);
+}
+
+// CopyKvStatus through the C ABI: 0, or -1 with `err` filled.
+template <typename Plan, typename LaunchFn>
+int CopyKv(char* err, size_t err_len, const attnd_decode_layout* layout, int rows, const int32_t* host_kv_lens,
+           const int32_t* host_block_table, LaunchFn launch) {
+  const absl::Status st = CopyKvStatus<Plan>(layout, rows, host_kv_lens, host_block_table, launch);
+  return st.ok() ? 0 : Fail(st, err, err_len);
 }
 
 }  // namespace
@@ -68,7 +91,9 @@ int attnd_decode_plan_create(const attnd_decode_layout* layout, const int32_t* k
   *out = nullptr;
   absl::StatusOr<BatchLayout> l = ToLayout(layout);
   if (!l.ok()) return Fail(l.status(), err, err_len);
-  if (kv_lens == nullptr || l->batch < 1) return Fail(absl::InvalidArgumentError("kv_lens: null or empty batch"), err, err_len);
+  if (kv_lens == nullptr || l->batch < 1) {
+    return Fail(absl::InvalidArgumentError("kv_lens: null or empty batch"), err, err_len);
+  }
   attnd::kernels::decode::DecodeOptions options;
   options.num_splits = num_splits;
   options.sm_count = sm_count;
@@ -104,29 +129,17 @@ void attnd_decode_plan_destroy(attnd_decode_plan* plan) { delete plan; }
 int attnd_decode_append(const attnd_decode_layout* layout, int new_len, const int32_t* host_kv_lens,
                         const int32_t* host_block_table, const void* new_k, const void* new_v, void* k, void* v,
                         const int32_t* kv_lens, const int32_t* block_table, void* stream, char* err, size_t err_len) {
-  using namespace attnd::kernels::decode;
-  const absl::Status st = WithHostLengths(layout, host_kv_lens, [&](const BatchLayout& l, auto lens) {
-    const attnd::Strides rows = attnd::ContiguousStrides(new_len, l.kv_heads, l.head_dim);
-    absl::StatusOr<AppendPlan> plan = MakeAppendPlan(l, new_len, rows, rows, lens, TableSpan(l, host_block_table));
-    if (!plan.ok()) return plan.status();
-    return LaunchAppend(*plan, AppendTensors{new_k, new_v, k, v, kv_lens, block_table},
-                        static_cast<cudaStream_t>(stream));
+  return CopyKv<AppendPlan>(err, err_len, layout, new_len, host_kv_lens, host_block_table, [&](const auto& plan) {
+    return LaunchAppend(plan, {new_k, new_v, k, v, kv_lens, block_table}, static_cast<cudaStream_t>(stream));
   });
-  return st.ok() ? 0 : Fail(st, err, err_len);
 }
 
 int attnd_decode_gather(const attnd_decode_layout* layout, int capacity, const int32_t* host_kv_lens,
                         const int32_t* host_block_table, const void* k, const void* v, void* out_k, void* out_v,
                         const int32_t* kv_lens, const int32_t* block_table, void* stream, char* err, size_t err_len) {
-  using namespace attnd::kernels::decode;
-  const absl::Status st = WithHostLengths(layout, host_kv_lens, [&](const BatchLayout& l, auto lens) {
-    const attnd::Strides rows = attnd::ContiguousStrides(capacity, l.kv_heads, l.head_dim);
-    absl::StatusOr<GatherPlan> plan = MakeGatherPlan(l, capacity, rows, rows, lens, TableSpan(l, host_block_table));
-    if (!plan.ok()) return plan.status();
-    return LaunchGather(*plan, GatherTensors{k, v, out_k, out_v, kv_lens, block_table},
-                        static_cast<cudaStream_t>(stream));
+  return CopyKv<GatherPlan>(err, err_len, layout, capacity, host_kv_lens, host_block_table, [&](const auto& plan) {
+    return LaunchGather(plan, {k, v, out_k, out_v, kv_lens, block_table}, static_cast<cudaStream_t>(stream));
   });
-  return st.ok() ? 0 : Fail(st, err, err_len);
 }
 
 }  // extern "C"

@@ -8,7 +8,7 @@ EntryList Sm90D128Entries() {
   static const KernelEntry kEntries[] = {
       Entry<TileShape<HopperD128M128N128S3OskP2>>("hopper_sm90_d128_m128n128s3_osk_p2"),
   };
-  return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
+  return ListOf(kEntries);
 }
 
 }  // namespace attnd::kernels::hopper

@@ -5,10 +5,8 @@
 namespace attnd::kernels::hopper {
 
 EntryList Sm90D256Entries() {
-  static const KernelEntry kEntries[] = {
-      Entry<TileShape<HopperD256M128N64S2>>("hopper_sm90_d256_m128n64s2"),
-  };
-  return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
+  static const KernelEntry kEntries[] = {Entry<TileShape<HopperD256M128N64S2>>("hopper_sm90_d256_m128n64s2")};
+  return ListOf(kEntries);
 }
 
 }  // namespace attnd::kernels::hopper

@@ -9,7 +9,7 @@ EntryList Sm90D64Entries() {
       Entry<TileShape<HopperD64M128N128S6P2>>("hopper_sm90_d64_m128n128s6_p2"),
       Entry<TileShape<HopperD64M192N128S4Wrs>>("hopper_sm90_d64_m192n128s4_wrs"),
   };
-  return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
+  return ListOf(kEntries);
 }
 
 }  // namespace attnd::kernels::hopper

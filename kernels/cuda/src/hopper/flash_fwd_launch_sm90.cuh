@@ -155,20 +155,12 @@ cudaError_t PrepareFwd() {
 
 template <typename Tile>
 constexpr KernelEntry Entry(const char* name) {
-  return KernelEntry{name,
-                     Family::kHopper,
-                     Tile::kHeadDim,
-                     Tile::kBlockM,
-                     Tile::kBlockN,
-                     Tile::kStages,
-                     Tile::kThreads,
-                     Tile::kSmemBytes,
-                     false,
-                     {&LaunchFwd<Tile, __nv_bfloat16>, &LaunchFwd<Tile, __half>},
-                     {&PrepareFwd<Tile, __nv_bfloat16>, &PrepareFwd<Tile, __half>},
-                     &PlanScheduleFwd<Tile>,
-                     Tile::kSmemEpilogue ? 64 : 0,  // the epilogue's TMA boxes: one warpgroup's 64 rows
-                     MaySplitTail<Tile>()};
+  KernelEntry e = TileEntry<Tile>(name, Family::kHopper, &LaunchFwd<Tile, __nv_bfloat16>, &LaunchFwd<Tile, __half>,
+                                  &PrepareFwd<Tile, __nv_bfloat16>, &PrepareFwd<Tile, __half>);
+  e.plan_schedule = &PlanScheduleFwd<Tile>;
+  e.o_box_rows = Tile::kSmemEpilogue ? 64 : 0;  // the epilogue's TMA boxes: one warpgroup's 64 rows
+  e.split_tail = MaySplitTail<Tile>();
+  return e;
 }
 
 }  // namespace attnd::kernels::hopper

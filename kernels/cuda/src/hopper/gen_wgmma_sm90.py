@@ -2,9 +2,12 @@
 """Writes wgmma_sm90.h: the wgmma.mma_async wrappers the Hopper family uses.
 
 Each wgmma shape needs one inline-asm statement naming every accumulator register (N/2 of them for
-m64nNk16 with fp32 accumulators), which is long and error-prone by hand, so it is generated.
-Run: python3 gen_wgmma_sm90.py > wgmma_sm90.h
+m64nNk16 with fp32 accumulators), which is long and error-prone by hand, so it is generated, by the build
+(kernels/cuda/CMakeLists.txt) into the build tree.
+Run: python3 gen_wgmma_sm90.py OUT_FILE
 """
+
+import sys
 
 SS_N = [64, 128]                # S = Q K^T: N = block_n
 RS_N = [64, 128, 256]                # O += P V: N = head_dim
@@ -73,7 +76,9 @@ def main():
             out.append(ss(n, elem, ptx))
             out.append("")
     out.append("}  // namespace attnd::kernels::hopper")
-    print("\n".join(out))
+    text = "\n".join(out) + "\n"
+    with open(sys.argv[1], "w") as f:
+        f.write(text)
 
 
 if __name__ == "__main__":

@@ -27,21 +27,13 @@ cudaError_t PrepareFwd() {
                               static_cast<int>(Tile::kSmemBytes));
 }
 
+// One block per tile: nothing to schedule and no workspace; O is written from registers: no O tensor map.
 template <typename Tile>
 constexpr KernelEntry Entry(const char* name) {
-  return KernelEntry{name,
-                     Family::kSeed,
-                     Tile::kHeadDim,
-                     Tile::kBlockM,
-                     Tile::kBlockN,
-                     Tile::kStages,
-                     Tile::kThreads,
-                     Tile::kSmemBytes,
-                     Tile::kSm120,
-                     {&LaunchFwd<Tile, __nv_bfloat16>, &LaunchFwd<Tile, __half>},
-                     {&PrepareFwd<Tile, __nv_bfloat16>, &PrepareFwd<Tile, __half>},
-                     nullptr,  // one block per tile: nothing to schedule, no workspace
-                     0};       // O is written from registers: no O tensor map
+  KernelEntry e = TileEntry<Tile>(name, Family::kSeed, &LaunchFwd<Tile, __nv_bfloat16>, &LaunchFwd<Tile, __half>,
+                                  &PrepareFwd<Tile, __nv_bfloat16>, &PrepareFwd<Tile, __half>);
+  e.sm120 = Tile::kSm120;
+  return e;
 }
 
 }  // namespace attnd::kernels::seed

@@ -6,10 +6,8 @@
 namespace attnd::kernels::seed {
 
 EntryList Sm120D128Entries() {
-  static const KernelEntry kEntries[] = {
-      Entry<SeedSm120D128>("seed_sm120_d128_m64n64s1"),
-  };
-  return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
+  static const KernelEntry kEntries[] = {Entry<SeedSm120D128>("seed_sm120_d128_m64n64s1")};
+  return ListOf(kEntries);
 }
 
 }  // namespace attnd::kernels::seed

@@ -6,10 +6,8 @@
 namespace attnd::kernels::seed {
 
 EntryList Sm120D256Entries() {
-  static const KernelEntry kEntries[] = {
-      Entry<SeedSm120D256>("seed_sm120_d256_m64n64s1"),
-  };
-  return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
+  static const KernelEntry kEntries[] = {Entry<SeedSm120D256>("seed_sm120_d256_m64n64s1")};
+  return ListOf(kEntries);
 }
 
 }  // namespace attnd::kernels::seed

@@ -6,10 +6,8 @@
 namespace attnd::kernels::seed {
 
 EntryList Sm120D64Entries() {
-  static const KernelEntry kEntries[] = {
-      Entry<SeedSm120D64>("seed_sm120_d64_m64n64s2"),
-  };
-  return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
+  static const KernelEntry kEntries[] = {Entry<SeedSm120D64>("seed_sm120_d64_m64n64s2")};
+  return ListOf(kEntries);
 }
 
 }  // namespace attnd::kernels::seed

@@ -10,7 +10,7 @@ EntryList Sm90D128Entries() {
       Entry<SeedSm90D128M64S2>("seed_sm90_d128_m64n64s2"),
       Entry<SeedSm90D128M128S2R2>("seed_sm90_d128_m128n64s2w4"),
   };
-  return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
+  return ListOf(kEntries);
 }
 
 }  // namespace attnd::kernels::seed

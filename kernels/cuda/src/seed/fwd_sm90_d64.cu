@@ -6,10 +6,8 @@
 namespace attnd::kernels::seed {
 
 EntryList Sm90D64Entries() {
-  static const KernelEntry kEntries[] = {
-      Entry<SeedSm90D64M128S2R2>("seed_sm90_d64_m128n64s2w4"),
-  };
-  return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
+  static const KernelEntry kEntries[] = {Entry<SeedSm90D64M128S2R2>("seed_sm90_d64_m128n64s2w4")};
+  return ListOf(kEntries);
 }
 
 }  // namespace attnd::kernels::seed
