@@ -451,11 +451,7 @@ std::string FormatDecodeReport(const DecodeBenchReport& r) {
   absl::StrAppendFormat(&out, "  outside the server's total, per call ms: p50 %.3f, p99 %.3f\n",
                         r.outside_p50_us / 1e3, r.outside_p99_us / 1e3);
   absl::StrAppendFormat(&out, "  K/V read: %.2f GB/s (bytes attention reads / its kernel time)\n", r.hbm_gbps);
-  if (!r.errors_by_code.empty()) {
-    std::vector<std::string> parts;
-    for (const auto& [code, n] : r.errors_by_code) parts.push_back(absl::StrCat(code, " ", n));
-    absl::StrAppend(&out, "  errors by code: ", absl::StrJoin(parts, ", "), "\n  first error: ", r.first_error, "\n");
-  }
+  absl::StrAppend(&out, FormatErrors(r.errors_by_code, r.first_error));
   return out;
 }
 

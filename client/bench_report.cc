@@ -104,6 +104,13 @@ std::vector<std::pair<std::string, std::string>> Fields(const BenchReport& r) {
 
 }  // namespace
 
+std::string FormatErrors(const std::map<std::string, int64_t>& errors_by_code, const std::string& first_error) {
+  if (errors_by_code.empty()) return "";
+  std::vector<std::string> parts;
+  for (const auto& [code, n] : errors_by_code) parts.push_back(absl::StrCat(code, " ", n));
+  return absl::StrCat("  errors by code: ", absl::StrJoin(parts, ", "), "\n  first error: ", first_error, "\n");
+}
+
 std::string FormatBenchReport(const BenchReport& r) {
   const Shape& s = r.problem.shape;
   std::string out;
@@ -146,11 +153,7 @@ std::string FormatBenchReport(const BenchReport& r) {
     absl::StrAppendFormat(&out, "  verified: %d replies, %d failed%s\n", r.verified, r.verify_failures,
                           r.first_verify_failure.empty() ? "" : " (first: " + r.first_verify_failure + ")");
   }
-  if (!r.errors_by_code.empty()) {
-    std::vector<std::string> parts;
-    for (const auto& [code, n] : r.errors_by_code) parts.push_back(absl::StrCat(code, " ", n));
-    absl::StrAppend(&out, "  errors by code: ", absl::StrJoin(parts, ", "), "\n  first error: ", r.first_error, "\n");
-  }
+  absl::StrAppend(&out, FormatErrors(r.errors_by_code, r.first_error));
   return out;
 }
 

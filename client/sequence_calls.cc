@@ -378,49 +378,57 @@ absl::StatusOr<StepResult> Client::StepOverShm(const v1::StepRequest& request, c
   return r;
 }
 
-absl::StatusOr<std::vector<std::string>> Client::ForkSequence(const std::string& sequence_id, uint32_t count,
-                                                              const CallOptions& call) {
-  absl::StatusOr<v1::Attention::Stub*> stub = StubFor(SequenceAddress(sequence_id));
+template <typename Request, typename Response>
+absl::StatusOr<Response> Client::CallOn(const std::string& address,
+                                        grpc::Status (v1::Attention::Stub::*rpc)(grpc::ClientContext*,
+                                                                                 const Request&, Response*),
+                                        const Request& request, const CallOptions& call) {
+  absl::StatusOr<v1::Attention::Stub*> stub = StubFor(address);
   if (!stub.ok()) return stub.status();
-  v1::ForkSequenceRequest req;
-  req.set_sequence_id(sequence_id);
-  req.set_count(count);
   grpc::ClientContext ctx;
   Prepare(&ctx, call);
-  v1::ForkSequenceResponse resp;
-  if (absl::Status st = FromGrpcStatus((*stub)->ForkSequence(&ctx, req, &resp)); !st.ok()) {
-    return NameTheServer(SequenceAddress(sequence_id), options_.target, std::move(st));
+  Response response;
+  if (absl::Status st = FromGrpcStatus(((*stub)->*rpc)(&ctx, request, &response)); !st.ok()) {
+    return NameTheServer(address, options_.target, std::move(st));
   }
-  return std::vector<std::string>(resp.sequence_ids().begin(), resp.sequence_ids().end());
+  return response;
+}
+
+template <typename Request, typename Response>
+absl::StatusOr<Response> Client::CallAbout(const std::string& sequence_id,
+                                           grpc::Status (v1::Attention::Stub::*rpc)(grpc::ClientContext*,
+                                                                                    const Request&, Response*),
+                                           Request request, const CallOptions& call) {
+  request.set_sequence_id(sequence_id);
+  return CallOn(SequenceAddress(sequence_id), rpc, request, call);
+}
+
+absl::StatusOr<std::vector<std::string>> Client::ForkSequence(const std::string& sequence_id, uint32_t count,
+                                                              const CallOptions& call) {
+  v1::ForkSequenceRequest fork;
+  fork.set_count(count);
+  absl::StatusOr<v1::ForkSequenceResponse> forked =
+      CallAbout(sequence_id, &v1::Attention::Stub::ForkSequence, std::move(fork), call);
+  if (!forked.ok()) return forked.status();
+  return std::vector<std::string>(forked->sequence_ids().begin(), forked->sequence_ids().end());
 }
 
 absl::StatusOr<std::vector<int64_t>> Client::TruncateSequence(const std::string& sequence_id, int64_t tokens,
                                                               const CallOptions& call) {
-  absl::StatusOr<v1::Attention::Stub*> stub = StubFor(SequenceAddress(sequence_id));
-  if (!stub.ok()) return stub.status();
-  v1::TruncateSequenceRequest req;
-  req.set_sequence_id(sequence_id);
-  req.set_tokens(tokens);
-  grpc::ClientContext ctx;
-  Prepare(&ctx, call);
-  v1::TruncateSequenceResponse resp;
-  if (absl::Status st = FromGrpcStatus((*stub)->TruncateSequence(&ctx, req, &resp)); !st.ok()) {
-    return NameTheServer(SequenceAddress(sequence_id), options_.target, std::move(st));
-  }
-  return std::vector<int64_t>(resp.lengths().begin(), resp.lengths().end());
+  v1::TruncateSequenceRequest truncate;
+  truncate.set_tokens(tokens);
+  absl::StatusOr<v1::TruncateSequenceResponse> truncated =
+      CallAbout(sequence_id, &v1::Attention::Stub::TruncateSequence, std::move(truncate), call);
+  if (!truncated.ok()) return truncated.status();
+  return std::vector<int64_t>(truncated->lengths().begin(), truncated->lengths().end());
 }
 
 absl::Status Client::CloseSequence(const std::vector<std::string>& sequence_ids, const CallOptions& call) {
   absl::StatusOr<std::string> address = AddressOf(sequence_ids, "sequence_ids");
   if (!address.ok()) return address.status();
-  absl::StatusOr<v1::Attention::Stub*> stub = StubFor(*address);
-  if (!stub.ok()) return stub.status();
   v1::CloseSequenceRequest req;
   for (const std::string& id : sequence_ids) req.add_sequence_ids(id);
-  grpc::ClientContext ctx;
-  Prepare(&ctx, call);
-  v1::CloseSequenceResponse resp;
-  return NameTheServer(*address, options_.target, FromGrpcStatus((*stub)->CloseSequence(&ctx, req, &resp)));
+  return CallOn(*address, &v1::Attention::Stub::CloseSequence, req, call).status();
 }
 
 namespace {
@@ -497,17 +505,7 @@ absl::StatusOr<std::string> Client::MoveSequence(const std::string& sequence_id,
 }
 
 absl::StatusOr<v1::SequenceInfo> Client::GetSequence(const std::string& sequence_id, const CallOptions& call) {
-  absl::StatusOr<v1::Attention::Stub*> stub = StubFor(SequenceAddress(sequence_id));
-  if (!stub.ok()) return stub.status();
-  v1::GetSequenceRequest req;
-  req.set_sequence_id(sequence_id);
-  grpc::ClientContext ctx;
-  Prepare(&ctx, call);
-  v1::SequenceInfo resp;
-  if (absl::Status st = FromGrpcStatus((*stub)->GetSequence(&ctx, req, &resp)); !st.ok()) {
-    return NameTheServer(SequenceAddress(sequence_id), options_.target, std::move(st));
-  }
-  return resp;
+  return CallAbout(sequence_id, &v1::Attention::Stub::GetSequence, v1::GetSequenceRequest(), call);
 }
 
 }  // namespace attnd::client

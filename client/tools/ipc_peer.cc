@@ -18,7 +18,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -69,25 +71,60 @@ Buffers Allocate(const Shape& s, int outs) {
   return b;
 }
 
-absl::Status Register(client::Client& c, Buffers& b, int outs) {
+absl::StatusOr<std::string> RegisterRegion(client::Client& c, const std::string& handle, uint64_t offset,
+                                           uint64_t size, const std::string& name) {
   v1::RegisterCudaBufferRequest r;
-  r.set_ipc_handle(b.handle);
+  r.set_ipc_handle(handle);
   r.set_device(absl::GetFlag(FLAGS_device));
-  r.set_offset(0);
-  r.set_byte_size(b.o_off);
-  r.set_name("inputs");
-  absl::StatusOr<std::string> id = c.RegisterCudaBuffer(r);
+  r.set_offset(offset);
+  r.set_byte_size(size);
+  r.set_name(name);
+  return c.RegisterCudaBuffer(r);
+}
+
+absl::Status Register(client::Client& c, Buffers& b, int outs) {
+  absl::StatusOr<std::string> id = RegisterRegion(c, b.handle, 0, b.o_off, "inputs");
   if (!id.ok()) return id.status();
   b.inputs_id = *id;
   for (int i = 0; i < outs; ++i) {
-    r.set_offset(b.o_off + b.o_stride * i);
-    r.set_byte_size(b.q_bytes);
-    r.set_name(absl::StrCat("out", i));
-    id = c.RegisterCudaBuffer(r);
+    id = RegisterRegion(c, b.handle, b.o_off + b.o_stride * i, b.q_bytes, absl::StrCat("out", i));
     if (!id.ok()) return id.status();
     b.out_ids.push_back(*id);
   }
   return absl::OkStatus();
+}
+
+LaunchTimer::LaunchTimer(cudaStream_t stream, std::function<void()> launch)
+    : stream_(stream), launch_(std::move(launch)) {
+  CUDA_OR_DIE(cudaEventCreate(&start_));
+  CUDA_OR_DIE(cudaEventCreate(&end_));
+}
+
+LaunchTimer::~LaunchTimer() {
+  cudaEventDestroy(start_);
+  cudaEventDestroy(end_);
+}
+
+double LaunchTimer::Time(int n) {
+  CUDA_OR_DIE(cudaEventRecord(start_, stream_));
+  for (int i = 0; i < n; ++i) launch_();
+  CUDA_OR_DIE(cudaEventRecord(end_, stream_));
+  CUDA_OR_DIE(cudaEventSynchronize(end_));
+  float ms = 0;
+  CUDA_OR_DIE(cudaEventElapsedTime(&ms, start_, end_));
+  return static_cast<double>(ms) * 1e3;
+}
+
+void LaunchTimer::BurstAndSingles(int burst, int singles, KernelOnly* k) {
+  k->burst_us = Time(burst) / burst;
+  std::vector<double> one;
+  for (int i = 0; i < singles; ++i) one.push_back(Time(1));
+  k->isolated_us = Median(one);
+}
+
+double Median(std::vector<double>& v) {
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
 }
 
 v1::ForwardRequest RefRequest(const client::RequestSpec& spec, const Buffers& b, int out) {

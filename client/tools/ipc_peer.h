@@ -80,10 +80,37 @@ std::string CallAndCheck(client::Client& c, const v1::ForwardRequest& req, const
 
 std::vector<int64_t> Ints(const std::string& list);
 
+// Registers bytes [offset, offset + size) of the exported allocation `handle` (on --device) as `name`: its id.
+absl::StatusOr<std::string> RegisterRegion(client::Client& c, const std::string& handle, uint64_t offset,
+                                           uint64_t size, const std::string& name);
+
 // Kernel-only times of one problem on this GPU (KernelOnlyUs, DecodeKernelOnlyUs say how each is measured).
 struct KernelOnly {
   double burst_us = 0, sustained_us = 0, isolated_us = 0, flushed_us = 0;
 };
+
+// Times launches on one stream with events around them.
+class LaunchTimer {
+ public:
+  LaunchTimer(cudaStream_t stream, std::function<void()> launch);
+  ~LaunchTimer();
+  LaunchTimer(const LaunchTimer&) = delete;
+  LaunchTimer& operator=(const LaunchTimer&) = delete;
+
+  // Microseconds `n` launches back to back take.
+  double Time(int n);
+  // The mean launch of a burst of `burst` (burst_us) and the median of `singles` launches timed one at a time
+  // (isolated_us).
+  void BurstAndSingles(int burst, int singles, KernelOnly* k);
+
+ private:
+  const cudaStream_t stream_;
+  const std::function<void()> launch_;
+  cudaEvent_t start_ = nullptr, end_ = nullptr;
+};
+
+// The median of `v` (reordered).
+double Median(std::vector<double>& v);
 
 // The modes; each returns the exit status.
 int Check(client::Client& c);

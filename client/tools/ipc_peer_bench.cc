@@ -51,44 +51,28 @@ KernelOnly KernelOnlyUs(const attnd::Problem& p, const Buffers& b, void* o, absl
     CUDA_OR_DIE(cudaMalloc(&ws, plan->workspace_bytes));
     CUDA_OR_DIE(cudaMemsetAsync(ws, 0, plan->workspace_bytes, st));
   }
-  for (int i = 0; i < 10; ++i) (void)attnd::kernels::Launch(*plan, ws, st);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  const auto timed = [&](int n) {
-    cudaEventRecord(e0, st);
-    for (int i = 0; i < n; ++i) (void)attnd::kernels::Launch(*plan, ws, st);
-    cudaEventRecord(e1, st);
-    CUDA_OR_DIE(cudaEventSynchronize(e1));
-    float ms = 0;
-    cudaEventElapsedTime(&ms, e0, e1);
-    return static_cast<double>(ms) * 1e3;
-  };
   KernelOnly k;
-  k.burst_us = timed(100) / 100;
-  std::vector<double> one;
-  for (int i = 0; i < 51; ++i) one.push_back(timed(1));
-  std::nth_element(one.begin(), one.begin() + one.size() / 2, one.end());
-  k.isolated_us = one[one.size() / 2];
   {
+    LaunchTimer timer(st, [&] {
+      if (absl::Status s = attnd::kernels::Launch(*plan, ws, st); !s.ok()) Fail(s.ToString());
+    });
+    (void)timer.Time(10);
+    timer.BurstAndSingles(100, 51, &k);
     constexpr size_t kFlushBytes = size_t{256} << 20;
     void* flush = nullptr;
     CUDA_OR_DIE(cudaMalloc(&flush, kFlushBytes));
     std::vector<double> flushed;
     for (int i = 0; i < 51; ++i) {
       CUDA_OR_DIE(cudaMemsetAsync(flush, 0, kFlushBytes, st));
-      flushed.push_back(timed(1));
+      flushed.push_back(timer.Time(1));
     }
     CUDA_OR_DIE(cudaFree(flush));
-    std::nth_element(flushed.begin(), flushed.begin() + flushed.size() / 2, flushed.end());
-    k.flushed_us = flushed[flushed.size() / 2];
+    k.flushed_us = Median(flushed);
+    double us = 0;
+    int64_t launches = 0;
+    for (const absl::Time end = absl::Now() + sustain; absl::Now() < end; launches += 50) us += timer.Time(50);
+    k.sustained_us = launches > 0 ? us / static_cast<double>(launches) : k.burst_us;
   }
-  double us = 0;
-  int64_t launches = 0;
-  for (const absl::Time end = absl::Now() + sustain; absl::Now() < end; launches += 50) us += timed(50);
-  k.sustained_us = launches > 0 ? us / static_cast<double>(launches) : k.burst_us;
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   cudaStreamDestroy(st);
   if (ws != nullptr) cudaFree(ws);
   return k;

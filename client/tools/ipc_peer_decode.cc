@@ -75,19 +75,11 @@ absl::StatusOr<DecodeBuffers> MakeDecodeBuffers(client::Client& c, int64_t seqs,
   CUDA_OR_DIE(cudaMemcpy(b.base + b.pv_off, b.pv.data(), b.pv.size(), cudaMemcpyHostToDevice));
   cudaIpcMemHandle_t h;
   CUDA_OR_DIE(cudaIpcGetMemHandle(&h, p));
-  v1::RegisterCudaBufferRequest r;
-  r.set_ipc_handle(std::string(reinterpret_cast<const char*>(&h), sizeof h));
-  r.set_device(absl::GetFlag(FLAGS_device));
-  r.set_offset(0);
-  r.set_byte_size(b.in_bytes);
-  r.set_name("decode inputs");
-  absl::StatusOr<std::string> id = c.RegisterCudaBuffer(r);
+  const std::string handle(reinterpret_cast<const char*>(&h), sizeof h);
+  absl::StatusOr<std::string> id = RegisterRegion(c, handle, 0, b.in_bytes, "decode inputs");
   if (!id.ok()) return id.status();
   b.inputs_id = *id;
-  r.set_offset(b.o_off);
-  r.set_byte_size(qb);
-  r.set_name("decode out");
-  id = c.RegisterCudaBuffer(r);
+  id = RegisterRegion(c, handle, b.o_off, qb, "decode out");
   if (!id.ok()) return id.status();
   b.out_id = *id;
   return b;
@@ -157,29 +149,14 @@ KernelOnly DecodeKernelOnlyUs(const DecodeBuffers& b, int64_t keys, int page) {
   t.block_table = static_cast<const int32_t*>(dtable);
   cudaStream_t st;
   CUDA_OR_DIE(cudaStreamCreate(&st));
-  cudaEvent_t e0, e1;
-  CUDA_OR_DIE(cudaEventCreate(&e0));
-  CUDA_OR_DIE(cudaEventCreate(&e1));
-  const auto timed = [&](int n) {
-    CUDA_OR_DIE(cudaEventRecord(e0, st));
-    for (int i = 0; i < n; ++i) {
-      if (absl::Status s = dk::LaunchDecode(*plan, t, {ws, counters}, st); !s.ok()) Fail(s.ToString());
-    }
-    CUDA_OR_DIE(cudaEventRecord(e1, st));
-    CUDA_OR_DIE(cudaEventSynchronize(e1));
-    float ms = 0;
-    CUDA_OR_DIE(cudaEventElapsedTime(&ms, e0, e1));
-    return static_cast<double>(ms) * 1e3;
-  };
-  (void)timed(20);
   KernelOnly r;
-  r.burst_us = timed(200) / 200;
-  std::vector<double> one;
-  for (int i = 0; i < 101; ++i) one.push_back(timed(1));
-  std::nth_element(one.begin(), one.begin() + one.size() / 2, one.end());
-  r.isolated_us = one[one.size() / 2];
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
+  {
+    LaunchTimer timer(st, [&] {
+      if (absl::Status s = dk::LaunchDecode(*plan, t, {ws, counters}, st); !s.ok()) Fail(s.ToString());
+    });
+    (void)timer.Time(20);
+    timer.BurstAndSingles(200, 101, &r);
+  }
   cudaStreamDestroy(st);
   for (void* p : {k, v, o, ws, static_cast<void*>(counters), dlens, dtable}) {
     if (p != nullptr) CUDA_OR_DIE(cudaFree(p));

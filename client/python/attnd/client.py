@@ -415,6 +415,16 @@ class Client:
         except Exception:
             pass
 
+    def _call_at(self, fn, args):
+        """Calls a Forward or Step entry point (fn: the C function at its address, by address arguments) with the
+        packed `args`; last_info takes its timing. Raises what the library reports."""
+        info = _lib.ForwardInfo()
+        err = self._error()
+        if fn(self._handle or self._h(), _addressof(args), _addressof(info), _addressof(err)) != 0:
+            _raise(err)
+        self._errors.append(err)
+        self.last_info = info
+
     def _error(self):
         # Error structs are reused (one is 2 KiB to clear): taken per call, given back after a success.
         try:
@@ -472,12 +482,7 @@ class Client:
         # `keep` holds every object whose memory `a` names until the call returns.
         o, lse, lse_device, keep = self._fill_forward(a, q, k, v, causal, scale, return_lse, out, dtype, transport,
                                                       timeout, request_id)
-        info = _lib.ForwardInfo()
-        err = self._error()
-        if self._forward_at(self._handle or self._h(), _addressof(a), _addressof(info), _addressof(err)) != 0:
-            _raise(err)
-        self._errors.append(err)
-        self.last_info = info
+        self._call_at(self._forward_at, a)
         if lse is None:
             return o
         return o, (lse.to(lse_device) if lse_device is not None else lse)
@@ -729,13 +734,8 @@ class Client:
                    o_ptr, o_bytes, lse_ptr, lse_bytes, _addressof(c_lengths))
         if request_id:
             a.request_id = request_id.encode()  # the struct keeps the bytes alive
-        info = _lib.ForwardInfo()
-        err = self._error()
         # qt, kt, vt, o_host and lse hold the memory `a` names until the call returns.
-        if self._step_at(self._handle or self._h(), _addressof(a), _addressof(info), _addressof(err)) != 0:
-            _raise(err)
-        self._errors.append(err)
-        self.last_info = info
+        self._call_at(self._step_at, a)
         layer = int(layer)
         if n == 1:
             if isinstance(sequences[0], Sequence):

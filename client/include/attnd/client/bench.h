@@ -124,6 +124,9 @@ double Percentile(const std::vector<double>& sorted, double p);
 std::string FormatBenchReport(const BenchReport& r);  // human-readable, several lines
 std::string BenchReportJson(const BenchReport& r);
 std::string BenchReportCsv(const BenchReport& r);     // a header line and one data line
+// The lines of a human-readable report about failed calls: their count by status code and the first one's status
+// ("" when none failed).
+std::string FormatErrors(const std::map<std::string, int64_t>& errors_by_code, const std::string& first_error);
 
 // ---- KV sequences (`attn seq`, `attn bench --workload=decode`; docs/sequences.md, "Client and CLI") ----------
 

@@ -339,6 +339,18 @@ class Client {
   // OpenSequence on the first server that has room (over a fleet, each RESOURCE_EXHAUSTED tries the next).
   absl::StatusOr<v1::OpenSequenceResponse> PlaceSequences(const v1::OpenSequenceRequest& request,
                                                           const CallOptions& call);
+  // A unary call about sequences on the server of `address`, its failure naming that server.
+  template <typename Request, typename Response>
+  absl::StatusOr<Response> CallOn(const std::string& address,
+                                  grpc::Status (v1::Attention::Stub::*rpc)(grpc::ClientContext*, const Request&,
+                                                                           Response*),
+                                  const Request& request, const CallOptions& call);
+  // CallOn the server of one sequence, with the request naming it.
+  template <typename Request, typename Response>
+  absl::StatusOr<Response> CallAbout(const std::string& sequence_id,
+                                     grpc::Status (v1::Attention::Stub::*rpc)(grpc::ClientContext*, const Request&,
+                                                                              Response*),
+                                     Request request, const CallOptions& call);
   // The one address of `ids` (INVALID_ARGUMENT naming `field` when they name different servers).
   static absl::StatusOr<std::string> AddressOf(const std::vector<std::string>& ids, const char* field);
   absl::StatusOr<StepResult> StepOverShm(const v1::StepRequest& request, const CallOptions& call);
