@@ -116,9 +116,14 @@ struct Task {
 
 constexpr int64_t kRowsPerTask = 64;
 
-template <typename Acc, typename StoreO, typename StoreLse>
+// Runs the problem on opts.num_threads threads; each row's unnormalised O goes to store_o(b, i, h, acc, sum) and its
+// LSE, natural log, to lse[b][h][i] (unless lse is null).
+template <typename Acc, typename StoreO>
 void RunTasks(const Problem& p, const Layout& L, const uint16_t* q, const uint16_t* k, const uint16_t* v,
-              const ReferenceOptions& opts, StoreO store_o, StoreLse store_lse) {
+              const ReferenceOptions& opts, StoreO store_o, Acc* lse) {
+  auto store_lse = [&](int64_t b, int64_t h, int64_t i, Acc value) {
+    if (lse != nullptr) lse[(b * p.shape.q_heads + h) * p.shape.q_len + i] = value;
+  };
   const Shape& s = p.shape;
   const int64_t group = s.q_heads / s.kv_heads;
   const int64_t d = s.head_dim;
@@ -190,17 +195,12 @@ void RunTasks(const Problem& p, const Layout& L, const uint16_t* q, const uint16
 
 void ReferenceAttention(const Problem& p, const Layout& layout, const uint16_t* q, const uint16_t* k,
                         const uint16_t* v, uint16_t* o, float* lse, const ReferenceOptions& opts) {
-  const Shape& s = p.shape;
-  RunTasks<float>(
-      p, layout, q, k, v, opts,
-      [&](int64_t b, int64_t i, int64_t h, const float* acc, float sum) {
-        uint16_t* orow = o + b * layout.o.batch + i * layout.o.seq + h * layout.o.head;
-        const float inv = 1.0f / sum;
-        for (int64_t x = 0; x < s.head_dim; ++x) orow[x] = FloatToHalf(p.dtype, acc[x] * inv);
-      },
-      [&](int64_t b, int64_t h, int64_t i, float value) {
-        if (p.want_lse && lse != nullptr) lse[(b * s.q_heads + h) * s.q_len + i] = value;
-      });
+  auto store_o = [&](int64_t b, int64_t i, int64_t h, const float* acc, float sum) {
+    uint16_t* orow = o + b * layout.o.batch + i * layout.o.seq + h * layout.o.head;
+    const float inv = 1.0f / sum;
+    for (int64_t x = 0; x < p.shape.head_dim; ++x) orow[x] = FloatToHalf(p.dtype, acc[x] * inv);
+  };
+  RunTasks<float>(p, layout, q, k, v, opts, store_o, p.want_lse ? lse : nullptr);
 }
 
 void ReferenceAttentionF64(const Problem& p, const Layout& layout, const uint16_t* q, const uint16_t* k,
@@ -212,9 +212,7 @@ void ReferenceAttentionF64(const Problem& p, const Layout& layout, const uint16_
         double* orow = o + ((b * s.q_len + i) * s.q_heads + h) * s.head_dim;
         for (int64_t x = 0; x < s.head_dim; ++x) orow[x] = acc[x] / sum;
       },
-      [&](int64_t b, int64_t h, int64_t i, double value) {
-        if (lse != nullptr) lse[(b * s.q_heads + h) * s.q_len + i] = value;
-      });
+      lse);
 }
 
 }  // namespace attnd

@@ -1,5 +1,7 @@
 #include "attnd/proto/enums.h"
 
+#include <utility>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 
@@ -10,18 +12,20 @@ absl::Status Invalid(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
 }
 
+// Each mask and its wire value, for both directions.
+constexpr std::pair<Mask, v1::MaskType> kMasks[] = {
+    {Mask::kNone, v1::MASK_TYPE_NONE},
+    {Mask::kCausalTopLeft, v1::MASK_TYPE_CAUSAL_TOP_LEFT},
+    {Mask::kCausalBottomRight, v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT},
+};
+
 }  // namespace
 
 v1::Dtype DtypeToProto(DType dtype) { return dtype == DType::kFP16 ? v1::DTYPE_FP16 : v1::DTYPE_BF16; }
 
 v1::MaskType MaskToProto(Mask mask) {
-  switch (mask) {
-    case Mask::kNone:
-      return v1::MASK_TYPE_NONE;
-    case Mask::kCausalTopLeft:
-      return v1::MASK_TYPE_CAUSAL_TOP_LEFT;
-    case Mask::kCausalBottomRight:
-      return v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT;
+  for (const auto& [m, value] : kMasks) {
+    if (m == mask) return value;
   }
   return v1::MASK_TYPE_NONE;
 }
@@ -40,19 +44,14 @@ absl::StatusOr<DType> DtypeFromProto(v1::Dtype value, absl::string_view field) {
 }
 
 absl::StatusOr<Mask> MaskFromProto(v1::MaskType value, absl::string_view field) {
-  switch (value) {
-    case v1::MASK_TYPE_NONE:
-      return Mask::kNone;
-    case v1::MASK_TYPE_CAUSAL_TOP_LEFT:
-      return Mask::kCausalTopLeft;
-    case v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT:
-      return Mask::kCausalBottomRight;
-    case v1::MASK_TYPE_UNSPECIFIED:
-      return Invalid(field,
-                     "MASK_TYPE_UNSPECIFIED (set MASK_TYPE_NONE, MASK_TYPE_CAUSAL_TOP_LEFT or MASK_TYPE_CAUSAL_BOTTOM_RIGHT)");
-    default:
-      return Invalid(field, absl::StrCat("unknown value ", static_cast<int>(value)));
+  for (const auto& [mask, v] : kMasks) {
+    if (v == value) return mask;
   }
+  if (value == v1::MASK_TYPE_UNSPECIFIED) {
+    return Invalid(field, "MASK_TYPE_UNSPECIFIED (set MASK_TYPE_NONE, MASK_TYPE_CAUSAL_TOP_LEFT or "
+                          "MASK_TYPE_CAUSAL_BOTTOM_RIGHT)");
+  }
+  return Invalid(field, absl::StrCat("unknown value ", static_cast<int>(value)));
 }
 
 }  // namespace attnd::proto

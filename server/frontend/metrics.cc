@@ -123,6 +123,12 @@ class BackendCollector final : public prometheus::Collectable {
   const std::function<SequenceCounts()> sequences_;
 };
 
+// The family `name` of this registry, from a prometheus::Build* builder.
+template <typename Builder>
+auto& Registered(Builder builder, prometheus::Registry& registry, const char* name, const char* help) {
+  return builder.Name(name).Help(help).Register(registry);
+}
+
 // 1 .. 256 sequences per launch (--max_step_batch's default).
 const prometheus::Histogram::BucketBoundaries& BatchBuckets() {
   static const auto* b = new prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128, 256};
@@ -137,43 +143,27 @@ struct ServerMetrics::Impl {
       : registry(std::make_shared<prometheus::Registry>()),
         backend_collector(
             std::make_shared<BackendCollector>(backend, std::move(streams_receiving), std::move(sequences))),
-        requests(prometheus::BuildCounter()
-                     .Name("attnd_requests_total")
-                     .Help("RPCs finished, by method and gRPC status code.")
-                     .Register(*registry)),
-        durations(prometheus::BuildHistogram()
-                      .Name("attnd_request_duration_seconds")
-                      .Help("RPC latency by phase: queue (accepted until a worker took it) and kernel (the attention "
-                            "computation) from the backend's timing, total (call start to status) for every RPC.")
-                      .Register(*registry)),
-        bytes_in(prometheus::BuildCounter()
-                     .Name("attnd_bytes_received_total")
-                     .Help("Request message bytes received by Forward and ForwardStream.")
-                     .Register(*registry)),
-        bytes_out(prometheus::BuildCounter()
-                      .Name("attnd_bytes_sent_total")
-                      .Help("Reply message bytes sent by Forward and ForwardStream.")
-                      .Register(*registry)),
-        step_batch(prometheus::BuildHistogram()
-                       .Name("attnd_step_batch_sequences")
-                       .Help("Sequences in the launch each Step ran in (its own included).")
-                       .Register(*registry)
+        requests(Registered(prometheus::BuildCounter(), *registry, "attnd_requests_total",
+                        "RPCs finished, by method and gRPC status code.")),
+        durations(Registered(prometheus::BuildHistogram(), *registry, "attnd_request_duration_seconds",
+                         "RPC latency by phase: queue (accepted until a worker took it) and kernel (the attention "
+                         "computation) from the backend's timing, total (call start to status) for every RPC.")),
+        bytes_in(Registered(prometheus::BuildCounter(), *registry, "attnd_bytes_received_total",
+                        "Request message bytes received by Forward and ForwardStream.")),
+        bytes_out(Registered(prometheus::BuildCounter(), *registry, "attnd_bytes_sent_total",
+                         "Reply message bytes sent by Forward and ForwardStream.")),
+        step_batch(Registered(prometheus::BuildHistogram(), *registry, "attnd_step_batch_sequences",
+                          "Sequences in the launch each Step ran in (its own included).")
                        .Add({}, BatchBuckets())),
-        auth_failures(prometheus::BuildCounter()
-                          .Name("attnd_auth_failures_total")
-                          .Help("Calls refused UNAUTHENTICATED by the bearer-token check.")
-                          .Register(*registry)
+        auth_failures(Registered(prometheus::BuildCounter(), *registry, "attnd_auth_failures_total",
+                             "Calls refused UNAUTHENTICATED by the bearer-token check.")
                           .Add({})),
-        connections_refused(prometheus::BuildCounter()
-                                .Name("attnd_connections_refused_total")
-                                .Help("gRPC connections closed at accept: over --max_connections, or shed at the "
-                                      "descriptor limit.")
-                                .Register(*registry)
+        connections_refused(Registered(prometheus::BuildCounter(), *registry, "attnd_connections_refused_total",
+                                   "gRPC connections closed at accept: over --max_connections, or shed at the "
+                                   "descriptor limit.")
                                 .Add({})),
-        listener_up(prometheus::BuildGauge()
-                        .Name("attnd_listener_up")
-                        .Help("1 while every gRPC listener accepts connections; 0 once one stopped for good.")
-                        .Register(*registry)
+        listener_up(Registered(prometheus::BuildGauge(), *registry, "attnd_listener_up",
+                           "1 while every gRPC listener accepts connections; 0 once one stopped for good.")
                         .Add({})) {
     listener_up.Set(1);
     // The data-plane series exist from the start, so that rate() and absent() work before the first call.

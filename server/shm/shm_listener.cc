@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -123,6 +124,21 @@ class ReplyWait {
   std::atomic<bool> done_{false};
   absl::Notification replied_;
 };
+
+// The reply message of a finished Forward or step, taking its O and LSE; null for one that failed.
+template <typename Response, typename Job>
+std::unique_ptr<Response> ReplyOf(const absl::Status& s, Job* job, absl::string_view backend) {
+  if (job == nullptr || !s.ok()) return nullptr;
+  auto response = std::make_unique<Response>();
+  if constexpr (std::is_same_v<Job, StepJob>) {
+    FillStepReply(*job, backend, response.get());
+  } else {
+    FillForwardReply(*job, backend, response.get());
+  }
+  response->set_o(std::move(job->o));
+  response->set_lse(std::move(job->lse));
+  return response;
+}
 
 }  // namespace
 
@@ -455,13 +471,7 @@ void ShmListener::ServeStep(const Exchange& ex) {
   std::atomic<bool> failed{false};
   sequences_->Step(ex.owner, StepArgsFromProto(step), call, [&](absl::Status s, StepJob* job) {
     failed.store(!s.ok());
-    std::unique_ptr<v1::StepResponse> response;
-    if (job != nullptr && s.ok()) {
-      response = std::make_unique<v1::StepResponse>();
-      FillStepReply(*job, dispatcher_->backend()->name(), response.get());
-      response->set_o(std::move(job->o));
-      response->set_lse(std::move(job->lse));
-    }
+    std::unique_ptr<v1::StepResponse> response = ReplyOf<v1::StepResponse>(s, job, dispatcher_->backend()->name());
     LogOutcome(kStepMethod, step.request_id(), s, call.accepted);
     const uint64_t out = response != nullptr ? response->o().size() + response->lse().size() : 0;
     Finish(ex, std::move(s), response.get(), response != nullptr ? &response->timing().timing() : nullptr, in, out);
@@ -540,13 +550,8 @@ void ShmListener::ServeForward(const Exchange& ex) {
   ReplyWait wait(&awaiting_reply_, options_.reply_spin);
   RequestBytes bytes;  // the reply runs before this thread goes on (it waits for the reply below)
   dispatcher_->Dispatch(args, call, &bytes, [&](absl::Status s, ForwardJob* job) {
-    std::unique_ptr<v1::ForwardResponse> response;
-    if (job != nullptr && s.ok()) {
-      response = std::make_unique<v1::ForwardResponse>();
-      FillForwardReply(*job, dispatcher_->backend()->name(), response.get());
-      response->set_o(std::move(job->o));
-      response->set_lse(std::move(job->lse));
-    }
+    std::unique_ptr<v1::ForwardResponse> response =
+        ReplyOf<v1::ForwardResponse>(s, job, dispatcher_->backend()->name());
     LogOutcome(kMethod, request->request_id(), s, call.accepted);
     const uint64_t out = response != nullptr ? response->o().size() + response->lse().size() : 0;
     Finish(ex, std::move(s), response.get(), response != nullptr ? &response->timing() : nullptr,

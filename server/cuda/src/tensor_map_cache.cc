@@ -13,11 +13,11 @@ absl::StatusOr<CUtensorMap> TensorMapCache::Get(const kernels::TensorMapKey& key
   absl::MutexLock lock(&mu_);
   auto it = index_.find(key);
   if (it != index_.end()) {
-    ++hits_;
+    hits_.fetch_add(1, std::memory_order_relaxed);
     lru_.splice(lru_.begin(), lru_, it->second);
     return it->second->second;
   }
-  ++misses_;
+  misses_.fetch_add(1, std::memory_order_relaxed);
   // Encoding is a few microseconds of host work; doing it under the lock keeps one encode per key even when
   // several streams miss on the same buffer at once.
   absl::StatusOr<CUtensorMap> map = encode_(key);
@@ -29,16 +29,6 @@ absl::StatusOr<CUtensorMap> TensorMapCache::Get(const kernels::TensorMapKey& key
   lru_.emplace_front(key, *map);
   index_.emplace(key, lru_.begin());
   return *map;
-}
-
-uint64_t TensorMapCache::hits() const {
-  absl::MutexLock lock(&mu_);
-  return hits_;
-}
-
-uint64_t TensorMapCache::misses() const {
-  absl::MutexLock lock(&mu_);
-  return misses_;
 }
 
 size_t TensorMapCache::size() const {

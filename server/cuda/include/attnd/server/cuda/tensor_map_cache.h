@@ -3,6 +3,7 @@
 // shape launches with no encode at all. Hits and misses are counted for GetStats.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -28,8 +29,9 @@ class TensorMapCache {
   // An encode error is returned and nothing is cached.
   absl::StatusOr<CUtensorMap> Get(const kernels::TensorMapKey& key);
 
-  uint64_t hits() const;
-  uint64_t misses() const;
+  // Counters read without the lock (GetStats needs no snapshot of both).
+  uint64_t hits() const { return hits_.load(std::memory_order_relaxed); }
+  uint64_t misses() const { return misses_.load(std::memory_order_relaxed); }
   size_t size() const;
   size_t capacity() const { return capacity_; }
 
@@ -42,8 +44,8 @@ class TensorMapCache {
   std::list<Entry> lru_ ABSL_GUARDED_BY(mu_);  // front: most recently used
   std::unordered_map<kernels::TensorMapKey, std::list<Entry>::iterator, kernels::TensorMapKeyHash> index_
       ABSL_GUARDED_BY(mu_);
-  uint64_t hits_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t misses_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<uint64_t> hits_{0};
+  std::atomic<uint64_t> misses_{0};
 };
 
 }  // namespace attnd::server::cuda
