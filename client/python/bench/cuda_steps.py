@@ -7,12 +7,16 @@
   (a copy kernel), then the step, ordered on the stream. The step time is the interval between consecutive steps'
   completions on the GPU (CUDA events recorded after each step), so it includes everything a step costs the
   engine's stream: the producer, the round trip to the server and its enqueue, the waits and the kernels. The
-  kernel alone is the server's kernel_us of the same step with NumPy inputs (host order).
+  kernel alone is the server's kernel_us of the same steps with NumPy inputs (host order).
 - N sequences (--sequences, 64) in one StepBatch from one caller, and from two caller processes of N/2 each: decode
   tokens per second against the kernel-only rate (N / the kernel time of one step of all N).
 
 Each is run twice: with steps that return after they ran ("wait", StepBatch wait=True) and with steps that return
 before ("submit", wait=False: the stream waits for the step on the GPU, the host runs ahead).
+
+Every step appends a key, and the kernel's time grows with the keys: each measurement starts from sequences cut back to
+--context keys (TruncateSequence), and the kernel-only reference is taken over the same steps from the same keys (its
+warm-up steps too), so that both sides do the same work.
 
   python3 client/python/bench/cuda_steps.py --target unix:/tmp/attnd.sock --shm-socket /tmp/attnd_shm.sock
 """
@@ -49,18 +53,28 @@ def fill(batch, n, context, torch):
     torch.cuda.synchronize()
 
 
-def kernel_us(client, seqs, iters=50):
-    """The server's kernel time of one decode step of `seqs` (NumPy inputs: host order, so the reply has it)."""
+def cut_back(client, seqs, context):
+    """Cuts each of `seqs` back to its first `context` keys (what fill() appended)."""
+    for s in seqs:
+        client.truncate_sequence(s, context)
+
+
+def kernel_us(client, seqs, context, warm, steps):
+    """The server's kernel time of the decode steps of `seqs` that a chain of `warm` + `steps` from `context` keys
+    measures (NumPy inputs: host order, so each reply has it): (mean, median) over the last `steps`. The sequences are
+    cut back to `context` keys before and after."""
     rng = np.random.default_rng(0)
     n = len(seqs)
     q = rng.standard_normal((n, HQ, D)).astype(np.float32).view(np.uint32).__rshift__(16).astype(np.uint16)
     k = q[:, :KV].copy()
+    cut_back(client, seqs, context)
     times = []
-    for i in range(iters):
+    for i in range(warm + steps):
         client.step(0, seqs, q=q, k=k, v=k, dtype="bf16")
-        if i >= 5:
+        if i >= warm:
             times.append(client.last_info.kernel_us)
-    return statistics.median(times)
+    cut_back(client, seqs, context)
+    return statistics.mean(times), statistics.median(times)
 
 
 INFO = ("queue_us", "h2d_us", "kernel_us", "total_us", "latency_us")
@@ -93,6 +107,7 @@ def chain(batch, n, steps, torch, events=False, infos=None):
 
 
 MODES = (("wait", True), ("submit", False))
+WARM_MANY = 20  # steps before a measured chain of many sequences
 
 
 def breakdown(label, gaps, infos):
@@ -115,10 +130,12 @@ def one_sequence(a, torch, out):
     try:
         batch = client.batch([seq])
         fill(batch, 1, a.context, torch)
-        kern = kernel_us(client, [seq])
+        warm = 200  # registrations, streams, the server's slots
+        _, kern = kernel_us(client, [seq], a.context, warm, a.steps)
         for mode, wait in MODES:
             batch.wait = wait
-            chain(batch, 1, 200, torch)  # warm-up: registrations, streams, the server's slots
+            cut_back(client, [seq], a.context)
+            chain(batch, 1, warm, torch)
             infos = []
             wall, calls, gaps = chain(batch, 1, a.steps, torch, events=True, infos=infos)
             batch.synchronize()
@@ -144,7 +161,7 @@ def caller(a, n, steps, wait, start, results):
     seqs = client.open_sequence(layers=1, kv_heads=KV, head_dim=D, count=n)
     batch = client.batch(seqs, wait=wait)
     fill(batch, n, a.context, torch)
-    chain(batch, n, 20, torch)
+    chain(batch, n, WARM_MANY, torch)
     start.wait()
     wall, calls, _ = chain(batch, n, steps, torch)
     batch.synchronize()
@@ -160,11 +177,12 @@ def many(a, torch, out):
     try:
         batch = client.batch(seqs)
         fill(batch, a.sequences, a.context, torch)
-        kern = kernel_us(client, seqs)
+        kern, _ = kernel_us(client, seqs, a.context, WARM_MANY, a.steps64)
         kernel_rate = a.sequences / (kern * 1e-6)
         for mode, wait in MODES:
             batch.wait = wait
-            chain(batch, a.sequences, 20, torch)
+            cut_back(client, seqs, a.context)
+            chain(batch, a.sequences, WARM_MANY, torch)
             infos = []
             wall, calls[mode], gaps = chain(batch, a.sequences, a.steps64, torch, events=True, infos=infos)
             batch.synchronize()
