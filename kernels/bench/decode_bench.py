@@ -2,8 +2,8 @@
 """Times attnd's decode kernels (contiguous and paged KV) against torch SDPA's cuDNN and FLASH backends and a
 read-only pass over the same K/V bytes (the bandwidth ceiling), all in one process on one GPU.
 
-Each row: batch x kv_len with 32 q heads : 8 kv heads (64 : 8 for 128 x 8k), head_dim 128, bf16, q_len 1, 4 or
-16 (bottom-right causal when > 1). Our kernels run through libattnd_decode_c.so (ctypes; plan once, launch on
+Each row: batch x kv_len with 32 q heads : 8 kv heads (64 : 8 for 128 x 8k), head_dim 128 (--head-dim), bf16, q_len
+1, 4 or 16 (bottom-right causal when > 1). Our kernels run through libattnd_decode_c.so (ctypes; plan once, launch on
 torch's current stream); the peers get the same data as [B, H, S, D] views of contiguous KV, with GQA. Before
 timing, every output is checked against an fp32 reference in torch on the same inputs. Timing is
 triton.testing.do_bench's median (it flushes the L2 between calls). GB/s count the K and V bytes read once.
@@ -35,7 +35,7 @@ ROWS = {
     "1x32k": (1, 32768, 32, 8),
     "16x4k": (16, 4096, 32, 8),
 }
-HEAD_DIM = 128
+HEAD_DIM = 128  # --head-dim
 TABLE_ORDER = "random"  # --table-order
 
 
@@ -263,10 +263,13 @@ def main():
     ap.add_argument("--num-splits", type=int, default=0, help="0: the plan's heuristic")
     ap.add_argument("--table-order", choices=("random", "sequential"), default="random",
                     help="paged KV: page order in the pool")
+    ap.add_argument("--head-dim", type=int, choices=(64, 128, 256), default=128,
+                    help="every row's head_dim (the table in docs/benchmarks.md is at 128)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    global TABLE_ORDER
+    global TABLE_ORDER, HEAD_DIM
     TABLE_ORDER = args.table_order
+    HEAD_DIM = args.head_dim
     dec = Decode(os.path.abspath(args.lib))
     storages = args.storages.split(",")
     dev = torch.cuda.get_device_properties(0)
