@@ -144,26 +144,26 @@ struct ServerMetrics::Impl {
         backend_collector(
             std::make_shared<BackendCollector>(backend, std::move(streams_receiving), std::move(sequences))),
         requests(Registered(prometheus::BuildCounter(), *registry, "attnd_requests_total",
-                        "RPCs finished, by method and gRPC status code.")),
+                            "RPCs finished, by method and gRPC status code.")),
         durations(Registered(prometheus::BuildHistogram(), *registry, "attnd_request_duration_seconds",
-                         "RPC latency by phase: queue (accepted until a worker took it) and kernel (the attention "
-                         "computation) from the backend's timing, total (call start to status) for every RPC.")),
+                             "RPC latency by phase: queue (accepted until a worker took it) and kernel (the attention "
+                             "computation) from the backend's timing, total (call start to status) for every RPC.")),
         bytes_in(Registered(prometheus::BuildCounter(), *registry, "attnd_bytes_received_total",
-                        "Request message bytes received by Forward and ForwardStream.")),
+                            "Request message bytes received by Forward and ForwardStream.")),
         bytes_out(Registered(prometheus::BuildCounter(), *registry, "attnd_bytes_sent_total",
-                         "Reply message bytes sent by Forward and ForwardStream.")),
+                             "Reply message bytes sent by Forward and ForwardStream.")),
         step_batch(Registered(prometheus::BuildHistogram(), *registry, "attnd_step_batch_sequences",
-                          "Sequences in the launch each Step ran in (its own included).")
+                              "Sequences in the launch each Step ran in (its own included).")
                        .Add({}, BatchBuckets())),
         auth_failures(Registered(prometheus::BuildCounter(), *registry, "attnd_auth_failures_total",
-                             "Calls refused UNAUTHENTICATED by the bearer-token check.")
+                                 "Calls refused UNAUTHENTICATED by the bearer-token check.")
                           .Add({})),
         connections_refused(Registered(prometheus::BuildCounter(), *registry, "attnd_connections_refused_total",
-                                   "gRPC connections closed at accept: over --max_connections, or shed at the "
-                                   "descriptor limit.")
+                                       "gRPC connections closed at accept: over --max_connections, or shed at the "
+                                       "descriptor limit.")
                                 .Add({})),
         listener_up(Registered(prometheus::BuildGauge(), *registry, "attnd_listener_up",
-                           "1 while every gRPC listener accepts connections; 0 once one stopped for good.")
+                               "1 while every gRPC listener accepts connections; 0 once one stopped for good.")
                         .Add({})) {
     listener_up.Set(1);
     // The data-plane series exist from the start, so that rate() and absent() work before the first call.
