@@ -68,16 +68,13 @@ __global__ void __launch_bounds__(kCopyThreads) GatherKvKernel(const GatherParam
   const int32_t* table = p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq;
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
     const Chunk c = ChunkAt(i, row_chunks, p.chunk_shift);
-    const uint32_t key = c.row;
-    const int h = c.head;
-    const int64_t page = table[key >> p.page_shift];
-    const int64_t row = key & ((1u << p.page_shift) - 1);
-    const uint16_t* k = static_cast<const uint16_t*>(p.k) + page * p.k_sb + row * p.k_ss + h * p.k_sh + c.col;
-    const uint16_t* v = static_cast<const uint16_t*>(p.v) + page * p.v_sb + row * p.v_ss + h * p.v_sh + c.col;
-    uint16_t* ok = static_cast<uint16_t*>(p.out_k) + b * p.ok_sb + key * p.ok_ss + h * p.ok_sh + c.col;
-    uint16_t* ov = static_cast<uint16_t*>(p.out_v) + b * p.ov_sb + key * p.ov_ss + h * p.ov_sh + c.col;
-    CopyChunk(ok, k);
-    CopyChunk(ov, v);
+    const int64_t page = table[c.row >> p.page_shift];
+    const int64_t row = c.row & ((1u << p.page_shift) - 1);
+    const int64_t key = c.row, h = c.head;
+    CopyChunk(static_cast<uint16_t*>(p.out_k) + b * p.ok_sb + key * p.ok_ss + h * p.ok_sh + c.col,
+              static_cast<const uint16_t*>(p.k) + page * p.k_sb + row * p.k_ss + h * p.k_sh + c.col);
+    CopyChunk(static_cast<uint16_t*>(p.out_v) + b * p.ov_sb + key * p.ov_ss + h * p.ov_sh + c.col,
+              static_cast<const uint16_t*>(p.v) + page * p.v_sb + row * p.v_ss + h * p.v_sh + c.col);
   }
 }
 
