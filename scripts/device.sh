@@ -19,13 +19,13 @@ usage:
       and packed into .carry/attnd.tar.xz. --base REV: REV's libattnd_kernels_c.so too, built in a temporary
       worktree, into .carry/base.tar.xz; --base-service: REV's attnd, attn and ipc_peer with it. Build trees
       under $BUILD_ROOT (build-device/), build type Release. Name .carry in the device call's carry.
-  scripts/device.sh kernels [test|sanitize|sass|bench|ab|seedbench|decode|decodebench|raggedbench]...
+  scripts/device.sh kernels [test|sanitize|sass|bench|ab|mmabench|decode|decodebench|raggedbench]...
                                                                           (default: test sanitize sass)
       On the GPU machine. test: gpu_attention_test, after a 30 s smoke run; sanitize: compute-sanitizer memcheck,
       racecheck and synccheck on small cases; sass: every Hopper kernel has HGMMA and no LDL/STL; bench: auto
       against torch SDPA cuDNN and FA2 (kernels/bench/hopper_bench.py) in 3 processes that rotate the columns;
       ab: the same rows, new against .carry/base's library in one process (--base_lib), AB_PROCS processes
-      alternating which goes first, each row's new/base ratio flagged outside 2%; seedbench: the seed family's
+      alternating which goes first, each row's new/base ratio flagged outside 2%; mmabench: the mma_sync family's
       tables (kernels/bench/bench_attention.py); decode: gpu_decode_test, then memcheck and racecheck on its small
       cases; decodebench: kernels/bench/decode_bench.py; raggedbench: kernels/bench/ragged_prefill_bench.py. bench
       and ab take about 5 minutes each.
@@ -40,7 +40,7 @@ usage:
       (client/python/examples/llama_engine.py) against in-process SDPA, then alone with steps that wait; move: two
       attnd on the GPU and client/python/bench/move_bench.py between them (MOVE_FLAGS: its shape and count).
 Logs: $OUT/kernels.log, $OUT/service.log, and the benchmarks' rows as kernels_bench.json, kernels_ab.json and
-kernels_seedbench.json; a summary table is printed last. The exit status is 0 when every check passed.
+kernels_mmabench.json; a summary table is printed last. The exit status is 0 when every check passed.
 Parameters (environment of this script):
   kernels: TEST_FILTER, TEST_TIMEOUT (300 s), SANITIZE_TOOLS ("memcheck racecheck synccheck"), SANITIZE_FILTER,
            RACE_FILTER, SANITIZE_TIMEOUT (150 s a tool), BENCH_CONFIG (auto), AB_CONFIGS (auto; comma-separated),
@@ -227,21 +227,21 @@ gtest_result() {
 }
 
 # The small cases that compute-sanitizer runs: kept configurations only (see kernels/cuda/src/config_registry.cc),
-# each head_dim, every mask, GQA, the BHSD layout, uneven lengths, and auto's and the seed family's own choice.
+# each head_dim, every mask, GQA, the BHSD layout, uneven lengths, and auto's and the mma_sync family's own choice.
 # A trailing * takes in a case's variants (fewer blocks, a forced split tail) where the suite has them.
 SMALL_DEFAULT='*hopper_sm90_d128_m128n128s3_osk_p2_d128_bhsd_none*:*hopper_sm90_d64_m128n128s6_p2_d64_q1000kv65_tl*'
 SMALL_DEFAULT+=':*hopper_sm90_d128_m128n128s3_osk_p2_d128_q1000kv65_br*:*hopper_sm90_d128_m128n128s3_osk_p2_d128_sq129_tl*'
 SMALL_DEFAULT+=':*hopper_sm90_d64_m128n128s6_p2_d64_q17kv129_br*:*hopper_sm90_d256_m128n64s2_d256_q17kv129_none*'
 SMALL_DEFAULT+=':*hopper_sm90_d128_m128n128s3_osk_p2_d128_b3_gqa8to2_tl*:*hopper_sm90_d64_m192n128s4_wrs_d64_sq129_br*'
 SMALL_DEFAULT+=':*hopper_sm90_d64_m192n128s4_wrs_d64_b3_gqa8to2_tl*'
-SMALL_DEFAULT+=':*seed_*_sq17_tl*:*seed_*_q65kv63_br*:*seed_*_bhsd_br*:*seed_*_neg_scale*:*auto_d*_sq65_br*'
+SMALL_DEFAULT+=':*mma_sync_*_sq17_tl*:*mma_sync_*_q65kv63_br*:*mma_sync_*_bhsd_br*:*mma_sync_*_neg_scale*:*auto_d*_sq65_br*'
 # racecheck instruments every shared-memory access: one tiny case per family.
-RACE_DEFAULT='*hopper_sm90_d128_m128n128s3_osk_p2_d128_sq17_none*:*seed_sm90_d128_m128n64s2w4_d128_sq17_tl*'
+RACE_DEFAULT='*hopper_sm90_d128_m128n128s3_osk_p2_d128_sq17_none*:*mma_sync_sm90_d128_m128n64s2w4_d128_sq17_tl*'
 
 kernels_test() {
   local t=$TMP/test.log rc
   # One small case per head_dim first: a hang here costs 30 s, not the whole call.
-  timeout 30 $C/gpu_attention_test --gtest_brief=1 --gtest_filter='*hopper_sm90_d*_sq129_tl:*seed_sm90_d*_sq129_tl' \
+  timeout 30 $C/gpu_attention_test --gtest_brief=1 --gtest_filter='*hopper_sm90_d*_sq129_tl:*mma_sync_sm90_d*_sq129_tl' \
     > "$t" 2>&1
   rc=$?
   cat "$t" >> "$LOG"
@@ -372,14 +372,14 @@ kernels_ab() {
   table_result "kernels ab" ab "$json" "$configs"
 }
 
-# The seed family's tables (kernels/bench/bench_attention.py: its own method, one process).
-kernels_seedbench() {
+# The mma_sync family's tables (kernels/bench/bench_attention.py: its own method, one process).
+kernels_mmabench() {
   local rc
   timeout "${BENCH_TIMEOUT:-300}" python3 kernels/bench/bench_attention.py --lib $C/libattnd_kernels_c.so \
-    --configs seed --tables seed,fa3,gqa,d256 --json "$OUT/kernels_seedbench.json" > "$TMP/seed.log" 2>&1
+    --configs mma_sync --tables mma_sync,fa3,gqa,d256 --json "$OUT/kernels_mmabench.json" > "$TMP/mmabench.log" 2>&1
   rc=$?
-  cat "$TMP/seed.log" >> "$LOG"
-  if [ $rc -eq 0 ]; then note "kernels seedbench" ok "table in kernels.log"; else note "kernels seedbench" FAIL "rc=$rc"; fi
+  cat "$TMP/mmabench.log" >> "$LOG"
+  if [ $rc -eq 0 ]; then note "kernels mmabench" ok "table in kernels.log"; else note "kernels mmabench" FAIL "rc=$rc"; fi
 }
 
 # The decode / paged-KV kernels: their suite against the CPU reference, then memcheck and racecheck on small cases.
@@ -425,7 +425,7 @@ cmd_kernels() {
   local steps=("$@") s n
   [ ${#steps[@]} -eq 0 ] && steps=(test sanitize sass)
   for s in "${steps[@]}"; do
-    case $s in test|sanitize|sass|bench|ab|seedbench|decode|decodebench|raggedbench) ;; *) die "kernels: unknown step $s" ;; esac
+    case $s in test|sanitize|sass|bench|ab|mmabench|decode|decodebench|raggedbench) ;; *) die "kernels: unknown step $s" ;; esac
   done
   mkdir -p "$OUT"
   unpack

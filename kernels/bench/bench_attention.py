@@ -8,8 +8,8 @@ transposed views. Timing: CUDA events around every call, warm-up first, the stre
 while the calls are queued (so host overhead does not leak into the events), input sets rotated so repeated
 calls do not run out of L2, median reported. TFLOP/s count 4*B*Hq*Sq*Skv*D, halved for causal.
 
-  python3 kernels/bench/bench_attention.py --lib .carry/libattnd_kernels_c.so [--tables seed,fa3,gqa]
-      [--configs seed|all|name,name] [--json out.json]
+  python3 kernels/bench/bench_attention.py --lib .carry/libattnd_kernels_c.so [--tables mma_sync,fa3,gqa]
+      [--configs mma_sync|all|name,name] [--json out.json]
 """
 import argparse
 import ctypes
@@ -177,10 +177,10 @@ def fmt_row(row, configs):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", default=".carry/libattnd_kernels_c.so")
-    ap.add_argument("--tables", default="seed,fa3,gqa")
-    ap.add_argument("--configs", default="seed",
-                    help="seed (the seed family's tuned choice), all (that plus every seed shape of the head_dim), "
-                         "or a comma-separated list of names / auto / seed / hopper")
+    ap.add_argument("--tables", default="mma_sync,fa3,gqa")
+    ap.add_argument("--configs", default="mma_sync",
+                    help="mma_sync (that family's tuned choice), all (that plus every mma_sync shape of the "
+                         "head_dim), or a comma-separated list of names / auto / mma_sync / hopper")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -198,16 +198,16 @@ def main():
     print("# env:", json.dumps(env), flush=True)
 
     def cfgs_for(D):
-        if args.configs == "seed":
-            return ["seed"]
-        if args.configs == "all":  # every seed-family shape of this head_dim (tuning)
-            return ["seed"] + [c for c in all_cfgs if f"_d{D}_" in c and c.startswith("seed_")]
-        return [c for c in args.configs.split(",") if f"_d{D}_" in c or c in ("auto", "seed", "hopper")]
+        if args.configs == "mma_sync":
+            return ["mma_sync"]
+        if args.configs == "all":  # every mma_sync shape of this head_dim (tuning)
+            return ["mma_sync"] + [c for c in all_cfgs if f"_d{D}_" in c and c.startswith("mma_sync_")]
+        return [c for c in args.configs.split(",") if f"_d{D}_" in c or c in ("auto", "mma_sync", "hopper")]
 
     tables = []
     want = args.tables.split(",")
-    if "seed" in want:
-        tables.append(("seed: B=1, H=32, D=128, causal", [(1, S, 32, 32, 128, True) for S in (512, 1024, 2048, 4096, 8192, 16384)]))
+    if "mma_sync" in want:
+        tables.append(("mma_sync: B=1, H=32, D=128, causal", [(1, S, 32, 32, 128, True) for S in (512, 1024, 2048, 4096, 8192, 16384)]))
     if "fa3" in want:
         for D, H in ((128, 16), (64, 32)):
             for causal in (False, True):

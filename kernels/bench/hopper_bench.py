@@ -8,7 +8,7 @@ views of the same storage. Inputs are random normal (never zeros); attnd's outpu
 on every row (max abs difference) before it is timed. Timing: triton.testing.do_bench (CUDA events, L2
 flushed between runs), median.
 
-  python3 hopper_bench.py --lib path/libattnd_kernels_c.so --configs hopper,seed [--quick] [--json out.json]
+  python3 hopper_bench.py --lib path/libattnd_kernels_c.so --configs hopper,mma_sync [--quick] [--json out.json]
 
 Order and clocks: under the H200's 700 W cap a column's figure depends on what ran just before it (the first attnd
 column of a process can run ~10% faster than the second, and the bias is larger with the peers first). --peers_last
@@ -156,7 +156,7 @@ def settle(fn, ms):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", required=True)
-    ap.add_argument("--configs", default="hopper,seed", help="attnd configs/families, comma-separated")
+    ap.add_argument("--configs", default="hopper,mma_sync", help="attnd configs/families, comma-separated")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default="")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")

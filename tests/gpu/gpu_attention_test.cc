@@ -73,7 +73,8 @@ struct Case {
   Storage storage = Storage::kContiguous;
   double q_gain = 1.0;   // > 1 sharpens the softmax
   // +1: key norms grow along the sequence, -1: they shrink. Either way the running max keeps moving (lazy rescale)
-  // in one of the families' block orders: the seed's runs forward, the Hopper family's backward from the last block.
+  // in one of the families' block orders: the mma_sync family's runs forward, the Hopper family's backward from the
+  // last block.
   int key_ramp = 0;
   float scale = 0;        // 0: 1/sqrt(head_dim)
   uint32_t seed = 1;
@@ -116,7 +117,7 @@ std::vector<Case> CasesFor(int64_t d) {
   add("packed_qkv_tl", 2, 129, 129, 3, 3, Mask::kCausalTopLeft, true, Storage::kPackedQkv);
   add("bhsd_none", 2, 100, 257, 4, 2, Mask::kNone, true, Storage::kBhsd);
   add("bhsd_br", 1, 300, 77, 2, 1, Mask::kCausalBottomRight, true, Storage::kBhsd);
-  // Long K/V with many heads: the seed kernel's causal block order splits (head, batch) pairs into several
+  // Long K/V with many heads: the mma_sync kernel's causal block order splits (head, batch) pairs into several
   // L2-sized sections (2 at d=64, 3 at 128, 6 at 256 on a 60 MB L2), so the section mapping is covered.
   add("sections_br", 2, 100, 8192, 8, 8, Mask::kCausalBottomRight, true);
   add("sections_gqa_tl", 2, 300, 8192, 8, 4, Mask::kCausalTopLeft, false);
@@ -142,7 +143,7 @@ std::vector<Case> CasesFor(int64_t d) {
 }
 
 struct Param {
-  std::string config;  // "" runs the default (auto) choice, "seed" the seed family's choice
+  std::string config;  // "" runs the default (auto) choice, "mma_sync" the mma_sync family's choice
   Case c;
   HopperScheduleOptions hopper;
   std::string schedule;  // names non-default options in the test's name
@@ -163,7 +164,7 @@ std::vector<Param> AllParams() {
       if (c.name.find("sq65_") != std::string::npos || c.name.find("gqa") != std::string::npos ||
           c.name.find("long") != std::string::npos || c.name.find("sq1000") != std::string::npos) {
         out.push_back({"", c, {}, ""});
-        out.push_back({"seed", c, {}, ""});
+        out.push_back({"mma_sync", c, {}, ""});
       }
     }
   }
@@ -308,9 +309,9 @@ TEST_P(GpuAttentionTest, MatchesDoubleReference) {
   }
   PlanOptions options;
   options.hopper = param.hopper;
-  const bool by_family = param.config.empty() || param.config == "seed";
-  if (param.config == "seed") {
-    options.family = Family::kSeed;
+  const bool by_family = param.config.empty() || param.config == "mma_sync";
+  if (param.config == "mma_sync") {
+    options.family = Family::kMmaSync;
   } else {
     options.config = param.config;
   }
@@ -367,8 +368,8 @@ TEST_P(GpuAttentionTest, MatchesDoubleReference) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   if (!by_family) {
     EXPECT_EQ(plan->info().name, param.config);
-  } else if (param.config == "seed") {
-    EXPECT_EQ(plan->info().family, Family::kSeed);
+  } else if (param.config == "mma_sync") {
+    EXPECT_EQ(plan->info().family, Family::kMmaSync);
   }
   void* workspace = nullptr;
   DeviceBuffer free_workspace = NoBuffer();
@@ -450,7 +451,7 @@ TEST_P(GpuAttentionTest, MatchesDoubleReference) {
 
 std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
   const std::string& c = info.param.config;
-  return (c.empty() ? std::string("auto") : c == "seed" ? std::string("seedfamily") : c) + info.param.schedule + "_" +
+  return (c.empty() ? std::string("auto") : c == "mma_sync" ? std::string("mmasyncfamily") : c) + info.param.schedule + "_" +
          Name(info.param.c);
 }
 
@@ -601,11 +602,11 @@ TEST(KernelApi, DeviceChecksAndFamilies) {
   unknown.config = "no_such_config";
   EXPECT_EQ(Select(p, ContiguousLayout(p.shape), unknown).status().code(), absl::StatusCode::kInvalidArgument);
   PlanOptions wrong_dim;
-  wrong_dim.config = "seed_sm120_d64_m64n64s2";
+  wrong_dim.config = "mma_sync_sm120_d64_m64n64s2";
   EXPECT_EQ(Select(p, ContiguousLayout(p.shape), wrong_dim).status().code(), absl::StatusCode::kInvalidArgument);
-  PlanOptions seed;
-  seed.family = Family::kSeed;
-  EXPECT_TRUE(Select(p, ContiguousLayout(p.shape), seed).ok());
+  PlanOptions mma_sync;
+  mma_sync.family = Family::kMmaSync;
+  EXPECT_TRUE(Select(p, ContiguousLayout(p.shape), mma_sync).ok());
   PlanOptions bad_options;
   bad_options.hopper.max_blocks = -1;
   const absl::StatusOr<Selection> refused = Select(p, ContiguousLayout(p.shape), bad_options);

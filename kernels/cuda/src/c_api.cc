@@ -95,8 +95,8 @@ int attnd_kernels_plan_create_with_options(const int64_t shape[6], int dtype, in
                 {strides[9], strides[10], strides[11]}};
   kernels::PlanOptions options;
   const std::string name = config == nullptr ? "" : config;
-  if (name == "seed") {
-    options.family = kernels::Family::kSeed;
+  if (name == "mma_sync") {
+    options.family = kernels::Family::kMmaSync;
   } else if (name == "hopper") {
     options.family = kernels::Family::kHopper;
   } else if (name != "auto") {

@@ -52,13 +52,13 @@ constexpr KernelEntry TileEntry(const char* name, Family family, LaunchFn bf16, 
                      Tile::kSmemBytes, false, {bf16, fp16}, {prepare_bf16, prepare_fp16}};
 }
 
-namespace seed {
+namespace mma_sync {
 EntryList Sm120D64Entries();
 EntryList Sm120D128Entries();
 EntryList Sm120D256Entries();
 EntryList Sm90D64Entries();
 EntryList Sm90D128Entries();
-}  // namespace seed
+}  // namespace mma_sync
 
 namespace hopper {  // src/hopper/attention_sm90_d*.cu (sm_90a only)
 EntryList Sm90D64Entries();

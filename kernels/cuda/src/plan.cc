@@ -18,7 +18,7 @@ namespace attnd::kernels {
 const char* FamilyName(Family f) {
   switch (f) {
     case Family::kAuto: return "auto";
-    case Family::kSeed: return "seed";
+    case Family::kMmaSync: return "mma_sync";
     case Family::kHopper: return "hopper";
   }
   return "?";
@@ -80,7 +80,7 @@ bool Runs(const KernelEntry& e, const DeviceCaps& caps) {
   return false;
 }
 
-// The seed family's tuned choice (docs/tuning.md). On the H200 the 32-rows-a-warp shapes ("w4": half
+// The mma.sync family's tuned choice (docs/tuning.md). On the H200 the 32-rows-a-warp shapes ("w4": half
 // the shared-memory reads per mma) win once 128-row blocks fill two per SM; smaller problems run faster on 64-row
 // blocks of 16-row warps (twice the blocks). At d=64 the 64-row shape also wins below 2k.
 const char* DefaultConfig(const DeviceCaps& caps, const Problem& p) {
@@ -90,17 +90,17 @@ const char* DefaultConfig(const DeviceCaps& caps, const Problem& p) {
     const bool fills = blocks128 >= 2 * static_cast<int64_t>(caps.sms);
     switch (s.head_dim) {
       case 64:
-        return fills && s.q_len >= 2048 ? "seed_sm90_d64_m128n64s2w4" : "seed_sm120_d64_m64n64s2";
+        return fills && s.q_len >= 2048 ? "mma_sync_sm90_d64_m128n64s2w4" : "mma_sync_sm120_d64_m64n64s2";
       case 128:
-        return fills ? "seed_sm90_d128_m128n64s2w4" : "seed_sm90_d128_m64n64s2";
+        return fills ? "mma_sync_sm90_d128_m128n64s2w4" : "mma_sync_sm90_d128_m64n64s2";
       case 256:  // 96 KB single-stage blocks, two per SM, beat the 2-stage shape (one per SM) on every row
-        return "seed_sm120_d256_m64n64s1";
+        return "mma_sync_sm120_d256_m64n64s1";
     }
   } else {
     switch (s.head_dim) {
-      case 64: return "seed_sm120_d64_m64n64s2";
-      case 128: return "seed_sm120_d128_m64n64s1";
-      case 256: return "seed_sm120_d256_m64n64s1";
+      case 64: return "mma_sync_sm120_d64_m64n64s2";
+      case 128: return "mma_sync_sm120_d128_m64n64s1";
+      case 256: return "mma_sync_sm120_d256_m64n64s1";
     }
   }
   return nullptr;
@@ -296,8 +296,8 @@ absl::StatusOr<std::vector<ConfigInfo>> ConfigsForDevice(int device) {
 
 namespace {
 
-// Family auto's choice: the wgmma family on Hopper (ahead of the seed design on every measured row,
-// docs/benchmarks.md), the seed family's tuned choice elsewhere.
+// Family auto's choice: the wgmma family on Hopper (ahead of the mma.sync family on every measured row,
+// docs/benchmarks.md), the mma.sync family's tuned choice elsewhere.
 const char* AutoConfig(const DeviceCaps& caps, const Problem& p) {
   return caps.major == 9 && caps.minor == 0 ? DefaultHopperConfig(p) : DefaultConfig(caps, p);
 }

@@ -83,15 +83,15 @@ TEST(KernelRegistryTest, AutoAtHeadDim128And256RunsKernelsWithTheSplitTail) {
 TEST(KernelRegistryTest, ShipsTheChosenConfigurations) {
   const std::set<std::string> hopper = {"hopper_sm90_d64_m128n128s6_p2", "hopper_sm90_d64_m192n128s4_wrs",
                                         "hopper_sm90_d128_m128n128s3_osk_p2", "hopper_sm90_d256_m128n64s2"};
-  const std::set<std::string> seed = {"seed_sm120_d64_m64n64s2",    "seed_sm120_d128_m64n64s1",
-                                      "seed_sm120_d256_m64n64s1",    "seed_sm90_d64_m128n64s2w4",
-                                      "seed_sm90_d128_m128n64s2w4", "seed_sm90_d128_m64n64s2"};
-  for (const auto* names : {&hopper, &seed}) {
+  const std::set<std::string> mma_sync = {"mma_sync_sm120_d64_m64n64s2",    "mma_sync_sm120_d128_m64n64s1",
+                                          "mma_sync_sm120_d256_m64n64s1",    "mma_sync_sm90_d64_m128n64s2w4",
+                                          "mma_sync_sm90_d128_m128n64s2w4", "mma_sync_sm90_d128_m64n64s2"};
+  for (const auto* names : {&hopper, &mma_sync}) {
     for (const std::string& name : *names) EXPECT_NE(FindEntry(name), nullptr) << name << " is not compiled";
   }
   for (const KernelEntry& e : AllEntries()) {
-    if (e.family == Family::kSeed) {
-      EXPECT_TRUE(seed.count(e.name)) << e.name << " is compiled but DefaultConfig never chooses it";
+    if (e.family == Family::kMmaSync) {
+      EXPECT_TRUE(mma_sync.count(e.name)) << e.name << " is compiled but DefaultConfig never chooses it";
       EXPECT_EQ(e.plan_schedule, nullptr) << e.name;
     }
   }
@@ -125,11 +125,11 @@ constexpr const char* kD256 = "hopper_sm90_d256_m128n64s2";
 
 TEST(KernelPlanTest, WorkspaceOnlyWherePlansNeedIt) {
   const Shape d128_16k{1, 16384, 16384, 16, 16, 128};
-  // The seed family: one block per tile, nothing to schedule.
-  absl::StatusOr<Plan> seed = PlanFor(MakeSelection("seed_sm90_d128_m64n64s2", d128_16k, Mask::kNone));
-  ASSERT_TRUE(seed.ok()) << seed.status();
-  EXPECT_EQ(seed->workspace_bytes, 0u);
-  EXPECT_EQ(seed->schedule.blocks, 0);
+  // The mma_sync family: one block per tile, nothing to schedule.
+  absl::StatusOr<Plan> mma_sync = PlanFor(MakeSelection("mma_sync_sm90_d128_m64n64s2", d128_16k, Mask::kNone));
+  ASSERT_TRUE(mma_sync.ok()) << mma_sync.status();
+  EXPECT_EQ(mma_sync->workspace_bytes, 0u);
+  EXPECT_EQ(mma_sync->schedule.blocks, 0);
   // Short rows keep whole tiles: no workspace.
   absl::StatusOr<Plan> short_rows = PlanFor(MakeSelection(kD128, Shape{16, 1024, 1024, 16, 16, 128}, Mask::kNone));
   ASSERT_TRUE(short_rows.ok()) << short_rows.status();

@@ -1,6 +1,7 @@
-// Softmax role of the mma.sync families (seed prefill and decode): online softmax over the m16n8k16 accumulator
-// layout, in the exp2 domain. Each thread holds two rows of its warp's 16 (g and g + 8) and, of each 8-key tile,
-// the keys 2t and 2t + 1; a row's four threads form a quad (lanes 4g..4g+3), so row reductions are two xor-shuffles.
+// Softmax role of the mma.sync kernels (the mma_sync prefill family and decode): online softmax over the
+// m16n8k16 accumulator layout, in the exp2 domain. Each thread holds two rows of its warp's 16 (g and g + 8) and,
+// of each 8-key tile, the keys 2t and 2t + 1; a row's four threads form a quad (lanes 4g..4g+3), so row reductions
+// are two xor-shuffles.
 #pragma once
 
 #include <math_constants.h>

@@ -1,12 +1,12 @@
 // Softmax role of the Hopper family: online softmax over wgmma's m64nN accumulator layout, exp2 domain,
-// with the seed's lazy rescale (the reference max only moves when a block's max beats it by 2^8).
+// with the mma.sync family's lazy rescale (the reference max only moves when a block's max beats it by 2^8).
 //
 // Layout: warp w of a consumer warpgroup holds rows 16w..16w+15; lane 4g+t holds rows g and g+8 and, of
 // each 8-column group i, columns 8i+2t and 8i+2t+1: s[4i+0..1] are row g, s[4i+2..3] row g+8. So a row's
-// reductions are two xor-shuffles across the quad, as in the seed (m16n8k16 has the same fragment).
+// reductions are two xor-shuffles across the quad, as in the mma.sync family (m16n8k16 has the same fragment).
 //
-// Unlike the seed's, Step() does not touch O: with intra-warpgroup overlap the previous block's P V is still
-// accumulating into O while this block's softmax runs, so Step() returns the factor and the caller applies
+// Unlike the mma.sync family's, Step() does not touch O: with intra-warpgroup overlap the previous block's P V
+// is still accumulating into O while this block's softmax runs, so Step() returns the factor and the caller applies
 // it once that GEMM has completed.
 #pragma once
 

@@ -13,8 +13,9 @@
 // Launch(plan, workspace, stream) enqueues the kernel. Scratch memory belongs to the caller: the plan says
 // how much it needs (Plan::workspace_bytes, 0 for most plans) and the caller passes it to every launch.
 //
-// Kernel families: "seed" (TMA + ldmatrix + mma.sync; sm_90a and sm_120a) and "hopper" (wgmma, warp-specialised,
-// persistent; sm_90a). Family kAuto runs the hopper family on compute capability 9.0 and the seed family on 12.0.
+// Kernel families: "mma_sync" (TMA + ldmatrix + mma.sync; sm_90a and sm_120a) and "hopper" (wgmma,
+// warp-specialised, persistent; sm_90a). Family kAuto runs the hopper family on compute capability 9.0 and the
+// mma_sync family on 12.0.
 // Nothing here links libcuda: the tensor-map encoder is fetched through the runtime's driver entry point, so
 // binaries start (and report UNAVAILABLE) on machines without a driver.
 #pragma once
@@ -33,13 +34,13 @@
 
 namespace attnd::kernels {
 
-enum class Family { kAuto, kSeed, kHopper };
+enum class Family { kAuto, kMmaSync, kHopper };
 const char* FamilyName(Family f);
 
 // One compiled configuration: a kernel family with one tile shape.
 struct ConfigInfo {
-  std::string name;        // e.g. "seed_sm90_d128_m64n64s2": family, shared-memory budget, head_dim, tiles
-  Family family = Family::kSeed;
+  std::string name;        // e.g. "mma_sync_sm90_d128_m64n64s2": family, shared-memory budget, head_dim, tiles
+  Family family = Family::kMmaSync;
   int head_dim = 0;
   int block_m = 0;         // query rows per block
   int block_n = 0;         // key rows per pipeline stage
@@ -120,7 +121,7 @@ struct PlanOptions {
   Family family = Family::kAuto;  // kAuto: the fastest family and configuration built for the device
   std::string config;             // a name from ConfigNames(); overrides family
   int device = -1;                // -1: the current device
-  HopperScheduleOptions hopper;   // ignored by the seed family
+  HopperScheduleOptions hopper;   // ignored by the mma_sync family
 };
 
 // A validated problem with its chosen configuration; cheap to copy, holds no pointers.
@@ -151,11 +152,11 @@ struct LaunchParams {
   int num_q_tiles = 0;
   float scale_log2 = 0;   // softmax scale * log2(e): the kernel works in the exp2 domain
   int batch = 0;
-  int section = 1;        // causal block order: (head, batch) pairs per L2-sized section (seed family)
+  int section = 1;        // causal block order: (head, batch) pairs per L2-sized section (mma_sync family)
 };
 
 // What a launch runs, decided when the plan is made; the family's launcher reads it and nothing else does.
-// The seed family launches one block per tile (Plan::grid) and leaves it empty.
+// The mma_sync family launches one block per tile (Plan::grid) and leaves it empty.
 struct LaunchSchedule {
   static constexpr size_t kNoOffset = ~size_t{0};
   int blocks = 0;           // hopper: the persistent grid, at most one block per SM (HopperScheduleOptions)

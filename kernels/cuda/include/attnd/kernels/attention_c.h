@@ -31,7 +31,7 @@ void attnd_kernels_hopper_options_default(attnd_kernels_hopper_options* out);
 /* shape: batch, q_len, kv_len, q_heads, kv_heads, head_dim. dtype: 0 bf16, 1 fp16.
  * mask: 0 none, 1 causal top-left, 2 causal bottom-right. strides: element strides (batch, seq, head) of
  * q, k, v, o in that order (12 values). lse: fp32 [batch, q_heads, q_len] or NULL. config: a configuration
- * name, "" / NULL for the default, "seed" or "hopper" for a family.
+ * name, "" / NULL for the default, "mma_sync" or "hopper" for a family.
  * The plan owns the workspace its launches need (allocated and zeroed here, on the current device; freed by
  * attnd_kernels_plan_destroy), so its launches must not overlap: one stream, or one at a time. */
 int attnd_kernels_plan_create(const int64_t shape[6], int dtype, int mask, float scale, const int64_t strides[12],

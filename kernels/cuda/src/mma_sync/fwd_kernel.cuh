@@ -1,4 +1,4 @@
-// The seed-design forward kernel, composed of the load (TMA), compute (mma.sync), softmax and epilogue
+// The mma.sync family's forward kernel (the seed article's design), composed of the load (TMA), compute (mma.sync), softmax and epilogue
 // roles. One block computes block_m query rows of one (batch, head); each warp owns 16 * kMRep of them.
 //
 //   S = Q K^T          Q from registers (or shared memory at d=256), K from a swizzled stage via ldmatrix
@@ -22,11 +22,11 @@
 #include "../common/online_softmax.cuh"
 #include "../common/tma_sm90.cuh"
 
-namespace attnd::kernels::seed {
+namespace attnd::kernels::mma_sync {
 
 template <typename Tile, typename Elem>
 __global__ void __launch_bounds__(Tile::kThreads)
-    SeedFwdKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+    MmaSyncFwdKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                   const __grid_constant__ CUtensorMap v_map, const LaunchParams p) {
   constexpr int D = Tile::kHeadDim, BM = Tile::kBlockM, BN = Tile::kBlockN, S = Tile::kStages;
   constexpr int kPanels = Tile::kPanels;
@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(Tile::kThreads)
   // about half the L2 (p.section pairs); inside a section the longest q tiles of all its heads go first (rank
   // slowest, heads fastest), so a section's last wave holds short blocks and no head's long blocks start late,
   // while the section's K/V prefixes stay in L2 for all its blocks.
-  // Non-causal: equal blocks, the seed's q-tile-fastest order (neighbouring blocks read the same K/V tiles).
+  // Non-causal: equal blocks, the seed article's q-tile-fastest order (neighbouring blocks read the same K/V tiles).
   const int lin = static_cast<int>(blockIdx.x);
   int q_tile, hb;
   if (p.causal) {
@@ -253,4 +253,4 @@ __global__ void __launch_bounds__(Tile::kThreads)
   }
 }
 
-}  // namespace attnd::kernels::seed
+}  // namespace attnd::kernels::mma_sync

@@ -1,15 +1,15 @@
-// Tile shapes of the seed family, chosen in one place. Each shape is one configuration; the *_sm120 ones fit
+// Tile shapes of the mma.sync family, chosen in one place. Each shape is one configuration; the *_sm120 ones fit
 // the 99 KB of shared memory a block may have on sm_120 and are compiled for sm_120a as well as sm_90a, the
 // *_sm90 ones use Hopper's 227 KB and are compiled for sm_90a only.
 #pragma once
 
 #include <cstddef>
 
-namespace attnd::kernels::seed {
+namespace attnd::kernels::mma_sync {
 
 // kHeadDim: the whole head_dim is one tile (online softmax needs full dot products).
 // kBlockM: query rows per block; each warp owns 16 rows, so kBlockM / 16 warps.
-// kBlockN: key rows per K/V stage. kStages: K/V pipeline depth (1 = the seed's single buffer).
+// kBlockN: key rows per K/V stage. kStages: K/V pipeline depth (1 = the seed article's single buffer).
 // kMRep: 16-row mma atoms per warp. 2 gives each warp 32 rows, so every K/V fragment read from shared memory
 //   feeds two mma instead of one (shared-memory bandwidth, not the tensor cores, limits 16-row warps on H200),
 //   at the price of twice the accumulator registers.
@@ -42,15 +42,15 @@ struct TileShape {
 };
 
 // The configurations that are compiled: DefaultConfig's choices (plan.cc). Names:
-// seed_<budget>_d<head_dim>_m<BlockM>n<BlockN>s<Stages>[w4 for kMRep 2].
+// mma_sync_<budget>_d<head_dim>_m<BlockM>n<BlockN>s<Stages>[w4 for kMRep 2].
 // Sm120 budget (sm_120's choices at every head_dim, and the H200's at d64 below 2k and at d256):
-using SeedSm120D64 = TileShape<64, 64, 64, 2, true>;
-using SeedSm120D128 = TileShape<128, 64, 64, 1, true>;  // the seed's own 48 KB shape
-using SeedSm120D256 = TileShape<256, 64, 64, 1, true>;
+using MmaSyncSm120D64 = TileShape<64, 64, 64, 2, true>;
+using MmaSyncSm120D128 = TileShape<128, 64, 64, 1, true>;  // the seed article's own 48 KB shape
+using MmaSyncSm120D256 = TileShape<256, 64, 64, 1, true>;
 // Hopper budget: two blocks of up to ~113 KB share an SM's 228 KB. The 32-rows-a-warp shapes (w4) once 128-row
 // blocks fill two per SM, 64-row blocks below (twice the blocks).
-using SeedSm90D64M128S2R2 = TileShape<64, 128, 64, 2, false, 2>;
-using SeedSm90D128M64S2 = TileShape<128, 64, 64, 2, false>;
-using SeedSm90D128M128S2R2 = TileShape<128, 128, 64, 2, false, 2>;
+using MmaSyncSm90D64M128S2R2 = TileShape<64, 128, 64, 2, false, 2>;
+using MmaSyncSm90D128M64S2 = TileShape<128, 64, 64, 2, false>;
+using MmaSyncSm90D128M128S2R2 = TileShape<128, 128, 64, 2, false, 2>;
 
-}  // namespace attnd::kernels::seed
+}  // namespace attnd::kernels::mma_sync

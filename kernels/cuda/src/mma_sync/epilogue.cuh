@@ -12,7 +12,7 @@
 #include "../common/softmax_quad.cuh"
 #include "../common/tma_sm90.cuh"
 
-namespace attnd::kernels::seed {
+namespace attnd::kernels::mma_sync {
 
 template <typename Tile, typename Elem, int kDTiles, typename Softmax>
 __device__ __forceinline__ void StoreOutput(const LaunchParams& p, float (&acc_o)[kDTiles][4], const Softmax& sm,
@@ -63,4 +63,4 @@ __device__ __forceinline__ void StoreOutput(const LaunchParams& p, float (&acc_o
   }
 }
 
-}  // namespace attnd::kernels::seed
+}  // namespace attnd::kernels::mma_sync
