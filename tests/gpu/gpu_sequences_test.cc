@@ -3,7 +3,7 @@
 // (page tables over a shuffled free list, forks sharing pages, copy-on-write copies) on a host model of every
 // sequence's K/V per layer, and checks each step against the double-precision CPU reference.
 //
-// Each step: random inputs; O and LSE poisoned (BackendOptions::poison_outputs, and NaN-filled registered O
+// Each step: random inputs; O and LSE poisoned (CudaBackendHooks::poison_outputs, and NaN-filled registered O
 // buffers); the whole pool NaN-filled when it is made, so a kernel that reads a row no step wrote, or a page
 // through a wrong table entry, turns the output into NaN. Per sequence:
 //   max|O - O_f64| <= kTolFactor * max|O_ref - O_f64| + kAtol, no NaN, |LSE - LSE_f64| <= kLseAtol
@@ -65,7 +65,6 @@ BackendOptions TestOptions() {
   BackendOptions o;
   o.streams_per_device = 2;
   o.memory_budget_bytes = 4ull << 30;
-  o.poison_outputs = true;
   o.copy_threads = 0;
   return o;
 }
@@ -73,7 +72,9 @@ BackendOptions TestOptions() {
 // One backend for the suite: its start (every kernel configuration launched once) is the slow part.
 Backend* SharedBackend() {
   static Backend* backend = [] {
-    absl::StatusOr<std::unique_ptr<Backend>> b = MakeCudaBackend(TestOptions());
+    CudaBackendHooks hooks;
+    hooks.poison_outputs = true;
+    absl::StatusOr<std::unique_ptr<Backend>> b = MakeCudaBackend(TestOptions(), hooks);
     return b.ok() ? b->release() : nullptr;
   }();
   return backend;

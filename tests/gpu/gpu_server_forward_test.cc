@@ -342,7 +342,7 @@ TEST(GpuServerTest, ShutdownWithRequestsInFlightLosesNone) {
   auto& c = clients[0];
   const int kCalls = 24;
   // One input set for all calls keeps the CPU oracle affordable; the server NaN-fills every output before
-  // its launch (poison_outputs), so a call cannot pass on another call's result.
+  // its launch (CudaBackendHooks::poison_outputs), so a call cannot pass on another call's result.
   const Case k = MakeCase(Spec(1, 2048, 2048, 16, 4, 128, Mask::kNone), 900);
   std::vector<std::future<absl::StatusOr<client::ForwardResult>>> futures;
   for (int i = 0; i < kCalls; ++i) futures.push_back(clients[i % 4]->ForwardFuture(k.request));

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "attnd/server/backend.h"
+#include "attnd/server/cuda_backend.h"
 #include "attnd/server/server.h"
 #include "attnd/client/client.h"
 #include "attnd/client/tensors.h"
@@ -80,8 +81,9 @@ inline void StartCudaServer(TestServer* out, const CudaServerOptions& o, std::st
   bo.memory_budget_bytes = o.memory_budget_bytes;
   bo.warm_shapes = o.warm_shapes;
   bo.stream_to_device = o.stream_to_device;
-  bo.poison_outputs = true;
-  auto backend = server::MakeBackend("cuda", bo);
+  server::CudaBackendHooks hooks;
+  hooks.poison_outputs = true;
+  auto backend = server::MakeCudaBackend(bo, hooks);
   if (!backend.ok() && (absl::IsUnavailable(backend.status()) || absl::IsFailedPrecondition(backend.status()))) {
     *skip = absl::StrCat("no usable GPU: ", backend.status().ToString());
     return;

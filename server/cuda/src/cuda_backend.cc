@@ -62,8 +62,9 @@ using cuda::TensorMapCache;
 
 class CudaBackendImpl final : public Backend {
  public:
-  explicit CudaBackendImpl(const BackendOptions& options)
+  CudaBackendImpl(const BackendOptions& options, CudaBackendHooks hooks)
       : options_(options),
+        hooks_(hooks),
         copies_(options.copy_threads >= 0 ? options.copy_threads : DefaultCopyThreads()),
         maps_(options.tensor_map_cache_entries) {}
   ~CudaBackendImpl() override {
@@ -75,7 +76,7 @@ class CudaBackendImpl final : public Backend {
     absl::StatusOr<std::vector<Shape>> warm = cuda::ParseWarmShapes(options_.warm_shapes);
     if (!warm.ok()) return warm.status();
     for (int d : devices) {
-      auto dev = std::make_unique<CudaDevice>(d, options_, &maps_, &queued_total_, &copies_);
+      auto dev = std::make_unique<CudaDevice>(d, options_, hooks_, &maps_, &queued_total_, &copies_);
       ATTND_RETURN_IF_ERROR(dev->Start(*warm));
       devices_.push_back(std::move(dev));
     }
@@ -293,6 +294,7 @@ class CudaBackendImpl final : public Backend {
   }
 
   const BackendOptions options_;
+  const CudaBackendHooks hooks_;
   CopyPool copies_;  // outlives the devices, whose workers use it
   mutable TensorMapCache maps_;
   std::vector<std::unique_ptr<CudaDevice>> devices_;
@@ -307,7 +309,7 @@ class CudaBackendImpl final : public Backend {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const BackendOptions& options) {
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const BackendOptions& options, CudaBackendHooks hooks) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
@@ -345,7 +347,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const BackendOptions& o
     }
   }
   if (options.streams_per_device < 1) return absl::InvalidArgumentError("streams: must be >= 1");
-  auto backend = std::make_unique<CudaBackendImpl>(options);
+  auto backend = std::make_unique<CudaBackendImpl>(options, hooks);
   ATTND_RETURN_IF_ERROR(backend->Start(devices));
   return std::unique_ptr<Backend>(std::move(backend));
 }

@@ -24,6 +24,7 @@
 #include "attnd/kernels/decode.h"
 #include "attnd/server/backend.h"
 #include "attnd/server/copy_pool.h"
+#include "attnd/server/cuda_backend.h"
 #include "attnd/server/cuda/block_cache.h"
 #include "attnd/server/cuda/tensor_map_cache.h"
 #include "attnd/server/queue_expiry.h"
@@ -143,10 +144,11 @@ class StreamedInputs final : public InputSink {
 class CudaDevice {
  public:
   // `queued_total`: the backend-wide count of waiting jobs, decremented when a worker takes one.
-  CudaDevice(int index, const BackendOptions& options, TensorMapCache* maps, std::atomic<uint32_t>* queued_total,
-             CopyPool* copies)
+  CudaDevice(int index, const BackendOptions& options, CudaBackendHooks hooks, TensorMapCache* maps,
+             std::atomic<uint32_t>* queued_total, CopyPool* copies)
       : index_(index),
         options_(options),
+        hooks_(hooks),
         maps_(maps),
         queued_total_(queued_total),
         copies_(copies),
@@ -267,6 +269,7 @@ class CudaDevice {
 
   const int index_;
   const BackendOptions options_;
+  const CudaBackendHooks hooks_;
   TensorMapCache* const maps_;
   std::atomic<uint32_t>* const queued_total_;
   CopyPool* const copies_;  // the backend's, shared by its devices

@@ -200,7 +200,7 @@ absl::Status CudaDevice::StageInputs(Work& w) {
     ATTND_RETURN_IF_ERROR(CudaStatus("H2D copy", cudaMemcpyAsync(dev, host, pl.in_bytes, cudaMemcpyHostToDevice, st)));
   }
   if (w.copies_in || shared) ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(w.slot.ev[1], st)));
-  if (!shared && options_.poison_outputs && pl.total > pl.out_offset) {
+  if (!shared && hooks_.poison_outputs && pl.total > pl.out_offset) {
     // Test mode: NaN-fill the outputs so that a launch that writes nothing cannot pass on stale results.
     ATTND_RETURN_IF_ERROR(
         CudaStatus("poison", cudaMemsetAsync(dev + pl.out_offset, 0xFF, pl.total - pl.out_offset, st)));
@@ -242,7 +242,7 @@ absl::Status CudaDevice::EnqueueKernel(const kernels::Plan& plan, Work& w) {
     ATTND_RETURN_IF_ERROR(
         CudaStatus("cudaStreamWaitEvent (inputs)", cudaStreamWaitEvent(compute_, slot.ev[1], 0)));
     const Placement& pl = w.pl;
-    if (options_.poison_outputs && pl.total > pl.out_offset) {
+    if (hooks_.poison_outputs && pl.total > pl.out_offset) {
       // Test mode, as in StageInputs; on the compute stream, so that it lands before this launch without another
       // cross-stream dependency.
       ATTND_RETURN_IF_ERROR(CudaStatus(

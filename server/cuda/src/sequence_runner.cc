@@ -408,10 +408,10 @@ absl::Status CudaDevice::StageSteps(StepWork& w) {
 
   cudaStream_t st = w.slot.stream;
   w.enqueued = true;
-  if (options_.poison_outputs && w.o_at != StepWork::kAbsent) {
+  if (hooks_.poison_outputs && w.o_at != StepWork::kAbsent) {
     // Test mode: NaN-fill O and LSE so that a launch that writes nothing cannot pass on stale results.
     ATTND_RETURN_IF_ERROR(CudaStatus("poison", cudaMemsetAsync(w.dev() + w.o_at, 0xFF, w.total - w.o_at, st)));
-  } else if (options_.poison_outputs && w.lse_at != StepWork::kAbsent) {
+  } else if (hooks_.poison_outputs && w.lse_at != StepWork::kAbsent) {
     ATTND_RETURN_IF_ERROR(CudaStatus("poison", cudaMemsetAsync(w.dev() + w.lse_at, 0xFF, w.total - w.lse_at, st)));
   }
   ATTND_RETURN_IF_ERROR(CudaStatus("cudaEventRecord", cudaEventRecord(w.slot.ev[0], st)));

@@ -23,9 +23,16 @@
 
 namespace attnd::server {
 
+// Test seams. Production code leaves them at their defaults.
+struct CudaBackendHooks {
+  // NaN-fill every output buffer (O and LSE, staged or registered) right before its launch, so that a kernel that
+  // leaves an element unwritten fails the test instead of passing on a value from an earlier call.
+  bool poison_outputs = false;
+};
+
 // UNAVAILABLE when no usable GPU is present (MakeBackend("auto") then falls back to the CPU backend);
 // any other error is reported as is.
-absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const BackendOptions& options);
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const BackendOptions& options, CudaBackendHooks hooks = {});
 
 // Registered CUDA IPC buffers on `devices` (the ones the cuda backend serves).
 std::unique_ptr<BufferRegistry> MakeCudaIpcRegistry(std::vector<int> devices);

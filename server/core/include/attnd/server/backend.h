@@ -320,7 +320,6 @@ struct BackendOptions {
   // CUDA: shapes "BxLqxLkxHqxHkxD,..." whose buffers are pre-allocated and tensor maps pre-encoded at start.
   std::string warm_shapes;
   size_t tensor_map_cache_entries = 4096;  // CUDA: encoded tensor maps kept (LRU)
-  bool poison_outputs = false;             // CUDA, tests: NaN-fill output buffers before each launch
   // CUDA: how long a worker polls its request's completion before sleeping in the driver, while at most one
   // other request runs on the device (busier: it sleeps at once); after a request that took longer, 1.5x that
   // request's wait, up to 4x this. Zero: always sleep.
