@@ -141,21 +141,17 @@ class Client::StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer
   // header and anything unusual go through protobuf.
   absl::Status Receive() {
     if (have_header_) {
-      absl::Status refused;
       Dest* grown = nullptr;
       uint64_t before = 0;
-      const ChunkRead r = ReadStreamChunk(in_buf_, [&](const ChunkHead& h) -> char* {
-        absl::StatusOr<Dest*> dst = Place(h);
-        if (!dst.ok()) {
-          refused = dst.status();
-          return nullptr;
-        }
-        grown = *dst;
+      const absl::StatusOr<ChunkRead> r = ReadStreamChunk(in_buf_, [&](const ChunkHead& h) -> absl::StatusOr<char*> {
+        const absl::StatusOr<Dest*> placed = Place(h);
+        if (!placed.ok()) return placed.status();
+        grown = *placed;
         before = grown->filled;
         return grown->Extend(h.size);
       });
-      if (r == ChunkRead::kDone) return absl::OkStatus();
-      if (r == ChunkRead::kRefused) return refused;
+      if (!r.ok()) return r.status();
+      if (*r == ChunkRead::kDone) return absl::OkStatus();
       if (grown != nullptr) grown->Truncate(before);
     }
     const grpc::Status parsed = grpc::SerializationTraits<v1::ForwardStreamResponse>::Deserialize(&in_buf_, &in_);

@@ -315,7 +315,8 @@ grpc::ByteBuffer SerializeForwardRequest(const v1::ForwardRequest& header,
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
-ChunkRead ReadStreamChunk(grpc::ByteBuffer& message, absl::FunctionRef<char*(const ChunkHead&)> place) {
+absl::StatusOr<ChunkRead> ReadStreamChunk(grpc::ByteBuffer& message,
+                                          absl::FunctionRef<absl::StatusOr<char*>(const ChunkHead&)> place) {
   static_assert(static_cast<int>(v1::ForwardStreamRequest::kChunkFieldNumber) ==
                 static_cast<int>(v1::ForwardStreamResponse::kChunkFieldNumber));
   const uint64_t total = message.Length();
@@ -352,8 +353,9 @@ ChunkRead ReadStreamChunk(grpc::ByteBuffer& message, absl::FunctionRef<char*(con
       return ChunkRead::kOther;
     }
   }
-  char* dst = place(head);
-  if (dst == nullptr) return ChunkRead::kRefused;
+  const absl::StatusOr<char*> placed = place(head);
+  if (!placed.ok()) return placed.status();
+  char* dst = *placed;
   // ReadRaw takes an int: copy in pieces (a message is below 2 GiB, but the type says nothing of that).
   for (uint64_t done = 0; done < head.size;) {
     const int n = static_cast<int>(std::min<uint64_t>(head.size - done, 1 << 30));

@@ -171,21 +171,17 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
 
   absl::Status Receive() {
     if (state_ == StreamState::kReceiving) {
-      absl::Status refused;
       Input* into = nullptr;
       uint64_t size = 0;
-      const ChunkRead r = ReadStreamChunk(in_buf_, [&](const ChunkHead& h) -> char* {
-        absl::StatusOr<Input*> t = Place(h);
-        if (!t.ok()) {
-          refused = t.status();
-          return nullptr;
-        }
-        into = *t;
+      const absl::StatusOr<ChunkRead> r = ReadStreamChunk(in_buf_, [&](const ChunkHead& h) -> absl::StatusOr<char*> {
+        const absl::StatusOr<Input*> placed = Place(h);
+        if (!placed.ok()) return placed.status();
+        into = *placed;
         size = h.size;
         return reinterpret_cast<char*>(into->data + into->received);
       });
-      if (r == ChunkRead::kDone) return Received(*into, size);
-      if (r == ChunkRead::kRefused) return refused;
+      if (!r.ok()) return r.status();
+      if (*r == ChunkRead::kDone) return Received(*into, size);
     }
     const grpc::Status parsed = grpc::SerializationTraits<v1::ForwardStreamRequest>::Deserialize(&in_buf_, &in_);
     if (!parsed.ok()) return absl::InvalidArgumentError("message: not a ForwardStreamRequest (unparseable)");

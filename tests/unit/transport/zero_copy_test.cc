@@ -148,11 +148,12 @@ TEST(ReadStreamChunk, ReadsWhatProtobufAndTheWriterWriteAcrossSlices) {
         SCOPED_TRACE(testing::Message() << "n=" << n << " offset=" << offset << " input " << i);
         std::string out(n, '\x5a');
         ChunkHead seen;
-        const ChunkRead r = ReadStreamChunk(inputs[i], [&](const ChunkHead& h) {
+        const absl::StatusOr<ChunkRead> r = ReadStreamChunk(inputs[i], [&](const ChunkHead& h) -> absl::StatusOr<char*> {
           seen = h;
           return out.data();
         });
-        ASSERT_EQ(r, ChunkRead::kDone);
+        ASSERT_TRUE(r.ok()) << r.status();
+        ASSERT_EQ(*r, ChunkRead::kDone);
         EXPECT_EQ(seen.tensor, names[i]);
         EXPECT_EQ(seen.offset, offset);
         EXPECT_EQ(seen.size, n);
@@ -181,12 +182,12 @@ TEST(ReadStreamChunk, AnythingElseIsLeftToProtobufAndARefusalCopiesNothing) {
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); ++i) {
     grpc::ByteBuffer b = Sliced(cases[i], 3);
     bool placed = false;
-    EXPECT_EQ(ReadStreamChunk(b, [&](const ChunkHead&) {
-                placed = true;
-                return nullptr;
-              }),
-              ChunkRead::kOther)
-        << "case " << i;
+    const absl::StatusOr<ChunkRead> r = ReadStreamChunk(b, [&](const ChunkHead&) -> absl::StatusOr<char*> {
+      placed = true;
+      return absl::OutOfRangeError("no room");
+    });
+    ASSERT_TRUE(r.ok()) << "case " << i << ": " << r.status();
+    EXPECT_EQ(*r, ChunkRead::kOther) << "case " << i;
     EXPECT_FALSE(placed) << "case " << i;
     // What was left to protobuf is still there for it.
     if (i != 5) {
@@ -197,11 +198,11 @@ TEST(ReadStreamChunk, AnythingElseIsLeftToProtobufAndARefusalCopiesNothing) {
   }
   grpc::ByteBuffer b = Sliced(good, 5);
   std::string out(6, '-');
-  EXPECT_EQ(ReadStreamChunk(b, [&](const ChunkHead& h) -> char* {
-              EXPECT_EQ(h.size, 6u);
-              return nullptr;
-            }),
-            ChunkRead::kRefused);
+  const absl::StatusOr<ChunkRead> refused = ReadStreamChunk(b, [&](const ChunkHead& h) -> absl::StatusOr<char*> {
+    EXPECT_EQ(h.size, 6u);
+    return absl::OutOfRangeError("v: past the tensor's end");
+  });
+  EXPECT_EQ(refused.status(), absl::OutOfRangeError("v: past the tensor's end"));  // the placement's own status
   EXPECT_EQ(out, "------");
 }
 

@@ -51,17 +51,18 @@ struct ChunkHead {
 };
 
 enum class ChunkRead {
-  kDone,     // the data was copied where `place` said
-  kRefused,  // `place` returned null (it has recorded why)
-  kOther,    // not a chunk in protobuf's canonical encoding (a header, unknown or repeated fields, ...):
-             // parse the message with protobuf instead
+  kDone,   // the data was copied where `place` said
+  kOther,  // not a chunk in protobuf's canonical encoding (a header, unknown or repeated fields, ...):
+           // parse the message with protobuf instead
 };
 
 // Reads a ForwardStream(Request|Response) that holds a chunk written the way protobuf and
 // SerializeStreamChunk write one (fields in order, each once, nothing else): the head first, then
-// `place(head)` says where its `size` data bytes go (null: refuse) and they are copied there straight from
-// gRPC's slices. `message` is left as it was, so kOther can fall back to protobuf.
-ChunkRead ReadStreamChunk(grpc::ByteBuffer& message, absl::FunctionRef<char*(const ChunkHead&)> place);
+// `place(head)` says where its `size` data bytes go and they are copied there straight from gRPC's slices.
+// A placement that refuses the chunk (an error) is returned as is, with nothing copied. `message` is left as it
+// was, so kOther can fall back to protobuf.
+absl::StatusOr<ChunkRead> ReadStreamChunk(grpc::ByteBuffer& message,
+                                          absl::FunctionRef<absl::StatusOr<char*>(const ChunkHead&)> place);
 
 // One inline tensor of a ForwardRequest read by ReadForwardRequest: its `data` bytes where they lie in the
 // message's slices, in order.
