@@ -29,7 +29,7 @@ usage:
       tables (kernels/bench/bench_attention.py); decode: gpu_decode_test, then memcheck and racecheck on its small
       cases; decodebench: kernels/bench/decode_bench.py; raggedbench: kernels/bench/ragged_prefill_bench.py. bench
       and ab take about 5 minutes each.
-  scripts/device.sh service [test|bench|ab|python|decode|pyoverhead|torch|move]...  (default: test bench)
+  scripts/device.sh service [test|bench|ab|python|decode|pyoverhead|torch|move|soak]...  (default: test bench)
       On the GPU machine. test: gpu_server_parts_test, gpu_server_forward_test, gpu_server_ipc_test; bench: one
       attnd, then CUDA IPC over gRPC and over the shm channel (ipc_peer bench), the TCP baseline (ipc_peer tcp)
       and inline unary/stream calls (attn bench); ab: bench with the new binaries, then with .carry/base's;
@@ -38,7 +38,9 @@ usage:
       a suffix for its JSON): KV-sequence steps from PyTorch and C++ callers with CUDA tensors, ordered on their streams
       (client/python/bench/cuda_steps.py, ordered_steps, ipc_peer decode beside them) and the engine example
       (client/python/examples/llama_engine.py) against in-process SDPA, then alone with steps that wait; move: two
-      attnd on the GPU and client/python/bench/move_bench.py between them (MOVE_FLAGS: its shape and count).
+      attnd on the GPU and client/python/bench/move_bench.py between them (MOVE_FLAGS: its shape and count); soak:
+      the CI soak's verified traffic against a CUDA attnd for SOAK_S seconds (1800) after a 60 s warm-up, RSS
+      sampled into soak_samples.csv.
 Logs: $OUT/kernels.log, $OUT/service.log, and the benchmarks' rows as kernels_bench.json, kernels_ab.json and
 kernels_mmabench.json; a summary table is printed last. The exit status is 0 when every check passed.
 Parameters (environment of this script):
@@ -57,7 +59,7 @@ die() { echo "device.sh: $*" >&2; exit 2; }
 # build (here)
 
 STATIC_TARGETS="gpu_attention_test gpu_decode_test gpu_sequences_test gpu_server_parts_test gpu_server_forward_test
-  gpu_server_ipc_test attnd attn ipc_peer ordered_steps"
+  gpu_server_ipc_test attnd attn ipc_peer ordered_steps attnd_soak"
 SERVICE_TARGETS="attnd attn ipc_peer"
 
 # configure_and_build SRC BUILD_DIR STATIC(ON|OFF) TARGETS...
@@ -627,6 +629,42 @@ service_move() {
   cat "$r" >> "$LOG"
 }
 
+# The CI soak's traffic (tests/soak/soak.cc: every RPC, every valid Forward checked against the float64 reference,
+# cancellations, deadlines, bad input) against one CUDA attnd for SOAK_S seconds after its 60 s warm-up, the
+# server's RSS, descriptors and threads sampled every 2 s into soak_samples.csv, the soak's leak rules applied to the
+# quiet server before and after. The summary row adds the RSS under load: the run's first and last sixths and the
+# spread of its second half (max / min).
+service_soak() {
+  local b=$1 port=$(( ${PORT:-50051} + 9 )) r=$OUT/soak.txt rc code=0 csv=$OUT/soak_samples.csv
+  "$b/attnd" --listen=127.0.0.1:$port --backend=cuda --log_level=warn --shutdown_grace_s=30 ${SERVER_FLAGS:-} \
+    > "$TMP/attnd_soak.log" 2>&1 &
+  local s=$! i
+  for i in $(seq 1 300); do "$b/attn" health --target=127.0.0.1:$port > /dev/null 2>&1 && break; sleep 0.2; done
+  timeout $(( ${SOAK_S:-1800} + 240 )) $C/attnd_soak --target=127.0.0.1:$port --server_pid=$s \
+    --duration_s="${SOAK_S:-1800}" --csv="$csv" > "$r" 2>&1
+  rc=$?
+  kill -TERM $s
+  wait $s || code=$?
+  { echo "attnd exit $code"; grep -hE '\[(error|critical)\]' "$TMP/attnd_soak.log" | head -20; } >> "$r"
+  local load
+  load=$(python3 - "$csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.DictReader(open(sys.argv[1]))]
+rss = [int(r["rss_kib"]) / 1024 for r in rows]  # every sample is taken under the run's load
+if len(rss) < 12:
+    print("too few samples"); sys.exit()
+k = len(rss) // 6
+half = rss[len(rss) // 2:]
+print(f"RSS under load first sixth {sum(rss[:k]) / k:.1f} MiB, last sixth {sum(rss[-k:]) / k:.1f} MiB, "
+      f"second half {min(half):.1f}-{max(half):.1f} MiB ({max(half) / min(half):.3f}x), {len(rss)} samples")
+PY
+)
+  local ok=FAIL
+  [ $rc -eq 0 ] && [ $code -eq 0 ] && ok=ok
+  note "service soak" $ok "$(grep -E '^soak: [0-9]+ passed' "$r"); $load"
+  cat "$r" >> "$LOG"
+}
+
 service_measure() {
   local b=$1 label=$2 port=${PORT:-50051} dur=${DUR:-2s}
   local sock=/tmp/attnd_bench_$port.sock shm=/tmp/attnd_shm_$port.sock r=$TMP/measure_$label.txt
@@ -709,7 +747,7 @@ cmd_service() {
   local steps=("$@")
   [ ${#steps[@]} -eq 0 ] && steps=(test bench)
   for s in "${steps[@]}"; do
-    case $s in test|bench|ab|python|decode|pyoverhead|torch|move) ;; *) die "service: unknown step $s" ;; esac
+    case $s in test|bench|ab|python|decode|pyoverhead|torch|move|soak) ;; *) die "service: unknown step $s" ;; esac
   done
   mkdir -p "$OUT"
   unpack
@@ -741,6 +779,8 @@ cmd_service() {
         service_torch "$PWD/$C" ;;
       move)
         service_move "$PWD/$C" ;;
+      soak)
+        service_soak "$PWD/$C" ;;
       python)
         # The Python client's suite with this machine's Python and torch: CPU-backend servers, and with a GPU its CUDA
         # tests (a --backend=cuda server, torch CUDA tensors by IPC). The package loads its bundled libraries.
