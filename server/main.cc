@@ -122,7 +122,10 @@ ABSL_FLAG(int64_t, shm_reply_spin_us, 300,
           "most two channels wait for theirs); best above the kernel time of the requests served");
 ABSL_FLAG(bool, retain_heap, true,
           "keep freed tensor-sized heap memory mapped (no page faults on the next request; resident size stays "
-          "near its peak); false: glibc's defaults");
+          "near its peak while calls come, and goes back after 10-20 s without one); false: glibc's defaults");
+ABSL_FLAG(int32_t, heap_arenas, 1,
+          "with --retain_heap: glibc arenas the process allocates from; 1 lets the idle trim hand back everything "
+          "freed (other arenas keep what they free at their tops); 0: glibc's default, 8 per core");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "transport tuning: gRPC channel arguments, comma-separated name=value (e.g. "
           "grpc.http2.lookahead_bytes=8388608,grpc.http2.bdp_probe=0); applied last");
@@ -383,7 +386,10 @@ int main(int argc, char** argv) {
   // what the hard limit allows.
   const uint64_t fd_limit = attnd::server::RaiseDescriptorLimit();
   spdlog::debug("descriptor limit {}", fd_limit);
-  if (absl::GetFlag(FLAGS_retain_heap) && !attnd::RetainFreedHeapMemory()) {
+  if (absl::GetFlag(FLAGS_heap_arenas) < 0) {
+    return Fail(absl::InvalidArgumentError("--heap_arenas: must be 0 (glibc's default) or more"));
+  }
+  if (absl::GetFlag(FLAGS_retain_heap) && !attnd::RetainFreedHeapMemory(absl::GetFlag(FLAGS_heap_arenas))) {
     spdlog::warn("--retain_heap: this C library's allocator cannot be tuned; running with its defaults");
   }
   const sigset_t signals = BlockShutdownSignals();

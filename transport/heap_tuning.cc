@@ -9,12 +9,13 @@
 
 namespace attnd {
 
-bool RetainFreedHeapMemory() {
+bool RetainFreedHeapMemory(int arenas) {
 #if defined(__GLIBC__)
   // mallopt returns 1 on success. Setting the thresholds also turns off glibc's dynamic adjustment of them.
   bool ok = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1;
   ok = mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1 && ok;
   ok = mallopt(M_TOP_PAD, 64 << 20) == 1 && ok;
+  if (arenas > 0) ok = mallopt(M_ARENA_MAX, arenas) == 1 && ok;
   return ok;
 #else
   return false;

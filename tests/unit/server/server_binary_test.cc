@@ -453,10 +453,11 @@ TEST(BinaryLimits, AHugeLengthPrefixIsNotBufferedWhole) {
 }
 
 // Default limits (256 MiB messages, so a 272 MiB transport quota): a call announcing 1 GiB is cut off near the
-// quota, and once the server is quiet it hands the memory back. With --retain_heap=false its resident size comes
-// back to within 16 MiB of where it was (0.3-0.5 MiB above it on a quiet machine, 1.5 MiB and more on a loaded
-// one, where gRPC starts more threads); with the default, what glibc's per-thread arenas keep at their tops
-// (malloc_trim cannot release it) stays, and the rest goes.
+// quota, and once the server is quiet it hands the memory back: its resident size comes back to within 16 MiB of
+// where it was (0.1-0.5 MiB above it on a quiet machine, 1.5 MiB and more on a loaded one, where gRPC starts more
+// threads), with the heap retained (the default, one glibc arena: --heap_arenas) as without. With glibc's default
+// arenas the gRPC threads' own arenas keep what they freed at their tops (malloc_trim cannot release it: 18-20 MiB
+// on a 2-core machine, ~100 MiB on a 16-core one); the test fails so with --heap_arenas=0.
 void FloodAndWatchTheMemory(bool retain_heap) {
   TcpServer server({retain_heap ? "--retain_heap=true" : "--retain_heap=false"});
   ASSERT_TRUE(server.serving) << "attnd did not start";
@@ -469,9 +470,7 @@ void FloodAndWatchTheMemory(bool retain_heap) {
   // gRPC resets the stream once its reclaimer runs, a little past the quota (6-25 MiB in quiet runs; more on a
   // loaded machine): far below what the old default let through (512 MiB).
   EXPECT_LE(f.sent, uint64_t{256 + 16 + 64} << 20) << "sent " << f.sent;
-  // Retaining, the arena tops stay (80-105 MiB in quiet runs): the bound only asks that the bulk of the 272 MiB
-  // quota went back, whatever the sampled peak.
-  const uint64_t bound = before + (retain_heap ? uint64_t{160} << 20 : uint64_t{16} << 20);
+  const uint64_t bound = before + (uint64_t{16} << 20);
   uint64_t after = RssBytes(pid);
   const absl::Time quiet_from = absl::Now();
   while (after > bound && absl::Now() - quiet_from < absl::Minutes(1)) {
@@ -489,7 +488,7 @@ void FloodAndWatchTheMemory(bool retain_heap) {
 }
 
 TEST(BinaryLimits, AHostileUploadIsCutNearTheQuotaAndItsMemoryGivenBack) { FloodAndWatchTheMemory(false); }
-TEST(BinaryLimits, AHostileUploadsMemoryIsMostlyGivenBackWhileRetainingTheHeap) { FloodAndWatchTheMemory(true); }
+TEST(BinaryLimits, AHostileUploadsMemoryIsGivenBackWhileRetainingTheHeap) { FloodAndWatchTheMemory(true); }
 
 // A unary call of `path` whose 1,000-byte message comes one byte every `every`. Returns how long until the server
 // ended the call, and what its frames on the call's stream carried (trailers' grpc-message is not Huffman-coded

@@ -17,7 +17,13 @@ namespace attnd {
 // freed memory stays in the heap. This keeps blocks up to 32 MiB (the most glibc accepts) in the heap and
 // freed memory mapped up to 1 GiB; the process's resident size then stays near its peak instead of
 // falling back after each request. Returns false where this is not glibc (nothing changed).
-bool RetainFreedHeapMemory();
+//
+// `arenas` > 0 caps glibc's arenas (M_ARENA_MAX; 0 keeps its default of 8 per core). Each thread that meets
+// contention gets an arena of its own, and what such an arena frees at its top stays mapped up to the 1 GiB trim
+// threshold: malloc_trim hands back only the main arena's top. A server whose gRPC threads once buffered a hostile
+// upload would keep it resident for good; with one arena the idle trim returns all of it. Call it before
+// threads start.
+bool RetainFreedHeapMemory(int arenas = 0);
 
 // Hands the heap's free pages back to the system (malloc_trim); false where this is not glibc.
 bool ReleaseFreedHeapMemory();
