@@ -72,6 +72,9 @@ ABSL_FLAG(int64_t, completion_spin_us, 300,
           "request runs on the device; longer (1.5x, up to 4x this) after a request that took longer (0: always "
           "sleep)");
 ABSL_FLAG(bool, ipc_over_tcp, false, "serve CUDA IPC registration over TCP too (default: the unix socket only)");
+ABSL_FLAG(bool, reflection, false,
+          "serve gRPC server reflection (grpcurl without the .proto); off by default: gRPC serves it outside the "
+          "upload and idle bounds of attnd's own methods");
 ABSL_FLAG(double, shutdown_grace_s, 60,
           "seconds a shutdown waits for accepted calls before cancelling the rest; it bounds the exit (idle "
           "connections and health/reflection streams do not hold it)");
@@ -307,6 +310,7 @@ void SecurityAndObservabilityFlags(ServerOptions::Security* security, ServerOpti
   security->auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   security->enable_cuda_ipc = absl::GetFlag(FLAGS_enable_cuda_ipc);
   security->ipc_over_tcp = absl::GetFlag(FLAGS_ipc_over_tcp);
+  security->reflection = absl::GetFlag(FLAGS_reflection);
   observability->metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   observability->access_log = absl::GetFlag(FLAGS_access_log);
 }

@@ -31,6 +31,8 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/resource_quota.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/impl/server_builder_option.h"
+#include "grpcpp/impl/server_builder_plugin.h"
 #include "metrics.h"
 #include "service.h"
 #include "shm_listener.h"
@@ -53,6 +55,24 @@ constexpr absl::Duration kHeapTrimPeriod = absl::Seconds(10);
 // gRPC's default, stated: the third ping from a client within --min_client_ping_interval without data in
 // between closes its connection.
 constexpr int kMaxPingStrikes = 2;
+
+// Server reflection on one builder, or off. gRPC's reflection library registers its plugin for every builder of
+// the process once it is linked in (a static initializer calls InitProtoReflectionServerBuilderPlugin), so the
+// option takes it out of the builder's plugins, then adds one back when asked for.
+class ReflectionOption final : public grpc::ServerBuilderOption {
+ public:
+  explicit ReflectionOption(bool on) : on_(on) {}
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    const std::string name = grpc::reflection::ProtoServerReflectionPlugin().name();
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(), [&](const auto& p) { return p->name() == name; }),
+                   plugins->end());
+    if (on_) plugins->push_back(std::make_unique<grpc::reflection::ProtoServerReflectionPlugin>());
+  }
+
+ private:
+  const bool on_;
+};
 
 // A duration as gRPC's int milliseconds; zero (off) and anything beyond INT_MAX ms as INT_MAX (gRPC's "never").
 int ToGrpcMillis(absl::Duration d) {
@@ -117,12 +137,12 @@ class ServerImpl final : public Server {
       backend_->Shutdown();
       return secured;
     }
-    // Both must be set before the builder exists: they install server-builder plugins.
+    // Must be set before the builder exists: it installs a server-builder plugin.
     grpc::EnableDefaultHealthCheckService(true);
-    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     const ServerOptions::Network& network = options_.network;
     const ServerOptions::Timeouts& timeouts = options_.timeouts;
     grpc::ServerBuilder builder;
+    builder.SetOption(std::make_unique<ReflectionOption>(options_.security.reflection));
     if (!network.listen.empty()) builder.AddListeningPort(network.listen, tcp_credentials_, &tcp_port_);
     if (!network.unix_socket.empty()) {
       RemoveStaleSocket(network.unix_socket);

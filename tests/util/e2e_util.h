@@ -81,6 +81,7 @@ inline void StartServer(TestServer* out, uint64_t max_message_bytes = 64ull << 2
     so.shm.socket = out->shm_path;
   }
   so.limits.max_message_bytes = max_message_bytes;
+  so.security.reflection = true;  // off by default; ForwardTest.ReflectionListsTheService calls it
   server::BackendOptions bo;
   bo.threads = threads;
   bo.max_queue = max_queue;

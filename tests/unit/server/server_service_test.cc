@@ -154,8 +154,10 @@ TEST(ServerMeta, HealthServing) {
   EXPECT_EQ(unknown.status.error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
-TEST(ServerMeta, ReflectionListsTheServices) {
-  TestServer ts;
+TEST(ServerMeta, ReflectionListsTheServicesWhenAskedFor) {
+  server::ServerOptions options;
+  options.security.reflection = true;
+  TestServer ts(options);
   ASSERT_NE(ts.server, nullptr);
   // ServerReflectionRequest{list_services: ""}: field 7, length-delimited, empty.
   const std::string list_services("\x3a\x00", 2);
@@ -174,6 +176,19 @@ TEST(ServerMeta, ReflectionListsTheServices) {
   ASSERT_EQ(f.messages.size(), 1u);
   EXPECT_TRUE(absl::StrContains(f.messages[0], "attnd/v1/attention.proto"));
   EXPECT_TRUE(absl::StrContains(f.messages[0], "ForwardStream"));
+}
+
+// Off by default, also in a process where another server served it (the option is per server, not global).
+TEST(ServerMeta, ReflectionIsNotServedByDefault) {
+  server::ServerOptions with;
+  with.security.reflection = true;
+  TestServer first(with);
+  ASSERT_NE(first.server, nullptr);
+  TestServer ts;
+  ASSERT_NE(ts.server, nullptr);
+  const testing::RawResult r = testing::RawCall(
+      ts.Channel(), "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", std::string("\x3a\x00", 2));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << r.status.error_message();
 }
 
 TEST(ServerMeta, ServerInfoDescribesTheCpuBackend) {

@@ -89,6 +89,9 @@ struct ServerOptions {
     // cuda-ipc buffers: accept RegisterCudaBuffer and tensor references (cuda backend only).
     bool enable_cuda_ipc = false;
     bool ipc_over_tcp = false;  // accept CUDA IPC registration over TCP too (off: unix socket only)
+    // Serve gRPC server reflection (grpc.reflection.v1alpha, for grpcurl without the .proto). Off by default:
+    // gRPC serves it as a stream of its own, outside the upload and idle bounds attnd's methods have.
+    bool reflection = false;
   };
   // What the server reports about its calls (docs/security-and-metrics.md).
   struct Observability {
