@@ -5,9 +5,10 @@
 // in, and keeps no receive deadline of its own: a client that trickles its request, a byte every few seconds,
 // would hold the call and the bytes buffered so far for as long as it likes. On the wire a unary call is a stream
 // with one message each way, so serving the method as a bidirectional stream changes nothing for clients, and
-// the call exists from its headers on. BoundedUnaryReactor reads the one request; if it is not in by the
-// deadline, the call ends DEADLINE_EXCEEDED "upload_timeout_s: ...". With the request in, `handler` runs as a
-// unary handler would, and calls `done` once (from any thread) with the response filled when OK.
+// the call exists from its headers on. BoundedRequestReactor reads the one request; if it is not in by the
+// deadline, the call ends DEADLINE_EXCEEDED "upload_timeout_s: ...". BoundedUnaryReactor then runs `handler` as a
+// unary handler would, which calls `done` once (from any thread) with the response filled when OK; a
+// server-streaming method (health's Watch) derives from BoundedRequestReactor and writes its own replies.
 #pragma once
 
 #include <atomic>
@@ -29,55 +30,65 @@
 
 namespace attnd::server {
 
+// Reads a call's one request within the upload bound, then hands it to OnRequest. The reactor is deleted by
+// whichever of OnDone and the alarm's callback comes last.
 template <typename Request, typename Response>
-class BoundedUnaryReactor final : public grpc::ServerBidiReactor<Request, Response> {
+class BoundedRequestReactor : public grpc::ServerBidiReactor<Request, Response> {
  public:
-  using Done = std::function<void(const absl::Status&)>;
-  using Handler = std::function<void(grpc::CallbackServerContext*, absl::Time start, const Request*, Response*, Done)>;
-
-  // `upload_timeout` zero or less: no bound. `refusal`, when not OK, answers the call at once, before its request
-  // is read: a server shutting down tells a late caller UNAVAILABLE while its request is still on the way, rather
-  // than leaving it to be cancelled when the transport closes.
-  BoundedUnaryReactor(grpc::CallbackServerContext* ctx, absl::Duration upload_timeout, const absl::Status& refusal,
-                      std::shared_ptr<const Handler> handler)
-      : ctx_(ctx), start_(absl::Now()), upload_timeout_(upload_timeout), handler_(std::move(handler)) {
-    if (!refusal.ok()) {
-      {
-        absl::MutexLock lock(&mu_);
-        state_ = State::kFinished;
-      }
-      this->Finish(ToGrpcStatus(refusal));
-      return;
-    }
-    if (upload_timeout_ > absl::ZeroDuration()) {
-      refs_.fetch_add(1, std::memory_order_relaxed);  // the alarm's
-      alarm_.Set(absl::ToChronoTime(start_ + upload_timeout_), [this](bool fired) { OnUploadDue(fired); });
-    }
-    this->StartRead(&request_);
-  }
-
-  void OnReadDone(bool ok) override {
+  void OnReadDone(bool ok) final {
     {
       absl::MutexLock lock(&mu_);
       if (state_ != State::kReading) return;  // ended by the upload bound while the read was pending
-      state_ = State::kHandling;
+      state_ = State::kServing;
     }
     alarm_.Cancel();
     if (!ok) {
       // No message: the call ended on its way in (cancelled, or its deadline passed), or the client half-closed
       // without its one message, which is a protocol error.
       const absl::Time deadline = absl::FromChrono(ctx_->deadline());
-      return Finish(ctx_->IsCancelled() || absl::Now() >= deadline
-                        ? EndedEarly(start_, deadline, "before the request arrived")
-                        : absl::InvalidArgumentError("request: missing (the call ended without its message)"));
+      return Base::Finish(ToGrpcStatus(
+          ctx_->IsCancelled() || absl::Now() >= deadline
+              ? EndedEarly(start_, deadline, "before the request arrived")
+              : absl::InvalidArgumentError("request: missing (the call ended without its message)")));
     }
-    (*handler_)(ctx_, start_, &request_, &response_, [this](const absl::Status& status) { Finish(status); });
+    OnRequest();
   }
 
   void OnDone() override { Unref(); }
 
+ protected:
+  using Base = grpc::ServerBidiReactor<Request, Response>;
+
+  // `upload_timeout` zero or less: no bound. `refusal`, when not OK, answers the call at once, before its request
+  // is read: a server shutting down tells a late caller UNAVAILABLE while its request is still on the way, rather
+  // than leaving it to be cancelled when the transport closes.
+  BoundedRequestReactor(grpc::CallbackServerContext* ctx, absl::Duration upload_timeout, const absl::Status& refusal)
+      : ctx_(ctx), start_(absl::Now()), upload_timeout_(upload_timeout) {
+    if (!refusal.ok()) {
+      {
+        absl::MutexLock lock(&mu_);
+        state_ = State::kFinished;
+      }
+      Base::Finish(ToGrpcStatus(refusal));
+      return;
+    }
+    if (upload_timeout_ > absl::ZeroDuration()) {
+      refs_.fetch_add(1, std::memory_order_relaxed);  // the alarm's
+      alarm_.Set(absl::ToChronoTime(start_ + upload_timeout_), [this](bool fired) { OnUploadDue(fired); });
+    }
+    Base::StartRead(&request_);
+  }
+
+  // The request is in request(): serve it, finishing the call (at once or later, from any thread). Runs once, on
+  // the gRPC thread that read it; the upload bound no longer applies.
+  virtual void OnRequest() = 0;
+
+  grpc::CallbackServerContext* context() const { return ctx_; }
+  absl::Time start() const { return start_; }
+  const Request& request() const { return request_; }
+
  private:
-  enum class State { kReading, kHandling, kFinished };
+  enum class State { kReading, kServing, kFinished };
 
   void OnUploadDue(bool fired) {
     bool end = false;
@@ -89,11 +100,42 @@ class BoundedUnaryReactor final : public grpc::ServerBidiReactor<Request, Respon
       }
     }
     if (end) {
-      this->Finish(ToGrpcStatus(absl::DeadlineExceededError(
+      Base::Finish(ToGrpcStatus(absl::DeadlineExceededError(
           absl::StrCat("upload_timeout_s: the request did not arrive within ", absl::FormatDuration(upload_timeout_),
                        " of the call's start; the call is ended"))));
     }
     Unref();
+  }
+
+  void Unref() {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+
+  grpc::CallbackServerContext* const ctx_;
+  const absl::Time start_;
+  const absl::Duration upload_timeout_;
+  absl::Mutex mu_;
+  State state_ ABSL_GUARDED_BY(mu_) = State::kReading;
+  grpc::Alarm alarm_;
+  std::atomic<int> refs_{1};  // OnDone's, plus the alarm's while it is set
+  Request request_;
+};
+
+template <typename Request, typename Response>
+class BoundedUnaryReactor final : public BoundedRequestReactor<Request, Response> {
+ public:
+  using Done = std::function<void(const absl::Status&)>;
+  using Handler = std::function<void(grpc::CallbackServerContext*, absl::Time start, const Request*, Response*, Done)>;
+
+  // See BoundedRequestReactor for `upload_timeout` and `refusal`.
+  BoundedUnaryReactor(grpc::CallbackServerContext* ctx, absl::Duration upload_timeout, const absl::Status& refusal,
+                      std::shared_ptr<const Handler> handler)
+      : BoundedRequestReactor<Request, Response>(ctx, upload_timeout, refusal), handler_(std::move(handler)) {}
+
+ private:
+  void OnRequest() override {
+    (*handler_)(this->context(), this->start(), &this->request(), &response_,
+                [this](const absl::Status& status) { Finish(status); });
   }
 
   // After the reply is started this object may go at any moment (OnDone): nothing of it is touched after.
@@ -106,19 +148,7 @@ class BoundedUnaryReactor final : public grpc::ServerBidiReactor<Request, Respon
   }
   using grpc::ServerBidiReactor<Request, Response>::Finish;
 
-  void Unref() {
-    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
-  }
-
-  grpc::CallbackServerContext* const ctx_;
-  const absl::Time start_;
-  const absl::Duration upload_timeout_;
   const std::shared_ptr<const Handler> handler_;
-  absl::Mutex mu_;
-  State state_ ABSL_GUARDED_BY(mu_) = State::kReading;
-  grpc::Alarm alarm_;
-  std::atomic<int> refs_{1};  // OnDone's, plus the alarm's while it is set
-  Request request_;
   Response response_;
 };
 
