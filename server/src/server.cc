@@ -30,9 +30,9 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/resource_quota.h"
-#include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/impl/server_builder_option.h"
 #include "grpcpp/impl/server_builder_plugin.h"
+#include "health_service.h"
 #include "metrics.h"
 #include "service.h"
 #include "shm_listener.h"
@@ -133,12 +133,7 @@ class ServerImpl final : public Server {
 
   absl::Status Start() {
     const absl::Status secured = StartSecurityAndMetrics();
-    if (!secured.ok()) {
-      backend_->Shutdown();
-      return secured;
-    }
-    // Must be set before the builder exists: it installs a server-builder plugin.
-    grpc::EnableDefaultHealthCheckService(true);
+    if (!secured.ok()) return AbandonStart(secured);
     const ServerOptions::Network& network = options_.network;
     const ServerOptions::Timeouts& timeouts = options_.timeouts;
     grpc::ServerBuilder builder;
@@ -156,6 +151,7 @@ class ServerImpl final : public Server {
     builder.SetMaxReceiveMessageSize(ClampToInt(options_.limits.max_message_bytes));
     builder.SetMaxSendMessageSize(ClampToInt(options_.limits.max_message_bytes));
     builder.RegisterService(&service_);
+    builder.RegisterService(&health_);
     // gRPC 1.51 grants a message all the flow-control window its length prefix asks for and checks the
     // message limit only once the whole message is in, so a prefix announcing 1 GiB has the server buffer
     // 1 GiB. The quota bounds what the transport holds in all (read buffers, messages being received, unary
@@ -181,21 +177,18 @@ class ServerImpl final : public Server {
     for (const ChannelArg& arg : grpc_args_) {
       std::visit([&](const auto& v) { builder.AddChannelArgument(arg.name, v); }, arg.value);
     }
+    // A probe that comes before the listeners are guarded hears NOT_SERVING rather than NOT_FOUND.
+    SetServing(false);
     server_ = builder.BuildAndStart();
     if (server_ == nullptr || (!network.listen.empty() && tcp_port_ == 0)) {
-      if (server_ != nullptr) server_->Shutdown();
-      server_.reset();
-      backend_->Shutdown();
-      return absl::UnavailableError(absl::StrCat("cannot listen on '", network.listen, "'",
-                                                 network.unix_socket.empty() ? "" : " and unix:",
-                                                 network.unix_socket, " (address in use or invalid?)"));
+      return AbandonStart(absl::UnavailableError(absl::StrCat("cannot listen on '", network.listen, "'",
+                                                              network.unix_socket.empty() ? "" : " and unix:",
+                                                              network.unix_socket, " (address in use or invalid?)")));
     }
     // gRPC binds with the process umask; narrow it to the configured mode before anyone is told we are up.
     if (!network.unix_socket.empty() && ::chmod(network.unix_socket.c_str(), network.unix_socket_mode) != 0) {
-      server_->Shutdown();
-      server_.reset();
-      backend_->Shutdown();
-      return absl::PermissionDeniedError(absl::StrCat("unix_socket_mode: cannot chmod ", network.unix_socket));
+      return AbandonStart(
+          absl::PermissionDeniedError(absl::StrCat("unix_socket_mode: cannot chmod ", network.unix_socket)));
     }
     GuardListeners();
     {
@@ -215,12 +208,7 @@ class ServerImpl final : public Server {
       so.tokens = auth_tokens_;
       so.stats = &stats_;
       absl::StatusOr<std::unique_ptr<ShmListener>> shm = ShmListener::Start(so, &dispatcher_, &sequences_);
-      if (!shm.ok()) {
-        server_->Shutdown();
-        server_.reset();
-        backend_->Shutdown();
-        return shm.status();
-      }
+      if (!shm.ok()) return AbandonStart(shm.status());
       shm_ = *std::move(shm);
     }
     spdlog::info("attnd listening on {}{}{} (backend {}{}, max_message_bytes {}, max_request_bytes {}, "
@@ -270,9 +258,10 @@ class ServerImpl final : public Server {
     } else {
       spdlog::warn("attnd shutdown_grace ran out with {} calls unfinished; cancelling them", drain_.live());
     }
-    // No accepted request is left open (or the grace is spent): gRPC stops accepting, answers what is in hand
-    // within kLateCallWindow, then cancels the rest and closes the connections. An idle connection, a health
-    // Watch or a reflection stream therefore never holds the exit.
+    // No accepted request is left open (or the grace is spent): the health Watches end, and gRPC stops accepting,
+    // answers what is in hand within kLateCallWindow, then cancels the rest and closes the connections. An idle
+    // connection or a reflection stream therefore never holds the exit either.
+    health_.Shutdown();
     server_->Shutdown(absl::ToChronoTime(absl::Now() + kLateCallWindow));
     backend_->Shutdown();
     if (!options_.network.unix_socket.empty()) RemoveStaleSocket(options_.network.unix_socket);
@@ -300,12 +289,22 @@ class ServerImpl final : public Server {
   }
 
  private:
+  // A start that failed: the gRPC server, if built, is stopped (its health watches first: Shutdown without a
+  // deadline would wait for them), then the backend.
+  absl::Status AbandonStart(absl::Status why) {
+    if (server_ != nullptr) {
+      health_.Shutdown();
+      server_->Shutdown();
+      server_.reset();
+    }
+    backend_->Shutdown();
+    return why;
+  }
+
   // Health for the whole server and the service, unless a listener was lost (it then stays NOT_SERVING).
   void SetServing(bool serving) {
-    grpc::HealthCheckServiceInterface* health = server_ != nullptr ? server_->GetHealthCheckService() : nullptr;
-    if (health == nullptr) return;
-    health->SetServingStatus(serving);
-    health->SetServingStatus(kServiceName, serving);
+    health_.SetServingStatus("", serving);
+    health_.SetServingStatus(kServiceName, serving);
   }
 
   // listener_guard.h: the gRPC listeners keep accepting at the descriptor limit and take at most
@@ -404,6 +403,7 @@ class ServerImpl final : public Server {
   Dispatcher dispatcher_;
   Sequences sequences_;
   AttentionService service_;
+  HealthService health_{options_.timeouts.upload_timeout};  // declared before server_: it outlives the calls
   std::vector<ChannelArg> grpc_args_;
   std::unique_ptr<grpc::Server> server_;
   std::vector<std::string> auth_tokens_;  // for the shared-memory channels' hello

@@ -523,15 +523,17 @@ Trickle TrickleUnary(int port, const std::string& path, absl::Duration every, ab
 
 TEST(BinaryLimits, TrickledUnaryRequestsAreEndedAtTheUploadTimeout) {
   // A byte every 100 ms keeps the connection busy (no idle or keepalive limit applies), so only
-  // --upload_timeout_s bounds the call: Forward and Step, which carry tensors, and the control methods alike.
+  // --upload_timeout_s bounds the call: Forward and Step, which carry tensors, the control methods and the health
+  // service (whose probes need no token) alike.
   TcpServer server({"--upload_timeout_s=1"});
   ASSERT_TRUE(server.serving) << "attnd did not start";
   const pid_t pid = server.guard.pid;
   auto channel = server.channel;
   const int port = server.port;
-  for (const char* method : {"Forward", "Step", "OpenSequence", "GetServerInfo"}) {
-    const Trickle t = TrickleUnary(port, std::string("/attnd.v1.Attention/") + method, absl::Milliseconds(100),
-                                   absl::Seconds(20));
+  for (const char* method : {"/attnd.v1.Attention/Forward", "/attnd.v1.Attention/Step",
+                             "/attnd.v1.Attention/OpenSequence", "/attnd.v1.Attention/GetServerInfo",
+                             "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"}) {
+    const Trickle t = TrickleUnary(port, method, absl::Milliseconds(100), absl::Seconds(20));
     std::printf("trickled %s ended by the server after %.0f ms (upload timeout 1 s)\n", method,
                 absl::ToDoubleMilliseconds(t.took));
     EXPECT_TRUE(t.ended) << method;
@@ -539,6 +541,11 @@ TEST(BinaryLimits, TrickledUnaryRequestsAreEndedAtTheUploadTimeout) {
     EXPECT_LT(t.took, absl::Seconds(4)) << method;
     EXPECT_TRUE(absl::StrContains(t.stream_frames, "upload_timeout_s")) << method << ": " << absl::CHexEscape(t.stream_frames);
   }
+  // A method the server does not have is answered at once, its request never waited for.
+  const Trickle unknown = TrickleUnary(port, "/attnd.v1.Attention/NoSuchMethod", absl::Milliseconds(100),
+                                       absl::Seconds(20));
+  EXPECT_TRUE(unknown.ended);
+  EXPECT_LT(unknown.took, absl::Milliseconds(900));
   // The server carries on.
   auto stub = v1::Attention::NewStub(channel);
   const v1::ForwardRequest r = testing::MakeRequest({1, 64, 64, 4, 2, 64}, v1::MASK_TYPE_NONE, true, 64);
