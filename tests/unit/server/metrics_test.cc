@@ -23,6 +23,7 @@
 #include "attnd/client/shm_channel.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "metrics.h"
+#include "server_raw_call.h"
 #include "server_test_util.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
@@ -520,6 +521,25 @@ TEST_F(AccessLogTest, CancellationsAndDeadlinesAreBookedAsTheClientSawThemEveryw
   EXPECT_EQ(m.Get(Series("attnd_requests_total", "code=\"CANCELLED\",method=\"Forward\"")), 2);
   EXPECT_LE(m.Get(Series("attnd_requests_total", "code=\"OK\",method=\"Forward\"")), 0);  // -1: no such series
   EXPECT_LE(m.Get(Series("attnd_requests_total", "code=\"INVALID_ARGUMENT\",method=\"Forward\"")), 0);
+}
+
+// Health probes come every few seconds from orchestrators: they are counted under their full path but written to
+// no access-log line.
+TEST_F(AccessLogTest, HealthChecksAreCountedButNotLogged) {
+  server::ServerOptions o;
+  o.observability.metrics_listen = "127.0.0.1:0";
+  TestServer server(o);
+  ASSERT_NE(server.server, nullptr);
+  for (int i = 0; i < 3; ++i) {
+    const RawResult r = RawCall(server.Channel(), "/grpc.health.v1.Health/Check", HealthRequest(""));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  }
+  const RawResult unknown = RawCall(server.Channel(), "/grpc.health.v1.Health/Check", HealthRequest("no.such.Service"));
+  EXPECT_EQ(unknown.status.error_code(), grpc::StatusCode::NOT_FOUND);
+  const Scrape m = Parse(HttpGet(server.server->metrics_port(), "/metrics"));
+  EXPECT_EQ(m.Get(Series("attnd_requests_total", "code=\"OK\",method=\"grpc.health.v1.Health/Check\"")), 3);
+  EXPECT_EQ(m.Get(Series("attnd_requests_total", "code=\"NOT_FOUND\",method=\"grpc.health.v1.Health/Check\"")), 1);
+  EXPECT_TRUE(AccessLines().empty()) << log_.str();
 }
 
 TEST_F(AccessLogTest, OffByOption) {

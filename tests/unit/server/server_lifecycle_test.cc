@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -155,7 +156,7 @@ TEST(Shutdown, RequestsInFlightAreAllAnswered) {
   // Health is watched from before the shutdown: it must turn NOT_SERVING.
   testing::RawResult watch;
   std::thread watcher([&] {
-    watch = testing::RawCall(ts.Channel(), "/grpc.health.v1.Health/Watch", testing::HealthRequest(""), 2);
+    watch = testing::RawCall(ts.Channel(), "/grpc.health.v1.Health/Watch", testing::HealthRequest(""));
   });
   absl::SleepFor(absl::Milliseconds(100));  // the watch has its first (SERVING) reply
 
@@ -174,6 +175,14 @@ TEST(Shutdown, RequestsInFlightAreAllAnswered) {
     const grpc::Status s = stub->Forward(&ctx, MakeRequest({1, 8, 8, 2, 1, 64}), &resp);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
   }
+  // Health answers NOT_SERVING meanwhile, for the server and for the service.
+  for (const std::string service : {"", "attnd.v1.Attention"}) {
+    const testing::RawResult r =
+        testing::RawCall(ts.Channel(), "/grpc.health.v1.Health/Check", testing::HealthRequest(service));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    ASSERT_EQ(r.messages.size(), 1u);
+    EXPECT_EQ(testing::HealthStatus(r.messages[0]), 2) << "service '" << service << "'";
+  }
   gate.Open();
   for (auto& c : calls) c->Join();
   stopper.join();
@@ -188,6 +197,9 @@ TEST(Shutdown, RequestsInFlightAreAllAnswered) {
   EXPECT_EQ(testing::HealthStatus(watch.messages[0]), 1);
   ASSERT_EQ(watch.messages.size(), 2u) << "no health update during shutdown";
   EXPECT_EQ(testing::HealthStatus(watch.messages[1]), 2);
+  // The server ended the watch when it stopped.
+  EXPECT_EQ(watch.status.error_code(), grpc::StatusCode::CANCELLED) << watch.status.error_message();
+  EXPECT_TRUE(absl::StrContains(watch.status.error_message(), "shutting down")) << watch.status.error_message();
   ts.server->Wait();   // returns at once: Shutdown completed
   ts.server->Shutdown();  // idempotent
 }
@@ -295,9 +307,11 @@ TEST(Shutdown, IdleStreamsAndConnectionsDoNotHoldTheExit) {
   watcher.join();
   ::close(raw);
   EXPECT_LT(took, absl::Seconds(2)) << "an idle stream or connection held the shutdown";
-  ASSERT_GE(watch.messages.size(), 1u);
-  EXPECT_EQ(testing::HealthStatus(watch.messages.back()), 2) << "the watch did not see NOT_SERVING";
-  EXPECT_FALSE(watch.status.ok());
+  ASSERT_EQ(watch.messages.size(), 2u);
+  EXPECT_EQ(testing::HealthStatus(watch.messages[0]), 1);
+  EXPECT_EQ(testing::HealthStatus(watch.messages[1]), 2) << "the watch did not see NOT_SERVING";
+  EXPECT_EQ(watch.status.error_code(), grpc::StatusCode::CANCELLED) << watch.status.error_message();
+  EXPECT_TRUE(absl::StrContains(watch.status.error_message(), "shutting down")) << watch.status.error_message();
 }
 
 TEST(Shutdown, BackendDrainsItsQueue) {

@@ -152,6 +152,38 @@ TEST(ServerMeta, HealthServing) {
   const testing::RawResult unknown =
       testing::RawCall(ts.Channel(), "/grpc.health.v1.Health/Check", testing::HealthRequest("no.such.Service"));
   EXPECT_EQ(unknown.status.error_code(), grpc::StatusCode::NOT_FOUND);
+  // Fields HealthCheckRequest does not have are skipped, as protobuf skips them.
+  const testing::RawResult extra = testing::RawCall(ts.Channel(), "/grpc.health.v1.Health/Check",
+                                                    testing::HealthRequest("attnd.v1.Attention") + "\x10\x07");
+  ASSERT_TRUE(extra.status.ok()) << extra.status.error_message();
+  ASSERT_EQ(extra.messages.size(), 1u);
+  EXPECT_EQ(testing::HealthStatus(extra.messages[0]), 1);
+}
+
+TEST(ServerMeta, HealthRefusesWhatItCannotAnswer) {
+  TestServer ts;
+  ASSERT_NE(ts.server, nullptr);
+  const std::string truncated("\x0a\x05" "ab", 4);  // a service name of 5 bytes, 2 of them sent
+  for (const char* method : {"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"}) {
+    const testing::RawResult bad = testing::RawCall(ts.Channel(), method, truncated);
+    EXPECT_EQ(bad.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method << bad.status.error_message();
+    EXPECT_TRUE(bad.messages.empty()) << method;
+    const testing::RawResult none = testing::RawCall(ts.Channel(), method, std::vector<std::string>{});
+    EXPECT_EQ(none.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method << none.status.error_message();
+  }
+  // A watch of a service the server does not know is told so and kept open (grpc.health.v1: it may appear later).
+  const testing::RawResult watch = testing::RawCall(ts.Channel(), "/grpc.health.v1.Health/Watch",
+                                                    testing::HealthRequest("no.such.Service"), 2,
+                                                    std::chrono::milliseconds(500));
+  EXPECT_EQ(watch.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << watch.status.error_message();
+  ASSERT_EQ(watch.messages.size(), 1u);
+  EXPECT_EQ(testing::HealthStatus(watch.messages[0]), 3);
+  // Methods the server does not have, in its services or not.
+  for (const char* method :
+       {"/attnd.v1.Attention/NoSuchMethod", "/grpc.health.v1.Health/List", "/no.such.Service/Call"}) {
+    const testing::RawResult r = testing::RawCall(ts.Channel(), method, testing::HealthRequest(""));
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << method << ": " << r.status.error_message();
+  }
 }
 
 TEST(ServerMeta, ReflectionListsTheServicesWhenAskedFor) {
