@@ -85,7 +85,7 @@ class BoundedRequestReactor : public grpc::ServerBidiReactor<Request, Response> 
 
   grpc::CallbackServerContext* context() const { return ctx_; }
   absl::Time start() const { return start_; }
-  const Request& request() const { return request_; }
+  Request& request() { return request_; }
 
  private:
   enum class State { kReading, kServing, kFinished };

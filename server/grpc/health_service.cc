@@ -114,6 +114,7 @@ class HealthService::WatchReactor final : public BoundedRequestReactor<grpc::Byt
  private:
   void OnRequest() override {
     absl::StatusOr<std::string> service = DecodeRequest(request());
+    request().Clear();  // a watch may stay open for days: it keeps its service's name, not the request's bytes
     if (!service.ok()) return Finish(ToGrpcStatus(service.status()));  // not yet watching: nothing else ends it
     service_ = *std::move(service);
     {
