@@ -2,6 +2,10 @@
 """Times attnd's decode kernels (contiguous and paged KV) against torch SDPA's cuDNN and FLASH backends and a
 read-only pass over the same K/V bytes (the bandwidth ceiling), all in one process on one GPU.
 
+With --kv-formats bf16,fp8 each storage is also timed over an e4m3 copy of the same K/V (per-kv-head descales
+amax / 448), checked against the fp32 reference over the values its codes stand for, its GB/s and ceiling counted in
+the bytes it reads (half).
+
 Each row: batch x kv_len with 32 q heads : 8 kv heads (64 : 8 for 128 x 8k), head_dim 128 (--head-dim), bf16, q_len
 1, 4 or 16 (bottom-right causal when > 1). Our kernels run through libattnd_decode_c.so (ctypes; plan once, launch on
 torch's current stream); the peers get the same data as [B, H, S, D] views of contiguous KV, with GQA. Before
@@ -47,6 +51,7 @@ class Layout(ctypes.Structure):
         ("q_strides", ctypes.c_int64 * 3), ("o_strides", ctypes.c_int64 * 3), ("k_strides", ctypes.c_int64 * 3),
         ("v_strides", ctypes.c_int64 * 3), ("paged", ctypes.c_int32), ("kv_capacity", ctypes.c_int32),
         ("page_size", ctypes.c_int32), ("num_pages", ctypes.c_int32), ("max_pages_per_seq", ctypes.c_int32),
+        ("kv_format", ctypes.c_int32),
     ]
 
 
@@ -65,6 +70,8 @@ class Decode:
         L.attnd_decode_plan_num_splits.argtypes = [vp]
         L.attnd_decode_launch.restype = ctypes.c_int
         L.attnd_decode_launch.argtypes = [vp] * 8 + [vp, vp, vp, ctypes.c_char_p, ctypes.c_size_t]
+        L.attnd_decode_launch_fp8.restype = ctypes.c_int
+        L.attnd_decode_launch_fp8.argtypes = [vp] * 10 + [vp, vp, vp, ctypes.c_char_p, ctypes.c_size_t]
         L.attnd_decode_plan_destroy.argtypes = [vp]
         self.err = ctypes.create_string_buffer(1024)
 
@@ -78,11 +85,12 @@ class Decode:
             raise RuntimeError(self.err.value.decode())
         return out
 
-    def launch(self, plan, q, k, v, o, lens, table, ws, counters, stream):
+    def launch(self, plan, q, k, v, o, lens, table, ws, counters, stream, descales=None):
         ptr = lambda t: t.data_ptr() if t is not None else None
-        rc = self.lib.attnd_decode_launch(plan, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None,
-                                          lens.data_ptr(), ptr(table), ptr(ws), ptr(counters), stream, self.err,
-                                          len(self.err))
+        kd, vd = descales if descales is not None else (None, None)
+        rc = self.lib.attnd_decode_launch_fp8(plan, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None,
+                                              lens.data_ptr(), ptr(table), ptr(kd), ptr(vd), ptr(ws), ptr(counters),
+                                              stream, self.err, len(self.err))
         if rc != 0:
             raise RuntimeError(self.err.value.decode())
 
@@ -130,7 +138,14 @@ def reference(q, k, v, causal):
     return out
 
 
-def run_case(dec, name, B, L, Hq, Hkv, q_len, storages, num_splits):
+def quantize_fp8(x):
+    """Per-kv-head e4m3 codes of x [B, L, Hkv, D] with descale amax / 448, and the values they stand for."""
+    descale = (x.float().abs().amax(dim=(0, 1, 3)) / 448.0).contiguous()
+    codes = (x.float() / descale[None, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return codes, descale, codes.float() * descale[None, None, :, None]
+
+
+def run_case(dec, name, B, L, Hq, Hkv, q_len, storages, num_splits, formats=("bf16",)):
     D = HEAD_DIM
     dtype = torch.bfloat16
     torch.manual_seed(0)
@@ -147,6 +162,13 @@ def run_case(dec, name, B, L, Hq, Hkv, q_len, storages, num_splits):
     ref = reference(q, k, v, causal)
     row = {"row": name, "B": B, "kv_len": L, "Hq": Hq, "Hkv": Hkv, "q_len": q_len, "kv_bytes": kv_bytes,
            "ceiling_ms": read_only_ms(kv_bytes), "peers": {}, "ours": {}}
+    fp8 = {}
+    if "fp8" in formats:
+        k8, kd, kq = quantize_fp8(k)
+        v8, vd, vq = quantize_fp8(v)
+        fp8 = {"k": k8, "v": v8, "descales": (kd, vd), "ref": reference(q, kq, vq, causal)}
+        del kq, vq
+        row["ceiling8_ms"] = read_only_ms(kv_bytes // 2)
 
     for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         # Bottom-right causal as the peers take it: torch's lower-right causal bias. A backend that refuses the
@@ -175,8 +197,11 @@ def run_case(dec, name, B, L, Hq, Hkv, q_len, storages, num_splits):
         else:
             row["peers"][label] = {"error": "; ".join(errors)}
 
-    for storage in storages:
+    for storage, fmt_ in [(s, f) for s in storages for f in formats]:
+        key = storage if fmt_ == "bf16" else storage + "/fp8"
+        src_k, src_v = (k, v) if fmt_ == "bf16" else (fp8["k"], fp8["v"])
         layout = Layout()
+        layout.kv_format = 1 if fmt_ == "fp8" else 0
         layout.batch, layout.q_len, layout.q_heads, layout.kv_heads, layout.head_dim = B, q_len, Hq, Hkv, D
         layout.dtype, layout.causal, layout.want_lse, layout.scale = 0, int(causal), 0, 1.0 / math.sqrt(D)
         layout.q_strides[:] = list(q.stride()[:3])
@@ -184,7 +209,7 @@ def run_case(dec, name, B, L, Hq, Hkv, q_len, storages, num_splits):
         layout.o_strides[:] = list(o.stride()[:3])
         table_host, table = [], None
         if storage == "contig":
-            kk, vv = k, v
+            kk, vv = src_k, src_v
             layout.paged, layout.kv_capacity = 0, L
         else:
             ps = int(storage[len("paged"):])
@@ -193,10 +218,12 @@ def run_case(dec, name, B, L, Hq, Hkv, q_len, storages, num_splits):
             # them out in order).
             perm = (torch.randperm(B * npp, device="cuda") if TABLE_ORDER == "random"
                     else torch.arange(B * npp, device="cuda"))
-            kk = torch.empty(B * npp, ps, Hkv, D, device="cuda", dtype=dtype)
+            kk = torch.empty(B * npp, ps, Hkv, D, device="cuda", dtype=src_k.dtype)
             vv = torch.empty_like(kk)
-            kk[perm] = k.reshape(B * npp, ps, Hkv, D)
-            vv[perm] = v.reshape(B * npp, ps, Hkv, D)
+            kk.view(torch.uint8 if fmt_ == "fp8" else dtype)[perm] = (
+                src_k.reshape(B * npp, ps, Hkv, D).view(torch.uint8 if fmt_ == "fp8" else dtype))
+            vv.view(torch.uint8 if fmt_ == "fp8" else dtype)[perm] = (
+                src_v.reshape(B * npp, ps, Hkv, D).view(torch.uint8 if fmt_ == "fp8" else dtype))
             table = perm.to(torch.int32).reshape(B, npp).contiguous()
             table_host = table.flatten().tolist()
             layout.paged, layout.page_size, layout.num_pages, layout.max_pages_per_seq = 1, ps, B * npp, npp
@@ -205,42 +232,48 @@ def run_case(dec, name, B, L, Hq, Hkv, q_len, storages, num_splits):
         try:
             plan = dec.plan(layout, lens_host, table_host, num_splits)
         except RuntimeError as e:
-            row["ours"][storage] = {"error": str(e)[:160]}
+            row["ours"][key] = {"error": str(e)[:160]}
             continue
         ws_bytes = dec.lib.attnd_decode_plan_workspace_bytes(plan)
         ws = torch.empty(max(ws_bytes, 16), dtype=torch.uint8, device="cuda") if ws_bytes else None
         counter_bytes = dec.lib.attnd_decode_plan_counter_bytes(plan)
         # Zeroed once: every launch leaves its split counters zero.
         counters = torch.zeros(counter_bytes // 4, dtype=torch.int32, device="cuda") if counter_bytes else None
-        fn = lambda: dec.launch(plan, q, kk, vv, o, lens, table, ws, counters, stream)
+        descales = fp8["descales"] if fmt_ == "fp8" else None
+        fn = lambda: dec.launch(plan, q, kk, vv, o, lens, table, ws, counters, stream, descales)
         fn()
         torch.cuda.synchronize()
-        diff = (o.float() - ref).abs().max().item()
+        # Float8 against the reference over the values its codes stand for.
+        diff = (o.float() - (fp8["ref"] if fmt_ == "fp8" else ref)).abs().max().item()
         entry = {"splits": dec.lib.attnd_decode_plan_num_splits(plan), "max_abs_diff": diff}
         if not math.isfinite(diff) or diff > 2e-2:
             entry["error"] = f"output differs from the fp32 reference by {diff}"
         else:
             entry["ms"] = triton.testing.do_bench(fn, return_mode="median")
-        row["ours"][storage] = entry
+        row["ours"][key] = entry
         dec.lib.attnd_decode_plan_destroy(plan)
         del kk, vv, ws, counters
-    del q, k, v, ref
+    del q, k, v, ref, fp8
     torch.cuda.empty_cache()
     return row
 
 
-def fmt(row, storages):
-    gbs = lambda ms: row["kv_bytes"] / (ms * 1e-3) / 1e9
-    ceil_gbs = gbs(row["ceiling_ms"])
+def fmt(row, storages, formats=("bf16",)):
     peer = {k: p.get("ms") for k, p in row["peers"].items()}
     lines = []
-    contig_ms = row["ours"].get("contig", {}).get("ms")
-    for s in storages:
-        e = row["ours"].get(s, {})
+    for s, f in [(s, f) for s in storages for f in formats]:
+        fp8 = f == "fp8"
+        key = s + "/fp8" if fp8 else s
+        # GB/s of the bytes this format reads, against the read-only pass over as many bytes.
+        nbytes = row["kv_bytes"] // 2 if fp8 else row["kv_bytes"]
+        gbs = lambda ms: nbytes / (ms * 1e-3) / 1e9
+        ceil_gbs = gbs(row["ceiling8_ms"] if fp8 else row["ceiling_ms"])
+        contig_ms = row["ours"].get("contig/fp8" if fp8 else "contig", {}).get("ms")
+        e = row["ours"].get(key, {})
         ms = e.get("ms")
-        cells = [row["row"], f'{row["Hq"]}:{row["Hkv"]}', str(row["q_len"]), s]
+        cells = [row["row"], f'{row["Hq"]}:{row["Hkv"]}', str(row["q_len"]), key]
         if ms is None:
-            cells += ["err: " + e.get("error", "?")] + ["n/a"] * 8
+            cells += ["err: " + e.get("error", "?")] + ["n/a"] * (9 if len(formats) > 1 else 8)
         else:
             cells += [f"{ms * 1e3:.1f}", f"{gbs(ms):,.0f}", f"{ceil_gbs:,.0f}", f"{gbs(ms) / ceil_gbs:.2f}"]
             for label in ("cudnn", "flash"):
@@ -249,6 +282,9 @@ def fmt(row, storages):
             for label in ("cudnn", "flash"):
                 cells.append(f"{peer[label] / ms:.2f}" if peer.get(label) else "n/a")
             cells.append(f"{contig_ms / ms:.2f}" if contig_ms and s != "contig" else "")
+            if len(formats) > 1:  # float8's speed-up over the same storage in bf16
+                bf16_ms = row["ours"].get(s, {}).get("ms")
+                cells.append(f"{bf16_ms / ms:.2f}" if fp8 and bf16_ms else "")
         cells.append(str(e.get("splits", "")))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -265,8 +301,11 @@ def main():
                     help="paged KV: page order in the pool")
     ap.add_argument("--head-dim", type=int, choices=(64, 128, 256), default=128,
                     help="every row's head_dim (the table in docs/benchmarks.md is at 128)")
+    ap.add_argument("--kv-formats", default="bf16",
+                    help="bf16 and/or fp8 (e4m3 K/V, per-kv-head descales; each row then also its fp8 / bf16 speed-up)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    formats = tuple(args.kv_formats.split(","))
     global TABLE_ORDER, HEAD_DIM
     TABLE_ORDER = args.table_order
     HEAD_DIM = args.head_dim
@@ -276,16 +315,17 @@ def main():
     print("# env:", json.dumps({"device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
                                 "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
                                 "triton": triton.__version__}), flush=True)
+    extra = " x bf16 |" if len(formats) > 1 else ""
     print("| B x kv_len | Hq:Hkv | q_len | KV | attnd µs | GB/s | ceiling GB/s | x ceiling | cuDNN µs | FLASH µs"
-          " | x cuDNN | x FLASH | paged / contig | splits |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          " | x cuDNN | x FLASH | paged / contig |" + extra + " splits |")
+    print("|---" * (14 + (len(formats) > 1)) + "|", flush=True)
     rows = []
     for name in args.rows.split(","):
         B, L, Hq, Hkv = ROWS[name]
         for q_len in (int(x) for x in args.q_lens.split(",")):
-            row = run_case(dec, name, B, L, Hq, Hkv, q_len, storages, args.num_splits)
+            row = run_case(dec, name, B, L, Hq, Hkv, q_len, storages, args.num_splits, formats)
             rows.append(row)
-            print(fmt(row, storages), flush=True)
+            print(fmt(row, storages, formats), flush=True)
     print("# * : the peer refused the bottom-right causal bias and ran without a mask", flush=True)
     for row in rows:
         for label, p in row["peers"].items():

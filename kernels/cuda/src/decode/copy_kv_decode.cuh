@@ -5,9 +5,15 @@
 // as many as it has, not the output's capacity), y is the sequence; consecutive threads copy consecutive chunks of
 // a (row, kv head), so reads and writes are coalesced. Index arithmetic is 32-bit within a sequence (the plan
 // bounds a sequence's chunks) and the chunk column a shift.
+// Into a float8 cache the append quantizes: a chunk is 16 codes from 16 new elements (two 16-byte loads).
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include <cstdint>
+#include <type_traits>
 
 #include "decode_params.h"
 
@@ -22,10 +28,12 @@ struct Chunk {
   int64_t col;  // in elements
 };
 
+template <int kChunkElems = 8>
 __device__ __forceinline__ Chunk ChunkAt(uint32_t i, uint32_t row_chunks, int chunk_shift) {
   const uint32_t row = i / row_chunks;
   const uint32_t rem = i - row * row_chunks;
-  return Chunk{row, static_cast<int>(rem >> chunk_shift), static_cast<int64_t>(rem & ((1u << chunk_shift) - 1)) * 8};
+  return Chunk{row, static_cast<int>(rem >> chunk_shift),
+               static_cast<int64_t>(rem & ((1u << chunk_shift) - 1)) * kChunkElems};
 }
 
 __device__ __forceinline__ void CopyChunk(void* to, const void* from) {
@@ -58,6 +66,53 @@ __global__ void __launch_bounds__(kCopyThreads) AppendKvKernel(const AppendParam
     uint16_t* v = static_cast<uint16_t*>(p.v) + slot * p.v_sb + row * p.v_ss + h * p.v_sh + c.col;
     CopyChunk(k, nk);
     CopyChunk(v, nv);
+  }
+}
+
+// 16 new elements (bf16 or fp16) at `from` -> 16 e4m3 codes at `to`, each divided by `descale` first.
+template <typename Src>
+__device__ __forceinline__ void QuantizeChunk(uint8_t* to, const Src* from, float descale) {
+  const uint4 lo = *reinterpret_cast<const uint4*>(from), hi = *reinterpret_cast<const uint4*>(from + 8);
+  const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  uint32_t codes[4];
+#pragma unroll
+  for (int w = 0; w < 8; w += 2) {
+    float2 a, b;
+    if constexpr (std::is_same_v<Src, __nv_bfloat16>) {
+      a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[w]));
+      b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[w + 1]));
+    } else {
+      a = __half22float2(*reinterpret_cast<const __half2*>(&words[w]));
+      b = __half22float2(*reinterpret_cast<const __half2*>(&words[w + 1]));
+    }
+    const uint32_t c0 = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(a.x, descale), __fdiv_rn(a.y, descale)),
+                                                 __NV_SATFINITE, __NV_E4M3);
+    const uint32_t c1 = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(b.x, descale), __fdiv_rn(b.y, descale)),
+                                                 __NV_SATFINITE, __NV_E4M3);
+    codes[w / 2] = c0 | (c1 << 16);
+  }
+  *reinterpret_cast<uint4*>(to) = make_uint4(codes[0], codes[1], codes[2], codes[3]);
+}
+
+template <typename Src>
+__global__ void __launch_bounds__(kCopyThreads) AppendKvFp8Kernel(const AppendParams p) {
+  const int b = blockIdx.y;
+  const uint32_t row_chunks = static_cast<uint32_t>(p.kv_heads) << p.chunk_shift;
+  const uint32_t total = static_cast<uint32_t>(p.new_len) * row_chunks;
+  const int base = p.kv_lens[b];
+  const int32_t* table = p.block_table != nullptr ? p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq
+                                                  : nullptr;
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+    const Chunk c = ChunkAt<16>(i, row_chunks, p.chunk_shift);
+    const int key = base + static_cast<int>(c.row);
+    const int64_t slot = table != nullptr ? table[key >> p.page_shift] : b;
+    const int64_t row = table != nullptr ? key & ((1 << p.page_shift) - 1) : key;
+    const uint32_t t = c.row;
+    const int h = c.head;
+    const Src* nk = static_cast<const Src*>(p.new_k) + b * p.nk_sb + t * p.nk_ss + h * p.nk_sh + c.col;
+    const Src* nv = static_cast<const Src*>(p.new_v) + b * p.nv_sb + t * p.nv_ss + h * p.nv_sh + c.col;
+    QuantizeChunk(static_cast<uint8_t*>(p.k) + slot * p.k_sb + row * p.k_ss + h * p.k_sh + c.col, nk, p.k_descale[h]);
+    QuantizeChunk(static_cast<uint8_t*>(p.v) + slot * p.v_sb + row * p.v_ss + h * p.v_sh + c.col, nv, p.v_descale[h]);
   }
 }
 

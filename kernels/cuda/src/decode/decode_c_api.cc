@@ -23,6 +23,9 @@ absl::StatusOr<BatchLayout> ToLayout(const attnd_decode_layout* c) {
   using namespace attnd;
   if (c == nullptr) return absl::InvalidArgumentError("layout: null");
   if (c->dtype < 0 || c->dtype > 1) return absl::InvalidArgumentError("layout.dtype: must be 0 (bf16) or 1 (fp16)");
+  if (c->kv_format < 0 || c->kv_format > 1) {
+    return absl::InvalidArgumentError("layout.kv_format: must be 0 (the dtype) or 1 (float8 e4m3)");
+  }
   BatchLayout l;
   l.batch = c->batch;
   l.q_len = c->q_len;
@@ -41,6 +44,7 @@ absl::StatusOr<BatchLayout> ToLayout(const attnd_decode_layout* c) {
   l.kv_storage = c->paged ? kernels::decode::KvStorage::kPaged : kernels::decode::KvStorage::kContiguous;
   l.kv_capacity = c->kv_capacity;
   l.paged = kernels::decode::PagedKv{c->page_size, c->num_pages, c->max_pages_per_seq};
+  l.kv_format = c->kv_format == 1 ? kernels::decode::KvFormat::kFp8E4M3 : kernels::decode::KvFormat::kAsQuery;
   return l;
 }
 
@@ -117,8 +121,18 @@ int attnd_decode_plan_num_splits(const attnd_decode_plan* plan) { return plan ==
 int attnd_decode_launch(const attnd_decode_plan* plan, const void* q, const void* k, const void* v, void* o,
                         float* lse, const int32_t* kv_lens, const int32_t* block_table, void* workspace,
                         int32_t* counters, void* stream, char* err, size_t err_len) {
+  return attnd_decode_launch_fp8(plan, q, k, v, o, lse, kv_lens, block_table, nullptr, nullptr, workspace, counters,
+                                 stream, err, err_len);
+}
+
+int attnd_decode_launch_fp8(const attnd_decode_plan* plan, const void* q, const void* k, const void* v, void* o,
+                            float* lse, const int32_t* kv_lens, const int32_t* block_table, const float* k_descale,
+                            const float* v_descale, void* workspace, int32_t* counters, void* stream, char* err,
+                            size_t err_len) {
   if (plan == nullptr) return Fail(absl::InvalidArgumentError("plan: null"), err, err_len);
-  const attnd::kernels::decode::DecodeTensors t{q, k, v, o, lse, kv_lens, block_table};
+  attnd::kernels::decode::DecodeTensors t{q, k, v, o, lse, kv_lens, block_table};
+  t.k_descale = k_descale;
+  t.v_descale = v_descale;
   const absl::Status st = attnd::kernels::decode::LaunchDecode(plan->plan, t, {workspace, counters},
                                                                static_cast<cudaStream_t>(stream));
   return st.ok() ? 0 : Fail(st, err, err_len);
@@ -129,8 +143,17 @@ void attnd_decode_plan_destroy(attnd_decode_plan* plan) { delete plan; }
 int attnd_decode_append(const attnd_decode_layout* layout, int new_len, const int32_t* host_kv_lens,
                         const int32_t* host_block_table, const void* new_k, const void* new_v, void* k, void* v,
                         const int32_t* kv_lens, const int32_t* block_table, void* stream, char* err, size_t err_len) {
+  return attnd_decode_append_fp8(layout, new_len, host_kv_lens, host_block_table, new_k, new_v, k, v, kv_lens,
+                                 block_table, nullptr, nullptr, stream, err, err_len);
+}
+
+int attnd_decode_append_fp8(const attnd_decode_layout* layout, int new_len, const int32_t* host_kv_lens,
+                            const int32_t* host_block_table, const void* new_k, const void* new_v, void* k, void* v,
+                            const int32_t* kv_lens, const int32_t* block_table, const float* k_descale,
+                            const float* v_descale, void* stream, char* err, size_t err_len) {
   return CopyKv<AppendPlan>(err, err_len, layout, new_len, host_kv_lens, host_block_table, [&](const auto& plan) {
-    return LaunchAppend(plan, {new_k, new_v, k, v, kv_lens, block_table}, static_cast<cudaStream_t>(stream));
+    return LaunchAppend(plan, {new_k, new_v, k, v, kv_lens, block_table, k_descale, v_descale},
+                        static_cast<cudaStream_t>(stream));
   });
 }
 

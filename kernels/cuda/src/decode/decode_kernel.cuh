@@ -16,11 +16,15 @@
 // row block 0 also write into the cache.
 // Epilogue: one split writes O (normalised) and LSE; several write O / l and log2(l) + m per split to the
 // workspace, and the last of them to finish merges them, or the merge kernel does (merge_decode.cuh).
+// Float8 K/V (Tile::kFp8Kv): each landed stage is converted to fp16 tiles (ConvertFp8Stage) between two barriers and
+// the mma runs in fp16, Q converted once; the K descale of the block's kv head folds into the softmax scale and the
+// V descale into O, so neither costs a multiply per element.
 #pragma once
 
 #include <math_constants.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/online_softmax.cuh"
 #include "decode_params.h"
@@ -42,13 +46,20 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
   constexpr int kNTiles = KW / 8;   // 8-key tiles of a warp's S
   constexpr int kDTiles = D / 8;    // 8-column tiles of O
   constexpr int kRowBytes = Tile::kRowBytes;
-  using Ops = ElemOps<Elem>;
+  constexpr bool kFp8 = Tile::kFp8Kv;
+  // The mma's element type: Elem, or fp16 over float8 K/V (Q converted once when Elem is bf16).
+  using MmaElem = std::conditional_t<kFp8, __half, Elem>;
+  constexpr bool kConvertQ = !std::is_same_v<MmaElem, Elem>;
+  using Ops = ElemOps<MmaElem>;
+  using OutOps = ElemOps<Elem>;
   using Loader = KvTileLoader<Tile>;
 
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* q_s = smem;                          // Tile::kQBytes (none when Q lives in registers)
   uint8_t* k_s = smem + Tile::kQBytes;          // stage st at k_s + st * kKVTileBytes
   uint8_t* v_s = k_s + S * Tile::kKVTileBytes;
+  uint8_t* k_c = v_s + S * Tile::kKVTileBytes;  // float8 K/V: the converted tiles (BN rows of kRowBytes each)
+  uint8_t* v_c = k_c + Tile::kConvBytes / 2;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wm = warp / WN, wn = warp % WN;
@@ -77,14 +88,22 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
            static_cast<int64_t>(kvh * p.group + r % p.group) * p.q_sh;
   };
 
-  // Q at d=256: the block's rows into shared memory (padding rows zero), in the first cp.async group.
+  // Q at d=256: the block's rows into shared memory (padding rows zero), in the first cp.async group, or converted
+  // to fp16 through registers (visible after the main loop's first barrier).
   if constexpr (!Tile::kQInRegs) {
     constexpr int kCpr = D / 8;
     for (int c = tid; c < R * kCpr; c += Tile::kThreads) {
       const int r = c / kCpr, chunk = c % kCpr;
       const int gr = mb * R + r;
       const bool valid = gr < p.rows;
-      CpAsync16(SmemAddr(q_s + SwizzledOffset<kRowBytes>(r, chunk)), (valid ? q_row(gr) : q) + chunk * 8, valid);
+      uint8_t* to = q_s + SwizzledOffset<kRowBytes>(r, chunk);
+      if constexpr (kConvertQ) {
+        uint4 x = valid ? __ldg(reinterpret_cast<const uint4*>(q_row(gr) + chunk * 8)) : make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(to) =
+            make_uint4(Bf16x2ToHalf2(x.x), Bf16x2ToHalf2(x.y), Bf16x2ToHalf2(x.z), Bf16x2ToHalf2(x.w));
+      } else {
+        CpAsync16(SmemAddr(to), (valid ? q_row(gr) : q) + chunk * 8, valid);
+      }
     }
   }
   Loader loader(p, b, kvh, key_begin, key_end, kv_len);
@@ -97,7 +116,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
   // Fused append: this split's share of the new rows into the cache, while the first tiles are in flight. One
   // block per key writes it (row block 0); no block of this launch reads those cache rows (the loader takes
   // them from the new rows), so nothing here waits for the writes.
-  if (p.new_k != nullptr && mb == 0) {
+  if (!kFp8 && p.new_k != nullptr && mb == 0) {
     constexpr int kChunks = D / 8;
     const int new_begin = kv_len - p.q_len;
     const int first = max(key_begin, new_begin);
@@ -134,8 +153,15 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
       qf[ks][1] = r1 ? __ldg(reinterpret_cast<const uint32_t*>(r1 + c)) : 0u;
       qf[ks][2] = r0 ? __ldg(reinterpret_cast<const uint32_t*>(r0 + c + 8)) : 0u;
       qf[ks][3] = r1 ? __ldg(reinterpret_cast<const uint32_t*>(r1 + c + 8)) : 0u;
+      if constexpr (kConvertQ) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) qf[ks][e] = Bf16x2ToHalf2(qf[ks][e]);
+      }
     }
   }
+  // Float8 K: its descale multiplies every score of this kv head, so it scales the softmax instead.
+  float k_descale = 1.f;
+  if constexpr (kFp8) k_descale = __ldg(p.k_descale + kvh);
 
   float acc_o[kDTiles][4];
 #pragma unroll
@@ -154,6 +180,15 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
 
     const uint8_t* k_tile = k_s + (j % S) * Tile::kKVTileBytes;
     const uint8_t* v_tile = v_s + (j % S) * Tile::kKVTileBytes;
+    if constexpr (kFp8) {
+      // Stage j into the fp16 tiles: the barrier above also told every thread the tiles' last readers (tile j - 1)
+      // are done; this one makes them visible. The stage is next written by tile j + S's copies, issued after the
+      // next iteration's first barrier.
+      ConvertFp8Stage<Tile>(k_tile, v_tile, k_c, v_c);
+      __syncthreads();
+      k_tile = k_c;
+      v_tile = v_c;
+    }
     const int key0 = key_begin + j * BN + wn * KW;  // this warp's first key
 
     // S = Q K^T over the warp's KW keys; one ldmatrix.x4 of K feeds two k-steps of one 8-key tile.
@@ -185,9 +220,9 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
     }
 
     if (key_begin + (j + 1) * BN > full_end) {
-      softmax.template Step<true>(s, acc_o, p.scale_log2, key0, end0, end1);
+      softmax.template Step<true>(s, acc_o, kFp8 ? p.scale_log2 * k_descale : p.scale_log2, key0, end0, end1);
     } else {
-      softmax.template Step<false>(s, acc_o, p.scale_log2, key0, end0, end1);
+      softmax.template Step<false>(s, acc_o, kFp8 ? p.scale_log2 * k_descale : p.scale_log2, key0, end0, end1);
     }
 
     // O += P V: the S accumulators of two 8-key tiles are the A fragment of one k16 step.
@@ -214,6 +249,14 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
   // over the banks.
   CpAsyncWait<0>();
   __syncthreads();
+  if constexpr (kFp8) {
+    const float v_descale = __ldg(p.v_descale + kvh);
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[d][e] *= v_descale;
+    }
+  }
   constexpr int kOStride = D + 4;
   float* ml = reinterpret_cast<float*>(smem);  // [WN][R][2]
   float* os = ml + WN * R * 2;                 // [WN][R][kOStride]
@@ -263,8 +306,8 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
     const int pos = r / p.group, qh = kvh * p.group + r % p.group;
     if (n_splits == 1) {
       uint2 packed;
-      packed.x = Ops::Pack(acc.x * inv, acc.y * inv);
-      packed.y = Ops::Pack(acc.z * inv, acc.w * inv);
+      packed.x = OutOps::Pack(acc.x * inv, acc.y * inv);
+      packed.y = OutOps::Pack(acc.z * inv, acc.w * inv);
       *reinterpret_cast<uint2*>(o + b * p.o_sb + pos * p.o_ss + qh * p.o_sh + c) = packed;
       if (p.lse != nullptr && c == 0) {
         p.lse[(static_cast<int64_t>(b) * p.q_heads + qh) * p.q_len + pos] = lse2 * kLn2;

@@ -1,4 +1,4 @@
-// Launch role: the runtime -> compile-time switchboard of one head_dim (element type x row block), each
+// Launch role: the runtime -> compile-time switchboard of one head_dim (K/V format x element type x row block), each
 // decode_d*.cu instantiating it once.
 #pragma once
 
@@ -26,24 +26,30 @@ cudaError_t LaunchDecodeTile(const DecodeParams& p, dim3 grid, cudaStream_t stre
   return cudaGetLastError();
 }
 
-template <int D, typename Elem>
+// TileFor: DecodeTileFor (16-bit K/V) or DecodeFp8TileFor (float8 K/V).
+template <int D, typename Elem, template <int, int> class TileFor>
 cudaError_t LaunchDecodeElem(const DecodeParams& p, int row_block, dim3 grid, cudaStream_t stream) {
   switch (row_block) {
     case 16:
-      return LaunchDecodeTile<typename DecodeTileFor<D, 16>::type, Elem>(p, grid, stream);
+      return LaunchDecodeTile<typename TileFor<D, 16>::type, Elem>(p, grid, stream);
     case 32:
-      return LaunchDecodeTile<typename DecodeTileFor<D, 32>::type, Elem>(p, grid, stream);
+      return LaunchDecodeTile<typename TileFor<D, 32>::type, Elem>(p, grid, stream);
     case 64:
-      return LaunchDecodeTile<typename DecodeTileFor<D, 64>::type, Elem>(p, grid, stream);
+      return LaunchDecodeTile<typename TileFor<D, 64>::type, Elem>(p, grid, stream);
     default:
       return cudaErrorInvalidValue;
   }
 }
 
 template <int D>
-cudaError_t LaunchDecodeDim(const DecodeParams& p, DType dtype, int row_block, dim3 grid, cudaStream_t stream) {
-  return dtype == DType::kBF16 ? LaunchDecodeElem<D, __nv_bfloat16>(p, row_block, grid, stream)
-                               : LaunchDecodeElem<D, __half>(p, row_block, grid, stream);
+cudaError_t LaunchDecodeDim(const DecodeParams& p, DType dtype, bool fp8_kv, int row_block, dim3 grid,
+                            cudaStream_t stream) {
+  if (fp8_kv) {
+    return dtype == DType::kBF16 ? LaunchDecodeElem<D, __nv_bfloat16, DecodeFp8TileFor>(p, row_block, grid, stream)
+                                 : LaunchDecodeElem<D, __half, DecodeFp8TileFor>(p, row_block, grid, stream);
+  }
+  return dtype == DType::kBF16 ? LaunchDecodeElem<D, __nv_bfloat16, DecodeTileFor>(p, row_block, grid, stream)
+                               : LaunchDecodeElem<D, __half, DecodeTileFor>(p, row_block, grid, stream);
 }
 
 }  // namespace attnd::kernels::decode

@@ -11,11 +11,14 @@
 
 namespace attnd::kernels::decode {
 
-// The decode kernel for a head_dim, element type and row block (16, 32 or 64), on grid (splits,
-// kv_heads * m_blocks, batch).
-cudaError_t LaunchDecodeD64(const DecodeParams& p, DType dtype, int row_block, dim3 grid, cudaStream_t stream);
-cudaError_t LaunchDecodeD128(const DecodeParams& p, DType dtype, int row_block, dim3 grid, cudaStream_t stream);
-cudaError_t LaunchDecodeD256(const DecodeParams& p, DType dtype, int row_block, dim3 grid, cudaStream_t stream);
+// The decode kernel for a head_dim, element type, K/V format (fp8_kv: float8 e4m3 K/V with p's descales) and row
+// block (16, 32 or 64), on grid (splits, kv_heads * m_blocks, batch).
+cudaError_t LaunchDecodeD64(const DecodeParams& p, DType dtype, bool fp8_kv, int row_block, dim3 grid,
+                            cudaStream_t stream);
+cudaError_t LaunchDecodeD128(const DecodeParams& p, DType dtype, bool fp8_kv, int row_block, dim3 grid,
+                             cudaStream_t stream);
+cudaError_t LaunchDecodeD256(const DecodeParams& p, DType dtype, bool fp8_kv, int row_block, dim3 grid,
+                             cudaStream_t stream);
 
 cudaError_t LaunchMergeSplits(const DecodeParams& p, DType dtype, int head_dim, cudaStream_t stream);
 cudaError_t LaunchAppendKv(const AppendParams& p, cudaStream_t stream);

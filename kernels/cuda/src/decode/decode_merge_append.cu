@@ -59,7 +59,13 @@ dim3 CopyGrid(int64_t chunks, int batch) {
 cudaError_t LaunchAppendKv(const AppendParams& p, cudaStream_t stream) {
   const int64_t chunks = static_cast<int64_t>(p.new_len) * p.kv_heads * (p.head_dim / 8);
   if (chunks == 0 || p.batch == 0) return cudaSuccess;
-  AppendKvKernel<<<CopyGrid(chunks, p.batch), kCopyThreads, 0, stream>>>(p);
+  if (p.k_descale == nullptr) {
+    AppendKvKernel<<<CopyGrid(chunks, p.batch), kCopyThreads, 0, stream>>>(p);
+  } else if (p.new_bf16) {
+    AppendKvFp8Kernel<__nv_bfloat16><<<CopyGrid(chunks / 2, p.batch), kCopyThreads, 0, stream>>>(p);
+  } else {
+    AppendKvFp8Kernel<__half><<<CopyGrid(chunks / 2, p.batch), kCopyThreads, 0, stream>>>(p);
+  }
   return cudaGetLastError();
 }
 

@@ -39,6 +39,9 @@ struct DecodeParams {
   void* v_cache = nullptr;
   int64_t nk_sb = 0, nk_ss = 0, nk_sh = 0;
   int64_t nv_sb = 0, nv_ss = 0, nv_sh = 0;
+  // Float8 K/V only: per kv head, the factor a stored code's value is multiplied by.
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
 };
 
 // Splits of a sequence of kv_len keys; the plan's split decision applied to the length read at launch.
@@ -62,8 +65,13 @@ struct AppendParams {
   int64_t k_sb = 0, k_ss = 0, k_sh = 0;
   int64_t v_sb = 0, v_ss = 0, v_sh = 0;
   int batch = 0, new_len = 0, kv_heads = 0, head_dim = 0;
-  int chunk_shift = 0;  // log2(head_dim / 8): 16-byte chunks per head row
+  int chunk_shift = 0;  // log2 of the 16-byte chunks of a cache head row: head_dim / 8, or head_dim / 16 for float8
   int page_shift = 0, max_pages_per_seq = 0;
+  // Float8 cache (null: 16-bit, copied as is): the new rows (bf16 when new_bf16, else fp16) are divided by their kv
+  // head's descale and rounded to e4m3, saturating at +-448.
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
+  int new_bf16 = 1;
 };
 
 struct GatherParams {

@@ -54,12 +54,15 @@ int Log2(int x) {
   return s;
 }
 
-absl::Status CheckStrides(const std::string& name, const Strides& s) {
+bool Fp8Kv(const BatchLayout& l) { return l.kv_format == KvFormat::kFp8E4M3; }
+
+// `multiple`: the elements of a 16-byte copy (8 of 16 bits, 16 of float8).
+absl::Status CheckStrides(const std::string& name, const Strides& s, int multiple = 8) {
   const std::pair<const char*, int64_t> fields[] = {{"batch", s.batch}, {"seq", s.seq}, {"head", s.head}};
   for (const auto& [field, v] : fields) {
-    if (v < 0 || v % 8 != 0) {
-      return Invalid(absl::StrCat(name, ".", field),
-                     absl::StrCat(v, " is not a non-negative multiple of 8 elements (rows move in 16-byte copies)"));
+    if (v < 0 || v % multiple != 0) {
+      return Invalid(absl::StrCat(name, ".", field), absl::StrCat(v, " is not a non-negative multiple of ", multiple,
+                                                                  " elements (rows move in 16-byte copies)"));
     }
   }
   return absl::OkStatus();
@@ -73,8 +76,12 @@ absl::Status CheckCache(const BatchLayout& l) {
     return Invalid("layout.head_dim", absl::StrCat(l.head_dim, " is not 64, 128 or 256"));
   }
   if (l.dtype != DType::kBF16 && l.dtype != DType::kFP16) return Invalid("layout.dtype", "not bf16 or fp16");
-  if (absl::Status st = CheckStrides("layout.k", l.k); !st.ok()) return st;
-  if (absl::Status st = CheckStrides("layout.v", l.v); !st.ok()) return st;
+  if (l.kv_format != KvFormat::kAsQuery && l.kv_format != KvFormat::kFp8E4M3) {
+    return Invalid("layout.kv_format", "unknown format");
+  }
+  const int multiple = Fp8Kv(l) ? 16 : 8;
+  if (absl::Status st = CheckStrides("layout.k", l.k, multiple); !st.ok()) return st;
+  if (absl::Status st = CheckStrides("layout.v", l.v, multiple); !st.ok()) return st;
   if (l.kv_storage == KvStorage::kContiguous) {
     if (l.kv_capacity < 1) return Invalid("layout.kv_capacity", absl::StrCat(l.kv_capacity, " < 1"));
   } else if (l.kv_storage == KvStorage::kPaged) {
@@ -142,6 +149,22 @@ absl::Status CheckPointer(const char* field, const void* p, bool required) {
   return absl::OkStatus();
 }
 
+// A float8 cache's descales: both given, 4-byte aligned; none otherwise (a stray one would be ignored silently).
+absl::Status CheckDescales(const BatchLayout& l, const float* k_descale, const float* v_descale) {
+  const std::pair<const char*, const float*> fields[] = {{"tensors.k_descale", k_descale},
+                                                          {"tensors.v_descale", v_descale}};
+  for (const auto& [field, p] : fields) {
+    if (!Fp8Kv(l)) {
+      if (p != nullptr) return Invalid(field, "given for 16-bit K/V (layout.kv_format)");
+    } else if (p == nullptr) {
+      return Invalid(field, "null for float8 K/V");
+    } else if (reinterpret_cast<uintptr_t>(p) % alignof(float) != 0) {
+      return Invalid(field, "not 4-byte aligned");
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status FromCuda(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
@@ -170,6 +193,9 @@ absl::StatusOr<DecodePlan> MakeDecodePlan(const BatchLayout& layout, absl::Span<
   }
   if (options.min_split_keys < 1) return Invalid("options.min_split_keys", absl::StrCat(options.min_split_keys, " < 1"));
   if (absl::Status st = CheckLengthsAndTable(l, kv_lens, block_table, 0, false); !st.ok()) return st;
+  if (l.append && Fp8Kv(l)) {
+    return Invalid("layout.append", "not with float8 K/V: LaunchAppend (which quantizes), then LaunchDecode");
+  }
   if (l.append) {
     if (absl::Status st = CheckStrides("layout.new_k", l.new_k); !st.ok()) return st;
     if (absl::Status st = CheckStrides("layout.new_v", l.new_v); !st.ok()) return st;
@@ -264,6 +290,7 @@ absl::Status LaunchDecode(const DecodePlan& plan, const DecodeTensors& t, const 
     if (absl::Status st = CheckPointer("tensors.new_k", t.new_k, true); !st.ok()) return st;
     if (absl::Status st = CheckPointer("tensors.new_v", t.new_v, true); !st.ok()) return st;
   }
+  if (absl::Status st = CheckDescales(l, t.k_descale, t.v_descale); !st.ok()) return st;
   if (plan.counter_bytes > 0 && workspace.counters == nullptr) {
     return Invalid("workspace.counters", "null but the plan splits");
   }
@@ -311,19 +338,21 @@ absl::Status LaunchDecode(const DecodePlan& plan, const DecodeTensors& t, const 
     p.nk_sb = l.new_k.batch, p.nk_ss = l.new_k.seq, p.nk_sh = l.new_k.head;
     p.nv_sb = l.new_v.batch, p.nv_ss = l.new_v.seq, p.nv_sh = l.new_v.head;
   }
+  p.k_descale = t.k_descale;
+  p.v_descale = t.v_descale;
 
   const dim3 grid(static_cast<unsigned>(plan.max_splits), static_cast<unsigned>(l.kv_heads * plan.m_blocks),
                   static_cast<unsigned>(l.batch));
   cudaError_t err;
   switch (l.head_dim) {
     case 64:
-      err = LaunchDecodeD64(p, l.dtype, plan.row_block, grid, stream);
+      err = LaunchDecodeD64(p, l.dtype, Fp8Kv(l), plan.row_block, grid, stream);
       break;
     case 128:
-      err = LaunchDecodeD128(p, l.dtype, plan.row_block, grid, stream);
+      err = LaunchDecodeD128(p, l.dtype, Fp8Kv(l), plan.row_block, grid, stream);
       break;
     default:
-      err = LaunchDecodeD256(p, l.dtype, plan.row_block, grid, stream);
+      err = LaunchDecodeD256(p, l.dtype, Fp8Kv(l), plan.row_block, grid, stream);
       break;
   }
   if (absl::Status st = FromCuda(err, "decode kernel launch"); !st.ok()) return st;
@@ -358,6 +387,7 @@ absl::Status LaunchAppend(const AppendPlan& plan, const AppendTensors& t, cudaSt
   if (t.kv_lens == nullptr) return Invalid("tensors.kv_lens", "null");
   const bool paged = l.kv_storage == KvStorage::kPaged;
   if (paged && t.block_table == nullptr) return Invalid("tensors.block_table", "null for paged KV");
+  if (absl::Status st = CheckDescales(l, t.k_descale, t.v_descale); !st.ok()) return st;
   AppendParams p;
   p.new_k = t.new_k;
   p.new_v = t.new_v;
@@ -373,9 +403,12 @@ absl::Status LaunchAppend(const AppendPlan& plan, const AppendTensors& t, cudaSt
   p.new_len = plan.new_len;
   p.kv_heads = l.kv_heads;
   p.head_dim = l.head_dim;
-  p.chunk_shift = Log2(l.head_dim / 8);
+  p.chunk_shift = Log2(l.head_dim / (Fp8Kv(l) ? 16 : 8));
   p.page_shift = paged ? Log2(l.paged.page_size) : 0;
   p.max_pages_per_seq = paged ? l.paged.max_pages_per_seq : 0;
+  p.k_descale = t.k_descale;
+  p.v_descale = t.v_descale;
+  p.new_bf16 = l.dtype == DType::kBF16 ? 1 : 0;
   return FromCuda(LaunchAppendKv(p, stream), "append launch");
 }
 
@@ -383,6 +416,7 @@ absl::StatusOr<GatherPlan> MakeGatherPlan(const BatchLayout& cache, int capacity
                                           const Strides& out_v, absl::Span<const int32_t> kv_lens,
                                           absl::Span<const int32_t> block_table) {
   if (cache.kv_storage != KvStorage::kPaged) return Invalid("cache.kv_storage", "a gather reads paged KV");
+  if (Fp8Kv(cache)) return Invalid("cache.kv_format", "a gather copies 16-bit K/V");
   if (absl::Status st = CheckCache(cache); !st.ok()) return st;
   if (capacity < 1) return Invalid("capacity", absl::StrCat(capacity, " < 1"));
   if (absl::Status st = CheckStrides("out_k", out_k); !st.ok()) return st;

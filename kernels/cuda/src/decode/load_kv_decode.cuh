@@ -5,10 +5,12 @@
 // in one page and it reads one block-table slot per tile. That slot is read one tile ahead, so the table's
 // latency passes under a tile of compute instead of stalling the copies it addresses.
 // Fused append: a sequence's last q_len keys come from the new rows instead of the cache (which this launch is
-// writing), on the few tiles that reach them.
+// writing), on the few tiles that reach them (16-bit K/V only).
+// Float8 K/V: a row is half the bytes, so a 16-byte chunk holds 16 elements and lands unswizzled (StageOffset).
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "decode_params.h"
 #include "mma_decode.cuh"
@@ -18,7 +20,9 @@ namespace attnd::kernels::decode {
 template <typename Tile>
 class KvTileLoader {
  public:
-  static constexpr int kChunksPerRow = Tile::kHeadDim / 8;
+  using KvT = std::conditional_t<Tile::kFp8Kv, uint8_t, uint16_t>;  // a stored element's bits
+  static constexpr int kChunkElems = 16 / sizeof(KvT);
+  static constexpr int kChunksPerRow = Tile::kKvRowBytes / 16;
   static constexpr int kRowGroups = Tile::kThreads / kChunksPerRow;  // threads along the keys
   static constexpr int kRowsPerThread = Tile::kBlockN / kRowGroups;
   static_assert(Tile::kThreads % kChunksPerRow == 0, "a thread keeps its chunk column across a tile");
@@ -33,8 +37,8 @@ class KvTileLoader {
         key_end_(key_end),
         k_ss_(p.k_ss),
         v_ss_(p.v_ss),
-        k_(static_cast<const uint16_t*>(p.k) + kvh * p.k_sh + chunk_ * 8),
-        v_(static_cast<const uint16_t*>(p.v) + kvh * p.v_sh + chunk_ * 8) {
+        k_(static_cast<const KvT*>(p.k) + kvh * p.k_sh + chunk_ * kChunkElems),
+        v_(static_cast<const KvT*>(p.v) + kvh * p.v_sh + chunk_ * kChunkElems) {
     if (p.block_table != nullptr) {
       table_ = p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq;
       page_shift_ = p.page_shift;
@@ -45,7 +49,7 @@ class KvTileLoader {
       k_ += b * p.k_sb;
       v_ += b * p.v_sb;
     }
-    if (p.new_k != nullptr) {
+    if (!Tile::kFp8Kv && p.new_k != nullptr) {
       new_begin_ = kv_len - p.q_len;
       nk_ss_ = p.nk_ss;
       nv_ss_ = p.nv_ss;
@@ -69,15 +73,15 @@ class KvTileLoader {
       k_off = key * k_ss_;
       v_off = key * v_ss_;
     }
-    if (key + kRowsPerThread <= new_begin_) {  // rows before the new ones (nearly every tile): no per-row select
+    if (Tile::kFp8Kv || key + kRowsPerThread <= new_begin_) {  // rows before the new ones: no per-row select
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
         const bool valid = key + i < key_end_;
-        const uint32_t s = SwizzledOffset<Tile::kRowBytes>(row0_ + i, chunk_);
+        const uint32_t s = StageOffset(row0_ + i, chunk_);
         CpAsync16(SmemAddr(k_stage + s), k_ + k_off + i * k_ss_, valid);
         CpAsync16(SmemAddr(v_stage + s), v_ + v_off + i * v_ss_, valid);
       }
-    } else {
+    } else if constexpr (!Tile::kFp8Kv) {
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
         const bool valid = key + i < key_end_;
@@ -90,6 +94,16 @@ class KvTileLoader {
     }
   }
 
+  // Byte offset of chunk `chunk` of row `row` in a stage: swizzled for the mma's ldmatrix (16-bit K/V), in row order
+  // for the conversion's reads (float8 K/V).
+  __device__ __forceinline__ static uint32_t StageOffset(int row, int chunk) {
+    if constexpr (Tile::kFp8Kv) {
+      return static_cast<uint32_t>(row * Tile::kKvRowBytes + chunk * 16);
+    } else {
+      return SwizzledOffset<Tile::kRowBytes>(row, chunk);
+    }
+  }
+
  private:
   // The page slot of `key`; 0 (never dereferenced: its rows are zero-filled) past the split's keys.
   __device__ __forceinline__ int64_t SlotOf(int key) const {
@@ -98,8 +112,8 @@ class KvTileLoader {
 
   int chunk_, row0_, key_end_;
   int64_t k_ss_, v_ss_;
-  const uint16_t* k_;
-  const uint16_t* v_;
+  const KvT* k_;
+  const KvT* v_;
   const int32_t* table_ = nullptr;
   int page_shift_ = 0;
   int64_t k_sb_ = 0, v_sb_ = 0;

@@ -1,7 +1,8 @@
 // Compute and copy primitives of the decode kernels: common/'s mma.sync.m16n8k16 (fp32 accumulators),
 // ldmatrix and exp2, plus 16-byte cp.async with zero fill and the tile swizzle (sm_80 instructions, available on
-// sm_90a and sm_120a). Fragment layouts follow the PTX ISA's "mma.m16n8k16" figures: lane = 4 * g + t; an
-// accumulator holds rows g and g + 8, columns 2t and 2t + 1 of its 16x8 tile.
+// sm_90a and sm_120a), and the float8 -> fp16 conversion of float8 K/V tiles (sm_89 and later). Fragment layouts
+// follow the PTX ISA's "mma.m16n8k16" figures: lane = 4 * g + t; an accumulator holds rows g and g + 8, columns
+// 2t and 2t + 1 of its 16x8 tile.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -45,6 +46,40 @@ __device__ __forceinline__ void CpAsyncWait() {
 template <int kRowBytes>
 __device__ __forceinline__ uint32_t SwizzledOffset(int row, int chunk) {
   return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+
+// Float8 e4m3 -> fp16, two at a time (exact: every e4m3 value is an fp16 value). The low byte becomes the low half,
+// so a word of four codes in memory order becomes two half2 in memory order.
+__device__ __forceinline__ uint32_t Fp8x2ToHalf2(uint32_t two_codes) {
+  uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(static_cast<uint16_t>(two_codes)));
+  return h;
+}
+
+// bf16 pair -> fp16 pair, rounded to nearest (exact within fp16's range: fp16 has the longer mantissa).
+__device__ __forceinline__ uint32_t Bf16x2ToHalf2(uint32_t x) {
+  __nv_bfloat162 b;
+  *reinterpret_cast<uint32_t*>(&b) = x;
+  __half2 h = __float22half2_rn(__bfloat1622float2(b));
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// One float8 stage (rows of kHeadDim codes, in row order) into fp16 rows at the 16-bit tile swizzle, for K and V:
+// each thread reads 8 codes and writes one 16-byte chunk, so a warp reads 256 contiguous bytes and writes 512 in
+// the fewest shared-memory wavefronts.
+template <typename Tile>
+__device__ __forceinline__ void ConvertFp8Stage(const uint8_t* k_stage, const uint8_t* v_stage, uint8_t* k_tile,
+                                                uint8_t* v_tile) {
+  constexpr int kChunksPerRow = Tile::kHeadDim / 8;
+  for (int item = threadIdx.x; item < Tile::kBlockN * kChunksPerRow; item += Tile::kThreads) {
+    const uint32_t at = SwizzledOffset<Tile::kRowBytes>(item / kChunksPerRow, item % kChunksPerRow);
+    const uint2 k8 = *reinterpret_cast<const uint2*>(k_stage + item * 8);
+    const uint2 v8 = *reinterpret_cast<const uint2*>(v_stage + item * 8);
+    *reinterpret_cast<uint4*>(k_tile + at) =
+        make_uint4(Fp8x2ToHalf2(k8.x), Fp8x2ToHalf2(k8.x >> 16), Fp8x2ToHalf2(k8.y), Fp8x2ToHalf2(k8.y >> 16));
+    *reinterpret_cast<uint4*>(v_tile + at) =
+        make_uint4(Fp8x2ToHalf2(v8.x), Fp8x2ToHalf2(v8.x >> 16), Fp8x2ToHalf2(v8.y), Fp8x2ToHalf2(v8.y >> 16));
+  }
 }
 
 }  // namespace attnd::kernels::decode

@@ -12,9 +12,13 @@ namespace attnd::kernels::decode {
 // at least, the k of one P.V mma) and merge their softmax states at the end.
 // kQInRegs: Q's mma fragments are read from global memory into registers once (head_dim <= 128); at 256 they
 // would take 64 registers next to a 128-register O accumulator, so Q is staged in shared memory instead.
-template <int HeadDim, int RowBlock, int BlockN, int Stages>
+// KvBytes: bytes of a stored K/V element. 2: bf16/fp16 rows land in the stages (swizzled) and the mma reads them
+// there. 1: float8 e4m3 rows land in the stages (unswizzled: the conversion reads them in row order), and each
+// tile is converted to fp16 into one K and one V tile of 16-bit rows (kConvBytes), which the mma reads as before.
+template <int HeadDim, int RowBlock, int BlockN, int Stages, int KvBytes = 2>
 struct DecodeTile {
   static constexpr int kHeadDim = HeadDim;
+  static constexpr bool kFp8Kv = KvBytes == 1;
   static constexpr int kRowBlock = RowBlock;
   static constexpr int kBlockN = BlockN;
   static constexpr int kStages = Stages;
@@ -24,13 +28,15 @@ struct DecodeTile {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kKeysPerWarp = BlockN / kWarpsN;
   static constexpr bool kQInRegs = HeadDim <= 128;
-  static constexpr int kRowBytes = HeadDim * 2;
+  static constexpr int kRowBytes = HeadDim * 2;    // a 16-bit row as the mma reads it
+  static constexpr int kKvRowBytes = HeadDim * KvBytes;  // a stored row as it lands in a stage
   static constexpr int kQBytes = kQInRegs ? 0 : RowBlock * kRowBytes;
-  static constexpr int kKVTileBytes = BlockN * kRowBytes;  // one K or one V stage
+  static constexpr int kKVTileBytes = BlockN * kKvRowBytes;  // one K or one V stage
+  static constexpr int kConvBytes = kFp8Kv ? 2 * BlockN * kRowBytes : 0;
   // Blocks per SM the register allocation must leave room for: as many as shared memory lets reside on sm_90
   // at d64 (three), two above; with no floor ptxas caps some shapes below what they need and spills.
   static constexpr int kMinBlocksPerSm = HeadDim == 64 ? 3 : 2;
-  static constexpr int kStageBytes = 2 * Stages * kKVTileBytes;
+  static constexpr int kStageBytes = 2 * Stages * kKVTileBytes + kConvBytes;
   // The epilogue reuses the whole buffer: per (warp column, row) the running max and sum, then its O in fp32
   // (rows padded by 4 floats against bank conflicts).
   static constexpr int kScratchBytes = kWarpsN * RowBlock * (2 + HeadDim + 4) * 4;
@@ -38,6 +44,7 @@ struct DecodeTile {
       static_cast<size_t>(kQBytes + kStageBytes > kScratchBytes ? kQBytes + kStageBytes : kScratchBytes);
 
   static_assert(HeadDim % 64 == 0, "the 16-byte chunk swizzle needs 8 chunks per row");
+  static_assert(KvBytes == 1 || KvBytes == 2, "16-bit or float8 K/V");
   static_assert(RowBlock % 16 == 0 && RowBlock <= 64, "rows come in m16 tiles, four warps at most");
   static_assert(kKeysPerWarp % 16 == 0, "each warp's keys feed whole k16 steps of P.V");
   static_assert(kSmemBytes <= 101376, "a block must fit sm_120's 99 KB");
@@ -60,12 +67,34 @@ struct DecodeTileFor<256, RowBlock> {
   using type = DecodeTile<256, RowBlock, 32, 2>;
 };
 
-// Keys per stage for a head_dim (the plan rounds split sizes to it); the same for every row block.
+// Float8 K/V: the same keys per stage as 16-bit K/V (so a plan's split sizes hold for both) in half the bytes, so one
+// more stage is in flight at d64 and d128 in the same shared memory, next to the converted tiles. d64: 5 stages (40
+// KB) + 16 KB. d128: 4 stages (64 KB) + 32 KB. d256: 2 stages (32 KB) + 32 KB plus Q.
+template <int HeadDim, int RowBlock>
+struct DecodeFp8TileFor;
+template <int RowBlock>
+struct DecodeFp8TileFor<64, RowBlock> {
+  using type = DecodeTile<64, RowBlock, 64, 5, 1>;
+};
+template <int RowBlock>
+struct DecodeFp8TileFor<128, RowBlock> {
+  using type = DecodeTile<128, RowBlock, 64, 4, 1>;
+};
+template <int RowBlock>
+struct DecodeFp8TileFor<256, RowBlock> {
+  using type = DecodeTile<256, RowBlock, 32, 2, 1>;
+};
+
+// Keys per stage for a head_dim (the plan rounds split sizes to it); the same for every row block and K/V format.
 constexpr int DecodeBlockN(int head_dim) {
   return head_dim == 64 ? DecodeTileFor<64, 16>::type::kBlockN
          : head_dim == 128 ? DecodeTileFor<128, 16>::type::kBlockN
                            : DecodeTileFor<256, 16>::type::kBlockN;
 }
+static_assert(DecodeFp8TileFor<64, 16>::type::kBlockN == DecodeBlockN(64) &&
+                  DecodeFp8TileFor<128, 16>::type::kBlockN == DecodeBlockN(128) &&
+                  DecodeFp8TileFor<256, 16>::type::kBlockN == DecodeBlockN(256),
+              "a plan's split size serves both K/V formats");
 
 // Smallest row block holding `rows` (group * q_len), 64 at most: more rows take several blocks.
 constexpr int DecodeRowBlock(int rows) { return rows <= 16 ? 16 : rows <= 32 ? 32 : 64; }

@@ -28,14 +28,23 @@ enum class KvStorage {
   kPaged,       // K and V: [num_pages, page_size, kv_heads, head_dim], element strides (page, row, head)
 };
 
+// How K and V are stored. Float8 halves the bytes a decode step reads, the most of its time.
+enum class KvFormat {
+  kAsQuery,  // layout.dtype, as Q and O
+  // float8 e4m3 codes (torch.float8_e4m3fn): code c of kv head h stands for Fp8E4M3ToFloat(c) * descale[h]
+  // (attnd/fp8.h), with fp32 descales [kv_heads] for K and for V in device memory (the tensors' k_descale and
+  // v_descale). Q, O and appended rows stay layout.dtype; the attention runs in fp16 with fp32 accumulators.
+  kFp8E4M3,
+};
+
 struct PagedKv {
   int page_size = 16;          // keys per page; a power of two from 16 to 256
   int num_pages = 0;           // pages in the K pool (the V pool has as many)
   int max_pages_per_seq = 0;   // columns of the block table [batch, max_pages_per_seq] (int32 page indices)
 };
 
-// Strides are in elements and head_dim is contiguous. Every stride must be a multiple of 8 and every base
-// pointer 16-byte aligned: rows move in 16-byte copies.
+// Strides are in elements and head_dim is contiguous. Every stride must be a multiple of 8 (of 16 for float8 K/V)
+// and every base pointer 16-byte aligned: rows move in 16-byte copies.
 struct BatchLayout {
   int batch = 0;
   int q_len = 1;      // query rows per sequence, 1 to 16 (speculative / chunked decode)
@@ -48,6 +57,7 @@ struct BatchLayout {
   bool want_lse = false;    // also write LSE: fp32 [batch, q_heads, q_len], natural log
   Strides q, o;             // [batch, q_len, q_heads, head_dim] (batch, seq, head strides)
   KvStorage kv_storage = KvStorage::kContiguous;
+  KvFormat kv_format = KvFormat::kAsQuery;
   Strides k, v;             // contiguous: (batch, seq, head); paged: (page, row, head)
   int kv_capacity = 0;      // contiguous only: key rows each sequence's K/V buffer holds
   PagedKv paged;            // paged only
@@ -55,7 +65,7 @@ struct BatchLayout {
   // kv_len - 1, are its new rows, read from tensors.new_k / new_v ([batch, q_len, kv_heads, head_dim] at these
   // strides) rather than from the cache, and the launch also writes them into the cache (tensors.k and v must
   // then be writable). kv_len counts them, as it does for a separate LaunchAppend followed by LaunchDecode, and
-  // must be at least q_len.
+  // must be at least q_len. Not with float8 K/V (LaunchAppend quantizes, then LaunchDecode).
   bool append = false;
   Strides new_k, new_v;     // append only: element strides (batch, seq, head) of the new rows
 };
@@ -116,6 +126,8 @@ struct DecodeTensors {
   const int32_t* block_table = nullptr;  // paged only: [batch, max_pages_per_seq]
   const void* new_k = nullptr;    // layout.append only: the new rows
   const void* new_v = nullptr;
+  const float* k_descale = nullptr;  // float8 K/V only: [kv_heads], 4-byte aligned
+  const float* v_descale = nullptr;
 };
 
 // kv_lens: host copy of the per-sequence lengths ([batch]). block_table: host copy of the table
@@ -133,7 +145,8 @@ absl::Status LaunchDecode(const DecodePlan& plan, const DecodeTensors& tensors, 
 
 // Appending new K/V rows: new_k/new_v [batch, new_len, kv_heads, head_dim] are written to key positions
 // kv_len_b .. kv_len_b + new_len - 1 of each sequence (its pages, for paged KV). The kernel reads kv_lens and
-// does not change them: the caller advances them after the append.
+// does not change them: the caller advances them after the append. Into a float8 cache each element x of kv head
+// h is stored as the e4m3 code nearest to x / descale[h] (ties to even), saturating at +-448.
 struct AppendPlan {
   BatchLayout layout;  // the cache's layout (q, o, mask and scale are not used)
   int new_len = 0;
@@ -147,6 +160,8 @@ struct AppendTensors {
   void* v = nullptr;
   const int32_t* kv_lens = nullptr;      // [batch] lengths before the append
   const int32_t* block_table = nullptr;  // paged only
+  const float* k_descale = nullptr;      // float8 cache only: [kv_heads]
+  const float* v_descale = nullptr;
 };
 
 // Validates that kv_len_b + new_len fits each sequence's buffer or table and that the pages the new rows land
@@ -159,7 +174,7 @@ absl::Status LaunchAppend(const AppendPlan& plan, const AppendTensors& tensors, 
 // Gathering a paged cache into contiguous K/V, for kernels that read only contiguous tensors (the prefill
 // kernels of attention.h, whose TMA boxes cannot follow a block table): keys 0 .. kv_len_b - 1 of each
 // sequence are copied from its pages to rows 0 .. kv_len_b - 1 of out_k/out_v [batch, capacity, kv_heads,
-// head_dim]; rows from kv_len_b on are left as they are.
+// head_dim]; rows from kv_len_b on are left as they are. 16-bit caches only.
 struct GatherPlan {
   BatchLayout layout;  // the paged cache's layout (q, o, mask and scale are not used)
   int capacity = 0;    // rows per sequence in out_k/out_v

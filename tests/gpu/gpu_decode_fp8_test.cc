@@ -1,0 +1,461 @@
+// GPU tests of attnd::kernels::decode over a float8 e4m3 cache (KvFormat::kFp8E4M3).
+//
+// Each case: random K/V (never zeros; the hard cases too) rounded to the element type, per-kv-head descales from
+// each head's largest magnitude (amax / 448, the usual calibration), the cache filled with the codes of
+// attnd/fp8.h on the host except its last `append` rows a sequence, which LaunchAppend quantizes on the device from
+// the element-type rows: those must be byte for byte the host's codes. Unused rows and pages hold the e4m3 NaN code,
+// O, LSE and the workspace are poisoned. The answer is compared with a float64 attention over the dequantized
+// cache (what the codes stand for):
+//   max|O - O_f64| <= max|O_f64| / 128 + 1e-3 * max|V|   (O rounded to bf16 once; P in fp16)
+// and LSE within 2e-3. Each case also prints RMSE and max error against float64 attention over the unquantized
+// K/V: the cost of storing the cache in float8 (docs/kernels.md).
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <numeric>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnd/fp8.h"
+#include "attnd/half.h"
+#include "attnd/kernels/decode.h"
+#include "attnd/problem.h"
+
+namespace attnd::kernels::decode {
+namespace {
+
+constexpr uint8_t kPoison8 = 0xFF;  // NaN in e4m3
+
+bool HaveGpu() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return false;
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return false;
+  return prop.major == 9 || prop.major == 12;
+}
+
+#define CUDA_OK(expr)                                                          \
+  do {                                                                         \
+    const cudaError_t err_ = (expr);                                           \
+    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
+  } while (0)
+
+struct Fp8Case {
+  std::string name;
+  int q_len = 1;
+  int q_heads = 8;
+  int kv_heads = 2;
+  int head_dim = 128;
+  DType dtype = DType::kBF16;
+  std::vector<int32_t> lens;
+  int page_size = 0;  // 0: contiguous
+  int num_splits = 0;
+  int append = 1;     // rows a sequence written by LaunchAppend
+  float q_gain = 1.f;
+  bool key_ramp = false;
+  bool outliers = false;  // FA3's setup: a few channels of Q and K much larger than the rest
+  uint32_t seed = 1;
+};
+
+void PrintTo(const Fp8Case& c, std::ostream* os) { *os << c.name; }
+
+std::vector<Fp8Case> Cases() {
+  std::vector<Fp8Case> out;
+  uint32_t seed = 500;
+  auto add = [&](std::string name, std::vector<int32_t> lens) -> Fp8Case& {
+    Fp8Case c;
+    c.name = std::move(name);
+    c.lens = std::move(lens);
+    c.seed = ++seed;
+    out.push_back(c);
+    return out.back();
+  };
+  for (int d : {64, 128, 256}) {
+    for (int ps : {0, 16}) {
+      for (int q : {1, 4}) {
+        Fp8Case& c = add("d" + std::to_string(d) + (ps ? "_paged16" : "_contig") + "_q" + std::to_string(q),
+                         {1, 17, 300, 1029});
+        c.head_dim = d;
+        c.page_size = ps;
+        c.q_len = q;
+        c.append = q;
+      }
+    }
+  }
+  for (int group : {1, 4, 8, 16}) {
+    Fp8Case& c = add("gqa" + std::to_string(group), {33, 2000});
+    c.q_heads = 2 * group;
+    c.page_size = 64;
+  }
+  {
+    Fp8Case& c = add("fp16_d128_q16", {16, 40, 700});
+    c.dtype = DType::kFP16;
+    c.q_len = c.append = 16;
+    c.page_size = 32;
+  }
+  for (int kind = 0; kind < 3; ++kind) {
+    Fp8Case& c = add(kind == 0 ? "large_logits" : kind == 1 ? "rising_scores" : "outlier_channels", {5000, 3333});
+    c.q_len = c.append = 4;
+    c.num_splits = 7;
+    c.page_size = kind == 1 ? 0 : 16;
+    c.q_gain = kind == 0 ? 8.f : 1.5f;
+    c.key_ramp = kind == 1;
+    c.outliers = kind == 2;
+  }
+  {
+    Fp8Case& c = add("long_ragged_paged16", {1, 2000, 32768});
+    c.q_heads = 32;
+    c.kv_heads = 8;
+    c.page_size = 16;
+  }
+  return out;
+}
+
+float RandomValue(std::mt19937& rng) {
+  std::uniform_real_distribution<float> mag(0.05f, 1.0f);
+  return (rng() & 1) ? mag(rng) : -mag(rng);
+}
+
+template <typename T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t count = 0;
+  ~DeviceBuffer() {
+    if (ptr != nullptr) cudaFree(ptr);
+  }
+  cudaError_t Alloc(size_t n) {
+    count = n;
+    return cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(n, 1) * sizeof(T));
+  }
+  cudaError_t Upload(const std::vector<T>& host) {
+    return cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  cudaError_t Download(std::vector<T>& host) const {
+    host.resize(count);
+    return cudaMemcpy(host.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost);
+  }
+};
+
+// Float64 attention of one sequence: q [q_len, q_heads, D] (float values), k/v [len, kv_heads, D]; bottom-right
+// causal when q_len > 1. o [q_len, q_heads, D], lse [q_heads, q_len].
+void Attention64(const Fp8Case& c, int len, const std::vector<double>& q, const std::vector<double>& k,
+                 const std::vector<double>& v, std::vector<double>& o, std::vector<double>& lse) {
+  const int D = c.head_dim, Hq = c.q_heads, group = c.q_heads / c.kv_heads;
+  const double scale = DefaultScale(D);
+  o.assign(static_cast<size_t>(c.q_len) * Hq * D, 0.0);
+  lse.assign(static_cast<size_t>(Hq) * c.q_len, -INFINITY);
+  std::vector<double> s(len);
+  for (int i = 0; i < c.q_len; ++i) {
+    const int visible = c.q_len > 1 ? std::min(len, len - c.q_len + i + 1) : len;
+    for (int h = 0; h < Hq; ++h) {
+      const int kh = h / group;
+      if (visible <= 0) continue;
+      double m = -INFINITY;
+      for (int j = 0; j < visible; ++j) {
+        double dot = 0;
+        const double* qr = &q[(static_cast<size_t>(i) * Hq + h) * D];
+        const double* kr = &k[(static_cast<size_t>(j) * c.kv_heads + kh) * D];
+        for (int d = 0; d < D; ++d) dot += qr[d] * kr[d];
+        s[j] = dot * scale;
+        m = std::max(m, s[j]);
+      }
+      double sum = 0;
+      for (int j = 0; j < visible; ++j) sum += (s[j] = std::exp(s[j] - m));
+      double* out = &o[(static_cast<size_t>(i) * Hq + h) * D];
+      for (int j = 0; j < visible; ++j) {
+        for (int d = 0; d < D; ++d) out[d] += s[j] / sum * v[(static_cast<size_t>(j) * c.kv_heads + kh) * D + d];
+      }
+      lse[static_cast<size_t>(h) * c.q_len + i] = m + std::log(sum);
+    }
+  }
+}
+
+class GpuDecodeFp8Test : public ::testing::TestWithParam<Fp8Case> {};
+
+TEST_P(GpuDecodeFp8Test, MatchesTheDequantizedReference) {
+  if (!HaveGpu()) GTEST_SKIP() << "no sm_90 / sm_120 GPU";
+  const Fp8Case& c = GetParam();
+  const int B = static_cast<int>(c.lens.size()), D = c.head_dim, Hq = c.q_heads, Hkv = c.kv_heads;
+  const int row = Hkv * D;
+  std::mt19937 rng(c.seed);
+  auto round = [&](float x) { return HalfToFloat(c.dtype, FloatToHalf(c.dtype, x)); };
+
+  // Q, and each sequence's K/V in the element type's values.
+  std::vector<uint16_t> q(static_cast<size_t>(B) * c.q_len * Hq * D);
+  for (size_t i = 0; i < q.size(); ++i) {
+    float x = RandomValue(rng) * c.q_gain;
+    if (c.outliers && i % D % 41 == 7) x *= 16.f;
+    q[i] = FloatToHalf(c.dtype, x);
+  }
+  std::vector<std::vector<float>> k(B), v(B);
+  std::vector<float> k_amax(Hkv, 0.f), v_amax(Hkv, 0.f);
+  for (int b = 0; b < B; ++b) {
+    k[b].resize(static_cast<size_t>(c.lens[b]) * row);
+    v[b].resize(k[b].size());
+    for (size_t i = 0; i < k[b].size(); ++i) {
+      const size_t j = i / row;
+      const int h = static_cast<int>(i % row / D), d = static_cast<int>(i % D);
+      const float ramp = c.key_ramp ? 0.25f + 2.0f * static_cast<float>(j) / static_cast<float>(c.lens[b]) : 1.f;
+      float kx = RandomValue(rng) * ramp;
+      if (c.outliers && d % 41 == 7) kx *= 16.f;
+      k[b][i] = round(kx);
+      v[b][i] = round(RandomValue(rng));
+      k_amax[h] = std::max(k_amax[h], std::abs(k[b][i]));
+      v_amax[h] = std::max(v_amax[h], std::abs(v[b][i]));
+    }
+  }
+  std::vector<float> k_descale(Hkv), v_descale(Hkv);
+  for (int h = 0; h < Hkv; ++h) {
+    k_descale[h] = k_amax[h] / kFp8E4M3Max;
+    v_descale[h] = v_amax[h] / kFp8E4M3Max;
+  }
+
+  // The cache: codes on the host, the appended rows left NaN for LaunchAppend.
+  BatchLayout l;
+  l.batch = B;
+  l.q_len = c.q_len;
+  l.q_heads = Hq;
+  l.kv_heads = Hkv;
+  l.head_dim = D;
+  l.dtype = c.dtype;
+  l.mask = c.q_len > 1 ? Mask::kCausalBottomRight : Mask::kNone;
+  l.scale = DefaultScale(D);
+  l.want_lse = true;
+  l.q = l.o = ContiguousStrides(c.q_len, Hq, D);
+  l.kv_format = KvFormat::kFp8E4M3;
+  const int max_len = *std::max_element(c.lens.begin(), c.lens.end());
+  std::vector<int32_t> table;
+  int64_t cache_rows;
+  if (c.page_size == 0) {
+    l.kv_storage = KvStorage::kContiguous;
+    l.kv_capacity = max_len + 3;
+    l.k = l.v = ContiguousStrides(l.kv_capacity, Hkv, D);
+    cache_rows = int64_t{B} * l.kv_capacity;
+  } else {
+    int pages = 0, max_pages = 0;
+    for (int32_t n : c.lens) {
+      pages += (n + c.page_size - 1) / c.page_size;
+      max_pages = std::max(max_pages, (n + c.page_size - 1) / c.page_size);
+    }
+    l.kv_storage = KvStorage::kPaged;
+    l.paged = PagedKv{c.page_size, pages + 3, max_pages + 1};
+    l.k = l.v = ContiguousStrides(c.page_size, Hkv, D);
+    std::vector<int32_t> pool(l.paged.num_pages);
+    std::iota(pool.begin(), pool.end(), 0);
+    std::shuffle(pool.begin(), pool.end(), rng);
+    table.assign(static_cast<size_t>(B) * l.paged.max_pages_per_seq, -1);
+    for (int b = 0, next = 0; b < B; ++b) {
+      for (int j = 0; j * c.page_size < c.lens[b]; ++j) table[b * l.paged.max_pages_per_seq + j] = pool[next++];
+    }
+    cache_rows = int64_t{l.paged.num_pages} * c.page_size;
+  }
+  auto row_at = [&](int b, int j) -> size_t {
+    if (c.page_size == 0) return (static_cast<size_t>(b) * l.kv_capacity + j) * row;
+    return (static_cast<size_t>(table[b * l.paged.max_pages_per_seq + j / c.page_size]) * c.page_size +
+            j % c.page_size) * row;
+  };
+  std::vector<uint8_t> k_cache(cache_rows * row, kPoison8), v_cache(k_cache.size(), kPoison8);
+  std::vector<uint8_t> k_codes(k_cache.size(), kPoison8), v_codes(k_cache.size(), kPoison8);  // what must be there
+  std::vector<std::vector<double>> kq(B), vq(B), kd(B), vd(B);  // dequantized and unquantized, as doubles
+  std::vector<uint16_t> new_k(static_cast<size_t>(B) * c.append * row), new_v(new_k.size());
+  double v_max = 0;
+  for (int b = 0; b < B; ++b) {
+    kq[b].resize(k[b].size());
+    vq[b].resize(k[b].size());
+    kd[b].assign(k[b].begin(), k[b].end());
+    vd[b].assign(v[b].begin(), v[b].end());
+    for (int j = 0; j < c.lens[b]; ++j) {
+      for (int e = 0; e < row; ++e) {
+        const size_t i = static_cast<size_t>(j) * row + e;
+        const int h = e / D;
+        const uint8_t kc = FloatToFp8E4M3(k[b][i] / k_descale[h]), vc = FloatToFp8E4M3(v[b][i] / v_descale[h]);
+        kq[b][i] = static_cast<double>(Fp8E4M3ToFloat(kc)) * k_descale[h];
+        vq[b][i] = static_cast<double>(Fp8E4M3ToFloat(vc)) * v_descale[h];
+        v_max = std::max(v_max, std::abs(vq[b][i]));
+        k_codes[row_at(b, j) + e] = kc;
+        v_codes[row_at(b, j) + e] = vc;
+        const int t = j - (c.lens[b] - c.append);
+        if (t >= 0) {
+          const size_t n = (static_cast<size_t>(b) * c.append + t) * row + e;
+          new_k[n] = FloatToHalf(c.dtype, k[b][i]);
+          new_v[n] = FloatToHalf(c.dtype, v[b][i]);
+        } else {
+          k_cache[row_at(b, j) + e] = kc;
+          v_cache[row_at(b, j) + e] = vc;
+        }
+      }
+    }
+  }
+
+  DeviceBuffer<uint16_t> q_d, o_d, nk_d, nv_d;
+  DeviceBuffer<uint8_t> k_d, v_d;
+  DeviceBuffer<float> lse_d, kds_d, vds_d;
+  DeviceBuffer<int32_t> lens_d, table_d;
+  CUDA_OK(q_d.Alloc(q.size()));
+  CUDA_OK(q_d.Upload(q));
+  CUDA_OK(k_d.Alloc(k_cache.size()));
+  CUDA_OK(k_d.Upload(k_cache));
+  CUDA_OK(v_d.Alloc(v_cache.size()));
+  CUDA_OK(v_d.Upload(v_cache));
+  CUDA_OK(nk_d.Alloc(new_k.size()));
+  CUDA_OK(nk_d.Upload(new_k));
+  CUDA_OK(nv_d.Alloc(new_v.size()));
+  CUDA_OK(nv_d.Upload(new_v));
+  CUDA_OK(kds_d.Alloc(Hkv));
+  CUDA_OK(kds_d.Upload(k_descale));
+  CUDA_OK(vds_d.Alloc(Hkv));
+  CUDA_OK(vds_d.Upload(v_descale));
+  CUDA_OK(o_d.Alloc(q.size()));
+  CUDA_OK(lse_d.Alloc(static_cast<size_t>(B) * Hq * c.q_len));
+  CUDA_OK(lens_d.Alloc(B));
+  CUDA_OK(table_d.Alloc(table.size()));
+  if (!table.empty()) CUDA_OK(table_d.Upload(table));
+
+  // The append quantizes on the device: the whole cache must then be the host's codes, NaN where no row is.
+  std::vector<int32_t> before(c.lens);
+  for (int32_t& n : before) n -= c.append;
+  CUDA_OK(lens_d.Upload(before));
+  const Strides rows = ContiguousStrides(c.append, Hkv, D);
+  absl::StatusOr<AppendPlan> ap = MakeAppendPlan(l, c.append, rows, rows, before, table);
+  ASSERT_TRUE(ap.ok()) << ap.status();
+  AppendTensors at{nk_d.ptr, nv_d.ptr, k_d.ptr, v_d.ptr, lens_d.ptr, table.empty() ? nullptr : table_d.ptr};
+  at.k_descale = kds_d.ptr;
+  at.v_descale = vds_d.ptr;
+  absl::Status st = LaunchAppend(*ap, at, nullptr);
+  ASSERT_TRUE(st.ok()) << st;
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<uint8_t> got_k, got_v;
+  CUDA_OK(k_d.Download(got_k));
+  CUDA_OK(v_d.Download(got_v));
+  int64_t wrong = 0;
+  for (size_t i = 0; i < got_k.size(); ++i) wrong += (got_k[i] != k_codes[i]) + (got_v[i] != v_codes[i]);
+  ASSERT_EQ(wrong, 0) << "cache bytes that differ from the host's e4m3 codes after the append";
+  CUDA_OK(lens_d.Upload(c.lens));
+
+  std::vector<std::vector<double>> o64(B), lse64(B), o_exact(B), lse_exact(B);
+  for (int b = 0; b < B; ++b) {
+    std::vector<double> qb(static_cast<size_t>(c.q_len) * Hq * D);
+    for (size_t i = 0; i < qb.size(); ++i) qb[i] = HalfToFloat(c.dtype, q[b * qb.size() + i]);
+    Attention64(c, c.lens[b], qb, kq[b], vq[b], o64[b], lse64[b]);
+    Attention64(c, c.lens[b], qb, kd[b], vd[b], o_exact[b], lse_exact[b]);
+  }
+
+  for (const int num_splits : {c.num_splits, 1}) {
+    DecodeOptions options;
+    options.num_splits = num_splits;
+    absl::StatusOr<DecodePlan> plan = MakeDecodePlan(l, c.lens, table, options);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    DeviceBuffer<uint8_t> ws;
+    DeviceBuffer<int32_t> counters;
+    CUDA_OK(ws.Alloc(plan->workspace_bytes));
+    CUDA_OK(counters.Alloc(plan->counter_bytes / sizeof(int32_t)));
+    CUDA_OK(cudaMemset(counters.ptr, 0, std::max<size_t>(plan->counter_bytes, 1)));
+    CUDA_OK(cudaMemset(ws.ptr, 0xFF, std::max<size_t>(plan->workspace_bytes, 1)));
+    CUDA_OK(cudaMemset(o_d.ptr, 0xFF, o_d.count * sizeof(uint16_t)));
+    CUDA_OK(cudaMemset(lse_d.ptr, 0xFF, lse_d.count * sizeof(float)));
+    DecodeTensors t{q_d.ptr, k_d.ptr, v_d.ptr, o_d.ptr, lse_d.ptr, lens_d.ptr, table.empty() ? nullptr : table_d.ptr};
+    t.k_descale = kds_d.ptr;
+    t.v_descale = vds_d.ptr;
+    const DecodeWorkspace w{plan->workspace_bytes ? ws.ptr : nullptr, plan->counter_bytes ? counters.ptr : nullptr};
+    st = LaunchDecode(*plan, t, w, nullptr);
+    ASSERT_TRUE(st.ok()) << st;
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint16_t> o;
+    std::vector<float> lse;
+    CUDA_OK(o_d.Download(o));
+    CUDA_OK(lse_d.Download(lse));
+    const std::string what = "splits " + std::to_string(plan->max_splits);
+    for (int b = 0; b < B; ++b) {
+      double err = 0, o_max = 0, lse_err = 0, sq = 0, exact_max = 0;
+      int64_t n = 0;
+      for (int i = 0; i < c.q_len; ++i) {
+        const bool sees_none = l.mask == Mask::kCausalBottomRight && LastVisibleKey(l.mask, c.q_len, c.lens[b], i) < 0;
+        for (int h = 0; h < Hq; ++h) {
+          for (int d = 0; d < D; ++d) {
+            const size_t r = (static_cast<size_t>(i) * Hq + h) * D + d;
+            const double x = HalfToFloat(c.dtype, o[b * o64[b].size() + r]);
+            ASSERT_FALSE(std::isnan(x)) << what << ": O not written at b " << b << " pos " << i << " head " << h;
+            if (sees_none) {
+              ASSERT_EQ(x, 0.0) << what << ": a row that sees no key must be 0";
+              continue;
+            }
+            err = std::max(err, std::abs(x - o64[b][r]));
+            o_max = std::max(o_max, std::abs(o64[b][r]));
+            sq += (x - o_exact[b][r]) * (x - o_exact[b][r]);
+            exact_max = std::max(exact_max, std::abs(x - o_exact[b][r]));
+            ++n;
+          }
+          const float got = lse[(static_cast<size_t>(b) * Hq + h) * c.q_len + i];
+          ASSERT_FALSE(std::isnan(got)) << what << ": LSE not written";
+          const double want = lse64[b][static_cast<size_t>(h) * c.q_len + i];
+          if (!sees_none) lse_err = std::max(lse_err, std::abs(got - want) / (2e-3 + 1e-5 * std::abs(want)));
+        }
+      }
+      EXPECT_LE(err, o_max / 128 + 1e-3 * v_max)
+          << what << ": sequence " << b << " (kv_len " << c.lens[b] << ") error " << err << " against the dequantized";
+      EXPECT_LE(lse_err, 1.0) << what << ": sequence " << b << " LSE error over tolerance x" << lse_err;
+      if (num_splits == c.num_splits && n > 0) {
+        std::printf("[ fp8 kv   ] %s seq %d kv_len %d: vs unquantized RMSE %.3e max %.3e (vs dequantized max %.3e)\n",
+                    c.name.c_str(), b, c.lens[b], std::sqrt(sq / n), exact_max, err);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(DecodeFp8, GpuDecodeFp8Test, ::testing::ValuesIn(Cases()),
+                         [](const ::testing::TestParamInfo<Fp8Case>& info) { return info.param.name; });
+
+// Float8 layouts and tensors checked before any kernel (no GPU needed).
+TEST(DecodeFp8Validation, NamesTheField) {
+  BatchLayout l;
+  l.batch = 1;
+  l.q_heads = l.kv_heads = 1;
+  l.head_dim = 64;
+  l.scale = 0.125f;
+  l.q = l.o = ContiguousStrides(1, 1, 64);
+  l.k = l.v = ContiguousStrides(64, 1, 64);
+  l.kv_capacity = 64;
+  l.kv_format = KvFormat::kFp8E4M3;
+  DecodeOptions options;
+  options.sm_count = 4;
+  BatchLayout odd = l;
+  odd.k.head = 8;  // a 16-byte copy of float8 is 16 elements
+  EXPECT_EQ(MakeDecodePlan(odd, {64}, {}, options).status().message().substr(0, 13), "layout.k.head");
+  BatchLayout fused = l;
+  fused.append = true;
+  fused.new_k = fused.new_v = ContiguousStrides(1, 1, 64);
+  EXPECT_EQ(MakeDecodePlan(fused, {64}, {}, options).status().message().substr(0, 14), "layout.append:");
+  absl::StatusOr<DecodePlan> plan = MakeDecodePlan(l, {64}, {}, options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  alignas(16) static uint16_t buf[64];
+  alignas(16) static int32_t len[1] = {64};
+  alignas(16) static float scales[4] = {1.f, 1.f, 1.f, 1.f};
+  DecodeTensors t{buf, buf, buf, buf, nullptr, len, nullptr};
+  EXPECT_EQ(LaunchDecode(*plan, t, {}, nullptr).message().substr(0, 18), "tensors.k_descale:");
+  t.k_descale = scales;
+  EXPECT_EQ(LaunchDecode(*plan, t, {}, nullptr).message().substr(0, 18), "tensors.v_descale:");
+  t.v_descale = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(scales) + 2);
+  EXPECT_EQ(LaunchDecode(*plan, t, {}, nullptr).message().substr(0, 18), "tensors.v_descale:");
+  // A descale given for a 16-bit cache would be ignored: refused instead.
+  BatchLayout bf16 = l;
+  bf16.kv_format = KvFormat::kAsQuery;
+  absl::StatusOr<DecodePlan> plain = MakeDecodePlan(bf16, {64}, {}, options);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  t.v_descale = nullptr;
+  EXPECT_EQ(LaunchDecode(*plain, t, {}, nullptr).message().substr(0, 18), "tensors.k_descale:");
+  // The gather copies 16-bit K/V only.
+  BatchLayout paged = l;
+  paged.kv_storage = KvStorage::kPaged;
+  paged.paged = PagedKv{16, 4, 4};
+  EXPECT_EQ(MakeGatherPlan(paged, 64, l.k, l.v, {64}, {0, 1, 2, 3}).status().message().substr(0, 16),
+            "cache.kv_format:");
+}
+
+}  // namespace
+}  // namespace attnd::kernels::decode
