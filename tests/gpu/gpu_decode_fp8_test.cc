@@ -449,12 +449,102 @@ TEST(DecodeFp8Validation, NamesTheField) {
   ASSERT_TRUE(plain.ok()) << plain.status();
   t.v_descale = nullptr;
   EXPECT_EQ(LaunchDecode(*plain, t, {}, nullptr).message().substr(0, 18), "tensors.k_descale:");
-  // The gather copies 16-bit K/V only.
+  // The gather out of a float8 cache needs its descales.
   BatchLayout paged = l;
   paged.kv_storage = KvStorage::kPaged;
   paged.paged = PagedKv{16, 4, 4};
-  EXPECT_EQ(MakeGatherPlan(paged, 64, l.k, l.v, {64}, {0, 1, 2, 3}).status().message().substr(0, 16),
-            "cache.kv_format:");
+  paged.k = paged.v = ContiguousStrides(16, 1, 64);
+  absl::StatusOr<GatherPlan> gather = MakeGatherPlan(paged, 64, l.k, l.v, {64}, {0, 1, 2, 3});
+  ASSERT_TRUE(gather.ok()) << gather.status();
+  GatherTensors g{buf, buf, buf, buf, len, len};
+  EXPECT_EQ(LaunchGather(*gather, g, nullptr).message().substr(0, 18), "tensors.k_descale:");
+}
+
+// The gather out of a float8 pool: every element of every gathered row is the host's dequantized code rounded to the
+// element type, bit for bit; rows past a sequence's length keep their poison.
+TEST(DecodeFp8Gather, DequantizesEveryKeyFromItsPage) {
+  if (!HaveGpu()) GTEST_SKIP() << "no sm_90 / sm_120 GPU";
+  for (const DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (const int head_dim : {64, 128, 256}) {
+      SCOPED_TRACE(std::to_string(head_dim) + (dtype == DType::kBF16 ? " bf16" : " fp16"));
+      const int kv_heads = 3, page = 16, num_pages = 24, max_pages = 5, capacity = 80, row = kv_heads * head_dim;
+      const std::vector<int32_t> lens = {33, 0, 80, 1};
+      const int batch = static_cast<int>(lens.size());
+      std::mt19937 rng(head_dim);
+      std::vector<int32_t> pages(num_pages);
+      std::iota(pages.begin(), pages.end(), 0);
+      std::shuffle(pages.begin(), pages.end(), rng);
+      std::vector<int32_t> table(batch * max_pages, -1);
+      for (int b = 0, next = 0; b < batch; ++b) {
+        for (int j = 0; j * page < lens[b]; ++j) table[b * max_pages + j] = pages[next++];
+      }
+      std::vector<uint8_t> k(static_cast<size_t>(num_pages) * page * row), v(k.size());
+      for (size_t i = 0; i < k.size(); ++i) {  // every finite code, NaN (0x7f / 0xff) left out
+        k[i] = static_cast<uint8_t>(rng() % 255);
+        v[i] = static_cast<uint8_t>(rng() % 255);
+        if ((k[i] & 0x7f) == 0x7f) k[i] ^= 1;
+        if ((v[i] & 0x7f) == 0x7f) v[i] ^= 1;
+      }
+      const std::vector<float> k_descale = {0.013f, 1.0f, 3.7f}, v_descale = {0.5f, 0.0021f, 11.f};
+      BatchLayout cache;
+      cache.batch = batch;
+      cache.q_heads = cache.kv_heads = kv_heads;
+      cache.head_dim = head_dim;
+      cache.dtype = dtype;
+      cache.kv_format = KvFormat::kFp8E4M3;
+      cache.kv_storage = KvStorage::kPaged;
+      cache.k = cache.v = ContiguousStrides(page, kv_heads, head_dim);
+      cache.paged = PagedKv{page, num_pages, max_pages};
+      const Strides out = ContiguousStrides(capacity, kv_heads, head_dim);
+      absl::StatusOr<GatherPlan> plan = MakeGatherPlan(cache, capacity, out, out, lens, table);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      DeviceBuffer<uint8_t> dk, dv;
+      DeviceBuffer<uint16_t> dok, dov;
+      DeviceBuffer<int32_t> dlens, dtable;
+      DeviceBuffer<float> dks, dvs;
+      CUDA_OK(dk.Alloc(k.size()));
+      CUDA_OK(dk.Upload(k));
+      CUDA_OK(dv.Alloc(v.size()));
+      CUDA_OK(dv.Upload(v));
+      CUDA_OK(dok.Alloc(static_cast<size_t>(batch) * capacity * row));
+      CUDA_OK(dov.Alloc(dok.count));
+      CUDA_OK(cudaMemset(dok.ptr, 0xFF, dok.count * 2));
+      CUDA_OK(cudaMemset(dov.ptr, 0xFF, dov.count * 2));
+      CUDA_OK(dlens.Alloc(lens.size()));
+      CUDA_OK(dlens.Upload(lens));
+      CUDA_OK(dtable.Alloc(table.size()));
+      CUDA_OK(dtable.Upload(table));
+      CUDA_OK(dks.Alloc(kv_heads));
+      CUDA_OK(dks.Upload(k_descale));
+      CUDA_OK(dvs.Alloc(kv_heads));
+      CUDA_OK(dvs.Upload(v_descale));
+      GatherTensors t{dk.ptr, dv.ptr, dok.ptr, dov.ptr, dlens.ptr, dtable.ptr, dks.ptr, dvs.ptr};
+      absl::Status st = LaunchGather(*plan, t, nullptr);
+      ASSERT_TRUE(st.ok()) << st;
+      CUDA_OK(cudaDeviceSynchronize());
+      std::vector<uint16_t> ok, ov;
+      CUDA_OK(dok.Download(ok));
+      CUDA_OK(dov.Download(ov));
+      int64_t wrong = 0, touched = 0;
+      for (int b = 0; b < batch; ++b) {
+        for (int key = 0; key < capacity; ++key) {
+          for (int e = 0; e < row; ++e) {
+            const size_t at = (static_cast<size_t>(b) * capacity + key) * row + e;
+            if (key >= lens[b]) {
+              touched += ok[at] != 0xFFFF || ov[at] != 0xFFFF;
+              continue;
+            }
+            const size_t src = (static_cast<size_t>(table[b * max_pages + key / page]) * page + key % page) * row + e;
+            const int h = e / head_dim;
+            wrong += ok[at] != FloatToHalf(dtype, Fp8E4M3ToFloat(k[src]) * k_descale[h]);
+            wrong += ov[at] != FloatToHalf(dtype, Fp8E4M3ToFloat(v[src]) * v_descale[h]);
+          }
+        }
+      }
+      EXPECT_EQ(wrong, 0) << "gathered elements that differ from the host's dequantized codes";
+      EXPECT_EQ(touched, 0) << "elements written past a sequence's length";
+    }
+  }
 }
 
 }  // namespace

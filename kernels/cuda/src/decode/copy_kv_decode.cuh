@@ -5,7 +5,8 @@
 // as many as it has, not the output's capacity), y is the sequence; consecutive threads copy consecutive chunks of
 // a (row, kv head), so reads and writes are coalesced. Index arithmetic is 32-bit within a sequence (the plan
 // bounds a sequence's chunks) and the chunk column a shift.
-// Into a float8 cache the append quantizes: a chunk is 16 codes from 16 new elements (two 16-byte loads).
+// Into a float8 cache the append quantizes: a chunk is 16 codes from 16 new elements (two 16-byte loads); out of
+// one the gather dequantizes (16 codes into 16 elements).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -113,6 +114,52 @@ __global__ void __launch_bounds__(kCopyThreads) AppendKvFp8Kernel(const AppendPa
     const Src* nv = static_cast<const Src*>(p.new_v) + b * p.nv_sb + t * p.nv_ss + h * p.nv_sh + c.col;
     QuantizeChunk(static_cast<uint8_t*>(p.k) + slot * p.k_sb + row * p.k_ss + h * p.k_sh + c.col, nk, p.k_descale[h]);
     QuantizeChunk(static_cast<uint8_t*>(p.v) + slot * p.v_sb + row * p.v_ss + h * p.v_sh + c.col, nv, p.v_descale[h]);
+  }
+}
+
+// 16 e4m3 codes at `from` -> 16 elements (bf16 or fp16) at `to`, each code's value times `descale`.
+template <typename Out>
+__device__ __forceinline__ void DequantizeChunk(Out* to, const uint8_t* from, float descale) {
+  const uint4 codes = *reinterpret_cast<const uint4*>(from);
+  const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
+  uint32_t out[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const __nv_fp8x2_storage_t two = static_cast<__nv_fp8x2_storage_t>(words[i / 2] >> (16 * (i % 2)));
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
+    float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    f.x *= descale;
+    f.y *= descale;
+    if constexpr (std::is_same_v<Out, __nv_bfloat16>) {
+      const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+      out[i] = *reinterpret_cast<const uint32_t*>(&b);
+    } else {
+      const __half2 b = __floats2half2_rn(f.x, f.y);
+      out[i] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+  }
+  *reinterpret_cast<uint4*>(to) = make_uint4(out[0], out[1], out[2], out[3]);
+  *reinterpret_cast<uint4*>(to + 8) = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+// The gather out of a float8 pool: dequantized into 16-bit rows (a chunk: 16 codes in, 32 bytes out).
+template <typename Out>
+__global__ void __launch_bounds__(kCopyThreads) GatherKvFp8Kernel(const GatherParams p) {
+  const int b = blockIdx.y;
+  const uint32_t row_chunks = static_cast<uint32_t>(p.kv_heads) << p.chunk_shift;
+  const uint32_t total = static_cast<uint32_t>(min(p.kv_lens[b], p.capacity)) * row_chunks;
+  const int32_t* table = p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq;
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+    const Chunk c = ChunkAt<16>(i, row_chunks, p.chunk_shift);
+    const int64_t page = table[c.row >> p.page_shift];
+    const int64_t row = c.row & ((1u << p.page_shift) - 1);
+    const int64_t key = c.row, h = c.head;
+    DequantizeChunk(static_cast<Out*>(p.out_k) + b * p.ok_sb + key * p.ok_ss + h * p.ok_sh + c.col,
+                    static_cast<const uint8_t*>(p.k) + page * p.k_sb + row * p.k_ss + h * p.k_sh + c.col,
+                    p.k_descale[h]);
+    DequantizeChunk(static_cast<Out*>(p.out_v) + b * p.ov_sb + key * p.ov_ss + h * p.ov_sh + c.col,
+                    static_cast<const uint8_t*>(p.v) + page * p.v_sb + row * p.v_ss + h * p.v_sh + c.col,
+                    p.v_descale[h]);
   }
 }
 

@@ -160,8 +160,17 @@ int attnd_decode_append_fp8(const attnd_decode_layout* layout, int new_len, cons
 int attnd_decode_gather(const attnd_decode_layout* layout, int capacity, const int32_t* host_kv_lens,
                         const int32_t* host_block_table, const void* k, const void* v, void* out_k, void* out_v,
                         const int32_t* kv_lens, const int32_t* block_table, void* stream, char* err, size_t err_len) {
+  return attnd_decode_gather_fp8(layout, capacity, host_kv_lens, host_block_table, k, v, out_k, out_v, kv_lens,
+                                 block_table, nullptr, nullptr, stream, err, err_len);
+}
+
+int attnd_decode_gather_fp8(const attnd_decode_layout* layout, int capacity, const int32_t* host_kv_lens,
+                            const int32_t* host_block_table, const void* k, const void* v, void* out_k, void* out_v,
+                            const int32_t* kv_lens, const int32_t* block_table, const float* k_descale,
+                            const float* v_descale, void* stream, char* err, size_t err_len) {
   return CopyKv<GatherPlan>(err, err_len, layout, capacity, host_kv_lens, host_block_table, [&](const auto& plan) {
-    return LaunchGather(plan, {k, v, out_k, out_v, kv_lens, block_table}, static_cast<cudaStream_t>(stream));
+    return LaunchGather(plan, {k, v, out_k, out_v, kv_lens, block_table, k_descale, v_descale},
+                        static_cast<cudaStream_t>(stream));
   });
 }
 

@@ -72,7 +72,13 @@ cudaError_t LaunchAppendKv(const AppendParams& p, cudaStream_t stream) {
 cudaError_t LaunchGatherKv(const GatherParams& p, cudaStream_t stream) {
   const int64_t chunks = static_cast<int64_t>(std::max(p.max_kv_len, 1)) * p.kv_heads * (p.head_dim / 8);
   if (p.batch == 0) return cudaSuccess;
-  GatherKvKernel<<<CopyGrid(chunks, p.batch), kCopyThreads, 0, stream>>>(p);
+  if (p.k_descale == nullptr) {
+    GatherKvKernel<<<CopyGrid(chunks, p.batch), kCopyThreads, 0, stream>>>(p);
+  } else if (p.out_bf16) {
+    GatherKvFp8Kernel<__nv_bfloat16><<<CopyGrid(chunks / 2, p.batch), kCopyThreads, 0, stream>>>(p);
+  } else {
+    GatherKvFp8Kernel<__half><<<CopyGrid(chunks / 2, p.batch), kCopyThreads, 0, stream>>>(p);
+  }
   return cudaGetLastError();
 }
 

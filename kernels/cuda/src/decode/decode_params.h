@@ -86,9 +86,14 @@ struct GatherParams {
   int64_t ok_sb = 0, ok_ss = 0, ok_sh = 0;  // batch, seq, head of the contiguous output
   int64_t ov_sb = 0, ov_ss = 0, ov_sh = 0;
   int batch = 0, capacity = 0, kv_heads = 0, head_dim = 0;
-  int chunk_shift = 0;  // log2(head_dim / 8)
+  int chunk_shift = 0;  // log2 of the 16-byte chunks of a pool head row: head_dim / 8, or head_dim / 16 for float8
   int max_kv_len = 0;   // the longest sequence at plan time: the grid's extent (longer ones loop)
   int page_shift = 0, max_pages_per_seq = 0;
+  // Float8 pools (null: 16-bit, copied as is): each code times its kv head's descale, rounded to the output's type
+  // (bf16 when out_bf16, else fp16).
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
+  int out_bf16 = 1;
 };
 
 }  // namespace attnd::kernels::decode

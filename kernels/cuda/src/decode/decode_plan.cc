@@ -416,7 +416,6 @@ absl::StatusOr<GatherPlan> MakeGatherPlan(const BatchLayout& cache, int capacity
                                           const Strides& out_v, absl::Span<const int32_t> kv_lens,
                                           absl::Span<const int32_t> block_table) {
   if (cache.kv_storage != KvStorage::kPaged) return Invalid("cache.kv_storage", "a gather reads paged KV");
-  if (Fp8Kv(cache)) return Invalid("cache.kv_format", "a gather copies 16-bit K/V");
   if (absl::Status st = CheckCache(cache); !st.ok()) return st;
   if (capacity < 1) return Invalid("capacity", absl::StrCat(capacity, " < 1"));
   if (absl::Status st = CheckStrides("out_k", out_k); !st.ok()) return st;
@@ -446,6 +445,7 @@ absl::Status LaunchGather(const GatherPlan& plan, const GatherTensors& t, cudaSt
   if (absl::Status st = CheckPointer("tensors.out_v", t.out_v, true); !st.ok()) return st;
   if (t.kv_lens == nullptr) return Invalid("tensors.kv_lens", "null");
   if (t.block_table == nullptr) return Invalid("tensors.block_table", "null");
+  if (absl::Status st = CheckDescales(l, t.k_descale, t.v_descale); !st.ok()) return st;
   GatherParams p;
   p.k = t.k;
   p.v = t.v;
@@ -461,10 +461,13 @@ absl::Status LaunchGather(const GatherPlan& plan, const GatherTensors& t, cudaSt
   p.capacity = plan.capacity;
   p.kv_heads = l.kv_heads;
   p.head_dim = l.head_dim;
-  p.chunk_shift = Log2(l.head_dim / 8);
+  p.chunk_shift = Log2(l.head_dim / (Fp8Kv(l) ? 16 : 8));
   p.max_kv_len = plan.max_kv_len;
   p.page_shift = Log2(l.paged.page_size);
   p.max_pages_per_seq = l.paged.max_pages_per_seq;
+  p.k_descale = t.k_descale;
+  p.v_descale = t.v_descale;
+  p.out_bf16 = l.dtype == DType::kBF16 ? 1 : 0;
   return FromCuda(LaunchGatherKv(p, stream), "gather launch");
 }
 

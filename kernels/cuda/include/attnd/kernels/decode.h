@@ -174,7 +174,8 @@ absl::Status LaunchAppend(const AppendPlan& plan, const AppendTensors& tensors, 
 // Gathering a paged cache into contiguous K/V, for kernels that read only contiguous tensors (the prefill
 // kernels of attention.h, whose TMA boxes cannot follow a block table): keys 0 .. kv_len_b - 1 of each
 // sequence are copied from its pages to rows 0 .. kv_len_b - 1 of out_k/out_v [batch, capacity, kv_heads,
-// head_dim]; rows from kv_len_b on are left as they are. 16-bit caches only.
+// head_dim]; rows from kv_len_b on are left as they are. Out of a float8 cache the rows come out dequantized, in
+// layout.dtype (each code's value times its kv head's descale, rounded once).
 struct GatherPlan {
   BatchLayout layout;  // the paged cache's layout (q, o, mask and scale are not used)
   int capacity = 0;    // rows per sequence in out_k/out_v
@@ -189,6 +190,8 @@ struct GatherTensors {
   void* out_v = nullptr;
   const int32_t* kv_lens = nullptr;      // [batch] keys to gather
   const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq]
+  const float* k_descale = nullptr;      // float8 cache only: [kv_heads]
+  const float* v_descale = nullptr;
 };
 
 // Validates the paged layout, that kv_len_b fits `capacity` and the table, and that the table entries of those

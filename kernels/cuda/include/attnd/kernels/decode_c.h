@@ -72,6 +72,11 @@ int attnd_decode_append_fp8(const attnd_decode_layout* layout, int new_len, cons
 int attnd_decode_gather(const attnd_decode_layout* layout, int capacity, const int32_t* host_kv_lens,
                         const int32_t* host_block_table, const void* k, const void* v, void* out_k, void* out_v,
                         const int32_t* kv_lens, const int32_t* block_table, void* stream, char* err, size_t err_len);
+/* attnd_decode_gather out of a float8 cache (layout kv_format 1): rows dequantized into the layout's dtype. */
+int attnd_decode_gather_fp8(const attnd_decode_layout* layout, int capacity, const int32_t* host_kv_lens,
+                            const int32_t* host_block_table, const void* k, const void* v, void* out_k, void* out_v,
+                            const int32_t* kv_lens, const int32_t* block_table, const float* k_descale,
+                            const float* v_descale, void* stream, char* err, size_t err_len);
 
 #ifdef __cplusplus
 }
