@@ -34,6 +34,7 @@
 #include "attnd/problem.h"
 #include "hopper/tile_scheduler_sm90.cuh"  // kTailCounterWords: the split counters' layout
 #include "attnd/reference.h"
+#include "gpu_test_util.h"
 
 namespace attnd::kernels {
 namespace {
@@ -51,12 +52,6 @@ bool SmallOnly() {
   const char* v = std::getenv("ATTND_GPU_TEST_SMALL");
   return v != nullptr && std::string(v) == "1";
 }
-
-#define CUDA_OK(expr)                                                      \
-  do {                                                                     \
-    const cudaError_t err_ = (expr);                                       \
-    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
-  } while (0)
 
 enum class Storage {
   kContiguous,  // [B, S, H, D] each

@@ -26,25 +26,15 @@
 #include "attnd/half.h"
 #include "attnd/kernels/decode.h"
 #include "attnd/problem.h"
+#include "gpu_test_util.h"
 
 namespace attnd::kernels::decode {
 namespace {
 
+using ::attnd::testing::DeviceBuffer;
+using ::attnd::testing::HaveSupportedGpu;
+
 constexpr uint8_t kPoison8 = 0xFF;  // NaN in e4m3
-
-bool HaveGpu() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return false;
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return false;
-  return prop.major == 9 || prop.major == 12;
-}
-
-#define CUDA_OK(expr)                                                          \
-  do {                                                                         \
-    const cudaError_t err_ = (expr);                                           \
-    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
-  } while (0)
 
 struct Fp8Case {
   std::string name;
@@ -122,26 +112,6 @@ float RandomValue(std::mt19937& rng) {
   return (rng() & 1) ? mag(rng) : -mag(rng);
 }
 
-template <typename T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t count = 0;
-  ~DeviceBuffer() {
-    if (ptr != nullptr) cudaFree(ptr);
-  }
-  cudaError_t Alloc(size_t n) {
-    count = n;
-    return cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(n, 1) * sizeof(T));
-  }
-  cudaError_t Upload(const std::vector<T>& host) {
-    return cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  cudaError_t Download(std::vector<T>& host) const {
-    host.resize(count);
-    return cudaMemcpy(host.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost);
-  }
-};
-
 // Float64 attention of one sequence: q [q_len, q_heads, D] (float values), k/v [len, kv_heads, D]; bottom-right
 // causal when q_len > 1. o [q_len, q_heads, D], lse [q_heads, q_len].
 void Attention64(const Fp8Case& c, int len, const std::vector<double>& q, const std::vector<double>& k,
@@ -179,7 +149,7 @@ void Attention64(const Fp8Case& c, int len, const std::vector<double>& q, const 
 class GpuDecodeFp8Test : public ::testing::TestWithParam<Fp8Case> {};
 
 TEST_P(GpuDecodeFp8Test, MatchesTheDequantizedReference) {
-  if (!HaveGpu()) GTEST_SKIP() << "no sm_90 / sm_120 GPU";
+  if (!HaveSupportedGpu()) GTEST_SKIP() << "no sm_90 / sm_120 GPU";
   const Fp8Case& c = GetParam();
   const int B = static_cast<int>(c.lens.size()), D = c.head_dim, Hq = c.q_heads, Hkv = c.kv_heads;
   const int row = Hkv * D;
@@ -463,7 +433,7 @@ TEST(DecodeFp8Validation, NamesTheField) {
 // The gather out of a float8 pool: every element of every gathered row is the host's dequantized code rounded to the
 // element type, bit for bit; rows past a sequence's length keep their poison.
 TEST(DecodeFp8Gather, DequantizesEveryKeyFromItsPage) {
-  if (!HaveGpu()) GTEST_SKIP() << "no sm_90 / sm_120 GPU";
+  if (!HaveSupportedGpu()) GTEST_SKIP() << "no sm_90 / sm_120 GPU";
   for (const DType dtype : {DType::kBF16, DType::kFP16}) {
     for (const int head_dim : {64, 128, 256}) {
       SCOPED_TRACE(std::to_string(head_dim) + (dtype == DType::kBF16 ? " bf16" : " fp16"));

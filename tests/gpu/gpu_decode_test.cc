@@ -27,28 +27,18 @@
 #include "attnd/kernels/decode.h"
 #include "attnd/problem.h"
 #include "attnd/reference.h"
+#include "gpu_test_util.h"
 
 namespace attnd::kernels::decode {
 namespace {
+
+using ::attnd::testing::DeviceBuffer;
+using ::attnd::testing::HaveSupportedGpu;
 
 constexpr double kTolFactor = 3.0;
 constexpr double kAtol = 1e-3;
 constexpr double kLseAtol = 2e-3;
 constexpr uint16_t kPoison16 = 0xFFFF;  // NaN in bf16 and fp16
-
-bool HaveGpu() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return false;
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return false;
-  return prop.major == 9 || prop.major == 12;  // the compiled targets: sm_90a, sm_120a
-}
-
-#define CUDA_OK(expr)                                                          \
-  do {                                                                         \
-    const cudaError_t err_ = (expr);                                           \
-    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
-  } while (0)
 
 struct DecodeCase {
   std::string name;
@@ -254,26 +244,6 @@ float RandomValue(std::mt19937& rng) {
   std::uniform_real_distribution<float> mag(0.05f, 1.0f);
   return (rng() & 1) ? mag(rng) : -mag(rng);
 }
-
-template <typename T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t count = 0;
-  ~DeviceBuffer() {
-    if (ptr != nullptr) cudaFree(ptr);
-  }
-  cudaError_t Alloc(size_t n) {
-    count = n;
-    return cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(n, 1) * sizeof(T));
-  }
-  cudaError_t Upload(const std::vector<T>& host) {
-    return cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  cudaError_t Download(std::vector<T>& host) const {
-    host.resize(count);
-    return cudaMemcpy(host.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost);
-  }
-};
 
 // One case's inputs on the host: Q, each sequence's logical K/V rows, the cache layout they are stored in.
 struct HostCase {
@@ -509,7 +479,7 @@ void Check(const HostCase& h, const std::vector<int32_t>& lens, const std::vecto
 class GpuDecodeTest : public ::testing::TestWithParam<DecodeCase> {};
 
 TEST_P(GpuDecodeTest, MatchesReference) {
-  if (!HaveGpu()) GTEST_SKIP() << "no sm_90 / sm_120 GPU";
+  if (!HaveSupportedGpu()) GTEST_SKIP() << "no sm_90 / sm_120 GPU";
   const DecodeCase& c = GetParam();
   HostCase h = MakeHostCase(c);
   const BatchLayout& l = h.layout;
@@ -720,7 +690,7 @@ TEST(DecodeLaunchValidation, NamesTheBadTensor) {
 // sequence's length keep what they held. Pages are scattered and the pool is filled with distinct values, so a
 // wrong page, row or head shows as a byte mismatch.
 TEST(GatherTest, CopiesEveryKeyFromItsPageAndNothingElse) {
-  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  if (!HaveSupportedGpu()) GTEST_SKIP() << "no CUDA device";
   for (const int head_dim : {64, 128, 256}) {
     SCOPED_TRACE(head_dim);
     const int kv_heads = 3, page = 16, num_pages = 24, max_pages = 5, capacity = 80;

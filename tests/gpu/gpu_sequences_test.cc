@@ -36,30 +36,16 @@
 #include "attnd/server/cuda_backend.h"
 #include "attnd/server/step.h"
 #include "cuda_device.h"
+#include "gpu_test_util.h"
 
 namespace attnd::server {
 namespace {
 
+using ::attnd::testing::HaveSupportedGpu;
+
 constexpr double kTolFactor = 3.0;
 constexpr double kAtol = 1e-3;
 constexpr double kLseAtol = 2e-3;
-
-bool HaveGpu() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-    cudaGetLastError();
-    return false;
-  }
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return false;
-  return prop.major == 9 || prop.major == 12;
-}
-
-#define CUDA_OK(expr)                                                          \
-  do {                                                                         \
-    const cudaError_t err_ = (expr);                                           \
-    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
-  } while (0)
 
 BackendOptions TestOptions() {
   BackendOptions o;
@@ -233,7 +219,7 @@ class Model {
 class SequencesTest : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
-    if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+    if (!HaveSupportedGpu()) GTEST_SKIP() << "no CUDA device";
     backend_ = SharedBackend();
     ASSERT_NE(backend_, nullptr) << "the CUDA backend did not start";
     device_ = backend_->devices().front().index;
@@ -589,7 +575,7 @@ INSTANTIATE_TEST_SUITE_P(Steps, SequencesTest, ::testing::ValuesIn(Cases()),
 // A job whose caller went away, whose deadline passed or whose registered buffer resolved onto another device is
 // answered without running; the batch's other jobs run.
 TEST(SequencesBackendTest, CancelledAndExpiredJobsAnsweredTheOthersRun) {
-  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  if (!HaveSupportedGpu()) GTEST_SKIP() << "no CUDA device";
   Backend* backend = SharedBackend();
   ASSERT_NE(backend, nullptr);
   const SequenceShape shape{1, 2, 128, DType::kBF16};
@@ -634,7 +620,7 @@ TEST(SequencesBackendTest, CancelledAndExpiredJobsAnsweredTheOthersRun) {
 }
 
 TEST(SequencesBackendTest, BadPoolsAndStepsAreRefusedNamingTheField) {
-  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  if (!HaveSupportedGpu()) GTEST_SKIP() << "no CUDA device";
   Backend* backend = SharedBackend();
   ASSERT_NE(backend, nullptr);
   absl::StatusOr<std::shared_ptr<KvPool>> bad = backend->MakeKvPool(SequenceShape{1, 2, 96, DType::kBF16}, 16, 8);
@@ -672,7 +658,7 @@ TEST(SequencesBackendTest, BadPoolsAndStepsAreRefusedNamingTheField) {
 
 // Shutdown answers every accepted batch: each job's done exactly once, and later batches are refused.
 TEST(SequencesBackendTest, ShutdownAnswersEveryAcceptedJobOnce) {
-  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  if (!HaveSupportedGpu()) GTEST_SKIP() << "no CUDA device";
   BackendOptions options = TestOptions();
   options.streams_per_device = 1;
   absl::StatusOr<std::unique_ptr<Backend>> backend = MakeCudaBackend(options);
