@@ -16,9 +16,12 @@
 // row block 0 also write into the cache.
 // Epilogue: one split writes O (normalised) and LSE; several write O / l and log2(l) + m per split to the
 // workspace, and the last of them to finish merges them, or the merge kernel does (merge_decode.cuh).
-// Float8 K/V (Tile::kFp8Kv): each landed stage is converted to fp16 tiles (ConvertFp8Stage) between two barriers and
-// the mma runs in fp16, Q converted once; the K descale of the block's kv head folds into the softmax scale and the
-// V descale into O, so neither costs a multiply per element.
+// Float8 K/V (Tile::kFp8Kv): the mma runs in fp16, Q converted once. Q K^T reads K's codes from the stage, 8 bytes a
+// thread and 8-key tile, converted in registers: a thread's 8 consecutive codes serve as its B fragments of two
+// k-steps, which places head dims in a permuted order along k (Fp8QWord), and Q's fragments follow the same
+// order, so the sum is unchanged. V is converted into one fp16 tile (ConvertFp8V) while Q K^T and the softmax run,
+// a barrier before P V. The K descale of the block's kv head folds into the softmax scale and the V descale into
+// O, so neither costs a multiply per element.
 #pragma once
 
 #include <math_constants.h>
@@ -37,6 +40,12 @@ namespace attnd::kernels::decode {
 using common::QuadSum;
 
 constexpr float kLn2 = 0.6931471805599453f;
+
+// Over float8 K: the 16-bit word (pair of head dims) of Q that thread t's A-fragment register `half` (0: a0 and a1,
+// 1: a2 and a3) of k-step ks holds. A thread's two k-steps of a 32-dim block cover its dims 8t .. 8t + 7 there.
+__device__ __forceinline__ constexpr int Fp8QWord(int ks, int t, int half) {
+  return 16 * (ks / 2) + 4 * t + 2 * (ks % 2) + half;
+}
 
 template <typename Tile, typename Elem>
 __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeKernel(const DecodeParams p) {
@@ -58,8 +67,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
   uint8_t* q_s = smem;                          // Tile::kQBytes (none when Q lives in registers)
   uint8_t* k_s = smem + Tile::kQBytes;          // stage st at k_s + st * kKVTileBytes
   uint8_t* v_s = k_s + S * Tile::kKVTileBytes;
-  uint8_t* k_c = v_s + S * Tile::kKVTileBytes;  // float8 K/V: the converted tiles (BN rows of kRowBytes each)
-  uint8_t* v_c = k_c + Tile::kConvBytes / 2;
+  uint8_t* v_c = v_s + S * Tile::kKVTileBytes;  // float8 K/V: the converted V tile (BN rows of kRowBytes)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wm = warp / WN, wn = warp % WN;
@@ -88,8 +96,8 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
            static_cast<int64_t>(kvh * p.group + r % p.group) * p.q_sh;
   };
 
-  // Q at d=256: the block's rows into shared memory (padding rows zero), in the first cp.async group, or converted
-  // to fp16 through registers (visible after the main loop's first barrier).
+  // Q at d=256: the block's rows into shared memory (padding rows zero), in the first cp.async group; over float8
+  // K/V through registers, in K's permuted dim order and fp16 (visible after the main loop's first barrier).
   if constexpr (!Tile::kQInRegs) {
     constexpr int kCpr = D / 8;
     for (int c = tid; c < R * kCpr; c += Tile::kThreads) {
@@ -97,10 +105,16 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
       const int gr = mb * R + r;
       const bool valid = gr < p.rows;
       uint8_t* to = q_s + SwizzledOffset<kRowBytes>(r, chunk);
-      if constexpr (kConvertQ) {
-        uint4 x = valid ? __ldg(reinterpret_cast<const uint4*>(q_row(gr) + chunk * 8)) : make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(to) =
-            make_uint4(Bf16x2ToHalf2(x.x), Bf16x2ToHalf2(x.y), Bf16x2ToHalf2(x.z), Bf16x2ToHalf2(x.w));
+      if constexpr (kFp8) {
+        // Chunk c of a 32-dim block holds the block's words c, c + 4, c + 8, c + 12 (Fp8QWord, read by ldmatrix).
+        const uint32_t* w = reinterpret_cast<const uint32_t*>(valid ? q_row(gr) : q) + chunk / 4 * 16 + chunk % 4;
+        uint32_t x[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          x[e] = valid ? __ldg(w + 4 * e) : 0u;
+          if constexpr (kConvertQ) x[e] = Bf16x2ToHalf2(x[e]);
+        }
+        *reinterpret_cast<uint4*>(to) = make_uint4(x[0], x[1], x[2], x[3]);
       } else {
         CpAsync16(SmemAddr(to), (valid ? q_row(gr) : q) + chunk * 8, valid);
       }
@@ -148,11 +162,13 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
     const uint16_t* r1 = row1 < p.rows ? q_row(row1) : nullptr;
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
-      const int c = ks * 16 + 2 * t;
+      // Over float8 K the dims of a thread's fragment words follow K's permuted order (Fp8QWord).
+      const int c = kFp8 ? 2 * Fp8QWord(ks, t, 0) : ks * 16 + 2 * t;
+      constexpr int kHi = kFp8 ? 2 : 8;  // dims from the a0 / a1 pair to the a2 / a3 pair
       qf[ks][0] = r0 ? __ldg(reinterpret_cast<const uint32_t*>(r0 + c)) : 0u;
       qf[ks][1] = r1 ? __ldg(reinterpret_cast<const uint32_t*>(r1 + c)) : 0u;
-      qf[ks][2] = r0 ? __ldg(reinterpret_cast<const uint32_t*>(r0 + c + 8)) : 0u;
-      qf[ks][3] = r1 ? __ldg(reinterpret_cast<const uint32_t*>(r1 + c + 8)) : 0u;
+      qf[ks][2] = r0 ? __ldg(reinterpret_cast<const uint32_t*>(r0 + c + kHi)) : 0u;
+      qf[ks][3] = r1 ? __ldg(reinterpret_cast<const uint32_t*>(r1 + c + kHi)) : 0u;
       if constexpr (kConvertQ) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) qf[ks][e] = Bf16x2ToHalf2(qf[ks][e]);
@@ -181,13 +197,10 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
     const uint8_t* k_tile = k_s + (j % S) * Tile::kKVTileBytes;
     const uint8_t* v_tile = v_s + (j % S) * Tile::kKVTileBytes;
     if constexpr (kFp8) {
-      // Stage j into the fp16 tiles: the barrier above also told every thread the tiles' last readers (tile j - 1)
-      // are done; this one makes them visible. The stage is next written by tile j + S's copies, issued after the
+      // V of stage j into the fp16 tile, which the barrier above freed (its readers, tile j - 1's P V, are past it);
+      // it is read after the barrier before P V. The stage is next written by tile j + S's copies, issued after the
       // next iteration's first barrier.
-      ConvertFp8Stage<Tile>(k_tile, v_tile, k_c, v_c);
-      __syncthreads();
-      k_tile = k_c;
-      v_tile = v_c;
+      ConvertFp8V<Tile>(v_tile, v_c);
     }
     const int key0 = key_begin + j * BN + wn * KW;  // this warp's first key
 
@@ -212,8 +225,18 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
 #pragma unroll
       for (int i = 0; i < kNTiles; ++i) {
         uint32_t kb[4];
-        LdMatrixX4(kb, SmemAddr(k_tile + SwizzledOffset<kRowBytes>(wn * KW + 8 * i + (lane & 7),
-                                                                    4 * ks2 + (lane >> 3))));
+        if constexpr (kFp8) {
+          // Key g of the 8-key tile, codes 32 ks2 + 8 t .. + 7: b0, b1 of k-step 2 ks2, then of 2 ks2 + 1.
+          const uint2 w = *reinterpret_cast<const uint2*>(
+              k_tile + Fp8StageOffset<Tile::kKvRowBytes>(wn * KW + 8 * i + g, 2 * ks2 + (t >> 1)) + (t & 1) * 8);
+          kb[0] = Fp8x2ToHalf2(w.x);
+          kb[1] = Fp8x2ToHalf2(w.x >> 16);
+          kb[2] = Fp8x2ToHalf2(w.y);
+          kb[3] = Fp8x2ToHalf2(w.y >> 16);
+        } else {
+          LdMatrixX4(kb, SmemAddr(k_tile + SwizzledOffset<kRowBytes>(wn * KW + 8 * i + (lane & 7),
+                                                                      4 * ks2 + (lane >> 3))));
+        }
         Ops::Mma(s[i], a0, kb[0], kb[1]);
         Ops::Mma(s[i], a1, kb[2], kb[3]);
       }
@@ -223,6 +246,11 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
       softmax.template Step<true>(s, acc_o, kFp8 ? p.scale_log2 * k_descale : p.scale_log2, key0, end0, end1);
     } else {
       softmax.template Step<false>(s, acc_o, kFp8 ? p.scale_log2 * k_descale : p.scale_log2, key0, end0, end1);
+    }
+
+    if constexpr (kFp8) {
+      __syncthreads();  // the converted V tile is complete
+      v_tile = v_c;
     }
 
     // O += P V: the S accumulators of two 8-key tiles are the A fragment of one k16 step.

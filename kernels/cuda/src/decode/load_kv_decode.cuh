@@ -6,7 +6,7 @@
 // latency passes under a tile of compute instead of stalling the copies it addresses.
 // Fused append: a sequence's last q_len keys come from the new rows instead of the cache (which this launch is
 // writing), on the few tiles that reach them (16-bit K/V only).
-// Float8 K/V: a row is half the bytes, so a 16-byte chunk holds 16 elements and lands unswizzled (StageOffset).
+// Float8 K/V: a row is half the bytes, so a 16-byte chunk holds 16 elements; it lands at Fp8StageOffset.
 #pragma once
 
 #include <cstdint>
@@ -94,11 +94,11 @@ class KvTileLoader {
     }
   }
 
-  // Byte offset of chunk `chunk` of row `row` in a stage: swizzled for the mma's ldmatrix (16-bit K/V), in row order
-  // for the conversion's reads (float8 K/V).
+  // Byte offset of chunk `chunk` of row `row` in a stage: swizzled for the mma's ldmatrix (16-bit K/V), or for the
+  // K fragments' 8-byte reads and the V conversion (float8 K/V).
   __device__ __forceinline__ static uint32_t StageOffset(int row, int chunk) {
     if constexpr (Tile::kFp8Kv) {
-      return static_cast<uint32_t>(row * Tile::kKvRowBytes + chunk * 16);
+      return Fp8StageOffset<Tile::kKvRowBytes>(row, chunk);
     } else {
       return SwizzledOffset<Tile::kRowBytes>(row, chunk);
     }

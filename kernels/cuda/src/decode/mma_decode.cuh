@@ -64,20 +64,28 @@ __device__ __forceinline__ uint32_t Bf16x2ToHalf2(uint32_t x) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
-// One float8 stage (rows of kHeadDim codes, in row order) into fp16 rows at the 16-bit tile swizzle, for K and V:
-// each thread reads 8 codes and writes one 16-byte chunk, so a warp reads 256 contiguous bytes and writes 512 in
-// the fewest shared-memory wavefronts.
+// Byte offset of 16-byte chunk `chunk` of row `row` in a float8 stage (rows of kKvRowBytes). The chunk is XOR-swizzled
+// so that the 8 keys one 8-byte read of K fragments covers (same chunk, 8 consecutive rows) fall in 8 different bank
+// groups: with the row's low 3 bits when a row has 8 chunks or more, with bits 1-2 at 4 chunks (two 64-byte rows share
+// a 128-byte bank line).
+template <int kKvRowBytes>
+__device__ __forceinline__ uint32_t Fp8StageOffset(int row, int chunk) {
+  constexpr int kChunks = kKvRowBytes / 16;
+  static_assert(kChunks == 4 || kChunks % 8 == 0, "head_dim 64, 128 or 256");
+  const int swizzle = kChunks >= 8 ? (row & 7) : ((row >> 1) & 3);
+  return static_cast<uint32_t>(row * kKvRowBytes + ((chunk ^ swizzle) << 4));
+}
+
+// A float8 stage's V into fp16 rows at the 16-bit tile swizzle, for ldmatrix.trans: each thread reads 8 codes and
+// writes one 16-byte chunk, so a warp reads 256 bytes and writes 512 in the fewest shared-memory wavefronts.
 template <typename Tile>
-__device__ __forceinline__ void ConvertFp8Stage(const uint8_t* k_stage, const uint8_t* v_stage, uint8_t* k_tile,
-                                                uint8_t* v_tile) {
-  constexpr int kChunksPerRow = Tile::kHeadDim / 8;
-  for (int item = threadIdx.x; item < Tile::kBlockN * kChunksPerRow; item += Tile::kThreads) {
-    const uint32_t at = SwizzledOffset<Tile::kRowBytes>(item / kChunksPerRow, item % kChunksPerRow);
-    const uint2 k8 = *reinterpret_cast<const uint2*>(k_stage + item * 8);
-    const uint2 v8 = *reinterpret_cast<const uint2*>(v_stage + item * 8);
-    *reinterpret_cast<uint4*>(k_tile + at) =
-        make_uint4(Fp8x2ToHalf2(k8.x), Fp8x2ToHalf2(k8.x >> 16), Fp8x2ToHalf2(k8.y), Fp8x2ToHalf2(k8.y >> 16));
-    *reinterpret_cast<uint4*>(v_tile + at) =
+__device__ __forceinline__ void ConvertFp8V(const uint8_t* v_stage, uint8_t* v_tile) {
+  constexpr int kPiecesPerRow = Tile::kHeadDim / 8;
+  for (int item = threadIdx.x; item < Tile::kBlockN * kPiecesPerRow; item += Tile::kThreads) {
+    const int row = item / kPiecesPerRow, piece = item % kPiecesPerRow;
+    const uint2 v8 =
+        *reinterpret_cast<const uint2*>(v_stage + Fp8StageOffset<Tile::kKvRowBytes>(row, piece >> 1) + (piece & 1) * 8);
+    *reinterpret_cast<uint4*>(v_tile + SwizzledOffset<Tile::kRowBytes>(row, piece)) =
         make_uint4(Fp8x2ToHalf2(v8.x), Fp8x2ToHalf2(v8.x >> 16), Fp8x2ToHalf2(v8.y), Fp8x2ToHalf2(v8.y >> 16));
   }
 }

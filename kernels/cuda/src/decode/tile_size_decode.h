@@ -12,9 +12,9 @@ namespace attnd::kernels::decode {
 // at least, the k of one P.V mma) and merge their softmax states at the end.
 // kQInRegs: Q's mma fragments are read from global memory into registers once (head_dim <= 128); at 256 they
 // would take 64 registers next to a 128-register O accumulator, so Q is staged in shared memory instead.
-// KvBytes: bytes of a stored K/V element. 2: bf16/fp16 rows land in the stages (swizzled) and the mma reads them
-// there. 1: float8 e4m3 rows land in the stages (unswizzled: the conversion reads them in row order), and each
-// tile is converted to fp16 into one K and one V tile of 16-bit rows (kConvBytes), which the mma reads as before.
+// KvBytes: bytes of a stored K/V element. 2: bf16/fp16 rows land in the stages and the mma reads them there. 1:
+// float8 e4m3 rows land in the stages; Q K^T reads K's codes there (converted in registers), and each tile's V is
+// converted into one tile of fp16 rows (kConvBytes) that P V reads through ldmatrix.trans.
 template <int HeadDim, int RowBlock, int BlockN, int Stages, int KvBytes = 2>
 struct DecodeTile {
   static constexpr int kHeadDim = HeadDim;
@@ -32,7 +32,7 @@ struct DecodeTile {
   static constexpr int kKvRowBytes = HeadDim * KvBytes;  // a stored row as it lands in a stage
   static constexpr int kQBytes = kQInRegs ? 0 : RowBlock * kRowBytes;
   static constexpr int kKVTileBytes = BlockN * kKvRowBytes;  // one K or one V stage
-  static constexpr int kConvBytes = kFp8Kv ? 2 * BlockN * kRowBytes : 0;
+  static constexpr int kConvBytes = kFp8Kv ? BlockN * kRowBytes : 0;
   // Blocks per SM the register allocation must leave room for: as many as shared memory lets reside on sm_90
   // at d64 (three), two above; with no floor ptxas caps some shapes below what they need and spills.
   static constexpr int kMinBlocksPerSm = HeadDim == 64 ? 3 : 2;
@@ -67,9 +67,9 @@ struct DecodeTileFor<256, RowBlock> {
   using type = DecodeTile<256, RowBlock, 32, 2>;
 };
 
-// Float8 K/V: the same keys per stage as 16-bit K/V (so a plan's split sizes hold for both) in half the bytes, so one
-// more stage is in flight at d64 and d128 in the same shared memory, next to the converted tiles. d64: 5 stages (40
-// KB) + 16 KB. d128: 4 stages (64 KB) + 32 KB. d256: 2 stages (32 KB) + 32 KB plus Q.
+// Float8 K/V: the same keys per stage as 16-bit K/V (so a plan's split sizes hold for both) in half the bytes, so
+// more stages are in flight in the same shared memory, next to the converted V tile. d64: 5 stages (40 KB) + 8 KB.
+// d128: 5 stages (80 KB) + 16 KB. d256: 3 stages (48 KB) + 16 KB plus Q.
 template <int HeadDim, int RowBlock>
 struct DecodeFp8TileFor;
 template <int RowBlock>
@@ -78,11 +78,11 @@ struct DecodeFp8TileFor<64, RowBlock> {
 };
 template <int RowBlock>
 struct DecodeFp8TileFor<128, RowBlock> {
-  using type = DecodeTile<128, RowBlock, 64, 4, 1>;
+  using type = DecodeTile<128, RowBlock, 64, 5, 1>;
 };
 template <int RowBlock>
 struct DecodeFp8TileFor<256, RowBlock> {
-  using type = DecodeTile<256, RowBlock, 32, 2, 1>;
+  using type = DecodeTile<256, RowBlock, 32, 3, 1>;
 };
 
 // Keys per stage for a head_dim (the plan rounds split sizes to it); the same for every row block and K/V format.
