@@ -15,9 +15,10 @@ namespace attnd::kernels::decode {
 template <typename Tile, typename Elem>
 cudaError_t LaunchDecodeTile(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
   auto* kernel = &DecodeKernel<Tile, Elem>;
-  // Above 48 KB a block's dynamic shared memory must be opted into per kernel; the call is host-only (no
-  // device work, no synchronisation) and cheap enough to make at every launch.
-  if constexpr (Tile::kSmemBytes > 48 * 1024) {
+  // Above 48 KB a block's shared memory must be opted into per kernel, the kernel's few static bytes counted (a 48 KB
+  // dynamic buffer is over); the call is host-only (no device work, no synchronisation) and cheap enough to make at
+  // every launch.
+  if constexpr (Tile::kSmemBytes >= 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  static_cast<int>(Tile::kSmemBytes));
     if (err != cudaSuccess) return err;
