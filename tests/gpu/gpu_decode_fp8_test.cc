@@ -145,18 +145,79 @@ void Attention64(const Fp8Case& c, int len, const std::vector<double>& q, const 
   }
 }
 
-class GpuDecodeFp8Test : public ::testing::TestWithParam<Fp8Case> {};
+// One case's host side: Q, each sequence's K/V, the per-kv-head descales, the layout and table, the cache as uploaded
+// (the appended rows NaN) and as it must be after the append, the new rows, and K/V dequantized and unquantized.
+struct Fp8Host {
+  std::vector<uint16_t> q;
+  BatchLayout layout;
+  std::vector<int32_t> table;
+  std::vector<float> k_descale, v_descale;
+  std::vector<uint8_t> k_cache, v_cache, k_codes, v_codes;
+  std::vector<std::vector<double>> kq, vq, kd, vd;  // per sequence: dequantized, and unquantized, as doubles
+  std::vector<uint16_t> new_k, new_v;
+  double v_max = 0;  // the largest dequantized |V|
+};
 
-TEST_P(GpuDecodeFp8Test, MatchesTheDequantizedReference) {
-  if (!HaveSupportedGpu()) GTEST_SKIP() << "no sm_90 / sm_120 GPU";
-  const Fp8Case& c = GetParam();
+// The case's layout over a float8 cache: contiguous with 3 spare rows, or pages drawn from a shuffled pool with 3
+// spare pages; `table` and `cache_rows` (rows of K, as of V, the cache holds) filled.
+BatchLayout Fp8Layout(const Fp8Case& c, std::mt19937& rng, std::vector<int32_t>* table, int64_t* cache_rows) {
+  const int B = static_cast<int>(c.lens.size()), D = c.head_dim, Hq = c.q_heads, Hkv = c.kv_heads;
+  BatchLayout l;
+  l.batch = B;
+  l.q_len = c.q_len;
+  l.q_heads = Hq;
+  l.kv_heads = Hkv;
+  l.head_dim = D;
+  l.dtype = c.dtype;
+  l.mask = c.q_len > 1 ? Mask::kCausalBottomRight : Mask::kNone;
+  l.scale = DefaultScale(D);
+  l.want_lse = true;
+  l.q = l.o = ContiguousStrides(c.q_len, Hq, D);
+  l.kv_format = KvFormat::kFp8E4M3;
+  const int max_len = *std::max_element(c.lens.begin(), c.lens.end());
+  if (c.page_size == 0) {
+    l.kv_storage = KvStorage::kContiguous;
+    l.kv_capacity = max_len + 3;
+    l.k = l.v = ContiguousStrides(l.kv_capacity, Hkv, D);
+    *cache_rows = int64_t{B} * l.kv_capacity;
+  } else {
+    int pages = 0, max_pages = 0;
+    for (int32_t n : c.lens) {
+      pages += (n + c.page_size - 1) / c.page_size;
+      max_pages = std::max(max_pages, (n + c.page_size - 1) / c.page_size);
+    }
+    l.kv_storage = KvStorage::kPaged;
+    l.paged = PagedKv{c.page_size, pages + 3, max_pages + 1};
+    l.k = l.v = ContiguousStrides(c.page_size, Hkv, D);
+    std::vector<int32_t> pool(l.paged.num_pages);
+    std::iota(pool.begin(), pool.end(), 0);
+    std::shuffle(pool.begin(), pool.end(), rng);
+    table->assign(static_cast<size_t>(B) * l.paged.max_pages_per_seq, -1);
+    for (int b = 0, next = 0; b < B; ++b) {
+      for (int j = 0; j * c.page_size < c.lens[b]; ++j) (*table)[b * l.paged.max_pages_per_seq + j] = pool[next++];
+    }
+    *cache_rows = int64_t{l.paged.num_pages} * c.page_size;
+  }
+  return l;
+}
+
+Fp8Host MakeFp8Host(const Fp8Case& c) {
+  Fp8Host h;
+  std::vector<uint16_t>& q = h.q;
+  BatchLayout& l = h.layout;
+  std::vector<int32_t>& table = h.table;
+  std::vector<float>&k_descale = h.k_descale, &v_descale = h.v_descale;
+  std::vector<uint8_t>&k_cache = h.k_cache, &v_cache = h.v_cache, &k_codes = h.k_codes, &v_codes = h.v_codes;
+  std::vector<std::vector<double>>&kq = h.kq, &vq = h.vq, &kd = h.kd, &vd = h.vd;
+  std::vector<uint16_t>&new_k = h.new_k, &new_v = h.new_v;
+  double& v_max = h.v_max;
   const int B = static_cast<int>(c.lens.size()), D = c.head_dim, Hq = c.q_heads, Hkv = c.kv_heads;
   const int row = Hkv * D;
   std::mt19937 rng(c.seed);
   auto round = [&](float x) { return HalfToFloat(c.dtype, FloatToHalf(c.dtype, x)); };
 
   // Q, and each sequence's K/V in the element type's values.
-  std::vector<uint16_t> q(static_cast<size_t>(B) * c.q_len * Hq * D);
+  q.assign(static_cast<size_t>(B) * c.q_len * Hq * D, 0);
   for (size_t i = 0; i < q.size(); ++i) {
     float x = RandomValue(rng) * c.q_gain;
     if (c.outliers && i % D % 41 == 7) x *= 16.f;
@@ -179,61 +240,31 @@ TEST_P(GpuDecodeFp8Test, MatchesTheDequantizedReference) {
       v_amax[h] = std::max(v_amax[h], std::abs(v[b][i]));
     }
   }
-  std::vector<float> k_descale(Hkv), v_descale(Hkv);
+  k_descale.resize(Hkv);
+  v_descale.resize(Hkv);
   for (int h = 0; h < Hkv; ++h) {
     k_descale[h] = k_amax[h] / kFp8E4M3Max;
     v_descale[h] = v_amax[h] / kFp8E4M3Max;
   }
 
   // The cache: codes on the host, the appended rows left NaN for LaunchAppend.
-  BatchLayout l;
-  l.batch = B;
-  l.q_len = c.q_len;
-  l.q_heads = Hq;
-  l.kv_heads = Hkv;
-  l.head_dim = D;
-  l.dtype = c.dtype;
-  l.mask = c.q_len > 1 ? Mask::kCausalBottomRight : Mask::kNone;
-  l.scale = DefaultScale(D);
-  l.want_lse = true;
-  l.q = l.o = ContiguousStrides(c.q_len, Hq, D);
-  l.kv_format = KvFormat::kFp8E4M3;
-  const int max_len = *std::max_element(c.lens.begin(), c.lens.end());
-  std::vector<int32_t> table;
-  int64_t cache_rows;
-  if (c.page_size == 0) {
-    l.kv_storage = KvStorage::kContiguous;
-    l.kv_capacity = max_len + 3;
-    l.k = l.v = ContiguousStrides(l.kv_capacity, Hkv, D);
-    cache_rows = int64_t{B} * l.kv_capacity;
-  } else {
-    int pages = 0, max_pages = 0;
-    for (int32_t n : c.lens) {
-      pages += (n + c.page_size - 1) / c.page_size;
-      max_pages = std::max(max_pages, (n + c.page_size - 1) / c.page_size);
-    }
-    l.kv_storage = KvStorage::kPaged;
-    l.paged = PagedKv{c.page_size, pages + 3, max_pages + 1};
-    l.k = l.v = ContiguousStrides(c.page_size, Hkv, D);
-    std::vector<int32_t> pool(l.paged.num_pages);
-    std::iota(pool.begin(), pool.end(), 0);
-    std::shuffle(pool.begin(), pool.end(), rng);
-    table.assign(static_cast<size_t>(B) * l.paged.max_pages_per_seq, -1);
-    for (int b = 0, next = 0; b < B; ++b) {
-      for (int j = 0; j * c.page_size < c.lens[b]; ++j) table[b * l.paged.max_pages_per_seq + j] = pool[next++];
-    }
-    cache_rows = int64_t{l.paged.num_pages} * c.page_size;
-  }
+  int64_t cache_rows = 0;
+  l = Fp8Layout(c, rng, &table, &cache_rows);
   auto row_at = [&](int b, int j) -> size_t {
     if (c.page_size == 0) return (static_cast<size_t>(b) * l.kv_capacity + j) * row;
     return (static_cast<size_t>(table[b * l.paged.max_pages_per_seq + j / c.page_size]) * c.page_size +
             j % c.page_size) * row;
   };
-  std::vector<uint8_t> k_cache(cache_rows * row, kPoison8), v_cache(k_cache.size(), kPoison8);
-  std::vector<uint8_t> k_codes(k_cache.size(), kPoison8), v_codes(k_cache.size(), kPoison8);  // what must be there
-  std::vector<std::vector<double>> kq(B), vq(B), kd(B), vd(B);  // dequantized and unquantized, as doubles
-  std::vector<uint16_t> new_k(static_cast<size_t>(B) * c.append * row), new_v(new_k.size());
-  double v_max = 0;
+  k_cache.assign(cache_rows * row, kPoison8);
+  v_cache.assign(k_cache.size(), kPoison8);
+  k_codes.assign(k_cache.size(), kPoison8);
+  v_codes.assign(k_cache.size(), kPoison8);
+  kq.resize(B);
+  vq.resize(B);
+  kd.resize(B);
+  vd.resize(B);
+  new_k.assign(static_cast<size_t>(B) * c.append * row, 0);
+  new_v.assign(new_k.size(), 0);
   for (int b = 0; b < B; ++b) {
     kq[b].resize(k[b].size());
     vq[b].resize(k[b].size());
@@ -262,24 +293,84 @@ TEST_P(GpuDecodeFp8Test, MatchesTheDequantizedReference) {
     }
   }
 
+  return h;
+}
+
+// Float64 answers of each sequence: over the dequantized K/V (O and LSE), and O over the unquantized K/V.
+struct Fp8Refs {
+  std::vector<std::vector<double>> o64, lse64, o_exact;
+};
+
+// One launch's O and LSE against the references, sequence by sequence; with `print`, the format's error too.
+void CheckFp8Outputs(const Fp8Case& c, const Fp8Host& host, const Fp8Refs& refs, const std::vector<uint16_t>& o,
+                     const std::vector<float>& lse, const std::string& what, bool print) {
+  const int B = static_cast<int>(c.lens.size()), D = c.head_dim, Hq = c.q_heads;
+  const BatchLayout& l = host.layout;
+  for (int b = 0; b < B; ++b) {
+    double err = 0, o_max = 0, lse_err = 0, sq = 0, exact_max = 0;
+    int64_t n = 0;
+    for (int i = 0; i < c.q_len; ++i) {
+      const bool sees_none = l.mask == Mask::kCausalBottomRight && LastVisibleKey(l.mask, c.q_len, c.lens[b], i) < 0;
+      for (int h = 0; h < Hq; ++h) {
+        for (int d = 0; d < D; ++d) {
+          const size_t r = (static_cast<size_t>(i) * Hq + h) * D + d;
+          const double x = HalfToFloat(c.dtype, o[b * refs.o64[b].size() + r]);
+          ASSERT_FALSE(std::isnan(x)) << what << ": O not written at b " << b << " pos " << i << " head " << h;
+          if (sees_none) {
+            ASSERT_EQ(x, 0.0) << what << ": a row that sees no key must be 0";
+            continue;
+          }
+          err = std::max(err, std::abs(x - refs.o64[b][r]));
+          o_max = std::max(o_max, std::abs(refs.o64[b][r]));
+          sq += (x - refs.o_exact[b][r]) * (x - refs.o_exact[b][r]);
+          exact_max = std::max(exact_max, std::abs(x - refs.o_exact[b][r]));
+          ++n;
+        }
+        const float got = lse[(static_cast<size_t>(b) * Hq + h) * c.q_len + i];
+        ASSERT_FALSE(std::isnan(got)) << what << ": LSE not written";
+        const double want = refs.lse64[b][static_cast<size_t>(h) * c.q_len + i];
+        if (!sees_none) lse_err = std::max(lse_err, std::abs(got - want) / (2e-3 + 1e-5 * std::abs(want)));
+      }
+    }
+    EXPECT_LE(err, o_max / 128 + 1e-3 * host.v_max)
+        << what << ": sequence " << b << " (kv_len " << c.lens[b] << ") error " << err << " against the dequantized";
+    EXPECT_LE(lse_err, 1.0) << what << ": sequence " << b << " LSE error over tolerance x" << lse_err;
+    if (print && n > 0) {
+      std::printf("[ fp8 kv   ] %s seq %d kv_len %d: vs unquantized RMSE %.3e max %.3e (vs dequantized max %.3e)\n",
+                  c.name.c_str(), b, c.lens[b], std::sqrt(sq / n), exact_max, err);
+    }
+  }
+}
+
+class GpuDecodeFp8Test : public ::testing::TestWithParam<Fp8Case> {};
+
+TEST_P(GpuDecodeFp8Test, MatchesTheDequantizedReference) {
+  if (!HaveSupportedGpu()) GTEST_SKIP() << "no sm_90 / sm_120 GPU";
+  const Fp8Case& c = GetParam();
+  const int B = static_cast<int>(c.lens.size()), D = c.head_dim, Hq = c.q_heads, Hkv = c.kv_heads;
+  const Fp8Host host = MakeFp8Host(c);
+  const BatchLayout& l = host.layout;
+  const std::vector<int32_t>& table = host.table;
+  const std::vector<uint16_t>& q = host.q;
+
   DeviceBuffer<uint16_t> q_d, o_d, nk_d, nv_d;
   DeviceBuffer<uint8_t> k_d, v_d;
   DeviceBuffer<float> lse_d, kds_d, vds_d;
   DeviceBuffer<int32_t> lens_d, table_d;
   CUDA_OK(q_d.Alloc(q.size()));
   CUDA_OK(q_d.Upload(q));
-  CUDA_OK(k_d.Alloc(k_cache.size()));
-  CUDA_OK(k_d.Upload(k_cache));
-  CUDA_OK(v_d.Alloc(v_cache.size()));
-  CUDA_OK(v_d.Upload(v_cache));
-  CUDA_OK(nk_d.Alloc(new_k.size()));
-  CUDA_OK(nk_d.Upload(new_k));
-  CUDA_OK(nv_d.Alloc(new_v.size()));
-  CUDA_OK(nv_d.Upload(new_v));
+  CUDA_OK(k_d.Alloc(host.k_cache.size()));
+  CUDA_OK(k_d.Upload(host.k_cache));
+  CUDA_OK(v_d.Alloc(host.v_cache.size()));
+  CUDA_OK(v_d.Upload(host.v_cache));
+  CUDA_OK(nk_d.Alloc(host.new_k.size()));
+  CUDA_OK(nk_d.Upload(host.new_k));
+  CUDA_OK(nv_d.Alloc(host.new_v.size()));
+  CUDA_OK(nv_d.Upload(host.new_v));
   CUDA_OK(kds_d.Alloc(Hkv));
-  CUDA_OK(kds_d.Upload(k_descale));
+  CUDA_OK(kds_d.Upload(host.k_descale));
   CUDA_OK(vds_d.Alloc(Hkv));
-  CUDA_OK(vds_d.Upload(v_descale));
+  CUDA_OK(vds_d.Upload(host.v_descale));
   CUDA_OK(o_d.Alloc(q.size()));
   CUDA_OK(lse_d.Alloc(static_cast<size_t>(B) * Hq * c.q_len));
   CUDA_OK(lens_d.Alloc(B));
@@ -303,16 +394,20 @@ TEST_P(GpuDecodeFp8Test, MatchesTheDequantizedReference) {
   CUDA_OK(k_d.Download(got_k));
   CUDA_OK(v_d.Download(got_v));
   int64_t wrong = 0;
-  for (size_t i = 0; i < got_k.size(); ++i) wrong += (got_k[i] != k_codes[i]) + (got_v[i] != v_codes[i]);
+  for (size_t i = 0; i < got_k.size(); ++i) wrong += (got_k[i] != host.k_codes[i]) + (got_v[i] != host.v_codes[i]);
   ASSERT_EQ(wrong, 0) << "cache bytes that differ from the host's e4m3 codes after the append";
   CUDA_OK(lens_d.Upload(c.lens));
 
-  std::vector<std::vector<double>> o64(B), lse64(B), o_exact(B), lse_exact(B);
+  Fp8Refs refs;
+  refs.o64.resize(B);
+  refs.lse64.resize(B);
+  refs.o_exact.resize(B);
+  std::vector<double> unused_lse;
   for (int b = 0; b < B; ++b) {
     std::vector<double> qb(static_cast<size_t>(c.q_len) * Hq * D);
     for (size_t i = 0; i < qb.size(); ++i) qb[i] = HalfToFloat(c.dtype, q[b * qb.size() + i]);
-    Attention64(c, c.lens[b], qb, kq[b], vq[b], o64[b], lse64[b]);
-    Attention64(c, c.lens[b], qb, kd[b], vd[b], o_exact[b], lse_exact[b]);
+    Attention64(c, c.lens[b], qb, host.kq[b], host.vq[b], refs.o64[b], refs.lse64[b]);
+    Attention64(c, c.lens[b], qb, host.kd[b], host.vd[b], refs.o_exact[b], unused_lse);
   }
 
   for (const int num_splits : {c.num_splits, 1}) {
@@ -339,41 +434,8 @@ TEST_P(GpuDecodeFp8Test, MatchesTheDequantizedReference) {
     std::vector<float> lse;
     CUDA_OK(o_d.Download(o));
     CUDA_OK(lse_d.Download(lse));
-    const std::string what = "splits " + std::to_string(plan->max_splits);
-    for (int b = 0; b < B; ++b) {
-      double err = 0, o_max = 0, lse_err = 0, sq = 0, exact_max = 0;
-      int64_t n = 0;
-      for (int i = 0; i < c.q_len; ++i) {
-        const bool sees_none = l.mask == Mask::kCausalBottomRight && LastVisibleKey(l.mask, c.q_len, c.lens[b], i) < 0;
-        for (int h = 0; h < Hq; ++h) {
-          for (int d = 0; d < D; ++d) {
-            const size_t r = (static_cast<size_t>(i) * Hq + h) * D + d;
-            const double x = HalfToFloat(c.dtype, o[b * o64[b].size() + r]);
-            ASSERT_FALSE(std::isnan(x)) << what << ": O not written at b " << b << " pos " << i << " head " << h;
-            if (sees_none) {
-              ASSERT_EQ(x, 0.0) << what << ": a row that sees no key must be 0";
-              continue;
-            }
-            err = std::max(err, std::abs(x - o64[b][r]));
-            o_max = std::max(o_max, std::abs(o64[b][r]));
-            sq += (x - o_exact[b][r]) * (x - o_exact[b][r]);
-            exact_max = std::max(exact_max, std::abs(x - o_exact[b][r]));
-            ++n;
-          }
-          const float got = lse[(static_cast<size_t>(b) * Hq + h) * c.q_len + i];
-          ASSERT_FALSE(std::isnan(got)) << what << ": LSE not written";
-          const double want = lse64[b][static_cast<size_t>(h) * c.q_len + i];
-          if (!sees_none) lse_err = std::max(lse_err, std::abs(got - want) / (2e-3 + 1e-5 * std::abs(want)));
-        }
-      }
-      EXPECT_LE(err, o_max / 128 + 1e-3 * v_max)
-          << what << ": sequence " << b << " (kv_len " << c.lens[b] << ") error " << err << " against the dequantized";
-      EXPECT_LE(lse_err, 1.0) << what << ": sequence " << b << " LSE error over tolerance x" << lse_err;
-      if (num_splits == c.num_splits && n > 0) {
-        std::printf("[ fp8 kv   ] %s seq %d kv_len %d: vs unquantized RMSE %.3e max %.3e (vs dequantized max %.3e)\n",
-                    c.name.c_str(), b, c.lens[b], std::sqrt(sq / n), exact_max, err);
-      }
-    }
+    CheckFp8Outputs(c, host, refs, o, lse, "splits " + std::to_string(plan->max_splits), num_splits == c.num_splits);
+    if (HasFatalFailure()) return;
   }
 }
 
