@@ -41,35 +41,6 @@ __device__ __forceinline__ void CopyChunk(void* to, const void* from) {
   *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
 }
 
-__global__ void __launch_bounds__(kCopyThreads) AppendKvKernel(const AppendParams p) {
-  const int b = blockIdx.y;
-  const uint32_t row_chunks = static_cast<uint32_t>(p.kv_heads) << p.chunk_shift;
-  const uint32_t total = static_cast<uint32_t>(p.new_len) * row_chunks;
-  const int base = p.kv_lens[b];
-  const int32_t* table = p.block_table != nullptr ? p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq
-                                                  : nullptr;
-  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-    const Chunk c = ChunkAt(i, row_chunks, p.chunk_shift);
-    const int key = base + static_cast<int>(c.row);
-    int64_t slot, row;
-    if (table != nullptr) {
-      slot = table[key >> p.page_shift];
-      row = key & ((1 << p.page_shift) - 1);
-    } else {
-      slot = b;
-      row = key;
-    }
-    const uint32_t t = c.row;
-    const int h = c.head;
-    const uint16_t* nk = static_cast<const uint16_t*>(p.new_k) + b * p.nk_sb + t * p.nk_ss + h * p.nk_sh + c.col;
-    const uint16_t* nv = static_cast<const uint16_t*>(p.new_v) + b * p.nv_sb + t * p.nv_ss + h * p.nv_sh + c.col;
-    uint16_t* k = static_cast<uint16_t*>(p.k) + slot * p.k_sb + row * p.k_ss + h * p.k_sh + c.col;
-    uint16_t* v = static_cast<uint16_t*>(p.v) + slot * p.v_sb + row * p.v_ss + h * p.v_sh + c.col;
-    CopyChunk(k, nk);
-    CopyChunk(v, nv);
-  }
-}
-
 // 16 new elements (bf16 or fp16) at `from` -> 16 e4m3 codes at `to`, each divided by `descale` first.
 template <typename Src>
 __device__ __forceinline__ void QuantizeChunk(uint8_t* to, const Src* from, float descale) {
@@ -93,28 +64,6 @@ __device__ __forceinline__ void QuantizeChunk(uint8_t* to, const Src* from, floa
     codes[w / 2] = c0 | (c1 << 16);
   }
   *reinterpret_cast<uint4*>(to) = make_uint4(codes[0], codes[1], codes[2], codes[3]);
-}
-
-template <typename Src>
-__global__ void __launch_bounds__(kCopyThreads) AppendKvFp8Kernel(const AppendParams p) {
-  const int b = blockIdx.y;
-  const uint32_t row_chunks = static_cast<uint32_t>(p.kv_heads) << p.chunk_shift;
-  const uint32_t total = static_cast<uint32_t>(p.new_len) * row_chunks;
-  const int base = p.kv_lens[b];
-  const int32_t* table = p.block_table != nullptr ? p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq
-                                                  : nullptr;
-  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-    const Chunk c = ChunkAt<16>(i, row_chunks, p.chunk_shift);
-    const int key = base + static_cast<int>(c.row);
-    const int64_t slot = table != nullptr ? table[key >> p.page_shift] : b;
-    const int64_t row = table != nullptr ? key & ((1 << p.page_shift) - 1) : key;
-    const uint32_t t = c.row;
-    const int h = c.head;
-    const Src* nk = static_cast<const Src*>(p.new_k) + b * p.nk_sb + t * p.nk_ss + h * p.nk_sh + c.col;
-    const Src* nv = static_cast<const Src*>(p.new_v) + b * p.nv_sb + t * p.nv_ss + h * p.nv_sh + c.col;
-    QuantizeChunk(static_cast<uint8_t*>(p.k) + slot * p.k_sb + row * p.k_ss + h * p.k_sh + c.col, nk, p.k_descale[h]);
-    QuantizeChunk(static_cast<uint8_t*>(p.v) + slot * p.v_sb + row * p.v_ss + h * p.v_sh + c.col, nv, p.v_descale[h]);
-  }
 }
 
 // 16 e4m3 codes at `from` -> 16 elements (bf16 or fp16) at `to`, each code's value times `descale`.
@@ -142,42 +91,88 @@ __device__ __forceinline__ void DequantizeChunk(Out* to, const uint8_t* from, fl
   *reinterpret_cast<uint4*>(to + 8) = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
-// The gather out of a float8 pool: dequantized into 16-bit rows (a chunk: 16 codes in, 32 bytes out).
-template <typename Out>
-__global__ void __launch_bounds__(kCopyThreads) GatherKvFp8Kernel(const GatherParams p) {
+// The append's walk over the new rows' chunks of sequence b = blockIdx.y: fn(b, page slot (b when contiguous), row
+// in it, new row t, kv head h, column) for each chunk of kChunkElems elements.
+template <int kChunkElems, typename Fn>
+__device__ __forceinline__ void ForEachAppendChunk(const AppendParams& p, Fn fn) {
+  const int b = blockIdx.y;
+  const uint32_t row_chunks = static_cast<uint32_t>(p.kv_heads) << p.chunk_shift;
+  const uint32_t total = static_cast<uint32_t>(p.new_len) * row_chunks;
+  const int base = p.kv_lens[b];
+  const int32_t* table = p.block_table != nullptr ? p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq
+                                                  : nullptr;
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+    const Chunk c = ChunkAt<kChunkElems>(i, row_chunks, p.chunk_shift);
+    const int key = base + static_cast<int>(c.row);
+    int64_t slot, row;
+    if (table != nullptr) {
+      slot = table[key >> p.page_shift];
+      row = key & ((1 << p.page_shift) - 1);
+    } else {
+      slot = b;
+      row = key;
+    }
+    fn(b, slot, row, c.row, c.head, c.col);
+  }
+}
+
+__global__ void __launch_bounds__(kCopyThreads) AppendKvKernel(const AppendParams p) {
+  ForEachAppendChunk<8>(p, [&](int b, int64_t slot, int64_t row, uint32_t t, int h, int64_t col) {
+    const uint16_t* nk = static_cast<const uint16_t*>(p.new_k) + b * p.nk_sb + t * p.nk_ss + h * p.nk_sh + col;
+    const uint16_t* nv = static_cast<const uint16_t*>(p.new_v) + b * p.nv_sb + t * p.nv_ss + h * p.nv_sh + col;
+    uint16_t* k = static_cast<uint16_t*>(p.k) + slot * p.k_sb + row * p.k_ss + h * p.k_sh + col;
+    uint16_t* v = static_cast<uint16_t*>(p.v) + slot * p.v_sb + row * p.v_ss + h * p.v_sh + col;
+    CopyChunk(k, nk);
+    CopyChunk(v, nv);
+  });
+}
+
+template <typename Src>
+__global__ void __launch_bounds__(kCopyThreads) AppendKvFp8Kernel(const AppendParams p) {
+  ForEachAppendChunk<16>(p, [&](int b, int64_t slot, int64_t row, uint32_t t, int h, int64_t col) {
+    const Src* nk = static_cast<const Src*>(p.new_k) + b * p.nk_sb + t * p.nk_ss + h * p.nk_sh + col;
+    const Src* nv = static_cast<const Src*>(p.new_v) + b * p.nv_sb + t * p.nv_ss + h * p.nv_sh + col;
+    QuantizeChunk(static_cast<uint8_t*>(p.k) + slot * p.k_sb + row * p.k_ss + h * p.k_sh + col, nk, p.k_descale[h]);
+    QuantizeChunk(static_cast<uint8_t*>(p.v) + slot * p.v_sb + row * p.v_ss + h * p.v_sh + col, nv, p.v_descale[h]);
+  });
+}
+
+// The gather's walk over keys [0, kv_len) of sequence b = blockIdx.y: fn(b, page, row in it, key, kv head h,
+// column) for each chunk of kChunkElems elements.
+template <int kChunkElems, typename Fn>
+__device__ __forceinline__ void ForEachGatherChunk(const GatherParams& p, Fn fn) {
   const int b = blockIdx.y;
   const uint32_t row_chunks = static_cast<uint32_t>(p.kv_heads) << p.chunk_shift;
   const uint32_t total = static_cast<uint32_t>(min(p.kv_lens[b], p.capacity)) * row_chunks;
   const int32_t* table = p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq;
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-    const Chunk c = ChunkAt<16>(i, row_chunks, p.chunk_shift);
+    const Chunk c = ChunkAt<kChunkElems>(i, row_chunks, p.chunk_shift);
     const int64_t page = table[c.row >> p.page_shift];
     const int64_t row = c.row & ((1u << p.page_shift) - 1);
-    const int64_t key = c.row, h = c.head;
-    DequantizeChunk(static_cast<Out*>(p.out_k) + b * p.ok_sb + key * p.ok_ss + h * p.ok_sh + c.col,
-                    static_cast<const uint8_t*>(p.k) + page * p.k_sb + row * p.k_ss + h * p.k_sh + c.col,
-                    p.k_descale[h]);
-    DequantizeChunk(static_cast<Out*>(p.out_v) + b * p.ov_sb + key * p.ov_ss + h * p.ov_sh + c.col,
-                    static_cast<const uint8_t*>(p.v) + page * p.v_sb + row * p.v_ss + h * p.v_sh + c.col,
-                    p.v_descale[h]);
+    fn(b, page, row, static_cast<int64_t>(c.row), static_cast<int64_t>(c.head), c.col);
   }
 }
 
 __global__ void __launch_bounds__(kCopyThreads) GatherKvKernel(const GatherParams p) {
-  const int b = blockIdx.y;
-  const uint32_t row_chunks = static_cast<uint32_t>(p.kv_heads) << p.chunk_shift;
-  const uint32_t total = static_cast<uint32_t>(min(p.kv_lens[b], p.capacity)) * row_chunks;
-  const int32_t* table = p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq;
-  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-    const Chunk c = ChunkAt(i, row_chunks, p.chunk_shift);
-    const int64_t page = table[c.row >> p.page_shift];
-    const int64_t row = c.row & ((1u << p.page_shift) - 1);
-    const int64_t key = c.row, h = c.head;
-    CopyChunk(static_cast<uint16_t*>(p.out_k) + b * p.ok_sb + key * p.ok_ss + h * p.ok_sh + c.col,
-              static_cast<const uint16_t*>(p.k) + page * p.k_sb + row * p.k_ss + h * p.k_sh + c.col);
-    CopyChunk(static_cast<uint16_t*>(p.out_v) + b * p.ov_sb + key * p.ov_ss + h * p.ov_sh + c.col,
-              static_cast<const uint16_t*>(p.v) + page * p.v_sb + row * p.v_ss + h * p.v_sh + c.col);
-  }
+  ForEachGatherChunk<8>(p, [&](int b, int64_t page, int64_t row, int64_t key, int64_t h, int64_t col) {
+    CopyChunk(static_cast<uint16_t*>(p.out_k) + b * p.ok_sb + key * p.ok_ss + h * p.ok_sh + col,
+              static_cast<const uint16_t*>(p.k) + page * p.k_sb + row * p.k_ss + h * p.k_sh + col);
+    CopyChunk(static_cast<uint16_t*>(p.out_v) + b * p.ov_sb + key * p.ov_ss + h * p.ov_sh + col,
+              static_cast<const uint16_t*>(p.v) + page * p.v_sb + row * p.v_ss + h * p.v_sh + col);
+  });
+}
+
+// The gather out of a float8 pool: dequantized into 16-bit rows (a chunk: 16 codes in, 32 bytes out).
+template <typename Out>
+__global__ void __launch_bounds__(kCopyThreads) GatherKvFp8Kernel(const GatherParams p) {
+  ForEachGatherChunk<16>(p, [&](int b, int64_t page, int64_t row, int64_t key, int64_t h, int64_t col) {
+    DequantizeChunk(static_cast<Out*>(p.out_k) + b * p.ok_sb + key * p.ok_ss + h * p.ok_sh + col,
+                    static_cast<const uint8_t*>(p.k) + page * p.k_sb + row * p.k_ss + h * p.k_sh + col,
+                    p.k_descale[h]);
+    DequantizeChunk(static_cast<Out*>(p.out_v) + b * p.ov_sb + key * p.ov_ss + h * p.ov_sh + col,
+                    static_cast<const uint8_t*>(p.v) + page * p.v_sb + row * p.v_ss + h * p.v_sh + col,
+                    p.v_descale[h]);
+  });
 }
 
 }  // namespace attnd::kernels::decode

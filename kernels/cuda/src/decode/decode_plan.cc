@@ -165,6 +165,26 @@ absl::Status CheckDescales(const BatchLayout& l, const float* k_descale, const f
   return absl::OkStatus();
 }
 
+// The fields the append's and the gather's parameters share (the same names in both): the cache's strides, shape,
+// paging and descales.
+template <typename Params>
+void SetCacheFields(const BatchLayout& l, const int32_t* kv_lens, const int32_t* block_table, const float* k_descale,
+                    const float* v_descale, Params* p) {
+  const bool paged = l.kv_storage == KvStorage::kPaged;
+  p->kv_lens = kv_lens;
+  p->block_table = paged ? block_table : nullptr;
+  p->k_sb = l.k.batch, p->k_ss = l.k.seq, p->k_sh = l.k.head;
+  p->v_sb = l.v.batch, p->v_ss = l.v.seq, p->v_sh = l.v.head;
+  p->batch = l.batch;
+  p->kv_heads = l.kv_heads;
+  p->head_dim = l.head_dim;
+  p->chunk_shift = Log2(l.head_dim / (Fp8Kv(l) ? 16 : 8));
+  p->page_shift = paged ? Log2(l.paged.page_size) : 0;
+  p->max_pages_per_seq = paged ? l.paged.max_pages_per_seq : 0;
+  p->k_descale = k_descale;
+  p->v_descale = v_descale;
+}
+
 absl::Status FromCuda(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
@@ -391,25 +411,14 @@ absl::Status LaunchAppend(const AppendPlan& plan, const AppendTensors& t, cudaSt
   if (paged && t.block_table == nullptr) return Invalid("tensors.block_table", "null for paged KV");
   if (absl::Status st = CheckDescales(l, t.k_descale, t.v_descale); !st.ok()) return st;
   AppendParams p;
+  SetCacheFields(l, t.kv_lens, t.block_table, t.k_descale, t.v_descale, &p);
   p.new_k = t.new_k;
   p.new_v = t.new_v;
   p.k = t.k;
   p.v = t.v;
-  p.kv_lens = t.kv_lens;
-  p.block_table = paged ? t.block_table : nullptr;
   p.nk_sb = plan.new_k.batch, p.nk_ss = plan.new_k.seq, p.nk_sh = plan.new_k.head;
   p.nv_sb = plan.new_v.batch, p.nv_ss = plan.new_v.seq, p.nv_sh = plan.new_v.head;
-  p.k_sb = l.k.batch, p.k_ss = l.k.seq, p.k_sh = l.k.head;
-  p.v_sb = l.v.batch, p.v_ss = l.v.seq, p.v_sh = l.v.head;
-  p.batch = l.batch;
   p.new_len = plan.new_len;
-  p.kv_heads = l.kv_heads;
-  p.head_dim = l.head_dim;
-  p.chunk_shift = Log2(l.head_dim / (Fp8Kv(l) ? 16 : 8));
-  p.page_shift = paged ? Log2(l.paged.page_size) : 0;
-  p.max_pages_per_seq = paged ? l.paged.max_pages_per_seq : 0;
-  p.k_descale = t.k_descale;
-  p.v_descale = t.v_descale;
   p.new_bf16 = l.dtype == DType::kBF16 ? 1 : 0;
   return FromCuda(LaunchAppendKv(p, stream), "append launch");
 }
@@ -449,26 +458,15 @@ absl::Status LaunchGather(const GatherPlan& plan, const GatherTensors& t, cudaSt
   if (t.block_table == nullptr) return Invalid("tensors.block_table", "null");
   if (absl::Status st = CheckDescales(l, t.k_descale, t.v_descale); !st.ok()) return st;
   GatherParams p;
+  SetCacheFields(l, t.kv_lens, t.block_table, t.k_descale, t.v_descale, &p);
   p.k = t.k;
   p.v = t.v;
   p.out_k = t.out_k;
   p.out_v = t.out_v;
-  p.kv_lens = t.kv_lens;
-  p.block_table = t.block_table;
-  p.k_sb = l.k.batch, p.k_ss = l.k.seq, p.k_sh = l.k.head;
-  p.v_sb = l.v.batch, p.v_ss = l.v.seq, p.v_sh = l.v.head;
   p.ok_sb = plan.out_k.batch, p.ok_ss = plan.out_k.seq, p.ok_sh = plan.out_k.head;
   p.ov_sb = plan.out_v.batch, p.ov_ss = plan.out_v.seq, p.ov_sh = plan.out_v.head;
-  p.batch = l.batch;
   p.capacity = plan.capacity;
-  p.kv_heads = l.kv_heads;
-  p.head_dim = l.head_dim;
-  p.chunk_shift = Log2(l.head_dim / (Fp8Kv(l) ? 16 : 8));
   p.max_kv_len = plan.max_kv_len;
-  p.page_shift = Log2(l.paged.page_size);
-  p.max_pages_per_seq = l.paged.max_pages_per_seq;
-  p.k_descale = t.k_descale;
-  p.v_descale = t.v_descale;
   p.out_bf16 = l.dtype == DType::kBF16 ? 1 : 0;
   return FromCuda(LaunchGatherKv(p, stream), "gather launch");
 }
