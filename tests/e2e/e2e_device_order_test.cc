@@ -12,8 +12,10 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "attnd/client/shm_channel.h"
 #include "e2e_sequences_util.h"
@@ -31,7 +33,12 @@ class HostPlaysDevice final : public testing::ForwardingBackend {
  public:
   using ForwardingBackend::ForwardingBackend;
   ~HostPlaysDevice() override {
-    for (std::thread& t : streams_) t.join();
+    std::vector<std::thread> streams;
+    {
+      absl::MutexLock lock(&mu_);
+      streams.swap(streams_);
+    }
+    for (std::thread& t : streams) t.join();
   }
   bool device_order() const override { return true; }
   absl::StatusOr<MappedHostMemory> MapHostMemory(void* page, size_t bytes) override {
@@ -48,6 +55,8 @@ class HostPlaysDevice final : public testing::ForwardingBackend {
       done(std::move(s));
     };
     if (job.enqueued) job.enqueued();
+    // Steps of different channels are submitted from different server threads.
+    absl::MutexLock lock(&mu_);
     streams_.emplace_back([this, order, b = std::shared_ptr<server::StepBatch>(std::move(batch))]() mutable {
       const auto* word = reinterpret_cast<const std::atomic<uint64_t>*>(order.wait_word);
       while (static_cast<int64_t>(word->load() - order.value) < 0) absl::SleepFor(absl::Microseconds(100));
@@ -59,7 +68,8 @@ class HostPlaysDevice final : public testing::ForwardingBackend {
   }
 
  private:
-  std::vector<std::thread> streams_;
+  absl::Mutex mu_;
+  std::vector<std::thread> streams_ ABSL_GUARDED_BY(mu_);
 };
 
 class DeviceOrder : public ::testing::Test {
