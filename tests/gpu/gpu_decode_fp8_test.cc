@@ -33,6 +33,8 @@ namespace {
 
 using ::attnd::testing::DeviceBuffer;
 using ::attnd::testing::HaveSupportedGpu;
+using ::attnd::testing::OutlierChannel;
+using ::attnd::testing::RandomValue;
 
 constexpr uint8_t kPoison8 = 0xFF;  // NaN in e4m3
 
@@ -104,11 +106,6 @@ std::vector<Fp8Case> Cases() {
     c.page_size = 16;
   }
   return out;
-}
-
-float RandomValue(std::mt19937& rng) {
-  std::uniform_real_distribution<float> mag(0.05f, 1.0f);
-  return (rng() & 1) ? mag(rng) : -mag(rng);
 }
 
 // Float64 attention of one sequence: q [q_len, q_heads, D] (float values), k/v [len, kv_heads, D]; bottom-right
@@ -220,7 +217,7 @@ Fp8Host MakeFp8Host(const Fp8Case& c) {
   q.assign(static_cast<size_t>(B) * c.q_len * Hq * D, 0);
   for (size_t i = 0; i < q.size(); ++i) {
     float x = RandomValue(rng) * c.q_gain;
-    if (c.outliers && i % D % 41 == 7) x *= 16.f;
+    if (c.outliers && OutlierChannel(static_cast<int>(i % D))) x *= 16.f;
     q[i] = FloatToHalf(c.dtype, x);
   }
   std::vector<std::vector<float>> k(B), v(B);
@@ -233,7 +230,7 @@ Fp8Host MakeFp8Host(const Fp8Case& c) {
       const int h = static_cast<int>(i % row / D), d = static_cast<int>(i % D);
       const float ramp = c.key_ramp ? 0.25f + 2.0f * static_cast<float>(j) / static_cast<float>(c.lens[b]) : 1.f;
       float kx = RandomValue(rng) * ramp;
-      if (c.outliers && d % 41 == 7) kx *= 16.f;
+      if (c.outliers && OutlierChannel(d)) kx *= 16.f;
       k[b][i] = round(kx);
       v[b][i] = round(RandomValue(rng));
       k_amax[h] = std::max(k_amax[h], std::abs(k[b][i]));

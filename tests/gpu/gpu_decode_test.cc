@@ -34,6 +34,8 @@ namespace {
 
 using ::attnd::testing::DeviceBuffer;
 using ::attnd::testing::HaveSupportedGpu;
+using ::attnd::testing::OutlierChannel;
+using ::attnd::testing::RandomValue;
 
 constexpr double kTolFactor = 3.0;
 constexpr double kAtol = 1e-3;
@@ -239,12 +241,6 @@ std::vector<DecodeCase> Cases() {
   return out;
 }
 
-float RandomValue(std::mt19937& rng) {
-  // Magnitudes in [0.05, 1] with a random sign: never zero.
-  std::uniform_real_distribution<float> mag(0.05f, 1.0f);
-  return (rng() & 1) ? mag(rng) : -mag(rng);
-}
-
 // One case's inputs on the host: Q, each sequence's logical K/V rows, the cache layout they are stored in.
 struct HostCase {
   BatchLayout layout;
@@ -280,7 +276,7 @@ HostCase MakeHostCase(const DecodeCase& c) {
       for (int hh = 0; hh < Hq; ++hh) {
         for (int d = 0; d < D; ++d) {
           float x = RandomValue(rng) * static_cast<float>(c.q_gain);
-          if (c.outliers && d % 41 == 7) x *= 16.f;
+          if (c.outliers && OutlierChannel(d)) x *= 16.f;
           h.q[b * l.q.batch + i * l.q.seq + hh * l.q.head + d] = elem(x);
         }
       }
@@ -304,7 +300,7 @@ HostCase MakeHostCase(const DecodeCase& c) {
             continue;
           }
           float kx = RandomValue(rng) * ramp;
-          if (c.outliers && d % 41 == 7) kx *= 16.f;
+          if (c.outliers && OutlierChannel(d)) kx *= 16.f;
           h.k[b][at] = elem(kx);
           h.v[b][at] = elem(RandomValue(rng));
         }

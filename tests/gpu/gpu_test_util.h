@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <random>
 #include <vector>
 
 namespace attnd::testing {
@@ -22,6 +23,15 @@ inline bool HaveSupportedGpu() {
   if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return false;
   return prop.major == 9 || prop.major == 12;
 }
+
+// A test input: magnitude in [0.05, 1] with a random sign, never zero.
+inline float RandomValue(std::mt19937& rng) {
+  std::uniform_real_distribution<float> mag(0.05f, 1.0f);
+  return (rng() & 1) ? mag(rng) : -mag(rng);
+}
+
+// The hard case of outlier channels: every 41st head dim from 7 (3 of 128) of Q and K is made 16 times larger.
+inline bool OutlierChannel(int dim) { return dim % 41 == 7; }
 
 template <typename T>
 struct DeviceBuffer {
