@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "attnd/kernels/decode.h"
@@ -146,6 +148,14 @@ absl::Status CheckLengthsAndTable(const BatchLayout& l, absl::Span<const int32_t
 absl::Status CheckPointer(const char* field, const void* p, bool required) {
   if (p == nullptr) return required ? Invalid(field, "null") : absl::OkStatus();
   if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return Invalid(field, "not 16-byte aligned");
+  return absl::OkStatus();
+}
+
+// The tensors a launch cannot run without: each given and 16-byte aligned (the kernels' vector loads).
+absl::Status CheckRequired(std::initializer_list<std::pair<const char*, const void*>> tensors) {
+  for (const auto& [field, p] : tensors) {
+    if (absl::Status st = CheckPointer(field, p, true); !st.ok()) return st;
+  }
   return absl::OkStatus();
 }
 
@@ -297,10 +307,11 @@ absl::Status LaunchDecode(const DecodePlan& plan, const DecodeTensors& t, const 
                           cudaStream_t stream) {
   const BatchLayout& l = plan.layout;
   if (plan.rows == 0) return absl::FailedPreconditionError("plan: not made by MakeDecodePlan");
-  if (absl::Status st = CheckPointer("tensors.q", t.q, true); !st.ok()) return st;
-  if (absl::Status st = CheckPointer("tensors.k", t.k, true); !st.ok()) return st;
-  if (absl::Status st = CheckPointer("tensors.v", t.v, true); !st.ok()) return st;
-  if (absl::Status st = CheckPointer("tensors.o", t.o, true); !st.ok()) return st;
+  if (absl::Status st = CheckRequired(
+          {{"tensors.q", t.q}, {"tensors.k", t.k}, {"tensors.v", t.v}, {"tensors.o", t.o}});
+      !st.ok()) {
+    return st;
+  }
   if (l.want_lse && t.lse == nullptr) return Invalid("tensors.lse", "null but the layout wants LSE");
   if (t.kv_lens == nullptr) return Invalid("tensors.kv_lens", "null");
   const bool paged = l.kv_storage == KvStorage::kPaged;
@@ -309,8 +320,7 @@ absl::Status LaunchDecode(const DecodePlan& plan, const DecodeTensors& t, const 
     return st;
   }
   if (l.append) {
-    if (absl::Status st = CheckPointer("tensors.new_k", t.new_k, true); !st.ok()) return st;
-    if (absl::Status st = CheckPointer("tensors.new_v", t.new_v, true); !st.ok()) return st;
+    if (absl::Status st = CheckRequired({{"tensors.new_k", t.new_k}, {"tensors.new_v", t.new_v}}); !st.ok()) return st;
   }
   if (absl::Status st = CheckDescales(l, t.k_descale, t.v_descale); !st.ok()) return st;
   if (plan.counter_bytes > 0 && workspace.counters == nullptr) {
@@ -402,10 +412,11 @@ absl::StatusOr<AppendPlan> MakeAppendPlan(const BatchLayout& cache, int new_len,
 absl::Status LaunchAppend(const AppendPlan& plan, const AppendTensors& t, cudaStream_t stream) {
   const BatchLayout& l = plan.layout;
   if (plan.new_len < 1) return absl::FailedPreconditionError("plan: not made by MakeAppendPlan");
-  if (absl::Status st = CheckPointer("tensors.new_k", t.new_k, true); !st.ok()) return st;
-  if (absl::Status st = CheckPointer("tensors.new_v", t.new_v, true); !st.ok()) return st;
-  if (absl::Status st = CheckPointer("tensors.k", t.k, true); !st.ok()) return st;
-  if (absl::Status st = CheckPointer("tensors.v", t.v, true); !st.ok()) return st;
+  if (absl::Status st = CheckRequired(
+          {{"tensors.new_k", t.new_k}, {"tensors.new_v", t.new_v}, {"tensors.k", t.k}, {"tensors.v", t.v}});
+      !st.ok()) {
+    return st;
+  }
   if (t.kv_lens == nullptr) return Invalid("tensors.kv_lens", "null");
   const bool paged = l.kv_storage == KvStorage::kPaged;
   if (paged && t.block_table == nullptr) return Invalid("tensors.block_table", "null for paged KV");
@@ -450,10 +461,11 @@ absl::StatusOr<GatherPlan> MakeGatherPlan(const BatchLayout& cache, int capacity
 absl::Status LaunchGather(const GatherPlan& plan, const GatherTensors& t, cudaStream_t stream) {
   const BatchLayout& l = plan.layout;
   if (plan.capacity < 1) return absl::FailedPreconditionError("plan: not made by MakeGatherPlan");
-  if (absl::Status st = CheckPointer("tensors.k", t.k, true); !st.ok()) return st;
-  if (absl::Status st = CheckPointer("tensors.v", t.v, true); !st.ok()) return st;
-  if (absl::Status st = CheckPointer("tensors.out_k", t.out_k, true); !st.ok()) return st;
-  if (absl::Status st = CheckPointer("tensors.out_v", t.out_v, true); !st.ok()) return st;
+  if (absl::Status st = CheckRequired(
+          {{"tensors.k", t.k}, {"tensors.v", t.v}, {"tensors.out_k", t.out_k}, {"tensors.out_v", t.out_v}});
+      !st.ok()) {
+    return st;
+  }
   if (t.kv_lens == nullptr) return Invalid("tensors.kv_lens", "null");
   if (t.block_table == nullptr) return Invalid("tensors.block_table", "null");
   if (absl::Status st = CheckDescales(l, t.k_descale, t.v_descale); !st.ok()) return st;
