@@ -223,8 +223,6 @@ absl::StatusOr<DecodePlan> MakeDecodePlan(const BatchLayout& layout, absl::Span<
   }
   if (options.min_split_keys < 1) return Invalid("options.min_split_keys", absl::StrCat(options.min_split_keys, " < 1"));
   if (absl::Status st = CheckLengthsAndTable(l, kv_lens, block_table, 0, false); !st.ok()) return st;
-  // The d64 float8 tiles are built but have not yet run on a GPU: refused rather than trusted.
-  if (Fp8Kv(l) && l.head_dim == 64) return Invalid("layout.head_dim", "float8 K/V is served at 128 and 256");
   if (l.append && Fp8Kv(l)) {
     return Invalid("layout.append", "not with float8 K/V: LaunchAppend (which quantizes), then LaunchDecode");
   }
