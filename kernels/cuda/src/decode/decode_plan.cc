@@ -175,14 +175,19 @@ absl::Status CheckDescales(const BatchLayout& l, const float* k_descale, const f
   return absl::OkStatus();
 }
 
-// The fields the append's and the gather's parameters share (the same names in both): the cache's strides, shape,
-// paging and descales.
-template <typename Params>
-void SetCacheFields(const BatchLayout& l, const int32_t* kv_lens, const int32_t* block_table, const float* k_descale,
-                    const float* v_descale, Params* p) {
+// The fields the append's and the gather's parameters share (the same names in both, as in their tensors): the
+// cache's pointers, strides, shape, paging and descales, the device tensors among them checked first.
+template <typename Tensors, typename Params>
+absl::Status SetCacheFields(const BatchLayout& l, const Tensors& t, Params* p) {
   const bool paged = l.kv_storage == KvStorage::kPaged;
-  p->kv_lens = kv_lens;
-  p->block_table = paged ? block_table : nullptr;
+  if (absl::Status st = CheckRequired({{"tensors.k", t.k}, {"tensors.v", t.v}}); !st.ok()) return st;
+  if (t.kv_lens == nullptr) return Invalid("tensors.kv_lens", "null");
+  if (paged && t.block_table == nullptr) return Invalid("tensors.block_table", "null for paged KV");
+  if (absl::Status st = CheckDescales(l, t.k_descale, t.v_descale); !st.ok()) return st;
+  p->k = t.k;
+  p->v = t.v;
+  p->kv_lens = t.kv_lens;
+  p->block_table = paged ? t.block_table : nullptr;
   p->k_sb = l.k.batch, p->k_ss = l.k.seq, p->k_sh = l.k.head;
   p->v_sb = l.v.batch, p->v_ss = l.v.seq, p->v_sh = l.v.head;
   p->batch = l.batch;
@@ -191,8 +196,9 @@ void SetCacheFields(const BatchLayout& l, const int32_t* kv_lens, const int32_t*
   p->chunk_shift = Log2(l.head_dim / (Fp8Kv(l) ? 16 : 8));
   p->page_shift = paged ? Log2(l.paged.page_size) : 0;
   p->max_pages_per_seq = paged ? l.paged.max_pages_per_seq : 0;
-  p->k_descale = k_descale;
-  p->v_descale = v_descale;
+  p->k_descale = t.k_descale;
+  p->v_descale = t.v_descale;
+  return absl::OkStatus();
 }
 
 absl::Status FromCuda(cudaError_t err, const char* what) {
@@ -410,21 +416,11 @@ absl::StatusOr<AppendPlan> MakeAppendPlan(const BatchLayout& cache, int new_len,
 absl::Status LaunchAppend(const AppendPlan& plan, const AppendTensors& t, cudaStream_t stream) {
   const BatchLayout& l = plan.layout;
   if (plan.new_len < 1) return absl::FailedPreconditionError("plan: not made by MakeAppendPlan");
-  if (absl::Status st = CheckRequired(
-          {{"tensors.new_k", t.new_k}, {"tensors.new_v", t.new_v}, {"tensors.k", t.k}, {"tensors.v", t.v}});
-      !st.ok()) {
-    return st;
-  }
-  if (t.kv_lens == nullptr) return Invalid("tensors.kv_lens", "null");
-  const bool paged = l.kv_storage == KvStorage::kPaged;
-  if (paged && t.block_table == nullptr) return Invalid("tensors.block_table", "null for paged KV");
-  if (absl::Status st = CheckDescales(l, t.k_descale, t.v_descale); !st.ok()) return st;
+  if (absl::Status st = CheckRequired({{"tensors.new_k", t.new_k}, {"tensors.new_v", t.new_v}}); !st.ok()) return st;
   AppendParams p;
-  SetCacheFields(l, t.kv_lens, t.block_table, t.k_descale, t.v_descale, &p);
+  if (absl::Status st = SetCacheFields(l, t, &p); !st.ok()) return st;
   p.new_k = t.new_k;
   p.new_v = t.new_v;
-  p.k = t.k;
-  p.v = t.v;
   p.nk_sb = plan.new_k.batch, p.nk_ss = plan.new_k.seq, p.nk_sh = plan.new_k.head;
   p.nv_sb = plan.new_v.batch, p.nv_ss = plan.new_v.seq, p.nv_sh = plan.new_v.head;
   p.new_len = plan.new_len;
@@ -459,18 +455,9 @@ absl::StatusOr<GatherPlan> MakeGatherPlan(const BatchLayout& cache, int capacity
 absl::Status LaunchGather(const GatherPlan& plan, const GatherTensors& t, cudaStream_t stream) {
   const BatchLayout& l = plan.layout;
   if (plan.capacity < 1) return absl::FailedPreconditionError("plan: not made by MakeGatherPlan");
-  if (absl::Status st = CheckRequired(
-          {{"tensors.k", t.k}, {"tensors.v", t.v}, {"tensors.out_k", t.out_k}, {"tensors.out_v", t.out_v}});
-      !st.ok()) {
-    return st;
-  }
-  if (t.kv_lens == nullptr) return Invalid("tensors.kv_lens", "null");
-  if (t.block_table == nullptr) return Invalid("tensors.block_table", "null");
-  if (absl::Status st = CheckDescales(l, t.k_descale, t.v_descale); !st.ok()) return st;
+  if (absl::Status st = CheckRequired({{"tensors.out_k", t.out_k}, {"tensors.out_v", t.out_v}}); !st.ok()) return st;
   GatherParams p;
-  SetCacheFields(l, t.kv_lens, t.block_table, t.k_descale, t.v_descale, &p);
-  p.k = t.k;
-  p.v = t.v;
+  if (absl::Status st = SetCacheFields(l, t, &p); !st.ok()) return st;
   p.out_k = t.out_k;
   p.out_v = t.out_v;
   p.ok_sb = plan.out_k.batch, p.ok_ss = plan.out_k.seq, p.ok_sh = plan.out_k.head;
