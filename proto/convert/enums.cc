@@ -38,6 +38,9 @@ absl::StatusOr<DType> DtypeFromProto(v1::Dtype value, absl::string_view field) {
       return DType::kFP16;
     case v1::DTYPE_UNSPECIFIED:
       return Invalid(field, "DTYPE_UNSPECIFIED (set DTYPE_BF16 or DTYPE_FP16)");
+    case v1::DTYPE_FP8_E4M3:
+      return Invalid(field, "DTYPE_FP8_E4M3 is served as a sequence's shape.kv_dtype only (set DTYPE_BF16 or "
+                            "DTYPE_FP16)");
     default:
       return Invalid(field, absl::StrCat("unknown value ", static_cast<int>(value)));
   }

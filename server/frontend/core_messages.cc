@@ -52,6 +52,11 @@ void ShapeToProto(const SequenceShape& s, v1::SequenceShape* shape) {
   shape->set_kv_heads(s.kv_heads);
   shape->set_head_dim(s.head_dim);
   shape->set_dtype(proto::DtypeToProto(s.dtype));
+  if (s.kv_format == KvFormat::kFp8E4M3) {
+    shape->set_kv_dtype(v1::DTYPE_FP8_E4M3);
+    shape->mutable_k_descale()->Add(s.k_descale.begin(), s.k_descale.end());
+    shape->mutable_v_descale()->Add(s.v_descale.begin(), s.v_descale.end());
+  }
 }
 
 }  // namespace
@@ -100,7 +105,24 @@ absl::StatusOr<OpenArgs> OpenArgsFromProto(const v1::OpenSequenceRequest& reques
   const v1::SequenceShape& s = request.shape();
   const absl::StatusOr<DType> dtype = proto::DtypeFromProto(s.dtype(), "shape.dtype");
   if (!dtype.ok()) return dtype.status();
-  return OpenArgs{s.layers(), s.kv_heads(), s.head_dim(), *dtype, request.max_tokens(), request.count()};
+  OpenArgs args;
+  args.layers = s.layers(), args.kv_heads = s.kv_heads(), args.head_dim = s.head_dim();
+  args.dtype = *dtype;
+  if (s.has_kv_dtype() && s.kv_dtype() == v1::DTYPE_FP8_E4M3) {
+    args.kv_format = KvFormat::kFp8E4M3;
+  } else if (s.has_kv_dtype()) {
+    const absl::StatusOr<DType> kv_dtype = proto::DtypeFromProto(s.kv_dtype(), "shape.kv_dtype");
+    if (!kv_dtype.ok()) return kv_dtype.status();
+    if (*kv_dtype != *dtype) {
+      return absl::InvalidArgumentError(absl::StrCat("shape.kv_dtype: ", v1::Dtype_Name(s.kv_dtype()),
+                                                     " is neither shape.dtype nor DTYPE_FP8_E4M3"));
+    }
+  }
+  args.k_descale.assign(s.k_descale().begin(), s.k_descale().end());
+  args.v_descale.assign(s.v_descale().begin(), s.v_descale().end());
+  args.max_tokens = request.max_tokens();
+  args.count = request.count();
+  return args;
 }
 
 absl::StatusOr<ImportArgs> ImportArgsFromProto(const v1::SequenceHeader& header) {

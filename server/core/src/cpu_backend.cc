@@ -12,6 +12,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "attnd/fp8.h"
+#include "attnd/half.h"
 #include "attnd/reference.h"
 #include "attnd/server/queue_expiry.h"
 #include "attnd/server/status_util.h"
@@ -106,24 +108,139 @@ namespace {
 // Pages in host memory, left uninitialised: a page's rows are written by an append before any step reads them.
 class CpuKvPool final : public KvPool {
  public:
-  CpuKvPool(const SequenceShape& shape, int page_tokens, int32_t num_pages, std::unique_ptr<uint16_t[]> data)
+  CpuKvPool(const SequenceShape& shape, int page_tokens, int32_t num_pages, std::unique_ptr<uint8_t[]> data)
       : KvPool(shape, page_tokens, num_pages), data_(std::move(data)) {}
-  uint16_t* pool(int layer, int kv) { return data_.get() + pool_offset(layer, kv); }
-  uint8_t* bytes() const { return reinterpret_cast<uint8_t*>(data_.get()); }
+  // Layer `layer`'s K (kv 0) or V (kv 1) pages.
+  uint8_t* pool(int layer, int kv) { return data_.get() + pool_offset(layer, kv) * shape().kv_bytes(); }
+  uint8_t* bytes() const { return data_.get(); }
 
  private:
-  std::unique_ptr<uint16_t[]> data_;
+  std::unique_ptr<uint8_t[]> data_;
 };
+
+// Token t of a sequence at one layer's K or V pages: row t % page_tokens of page pages[t / page_tokens].
+uint8_t* PoolRow(CpuKvPool& pool, int layer, int kv, const StepSequence& s, int64_t t) {
+  const SequenceShape& shape = pool.shape();
+  const int page = pool.page_tokens();
+  return pool.pool(layer, kv) +
+         (int64_t{s.pages[t / page]} * shape.page_elems(page) + (t % page) * shape.kv_heads * shape.head_dim) *
+             static_cast<int64_t>(shape.kv_bytes());
+}
+
+// One appended row (kv_heads x head_dim elements of the shape's dtype) as the cache stores it: as it came, or as
+// float8 codes of x / descale of its kv head (what the CUDA backend's append writes, bit for bit).
+void StoreRow(const SequenceShape& shape, const float* descale, const uint16_t* in, uint8_t* out) {
+  const int64_t n = int64_t{shape.kv_heads} * shape.head_dim;
+  if (shape.kv_format == KvFormat::kAsDtype) {
+    std::memcpy(out, in, static_cast<size_t>(n) * sizeof(uint16_t));
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = FloatToFp8E4M3(HalfToFloat(shape.dtype, in[i]) / descale[i / shape.head_dim]);
+  }
+}
+
+// One cached row read back in the shape's dtype: a float8 code times its kv head's descale, rounded once (as the
+// CUDA backend's gather for its prefill kernels).
+void LoadRow(const SequenceShape& shape, const float* descale, const uint8_t* in, uint16_t* out) {
+  const int64_t n = int64_t{shape.kv_heads} * shape.head_dim;
+  if (shape.kv_format == KvFormat::kAsDtype) {
+    std::memcpy(out, in, static_cast<size_t>(n) * sizeof(uint16_t));
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = FloatToHalf(shape.dtype, Fp8E4M3ToFloat(in[i]) * descale[i / shape.head_dim]);
+  }
+}
+
+// The descales of `layer`'s K (kv 0) or V (kv 1), one per kv head; null for a 16-bit cache.
+const float* LayerDescales(const SequenceShape& shape, int layer, int kv) {
+  if (shape.kv_format == KvFormat::kAsDtype) return nullptr;
+  return (kv == 0 ? shape.k_descale : shape.v_descale).data() + int64_t{layer} * shape.kv_heads;
+}
+
+void CopyPages(CpuKvPool& pool, absl::Span<const PageCopy> copies) {
+  const SequenceShape& shape = pool.shape();
+  const uint64_t page_bytes = static_cast<uint64_t>(shape.page_elems(pool.page_tokens())) * shape.kv_bytes();
+  for (const PageCopy& c : copies) {
+    for (int layer = 0; layer < shape.layers; ++layer) {
+      for (int kv = 0; kv < 2; ++kv) {
+        uint8_t* base = pool.pool(layer, kv);
+        std::memcpy(base + c.to * page_bytes, base + c.from * page_bytes, page_bytes);
+      }
+    }
+  }
+}
+
+void AppendRows(CpuKvPool& pool, const StepJob& job, const uint16_t* k, const uint16_t* v) {
+  const SequenceShape& shape = pool.shape();
+  const int64_t row_elems = int64_t{shape.kv_heads} * shape.head_dim;
+  const float* descale[2] = {LayerDescales(shape, job.layer, 0), LayerDescales(shape, job.layer, 1)};
+  int64_t r = 0;
+  for (const StepSequence& s : job.sequences) {
+    for (int64_t t = 0; t < s.tokens; ++t, ++r) {
+      StoreRow(shape, descale[0], k + r * row_elems, PoolRow(pool, job.layer, 0, s, s.cached + t));
+      StoreRow(shape, descale[1], v + r * row_elems, PoolRow(pool, job.layer, 1, s, s.cached + t));
+    }
+  }
+}
+
+// Each sequence's query rows over its cached keys, bottom-right causal, into job.o (and job.lse).
+absl::Status Attend(CpuKvPool& pool, StepJob& job, const uint16_t* q, int compute_threads) {
+  const SequenceShape& shape = pool.shape();
+  const int64_t row_elems = int64_t{shape.kv_heads} * shape.head_dim;
+  const int64_t q_row = int64_t{job.q_heads} * shape.head_dim;
+  try {
+    job.o.resize(static_cast<uint64_t>(job.rows * q_row) * sizeof(uint16_t));
+    if (job.want_lse) job.lse.resize(static_cast<uint64_t>(job.rows) * job.q_heads * sizeof(float));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("out of host memory for the step's O");
+  }
+  auto* o = reinterpret_cast<uint16_t*>(job.o.data());
+  auto* lse = reinterpret_cast<float*>(job.lse.data());
+  const float* descale[2] = {LayerDescales(shape, job.layer, 0), LayerDescales(shape, job.layer, 1)};
+  std::vector<uint16_t> keys, values;
+  int64_t r = 0;
+  for (const StepSequence& s : job.sequences) {
+    const int64_t n = s.keys(job.append);
+    try {
+      keys.resize(static_cast<size_t>(n * row_elems));
+      values.resize(static_cast<size_t>(n * row_elems));
+    } catch (const std::bad_alloc&) {
+      return absl::ResourceExhaustedError("out of host memory for a sequence's keys");
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      LoadRow(shape, descale[0], PoolRow(pool, job.layer, 0, s, t), keys.data() + t * row_elems);
+      LoadRow(shape, descale[1], PoolRow(pool, job.layer, 1, s, t), values.data() + t * row_elems);
+    }
+    Problem p;
+    p.shape = Shape{1, s.tokens, n, job.q_heads, shape.kv_heads, shape.head_dim};
+    p.dtype = shape.dtype;
+    p.mask = Mask::kCausalBottomRight;
+    p.scale = job.scale;
+    p.want_lse = job.want_lse;
+    ReferenceOptions opts;
+    opts.num_threads = compute_threads;
+    try {
+      ReferenceAttention(p, ContiguousLayout(p.shape), q + r * q_row, keys.data(), values.data(), o + r * q_row,
+                         job.want_lse ? lse + r * job.q_heads : nullptr, opts);
+    } catch (const std::exception& e) {
+      return absl::ResourceExhaustedError(absl::StrCat("cpu backend: ", e.what()));
+    }
+    r += s.tokens;
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<KvPool>> CpuBackend::MakeKvPool(const SequenceShape& shape, int page_tokens,
                                                                int32_t num_pages) {
-  const uint64_t elems = static_cast<uint64_t>(shape.page_elems(page_tokens)) * 2 * shape.layers * num_pages;
-  std::unique_ptr<uint16_t[]> data(new (std::nothrow) uint16_t[elems]);
+  const uint64_t bytes = shape.page_bytes(page_tokens) * static_cast<uint64_t>(num_pages);
+  std::unique_ptr<uint8_t[]> data(new (std::nothrow) uint8_t[bytes]);
   if (data == nullptr) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("kv pool: out of host memory for ", elems * 2, " bytes (--kv_pool_mb)"));
+        absl::StrCat("kv pool: out of host memory for ", bytes, " bytes (--kv_pool_mb)"));
   }
   return std::make_shared<CpuKvPool>(shape, page_tokens, num_pages, std::move(data));
 }
@@ -163,78 +280,16 @@ absl::Status CpuBackend::RunStep(StepJob& job, int compute_threads) {
                                                     " us in the queue; the step was not started"));
   }
   auto& pool = static_cast<CpuKvPool&>(*job.pool);
-  const SequenceShape& shape = pool.shape();
-  const int page = pool.page_tokens();
-  const int64_t row_elems = int64_t{shape.kv_heads} * shape.head_dim;  // one token of one layer's K
-  const int64_t page_elems = shape.page_elems(page);
-  for (const PageCopy& c : job.copies) {
-    for (int layer = 0; layer < shape.layers; ++layer) {
-      for (int kv = 0; kv < 2; ++kv) {
-        uint16_t* base = pool.pool(layer, kv);
-        std::memcpy(base + c.to * page_elems, base + c.from * page_elems, page_elems * sizeof(uint16_t));
-      }
-    }
-  }
-  // Token t of a sequence at `layer`: row t % page of page pages[t / page].
-  const auto row = [&](const StepSequence& s, int kv, int64_t t) {
-    return pool.pool(job.layer, kv) + int64_t{s.pages[t / page]} * page_elems + (t % page) * row_elems;
-  };
+  CopyPages(pool, job.copies);
   std::string gathered[3];
   const uint8_t* in[3];
   ATTND_RETURN_IF_ERROR(GatherInputs({&job.q, &job.k, &job.v}, gathered, in));
   const absl::Time compute_start = absl::Now();
   if (job.append) {
-    const auto* k = reinterpret_cast<const uint16_t*>(in[1]);
-    const auto* v = reinterpret_cast<const uint16_t*>(in[2]);
-    int64_t r = 0;
-    for (const StepSequence& s : job.sequences) {
-      for (int64_t t = 0; t < s.tokens; ++t, ++r) {
-        std::memcpy(row(s, 0, s.cached + t), k + r * row_elems, row_elems * sizeof(uint16_t));
-        std::memcpy(row(s, 1, s.cached + t), v + r * row_elems, row_elems * sizeof(uint16_t));
-      }
-    }
+    AppendRows(pool, job, reinterpret_cast<const uint16_t*>(in[1]), reinterpret_cast<const uint16_t*>(in[2]));
   }
   if (job.attend) {
-    const int64_t q_row = int64_t{job.q_heads} * shape.head_dim;
-    try {
-      job.o.resize(static_cast<uint64_t>(job.rows * q_row) * sizeof(uint16_t));
-      if (job.want_lse) job.lse.resize(static_cast<uint64_t>(job.rows) * job.q_heads * sizeof(float));
-    } catch (const std::bad_alloc&) {
-      return absl::ResourceExhaustedError("out of host memory for the step's O");
-    }
-    const auto* q = reinterpret_cast<const uint16_t*>(in[0]);
-    auto* o = reinterpret_cast<uint16_t*>(job.o.data());
-    auto* lse = reinterpret_cast<float*>(job.lse.data());
-    std::vector<uint16_t> keys, values;
-    int64_t r = 0;
-    for (const StepSequence& s : job.sequences) {
-      const int64_t n = s.keys(job.append);
-      try {
-        keys.resize(static_cast<size_t>(n * row_elems));
-        values.resize(static_cast<size_t>(n * row_elems));
-      } catch (const std::bad_alloc&) {
-        return absl::ResourceExhaustedError("out of host memory for a sequence's keys");
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        std::memcpy(keys.data() + t * row_elems, row(s, 0, t), row_elems * sizeof(uint16_t));
-        std::memcpy(values.data() + t * row_elems, row(s, 1, t), row_elems * sizeof(uint16_t));
-      }
-      Problem p;
-      p.shape = Shape{1, s.tokens, n, job.q_heads, shape.kv_heads, shape.head_dim};
-      p.dtype = shape.dtype;
-      p.mask = Mask::kCausalBottomRight;
-      p.scale = job.scale;
-      p.want_lse = job.want_lse;
-      ReferenceOptions opts;
-      opts.num_threads = compute_threads;
-      try {
-        ReferenceAttention(p, ContiguousLayout(p.shape), q + r * q_row, keys.data(), values.data(), o + r * q_row,
-                           job.want_lse ? lse + r * job.q_heads : nullptr, opts);
-      } catch (const std::exception& e) {
-        return absl::ResourceExhaustedError(absl::StrCat("cpu backend: ", e.what()));
-      }
-      r += s.tokens;
-    }
+    ATTND_RETURN_IF_ERROR(Attend(pool, job, reinterpret_cast<const uint16_t*>(in[0]), compute_threads));
   }
   const absl::Time end = absl::Now();
   job.timing.kernel_us = Micros(end - compute_start);

@@ -3,6 +3,7 @@
 #include <sys/random.h>
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -46,7 +47,8 @@ absl::Status Invalid(absl::string_view field, absl::string_view what) {
 
 std::string ShapeText(const SequenceShape& s) {
   return absl::StrCat("layers ", s.layers, ", kv_heads ", s.kv_heads, ", head_dim ", s.head_dim, ", ",
-                      s.dtype == DType::kFP16 ? "fp16" : "bf16");
+                      s.dtype == DType::kFP16 ? "fp16" : "bf16",
+                      s.kv_format == KvFormat::kFp8E4M3 ? ", float8 e4m3 K/V" : "");
 }
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -225,6 +227,30 @@ absl::Status Sequences::CheckClientSequences(const std::string& owner, uint32_t 
   return absl::OkStatus();
 }
 
+namespace {
+
+// A float8 cache's descales as the request gives them (one for all, one per layer, or one per layer and kv head),
+// checked and spread to one per layer and kv head.
+absl::Status ExpandDescales(absl::string_view field, const std::vector<float>& given, const SequenceShape& shape,
+                            std::vector<float>* out) {
+  const size_t layers = static_cast<size_t>(shape.layers), heads = static_cast<size_t>(shape.kv_heads);
+  const size_t n = given.size();
+  if (n != 1 && n != layers && n != layers * heads) {
+    return Invalid(field, absl::StrCat(n, " values: a float8 cache takes 1, ", layers, " (layers) or ", layers * heads,
+                                       " (layers x kv_heads)"));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(given[i]) || given[i] <= 0) {
+      return Invalid(absl::StrCat(field, "[", i, "]"), absl::StrCat(given[i], " is not finite and > 0"));
+    }
+  }
+  out->resize(layers * heads);
+  for (size_t i = 0; i < out->size(); ++i) (*out)[i] = given[n == 1 ? 0 : n == layers ? i / heads : i];
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::pair<SequenceShape, int64_t>> Sequences::CheckOpen(const OpenArgs& request) const {
   if (!options_.enabled) return absl::FailedPreconditionError("KV sequences are disabled on this server");
   if (request.layers < 1 || request.layers > 4096) {
@@ -237,8 +263,19 @@ absl::StatusOr<std::pair<SequenceShape, int64_t>> Sequences::CheckOpen(const Ope
       limits_.supported_head_dims.end()) {
     return Invalid("shape.head_dim", absl::StrCat(request.head_dim, " is not supported"));
   }
-  const SequenceShape shape{static_cast<int>(request.layers), static_cast<int>(request.kv_heads),
-                            static_cast<int>(request.head_dim), request.dtype};
+  SequenceShape shape;
+  shape.layers = static_cast<int>(request.layers);
+  shape.kv_heads = static_cast<int>(request.kv_heads);
+  shape.head_dim = static_cast<int>(request.head_dim);
+  shape.dtype = request.dtype;
+  shape.kv_format = request.kv_format;
+  if (request.kv_format == KvFormat::kFp8E4M3) {
+    ATTND_RETURN_IF_ERROR(ExpandDescales("shape.k_descale", request.k_descale, shape, &shape.k_descale));
+    ATTND_RETURN_IF_ERROR(ExpandDescales("shape.v_descale", request.v_descale, shape, &shape.v_descale));
+  } else if (!request.k_descale.empty() || !request.v_descale.empty()) {
+    return Invalid(request.k_descale.empty() ? "shape.v_descale" : "shape.k_descale",
+                   "given for a 16-bit cache (descales go with kv_dtype DTYPE_FP8_E4M3)");
+  }
   if (request.max_tokens < 0) return Invalid("max_tokens", absl::StrCat("must be >= 0, got ", request.max_tokens));
   if (request.max_tokens > options_.max_tokens) {
     return absl::ResourceExhaustedError(absl::StrCat("max_tokens: ", request.max_tokens,

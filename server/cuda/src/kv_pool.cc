@@ -21,6 +21,9 @@ absl::Status CheckKvShape(const SequenceShape& s) {
   if (s.dtype != DType::kBF16 && s.dtype != DType::kFP16) {
     return absl::InvalidArgumentError("shape.dtype: the CUDA backend runs bf16 and fp16");
   }
+  if (s.kv_format != KvFormat::kAsDtype) {
+    return absl::InvalidArgumentError("shape.kv_dtype: the CUDA backend stores K/V as shape.dtype");
+  }
   return absl::OkStatus();
 }
 

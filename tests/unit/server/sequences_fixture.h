@@ -14,6 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "attnd/fp8.h"
 #include "attnd/half.h"
 #include "attnd/server/cpu_backend.h"
 #include "attnd/server/sequences.h"
@@ -181,6 +182,11 @@ class SequencesTest : public ::testing::Test {
     r.mutable_shape()->set_kv_heads(kKvHeads);
     r.mutable_shape()->set_head_dim(head_dim);
     r.mutable_shape()->set_dtype(dtype);
+    if (!k_descale_.empty()) {
+      r.mutable_shape()->set_kv_dtype(v1::DTYPE_FP8_E4M3);
+      r.mutable_shape()->mutable_k_descale()->Add(k_descale_.begin(), k_descale_.end());
+      r.mutable_shape()->mutable_v_descale()->Add(v_descale_.begin(), v_descale_.end());
+    }
     r.set_count(count);
     absl::StatusOr<v1::OpenSequenceResponse> opened = sequences_->Open(owner, r);
     EXPECT_TRUE(opened.ok()) << opened.status();
@@ -260,10 +266,22 @@ class SequencesTest : public ::testing::Test {
       History& h = history_[st.sequence_id()];
       h.k.resize(kLayers);
       h.v.resize(kLayers);
-      h.k[r.layer()].append(r.k().data(), offset, st.tokens() * row);
-      h.v[r.layer()].append(r.v().data(), offset, st.tokens() * row);
+      h.k[r.layer()].append(Cached(r.k().data().substr(offset, st.tokens() * row), k_descale_, r.layer()));
+      h.v[r.layer()].append(Cached(r.v().data().substr(offset, st.tokens() * row), v_descale_, r.layer()));
       offset += st.tokens() * row;
     }
+  }
+
+  // Rows as a float8 cache gives them back (with descales [kLayers * kKvHeads]): each element quantized to the
+  // e4m3 code of x / descale, then code x descale rounded to the dtype. As sent for a 16-bit cache.
+  std::string Cached(std::string rows, const std::vector<float>& descale, int layer) const {
+    if (descale.empty()) return rows;
+    auto* h = reinterpret_cast<uint16_t*>(rows.data());
+    for (size_t i = 0; i < rows.size() / 2; ++i) {
+      const float d = descale[layer * kKvHeads + (i / head_dim_) % kKvHeads];
+      h[i] = FloatToHalf(dtype_, Fp8E4M3ToFloat(FloatToFp8E4M3(HalfToFloat(dtype_, h[i]) / d)) * d);
+    }
+    return rows;
   }
 
   // Checks each sequence's O and LSE against the reference over its history at the step's layer.
@@ -330,6 +348,8 @@ class SequencesTest : public ::testing::Test {
   std::mt19937_64 rng_{7};
   int head_dim_ = kHeadDim;
   DType dtype_ = DType::kBF16;
+  // Set before Open for float8 caches: one descale per layer and kv head (layer-major) of K and of V.
+  std::vector<float> k_descale_, v_descale_;
   std::map<std::string, History> history_;
 };
 

@@ -134,7 +134,8 @@ TEST_F(SequencesTest, AnExportHoldsItsSequenceAndAnImportOpensItWhole) {
 
   // Every row of every layer as the child's history has it, into a new sequence of another owner.
   server::ImportArgs header;
-  header.open = {kLayers, kKvHeads, head_dim_, dtype_, 0, 0};
+  header.open.layers = kLayers, header.open.kv_heads = kKvHeads, header.open.head_dim = head_dim_;
+  header.open.dtype = dtype_;
   header.lengths = held->lengths;
   EXPECT_EQ(held->lengths, std::vector<int64_t>({20, 27, 34}));
   absl::StatusOr<server::MovingSequence> in = core->BeginImport("carol", header);

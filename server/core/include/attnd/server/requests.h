@@ -87,6 +87,9 @@ struct OpenArgs {
   DType dtype = DType::kBF16;
   int64_t max_tokens = 0;  // 0: the server's limit
   uint32_t count = 0;      // 0 means 1
+  KvFormat kv_format = KvFormat::kAsDtype;
+  // Float8 only: layers x kv_heads descales (layer-major), layers (one per layer) or one for all; each finite, > 0.
+  std::vector<float> k_descale, v_descale;
 };
 
 // ImportSequence's header: the shape and limit as an open's, and the tokens cached per layer.

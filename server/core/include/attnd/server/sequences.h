@@ -69,9 +69,7 @@ struct MovingSequence {
   std::vector<int64_t> lengths;  // per layer
   std::shared_ptr<KvPool> pool;
   std::vector<int32_t> pages;
-  uint64_t row_bytes() const {
-    return static_cast<uint64_t>(shape.kv_heads) * static_cast<uint64_t>(shape.head_dim) * DTypeBytes(shape.dtype);
-  }
+  uint64_t row_bytes() const { return shape.row_bytes(); }
 };
 
 class Sequences {

@@ -18,25 +18,43 @@
 
 namespace attnd::server {
 
+// How a sequence's cache stores K and V.
+enum class KvFormat {
+  kAsDtype,  // as the rows arrive: SequenceShape::dtype
+  // float8 e4m3 codes: element x of kv head h at layer l stored as FloatToFp8E4M3(x / descale[l * kv_heads + h])
+  // and read back as Fp8E4M3ToFloat(code) * that descale (attnd/fp8.h), by every step's attention.
+  kFp8E4M3,
+};
+
 // What a sequence caches; fixed for its life.
 struct SequenceShape {
   int layers = 0;
   int kv_heads = 0;
   int head_dim = 0;
-  DType dtype = DType::kBF16;
+  DType dtype = DType::kBF16;  // of Q, O and the rows a step appends
+  KvFormat kv_format = KvFormat::kAsDtype;
+  // Float8 only: [layers * kv_heads] fp32 descales of K and of V, layer-major (empty otherwise). Part of the shape, so
+  // that the sequences of one pool share them: a batched launch takes one descale per kv head.
+  std::vector<float> k_descale, v_descale;
 
+  // Bytes of one cached element of K or V.
+  uint64_t kv_bytes() const { return kv_format == KvFormat::kFp8E4M3 ? 1 : static_cast<uint64_t>(DTypeBytes(dtype)); }
   // Elements of one page of one layer's K (or V): [page_tokens, kv_heads, head_dim].
   int64_t page_elems(int page_tokens) const { return int64_t{page_tokens} * kv_heads * head_dim; }
   // Bytes one page holds over every layer, K and V.
   uint64_t page_bytes(int page_tokens) const {
-    return static_cast<uint64_t>(page_elems(page_tokens)) * DTypeBytes(dtype) * 2 * static_cast<uint64_t>(layers);
+    return static_cast<uint64_t>(page_elems(page_tokens)) * kv_bytes() * 2 * static_cast<uint64_t>(layers);
   }
+  // Bytes of one cached row (one token of one layer's K or V).
+  uint64_t row_bytes() const { return static_cast<uint64_t>(kv_heads) * static_cast<uint64_t>(head_dim) * kv_bytes(); }
   friend bool operator==(const SequenceShape& a, const SequenceShape& b) {
-    return a.layers == b.layers && a.kv_heads == b.kv_heads && a.head_dim == b.head_dim && a.dtype == b.dtype;
+    return a.layers == b.layers && a.kv_heads == b.kv_heads && a.head_dim == b.head_dim && a.dtype == b.dtype &&
+           a.kv_format == b.kv_format && a.k_descale == b.k_descale && a.v_descale == b.v_descale;
   }
   template <typename H>
   friend H AbslHashValue(H h, const SequenceShape& s) {
-    return H::combine(std::move(h), s.layers, s.kv_heads, s.head_dim, static_cast<int>(s.dtype));
+    return H::combine(std::move(h), s.layers, s.kv_heads, s.head_dim, static_cast<int>(s.dtype),
+                      static_cast<int>(s.kv_format), s.k_descale, s.v_descale);
   }
 };
 
@@ -75,8 +93,8 @@ void ForEachKvRowRun(const KvPool& pool, absl::Span<const int32_t> pages, int la
                      int64_t rows, Fn fn) {
   const SequenceShape& shape = pool.shape();
   const int64_t page = pool.page_tokens();
-  const uint64_t elem = DTypeBytes(shape.dtype);
-  const uint64_t row_bytes = static_cast<uint64_t>(shape.kv_heads) * shape.head_dim * elem;
+  const uint64_t elem = shape.kv_bytes();
+  const uint64_t row_bytes = shape.row_bytes();
   const uint64_t base = static_cast<uint64_t>(pool.pool_offset(layer, kv)) * elem;
   for (int64_t t = first; t < first + rows;) {
     const int64_t in_page = t % page, run = std::min(page - in_page, first + rows - t);
