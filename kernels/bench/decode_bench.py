@@ -69,9 +69,7 @@ class Decode:
         L.attnd_decode_plan_num_splits.restype = ctypes.c_int
         L.attnd_decode_plan_num_splits.argtypes = [vp]
         L.attnd_decode_launch.restype = ctypes.c_int
-        L.attnd_decode_launch.argtypes = [vp] * 8 + [vp, vp, vp, ctypes.c_char_p, ctypes.c_size_t]
-        L.attnd_decode_launch_fp8.restype = ctypes.c_int
-        L.attnd_decode_launch_fp8.argtypes = [vp] * 10 + [vp, vp, vp, ctypes.c_char_p, ctypes.c_size_t]
+        L.attnd_decode_launch.argtypes = [vp] * 10 + [vp, vp, vp, ctypes.c_char_p, ctypes.c_size_t]
         L.attnd_decode_plan_destroy.argtypes = [vp]
         self.err = ctypes.create_string_buffer(1024)
 
@@ -88,9 +86,9 @@ class Decode:
     def launch(self, plan, q, k, v, o, lens, table, ws, counters, stream, descales=None):
         ptr = lambda t: t.data_ptr() if t is not None else None
         kd, vd = descales if descales is not None else (None, None)
-        rc = self.lib.attnd_decode_launch_fp8(plan, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None,
-                                              lens.data_ptr(), ptr(table), ptr(kd), ptr(vd), ptr(ws), ptr(counters),
-                                              stream, self.err, len(self.err))
+        rc = self.lib.attnd_decode_launch(plan, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None,
+                                          lens.data_ptr(), ptr(table), ptr(kd), ptr(vd), ptr(ws), ptr(counters),
+                                          stream, self.err, len(self.err))
         if rc != 0:
             raise RuntimeError(self.err.value.decode())
 

@@ -59,8 +59,8 @@ class Libs:
         K.attnd_kernels_plan_config.argtypes = [vp]
         K.attnd_kernels_plan_destroy.argtypes = [vp]
         Dl = self.d
-        common = [ctypes.POINTER(Layout), ctypes.c_int, i32p, i32p, vp, vp, vp, vp, i32p, i32p, vp, ctypes.c_char_p,
-                  ctypes.c_size_t]
+        common = [ctypes.POINTER(Layout), ctypes.c_int, i32p, i32p, vp, vp, vp, vp, i32p, i32p, vp, vp, vp,
+                  ctypes.c_char_p, ctypes.c_size_t]  # ..., kv_lens, block_table, k/v descales (16-bit: None), stream
         Dl.attnd_decode_append.restype = ctypes.c_int
         Dl.attnd_decode_append.argtypes = common
         Dl.attnd_decode_gather.restype = ctypes.c_int
@@ -168,12 +168,13 @@ def run(libs, page, lens, stream_ptr):
             libs.check(libs.d.attnd_decode_append(ctypes.byref(layouts[b]), chunks[b], host_prefix[b], host_table[b],
                                                   new_ks[b].data_ptr(), new_vs[b].data_ptr(), k_pool.data_ptr(),
                                                   v_pool.data_ptr(), row_ptr(d_prefix, b), row_ptr(d_table, b),
-                                                  stream_ptr, err, 512), "append")
+                                                  None, None, stream_ptr, err, 512), "append")
 
     def gather(b):
         libs.check(libs.d.attnd_decode_gather(ctypes.byref(layouts[b]), max(lens), host_len[b], host_table[b],
                                               k_pool.data_ptr(), v_pool.data_ptr(), gk.data_ptr(), gv.data_ptr(),
-                                              row_ptr(d_lens, b), row_ptr(d_table, b), stream_ptr, err, 512),
+                                              row_ptr(d_lens, b), row_ptr(d_table, b), None, None, stream_ptr, err,
+                                              512),
                    "gather")
 
     def paged():

@@ -127,28 +127,16 @@ uint8_t* PoolRow(CpuKvPool& pool, int layer, int kv, const StepSequence& s, int6
              static_cast<int64_t>(shape.kv_bytes());
 }
 
-// One appended row (kv_heads x head_dim elements of the shape's dtype) as the cache stores it: as it came, or as
-// float8 codes of x / descale of its kv head (what the CUDA backend's append writes, bit for bit).
-void StoreRow(const SequenceShape& shape, const float* descale, const uint16_t* in, uint8_t* out) {
-  const int64_t n = int64_t{shape.kv_heads} * shape.head_dim;
-  if (shape.kv_format == KvFormat::kAsDtype) {
-    std::memcpy(out, in, static_cast<size_t>(n) * sizeof(uint16_t));
-    return;
-  }
-  for (int64_t i = 0; i < n; ++i) {
+// A float8 cache's rows (kv_heads x head_dim elements): an appended row stored as the codes of x / descale of each
+// element's kv head (what the CUDA backend's append writes, bit for bit), and read back as code x descale rounded
+// once to the dtype (as the CUDA backend's gather for its prefill kernels).
+void QuantizeRow(const SequenceShape& shape, const float* descale, const uint16_t* in, uint8_t* out) {
+  for (int64_t i = 0; i < int64_t{shape.kv_heads} * shape.head_dim; ++i) {
     out[i] = FloatToFp8E4M3(HalfToFloat(shape.dtype, in[i]) / descale[i / shape.head_dim]);
   }
 }
-
-// One cached row read back in the shape's dtype: a float8 code times its kv head's descale, rounded once (as the
-// CUDA backend's gather for its prefill kernels).
-void LoadRow(const SequenceShape& shape, const float* descale, const uint8_t* in, uint16_t* out) {
-  const int64_t n = int64_t{shape.kv_heads} * shape.head_dim;
-  if (shape.kv_format == KvFormat::kAsDtype) {
-    std::memcpy(out, in, static_cast<size_t>(n) * sizeof(uint16_t));
-    return;
-  }
-  for (int64_t i = 0; i < n; ++i) {
+void DequantizeRow(const SequenceShape& shape, const float* descale, const uint8_t* in, uint16_t* out) {
+  for (int64_t i = 0; i < int64_t{shape.kv_heads} * shape.head_dim; ++i) {
     out[i] = FloatToHalf(shape.dtype, Fp8E4M3ToFloat(in[i]) * descale[i / shape.head_dim]);
   }
 }
@@ -176,11 +164,18 @@ void AppendRows(CpuKvPool& pool, const StepJob& job, const uint16_t* k, const ui
   const SequenceShape& shape = pool.shape();
   const int64_t row_elems = int64_t{shape.kv_heads} * shape.head_dim;
   const float* descale[2] = {LayerDescales(shape, job.layer, 0), LayerDescales(shape, job.layer, 1)};
+  const auto store = [&](int kv, const uint16_t* in, uint8_t* out) {
+    if (descale[kv] == nullptr) {
+      std::memcpy(out, in, shape.row_bytes());
+    } else {
+      QuantizeRow(shape, descale[kv], in, out);
+    }
+  };
   int64_t r = 0;
   for (const StepSequence& s : job.sequences) {
     for (int64_t t = 0; t < s.tokens; ++t, ++r) {
-      StoreRow(shape, descale[0], k + r * row_elems, PoolRow(pool, job.layer, 0, s, s.cached + t));
-      StoreRow(shape, descale[1], v + r * row_elems, PoolRow(pool, job.layer, 1, s, s.cached + t));
+      store(0, k + r * row_elems, PoolRow(pool, job.layer, 0, s, s.cached + t));
+      store(1, v + r * row_elems, PoolRow(pool, job.layer, 1, s, s.cached + t));
     }
   }
 }
@@ -210,8 +205,15 @@ absl::Status Attend(CpuKvPool& pool, StepJob& job, const uint16_t* q, int comput
       return absl::ResourceExhaustedError("out of host memory for a sequence's keys");
     }
     for (int64_t t = 0; t < n; ++t) {
-      LoadRow(shape, descale[0], PoolRow(pool, job.layer, 0, s, t), keys.data() + t * row_elems);
-      LoadRow(shape, descale[1], PoolRow(pool, job.layer, 1, s, t), values.data() + t * row_elems);
+      for (int kv = 0; kv < 2; ++kv) {
+        const uint8_t* in = PoolRow(pool, job.layer, kv, s, t);
+        uint16_t* out = (kv == 0 ? keys : values).data() + t * row_elems;
+        if (descale[kv] == nullptr) {
+          std::memcpy(out, in, shape.row_bytes());
+        } else {
+          DequantizeRow(shape, descale[kv], in, out);
+        }
+      }
     }
     Problem p;
     p.shape = Shape{1, s.tokens, n, job.q_heads, shape.kv_heads, shape.head_dim};

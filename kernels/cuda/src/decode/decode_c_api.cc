@@ -119,16 +119,9 @@ size_t attnd_decode_plan_counter_bytes(const attnd_decode_plan* plan) {
 int attnd_decode_plan_num_splits(const attnd_decode_plan* plan) { return plan == nullptr ? 0 : plan->plan.max_splits; }
 
 int attnd_decode_launch(const attnd_decode_plan* plan, const void* q, const void* k, const void* v, void* o,
-                        float* lse, const int32_t* kv_lens, const int32_t* block_table, void* workspace,
-                        int32_t* counters, void* stream, char* err, size_t err_len) {
-  return attnd_decode_launch_fp8(plan, q, k, v, o, lse, kv_lens, block_table, nullptr, nullptr, workspace, counters,
-                                 stream, err, err_len);
-}
-
-int attnd_decode_launch_fp8(const attnd_decode_plan* plan, const void* q, const void* k, const void* v, void* o,
-                            float* lse, const int32_t* kv_lens, const int32_t* block_table, const float* k_descale,
-                            const float* v_descale, void* workspace, int32_t* counters, void* stream, char* err,
-                            size_t err_len) {
+                        float* lse, const int32_t* kv_lens, const int32_t* block_table, const float* k_descale,
+                        const float* v_descale, void* workspace, int32_t* counters, void* stream, char* err,
+                        size_t err_len) {
   if (plan == nullptr) return Fail(absl::InvalidArgumentError("plan: null"), err, err_len);
   attnd::kernels::decode::DecodeTensors t{q, k, v, o, lse, kv_lens, block_table};
   t.k_descale = k_descale;
@@ -142,15 +135,8 @@ void attnd_decode_plan_destroy(attnd_decode_plan* plan) { delete plan; }
 
 int attnd_decode_append(const attnd_decode_layout* layout, int new_len, const int32_t* host_kv_lens,
                         const int32_t* host_block_table, const void* new_k, const void* new_v, void* k, void* v,
-                        const int32_t* kv_lens, const int32_t* block_table, void* stream, char* err, size_t err_len) {
-  return attnd_decode_append_fp8(layout, new_len, host_kv_lens, host_block_table, new_k, new_v, k, v, kv_lens,
-                                 block_table, nullptr, nullptr, stream, err, err_len);
-}
-
-int attnd_decode_append_fp8(const attnd_decode_layout* layout, int new_len, const int32_t* host_kv_lens,
-                            const int32_t* host_block_table, const void* new_k, const void* new_v, void* k, void* v,
-                            const int32_t* kv_lens, const int32_t* block_table, const float* k_descale,
-                            const float* v_descale, void* stream, char* err, size_t err_len) {
+                        const int32_t* kv_lens, const int32_t* block_table, const float* k_descale,
+                        const float* v_descale, void* stream, char* err, size_t err_len) {
   return CopyKv<AppendPlan>(err, err_len, layout, new_len, host_kv_lens, host_block_table, [&](const auto& plan) {
     return LaunchAppend(plan, {new_k, new_v, k, v, kv_lens, block_table, k_descale, v_descale},
                         static_cast<cudaStream_t>(stream));
@@ -159,15 +145,8 @@ int attnd_decode_append_fp8(const attnd_decode_layout* layout, int new_len, cons
 
 int attnd_decode_gather(const attnd_decode_layout* layout, int capacity, const int32_t* host_kv_lens,
                         const int32_t* host_block_table, const void* k, const void* v, void* out_k, void* out_v,
-                        const int32_t* kv_lens, const int32_t* block_table, void* stream, char* err, size_t err_len) {
-  return attnd_decode_gather_fp8(layout, capacity, host_kv_lens, host_block_table, k, v, out_k, out_v, kv_lens,
-                                 block_table, nullptr, nullptr, stream, err, err_len);
-}
-
-int attnd_decode_gather_fp8(const attnd_decode_layout* layout, int capacity, const int32_t* host_kv_lens,
-                            const int32_t* host_block_table, const void* k, const void* v, void* out_k, void* out_v,
-                            const int32_t* kv_lens, const int32_t* block_table, const float* k_descale,
-                            const float* v_descale, void* stream, char* err, size_t err_len) {
+                        const int32_t* kv_lens, const int32_t* block_table, const float* k_descale,
+                        const float* v_descale, void* stream, char* err, size_t err_len) {
   return CopyKv<GatherPlan>(err, err_len, layout, capacity, host_kv_lens, host_block_table, [&](const auto& plan) {
     return LaunchGather(plan, {k, v, out_k, out_v, kv_lens, block_table, k_descale, v_descale},
                         static_cast<cudaStream_t>(stream));
