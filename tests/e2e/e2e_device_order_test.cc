@@ -80,7 +80,11 @@ class DeviceOrder : public ::testing::Test {
     so_.shm.socket = absl::StrCat(::testing::TempDir(), "/attnd_dorder_", ::getpid(), ".shm");
     so_.sequences.order_timeout = absl::Milliseconds(300);
     server::BackendOptions bo;
-    bo.threads = 1;
+    // A worker for each step in flight (one, and the one admitted behind it): on a GPU each step that reports
+    // itself queued holds its stream, but here it still needs a worker once its word comes. The step behind may
+    // run first (the server released its word before the other's) and its end waits on its worker for the one
+    // before it; with one worker, that one would never run.
+    bo.threads = 2;
     auto cpu = server::MakeBackend("cpu", bo);
     ASSERT_TRUE(cpu.ok()) << cpu.status();
     auto srv = server::Server::Create(so_, std::make_unique<HostPlaysDevice>(std::move(*cpu)));
