@@ -14,6 +14,52 @@ v1::MaskType ToProto(Mask m) { return proto::MaskToProto(m); }
 absl::StatusOr<DType> FromProto(v1::Dtype t) { return proto::DtypeFromProto(t, "dtype"); }
 absl::StatusOr<Mask> FromProto(v1::MaskType m) { return proto::MaskFromProto(m, "mask"); }
 
+float SequenceShape::DescaleAt(const std::vector<float>& descale, int64_t layer, int64_t head) const {
+  const size_t n = descale.size();
+  if (n == 0) return 1.f;
+  if (n == 1) return descale[0];
+  if (n == static_cast<size_t>(layers)) return descale[static_cast<size_t>(layer)];
+  // Any other count is one the server refuses at open, so no cache of this shape exists to read.
+  const size_t i = static_cast<size_t>(layer * kv_heads + head);
+  return i < n ? descale[i] : 1.f;
+}
+
+std::string KvDtypeName(const SequenceShape& s) {
+  return s.kv_format == KvFormat::kFp8E4M3 ? "fp8_e4m3" : DTypeName(s.dtype);
+}
+
+v1::SequenceShape ToProto(const SequenceShape& s) {
+  v1::SequenceShape p;
+  p.set_layers(s.layers);
+  p.set_kv_heads(s.kv_heads);
+  p.set_head_dim(s.head_dim);
+  p.set_dtype(ToProto(s.dtype));
+  if (s.kv_format == KvFormat::kFp8E4M3) p.set_kv_dtype(v1::DTYPE_FP8_E4M3);
+  // Sent as given, also for a 16-bit cache: the server is the one that refuses them there, naming the field.
+  p.mutable_k_descale()->Add(s.k_descale.begin(), s.k_descale.end());
+  p.mutable_v_descale()->Add(s.v_descale.begin(), s.v_descale.end());
+  return p;
+}
+
+absl::StatusOr<SequenceShape> FromProto(const v1::SequenceShape& p) {
+  SequenceShape s;
+  s.layers = p.layers();
+  s.kv_heads = p.kv_heads();
+  s.head_dim = p.head_dim();
+  absl::StatusOr<DType> dtype = proto::DtypeFromProto(p.dtype(), "shape.dtype");
+  if (!dtype.ok()) return dtype.status();
+  s.dtype = *dtype;
+  if (p.has_kv_dtype() && p.kv_dtype() == v1::DTYPE_FP8_E4M3) {
+    s.kv_format = KvFormat::kFp8E4M3;
+  } else if (p.has_kv_dtype() && p.kv_dtype() != p.dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat("shape.kv_dtype: ", v1::Dtype_Name(p.kv_dtype()),
+                                                   " is neither shape.dtype nor DTYPE_FP8_E4M3"));
+  }
+  s.k_descale.assign(p.k_descale().begin(), p.k_descale().end());
+  s.v_descale.assign(p.v_descale().begin(), p.v_descale().end());
+  return s;
+}
+
 v1::ForwardRequest MakeForwardRequest(const RequestSpec& spec, std::string q, std::string k, std::string v) {
   v1::ForwardRequest r;
   r.set_request_id(spec.request_id);

@@ -222,11 +222,7 @@ absl::StatusOr<v1::OpenSequenceResponse> Client::PlaceSequences(const v1::OpenSe
 absl::StatusOr<OpenedSequences> Client::OpenSequence(const SequenceShape& shape, int64_t max_tokens, uint32_t count,
                                                      const CallOptions& call) {
   v1::OpenSequenceRequest req;
-  v1::SequenceShape* s = req.mutable_shape();
-  s->set_layers(shape.layers);
-  s->set_kv_heads(shape.kv_heads);
-  s->set_head_dim(shape.head_dim);
-  s->set_dtype(ToProto(shape.dtype));
+  *req.mutable_shape() = ToProto(shape);
   req.set_max_tokens(max_tokens);
   req.set_count(count);
   absl::StatusOr<v1::OpenSequenceResponse> opened = PlaceSequences(req, call);

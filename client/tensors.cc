@@ -8,6 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "attnd/client/client.h"
+#include "attnd/fp8.h"
 #include "attnd/half.h"
 #include "attnd/reference.h"
 
@@ -64,6 +66,18 @@ std::string RandomTensor(DType dtype, int64_t elems, uint64_t seed) {
   auto* p = reinterpret_cast<uint16_t*>(out.data());
   for (int64_t i = 0; i < elems; ++i) p[i] = FloatToHalf(dtype, dist(rng));
   return out;
+}
+
+std::string CachedRows(const SequenceShape& shape, const std::vector<float>& descale, int64_t layer,
+                       std::string rows) {
+  if (shape.kv_format != KvFormat::kFp8E4M3) return rows;
+  auto* h = reinterpret_cast<uint16_t*>(rows.data());
+  const size_t elems = rows.size() / 2, head_dim = static_cast<size_t>(shape.head_dim);
+  for (size_t i = 0; i < elems; ++i) {
+    const float d = shape.DescaleAt(descale, layer, static_cast<int64_t>((i / head_dim) % shape.kv_heads));
+    h[i] = FloatToHalf(shape.dtype, Fp8E4M3ToFloat(FloatToFp8E4M3(HalfToFloat(shape.dtype, h[i]) / d)) * d);
+  }
+  return rows;
 }
 
 absl::StatusOr<std::string> ReadTensorFile(const std::string& path, uint64_t expected_bytes) {

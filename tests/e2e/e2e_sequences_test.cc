@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -111,8 +112,8 @@ class SequencesTest : public ::testing::TestWithParam<Via> {
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->transport, StepTransport(GetParam()));
     EXPECT_EQ(r->backend, "cpu");
-    h.k[layer] += k;
-    h.v[layer] += v;
+    h.k[layer] += client::CachedRows(shape, shape.k_descale, layer, k);
+    h.v[layer] += client::CachedRows(shape, shape.v_descale, layer, v);
     const int64_t keys = static_cast<int64_t>(h.k[layer].size()) / (shape.kv_heads * shape.head_dim * 2);
     ASSERT_EQ(r->lengths.size(), 1u);
     EXPECT_EQ(r->lengths[0], keys);
@@ -141,6 +142,69 @@ TEST_P(SequencesTest, PrefillThenDecodeMatchesTheReferenceOverTheWholeHistory) {
   EXPECT_EQ(info->shape().kv_heads(), shape.kv_heads);
   ASSERT_TRUE(client_->CloseSequence(ids).ok());
   EXPECT_EQ(client_->GetSequence(ids[0]).status().code(), absl::StatusCode::kNotFound);
+}
+
+// A float8 cache: every step attends over the history as the cache holds it (each row quantized with its layer's and
+// kv head's descales), which the reference sees through CachedRows; GetSequence gives the shape back as opened. The
+// descales differ by layer and head, down to 1/256, where |x| >= 1.75 saturates: a reference over the rows as sent
+// fails, so the check shows the quantization.
+TEST_P(SequencesTest, Float8CacheStepsSeeTheQuantizedHistory) {
+  client::SequenceShape shape = TestShape();
+  shape.kv_format = client::KvFormat::kFp8E4M3;
+  shape.k_descale = {1.f / 64, 1.f / 256, 0.5f, 1.f / 32};  // layers x kv_heads, layer-major
+  shape.v_descale = {1.f / 256, 1.f / 16};                   // one per layer
+  const std::vector<std::string> ids = Open(shape);
+  ASSERT_EQ(ids.size(), 1u);
+  auto info = client_->GetSequence(ids[0]);
+  ASSERT_TRUE(info.ok()) << info.status();
+  absl::StatusOr<client::SequenceShape> back = client::FromProto(info->shape());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->kv_format, client::KvFormat::kFp8E4M3);
+  EXPECT_EQ(back->k_descale, shape.k_descale);
+  EXPECT_EQ(back->v_descale, std::vector<float>({1.f / 256, 1.f / 256, 1.f / 16, 1.f / 16}));  // per head
+  // The first step's rows: the first query sees one key, so its O is that key's V as cached.
+  const int64_t tokens = 8;
+  const std::string q = client::RandomTensor(shape.dtype, tokens * kQHeads * shape.head_dim, 61);
+  const std::string k = client::RandomTensor(shape.dtype, tokens * shape.kv_heads * shape.head_dim, 62);
+  const std::string v = client::RandomTensor(shape.dtype, tokens * shape.kv_heads * shape.head_dim, 63);
+  client::StepSpec spec;
+  spec.sequences = {{ids[0], tokens}};
+  spec.q_heads = kQHeads;
+  spec.want_lse = true;
+  spec.q.data = q;
+  spec.k.data = k;
+  spec.v.data = v;
+  auto r = client_->Step(spec);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(CheckRows(shape, kQHeads, q, k, v, r->o, r->lse, true), "");
+  History h(shape.layers);
+  h.k[0] = client::CachedRows(shape, shape.k_descale, 0, k);
+  h.v[0] = client::CachedRows(shape, shape.v_descale, 0, v);
+  EXPECT_EQ(CheckRows(shape, kQHeads, q, h.k[0], h.v[0], r->o, r->lse, true), "");
+  uint64_t seed = 600;
+  StepAndCheck(ids[0], h, shape, 1, 37, true, ++seed);
+  for (int step = 0; step < 3; ++step) {
+    for (int64_t layer = 0; layer < shape.layers; ++layer) StepAndCheck(ids[0], h, shape, layer, 1, step % 2, ++seed);
+  }
+  ASSERT_TRUE(client_->CloseSequence(ids).ok());
+  // Descales the server refuses, each naming its field.
+  for (const auto& [k_descale, v_descale, field] :
+       {std::tuple<std::vector<float>, std::vector<float>, std::string>{{}, {1.f}, "shape.k_descale"},
+        {{1.f, 1.f, 1.f}, {1.f}, "shape.k_descale"},
+        {{1.f}, {0.f}, "shape.v_descale[0]"},
+        {{1.f, -1.f}, {1.f}, "shape.k_descale[1]"}}) {
+    client::SequenceShape bad = shape;
+    bad.k_descale = k_descale;
+    bad.v_descale = v_descale;
+    auto refused = client_->OpenSequence(bad);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << field << ": " << refused.status();
+    EXPECT_TRUE(absl::StartsWith(refused.status().message(), field)) << refused.status();
+  }
+  client::SequenceShape sixteen = TestShape();
+  sixteen.k_descale = {1.f};
+  auto refused = client_->OpenSequence(sixteen);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_TRUE(absl::StartsWith(refused.status().message(), "shape.k_descale")) << refused.status();
 }
 
 // Append-only (prefill without q) and attend-only (q without k/v) steps, and the layers filled unevenly.

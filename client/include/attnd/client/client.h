@@ -191,13 +191,38 @@ absl::Status CheckReplySizes(const v1::ForwardRequest& request, const ForwardRes
 // that server: a shared-memory channel only reaches this host's server). OpenSequence, ForkSequence,
 // TruncateSequence, CloseSequence and GetSequence always use gRPC.
 
+// How a sequence's cache stores K and V (SequenceShape.kv_dtype in attention.proto).
+enum class KvFormat {
+  kAsDtype,  // as the rows arrive: SequenceShape::dtype
+  // float8 e4m3 codes, half the bytes: an appended element x of kv head h at layer l is cached as the code nearest
+  // x / descale[l, h] (attnd/fp8.h) and every step's attention reads code x descale[l, h].
+  kFp8E4M3,
+};
+
 // What a sequence caches (OpenSequence); fixed for its life.
 struct SequenceShape {
   int64_t layers = 1;
   int64_t kv_heads = 1;
   int64_t head_dim = 128;
-  DType dtype = DType::kBF16;
+  DType dtype = DType::kBF16;  // of Q, O and the K/V rows a step sends
+  KvFormat kv_format = KvFormat::kAsDtype;
+  // kFp8E4M3 only (the server refuses them otherwise, and requires them with it): the fp32 descales of K and of V,
+  // each finite and > 0: one for all, one per layer (`layers` values), or one per layer and kv head (layers x
+  // kv_heads, layer-major). docs/sequences.md, "Float8 caches". ({}: brace-initialized shapes may leave them out.)
+  std::vector<float> k_descale{}, v_descale{};
+
+  // Bytes of one cached element of K or V: 1 for float8, else the dtype's.
+  uint64_t kv_bytes() const { return kv_format == KvFormat::kFp8E4M3 ? 1 : static_cast<uint64_t>(DTypeBytes(dtype)); }
+  // The value of `descale` (k_descale or v_descale, in any of its three forms) for kv head `head` at `layer`; 1 when
+  // it is empty.
+  float DescaleAt(const std::vector<float>& descale, int64_t layer, int64_t head) const;
 };
+// "bf16" | "fp16" (kAsDtype: the dtype's name) | "fp8_e4m3".
+std::string KvDtypeName(const SequenceShape& s);
+// The OpenSequence shape of a SequenceShape and back: the one place the client maps the two. FromProto is
+// INVALID_ARGUMENT for a dtype or kv_dtype it does not know.
+v1::SequenceShape ToProto(const SequenceShape& s);
+absl::StatusOr<SequenceShape> FromProto(const v1::SequenceShape& s);
 
 struct OpenedSequences {
   std::vector<std::string> ids;  // `count` of them, in the server's order

@@ -13,9 +13,19 @@
 
 namespace attnd::client {
 
+struct SequenceShape;  // attnd/client/client.h
+
 // `elems` elements of `dtype` drawn from N(0, 1) with `seed` (deterministic for a given seed), as raw
 // little-endian bytes. Random, never constant: a kernel that ignores part of its input must show up.
 std::string RandomTensor(DType dtype, int64_t elems, uint64_t seed);
+
+// K or V rows as a sequence's cache gives them back to every step's attention: the history a client that verifies
+// the steps keeps. `rows` ([n, kv_heads, head_dim] of shape.dtype, appended at `layer`) come back unchanged from a
+// 16-bit cache; from a float8 one each element x of kv head h comes back as Fp8E4M3ToFloat(FloatToFp8E4M3(x / d))
+// x d rounded to the dtype, d = shape.DescaleAt(descale, layer, h), as the server stores and reads it. `descale`:
+// shape.k_descale for K rows, shape.v_descale for V rows.
+std::string CachedRows(const SequenceShape& shape, const std::vector<float>& descale, int64_t layer,
+                       std::string rows);
 
 // The whole file, which must hold exactly `expected_bytes` bytes (the shape's size).
 absl::StatusOr<std::string> ReadTensorFile(const std::string& path, uint64_t expected_bytes);
