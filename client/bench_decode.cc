@@ -104,8 +104,8 @@ absl::StatusOr<SeqRunReport> RunSequence(Client& client, const SeqRunOptions& o)
     layer_us_sum += absl::ToDoubleMicroseconds(r->latency);
     kernel_us_sum += r->timing.timing().kernel_us();
     ++layer_calls;
-    k_hist[layer] += k;
-    v_hist[layer] += v;
+    k_hist[layer] += CachedRows(shape, shape.k_descale, layer, k);
+    v_hist[layer] += CachedRows(shape, shape.v_descale, layer, v);
     const int64_t keys = static_cast<int64_t>(k_hist[layer].size() / kv_row);
     if (r->lengths[0] != keys) {
       return absl::InternalError(absl::StrCat("layer ", layer, ": the server reports ", r->lengths[0],
@@ -146,7 +146,8 @@ absl::StatusOr<SeqRunReport> RunSequence(Client& client, const SeqRunOptions& o)
                              report.prefill_us / 1e3));
     }
     if (!o.move_to.empty()) {
-      if (absl::Status s = MoveDuringRun(client, o, 2 * kv_row * shape.layers, report); !s.ok()) return s;
+      const uint64_t token_bytes = 2 * static_cast<uint64_t>(shape.kv_heads * shape.head_dim) * shape.kv_bytes();
+      if (absl::Status s = MoveDuringRun(client, o, token_bytes * shape.layers, report); !s.ok()) return s;
     }
     for (int64_t i = 0; i < o.steps; ++i) {
       const absl::Time t0 = absl::Now();
@@ -278,7 +279,7 @@ void DecodeCaller(DecodePhase& p, int c, CallerStats& st) {
   const int per_caller = p.per_caller;
   const int64_t kv_elems_row = shape.kv_heads * shape.head_dim;
   const int64_t q_elems_row = p.q_heads * shape.head_dim;
-  const uint64_t ebytes = DTypeBytes(shape.dtype);
+  const uint64_t ebytes = shape.kv_bytes();  // of a cached element, what attention reads
   const std::string q = RandomTensor(shape.dtype, per_caller * q_elems_row, o.seed * 11 + c);
   const std::string k = RandomTensor(shape.dtype, per_caller * kv_elems_row, o.seed * 13 + c);
   const std::string v = RandomTensor(shape.dtype, per_caller * kv_elems_row, o.seed * 17 + c);
@@ -431,8 +432,9 @@ absl::StatusOr<DecodeBenchReport> RunDecodeBench(Client& client, const DecodeBen
 std::string FormatDecodeReport(const DecodeBenchReport& r) {
   std::string out;
   absl::StrAppendFormat(&out, "bench decode: %s over %s\n", r.target, r.transport);
-  absl::StrAppendFormat(&out, "  shape: %d layers, q_heads %d, kv_heads %d, head_dim %d, %s\n", r.shape.layers,
-                        r.q_heads, r.shape.kv_heads, r.shape.head_dim, DTypeName(r.shape.dtype));
+  absl::StrAppendFormat(&out, "  shape: %d layers, q_heads %d, kv_heads %d, head_dim %d, %s%s\n", r.shape.layers,
+                        r.q_heads, r.shape.kv_heads, r.shape.head_dim, DTypeName(r.shape.dtype),
+                        r.shape.kv_format == KvFormat::kFp8E4M3 ? ", fp8_e4m3 K/V cache" : "");
   absl::StrAppendFormat(&out, "  load: %d sequences, context %d, %d steps each, %s\n", r.sequences, r.context, r.steps,
                         r.one_message ? "one Step message per layer for all sequences"
                                       : "one Step message per sequence per layer, one thread per sequence");
@@ -464,7 +466,8 @@ std::string DecodeReportJson(const DecodeBenchReport& r) {
   for (const auto& [c, n] : r.errors_by_code) absl::StrAppend(&codes, codes.empty() ? "" : ", ", "\"", c, "\": ", n);
   return absl::StrFormat(
       "{\n  \"workload\": \"decode\",\n  \"target\": \"%s\",\n  \"transport\": \"%s\",\n  \"layers\": %d,\n"
-      "  \"q_heads\": %d,\n  \"kv_heads\": %d,\n  \"head_dim\": %d,\n  \"dtype\": \"%s\",\n  \"sequences\": %d,\n"
+      "  \"q_heads\": %d,\n  \"kv_heads\": %d,\n  \"head_dim\": %d,\n  \"dtype\": \"%s\",\n"
+      "  \"kv_dtype\": \"%s\",\n  \"sequences\": %d,\n"
       "  \"context\": %d,\n  \"steps\": %d,\n  \"one_message\": %s,\n  \"calls_ok\": %d,\n  \"errors\": %d,\n"
       "  \"elapsed_s\": %.6f,\n  \"tokens_per_s\": %.3f,\n  \"lat_mean_us\": %.3f,\n  \"lat_p50_us\": %.3f,\n"
       "  \"lat_p90_us\": %.3f,\n  \"lat_p99_us\": %.3f,\n  \"lat_max_us\": %.3f,\n  \"srv_queue_us\": %.3f,\n"
@@ -472,10 +475,10 @@ std::string DecodeReportJson(const DecodeBenchReport& r) {
       "  \"outside_p50_us\": %.3f,\n  \"outside_p99_us\": %.3f,\n"
       "  \"hbm_gbps\": %.4f,\n  \"batch_sequences\": {%s},\n  \"errors_by_code\": {%s}\n}\n",
       r.target, r.transport, r.shape.layers, r.q_heads, r.shape.kv_heads, r.shape.head_dim, DTypeName(r.shape.dtype),
-      r.sequences, r.context, r.steps, r.one_message ? "true" : "false", r.calls_ok, r.errors, r.elapsed_s,
-      r.tokens_per_s, r.lat_mean_us, r.lat_p50_us, r.lat_p90_us, r.lat_p99_us, r.lat_max_us, r.srv_queue_us,
-      r.srv_h2d_us, r.srv_kernel_us, r.srv_d2h_us, r.srv_total_us, r.outside_p50_us, r.outside_p99_us, r.hbm_gbps,
-      batches, codes);
+      KvDtypeName(r.shape), r.sequences, r.context, r.steps, r.one_message ? "true" : "false", r.calls_ok, r.errors,
+      r.elapsed_s, r.tokens_per_s, r.lat_mean_us, r.lat_p50_us, r.lat_p90_us, r.lat_p99_us, r.lat_max_us,
+      r.srv_queue_us, r.srv_h2d_us, r.srv_kernel_us, r.srv_d2h_us, r.srv_total_us, r.outside_p50_us, r.outside_p99_us,
+      r.hbm_gbps, batches, codes);
 }
 
 }  // namespace attnd::client

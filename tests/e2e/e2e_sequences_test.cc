@@ -592,6 +592,24 @@ TEST_P(SequencesTest, RunSequenceVerifiesEveryStep) {
   EXPECT_EQ(client_->GetSequence(r->sequence_id).status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST_P(SequencesTest, RunSequenceVerifiesFloat8Steps) {
+  client::SeqRunOptions o;
+  o.shape = TestShape(3);
+  o.shape.kv_format = client::KvFormat::kFp8E4M3;
+  o.shape.k_descale = {1.f / 64, 1.f / 256, 1.f / 8};  // per layer; 1/256 saturates the larger rows
+  o.shape.v_descale = {1.f / 128};
+  o.q_heads = kQHeads;
+  o.prefill = 24;
+  o.steps = 3;
+  o.verify = true;
+  o.want_lse = true;
+  auto r = client::RunSequence(*client_, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->verified, 3 * (1 + 3));
+  EXPECT_EQ(r->verify_failures, 0) << r->first_verify_failure;
+  EXPECT_EQ(r->final_lengths, std::vector<int64_t>({27, 27, 27}));
+}
+
 TEST_P(SequencesTest, DecodeBenchPerSequenceAndOneMessage) {
   for (bool one_message : {false, true}) {
     SCOPED_TRACE(one_message ? "one message" : "per sequence");
@@ -681,6 +699,44 @@ TEST_P(SequencesTest, AttnSeqAndDecodeBench) {
   EXPECT_TRUE(absl::StrContains(bad_out, "--q_heads")) << bad_out;
   auto [w_rc, w_out] = RunCommand(absl::StrCat(ATTN_BINARY, " bench --workload=nope", common));
   EXPECT_EQ(w_rc, 2) << w_out;
+}
+
+// attn seq --verify and the decode bench over float8 caches (--kv_dtype=fp8_e4m3, the default --kv_descale), and
+// the flags' refusals.
+TEST_P(SequencesTest, AttnSeqAndDecodeBenchFloat8) {
+  std::string common = absl::StrCat(" --target=", client_->options().target);
+  if (GetParam() == Via::kShm) absl::StrAppend(&common, " --transport=shm --shm_socket=", server_->shm_path);
+  if (GetParam() == Via::kTcpUnary) absl::StrAppend(&common, " --transport=unary");
+  const std::string shape = " --layers=2 --q_heads=4 --kv_heads=2 --head_dim=64 --kv_dtype=fp8_e4m3";
+  auto [rc, out] = RunCommand(absl::StrCat(ATTN_BINARY, " seq --verify --lse --prefill=24 --steps=3", common, shape));
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_TRUE(absl::StrContains(out, "verified: 8 layer-steps, 0 failed")) << out;
+  // A descale that saturates most rows (|x| >= 448 / 1024): the reference quantizes them as the cache does.
+  auto [s_rc, s_out] = RunCommand(absl::StrCat(ATTN_BINARY, " seq --verify --prefill=8 --steps=2 --dtype=fp16",
+                                               " --kv_descale=", 1.0 / 1024, common, shape));
+  EXPECT_EQ(s_rc, 0) << s_out;
+  EXPECT_TRUE(absl::StrContains(s_out, "verified: 6 layer-steps, 0 failed")) << s_out;
+
+  const std::string json =
+      absl::StrCat(::testing::TempDir(), "/attn_decode_fp8_", ::getpid(), "_", ViaName(GetParam()), ".json");
+  auto [b_rc, b_out] = RunCommand(absl::StrCat(ATTN_BINARY, " bench --workload=decode --sequences=2 --context=16 "
+                                               "--steps=2 --progress=false --json=", json, common, shape));
+  EXPECT_EQ(b_rc, 0) << b_out;
+  EXPECT_TRUE(absl::StrContains(b_out, "Step calls: 8 ok, 0 errors")) << b_out;
+  EXPECT_TRUE(absl::StrContains(b_out, "bf16, fp8_e4m3 K/V cache")) << b_out;
+  std::FILE* f = std::fopen(json.c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  char buf[4096] = {};
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  std::remove(json.c_str());
+  EXPECT_TRUE(absl::StrContains(std::string(buf, n), "\"kv_dtype\": \"fp8_e4m3\"")) << buf;
+
+  for (const char* bad : {" --kv_descale=0", " --kv_descale=-1", " --kv_dtype=fp16", " --kv_dtype=int8"}) {
+    auto [bad_rc, bad_out] = RunCommand(absl::StrCat(ATTN_BINARY, " seq", common, shape, bad));
+    EXPECT_EQ(bad_rc, 1) << bad << ": " << bad_out;
+    EXPECT_TRUE(absl::StrContains(bad_out, std::string(bad).substr(1, std::string(bad).find('=') - 1))) << bad_out;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, SequencesTest,

@@ -133,7 +133,8 @@ std::string FormatErrors(const std::map<std::string, int64_t>& errors_by_code, c
 // `attn seq`: one sequence opened, prefilled with `prefill` random tokens on every layer (append and attend),
 // decoded `steps` steps (each step appends one token and attends, on every layer in turn), then closed (also
 // after a failure). With verify, every step's O (and LSE) on every layer is checked against the double-precision
-// reference over the whole cached history, which the run keeps on the client.
+// reference over the whole cached history, which the run keeps on the client as the cache gives it back
+// (CachedRows: quantized with the descales for a float8 cache).
 struct SeqRunOptions {
   SequenceShape shape;
   int64_t q_heads = 0;  // 0: kv_heads
@@ -206,9 +207,10 @@ struct DecodeBenchReport {
   // library, the transport, the server's handling before and after the step), p50 and p99 in microseconds.
   double outside_p50_us = 0, outside_p99_us = 0;
   // Achieved K/V read bandwidth, GB/s = sum over calls of B_c / sum over calls of (kernel_c x n_c / N_c), where
-  // B_c = sum over the call's sequences of 2 x keys x kv_heads x head_dim x dtype bytes (K and V of every cached
-  // key, the new one included: what attention reads), n_c the call's sequences and N_c its batch_sequences (a
-  // call's share of the launch it joined, whose kernel time every joined call reports).
+  // B_c = sum over the call's sequences of 2 x keys x kv_heads x head_dim x bytes of a cached element (the dtype's,
+  // 1 for float8: K and V of every cached key, the new one included, as attention reads them), n_c the call's
+  // sequences and N_c its batch_sequences (a call's share of the launch it joined, whose kernel time every joined
+  // call reports).
   double hbm_gbps = 0;
 };
 
