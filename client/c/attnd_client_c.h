@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define ATTND_C_ABI_VERSION 5
+#define ATTND_C_ABI_VERSION 6
 
 enum attnd_transport {
   ATTND_TRANSPORT_DEFAULT = -1, /* per call: the client's transport */
@@ -127,9 +127,23 @@ int32_t attnd_unregister_cuda_buffer(attnd_client* client, const char* buffer_id
  * the call's transport is shm (the client's shm_socket), over the unary Step RPC when it is unary, else (auto,
  * stream) as one message on a StepStream the client keeps open (docs/sequences.md). */
 
+/* How a sequence's cache stores K and V (docs/sequences.md, "Float8 caches"). */
+enum attnd_kv_format {
+  ATTND_KV_AS_DTYPE = 0, /* as the rows arrive: the shape's dtype */
+  /* float8 e4m3 codes, half the bytes: an appended element x of kv head h at layer l is cached as the code nearest
+   * x / descale[l, h] and every step's attention reads code * descale[l, h] */
+  ATTND_KV_FP8_E4M3 = 1,
+};
+
 typedef struct attnd_sequence_shape {
   int64_t layers, kv_heads, head_dim;
-  int32_t dtype; /* enum attnd_dtype */
+  int32_t dtype;     /* enum attnd_dtype: of q, O and the k/v rows a step sends */
+  int32_t kv_format; /* enum attnd_kv_format */
+  /* ATTND_KV_FP8_E4M3 only (the server refuses them otherwise): fp32 descales of K and of V, each finite and > 0:
+   * 1 (for all), `layers` (one per layer) or layers * kv_heads (layer-major) values; NULL with a count of 0. */
+  const float* k_descale;
+  const float* v_descale;
+  int64_t k_descale_count, v_descale_count;
 } attnd_sequence_shape;
 
 /* Opens `count` sequences (0 means 1) of `shape`; max_tokens 0: the server's limit. Returns their ids, NULL on

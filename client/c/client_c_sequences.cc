@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -115,21 +116,46 @@ absl::Status PrepareStep(attnd_client* c, const attnd_step_args* a, attnd::clien
   return absl::OkStatus();
 }
 
+// `count` descales at `values` (NULL with 0), `field` named when they cannot be read.
+absl::StatusOr<std::vector<float>> Descales(const char* field, const float* values, int64_t count) {
+  if (count < 0 || (count > 0 && values == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", count, " values at ", values ? "an address" : "NULL"));
+  }
+  return std::vector<float>(values, values + count);
+}
+
+// The C++ shape of a C one (INVALID_ARGUMENT naming a field the library cannot map; the server checks the rest).
+absl::StatusOr<attnd::client::SequenceShape> ShapeOf(const attnd_sequence_shape& c) {
+  if (c.dtype != ATTND_DTYPE_BF16 && c.dtype != ATTND_DTYPE_FP16) {
+    return absl::InvalidArgumentError(absl::StrCat("shape.dtype: unknown value ", c.dtype));
+  }
+  if (c.kv_format != ATTND_KV_AS_DTYPE && c.kv_format != ATTND_KV_FP8_E4M3) {
+    return absl::InvalidArgumentError(absl::StrCat("shape.kv_format: unknown value ", c.kv_format));
+  }
+  attnd::client::SequenceShape s;
+  s.layers = c.layers;
+  s.kv_heads = c.kv_heads;
+  s.head_dim = c.head_dim;
+  s.dtype = static_cast<DType>(c.dtype);
+  if (c.kv_format == ATTND_KV_FP8_E4M3) s.kv_format = attnd::client::KvFormat::kFp8E4M3;
+  absl::StatusOr<std::vector<float>> k = Descales("shape.k_descale", c.k_descale, c.k_descale_count);
+  if (!k.ok()) return k.status();
+  absl::StatusOr<std::vector<float>> v = Descales("shape.v_descale", c.v_descale, c.v_descale_count);
+  if (!v.ok()) return v.status();
+  s.k_descale = *std::move(k);
+  s.v_descale = *std::move(v);
+  return s;
+}
+
 }  // namespace
 
 ATTND_C_EXPORT char* attnd_sequence_open(attnd_client* client, const attnd_sequence_shape* shape, int64_t max_tokens,
                                          uint32_t count, int64_t* max_tokens_out, int32_t* page_tokens_out,
                                          attnd_error* err) {
   if (shape == nullptr) return Fail(err, absl::InvalidArgumentError("shape: NULL")), nullptr;
-  if (shape->dtype != ATTND_DTYPE_BF16 && shape->dtype != ATTND_DTYPE_FP16) {
-    return Fail(err, absl::InvalidArgumentError(absl::StrCat("shape.dtype: unknown value ", shape->dtype))), nullptr;
-  }
-  attnd::client::SequenceShape s;
-  s.layers = shape->layers;
-  s.kv_heads = shape->kv_heads;
-  s.head_dim = shape->head_dim;
-  s.dtype = static_cast<DType>(shape->dtype);
-  auto opened = client->client->OpenSequence(s, max_tokens, count);
+  absl::StatusOr<attnd::client::SequenceShape> s = ShapeOf(*shape);
+  if (!s.ok()) return Fail(err, s.status()), nullptr;
+  auto opened = client->client->OpenSequence(*s, max_tokens, count);
   if (!opened.ok()) return Fail(err, opened.status()), nullptr;
   if (max_tokens_out != nullptr) *max_tokens_out = opened->max_tokens;
   if (page_tokens_out != nullptr) *page_tokens_out = opened->page_tokens;

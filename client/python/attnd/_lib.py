@@ -9,13 +9,14 @@ import ctypes
 import os
 import struct
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 TRANSPORTS = {"auto": 0, "unary": 1, "stream": 2, "shm": 3}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
 TRANSPORT_DEFAULT = -1  # per call: the client's
 # enum attnd_dtype and enum attnd_mask of the C ABI, not the proto's numbers: the library maps them to those.
 DTYPE_BF16, DTYPE_FP16 = 0, 1
+KV_AS_DTYPE, KV_FP8_E4M3 = 0, 1  # enum attnd_kv_format
 MASK_NONE, MASK_TOP_LEFT, MASK_BOTTOM_RIGHT = 0, 1, 2
 
 
@@ -91,6 +92,11 @@ class SequenceShape(ctypes.Structure):
         ("kv_heads", ctypes.c_int64),
         ("head_dim", ctypes.c_int64),
         ("dtype", ctypes.c_int32),
+        ("kv_format", ctypes.c_int32),
+        ("k_descale", ctypes.POINTER(ctypes.c_float)),
+        ("v_descale", ctypes.POINTER(ctypes.c_float)),
+        ("k_descale_count", ctypes.c_int64),
+        ("v_descale_count", ctypes.c_int64),
     ]
 
 

@@ -27,6 +27,7 @@ import enum
 import itertools
 import json
 import collections
+import numbers
 import re
 import sys
 import threading
@@ -586,15 +587,30 @@ class Client:
 
     # -- KV sequences (docs/sequences.md) ----------------------------------------------------------------------
 
-    def open_sequence(self, layers, kv_heads, head_dim, dtype="bf16", max_tokens=0, count=None):
-        """Opens KV sequences of one shape: a Sequence, or a list of `count` of them. dtype: "bf16" or "fp16";
-        max_tokens 0: the server's limit."""
+    def open_sequence(self, layers, kv_heads, head_dim, dtype="bf16", max_tokens=0, count=None, kv_dtype=None,
+                      k_descale=None, v_descale=None):
+        """Opens KV sequences of one shape: a Sequence, or a list of `count` of them. dtype: "bf16" or "fp16", of
+        q, O and the k/v rows steps send; max_tokens 0: the server's limit.
+
+        kv_dtype: how the cache stores K and V. None or the dtype (its name, or torch.bfloat16 / torch.float16):
+        as sent. torch.float8_e4m3fn or "fp8_e4m3": float8 e4m3 codes, half the bytes; an appended element x of kv
+        head h at layer l is cached as the code nearest x / k_descale[l, h] (saturating at +-448) and every step
+        attends over code * k_descale[l, h] (V likewise). The descales, required with float8 and refused without:
+        each a float (every layer and head), or a list / array / tensor of `layers` values or layers x kv_heads
+        values (a [layers, kv_heads] tensor, or flat layer-major), each finite and > 0 (docs/sequences.md, "Float8
+        caches"). A kv_dtype or descale of another kind is a ValueError; counts and values the server refuses
+        are AttndError INVALID_ARGUMENT naming shape.k_descale or shape.v_descale."""
         if dtype not in _SEQ_DTYPES:
             raise _invalid(f"dtype: {dtype!r} is not 'bf16' or 'fp16'")
         if count is not None and (not isinstance(count, int) or count < 1):
             raise _invalid(f"count: {count!r} is not a positive int")
-        shape = SequenceShape(int(layers), int(kv_heads), int(head_dim), dtype)
-        cs = _lib.SequenceShape(shape.layers, shape.kv_heads, shape.head_dim, _SEQ_DTYPES[dtype])
+        kv = _kv_dtype(kv_dtype, dtype)
+        kd, vd = _descales("k_descale", k_descale), _descales("v_descale", v_descale)
+        shape = SequenceShape(int(layers), int(kv_heads), int(head_dim), dtype, kv, kd, vd)
+        cs = _lib.SequenceShape(shape.layers, shape.kv_heads, shape.head_dim, _SEQ_DTYPES[dtype],
+                                _lib.KV_FP8_E4M3 if kv == _FP8 else _lib.KV_AS_DTYPE,
+                                (ctypes.c_float * len(kd))(*kd) if kd else None,
+                                (ctypes.c_float * len(vd))(*vd) if vd else None, len(kd), len(vd))
         got_max, page = ctypes.c_int64(0), ctypes.c_int32(0)
         err = _lib.Error()
         p = self._lib.attnd_sequence_open(self._h(), ctypes.byref(cs), int(max_tokens), count or 1,
@@ -1003,8 +1019,42 @@ def _drop_registration(client_ref, key, reg):
 
 # -- KV sequences -------------------------------------------------------------------------------------------------
 
-SequenceShape = collections.namedtuple("SequenceShape", ["layers", "kv_heads", "head_dim", "dtype"])
+# kv_dtype: the cache's element type, the dtype's name or "fp8_e4m3"; k_descale, v_descale: a float8 cache's
+# descales as open_sequence sent them (a tuple of floats), empty otherwise.
+SequenceShape = collections.namedtuple(
+    "SequenceShape", ["layers", "kv_heads", "head_dim", "dtype", "kv_dtype", "k_descale", "v_descale"],
+    defaults=(None, (), ()))
 _SEQ_DTYPES = {"bf16": _lib.DTYPE_BF16, "fp16": _lib.DTYPE_FP16}
+_FP8 = "fp8_e4m3"
+# open_sequence's kv_dtype by name, and torch's dtypes by str() (no torch import for a caller without it).
+_KV_DTYPES = {"bf16": "bf16", "fp16": "fp16", _FP8: _FP8, "float8_e4m3fn": _FP8, "torch.bfloat16": "bf16",
+              "torch.float16": "fp16", "torch.float8_e4m3fn": _FP8}
+
+
+def _kv_dtype(kv_dtype, dtype):
+    """open_sequence's kv_dtype as the cache's element type: `dtype` itself or "fp8_e4m3"."""
+    if kv_dtype is None:
+        return dtype
+    kv = _KV_DTYPES.get(kv_dtype if isinstance(kv_dtype, str) else str(kv_dtype))
+    if kv not in (dtype, _FP8):
+        raise ValueError(f"kv_dtype: {kv_dtype!r} is neither dtype ({dtype!r}) nor torch.float8_e4m3fn / 'fp8_e4m3'")
+    return kv
+
+
+def _descales(name, x):
+    """A descale argument as a tuple of floats: () for None; a number; a list or tuple of numbers; a NumPy array
+    or torch tensor (on any device), flattened row-major, so a [layers, kv_heads] one is layer-major. The server
+    checks the count and the values."""
+    if x is None:
+        return ()
+    if hasattr(x, "reshape") and hasattr(x, "tolist"):
+        x = (x.detach() if hasattr(x, "detach") else x).reshape(-1).tolist()
+    elif isinstance(x, numbers.Real):
+        x = (x,)
+    if not isinstance(x, (list, tuple)) or not all(isinstance(v, numbers.Real) and not isinstance(v, bool)
+                                                   for v in x):
+        raise ValueError(f"{name}: {x!r} is not a number, a list of numbers, an array or a tensor")
+    return tuple(float(v) for v in x)
 
 
 class Sequence:

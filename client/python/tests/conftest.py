@@ -109,6 +109,27 @@ def bf16_bits_to_f64(bits):
     return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
+def fp8_e4m3(y):
+    """float32 values as attnd's float8 e4m3 conversion gives them back (kernels/reference/include/attnd/fp8.h:
+    FloatToFp8E4M3, then Fp8E4M3ToFloat): the nearest of 3 mantissa bits, ties to even, steps of 2^-9 below 2^-6,
+    saturating at +-448."""
+    y = np.asarray(y, dtype=np.float32)
+    a = np.abs(y).astype(np.float64)
+    small = a < 2.0 ** -6
+    _, e = np.frexp(np.where(small, 1.0, a))  # a = m * 2^e, m in [0.5, 1): 8 steps between 2^(e-1) and 2^e
+    step = np.where(small, 2.0 ** -9, np.ldexp(1.0, e - 4))
+    q = np.minimum(np.rint(a / step) * step, 448.0)  # rint: ties to even, as the library's nearbyint
+    return np.where(np.isnan(y), np.nan, np.copysign(q, y)).astype(np.float32)
+
+
+def fp8_cached_bf16(bits, descale):
+    """bf16 rows [n, kv_heads, head_dim] (uint16 bits) as a float8 cache with `descale` (one per kv head, or one)
+    gives them back to attention, as float64: the e4m3 value of x / d, times d, rounded to bf16."""
+    d = np.broadcast_to(np.asarray(descale, dtype=np.float32).reshape(-1), (bits.shape[1],))[None, :, None]
+    x = bf16_bits_to_f64(bits).astype(np.float32)
+    return bf16_bits_to_f64(f32_to_bf16_bits(fp8_e4m3(x / d) * d))
+
+
 def random_bf16(rng, shape):
     return f32_to_bf16_bits(rng.standard_normal(shape).astype(np.float32))
 

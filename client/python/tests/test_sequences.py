@@ -74,7 +74,7 @@ def test_prefill_then_decode_over_two_layers(client, open_seq):
     rng = np.random.default_rng(1)
     seq = open_seq()
     assert isinstance(seq, attnd.Sequence) and seq.id
-    assert tuple(seq.shape) == (LAYERS, KV_HEADS, HEAD_DIM, "bf16") and seq.max_tokens > 0
+    assert tuple(seq.shape) == (LAYERS, KV_HEADS, HEAD_DIM, "bf16", "bf16", (), ()) and seq.max_tokens > 0
     hist = History()
     for layer in range(LAYERS):
         step_checked(seq, hist, layer, rng, 37)
