@@ -94,8 +94,10 @@ class SequencesTest : public ::testing::TestWithParam<Via> {
   }
 
   // Appends `tokens` random rows to `id` at `layer` and attends; checks the reply against `h` (which it extends).
+  // `as_sent`, when given, is extended with the rows as sent, and the reply must fail the check against it: a
+  // float8 cache's quantization shows.
   void StepAndCheck(const std::string& id, History& h, const client::SequenceShape& shape, int64_t layer,
-                    int64_t tokens, bool lse, uint64_t seed) {
+                    int64_t tokens, bool lse, uint64_t seed, History* as_sent = nullptr) {
     SCOPED_TRACE(absl::StrCat("layer ", layer, ", ", tokens, " tokens, seed ", seed));
     const std::string q = client::RandomTensor(shape.dtype, tokens * kQHeads * shape.head_dim, seed * 3);
     const std::string k = client::RandomTensor(shape.dtype, tokens * shape.kv_heads * shape.head_dim, seed * 3 + 1);
@@ -119,6 +121,19 @@ class SequencesTest : public ::testing::TestWithParam<Via> {
     EXPECT_EQ(r->lengths[0], keys);
     EXPECT_GE(r->timing.batch_sequences(), 1u);
     EXPECT_EQ(CheckRows(shape, kQHeads, q, h.k[layer], h.v[layer], r->o, r->lse, lse), "");
+    if (as_sent != nullptr) {
+      as_sent->k[layer] += k;
+      as_sent->v[layer] += v;
+      EXPECT_NE(CheckRows(shape, kQHeads, q, as_sent->k[layer], as_sent->v[layer], r->o, r->lse, lse), "");
+    }
+  }
+
+  // The attn flags that reach the suite's server as this client does.
+  std::string CliTarget() const {
+    std::string flags = absl::StrCat(" --target=", client_->options().target);
+    if (GetParam() == Via::kShm) absl::StrAppend(&flags, " --transport=shm --shm_socket=", server_->shm_path);
+    if (GetParam() == Via::kTcpUnary) absl::StrAppend(&flags, " --transport=unary");
+    return flags;
   }
 
   static inline TestServer* server_ = nullptr;
@@ -162,25 +177,9 @@ TEST_P(SequencesTest, Float8CacheStepsSeeTheQuantizedHistory) {
   EXPECT_EQ(back->kv_format, client::KvFormat::kFp8E4M3);
   EXPECT_EQ(back->k_descale, shape.k_descale);
   EXPECT_EQ(back->v_descale, std::vector<float>({1.f / 256, 1.f / 256, 1.f / 16, 1.f / 16}));  // per head
-  // The first step's rows: the first query sees one key, so its O is that key's V as cached.
-  const int64_t tokens = 8;
-  const std::string q = client::RandomTensor(shape.dtype, tokens * kQHeads * shape.head_dim, 61);
-  const std::string k = client::RandomTensor(shape.dtype, tokens * shape.kv_heads * shape.head_dim, 62);
-  const std::string v = client::RandomTensor(shape.dtype, tokens * shape.kv_heads * shape.head_dim, 63);
-  client::StepSpec spec;
-  spec.sequences = {{ids[0], tokens}};
-  spec.q_heads = kQHeads;
-  spec.want_lse = true;
-  spec.q.data = q;
-  spec.k.data = k;
-  spec.v.data = v;
-  auto r = client_->Step(spec);
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_NE(CheckRows(shape, kQHeads, q, k, v, r->o, r->lse, true), "");
-  History h(shape.layers);
-  h.k[0] = client::CachedRows(shape, shape.k_descale, 0, k);
-  h.v[0] = client::CachedRows(shape, shape.v_descale, 0, v);
-  EXPECT_EQ(CheckRows(shape, kQHeads, q, h.k[0], h.v[0], r->o, r->lse, true), "");
+  // In the first step the first query sees one key, so its O is that key's V as cached, far from V as sent.
+  History h(shape.layers), as_sent(shape.layers);
+  StepAndCheck(ids[0], h, shape, 0, 8, true, 61, &as_sent);
   uint64_t seed = 600;
   StepAndCheck(ids[0], h, shape, 1, 37, true, ++seed);
   for (int step = 0; step < 3; ++step) {
@@ -666,9 +665,7 @@ std::pair<int, std::string> RunCommand(const std::string& cmd) {
 }
 
 TEST_P(SequencesTest, AttnSeqAndDecodeBench) {
-  std::string common = absl::StrCat(" --target=", client_->options().target);
-  if (GetParam() == Via::kShm) absl::StrAppend(&common, " --transport=shm --shm_socket=", server_->shm_path);
-  if (GetParam() == Via::kTcpUnary) absl::StrAppend(&common, " --transport=unary");
+  const std::string common = CliTarget();
   const std::string shape = " --layers=2 --q_heads=4 --kv_heads=2 --head_dim=64";
   auto [rc, out] = RunCommand(absl::StrCat(ATTN_BINARY, " seq --verify --lse --prefill=24 --steps=3", common, shape));
   EXPECT_EQ(rc, 0) << out;
@@ -704,9 +701,7 @@ TEST_P(SequencesTest, AttnSeqAndDecodeBench) {
 // attn seq --verify and the decode bench over float8 caches (--kv_dtype=fp8_e4m3, the default --kv_descale), and
 // the flags' refusals.
 TEST_P(SequencesTest, AttnSeqAndDecodeBenchFloat8) {
-  std::string common = absl::StrCat(" --target=", client_->options().target);
-  if (GetParam() == Via::kShm) absl::StrAppend(&common, " --transport=shm --shm_socket=", server_->shm_path);
-  if (GetParam() == Via::kTcpUnary) absl::StrAppend(&common, " --transport=unary");
+  const std::string common = CliTarget();
   const std::string shape = " --layers=2 --q_heads=4 --kv_heads=2 --head_dim=64 --kv_dtype=fp8_e4m3";
   auto [rc, out] = RunCommand(absl::StrCat(ATTN_BINARY, " seq --verify --lse --prefill=24 --steps=3", common, shape));
   EXPECT_EQ(rc, 0) << out;
