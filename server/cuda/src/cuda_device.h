@@ -299,27 +299,45 @@ class CudaDevice {
 // The pages of one sequence shape in one block of a device's memory budget (layout: step.h, KvPool). The block
 // goes back to the device's allocator when the last holder (the core's pool, a StepJob in flight) drops it; a
 // job is dropped only after its batch's GPU work has finished.
+// A float8 pool's block also holds the shape's descales, after the pages at `descales_at`: K's [layers, kv_heads],
+// then V's, in fp32, which the launches read one layer's slice of.
 class CudaKvPool final : public KvPool {
  public:
   CudaKvPool(const SequenceShape& shape, int page_tokens, int32_t num_pages, int device, Block block,
-             std::shared_ptr<BlockCache> memory)
-      : KvPool(shape, page_tokens, num_pages), device_(device), block_(block), memory_(std::move(memory)) {}
+             uint64_t descales_at, std::shared_ptr<BlockCache> memory)
+      : KvPool(shape, page_tokens, num_pages),
+        device_(device),
+        block_(block),
+        descales_at_(descales_at),
+        memory_(std::move(memory)) {}
   ~CudaKvPool() override { memory_->Release(block_); }
 
   int device() const { return device_; }
   uint64_t bytes() const { return block_.size; }
   // Layer `layer`'s K (kv = 0) or V (kv = 1) page pool.
   uint8_t* pool(int layer, int kv) const {
-    return static_cast<uint8_t*>(block_.ptr) + pool_offset(layer, kv) * DTypeBytes(shape().dtype);
+    return static_cast<uint8_t*>(block_.ptr) + static_cast<uint64_t>(pool_offset(layer, kv)) * shape().kv_bytes();
   }
+  bool fp8() const { return shape().kv_format == KvFormat::kFp8E4M3; }
+  // Layer `layer`'s K and V descales on the device, [kv_heads] each; null for a 16-bit pool.
+  const float* k_descale(int layer) const { return descales(0, layer); }
+  const float* v_descale(int layer) const { return descales(1, layer); }
 
  private:
+  const float* descales(int kv, int layer) const {
+    if (!fp8()) return nullptr;
+    const auto* all = reinterpret_cast<const float*>(static_cast<const uint8_t*>(block_.ptr) + descales_at_);
+    return all + (int64_t{kv} * shape().layers + layer) * shape().kv_heads;
+  }
+
   const int device_;
   const Block block_;
+  const uint64_t descales_at_;  // float8 only
   const std::shared_ptr<BlockCache> memory_;
 };
 
-// A sequence shape this backend can hold in pages: layers and kv_heads >= 1, head_dim 64, 128 or 256, bf16 or fp16.
+// A sequence shape this backend can hold in pages: layers and kv_heads >= 1, head_dim 64, 128 or 256, bf16 or fp16,
+// K/V as the dtype or float8 e4m3 with a descale per layer and kv head.
 absl::Status CheckKvShape(const SequenceShape& s);
 
 // KV sequences on this backend (sequence_runner.cc): whether `job` can run on the pool's device.

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "attnd/server/status_util.h"
@@ -21,8 +22,14 @@ absl::Status CheckKvShape(const SequenceShape& s) {
   if (s.dtype != DType::kBF16 && s.dtype != DType::kFP16) {
     return absl::InvalidArgumentError("shape.dtype: the CUDA backend runs bf16 and fp16");
   }
-  if (s.kv_format != KvFormat::kAsDtype) {
-    return absl::InvalidArgumentError("shape.kv_dtype: the CUDA backend stores K/V as shape.dtype");
+  if (s.kv_format == KvFormat::kAsDtype) return absl::OkStatus();
+  if (s.kv_format != KvFormat::kFp8E4M3) return absl::InvalidArgumentError("shape.kv_dtype: unknown format");
+  // The core spreads the request's descales to one per layer and kv head (sequences.cc); a launch reads one
+  // layer's slice of each, so a shorter list would read past it.
+  const size_t n = static_cast<size_t>(s.layers) * static_cast<size_t>(s.kv_heads);
+  if (s.k_descale.size() != n || s.v_descale.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat("shape.k_descale, v_descale: ", s.k_descale.size(), " and ",
+                                                   s.v_descale.size(), " values for ", n, " (layers x kv_heads)"));
   }
   return absl::OkStatus();
 }
@@ -68,21 +75,37 @@ absl::StatusOr<std::shared_ptr<KvPool>> CudaDevice::MakeKvPool(const SequenceSha
   if (num_pages < 1) return absl::InvalidArgumentError(absl::StrCat("num_pages: ", num_pages, " < 1"));
   // layers x 2 x num_pages x page_elems elements, computed where it cannot wrap.
   const long double bytes_ld = static_cast<long double>(shape.page_bytes(page_tokens)) * num_pages;
+  const bool fp8 = shape.kv_format == KvFormat::kFp8E4M3;
   const std::string what = absl::StrCat("the KV page pool (", num_pages, " pages of ", page_tokens, " tokens, ",
                                         shape.layers, " layers x ", shape.kv_heads, " kv heads x ", shape.head_dim,
-                                        " ", DTypeName(shape.dtype), ")");
+                                        " ", fp8 ? "float8 e4m3" : DTypeName(shape.dtype), ")");
   if (bytes_ld > static_cast<long double>(uint64_t{1} << 62)) {
     return absl::ResourceExhaustedError(absl::StrCat(what, " is too large to allocate"));
   }
-  const uint64_t bytes = static_cast<uint64_t>(shape.page_bytes(page_tokens)) * static_cast<uint64_t>(num_pages);
+  const uint64_t pages_bytes = static_cast<uint64_t>(shape.page_bytes(page_tokens)) * static_cast<uint64_t>(num_pages);
+  // A float8 pool's descales follow its pages in the same block (CudaKvPool), so they go back with it.
+  const uint64_t descales_at = Align(pages_bytes);
+  const uint64_t descale_bytes = fp8 ? (shape.k_descale.size() + shape.v_descale.size()) * sizeof(float) : 0;
+  const uint64_t bytes = fp8 ? descales_at + descale_bytes : pages_bytes;
   absl::StatusOr<Block> block = device_mem_->Acquire(bytes);
   if (!block.ok()) {
     return absl::ResourceExhaustedError(absl::StrCat(what, ": ", bytes, " bytes do not fit device ", index_,
                                                      "'s memory: ", block.status().message()));
   }
+  auto pool = std::make_shared<CudaKvPool>(shape, page_tokens, num_pages, index_, *block, descales_at, device_mem_);
+  if (fp8) {
+    // Copied once, here: every launch on the pool reads them in place. The pool gives its block back on an error.
+    std::vector<float> descales(shape.k_descale);
+    descales.insert(descales.end(), shape.v_descale.begin(), shape.v_descale.end());
+    ATTND_RETURN_IF_ERROR(CudaStatus("cudaSetDevice", cudaSetDevice(index_)));
+    ATTND_RETURN_IF_ERROR(CudaStatus(
+        "the KV pool's descales to the device",
+        cudaMemcpyAsync(static_cast<uint8_t*>(block->ptr) + descales_at, descales.data(), descale_bytes,
+                        cudaMemcpyHostToDevice, cudaStreamPerThread)));
+    ATTND_RETURN_IF_ERROR(CudaStatus("the KV pool's descales", cudaStreamSynchronize(cudaStreamPerThread)));
+  }
   spdlog::info("device {}: {} allocated, {} MiB", index_, what, bytes >> 20);
-  return std::shared_ptr<KvPool>(
-      std::make_shared<CudaKvPool>(shape, page_tokens, num_pages, index_, *block, device_mem_));
+  return std::shared_ptr<KvPool>(std::move(pool));
 }
 
 }  // namespace attnd::server::cuda
