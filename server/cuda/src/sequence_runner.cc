@@ -6,6 +6,8 @@
 // kernels for longer ones), the copy back. A batch's kernels are short and depend on each other, so they do not
 // go to the shared compute stream (BackendOptions::shared_compute_stream), whose purpose is to queue the
 // persistent grids of Forward requests behind each other.
+// A float8 pool's attention reads only its cache, as the CPU backend's does: the append kernel quantizes the new
+// rows first, the decode launches read the codes, the prefill kernels the keys gathered and dequantized.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -179,6 +181,7 @@ struct CudaDevice::StepWork {
     l.head_dim = head_dim;
     l.dtype = shape.dtype;
     l.kv_storage = dk::KvStorage::kPaged;
+    if (pool->fp8()) l.kv_format = dk::KvFormat::kFp8E4M3;
     l.k = l.v = Strides{shape.page_elems(pool->page_tokens()), row_kv, head_dim};
     l.paged = dk::PagedKv{pool->page_tokens(), pool->num_pages(), max_pages};
     return l;
@@ -288,7 +291,7 @@ absl::Status CudaDevice::PlaceSteps(StepWork& w) {
       w.rows += s.tokens;
       job_rows += s.tokens;
       lse += int64_t{w.q_heads} * s.tokens;
-      if (job.attend && s.tokens > kMaxDecodeTokens && !(job.append && s.cached == 0)) {
+      if (job.attend && s.tokens > kMaxDecodeTokens && (w.pool->fp8() || !(job.append && s.cached == 0))) {
         w.gather_keys = std::max(w.gather_keys, keys);
       }
     }
@@ -453,7 +456,7 @@ absl::Status CudaDevice::EnqueueSteps(StepWork& w) {
   // Copy-on-write before anything writes: page `from` into page `to` at every layer, K and V. The pool is
   // 2 x layers page pools of num_pages pages each, so one 2D copy does it: a row per page pool.
   const SequenceShape& shape = w.pool->shape();
-  const uint64_t page_bytes = static_cast<uint64_t>(shape.page_elems(w.pool->page_tokens())) * DTypeBytes(shape.dtype);
+  const uint64_t page_bytes = static_cast<uint64_t>(shape.page_elems(w.pool->page_tokens())) * shape.kv_bytes();
   const uint64_t pitch = page_bytes * static_cast<uint64_t>(w.pool->num_pages());
   uint8_t* base = w.pool->pool(0, 0);
   for (const StepJob* j : w.jobs) {
@@ -468,12 +471,13 @@ absl::Status CudaDevice::EnqueueSteps(StepWork& w) {
 
   if (f.append) {
     // One launch per run of consecutive sequences with equal tokens: their new rows are evenly strided. A run
-    // that attends on the decode kernel is appended by that launch (EnqueueAttention).
+    // that attends on the decode kernel is appended by that launch (EnqueueAttention), except into float8 pages,
+    // which only the append kernel quantizes.
     for (size_t a = 0; a < w.seqs.size();) {
       const int32_t tokens = w.seqs[a].s->tokens;
       size_t b = a + 1;
       while (b < w.seqs.size() && w.seqs[b].s->tokens == tokens) ++b;
-      if (f.attend && tokens <= kMaxDecodeTokens) {
+      if (f.attend && tokens <= kMaxDecodeTokens && !w.pool->fp8()) {
         a = b;
         continue;
       }
@@ -494,6 +498,8 @@ absl::Status CudaDevice::EnqueueSteps(StepWork& w) {
       t.v = w.pool->pool(f.layer, 1);
       t.kv_lens = w.d_cached + a;
       t.block_table = w.d_table + a * w.max_pages;
+      t.k_descale = w.pool->k_descale(f.layer);
+      t.v_descale = w.pool->v_descale(f.layer);
       ATTND_RETURN_IF_ERROR(dk::LaunchAppend(*plan, t, st));
       for (size_t i = a; i < b; ++i) w.AddKernel(w.seqs[i].job, "append");
       a = b;
@@ -519,7 +525,8 @@ absl::Status CudaDevice::EnqueueSteps(StepWork& w) {
 }
 
 // One launch of a batch's attention: a decode launch for a run of sequences of equal (short) q_len, or the
-// prefill kernels for one long sequence, with the gather of its keys from the pages first when it had some.
+// prefill kernels for one long sequence, with the gather of its keys from the pages first when it had some (or
+// its pages are float8).
 struct CudaDevice::StepLaunch {
   size_t first = 0, count = 0;
   bool decode = false;
@@ -589,8 +596,9 @@ absl::Status CudaDevice::PlanDecodeLaunch(StepWork& w, const dk::BatchLayout& ca
   layout.want_lse = f.want_lse;
   layout.q = layout.o = Strides{tokens * w.row_q, w.row_q, w.head_dim};
   // The step's new rows are the last `tokens` keys of each sequence: the decode launch writes them into
-  // their pages and reads them from the step's rows, so no append kernel runs before it.
-  layout.append = f.append;
+  // their pages and reads them from the step's rows, so no append kernel runs before it; into float8 pages the
+  // append kernel has written them (EnqueueSteps), and the launch reads them back from the cache.
+  layout.append = f.append && !w.pool->fp8();
   layout.new_k = layout.new_v = Strides{tokens * w.row_kv, w.row_kv, w.head_dim};
   dk::DecodeOptions opts;
   opts.sm_count = desc_.multiprocessor_count;
@@ -599,13 +607,15 @@ absl::Status CudaDevice::PlanDecodeLaunch(StepWork& w, const dk::BatchLayout& ca
                                                            w.TableOf(a, l.count), opts);
   if (!plan.ok()) return absl::InternalError(absl::StrCat("steps: decode: ", plan.status().message()));
   l.decode_plan = *plan;
-  l.name = absl::StrCat("decode_paged_d", w.head_dim, "_q", tokens, f.append ? "_append" : "");
+  l.name = absl::StrCat("decode_paged_d", w.head_dim, "_q", tokens, layout.append ? "_append" : "",
+                        w.pool->fp8() ? "_fp8" : "");
   return absl::OkStatus();
 }
 
 absl::Status CudaDevice::PlanPrefillLaunch(StepWork& w, const dk::BatchLayout& cache, StepLaunch& l) {
   // A long query runs on the prefill kernels, which read contiguous K/V: its own new rows when the sequence
-  // was empty, else its keys gathered from the pages (after this step's append).
+  // was empty, else its keys gathered from the pages (after this step's append). Float8 pages are always gathered:
+  // the attention reads the cache's values, not the rows before quantization.
   const StepJob& f = *w.first;
   const size_t a = l.first;
   l.count = 1;
@@ -616,7 +626,7 @@ absl::Status CudaDevice::PlanPrefillLaunch(StepWork& w, const dk::BatchLayout& c
   t.q = w.q + q_off;
   t.o = w.o + q_off;
   t.lse = w.lse != nullptr ? w.lse + w.seqs[a].lse : nullptr;
-  if (f.append && s.cached == 0) {
+  if (f.append && s.cached == 0 && !w.pool->fp8()) {
     const uint64_t kv_off = static_cast<uint64_t>(w.seqs[a].row * w.row_kv) * 2;
     t.k = w.k + kv_off;
     t.v = w.v + kv_off;
@@ -640,7 +650,7 @@ absl::Status CudaDevice::PlanPrefillLaunch(StepWork& w, const dk::BatchLayout& c
   absl::StatusOr<kernels::Plan> plan = PlanLaunch(*sel, t);
   if (!plan.ok()) return plan.status();
   l.prefill_plan = *std::move(plan);
-  l.name = l.gather ? absl::StrCat("gather+", sel->info().name) : sel->info().name;
+  l.name = l.gather ? absl::StrCat(w.pool->fp8() ? "gather_fp8+" : "gather+", sel->info().name) : sel->info().name;
   return absl::OkStatus();
 }
 
@@ -658,7 +668,9 @@ absl::Status CudaDevice::EnqueueLaunch(StepWork& w, const StepLaunch& l, const d
     t.lse = w.lse != nullptr ? w.lse + w.seqs[l.first].lse : nullptr;
     t.kv_lens = w.d_keys + l.first;
     t.block_table = w.d_table + l.first * w.max_pages;
-    if (f.append) {
+    t.k_descale = w.pool->k_descale(f.layer);
+    t.v_descale = w.pool->v_descale(f.layer);
+    if (l.decode_plan.layout.append) {
       const uint64_t kv_off = static_cast<uint64_t>(w.seqs[l.first].row * w.row_kv) * 2;
       t.new_k = w.k + kv_off;
       t.new_v = w.v + kv_off;
@@ -673,6 +685,8 @@ absl::Status CudaDevice::EnqueueLaunch(StepWork& w, const StepLaunch& l, const d
     t.out_v = w.gather_v();
     t.kv_lens = w.d_keys + l.first;
     t.block_table = w.d_table + l.first * w.max_pages;
+    t.k_descale = w.pool->k_descale(f.layer);
+    t.v_descale = w.pool->v_descale(f.layer);
     ATTND_RETURN_IF_ERROR(dk::LaunchGather(l.gather_plan, t, st));
   }
   return kernels::Launch(l.prefill_plan, l.prefill_plan.workspace_bytes > 0 ? prefill_workspace : nullptr, st);
