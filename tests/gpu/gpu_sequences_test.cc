@@ -36,86 +36,30 @@
 #include "attnd/server/cuda_backend.h"
 #include "attnd/server/step.h"
 #include "cuda_device.h"
+#include "gpu_sequences_util.h"
 #include "gpu_test_util.h"
 
 namespace attnd::server {
 namespace {
 
 using ::attnd::testing::HaveSupportedGpu;
+using sequences_testing::Outcome;
+using sequences_testing::RunBatch;
+using sequences_testing::SharedBackend;
+using sequences_testing::TestOptions;
 
 constexpr double kTolFactor = 3.0;
 constexpr double kAtol = 1e-3;
 constexpr double kLseAtol = 2e-3;
 
-BackendOptions TestOptions() {
-  BackendOptions o;
-  o.streams_per_device = 2;
-  o.memory_budget_bytes = 4ull << 30;
-  o.copy_threads = 0;
-  return o;
-}
-
-// One backend for the suite: its start (every kernel configuration launched once) is the slow part.
-Backend* SharedBackend() {
-  static Backend* backend = [] {
-    CudaBackendHooks hooks;
-    hooks.poison_outputs = true;
-    absl::StatusOr<std::unique_ptr<Backend>> b = MakeCudaBackend(TestOptions(), hooks);
-    return b.ok() ? b->release() : nullptr;
-  }();
-  return backend;
-}
-
-// What came back for one job.
-struct Outcome {
-  absl::Status status = absl::UnknownError("done not called");
-  int calls = 0;
-  std::string o, lse, kernel;
-  uint32_t batch_sequences = 0, batch_requests = 0;
-  Timing timing;
-};
-
-// Submits the jobs as one batch and waits (bounded) for every done; each done must come exactly once.
-std::vector<Outcome> RunBatch(Backend& backend, std::vector<std::unique_ptr<StepJob>> jobs,
-                              absl::Status* submit_status = nullptr) {
-  struct Shared {
-    absl::Mutex mu;
-    size_t left = 0;
-    std::vector<Outcome> out;
-  };
-  auto shared = std::make_shared<Shared>();
-  shared->left = jobs.size();
-  shared->out.resize(jobs.size());
-  auto batch = std::make_unique<StepBatch>();
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    StepJob* job = jobs[i].get();
-    job->done = [shared, i, job](absl::Status st) {
-      absl::MutexLock lock(&shared->mu);
-      Outcome& out = shared->out[i];
-      out.status = st;
-      ++out.calls;
-      out.o = std::move(job->o);
-      out.lse = std::move(job->lse);
-      out.kernel = job->kernel;
-      out.batch_sequences = job->batch_sequences;
-      out.batch_requests = job->batch_requests;
-      out.timing = job->timing;
-      --shared->left;
-    };
-    batch->jobs.push_back(std::move(jobs[i]));
-  }
-  const absl::Status st = backend.SubmitSteps(std::move(batch));
-  if (submit_status != nullptr) *submit_status = st;
-  if (!st.ok()) {
-    if (submit_status == nullptr) ADD_FAILURE() << "SubmitSteps: " << st;
-    return {};
-  }
-  absl::MutexLock lock(&shared->mu);
-  const bool all = shared->mu.AwaitWithTimeout(
-      absl::Condition(+[](size_t* left) { return *left == 0; }, &shared->left), absl::Seconds(120));
-  EXPECT_TRUE(all) << shared->left << " jobs never got their done";
-  for (const Outcome& o : shared->out) EXPECT_LE(o.calls, 1) << "done called more than once";
-  return shared->out;
+// A shape whose cache holds K/V as `dtype`.
+SequenceShape Shape16(int layers, int kv_heads, int head_dim, DType dtype) {
+  SequenceShape s;
+  s.layers = layers;
+  s.kv_heads = kv_heads;
+  s.head_dim = head_dim;
+  s.dtype = dtype;
+  return s;
 }
 
 struct Case {
@@ -225,7 +169,7 @@ class SequencesTest : public ::testing::TestWithParam<Case> {
     device_ = backend_->devices().front().index;
     c_ = GetParam();
     rng_.seed(c_.seed);
-    shape_ = SequenceShape{c_.layers, c_.kv_heads, c_.head_dim, c_.dtype};
+    shape_ = Shape16(c_.layers, c_.kv_heads, c_.head_dim, c_.dtype);
     absl::StatusOr<std::shared_ptr<KvPool>> pool = backend_->MakeKvPool(shape_, c_.page_tokens, kPages);
     ASSERT_TRUE(pool.ok()) << pool.status();
     pool_ = *pool;
@@ -578,7 +522,7 @@ TEST(SequencesBackendTest, CancelledAndExpiredJobsAnsweredTheOthersRun) {
   if (!HaveSupportedGpu()) GTEST_SKIP() << "no CUDA device";
   Backend* backend = SharedBackend();
   ASSERT_NE(backend, nullptr);
-  const SequenceShape shape{1, 2, 128, DType::kBF16};
+  const SequenceShape shape = Shape16(1, 2, 128, DType::kBF16);
   absl::StatusOr<std::shared_ptr<KvPool>> pool = backend->MakeKvPool(shape, 16, 8);
   ASSERT_TRUE(pool.ok()) << pool.status();
   std::vector<uint16_t> q(8 * 128, 0x3f80), kv(2 * 128, 0x3f80);  // 1.0 in bf16
@@ -623,17 +567,48 @@ TEST(SequencesBackendTest, BadPoolsAndStepsAreRefusedNamingTheField) {
   if (!HaveSupportedGpu()) GTEST_SKIP() << "no CUDA device";
   Backend* backend = SharedBackend();
   ASSERT_NE(backend, nullptr);
-  absl::StatusOr<std::shared_ptr<KvPool>> bad = backend->MakeKvPool(SequenceShape{1, 2, 96, DType::kBF16}, 16, 8);
+  absl::StatusOr<std::shared_ptr<KvPool>> bad = backend->MakeKvPool(Shape16(1, 2, 96, DType::kBF16), 16, 8);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("head_dim"), std::string::npos) << bad.status();
-  bad = backend->MakeKvPool(SequenceShape{1, 2, 128, DType::kBF16}, 24, 8);
+  bad = backend->MakeKvPool(Shape16(1, 2, 128, DType::kBF16), 24, 8);
   EXPECT_NE(bad.status().message().find("page_tokens"), std::string::npos) << bad.status();
   // Over the device budget (TestOptions: 4 GiB): RESOURCE_EXHAUSTED naming the pool.
-  bad = backend->MakeKvPool(SequenceShape{32, 8, 128, DType::kBF16}, 16, 8192);  // 16 GiB
+  bad = backend->MakeKvPool(Shape16(32, 8, 128, DType::kBF16), 16, 8192);  // 16 GiB
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(bad.status().message().find("KV page pool"), std::string::npos) << bad.status();
+  // Float8: a descale per layer and kv head, else INVALID_ARGUMENT naming them.
+  SequenceShape fp8 = Shape16(2, 2, 128, DType::kBF16);
+  fp8.kv_format = KvFormat::kFp8E4M3;
+  fp8.k_descale = {0.5f, 0.25f, 0.125f};
+  fp8.v_descale = {1.f, 2.f, 3.f, 4.f};
+  bad = backend->MakeKvPool(fp8, 16, 8);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("descale"), std::string::npos) << bad.status();
+  // Its pages take half a 16-bit pool's bytes: 5 GiB of bf16 exceed the budget, the same pages in float8 fit. Its
+  // descales are on the device, one layer's [kv_heads] slice a launch.
+  fp8.k_descale.push_back(0.0625f);
+  const SequenceShape big16 = Shape16(32, 8, 128, DType::kBF16);
+  SequenceShape big8 = big16;
+  big8.kv_format = KvFormat::kFp8E4M3;
+  big8.k_descale.assign(32 * 8, 0.5f);
+  big8.v_descale.assign(32 * 8, 0.25f);
+  EXPECT_EQ(backend->MakeKvPool(big16, 16, 2560).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(backend->MakeKvPool(big8, 16, 2560).ok());
+  absl::StatusOr<std::shared_ptr<KvPool>> fp8_pool = backend->MakeKvPool(fp8, 16, 8);
+  ASSERT_TRUE(fp8_pool.ok()) << fp8_pool.status();
+  const auto& cuda_pool = dynamic_cast<const cuda::CudaKvPool&>(**fp8_pool);
+  EXPECT_EQ(cuda_pool.pool(1, 0) - cuda_pool.pool(0, 0), 2 * 8 * fp8.page_elems(16));  // one byte an element
+  for (int layer = 0; layer < 2; ++layer) {
+    float got[4];
+    CUDA_OK(cudaMemcpy(got, cuda_pool.k_descale(layer), 2 * sizeof(float), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(got + 2, cuda_pool.v_descale(layer), 2 * sizeof(float), cudaMemcpyDeviceToHost));
+    for (int h = 0; h < 2; ++h) {
+      EXPECT_EQ(got[h], fp8.k_descale[layer * 2 + h]) << "layer " << layer << " head " << h;
+      EXPECT_EQ(got[2 + h], fp8.v_descale[layer * 2 + h]) << "layer " << layer << " head " << h;
+    }
+  }
 
-  absl::StatusOr<std::shared_ptr<KvPool>> pool = backend->MakeKvPool(SequenceShape{1, 2, 128, DType::kBF16}, 16, 8);
+  absl::StatusOr<std::shared_ptr<KvPool>> pool = backend->MakeKvPool(Shape16(1, 2, 128, DType::kBF16), 16, 8);
   ASSERT_TRUE(pool.ok()) << pool.status();
   StepJob job;
   job.pool = *pool;
@@ -664,7 +639,7 @@ TEST(SequencesBackendTest, ShutdownAnswersEveryAcceptedJobOnce) {
   absl::StatusOr<std::unique_ptr<Backend>> backend = MakeCudaBackend(options);
   ASSERT_TRUE(backend.ok()) << backend.status();
   absl::StatusOr<std::shared_ptr<KvPool>> pool =
-      (*backend)->MakeKvPool(SequenceShape{2, 2, 64, DType::kFP16}, 16, 64);
+      (*backend)->MakeKvPool(Shape16(2, 2, 64, DType::kFP16), 16, 64);
   ASSERT_TRUE(pool.ok()) << pool.status();
   std::vector<uint16_t> q(4 * 64 * 4, 0x3c00), kv(2 * 64 * 4, 0x3c00);  // 1.0 in fp16
   absl::Mutex mu;
