@@ -176,7 +176,8 @@ def test_torch_float8_tensors_and_reference(client, fp8_seq):
                 hist[layer][i] = torch.cat([hist[layer][i], cached])
             ref_o, ref_lse = reference(q.double().numpy()[None], hist[layer][0].numpy()[None],
                                        hist[layer][1].numpy()[None], "bottom_right")
-            assert_close(o.double().numpy(), ref_o[0])
+            # O comes back rounded to bf16 once (half an ulp is |O| / 512; V here is 3 x N(0, 1), |O| up to ~10).
+            assert_close(o.double().numpy(), ref_o[0], atol=max(2e-2, np.abs(ref_o[0]).max() / 128))
             assert_lse_close(lse.numpy(), ref_lse[0])
 
 
