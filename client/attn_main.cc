@@ -525,7 +525,7 @@ absl::Status KvFormatFromFlags(attnd::client::SequenceShape& s) {
   if (!std::isfinite(static_cast<float>(d)) || static_cast<float>(d) <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("--kv_descale: ", d, " is not a finite float > 0"));
   }
-  s.kv_format = attnd::client::KvFormat::kFp8E4M3;
+  s.kv_format = attnd::KvFormat::kFp8E4M3;
   s.k_descale = s.v_descale = {static_cast<float>(d)};
   return absl::OkStatus();
 }

@@ -137,7 +137,7 @@ absl::StatusOr<attnd::client::SequenceShape> ShapeOf(const attnd_sequence_shape&
   s.kv_heads = c.kv_heads;
   s.head_dim = c.head_dim;
   s.dtype = static_cast<DType>(c.dtype);
-  if (c.kv_format == ATTND_KV_FP8_E4M3) s.kv_format = attnd::client::KvFormat::kFp8E4M3;
+  if (c.kv_format == ATTND_KV_FP8_E4M3) s.kv_format = attnd::KvFormat::kFp8E4M3;
   absl::StatusOr<std::vector<float>> k = Descales("shape.k_descale", c.k_descale, c.k_descale_count);
   if (!k.ok()) return k.status();
   absl::StatusOr<std::vector<float>> v = Descales("shape.v_descale", c.v_descale, c.v_descale_count);

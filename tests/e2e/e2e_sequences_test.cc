@@ -165,7 +165,7 @@ TEST_P(SequencesTest, PrefillThenDecodeMatchesTheReferenceOverTheWholeHistory) {
 // fails, so the check shows the quantization.
 TEST_P(SequencesTest, Float8CacheStepsSeeTheQuantizedHistory) {
   client::SequenceShape shape = TestShape();
-  shape.kv_format = client::KvFormat::kFp8E4M3;
+  shape.kv_format = KvFormat::kFp8E4M3;
   shape.k_descale = {1.f / 64, 1.f / 256, 0.5f, 1.f / 32};  // layers x kv_heads, layer-major
   shape.v_descale = {1.f / 256, 1.f / 16};                   // one per layer
   const std::vector<std::string> ids = Open(shape);
@@ -174,7 +174,7 @@ TEST_P(SequencesTest, Float8CacheStepsSeeTheQuantizedHistory) {
   ASSERT_TRUE(info.ok()) << info.status();
   absl::StatusOr<client::SequenceShape> back = client::FromProto(info->shape());
   ASSERT_TRUE(back.ok()) << back.status();
-  EXPECT_EQ(back->kv_format, client::KvFormat::kFp8E4M3);
+  EXPECT_EQ(back->kv_format, KvFormat::kFp8E4M3);
   EXPECT_EQ(back->k_descale, shape.k_descale);
   EXPECT_EQ(back->v_descale, std::vector<float>({1.f / 256, 1.f / 256, 1.f / 16, 1.f / 16}));  // per head
   // In the first step the first query sees one key, so its O is that key's V as cached, far from V as sent.
@@ -594,7 +594,7 @@ TEST_P(SequencesTest, RunSequenceVerifiesEveryStep) {
 TEST_P(SequencesTest, RunSequenceVerifiesFloat8Steps) {
   client::SeqRunOptions o;
   o.shape = TestShape(3);
-  o.shape.kv_format = client::KvFormat::kFp8E4M3;
+  o.shape.kv_format = KvFormat::kFp8E4M3;
   o.shape.k_descale = {1.f / 64, 1.f / 256, 1.f / 8};  // per layer; 1/256 saturates the larger rows
   o.shape.v_descale = {1.f / 128};
   o.q_heads = kQHeads;

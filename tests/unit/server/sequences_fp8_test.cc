@@ -89,7 +89,7 @@ TEST_F(Fp8SequencesTest, PagesHoldCodesAndMovesAndForksKeepThem) {
   server::ImportArgs header;
   header.open.layers = kLayers, header.open.kv_heads = kKvHeads, header.open.head_dim = head_dim_;
   header.open.dtype = dtype_;
-  header.open.kv_format = server::KvFormat::kFp8E4M3;
+  header.open.kv_format = KvFormat::kFp8E4M3;
   header.open.k_descale = k_descale_;
   header.open.v_descale = v_descale_;
   header.lengths = held->lengths;

@@ -191,14 +191,6 @@ absl::Status CheckReplySizes(const v1::ForwardRequest& request, const ForwardRes
 // that server: a shared-memory channel only reaches this host's server). OpenSequence, ForkSequence,
 // TruncateSequence, CloseSequence and GetSequence always use gRPC.
 
-// How a sequence's cache stores K and V (SequenceShape.kv_dtype in attention.proto).
-enum class KvFormat {
-  kAsDtype,  // as the rows arrive: SequenceShape::dtype
-  // float8 e4m3 codes, half the bytes: an appended element x of kv head h at layer l is cached as the code nearest
-  // x / descale[l, h] (attnd/fp8.h) and every step's attention reads code x descale[l, h].
-  kFp8E4M3,
-};
-
 // What a sequence caches (OpenSequence); fixed for its life.
 struct SequenceShape {
   int64_t layers = 1;

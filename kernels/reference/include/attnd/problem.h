@@ -11,6 +11,13 @@ namespace attnd {
 
 enum class DType { kBF16, kFP16 };
 enum class Mask { kNone, kCausalTopLeft, kCausalBottomRight };
+// How a KV sequence's cache stores K and V (SequenceShape.kv_dtype in attention.proto).
+enum class KvFormat {
+  kAsDtype,  // as the rows arrive, in the sequence's dtype
+  // float8 e4m3 codes, half the bytes: element x of kv head h at layer l stored as FloatToFp8E4M3(x / descale[l, h])
+  // and read back by every step's attention as Fp8E4M3ToFloat(code) * descale[l, h] (attnd/fp8.h).
+  kFp8E4M3,
+};
 
 inline int64_t DTypeBytes(DType) { return 2; }
 const char* DTypeName(DType t);

@@ -18,14 +18,6 @@
 
 namespace attnd::server {
 
-// How a sequence's cache stores K and V.
-enum class KvFormat {
-  kAsDtype,  // as the rows arrive: SequenceShape::dtype
-  // float8 e4m3 codes: element x of kv head h at layer l stored as FloatToFp8E4M3(x / descale[l * kv_heads + h])
-  // and read back as Fp8E4M3ToFloat(code) * that descale (attnd/fp8.h), by every step's attention.
-  kFp8E4M3,
-};
-
 // What a sequence caches; fixed for its life.
 struct SequenceShape {
   int layers = 0;
