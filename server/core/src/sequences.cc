@@ -105,6 +105,23 @@ absl::StatusOr<Sequences::Seq*> Sequences::Find(const std::string& owner, absl::
                                           "the shared-memory channel)"));
 }
 
+namespace {
+
+// The pages a pool of `shape` holds: its share of --kv_pool_mb over whole pages; none is RESOURCE_EXHAUSTED.
+absl::StatusOr<int32_t> PoolPages(const SequenceOptions& options, const SequenceShape& shape) {
+  const uint64_t share = options.pool_bytes / static_cast<uint64_t>(std::max(options.max_pools, 1));
+  const uint64_t page_bytes = shape.page_bytes(options.page_tokens);
+  const uint64_t pages = page_bytes == 0 ? 0 : std::min<uint64_t>(share / page_bytes, INT32_MAX);
+  if (pages == 0) {
+    return absl::ResourceExhaustedError(absl::StrCat("kv pool: one page of ", ShapeText(shape), " takes ", page_bytes,
+                                                     " bytes, more than the pool's ", share,
+                                                     " (--kv_pool_mb / --kv_max_pools)"));
+  }
+  return static_cast<int32_t>(pages);
+}
+
+}  // namespace
+
 absl::StatusOr<Sequences::Pool*> Sequences::PoolFor(const SequenceShape& shape) {
   auto it = pools_.find(shape);
   if (it != pools_.end()) return it->second.get();
@@ -113,16 +130,9 @@ absl::StatusOr<Sequences::Pool*> Sequences::PoolFor(const SequenceShape& shape) 
         "kv pool: this server holds pools for ", pools_.size(), " other shape(s) (--kv_max_pools=", options_.max_pools,
         "); a pool for ", ShapeText(shape), " is created when they have no open sequences"));
   }
-  const uint64_t share = options_.pool_bytes / static_cast<uint64_t>(std::max(options_.max_pools, 1));
-  const uint64_t page_bytes = shape.page_bytes(options_.page_tokens);
-  const uint64_t pages = page_bytes == 0 ? 0 : std::min<uint64_t>(share / page_bytes, INT32_MAX);
-  if (pages == 0) {
-    return absl::ResourceExhaustedError(absl::StrCat("kv pool: one page of ", ShapeText(shape), " takes ", page_bytes,
-                                                     " bytes, more than the pool's ", share,
-                                                     " (--kv_pool_mb / --kv_max_pools)"));
-  }
-  absl::StatusOr<std::shared_ptr<KvPool>> memory =
-      backend_->MakeKvPool(shape, options_.page_tokens, static_cast<int32_t>(pages));
+  absl::StatusOr<int32_t> pages = PoolPages(options_, shape);
+  if (!pages.ok()) return pages.status();
+  absl::StatusOr<std::shared_ptr<KvPool>> memory = backend_->MakeKvPool(shape, options_.page_tokens, *pages);
   if (!memory.ok()) return memory.status();
   auto pool = std::make_unique<Pool>(releases_);
   // Steps hold the pool through this handle too: once its last holder drops it, the backend's memory is given back
@@ -133,9 +143,9 @@ absl::StatusOr<Sequences::Pool*> Sequences::PoolFor(const SequenceShape& shape) 
     absl::MutexLock lock(&releases->mu);
     --releases->pending;
   });
-  pool->refs.assign(pages, 0);
-  pool->free.reserve(pages);
-  for (int64_t p = static_cast<int64_t>(pages) - 1; p >= 0; --p) pool->free.push_back(static_cast<int32_t>(p));
+  pool->refs.assign(static_cast<size_t>(*pages), 0);
+  pool->free.reserve(static_cast<size_t>(*pages));
+  for (int32_t p = *pages - 1; p >= 0; --p) pool->free.push_back(p);
   Pool* raw = pool.get();
   pools_.emplace(shape, std::move(pool));
   return raw;
@@ -270,6 +280,10 @@ absl::StatusOr<std::pair<SequenceShape, int64_t>> Sequences::CheckOpen(const Ope
   shape.dtype = request.dtype;
   shape.kv_format = request.kv_format;
   if (request.kv_format == KvFormat::kFp8E4M3) {
+    // The descales spread to layers x kv_heads values (8 bytes for 2 x page_tokens x head_dim bytes of a page):
+    // only for a shape whose page fits a pool, so that a one-value request cannot make the server size them by
+    // the shape's limits.
+    ATTND_RETURN_IF_ERROR(PoolPages(options_, shape).status());
     ATTND_RETURN_IF_ERROR(ExpandDescales("shape.k_descale", request.k_descale, shape, &shape.k_descale));
     ATTND_RETURN_IF_ERROR(ExpandDescales("shape.v_descale", request.v_descale, shape, &shape.v_descale));
   } else if (!request.k_descale.empty() || !request.v_descale.empty()) {

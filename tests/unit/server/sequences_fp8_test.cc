@@ -174,6 +174,16 @@ TEST_F(Fp8SequencesTest, BadFloat8ShapesNameTheirField) {
   s->clear_kv_dtype();
   s->clear_k_descale();
   refused("shape.v_descale: given for a 16-bit cache");
+  // A shape no pool can hold is refused before its descales are looked at (and spread to layers x kv_heads values,
+  // 16.7 million here): the page check comes first, so the descales' count (2: neither 1 nor layers) is not reached.
+  s->clear_v_descale();
+  s->set_kv_dtype(v1::DTYPE_FP8_E4M3);
+  s->add_k_descale(1.f);
+  s->add_k_descale(1.f);
+  s->add_v_descale(1.f);
+  s->set_layers(4096);
+  s->set_kv_heads(4096);
+  ExpectStatus(sequences_->Open("alice", r).status(), absl::StatusCode::kResourceExhausted, "kv pool: one page of");
 }
 
 }  // namespace
