@@ -99,6 +99,9 @@ ABSL_FLAG(uint32_t, max_uploads_per_client, 0,
 ABSL_FLAG(uint32_t, max_connections, 0,
           "gRPC connections (TCP and unix) held at once; one more is closed at accept (0: 7/8 of the descriptor "
           "limit, which attnd raises to its hard limit at start)");
+ABSL_FLAG(uint32_t, max_streams_per_connection, 1024,
+          "calls (streams) one gRPC connection holds open at once, health watches included; a client's further calls "
+          "wait in its transport until one ends (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; 0: no cap)");
 ABSL_FLAG(double, stream_idle_timeout_s, 30,
           "a ForwardStream that sends no message for this long, before its header or between chunks, is ended "
           "DEADLINE_EXCEEDED and its inputs freed (0: never)");
@@ -292,6 +295,7 @@ absl::Status ListenerFlags(ServerOptions::Network* network) {
   network->listen = absl::GetFlag(FLAGS_listen);
   network->unix_socket = absl::GetFlag(FLAGS_unix_socket);
   network->max_connections = absl::GetFlag(FLAGS_max_connections);
+  network->max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
   network->grpc_args = absl::GetFlag(FLAGS_grpc_arg);
   const std::string mode = absl::GetFlag(FLAGS_unix_socket_mode);
   char* end = nullptr;

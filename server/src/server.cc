@@ -174,6 +174,9 @@ class ServerImpl final : public Server {
     for (const auto& [name, value] : limits) {
       if (!SetsChannelArg(grpc_args_, name)) builder.AddChannelArgument(name, value);
     }
+    if (network.max_streams_per_connection > 0 && !SetsChannelArg(grpc_args_, GRPC_ARG_MAX_CONCURRENT_STREAMS)) {
+      builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, ClampToInt(network.max_streams_per_connection));
+    }
     for (const ChannelArg& arg : grpc_args_) {
       std::visit([&](const auto& v) { builder.AddChannelArgument(arg.name, v); }, arg.value);
     }

@@ -425,6 +425,36 @@ PrefixFlood FloodAnnouncedMessage(int port, pid_t server, uint32_t announce, abs
   return out;
 }
 
+// The SETTINGS_MAX_CONCURRENT_STREAMS (0x3) the server announces on a new connection; -1 when it sends none.
+int64_t AnnouncedStreamCap(int port) {
+  RawGrpcCall call(port, "/grpc.health.v1.Health/Check");
+  const absl::Time end = absl::Now() + absl::Seconds(5);
+  while (call.ok() && absl::Now() < end) {
+    std::vector<RawGrpcCall::Frame> frames;
+    if (!call.Receive(absl::Milliseconds(50), &frames)) break;
+    for (const RawGrpcCall::Frame& f : frames) {
+      if (f.type != 4 || (f.flags & 1) != 0 || f.stream != 0) continue;
+      for (size_t i = 0; i + 6 <= f.payload.size(); i += 6) {
+        const int id = (static_cast<uint8_t>(f.payload[i]) << 8) | static_cast<uint8_t>(f.payload[i + 1]);
+        if (id == 3) return Be32(f.payload, i + 2);
+      }
+      return -1;
+    }
+  }
+  return -1;
+}
+
+TEST(BinaryLimits, OneConnectionHoldsAtMostItsStreamCap) {
+  // Each call in progress costs the server its state beyond the transport quota: a connection may hold
+  // --max_streams_per_connection of them (1024 unless set), announced in the server's first SETTINGS frame.
+  for (const auto& [flags, want] : std::vector<std::pair<std::vector<std::string>, int64_t>>{
+           {{}, 1024}, {{"--max_streams_per_connection=7"}, 7}}) {
+    TcpServer server(flags);
+    ASSERT_TRUE(server.serving) << "attnd did not start";
+    EXPECT_EQ(AnnouncedStreamCap(server.port), want);
+  }
+}
+
 TEST(BinaryLimits, AHugeLengthPrefixIsNotBufferedWhole) {
   // --max_message_bytes=4 MiB; a call announcing 1 GiB. The server's memory must stay near the transport's
   // quota (4 + 16 MiB, at least 64 MiB) instead of following the prefix, and the server must carry on.

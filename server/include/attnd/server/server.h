@@ -22,6 +22,11 @@ struct ServerOptions {
     // Connections the gRPC listeners (TCP and unix) hold at once; one more is closed at accept and counted
     // (attnd_connections_refused_total). 0: seven eighths of the process's descriptor limit (listener_guard.h).
     uint32_t max_connections = 0;
+    // Streams (calls in progress of any method, health watches included) one connection may hold open at once
+    // (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): a client's further calls wait in its own transport until one
+    // ends. Bounds what one connection costs the server beyond the transport quota (each call's state). 0: gRPC's
+    // default (no cap).
+    uint32_t max_streams_per_connection = 1024;
     // gRPC channel arguments "name=value" applied last (channel_args.h); a malformed one fails Create.
     std::vector<std::string> grpc_args;
   };
