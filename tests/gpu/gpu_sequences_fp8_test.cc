@@ -50,7 +50,10 @@ using ::attnd::testing::HaveSupportedGpu;
 using ::attnd::testing::OutlierChannel;
 using ::attnd::testing::RandomValue;
 using sequences_testing::Outcome;
+using sequences_testing::Part;
 using sequences_testing::RunBatch;
+using sequences_testing::SequenceLife;
+using sequences_testing::SequenceOps;
 using sequences_testing::SharedBackend;
 
 constexpr double kTolFactor = 3.0;
@@ -196,10 +199,6 @@ class SequencesFp8Test : public ::testing::TestWithParam<Fp8SeqCase> {
     return out;
   }
 
-  struct Part {
-    std::vector<int> seqs;
-    std::vector<int> tokens;
-  };
   // One batch of requests at `layer` on both backends, then the caches and the outputs checked.
   void Step(int layer, const std::vector<Part>& parts, bool append, bool attend, const std::string& what);
   // Every cached row of every sequence, layer, K and V: the CUDA pool's bytes are the CPU pool's.
@@ -382,37 +381,13 @@ void SequencesFp8Test::CheckSequence(const StepSequence& s, int keys, int layer,
   EXPECT_LE(lse_err, kLseAtol + lse_readings) << "LSE ([q_heads, tokens] per sequence)";
 }
 
-// The 16-bit suite's life of a few sequences over float8 pages: a ragged prefill from empty caches (long prompts
-// gathered from the pages their own append just wrote, short ones appended, then decoded), forks sharing pages
-// (copy-on-write on their next append), decode batches of several requests at 1, 4 and 16 tokens, chunked prefill
-// over a cache, attention without append, an append without attention, and a ragged batch mixing all of it.
+// The 16-bit suite's life of a few sequences (SequenceLife) over float8 pages: long prompts into empty caches are
+// gathered from the pages their own append just wrote.
 TEST_P(SequencesFp8Test, PrefillForkDecodeChunkReattend) {
-  const int a = Open(), b = Open(), c = Open(), d = Open(), e = Open();
-  for (int layer = 0; layer < c_.layers; ++layer) {
-    Step(layer, {{{a, b, c, d, e}, {37, 5, 16, 100, 1}}}, true, true, absl::StrCat("ragged prefill, layer ", layer));
-  }
-  const int a1 = Fork(a), a2 = Fork(a), d1 = Fork(d);
-  for (int layer = 0; layer < c_.layers; ++layer) {
-    Step(layer, {{{a, b}, {1, 1}}, {{a1}, {1}}, {{a2, c, d1}, {1, 1, 1}}, {{e}, {1}}}, true, true,
-         absl::StrCat("decode q1 after forks, layer ", layer));
-  }
-  for (int layer = 0; layer < c_.layers; ++layer) {
-    Step(layer, {{{a, a1, d}, {4, 4, 4}}, {{a2}, {4}}}, true, true, absl::StrCat("decode q4, layer ", layer));
-    Step(layer, {{{b, d1}, {16, 16}}}, true, true, absl::StrCat("decode q16, layer ", layer));
-  }
-  for (int layer = 0; layer < c_.layers; ++layer) {
-    Step(layer, {{{c, e}, {40, 40}}}, true, true, absl::StrCat("chunked prefill q40, layer ", layer));
-    Step(layer, {{{a2}, {75}}}, true, true, absl::StrCat("chunked prefill q75, layer ", layer));
-  }
-  for (int layer = 0; layer < c_.layers; ++layer) {
-    Step(layer, {{{a, b}, {3, 3}}}, false, true, absl::StrCat("reattend q3, layer ", layer));
-    Step(layer, {{{d}, {20}}}, false, true, absl::StrCat("reattend q20, layer ", layer));
-    Step(layer, {{{a1, e}, {7, 33}}}, true, false, absl::StrCat("append only, layer ", layer));
-  }
-  for (int layer = 0; layer < c_.layers; ++layer) {
-    Step(layer, {{{a, a1, a2, b, c, d, d1, e}, {2, 2, 1, 18, 3, 3, 3, 1}}}, true, true,
-         absl::StrCat("ragged mix, layer ", layer));
-  }
+  const SequenceOps ops{[this] { return Open(); }, [this](int parent) { return Fork(parent); },
+                        [this](int layer, const std::vector<Part>& parts, bool append, bool attend,
+                               const std::string& what) { Step(layer, parts, append, attend, what); }};
+  SequenceLife(c_.layers, ops);
 }
 
 std::vector<Fp8SeqCase> Fp8Cases() {

@@ -44,7 +44,10 @@ namespace {
 
 using ::attnd::testing::HaveSupportedGpu;
 using sequences_testing::Outcome;
+using sequences_testing::Part;
 using sequences_testing::RunBatch;
+using sequences_testing::SequenceLife;
+using sequences_testing::SequenceOps;
 using sequences_testing::SharedBackend;
 using sequences_testing::TestOptions;
 
@@ -208,10 +211,6 @@ class SequencesTest : public ::testing::TestWithParam<Case> {
   }
 
   // One request of a step: its sequences (model indices) and their tokens.
-  struct Part {
-    std::vector<int> seqs;
-    std::vector<int> tokens;
-  };
 
   // Runs one batch of requests at `layer` and checks every output and the model against the reference.
   void Step(int layer, const std::vector<Part>& parts, bool append, bool attend, const std::string& what) {
@@ -439,42 +438,12 @@ class SequencesTest : public ::testing::TestWithParam<Case> {
   std::vector<void*> device_buffers_;
 };
 
-// The life of a few sequences, every layer stepping alike: a ragged prefill (long prompts on the prefill kernels
-// from an empty cache, short ones on the decode kernel), forks sharing pages (copy-on-write on their next
-// append), uniform decode batches of several requests at 1, 4 and 16 tokens, a chunked prefill over a cache (the
-// gather), attention without append (the last cached rows again), an append without attention, a ragged batch
-// mixing all of it.
+// The life of a few sequences (SequenceLife), then the pool and a moved sequence's rows read back.
 TEST_P(SequencesTest, PrefillForkDecodeChunkReattend) {
-  const int a = Open(), b = Open(), c = Open(), d = Open(), e = Open();
-  for (int layer = 0; layer < c_.layers; ++layer) {
-    Step(layer, {{{a, b, c, d, e}, {37, 5, 16, 100, 1}}}, true, true, absl::StrCat("ragged prefill, layer ", layer));
-  }
-  const int a1 = Fork(a), a2 = Fork(a), d1 = Fork(d);
-  for (int layer = 0; layer < c_.layers; ++layer) {
-    // Several requests in one batch, one token each; the forks copy their shared last pages first.
-    Step(layer, {{{a, b}, {1, 1}}, {{a1}, {1}}, {{a2, c, d1}, {1, 1, 1}}, {{e}, {1}}}, true, true,
-         absl::StrCat("decode q1 after forks, layer ", layer));
-  }
-  for (int layer = 0; layer < c_.layers; ++layer) {
-    Step(layer, {{{a, a1, d}, {4, 4, 4}}, {{a2}, {4}}}, true, true, absl::StrCat("decode q4, layer ", layer));
-    Step(layer, {{{b, d1}, {16, 16}}}, true, true, absl::StrCat("decode q16, layer ", layer));
-  }
-  for (int layer = 0; layer < c_.layers; ++layer) {
-    // Prefill chunks over a cache: the keys gathered from the pages.
-    Step(layer, {{{c, e}, {40, 40}}}, true, true, absl::StrCat("chunked prefill q40, layer ", layer));
-    Step(layer, {{{a2}, {75}}}, true, true, absl::StrCat("chunked prefill q75, layer ", layer));
-  }
-  for (int layer = 0; layer < c_.layers; ++layer) {
-    // Without k and v, q's rows are the last cached positions.
-    Step(layer, {{{a, b}, {3, 3}}}, false, true, absl::StrCat("reattend q3, layer ", layer));
-    Step(layer, {{{d}, {20}}}, false, true, absl::StrCat("reattend q20, layer ", layer));
-    Step(layer, {{{a1, e}, {7, 33}}}, true, false, absl::StrCat("append only, layer ", layer));
-  }
-  for (int layer = 0; layer < c_.layers; ++layer) {
-    // Ragged: runs of equal short tokens share a decode launch, long ones take the prefill path.
-    Step(layer, {{{a, a1, a2, b, c, d, d1, e}, {2, 2, 1, 18, 3, 3, 3, 1}}}, true, true,
-         absl::StrCat("ragged mix, layer ", layer));
-  }
+  const SequenceOps ops{[this] { return Open(); }, [this](int parent) { return Fork(parent); },
+                        [this](int layer, const std::vector<Part>& parts, bool append, bool attend,
+                               const std::string& what) { Step(layer, parts, append, attend, what); }};
+  const int a2 = SequenceLife(c_.layers, ops);
   CheckPool();
   CheckMovingRows(a2);
   CheckPool();
