@@ -13,7 +13,17 @@
 
 namespace attnd {
 
-const char* DTypeName(DType t) { return t == DType::kBF16 ? "bf16" : "fp16"; }
+const char* DTypeName(DType t) {
+  switch (t) {
+    case DType::kBF16:
+      return "bf16";
+    case DType::kFP16:
+      return "fp16";
+    case DType::kFP8E4M3:
+      return "fp8_e4m3";
+  }
+  return "?";
+}
 
 const char* MaskName(Mask m) {
   switch (m) {

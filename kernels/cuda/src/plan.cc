@@ -42,6 +42,11 @@ std::vector<std::string> ConfigNames() {
   return names;
 }
 
+int64_t VTransposedBytes(const Shape& s, DType dtype) {
+  if (dtype != DType::kFP8E4M3) return 0;
+  return s.batch * s.kv_heads * s.head_dim * ((s.kv_len + 31) / 32 * 32);
+}
+
 namespace {
 
 struct DeviceCaps {

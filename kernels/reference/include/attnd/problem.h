@@ -9,7 +9,9 @@
 
 namespace attnd {
 
-enum class DType { kBF16, kFP16 };
+// kFP8E4M3 (float8 e4m3, attnd/fp8.h): inputs of the Hopper family's float8 forward, whose O is bf16
+// (OutputDType) and whose Q, K and V carry descale factors (attnd::kernels::DeviceTensors).
+enum class DType { kBF16, kFP16, kFP8E4M3 };
 enum class Mask { kNone, kCausalTopLeft, kCausalBottomRight };
 // How a KV sequence's cache stores K and V (SequenceShape.kv_dtype in attention.proto).
 enum class KvFormat {
@@ -19,7 +21,9 @@ enum class KvFormat {
   kFp8E4M3,
 };
 
-inline int64_t DTypeBytes(DType) { return 2; }
+inline int64_t DTypeBytes(DType t) { return t == DType::kFP8E4M3 ? 1 : 2; }
+// The element type of O (and of the 16-bit reference's inputs) for inputs of type t.
+inline DType OutputDType(DType t) { return t == DType::kFP8E4M3 ? DType::kBF16 : t; }
 const char* DTypeName(DType t);
 const char* MaskName(Mask m);
 

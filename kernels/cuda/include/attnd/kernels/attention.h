@@ -50,6 +50,7 @@ struct ConfigInfo {
   bool sm120 = false;      // fits sm_120's 99 KB and is compiled for sm_120a as well as sm_90a
   bool stores_o_with_tma = false;  // its epilogue stores O through a fourth tensor map (MapKeys().has_o)
   bool split_tail = false;         // hopper: compiled with the split last round (HopperScheduleOptions::split_tail)
+  bool fp8 = false;                // runs float8 e4m3 problems (and only those); the others run bf16 and fp16
 };
 
 // Every configuration compiled into this library, whatever the device.
@@ -87,13 +88,25 @@ struct TensorMapKeyHash {
 absl::StatusOr<CUtensorMap> EncodeTensorMap(const TensorMapKey& key);
 
 // Device pointers of one call. lse (fp32 [batch, q_heads, q_len], natural log) only when want_lse.
+// Float8 problems (DType::kFP8E4M3; docs/kernels.md, "Float8 forward"): Q, K and V hold e4m3 codes, O is bf16, and
+// element x of a head is read as Fp8E4M3ToFloat(x) * that head's descale: q_descale has q_heads fp32 values,
+// k_descale and v_descale kv_heads each (finite and > 0; a per-tensor scale repeats its value). v_t is the caller's
+// scratch of VTransposedBytes(shape) bytes into which every launch first writes V transposed for the P V GEMM.
 struct DeviceTensors {
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
   void* o = nullptr;
   float* lse = nullptr;
+  const float* q_descale = nullptr;
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
+  void* v_t = nullptr;
 };
+
+// Bytes of DeviceTensors::v_t a float8 problem of this shape needs (0 for other element types): V as
+// [batch, kv_heads, head_dim, kv_len rounded up to 32], keys contiguous.
+int64_t VTransposedBytes(const Shape& shape, DType dtype);
 
 // How the hopper family's persistent blocks share out the tiles (docs/kernels.md, "Scheduler"). The defaults
 // are the tuned schedule; the other values exist for tests (few blocks, forced split tails) and tuning runs.
@@ -153,6 +166,20 @@ struct LaunchParams {
   float scale_log2 = 0;   // softmax scale * log2(e): the kernel works in the exp2 domain
   int batch = 0;
   int section = 1;        // causal block order: (head, batch) pairs per L2-sized section (mma_sync family)
+  // Float8 problems: the descales of DeviceTensors (the kernel scales S by q * k's and O by v's); null otherwise.
+  const float* q_descale = nullptr;
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
+};
+
+// Float8 plans: the transpose that runs before the attention kernel, V [batch, kv_len, kv_heads, head_dim] (strides
+// in elements) into DeviceTensors::v_t as [batch, kv_heads, head_dim, kv_len_padded], every 32 keys in the order
+// the kernel's P fragments hold them (docs/kernels.md, "Float8 forward").
+struct VTransposeParams {
+  const void* v = nullptr;
+  void* v_t = nullptr;
+  int64_t v_stride_b = 0, v_stride_s = 0, v_stride_h = 0;
+  int kv_len = 0, kv_len_padded = 0, kv_heads = 0, head_dim = 0, batch = 0;
 };
 
 // What a launch runs, decided when the plan is made; the family's launcher reads it and nothing else does.
@@ -179,6 +206,7 @@ struct Plan {
   CUtensorMap q_map{}, k_map{}, v_map{};
   CUtensorMap o_map{};  // only for configurations whose MapKeys have has_o
   LaunchParams params;
+  VTransposeParams v_transpose;  // float8 plans only (v_map then maps DeviceTensors::v_t)
   LaunchSchedule schedule;
   // Device memory each launch needs besides the tensors (0: none). The caller owns it: zeroed once before its
   // first launch (ZeroWorkspace), and every launch leaves it zero again. One workspace serves one launch at a
