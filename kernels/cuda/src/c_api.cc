@@ -12,9 +12,11 @@
 struct attnd_kernels_plan {
   attnd::kernels::Plan plan;
   void* workspace = nullptr;  // owned (cudaFree at destroy); null when the plan needs none or the caller owns it
+  void* v_t = nullptr;        // float8 plans: the owned V^T scratch (DeviceTensors::v_t)
 
   ~attnd_kernels_plan() {
     if (workspace != nullptr) cudaFree(workspace);
+    if (v_t != nullptr) cudaFree(v_t);
   }
 };
 
@@ -71,21 +73,25 @@ void attnd_kernels_hopper_options_default(attnd_kernels_hopper_options* out) {
   out->dynamic_min_tiles_per_block = d.dynamic_min_tiles_per_block;
 }
 
-int attnd_kernels_plan_create_with_options(const int64_t shape[6], int dtype, int mask, float scale,
-                                           const int64_t strides[12], const void* q, const void* k, const void* v,
-                                           void* o, float* lse, const char* config,
-                                           const attnd_kernels_hopper_options* hopper, int own_workspace,
-                                           attnd_kernels_plan** out, char* err, size_t err_len) {
+}  // extern "C"
+
+namespace {
+
+// The body of every plan_create: dtype 0 bf16, 1 fp16, 2 float8 e4m3 (then `fp8` holds the descales and the plan
+// allocates its V^T scratch).
+int CreatePlan(const int64_t shape[6], int dtype, int mask, float scale, const int64_t strides[12], const void* q,
+               const void* k, const void* v, void* o, float* lse, const attnd::kernels::DeviceTensors* fp8,
+               const char* config, const attnd_kernels_hopper_options* hopper, int own_workspace,
+               attnd_kernels_plan** out, char* err, size_t err_len) {
   using namespace attnd;
   if (out == nullptr) return Fail(absl::InvalidArgumentError("out is null"), err, err_len);
   *out = nullptr;
   if (shape == nullptr) return Fail(absl::InvalidArgumentError("shape is null"), err, err_len);
   if (strides == nullptr) return Fail(absl::InvalidArgumentError("strides is null"), err, err_len);
-  if (dtype < 0 || dtype > 1) return Fail(absl::InvalidArgumentError("dtype must be 0 (bf16) or 1 (fp16)"), err, err_len);
   if (mask < 0 || mask > 2) return Fail(absl::InvalidArgumentError("mask must be 0, 1 or 2"), err, err_len);
   Problem p;
   p.shape = Shape{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5]};
-  p.dtype = dtype == 0 ? DType::kBF16 : DType::kFP16;
+  p.dtype = dtype == 0 ? DType::kBF16 : (dtype == 1 ? DType::kFP16 : DType::kFP8E4M3);
   p.mask = mask == 0 ? Mask::kNone : (mask == 1 ? Mask::kCausalTopLeft : Mask::kCausalBottomRight);
   p.scale = scale;
   p.want_lse = lse != nullptr;
@@ -103,9 +109,28 @@ int attnd_kernels_plan_create_with_options(const int64_t shape[6], int dtype, in
     options.config = name;
   }
   if (hopper != nullptr) options.hopper = FromC(*hopper);
-  absl::StatusOr<kernels::Plan> plan = kernels::MakePlan(p, layout, kernels::DeviceTensors{q, k, v, o, lse}, options);
-  if (!plan.ok()) return Fail(plan.status(), err, err_len);
+  kernels::DeviceTensors tensors{q, k, v, o, lse};
+  void* v_t = nullptr;
+  if (fp8 != nullptr) {
+    tensors.q_descale = fp8->q_descale;
+    tensors.k_descale = fp8->k_descale;
+    tensors.v_descale = fp8->v_descale;
+    if (p.shape.batch > 0 && p.shape.kv_len > 0 && p.shape.kv_heads > 0 && p.shape.head_dim > 0) {
+      const int64_t bytes = kernels::VTransposedBytes(p.shape, p.dtype);
+      if (cudaMalloc(&v_t, static_cast<size_t>(bytes)) != cudaSuccess) {
+        cudaGetLastError();
+        return Fail(absl::ResourceExhaustedError(absl::StrCat("allocating V^T (", bytes, " bytes)")), err, err_len);
+      }
+    }
+    tensors.v_t = v_t;
+  }
+  absl::StatusOr<kernels::Plan> plan = kernels::MakePlan(p, layout, tensors, options);
+  if (!plan.ok()) {
+    if (v_t != nullptr) cudaFree(v_t);
+    return Fail(plan.status(), err, err_len);
+  }
   auto* made = new attnd_kernels_plan{*plan};
+  made->v_t = v_t;
   if (own_workspace != 0) {
     if (absl::Status st = AllocateWorkspace(made); !st.ok()) {
       delete made;
@@ -114,6 +139,35 @@ int attnd_kernels_plan_create_with_options(const int64_t shape[6], int dtype, in
   }
   *out = made;
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int attnd_kernels_plan_create_with_options(const int64_t shape[6], int dtype, int mask, float scale,
+                                           const int64_t strides[12], const void* q, const void* k, const void* v,
+                                           void* o, float* lse, const char* config,
+                                           const attnd_kernels_hopper_options* hopper, int own_workspace,
+                                           attnd_kernels_plan** out, char* err, size_t err_len) {
+  if (dtype < 0 || dtype > 1) {
+    if (out != nullptr) *out = nullptr;
+    return Fail(absl::InvalidArgumentError("dtype must be 0 (bf16) or 1 (fp16)"), err, err_len);
+  }
+  return CreatePlan(shape, dtype, mask, scale, strides, q, k, v, o, lse, nullptr, config, hopper, own_workspace, out,
+                    err, err_len);
+}
+
+int attnd_kernels_plan_create_fp8(const int64_t shape[6], int mask, float scale, const int64_t strides[12],
+                                  const void* q, const void* k, const void* v, void* o, float* lse,
+                                  const float* q_descale, const float* k_descale, const float* v_descale,
+                                  const char* config, const attnd_kernels_hopper_options* hopper,
+                                  attnd_kernels_plan** out, char* err, size_t err_len) {
+  attnd::kernels::DeviceTensors fp8;
+  fp8.q_descale = q_descale;
+  fp8.k_descale = k_descale;
+  fp8.v_descale = v_descale;
+  return CreatePlan(shape, 2, mask, scale, strides, q, k, v, o, lse, &fp8, config, hopper, 1, out, err, err_len);
 }
 
 int attnd_kernels_plan_create(const int64_t shape[6], int dtype, int mask, float scale, const int64_t strides[12],

@@ -25,11 +25,12 @@ struct KernelEntry {
   int head_dim, block_m, block_n, stages, threads;
   size_t smem_bytes;
   bool sm120;
-  LaunchFn launch[2];    // by DType: bf16, fp16
-  PrepareFn prepare[2];  // raises the dynamic shared-memory limit; once per device
+  LaunchFn launch[3];    // by DType: bf16, fp16, fp8 e4m3; null for the element types the configuration does not run
+  PrepareFn prepare[3];  // raises the dynamic shared-memory limit; once per device
   PlanScheduleFn plan_schedule = nullptr;  // hopper: the persistent schedule; null: one block per tile, no workspace
   int o_box_rows = 0;    // > 0: O is stored through a tensor map (Plan::o_map) in boxes of this many rows
   bool split_tail = false;  // hopper: compiled with the split last round (MaySplitTail in flash_fwd_launch_sm90.cuh)
+  bool fp8 = false;         // runs float8 e4m3 problems only (launch[2]); the others run bf16 and fp16
 };
 
 struct EntryList {
@@ -49,7 +50,7 @@ template <typename Tile>
 constexpr KernelEntry TileEntry(const char* name, Family family, LaunchFn bf16, LaunchFn fp16,
                                 PrepareFn prepare_bf16, PrepareFn prepare_fp16) {
   return KernelEntry{name, family, Tile::kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kStages, Tile::kThreads,
-                     Tile::kSmemBytes, false, {bf16, fp16}, {prepare_bf16, prepare_fp16}};
+                     Tile::kSmemBytes, false, {bf16, fp16, nullptr}, {prepare_bf16, prepare_fp16, nullptr}};
 }
 
 namespace mma_sync {

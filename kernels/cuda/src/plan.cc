@@ -29,7 +29,7 @@ const std::vector<ConfigInfo>& Configs() {
     std::vector<ConfigInfo> out;
     for (const KernelEntry& e : AllEntries()) {
       out.push_back(ConfigInfo{e.name, e.family, e.head_dim, e.block_m, e.block_n, e.stages, e.threads,
-                               e.smem_bytes, e.sm120, e.o_box_rows > 0, e.split_tail});
+                               e.smem_bytes, e.sm120, e.o_box_rows > 0, e.split_tail, e.fp8});
     }
     return out;
   }();
@@ -115,8 +115,16 @@ const char* DefaultConfig(const DeviceCaps& caps, const Problem& p) {
 
 // The hopper family's tuned choice (docs/tuning.md). head_dim 64: the 128-row six-stage `_p2` below 2k queries
 // without a mask, else the 192-row `_wrs` (three consumer warpgroups, each skipping the key blocks its rows do not
-// see); head_dim 128: the three-stage `_osk_p2` at every length; head_dim 256: 128x64, two stages.
+// see); head_dim 128: the three-stage `_osk_p2` at every length; head_dim 256: 128x64, two stages. Float8: the `_fp8`
+// shape of the head dim (128 and 256 only).
 const char* DefaultHopperConfig(const Problem& p) {
+  if (p.dtype == DType::kFP8E4M3) {
+    switch (p.shape.head_dim) {
+      case 128: return "hopper_sm90_d128_fp8_m128n128s4";
+      case 256: return "hopper_sm90_d256_fp8_m128n128s2";
+    }
+    return nullptr;
+  }
   switch (p.shape.head_dim) {
     case 64:
       return p.mask == Mask::kNone && p.shape.q_len < 2048 ? "hopper_sm90_d64_m128n128s6_p2"
@@ -168,7 +176,11 @@ absl::Status Prepare(int entry, DType dtype, int device) {
   std::lock_guard<std::mutex> lock(mu);
   if (done.count(key)) return absl::OkStatus();
   const KernelEntry& e = AllEntries()[entry];
-  const cudaError_t err = e.prepare[dtype == DType::kBF16 ? 0 : 1]();
+  const PrepareFn prepare = e.prepare[static_cast<int>(dtype)];
+  if (prepare == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("kernel configuration ", e.name, " does not run ", DTypeName(dtype)));
+  }
+  const cudaError_t err = prepare();
   if (err != cudaSuccess) {
     return absl::InternalError(
         absl::StrCat("cudaFuncSetAttribute(", e.name, ", ", e.smem_bytes, " bytes): ", cudaGetErrorString(err)));
@@ -177,7 +189,9 @@ absl::Status Prepare(int entry, DType dtype, int device) {
   return absl::OkStatus();
 }
 
-absl::Status CheckStrides(const char* tensor, const Strides& st, int64_t seq_len, int64_t heads, bool output) {
+// Strides in elements of `elem_bytes` each; TMA and the 16-byte stores want them multiples of 16 bytes.
+absl::Status CheckStrides(const char* tensor, const Strides& st, int64_t seq_len, int64_t heads, bool output,
+                          int64_t elem_bytes) {
   const struct {
     const char* name;
     int64_t stride, extent;
@@ -188,10 +202,11 @@ absl::Status CheckStrides(const char* tensor, const Strides& st, int64_t seq_len
       return absl::InvalidArgumentError(
           absl::StrCat("layout.", tensor, ".", d.name, " stride ", d.stride, " must be positive"));
     }
-    if (d.stride % 8 != 0) {
+    if ((d.stride * elem_bytes) % 16 != 0) {
       return absl::InvalidArgumentError(absl::StrCat("layout.", tensor, ".", d.name, " stride ", d.stride,
-                                                     " is not a multiple of 8 elements (16 bytes), which the "
-                                                     "kernel's TMA loads and 16-byte stores require"));
+                                                     " is not a multiple of ", 16 / elem_bytes,
+                                                     " elements (16 bytes), which the kernel's TMA loads and "
+                                                     "16-byte stores require"));
     }
     if (d.stride >= (int64_t{1} << 39)) {
       return absl::InvalidArgumentError(absl::StrCat("layout.", tensor, ".", d.name, " stride ", d.stride, " is too large"));
@@ -226,21 +241,25 @@ absl::Status ValidateProblem(const Problem& p, const Layout& layout) {
                                                    ") must be a multiple of shape.kv_heads (", s.kv_heads, ")"));
   }
   if (!std::isfinite(p.scale)) return absl::InvalidArgumentError("scale must be finite");
-  if (p.dtype != DType::kBF16 && p.dtype != DType::kFP16) return absl::InvalidArgumentError("dtype is not supported");
-  if (auto st = CheckStrides("q", layout.q, s.q_len, s.q_heads, false); !st.ok()) return st;
-  if (auto st = CheckStrides("k", layout.k, s.kv_len, s.kv_heads, false); !st.ok()) return st;
-  if (auto st = CheckStrides("v", layout.v, s.kv_len, s.kv_heads, false); !st.ok()) return st;
-  if (auto st = CheckStrides("o", layout.o, s.q_len, s.q_heads, true); !st.ok()) return st;
+  if (p.dtype != DType::kBF16 && p.dtype != DType::kFP16 && p.dtype != DType::kFP8E4M3) {
+    return absl::InvalidArgumentError("dtype is not supported");
+  }
+  const int64_t eb = DTypeBytes(p.dtype), out_eb = DTypeBytes(OutputDType(p.dtype));
+  if (auto st = CheckStrides("q", layout.q, s.q_len, s.q_heads, false, eb); !st.ok()) return st;
+  if (auto st = CheckStrides("k", layout.k, s.kv_len, s.kv_heads, false, eb); !st.ok()) return st;
+  if (auto st = CheckStrides("v", layout.v, s.kv_len, s.kv_heads, false, eb); !st.ok()) return st;
+  if (auto st = CheckStrides("o", layout.o, s.q_len, s.q_heads, true, out_eb); !st.ok()) return st;
   return absl::OkStatus();
 }
 
 // A size-1 dimension's stride is never stepped over, but TMA still wants it a multiple of 16 bytes.
-uint64_t StrideBytes(int64_t stride, int64_t extent, uint64_t fallback_bytes) {
-  return extent <= 1 ? fallback_bytes : static_cast<uint64_t>(stride) * 2;
+uint64_t StrideBytes(int64_t stride, int64_t extent, uint64_t fallback_bytes, int64_t elem_bytes) {
+  return extent <= 1 ? fallback_bytes : static_cast<uint64_t>(stride * elem_bytes);
 }
 
 TensorMapKey KeyFor(const void* ptr, DType dtype, const Strides& st, int64_t seq_len, int64_t heads, int64_t batch,
                     int64_t head_dim, int box_rows) {
+  const int64_t eb = DTypeBytes(dtype);
   TensorMapKey key;
   key.address = reinterpret_cast<uint64_t>(ptr);
   key.dtype = dtype;
@@ -248,12 +267,12 @@ TensorMapKey KeyFor(const void* ptr, DType dtype, const Strides& st, int64_t seq
   key.dims[1] = static_cast<uint64_t>(heads);
   key.dims[2] = static_cast<uint64_t>(seq_len);
   key.dims[3] = static_cast<uint64_t>(batch);
-  const uint64_t row_bytes = static_cast<uint64_t>(head_dim) * 2;
-  key.strides_bytes[0] = StrideBytes(st.head, heads, row_bytes);
-  key.strides_bytes[1] = StrideBytes(st.seq, seq_len, row_bytes * heads);
-  key.strides_bytes[2] = StrideBytes(st.batch, batch, row_bytes * heads * seq_len);
-  // One box is a 64-element (128-byte) panel of box_rows rows of one head of one sequence.
-  key.box[0] = 64;
+  const uint64_t row_bytes = static_cast<uint64_t>(head_dim * eb);
+  key.strides_bytes[0] = StrideBytes(st.head, heads, row_bytes, eb);
+  key.strides_bytes[1] = StrideBytes(st.seq, seq_len, row_bytes * heads, eb);
+  key.strides_bytes[2] = StrideBytes(st.batch, batch, row_bytes * heads * seq_len, eb);
+  // One box is a 128-byte panel (64 16-bit or 128 float8 elements) of box_rows rows of one head of one sequence.
+  key.box[0] = static_cast<uint32_t>(128 / eb);
   key.box[1] = 1;
   key.box[2] = static_cast<uint32_t>(box_rows);
   key.box[3] = 1;
@@ -261,12 +280,42 @@ TensorMapKey KeyFor(const void* ptr, DType dtype, const Strides& st, int64_t seq
   return key;
 }
 
-absl::Status CheckPointer(const char* name, const void* ptr) {
+// The float8 V^T of DeviceTensors::v_t: [batch, kv_heads, head_dim, kv_len rounded up to 32] bytes, one box a
+// head_dim x 128-key stage (fp8_sm90.cuh).
+TensorMapKey TransposedVKey(const void* v_t, const Shape& s) {
+  const uint64_t keys = static_cast<uint64_t>((s.kv_len + 31) / 32 * 32);
+  TensorMapKey key;
+  key.address = reinterpret_cast<uint64_t>(v_t);
+  key.dtype = DType::kFP8E4M3;
+  key.dims[0] = keys;
+  key.dims[1] = static_cast<uint64_t>(s.head_dim);
+  key.dims[2] = static_cast<uint64_t>(s.kv_heads);
+  key.dims[3] = static_cast<uint64_t>(s.batch);
+  key.strides_bytes[0] = keys;
+  key.strides_bytes[1] = keys * static_cast<uint64_t>(s.head_dim);
+  key.strides_bytes[2] = keys * static_cast<uint64_t>(s.head_dim * s.kv_heads);
+  key.box[0] = 128;
+  key.box[1] = static_cast<uint32_t>(s.head_dim);
+  key.box[2] = 1;
+  key.box[3] = 1;
+  key.swizzle_bytes = 128;
+  return key;
+}
+
+absl::Status CheckPointer(const char* name, const void* ptr, uintptr_t alignment = 16) {
   if (ptr == nullptr) return absl::InvalidArgumentError(absl::StrCat(name, " pointer is null"));
-  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(name, " pointer is not 16-byte aligned"));
+  if (reinterpret_cast<uintptr_t>(ptr) % alignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " pointer is not ", alignment, "-byte aligned"));
   }
   return absl::OkStatus();
+}
+
+// Float8 problems' extra tensors: the descales (fp32) and V^T's scratch.
+absl::Status CheckFp8Pointers(const DeviceTensors& t) {
+  if (absl::Status st = CheckPointer("q_descale", t.q_descale, 4); !st.ok()) return st;
+  if (absl::Status st = CheckPointer("k_descale", t.k_descale, 4); !st.ok()) return st;
+  if (absl::Status st = CheckPointer("v_descale", t.v_descale, 4); !st.ok()) return st;
+  return CheckPointer("v_t", t.v_t);
 }
 
 // The capabilities of `device` (-1: the current one), or why attnd's kernels cannot run on it.
@@ -355,12 +404,28 @@ absl::StatusOr<Selection> Select(const Problem& problem, const Layout& layout, c
                                                      entries[chosen].head_dim, ", the problem has shape.head_dim ",
                                                      problem.shape.head_dim));
     }
+    if (entries[chosen].fp8 != (problem.dtype == DType::kFP8E4M3)) {
+      return absl::InvalidArgumentError(absl::StrCat("kernel configuration ", options.config, " does not run ",
+                                                     DTypeName(problem.dtype), " problems"));
+    }
     if (!Runs(entries[chosen], *caps)) {
       return absl::FailedPreconditionError(absl::StrCat("kernel configuration ", options.config,
                                                         " cannot run on device ", caps->device, " (compute capability ",
                                                         caps->major, ".", caps->minor, ")"));
     }
   } else {
+    if (problem.dtype == DType::kFP8E4M3) {
+      if (options.family == Family::kMmaSync || caps->major != 9 || caps->minor != 0) {
+        return absl::FailedPreconditionError(absl::StrCat("float8 e4m3 runs on the hopper (wgmma) family, compute "
+                                                          "capability 9.0; device ", caps->device, " has ",
+                                                          caps->major, ".", caps->minor,
+                                                          options.family == Family::kMmaSync ? ", family mma_sync" : ""));
+      }
+      if (DefaultHopperConfig(problem) == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat("shape.head_dim ", problem.shape.head_dim,
+                                                       " is not supported for float8 e4m3 (supported: 128, 256)"));
+      }
+    }
     const char* name = DefaultConfig(*caps, problem);
     if (options.family == Family::kHopper) {
       if (caps->major != 9 || caps->minor != 0) {
@@ -395,7 +460,12 @@ absl::StatusOr<TensorMapKeys> MapKeys(const Selection& sel, const DeviceTensors&
   TensorMapKeys keys;
   keys.q = KeyFor(t.q, sel.problem.dtype, sel.layout.q, s.q_len, s.q_heads, s.batch, s.head_dim, e.block_m);
   keys.k = KeyFor(t.k, sel.problem.dtype, sel.layout.k, s.kv_len, s.kv_heads, s.batch, s.head_dim, e.block_n);
-  keys.v = KeyFor(t.v, sel.problem.dtype, sel.layout.v, s.kv_len, s.kv_heads, s.batch, s.head_dim, e.block_n);
+  if (e.fp8) {
+    if (absl::Status st = CheckFp8Pointers(t); !st.ok()) return st;
+    keys.v = TransposedVKey(t.v_t, s);
+  } else {
+    keys.v = KeyFor(t.v, sel.problem.dtype, sel.layout.v, s.kv_len, s.kv_heads, s.batch, s.head_dim, e.block_n);
+  }
   if (e.o_box_rows > 0) {
     if (absl::Status st = CheckPointer("o", t.o); !st.ok()) return st;
     keys.has_o = true;
@@ -444,6 +514,24 @@ absl::StatusOr<Plan> AssemblePlan(const Selection& sel, const DeviceTensors& t, 
   lp.num_q_tiles = static_cast<int>((s.q_len + e.block_m - 1) / e.block_m);
   lp.scale_log2 = static_cast<float>(static_cast<double>(p.scale) * 1.4426950408889634);
   lp.batch = static_cast<int>(s.batch);
+  if (e.fp8) {
+    if (absl::Status st = CheckFp8Pointers(t); !st.ok()) return st;
+    if (absl::Status st = CheckPointer("v", t.v); !st.ok()) return st;
+    lp.q_descale = t.q_descale;
+    lp.k_descale = t.k_descale;
+    lp.v_descale = t.v_descale;
+    VTransposeParams& vt = plan.v_transpose;
+    vt.v = t.v;
+    vt.v_t = t.v_t;
+    vt.v_stride_b = sel.layout.v.batch;
+    vt.v_stride_s = sel.layout.v.seq;
+    vt.v_stride_h = sel.layout.v.head;
+    vt.kv_len = static_cast<int>(s.kv_len);
+    vt.kv_len_padded = static_cast<int>((s.kv_len + 31) / 32 * 32);
+    vt.kv_heads = static_cast<int>(s.kv_heads);
+    vt.head_dim = static_cast<int>(s.head_dim);
+    vt.batch = static_cast<int>(s.batch);
+  }
   {
     // Causal block sections: (head, batch) pairs whose K/V (shared by a GQA group) fit half the L2, balanced.
     const int64_t l2 = limits.l2_bytes > 0 ? limits.l2_bytes : int64_t{50} << 20;
@@ -543,7 +631,11 @@ absl::Status Launch(const Plan& plan, void* workspace, cudaStream_t stream) {
     }
   }
   const KernelEntry& e = AllEntries()[plan.config];
-  const cudaError_t err = e.launch[plan.dtype == DType::kBF16 ? 0 : 1](plan, workspace, stream);
+  const LaunchFn launch = e.launch[static_cast<int>(plan.dtype)];
+  if (launch == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("plan: ", e.name, " does not run ", DTypeName(plan.dtype)));
+  }
+  const cudaError_t err = launch(plan, workspace, stream);
   if (err != cudaSuccess) {
     return absl::InternalError(absl::StrCat("launch of ", e.name, ": ", cudaGetErrorString(err)));
   }

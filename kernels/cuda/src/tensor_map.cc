@@ -47,6 +47,19 @@ absl::StatusOr<PFN_cuTensorMapEncodeTiled_v12000> Encoder() {
 
 }  // namespace
 
+namespace {
+
+CUtensorMapDataType DataType(DType t) {
+  switch (t) {
+    case DType::kBF16: return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    case DType::kFP16: return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    case DType::kFP8E4M3: return CU_TENSOR_MAP_DATA_TYPE_UINT8;  // TMA moves bytes; the wgmma reads them as e4m3
+  }
+  return CU_TENSOR_MAP_DATA_TYPE_UINT8;
+}
+
+}  // namespace
+
 absl::StatusOr<CUtensorMap> EncodeTensorMap(const TensorMapKey& key) {
   absl::StatusOr<PFN_cuTensorMapEncodeTiled_v12000> encode = Encoder();
   if (!encode.ok()) return encode.status();
@@ -61,7 +74,7 @@ absl::StatusOr<CUtensorMap> EncodeTensorMap(const TensorMapKey& key) {
   CUtensorMap map;
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   const CUresult res = (*encode)(
-      &map, key.dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+      &map, DataType(key.dtype), 4,
       reinterpret_cast<void*>(key.address), key.dims, key.strides_bytes, key.box, element_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (res != CUDA_SUCCESS) {

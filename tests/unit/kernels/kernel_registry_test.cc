@@ -81,8 +81,9 @@ TEST(KernelRegistryTest, AutoAtHeadDim128And256RunsKernelsWithTheSplitTail) {
 }
 
 TEST(KernelRegistryTest, ShipsTheChosenConfigurations) {
-  const std::set<std::string> hopper = {"hopper_sm90_d64_m128n128s6_p2", "hopper_sm90_d64_m192n128s4_wrs",
-                                        "hopper_sm90_d128_m128n128s3_osk_p2", "hopper_sm90_d256_m128n64s2"};
+  const std::set<std::string> hopper = {"hopper_sm90_d64_m128n128s6_p2",      "hopper_sm90_d64_m192n128s4_wrs",
+                                        "hopper_sm90_d128_m128n128s3_osk_p2", "hopper_sm90_d256_m128n64s2",
+                                        "hopper_sm90_d128_fp8_m128n128s4",    "hopper_sm90_d256_fp8_m128n128s2"};
   const std::set<std::string> mma_sync = {"mma_sync_sm120_d64_m64n64s2",    "mma_sync_sm120_d128_m64n64s1",
                                           "mma_sync_sm120_d256_m64n64s1",    "mma_sync_sm90_d64_m128n64s2w4",
                                           "mma_sync_sm90_d128_m128n64s2w4", "mma_sync_sm90_d128_m64n64s2"};
@@ -97,6 +98,30 @@ TEST(KernelRegistryTest, ShipsTheChosenConfigurations) {
   }
 }
 
+// Float8 problems run the `_fp8` entries, which run nothing else: each entry launches exactly its element types.
+TEST(KernelRegistryTest, Fp8ProblemsRunTheFp8Entries) {
+  for (int d : {128, 256}) {
+    for (Problem p : AutoRows(d)) {
+      p.dtype = DType::kFP8E4M3;
+      const char* name = DefaultHopperConfig(p);
+      ASSERT_NE(name, nullptr) << "head_dim " << d;
+      const KernelEntry* e = FindEntry(name);
+      ASSERT_NE(e, nullptr) << name << " is not in the registry";
+      EXPECT_TRUE(e->fp8) << name;
+      EXPECT_EQ(e->head_dim, d) << name;
+    }
+  }
+  Problem d64;
+  d64.shape = Shape{1, 1024, 1024, 8, 8, 64};
+  d64.dtype = DType::kFP8E4M3;
+  EXPECT_EQ(DefaultHopperConfig(d64), nullptr) << "float8 needs a 128-byte row: head_dim 128 or 256";
+  for (const KernelEntry& e : AllEntries()) {
+    EXPECT_EQ(e.launch[2] != nullptr, e.fp8) << e.name;
+    EXPECT_EQ(e.launch[0] != nullptr, !e.fp8) << e.name;
+    EXPECT_EQ(e.launch[1] != nullptr, !e.fp8) << e.name;
+  }
+}
+
 // A selection as Select() makes it, for a device this host need not have.
 Selection MakeSelection(const std::string& config, const Shape& shape, Mask mask,
                         const HopperScheduleOptions& hopper = {}) {
@@ -108,6 +133,7 @@ Selection MakeSelection(const std::string& config, const Shape& shape, Mask mask
   sel.config = EntryIndex(config);
   sel.device = 0;
   sel.hopper = hopper;
+  if (sel.config >= 0 && AllEntries()[sel.config].fp8) sel.problem.dtype = DType::kFP8E4M3;
   return sel;
 }
 
@@ -207,6 +233,35 @@ TEST(KernelPlanTest, BadScheduleOptionsNameTheField) {
   EXPECT_EQ(PlanFor(MakeSelection(kD128, Shape{1, 1024, 1024, 16, 16, 128}, Mask::kNone, o)).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(CheckHopperOptions(HopperScheduleOptions{}).ok());
+}
+
+// A float8 plan transposes V into the caller's scratch before its kernel, and takes the descales along.
+TEST(KernelPlanTest, Fp8PlansCarryTheDescalesAndTheTranspose) {
+  const Shape s{2, 1000, 1001, 8, 2, 128};
+  const Selection sel = MakeSelection("hopper_sm90_d128_fp8_m128n128s4", s, Mask::kCausalBottomRight);
+  ASSERT_GE(sel.config, 0);
+  DeviceTensors t{reinterpret_cast<const void*>(0x100000), reinterpret_cast<const void*>(0x200000),
+                  reinterpret_cast<const void*>(0x300000), reinterpret_cast<void*>(0x400000), nullptr};
+  const CUtensorMap map{};
+  absl::StatusOr<Plan> refused = AssemblePlan(sel, t, map, map, map, nullptr, DeviceLimits{132, 50 << 20});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("q_descale"), std::string::npos) << refused.status();
+  const float descales[3] = {1, 1, 1};
+  t.q_descale = &descales[0];
+  t.k_descale = &descales[1];
+  t.v_descale = &descales[2];
+  refused = AssemblePlan(sel, t, map, map, map, nullptr, DeviceLimits{132, 50 << 20});
+  EXPECT_NE(refused.status().message().find("v_t"), std::string::npos) << refused.status();
+  t.v_t = reinterpret_cast<void*>(0x500000);
+  absl::StatusOr<Plan> plan = AssemblePlan(sel, t, map, map, map, nullptr, DeviceLimits{132, 50 << 20});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->params.q_descale, &descales[0]);
+  EXPECT_EQ(plan->params.v_descale, &descales[2]);
+  EXPECT_EQ(plan->v_transpose.v, t.v);
+  EXPECT_EQ(plan->v_transpose.v_t, t.v_t);
+  EXPECT_EQ(plan->v_transpose.kv_len_padded, 1024);
+  EXPECT_EQ(VTransposedBytes(s, DType::kFP8E4M3), 2 * 2 * 128 * 1024);
+  EXPECT_EQ(VTransposedBytes(s, DType::kBF16), 0);
 }
 
 TEST(KernelPlanTest, LaunchRefusesAMissingOrMisalignedWorkspace) {

@@ -5,7 +5,10 @@
 namespace attnd::kernels::hopper {
 
 EntryList Sm90D256Entries() {
-  static const KernelEntry kEntries[] = {Entry<TileShape<HopperD256M128N64S2>>("hopper_sm90_d256_m128n64s2")};
+  static const KernelEntry kEntries[] = {
+      Entry<TileShape<HopperD256M128N64S2>>("hopper_sm90_d256_m128n64s2"),
+      Entry<TileShape<HopperD256Fp8M128N128S2>>("hopper_sm90_d256_fp8_m128n128s2"),
+  };
   return ListOf(kEntries);
 }
 

@@ -45,7 +45,10 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const SharedStorageSm90<Tile> smem(base);
   using Scheduler = typename SchedulerForSm90<Tile, kOrder, kSplitTail>::type;
-  using Epilogue = std::conditional_t<Tile::kSmemEpilogue, EpilogueSmemSm90<Tile, Elem>, EpilogueRegSm90<Tile, Elem>>;
+  // Float8 inputs leave O as bf16.
+  using OutElem = std::conditional_t<Tile::kFp8, __nv_bfloat16, Elem>;
+  using Epilogue =
+      std::conditional_t<Tile::kSmemEpilogue, EpilogueSmemSm90<Tile, OutElem>, EpilogueRegSm90<Tile, OutElem>>;
   // Through a shuffle from lane 0, so that ptxas knows it is warp-uniform (as CUTLASS's canonical_warp_group_idx):
   // from threadIdx.x alone ptxas keeps each warpgroup's Q descriptors in vector registers and moves them with two
   // R2UR before every S HGMMA. Except in d128 `_osk_p2`'s static-order split-tail kernel, at the edge of its 240
@@ -140,6 +143,15 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
           if constexpr (!Epilogue::kOneStoreSite) {
             Epilogue::Store(p, o, sm, row0, q0, c, consumer, smem, o_map, o_stage, false);
           }
+        } else if constexpr (Tile::kFp8) {
+          // The head's descales: Q's and K's scale S (in the softmax's exponent, so the LSE includes them), V's O.
+          LaunchParams pt = p;
+          const int kv_head = c.head / p.group;
+          pt.scale_log2 = p.scale_log2 * p.q_descale[c.head] * p.k_descale[kv_head];
+          consumer.Run(pt, r, row0, o, sm, Epilogue::AfterFirst(o_stage, o_empty));
+          const float v_descale = p.v_descale[kv_head];
+#pragma unroll
+          for (int i = 0; i < Tile::kHeadDim / 2; ++i) o[i] *= v_descale;
         } else {
           consumer.Run(p, r, row0, o, sm, Epilogue::AfterFirst(o_stage, o_empty));
           if constexpr (!Epilogue::kOneStoreSite) {

@@ -5,6 +5,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -12,6 +13,7 @@
 
 #include "../config_registry.h"
 #include "flash_fwd_kernel_sm90.cuh"
+#include "fp8_sm90.cuh"
 #include "launch_plan_sm90.h"
 #include "split_tail_sm90.cuh"
 #include "tile_scheduler_sm90.cuh"
@@ -117,10 +119,14 @@ inline SchedulerParams BoundScheduler(const Plan& plan, void* workspace) {
 // (StoreTailPartSm90; a tile run whole never touches its own). Nothing here allocates or waits on an event, so a
 // captured launch runs the same schedule as a direct one, and its graph replays correctly one at a time per
 // workspace.
+// Float8: V^T first (fp8_sm90.cuh), on the same stream.
 template <typename Tile, typename Elem>
 cudaError_t LaunchFwd(const Plan& plan, void* workspace, cudaStream_t stream) {
   const LaunchSchedule& s = plan.schedule;
   const SchedulerParams sp = BoundScheduler(plan, workspace);
+  if constexpr (Tile::kFp8) {
+    if (const cudaError_t err = LaunchVTransposeFp8(plan.v_transpose, stream); err != cudaSuccess) return err;
+  }
   if constexpr (MayRunDynamicTile<Tile>()) {
     if (s.order == kDynamic) return LaunchKernel<Tile, Elem, kDynamic>(plan, s.blocks, stream, sp);
   }
@@ -155,8 +161,16 @@ cudaError_t PrepareFwd() {
 
 template <typename Tile>
 constexpr KernelEntry Entry(const char* name) {
-  KernelEntry e = TileEntry<Tile>(name, Family::kHopper, &LaunchFwd<Tile, __nv_bfloat16>, &LaunchFwd<Tile, __half>,
-                                  &PrepareFwd<Tile, __nv_bfloat16>, &PrepareFwd<Tile, __half>);
+  KernelEntry e{};
+  if constexpr (Tile::kFp8) {
+    e = TileEntry<Tile>(name, Family::kHopper, nullptr, nullptr, nullptr, nullptr);
+    e.launch[static_cast<int>(DType::kFP8E4M3)] = &LaunchFwd<Tile, __nv_fp8_e4m3>;
+    e.prepare[static_cast<int>(DType::kFP8E4M3)] = &PrepareFwd<Tile, __nv_fp8_e4m3>;
+    e.fp8 = true;
+  } else {
+    e = TileEntry<Tile>(name, Family::kHopper, &LaunchFwd<Tile, __nv_bfloat16>, &LaunchFwd<Tile, __half>,
+                        &PrepareFwd<Tile, __nv_bfloat16>, &PrepareFwd<Tile, __half>);
+  }
   e.plan_schedule = &PlanScheduleFwd<Tile>;
   e.o_box_rows = Tile::kSmemEpilogue ? 64 : 0;  // the epilogue's TMA boxes: one warpgroup's 64 rows
   e.split_tail = MaySplitTail<Tile>();

@@ -24,6 +24,7 @@
 #include "../common/mma_sm80.cuh"
 #include "../common/tma_sm90.cuh"
 #include "attnd/kernels/attention.h"
+#include "fp8_sm90.cuh"
 #include "named_barrier_sm90.h"
 #include "softmax_sm90.cuh"
 #include "tile_scheduler_sm90.cuh"  // TileCoord
@@ -176,16 +177,22 @@ struct ProducerSm90 {
   ATTND_HOPPER_TRACE_ROUND_MEMBER  // the round being loaded (timeline probes only)
 
   // One block of K or V into its ring. Load n must wait for load n - stages to leave the stage: that
-  // release completed phase n / stages - 1 of the stage's empty barrier.
+  // release completed phase n / stages - 1 of the stage's empty barrier. kTransposed (float8 V): the block is one box
+  // of V^T, head_dim rows of block_n keys ([batch, kv_heads, head_dim, keys] innermost first).
+  template <bool kTransposed = false>
   __device__ __forceinline__ void LoadBlock(int& n, uint8_t* ring, const CUtensorMap* map, uint64_t* full,
                                             uint64_t* empty, int block, int kv_head, int batch) {
     const int st = n % Tile::kStages;
     if (n >= Tile::kStages) MbarWait(&empty[st], ((n / Tile::kStages) + 1) & 1);
     MbarArriveExpectTx(&full[st], Tile::kKVTileBytes);
+    if constexpr (kTransposed) {
+      TmaLoad4d(ring + st * Tile::kKVTileBytes, map, &full[st], block * Tile::kBlockN, 0, kv_head, batch);
+    } else {
 #pragma unroll
-    for (int pn = 0; pn < Tile::kPanels; ++pn) {
-      TmaLoad4d(ring + st * Tile::kKVTileBytes + pn * SharedStorageSm90<Tile>::kKVPanelBytes, map, &full[st],
-                pn * 64, kv_head, block * Tile::kBlockN, batch);
+      for (int pn = 0; pn < Tile::kPanels; ++pn) {
+        TmaLoad4d(ring + st * Tile::kKVTileBytes + pn * SharedStorageSm90<Tile>::kKVPanelBytes, map, &full[st],
+                  pn * Tile::kPanelElems, kv_head, block * Tile::kBlockN, batch);
+      }
     }
     ++n;
   }
@@ -193,7 +200,7 @@ struct ProducerSm90 {
     LoadBlock(k_load, smem.k, k_map, smem.k_full, smem.k_empty, block, kv_head, batch);
   }
   __device__ __forceinline__ void LoadV(int block, int kv_head, int batch) {
-    LoadBlock(v_load, smem.v, v_map, smem.v_full, smem.v_empty, block, kv_head, batch);
+    LoadBlock<Tile::kFp8>(v_load, smem.v, v_map, smem.v_full, smem.v_empty, block, kv_head, batch);
   }
 
   __device__ __forceinline__ void LoadQ(int q0, int head, int batch) {
@@ -202,7 +209,8 @@ struct ProducerSm90 {
     MbarArriveExpectTx(smem.q_full, Tile::kQBytes);
 #pragma unroll
     for (int pn = 0; pn < Tile::kPanels; ++pn) {
-      TmaLoad4d(smem.q + pn * SharedStorageSm90<Tile>::kQPanelBytes, q_map, smem.q_full, pn * 64, head, q0, batch);
+      TmaLoad4d(smem.q + pn * SharedStorageSm90<Tile>::kQPanelBytes, q_map, smem.q_full, pn * Tile::kPanelElems, head,
+                q0, batch);
     }
     ++q_tiles;
   }
@@ -232,7 +240,8 @@ struct ProducerSm90 {
     if constexpr (kPrefetchQ) {
 #pragma unroll
       for (int pn = 0; pn < Tile::kPanels; ++pn) {
-        common::TmaPrefetchL2_4d(q_map, pn * 64, head, TileFirstRow<Tile>(q_tile, p.q_len, p.causal), batch);
+        common::TmaPrefetchL2_4d(q_map, pn * Tile::kPanelElems, head, TileFirstRow<Tile>(q_tile, p.q_len, p.causal),
+                                 batch);
       }
     }
     // The first K block before Q: it waits only on the ring, so the ring keeps filling while the
@@ -264,7 +273,9 @@ struct TileWork {
 template <typename Tile, typename Elem>
 struct ConsumerSm90 {
   static constexpr int D = Tile::kHeadDim, BM = Tile::kBlockM, BN = Tile::kBlockN, S = Tile::kStages;
-  static constexpr int kSRegs = BN / 2, kORegs = D / 2, kPSteps = BN / 16;
+  // kPSteps: P V's k steps, k16 (16-bit) or k32 (float8), each four registers of P.
+  static constexpr int kSRegs = BN / 2, kORegs = D / 2, kPSteps = BN * Tile::kElemBytes / 32;
+  static constexpr int kKSteps = D * Tile::kElemBytes / 32;  // Q K^T's k steps over head_dim
   using Softmax = SoftmaxSm90<BN>;
 
   SharedStorageSm90<Tile> smem;
@@ -287,8 +298,8 @@ struct ConsumerSm90 {
     return TileWork{r, RowLimit(p, row0), RowLimit(p, row0 + 8)};
   }
 
-  // S = Q K^T over head_dim in k16 steps. A k16 step inside a 128-byte swizzled row moves the descriptors'
-  // start by 32 bytes; the next 64 head_dim values are the next panel.
+  // S = Q K^T over head_dim in k16 (float8: k32) steps. A step inside a 128-byte swizzled row moves the
+  // descriptors' start by 32 bytes; the next 128 bytes of head_dim are the next panel.
   __device__ __forceinline__ void IssueQK(float (&s)[kSRegs], int st) const {
     // Offsets are added after the conversion to a shared-window address: 32-bit arithmetic the compiler keeps
     // in uniform registers, instead of redoing the generic-to-shared conversion per dynamic index.
@@ -298,7 +309,7 @@ struct ConsumerSm90 {
     constexpr uint32_t kHi = SmemDescHi(1024);
     WgmmaFence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk = 0; kk < kKSteps; ++kk) {
       const uint32_t off = (kk % 4) * 32;
       const uint64_t da = DescAt<kHi>(q_lo, (kk / 4) * SharedStorageSm90<Tile>::kQPanelBytes + off);
       const uint64_t db = DescAt<kHi>(k_lo, (kk / 4) * SharedStorageSm90<Tile>::kKVPanelBytes + off);
@@ -307,25 +318,51 @@ struct ConsumerSm90 {
     WgmmaCommit();
   }
 
-  // O += P V over the block's keys in k16 steps: 16 keys are 2048 bytes of every V panel.
+  // O += P V over the block's keys in k16 steps: 16 keys are 2048 bytes of every V panel. Float8: V^T is K-major
+  // (keys along its 128-byte rows, one head_dim row each), so a k32 step moves the start by 32 bytes as in Q K^T.
   __device__ __forceinline__ void IssuePV(float (&o)[kORegs], const uint32_t (&pf)[kPSteps][4], int st) const {
     const uint32_t v_base = SmemAddr(smem.v) + st * Tile::kKVTileBytes;
-    const uint32_t v_lo = SmemDescLo(v_base, SharedStorageSm90<Tile>::kKVPanelBytes);
-    WgmmaFence();
+    if constexpr (Tile::kFp8) {
+      const uint32_t v_lo = SmemDescLo(v_base, 16);
+      WgmmaFence();
 #pragma unroll
-    for (int kk = 0; kk < kPSteps; ++kk) {
-      const uint64_t db = DescAt<SmemDescHi(1024)>(v_lo, kk * 16 * 128);
-      Wgmma<D, Elem>::RS(o, pf[kk], db);
+      for (int kk = 0; kk < kPSteps; ++kk) {
+        Wgmma<D, Elem>::RS(o, pf[kk], DescAt<SmemDescHi(1024)>(v_lo, kk * 32));
+      }
+      WgmmaCommit();
+    } else {
+      const uint32_t v_lo = SmemDescLo(v_base, SharedStorageSm90<Tile>::kKVPanelBytes);
+      WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < kPSteps; ++kk) {
+        const uint64_t db = DescAt<SmemDescHi(1024)>(v_lo, kk * 16 * 128);
+        Wgmma<D, Elem>::RS(o, pf[kk], db);
+      }
+      WgmmaCommit();
     }
-    WgmmaCommit();
   }
 
-  // The S accumulators of keys 16kk..16kk+15 are, register for register, the A fragment of P.
+  // The S accumulators of keys 16kk..16kk+15 are, register for register, the A fragment of P. Float8: the k32 A
+  // fragment wants four consecutive keys per register where the accumulators hold pairs (keys 8i + 2t, +1), so each
+  // register packs two pairs, and V^T holds its keys in that order (Fp8PKey, fp8_sm90.cuh): nothing to shuffle.
   __device__ __forceinline__ static void ConvertP(const float (&s)[kSRegs], uint32_t (&pf)[kPSteps][4]) {
+    if constexpr (Tile::kFp8) {
 #pragma unroll
-    for (int kk = 0; kk < kPSteps; ++kk) {
+      for (int kk = 0; kk < kPSteps; ++kk) {
+        const float* x = s + 16 * kk;
+        pf[kk][0] = PackFp8x4(x[0], x[1], x[4], x[5]);      // row g, keys 2t, 2t+1, 8+2t, 9+2t
+        pf[kk][1] = PackFp8x4(x[2], x[3], x[6], x[7]);      // row g+8
+        pf[kk][2] = PackFp8x4(x[8], x[9], x[12], x[13]);    // row g, keys 16 on
+        pf[kk][3] = PackFp8x4(x[10], x[11], x[14], x[15]);  // row g+8
+      }
+    } else {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) pf[kk][e] = common::ElemTraits<Elem>::Pack(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+      for (int kk = 0; kk < kPSteps; ++kk) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          pf[kk][e] = common::ElemTraits<Elem>::Pack(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+        }
+      }
     }
   }
 

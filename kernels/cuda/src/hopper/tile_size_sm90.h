@@ -3,7 +3,7 @@
 // One block = 1 producer warpgroup (one thread issues every TMA copy) + 2 or 3 consumer warpgroups, each
 // owning 64 query rows (wgmma's M), so block_m = 128 or 192. block_n keys per K/V stage is wgmma's N of
 // S = Q K^T; the whole head_dim is wgmma's N of O += P V. Per consumer thread: O is head_dim / 2 fp32
-// registers, S block_n / 2, P block_n / 4 — the budget the setmaxnreg split (producer 24 / consumers 240, or
+// registers, S block_n / 2, P block_n / 4 (float8: block_n / 8) — the budget the setmaxnreg split (producer 24 / consumers 240, or
 // 32 / 160 with three consumers) has to hold.
 #pragma once
 
@@ -39,6 +39,9 @@ struct HopperTileFeatures {
   // The static and paired orders' last round may be split by key blocks (split_tail_sm90.cuh): two more kernels
   // per element type, compiled only where auto's long non-causal and paired problems gain from it.
   static constexpr bool kSplitTail = false;
+  // Bytes per element of Q, K and V: 2 (bf16 and fp16 from one configuration) or 1 (float8 e4m3, `_fp8`: k32 wgmma
+  // steps, V read transposed from DeviceTensors::v_t, O stored as bf16 from registers).
+  static constexpr int kElemBytes = 2;
 };
 
 template <typename Config>
@@ -50,6 +53,8 @@ struct TileShape : Config {
   using Config::kSmemEpilogue;
   using Config::kPDouble;
   using Config::kWgRanges;
+  using Config::kElemBytes;
+  static constexpr bool kFp8 = kElemBytes == 1;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;
   static constexpr int kPBuffers = kPDouble ? 2 : 1;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
@@ -60,11 +65,12 @@ struct TileShape : Config {
   // at 24 registers spills; at 32 it does not, so two consumer warpgroups give up 8.
   static constexpr int kProducerRegsDynamic = 32;
   static constexpr int kConsumerRegsDynamic = kConsumerWarpgroups == 2 ? 232 : 160;
-  // head_dim is stored as 64-element (128-byte) panels: the widest row TMA's 128-byte swizzle allows, and
-  // exactly one wgmma K-major swizzle atom row.
-  static constexpr int kPanels = kHeadDim / 64;
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;       // one tile's Q
-  static constexpr int kKVTileBytes = kBlockN * kHeadDim * 2;  // one K or one V stage
+  // head_dim is stored as 128-byte panels (64 16-bit or 128 float8 elements): the widest row TMA's 128-byte
+  // swizzle allows, and exactly one wgmma K-major swizzle atom row. A float8 V stage is head_dim rows of block_n keys.
+  static constexpr int kPanelElems = 128 / kElemBytes;
+  static constexpr int kPanels = kHeadDim / kPanelElems;
+  static constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;       // one tile's Q
+  static constexpr int kKVTileBytes = kBlockN * kHeadDim * kElemBytes;  // one K or one V stage
   // Q full/empty; per stage K full, V full, K empty, V empty.
   static constexpr int kBarriers = 2 + 4 * kStages;
   // +1024: the dynamic shared-memory base is re-aligned to the 1024 bytes of a 128-byte swizzle atom, which
@@ -81,18 +87,27 @@ struct TileShape : Config {
   static_assert((kBlockN * 128) % 1024 == 0, "each K/V panel must keep the 1024-byte swizzle-atom alignment");
   static_assert(kStages >= 2, "the producer needs at least two stages to run ahead of the consumers");
   // O + S + P plus ~32 for addresses, softmax state and loop counters (ptxas -v must still show no spills).
-  static_assert(kHeadDim / 2 + kBlockN / 2 + kPBuffers * kBlockN / 4 + 32 <= kConsumerRegs,
+  static_assert(kHeadDim / 2 + kBlockN / 2 + kPBuffers * kBlockN * kElemBytes / 8 + 32 <= kConsumerRegs,
                 "O + S + P must fit the consumer budget");
   static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= 65536 / 128, "register file per SM");
   static_assert(kProducerRegsDynamic + kConsumerWarpgroups * kConsumerRegsDynamic <=
                     kProducerRegs + kConsumerWarpgroups * kConsumerRegs,
                 "the dynamic split moves registers, it cannot add any");
-  static_assert(kHeadDim / 2 + kBlockN / 2 + kPBuffers * kBlockN / 4 + 32 <= kConsumerRegsDynamic,
+  // The dynamic order runs at head_dim 64 only (MayRunDynamic).
+  static_assert(kHeadDim != 64 ||
+                    kHeadDim / 2 + kBlockN / 2 + kPBuffers * kBlockN * kElemBytes / 8 + 32 <= kConsumerRegsDynamic,
                 "O + S + P, dynamic split");
   static_assert(!kWgRanges || !kSmemEpilogue, "per-warpgroup key ranges: O from registers");
   static_assert(!kPDouble || kConsumerWarpgroups == 2, "two P buffers: two consumer warpgroups' budget");
   static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
   static_assert(kSmemBytes + 64 <= 232448, "Hopper allows 227 KB of shared memory per block");
+  static_assert(kElemBytes == 1 || kElemBytes == 2, "16-bit or float8 elements");
+  // Float8: a 64-element row is 64 bytes, which needs the 64-byte swizzle; one 128-key V^T panel per stage; P is
+  // packed as the k32 A fragment (ConvertP), which TryStep (`_p2`) does not write; O leaves from registers.
+  static_assert(!kFp8 || kHeadDim >= 128, "float8: head_dim 128 or 256");
+  static_assert(!kFp8 || kBlockN == 128, "float8: block_n 128 (one V^T panel)");
+  static_assert(!kFp8 || (!kPDouble && !kSmemEpilogue && !kWgRanges && !Config::kSplitTail),
+                "float8: one P buffer, the register epilogue, whole key ranges, no split tail");
 };
 
 // The configurations that are compiled (auto's choices, plan.cc). Registry names:
@@ -120,6 +135,17 @@ struct HopperD128M128N128S3OskP2 : HopperTileFeatures {
 struct HopperD256M128N64S2 : HopperTileFeatures {
   static constexpr int kHeadDim = 256, kBlockN = 64, kStages = 2;
   static constexpr bool kSplitTail = true;
+};
+
+// hopper_sm90_d128_fp8_m128n128s4: float8 e4m3 inputs (Q, K, V^T) with bf16 O.
+struct HopperD128Fp8M128N128S4 : HopperTileFeatures {
+  static constexpr int kHeadDim = 128, kBlockN = 128, kStages = 4;
+  static constexpr int kElemBytes = 1;
+};
+// hopper_sm90_d256_fp8_m128n128s2.
+struct HopperD256Fp8M128N128S2 : HopperTileFeatures {
+  static constexpr int kHeadDim = 256, kBlockN = 128, kStages = 2;
+  static constexpr int kElemBytes = 1;
 };
 
 }  // namespace attnd::kernels::hopper

@@ -45,6 +45,15 @@ int attnd_kernels_plan_create_with_options(const int64_t shape[6], int dtype, in
                                            void* o, float* lse, const char* config,
                                            const attnd_kernels_hopper_options* hopper, int own_workspace,
                                            attnd_kernels_plan** out, char* err, size_t err_len);
+/* Float8 e4m3 forward (the hopper family: compute capability 9.0, head_dim 128 or 256). q, k, v hold e4m3 codes
+ * (torch.float8_e4m3fn; their strides count bytes), o is bf16 (its strides count bf16 elements). q_descale
+ * (q_heads floats), k_descale and v_descale (kv_heads floats each) are device pointers: element x of head h is read
+ * as x * descale[h]. The plan owns its workspace and the V^T scratch its launches write (freed by destroy). */
+int attnd_kernels_plan_create_fp8(const int64_t shape[6], int mask, float scale, const int64_t strides[12],
+                                  const void* q, const void* k, const void* v, void* o, float* lse,
+                                  const float* q_descale, const float* k_descale, const float* v_descale,
+                                  const char* config, const attnd_kernels_hopper_options* hopper,
+                                  attnd_kernels_plan** out, char* err, size_t err_len);
 /* Enqueues the planned kernel on `stream` (a cudaStream_t; NULL: the legacy default stream) with the plan's own
  * workspace. */
 int attnd_kernels_plan_launch(const attnd_kernels_plan* plan, void* stream, char* err, size_t err_len);
