@@ -120,7 +120,7 @@ const char* DefaultConfig(const DeviceCaps& caps, const Problem& p) {
 const char* DefaultHopperConfig(const Problem& p) {
   if (p.dtype == DType::kFP8E4M3) {
     switch (p.shape.head_dim) {
-      case 128: return "hopper_sm90_d128_fp8_m128n128s4";
+      case 128: return "hopper_sm90_d128_fp8_m128n128s6_osk_p2";
       case 256: return "hopper_sm90_d256_fp8_m128n128s2";
     }
     return nullptr;
@@ -469,7 +469,8 @@ absl::StatusOr<TensorMapKeys> MapKeys(const Selection& sel, const DeviceTensors&
   if (e.o_box_rows > 0) {
     if (absl::Status st = CheckPointer("o", t.o); !st.ok()) return st;
     keys.has_o = true;
-    keys.o = KeyFor(t.o, sel.problem.dtype, sel.layout.o, s.q_len, s.q_heads, s.batch, s.head_dim, e.o_box_rows);
+    keys.o = KeyFor(t.o, OutputDType(sel.problem.dtype), sel.layout.o, s.q_len, s.q_heads, s.batch, s.head_dim,
+                    e.o_box_rows);
   }
   return keys;
 }

@@ -83,7 +83,7 @@ TEST(KernelRegistryTest, AutoAtHeadDim128And256RunsKernelsWithTheSplitTail) {
 TEST(KernelRegistryTest, ShipsTheChosenConfigurations) {
   const std::set<std::string> hopper = {"hopper_sm90_d64_m128n128s6_p2",      "hopper_sm90_d64_m192n128s4_wrs",
                                         "hopper_sm90_d128_m128n128s3_osk_p2", "hopper_sm90_d256_m128n64s2",
-                                        "hopper_sm90_d128_fp8_m128n128s4",    "hopper_sm90_d256_fp8_m128n128s2"};
+                                        "hopper_sm90_d128_fp8_m128n128s6_osk_p2",    "hopper_sm90_d256_fp8_m128n128s2"};
   const std::set<std::string> mma_sync = {"mma_sync_sm120_d64_m64n64s2",    "mma_sync_sm120_d128_m64n64s1",
                                           "mma_sync_sm120_d256_m64n64s1",    "mma_sync_sm90_d64_m128n64s2w4",
                                           "mma_sync_sm90_d128_m128n64s2w4", "mma_sync_sm90_d128_m64n64s2"};
@@ -238,22 +238,22 @@ TEST(KernelPlanTest, BadScheduleOptionsNameTheField) {
 // A float8 plan transposes V into the caller's scratch before its kernel, and takes the descales along.
 TEST(KernelPlanTest, Fp8PlansCarryTheDescalesAndTheTranspose) {
   const Shape s{2, 1000, 1001, 8, 2, 128};
-  const Selection sel = MakeSelection("hopper_sm90_d128_fp8_m128n128s4", s, Mask::kCausalBottomRight);
+  const Selection sel = MakeSelection("hopper_sm90_d128_fp8_m128n128s6_osk_p2", s, Mask::kCausalBottomRight);
   ASSERT_GE(sel.config, 0);
   DeviceTensors t{reinterpret_cast<const void*>(0x100000), reinterpret_cast<const void*>(0x200000),
                   reinterpret_cast<const void*>(0x300000), reinterpret_cast<void*>(0x400000), nullptr};
   const CUtensorMap map{};
-  absl::StatusOr<Plan> refused = AssemblePlan(sel, t, map, map, map, nullptr, DeviceLimits{132, 50 << 20});
+  absl::StatusOr<Plan> refused = AssemblePlan(sel, t, map, map, map, &map, DeviceLimits{132, 50 << 20});
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.status().message().find("q_descale"), std::string::npos) << refused.status();
   const float descales[3] = {1, 1, 1};
   t.q_descale = &descales[0];
   t.k_descale = &descales[1];
   t.v_descale = &descales[2];
-  refused = AssemblePlan(sel, t, map, map, map, nullptr, DeviceLimits{132, 50 << 20});
+  refused = AssemblePlan(sel, t, map, map, map, &map, DeviceLimits{132, 50 << 20});
   EXPECT_NE(refused.status().message().find("v_t"), std::string::npos) << refused.status();
   t.v_t = reinterpret_cast<void*>(0x500000);
-  absl::StatusOr<Plan> plan = AssemblePlan(sel, t, map, map, map, nullptr, DeviceLimits{132, 50 << 20});
+  absl::StatusOr<Plan> plan = AssemblePlan(sel, t, map, map, map, &map, DeviceLimits{132, 50 << 20});
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->params.q_descale, &descales[0]);
   EXPECT_EQ(plan->params.v_descale, &descales[2]);

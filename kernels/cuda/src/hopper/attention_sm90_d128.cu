@@ -7,7 +7,7 @@ namespace attnd::kernels::hopper {
 EntryList Sm90D128Entries() {
   static const KernelEntry kEntries[] = {
       Entry<TileShape<HopperD128M128N128S3OskP2>>("hopper_sm90_d128_m128n128s3_osk_p2"),
-      Entry<TileShape<HopperD128Fp8M128N128S4>>("hopper_sm90_d128_fp8_m128n128s4"),
+      Entry<TileShape<HopperD128Fp8M128N128S6OskP2>>("hopper_sm90_d128_fp8_m128n128s6_osk_p2"),
   };
   return ListOf(kEntries);
 }

@@ -123,7 +123,7 @@ struct EpilogueSmemSm90 {
     OWrittenBarrier(consumer.wg);
     if ((threadIdx.x & 127) == 0) {
 #pragma unroll
-      for (int pn = 0; pn < Tile::kPanels; ++pn) {
+      for (int pn = 0; pn < Tile::kHeadDim / 64; ++pn) {  // O is 16-bit: 64-column boxes
         TmaStore4d(o_map, o_smem + pn * 64 * 128, pn * 64, c.head, q0 + consumer.wg * 64, c.batch);
       }
       BulkCommit();

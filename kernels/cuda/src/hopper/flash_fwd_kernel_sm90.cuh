@@ -143,17 +143,19 @@ __device__ __forceinline__ void HopperFwdBody(const CUtensorMap& q_map, const CU
           if constexpr (!Epilogue::kOneStoreSite) {
             Epilogue::Store(p, o, sm, row0, q0, c, consumer, smem, o_map, o_stage, false);
           }
-        } else if constexpr (Tile::kFp8) {
-          // The head's descales: Q's and K's scale S (in the softmax's exponent, so the LSE includes them), V's O.
-          LaunchParams pt = p;
-          const int kv_head = c.head / p.group;
-          pt.scale_log2 = p.scale_log2 * p.q_descale[c.head] * p.k_descale[kv_head];
-          consumer.Run(pt, r, row0, o, sm, Epilogue::AfterFirst(o_stage, o_empty));
-          const float v_descale = p.v_descale[kv_head];
-#pragma unroll
-          for (int i = 0; i < Tile::kHeadDim / 2; ++i) o[i] *= v_descale;
         } else {
-          consumer.Run(p, r, row0, o, sm, Epilogue::AfterFirst(o_stage, o_empty));
+          if constexpr (Tile::kFp8) {
+            // The head's descales: Q's and K's scale S (in the softmax's exponent, so the LSE includes them), V's O.
+            LaunchParams pt = p;
+            const int kv_head = c.head / p.group;
+            pt.scale_log2 = p.scale_log2 * p.q_descale[c.head] * p.k_descale[kv_head];
+            consumer.Run(pt, r, row0, o, sm, Epilogue::AfterFirst(o_stage, o_empty));
+            const float v_descale = p.v_descale[kv_head];
+#pragma unroll
+            for (int i = 0; i < Tile::kHeadDim / 2; ++i) o[i] *= v_descale;
+          } else {
+            consumer.Run(p, r, row0, o, sm, Epilogue::AfterFirst(o_stage, o_empty));
+          }
           if constexpr (!Epilogue::kOneStoreSite) {
             Epilogue::Store(p, o, sm, row0, q0, c, consumer, smem, o_map, o_stage, true);
           }

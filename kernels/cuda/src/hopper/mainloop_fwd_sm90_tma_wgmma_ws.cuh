@@ -532,7 +532,11 @@ struct ConsumerSm90 {
     bool accepted = false;
     if (b < w.r.n_full) {
       ATTND_HOPPER_STEP_MARK(kSpMax);  // no row max taken: the step parts count the check under exp
-      accepted = sm.TryStep(s, p.scale_log2, next, common::ElemTraits<Elem>::Pack);
+      if constexpr (Tile::kFp8) {
+        accepted = sm.TryStepFp8(s, p.scale_log2, next);
+      } else {
+        accepted = sm.TryStep(s, p.scale_log2, next, common::ElemTraits<Elem>::Pack);
+      }
     }
     bool rescale = false;
     if (!accepted) {

@@ -14,6 +14,7 @@
 
 #include "../common/mma_sm80.cuh"       // Exp2
 #include "../common/softmax_quad.cuh"  // QuadMax, QuadSum, kRescaleThresholdLog2
+#include "fp8_sm90.cuh"                // PackFp8x4
 
 namespace attnd::kernels::hopper {
 
@@ -151,6 +152,30 @@ struct SoftmaxSm90 {
       pk[i / 2][2 * (i % 2) + 1] = pack(p2, p3);
     }
     // m = -inf (no visible key yet) gives exp2(s - (-inf)) = inf: rejected by the bound, as NaN is.
+    const bool ok = bs0 <= kBound && bs1 <= kBound;
+    if (!__all_sync(0xffffffffu, ok)) return false;
+    l[0] += bs0;
+    l[1] += bs1;
+    return true;
+  }
+
+  // TryStep for float8 P: the k32 A fragment packs two 8-column groups' pairs per register (ConsumerSm90::ConvertP).
+  template <int kPSteps>
+  __device__ __forceinline__ bool TryStepFp8(const float (&s)[kRegs], float scale_log2, uint32_t (&pk)[kPSteps][4]) {
+    static_assert(kPSteps * 16 == kRegs, "P holds the block's 32-key steps");
+    constexpr float kBound = 256.f;  // 2^kRescaleThresholdLog2, within e4m3's 448
+    float bs0 = 0.f, bs1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < kBlockN / 8; i += 2) {
+      float p[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) p[e] = Exp2(fmaf(s[4 * i + e], scale_log2, -m[(e / 2) % 2]));
+      bs0 += p[0] + p[1] + p[4] + p[5];
+      bs1 += p[2] + p[3] + p[6] + p[7];
+      // Groups i and i + 1 are one half of 32-key step i / 4: registers 2 ((i / 2) % 2) (row g) and the next (g+8).
+      pk[i / 4][2 * ((i / 2) % 2) + 0] = PackFp8x4(p[0], p[1], p[4], p[5]);
+      pk[i / 4][2 * ((i / 2) % 2) + 1] = PackFp8x4(p[2], p[3], p[6], p[7]);
+    }
     const bool ok = bs0 <= kBound && bs1 <= kBound;
     if (!__all_sync(0xffffffffu, ok)) return false;
     l[0] += bs0;

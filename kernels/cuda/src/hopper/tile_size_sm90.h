@@ -81,7 +81,8 @@ struct TileShape : Config {
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
   static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3, "2 or 3 consumer warpgroups (named barriers)");
   static_assert(!kSmemEpilogue || kConsumerWarpgroups == 2, "the shared-memory epilogue: two consumer warpgroups");
-  static_assert(!kSmemEpilogue || kBlockN >= 64, "a warpgroup's O (64 x head_dim) must fit the stage it is written to");
+  static_assert(!kSmemEpilogue || 64 * kHeadDim * 2 <= kKVTileBytes,
+                "a warpgroup's O (64 x head_dim, 16-bit) must fit the stage it is written to");
   static_assert(kBlockM <= 256, "one TMA box spans at most 256 rows");
   static_assert(kBlockN % 16 == 0 && kBlockN >= 64 && kBlockN <= 256, "block_n: wgmma N of S and k16 steps of P V");
   static_assert((kBlockN * 128) % 1024 == 0, "each K/V panel must keep the 1024-byte swizzle-atom alignment");
@@ -102,12 +103,11 @@ struct TileShape : Config {
   static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
   static_assert(kSmemBytes + 64 <= 232448, "Hopper allows 227 KB of shared memory per block");
   static_assert(kElemBytes == 1 || kElemBytes == 2, "16-bit or float8 elements");
-  // Float8: a 64-element row is 64 bytes, which needs the 64-byte swizzle; one 128-key V^T panel per stage; P is
-  // packed as the k32 A fragment (ConvertP), which TryStep (`_p2`) does not write; O leaves from registers.
+  // Float8: a 64-element row is 64 bytes, which needs the 64-byte swizzle; one 128-key V^T panel per stage; a
+  // warpgroup's bf16 O (64 x head_dim x 2 bytes) is exactly one stage for the shared-memory epilogue.
   static_assert(!kFp8 || kHeadDim >= 128, "float8: head_dim 128 or 256");
   static_assert(!kFp8 || kBlockN == 128, "float8: block_n 128 (one V^T panel)");
-  static_assert(!kFp8 || (!kPDouble && !kSmemEpilogue && !kWgRanges && !Config::kSplitTail),
-                "float8: one P buffer, the register epilogue, whole key ranges, no split tail");
+  static_assert(!kFp8 || (!kWgRanges && !Config::kSplitTail), "float8: whole key ranges, no split tail");
 };
 
 // The configurations that are compiled (auto's choices, plan.cc). Registry names:
@@ -137,12 +137,14 @@ struct HopperD256M128N64S2 : HopperTileFeatures {
   static constexpr bool kSplitTail = true;
 };
 
-// hopper_sm90_d128_fp8_m128n128s4: float8 e4m3 inputs (Q, K, V^T) with bf16 O.
-struct HopperD128Fp8M128N128S4 : HopperTileFeatures {
-  static constexpr int kHeadDim = 128, kBlockN = 128, kStages = 4;
+// hopper_sm90_d128_fp8_m128n128s6_osk_p2: float8 e4m3 Q, K and V^T with bf16 O. Float8 halves the stages, so six fit
+// (208 KiB); the shared-memory epilogue and two P buffers pay as they do in 16 bits (docs/tuning.md, "Float8").
+struct HopperD128Fp8M128N128S6OskP2 : HopperTileFeatures {
+  static constexpr int kHeadDim = 128, kBlockN = 128, kStages = 6;
   static constexpr int kElemBytes = 1;
+  static constexpr bool kSmemEpilogue = true, kPDouble = true;
 };
-// hopper_sm90_d256_fp8_m128n128s2.
+// hopper_sm90_d256_fp8_m128n128s2: O (128 registers) leaves no room for a second P buffer.
 struct HopperD256Fp8M128N128S2 : HopperTileFeatures {
   static constexpr int kHeadDim = 256, kBlockN = 128, kStages = 2;
   static constexpr int kElemBytes = 1;
