@@ -19,16 +19,17 @@ usage:
       and packed into .carry/attnd.tar.xz. --base REV: REV's libattnd_kernels_c.so too, built in a temporary
       worktree, into .carry/base.tar.xz; --base-service: REV's attnd, attn and ipc_peer with it. Build trees
       under $BUILD_ROOT (build-device/), build type Release. Name .carry in the device call's carry.
-  scripts/device.sh kernels [test|sanitize|sass|bench|ab|mmabench|decode|decodebench|raggedbench]...
+  scripts/device.sh kernels [test|sanitize|sass|bench|ab|mmabench|decode|decodebench|raggedbench|fp8bench]...
                                                                           (default: test sanitize sass)
       On the GPU machine. test: gpu_attention_test, after a 30 s smoke run; sanitize: compute-sanitizer memcheck,
-      racecheck and synccheck on small cases; sass: every Hopper kernel has HGMMA and no LDL/STL; bench: auto
-      against torch SDPA cuDNN and FA2 (kernels/bench/hopper_bench.py) in 3 processes that rotate the columns;
-      ab: the same rows, new against .carry/base's library in one process (--base_lib), AB_PROCS processes
+      racecheck and synccheck on small cases; sass: every Hopper kernel has wgmma (HGMMA, QGMMA) and no LDL/STL;
+      bench: auto against torch SDPA cuDNN and FA2 (kernels/bench/hopper_bench.py) in 3 processes that rotate the
+      columns; ab: the same rows, new against .carry/base's library in one process (--base_lib), AB_PROCS processes
       alternating which goes first, each row's new/base ratio flagged outside 2%; mmabench: the mma_sync family's
       tables (kernels/bench/bench_attention.py); decode: gpu_decode_test, then memcheck and racecheck on its small
-      cases; decodebench: kernels/bench/decode_bench.py; raggedbench: kernels/bench/ragged_prefill_bench.py. bench
-      and ab take about 5 minutes each.
+      cases; decodebench: kernels/bench/decode_bench.py; raggedbench: kernels/bench/ragged_prefill_bench.py;
+      fp8bench: the float8 forward's speed and accuracy (kernels/bench/fp8_bench.py). bench and ab take about 5
+      minutes each.
   scripts/device.sh service [test|bench|ab|python|decode|pyoverhead|torch|move|soak]...  (default: test bench)
       On the GPU machine. test: gpu_server_parts_test, gpu_server_forward_test, gpu_server_ipc_test; bench: one
       attnd, then CUDA IPC over gRPC and over the shm channel (ipc_peer bench), the TCP baseline (ipc_peer tcp)
@@ -292,14 +293,16 @@ for f in re.split(r'\n\s*Function : ', text)[1:]:
     if 'kernels6hopper' not in name or 'fwd' not in name.lower():  # attnd::kernels::hopper's forward kernels
         continue
     ops = re.findall(r'/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)', f)
-    n = {p: sum(1 for o in ops if o.startswith(p)) for p in ('HGMMA', 'LDL', 'STL', 'BAR', 'SYNCS', 'USETMAXREG')}
+    # HGMMA: 16-bit wgmma; QGMMA: float8.
+    n = {p: sum(1 for o in ops if o.startswith(p))
+         for p in ('HGMMA', 'QGMMA', 'LDL', 'STL', 'BAR', 'SYNCS', 'USETMAXREG')}
     rows.append(f"{name}\n  instructions {len(ops)}  " + "  ".join(f"{k} {v}" for k, v in n.items()))
-    if n['HGMMA'] == 0 or n['LDL'] or n['STL']:
+    if n['HGMMA'] + n['QGMMA'] == 0 or n['LDL'] or n['STL']:
         bad.append(name)
 with open(sys.argv[2], 'a') as log:
     log.write('\n'.join(rows) + '\n')
     if bad:
-        log.write('without HGMMA or with local memory:\n  ' + '\n  '.join(bad) + '\n')
+        log.write('without wgmma or with local memory:\n  ' + '\n  '.join(bad) + '\n')
 print(f"{len(rows)} {len(bad)}")
 PY
 )
@@ -307,9 +310,9 @@ PY
   if [ -z "$line" ] || [ "$kernels" = 0 ]; then
     note "kernels sass" FAIL "no Hopper kernel found in the SASS"
   elif [ "$bad" != 0 ]; then
-    note "kernels sass" FAIL "$bad of $kernels Hopper kernels lack HGMMA or use LDL/STL (see kernels.log)"
+    note "kernels sass" FAIL "$bad of $kernels Hopper kernels lack wgmma (HGMMA/QGMMA) or use LDL/STL (see kernels.log)"
   else
-    note "kernels sass" ok "$kernels Hopper kernels: HGMMA in each, no LDL/STL"
+    note "kernels sass" ok "$kernels Hopper kernels: wgmma (HGMMA/QGMMA) in each, no LDL/STL"
   fi
 }
 
@@ -412,6 +415,17 @@ kernels_decodebench() {
   if [ $rc -eq 0 ]; then note "kernels decodebench" ok "table in kernels.log"; else note "kernels decodebench" FAIL "rc=$rc"; fi
 }
 
+# The float8 forward beside attnd's bf16, torch SDPA cuDNN and the float8 GEMM, and its accuracy
+# (kernels/bench/fp8_bench.py).
+kernels_fp8bench() {
+  local rc
+  timeout "${BENCH_TIMEOUT:-300}" python3 kernels/bench/fp8_bench.py --lib $C/libattnd_kernels_c.so --accuracy \
+    --json "$OUT/fp8_bench.json" ${FP8_BENCH_FLAGS:-} > "$TMP/fp8bench.log" 2>&1
+  rc=$?
+  cat "$TMP/fp8bench.log" >> "$LOG"
+  if [ $rc -eq 0 ]; then note "kernels fp8bench" ok "table in kernels.log"; else note "kernels fp8bench" FAIL "rc=$rc"; fi
+}
+
 # The ragged prefill into a paged cache (append, gather, prefill per sequence) beside the same prefill kernels on
 # contiguous K/V.
 kernels_raggedbench() {
@@ -427,7 +441,9 @@ cmd_kernels() {
   local steps=("$@") s n
   [ ${#steps[@]} -eq 0 ] && steps=(test sanitize sass)
   for s in "${steps[@]}"; do
-    case $s in test|sanitize|sass|bench|ab|mmabench|decode|decodebench|raggedbench) ;; *) die "kernels: unknown step $s" ;; esac
+    case $s in test|sanitize|sass|bench|ab|mmabench|decode|decodebench|raggedbench|fp8bench) ;;
+      *) die "kernels: unknown step $s" ;;
+    esac
   done
   mkdir -p "$OUT"
   unpack
