@@ -690,7 +690,8 @@ int main(int argc, char** argv) {
       "             decode load over KV sequences: tokens/s, Step latency, server batches, K/V read GB/s\n"
       "  call, bench and seq: --transport=auto|unary|stream over gRPC, or --transport=shm --shm_socket=PATH\n"
       "             (same host)\n"
-      "Shape flags: --batch --q_len --kv_len --q_heads --kv_heads --head_dim --dtype --mask|--causal --scale --lse");
+      "Shape flags: --batch --q_len --kv_len --q_heads --kv_heads --head_dim --dtype --mask|--causal --scale --lse\n"
+      "             (call, bench --dtype=fp8_e4m3: float8 inputs with --q_descale --k_descale --v_descale, O bf16)");
   attnd::HandleHelpFlag(argc, argv, __FILE__);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
