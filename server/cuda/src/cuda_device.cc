@@ -162,7 +162,8 @@ absl::Status CudaDevice::WarmUpKernels() {
   ATTND_RETURN_IF_ERROR(CudaStatus("cudaMemset (warm-up)", cudaMemset(buf, 0, total)));
   uint8_t* base = static_cast<uint8_t*>(buf);
   float* descales = reinterpret_cast<float*>(base + 5 * bytes + 2048);
-  const float ones[3] = {1.f, 1.f, 1.f};  // q, k and v of one head each
+  // Q's, K's and V's of one head each, 16 bytes apart as a request's are placed.
+  const float ones[12] = {1.f, 0.f, 0.f, 0.f, 1.f, 0.f, 0.f, 0.f, 1.f, 0.f, 0.f, 0.f};
   ATTND_RETURN_IF_ERROR(
       CudaStatus("cudaMemcpy (warm-up)", cudaMemcpy(descales, ones, sizeof ones, cudaMemcpyHostToDevice)));
   absl::Status status;
@@ -181,8 +182,8 @@ absl::Status CudaDevice::WarmUpKernels() {
                                reinterpret_cast<float*>(base + 5 * bytes)};
       if (dt == DType::kFP8E4M3) {
         t.q_descale = descales;
-        t.k_descale = descales + 1;
-        t.v_descale = descales + 2;
+        t.k_descale = descales + 4;
+        t.v_descale = descales + 8;
         t.v_t = base + 4 * bytes;  // VTransposedBytes: 256 x 128 bytes
       }
       kernels::PlanOptions po;

@@ -44,11 +44,13 @@ constexpr uint32_t kSpinWhileRunning = 2;
 
 // Buffer placement inside a slot's device block (and, at the same offsets, its pinned staging block): the
 // inline inputs first, so one H2D copy moves them all, then the outputs, so one D2H copy returns them.
-// A float8 request's descales (fp32: q_heads of Q, then kv_heads of K, then of V) travel with the inputs.
+// A float8 request's descales travel with the inputs: fp32, q_heads of Q, then kv_heads of K and of V, each array
+// 16-byte aligned (a kernel may read them as vectors).
 struct Placement {
   static constexpr uint64_t kAbsent = ~uint64_t{0};
   uint64_t q = kAbsent, k = kAbsent, v = kAbsent, o = kAbsent, lse = kAbsent;
   uint64_t descales = kAbsent, descale_bytes = 0;  // float8 only
+  uint64_t k_descale_at = 0, v_descale_at = 0;     // within the descales
   uint64_t in_bytes = 0;     // [0, in_bytes): inline Q/K/V (and descales)
   uint64_t out_offset = 0;   // [out_offset, total): O (when inline) and LSE
   uint64_t total = 0;
@@ -69,8 +71,11 @@ inline Placement Place(const Shape& s, DType dtype, bool q_inline, bool k_inline
   if (k_inline) p.k = at, at = Align(at + kvb);
   if (v_inline) p.v = at, at = Align(at + kvb);
   if (dtype == DType::kFP8E4M3) {
+    const auto bytes16 = [](int64_t heads) { return (static_cast<uint64_t>(heads) * sizeof(float) + 15) & ~15ull; };
     p.descales = at;
-    p.descale_bytes = static_cast<uint64_t>(s.q_heads + 2 * s.kv_heads) * sizeof(float);
+    p.k_descale_at = bytes16(s.q_heads);
+    p.v_descale_at = p.k_descale_at + bytes16(s.kv_heads);
+    p.descale_bytes = p.v_descale_at + bytes16(s.kv_heads);
     at = Align(at + p.descale_bytes);
   }
   p.in_bytes = at;
@@ -255,7 +260,7 @@ class CudaDevice {
   absl::Status Run(Slot& slot, Pending& p);
   absl::Status TakeBlocks(Work& w);
   absl::Status StageInputs(Work& w);
-  static void StageDescales(const ForwardJob& job, uint8_t* host);
+  static void StageDescales(const ForwardJob& job, const Placement& pl, uint8_t* host);
   // The plan of `selection` on `tensors`, its tensor maps from the cache.
   absl::StatusOr<kernels::Plan> PlanLaunch(const kernels::Selection& selection, const kernels::DeviceTensors& tensors);
   absl::Status EnqueueKernel(const kernels::Plan& plan, Work& w);

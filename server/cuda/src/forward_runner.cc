@@ -165,10 +165,10 @@ absl::Status CudaDevice::TakeBlocks(Work& w) {
   w.tensors.o = oi ? dev + w.pl.o : job.o_ref.device_data;
   w.tensors.lse = job.problem.want_lse ? reinterpret_cast<float*>(dev + w.pl.lse) : nullptr;
   if (w.pl.descales != Placement::kAbsent) {
-    const auto* d = reinterpret_cast<const float*>(dev + w.pl.descales);
-    w.tensors.q_descale = d;
-    w.tensors.k_descale = d + job.problem.shape.q_heads;
-    w.tensors.v_descale = d + job.problem.shape.q_heads + job.problem.shape.kv_heads;
+    uint8_t* d = dev + w.pl.descales;
+    w.tensors.q_descale = reinterpret_cast<const float*>(d);
+    w.tensors.k_descale = reinterpret_cast<const float*>(d + w.pl.k_descale_at);
+    w.tensors.v_descale = reinterpret_cast<const float*>(d + w.pl.v_descale_at);
     // The kernel's transposed copy of V (V's bytes, keys padded to 32), per request, from the staging budget.
     const int64_t v_t_bytes = kernels::VTransposedBytes(job.problem.shape, job.problem.dtype);
     if (v_t_bytes > 0) {
@@ -181,12 +181,11 @@ absl::Status CudaDevice::TakeBlocks(Work& w) {
   return absl::OkStatus();
 }
 
-// A float8 request's descales, one per head, into its staging block: Q's, then K's, then V's.
-void CudaDevice::StageDescales(const ForwardJob& job, uint8_t* host) {
-  for (const std::vector<float>* d : {&job.q_descale, &job.k_descale, &job.v_descale}) {
-    std::memcpy(host, d->data(), d->size() * sizeof(float));
-    host += d->size() * sizeof(float);
-  }
+// A float8 request's descales, one per head, into its staging block where the placement puts them.
+void CudaDevice::StageDescales(const ForwardJob& job, const Placement& pl, uint8_t* host) {
+  std::memcpy(host, job.q_descale.data(), job.q_descale.size() * sizeof(float));
+  std::memcpy(host + pl.k_descale_at, job.k_descale.data(), job.k_descale.size() * sizeof(float));
+  std::memcpy(host + pl.v_descale_at, job.v_descale.data(), job.v_descale.size() * sizeof(float));
 }
 
 absl::Status CudaDevice::StageInputs(Work& w) {
@@ -208,7 +207,7 @@ absl::Status CudaDevice::StageInputs(Work& w) {
     if (pl.v != Placement::kAbsent) stage(job.v, host + pl.v);
     copies_->Copy(parts);
   }
-  if (pl.descales != Placement::kAbsent) StageDescales(job, host + pl.descales);
+  if (pl.descales != Placement::kAbsent) StageDescales(job, pl, host + pl.descales);
   const bool shared = compute_ != nullptr;
   cudaStream_t st = w.slot.stream;
   // The copy events are recorded only around copies (and ev[1] always on the shared compute stream's path, which
