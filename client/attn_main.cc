@@ -12,6 +12,7 @@
 #include <iostream>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -70,7 +71,14 @@ ABSL_FLAG(int64_t, kv_len, 0, "key/value rows per sequence (0: q_len)");
 ABSL_FLAG(int64_t, q_heads, 8, "query heads");
 ABSL_FLAG(int64_t, kv_heads, 0, "key/value heads (0: q_heads; fewer for GQA/MQA)");
 ABSL_FLAG(int64_t, head_dim, 128, "head dimension");
-ABSL_FLAG(std::string, dtype, "bf16", "bf16 | fp16");
+ABSL_FLAG(std::string, dtype, "bf16",
+          "bf16 | fp16 | fp8_e4m3 (call, bench: float8 Q, K and V read through --q_descale, --k_descale, "
+          "--v_descale; O bf16)");
+ABSL_FLAG(std::vector<std::string>, q_descale, {},
+          "--dtype=fp8_e4m3: Q's descale, 1 value or one per q head (comma-separated); element x of head h is read "
+          "as x * descale[h]. Empty: random inputs get the amax / 448 of their values, file inputs must give it");
+ABSL_FLAG(std::vector<std::string>, k_descale, {}, "--dtype=fp8_e4m3: K's descale, 1 value or one per kv head");
+ABSL_FLAG(std::vector<std::string>, v_descale, {}, "--dtype=fp8_e4m3: V's descale, 1 value or one per kv head");
 ABSL_FLAG(std::string, mask, "none", "none | causal (top-left, torch is_causal) | causal_bottom_right (FlashAttention)");
 ABSL_FLAG(bool, causal, false, "shorthand for --mask=causal");
 ABSL_FLAG(std::string, scale, "", "softmax scale (empty: 1/sqrt(head_dim))");
@@ -204,7 +212,31 @@ absl::StatusOr<attnd::DType> DTypeFromFlags() {
   const std::string dtype = absl::GetFlag(FLAGS_dtype);
   if (dtype == "bf16") return attnd::DType::kBF16;
   if (dtype == "fp16") return attnd::DType::kFP16;
-  return absl::InvalidArgumentError(absl::StrCat("--dtype: '", dtype, "' is not bf16 or fp16"));
+  if (dtype == "fp8_e4m3") return attnd::DType::kFP8E4M3;
+  return absl::InvalidArgumentError(absl::StrCat("--dtype: '", dtype, "' is not bf16, fp16 or fp8_e4m3"));
+}
+
+// --q_descale, --k_descale, --v_descale as numbers (the server checks their counts and values, naming the field);
+// only with --dtype=fp8_e4m3.
+absl::Status DescalesFromFlags(RequestSpec& s) {
+  const std::pair<const char*, std::vector<std::string>> flags[] = {{"--q_descale", absl::GetFlag(FLAGS_q_descale)},
+                                                                    {"--k_descale", absl::GetFlag(FLAGS_k_descale)},
+                                                                    {"--v_descale", absl::GetFlag(FLAGS_v_descale)}};
+  std::vector<float>* out[] = {&s.q_descale, &s.k_descale, &s.v_descale};
+  for (int i = 0; i < 3; ++i) {
+    const auto& [name, values] = flags[i];
+    if (!values.empty() && s.dtype != attnd::DType::kFP8E4M3) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": only with --dtype=fp8_e4m3"));
+    }
+    for (const std::string& v : values) {
+      float f;
+      if (!absl::SimpleAtof(v, &f)) {
+        return absl::InvalidArgumentError(absl::StrCat(name, ": '", v, "' is not a number"));
+      }
+      out[i]->push_back(f);
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<RequestSpec> SpecFromFlags() {
@@ -223,6 +255,7 @@ absl::StatusOr<RequestSpec> SpecFromFlags() {
   absl::StatusOr<attnd::DType> dtype = DTypeFromFlags();
   if (!dtype.ok()) return dtype.status();
   s.dtype = *dtype;
+  if (absl::Status d = DescalesFromFlags(s); !d.ok()) return d;
   const std::string mask = absl::GetFlag(FLAGS_mask);
   if (mask == "none") {
     s.mask = attnd::Mask::kNone;
@@ -256,18 +289,42 @@ struct Inputs {
   std::string q, k, v;
 };
 
-absl::StatusOr<Inputs> InputsFromFlags(const RequestSpec& spec) {
+// Random inputs (float8 ones quantized with the spec's descales, which get amax / 448 where not given), or the
+// files'.
+absl::StatusOr<Inputs> InputsFromFlags(RequestSpec& spec) {
   const std::string qf = absl::GetFlag(FLAGS_q_file), kf = absl::GetFlag(FLAGS_k_file), vf = absl::GetFlag(FLAGS_v_file);
   Inputs in;
+  const attnd::Shape& sh = spec.shape;
   if (qf.empty() && kf.empty() && vf.empty()) {
     const uint64_t seed = absl::GetFlag(FLAGS_seed);
-    in.q = attnd::client::RandomTensor(spec.dtype, attnd::QElems(spec.shape), seed * 3 + 0);
-    in.k = attnd::client::RandomTensor(spec.dtype, attnd::KVElems(spec.shape), seed * 3 + 1);
-    in.v = attnd::client::RandomTensor(spec.dtype, attnd::KVElems(spec.shape), seed * 3 + 2);
+    if (spec.dtype == attnd::DType::kFP8E4M3) {
+      // Quantized per head only with one descale per head: any other count of them is refused here, by name.
+      for (const auto& [name, given, heads] : {std::tuple("--q_descale", &spec.q_descale, sh.q_heads),
+                                               std::tuple("--k_descale", &spec.k_descale, sh.kv_heads),
+                                               std::tuple("--v_descale", &spec.v_descale, sh.kv_heads)}) {
+        if (given->empty()) continue;
+        if (auto per_head = attnd::client::DescalesPerHead(name, *given, heads); !per_head.ok()) {
+          return per_head.status();
+        }
+      }
+      const int64_t d = sh.head_dim;
+      in.q = attnd::client::RandomFp8Tensor(attnd::QElems(sh), sh.q_heads, d, seed * 3 + 0, &spec.q_descale);
+      in.k = attnd::client::RandomFp8Tensor(attnd::KVElems(sh), sh.kv_heads, d, seed * 3 + 1, &spec.k_descale);
+      in.v = attnd::client::RandomFp8Tensor(attnd::KVElems(sh), sh.kv_heads, d, seed * 3 + 2, &spec.v_descale);
+      return in;
+    }
+    in.q = attnd::client::RandomTensor(spec.dtype, attnd::QElems(sh), seed * 3 + 0);
+    in.k = attnd::client::RandomTensor(spec.dtype, attnd::KVElems(sh), seed * 3 + 1);
+    in.v = attnd::client::RandomTensor(spec.dtype, attnd::KVElems(sh), seed * 3 + 2);
     return in;
   }
   if (qf.empty() || kf.empty() || vf.empty()) {
     return absl::InvalidArgumentError("--q_file, --k_file, --v_file: give all three or none");
+  }
+  if (spec.dtype == attnd::DType::kFP8E4M3 &&
+      (spec.q_descale.empty() || spec.k_descale.empty() || spec.v_descale.empty())) {
+    return absl::InvalidArgumentError(
+        "--q_descale, --k_descale, --v_descale: required with --dtype=fp8_e4m3 and file inputs (the files' scales)");
   }
   auto q = attnd::client::ReadTensorFile(qf, spec.q_bytes());
   if (!q.ok()) return q.status();
@@ -286,7 +343,11 @@ std::string ShapeLine(const RequestSpec& s) {
   return absl::StrFormat("batch %d, q_len %d, kv_len %d, q_heads %d, kv_heads %d, head_dim %d, %s, mask %s, scale %.6g%s",
                          s.shape.batch, s.shape.q_len, s.shape.kv_len, s.shape.q_heads, s.shape.kv_heads,
                          s.shape.head_dim, attnd::DTypeName(s.dtype), attnd::MaskName(s.mask), p.scale,
-                         s.want_lse ? ", lse" : "");
+                         s.want_lse ? ", lse" : "") +
+         (s.dtype == attnd::DType::kFP8E4M3
+              ? absl::StrCat(", descales q ", absl::StrJoin(s.q_descale, ","), " k ", absl::StrJoin(s.k_descale, ","),
+                             " v ", absl::StrJoin(s.v_descale, ","))
+              : "");
 }
 
 int CmdInfo(Client& client) {
@@ -349,7 +410,7 @@ int CmdCall(Client& client) {
   std::optional<attnd::client::Oracle> oracle;
   if (absl::GetFlag(FLAGS_verify)) {
     // Computed before sending so the inputs can be moved into the request.
-    auto o = attnd::client::Oracle::Compute(spec->ToProblem(), inputs->q, inputs->k, inputs->v);
+    auto o = attnd::client::Oracle::Compute(*spec, inputs->q, inputs->k, inputs->v);
     if (!o.ok()) return Fail(o.status(), "reference");
     oracle = *std::move(o);
   }
@@ -421,7 +482,7 @@ int CmdBench(Client& client) {
   opt.call = CallOpts();
   std::optional<attnd::client::Oracle> oracle;
   if (opt.verify_every > 0) {
-    auto o = attnd::client::Oracle::Compute(spec->ToProblem(), inputs->q, inputs->k, inputs->v);
+    auto o = attnd::client::Oracle::Compute(*spec, inputs->q, inputs->k, inputs->v);
     if (!o.ok()) return Fail(o.status(), "reference");
     oracle = *std::move(o);
   }
@@ -546,6 +607,10 @@ absl::Status SequenceOptionsFromFlags(SequenceOptions& o) {
   if (o.q_heads % s.kv_heads != 0) return absl::InvalidArgumentError("--q_heads: must be a multiple of --kv_heads");
   absl::StatusOr<attnd::DType> dtype = DTypeFromFlags();
   if (!dtype.ok()) return dtype.status();
+  if (*dtype == attnd::DType::kFP8E4M3) {
+    return absl::InvalidArgumentError("--dtype: a sequence's Q and O are bf16 or fp16 (--kv_dtype=fp8_e4m3 stores its "
+                                      "K and V as float8)");
+  }
   s.dtype = *dtype;
   if (absl::Status kv = KvFormatFromFlags(s); !kv.ok()) return kv;
   o.steps = absl::GetFlag(FLAGS_steps);
@@ -625,7 +690,8 @@ int main(int argc, char** argv) {
       "             decode load over KV sequences: tokens/s, Step latency, server batches, K/V read GB/s\n"
       "  call, bench and seq: --transport=auto|unary|stream over gRPC, or --transport=shm --shm_socket=PATH\n"
       "             (same host)\n"
-      "Shape flags: --batch --q_len --kv_len --q_heads --kv_heads --head_dim --dtype --mask|--causal --scale --lse");
+      "Shape flags: --batch --q_len --kv_len --q_heads --kv_heads --head_dim --dtype --mask|--causal --scale --lse\n"
+      "             (call, bench --dtype=fp8_e4m3: float8 inputs with --q_descale --k_descale --v_descale, O bf16)");
   attnd::HandleHelpFlag(argc, argv, __FILE__);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {

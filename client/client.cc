@@ -80,6 +80,9 @@ Problem RequestSpec::ToProblem() const {
 
 uint64_t RequestSpec::q_bytes() const { return static_cast<uint64_t>(QElems(shape)) * DTypeBytes(dtype); }
 uint64_t RequestSpec::kv_bytes() const { return static_cast<uint64_t>(KVElems(shape)) * DTypeBytes(dtype); }
+uint64_t RequestSpec::o_bytes() const {
+  return static_cast<uint64_t>(QElems(shape)) * DTypeBytes(OutputDType(dtype));
+}
 uint64_t RequestSpec::lse_bytes() const { return want_lse ? static_cast<uint64_t>(LseElems(shape)) * 4 : 0; }
 
 absl::Status FromGrpcStatus(const grpc::Status& s) {

@@ -106,6 +106,9 @@ std::shared_ptr<Client::Outgoing> Client::Split(std::shared_ptr<const v1::Forwar
   if (r.has_softmax_scale()) h.set_softmax_scale(r.softmax_scale());
   h.set_return_lse(r.return_lse());
   if (r.has_o_ref()) *h.mutable_o_ref() = r.o_ref();
+  *h.mutable_q_descale() = r.q_descale();
+  *h.mutable_k_descale() = r.k_descale();
+  *h.mutable_v_descale() = r.v_descale();
   const v1::TensorInput* inputs[3] = {&r.q(), &r.k(), &r.v()};
   for (int i = 0; i < 3; ++i) {
     if (inputs[i]->has_ref()) {

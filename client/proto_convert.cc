@@ -11,7 +11,7 @@ namespace attnd::client {
 
 v1::Dtype ToProto(DType t) { return proto::DtypeToProto(t); }
 v1::MaskType ToProto(Mask m) { return proto::MaskToProto(m); }
-absl::StatusOr<DType> FromProto(v1::Dtype t) { return proto::DtypeFromProto(t, "dtype"); }
+absl::StatusOr<DType> FromProto(v1::Dtype t) { return proto::DtypeFromProto(t, "dtype", proto::DtypeField::kAny); }
 absl::StatusOr<Mask> FromProto(v1::MaskType m) { return proto::MaskFromProto(m, "mask"); }
 
 float SequenceShape::DescaleAt(const std::vector<float>& descale, int64_t layer, int64_t head) const {
@@ -77,6 +77,9 @@ v1::ForwardRequest MakeForwardRequest(const RequestSpec& spec, std::string q, st
   *r.mutable_q()->mutable_data() = std::move(q);
   *r.mutable_k()->mutable_data() = std::move(k);
   *r.mutable_v()->mutable_data() = std::move(v);
+  r.mutable_q_descale()->Add(spec.q_descale.begin(), spec.q_descale.end());
+  r.mutable_k_descale()->Add(spec.k_descale.begin(), spec.k_descale.end());
+  r.mutable_v_descale()->Add(spec.v_descale.begin(), spec.v_descale.end());
   return r;
 }
 

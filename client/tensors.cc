@@ -1,5 +1,6 @@
 #include "attnd/client/tensors.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -68,6 +69,34 @@ std::string RandomTensor(DType dtype, int64_t elems, uint64_t seed) {
   return out;
 }
 
+std::string RandomFp8Tensor(int64_t elems, int64_t heads, int64_t head_dim, uint64_t seed,
+                            std::vector<float>* descale) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  std::vector<float> x(static_cast<size_t>(elems));
+  float amax = 0;
+  for (float& e : x) {
+    e = dist(rng);
+    amax = std::max(amax, std::fabs(e));
+  }
+  if (descale->empty()) descale->push_back(amax > 0 ? amax / kFp8E4M3Max : 1.f);
+  std::string out(x.size(), '\0');
+  const bool per_head = descale->size() > 1;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float d = (*descale)[per_head ? (i / static_cast<size_t>(head_dim)) % static_cast<size_t>(heads) : 0];
+    out[i] = static_cast<char>(FloatToFp8E4M3(x[i] / d));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<float>> DescalesPerHead(const std::string& field, const std::vector<float>& given,
+                                                   int64_t heads) {
+  const size_t n = given.size(), h = static_cast<size_t>(heads);
+  if (n == 1) return std::vector<float>(h, given[0]);
+  if (n == h) return given;
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", n, " values, expected 1 or ", h, " (one per head)"));
+}
+
 std::string CachedRows(const SequenceShape& shape, const std::vector<float>& descale, int64_t layer,
                        std::string rows) {
   if (shape.kv_format != KvFormat::kFp8E4M3) return rows;
@@ -105,12 +134,41 @@ absl::Status WriteFile(const std::string& path, const std::string& bytes) {
 
 absl::StatusOr<Oracle> Oracle::Compute(const Problem& p, const std::string& q, const std::string& k,
                                        const std::string& v, int num_threads) {
+  if (p.dtype == DType::kFP8E4M3) {
+    return absl::InvalidArgumentError("dtype: float8 inputs are read through their descales (pass the RequestSpec)");
+  }
+  return Run(p, q, k, v, {}, num_threads);
+}
+
+absl::StatusOr<Oracle> Oracle::Compute(const RequestSpec& spec, const std::string& q, const std::string& k,
+                                       const std::string& v, int num_threads) {
+  Descales d;
+  if (spec.dtype == DType::kFP8E4M3) {
+    const auto spread = [](const char* field, const std::vector<float>& given, int64_t heads,
+                           std::vector<float>* out) -> absl::Status {
+      absl::StatusOr<std::vector<float>> per_head = DescalesPerHead(field, given, heads);
+      if (!per_head.ok()) return per_head.status();
+      *out = *std::move(per_head);
+      return absl::OkStatus();
+    };
+    for (absl::Status st : {spread("q_descale", spec.q_descale, spec.shape.q_heads, &d.q),
+                            spread("k_descale", spec.k_descale, spec.shape.kv_heads, &d.k),
+                            spread("v_descale", spec.v_descale, spec.shape.kv_heads, &d.v)}) {
+      if (!st.ok()) return st;
+    }
+  }
+  return Run(spec.ToProblem(), q, k, v, d, num_threads);
+}
+
+absl::StatusOr<Oracle> Oracle::Run(const Problem& p, const std::string& q, const std::string& k, const std::string& v,
+                                   const Descales& descales, int num_threads) {
   const Shape& s = p.shape;
   if (s.batch <= 0 || s.q_len <= 0 || s.kv_len <= 0 || s.q_heads <= 0 || s.kv_heads <= 0 || s.head_dim <= 0 ||
       s.q_heads % s.kv_heads != 0) {
     return absl::InvalidArgumentError("shape: every dim must be positive and q_heads a multiple of kv_heads");
   }
-  const uint64_t qb = static_cast<uint64_t>(QElems(s)) * 2, kvb = static_cast<uint64_t>(KVElems(s)) * 2;
+  const uint64_t eb = static_cast<uint64_t>(DTypeBytes(p.dtype));
+  const uint64_t qb = static_cast<uint64_t>(QElems(s)) * eb, kvb = static_cast<uint64_t>(KVElems(s)) * eb;
   if (q.size() != qb) return absl::InvalidArgumentError(absl::StrCat("q: ", q.size(), " bytes, expected ", qb));
   if (k.size() != kvb) return absl::InvalidArgumentError(absl::StrCat("k: ", k.size(), " bytes, expected ", kvb));
   if (v.size() != kvb) return absl::InvalidArgumentError(absl::StrCat("v: ", v.size(), " bytes, expected ", kvb));
@@ -123,13 +181,21 @@ absl::StatusOr<Oracle> Oracle::Compute(const Problem& p, const std::string& q, c
   opts.num_threads = num_threads;
   o.o64_.assign(static_cast<size_t>(QElems(s)), std::numeric_limits<double>::quiet_NaN());
   o.lse64_.assign(static_cast<size_t>(LseElems(s)), std::numeric_limits<double>::quiet_NaN());
-  ReferenceAttentionF64(o.problem_, layout, Halves(q), Halves(k), Halves(v), o.o64_.data(), o.lse64_.data(), opts);
-
-  // The plain reference, poisoned first so that an element it fails to write cannot pass unnoticed.
+  // The plain reference's outputs, poisoned first so that an element it fails to write cannot pass unnoticed.
   std::vector<uint16_t> o16(static_cast<size_t>(QElems(s)), 0x7fc1);
   std::vector<float> lse32(static_cast<size_t>(LseElems(s)), std::numeric_limits<float>::quiet_NaN());
-  ReferenceAttention(o.problem_, layout, Halves(q), Halves(k), Halves(v), o16.data(), lse32.data(), opts);
-  const Errors eo = CompareO(p.dtype, o16.data(), o.o64_);
+  if (p.dtype == DType::kFP8E4M3) {
+    const auto* q8 = reinterpret_cast<const uint8_t*>(q.data());
+    const auto* k8 = reinterpret_cast<const uint8_t*>(k.data());
+    const auto* v8 = reinterpret_cast<const uint8_t*>(v.data());
+    const Fp8Descales d{descales.q.data(), descales.k.data(), descales.v.data()};
+    ReferenceAttentionFp8F64(o.problem_, layout, q8, k8, v8, d, o.o64_.data(), o.lse64_.data(), opts);
+    ReferenceAttentionFp8(o.problem_, layout, q8, k8, v8, d, o16.data(), lse32.data(), opts);
+  } else {
+    ReferenceAttentionF64(o.problem_, layout, Halves(q), Halves(k), Halves(v), o.o64_.data(), o.lse64_.data(), opts);
+    ReferenceAttention(o.problem_, layout, Halves(q), Halves(k), Halves(v), o16.data(), lse32.data(), opts);
+  }
+  const Errors eo = CompareO(OutputDType(p.dtype), o16.data(), o.o64_);
   const Errors el = CompareLse(lse32.data(), o.lse64_);
   if (eo.bad || el.bad) return absl::InternalError("the fp32 reference produced non-finite values");
   o.ref_max_abs_ = eo.max_abs;
@@ -143,7 +209,7 @@ VerifyReport Oracle::Check(std::string_view o, std::string_view lse) const {
   r.ref_max_abs_err = ref_max_abs_;
   r.ref_rel_l2_err = ref_rel_l2_;
   r.ref_lse_max_abs_err = ref_lse_;
-  const double atol = Atol(problem_.dtype);
+  const double atol = Atol(OutputDType(problem_.dtype));
   r.bound_max_abs = 2 * ref_max_abs_ + atol;
   r.bound_rel_l2 = 2 * ref_rel_l2_ + atol;
   r.bound_lse = 2 * ref_lse_ + 1e-3;
@@ -151,7 +217,7 @@ VerifyReport Oracle::Check(std::string_view o, std::string_view lse) const {
     r.detail = absl::StrCat("O has ", o.size(), " bytes, expected ", o64_.size() * 2);
     return r;
   }
-  const Errors eo = CompareO(problem_.dtype, Halves(o), o64_);
+  const Errors eo = CompareO(OutputDType(problem_.dtype), Halves(o), o64_);
   r.max_abs_err = eo.max_abs;
   r.rel_l2_err = eo.rel_l2;
   r.bad_values = eo.bad;

@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define ATTND_C_ABI_VERSION 6
+#define ATTND_C_ABI_VERSION 7
 
 enum attnd_transport {
   ATTND_TRANSPORT_DEFAULT = -1, /* per call: the client's transport */
@@ -25,8 +25,9 @@ enum attnd_transport {
   ATTND_TRANSPORT_STREAM = 2,
   ATTND_TRANSPORT_SHM = 3, /* the server's --shm_socket (attnd_client_options.shm_socket) */
 };
-/* The ABI's own numbers; the library sends the proto's (attnd.v1.Dtype, MaskType) for them. */
-enum attnd_dtype { ATTND_DTYPE_BF16 = 0, ATTND_DTYPE_FP16 = 1 };
+/* The ABI's own numbers; the library sends the proto's (attnd.v1.Dtype, MaskType) for them. FP8_E4M3: a Forward's
+ * float8 e4m3 q, k and v (one byte an element, read through attnd_forward_args' descales), whose O is bf16. */
+enum attnd_dtype { ATTND_DTYPE_BF16 = 0, ATTND_DTYPE_FP16 = 1, ATTND_DTYPE_FP8_E4M3 = 2 };
 enum attnd_mask { ATTND_MASK_NONE = 0, ATTND_MASK_CAUSAL_TOP_LEFT = 1, ATTND_MASK_CAUSAL_BOTTOM_RIGHT = 2 };
 
 typedef struct attnd_error {
@@ -70,10 +71,18 @@ typedef struct attnd_forward_args {
   double timeout_s;   /* <= 0: the client's default */
   const char* request_id;  /* NULL/empty: the library makes one (so errors can name it) */
   attnd_tensor q, k, v;
-  /* O: host memory of exactly batch*q_len*q_heads*head_dim elements, contiguous (o.data; strides must be
-   * zero), or a registered buffer (o.buffer_id, o.offset; contiguous on the server's side too). */
+  /* O: host memory of exactly batch*q_len*q_heads*head_dim elements (bf16 for a float8 call, else the dtype),
+   * contiguous (o.data; strides must be zero), or a registered buffer (o.buffer_id, o.offset; contiguous on the
+   * server's side too). */
   attnd_tensor o;
   float* lse;  /* fp32 [batch, q_heads, q_len] when want_lse */
+  /* ATTND_DTYPE_FP8_E4M3 only (the server refuses them otherwise, and requires them there): fp32 descales, element
+   * x of head h read as e4m3(x) * descale[h]; q_descale 1 or q_heads values, k_descale and v_descale 1 or kv_heads,
+   * each finite and > 0. NULL with a count of 0. */
+  const float* q_descale;
+  const float* k_descale;
+  const float* v_descale;
+  int64_t q_descale_count, k_descale_count, v_descale_count;
 } attnd_forward_args;
 
 typedef struct attnd_forward_info {

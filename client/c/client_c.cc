@@ -28,7 +28,10 @@ using namespace attnd::c_abi;  // NOLINT(build/namespaces): this library's own h
 
 namespace {
 
-constexpr int64_t kElemBytes = 2;  // bf16 and fp16
+static_assert(static_cast<int>(DType::kBF16) == ATTND_DTYPE_BF16 &&
+                  static_cast<int>(DType::kFP16) == ATTND_DTYPE_FP16 &&
+                  static_cast<int>(DType::kFP8E4M3) == ATTND_DTYPE_FP8_E4M3,
+              "enum attnd_dtype's numbers are attnd::DType's");
 
 bool Contiguous(const attnd_tensor& t, int64_t seq, int64_t heads, int64_t dim) {
   const int64_t* s = t.strides;
@@ -41,11 +44,12 @@ struct Inline {
   std::string_view bytes;
 };
 
+// `elem_bytes`: 2 (bf16, fp16) or 1 (float8).
 absl::Status Gather(const char* name, const attnd_tensor& t, int64_t batch, int64_t seq, int64_t heads, int64_t dim,
-                    Inline* out) {
+                    int64_t elem_bytes, Inline* out) {
   if (t.data == nullptr) return absl::InvalidArgumentError(absl::StrCat(name, ": no data and no buffer_id"));
   const auto* base = static_cast<const char*>(t.data);
-  const size_t row = static_cast<size_t>(dim * kElemBytes);
+  const size_t row = static_cast<size_t>(dim * elem_bytes);
   const uint64_t bytes = static_cast<uint64_t>(batch * seq * heads) * row;
   if (Contiguous(t, seq, heads, dim)) {
     out->bytes = std::string_view(base, bytes);
@@ -57,7 +61,7 @@ absl::Status Gather(const char* name, const attnd_tensor& t, int64_t batch, int6
     for (int64_t s = 0; s < seq; ++s) {
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t e = b * t.strides[0] + s * t.strides[1] + h * t.strides[2];
-        std::memcpy(dst, base + e * kElemBytes, row);
+        std::memcpy(dst, base + e * elem_bytes, row);
         dst += row;
       }
     }
@@ -102,8 +106,23 @@ absl::Status Prepare(attnd_client* c, const attnd_forward_args* a, Call* call) {
   for (const auto& d : dims) {
     if (d.v < 1) return absl::InvalidArgumentError(absl::StrCat(d.name, ": must be >= 1, got ", d.v));
   }
-  if (a->dtype != ATTND_DTYPE_BF16 && a->dtype != ATTND_DTYPE_FP16) {
+  if (a->dtype != ATTND_DTYPE_BF16 && a->dtype != ATTND_DTYPE_FP16 && a->dtype != ATTND_DTYPE_FP8_E4M3) {
     return absl::InvalidArgumentError(absl::StrCat("dtype: unknown value ", a->dtype));
+  }
+  const struct {
+    const char* name;
+    const float* values;
+    int64_t count;
+    std::vector<float>* out;
+  } descales[] = {{"q_descale", a->q_descale, a->q_descale_count, &call->spec.q_descale},
+                  {"k_descale", a->k_descale, a->k_descale_count, &call->spec.k_descale},
+                  {"v_descale", a->v_descale, a->v_descale_count, &call->spec.v_descale}};
+  // Copied, sent as given: the server checks their counts and values (and that only a float8 call has them).
+  for (const auto& d : descales) {
+    if (d.count < 0 || (d.count > 0 && d.values == nullptr)) {
+      return absl::InvalidArgumentError(absl::StrCat(d.name, ": ", d.count, " values at NULL"));
+    }
+    d.out->assign(d.values, d.values + d.count);
   }
   if (a->mask < ATTND_MASK_NONE || a->mask > ATTND_MASK_CAUSAL_BOTTOM_RIGHT) {
     return absl::InvalidArgumentError(absl::StrCat("mask: unknown value ", a->mask));
@@ -116,7 +135,8 @@ absl::Status Prepare(attnd_client* c, const attnd_forward_args* a, Call* call) {
   call->request_id = c->RequestId(a->request_id);
   auto& spec = call->spec;
   spec.shape = attnd::Shape{a->batch, a->q_len, a->kv_len, a->q_heads, a->kv_heads, a->head_dim};
-  spec.dtype = static_cast<DType>(a->dtype);
+  spec.dtype = static_cast<DType>(a->dtype);  // the ABI's numbers are DType's
+  const int64_t elem_bytes = DTypeBytes(spec.dtype);
   spec.mask = static_cast<Mask>(a->mask);
   if (a->has_scale) spec.scale = a->scale;
   spec.want_lse = a->want_lse != 0;
@@ -150,7 +170,8 @@ absl::Status Prepare(attnd_client* c, const attnd_forward_args* a, Call* call) {
   if (!any_ref && call->transport != Transport::kShm) {
     for (auto& t : tensors) {
       *t.keep = std::make_shared<Inline>();
-      if (auto s = Gather(t.name, t.t, a->batch, t.seq, t.heads, a->head_dim, t.keep->get()); !s.ok()) return s;
+      auto* keep = t.keep->get();
+      if (auto s = Gather(t.name, t.t, a->batch, t.seq, t.heads, a->head_dim, elem_bytes, keep); !s.ok()) return s;
     }
     return absl::OkStatus();
   }
@@ -164,7 +185,7 @@ absl::Status Prepare(attnd_client* c, const attnd_forward_args* a, Call* call) {
       SetRef(t.t, t.seq, t.heads, a->head_dim, inputs[i]->mutable_ref());
     } else {
       Inline in;
-      if (auto s = Gather(t.name, t.t, a->batch, t.seq, t.heads, a->head_dim, &in); !s.ok()) return s;
+      if (auto s = Gather(t.name, t.t, a->batch, t.seq, t.heads, a->head_dim, elem_bytes, &in); !s.ok()) return s;
       if (in.copy.empty()) {
         inputs[i]->set_data(in.bytes.data(), in.bytes.size());
       } else {

@@ -126,6 +126,10 @@ absl::StatusOr<std::vector<float>> Descales(const char* field, const float* valu
 
 // The C++ shape of a C one (INVALID_ARGUMENT naming a field the library cannot map; the server checks the rest).
 absl::StatusOr<attnd::client::SequenceShape> ShapeOf(const attnd_sequence_shape& c) {
+  if (c.dtype == ATTND_DTYPE_FP8_E4M3) {
+    return absl::InvalidArgumentError(
+        "shape.dtype: a sequence's q and O are bf16 or fp16 (kv_format ATTND_KV_FP8_E4M3 caches K and V as float8)");
+  }
   if (c.dtype != ATTND_DTYPE_BF16 && c.dtype != ATTND_DTYPE_FP16) {
     return absl::InvalidArgumentError(absl::StrCat("shape.dtype: unknown value ", c.dtype));
   }

@@ -1,6 +1,7 @@
 #include "attnd/reference.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -127,9 +128,10 @@ struct Task {
 constexpr int64_t kRowsPerTask = 64;
 
 // Runs the problem on opts.num_threads threads; each row's unnormalised O goes to store_o(b, i, h, acc, sum) and its
-// LSE, natural log, to lse[b][h][i] (unless lse is null).
-template <typename Acc, typename StoreO>
-void RunTasks(const Problem& p, const Layout& L, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+// LSE, natural log, to lse[b][h][i] (unless lse is null). decode(tensor, head, x) is the value of element x of
+// `head` of q (tensor 0), k (1) or v (2).
+template <typename Acc, typename Elem, typename Decode, typename StoreO>
+void RunTasks(const Problem& p, const Layout& L, const Elem* q, const Elem* k, const Elem* v, Decode decode,
               const ReferenceOptions& opts, StoreO store_o, Acc* lse) {
   auto store_lse = [&](int64_t b, int64_t h, int64_t i, Acc value) {
     if (lse != nullptr) lse[(b * p.shape.q_heads + h) * p.shape.q_len + i] = value;
@@ -153,19 +155,19 @@ void RunTasks(const Problem& p, const Layout& L, const uint16_t* q, const uint16
         kf.resize(s.kv_len * d);
         vf.resize(s.kv_len * d);
         for (int64_t j = 0; j < s.kv_len; ++j) {
-          const uint16_t* kr = k + task.b * L.k.batch + j * L.k.seq + kvh * L.k.head;
-          const uint16_t* vr = v + task.b * L.v.batch + j * L.v.seq + kvh * L.v.head;
+          const Elem* kr = k + task.b * L.k.batch + j * L.k.seq + kvh * L.k.head;
+          const Elem* vr = v + task.b * L.v.batch + j * L.v.seq + kvh * L.v.head;
           for (int64_t x = 0; x < d; ++x) {
-            kf[j * d + x] = static_cast<Acc>(HalfToFloat(p.dtype, kr[x]));
-            vf[j * d + x] = static_cast<Acc>(HalfToFloat(p.dtype, vr[x]));
+            kf[j * d + x] = static_cast<Acc>(decode(1, kvh, kr[x]));
+            vf[j * d + x] = static_cast<Acc>(decode(2, kvh, vr[x]));
           }
         }
         cached_b = task.b;
         cached_kvh = kvh;
       }
       for (int64_t i = task.row_begin; i < task.row_end; ++i) {
-        const uint16_t* qr = q + task.b * L.q.batch + i * L.q.seq + task.h * L.q.head;
-        for (int64_t x = 0; x < d; ++x) qrow[x] = static_cast<Acc>(HalfToFloat(p.dtype, qr[x]));
+        const Elem* qr = q + task.b * L.q.batch + i * L.q.seq + task.h * L.q.head;
+        for (int64_t x = 0; x < d; ++x) qrow[x] = static_cast<Acc>(decode(0, task.h, qr[x]));
         const int64_t last = LastVisibleKey(p.mask, s.q_len, s.kv_len, i);
         std::fill(acc.begin(), acc.end(), Acc(0));
         if (last < 0) {
@@ -201,28 +203,68 @@ void RunTasks(const Problem& p, const Layout& L, const uint16_t* q, const uint16
   for (auto& th : pool) th.join();
 }
 
+// O's rows in `dtype` as `layout` places them, each rounded once from the fp32 accumulator.
+auto StoreRounded(const Problem& p, const Layout& layout, DType dtype, uint16_t* o) {
+  return [&p, &layout, dtype, o](int64_t b, int64_t i, int64_t h, const float* acc, float sum) {
+    uint16_t* orow = o + b * layout.o.batch + i * layout.o.seq + h * layout.o.head;
+    const float inv = 1.0f / sum;
+    for (int64_t x = 0; x < p.shape.head_dim; ++x) orow[x] = FloatToHalf(dtype, acc[x] * inv);
+  };
+}
+
+// O's rows in double, contiguous [batch, q_len, q_heads, head_dim].
+auto StoreUnrounded(const Problem& p, double* o) {
+  return [&p, o](int64_t b, int64_t i, int64_t h, const double* acc, double sum) {
+    const Shape& s = p.shape;
+    double* orow = o + ((b * s.q_len + i) * s.q_heads + h) * s.head_dim;
+    for (int64_t x = 0; x < s.head_dim; ++x) orow[x] = acc[x] / sum;
+  };
+}
+
+// Every e4m3 code's value, so that a row is decoded by lookups.
+const std::array<float, 256>& Fp8Values() {
+  static const std::array<float, 256> values = [] {
+    std::array<float, 256> v{};
+    for (int c = 0; c < 256; ++c) v[c] = Fp8E4M3ToFloat(static_cast<uint8_t>(c));
+    return v;
+  }();
+  return values;
+}
+
 }  // namespace
 
 void ReferenceAttention(const Problem& p, const Layout& layout, const uint16_t* q, const uint16_t* k,
                         const uint16_t* v, uint16_t* o, float* lse, const ReferenceOptions& opts) {
-  auto store_o = [&](int64_t b, int64_t i, int64_t h, const float* acc, float sum) {
-    uint16_t* orow = o + b * layout.o.batch + i * layout.o.seq + h * layout.o.head;
-    const float inv = 1.0f / sum;
-    for (int64_t x = 0; x < p.shape.head_dim; ++x) orow[x] = FloatToHalf(p.dtype, acc[x] * inv);
-  };
-  RunTasks<float>(p, layout, q, k, v, opts, store_o, p.want_lse ? lse : nullptr);
+  const auto decode = [dtype = p.dtype](int, int64_t, uint16_t x) { return HalfToFloat(dtype, x); };
+  RunTasks<float>(p, layout, q, k, v, decode, opts, StoreRounded(p, layout, p.dtype, o), p.want_lse ? lse : nullptr);
+}
+
+void ReferenceAttentionFp8(const Problem& p, const Layout& layout, const uint8_t* q, const uint8_t* k,
+                           const uint8_t* v, const Fp8Descales& descales, uint16_t* o, float* lse,
+                           const ReferenceOptions& opts) {
+  const std::array<float, 256>& values = Fp8Values();
+  const float* scales[3] = {descales.q, descales.k, descales.v};
+  const auto decode = [&](int tensor, int64_t head, uint8_t x) { return values[x] * scales[tensor][head]; };
+  RunTasks<float>(p, layout, q, k, v, decode, opts, StoreRounded(p, layout, OutputDType(p.dtype), o),
+                  p.want_lse ? lse : nullptr);
 }
 
 void ReferenceAttentionF64(const Problem& p, const Layout& layout, const uint16_t* q, const uint16_t* k,
                            const uint16_t* v, double* o, double* lse, const ReferenceOptions& opts) {
-  const Shape& s = p.shape;
   RunTasks<double>(
-      p, layout, q, k, v, opts,
-      [&](int64_t b, int64_t i, int64_t h, const double* acc, double sum) {
-        double* orow = o + ((b * s.q_len + i) * s.q_heads + h) * s.head_dim;
-        for (int64_t x = 0; x < s.head_dim; ++x) orow[x] = acc[x] / sum;
-      },
-      lse);
+      p, layout, q, k, v, [dtype = p.dtype](int, int64_t, uint16_t x) { return HalfToFloat(dtype, x); }, opts,
+      StoreUnrounded(p, o), lse);
+}
+
+void ReferenceAttentionFp8F64(const Problem& p, const Layout& layout, const uint8_t* q, const uint8_t* k,
+                              const uint8_t* v, const Fp8Descales& descales, double* o, double* lse,
+                              const ReferenceOptions& opts) {
+  const std::array<float, 256>& values = Fp8Values();
+  const float* scales[3] = {descales.q, descales.k, descales.v};
+  const auto decode = [&](int tensor, int64_t head, uint8_t x) {
+    return static_cast<double>(values[x]) * static_cast<double>(scales[tensor][head]);
+  };
+  RunTasks<double>(p, layout, q, k, v, decode, opts, StoreUnrounded(p, o), lse);
 }
 
 }  // namespace attnd

@@ -21,7 +21,17 @@ constexpr std::pair<Mask, v1::MaskType> kMasks[] = {
 
 }  // namespace
 
-v1::Dtype DtypeToProto(DType dtype) { return dtype == DType::kFP16 ? v1::DTYPE_FP16 : v1::DTYPE_BF16; }
+v1::Dtype DtypeToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+      return v1::DTYPE_BF16;
+    case DType::kFP16:
+      return v1::DTYPE_FP16;
+    case DType::kFP8E4M3:
+      return v1::DTYPE_FP8_E4M3;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
 
 v1::MaskType MaskToProto(Mask mask) {
   for (const auto& [m, value] : kMasks) {
@@ -30,17 +40,20 @@ v1::MaskType MaskToProto(Mask mask) {
   return v1::MASK_TYPE_NONE;
 }
 
-absl::StatusOr<DType> DtypeFromProto(v1::Dtype value, absl::string_view field) {
+absl::StatusOr<DType> DtypeFromProto(v1::Dtype value, absl::string_view field, DtypeField takes) {
+  const bool any = takes == DtypeField::kAny;
   switch (value) {
     case v1::DTYPE_BF16:
       return DType::kBF16;
     case v1::DTYPE_FP16:
       return DType::kFP16;
     case v1::DTYPE_UNSPECIFIED:
-      return Invalid(field, "DTYPE_UNSPECIFIED (set DTYPE_BF16 or DTYPE_FP16)");
+      return Invalid(field, any ? "DTYPE_UNSPECIFIED (set DTYPE_BF16, DTYPE_FP16 or DTYPE_FP8_E4M3)"
+                                : "DTYPE_UNSPECIFIED (set DTYPE_BF16 or DTYPE_FP16)");
     case v1::DTYPE_FP8_E4M3:
-      return Invalid(field, "DTYPE_FP8_E4M3 is served as a sequence's shape.kv_dtype only (set DTYPE_BF16 or "
-                            "DTYPE_FP16)");
+      if (any) return DType::kFP8E4M3;
+      return Invalid(field, "DTYPE_FP8_E4M3 is served as a sequence's shape.kv_dtype and as a Forward's dtype, not "
+                            "here (set DTYPE_BF16 or DTYPE_FP16)");
     default:
       return Invalid(field, absl::StrCat("unknown value ", static_cast<int>(value)));
   }

@@ -63,7 +63,7 @@ void ShapeToProto(const SequenceShape& s, v1::SequenceShape* shape) {
 
 absl::Status ForwardArgsFromProto(const v1::ForwardRequest& request, const InlineBytes* in_message,
                                   ForwardArgs* args) {
-  const absl::StatusOr<DType> dtype = proto::DtypeFromProto(request.dtype(), "dtype");
+  const absl::StatusOr<DType> dtype = proto::DtypeFromProto(request.dtype(), "dtype", proto::DtypeField::kAny);
   if (!dtype.ok()) return dtype.status();
   const absl::StatusOr<Mask> mask = proto::MaskFromProto(request.mask(), "mask");
   if (!mask.ok()) return mask.status();
@@ -81,6 +81,12 @@ absl::Status ForwardArgsFromProto(const v1::ForwardRequest& request, const Inlin
   args->k = TensorFromProto(request.has_k(), request.k(), left(1));
   args->v = TensorFromProto(request.has_v(), request.v(), left(2));
   if (request.has_o_ref()) args->o_ref = RefFromProto(request.o_ref());
+  const auto floats = [](const google::protobuf::RepeatedField<float>& f) {
+    return absl::MakeConstSpan(f.data(), f.size());
+  };
+  args->q_descale = floats(request.q_descale());
+  args->k_descale = floats(request.k_descale());
+  args->v_descale = floats(request.v_descale());
   return absl::OkStatus();
 }
 

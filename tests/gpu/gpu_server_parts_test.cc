@@ -1,5 +1,5 @@
 // The CUDA backend's host-side parts, which need no GPU: the caching allocator's budget accounting, the
-// tensor-map LRU cache and the IPC bounds arithmetic. They run in CI (no driver) as well as on GPU hosts.
+// tensor-map LRU cache, the IPC bounds arithmetic and where a request's tensors sit in its blocks. They run in CI (no driver) as well as on GPU hosts.
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -13,6 +13,7 @@
 #include "attnd/server/cuda/block_cache.h"
 #include "attnd/server/cuda/ipc_registry.h"
 #include "attnd/server/cuda/tensor_map_cache.h"
+#include "cuda_device.h"
 #include "gtest/gtest.h"
 
 namespace attnd::server::cuda {
@@ -241,6 +242,31 @@ TEST(IpcBoundsTest, RegionChecks) {
   EXPECT_EQ(CheckInRegion("q.ref.offset", ~uint64_t{0} - 8, 64, 100).code(), absl::StatusCode::kInvalidArgument);
   const absl::Status s = CheckInRegion("o_ref.offset", 4096, 1, 4096);
   EXPECT_NE(s.message().find("o_ref.offset"), std::string::npos) << s;
+}
+
+// Float8 inputs take one byte an element and O two; the descales follow the inline inputs, each array 16-byte
+// aligned, inside the range the one H2D copy moves, also when every tensor is a reference.
+TEST(PlacementTest, Float8InputsBytesOfOneOBf16DescalesWithTheInputs) {
+  const Shape s{2, 100, 300, 6, 3, 128};
+  const Placement bf16 = Place(s, DType::kBF16, true, true, true, true, true);
+  const Placement fp8 = Place(s, DType::kFP8E4M3, true, true, true, true, true);
+  EXPECT_EQ(bf16.descales, Placement::kAbsent);
+  EXPECT_EQ(fp8.q, 0u);
+  EXPECT_EQ(fp8.k, Align(2 * 100 * 6 * 128));
+  EXPECT_EQ(fp8.v, fp8.k + Align(2 * 300 * 3 * 128));
+  EXPECT_EQ(fp8.descales, fp8.v + Align(2 * 300 * 3 * 128));
+  EXPECT_EQ(fp8.k_descale_at, 32u);                  // 6 floats, to 16 bytes
+  EXPECT_EQ(fp8.v_descale_at, 48u);                  // then 3 floats, to 16 bytes
+  EXPECT_EQ(fp8.descale_bytes, 64u);
+  EXPECT_EQ(fp8.in_bytes, fp8.descales + Align(64));
+  EXPECT_EQ(fp8.o, fp8.in_bytes);
+  EXPECT_EQ(fp8.lse, fp8.o + Align(2 * 100 * 6 * 128 * 2));  // O in bf16, as the 16-bit placement's
+  EXPECT_EQ(fp8.lse - fp8.o, bf16.lse - bf16.o);
+  EXPECT_LT(fp8.in_bytes, bf16.in_bytes);
+  const Placement refs = Place(s, DType::kFP8E4M3, false, false, false, false, false);
+  EXPECT_EQ(refs.descales, 0u);
+  EXPECT_EQ(refs.in_bytes, Align(64));
+  EXPECT_EQ(refs.total, refs.in_bytes);
 }
 
 }  // namespace

@@ -137,17 +137,28 @@ inline client::RequestSpec Spec(int64_t batch, int64_t q_len, int64_t kv_len, in
   return s;
 }
 
+// A float8 spec's inputs are quantized with its descales; those left empty get the values' amax / 448 (the spec in
+// the case holds them).
 inline Case MakeCase(const client::RequestSpec& spec, uint64_t seed) {
   Case c;
   c.spec = spec;
-  std::string q = client::RandomTensor(spec.dtype, QElems(spec.shape), seed * 3);
-  std::string k = client::RandomTensor(spec.dtype, KVElems(spec.shape), seed * 3 + 1);
-  std::string v = client::RandomTensor(spec.dtype, KVElems(spec.shape), seed * 3 + 2);
-  auto oracle = client::Oracle::Compute(spec.ToProblem(), q, k, v);
+  std::string q, k, v;
+  const Shape& s = spec.shape;
+  if (spec.dtype == DType::kFP8E4M3) {
+    q = client::RandomFp8Tensor(QElems(s), s.q_heads, s.head_dim, seed * 3, &c.spec.q_descale);
+    k = client::RandomFp8Tensor(KVElems(s), s.kv_heads, s.head_dim, seed * 3 + 1, &c.spec.k_descale);
+    v = client::RandomFp8Tensor(KVElems(s), s.kv_heads, s.head_dim, seed * 3 + 2, &c.spec.v_descale);
+  } else {
+    q = client::RandomTensor(spec.dtype, QElems(s), seed * 3);
+    k = client::RandomTensor(spec.dtype, KVElems(s), seed * 3 + 1);
+    v = client::RandomTensor(spec.dtype, KVElems(s), seed * 3 + 2);
+  }
+  const client::RequestSpec& sent = c.spec;
+  auto oracle = client::Oracle::Compute(sent, q, k, v);
   EXPECT_TRUE(oracle.ok()) << oracle.status();
   if (oracle.ok()) c.oracle = std::make_shared<const client::Oracle>(*std::move(oracle));
   c.request = std::make_shared<const v1::ForwardRequest>(
-      client::MakeForwardRequest(spec, std::move(q), std::move(k), std::move(v)));
+      client::MakeForwardRequest(sent, std::move(q), std::move(k), std::move(v)));
   return c;
 }
 

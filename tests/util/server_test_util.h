@@ -18,6 +18,7 @@
 #include "attnd/half.h"
 #include "attnd/problem.h"
 #include "attnd/reference.h"
+#include "fp8_attention_util.h"
 #include "attnd/server/cpu_backend.h"
 #include "attnd/server/server.h"
 #include "attnd/v1/attention.grpc.pb.h"
@@ -58,11 +59,38 @@ inline v1::ForwardRequest MakeRequest(const Shape& s, v1::MaskType mask = v1::MA
   return r;
 }
 
+// A float8 request (inline e4m3 codes, one descale per head) over test_util::RandomFp8Tensors' data.
+inline v1::ForwardRequest MakeFp8Request(const Shape& s, v1::MaskType mask = v1::MASK_TYPE_NONE, bool lse = false,
+                                         uint64_t seed = 1, test_util::Fp8Data data = test_util::Fp8Data::kPlain) {
+  v1::ForwardRequest r;
+  r.set_request_id("req-fp8-" + std::to_string(seed));
+  v1::AttentionShape* sh = r.mutable_shape();
+  sh->set_batch(s.batch);
+  sh->set_q_len(s.q_len);
+  sh->set_kv_len(s.kv_len);
+  sh->set_q_heads(s.q_heads);
+  sh->set_kv_heads(s.kv_heads);
+  sh->set_head_dim(s.head_dim);
+  r.set_dtype(v1::DTYPE_FP8_E4M3);
+  r.set_mask(mask);
+  r.set_return_lse(lse);
+  const test_util::Fp8Tensors t = test_util::RandomFp8Tensors(s, data, seed);
+  r.mutable_q()->set_data(t.q_bytes());
+  r.mutable_k()->set_data(t.k_bytes());
+  r.mutable_v()->set_data(t.v_bytes());
+  r.mutable_q_descale()->Add(t.q_descale.begin(), t.q_descale.end());
+  r.mutable_k_descale()->Add(t.k_descale.begin(), t.k_descale.end());
+  r.mutable_v_descale()->Add(t.v_descale.begin(), t.v_descale.end());
+  return r;
+}
+
 inline Problem ProblemOf(const v1::ForwardRequest& r) {
   Problem p;
   const auto& sh = r.shape();
   p.shape = Shape{sh.batch(), sh.q_len(), sh.kv_len(), sh.q_heads(), sh.kv_heads(), sh.head_dim()};
-  p.dtype = r.dtype() == v1::DTYPE_FP16 ? DType::kFP16 : DType::kBF16;
+  p.dtype = r.dtype() == v1::DTYPE_FP16       ? DType::kFP16
+            : r.dtype() == v1::DTYPE_FP8_E4M3 ? DType::kFP8E4M3
+                                              : DType::kBF16;
   p.mask = r.mask() == v1::MASK_TYPE_CAUSAL_TOP_LEFT       ? Mask::kCausalTopLeft
            : r.mask() == v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT ? Mask::kCausalBottomRight
                                                            : Mask::kNone;
@@ -74,7 +102,37 @@ inline Problem ProblemOf(const v1::ForwardRequest& r) {
 // Checks O (and LSE) bytes returned by the server against the double-precision reference with bf16-fit
 // bounds (one rounding of the output plus fp32 accumulation), and bit-for-bit against the fp32 reference
 // the CPU backend runs.
+// A float8 request's inputs as the reference takes them: its codes, and its descales one per head.
+inline test_util::Fp8Tensors Fp8TensorsOf(const v1::ForwardRequest& r) {
+  test_util::Fp8Tensors t;
+  t.q.assign(r.q().data().begin(), r.q().data().end());
+  t.k.assign(r.k().data().begin(), r.k().data().end());
+  t.v.assign(r.v().data().begin(), r.v().data().end());
+  const auto per_head = [](const google::protobuf::RepeatedField<float>& given, int64_t heads) {
+    return given.size() == 1 ? std::vector<float>(static_cast<size_t>(heads), given[0])
+                             : std::vector<float>(given.begin(), given.end());
+  };
+  t.q_descale = per_head(r.q_descale(), r.shape().q_heads());
+  t.k_descale = per_head(r.k_descale(), r.shape().kv_heads());
+  t.v_descale = per_head(r.v_descale(), r.shape().kv_heads());
+  return t;
+}
+
+// A float8 request's O (bf16) and LSE against the float64 attention over its dequantized inputs, and bit for bit
+// against the fp32 reference the CPU backend runs.
+inline void ExpectCorrectFp8(const v1::ForwardRequest& r, const std::string& o, const std::string& lse) {
+  const Problem p = ProblemOf(r);
+  const test_util::Fp8Tensors t = Fp8TensorsOf(r);
+  test_util::ExpectMatchesNaiveFp8(p, t, o, lse);
+  std::string o32(o.size(), '\x5a');  // poisoned
+  ReferenceAttentionFp8(p, ContiguousLayout(p.shape), t.q.data(), t.k.data(), t.v.data(),
+                        {t.q_descale.data(), t.k_descale.data(), t.v_descale.data()},
+                        reinterpret_cast<uint16_t*>(o32.data()), nullptr);
+  ASSERT_TRUE(o32 == o) << "O differs from the fp32 reference";
+}
+
 inline void ExpectCorrect(const v1::ForwardRequest& r, const std::string& o, const std::string& lse) {
+  if (r.dtype() == v1::DTYPE_FP8_E4M3) return ExpectCorrectFp8(r, o, lse);
   const Problem p = ProblemOf(r);
   const Shape& s = p.shape;
   ASSERT_EQ(o.size(), static_cast<size_t>(QElems(s)) * 2);

@@ -9,13 +9,13 @@ import ctypes
 import os
 import struct
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 TRANSPORTS = {"auto": 0, "unary": 1, "stream": 2, "shm": 3}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
 TRANSPORT_DEFAULT = -1  # per call: the client's
 # enum attnd_dtype and enum attnd_mask of the C ABI, not the proto's numbers: the library maps them to those.
-DTYPE_BF16, DTYPE_FP16 = 0, 1
+DTYPE_BF16, DTYPE_FP16, DTYPE_FP8_E4M3 = 0, 1, 2
 KV_AS_DTYPE, KV_FP8_E4M3 = 0, 1  # enum attnd_kv_format
 MASK_NONE, MASK_TOP_LEFT, MASK_BOTTOM_RIGHT = 0, 1, 2
 
@@ -67,6 +67,12 @@ class ForwardArgs(ctypes.Structure):
         ("v", Tensor),
         ("o", Tensor),
         ("lse", ctypes.c_void_p),
+        ("q_descale", ctypes.c_void_p),
+        ("k_descale", ctypes.c_void_p),
+        ("v_descale", ctypes.c_void_p),
+        ("q_descale_count", ctypes.c_int64),
+        ("k_descale_count", ctypes.c_int64),
+        ("v_descale_count", ctypes.c_int64),
     ]
 
 
@@ -152,7 +158,7 @@ class CudaStepArgs(ctypes.Structure):
 # ctypes field assignment each costs about as much as the whole pack). Pointers are packed as integers: whoever
 # packs them keeps the objects they point into alive until the call is done. client/python/tests/test_layout.py
 # checks every field's offset against the ctypes declarations above.
-FORWARD_ARGS = struct.Struct("@6q3if2idP" + "PPQ3q" * 4 + "P")
+FORWARD_ARGS = struct.Struct("@6q3if2idP" + "PPQ3q" * 4 + "P" + "3P3q")
 STEP_ARGS = struct.Struct("@3q2PifiidP" + "PQ" * 5 + "P")
 CUDA_STEP_ARGS = struct.Struct("@3qifidP7QP")
 assert FORWARD_ARGS.size == ctypes.sizeof(ForwardArgs) and STEP_ARGS.size == ctypes.sizeof(StepArgs)

@@ -125,14 +125,14 @@ def _options(scale, transport, timeout):
 # one attribute read per property, and the argument structs are filled by one pack_into each.
 
 _numpy = None
-_F16 = _U16 = None
+_F16 = _U16 = _U8 = None
 
 
 def _np():
-    global _numpy, _F16, _U16
+    global _numpy, _F16, _U16, _U8
     if _numpy is None:
         import numpy
-        _F16, _U16 = numpy.dtype(numpy.float16), numpy.dtype(numpy.uint16)
+        _F16, _U16, _U8 = numpy.dtype(numpy.float16), numpy.dtype(numpy.uint16), numpy.dtype(numpy.uint8)
         _numpy = numpy
     return _numpy
 
@@ -154,6 +154,8 @@ def _tensor_type():
         if torch is None:
             return None
         _TORCH_CODES = {torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_FP16}
+        if hasattr(torch, "float8_e4m3fn"):  # torch >= 2.1
+            _TORCH_CODES[torch.float8_e4m3fn] = _lib.DTYPE_FP8_E4M3
         _Tensor = torch.Tensor
     return _Tensor
 
@@ -162,14 +164,18 @@ _BF16_UNSET = object()
 _bf16 = _BF16_UNSET
 
 
+_fp8 = None
+
+
 def _bf16_numpy_dtype():
     """ml_dtypes.bfloat16 as a NumPy dtype, or None without ml_dtypes (probed once: a failed import is slow)."""
-    global _bf16
+    global _bf16, _fp8
     if _bf16 is _BF16_UNSET:
         try:
             import ml_dtypes
             _bf16 = _np().dtype(ml_dtypes.bfloat16)
-        except ImportError:
+            _fp8 = _np().dtype(ml_dtypes.float8_e4m3fn)
+        except (ImportError, AttributeError):
             _bf16 = None
     return _bf16
 
@@ -177,12 +183,15 @@ def _bf16_numpy_dtype():
 def _torch_code(name, x):
     code = _TORCH_CODES.get(x.dtype)
     if code is None:
-        raise _invalid(f"{name}: dtype {x.dtype} is not torch.bfloat16 or torch.float16")
+        raise _invalid(f"{name}: dtype {x.dtype} is not torch.bfloat16, torch.float16 or torch.float8_e4m3fn")
     return code
 
 
 def _np_code(name, dt, hint, hint_text):
-    """The dtype code of a NumPy dtype: ml_dtypes.bfloat16, float16, or uint16 bits with the dtype hint."""
+    """The dtype code of a NumPy dtype: ml_dtypes.bfloat16, float16, ml_dtypes.float8_e4m3fn, uint16 bits with the
+    dtype hint "bf16" or "fp16", or uint8 codes with the hint "fp8_e4m3"."""
+    if (dt is _U8 or dt == _U8) and hint == "fp8_e4m3":
+        return _lib.DTYPE_FP8_E4M3
     if dt is _U16 or dt == _U16:
         if hint == "bf16":
             return _lib.DTYPE_BF16
@@ -194,7 +203,10 @@ def _np_code(name, dt, hint, hint_text):
     bf16 = _bf16_numpy_dtype()
     if bf16 is not None and dt == bf16:
         return _lib.DTYPE_BF16
-    raise _invalid(f"{name}: dtype {dt} is not bfloat16 (ml_dtypes) or float16")
+    if _fp8 is not None and dt == _fp8:
+        return _lib.DTYPE_FP8_E4M3
+    raise _invalid(f"{name}: dtype {dt} is not bfloat16 (ml_dtypes), float16 or float8_e4m3fn (ml_dtypes; uint8 "
+                   "codes with dtype='fp8_e4m3')")
 
 
 _addressof = ctypes.addressof
@@ -233,7 +245,7 @@ def _check_torch_out(out, shape, dtype, device):
 
 
 _NUMPY, _HOST_TORCH, _CUDA = "numpy", "torch", "cuda"
-_DT_BF16, _DT_FP16 = _lib.DTYPE_BF16, _lib.DTYPE_FP16
+_DT_BF16, _DT_FP16, _DT_FP8 = _lib.DTYPE_BF16, _lib.DTYPE_FP16, _lib.DTYPE_FP8_E4M3
 _MASK_NONE, _TRANSPORT_DEFAULT = _lib.MASK_NONE, _lib.TRANSPORT_DEFAULT
 _QKV = ("q", "k", "v")
 
@@ -257,11 +269,11 @@ def _view(name, x, dtype_hint):
     np = _numpy
     if np is not None and isinstance(x, np.ndarray):
         shape, code = _np_shape_code(name, x, 4, "", dtype_hint, "uint16 bf16 bits need dtype='bf16'")
-        s = x.strides
-        if s[3] != 2:
+        s, e = x.strides, x.itemsize
+        if s[3] != e:
             x = np.ascontiguousarray(x)
             s = x.strides
-        return _NUMPY, code, shape, (s[0] // 2, s[1] // 2, s[2] // 2), _np_ptr(x), -1, x
+        return _NUMPY, code, shape, (s[0] // e, s[1] // e, s[2] // e), _np_ptr(x), -1, x
     tensor_type = _Tensor if _Tensor is not None else _tensor_type()
     if tensor_type is not None and isinstance(x, tensor_type):
         shape = x.shape
@@ -469,7 +481,7 @@ class Client:
     # -- attention --------------------------------------------------------------------------------------------
 
     def attention(self, q, k, v, causal=False, scale=None, return_lse=False, out=None, dtype=None,
-                  transport=None, timeout=None, request_id=None):
+                  transport=None, timeout=None, request_id=None, q_descale=None, k_descale=None, v_descale=None):
         """O = softmax(scale * Q K^T + mask) V, computed by the server.
 
         q [batch, q_len, q_heads, head_dim]; k, v [batch, kv_len, kv_heads, head_dim] (q_heads a multiple of
@@ -478,24 +490,32 @@ class Client:
         (torch's is_causal), "bottom_right" (FlashAttention's). scale: None is 1/sqrt(head_dim).
         Returns O of q's kind (written into `out` when given: contiguous, q's shape and dtype), or (O, LSE) with
         return_lse, LSE fp32 [batch, q_heads, q_len]. transport overrides the client's for this call (not shm
-        unless the client has a shm_socket)."""
+        unless the client has a shm_socket).
+
+        Float8 inputs: torch.float8_e4m3fn tensors, NumPy ml_dtypes.float8_e4m3fn arrays or uint8 codes with
+        dtype="fp8_e4m3". Element x of head h is read as x * q_descale[h] (K and V likewise); each descale is a
+        float, a list, or a 1-D array / tensor of 1 value or one per head (q_heads for q_descale, kv_heads for
+        the others), finite and > 0, required with float8 and refused otherwise (AttndError INVALID_ARGUMENT
+        naming the argument). O is then bfloat16 (torch.bfloat16; NumPy: ml_dtypes.bfloat16, else uint16 bits)."""
         a = _lib.ForwardArgs()
         # `keep` holds every object whose memory `a` names until the call returns.
         o, lse, lse_device, keep = self._fill_forward(a, q, k, v, causal, scale, return_lse, out, dtype, transport,
-                                                      timeout, request_id)
+                                                      timeout, request_id, (q_descale, k_descale, v_descale))
         self._call_at(self._forward_at, a)
         if lse is None:
             return o
         return o, (lse.to(lse_device) if lse_device is not None else lse)
 
     def attention_async(self, q, k, v, causal=False, scale=None, return_lse=False, out=None, dtype=None,
-                        transport=None, timeout=None, request_id=None):
+                        transport=None, timeout=None, request_id=None, q_descale=None, k_descale=None,
+                        v_descale=None):
         """attention() without waiting: a concurrent.futures.Future of its result (in asyncio:
         `await asyncio.wrap_future(client.attention_async(...))`). The inputs must not change until it is done."""
         call = _Call()
         call.args = a = _lib.ForwardArgs()
         call.out, call.lse, call.lse_device, call.keep = self._fill_forward(
-            a, q, k, v, causal, scale, return_lse, out, dtype, transport, timeout, request_id)
+            a, q, k, v, causal, scale, return_lse, out, dtype, transport, timeout, request_id,
+            (q_descale, k_descale, v_descale))
         call.future = concurrent.futures.Future()
         call.future.set_running_or_notify_cancel()
         key = next(_call_ids)
@@ -509,7 +529,8 @@ class Client:
             _raise(err)
         return call.future
 
-    def _fill_forward(self, a, q, k, v, causal, scale, return_lse, out, dtype, transport, timeout, request_id):
+    def _fill_forward(self, a, q, k, v, causal, scale, return_lse, out, dtype, transport, timeout, request_id,
+                      descales):
         """Checks a call's arguments and fills ForwardArgs `a`. Returns O (out, or a new one), the LSE (or None),
         the device the LSE goes to (CUDA callers; else None), and what `a` points into."""
         qk, code, qs, qst, qp, qdev, qx = _view("q", q, dtype)
@@ -537,7 +558,14 @@ class Client:
             has_scale, scale_f, tr, timeout_s = 0, 0.0, _TRANSPORT_DEFAULT, 0.0
         else:
             has_scale, scale_f, tr, timeout_s = _options(scale, transport, timeout)
-        o = self._out(qk, qx, qs, out)
+        o = self._out(qk, qx, qs, out, code == _DT_FP8)
+        # The descales as fp32 arrays the struct points at (sent as given: the server checks counts and values).
+        d_arrays = []
+        for name, x in zip(("q_descale", "k_descale", "v_descale"), descales):
+            t = _descales(name, x)
+            d_arrays.append((ctypes.c_float * len(t))(*t) if t else None)
+        d_ptrs = [0 if x is None else _addressof(x) for x in d_arrays]
+        d_counts = [0 if x is None else len(x) for x in d_arrays]
         lse = lse_device = None
         lse_ptr = want_lse = 0
         if return_lse:
@@ -560,29 +588,36 @@ class Client:
             ro, o_off = self._ref(o, qs, None)
             _pack_forward(a, 0, b, lq, lk, hq, hkv, d, code, mask, has_scale, scale_f, want_lse, tr, timeout_s,
                           0, 0, rq.id_addr, q_off, qst[0], qst[1], qst[2], 0, rk.id_addr, k_off, kst[0], kst[1], kst[2],
-                          0, rv.id_addr, v_off, vst[0], vst[1], vst[2], 0, ro.id_addr, o_off, 0, 0, 0, lse_ptr)
-            keep = (qx, kx, vx, o, lse, rq, rk, rv, ro)
+                          0, rv.id_addr, v_off, vst[0], vst[1], vst[2], 0, ro.id_addr, o_off, 0, 0, 0, lse_ptr,
+                          *d_ptrs, *d_counts)
+            keep = (qx, kx, vx, o, lse, rq, rk, rv, ro, d_arrays)
         else:
             op = _np_ptr(o) if qk is _NUMPY else o.data_ptr()
             _pack_forward(a, 0, b, lq, lk, hq, hkv, d, code, mask, has_scale, scale_f, want_lse, tr, timeout_s,
                           0, qp, 0, 0, qst[0], qst[1], qst[2], kp, 0, 0, kst[0], kst[1], kst[2],
-                          vp, 0, 0, vst[0], vst[1], vst[2], op, 0, 0, 0, 0, 0, lse_ptr)
-            keep = (qx, kx, vx, o, lse)
+                          vp, 0, 0, vst[0], vst[1], vst[2], op, 0, 0, 0, 0, 0, lse_ptr, *d_ptrs, *d_counts)
+            keep = (qx, kx, vx, o, lse, d_arrays)
         if request_id:
             a.request_id = request_id.encode()  # the struct keeps the bytes alive
         return o, lse, lse_device, keep
 
     @staticmethod
-    def _out(kind, qx, shape, out):
-        """O for the call: a new array/tensor like q, or `out` checked (q's shape, dtype and device; contiguous)."""
+    def _out(kind, qx, shape, out, fp8):
+        """O for the call: a new array/tensor like q, or `out` checked (q's shape, dtype and device; contiguous). For
+        float8 inputs (`fp8`) O is bfloat16: ml_dtypes.bfloat16 in NumPy where installed, else its uint16 bits."""
         if kind is _NUMPY:
+            dt = qx.dtype
+            if fp8:  # a NumPy dtype is falsy (no fields): no `or` here
+                dt = _bf16_numpy_dtype()
+                dt = _U16 if dt is None else dt
             if out is None:
-                return _numpy.empty(shape, dtype=qx.dtype)
-            _check_np_out(out, shape, qx.dtype)
+                return _numpy.empty(shape, dtype=dt)
+            _check_np_out(out, shape, dt)
             return out
+        dt = qx.dtype if not fp8 else _torch().bfloat16
         if out is None:
-            return _torch().empty(shape, dtype=qx.dtype, device=qx.device)
-        _check_torch_out(out, shape, qx.dtype, qx.device)
+            return _torch().empty(shape, dtype=dt, device=qx.device)
+        _check_torch_out(out, shape, dt, qx.device)
         return out
 
     # -- KV sequences (docs/sequences.md) ----------------------------------------------------------------------
@@ -671,6 +706,9 @@ class Client:
         if first is None:
             raise _invalid("q, k, v: none given")
         kind, code, (total, _, d) = first[0], first[1], first[2]
+        if code == _DT_FP8:
+            raise _invalid("q, k, v: float8 tensors are attention()'s; a step's are the sequence's dtype (a float8 "
+                           "cache is open_sequence(kv_dtype=...))")
         rows = None
         for name, t in zip(_QKV, (qt, kt, vt)):
             if t is None:
@@ -896,16 +934,16 @@ class Client:
         byte is inside the registered region: an entry lives until its storage is freed (or, on older torch, the
         next sweep), and torch keeps the block out of reuse until the registration releases its IPC count, so
         the region's memory is this address's memory. Anything else takes the storage's own path."""
-        so = x.storage_offset()
-        reg = self._buffers.get(x.data_ptr() - 2 * so)
+        so, e = x.storage_offset(), x.element_size()  # e: 2 (bf16, fp16) or 1 (float8)
+        reg = self._buffers.get(x.data_ptr() - e * so)
         if strides is None:
             end = so + shape[0] * shape[1] * shape[2] * shape[3]
         else:
             end = so + (shape[0] - 1) * strides[0] + (shape[1] - 1) * strides[1] + (shape[2] - 1) * strides[2] + shape[3]
-        if reg is None or 2 * end > reg.nbytes:
+        if reg is None or e * end > reg.nbytes:
             storage = x.untyped_storage() if hasattr(x, "untyped_storage") else x.storage()
             reg = self._registration(storage, x.device)
-        return reg, 2 * so
+        return reg, e * so
 
     def _registration(self, storage, device):
         key = storage.data_ptr()

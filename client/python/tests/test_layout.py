@@ -46,12 +46,14 @@ def test_packed_values_read_back():
     strides = [(11, 12, 13), (21, 22, 23), (31, 32, 33)]
     _lib.FORWARD_ARGS.pack_into(a, 0, 2, 3, 4, 8, 2, 64, _lib.DTYPE_FP16, _lib.MASK_BOTTOM_RIGHT, 1, 0.5, 1, 3, 7.5, 0,
                                 0x1000, 0, 0, *strides[0], 0x2000, 0, 0, *strides[1], 0x3000, 0, 0, *strides[2],
-                                0x4000, 0, 0, 0, 0, 0, 0x5000)
+                                0x4000, 0, 0, 0, 0, 0, 0x5000, 0x6000, 0x7000, 0x8000, 1, 8, 2)
     assert (a.batch, a.q_len, a.kv_len, a.q_heads, a.kv_heads, a.head_dim) == (2, 3, 4, 8, 2, 64)
     assert (a.dtype, a.mask, a.has_scale, a.scale, a.want_lse, a.transport, a.timeout_s) == (1, 2, 1, 0.5, 1, 3, 7.5)
     for t, ptr, st in ((a.q, 0x1000, strides[0]), (a.k, 0x2000, strides[1]), (a.v, 0x3000, strides[2])):
         assert t.data == ptr and tuple(t.strides) == st and t.offset == 0
     assert a.o.data == 0x4000 and tuple(a.o.strides) == (0, 0, 0) and a.lse == 0x5000
+    assert (a.q_descale, a.k_descale, a.v_descale) == (0x6000, 0x7000, 0x8000)
+    assert (a.q_descale_count, a.k_descale_count, a.v_descale_count) == (1, 8, 2)
 
 
 def test_cuda_step_args_read_back():

@@ -212,6 +212,9 @@ class _CudaView:
     def storage_offset(self):
         return self.offset
 
+    def element_size(self):
+        return 2
+
     def data_ptr(self):
         return self.storage.base + 2 * self.offset
 

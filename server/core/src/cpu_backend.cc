@@ -412,7 +412,7 @@ absl::Status CpuBackend::Run(ForwardJob& job, int compute_threads) {
 
   const Problem& p = job.problem;
   const Shape& s = p.shape;
-  const uint64_t o_bytes = static_cast<uint64_t>(QElems(s)) * DTypeBytes(p.dtype);
+  const uint64_t o_bytes = static_cast<uint64_t>(QElems(s)) * DTypeBytes(OutputDType(p.dtype));
   try {
     job.o.resize(o_bytes);
     if (p.want_lse) job.lse.resize(static_cast<uint64_t>(LseElems(s)) * sizeof(float));
@@ -440,11 +440,17 @@ absl::Status CpuBackend::Run(ForwardJob& job, int compute_threads) {
   const uint8_t* in[3];
   ATTND_RETURN_IF_ERROR(GatherInputs({&job.q, &job.k, &job.v}, gathered, in));
   const absl::Time compute_start = absl::Now();
+  auto* o = reinterpret_cast<uint16_t*>(job.o.data());
+  float* lse = p.want_lse ? reinterpret_cast<float*>(job.lse.data()) : nullptr;
   try {
-    ReferenceAttention(p, layout, reinterpret_cast<const uint16_t*>(in[0]), reinterpret_cast<const uint16_t*>(in[1]),
-                       reinterpret_cast<const uint16_t*>(in[2]),
-                       reinterpret_cast<uint16_t*>(job.o.data()),
-                       p.want_lse ? reinterpret_cast<float*>(job.lse.data()) : nullptr, opts);
+    if (p.dtype == DType::kFP8E4M3) {
+      ReferenceAttentionFp8(p, layout, in[0], in[1], in[2],
+                            {job.q_descale.data(), job.k_descale.data(), job.v_descale.data()}, o, lse, opts);
+    } else {
+      ReferenceAttention(p, layout, reinterpret_cast<const uint16_t*>(in[0]),
+                         reinterpret_cast<const uint16_t*>(in[1]), reinterpret_cast<const uint16_t*>(in[2]), o, lse,
+                         opts);
+    }
   } catch (const std::exception& e) {  // thread creation or allocation on the calling thread
     return absl::ResourceExhaustedError(absl::StrCat("cpu backend: ", e.what()));
   }

@@ -61,7 +61,8 @@ absl::Status ResolveTensorReferences(const BufferRegistry* buffers, absl::Span<T
     }
     device = lease->device;
     absl::StatusOr<uint64_t> span =
-        TensorSpanBytes(u.field, u.batch, u.seq, u.heads, head_dim, u.src->strides, DTypeBytes(dtype));
+        TensorSpanBytes(u.field, u.batch, u.seq, u.heads, head_dim, u.src->strides,
+                        DTypeBytes(u.output ? OutputDType(dtype) : dtype));
     if (!span.ok()) return span.status();
     ATTND_RETURN_IF_ERROR(
         CheckInRegion(absl::StrCat(u.field, ".offset"), u.src->offset, *span, lease->byte_size));
@@ -84,7 +85,7 @@ absl::Status Dispatcher::ResolveReferences(ForwardJob& job) const {
   if (job.q.is_reference()) uses.push_back({"q.ref", &job.q, s.batch, s.q_len, s.q_heads});
   if (job.k.is_reference()) uses.push_back({"k.ref", &job.k, s.batch, s.kv_len, s.kv_heads});
   if (job.v.is_reference()) uses.push_back({"v.ref", &job.v, s.batch, s.kv_len, s.kv_heads});
-  if (job.o_to_buffer) uses.push_back({"o_ref", &job.o_ref, s.batch, s.q_len, s.q_heads});
+  if (job.o_to_buffer) uses.push_back({"o_ref", &job.o_ref, s.batch, s.q_len, s.q_heads, true});
   if (uses.empty()) return absl::OkStatus();
   return ResolveTensorReferences(buffers_, absl::MakeSpan(uses), s.head_dim, job.problem.dtype, &job.buffer_holds);
 }

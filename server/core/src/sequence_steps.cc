@@ -494,7 +494,7 @@ void Sequences::Step(const std::string& owner, const StepArgs& request, const Ca
   if (job->q.is_reference()) uses.push_back({"q.ref", &job->q, 1, job->rows, job->q_heads});
   if (job->k.is_reference()) uses.push_back({"k.ref", &job->k, 1, job->rows, shape.kv_heads});
   if (job->v.is_reference()) uses.push_back({"v.ref", &job->v, 1, job->rows, shape.kv_heads});
-  if (job->o_to_buffer) uses.push_back({"o_ref", &job->o_ref, 1, job->rows, job->q_heads});
+  if (job->o_to_buffer) uses.push_back({"o_ref", &job->o_ref, 1, job->rows, job->q_heads, true});
   if (!uses.empty()) {
     status = ResolveTensorReferences(buffers_, absl::MakeSpan(uses), shape.head_dim, shape.dtype, &job->buffer_holds);
     if (!status.ok()) return fail(std::move(status));

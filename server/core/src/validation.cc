@@ -133,7 +133,10 @@ absl::Status SizeForward(const Shape& sh, DType dtype, bool lse, const Validatio
     return Invalid("shape", "K/V size overflows (batch * kv_len * kv_heads * head_dim is too large)");
   }
   b.v = b.k;
-  b.o = b.q;
+  // O is Q's shape in OutputDType: twice Q's bytes for float8 inputs, so overflow-checked on its own.
+  if (!TensorBytes({sh.batch, sh.q_len, sh.q_heads, sh.head_dim}, DTypeBytes(OutputDType(dtype)), &b.o)) {
+    return Invalid("shape", "O size overflows (batch * q_len * q_heads * head_dim is too large)");
+  }
   if (lse && !TensorBytes({sh.batch, sh.q_heads, sh.q_len}, sizeof(float), &b.lse)) {
     return Invalid("shape", "LSE size overflows");
   }
@@ -171,6 +174,37 @@ absl::Status CheckMessages(const ForwardArgs& args, const RequestBytes& b, uint6
   return absl::OkStatus();
 }
 
+// A float8 request's descales of one tensor: 1 value (the whole tensor) or one per head, each finite and > 0, spread
+// to one per head in `out`; none for a 16-bit request. Spread only once the shape's bytes passed the limits, which
+// bound `heads` by the request's size.
+absl::Status ExpandDescales(absl::string_view field, absl::Span<const float> given, DType dtype, int64_t heads,
+                            absl::string_view heads_field, std::vector<float>* out) {
+  out->clear();
+  if (dtype != DType::kFP8E4M3) {
+    if (given.empty()) return absl::OkStatus();
+    return Invalid(field, absl::StrCat("given for a ", DTypeName(dtype),
+                                       " request (descales go with dtype DTYPE_FP8_E4M3)"));
+  }
+  const uint64_t n = given.size(), h = static_cast<uint64_t>(heads);
+  if (n == 0) {
+    return Invalid(field, absl::StrCat("missing: a float8 request needs 1 value or ", h, " (", heads_field, ")"));
+  }
+  if (n != 1 && n != h) {
+    return Invalid(field, absl::StrCat(n, " values: a float8 request takes 1 or ", h, " (", heads_field, ")"));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(given[i]) || given[i] <= 0) {
+      return Invalid(absl::StrCat(field, "[", i, "]"), absl::StrCat(given[i], " is not finite and > 0"));
+    }
+  }
+  if (n == 1) {
+    out->assign(h, given[0]);
+  } else {
+    out->assign(given.begin(), given.end());
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status ValidateForward(const ForwardArgs& args, const CallInfo& call, const ValidationLimits& limits,
@@ -183,7 +217,10 @@ absl::Status ValidateForward(const ForwardArgs& args, const CallInfo& call, cons
   const Shape& sh = *args.shape;
   const auto& dts = limits.supported_dtypes;
   if (std::find(dts.begin(), dts.end(), args.dtype) == dts.end()) {
-    return Invalid("dtype", absl::StrCat(DTypeName(args.dtype), " is not supported by this backend"));
+    std::vector<const char*> names;
+    for (DType t : dts) names.push_back(DTypeName(t));
+    return Invalid("dtype", absl::StrCat(DTypeName(args.dtype), " is not supported by this backend (supported: ",
+                                         absl::StrJoin(names, ", "), ")"));
   }
   float scale = DefaultScale(sh.head_dim);
   if (args.softmax_scale.has_value()) {
@@ -193,6 +230,12 @@ absl::Status ValidateForward(const ForwardArgs& args, const CallInfo& call, cons
   RequestBytes b;
   ATTND_RETURN_IF_ERROR(SizeForward(sh, args.dtype, args.return_lse, limits, &b));
   ATTND_RETURN_IF_ERROR(CheckMessages(args, b, call.message_limit));
+  ATTND_RETURN_IF_ERROR(
+      ExpandDescales("q_descale", args.q_descale, args.dtype, sh.q_heads, "shape.q_heads", &job->q_descale));
+  ATTND_RETURN_IF_ERROR(
+      ExpandDescales("k_descale", args.k_descale, args.dtype, sh.kv_heads, "shape.kv_heads", &job->k_descale));
+  ATTND_RETURN_IF_ERROR(
+      ExpandDescales("v_descale", args.v_descale, args.dtype, sh.kv_heads, "shape.kv_heads", &job->v_descale));
 
   Problem& p = job->problem;
   p.shape = sh;

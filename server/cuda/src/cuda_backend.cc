@@ -100,7 +100,14 @@ class CudaBackendImpl final : public Backend {
     return out;
   }
   std::vector<int64_t> supported_head_dims() const override { return {kHeadDims.begin(), kHeadDims.end()}; }
-  std::vector<DType> supported_dtypes() const override { return {DType::kBF16, DType::kFP16}; }
+  // Float8 where every served device has a float8 kernel (Hopper, head_dim 128 and 256; kernels::Select refuses
+  // the rest, naming the field): a request may run on any of them.
+  std::vector<DType> supported_dtypes() const override {
+    bool fp8 = !devices_.empty();
+    for (const auto& d : devices_) fp8 = fp8 && d->serves_fp8();
+    if (fp8) return {DType::kBF16, DType::kFP16, DType::kFP8E4M3};
+    return {DType::kBF16, DType::kFP16};
+  }
   std::vector<std::string> kernels() const override {
     std::vector<std::string> out;
     for (const auto& d : devices_) {

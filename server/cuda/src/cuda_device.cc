@@ -147,21 +147,31 @@ absl::Status CudaDevice::Start(const std::vector<Shape>& warm_shapes) {
   return absl::OkStatus();
 }
 
-// One launch of every configuration auto can choose on this device, in both dtypes: loads the module, sets the
-// shared-memory attributes and pays every first-launch cost before the first request.
+// One launch of every configuration auto can choose on this device, in each dtype it runs (bf16 and fp16, or float8
+// e4m3): loads the module, sets the shared-memory attributes and pays every first-launch cost before the first
+// request.
 absl::Status CudaDevice::WarmUpKernels() {
   absl::StatusOr<std::vector<kernels::ConfigInfo>> configs = kernels::AutoConfigsForDevice(index_);
   if (!configs.ok()) return configs.status();
   const Shape s{1, 128, 128, 1, 1, 256};
+  // Q, K, V, O and float8's V-transposed scratch, a 16-bit Q's bytes each, then LSE and the float8 descales.
   const uint64_t bytes = static_cast<uint64_t>(QElems(s)) * 2;
+  const uint64_t total = 5 * bytes + 4096;
   void* buf = nullptr;
-  ATTND_RETURN_IF_ERROR(CudaStatus("cudaMalloc (warm-up)", cudaMalloc(&buf, 4 * bytes + 4096)));
-  ATTND_RETURN_IF_ERROR(CudaStatus("cudaMemset (warm-up)", cudaMemset(buf, 0, 4 * bytes + 4096)));
+  ATTND_RETURN_IF_ERROR(CudaStatus("cudaMalloc (warm-up)", cudaMalloc(&buf, total)));
+  ATTND_RETURN_IF_ERROR(CudaStatus("cudaMemset (warm-up)", cudaMemset(buf, 0, total)));
   uint8_t* base = static_cast<uint8_t*>(buf);
+  float* descales = reinterpret_cast<float*>(base + 5 * bytes + 2048);
+  // Q's, K's and V's of one head each, 16 bytes apart as a request's are placed.
+  const float ones[12] = {1.f, 0.f, 0.f, 0.f, 1.f, 0.f, 0.f, 0.f, 1.f, 0.f, 0.f, 0.f};
+  ATTND_RETURN_IF_ERROR(
+      CudaStatus("cudaMemcpy (warm-up)", cudaMemcpy(descales, ones, sizeof ones, cudaMemcpyHostToDevice)));
   absl::Status status;
   for (const kernels::ConfigInfo& c : *configs) {
     bool usable = true;
-    for (DType dt : {DType::kBF16, DType::kFP16}) {
+    const std::vector<DType> dtypes =
+        c.fp8 ? std::vector<DType>{DType::kFP8E4M3} : std::vector<DType>{DType::kBF16, DType::kFP16};
+    for (DType dt : dtypes) {
       Problem p;
       p.shape = s;
       p.shape.head_dim = c.head_dim;
@@ -169,7 +179,13 @@ absl::Status CudaDevice::WarmUpKernels() {
       p.scale = DefaultScale(c.head_dim);
       p.want_lse = true;
       kernels::DeviceTensors t{base, base + bytes, base + 2 * bytes, base + 3 * bytes,
-                               reinterpret_cast<float*>(base + 4 * bytes)};
+                               reinterpret_cast<float*>(base + 5 * bytes)};
+      if (dt == DType::kFP8E4M3) {
+        t.q_descale = descales;
+        t.k_descale = descales + 4;
+        t.v_descale = descales + 8;
+        t.v_t = base + 4 * bytes;  // VTransposedBytes: 256 x 128 bytes
+      }
       kernels::PlanOptions po;
       po.config = c.name;
       po.device = index_;
@@ -187,6 +203,7 @@ absl::Status CudaDevice::WarmUpKernels() {
     }
     if (!status.ok()) break;
     if (usable) kernel_names_.push_back(c.name);
+    serves_fp8_ = serves_fp8_ || (usable && c.fp8);
   }
   if (status.ok()) status = CudaStatus("warm-up launches", cudaStreamSynchronize(slots_[0]->stream));
   cudaFree(buf);
@@ -197,7 +214,9 @@ absl::Status CudaDevice::WarmUpKernels() {
 // Pre-allocates one block set per slot for shape `s` (LSE included, so requests with or without LSE reuse
 // it) and pre-encodes the tensor maps the kernel will use on those blocks, in both dtypes.
 absl::Status CudaDevice::WarmShape(const Shape& s) {
-  const Placement pl = Place(s, true, true, true, true, true);
+  // Sized for 16-bit inputs, the largest (a float8 request's blocks are smaller). Float8 plans are not warmed here:
+  // their V map follows each request's own V-transposed scratch block.
+  const Placement pl = Place(s, DType::kBF16, true, true, true, true, true);
   std::vector<std::pair<Block, Block>> held;
   absl::Status status;
   for (size_t i = 0; i < slots_.size() && status.ok(); ++i) {

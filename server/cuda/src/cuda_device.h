@@ -44,10 +44,14 @@ constexpr uint32_t kSpinWhileRunning = 2;
 
 // Buffer placement inside a slot's device block (and, at the same offsets, its pinned staging block): the
 // inline inputs first, so one H2D copy moves them all, then the outputs, so one D2H copy returns them.
+// A float8 request's descales travel with the inputs: fp32, q_heads of Q, then kv_heads of K and of V, each array
+// 16-byte aligned (a kernel may read them as vectors).
 struct Placement {
   static constexpr uint64_t kAbsent = ~uint64_t{0};
   uint64_t q = kAbsent, k = kAbsent, v = kAbsent, o = kAbsent, lse = kAbsent;
-  uint64_t in_bytes = 0;     // [0, in_bytes): inline Q/K/V
+  uint64_t descales = kAbsent, descale_bytes = 0;  // float8 only
+  uint64_t k_descale_at = 0, v_descale_at = 0;     // within the descales
+  uint64_t in_bytes = 0;     // [0, in_bytes): inline Q/K/V (and descales)
   uint64_t out_offset = 0;   // [out_offset, total): O (when inline) and LSE
   uint64_t total = 0;
 };
@@ -55,16 +59,28 @@ struct Placement {
 // TMA wants 16-byte aligned bases; 1 KiB keeps each tensor on its own cache lines and swizzle atoms.
 inline uint64_t Align(uint64_t x) { return (x + 1023) & ~uint64_t{1023}; }
 
-inline Placement Place(const Shape& s, bool q_inline, bool k_inline, bool v_inline, bool o_inline, bool lse) {
-  const uint64_t qb = static_cast<uint64_t>(QElems(s)) * 2, kvb = static_cast<uint64_t>(KVElems(s)) * 2;
+// Inputs of `dtype`, O of OutputDType(dtype).
+inline Placement Place(const Shape& s, DType dtype, bool q_inline, bool k_inline, bool v_inline, bool o_inline,
+                       bool lse) {
+  const uint64_t eb = static_cast<uint64_t>(DTypeBytes(dtype));
+  const uint64_t qb = static_cast<uint64_t>(QElems(s)) * eb, kvb = static_cast<uint64_t>(KVElems(s)) * eb;
+  const uint64_t ob = static_cast<uint64_t>(QElems(s)) * DTypeBytes(OutputDType(dtype));
   Placement p;
   uint64_t at = 0;
   if (q_inline) p.q = at, at = Align(at + qb);
   if (k_inline) p.k = at, at = Align(at + kvb);
   if (v_inline) p.v = at, at = Align(at + kvb);
+  if (dtype == DType::kFP8E4M3) {
+    const auto bytes16 = [](int64_t heads) { return (static_cast<uint64_t>(heads) * sizeof(float) + 15) & ~15ull; };
+    p.descales = at;
+    p.k_descale_at = bytes16(s.q_heads);
+    p.v_descale_at = p.k_descale_at + bytes16(s.kv_heads);
+    p.descale_bytes = p.v_descale_at + bytes16(s.kv_heads);
+    at = Align(at + p.descale_bytes);
+  }
   p.in_bytes = at;
   p.out_offset = at;
-  if (o_inline) p.o = at, at = Align(at + qb);
+  if (o_inline) p.o = at, at = Align(at + ob);
   if (lse) p.lse = at, at = Align(at + static_cast<uint64_t>(LseElems(s)) * sizeof(float));
   p.total = at;
   return p;
@@ -164,6 +180,8 @@ class CudaDevice {
   int index() const { return index_; }
   const DeviceDescription& description() const { return desc_; }
   const std::vector<std::string>& kernel_names() const { return kernel_names_; }
+  // A float8 configuration warmed up here: the device runs float8 e4m3 Forward requests.
+  bool serves_fp8() const { return serves_fp8_; }
   uint32_t queued() const { return queued_.load(); }
   uint32_t load() const { return queued_.load() + running_.load(); }
   // What an inline request placed here now would wait behind: jobs, and streams still uploading.
@@ -227,6 +245,7 @@ class CudaDevice {
     Placement pl;
     StreamedInputs* streamed = nullptr;  // its inputs were copied to the device while they arrived
     Block dblock, hblock;
+    Block v_t;  // float8: the kernels' V-transposed scratch (DeviceTensors::v_t), from the device budget
     kernels::DeviceTensors tensors;
     bool copies_in = false;   // ev[0] and ev[1] bracket a copy in (or the wait for streamed pieces)
     uint64_t out_bytes = 0;   // copied back after the kernel
@@ -241,6 +260,7 @@ class CudaDevice {
   absl::Status Run(Slot& slot, Pending& p);
   absl::Status TakeBlocks(Work& w);
   absl::Status StageInputs(Work& w);
+  static void StageDescales(const ForwardJob& job, const Placement& pl, uint8_t* host);
   // The plan of `selection` on `tensors`, its tensor maps from the cache.
   absl::StatusOr<kernels::Plan> PlanLaunch(const kernels::Selection& selection, const kernels::DeviceTensors& tensors);
   absl::Status EnqueueKernel(const kernels::Plan& plan, Work& w);
@@ -275,6 +295,7 @@ class CudaDevice {
   CopyPool* const copies_;  // the backend's, shared by its devices
   DeviceDescription desc_;
   std::vector<std::string> kernel_names_;
+  bool serves_fp8_ = false;
   // Shared with the KV pools (MakeKvPool), which the sequences core may drop after this device has stopped.
   std::shared_ptr<BlockCache> device_mem_;
   // Shared with the loans of O (ForwardJob::o_loan), which may outlive this device in a reply still being written.

@@ -26,9 +26,9 @@ namespace attnd::server::cuda {
 absl::StatusOr<std::unique_ptr<InputSink>> CudaDevice::OpenInputs(const Problem& problem,
                                                                   const uint64_t (&sizes)[InputSink::kTensors]) {
   // Laid out as Run places an all-inline request, so the worker uses the blocks as they are.
-  const Placement pl = Place(problem.shape, true, true, true, true, problem.want_lse);
-  const uint64_t qb = static_cast<uint64_t>(QElems(problem.shape)) * 2;
-  const uint64_t kvb = static_cast<uint64_t>(KVElems(problem.shape)) * 2;
+  const Placement pl = Place(problem.shape, problem.dtype, true, true, true, true, problem.want_lse);
+  const uint64_t qb = static_cast<uint64_t>(QElems(problem.shape)) * DTypeBytes(problem.dtype);
+  const uint64_t kvb = static_cast<uint64_t>(KVElems(problem.shape)) * DTypeBytes(problem.dtype);
   if (sizes[0] != qb || sizes[1] != kvb || sizes[2] != kvb) {
     return absl::InternalError("stream inputs: sizes do not match the validated shape");
   }
@@ -118,7 +118,10 @@ absl::Status CudaDevice::Run(Slot& slot, Pending& p) {
   }
   job.kernel = p.selection.info().name;
   Work w(job, slot);
-  ATTND_RETURN_IF_ERROR(TakeBlocks(w));
+  if (absl::Status taken = TakeBlocks(w); !taken.ok()) {
+    Release(w);  // what it took before the part it could not have
+    return taken;
+  }
   // In this order so that the host's planning overlaps the copy of the inputs already enqueued.
   absl::Status status = StageInputs(w);
   absl::StatusOr<kernels::Plan> plan;
@@ -141,7 +144,7 @@ absl::Status CudaDevice::TakeBlocks(Work& w) {
   const ForwardJob& job = w.job;
   const bool qi = !job.q.is_reference(), ki = !job.k.is_reference(), vi = !job.v.is_reference();
   const bool oi = !job.o_to_buffer;
-  w.pl = Place(job.problem.shape, qi, ki, vi, oi, job.problem.want_lse);
+  w.pl = Place(job.problem.shape, job.problem.dtype, qi, ki, vi, oi, job.problem.want_lse);
   // A stream whose inputs were copied here while they arrived: its blocks already hold them on both sides.
   w.streamed = dynamic_cast<StreamedInputs*>(job.inputs.get());
   if (w.streamed != nullptr && (w.streamed->device() != this || !w.streamed->complete() ||
@@ -161,7 +164,28 @@ absl::Status CudaDevice::TakeBlocks(Work& w) {
   w.tensors.v = vi ? dev + w.pl.v : job.v.device_data;
   w.tensors.o = oi ? dev + w.pl.o : job.o_ref.device_data;
   w.tensors.lse = job.problem.want_lse ? reinterpret_cast<float*>(dev + w.pl.lse) : nullptr;
+  if (w.pl.descales != Placement::kAbsent) {
+    uint8_t* d = dev + w.pl.descales;
+    w.tensors.q_descale = reinterpret_cast<const float*>(d);
+    w.tensors.k_descale = reinterpret_cast<const float*>(d + w.pl.k_descale_at);
+    w.tensors.v_descale = reinterpret_cast<const float*>(d + w.pl.v_descale_at);
+    // The kernel's transposed copy of V (V's bytes, keys padded to 32), per request, from the staging budget.
+    const int64_t v_t_bytes = kernels::VTransposedBytes(job.problem.shape, job.problem.dtype);
+    if (v_t_bytes > 0) {
+      absl::StatusOr<Block> v_t = device_mem_->Acquire(static_cast<uint64_t>(v_t_bytes));
+      if (!v_t.ok()) return v_t.status();
+      w.v_t = *v_t;
+      w.tensors.v_t = w.v_t.ptr;
+    }
+  }
   return absl::OkStatus();
+}
+
+// A float8 request's descales, one per head, into its staging block where the placement puts them.
+void CudaDevice::StageDescales(const ForwardJob& job, const Placement& pl, uint8_t* host) {
+  std::memcpy(host, job.q_descale.data(), job.q_descale.size() * sizeof(float));
+  std::memcpy(host + pl.k_descale_at, job.k_descale.data(), job.k_descale.size() * sizeof(float));
+  std::memcpy(host + pl.v_descale_at, job.v_descale.data(), job.v_descale.size() * sizeof(float));
 }
 
 absl::Status CudaDevice::StageInputs(Work& w) {
@@ -183,6 +207,7 @@ absl::Status CudaDevice::StageInputs(Work& w) {
     if (pl.v != Placement::kAbsent) stage(job.v, host + pl.v);
     copies_->Copy(parts);
   }
+  if (pl.descales != Placement::kAbsent) StageDescales(job, pl, host + pl.descales);
   const bool shared = compute_ != nullptr;
   cudaStream_t st = w.slot.stream;
   // The copy events are recorded only around copies (and ev[1] always on the shared compute stream's path, which
@@ -195,6 +220,12 @@ absl::Status CudaDevice::StageInputs(Work& w) {
     w.enqueued = true;
     ATTND_RETURN_IF_ERROR(CudaStatus("cudaStreamWaitEvent (streamed inputs)",
                                      cudaStreamWaitEvent(st, w.streamed->uploaded(), 0)));
+    // The stream's pieces are Q, K and V: the descales, staged here, follow on their own.
+    if (pl.descales != Placement::kAbsent) {
+      ATTND_RETURN_IF_ERROR(CudaStatus("H2D copy (descales)",
+                                       cudaMemcpyAsync(dev + pl.descales, host + pl.descales, pl.descale_bytes,
+                                                       cudaMemcpyHostToDevice, st)));
+    }
   } else if (pl.in_bytes > 0) {
     w.enqueued = true;
     ATTND_RETURN_IF_ERROR(CudaStatus("H2D copy", cudaMemcpyAsync(dev, host, pl.in_bytes, cudaMemcpyHostToDevice, st)));
@@ -287,15 +318,16 @@ absl::Status CudaDevice::CollectOutputs(Work& w) {
   job.timing.kernel_us = kernel * 1e3;
   job.timing.d2h_us = w.out_bytes > 0 ? d2h * 1e3 : 0;
   const bool oi = !job.o_to_buffer;
+  const uint64_t o_bytes = static_cast<uint64_t>(QElems(s)) * DTypeBytes(OutputDType(job.problem.dtype));
   if (oi && job.accepts_lent_o) {
     // O stays in the pinned block, lent to the caller, which copies it on (ForwardStream: into its chunks); the
     // block goes back to the cache when the loan is dropped. Saves a copy into `o` and the zero-fill of a fresh
     // string, most of a large stream's time after its last byte.
-    job.o_lent = std::string_view(reinterpret_cast<const char*>(host + pl.o), static_cast<uint64_t>(QElems(s)) * 2);
+    job.o_lent = std::string_view(reinterpret_cast<const char*>(host + pl.o), o_bytes);
     job.o_loan = std::shared_ptr<const void>(host, [cache = pinned_mem_, lent = w.hblock](const void*) { cache->Release(lent); });
     w.hblock = Block{};  // Release below keeps its hands off it
   } else if (oi) {
-    job.o.resize(static_cast<uint64_t>(QElems(s)) * 2);
+    job.o.resize(o_bytes);
     const CopyPool::Part out{reinterpret_cast<uint8_t*>(job.o.data()), host + pl.o, job.o.size()};
     copies_->Copy({&out, 1});
   }
@@ -319,6 +351,8 @@ void CudaDevice::Release(Work& w) {
   if (w.enqueued) cudaStreamSynchronize(w.slot.stream);
   ReleaseBlocks(w.dblock, w.hblock);
   w.dblock = w.hblock = Block{};
+  device_mem_->Release(w.v_t);
+  w.v_t = Block{};
 }
 
 }  // namespace attnd::server::cuda

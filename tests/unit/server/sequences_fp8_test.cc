@@ -163,7 +163,7 @@ TEST_F(Fp8SequencesTest, BadFloat8ShapesNameTheirField) {
   ASSERT_TRUE(sequences_->Open("alice", r).ok());
   // Float8 only as the cache's dtype; a 16-bit kv_dtype must be the dtype; descales only for float8.
   s->set_dtype(v1::DTYPE_FP8_E4M3);
-  refused("shape.dtype: DTYPE_FP8_E4M3 is served as a sequence's shape.kv_dtype only");
+  refused("shape.dtype: DTYPE_FP8_E4M3 is served as a sequence's shape.kv_dtype and as a Forward's dtype, not here");
   s->set_dtype(v1::DTYPE_BF16);
   s->set_kv_dtype(v1::DTYPE_FP16);
   refused("shape.kv_dtype: DTYPE_FP16 is neither shape.dtype nor DTYPE_FP8_E4M3");

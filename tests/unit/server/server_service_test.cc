@@ -240,7 +240,8 @@ TEST(ServerMeta, ServerInfoDescribesTheCpuBackend) {
   EXPECT_EQ(info.devices_size(), 0);
   EXPECT_EQ(std::vector<int64_t>(info.supported_head_dims().begin(), info.supported_head_dims().end()),
             (std::vector<int64_t>{64, 128, 256}));
-  EXPECT_EQ(info.supported_dtypes_size(), 2);
+  EXPECT_EQ(std::vector<int>(info.supported_dtypes().begin(), info.supported_dtypes().end()),
+            (std::vector<int>{v1::DTYPE_BF16, v1::DTYPE_FP16, v1::DTYPE_FP8_E4M3}));
   EXPECT_EQ(info.limits().max_request_bytes(), 123456789u);
   EXPECT_EQ(info.limits().max_message_bytes(), 1u << 20);
   EXPECT_EQ(info.limits().max_queue(), 17u);

@@ -150,9 +150,52 @@ std::vector<BadCase> BadCases() {
       {"v_ref_on_cpu", [](auto& r) { *r.mutable_v()->mutable_ref() = Ref("b1", 32); }, C::kFailedPrecondition,
        "v.ref"},
       {"o_ref_on_cpu", [](auto& r) { *r.mutable_o_ref() = Ref("b2"); }, C::kFailedPrecondition, "o_ref"},
+      // Descales belong to float8 requests only.
+      {"q_descale_on_bf16", [](auto& r) { r.add_q_descale(1.f); }, kInv, "q_descale"},
+      {"v_descale_on_fp16",
+       [](auto& r) {
+         r.set_dtype(v1::DTYPE_FP16);
+         r.add_v_descale(0.5f);
+       },
+       kInv, "v_descale"},
   };
   return t;
 }
+
+// Float8 requests (DTYPE_FP8_E4M3, kShape: q_heads 4, kv_heads 2): descales required, 1 or one per head, each
+// finite and > 0; one byte per input element.
+std::vector<BadCase> Fp8BadCases() {
+  const auto kInv = absl::StatusCode::kInvalidArgument;
+  const float nan = std::nanf(""), inf = std::numeric_limits<float>::infinity();
+  return {
+      {"q_descale_missing", [](auto& r) { r.clear_q_descale(); }, kInv, "q_descale"},
+      {"k_descale_missing", [](auto& r) { r.clear_k_descale(); }, kInv, "k_descale"},
+      {"v_descale_missing", [](auto& r) { r.clear_v_descale(); }, kInv, "v_descale"},
+      {"q_descale_kv_heads_values", [](auto& r) { r.mutable_q_descale()->Truncate(2); }, kInv, "q_descale"},
+      {"k_descale_q_heads_values",
+       [](auto& r) {
+         r.add_k_descale(1.f);
+         r.add_k_descale(1.f);
+       },
+       kInv, "k_descale"},
+      {"v_descale_three_values", [](auto& r) { r.add_v_descale(1.f); }, kInv, "v_descale"},
+      {"q_descale_zero", [](auto& r) { r.set_q_descale(2, 0.f); }, kInv, "q_descale[2]"},
+      {"k_descale_negative", [](auto& r) { r.set_k_descale(1, -0.5f); }, kInv, "k_descale[1]"},
+      {"v_descale_nan", [nan](auto& r) { r.set_v_descale(0, nan); }, kInv, "v_descale[0]"},
+      {"q_descale_inf", [inf](auto& r) { r.set_q_descale(0, inf); }, kInv, "q_descale[0]"},
+      {"one_k_descale_negative_zero",
+       [](auto& r) {
+         r.clear_k_descale();
+         r.add_k_descale(-0.f);
+       },
+       kInv, "k_descale[0]"},
+      // Two bytes per element (a bf16 Q sent as float8) is the wrong size.
+      {"q_as_bf16_bytes", [](auto& r) { r.mutable_q()->mutable_data()->append(r.q().data()); }, kInv, "q.data"},
+      {"k_short", [](auto& r) { r.mutable_k()->mutable_data()->pop_back(); }, kInv, "k.data"},
+  };
+}
+
+class BadFp8Request : public ::testing::TestWithParam<BadCase> {};
 
 TestLimits Limits() {
   TestLimits l;
@@ -192,6 +235,52 @@ TEST_P(BadRequest, RefusedNamingTheField) {
 
 INSTANTIATE_TEST_SUITE_P(Table, BadRequest, ::testing::ValuesIn(BadCases()),
                          [](const ::testing::TestParamInfo<BadCase>& info) { return info.param.name; });
+
+TEST_P(BadFp8Request, RefusedNamingTheField) {
+  const BadCase& c = GetParam();
+  v1::ForwardRequest r = testing::MakeFp8Request(kShape);
+  ASSERT_TRUE(Check(r, Via::kUnary, Limits()).ok());
+  c.mutate(r);
+  for (Via via : {Via::kUnary, Via::kShm}) {
+    const absl::Status s = Check(r, via, Limits());
+    EXPECT_EQ(s.code(), c.code) << s;
+    EXPECT_TRUE(absl::StartsWith(s.message(), c.field + ":")) << "message '" << s.message() << "' should name "
+                                                              << c.field;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, BadFp8Request, ::testing::ValuesIn(Fp8BadCases()),
+                         [](const ::testing::TestParamInfo<BadCase>& info) { return info.param.name; });
+
+TEST(Validation, Fp8RequestIsSizedInBytesOfOneAndItsDescalesSpreadPerHead) {
+  v1::ForwardRequest r = testing::MakeFp8Request(kShape, v1::MASK_TYPE_NONE, true);
+  r.clear_q_descale();
+  r.add_q_descale(0.75f);  // one for the whole tensor
+  r.set_k_descale(1, 0.125f);
+  server::ForwardJob job;
+  server::RequestBytes bytes;
+  ASSERT_TRUE(Validate(r, Via::kUnary, Limits(), &job, &bytes).ok());
+  EXPECT_EQ(job.problem.dtype, DType::kFP8E4M3);
+  EXPECT_EQ(bytes.q, 2u * 17 * 4 * 64);
+  EXPECT_EQ(bytes.k, 2u * 33 * 2 * 64);
+  EXPECT_EQ(bytes.v, bytes.k);
+  EXPECT_EQ(bytes.o, 2u * 17 * 4 * 64 * 2);  // bf16
+  EXPECT_EQ(job.q_descale, std::vector<float>(4, 0.75f));
+  EXPECT_EQ(job.k_descale, (std::vector<float>{r.k_descale(0), 0.125f}));
+  EXPECT_EQ(job.v_descale, (std::vector<float>{r.v_descale(0), r.v_descale(1)}));
+  // A 16-bit request carries none.
+  ASSERT_TRUE(Validate(testing::MakeRequest(kShape), Via::kUnary, Limits(), &job, &bytes).ok());
+  EXPECT_TRUE(job.q_descale.empty() && job.k_descale.empty() && job.v_descale.empty());
+}
+
+TEST(Validation, Fp8UnsupportedByTheBackendNamesDtypeAndTheSupportedOnes) {
+  TestLimits limits = Limits();
+  limits.supported_dtypes = {DType::kBF16, DType::kFP16};
+  const absl::Status s = Check(testing::MakeFp8Request(kShape), Via::kUnary, limits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(s.message(), "dtype: fp8_e4m3 is not supported by this backend (supported: bf16, "
+                                            "fp16)")) << s;
+}
 
 TEST(Validation, ValidRequestPassesAndFillsTheJob) {
   v1::ForwardRequest r = testing::MakeRequest(kShape, v1::MASK_TYPE_CAUSAL_BOTTOM_RIGHT, true);
@@ -344,7 +433,8 @@ TEST(Validation, StreamHeaderRefusesInlineBytes) {
 TEST(Validation, UnsetEnumsAreRefusedNamingTheFieldAndTheChoices) {
   v1::ForwardRequest r = testing::MakeRequest(kShape);
   r.clear_dtype();
-  EXPECT_EQ(Check(r, Via::kUnary, Limits()).message(), "dtype: DTYPE_UNSPECIFIED (set DTYPE_BF16 or DTYPE_FP16)");
+  EXPECT_EQ(Check(r, Via::kUnary, Limits()).message(),
+            "dtype: DTYPE_UNSPECIFIED (set DTYPE_BF16, DTYPE_FP16 or DTYPE_FP8_E4M3)");
   r = testing::MakeRequest(kShape);
   r.set_mask(v1::MASK_TYPE_UNSPECIFIED);
   EXPECT_EQ(Check(r, Via::kUnary, Limits()).message(),

@@ -112,18 +112,21 @@ struct CallOptions {
 // The shape and semantics of a request, in host form (Problem plus the optional scale).
 struct RequestSpec {
   Shape shape;
-  DType dtype = DType::kBF16;
+  DType dtype = DType::kBF16;  // kFP8E4M3: Q, K and V are e4m3 codes read through the descales below; O is bf16
   Mask mask = Mask::kNone;
   std::optional<float> scale;  // unset: the server's default 1/sqrt(head_dim)
   bool want_lse = false;
   std::string request_id;
+  // Float8 requests (ForwardRequest.q_descale): 1 value or one per head (q_heads; kv_heads for K and V), each finite
+  // and > 0. Sent as given, also with a 16-bit dtype: the server is the one that refuses them there.
+  std::vector<float> q_descale, k_descale, v_descale;
 
   // The Problem this request computes (scale resolved to its default).
   Problem ToProblem() const;
-  // Bytes of Q, K (= V), O and LSE.
+  // Bytes of Q, K (= V), O (OutputDType: bf16 for float8 inputs) and LSE.
   uint64_t q_bytes() const;
   uint64_t kv_bytes() const;
-  uint64_t o_bytes() const { return q_bytes(); }
+  uint64_t o_bytes() const;
   uint64_t lse_bytes() const;
 };
 
@@ -137,7 +140,9 @@ absl::StatusOr<Mask> FromProto(v1::MaskType m);
 
 struct ForwardResult {
   std::string request_id;
-  std::string o;    // [batch, q_len, q_heads, head_dim], request dtype; empty when written to CallOptions::outputs
+  // [batch, q_len, q_heads, head_dim] in the request's dtype (bf16 for float8 inputs); empty when written to
+  // CallOptions::outputs
+  std::string o;
   std::string lse;  // fp32 [batch, q_heads, q_len] when asked for; empty when written to CallOptions::outputs
   // Set when the call wrote O and LSE into the caller's CallOptions::outputs: the bytes of each it wrote.
   std::optional<ForwardOutputs> outputs;

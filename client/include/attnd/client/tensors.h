@@ -1,5 +1,6 @@
-// Host-side tensor helpers of the CLI and the tests: seeded random inputs, raw files, and the oracle that
-// checks a server's answer against a double-precision reference with a bf16-fit error bound.
+// Host-side tensor helpers of the CLI and the tests: seeded random inputs (16-bit, and float8 with their descales),
+// raw files, and the oracle that checks a server's answer against a double-precision reference with a bf16-fit
+// error bound.
 #pragma once
 
 #include <cstdint>
@@ -14,10 +15,22 @@
 namespace attnd::client {
 
 struct SequenceShape;  // attnd/client/client.h
+struct RequestSpec;    // attnd/client/client.h
 
 // `elems` elements of `dtype` drawn from N(0, 1) with `seed` (deterministic for a given seed), as raw
 // little-endian bytes. Random, never constant: a kernel that ignores part of its input must show up.
 std::string RandomTensor(DType dtype, int64_t elems, uint64_t seed);
+
+// `elems` elements of a [.., heads, head_dim] tensor drawn from N(0, 1) with `seed`, as float8 e4m3 codes of
+// x / descale[h] (ForwardRequest.q_descale's meaning). `descale` holds 1 value or one per head; when empty it is set
+// to one value, the drawn values' amax / 448, so that the largest lands on the largest code. Any other count is the
+// caller's error (DescalesPerHead checks one).
+std::string RandomFp8Tensor(int64_t elems, int64_t heads, int64_t head_dim, uint64_t seed, std::vector<float>* descale);
+
+// Descales as a request gives them (1 value or one per head) spread to one per head; INVALID_ARGUMENT naming
+// `field` for any other count.
+absl::StatusOr<std::vector<float>> DescalesPerHead(const std::string& field, const std::vector<float>& given,
+                                                   int64_t heads);
 
 // K or V rows as a sequence's cache gives them back to every step's attention: the history a client that verifies
 // the steps keeps. `rows` ([n, kv_heads, head_dim] of shape.dtype, appended at `layer`) come back unchanged from a
@@ -49,8 +62,13 @@ struct VerifyReport {
 // replies (a load test verifies many responses to the same inputs).
 class Oracle {
  public:
-  // q, k, v: contiguous inline bytes of p's shape. Runs the double-precision and the fp32 reference.
+  // q, k, v: contiguous inline bytes of p's shape. Runs the double-precision and the fp32 reference. A float8
+  // problem needs its descales: INVALID_ARGUMENT here, use the RequestSpec overload.
   static absl::StatusOr<Oracle> Compute(const Problem& p, const std::string& q, const std::string& k,
+                                        const std::string& v, int num_threads = 0);
+  // The request's problem, with its descales when its dtype is float8 (the references then read the dequantized
+  // inputs, and O is bf16).
+  static absl::StatusOr<Oracle> Compute(const RequestSpec& spec, const std::string& q, const std::string& k,
                                         const std::string& v, int num_threads = 0);
 
   // Error bound: FA3's rule, |err| <= 2 x (error of the plain reference) + atol, with atol twice the dtype's
@@ -60,6 +78,13 @@ class Oracle {
   const Problem& problem() const { return problem_; }
 
  private:
+  // Float8 problems: the descales one per head (q_heads, kv_heads, kv_heads); empty for 16-bit ones.
+  struct Descales {
+    std::vector<float> q, k, v;
+  };
+  static absl::StatusOr<Oracle> Run(const Problem& p, const std::string& q, const std::string& k,
+                                    const std::string& v, const Descales& descales, int num_threads);
+
   Problem problem_;
   std::vector<double> o64_, lse64_;
   double ref_max_abs_ = 0, ref_rel_l2_ = 0, ref_lse_ = 0;

@@ -11,9 +11,14 @@
 
 namespace attnd::proto {
 
+// Which element types a dtype field takes: every one (ForwardRequest.dtype, whose float8 inputs give a bf16 O), or
+// the 16-bit ones (a sequence's SequenceShape.dtype, the type of its Q, O and rows; its float8 is kv_dtype).
+enum class DtypeField { kAny, kSixteenBit };
+
 v1::Dtype DtypeToProto(DType dtype);
 v1::MaskType MaskToProto(Mask mask);
-absl::StatusOr<DType> DtypeFromProto(v1::Dtype value, absl::string_view field);
+absl::StatusOr<DType> DtypeFromProto(v1::Dtype value, absl::string_view field,
+                                     DtypeField takes = DtypeField::kSixteenBit);
 absl::StatusOr<Mask> MaskFromProto(v1::MaskType value, absl::string_view field);
 
 }  // namespace attnd::proto

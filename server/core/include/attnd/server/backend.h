@@ -111,6 +111,8 @@ struct ForwardJob {
   std::string request_id;
   Problem problem;
   TensorSource q, k, v;
+  // Float8 problems: the descale of each head of Q (q_heads values), K and V (kv_heads each); empty otherwise.
+  std::vector<float> q_descale, k_descale, v_descale;
   bool o_to_buffer = false;   // O goes to o_ref instead of `o`
   TensorSource o_ref;
   // ForwardStream only: the sink that received the inline inputs (q/k/v's `host` point into it).
@@ -126,7 +128,7 @@ struct ForwardJob {
   std::vector<std::shared_ptr<const void>> buffer_holds;
 
   // Outputs.
-  std::string o;    // O bytes when !o_to_buffer (and not lent, below)
+  std::string o;    // O bytes (OutputDType(problem.dtype)) when !o_to_buffer (and not lent, below)
   // Set by a caller that sends O from memory the backend lends it (ForwardStream's reply chunks point into it):
   // the backend may then leave `o` empty and lend O's bytes as `o_lent`, valid until the last holder of
   // `o_loan` drops it, which gives the memory back. Saves the copy into `o` (and its zero-fill): the CUDA backend

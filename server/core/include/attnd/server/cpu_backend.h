@@ -1,5 +1,6 @@
 // The CPU backend: a bounded queue in front of worker threads that run attnd::ReferenceAttention
-// (fp32 accumulation, bf16/fp16 in and out). It serves machines without a GPU and is the oracle of the tests.
+// (fp32 accumulation, bf16/fp16 in and out; float8 inputs with per-head descales and a bf16 O through
+// ReferenceAttentionFp8). It serves machines without a GPU and is the oracle of the tests.
 // Of BackendOptions it uses threads, max_queue and memory_budget_bytes (fp32 working memory of one
 // computation; 0: a quarter of physical memory).
 #pragma once
@@ -38,7 +39,7 @@ class CpuBackend final : public Backend {
   std::string name() const override { return "cpu"; }
   std::vector<DeviceDescription> devices() const override { return {}; }
   std::vector<int64_t> supported_head_dims() const override;
-  std::vector<DType> supported_dtypes() const override { return {DType::kBF16, DType::kFP16}; }
+  std::vector<DType> supported_dtypes() const override { return {DType::kBF16, DType::kFP16, DType::kFP8E4M3}; }
   std::vector<std::string> kernels() const override { return {kKernelName}; }
 
   absl::Status Accept(ForwardJob* job) const override;

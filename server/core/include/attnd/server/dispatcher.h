@@ -25,6 +25,7 @@ struct TensorUse {
   const char* field;  // "q.ref", ... for the error messages
   TensorSource* src;
   int64_t batch, seq, heads;
+  bool output = false;  // O, whose elements are OutputDType(dtype) (bf16 for float8 inputs)
 };
 
 // Resolves references to device memory: each buffer acquired once (its lease appended to *holds, kept until the

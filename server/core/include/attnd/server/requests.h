@@ -60,6 +60,8 @@ struct ForwardArgs {
   bool return_lse = false;
   TensorArg q, k, v;
   std::optional<TensorRefArg> o_ref;   // O into this buffer instead of the reply
+  // Float8 only (dtype kFP8E4M3), as sent: 1 value or one per head (q_heads, kv_heads, kv_heads).
+  absl::Span<const float> q_descale, k_descale, v_descale;
 };
 
 // One sequence of a step and the tokens it brings.
