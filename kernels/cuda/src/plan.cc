@@ -363,15 +363,21 @@ absl::StatusOr<std::vector<ConfigInfo>> AutoConfigsForDevice(int device) {
   if (!caps.ok()) return caps.status();
   // The rules branch on head_dim, the mask, q_len and how many blocks a problem fills: the extremes of each
   // reach every branch.
+  // Float8 problems too, where the device runs them (the hopper family).
+  std::vector<DType> dtypes = {DType::kBF16};
+  if (caps->major == 9 && caps->minor == 0) dtypes.push_back(DType::kFP8E4M3);
   std::set<std::string> names;
-  for (int64_t head_dim : kHeadDims) {
-    for (Mask mask : {Mask::kNone, Mask::kCausalTopLeft, Mask::kCausalBottomRight}) {
-      for (int64_t q_len : {int64_t{1}, int64_t{1} << 20}) {
-        for (int64_t batch : {int64_t{1}, int64_t{1} << 12}) {
-          Problem p;
-          p.shape = Shape{batch, q_len, q_len, 1, 1, head_dim};
-          p.mask = mask;
-          if (const char* name = AutoConfig(*caps, p)) names.insert(name);
+  for (DType dtype : dtypes) {
+    for (int64_t head_dim : kHeadDims) {
+      for (Mask mask : {Mask::kNone, Mask::kCausalTopLeft, Mask::kCausalBottomRight}) {
+        for (int64_t q_len : {int64_t{1}, int64_t{1} << 20}) {
+          for (int64_t batch : {int64_t{1}, int64_t{1} << 12}) {
+            Problem p;
+            p.shape = Shape{batch, q_len, q_len, 1, 1, head_dim};
+            p.dtype = dtype;
+            p.mask = mask;
+            if (const char* name = AutoConfig(*caps, p)) names.insert(name);
+          }
         }
       }
     }

@@ -58,7 +58,8 @@ const std::vector<ConfigInfo>& Configs();
 std::vector<std::string> ConfigNames();
 // Configurations the given device (-1: current) can run; FAILED_PRECONDITION for an unsupported device.
 absl::StatusOr<std::vector<ConfigInfo>> ConfigsForDevice(int device = -1);
-// The configurations family auto can choose on the device (-1: current): what a server warms up and lists.
+// The configurations family auto can choose on the device (-1: current), float8 ones included where the device runs
+// them: what a server warms up and lists.
 absl::StatusOr<std::vector<ConfigInfo>> AutoConfigsForDevice(int device = -1);
 
 // OK when this library has code for the device (compute capability 9.0 or 12.0); otherwise
