@@ -138,3 +138,40 @@ def test_torch_float8(client):
                               k_descale=0.01, v_descale=[0.01, 0.01])
     assert o.dtype == torch.bfloat16 and o.shape == tq.shape
     check(o.view(torch.int16).numpy().view(np.uint16), lse.numpy(), q, k, v, 0.01, 0.01, 0.01, "top_left")
+
+
+def test_hadamard_rotation_is_orthogonal():
+    torch = pytest.importorskip("torch")
+    import attnd.torch as at
+    for d in (64, 128, 256):
+        r = at.hadamard_rotation(d, seed=3).double()
+        assert torch.allclose(r @ r.T, torch.eye(d, dtype=torch.float64), atol=1e-6)
+    with pytest.raises(ValueError):
+        at.hadamard_rotation(96)
+
+
+def test_quantize_fp8_with_a_rotation_keeps_qk(client):
+    """quantize_fp8's codes and descales served as they are; Q and K rotated alike give the unrotated attention, and
+    on outlier inputs (FlashAttention-3's setup) closer to it than without the rotation."""
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this torch has no float8_e4m3fn")
+    import attnd.torch as at
+    g = torch.Generator().manual_seed(5)
+
+    def gen(h):
+        x = torch.randn(1, 256, h, 128, generator=g)
+        return x + torch.randn(x.shape, generator=g) * 10 * (torch.rand(x.shape, generator=g) < 0.001)
+
+    q, k, v = gen(4), gen(2), gen(2)
+    ref, _ = reference(q.double().numpy(), k.double().numpy(), v.double().numpy())
+    errs = []
+    for rotation in (None, at.hadamard_rotation(128, seed=1)):
+        q8, qd = at.quantize_fp8(q, rotation)
+        k8, kd = at.quantize_fp8(k, rotation)
+        v8, vd = at.quantize_fp8(v)
+        assert q8.dtype == torch.float8_e4m3fn and qd.shape == (4,) and vd.shape == (2,)
+        o = client.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+        errs.append(float(np.sqrt(np.mean((o.double().numpy() - ref) ** 2))))
+    assert errs[1] < errs[0], errs
+    assert errs[1] < 0.05 * float(np.sqrt(np.mean(ref ** 2))), errs
