@@ -195,6 +195,38 @@ absl::StatusOr<Oracle> Oracle::Run(const Problem& p, const std::string& q, const
     ReferenceAttentionF64(o.problem_, layout, Halves(q), Halves(k), Halves(v), o.o64_.data(), o.lse64_.data(), opts);
     ReferenceAttention(o.problem_, layout, Halves(q), Halves(k), Halves(v), o16.data(), lse32.data(), opts);
   }
+  if (p.dtype == DType::kFP8E4M3) {
+    // The float8 kernels round P to e4m3 before P V, at most 2^-4 of each probability, so an element of O moves by at
+    // most 2^-4 max|V| (the relative L2 error of random inputs stays under 3%); their accumulation of S errs by up to
+    // ~1.5e-3 of sum_x |q_x k_x| <= |q| |k| (docs/kernels.md, "Float8 forward"), which moves the LSE as much and O by
+    // a share of the same bound. Doubled, as the fp32 reference's error is.
+    const Shape& sh = p.shape;
+    const auto* q8 = reinterpret_cast<const uint8_t*>(q.data());
+    const auto* k8 = reinterpret_cast<const uint8_t*>(k.data());
+    const auto* v8 = reinterpret_cast<const uint8_t*>(v.data());
+    auto max_row_norm = [&](const uint8_t* x, int64_t rows, int64_t heads, const std::vector<float>& d) {
+      double best = 0;
+      for (int64_t r = 0; r < rows * heads; ++r) {
+        double n = 0;
+        for (int64_t c = 0; c < sh.head_dim; ++c) {
+          const double e = Fp8E4M3ToFloat(x[r * sh.head_dim + c]) * static_cast<double>(d[r % heads]);
+          n += e * e;
+        }
+        best = std::max(best, std::sqrt(n));
+      }
+      return best;
+    };
+    double v_max = 0;
+    for (int64_t i = 0; i < KVElems(sh); ++i) {
+      v_max = std::max(v_max, std::abs(Fp8E4M3ToFloat(v8[i]) *
+                                       static_cast<double>(descales.v[(i / sh.head_dim) % sh.kv_heads])));
+    }
+    const double qk = max_row_norm(q8, sh.batch * sh.q_len, sh.q_heads, descales.q) *
+                      max_row_norm(k8, sh.batch * sh.kv_len, sh.kv_heads, descales.k) * std::abs(p.scale);
+    o.fp8_o_slack_ = 2 * 0.0625 * v_max;
+    o.fp8_rel_l2_slack_ = 0.06;
+    o.fp8_lse_slack_ = 2 * qk / 512;
+  }
   const Errors eo = CompareO(OutputDType(p.dtype), o16.data(), o.o64_);
   const Errors el = CompareLse(lse32.data(), o.lse64_);
   if (eo.bad || el.bad) return absl::InternalError("the fp32 reference produced non-finite values");
@@ -210,9 +242,9 @@ VerifyReport Oracle::Check(std::string_view o, std::string_view lse) const {
   r.ref_rel_l2_err = ref_rel_l2_;
   r.ref_lse_max_abs_err = ref_lse_;
   const double atol = Atol(OutputDType(problem_.dtype));
-  r.bound_max_abs = 2 * ref_max_abs_ + atol;
-  r.bound_rel_l2 = 2 * ref_rel_l2_ + atol;
-  r.bound_lse = 2 * ref_lse_ + 1e-3;
+  r.bound_max_abs = 2 * ref_max_abs_ + atol + fp8_o_slack_;
+  r.bound_rel_l2 = 2 * ref_rel_l2_ + atol + fp8_rel_l2_slack_;
+  r.bound_lse = 2 * ref_lse_ + 1e-3 + fp8_lse_slack_;
   if (o.size() != o64_.size() * 2) {
     r.detail = absl::StrCat("O has ", o.size(), " bytes, expected ", o64_.size() * 2);
     return r;

@@ -174,4 +174,4 @@ def test_quantize_fp8_with_a_rotation_keeps_qk(client):
         o = client.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
         errs.append(float(np.sqrt(np.mean((o.double().numpy() - ref) ** 2))))
     assert errs[1] < errs[0], errs
-    assert errs[1] < 0.05 * float(np.sqrt(np.mean(ref ** 2))), errs
+    assert errs[1] < 0.1 * float(np.sqrt(np.mean(ref ** 2))), errs  # P in e4m3: a few % of a mean-like O

@@ -88,6 +88,9 @@ class Oracle {
   Problem problem_;
   std::vector<double> o64_, lse64_;
   double ref_max_abs_ = 0, ref_rel_l2_ = 0, ref_lse_ = 0;
+  // Float8 inputs: what the GPU kernel adds to the reference's error (P rounded to e4m3 before P V, the float8
+  // accumulation of S); 0 for 16-bit inputs. See Fp8Slack in tensors.cc.
+  double fp8_o_slack_ = 0, fp8_rel_l2_slack_ = 0, fp8_lse_slack_ = 0;
 };
 
 }  // namespace attnd::client
