@@ -1,5 +1,6 @@
 // The CUDA backend's host-side parts, which need no GPU: the caching allocator's budget accounting, the
-// tensor-map LRU cache, the IPC bounds arithmetic and where a request's tensors sit in its blocks. They run in CI (no driver) as well as on GPU hosts.
+// tensor-map LRU cache, the IPC bounds arithmetic and where a request's tensors sit in its blocks. They run in CI (no
+// driver) as well as on GPU hosts.
 #include <cstdint>
 #include <cstring>
 #include <limits>

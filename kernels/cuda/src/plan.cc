@@ -178,7 +178,8 @@ absl::Status Prepare(int entry, DType dtype, int device) {
   const KernelEntry& e = AllEntries()[entry];
   const PrepareFn prepare = e.prepare[static_cast<int>(dtype)];
   if (prepare == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("kernel configuration ", e.name, " does not run ", DTypeName(dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("kernel configuration ", e.name, " does not run ", DTypeName(dtype)));
   }
   const cudaError_t err = prepare();
   if (err != cudaSuccess) {
@@ -422,10 +423,10 @@ absl::StatusOr<Selection> Select(const Problem& problem, const Layout& layout, c
   } else {
     if (problem.dtype == DType::kFP8E4M3) {
       if (options.family == Family::kMmaSync || caps->major != 9 || caps->minor != 0) {
+        const char* family = options.family == Family::kMmaSync ? ", family mma_sync" : "";
         return absl::FailedPreconditionError(absl::StrCat("float8 e4m3 runs on the hopper (wgmma) family, compute "
                                                           "capability 9.0; device ", caps->device, " has ",
-                                                          caps->major, ".", caps->minor,
-                                                          options.family == Family::kMmaSync ? ", family mma_sync" : ""));
+                                                          caps->major, ".", caps->minor, family));
       }
       if (DefaultHopperConfig(problem) == nullptr) {
         return absl::InvalidArgumentError(absl::StrCat("shape.head_dim ", problem.shape.head_dim,

@@ -3,8 +3,8 @@
 // One block = 1 producer warpgroup (one thread issues every TMA copy) + 2 or 3 consumer warpgroups, each
 // owning 64 query rows (wgmma's M), so block_m = 128 or 192. block_n keys per K/V stage is wgmma's N of
 // S = Q K^T; the whole head_dim is wgmma's N of O += P V. Per consumer thread: O is head_dim / 2 fp32
-// registers, S block_n / 2, P block_n / 4 (float8: block_n / 8) — the budget the setmaxnreg split (producer 24 / consumers 240, or
-// 32 / 160 with three consumers) has to hold.
+// registers, S block_n / 2, P block_n / 4 (float8: block_n / 8) — the budget the setmaxnreg split (producer 24 /
+// consumers 240, or 32 / 160 with three consumers) has to hold.
 #pragma once
 
 #include <cstddef>
