@@ -23,59 +23,37 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 import triton.testing
 
+from hopper_bench import Attnd
+
 FP8 = torch.float8_e4m3fn
 
 
-class Lib:
+class Lib(Attnd):
+    """hopper_bench's ctypes wrapper of libattnd_kernels_c.so with the float8 entry point."""
+
     def __init__(self, path):
-        L = self.lib = ctypes.CDLL(path)
+        super().__init__(path)
         vp = ctypes.c_void_p
-        L.attnd_kernels_plan_create.restype = ctypes.c_int
-        L.attnd_kernels_plan_create.argtypes = [
-            ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.POINTER(ctypes.c_int64),
-            vp, vp, vp, vp, vp, ctypes.c_char_p, ctypes.POINTER(vp), ctypes.c_char_p, ctypes.c_size_t]
-        L.attnd_kernels_plan_create_fp8.restype = ctypes.c_int
-        L.attnd_kernels_plan_create_fp8.argtypes = [
+        self.lib.attnd_kernels_plan_create_fp8.restype = ctypes.c_int
+        self.lib.attnd_kernels_plan_create_fp8.argtypes = [
             ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.c_float, ctypes.POINTER(ctypes.c_int64),
             vp, vp, vp, vp, vp, vp, vp, vp, ctypes.c_char_p, vp, ctypes.POINTER(vp), ctypes.c_char_p, ctypes.c_size_t]
-        L.attnd_kernels_plan_launch.restype = ctypes.c_int
-        L.attnd_kernels_plan_launch.argtypes = [vp, vp, ctypes.c_char_p, ctypes.c_size_t]
-        L.attnd_kernels_plan_config.restype = ctypes.c_char_p
-        L.attnd_kernels_plan_config.argtypes = [vp]
-        L.attnd_kernels_plan_destroy.argtypes = [vp]
 
-    @staticmethod
-    def _shape_strides(q, k, v, o):
+    def plan16(self, q, k, v, o, mask):
+        return self.plan(q, k, v, o, mask == 1, "")[0]
+
+    def plan_fp8(self, q, k, v, o, mask, descales, config=""):
         b, sq, hq, d = q.shape
         shape = (ctypes.c_int64 * 6)(b, sq, k.shape[1], hq, k.shape[2], d)
         strides = (ctypes.c_int64 * 12)(*[s for t in (q, k, v, o) for s in (t.stride(0), t.stride(1), t.stride(2))])
-        return shape, strides
-
-    def plan(self, q, k, v, o, mask, lse=None, descales=None, config=b""):
-        shape, strides = self._shape_strides(q, k, v, o)
         out, err = ctypes.c_void_p(), ctypes.create_string_buffer(512)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        lse_ptr = lse.data_ptr() if lse is not None else None
-        if descales is None:
-            rc = self.lib.attnd_kernels_plan_create(shape, 0, mask, scale, strides, q.data_ptr(), k.data_ptr(),
-                                                    v.data_ptr(), o.data_ptr(), lse_ptr, config, ctypes.byref(out),
-                                                    err, 512)
-        else:
-            qd, kd, vd = descales
-            rc = self.lib.attnd_kernels_plan_create_fp8(shape, mask, scale, strides, q.data_ptr(), k.data_ptr(),
-                                                        v.data_ptr(), o.data_ptr(), lse_ptr, qd.data_ptr(),
-                                                        kd.data_ptr(), vd.data_ptr(), config, None, ctypes.byref(out),
-                                                        err, 512)
+        qd, kd, vd = descales
+        rc = self.lib.attnd_kernels_plan_create_fp8(shape, mask, d ** -0.5, strides, q.data_ptr(), k.data_ptr(),
+                                                    v.data_ptr(), o.data_ptr(), None, qd.data_ptr(), kd.data_ptr(),
+                                                    vd.data_ptr(), config.encode(), None, ctypes.byref(out), err, 512)
         if rc != 0:
             raise RuntimeError(err.value.decode())
         return out
-
-    def launch(self, plan):
-        err = ctypes.create_string_buffer(256)
-        rc = self.lib.attnd_kernels_plan_launch(plan, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), err,
-                                                256)
-        if rc != 0:
-            raise RuntimeError(err.value.decode())
 
 
 def quantize(x):
@@ -181,14 +159,14 @@ def bench(lib, quick, configs):
         v8, vd = quantize(v)
         o8 = torch.empty_like(q)
         o16 = torch.empty_like(q)
-        p8 = lib.plan(q8, k8, v8, o8, mask, descales=(qd, kd, vd))
-        p16 = lib.plan(q, k, v, o16, mask)
+        p8 = lib.plan_fp8(q8, k8, v8, o8, mask, (qd, kd, vd))
+        p16 = lib.plan16(q, k, v, o16, mask)
         flops = 4 * b * hq * d * visible_pairs(mask, s, s)
         others = {}
         for c in configs:  # named float8 configurations beside auto's
             if f"_d{d}_" not in c:
                 continue
-            pc = lib.plan(q8, k8, v8, torch.empty_like(q), mask, descales=(qd, kd, vd), config=c.encode())
+            pc = lib.plan_fp8(q8, k8, v8, torch.empty_like(q), mask, (qd, kd, vd), c)
             others[c] = flops / time_ms(lambda: lib.launch(pc)) / 1e9
             lib.lib.attnd_kernels_plan_destroy(pc)
         t8 = time_ms(lambda: lib.launch(p8))
@@ -243,11 +221,11 @@ def accuracy(lib):
             v8, vd = quantize(v)
             floor = reference(dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd), mask)
             o8 = torch.full_like(q, float("nan"), dtype=torch.bfloat16)
-            p8 = lib.plan(q8, k8, v8, o8, mask, descales=(qd, kd, vd))
+            p8 = lib.plan_fp8(q8, k8, v8, o8, mask, (qd, kd, vd))
             lib.launch(p8)
             q16, k16, v16 = (x.to(torch.bfloat16) for x in (q, k, v))
             o16 = torch.full_like(q16, float("nan"))
-            p16 = lib.plan(q16, k16, v16, o16, mask)
+            p16 = lib.plan16(q16, k16, v16, o16, mask)
             lib.launch(p16)
             torch.cuda.synchronize()
             def rmse(x):

@@ -9,90 +9,52 @@ Run: python3 gen_wgmma_sm90.py OUT_FILE
 
 import sys
 
-SS_N = [64, 128]                # S = Q K^T: N = block_n
-RS_N = [64, 128, 256]                # O += P V: N = head_dim
-TYPES = [("__nv_bfloat16", "bf16"), ("__half", "f16")]
+# (element type, PTX type, k per instruction, N of the SS form, N of the RS form). 16-bit: V is read MN-major
+# (transposed by the descriptor); float8: wgmma takes no transposed float8 operand, so V comes transposed (V^T,
+# K-major) and neither form has transpose immediates.
+TYPES = [("__nv_bfloat16", "bf16", 16, [64, 128], [64, 128, 256]),   # SS: N = block_n; RS: N = head_dim
+         ("__half", "f16", 16, [64, 128], [64, 128, 256]),
+         ("__nv_fp8_e4m3", "e4m3", 32, [128], [128, 256])]
 
 
 def regs(first, count):
     return ", ".join(f"%{first + i}" for i in range(count))
 
 
-def ss(n, elem, ptx):
+def asm(n, ptx, k, operands, tail, inputs, pred):
+    """One wgmma.mma_async statement with N/2 fp32 accumulators, then the A/B operands and the trailing immediates."""
     nd = n // 2
-    lines = [
-        "template <>",
-        f"struct Wgmma<{n}, {elem}> {{",
-        "  // D (64 x N, fp32) = A (64 x 16, shared, K-major) * B (N x 16, shared, K-major)^T + scale_d * D",
-        f"  __device__ __forceinline__ static void SS(float (&d)[{nd}], uint64_t desc_a, uint64_t desc_b, int scale_d) {{",
+    return [
         "    asm volatile(",
         '        "{\\n.reg .pred p;\\n"',
-        f'        "setp.ne.b32 p, %{nd + 2}, 0;\\n"',
-        f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "',
+        f'        "{pred}\\n"',
+        f'        "wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ptx}.{ptx} "',
         f'        "{{{regs(0, nd)}}}, "',
-        f'        "%{nd}, %{nd + 1}, p, 1, 1, 0, 0;\\n}}\\n"',
+        f'        "{operands}, p, 1, 1{tail};\\n}}\\n"',
         "        : " + ", ".join(f'"+f"(d[{i}])' for i in range(nd)),
-        '        : "l"(desc_a), "l"(desc_b), "r"(scale_d));',
-        "  }",
+        f"        : {inputs});",
     ]
-    if n in RS_N:
-        lines += [
-            "  // D (64 x N, fp32) += A (64 x 16, registers) * B (16 x N, shared, MN-major: transposed)",
-            f"  __device__ __forceinline__ static void RS(float (&d)[{nd}], const uint32_t (&a)[4], uint64_t desc_b) {{",
-            "    asm volatile(",
-            '        "{\\n.reg .pred p;\\n"',
-            '        "setp.eq.u32 p, 1, 1;\\n"',
-            f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "',
-            f'        "{{{regs(0, nd)}}}, "',
-            f'        "{{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}, %{nd + 4}, p, 1, 1, 1;\\n}}\\n"',
-            "        : " + ", ".join(f'"+f"(d[{i}])' for i in range(nd)),
-            '        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));',
-            "  }",
-        ]
-    lines.append("};")
-    return "\n".join(lines)
 
 
-FP8_SS_N = [128]                # S = Q K^T over float8 Q, K: N = block_n
-FP8_RS_N = [128, 256]           # O += P V^T over float8 P, V: N = head_dim
-
-
-def fp8(n):
-    """float8 e4m3 forms: k32 per instruction, both operands K-major (wgmma has no transposed float8 operand: V
-    comes transposed), no transpose immediates."""
+def forms(n, elem, ptx, k, ss_n, rs_n):
     nd = n // 2
-    lines = [
-        "template <>",
-        f"struct Wgmma<{n}, __nv_fp8_e4m3> {{",
-    ]
-    if n in FP8_SS_N:
+    trans = k == 16  # 16-bit forms carry the transpose immediates
+    lines = ["template <>", f"struct Wgmma<{n}, {elem}> {{"]
+    if n in ss_n:
         lines += [
-            "  // D (64 x N, fp32) = A (64 x 32, shared, K-major) * B (N x 32, shared, K-major)^T + scale_d * D",
-            f"  __device__ __forceinline__ static void SS(float (&d)[{nd}], uint64_t desc_a, uint64_t desc_b, int scale_d) {{",
-            "    asm volatile(",
-            '        "{\\n.reg .pred p;\\n"',
-            f'        "setp.ne.b32 p, %{nd + 2}, 0;\\n"',
-            f'        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "',
-            f'        "{{{regs(0, nd)}}}, "',
-            f'        "%{nd}, %{nd + 1}, p, 1, 1;\\n}}\\n"',
-            "        : " + ", ".join(f'"+f"(d[{i}])' for i in range(nd)),
-            '        : "l"(desc_a), "l"(desc_b), "r"(scale_d));',
-            "  }",
-        ]
-    if n in FP8_RS_N:
+            f"  // D (64 x N, fp32) = A (64 x {k}, shared, K-major) * B (N x {k}, shared, K-major)^T + scale_d * D",
+            f"  __device__ __forceinline__ static void SS(float (&d)[{nd}], uint64_t desc_a, uint64_t desc_b,"
+            " int scale_d) {",
+        ] + asm(n, ptx, k, f"%{nd}, %{nd + 1}", ", 0, 0" if trans else "", '"l"(desc_a), "l"(desc_b), "r"(scale_d)',
+                f"setp.ne.b32 p, %{nd + 2}, 0;") + ["  }"]
+    if n in rs_n:
+        b = "(16 x N, shared, MN-major: transposed)" if trans else f"(N x {k}, shared, K-major)^T"
         lines += [
-            "  // D (64 x N, fp32) += A (64 x 32, registers) * B (N x 32, shared, K-major)^T",
-            f"  __device__ __forceinline__ static void RS(float (&d)[{nd}], const uint32_t (&a)[4], uint64_t desc_b) {{",
-            "    asm volatile(",
-            '        "{\\n.reg .pred p;\\n"',
-            '        "setp.eq.u32 p, 1, 1;\\n"',
-            f'        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "',
-            f'        "{{{regs(0, nd)}}}, "',
-            f'        "{{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}, %{nd + 4}, p, 1, 1;\\n}}\\n"',
-            "        : " + ", ".join(f'"+f"(d[{i}])' for i in range(nd)),
-            '        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));',
-            "  }",
-        ]
+            f"  // D (64 x N, fp32) += A (64 x {k}, registers) * B {b}",
+            f"  __device__ __forceinline__ static void RS(float (&d)[{nd}], const uint32_t (&a)[4],"
+            " uint64_t desc_b) {",
+        ] + asm(n, ptx, k, f"{{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}, %{nd + 4}", ", 1" if trans else "",
+                '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b)', "setp.eq.u32 p, 1, 1;") + ["  }"]
     lines.append("};")
     return "\n".join(lines)
 
@@ -117,13 +79,10 @@ def main():
         "struct Wgmma;",
         "",
     ]
-    for elem, ptx in TYPES:
-        for n in sorted(set(SS_N) | set(RS_N)):
-            out.append(ss(n, elem, ptx))
+    for elem, ptx, k, ss_n, rs_n in TYPES:
+        for n in sorted(set(ss_n) | set(rs_n)):
+            out.append(forms(n, elem, ptx, k, ss_n, rs_n))
             out.append("")
-    for n in sorted(set(FP8_SS_N) | set(FP8_RS_N)):
-        out.append(fp8(n))
-        out.append("")
     out.append("}  // namespace attnd::kernels::hopper")
     text = "\n".join(out) + "\n"
     with open(sys.argv[1], "w") as f:
