@@ -248,18 +248,6 @@ TEST_F(BenchTest, BadOptionsAreRefused) {
   EXPECT_EQ(client::RunBench(*client, c.request, nullptr, opt).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-// Runs a command, returns its exit status and its stdout+stderr.
-std::pair<int, std::string> RunCommand(const std::string& cmd) {
-  std::string out;
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return {-1, "popen failed"};
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int st = ::pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
-
 TEST_F(BenchTest, AttnBinaryInfoCallVerifyAndBench) {
   const std::string attn = ATTN_BINARY;
   const std::string target = server_->Target(Listener::kTcp);

@@ -152,17 +152,6 @@ TEST(Fp8ShmTest, ForwardOverTheSharedMemoryChannel) {
   server.server->Shutdown();
 }
 
-std::pair<int, std::string> RunCommand(const std::string& cmd) {
-  std::string out;
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return {-1, "popen failed"};
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int st = ::pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
-
 class Fp8CliTest : public SharedServerSuite<> {
  protected:
   std::string Attn(const std::string& cmd, const std::string& flags) const {

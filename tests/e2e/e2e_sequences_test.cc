@@ -652,18 +652,6 @@ TEST_P(SequencesTest, DecodeBenchPerSequenceAndOneMessage) {
   EXPECT_EQ(stats->sequences().open(), 0u);
 }
 
-// Runs a command, returns its exit status and its stdout+stderr.
-std::pair<int, std::string> RunCommand(const std::string& cmd) {
-  std::string out;
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return {-1, "popen failed"};
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int st = ::pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
-
 TEST_P(SequencesTest, AttnSeqAndDecodeBench) {
   const std::string common = CliTarget();
   const std::string shape = " --layers=2 --q_heads=4 --kv_heads=2 --head_dim=64";

@@ -4,12 +4,15 @@
 
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "attnd/client/client.h"
@@ -21,6 +24,18 @@
 namespace attnd::e2e {
 
 enum class Listener { kTcp, kUnix };
+// Runs a command (the attn binary, in the CLI suites); returns its exit status and its stdout+stderr.
+inline std::pair<int, std::string> RunCommand(const std::string& cmd) {
+  std::string out;
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (p == nullptr) return {-1, "popen failed"};
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int st = ::pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
 inline const char* ListenerName(Listener l) { return l == Listener::kTcp ? "tcp" : "unix"; }
 
 struct TestServer {

@@ -37,18 +37,22 @@ inline std::string RandomTensor(int64_t elems, DType t, std::mt19937_64& rng) {
   return out;
 }
 
-inline v1::ForwardRequest MakeRequest(const Shape& s, v1::MaskType mask = v1::MASK_TYPE_NONE, bool lse = false,
-                                      uint64_t seed = 1, v1::Dtype dtype = v1::DTYPE_BF16) {
-  std::mt19937_64 rng(seed);
-  v1::ForwardRequest r;
-  r.set_request_id("req-" + std::to_string(seed));
-  v1::AttentionShape* sh = r.mutable_shape();
+// The request's shape fields from s.
+inline void SetShape(const Shape& s, v1::AttentionShape* sh) {
   sh->set_batch(s.batch);
   sh->set_q_len(s.q_len);
   sh->set_kv_len(s.kv_len);
   sh->set_q_heads(s.q_heads);
   sh->set_kv_heads(s.kv_heads);
   sh->set_head_dim(s.head_dim);
+}
+
+inline v1::ForwardRequest MakeRequest(const Shape& s, v1::MaskType mask = v1::MASK_TYPE_NONE, bool lse = false,
+                                      uint64_t seed = 1, v1::Dtype dtype = v1::DTYPE_BF16) {
+  std::mt19937_64 rng(seed);
+  v1::ForwardRequest r;
+  r.set_request_id("req-" + std::to_string(seed));
+  SetShape(s, r.mutable_shape());
   r.set_dtype(dtype);
   r.set_mask(mask);
   r.set_return_lse(lse);
@@ -64,13 +68,7 @@ inline v1::ForwardRequest MakeFp8Request(const Shape& s, v1::MaskType mask = v1:
                                          uint64_t seed = 1, test_util::Fp8Data data = test_util::Fp8Data::kPlain) {
   v1::ForwardRequest r;
   r.set_request_id("req-fp8-" + std::to_string(seed));
-  v1::AttentionShape* sh = r.mutable_shape();
-  sh->set_batch(s.batch);
-  sh->set_q_len(s.q_len);
-  sh->set_kv_len(s.kv_len);
-  sh->set_q_heads(s.q_heads);
-  sh->set_kv_heads(s.kv_heads);
-  sh->set_head_dim(s.head_dim);
+  SetShape(s, r.mutable_shape());
   r.set_dtype(v1::DTYPE_FP8_E4M3);
   r.set_mask(mask);
   r.set_return_lse(lse);
