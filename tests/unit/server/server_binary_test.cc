@@ -486,10 +486,11 @@ TEST(BinaryLimits, AHugeLengthPrefixIsNotBufferedWhole) {
 // Default limits (256 MiB messages, so a 272 MiB transport quota): a call announcing 1 GiB is cut off near the
 // quota, and once the server is quiet (10 s without a call) it purges every jemalloc arena, so its resident size
 // comes back to within a fifth of where it was, a minute at most after the reset. Measured on a 2-core machine:
-// 19.9-20.0 MiB before, 22.2-22.5 MiB after, with and without --retain_heap: what stays is jemalloc's bookkeeping
-// for the ~7,000 extents the upload was buffered in and the threads gRPC started (the goal of 10% is missed by that
-// margin). glibc's allocator with the heap retained keeps far more: its gRPC threads' arenas keep what they free at
-// their tops, which malloc_trim cannot release (38-110 MiB after); the test fails so.
+// 19.7-19.8 MiB before, 21.6-21.9 MiB 15 s after the reset: what stays is jemalloc's bookkeeping for the ~7,000
+// extents the upload was buffered in and the threads gRPC started, 9-11% of the fresh server (the goal is 10%; the
+// bound leaves room for a loaded machine, where gRPC starts more threads). glibc's allocator with the heap retained
+// keeps far more: its gRPC threads' arenas keep what they free at their tops, which malloc_trim cannot release
+// (38-110 MiB after); the test fails so.
 void FloodAndWatchTheMemory(const std::vector<std::string>& flags, double slack_share) {
   TcpServer server(flags);
   ASSERT_TRUE(server.serving) << "attnd did not start";

@@ -43,6 +43,7 @@ TEST(HeapTuningJemalloc, AttndsOptionsAreRead) {
   ASSERT_TRUE(HeapIsJemalloc());
   EXPECT_EQ(Read<size_t>("opt.oversize_threshold"), 0u) << "tensor-sized blocks would be purged at once";
   EXPECT_EQ(Read<size_t>("opt.tcache_max"), size_t{16384});
+  EXPECT_STREQ(Read<const char*>("opt.percpu_arena"), "percpu");
 }
 
 TEST(HeapTuningJemalloc, FreedBlocksStayUntilTheIdlePurge) {
