@@ -68,6 +68,31 @@ else()
     target_link_libraries(attnd_gtest_main INTERFACE ${_libdir}/libgtest_main.a attnd_gtest)
   endif()
 endif()
+# jemalloc: the `attnd` binary's allocator (server/CMakeLists.txt links it into that binary only, never into the
+# client libraries or the Python package). Its idle purge hands back what every arena freed, where glibc's
+# malloc_trim leaves its per-thread arenas' tops (docs/tuning.md). The static build links Debian's
+# libjemalloc_pic.a (attnd is a position-independent executable), whole, so that its malloc serves the process.
+# Fuzz builds leave it out: ASan brings its own allocator.
+if(NOT ATTND_FUZZ)
+  if(ATTND_STATIC)
+    find_library(ATTND_JEMALLOC_LIBRARY NAMES libjemalloc_pic.a)
+  else()
+    find_library(ATTND_JEMALLOC_LIBRARY NAMES jemalloc)
+  endif()
+  if(NOT ATTND_JEMALLOC_LIBRARY)
+    message(FATAL_ERROR "jemalloc not found: install libjemalloc-dev (scripts/install_deps.sh)")
+  endif()
+  add_library(attnd_jemalloc INTERFACE)
+  if(ATTND_STATIC)
+    target_link_libraries(attnd_jemalloc INTERFACE
+      "-Wl,--whole-archive" ${ATTND_JEMALLOC_LIBRARY} "-Wl,--no-whole-archive" Threads::Threads ${CMAKE_DL_LIBS} m)
+  else()
+    # --no-as-needed: a linker that drops unreferenced libraries (Ubuntu's default) would leave glibc's malloc.
+    target_link_libraries(attnd_jemalloc INTERFACE
+      "-Wl,--push-state,--no-as-needed" ${ATTND_JEMALLOC_LIBRARY} "-Wl,--pop-state")
+  endif()
+  add_library(attnd::jemalloc ALIAS attnd_jemalloc)
+endif()
 # Prometheus metrics: prometheus-cpp (registry, text format 0.0.4, and an HTTP exposer on civetweb). Debian ships
 # neither as a static archive, so the static build leaves the metrics endpoint out (--metrics_listen is refused).
 set(ATTND_HAVE_METRICS OFF)

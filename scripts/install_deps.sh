@@ -10,6 +10,7 @@ pkgs=(
   libabsl-dev libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev
   prometheus-cpp-dev libcivetweb-dev openssl
+  libjemalloc-dev
 )
 missing=()
 for p in "${pkgs[@]}"; do

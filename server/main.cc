@@ -127,12 +127,11 @@ ABSL_FLAG(int64_t, shm_reply_spin_us, 300,
           "how long a shared-memory channel's thread polls for the reply to its request before sleeping (while at "
           "most two channels wait for theirs); best above the kernel time of the requests served");
 ABSL_FLAG(bool, retain_heap, true,
-          "keep freed tensor-sized heap memory mapped (no page faults on the next request; resident size stays "
-          "near its peak while calls come, and goes back after 10-20 s without one); false: glibc's defaults");
-ABSL_FLAG(int32_t, heap_arenas, 0,
-          "with --retain_heap: glibc arenas the process allocates from (0: glibc's default, 8 per core); 1 lets the "
-          "idle trim hand back everything freed (other arenas keep what they free at their tops), for 2-10% of "
-          "small calls' throughput");
+          "keep freed tensor-sized heap memory for the next request (no page faults on it; resident size stays near "
+          "its peak while calls come, and goes back 10 s after the last one); false: freed memory goes back at once");
+ABSL_FLAG(std::string, heap_arenas, "",
+          "gone: refused when given (it capped glibc's arenas; attnd allocates with jemalloc, whose idle purge hands "
+          "back what every arena freed)");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "transport tuning: gRPC channel arguments, comma-separated name=value (e.g. "
           "grpc.http2.lookahead_bytes=8388608,grpc.http2.bdp_probe=0); applied last");
@@ -187,6 +186,23 @@ absl::Status SetLogLevel() {
     return absl::InvalidArgumentError("--log_level: unknown value '" + absl::GetFlag(FLAGS_log_level) + "'");
   }
   spdlog::set_level(level);
+  return absl::OkStatus();
+}
+
+// --retain_heap on whichever allocator serves the process (jemalloc, unless a sanitizer brings its own), and
+// --heap_arenas refused: it capped glibc's arenas, and attnd allocates with jemalloc.
+absl::Status HeapFlags() {
+  if (!absl::GetFlag(FLAGS_heap_arenas).empty()) {
+    return absl::InvalidArgumentError(
+        "--heap_arenas is gone: attnd allocates with jemalloc, and a server without calls for 10 s hands back what "
+        "every arena freed (docs/tuning.md); drop the flag");
+  }
+  const bool retain = absl::GetFlag(FLAGS_retain_heap);
+  if (!(retain ? attnd::RetainFreedHeapMemory() : attnd::ReturnFreedHeapMemoryAtOnce())) {
+    spdlog::warn("--retain_heap: this process's allocator cannot be tuned; running with its defaults");
+  }
+  spdlog::debug("heap: {}, freed memory {}", attnd::HeapIsJemalloc() ? "jemalloc" : "the C library's",
+                retain ? "kept for reuse" : "handed back at once");
   return absl::OkStatus();
 }
 
@@ -395,12 +411,7 @@ int main(int argc, char** argv) {
   // what the hard limit allows.
   const uint64_t fd_limit = attnd::server::RaiseDescriptorLimit();
   spdlog::debug("descriptor limit {}", fd_limit);
-  if (absl::GetFlag(FLAGS_heap_arenas) < 0) {
-    return Fail(absl::InvalidArgumentError("--heap_arenas: must be 0 (glibc's default) or more"));
-  }
-  if (absl::GetFlag(FLAGS_retain_heap) && !attnd::RetainFreedHeapMemory(absl::GetFlag(FLAGS_heap_arenas))) {
-    spdlog::warn("--retain_heap: this C library's allocator cannot be tuned; running with its defaults");
-  }
+  if (absl::Status s = HeapFlags(); !s.ok()) return Fail(s);
   const sigset_t signals = BlockShutdownSignals();
 
   absl::StatusOr<BackendOptions> backend_options = BackendFlags();

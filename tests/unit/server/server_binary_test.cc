@@ -484,13 +484,14 @@ TEST(BinaryLimits, AHugeLengthPrefixIsNotBufferedWhole) {
 }
 
 // Default limits (256 MiB messages, so a 272 MiB transport quota): a call announcing 1 GiB is cut off near the
-// quota, and once the server is quiet it hands the memory back. With --retain_heap=false, or with the heap retained
-// in one glibc arena (--heap_arenas=1), its resident size comes back to within 16 MiB of where it was (0.1-0.5 MiB
-// above it on a quiet machine, 1.5 MiB and more on a loaded one, where gRPC starts more threads). With the default
-// (the heap retained, glibc's arenas) the gRPC threads' own arenas keep what they freed at their tops (malloc_trim
-// cannot release it: 18-20 MiB on a 2-core machine, ~100 MiB on a 16-core one), so that case is bounded at 160 MiB:
-// the bulk of the quota went back.
-void FloodAndWatchTheMemory(const std::vector<std::string>& flags, uint64_t slack_mib) {
+// quota, and once the server is quiet (10 s without a call) it purges every jemalloc arena, so its resident size
+// comes back to within a fifth of where it was, a minute at most after the reset. Measured on a 2-core machine:
+// 19.7-19.8 MiB before, 21.6-21.9 MiB 15 s after the reset: what stays is jemalloc's bookkeeping for the ~7,000
+// extents the upload was buffered in and the threads gRPC started, 9-11% of the fresh server (the goal is 10%; the
+// bound leaves room for a loaded machine, where gRPC starts more threads). glibc's allocator with the heap retained
+// keeps far more: its gRPC threads' arenas keep what they free at their tops, which malloc_trim cannot release
+// (38-110 MiB after); the test fails so.
+void FloodAndWatchTheMemory(const std::vector<std::string>& flags, double slack_share) {
   TcpServer server(flags);
   ASSERT_TRUE(server.serving) << "attnd did not start";
   const pid_t pid = server.guard.pid;
@@ -502,7 +503,7 @@ void FloodAndWatchTheMemory(const std::vector<std::string>& flags, uint64_t slac
   // gRPC resets the stream once its reclaimer runs, a little past the quota (6-25 MiB in quiet runs; more on a
   // loaded machine): far below what the old default let through (512 MiB).
   EXPECT_LE(f.sent, uint64_t{256 + 16 + 64} << 20) << "sent " << f.sent;
-  const uint64_t bound = before + (slack_mib << 20);
+  const uint64_t bound = before + static_cast<uint64_t>(before * slack_share);
   uint64_t after = RssBytes(pid);
   const absl::Time quiet_from = absl::Now();
   while (after > bound && absl::Now() - quiet_from < absl::Minutes(1)) {
@@ -520,13 +521,10 @@ void FloodAndWatchTheMemory(const std::vector<std::string>& flags, uint64_t slac
 }
 
 TEST(BinaryLimits, AHostileUploadIsCutNearTheQuotaAndItsMemoryGivenBack) {
-  FloodAndWatchTheMemory({"--retain_heap=false"}, 16);
+  FloodAndWatchTheMemory({"--retain_heap=false"}, 0.2);
 }
-TEST(BinaryLimits, AHostileUploadsMemoryIsGivenBackFromOneRetainedArena) {
-  FloodAndWatchTheMemory({"--retain_heap=true", "--heap_arenas=1"}, 16);
-}
-TEST(BinaryLimits, AHostileUploadsMemoryIsMostlyGivenBackWhileRetainingTheHeap) {
-  FloodAndWatchTheMemory({"--retain_heap=true"}, 160);
+TEST(BinaryLimits, AHostileUploadsMemoryIsGivenBackWhileRetainingTheHeap) {
+  FloodAndWatchTheMemory({"--retain_heap=true"}, 0.2);
 }
 
 // A unary call of `path` whose 1,000-byte message comes one byte every `every`. Returns how long until the server

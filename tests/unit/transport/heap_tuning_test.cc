@@ -1,5 +1,6 @@
-// RetainFreedHeapMemory (attnd/transport/heap_tuning.h): tensor-sized blocks come from the heap, not from fresh mmaps
-// that every request would page-fault in again; IdleHeapTrimmer gives them back once requests stop.
+// RetainFreedHeapMemory (attnd/transport/heap_tuning.h) on the C library's allocator, as attn and the client
+// libraries have it: tensor-sized blocks come from the heap, not from fresh mmaps that every request would
+// page-fault in again; IdleHeapTrimmer gives them back once requests stop. heap_tuning_jemalloc_test covers attnd's.
 #include "attnd/transport/heap_tuning.h"
 
 #include <atomic>
@@ -18,6 +19,7 @@ namespace {
 
 #if defined(__GLIBC__)
 TEST(HeapTuning, TensorSizedBlocksStayInTheHeap) {
+  ASSERT_FALSE(HeapIsJemalloc());
   ASSERT_TRUE(RetainFreedHeapMemory());
   // 16 MiB: one bf16 tensor of 1k tokens x 32 heads x 256. glibc's default would mmap it (hblkhd grows).
   const size_t before = mallinfo2().hblkhd;

@@ -11,21 +11,29 @@
 
 namespace attnd {
 
-// glibc serves allocations above its mmap threshold (128 KiB, raised on the fly up to 32 MiB) with fresh
-// mmaps and unmaps them on free, so every request's tensor buffers (the parsed message, the reply) are
-// page-faulted in again: measured 15 ms of a unary Forward's 25 MB request at attnd's entry, 4 ms once
-// freed memory stays in the heap. This keeps blocks up to 32 MiB (the most glibc accepts) in the heap and
-// freed memory mapped up to 1 GiB; the process's resident size then stays near its peak instead of
-// falling back after each request. Returns false where this is not glibc (nothing changed).
-//
-// `arenas` > 0 caps glibc's arenas (M_ARENA_MAX; 0 keeps its default of 8 per core). Each thread that meets
-// contention gets an arena of its own, and what such an arena frees at its top stays mapped up to the 1 GiB trim
-// threshold: malloc_trim hands back only the main arena's top. A server whose gRPC threads once buffered a hostile
-// upload would keep it resident for good; with one arena the idle trim returns all of it. Call it before
-// threads start.
-bool RetainFreedHeapMemory(int arenas = 0);
+// Whether this process's malloc is jemalloc's: attnd links it (server/jemalloc_conf.cc); attn, the client
+// libraries and the tests use the C library's.
+bool HeapIsJemalloc();
 
-// Hands the heap's free pages back to the system (malloc_trim); false where this is not glibc.
+// Keeps freed tensor-sized blocks for the next request instead of handing their pages back, so requests do not
+// page-fault their buffers in anew (measured 15 ms of a unary Forward's 25 MB request at attnd's entry, 4 ms once
+// freed memory stays). The process's resident size then stays near its peak while requests come; IdleHeapTrimmer
+// hands it back once they stop. Returns false where the allocator cannot be tuned (nothing changed).
+//
+// jemalloc: every arena keeps what it frees for 10 s (dirty_decay_ms), then purges it a little at a time; blocks
+// of every size stay in the arenas (oversize_threshold:0, set in server/jemalloc_conf.cc).
+// glibc: blocks up to 32 MiB (the most glibc accepts; its default mmaps from 128 KiB and unmaps on free) stay in
+// the heap and freed memory stays mapped up to 1 GiB. Each thread that meets contention gets an arena of its own,
+// and what such an arena frees at its top stays mapped up to that threshold: malloc_trim hands back only the main
+// arena's top, so a process whose threads once buffered a large upload keeps part of it resident for good.
+bool RetainFreedHeapMemory();
+
+// jemalloc: every arena hands back what it frees at once (dirty decay 0): attnd's --retain_heap=false. glibc:
+// nothing to change, its defaults already do. Returns false where the allocator cannot be tuned.
+bool ReturnFreedHeapMemoryAtOnce();
+
+// Hands the heap's free pages back to the system: jemalloc purges every arena; glibc's malloc_trim releases the
+// main arena's top and the free chunks inside every arena. False where neither is the allocator.
 bool ReleaseFreedHeapMemory();
 
 // What RetainFreedHeapMemory keeps is worth keeping while requests come, and only then: after a burst (or one
