@@ -207,7 +207,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
 };
 
 // Raw (ByteBuffer) messages: a chunk's rows are copied from the message's slices straight into the pages
-// (ReadSequenceChunk), not parsed into a string first.
+// (ReadSequenceChunk), not parsed into a string first, while the next chunk is read: two chunks are held at a time.
 class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, public Bounded {
  public:
   ImportReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, std::string owner,
@@ -227,9 +227,10 @@ class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
     if (finished_) return;  // ended by its bound while this read was pending
     if (!ok) return Complete();
     Progress();
+    reading_ = false;
     const absl::Status taken = Take();
     if (!taken.ok()) return End(taken);
-    StartRead(&in_);
+    ReadNext();
   }
 
   void OnDone() override {
@@ -240,8 +241,14 @@ class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
  private:
   void Expired(const absl::Status& why) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { End(why); }
 
+  void ReadNext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (reading_) return;
+    reading_ = true;
+    StartRead(&in_);
+  }
+
   // One chunk: the header (the first), else rows where the cursor says.
-  absl::Status Take() {
+  absl::Status Take() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     v1::SequenceChunk chunk;
     InlineBytes data;
     v1::ImportSequenceRequest parsed;  // only for a message in another encoding than ReadSequenceChunk's
@@ -280,6 +287,8 @@ class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
                                                      moving_.row_bytes(), " bytes"));
     }
     const int64_t rows = static_cast<int64_t>(bytes / moving_.row_bytes());
+    // The next chunk arrives while these rows go into the pages: they are read from slices_ (or `parsed`), not in_.
+    ReadNext();
     ATTND_RETURN_IF_ERROR(sequences_->WriteRows(moving_, cursor_.layer, cursor_.kv, cursor_.next, rows, data.pieces));
     cursor_.next += rows;
     return absl::OkStatus();
@@ -323,6 +332,7 @@ class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
   MovingSequence moving_;
   bool held_ = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool reading_ ABSL_GUARDED_BY(mu_) = true;  // a read is pending (the constructor's first)
   RowCursor cursor_;
   grpc::ByteBuffer in_;
   std::vector<grpc::Slice> slices_;  // the chunk being taken's, which its data pieces point into
