@@ -1,16 +1,23 @@
 // MoveSequence's relay (docs/sequences.md, "Moving a sequence"): the chunks of an ExportSequence pass on to an
 // ImportSequence as gRPC delivered them. ExportSequenceResponse and ImportSequenceRequest are the same message on
 // the wire (a SequenceChunk in field 1), so the relay neither parses nor serialises a chunk: each one is the byte
-// buffer read from the exporter, written to the importer by reference to the same slices. Both calls run on one
-// completion queue driven by the calling thread, so that the next chunk is read while the previous one is being
-// written, with at most kRelayChunks chunks held at once.
+// buffer read from the exporter, written to the importer by reference to the same slices.
+//
+// Both calls run on gRPC's callback API, so that reading from one server and writing to the other go on in
+// different threads: the socket work of the two hops, most of a move's cost in the client, is not serialised in
+// one. At most kRelayChunks chunks are held. Every decision is taken under mu_ and acted on after it is released
+// (a reaction may run inline from a Start* call); each call is held (AddHold) until no operation will be started
+// on it, so that its OnDone comes after the last one.
 #include <cstdint>
 #include <deque>
 #include <memory>
 #include <string>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "client_internal.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/byte_buffer.h"
@@ -24,154 +31,143 @@ const std::string kImportMethod = absl::StrCat("/", v1::Attention::service_full_
 class Relay {
  public:
   Relay(grpc::ClientContext* export_ctx, grpc::ClientContext* import_ctx)
-      : export_ctx_(export_ctx), import_ctx_(import_ctx) {}
+      : export_ctx_(export_ctx), import_ctx_(import_ctx), export_(this), import_(this) {}
 
   RelayOutcome Run(grpc::GenericStub* from, grpc::GenericStub* to, const v1::ExportSequenceRequest& request) {
-    grpc::ByteBuffer request_buf;
     bool own = false;
-    if (grpc::Status st = grpc::SerializationTraits<v1::ExportSequenceRequest>::Serialize(request, &request_buf, &own);
-        !st.ok()) {
+    if (!grpc::SerializationTraits<v1::ExportSequenceRequest>::Serialize(request, &request_buf_, &own).ok()) {
       RelayOutcome out;
       out.exported = absl::InternalError("the export request did not serialise");
       return out;
     }
-    ex_ = from->PrepareCall(export_ctx_, kExportMethod, &cq_);
-    im_ = to->PrepareCall(import_ctx_, kImportMethod, &cq_);
-    request_buf_ = std::move(request_buf);
-    // A call's first write waits for its start: gRPC sends the start's headers with the same operation set.
-    ex_->StartCall(Tag(kExStart));
-    im_->StartCall(Tag(kImStart));
-    im_->Read(&response_buf_, Tag(kImRead));  // comes back when the importer answers, or ends early
-    outstanding_ = 3;
-    ReadChunk();
-    while (outstanding_ > 0) {
-      void* tag;
-      bool ok;
-      if (!cq_.Next(&tag, &ok)) break;
-      --outstanding_;
-      On(static_cast<Op>(reinterpret_cast<intptr_t>(tag)), ok);
-    }
-    cq_.Shutdown();
-    void* tag;
-    bool ok;
-    while (cq_.Next(&tag, &ok)) {
-    }
+    from->PrepareBidiStreamingCall(export_ctx_, kExportMethod, grpc::StubOptions(), &export_);
+    to->PrepareBidiStreamingCall(import_ctx_, kImportMethod, grpc::StubOptions(), &import_);
+    export_.AddHold();
+    import_.AddHold();
+    export_.StartWriteLast(&request_buf_, grpc::WriteOptions());
+    export_.StartRead(&incoming_);       // reading_ starts true
+    import_.StartRead(&response_buf_);   // comes back when the importer answers, or ends the call early
+    export_.StartCall();
+    import_.StartCall();
+    export_done_.WaitForNotification();
+    import_done_.WaitForNotification();
     return Outcome();
   }
 
  private:
-  enum Op : intptr_t {
-    kExStart = 1, kExWrite, kExRead, kExFinish,
-    kImStart, kImWrite, kImRead, kImWritesDone, kImFinish,
+  class ExportSide final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+   public:
+    explicit ExportSide(Relay* relay) : relay_(relay) {}
+    void OnReadDone(bool ok) override { relay_->OnChunk(ok); }
+    void OnDone(const grpc::Status& s) override { relay_->OnExportDone(s); }
+
+   private:
+    Relay* const relay_;
   };
-  static void* Tag(Op op) { return reinterpret_cast<void*>(static_cast<intptr_t>(op)); }
+  class ImportSide final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+   public:
+    explicit ImportSide(Relay* relay) : relay_(relay) {}
+    void OnWriteDone(bool ok) override { relay_->OnWritten(ok); }
+    void OnReadDone(bool ok) override { relay_->OnAnswer(ok); }
+    void OnDone(const grpc::Status& s) override { relay_->OnImportDone(s); }
 
-  void On(Op op, bool ok) {
-    switch (op) {
-      case kExStart:
-        ++outstanding_;
-        ex_->WriteLast(request_buf_, grpc::WriteOptions(), Tag(kExWrite));
-        return;
-      case kImStart:
-        import_started_ = true;
-        return WriteChunk();
-      case kExWrite:
-      case kImWritesDone:
-        return;  // a failure shows in the reads and the status
-      case kExRead:
-        reading_ = false;
-        if (!ok) {
-          export_over_ = true;  // its stream has ended: the status says how
-          return FinishExport();
-        }
-        if (stopped()) return FinishExport();  // the import has ended: the export was cancelled (below)
+   private:
+    Relay* const relay_;
+  };
+
+  void OnChunk(bool ok) {
+    {
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+      if (!ok) {
+        export_over_ = true;  // its stream has ended: OnDone says how
+      } else if (!Stopped()) {
         chunks_.push_back(std::move(incoming_));
-        WriteChunk();
-        return ReadChunk();
-      case kImWrite:
-        writing_ = false;
-        chunks_.pop_front();
-        // Not ok: the importer has ended the call, and the read of its answer says so too.
-        if (ok) {
-          WriteChunk();
-          ReadChunk();
-          MaybeHalfClose();
-        }
-        return FinishImport();
-      case kImRead:
-        import_answered_ = ok;
-        import_read_done_ = true;
-        return FinishImport();
-      case kExFinish:
-        exported_ = FromGrpcStatus(ex_status_);
-        export_finished_ = true;
-        if (!exported_.ok() && !import_failed_first_) {
-          export_failed_first_ = true;
-          import_ctx_->TryCancel();  // the importer frees what it took
-        }
-        return MaybeHalfClose();
-      case kImFinish:
-        imported_ = FromGrpcStatus(im_status_);
-        if (export_over_) return;
-        // The importer ended before the export did: a refusal (the export is cut short, the sequence stays), or an
-        // answer it should not have given yet.
-        if (imported_.ok()) imported_ = absl::InternalError("the import answered before the export ended");
-        import_failed_first_ = true;
-        export_ctx_->TryCancel();
-        if (!reading_) FinishExport();
-        return;
+      }
     }
+    Step();
+  }
+  void OnWritten(bool ok) {
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      chunks_.pop_front();
+      if (!ok) write_failed_ = true;  // the importer has ended the call: its answer's read says so too
+    }
+    Step();
+  }
+  void OnAnswer(bool ok) {
+    {
+      absl::MutexLock lock(&mu_);
+      import_ended_ = true;
+      import_answered_ = ok;
+      // Before the export's end: a refusal (the export is cut short, the sequence stays), or an answer given early.
+      if (!export_over_ && !export_failed_) import_failed_first_ = true;
+    }
+    Step();
+  }
+  void OnExportDone(const grpc::Status& s) {
+    {
+      absl::MutexLock lock(&mu_);
+      export_finished_ = true;
+      exported_ = FromGrpcStatus(s);
+      if (!exported_.ok() && !import_failed_first_) export_failed_ = true;  // the importer frees what it took
+    }
+    Step();
+    export_done_.Notify();
+  }
+  void OnImportDone(const grpc::Status& s) {
+    {
+      absl::MutexLock lock(&mu_);
+      imported_ = FromGrpcStatus(s);
+    }
+    Step();
+    import_done_.Notify();
   }
 
-  // The next read from the exporter, while fewer than kRelayChunks chunks are held.
-  void ReadChunk() {
-    if (reading_ || export_finishing_ || stopped() || chunks_.size() >= kRelayChunks) return;
-    reading_ = true;
-    ++outstanding_;
-    ex_->Read(&incoming_, Tag(kExRead));
-  }
+  // Nothing more goes to the importer: it has ended the call, or the export failed.
+  bool Stopped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return import_ended_ || write_failed_ || export_failed_; }
 
-  // The oldest chunk held to the importer, unless one is being written. The buffer is written by reference: gRPC
-  // holds the same slices until they are on the wire.
-  void WriteChunk() {
-    if (!import_started_ || writing_ || chunks_.empty() || stopped()) return;
-    writing_ = true;
-    ++outstanding_;
-    im_->Write(chunks_.front(), Tag(kImWrite));
+  // What the state calls for next, decided under mu_ and started after it.
+  void Step() {
+    grpc::ByteBuffer* write = nullptr;
+    bool read = false, half_close = false, release_export = false, release_import = false;
+    bool cancel_export = false, cancel_import = false;
+    {
+      absl::MutexLock lock(&mu_);
+      const bool stopped = Stopped();
+      if (!reading_ && !export_over_ && !stopped && chunks_.size() < kRelayChunks) read = reading_ = true;
+      if (!writing_ && !chunks_.empty() && !stopped) {
+        writing_ = true;
+        write = &chunks_.front();  // stays put until its OnWriteDone pops it
+      }
+      // The export ended whole and every chunk is written: the import is told so, and its answer follows.
+      if (!half_closed_ && export_finished_ && exported_.ok() && !writing_ && chunks_.empty() && !stopped) {
+        half_close = half_closed_ = true;
+      }
+      if (!import_released_ && (half_closed_ || stopped) && !writing_) release_import = import_released_ = true;
+      if (!export_released_ && (export_over_ || stopped) && !reading_) release_export = export_released_ = true;
+      if (import_failed_first_ && !export_cancelled_) cancel_export = export_cancelled_ = true;
+      if (export_failed_ && !import_cancelled_) cancel_import = import_cancelled_ = true;
+    }
+    if (cancel_export) export_ctx_->TryCancel();
+    if (cancel_import) import_ctx_->TryCancel();
+    if (read) export_.StartRead(&incoming_);
+    if (write != nullptr) import_.StartWrite(write);
+    if (half_close) import_.StartWritesDone();
+    if (release_import) import_.RemoveHold();
+    if (release_export) export_.RemoveHold();
   }
-
-  void FinishExport() {
-    if (export_finishing_) return;
-    export_finishing_ = true;
-    ++outstanding_;
-    ex_->Finish(&ex_status_, Tag(kExFinish));
-  }
-
-  // Once the export has ended whole and every chunk is written, the import is told so; its answer follows.
-  void MaybeHalfClose() {
-    if (half_closed_ || !export_finished_ || !exported_.ok() || writing_ || !chunks_.empty() || stopped()) return;
-    half_closed_ = true;
-    ++outstanding_;
-    im_->WritesDone(Tag(kImWritesDone));
-  }
-
-  // After the importer's answer (or the end of its call): its status, once no write is pending.
-  void FinishImport() {
-    if (import_finishing_ || writing_ || !import_read_done_) return;
-    import_finishing_ = true;
-    ++outstanding_;
-    im_->Finish(&im_status_, Tag(kImFinish));
-  }
-
-  // The importer has ended the call (answered or failed): nothing more goes to it.
-  bool stopped() const { return import_read_done_ || export_failed_first_; }
 
   RelayOutcome Outcome() {
+    absl::MutexLock lock(&mu_);
     RelayOutcome out;
     out.exported = exported_;
     out.imported = imported_;
     out.import_failed_first = import_failed_first_;
-    if (imported_.ok() && !export_failed_first_) {
+    if (import_failed_first_ && out.imported.ok()) {
+      out.imported = absl::InternalError("the import answered before the export ended");
+    } else if (out.imported.ok() && !export_failed_) {
       if (!import_answered_) {
         out.imported = absl::InternalError("the import ended OK without its answer");
       } else if (!grpc::SerializationTraits<v1::ImportSequenceResponse>::Deserialize(&response_buf_, &out.response)
@@ -184,17 +180,28 @@ class Relay {
 
   grpc::ClientContext* const export_ctx_;
   grpc::ClientContext* const import_ctx_;
-  grpc::CompletionQueue cq_;
-  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> ex_, im_;
-  grpc::ByteBuffer request_buf_, incoming_, response_buf_;
-  std::deque<grpc::ByteBuffer> chunks_;  // read from the exporter; the front one is being written when writing_
-  grpc::Status ex_status_, im_status_;
-  absl::Status exported_, imported_;
-  int outstanding_ = 0;  // operations started whose tags have not come back
-  bool import_started_ = false, reading_ = false, writing_ = false;
-  bool export_over_ = false, export_finishing_ = false, export_finished_ = false, half_closed_ = false;
-  bool import_read_done_ = false, import_answered_ = false, import_finishing_ = false;
-  bool export_failed_first_ = false, import_failed_first_ = false;
+  ExportSide export_;
+  ImportSide import_;
+  grpc::ByteBuffer request_buf_;
+  grpc::ByteBuffer incoming_;      // the pending read from the exporter (reading_)
+  grpc::ByteBuffer response_buf_;  // the importer's answer
+  absl::Notification export_done_, import_done_;  // each call's OnDone has run
+
+  absl::Mutex mu_;
+  std::deque<grpc::ByteBuffer> chunks_ ABSL_GUARDED_BY(mu_);  // read, not yet written; the front one being written
+  bool reading_ ABSL_GUARDED_BY(mu_) = true;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool export_over_ ABSL_GUARDED_BY(mu_) = false;      // the export's stream has ended (a read came back empty)
+  bool export_finished_ ABSL_GUARDED_BY(mu_) = false;  // its status is in
+  bool export_failed_ ABSL_GUARDED_BY(mu_) = false;    // with an error, before the importer ended anything
+  bool import_ended_ ABSL_GUARDED_BY(mu_) = false;     // the importer answered or ended the call
+  bool import_answered_ ABSL_GUARDED_BY(mu_) = false;
+  bool import_failed_first_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
+  bool half_closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool export_released_ ABSL_GUARDED_BY(mu_) = false, import_released_ ABSL_GUARDED_BY(mu_) = false;
+  bool export_cancelled_ ABSL_GUARDED_BY(mu_) = false, import_cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status exported_ ABSL_GUARDED_BY(mu_), imported_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
