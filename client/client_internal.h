@@ -35,6 +35,19 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& 
 // The reply header's fields (all but O and LSE) into `res`, moved out of `header`.
 void FillResultHeader(v1::ForwardResponse& header, ForwardResult& res);
 
+// MoveSequence's relay (sequence_relay.cc): ExportSequence on `from` with `request`, each chunk passed on as it
+// arrives to ImportSequence on `to`, unparsed, with at most kRelayChunks chunks held at once. A failure on one side
+// cancels the other: `import_failed_first` says which side ended the move (the other's status is then CANCELLED).
+constexpr size_t kRelayChunks = 3;
+struct RelayOutcome {
+  absl::Status exported, imported;
+  bool import_failed_first = false;
+  v1::ImportSequenceResponse response;  // when both are OK
+};
+RelayOutcome RelaySequence(std::shared_ptr<grpc::Channel> from, std::shared_ptr<grpc::Channel> to,
+                           grpc::ClientContext* export_ctx, grpc::ClientContext* import_ctx,
+                           const v1::ExportSequenceRequest& request);
+
 // What one Forward call sends: every request field but the inline tensor bytes, and those bytes, which
 // go out by reference while `owner` keeps them alive (zero_copy.h) or are copied when it is null.
 struct Client::Outgoing {

@@ -169,13 +169,22 @@ absl::StatusOr<v1::Attention::Stub*> Client::StubFor(const std::string& address)
   if (address.empty() || address == options_.target) return stub_.get();
   absl::MutexLock lock(&pinned_mu_);
   auto it = pinned_.find(address);
-  if (it != pinned_.end()) return it->second.get();
+  if (it != pinned_.end()) return it->second.stub.get();
   absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(options_, address);
   if (!channel.ok()) {
     return absl::Status(channel.status().code(),
                         absl::StrCat("sequence pinned to '", address, "': ", channel.status().message()));
   }
-  return pinned_.emplace(address, v1::Attention::NewStub(*channel)).first->second.get();
+  std::unique_ptr<v1::Attention::Stub> stub = v1::Attention::NewStub(*channel);
+  return pinned_.emplace(address, Pinned{*std::move(channel), std::move(stub)}).first->second.stub.get();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::Channel>> Client::ChannelFor(const std::string& address) {
+  if (address.empty() || address == options_.target) return channel_;
+  absl::StatusOr<v1::Attention::Stub*> stub = StubFor(address);  // makes the pinned channel when there is none
+  if (!stub.ok()) return stub.status();
+  absl::MutexLock lock(&pinned_mu_);
+  return pinned_.at(address).channel;
 }
 
 absl::StatusOr<v1::OpenSequenceResponse> Client::PlaceSequences(const v1::OpenSequenceRequest& request,
@@ -446,40 +455,23 @@ absl::StatusOr<std::string> Client::MoveSequence(const std::string& sequence_id,
   }
   absl::StatusOr<v1::Attention::Stub*> source = StubFor(from);
   if (!source.ok()) return source.status();
-  absl::StatusOr<v1::Attention::Stub*> target = StubFor(to);
-  if (!target.ok()) return target.status();
-  // The export's chunks go on to the import one at a time, each as it arrives.
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> source_channel = ChannelFor(from);
+  if (!source_channel.ok()) return source_channel.status();
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> target_channel = ChannelFor(to);
+  if (!target_channel.ok()) return target_channel.status();
   grpc::ClientContext export_ctx, import_ctx;
   Prepare(&export_ctx, call);
   Prepare(&import_ctx, call);
   v1::ExportSequenceRequest request;
   request.set_sequence_id(sequence_id);
   request.set_chunk_bytes(ChunkBytes(0));  // the stream chunk size ClientOptions sets for uploads
-  std::unique_ptr<grpc::ClientReader<v1::ExportSequenceResponse>> reader =
-      (*source)->ExportSequence(&export_ctx, request);
-  v1::ImportSequenceResponse imported;
-  std::unique_ptr<grpc::ClientWriter<v1::ImportSequenceRequest>> writer =
-      (*target)->ImportSequence(&import_ctx, &imported);
-  v1::ExportSequenceResponse in;
-  v1::ImportSequenceRequest out;
-  bool relayed = true;
-  while (relayed && reader->Read(&in)) {
-    out.mutable_chunk()->Swap(in.mutable_chunk());  // the chunk's bytes change hands, not copied
-    relayed = writer->Write(out);
+  RelayOutcome relayed =
+      RelaySequence(*std::move(source_channel), *std::move(target_channel), &export_ctx, &import_ctx, request);
+  if (!relayed.exported.ok() && !relayed.import_failed_first) {
+    return Side("the export from", from.empty() ? options_.target : from, relayed.exported);
   }
-  if (!relayed) {
-    // The importer stopped taking chunks: its status says why; the export is cut short (the sequence stays).
-    export_ctx.TryCancel();
-    reader->Finish().ok();
-    return Side("the import on", to, FromGrpcStatus(writer->Finish()));
-  }
-  if (absl::Status exported = FromGrpcStatus(reader->Finish()); !exported.ok()) {
-    import_ctx.TryCancel();  // the importer frees what it took
-    writer->Finish().ok();
-    return Side("the export from", from.empty() ? options_.target : from, exported);
-  }
-  writer->WritesDone();
-  if (absl::Status st = FromGrpcStatus(writer->Finish()); !st.ok()) return Side("the import on", to, st);
+  if (!relayed.imported.ok()) return Side("the import on", to, relayed.imported);
+  const v1::ImportSequenceResponse& imported = relayed.response;
   const std::string& moved = imported.sequence_id();
   if (SequenceAddress(moved).empty() && to != options_.target) {
     // Calls naming the new id would go to this client's target, not to `to`: undo the import.

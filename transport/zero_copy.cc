@@ -365,6 +365,70 @@ absl::StatusOr<ChunkRead> ReadStreamChunk(grpc::ByteBuffer& message,
   return ChunkRead::kDone;
 }
 
+absl::StatusOr<grpc::ByteBuffer> SerializeSequenceChunk(const v1::SequenceChunk& fields, size_t n,
+                                                        absl::FunctionRef<absl::Status(uint8_t*)> fill) {
+  static_assert(static_cast<int>(v1::ExportSequenceResponse::kChunkFieldNumber) ==
+                static_cast<int>(v1::ImportSequenceRequest::kChunkFieldNumber));
+  using google::protobuf::io::CodedOutputStream;
+  const size_t fields_size = fields.ByteSizeLong();
+  // SequenceChunk = its other fields, then data (field 5, the last) as tag, length, bytes; an empty data is left out,
+  // as protobuf leaves out an empty proto3 scalar.
+  const uint32_t data_tag = LengthDelimitedTag(v1::SequenceChunk::kDataFieldNumber);
+  const size_t data_head = n == 0 ? 0 : CodedOutputStream::VarintSize32(data_tag) + CodedOutputStream::VarintSize64(n);
+  const uint64_t chunk_size = fields_size + data_head + n;
+  const uint32_t chunk_tag = LengthDelimitedTag(v1::ExportSequenceResponse::kChunkFieldNumber);
+  const size_t head = CodedOutputStream::VarintSize32(chunk_tag) + CodedOutputStream::VarintSize64(chunk_size) +
+                      fields_size + data_head;
+  grpc::Slice slice(head + n);  // uninitialised: every byte is written below
+  auto* at = const_cast<uint8_t*>(slice.begin());
+  at = CodedOutputStream::WriteVarint32ToArray(chunk_tag, at);
+  at = CodedOutputStream::WriteVarint64ToArray(chunk_size, at);
+  at = fields.SerializeWithCachedSizesToArray(at);
+  if (n > 0) {
+    at = CodedOutputStream::WriteVarint32ToArray(data_tag, at);
+    at = CodedOutputStream::WriteVarint64ToArray(n, at);
+    if (absl::Status filled = fill(at); !filled.ok()) return filled;
+  }
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+bool ReadSequenceChunk(const grpc::ByteBuffer& message, std::vector<grpc::Slice>* slices, v1::SequenceChunk* fields,
+                       InlineBytes* data) {
+  slices->clear();
+  if (!message.Dump(slices).ok()) return false;
+  *data = InlineBytes();
+  SliceCursor in(*slices);
+  std::string kept, ignored;  // the chunk's other fields, re-encoded as they came, for protobuf; unknown fields
+  bool seen_chunk = false;
+  const uint32_t data_tag = LengthDelimitedTag(v1::SequenceChunk::kDataFieldNumber);
+  while (!in.AtEnd()) {
+    uint64_t tag = 0, len = 0;
+    if (!in.ReadVarint(&tag) || tag > UINT32_MAX || (tag >> 3) == 0) return false;
+    if (tag != LengthDelimitedTag(v1::ImportSequenceRequest::kChunkFieldNumber)) {
+      if (!KeepField(in, tag, &ignored)) return false;  // protobuf would skip it as unknown
+      continue;
+    }
+    if (seen_chunk || !in.ReadVarint(&len)) return false;  // a repeated chunk's parts merge: protobuf's job
+    seen_chunk = true;
+    const uint64_t end = in.position() + len;
+    while (in.position() < end) {
+      if (!in.ReadVarint(&tag) || tag > UINT32_MAX || (tag >> 3) == 0) return false;
+      if (tag != data_tag) {
+        if (!KeepField(in, tag, &kept)) return false;
+        continue;
+      }
+      uint64_t n = 0;
+      if (data->present || !in.ReadVarint(&n) || n > end - std::min(end, in.position())) return false;
+      data->present = true;
+      data->size = n;
+      if (!in.Take(n, &data->pieces, nullptr)) return false;
+    }
+    if (in.position() != end) return false;  // a field ran past the chunk's end
+  }
+  fields->Clear();
+  return fields->ParseFromString(kept);
+}
+
 bool ParseSmallFields(const grpc::ByteBuffer& message, MessageLite* out, uint32_t max_field_bytes) {
   grpc::ByteBuffer view(message);  // shares the slices; the reader below needs a mutable buffer
   grpc::ProtoBufferReader reader(&view);

@@ -1,7 +1,7 @@
 // ExportSequence and ImportSequence (docs/sequences.md, "Moving a sequence"): a sequence's rows streamed out of this
 // server, and a stream of them taken in as a new sequence. The rows go in a fixed order (layer 0 K, layer 0 V,
 // layer 1 K, ..., each from token 0), so the importer knows where every chunk belongs and that none is missing; one
-// chunk is in memory at a time on either side.
+// or two chunks are in memory at a time on either side.
 //
 // Both streams are bounded as a ForwardStream's upload is: a stream that makes no progress (a chunk read, a chunk's
 // write completed) for --stream_idle_timeout_s ends DEADLINE_EXCEEDED, and an import must arrive whole within
@@ -13,10 +13,12 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "attnd/transport/zero_copy.h"
 #include "call_observer.h"
 #include "core_messages.h"
 #include "grpc_status.h"
@@ -107,13 +109,21 @@ class Bounded {
   std::unique_ptr<grpc::Alarm> alarm_ ABSL_GUARDED_BY(mu_);
 };
 
-class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceResponse>, public Bounded {
+// Raw (ByteBuffer) messages: each chunk is built in one slice that its rows are read into straight from the pages
+// (SerializeSequenceChunk), and the next chunk is read while the previous one is being written, so two chunks are
+// in memory at a time.
+class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public Bounded {
  public:
   ExportReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, const std::string& owner,
-                const v1::ExportSequenceRequest& request, uint64_t stream_chunk_bytes, absl::Duration idle,
+                const grpc::ByteBuffer* request_bytes, uint64_t stream_chunk_bytes, absl::Duration idle,
                 absl::Time start)
       : Bounded(idle, absl::InfiniteFuture()), ctx_(ctx), sequences_(sequences), start_(start) {
-    absl::StatusOr<MovingSequence> held = sequences_->BeginExport(owner, request.sequence_id());
+    v1::ExportSequenceRequest request;
+    grpc::ByteBuffer copy(*request_bytes);  // shares the slices; parsing consumes the buffer it is given
+    absl::StatusOr<MovingSequence> held =
+        grpc::SerializationTraits<v1::ExportSequenceRequest>::Deserialize(&copy, &request).ok()
+            ? sequences_->BeginExport(owner, request.sequence_id())
+            : absl::InvalidArgumentError("request: not an ExportSequenceRequest");
     if (!held.ok()) {
       LogOutcome("ExportSequence", "", held.status(), start_);
       Finish(ToGrpcStatus(held.status()));
@@ -124,9 +134,19 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceRe
     const uint64_t want = request.chunk_bytes() == 0 ? stream_chunk_bytes
                                                      : std::min<uint64_t>(request.chunk_bytes(), stream_chunk_bytes);
     chunk_rows_ = std::max<int64_t>(1, static_cast<int64_t>(want / moving_.row_bytes()));
-    *out_.mutable_chunk()->mutable_sequence() = SequenceHeaderToProto(moving_);
+    v1::SequenceChunk header;
+    *header.mutable_sequence() = SequenceHeaderToProto(moving_);
+    absl::StatusOr<grpc::ByteBuffer> first =
+        SerializeSequenceChunk(header, 0, [](uint8_t*) { return absl::OkStatus(); });
     StartClock(start_);
+    absl::MutexLock lock(&mu_);
+    if (!first.ok()) {
+      End(first.status());
+      return;
+    }
+    out_ = *std::move(first);
     StartWrite(&out_);
+    ReadNext();
   }
 
   void OnWriteDone(bool ok) override {
@@ -135,20 +155,11 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceRe
       return End(expired_.ok() ? absl::CancelledError("the export stream broke before its last chunk") : expired_);
     }
     Progress();
-    out_.Clear();
-    if (!cursor_.Settle(moving_)) return End(absl::OkStatus());
-    const int64_t rows = std::min(chunk_rows_, moving_.lengths[cursor_.layer] - cursor_.next);
-    v1::SequenceChunk& chunk = *out_.mutable_chunk();
-    chunk.set_layer(cursor_.layer);
-    chunk.set_kv(cursor_.kv);
-    chunk.set_first_token(cursor_.next);
-    std::string* data = chunk.mutable_data();
-    data->resize(static_cast<size_t>(rows) * moving_.row_bytes());
-    const absl::Status read = sequences_->ReadRows(moving_, cursor_.layer, cursor_.kv, cursor_.next, rows,
-                                                   reinterpret_cast<uint8_t*>(data->data()));
-    if (!read.ok()) return End(read);
-    cursor_.next += rows;
+    if (!more_) return End(absl::OkStatus());
+    if (!next_.ok()) return End(next_.status());
+    out_ = *std::move(next_);
     StartWrite(&out_);
+    ReadNext();  // while that chunk is written
   }
 
   void OnDone() override {
@@ -157,6 +168,21 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceRe
   }
 
  private:
+  // The chunk after the one being written, from the cursor (more_ false: the rows are all sent).
+  void ReadNext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    more_ = cursor_.Settle(moving_);
+    if (!more_) return;
+    const int64_t rows = std::min(chunk_rows_, moving_.lengths[cursor_.layer] - cursor_.next);
+    v1::SequenceChunk fields;
+    fields.set_layer(cursor_.layer);
+    fields.set_kv(cursor_.kv);
+    fields.set_first_token(cursor_.next);
+    next_ = SerializeSequenceChunk(fields, static_cast<size_t>(rows) * moving_.row_bytes(), [&](uint8_t* dst) {
+      return sequences_->ReadRows(moving_, cursor_.layer, cursor_.kv, cursor_.next, rows, dst);
+    });
+    cursor_.next += rows;
+  }
+
   // A write is pending: cancelling the call completes it (not ok), and OnWriteDone ends the stream with `why`.
   void Expired(const absl::Status& why) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     expired_ = why;
@@ -174,14 +200,18 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceRe
   MovingSequence moving_;
   absl::Status expired_ ABSL_GUARDED_BY(mu_);
   int64_t chunk_rows_ = 1;
-  RowCursor cursor_;
-  v1::ExportSequenceResponse out_;
+  RowCursor cursor_ ABSL_GUARDED_BY(mu_);
+  grpc::ByteBuffer out_ ABSL_GUARDED_BY(mu_);               // being written
+  absl::StatusOr<grpc::ByteBuffer> next_ ABSL_GUARDED_BY(mu_);  // read ahead (or why it could not be)
+  bool more_ ABSL_GUARDED_BY(mu_) = false;                   // next_ holds rows still to send
 };
 
-class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSequenceRequest>, public Bounded {
+// Raw (ByteBuffer) messages: a chunk's rows are copied from the message's slices straight into the pages
+// (ReadSequenceChunk), not parsed into a string first, while the next chunk is read: two chunks are held at a time.
+class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, public Bounded {
  public:
   ImportReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, std::string owner,
-                v1::ImportSequenceResponse* response, absl::Duration idle, absl::Duration upload, absl::Time start)
+                grpc::ByteBuffer* response, absl::Duration idle, absl::Duration upload, absl::Time start)
       : Bounded(idle, upload > absl::ZeroDuration() ? start + upload : absl::InfiniteFuture()),
         ctx_(ctx),
         sequences_(sequences),
@@ -197,9 +227,10 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSequenceReq
     if (finished_) return;  // ended by its bound while this read was pending
     if (!ok) return Complete();
     Progress();
+    reading_ = false;
     const absl::Status taken = Take();
     if (!taken.ok()) return End(taken);
-    StartRead(&in_);
+    ReadNext();
   }
 
   void OnDone() override {
@@ -210,9 +241,27 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSequenceReq
  private:
   void Expired(const absl::Status& why) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { End(why); }
 
+  void ReadNext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (reading_) return;
+    reading_ = true;
+    StartRead(&in_);
+  }
+
   // One chunk: the header (the first), else rows where the cursor says.
-  absl::Status Take() {
-    const v1::SequenceChunk& chunk = in_.chunk();
+  absl::Status Take() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    v1::SequenceChunk chunk;
+    InlineBytes data;
+    v1::ImportSequenceRequest parsed;  // only for a message in another encoding than ReadSequenceChunk's
+    if (!ReadSequenceChunk(in_, &slices_, &chunk, &data)) {
+      grpc::ByteBuffer copy(in_);  // shares the slices; parsing consumes the buffer it is given
+      if (!grpc::SerializationTraits<v1::ImportSequenceRequest>::Deserialize(&copy, &parsed).ok()) {
+        return absl::InvalidArgumentError("chunk: not an ImportSequenceRequest");
+      }
+      chunk = parsed.chunk();
+      data = InlineBytes();
+      data.size = chunk.data().size();
+      data.pieces.emplace_back(reinterpret_cast<const uint8_t*>(chunk.data().data()), chunk.data().size());
+    }
     if (!held_) {
       if (!chunk.has_sequence()) return absl::InvalidArgumentError("sequence: the first chunk carries the header");
       absl::StatusOr<ImportArgs> args = ImportArgsFromProto(chunk.sequence());
@@ -232,14 +281,15 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSequenceReq
                                                      chunk.layer(), " kv ", chunk.kv(), " from token ",
                                                      chunk.first_token(), " (rows go in the export's order)"));
     }
-    const uint64_t bytes = chunk.data().size();
+    const uint64_t bytes = data.size;
     if (bytes == 0 || bytes % moving_.row_bytes() != 0) {
       return absl::InvalidArgumentError(absl::StrCat("data: ", bytes, " bytes is not a whole number of rows of ",
                                                      moving_.row_bytes(), " bytes"));
     }
     const int64_t rows = static_cast<int64_t>(bytes / moving_.row_bytes());
-    ATTND_RETURN_IF_ERROR(sequences_->WriteRows(moving_, cursor_.layer, cursor_.kv, cursor_.next, rows,
-                                                reinterpret_cast<const uint8_t*>(chunk.data().data())));
+    // The next chunk arrives while these rows go into the pages: they are read from slices_ (or `parsed`), not in_.
+    ReadNext();
+    ATTND_RETURN_IF_ERROR(sequences_->WriteRows(moving_, cursor_.layer, cursor_.kv, cursor_.next, rows, data.pieces));
     cursor_.next += rows;
     return absl::OkStatus();
   }
@@ -254,9 +304,14 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSequenceReq
     held_ = false;
     absl::StatusOr<OpenedSequences> opened = sequences_->EndImport(moving_, true);
     if (opened.ok()) {
-      response_->set_sequence_id(opened->sequence_ids.front());
-      response_->set_max_tokens(opened->max_tokens);
-      response_->set_page_tokens(opened->page_tokens);
+      v1::ImportSequenceResponse answer;
+      answer.set_sequence_id(opened->sequence_ids.front());
+      answer.set_max_tokens(opened->max_tokens);
+      answer.set_page_tokens(opened->page_tokens);
+      bool own = false;
+      if (!grpc::SerializationTraits<v1::ImportSequenceResponse>::Serialize(answer, response_, &own).ok()) {
+        opened = absl::InternalError("ImportSequence: the answer did not serialise");
+      }
     }
     End(opened.status());
   }
@@ -272,25 +327,27 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSequenceReq
   grpc::CallbackServerContext* const ctx_;
   Sequences* const sequences_;
   const std::string owner_;
-  v1::ImportSequenceResponse* const response_;
+  grpc::ByteBuffer* const response_;
   const absl::Time start_;
   MovingSequence moving_;
   bool held_ = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool reading_ ABSL_GUARDED_BY(mu_) = true;  // a read is pending (the constructor's first)
   RowCursor cursor_;
-  v1::ImportSequenceRequest in_;
+  grpc::ByteBuffer in_;
+  std::vector<grpc::Slice> slices_;  // the chunk being taken's, which its data pieces point into
 };
 
 }  // namespace
 
-grpc::ServerWriteReactor<v1::ExportSequenceResponse>* AttentionService::ExportSequence(
-    grpc::CallbackServerContext* ctx, const v1::ExportSequenceRequest* request) {
-  return new ExportReactor(ctx, sequences_, OwnerOf(ctx), *request, stream_chunk_bytes(),
+grpc::ServerWriteReactor<grpc::ByteBuffer>* AttentionService::ExportSequence(grpc::CallbackServerContext* ctx,
+                                                                            const grpc::ByteBuffer* request) {
+  return new ExportReactor(ctx, sequences_, OwnerOf(ctx), request, stream_chunk_bytes(),
                            stream_idle_timeout(), absl::Now());
 }
 
-grpc::ServerReadReactor<v1::ImportSequenceRequest>* AttentionService::ImportSequence(grpc::CallbackServerContext* ctx,
-                                                                            v1::ImportSequenceResponse* response) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* AttentionService::ImportSequence(grpc::CallbackServerContext* ctx,
+                                                                        grpc::ByteBuffer* response) {
   return new ImportReactor(ctx, sequences_, OwnerOf(ctx), response, stream_idle_timeout(), upload_timeout(),
                            absl::Now());
 }

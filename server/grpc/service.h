@@ -50,13 +50,14 @@ class ReceivingSlots {
   std::atomic<uint32_t> total_{0};
 };
 
-// The proto's two streams on the callback API, ForwardStream raw (ByteBuffer messages) so that its chunks are read
-// with one copy and written by reference (attnd/transport/zero_copy.h). Every other method is unary in the proto
-// and served as a stream of one message each way (bounded_unary.h), marked so in the constructor: the server
-// then sees a call from its headers on and bounds its upload (--upload_timeout_s). The wire format is unchanged.
+// The proto's streams on the callback API; ForwardStream, ExportSequence and ImportSequence raw (ByteBuffer
+// messages) so that their chunks are read and written with one copy of their bytes (attnd/transport/zero_copy.h).
+// Every other method is unary in the proto and served as a stream of one message each way (bounded_unary.h), marked
+// so in the constructor: the server then sees a call from its headers on and bounds its upload
+// (--upload_timeout_s). The wire format is unchanged.
 using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_ForwardStream<
-    v1::Attention::WithCallbackMethod_StepStream<v1::Attention::WithCallbackMethod_ExportSequence<
-        v1::Attention::WithCallbackMethod_ImportSequence<v1::Attention::Service>>>>;
+    v1::Attention::WithCallbackMethod_StepStream<v1::Attention::WithRawCallbackMethod_ExportSequence<
+        v1::Attention::WithRawCallbackMethod_ImportSequence<v1::Attention::Service>>>>;
 
 class AttentionService final : public AttentionServiceBase {
  public:
@@ -68,11 +69,11 @@ class AttentionService final : public AttentionServiceBase {
   // KV sequences' steps over a stream (sequence_service.cc).
   grpc::ServerBidiReactor<v1::StepStreamRequest, v1::StepStreamResponse>* StepStream(
       grpc::CallbackServerContext* ctx) override;
-  // sequence_moves.cc: a sequence's rows out of this server and into it.
-  grpc::ServerWriteReactor<v1::ExportSequenceResponse>* ExportSequence(
-      grpc::CallbackServerContext* ctx, const v1::ExportSequenceRequest* request) override;
-  grpc::ServerReadReactor<v1::ImportSequenceRequest>* ImportSequence(grpc::CallbackServerContext* ctx,
-                                                                     v1::ImportSequenceResponse* response) override;
+  // sequence_moves.cc: a sequence's rows out of this server and into it, raw (their rows are copied once each way).
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* ExportSequence(grpc::CallbackServerContext* ctx,
+                                                             const grpc::ByteBuffer* request) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* ImportSequence(grpc::CallbackServerContext* ctx,
+                                                            grpc::ByteBuffer* response) override;
 
   // The unary methods, each answering through `done` (Forward and Step, whose answer comes from the backend) or
   // by its return value (the rest), with the response filled when OK.

@@ -44,6 +44,10 @@ class ForwardingBackend : public server::Backend {
                           int64_t first, int64_t rows, bool to_host, uint8_t* host) override {
     return inner_->CopyKvRows(pool, pages, layer, kv, first, rows, to_host, host);
   }
+  absl::Status WriteKvRows(const server::KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv,
+                           int64_t first, int64_t rows, server::HostPieces src) override {
+    return inner_->WriteKvRows(pool, pages, layer, kv, first, rows, src);
+  }
   bool device_order() const override { return inner_->device_order(); }
   absl::StatusOr<MappedHostMemory> MapHostMemory(void* page, size_t bytes) override {
     return inner_->MapHostMemory(page, bytes);

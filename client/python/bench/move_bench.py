@@ -6,7 +6,9 @@ there. Reports the moves' rate (K and V bytes over wall time, and with torch on 
 device-to-device copy rate) and time per sequence, checks that every sequence
 answers the same query with the same O on B as it did on A (bit for bit: same rows, same kernel), and times decode
 steps on B. Both servers must advertise their addresses (--advertise_address), which are what --source and --dest
-name.
+name. With --warm, one sequence of the shape stays open on each server for the run (so each keeps its page pool) and
+the sequences move to B and back untimed first, so that the timed moves write pages B has written before: a CPU
+backend's fresh pool faults each page in on its first write, which a GPU's memory does not.
 
   python3 client/python/bench/move_bench.py --source 127.0.0.1:50051 --dest 127.0.0.1:50052 --layers 32 \\
       --context 2048 --sequences 8
@@ -60,12 +62,14 @@ def main():
     ap.add_argument("--head-dim", dest="head_dim", type=int, default=128)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--warm", action="store_true", help="time moves into pages the destination has written before")
     ap.add_argument("--json")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     kv_row = a.kv_heads * a.head_dim
     with attnd.Client(a.source) as c:
         seqs = c.open_sequence(layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim, count=a.sequences)
+        warm = []  # --warm: (client, sequence) keeping each server's pool
         try:
             # Prefill: every layer, all sequences in one append-only step per chunk of at most 64 MiB of K.
             chunk = max(1, min(a.context, (64 << 20) // (2 * kv_row * a.sequences)))
@@ -79,6 +83,15 @@ def main():
             q = bf16(rng, (a.sequences, a.q_heads, a.head_dim))
             probe = [0, a.layers - 1]
             before = {l: c.step(l, seqs, q=q, q_heads=a.q_heads, dtype="bf16") for l in probe}
+
+            if a.warm:
+                for x in (a.source, a.dest):
+                    wc = attnd.Client(x)
+                    warm.append((wc, wc.open_sequence(layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim)))
+                for s in seqs:
+                    s.move(a.dest)
+                for s in seqs:
+                    s.move(a.source)
 
             per = []
             t0 = time.perf_counter()
@@ -103,6 +116,9 @@ def main():
                 lat.append(time.perf_counter() - s0)
         finally:
             c.close_sequences(seqs)
+            for wc, ws in warm:
+                ws.close()
+                wc.close()
     out = {
         "sequences": a.sequences, "layers": a.layers, "context": a.context, "kv_heads": a.kv_heads,
         "head_dim": a.head_dim, "prefill_s": prefill_s, "moved_bytes": moved_bytes, "move_s": move_s,

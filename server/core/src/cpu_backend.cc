@@ -260,6 +260,17 @@ absl::Status CpuBackend::CopyKvRows(const KvPool& pool, absl::Span<const int32_t
   return absl::OkStatus();
 }
 
+absl::Status CpuBackend::WriteKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv,
+                                     int64_t first, int64_t rows, HostPieces src) {
+  uint8_t* const data = static_cast<const CpuKvPool&>(pool).bytes();
+  PieceReader in(src);
+  bool whole = true;
+  // The runs come in the rows' order, so each continues the pieces where the last one ended.
+  ForEachKvRowRun(pool, pages, layer, kv, first, rows,
+                  [&](uint64_t at, uint64_t bytes, uint64_t) { whole = whole && in.Read(data + at, bytes); });
+  return whole ? absl::OkStatus() : absl::InternalError("kv rows: fewer bytes than rows");
+}
+
 absl::Status CpuBackend::SubmitSteps(std::unique_ptr<StepBatch> batch) {
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the server is shutting down");

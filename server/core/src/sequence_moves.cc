@@ -66,9 +66,20 @@ absl::Status Sequences::ReadRows(const MovingSequence& m, int layer, int kv, int
 
 absl::Status Sequences::WriteRows(const MovingSequence& m, int layer, int kv, int64_t first, int64_t rows,
                                   const uint8_t* src) {
+  const absl::Span<const uint8_t> whole(src, static_cast<size_t>(std::max<int64_t>(rows, 0)) * m.row_bytes());
+  return WriteRows(m, layer, kv, first, rows, HostPieces(&whole, 1));
+}
+
+absl::Status Sequences::WriteRows(const MovingSequence& m, int layer, int kv, int64_t first, int64_t rows,
+                                  HostPieces src) {
   ATTND_RETURN_IF_ERROR(CheckRows(m, layer, kv, first, rows));
   if (rows == 0) return absl::OkStatus();
-  return backend_->CopyKvRows(*m.pool, m.pages, layer, kv, first, rows, /*to_host=*/false, const_cast<uint8_t*>(src));
+  uint64_t bytes = 0;
+  for (const absl::Span<const uint8_t>& p : src) bytes += p.size();
+  if (bytes != static_cast<uint64_t>(rows) * m.row_bytes()) {
+    return Invalid("data", absl::StrCat(bytes, " bytes for ", rows, " rows of ", m.row_bytes(), " bytes"));
+  }
+  return backend_->WriteKvRows(*m.pool, m.pages, layer, kv, first, rows, src);
 }
 
 absl::StatusOr<MovingSequence> Sequences::BeginImport(const std::string& owner, const ImportArgs& header) {

@@ -148,13 +148,21 @@ TEST_F(SequencesTest, AnExportHoldsItsSequenceAndAnImportOpensItWhole) {
                       .ok());
       // The parent's history, less the token it appended after the fork at layer 0.
       EXPECT_EQ(rows, (kv == 0 ? h.k : h.v)[layer].substr(0, rows.size())) << "layer " << layer << " kv " << kv;
-      // In two writes, the second not page-aligned.
-      ASSERT_TRUE(core->WriteRows(*in, layer, kv, 0, 5, reinterpret_cast<const uint8_t*>(rows.data())).ok());
-      ASSERT_TRUE(core->WriteRows(*in, layer, kv, 5, held->lengths[layer] - 5,
-                                  reinterpret_cast<const uint8_t*>(rows.data() + 5 * held->row_bytes()))
-                      .ok());
+      // In two writes, the second not page-aligned and from pieces that cut rows anywhere, as a received
+      // message's slices do.
+      const auto* bytes = reinterpret_cast<const uint8_t*>(rows.data());
+      ASSERT_TRUE(core->WriteRows(*in, layer, kv, 0, 5, bytes).ok());
+      std::vector<absl::Span<const uint8_t>> pieces;
+      for (size_t at = 5 * held->row_bytes(), cut = 1; at < rows.size(); at += cut, cut = cut * 3 + 1) {
+        pieces.emplace_back(bytes + at, std::min(cut, rows.size() - at));
+      }
+      ASSERT_TRUE(core->WriteRows(*in, layer, kv, 5, held->lengths[layer] - 5, pieces).ok());
     }
   }
+  const std::string one_row(held->row_bytes(), '\0');
+  const absl::Span<const uint8_t> short_piece(reinterpret_cast<const uint8_t*>(one_row.data()), one_row.size());
+  ExpectStatus(core->WriteRows(*in, 0, 0, 0, 2, server::HostPieces(&short_piece, 1)),
+               absl::StatusCode::kInvalidArgument, "data: ");
   ExpectStatus(core->WriteRows(*in, 0, 0, 15, 6, nullptr), absl::StatusCode::kInvalidArgument, "first_token: ");
   ExpectStatus(core->WriteRows(*in, 0, 2, 0, 1, nullptr), absl::StatusCode::kInvalidArgument, "kv: ");
   // Not yet opened: its owner cannot step it.

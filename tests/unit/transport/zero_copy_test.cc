@@ -1,6 +1,6 @@
 // attnd/transport/zero_copy.h: the bytes gRPC sends are exactly protobuf's serialisation, the tensors are not copied,
-// a message is kept alive by its slices and released with them, and a chunk or a Forward request read straight
-// from the slices matches what protobuf parses (or is left to protobuf).
+// a message is kept alive by its slices and released with them, and a chunk (of a ForwardStream, of a sequence's
+// rows) or a Forward request read straight from the slices matches what protobuf parses (or is left to protobuf).
 #include "attnd/transport/zero_copy.h"
 
 #include <algorithm>
@@ -496,6 +496,101 @@ TEST(ReadForwardResponse, OAndLseGoIntoTheCallersMemoryAndTheRestToProtobuf) {
       EXPECT_EQ(memory.substr(0, room), std::string(room, '\x5a'));
     }
     EXPECT_EQ(memory.back(), '\x5a');
+  }
+}
+
+
+// A chunk of rows as the exporter sends it, for the sequence-chunk tests.
+v1::ExportSequenceResponse RowsChunk(int64_t layer, int32_t kv, int64_t first, const std::string& data) {
+  v1::ExportSequenceResponse m;
+  m.mutable_chunk()->set_layer(layer);
+  m.mutable_chunk()->set_kv(kv);
+  m.mutable_chunk()->set_first_token(first);
+  m.mutable_chunk()->set_data(data);
+  return m;
+}
+
+TEST(SerializeSequenceChunk, SameBytesAsProtobufInOneSliceWithTheDataWrittenInPlace) {
+  const std::string rows = RandomTensor(DType::kBF16, 3 * 1024, 8);
+  v1::ExportSequenceResponse header;
+  header.mutable_chunk()->mutable_sequence()->set_max_tokens(4096);
+  header.mutable_chunk()->mutable_sequence()->add_lengths(40);
+  for (const v1::ExportSequenceResponse& want :
+       {header, RowsChunk(0, 0, 0, rows), RowsChunk(3, 1, 1 << 20, rows), RowsChunk(1, 0, 5, rows.substr(0, 2))}) {
+    v1::SequenceChunk fields = want.chunk();
+    const std::string data = fields.data();
+    fields.clear_data();
+    absl::StatusOr<grpc::ByteBuffer> buf = SerializeSequenceChunk(fields, data.size(), [&](uint8_t* at) {
+      std::copy(data.begin(), data.end(), at);
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(buf.ok()) << buf.status();
+    std::vector<grpc::Slice> slices;
+    EXPECT_EQ(Flatten(*buf, &slices), want.SerializeAsString());
+    EXPECT_EQ(slices.size(), 1u);
+  }
+  // The fill's refusal is the answer.
+  absl::StatusOr<grpc::ByteBuffer> refused =
+      SerializeSequenceChunk(v1::SequenceChunk(), 8, [](uint8_t*) { return absl::DataLossError("no rows"); });
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss);
+}
+
+// `chunk` (SequenceChunk bytes) as the chunk field of an ExportSequenceResponse / ImportSequenceRequest.
+std::string WrapChunk(const std::string& chunk) {
+  std::string out("\x0a", 1);
+  for (uint64_t v = chunk.size();; v >>= 7) {
+    out.push_back(static_cast<char>((v & 0x7f) | (v >= 0x80 ? 0x80 : 0)));
+    if (v < 0x80) break;
+  }
+  return out + chunk;
+}
+
+TEST(ReadSequenceChunk, LeavesTheRowsInTheSlicesAndParsesTheRest) {
+  const std::string rows = RandomTensor(DType::kBF16, 5000, 9);
+  const v1::ExportSequenceResponse sent = RowsChunk(2, 1, 300, rows);
+  v1::SequenceChunk want = sent.chunk();
+  want.clear_data();
+  v1::SequenceChunk data_only;
+  data_only.set_data(rows);
+  // Protobuf's bytes cut into slices of several sizes (1 byte: every varint straddles a boundary); and the data
+  // before the other fields, after an unknown top-level field (field 7, varint 7), which protobuf skips.
+  std::vector<grpc::ByteBuffer> inputs;
+  for (size_t cut : {size_t{1}, size_t{3}, size_t{4096}, size_t{1} << 20}) {
+    inputs.push_back(Sliced(sent.SerializeAsString(), cut));
+  }
+  inputs.push_back(
+      Sliced(std::string("\x38\x07", 2) + WrapChunk(data_only.SerializeAsString() + want.SerializeAsString()), 5));
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    SCOPED_TRACE(testing::Message() << "input " << i);
+    v1::SequenceChunk got;
+    InlineBytes data;
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(ReadSequenceChunk(inputs[i], &slices, &got, &data));
+    EXPECT_EQ(got.SerializeAsString(), want.SerializeAsString());
+    EXPECT_TRUE(data.present);
+    EXPECT_EQ(data.size, rows.size());
+    EXPECT_TRUE(Joined(data) == rows);
+    EXPECT_TRUE(InSlices(data, slices));
+  }
+}
+
+TEST(ReadSequenceChunk, RepeatedPartsAndBrokenBytesAreLeftToProtobuf) {
+  const std::string one = RowsChunk(0, 0, 0, "abcd").SerializeAsString();
+  v1::SequenceChunk a, b;
+  a.set_data("abcd");
+  b.set_data("efgh");
+  const std::string inputs[] = {
+      one + one,                                                 // the chunk twice: protobuf merges them
+      WrapChunk(a.SerializeAsString() + b.SerializeAsString()),  // its data twice: protobuf keeps the last
+      one.substr(0, one.size() - 1),                             // cut short
+      std::string("\x0a\x05\x2a\x09", 4) + "abcdefghi",          // data running past the chunk's end
+  };
+  for (const std::string& bytes : inputs) {
+    grpc::ByteBuffer buf = Sliced(bytes, 3);
+    v1::SequenceChunk got;
+    InlineBytes data;
+    std::vector<grpc::Slice> slices;
+    EXPECT_FALSE(ReadSequenceChunk(buf, &slices, &got, &data)) << testing::PrintToString(bytes);
   }
 }
 

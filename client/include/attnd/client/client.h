@@ -356,8 +356,9 @@ class Client {
   static absl::StatusOr<ForwardResult> Completed(const Outgoing& sent, ForwardResult res, Transport t,
                                                  absl::Time start);
   Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
-  // The stub for calls about sequences pinned to `address` ("" or the target: the main one).
+  // The stub for calls about sequences pinned to `address` ("" or the target: the main one), and its channel.
   absl::StatusOr<v1::Attention::Stub*> StubFor(const std::string& address);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> ChannelFor(const std::string& address);
   // OpenSequence on the first server that has room (over a fleet, each RESOURCE_EXHAUSTED tries the next).
   absl::StatusOr<v1::OpenSequenceResponse> PlaceSequences(const v1::OpenSequenceRequest& request,
                                                           const CallOptions& call);
@@ -400,7 +401,11 @@ class Client {
   std::unique_ptr<v1::Attention::Stub> stub_;
   std::unique_ptr<grpc::GenericStub> generic_;  // Forward and ForwardStream with tensors by reference (zero_copy.h)
   absl::Mutex pinned_mu_;
-  absl::flat_hash_map<std::string, std::unique_ptr<v1::Attention::Stub>> pinned_ ABSL_GUARDED_BY(pinned_mu_);
+  struct Pinned {
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<v1::Attention::Stub> stub;
+  };
+  absl::flat_hash_map<std::string, Pinned> pinned_ ABSL_GUARDED_BY(pinned_mu_);
   absl::Mutex shm_mu_;
   std::vector<std::unique_ptr<ShmChannel>> shm_free_ ABSL_GUARDED_BY(shm_mu_);  // idle channels
   mutable absl::Mutex info_mu_;

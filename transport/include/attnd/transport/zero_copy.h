@@ -91,6 +91,21 @@ bool ReadForwardRequest(const grpc::ByteBuffer& message, std::vector<grpc::Slice
 absl::Status ReadForwardResponse(const grpc::ByteBuffer& message, v1::ForwardResponse* header, absl::Span<char> o,
                                  absl::Span<char> lse, uint64_t* o_size, uint64_t* lse_size);
 
+// An ExportSequenceResponse, which is also an ImportSequenceRequest (both hold `SequenceChunk chunk = 1`): `fields`
+// (a chunk without data) and `n` bytes of data, in one slice whose data `fill` writes in place, so that a sequence's
+// rows go from its pages into the message in one copy. The same bytes as protobuf's serialisation of that message.
+// fill's error is returned as is.
+absl::StatusOr<grpc::ByteBuffer> SerializeSequenceChunk(const v1::SequenceChunk& fields, size_t n,
+                                                        absl::FunctionRef<absl::Status(uint8_t*)> fill);
+
+// Reads an ImportSequenceRequest (or ExportSequenceResponse) without copying the chunk's data: `fields` gets every
+// other field of the chunk (parsed by protobuf), and `data` where the data bytes lie in `slices`, which receives the
+// message's slices and must stay alive and unchanged while the pieces are used (as ReadForwardRequest's). False,
+// with the outputs unspecified, when the bytes are not a well-formed message or the chunk or its data repeats
+// (protobuf would merge or keep the last): parse the message with protobuf instead, which also reports what is wrong.
+bool ReadSequenceChunk(const grpc::ByteBuffer& message, std::vector<grpc::Slice>* slices, v1::SequenceChunk* fields,
+                       InlineBytes* data);
+
 // Parses `message` into `out` leaving out every top-level length-delimited field longer than
 // `max_field_bytes` (the tensors), which are skipped, not copied: to look at a request's or reply's
 // header fields cheaply. False if the bytes are not a well-formed message.

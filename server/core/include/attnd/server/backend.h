@@ -274,6 +274,19 @@ class Backend {
     (void)pool, (void)pages, (void)layer, (void)kv, (void)first, (void)rows, (void)to_host, (void)host;
     return absl::UnimplementedError(absl::StrCat("moving sequences is not available on the ", name(), " backend"));
   }
+  // The same copy into the pool from bytes in pieces (`src` holds exactly the rows' bytes, in order). Backends copy
+  // from the pieces where they lie; this default gathers them first (one piece: used as is).
+  virtual absl::Status WriteKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv,
+                                   int64_t first, int64_t rows, HostPieces src) {
+    if (src.size() == 1) {
+      return CopyKvRows(pool, pages, layer, kv, first, rows, false, const_cast<uint8_t*>(src[0].data()));
+    }
+    std::string gathered(static_cast<size_t>(rows) * pool.shape().row_bytes(), '\0');
+    if (!PieceReader(src).Read(reinterpret_cast<uint8_t*>(gathered.data()), gathered.size())) {
+      return absl::InternalError("kv rows: fewer bytes than rows");
+    }
+    return CopyKvRows(pool, pages, layer, kv, first, rows, false, reinterpret_cast<uint8_t*>(gathered.data()));
+  }
   // Steps ordered on a caller's stream by the device (StepJob::device_order): whether the backend runs them, and
   // the device address of `bytes` of host memory at `page` (page-aligned; a shared-memory channel's header) for
   // their words, mapped until the returned hold is dropped (after the last step that names it has ended).

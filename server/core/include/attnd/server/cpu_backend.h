@@ -55,6 +55,8 @@ class CpuBackend final : public Backend {
                                                      int32_t num_pages) override;
   absl::Status CopyKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
                           int64_t rows, bool to_host, uint8_t* host) override;
+  absl::Status WriteKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
+                           int64_t rows, HostPieces src) override;
   absl::Status SubmitSteps(std::unique_ptr<StepBatch> batch) override;
 
   // Jobs whose computation ran (not those answered DEADLINE_EXCEEDED/CANCELLED before starting).

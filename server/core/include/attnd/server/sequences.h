@@ -103,6 +103,8 @@ class Sequences {
   void EndExport(const MovingSequence& m) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<MovingSequence> BeginImport(const std::string& owner, const ImportArgs& header);
   absl::Status WriteRows(const MovingSequence& m, int layer, int kv, int64_t first, int64_t rows, const uint8_t* src);
+  // The same from bytes in pieces (a received message's slices), which must hold exactly the rows' bytes.
+  absl::Status WriteRows(const MovingSequence& m, int layer, int kv, int64_t first, int64_t rows, HostPieces src);
   absl::StatusOr<OpenedSequences> EndImport(const MovingSequence& m, bool ok) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Called exactly once per Step: on a backend thread with the finished job, or inline with a null job when the

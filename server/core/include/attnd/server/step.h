@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -96,6 +97,34 @@ void ForEachKvRowRun(const KvPool& pool, absl::Span<const int32_t> pages, int la
     t += run;
   }
 }
+
+// Host bytes in pieces, in order: an imported chunk's rows where they lie in the message's slices.
+using HostPieces = absl::Span<const absl::Span<const uint8_t>>;
+
+// Copies bytes out of pieces front to back: each Read continues where the last one ended.
+class PieceReader {
+ public:
+  explicit PieceReader(HostPieces pieces) : pieces_(pieces) {}
+  // The next n bytes into dst; false (with what there was copied) when the pieces hold fewer.
+  bool Read(uint8_t* dst, uint64_t n) {
+    while (n > 0) {
+      if (index_ == pieces_.size()) return false;
+      const absl::Span<const uint8_t> p = pieces_[index_];
+      const uint64_t run = std::min<uint64_t>(n, p.size() - offset_);
+      std::memcpy(dst, p.data() + offset_, run);
+      dst += run;
+      n -= run;
+      offset_ += run;
+      if (offset_ == p.size()) ++index_, offset_ = 0;
+    }
+    return true;
+  }
+
+ private:
+  const HostPieces pieces_;
+  size_t index_ = 0;
+  uint64_t offset_ = 0;
+};
 
 // Copy-on-write: page `from`, every layer's K and V, into page `to`, before the step writes anything.
 struct PageCopy {

@@ -1,0 +1,216 @@
+// MoveSequence's relay (docs/sequences.md, "Moving a sequence"): the chunks of an ExportSequence pass on to an
+// ImportSequence as gRPC delivered them. ExportSequenceResponse and ImportSequenceRequest are the same message on
+// the wire (a SequenceChunk in field 1), so the relay neither parses nor serialises a chunk: each one is the byte
+// buffer read from the exporter, written to the importer by reference to the same slices.
+//
+// Both calls run on gRPC's callback API, so that reading from one server and writing to the other go on in
+// different threads: the socket work of the two hops, most of a move's cost in the client, is not serialised in
+// one. At most kRelayChunks chunks are held. Every decision is taken under mu_ and acted on after it is released
+// (a reaction may run inline from a Start* call); each call is held (AddHold) until no operation will be started
+// on it, so that its OnDone comes after the last one.
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "client_internal.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/support/byte_buffer.h"
+
+namespace attnd::client {
+namespace {
+
+const std::string kExportMethod = absl::StrCat("/", v1::Attention::service_full_name(), "/ExportSequence");
+const std::string kImportMethod = absl::StrCat("/", v1::Attention::service_full_name(), "/ImportSequence");
+
+class Relay {
+ public:
+  Relay(grpc::ClientContext* export_ctx, grpc::ClientContext* import_ctx)
+      : export_ctx_(export_ctx), import_ctx_(import_ctx), export_(this), import_(this) {}
+
+  RelayOutcome Run(grpc::GenericStub* from, grpc::GenericStub* to, const v1::ExportSequenceRequest& request) {
+    bool own = false;
+    if (!grpc::SerializationTraits<v1::ExportSequenceRequest>::Serialize(request, &request_buf_, &own).ok()) {
+      RelayOutcome out;
+      out.exported = absl::InternalError("the export request did not serialise");
+      return out;
+    }
+    from->PrepareBidiStreamingCall(export_ctx_, kExportMethod, grpc::StubOptions(), &export_);
+    to->PrepareBidiStreamingCall(import_ctx_, kImportMethod, grpc::StubOptions(), &import_);
+    export_.AddHold();
+    import_.AddHold();
+    export_.StartWriteLast(&request_buf_, grpc::WriteOptions());
+    export_.StartRead(&incoming_);       // reading_ starts true
+    import_.StartRead(&response_buf_);   // comes back when the importer answers, or ends the call early
+    export_.StartCall();
+    import_.StartCall();
+    export_done_.WaitForNotification();
+    import_done_.WaitForNotification();
+    return Outcome();
+  }
+
+ private:
+  class ExportSide final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+   public:
+    explicit ExportSide(Relay* relay) : relay_(relay) {}
+    void OnReadDone(bool ok) override { relay_->OnChunk(ok); }
+    void OnDone(const grpc::Status& s) override { relay_->OnExportDone(s); }
+
+   private:
+    Relay* const relay_;
+  };
+  class ImportSide final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+   public:
+    explicit ImportSide(Relay* relay) : relay_(relay) {}
+    void OnWriteDone(bool ok) override { relay_->OnWritten(ok); }
+    void OnReadDone(bool ok) override { relay_->OnAnswer(ok); }
+    void OnDone(const grpc::Status& s) override { relay_->OnImportDone(s); }
+
+   private:
+    Relay* const relay_;
+  };
+
+  void OnChunk(bool ok) {
+    {
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+      if (!ok) {
+        export_over_ = true;  // its stream has ended: OnDone says how
+      } else if (!Stopped()) {
+        chunks_.push_back(std::move(incoming_));
+      }
+    }
+    Step();
+  }
+  void OnWritten(bool ok) {
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      chunks_.pop_front();
+      if (!ok) write_failed_ = true;  // the importer has ended the call: its answer's read says so too
+    }
+    Step();
+  }
+  void OnAnswer(bool ok) {
+    {
+      absl::MutexLock lock(&mu_);
+      import_ended_ = true;
+      import_answered_ = ok;
+      // Before the export's end: a refusal (the export is cut short, the sequence stays), or an answer given early.
+      if (!export_over_ && !export_failed_) import_failed_first_ = true;
+    }
+    Step();
+  }
+  void OnExportDone(const grpc::Status& s) {
+    {
+      absl::MutexLock lock(&mu_);
+      export_finished_ = true;
+      exported_ = FromGrpcStatus(s);
+      if (!exported_.ok() && !import_failed_first_) export_failed_ = true;  // the importer frees what it took
+    }
+    Step();
+    export_done_.Notify();
+  }
+  void OnImportDone(const grpc::Status& s) {
+    {
+      absl::MutexLock lock(&mu_);
+      imported_ = FromGrpcStatus(s);
+    }
+    Step();
+    import_done_.Notify();
+  }
+
+  // Nothing more goes to the importer: it has ended the call, or the export failed.
+  bool Stopped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return import_ended_ || write_failed_ || export_failed_; }
+
+  // What the state calls for next, decided under mu_ and started after it.
+  void Step() {
+    grpc::ByteBuffer* write = nullptr;
+    bool read = false, half_close = false, release_export = false, release_import = false;
+    bool cancel_export = false, cancel_import = false;
+    {
+      absl::MutexLock lock(&mu_);
+      const bool stopped = Stopped();
+      if (!reading_ && !export_over_ && !stopped && chunks_.size() < kRelayChunks) read = reading_ = true;
+      if (!writing_ && !chunks_.empty() && !stopped) {
+        writing_ = true;
+        write = &chunks_.front();  // stays put until its OnWriteDone pops it
+      }
+      // The export ended whole and every chunk is written: the import is told so, and its answer follows.
+      if (!half_closed_ && export_finished_ && exported_.ok() && !writing_ && chunks_.empty() && !stopped) {
+        half_close = half_closed_ = true;
+      }
+      if (!import_released_ && (half_closed_ || stopped) && !writing_) release_import = import_released_ = true;
+      if (!export_released_ && (export_over_ || stopped) && !reading_) release_export = export_released_ = true;
+      if (import_failed_first_ && !export_cancelled_) cancel_export = export_cancelled_ = true;
+      if (export_failed_ && !import_cancelled_) cancel_import = import_cancelled_ = true;
+    }
+    if (cancel_export) export_ctx_->TryCancel();
+    if (cancel_import) import_ctx_->TryCancel();
+    if (read) export_.StartRead(&incoming_);
+    if (write != nullptr) import_.StartWrite(write);
+    if (half_close) import_.StartWritesDone();
+    if (release_import) import_.RemoveHold();
+    if (release_export) export_.RemoveHold();
+  }
+
+  RelayOutcome Outcome() {
+    absl::MutexLock lock(&mu_);
+    RelayOutcome out;
+    out.exported = exported_;
+    out.imported = imported_;
+    out.import_failed_first = import_failed_first_;
+    if (import_failed_first_ && out.imported.ok()) {
+      out.imported = absl::InternalError("the import answered before the export ended");
+    } else if (out.imported.ok() && !export_failed_) {
+      if (!import_answered_) {
+        out.imported = absl::InternalError("the import ended OK without its answer");
+      } else if (!grpc::SerializationTraits<v1::ImportSequenceResponse>::Deserialize(&response_buf_, &out.response)
+                      .ok()) {
+        out.imported = absl::InternalError("the import's answer did not parse");
+      }
+    }
+    return out;
+  }
+
+  grpc::ClientContext* const export_ctx_;
+  grpc::ClientContext* const import_ctx_;
+  ExportSide export_;
+  ImportSide import_;
+  grpc::ByteBuffer request_buf_;
+  grpc::ByteBuffer incoming_;      // the pending read from the exporter (reading_)
+  grpc::ByteBuffer response_buf_;  // the importer's answer
+  absl::Notification export_done_, import_done_;  // each call's OnDone has run
+
+  absl::Mutex mu_;
+  std::deque<grpc::ByteBuffer> chunks_ ABSL_GUARDED_BY(mu_);  // read, not yet written; the front one being written
+  bool reading_ ABSL_GUARDED_BY(mu_) = true;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool export_over_ ABSL_GUARDED_BY(mu_) = false;      // the export's stream has ended (a read came back empty)
+  bool export_finished_ ABSL_GUARDED_BY(mu_) = false;  // its status is in
+  bool export_failed_ ABSL_GUARDED_BY(mu_) = false;    // with an error, before the importer ended anything
+  bool import_ended_ ABSL_GUARDED_BY(mu_) = false;     // the importer answered or ended the call
+  bool import_answered_ ABSL_GUARDED_BY(mu_) = false;
+  bool import_failed_first_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
+  bool half_closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool export_released_ ABSL_GUARDED_BY(mu_) = false, import_released_ ABSL_GUARDED_BY(mu_) = false;
+  bool export_cancelled_ ABSL_GUARDED_BY(mu_) = false, import_cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status exported_ ABSL_GUARDED_BY(mu_), imported_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+RelayOutcome RelaySequence(std::shared_ptr<grpc::Channel> from, std::shared_ptr<grpc::Channel> to,
+                           grpc::ClientContext* export_ctx, grpc::ClientContext* import_ctx,
+                           const v1::ExportSequenceRequest& request) {
+  grpc::GenericStub source(std::move(from)), target(std::move(to));
+  return Relay(export_ctx, import_ctx).Run(&source, &target, request);
+}
+
+}  // namespace attnd::client
