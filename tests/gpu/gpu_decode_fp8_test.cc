@@ -84,6 +84,14 @@ std::vector<Fp8Case> Cases() {
     c.q_heads = 2 * group;
     c.page_size = 64;
   }
+  // 32 rows (8 q heads a kv head x 4 positions): the row block whose warps share each key slice two by two.
+  for (int d : {64, 128, 256}) {
+    Fp8Case& c = add("rows32_d" + std::to_string(d), {5, 300, 2100});
+    c.head_dim = d;
+    c.q_heads = 16;
+    c.q_len = c.append = 4;
+    c.page_size = 16;
+  }
   {
     Fp8Case& c = add("fp16_d128_q16", {16, 40, 700});
     c.dtype = DType::kFP16;

@@ -19,9 +19,10 @@
 // Float8 K/V (Tile::kFp8Kv): the mma runs in fp16, Q converted once. Q K^T reads K's codes from the stage, 8 bytes a
 // thread and 8-key tile, converted in registers: a thread's 8 consecutive codes serve as its B fragments of two
 // k-steps, which places head dims in a permuted order along k (Fp8QWord), and Q's fragments follow the same
-// order, so the sum is unchanged. V is converted into one fp16 tile (ConvertFp8V) while Q K^T and the softmax run,
-// a barrier before P V. The K descale of the block's kv head folds into the softmax scale and the V descale into
-// O, so neither costs a multiply per element.
+// order, so the sum is unchanged. V is converted into one fp16 tile while Q K^T and the softmax run, each key slice's
+// rows by the warps that read them (ConvertFp8VSlice), which wait for each other, not for the block, before P V. The K
+// descale of the block's kv head folds into the softmax scale and the V descale into O, so neither costs a multiply
+// per element.
 #pragma once
 
 #include <math_constants.h>
@@ -197,10 +198,10 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
     const uint8_t* k_tile = k_s + (j % S) * Tile::kKVTileBytes;
     const uint8_t* v_tile = v_s + (j % S) * Tile::kKVTileBytes;
     if constexpr (kFp8) {
-      // V of stage j into the fp16 tile, which the barrier above freed (its readers, tile j - 1's P V, are past it);
-      // it is read after the barrier before P V. The stage is next written by tile j + S's copies, issued after the
-      // next iteration's first barrier.
-      ConvertFp8V<Tile>(v_tile, v_c);
+      // This key slice's V rows of stage j into the fp16 tile, whose previous readers (tile j - 1's P V) are past the
+      // barrier above; read after SliceBarrier, before P V. The stage is next written by tile j + S's copies, issued
+      // after the next iteration's first barrier.
+      ConvertFp8VSlice<Tile>(v_tile, v_c, wm, wn, lane);
     }
     const int key0 = key_begin + j * BN + wn * KW;  // this warp's first key
 
@@ -249,7 +250,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
     }
 
     if constexpr (kFp8) {
-      __syncthreads();  // the converted V tile is complete
+      SliceBarrier<Tile>(wn);  // this slice's converted V rows are complete
       v_tile = v_c;
     }
 

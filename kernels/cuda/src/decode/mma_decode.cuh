@@ -76,17 +76,34 @@ __device__ __forceinline__ uint32_t Fp8StageOffset(int row, int chunk) {
   return static_cast<uint32_t>(row * kKvRowBytes + ((chunk ^ swizzle) << 4));
 }
 
-// A float8 stage's V into fp16 rows at the 16-bit tile swizzle, for ldmatrix.trans: each thread reads 8 codes and
-// writes one 16-byte chunk, so a warp reads 256 bytes and writes 512 in the fewest shared-memory wavefronts.
+// A float8 stage's V rows of key slice `wn` (the Tile::kKeysPerWarp rows that slice's kWarpsM warps read in P V) into
+// fp16 rows at the 16-bit tile swizzle, for ldmatrix.trans, by those warps alone, so only they wait for it
+// (SliceBarrier), not the block. Each thread reads 8 codes and writes one 16-byte chunk, so a warp reads 256 bytes
+// and writes 512 in the fewest shared-memory wavefronts.
 template <typename Tile>
-__device__ __forceinline__ void ConvertFp8V(const uint8_t* v_stage, uint8_t* v_tile) {
+__device__ __forceinline__ void ConvertFp8VSlice(const uint8_t* v_stage, uint8_t* v_tile, int wm, int wn, int lane) {
   constexpr int kPiecesPerRow = Tile::kHeadDim / 8;
-  for (int item = threadIdx.x; item < Tile::kBlockN * kPiecesPerRow; item += Tile::kThreads) {
-    const int row = item / kPiecesPerRow, piece = item % kPiecesPerRow;
+  constexpr int kItems = Tile::kKeysPerWarp * kPiecesPerRow;
+  constexpr int kThreads = Tile::kWarpsM * 32;
+  static_assert(kItems % kThreads == 0, "every thread of the slice converts as many chunks");
+#pragma unroll
+  for (int item = wm * 32 + lane; item < kItems; item += kThreads) {
+    const int row = wn * Tile::kKeysPerWarp + item / kPiecesPerRow, piece = item % kPiecesPerRow;
     const uint2 v8 =
         *reinterpret_cast<const uint2*>(v_stage + Fp8StageOffset<Tile::kKvRowBytes>(row, piece >> 1) + (piece & 1) * 8);
     *reinterpret_cast<uint4*>(v_tile + SwizzledOffset<Tile::kRowBytes>(row, piece)) =
         make_uint4(Fp8x2ToHalf2(v8.x), Fp8x2ToHalf2(v8.x >> 16), Fp8x2ToHalf2(v8.y), Fp8x2ToHalf2(v8.y >> 16));
+  }
+}
+
+// The warps of key slice `wn` wait for each other's shared-memory writes: one warp syncs itself; several meet at
+// named barrier 1 + wn (barrier 0 is __syncthreads').
+template <typename Tile>
+__device__ __forceinline__ void SliceBarrier(int wn) {
+  if constexpr (Tile::kWarpsM == 1) {
+    __syncwarp();
+  } else {
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + wn), "n"(Tile::kWarpsM * 32) : "memory");
   }
 }
 

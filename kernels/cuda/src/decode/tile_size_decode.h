@@ -15,7 +15,10 @@ namespace attnd::kernels::decode {
 // KvBytes: bytes of a stored K/V element. 2: bf16/fp16 rows land in the stages and the mma reads them there. 1:
 // float8 e4m3 rows land in the stages; Q K^T reads K's codes there (converted in registers), and each tile's V is
 // converted into one tile of fp16 rows (kConvBytes) that P V reads through ldmatrix.trans.
-template <int HeadDim, int RowBlock, int BlockN, int Stages, int KvBytes = 2>
+// MinBlocksPerSm: the blocks per SM the register allocation must leave room for: as many as shared memory lets
+// reside on sm_90 at d64 (three), two above; with no floor ptxas caps some shapes below what they need and spills.
+template <int HeadDim, int RowBlock, int BlockN, int Stages, int KvBytes = 2,
+          int MinBlocksPerSm = (HeadDim == 64 ? 3 : 2)>
 struct DecodeTile {
   static constexpr int kHeadDim = HeadDim;
   static constexpr bool kFp8Kv = KvBytes == 1;
@@ -33,9 +36,7 @@ struct DecodeTile {
   static constexpr int kQBytes = kQInRegs ? 0 : RowBlock * kRowBytes;
   static constexpr int kKVTileBytes = BlockN * kKvRowBytes;  // one K or one V stage
   static constexpr int kConvBytes = kFp8Kv ? BlockN * kRowBytes : 0;
-  // Blocks per SM the register allocation must leave room for: as many as shared memory lets reside on sm_90
-  // at d64 (three), two above; with no floor ptxas caps some shapes below what they need and spills.
-  static constexpr int kMinBlocksPerSm = HeadDim == 64 ? 3 : 2;
+  static constexpr int kMinBlocksPerSm = MinBlocksPerSm;
   static constexpr int kStageBytes = 2 * Stages * kKVTileBytes + kConvBytes;
   // The epilogue reuses the whole buffer: per (warp column, row) the running max and sum, then its O in fp32
   // (rows padded by 4 floats against bank conflicts).
@@ -69,7 +70,10 @@ struct DecodeTileFor<256, RowBlock> {
 
 // Float8 K/V: the same keys per stage as 16-bit K/V (so a plan's split sizes hold for both) in half the bytes, so
 // more stages are in flight in the same shared memory, next to the converted V tile. d64: 5 stages (40 KB) + 8 KB.
-// d128: 5 stages (80 KB) + 16 KB. d256: 3 stages (48 KB) + 16 KB plus Q.
+// d256: 3 stages (48 KB) + 16 KB plus Q. d128, by row block: a float8 block issues more instructions per byte than a
+// 16-bit one (the conversions), and with two blocks an SM it waits on its own latencies, so 32 rows take 3 stages
+// (48 KB) + 16 KB with registers capped for three blocks an SM; 16 rows keep two blocks (three leave a partial
+// wave on batches that fill the GPU once) with 4 stages (64 KB) + 16 KB; 64 rows (capped, they would spill) 5.
 template <int HeadDim, int RowBlock>
 struct DecodeFp8TileFor;
 template <int RowBlock>
@@ -78,7 +82,7 @@ struct DecodeFp8TileFor<64, RowBlock> {
 };
 template <int RowBlock>
 struct DecodeFp8TileFor<128, RowBlock> {
-  using type = DecodeTile<128, RowBlock, 64, 5, 1>;
+  using type = DecodeTile<128, RowBlock, 64, RowBlock == 16 ? 4 : RowBlock == 32 ? 3 : 5, 1, RowBlock == 32 ? 3 : 2>;
 };
 template <int RowBlock>
 struct DecodeFp8TileFor<256, RowBlock> {
