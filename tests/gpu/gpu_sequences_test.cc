@@ -383,9 +383,10 @@ class SequencesTest : public ::testing::TestWithParam<Case> {
     EXPECT_EQ(wrong, 0) << "of " << checked << " cached rows differ from what was appended";
   }
 
-  // What moving a sequence copies (Backend::CopyKvRows): every layer's K and V rows of sequence `i` read out as the
-  // model has them, from token 0 and from a token inside a page; random rows written over part of one layer read
-  // back as written; then the model's rows written back (CheckPool after this sees them).
+  // What moving a sequence copies (Backend::CopyKvRows, WriteKvRows): every layer's K and V rows of sequence `i`
+  // read out as the model has them, from token 0 and from a token inside a page; random rows written over part of
+  // one layer from pieces that cut rows anywhere (a received message's slices) read back as written; then the
+  // model's rows written back (CheckPool after this sees them).
   void CheckMovingRows(int i) {
     const Model::Seq& s = model_->seq(i);
     const int64_t row = int64_t{c_.kv_heads} * c_.head_dim;
@@ -407,8 +408,13 @@ class SequencesTest : public ::testing::TestWithParam<Case> {
     const int32_t first = 3, rows = c_.page_tokens + 7;
     std::vector<uint16_t> noise(rows * row), back(rows * row);
     for (uint16_t& x : noise) x = static_cast<uint16_t>(rng_() & 0x3FFF);
-    ASSERT_TRUE(backend_->CopyKvRows(*pool_, s.pages, 0, 1, first, rows, false,
-                                     reinterpret_cast<uint8_t*>(noise.data())).ok());
+    const auto* noise_bytes = reinterpret_cast<const uint8_t*>(noise.data());
+    const size_t noise_size = noise.size() * sizeof(uint16_t);
+    std::vector<absl::Span<const uint8_t>> pieces;
+    for (size_t at = 0, cut = 1; at < noise_size; at += cut, cut = cut * 3 + 1) {
+      pieces.emplace_back(noise_bytes + at, std::min(cut, noise_size - at));
+    }
+    ASSERT_TRUE(backend_->WriteKvRows(*pool_, s.pages, 0, 1, first, rows, pieces).ok());
     ASSERT_TRUE(backend_->CopyKvRows(*pool_, s.pages, 0, 1, first, rows, true,
                                      reinterpret_cast<uint8_t*>(back.data())).ok());
     EXPECT_EQ(back, noise);

@@ -188,6 +188,10 @@ class CudaBackendImpl final : public Backend {
                           int64_t rows, bool to_host, uint8_t* host) override {
     return cuda::CopyKvRows(pool, pages, layer, kv, first, rows, to_host, host);
   }
+  absl::Status WriteKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
+                           int64_t rows, HostPieces src) override {
+    return cuda::WriteKvRows(pool, pages, layer, kv, first, rows, src);
+  }
 
   bool device_order() const override { return device_order_; }
   absl::StatusOr<MappedHostMemory> MapHostMemory(void* page, size_t bytes) override {

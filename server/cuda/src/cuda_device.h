@@ -325,12 +325,13 @@ class CudaDevice {
 class CudaKvPool final : public KvPool {
  public:
   CudaKvPool(const SequenceShape& shape, int page_tokens, int32_t num_pages, int device, Block block,
-             uint64_t descales_at, std::shared_ptr<BlockCache> memory)
+             uint64_t descales_at, std::shared_ptr<BlockCache> memory, std::shared_ptr<BlockCache> staging)
       : KvPool(shape, page_tokens, num_pages),
         device_(device),
         block_(block),
         descales_at_(descales_at),
-        memory_(std::move(memory)) {}
+        memory_(std::move(memory)),
+        staging_(std::move(staging)) {}
   ~CudaKvPool() override { memory_->Release(block_); }
 
   int device() const { return device_; }
@@ -343,6 +344,8 @@ class CudaKvPool final : public KvPool {
   // Layer `layer`'s K and V descales on the device, [kv_heads] each; null for a 16-bit pool.
   const float* k_descale(int layer) const { return descales(0, layer); }
   const float* v_descale(int layer) const { return descales(1, layer); }
+  // The device's pinned staging memory, which a move's rows pass through (CopyKvRows).
+  BlockCache& staging() const { return *staging_; }
 
  private:
   const float* descales(int kv, int layer) const {
@@ -355,6 +358,7 @@ class CudaKvPool final : public KvPool {
   const Block block_;
   const uint64_t descales_at_;  // float8 only
   const std::shared_ptr<BlockCache> memory_;
+  const std::shared_ptr<BlockCache> staging_;
 };
 
 // A sequence shape this backend can hold in pages: layers and kv_heads >= 1, head_dim 64, 128 or 256, bf16 or fp16,
@@ -367,8 +371,10 @@ absl::Status AcceptStepJob(const StepJob& job);
 int KvPoolDevice(const KvPool& pool);
 // Such a pool's device memory (step.h's layout); null for any other pool. For tests, which poison and read it.
 uint8_t* KvPoolData(const KvPool& pool);
-// Backend::CopyKvRows on such a pool.
+// Backend::CopyKvRows and WriteKvRows on such a pool.
 absl::Status CopyKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
                         int64_t rows, bool to_host, uint8_t* host);
+absl::Status WriteKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
+                         int64_t rows, HostPieces src);
 
 }  // namespace attnd::server::cuda

@@ -1,10 +1,12 @@
 // The KV sequences' page pools on the CUDA backend: one block of the serving device's memory budget per
 // sequence shape (layout: step.h, KvPool), and what the steps and tests ask of a pool.
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "attnd/server/status_util.h"
 #include "cuda_device.h"
@@ -44,17 +46,16 @@ uint8_t* KvPoolData(const KvPool& pool) {
   return p != nullptr ? p->pool(0, 0) : nullptr;
 }
 
-absl::Status CopyKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
-                        int64_t rows, bool to_host, uint8_t* host) {
-  const auto* p = dynamic_cast<const CudaKvPool*>(&pool);
-  if (p == nullptr) return absl::InternalError("kv rows: the pool was not made by this backend");
-  ATTND_RETURN_IF_ERROR(CudaStatus("cudaSetDevice", cudaSetDevice(p->device())));
-  uint8_t* const data = p->pool(0, 0);
+namespace {
+
+// One copy per run of rows within a page between the pool and `host`, queued on this thread's stream: the pages are
+// the caller's alone while it copies, and the steps that wrote them have finished (a step's reply comes after its
+// GPU work).
+absl::Status QueueRuns(const CudaKvPool& p, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
+                       int64_t rows, bool to_host, uint8_t* host) {
+  uint8_t* const data = p.pool(0, 0);
   absl::Status status;
-  // One copy per run of rows within a page, queued on this thread's stream and waited for once: the pages are the
-  // caller's alone while it copies, and the steps that wrote them have finished (a step's reply comes after its
-  // GPU work).
-  ForEachKvRowRun(pool, pages, layer, kv, first, rows, [&](uint64_t at, uint64_t bytes, uint64_t host_at) {
+  ForEachKvRowRun(p, pages, layer, kv, first, rows, [&](uint64_t at, uint64_t bytes, uint64_t host_at) {
     if (!status.ok()) return;
     const cudaError_t err =
         to_host ? cudaMemcpyAsync(host + host_at, data + at, bytes, cudaMemcpyDeviceToHost, cudaStreamPerThread)
@@ -63,6 +64,60 @@ absl::Status CopyKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int
   });
   const absl::Status synced = CudaStatus("kv rows", cudaStreamSynchronize(cudaStreamPerThread));
   return status.ok() ? synced : status;
+}
+
+// A move's rows between the pool and host memory, through a block of the device's pinned staging: every run's copy
+// queued at once and waited for once, and one host copy between the block and the caller's memory (`in` fills the
+// block before an upload, `out` reads it after a download). A run's copy from or to pageable memory is staged by the
+// driver and waited for run by run (a page of 16 tokens: 32 KiB at a time). Without room in the staging budget the
+// runs go to and from the pageable memory `pageable` returns (the caller's, or a gathered copy), as `in` and `out`
+// see it.
+absl::Status CopyStaged(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
+                        int64_t rows, bool to_host, absl::FunctionRef<void(uint8_t*)> in,
+                        absl::FunctionRef<void(const uint8_t*)> out, absl::FunctionRef<uint8_t*()> pageable) {
+  const auto* p = dynamic_cast<const CudaKvPool*>(&pool);
+  if (p == nullptr) return absl::InternalError("kv rows: the pool was not made by this backend");
+  ATTND_RETURN_IF_ERROR(CudaStatus("cudaSetDevice", cudaSetDevice(p->device())));
+  const uint64_t bytes = static_cast<uint64_t>(rows) * pool.shape().row_bytes();
+  absl::StatusOr<Block> staged = p->staging().Acquire(bytes);
+  uint8_t* const host = staged.ok() ? static_cast<uint8_t*>(staged->ptr) : pageable();
+  if (!to_host) in(host);
+  const absl::Status copied = QueueRuns(*p, pages, layer, kv, first, rows, to_host, host);
+  if (copied.ok() && to_host) out(host);
+  if (staged.ok()) p->staging().Release(*staged);  // the copies are over: QueueRuns waited for them
+  return copied;
+}
+
+}  // namespace
+
+absl::Status CopyKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
+                        int64_t rows, bool to_host, uint8_t* host) {
+  const uint64_t bytes = static_cast<uint64_t>(rows) * pool.shape().row_bytes();
+  return CopyStaged(
+      pool, pages, layer, kv, first, rows, to_host,
+      [&](uint8_t* dst) {
+        if (dst != host) std::memcpy(dst, host, bytes);
+      },
+      [&](const uint8_t* src) {
+        if (src != host) std::memcpy(host, src, bytes);
+      },
+      [&] { return host; });
+}
+
+absl::Status WriteKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
+                         int64_t rows, HostPieces src) {
+  const uint64_t bytes = static_cast<uint64_t>(rows) * pool.shape().row_bytes();
+  std::string gathered;  // only without room in the staging budget
+  bool whole = true;
+  const absl::Status copied = CopyStaged(
+      pool, pages, layer, kv, first, rows, /*to_host=*/false,
+      [&](uint8_t* dst) { whole = PieceReader(src).Read(dst, bytes); }, [](const uint8_t*) {},
+      [&] {
+        gathered.resize(bytes);
+        return reinterpret_cast<uint8_t*>(gathered.data());
+      });
+  if (!whole) return absl::InternalError("kv rows: fewer bytes than rows");
+  return copied;
 }
 
 absl::StatusOr<std::shared_ptr<KvPool>> CudaDevice::MakeKvPool(const SequenceShape& shape, int page_tokens,
@@ -92,7 +147,8 @@ absl::StatusOr<std::shared_ptr<KvPool>> CudaDevice::MakeKvPool(const SequenceSha
     return absl::ResourceExhaustedError(absl::StrCat(what, ": ", bytes, " bytes do not fit device ", index_,
                                                      "'s memory: ", block.status().message()));
   }
-  auto pool = std::make_shared<CudaKvPool>(shape, page_tokens, num_pages, index_, *block, descales_at, device_mem_);
+  auto pool = std::make_shared<CudaKvPool>(shape, page_tokens, num_pages, index_, *block, descales_at, device_mem_,
+                                           pinned_mem_);
   if (fp8) {
     // Copied once, here: every launch on the pool reads them in place. The pool gives its block back on an error.
     std::vector<float> descales(shape.k_descale);
