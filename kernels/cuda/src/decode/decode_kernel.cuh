@@ -185,6 +185,8 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
   for (int d = 0; d < kDTiles; ++d) acc_o[d][0] = acc_o[d][1] = acc_o[d][2] = acc_o[d][3] = 0.f;
   common::OnlineSoftmax<kNTiles, common::Rescale::kEager> softmax;
   softmax.Init();
+  // Float8 V: where this thread's share of its key slice's rows lies in a stage and in the converted tile.
+  const std::conditional_t<kFp8, Fp8VSliceMap<Tile>, NoVSliceMap> v_map(wm, wn, lane);
 
   for (int j = 0; j < n_tiles; ++j) {
     CpAsyncWait<S - 2>();
@@ -201,7 +203,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
       // This key slice's V rows of stage j into the fp16 tile, whose previous readers (tile j - 1's P V) are past the
       // barrier above; read after SliceBarrier, before P V. The stage is next written by tile j + S's copies, issued
       // after the next iteration's first barrier.
-      ConvertFp8VSlice<Tile>(v_tile, v_c, wm, wn, lane);
+      ConvertFp8VSlice<Tile>(v_tile, v_c, v_map);
     }
     const int key0 = key_begin + j * BN + wn * KW;  // this warp's first key
 

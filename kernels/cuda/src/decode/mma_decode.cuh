@@ -76,22 +76,56 @@ __device__ __forceinline__ uint32_t Fp8StageOffset(int row, int chunk) {
   return static_cast<uint32_t>(row * kKvRowBytes + ((chunk ^ swizzle) << 4));
 }
 
-// A float8 stage's V rows of key slice `wn` (the Tile::kKeysPerWarp rows that slice's kWarpsM warps read in P V) into
-// fp16 rows at the 16-bit tile swizzle, for ldmatrix.trans, by those warps alone, so only they wait for it
-// (SliceBarrier), not the block. Each thread reads 8 codes and writes one 16-byte chunk, so a warp reads 256 bytes
-// and writes 512 in the fewest shared-memory wavefronts.
+// Where one thread's share of a float8 stage's V rows of key slice `wn` (the Tile::kKeysPerWarp rows that slice's
+// kWarpsM warps read in P V) lies, computed once per block so that converting a tile costs loads, conversions and
+// stores only. Thread u of the slice reads 8 codes (piece u % kPieces) of rows r0 + i * kRowStep, i < kItems, and
+// writes them as one 16-byte chunk of fp16 at the 16-bit tile swizzle, for ldmatrix.trans; a warp reads 256
+// consecutive bytes and writes 512 in the fewest shared-memory wavefronts. Both swizzles repeat every 8 rows, so
+// kPeriod offsets serve every item: item i is item i % kPeriod moved down whole 8-row groups.
 template <typename Tile>
-__device__ __forceinline__ void ConvertFp8VSlice(const uint8_t* v_stage, uint8_t* v_tile, int wm, int wn, int lane) {
-  constexpr int kPiecesPerRow = Tile::kHeadDim / 8;
-  constexpr int kItems = Tile::kKeysPerWarp * kPiecesPerRow;
-  constexpr int kThreads = Tile::kWarpsM * 32;
-  static_assert(kItems % kThreads == 0, "every thread of the slice converts as many chunks");
+struct Fp8VSliceMap {
+  static constexpr int kPieces = Tile::kHeadDim / 8;
+  static constexpr int kThreads = Tile::kWarpsM * 32;
+  static constexpr int kRowStep = kThreads / kPieces;
+  static constexpr int kItems = Tile::kKeysPerWarp * kPieces / kThreads;
+  static constexpr int kPeriod = kRowStep >= 8 ? 1 : (kItems < 8 / kRowStep ? kItems : 8 / kRowStep);
+  static_assert(kThreads % kPieces == 0 && (Tile::kKeysPerWarp * kPieces) % kThreads == 0,
+                "every thread of the slice converts as many chunks, all of one piece");
+
+  uint32_t src[kPeriod];  // byte offset of item k's codes in a stage
+  uint32_t dst[kPeriod];  // byte offset of item k's chunk in the converted tile
+
+  __device__ __forceinline__ Fp8VSliceMap(int wm, int wn, int lane) {
+    const int u = wm * 32 + lane, piece = u % kPieces;
+    const int r0 = wn * Tile::kKeysPerWarp + u / kPieces;
 #pragma unroll
-  for (int item = wm * 32 + lane; item < kItems; item += kThreads) {
-    const int row = wn * Tile::kKeysPerWarp + item / kPiecesPerRow, piece = item % kPiecesPerRow;
+    for (int k = 0; k < kPeriod; ++k) {
+      const int row = r0 + k * kRowStep;
+      src[k] = Fp8StageOffset<Tile::kKvRowBytes>(row, piece >> 1) + (piece & 1) * 8;
+      dst[k] = SwizzledOffset<Tile::kRowBytes>(row, piece);
+    }
+  }
+  // Rows item i lies below item i % kPeriod: a whole number of 8-row groups.
+  __host__ __device__ static constexpr int RowsBelow(int i) { return i / kPeriod * kPeriod * kRowStep; }
+};
+
+// What a 16-bit tile keeps in Fp8VSliceMap's place: nothing.
+struct NoVSliceMap {
+  __device__ __forceinline__ NoVSliceMap(int, int, int) {}
+};
+
+// A float8 stage's V rows of one key slice into fp16 rows (Fp8VSliceMap), by that slice's warps alone, so only
+// they wait for it (SliceBarrier), not the block.
+template <typename Tile>
+__device__ __forceinline__ void ConvertFp8VSlice(const uint8_t* v_stage, uint8_t* v_tile,
+                                                 const Fp8VSliceMap<Tile>& map) {
+  using Map = Fp8VSliceMap<Tile>;
+#pragma unroll
+  for (int i = 0; i < Map::kItems; ++i) {
+    const int k = i % Map::kPeriod;
     const uint2 v8 =
-        *reinterpret_cast<const uint2*>(v_stage + Fp8StageOffset<Tile::kKvRowBytes>(row, piece >> 1) + (piece & 1) * 8);
-    *reinterpret_cast<uint4*>(v_tile + SwizzledOffset<Tile::kRowBytes>(row, piece)) =
+        *reinterpret_cast<const uint2*>(v_stage + map.src[k] + Map::RowsBelow(i) * Tile::kKvRowBytes);
+    *reinterpret_cast<uint4*>(v_tile + map.dst[k] + Map::RowsBelow(i) * Tile::kRowBytes) =
         make_uint4(Fp8x2ToHalf2(v8.x), Fp8x2ToHalf2(v8.x >> 16), Fp8x2ToHalf2(v8.y), Fp8x2ToHalf2(v8.y >> 16));
   }
 }
