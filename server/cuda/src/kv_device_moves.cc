@@ -32,7 +32,8 @@ std::vector<KvRowRun> MoveRuns(const KvPool& pool, absl::Span<const int32_t> pag
   for (int layer = 0; layer < pool.shape().layers; ++layer) {
     for (int kv = 0; kv < 2; ++kv) {
       ForEachKvRowRun(pool, pages, layer, kv, 0, lengths[layer], [&](uint64_t at, uint64_t bytes, uint64_t in_rows) {
-        runs.push_back(pool_is_src ? KvRowRun{at, buffer_at + in_rows, bytes} : KvRowRun{buffer_at + in_rows, at, bytes});
+        const uint64_t in_buffer = buffer_at + in_rows;
+        runs.push_back(pool_is_src ? KvRowRun{at, in_buffer, bytes} : KvRowRun{in_buffer, at, bytes});
       });
       buffer_at += static_cast<uint64_t>(lengths[layer]) * pool.shape().row_bytes();
     }
@@ -116,6 +117,7 @@ absl::Status ImportKvRowsOnDevice(const KvPool& pool, absl::Span<const int32_t> 
                                                       "); move the sequence by bytes"));
   }
   if (rows.bytes == 0) return absl::OkStatus();
+  ATTND_RETURN_IF_ERROR(CudaStatus("cudaSetDevice", cudaSetDevice(p->device())));
   absl::StatusOr<std::shared_ptr<IpcMapping>> mapping =
       OpenIpcMemHandle(rows.ipc_handle, p->device(), "chunk.device_rows.ipc_handle", "chunk.device_rows.device_uuid");
   if (!mapping.ok()) return mapping.status();
