@@ -176,6 +176,7 @@ class GpuSequenceMoves : public ::testing::Test {
     ASSERT_TRUE(opened.ok()) << opened.status();
     const std::string id = opened->ids[0];
     for (int64_t layer = 0; layer < shape.layers; ++layer) {
+      if (lengths[layer] == 0) continue;  // a layer that holds no token moves as one
       Append(shape, id, layer, lengths[layer], seed + 10 * layer);
       ASSERT_FALSE(HasFatalFailure());
     }
