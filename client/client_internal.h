@@ -47,6 +47,12 @@ struct RelayOutcome {
 RelayOutcome RelaySequence(std::shared_ptr<grpc::Channel> from, std::shared_ptr<grpc::Channel> to,
                            grpc::ClientContext* export_ctx, grpc::ClientContext* import_ctx,
                            const v1::ExportSequenceRequest& request);
+// The same move on one GPU (`request.device` set): the export's header and device_rows chunks go to the import,
+// which is half-closed and answers; only then is the export cancelled, because the exporter frees the buffer the
+// handle names when its stream ends (the importer has closed the handle before answering). A failure on either side
+// cancels both.
+RelayOutcome RelaySequenceOnDevice(v1::Attention::Stub* from, v1::Attention::Stub* to, grpc::ClientContext* export_ctx,
+                                   grpc::ClientContext* import_ctx, const v1::ExportSequenceRequest& request);
 
 // What one Forward call sends: every request field but the inline tensor bytes, and those bytes, which
 // go out by reference while `owner` keeps them alive (zero_copy.h) or are copied when it is null.

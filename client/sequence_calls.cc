@@ -446,36 +446,80 @@ absl::Status Side(const char* side, const std::string& server, const absl::Statu
 
 }  // namespace
 
+const char* MovePathName(MovePath path) {
+  switch (path) {
+    case MovePath::kAuto: return "auto";
+    case MovePath::kBytes: return "bytes";
+    case MovePath::kDevice: return "device";
+  }
+  return "unknown";
+}
+
 absl::StatusOr<std::string> Client::MoveSequence(const std::string& sequence_id, const std::string& to,
                                                  const CallOptions& call) {
+  absl::StatusOr<MovedSequence> moved = MoveSequence(sequence_id, to, MoveOptions(), call);
+  if (!moved.ok()) return moved.status();
+  return std::move(moved->sequence_id);
+}
+
+absl::StatusOr<MovedSequence> Client::MoveSequence(const std::string& sequence_id, const std::string& to,
+                                                   const MoveOptions& options, const CallOptions& call) {
   const std::string from = SequenceAddress(sequence_id);
   if (to.empty()) return absl::InvalidArgumentError("to: empty (the address of the server to move the sequence to)");
-  if (to == (from.empty() ? options_.target : from)) {
-    return absl::InvalidArgumentError(absl::StrCat("to: the sequence is on ", to, " already"));
-  }
+  const std::string& from_server = from.empty() ? options_.target : from;
+  if (to == from_server) return absl::InvalidArgumentError(absl::StrCat("to: the sequence is on ", to, " already"));
   absl::StatusOr<v1::Attention::Stub*> source = StubFor(from);
   if (!source.ok()) return source.status();
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> source_channel = ChannelFor(from);
-  if (!source_channel.ok()) return source_channel.status();
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> target_channel = ChannelFor(to);
-  if (!target_channel.ok()) return target_channel.status();
-  grpc::ClientContext export_ctx, import_ctx;
-  Prepare(&export_ctx, call);
-  Prepare(&import_ctx, call);
-  v1::ExportSequenceRequest request;
-  request.set_sequence_id(sequence_id);
-  request.set_chunk_bytes(ChunkBytes(0));  // the stream chunk size ClientOptions sets for uploads
-  RelayOutcome relayed =
-      RelaySequence(*std::move(source_channel), *std::move(target_channel), &export_ctx, &import_ctx, request);
+  absl::StatusOr<v1::Attention::Stub*> target = StubFor(to);
+  if (!target.ok()) return target.status();
+  bool device = options.path == MovePath::kDevice;
+  if (options.path == MovePath::kAuto) {
+    // The GPU each server keeps its sequences on: its first device's (empty on the CPU backend, or unknown).
+    auto gpu_of = [&](const std::string& address) -> std::string {
+      absl::StatusOr<v1::ServerInfo> info = CallOn(address, &v1::Attention::Stub::GetServerInfo,
+                                                   v1::GetServerInfoRequest(), call);
+      return info.ok() && !info->devices().empty() ? info->devices(0).uuid() : std::string();
+    };
+    const std::string gpu = gpu_of(from);
+    device = !gpu.empty() && gpu == gpu_of(to);
+  }
+  RelayOutcome relayed;
+  if (device) {
+    grpc::ClientContext export_ctx, import_ctx;
+    Prepare(&export_ctx, call);
+    Prepare(&import_ctx, call);
+    v1::ExportSequenceRequest request;
+    request.set_sequence_id(sequence_id);
+    request.set_device(true);
+    relayed = RelaySequenceOnDevice(*source, *target, &export_ctx, &import_ctx, request);
+    // The exporter cannot keep the rows on a GPU: it has sent nothing, and the bytes carry them instead.
+    if (options.path == MovePath::kAuto && relayed.exported.code() == absl::StatusCode::kFailedPrecondition) {
+      device = false;
+    }
+  }
+  if (!device) {
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> source_channel = ChannelFor(from);
+    if (!source_channel.ok()) return source_channel.status();
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> target_channel = ChannelFor(to);
+    if (!target_channel.ok()) return target_channel.status();
+    grpc::ClientContext export_ctx, import_ctx;
+    Prepare(&export_ctx, call);
+    Prepare(&import_ctx, call);
+    v1::ExportSequenceRequest request;
+    request.set_sequence_id(sequence_id);
+    request.set_chunk_bytes(ChunkBytes(0));  // the stream chunk size ClientOptions sets for uploads
+    relayed =
+        RelaySequence(*std::move(source_channel), *std::move(target_channel), &export_ctx, &import_ctx, request);
+  }
   if (!relayed.exported.ok() && !relayed.import_failed_first) {
-    return Side("the export from", from.empty() ? options_.target : from, relayed.exported);
+    return Side("the export from", from_server, relayed.exported);
   }
   if (!relayed.imported.ok()) return Side("the import on", to, relayed.imported);
   const v1::ImportSequenceResponse& imported = relayed.response;
-  const std::string& moved = imported.sequence_id();
-  if (SequenceAddress(moved).empty() && to != options_.target) {
+  MovedSequence moved{imported.sequence_id(), device ? MovePath::kDevice : MovePath::kBytes};
+  if (SequenceAddress(moved.sequence_id).empty() && to != options_.target) {
     // Calls naming the new id would go to this client's target, not to `to`: undo the import.
-    CloseSequence({moved}, call).IgnoreError();
+    CloseSequence({moved.sequence_id}, call).IgnoreError();
     return absl::FailedPreconditionError(absl::StrCat(
         "to: ", to, " answers ids without an address (start it with --advertise_address), so calls about the moved "
         "sequence could not find it; the sequence stays where it was"));
@@ -484,7 +528,7 @@ absl::StatusOr<std::string> Client::MoveSequence(const std::string& sequence_id,
   // fail, the old copy stays until its TTL; the move has happened.
   v1::CloseSequenceRequest close;
   close.add_sequence_ids(sequence_id);
-  close.set_moved_to(moved);
+  close.set_moved_to(moved.sequence_id);
   grpc::ClientContext close_ctx;
   Prepare(&close_ctx, call);
   v1::CloseSequenceResponse closed;

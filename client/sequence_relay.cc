@@ -213,4 +213,39 @@ RelayOutcome RelaySequence(std::shared_ptr<grpc::Channel> from, std::shared_ptr<
   return Relay(export_ctx, import_ctx).Run(&source, &target, request);
 }
 
+RelayOutcome RelaySequenceOnDevice(v1::Attention::Stub* from, v1::Attention::Stub* to, grpc::ClientContext* export_ctx,
+                                   grpc::ClientContext* import_ctx, const v1::ExportSequenceRequest& request) {
+  RelayOutcome out;
+  std::unique_ptr<grpc::ClientReader<v1::ExportSequenceResponse>> exporter = from->ExportSequence(export_ctx, request);
+  // Two small chunks: the header, then the buffer's handle. The stream stays open after them, the buffer held.
+  v1::ImportSequenceRequest chunks[2];
+  for (v1::ImportSequenceRequest& chunk : chunks) {
+    v1::ExportSequenceResponse got;
+    if (!exporter->Read(&got)) {
+      out.exported = FromGrpcStatus(exporter->Finish());
+      if (out.exported.ok()) out.exported = absl::InternalError("the device export ended before its device rows");
+      return out;
+    }
+    *chunk.mutable_chunk() = std::move(*got.mutable_chunk());
+  }
+  if (!chunks[0].chunk().has_sequence() || !chunks[1].chunk().has_device_rows()) {
+    export_ctx->TryCancel();
+    exporter->Finish();
+    out.exported = absl::InternalError("the device export did not send a header, then device rows");
+    return out;
+  }
+  std::unique_ptr<grpc::ClientWriter<v1::ImportSequenceRequest>> importer =
+      to->ImportSequence(import_ctx, &out.response);
+  bool written = importer->Write(chunks[0]) && importer->Write(chunks[1]);
+  if (written) written = importer->WritesDone();
+  out.imported = FromGrpcStatus(importer->Finish());
+  if (out.imported.ok() && !written) out.imported = absl::InternalError("the import ended OK without its rows");
+  // The importer has closed the handle (answered or failed): the exporter may free the buffer now.
+  out.import_failed_first = !out.imported.ok();
+  // Its end is this cancellation, whatever status it reports: the rows are on `to` or the import failed.
+  export_ctx->TryCancel();
+  exporter->Finish().ok();
+  return out;
+}
+
 }  // namespace attnd::client

@@ -31,7 +31,8 @@ usage:
       fp8bench: the float8 forward's speed and accuracy (kernels/bench/fp8_bench.py). bench and ab take about 5
       minutes each.
   scripts/device.sh service [test|bench|ab|python|decode|pyoverhead|torch|move|soak]...  (default: test bench)
-      On the GPU machine. test: gpu_server_parts_test, gpu_server_forward_test, gpu_server_ipc_test; bench: one
+      On the GPU machine. test: gpu_server_parts_test, gpu_server_forward_test, gpu_server_ipc_test,
+      gpu_sequences_test, gpu_sequence_moves_test (two attnd processes on the GPU, moves by CUDA IPC); bench: one
       attnd, then CUDA IPC over gRPC and over the shm channel (ipc_peer bench), the TCP baseline (ipc_peer tcp)
       and inline unary/stream calls (attn bench); ab: bench with the new binaries, then with .carry/base's;
       python: the Python client's pytest suite (client/python/tests) with the GPU machine's Python and torch;
@@ -60,7 +61,7 @@ die() { echo "device.sh: $*" >&2; exit 2; }
 # build (here)
 
 STATIC_TARGETS="gpu_attention_test gpu_decode_test gpu_sequences_test gpu_server_parts_test gpu_server_forward_test
-  gpu_server_ipc_test attnd attn ipc_peer ordered_steps attnd_soak"
+  gpu_server_ipc_test gpu_sequence_moves_test attnd attn ipc_peer ordered_steps attnd_soak"
 SERVICE_TARGETS="attnd attn ipc_peer"
 
 # configure_and_build SRC BUILD_DIR STATIC(ON|OFF) TARGETS...
@@ -777,7 +778,8 @@ cmd_service() {
     case $s in
       test)
         export ATTND_IPC_PEER=$PWD/$C/ipc_peer
-        for t in gpu_server_parts_test gpu_server_forward_test gpu_server_ipc_test gpu_sequences_test; do
+        for t in gpu_server_parts_test gpu_server_forward_test gpu_server_ipc_test gpu_sequences_test \
+                 gpu_sequence_moves_test; do
           f=()
           [ $t = gpu_server_forward_test ] && [ -n "${FORWARD_FILTER:-}" ] && f=(--gtest_filter="$FORWARD_FILTER")
           timeout "${SERVICE_TEST_TIMEOUT:-150}" $C/$t --gtest_brief=1 "${f[@]}" > "$TMP/t.log" 2>&1

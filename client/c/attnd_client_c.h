@@ -253,6 +253,10 @@ char* attnd_sequence_info_json(attnd_client* client, const char* sequence_id, at
 /* Moves a sequence to the server at `to` (Client::MoveSequence): returns its new id, NULL on failure (the sequence
  * then stays where it was). */
 char* attnd_sequence_move(attnd_client* client, const char* sequence_id, const char* to, attnd_error* err);
+/* The same with the path chosen (MoveOptions): `path` 0 automatic, 1 bytes, 2 device; `*path_used` (when not NULL)
+ * gets the path that carried the rows, 1 bytes or 2 device. */
+char* attnd_sequence_move_path(attnd_client* client, const char* sequence_id, const char* to, int32_t path,
+                               int32_t* path_used, attnd_error* err);
 
 #ifdef __cplusplus
 }

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "attnd/client/client.h"
@@ -328,6 +329,26 @@ ATTND_C_EXPORT char* attnd_sequence_move(attnd_client* client, const char* seque
   if (!moved.ok()) return Fail(err, moved.status()), nullptr;
   Ok(err);
   return Dup(*moved);
+}
+
+static_assert(static_cast<int>(attnd::client::MovePath::kAuto) == 0 &&
+              static_cast<int>(attnd::client::MovePath::kBytes) == 1 &&
+              static_cast<int>(attnd::client::MovePath::kDevice) == 2);
+
+ATTND_C_EXPORT char* attnd_sequence_move_path(attnd_client* client, const char* sequence_id, const char* to,
+                                              int32_t path, int32_t* path_used, attnd_error* err) {
+  if (path < 0 || path > 2) {
+    return Fail(err, absl::InvalidArgumentError(absl::StrCat("path: ", path, " is not 0 (auto), 1 (bytes) or 2 "
+                                                             "(device)"))),
+           nullptr;
+  }
+  attnd::client::MoveOptions options;
+  options.path = static_cast<attnd::client::MovePath>(path);
+  absl::StatusOr<attnd::client::MovedSequence> moved = client->client->MoveSequence(Str(sequence_id), Str(to), options);
+  if (!moved.ok()) return Fail(err, moved.status()), nullptr;
+  if (path_used != nullptr) *path_used = static_cast<int32_t>(moved->path);
+  Ok(err);
+  return Dup(moved->sequence_id);
 }
 
 ATTND_C_EXPORT int32_t attnd_sequence_truncate(attnd_client* client, const char* sequence_id, int64_t tokens,

@@ -130,6 +130,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
       return;
     }
     moving_ = *std::move(held);
+    device_ = request.device();
     // Chunks as large as the server's ForwardStream replies at most: those fit a message by construction.
     const uint64_t want = request.chunk_bytes() == 0 ? stream_chunk_bytes
                                                      : std::min<uint64_t>(request.chunk_bytes(), stream_chunk_bytes);
@@ -144,9 +145,17 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
       End(first.status());
       return;
     }
+    if (device_) {
+      // Refused before the header goes out, so a mover that falls back to bytes has read nothing.
+      ExportOnDevice();
+      if (!next_.ok()) {
+        End(next_.status());
+        return;
+      }
+    }
     out_ = *std::move(first);
     StartWrite(&out_);
-    ReadNext();
+    if (!device_) ReadNext();
   }
 
   void OnWriteDone(bool ok) override {
@@ -155,11 +164,29 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
       return End(expired_.ok() ? absl::CancelledError("the export stream broke before its last chunk") : expired_);
     }
     Progress();
-    if (!more_) return End(absl::OkStatus());
+    if (!more_) {
+      if (!device_) return End(absl::OkStatus());
+      // The device rows are out: the buffer stays until the mover, its import answered, cancels the call.
+      if (cancelled_) return End(absl::OkStatus());
+      waiting_ = true;
+      return;
+    }
     if (!next_.ok()) return End(next_.status());
     out_ = *std::move(next_);
     StartWrite(&out_);
-    ReadNext();  // while that chunk is written
+    if (device_) {
+      more_ = false;  // the device chunk is the last
+    } else {
+      ReadNext();  // while that chunk is written
+    }
+  }
+
+  // A device export's normal end: the mover cancels once its import has answered. With a write pending, the write
+  // fails and OnWriteDone ends the stream instead.
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    if (waiting_ && !finished_) End(absl::OkStatus());
   }
 
   void OnDone() override {
@@ -168,6 +195,23 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
   }
 
  private:
+  // The rows gathered into a device buffer of their own, and the one chunk that carries its handle, written after
+  // the header.
+  void ExportOnDevice() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::StatusOr<DeviceRows> rows = sequences_->ExportOnDevice(moving_, &device_rows_);
+    more_ = true;
+    if (!rows.ok()) {
+      next_ = rows.status();
+      return;
+    }
+    v1::SequenceChunk fields;
+    v1::DeviceRows* out = fields.mutable_device_rows();
+    out->set_ipc_handle(rows->ipc_handle);
+    out->set_bytes(rows->bytes);
+    out->set_device_uuid(rows->device_uuid);
+    next_ = SerializeSequenceChunk(fields, 0, [](uint8_t*) { return absl::OkStatus(); });
+  }
+
   // The chunk after the one being written, from the cursor (more_ false: the rows are all sent).
   void ReadNext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     more_ = cursor_.Settle(moving_);
@@ -184,11 +228,19 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
   }
 
   // A write is pending: cancelling the call completes it (not ok), and OnWriteDone ends the stream with `why`.
+  // A device export waiting for its mover has no write pending: it ends here.
   void Expired(const absl::Status& why) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     expired_ = why;
+    if (waiting_) {
+      if (!finished_) End(why);
+      return;
+    }
     ctx_->TryCancel();
   }
   void End(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    finished_ = true;
+    waiting_ = false;
+    device_rows_.reset();  // the importer has closed its handle, or never opened it in time
     sequences_->EndExport(moving_);
     LogOutcome("ExportSequence", "", status, start_);
     Finish(ToGrpcStatus(status));
@@ -204,6 +256,11 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
   grpc::ByteBuffer out_ ABSL_GUARDED_BY(mu_);               // being written
   absl::StatusOr<grpc::ByteBuffer> next_ ABSL_GUARDED_BY(mu_);  // read ahead (or why it could not be)
   bool more_ ABSL_GUARDED_BY(mu_) = false;                   // next_ holds rows still to send
+  bool device_ = false;                                       // ExportSequenceRequest.device
+  std::shared_ptr<void> device_rows_ ABSL_GUARDED_BY(mu_);    // the device buffer the handle names
+  bool waiting_ ABSL_GUARDED_BY(mu_) = false;                 // every chunk is out; the mover is to cancel
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // Raw (ByteBuffer) messages: a chunk's rows are copied from the message's slices straight into the pages
@@ -273,6 +330,7 @@ class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
       return absl::OkStatus();
     }
     if (chunk.has_sequence()) return absl::InvalidArgumentError("sequence: only the first chunk carries the header");
+    if (chunk.has_device_rows()) return TakeDeviceRows(chunk, data.present);
     if (!cursor_.Settle(moving_)) {
       return absl::InvalidArgumentError("data: a chunk past the last row the header announced");
     }
@@ -291,6 +349,23 @@ class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
     ReadNext();
     ATTND_RETURN_IF_ERROR(sequences_->WriteRows(moving_, cursor_.layer, cursor_.kv, cursor_.next, rows, data.pieces));
     cursor_.next += rows;
+    return absl::OkStatus();
+  }
+
+  // Every row at once from the exporter's device buffer (the chunk after the header, and the last): copied into the
+  // pages and the handle closed before this returns, so before the import answers.
+  absl::Status TakeDeviceRows(const v1::SequenceChunk& chunk, bool has_data) {
+    if (device_taken_ || cursor_.layer != 0 || cursor_.kv != 0 || cursor_.next != 0) {
+      return absl::InvalidArgumentError("chunk.device_rows: only the chunk after the header carries device rows");
+    }
+    if (has_data) return absl::InvalidArgumentError("chunk.device_rows: a chunk carries device rows or data, not both");
+    device_taken_ = true;
+    DeviceRows rows;
+    rows.ipc_handle = chunk.device_rows().ipc_handle();
+    rows.bytes = chunk.device_rows().bytes();
+    rows.device_uuid = chunk.device_rows().device_uuid();
+    ATTND_RETURN_IF_ERROR(sequences_->ImportOnDevice(moving_, rows));
+    cursor_.layer = moving_.shape.layers;  // every row is in
     return absl::OkStatus();
   }
 
@@ -331,6 +406,7 @@ class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
   const absl::Time start_;
   MovingSequence moving_;
   bool held_ = false;
+  bool device_taken_ = false;  // a device_rows chunk came
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool reading_ ABSL_GUARDED_BY(mu_) = true;  // a read is pending (the constructor's first)
   RowCursor cursor_;

@@ -633,6 +633,7 @@ absl::Status AttentionService::ServeGetServerInfo(grpc::CallbackServerContext*, 
     p->set_compute_capability_minor(d.cc_minor);
     p->set_total_memory_bytes(d.total_memory_bytes);
     p->set_multiprocessor_count(d.multiprocessor_count);
+    p->set_uuid(d.uuid);
   }
   int64_t max_hd = 0;
   for (int64_t hd : dispatcher_->limits().supported_head_dims) {

@@ -254,6 +254,116 @@ TEST_F(Moves, ARefusedImportLeavesTheSequenceWhereItWas) {
   EXPECT_EQ(client_->MoveSequence(id, "").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// The device path needs both servers on one GPU. CPU servers report none: an automatic move goes by bytes, a move
+// that insists on the device is refused by the exporter before anything moves, and so is a raw device export.
+TEST_F(Moves, OnCpuServersAMoveGoesByBytesAndTheDevicePathIsRefused) {
+  Start();
+  ASSERT_FALSE(HasFatalFailure());
+  auto info = client_->ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_TRUE(info->devices().empty());
+  const std::string id = OpenOnA();
+  ASSERT_FALSE(id.empty());
+  Append(id, 0, 37, 10);
+  ASSERT_FALSE(HasFatalFailure());
+
+  client::MoveOptions device;
+  device.path = client::MovePath::kDevice;
+  auto refused = client_->MoveSequence(id, address_[1], device);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "device: ")) << refused.status();
+  EXPECT_EQ(Open(1), 0u);
+  const absl::StatusOr<std::string> still = AttendOnceReleased(id);
+  EXPECT_TRUE(still.ok()) << still.status();
+
+  grpc::ClientContext ctx;
+  v1::ExportSequenceRequest request;
+  request.set_sequence_id(id);
+  request.set_device(true);
+  auto reader = stub_a_->ExportSequence(&ctx, request);
+  v1::ExportSequenceResponse chunk;
+  EXPECT_FALSE(reader->Read(&chunk));  // refused before the header
+  const grpc::Status st = reader->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_TRUE(absl::StartsWith(st.error_message(), "device: ")) << st.error_message();
+
+  auto moved = client_->MoveSequence(id, address_[1], client::MoveOptions());
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(moved->path, client::MovePath::kBytes);
+  EXPECT_EQ(Open(0), 0u);
+  EXPECT_EQ(Open(1), 1u);
+  DecodeAndCheck(moved->sequence_id, 0, 20);
+}
+
+// An import whose rows come as a device buffer is checked before anything is copied: rows of the wrong size, a GPU
+// that is not the importer's, a handle that is no handle, device rows after byte rows. Each is refused with the
+// field named, and the pages it took are free again.
+TEST_F(Moves, BadDeviceRowsOnImportAreRefusedAndLeaveNothing) {
+  Start();
+  ASSERT_FALSE(HasFatalFailure());
+  const std::string id = OpenOnA();
+  ASSERT_FALSE(id.empty());
+  Append(id, 0, 37, 10);
+  Append(id, 1, 20, 20);
+  ASSERT_FALSE(HasFatalFailure());
+  v1::ImportSequenceRequest header;
+  {
+    grpc::ClientContext ctx;
+    auto reader = Export(&ctx, id);
+    v1::ExportSequenceResponse first;
+    ASSERT_TRUE(reader->Read(&first));
+    *header.mutable_chunk() = first.chunk();
+    ctx.TryCancel();
+    reader->Finish().ok();
+  }
+  const uint64_t row = shape_.kv_heads * shape_.head_dim * 2;
+  const uint64_t bytes = 2 * (37 + 20) * row;
+  auto pages_used = [&] {
+    auto stats = direct_b_->Stats();
+    EXPECT_TRUE(stats.ok()) << stats.status();
+    return stats.ok() ? stats->sequences().pages_used() : ~0ull;
+  };
+  struct Case {
+    std::string uuid, handle;
+    uint64_t bytes;
+    bool after_rows;
+    grpc::StatusCode code;
+    std::string field;
+  };
+  const std::string uuid(32, 'a');
+  const Case cases[] = {
+      {uuid, std::string(64, 'h'), bytes - row, false, grpc::StatusCode::INVALID_ARGUMENT, "chunk.device_rows.bytes: "},
+      {uuid, std::string(64, 'h'), bytes, false, grpc::StatusCode::FAILED_PRECONDITION,
+       "chunk.device_rows.device_uuid: "},
+      {"", "not a handle", bytes, false, grpc::StatusCode::FAILED_PRECONDITION, "chunk.device_rows.device_uuid: "},
+      {uuid, std::string(64, 'h'), bytes, true, grpc::StatusCode::INVALID_ARGUMENT, "chunk.device_rows: "},
+  };
+  for (const Case& c : cases) {
+    grpc::ClientContext ctx;
+    v1::ImportSequenceResponse response;
+    auto writer = stub_b_->ImportSequence(&ctx, &response);
+    ASSERT_TRUE(writer->Write(header));
+    if (c.after_rows) {
+      v1::ImportSequenceRequest rows;
+      rows.mutable_chunk()->set_data(std::string(row, '\0'));
+      writer->Write(rows);
+    }
+    v1::ImportSequenceRequest device;
+    device.mutable_chunk()->mutable_device_rows()->set_ipc_handle(c.handle);
+    device.mutable_chunk()->mutable_device_rows()->set_bytes(c.bytes);
+    device.mutable_chunk()->mutable_device_rows()->set_device_uuid(c.uuid);
+    writer->Write(device);
+    writer->WritesDone();
+    const grpc::Status st = writer->Finish();
+    EXPECT_EQ(st.error_code(), c.code) << c.field << st.error_message();
+    EXPECT_TRUE(absl::StartsWith(st.error_message(), c.field)) << st.error_message();
+    EXPECT_EQ(Open(1), 0u) << c.field;
+    EXPECT_EQ(pages_used(), 0u) << c.field;
+  }
+  EXPECT_EQ(Open(0), 1u);
+  DecodeAndCheck(id, 0, 30);
+}
+
 // An export leaves its sequence open, also when it is cut short; a close during one frees the sequence at its end.
 // (That the sequence takes no step while its export runs is the core's test: here the stream may have been
 // written in full before the client reads it.)

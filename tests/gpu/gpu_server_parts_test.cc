@@ -68,6 +68,32 @@ TEST(BlockCacheTest, ReusesTheLastReleasedBlockOfASize) {
   cache.Release(*d);
 }
 
+// A fresh block (a move's device rows, which another process maps) is never a cached one and is freed, not cached,
+// when dropped: no earlier request's bytes go out in it, and no later request lands in it. It counts against the
+// budget meanwhile.
+TEST(BlockCacheTest, AFreshBlockIsItsOwnAllocationAndIsFreedWhenDropped) {
+  FakeMemory mem;
+  BlockCache cache(mem.Raw(), 16 * kMiB);
+  auto cached = cache.Acquire(4 * kMiB);
+  ASSERT_TRUE(cached.ok());
+  cache.Release(*cached);
+  auto fresh = cache.AcquireFresh(4 * kMiB);
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_NE(fresh->ptr, cached->ptr);
+  EXPECT_EQ(mem.allocs, 2);
+  EXPECT_EQ(cache.stats().in_use_bytes, 4 * kMiB);
+  EXPECT_EQ(cache.AcquireFresh(13 * kMiB).status().code(), absl::StatusCode::kResourceExhausted);
+  cache.Drop(*fresh);
+  EXPECT_EQ(mem.frees, 2);  // the fresh block, and the cached one given back to make room for the refused one
+  EXPECT_EQ(mem.live.count(reinterpret_cast<uintptr_t>(fresh->ptr)), 0u);
+  EXPECT_EQ(cache.stats().in_use_bytes, 0u);
+  EXPECT_EQ(cache.stats().held_bytes, 0u);
+  auto again = cache.Acquire(4 * kMiB);  // a new allocation: the dropped block was not cached
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(mem.allocs, 3);
+  cache.Release(*again);
+}
+
 TEST(BlockCacheTest, DoesNotHandOutAFarLargerBlock) {
   FakeMemory mem;
   BlockCache cache(mem.Raw(), 256 * kMiB);

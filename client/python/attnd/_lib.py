@@ -240,6 +240,9 @@ def load():
     lib.attnd_sequence_fork.restype = ctypes.c_void_p
     lib.attnd_sequence_move.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, err_p]
     lib.attnd_sequence_move.restype = ctypes.c_void_p
+    lib.attnd_sequence_move_path.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int32,
+                                             ctypes.POINTER(ctypes.c_int32), err_p]
+    lib.attnd_sequence_move_path.restype = ctypes.c_void_p
     lib.attnd_sequence_truncate.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64,
                                             ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t,
                                             ctypes.POINTER(ctypes.c_size_t), err_p]

@@ -375,6 +375,7 @@ class Client:
         channel then speaks TLS). token: the bearer token of a server started with --auth_token_file. timeout:
         seconds per call (default 120)."""
         self._lib = _lib.load()
+        self.last_move_path = None  # "bytes" or "device": what carried the last move_sequence's rows
         if transport not in _lib.TRANSPORTS:
             raise _invalid(f"transport: {transport!r} is not one of {', '.join(_lib.TRANSPORTS)}")
         opts = _lib.ClientOptions()
@@ -872,18 +873,24 @@ class Client:
         return kids if n is not None else kids[0]
 
 
-    def move_sequence(self, sequence, to):
+    def move_sequence(self, sequence, to, path="auto"):
         """Moves `sequence` (a Sequence or an id) to the server at `to` (the address that server advertises after
         its ids' '@'): its cached K and V go there, the old one closes. Returns the new id; a Sequence object
         follows it (a StepBatch made before names the old id: make a new one). On failure the sequence stays where
-        it was."""
+        it was. `path`: "auto" (on the GPU when both servers share one, else bytes), "bytes" or "device";
+        `last_move_path` then says which carried the rows ("bytes" or "device")."""
         if not isinstance(to, str) or not to:
             raise _invalid(f"to: {to!r} is not a server address")
+        paths = ("auto", "bytes", "device")
+        if path not in paths:
+            raise _invalid(f"path: {path!r} is not one of {paths}")
         err = _lib.Error()
-        p = self._lib.attnd_sequence_move(self._h(), _seq_id("sequence", sequence).encode(), to.encode(),
-                                          ctypes.byref(err))
+        used = ctypes.c_int32(0)
+        p = self._lib.attnd_sequence_move_path(self._h(), _seq_id("sequence", sequence).encode(), to.encode(),
+                                               paths.index(path), ctypes.byref(used), ctypes.byref(err))
         if not p:
             _raise(err)
+        self.last_move_path = paths[used.value]
         moved = _ids_of(p, self._lib)[0]
         if isinstance(sequence, Sequence):
             sequence.id = moved
@@ -1139,9 +1146,9 @@ class Sequence:
         """Keeps the first `tokens` of every layer; returns the per-layer lengths after it."""
         return self.client.truncate_sequence(self, tokens)
 
-    def move(self, to):
+    def move(self, to, path="auto"):
         """Moves this sequence to the server at `to` (client.move_sequence); `id` is the new one afterwards."""
-        return self.client.move_sequence(self, to)
+        return self.client.move_sequence(self, to, path=path)
 
     def info(self):
         """GetSequence as a dict: sequence_id, shape, max_tokens, lengths, pages, shared_pages, idle_s, ..."""

@@ -8,7 +8,9 @@ answers the same query with the same O on B as it did on A (bit for bit: same ro
 steps on B. Both servers must advertise their addresses (--advertise_address), which are what --source and --dest
 name. With --warm, one sequence of the shape stays open on each server for the run (so each keeps its page pool) and
 the sequences move to B and back untimed first, so that the timed moves write pages B has written before: a CPU
-backend's fresh pool faults each page in on its first write, which a GPU's memory does not.
+backend's fresh pool faults each page in on its first write, which a GPU's memory does not. --path chooses how the
+rows travel: auto (on the GPU when both servers report the same one, else bytes), bytes (through this client) or
+device (one GPU buffer per sequence that B copies from over CUDA IPC); the report says which path ran.
 
   python3 client/python/bench/move_bench.py --source 127.0.0.1:50051 --dest 127.0.0.1:50052 --layers 32 \\
       --context 2048 --sequences 8
@@ -63,6 +65,8 @@ def main():
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warm", action="store_true", help="time moves into pages the destination has written before")
+    ap.add_argument("--path", choices=("auto", "bytes", "device"), default="auto",
+                    help="how the rows travel (Client.move_sequence's path)")
     ap.add_argument("--json")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -89,16 +93,17 @@ def main():
                     wc = attnd.Client(x)
                     warm.append((wc, wc.open_sequence(layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim)))
                 for s in seqs:
-                    s.move(a.dest)
+                    s.move(a.dest, path=a.path)
                 for s in seqs:
-                    s.move(a.source)
+                    s.move(a.source, path=a.path)
 
-            per = []
+            per, paths = [], set()
             t0 = time.perf_counter()
             for s in seqs:
                 s0 = time.perf_counter()
-                s.move(a.dest)
+                s.move(a.dest, path=a.path)
                 per.append(time.perf_counter() - s0)
+                paths.add(c.last_move_path)
             move_s = time.perf_counter() - t0
             moved_bytes = 2 * a.context * kv_row * 2 * a.layers * a.sequences
             assert all(s.id.rsplit("@", 1)[-1] == a.dest for s in seqs), "a moved id does not name --dest"
@@ -121,7 +126,8 @@ def main():
                 wc.close()
     out = {
         "sequences": a.sequences, "layers": a.layers, "context": a.context, "kv_heads": a.kv_heads,
-        "head_dim": a.head_dim, "prefill_s": prefill_s, "moved_bytes": moved_bytes, "move_s": move_s,
+        "head_dim": a.head_dim, "path_asked": a.path, "path": ",".join(sorted(paths)), "prefill_s": prefill_s,
+        "moved_bytes": moved_bytes, "move_s": move_s,
         "move_gb_per_s": moved_bytes / move_s / 1e9, "move_ms_per_sequence_p50": statistics.median(per) * 1e3,
         "same_o_after_move": same, "decode_step_ms_p50_on_dest": statistics.median(lat) * 1e3 if lat else None,
     }
@@ -130,7 +136,8 @@ def main():
     if d2d:
         out["move_over_d2d"] = out["move_gb_per_s"] / d2d
     print(f"prefill on {a.source}: {a.sequences} x {a.context} tokens x {a.layers} layers in {prefill_s:.2f} s")
-    print(f"move {a.source} -> {a.dest}: {moved_bytes / 1e6:.1f} MB in {move_s * 1e3:.1f} ms = "
+    print(f"move {a.source} -> {a.dest} by {out['path']} (--path {a.path}): {moved_bytes / 1e6:.1f} MB in "
+          f"{move_s * 1e3:.1f} ms = "
           f"{out['move_gb_per_s']:.2f} GB/s; per sequence p50 {out['move_ms_per_sequence_p50']:.1f} ms; "
           f"O after the move {'identical' if same else 'DIFFERENT'}")
     if d2d:

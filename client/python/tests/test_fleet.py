@@ -70,6 +70,7 @@ def test_a_sequence_moves_to_another_server_and_follows(fleet):
         there = next(s.target for s in fleet if s.target != here)
         new = seq.move(there)
         assert new == seq.id and new != old and new.rsplit("@", 1)[1] == there
+        assert c.last_move_path == "bytes"  # CPU servers share no GPU
         assert seq.info()["lengths"] == [21, 9]
         step_checked(seq, hist, 0, rng, 1)
         step_checked(seq, hist, 1, rng, 2)
@@ -79,4 +80,12 @@ def test_a_sequence_moves_to_another_server_and_follows(fleet):
         with pytest.raises(attnd.AttndError) as again:
             seq.move(there)
         assert again.value.code == attnd.StatusCode.INVALID_ARGUMENT, again.value
+        # The device path needs a GPU: the CPU exporter refuses it, and the sequence stays.
+        with pytest.raises(attnd.AttndError) as no_gpu:
+            seq.move(here, path="device")
+        assert no_gpu.value.code == attnd.StatusCode.FAILED_PRECONDITION, no_gpu.value
+        assert seq.id == new and seq.info()["lengths"] == [22, 11]
+        with pytest.raises(attnd.AttndError) as bad:
+            seq.move(here, path="ipc")
+        assert bad.value.code == attnd.StatusCode.INVALID_ARGUMENT, bad.value
         seq.close()

@@ -82,6 +82,19 @@ absl::Status Sequences::WriteRows(const MovingSequence& m, int layer, int kv, in
   return backend_->WriteKvRows(*m.pool, m.pages, layer, kv, first, rows, src);
 }
 
+absl::StatusOr<DeviceRows> Sequences::ExportOnDevice(const MovingSequence& m, std::shared_ptr<void>* hold) {
+  return backend_->ExportKvRowsOnDevice(*m.pool, m.pages, m.lengths, hold);
+}
+
+absl::Status Sequences::ImportOnDevice(const MovingSequence& m, const DeviceRows& rows) {
+  if (rows.bytes != m.total_bytes()) {
+    return Invalid("chunk.device_rows.bytes", absl::StrCat(rows.bytes, " bytes, the header's lengths need ",
+                                                            m.total_bytes(), " (2 x their sum x ", m.row_bytes(),
+                                                            " bytes a row)"));
+  }
+  return backend_->ImportKvRowsOnDevice(*m.pool, m.pages, m.lengths, rows);
+}
+
 absl::StatusOr<MovingSequence> Sequences::BeginImport(const std::string& owner, const ImportArgs& header) {
   if (header.open.count > 1) return Invalid("sequence.count", "an import opens one sequence");
   absl::StatusOr<std::pair<SequenceShape, int64_t>> checked = CheckOpen(header.open);

@@ -43,6 +43,10 @@ absl::StatusOr<Block> BlockCache::Acquire(uint64_t bytes) {
     ++reuses_;
     return b;
   }
+  return AllocateLocked(size);
+}
+
+absl::StatusOr<Block> BlockCache::AllocateLocked(uint64_t size) {
   if (size > budget_) {
     return absl::ResourceExhaustedError(absl::StrCat("a request needs ", size, " bytes of ", raw_.what,
                                                      ", more than the whole budget of ", budget_,
@@ -72,6 +76,19 @@ void BlockCache::Release(Block block) {
   in_use_ -= block.size;
   // Before its equals, so lower_bound finds it first (last released, first reused).
   free_.emplace_hint(free_.lower_bound(block.size), block.size, block.ptr);
+}
+
+absl::StatusOr<Block> BlockCache::AcquireFresh(uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  return AllocateLocked(SizeClass(bytes));
+}
+
+void BlockCache::Drop(Block block) {
+  if (block.ptr == nullptr) return;
+  absl::MutexLock lock(&mu_);
+  raw_.free(block.ptr);
+  in_use_ -= block.size;
+  held_ -= block.size;
 }
 
 void BlockCache::FreeCachedLocked() {

@@ -192,6 +192,15 @@ class CudaBackendImpl final : public Backend {
                            int64_t rows, HostPieces src) override {
     return cuda::WriteKvRows(pool, pages, layer, kv, first, rows, src);
   }
+  absl::StatusOr<DeviceRows> ExportKvRowsOnDevice(const KvPool& pool, absl::Span<const int32_t> pages,
+                                                  absl::Span<const int64_t> lengths,
+                                                  std::shared_ptr<void>* hold) override {
+    return cuda::ExportKvRowsOnDevice(pool, pages, lengths, PoolUuid(pool), hold);
+  }
+  absl::Status ImportKvRowsOnDevice(const KvPool& pool, absl::Span<const int32_t> pages,
+                                    absl::Span<const int64_t> lengths, const DeviceRows& rows) override {
+    return cuda::ImportKvRowsOnDevice(pool, pages, lengths, PoolUuid(pool), rows);
+  }
 
   bool device_order() const override { return device_order_; }
   absl::StatusOr<MappedHostMemory> MapHostMemory(void* page, size_t bytes) override {
@@ -257,6 +266,15 @@ class CudaBackendImpl final : public Backend {
   }
 
  private:
+  // The UUID of the device a pool lives on (the first served; empty for a pool of no device of this backend).
+  std::string PoolUuid(const KvPool& pool) const {
+    const int device = cuda::KvPoolDevice(pool);
+    for (const auto& d : devices_) {
+      if (d->description().index == device) return d->description().uuid;
+    }
+    return {};
+  }
+
   static absl::StatusOr<kernels::Selection> Select(const ForwardJob& job, int device) {
     const Shape& s = job.problem.shape;
     const Layout layout{job.q.strides, job.k.strides, job.v.strides,

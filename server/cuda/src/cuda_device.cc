@@ -76,7 +76,7 @@ absl::Status CudaDevice::Start(const std::vector<Shape>& warm_shapes) {
   cudaDeviceProp prop{};
   ATTND_RETURN_IF_ERROR(CudaStatus("cudaGetDeviceProperties", cudaGetDeviceProperties(&prop, index_)));
   desc_ = DeviceDescription{index_, prop.name, prop.major, prop.minor, static_cast<uint64_t>(prop.totalGlobalMem),
-                            prop.multiProcessorCount};
+                            prop.multiProcessorCount, UuidText(prop.uuid)};
 
   size_t free_bytes = 0, total_bytes = 0;
   ATTND_RETURN_IF_ERROR(CudaStatus("cudaMemGetInfo", cudaMemGetInfo(&free_bytes, &total_bytes)));

@@ -346,6 +346,8 @@ class CudaKvPool final : public KvPool {
   const float* v_descale(int layer) const { return descales(1, layer); }
   // The device's pinned staging memory, which a move's rows pass through (CopyKvRows).
   BlockCache& staging() const { return *staging_; }
+  // The device's memory budget, which a same-host move's buffer comes from (ExportKvRowsOnDevice).
+  const std::shared_ptr<BlockCache>& memory() const { return memory_; }
 
  private:
   const float* descales(int kv, int layer) const {
@@ -376,5 +378,15 @@ absl::Status CopyKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int
                         int64_t rows, bool to_host, uint8_t* host);
 absl::Status WriteKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
                          int64_t rows, HostPieces src);
+// Backend::ExportKvRowsOnDevice and ImportKvRowsOnDevice on such a pool (kv_device_moves.cc); `device_uuid` is the
+// pool's device's (UuidText).
+absl::StatusOr<DeviceRows> ExportKvRowsOnDevice(const KvPool& pool, absl::Span<const int32_t> pages,
+                                                absl::Span<const int64_t> lengths, const std::string& device_uuid,
+                                                std::shared_ptr<void>* hold);
+absl::Status ImportKvRowsOnDevice(const KvPool& pool, absl::Span<const int32_t> pages,
+                                  absl::Span<const int64_t> lengths, const std::string& device_uuid,
+                                  const DeviceRows& rows);
+// A GPU's UUID as 32 hex digits (DeviceDescription::uuid).
+std::string UuidText(const cudaUUID_t& uuid);
 
 }  // namespace attnd::server::cuda

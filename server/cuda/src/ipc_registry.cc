@@ -42,12 +42,70 @@ absl::StatusOr<PFN_cuMemGetAddressRange_v3020> AddressRangeFn() {
 }  // namespace
 
 IpcMapping::~IpcMapping() {
+  const absl::Status closed = Close();
+  if (!closed.ok()) spdlog::warn("{}", std::string(closed.message()));
+}
+
+absl::Status IpcMapping::Close() {
+  if (closed_) return absl::OkStatus();
+  closed_ = true;
   int prev = 0;
   cudaGetDevice(&prev);
-  cudaSetDevice(device_);
-  const cudaError_t err = cudaIpcCloseMemHandle(base_);
-  if (err != cudaSuccess) spdlog::warn("cudaIpcCloseMemHandle: {}", cudaGetErrorString(err));
+  cudaError_t err = cudaSetDevice(device_);
+  if (err == cudaSuccess) err = cudaIpcCloseMemHandle(base_);
   cudaSetDevice(prev);
+  if (err == cudaSuccess) return absl::OkStatus();
+  cudaGetLastError();
+  return absl::InternalError(absl::StrCat("cudaIpcCloseMemHandle: ", cudaGetErrorString(err)));
+}
+
+absl::StatusOr<std::shared_ptr<IpcMapping>> OpenIpcMemHandle(absl::string_view handle_bytes, int device,
+                                                             absl::string_view handle_field,
+                                                             absl::string_view device_field) {
+  if (handle_bytes.size() != sizeof(cudaIpcMemHandle_t)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(handle_field, ": ", handle_bytes.size(), " bytes, expected ", sizeof(cudaIpcMemHandle_t)));
+  }
+  cudaIpcMemHandle_t handle;
+  std::memcpy(&handle, handle_bytes.data(), sizeof handle);
+  cudaError_t err = cudaSetDevice(device);
+  void* base = nullptr;
+  if (err == cudaSuccess) err = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // IPC open errors are not sticky; clear the per-thread error
+    return absl::InvalidArgumentError(absl::StrCat(
+        handle_field, ": cannot be opened on device ", device, " (", cudaGetErrorString(err),
+        "); it must come from cudaIpcGetMemHandle in another live process on this host"));
+  }
+  // The handle may name an allocation on a device other than the one claimed; refuse it rather than run
+  // the kernel on memory of another GPU.
+  cudaPointerAttributes attrs{};
+  err = cudaPointerGetAttributes(&attrs, base);
+  uint64_t alloc_bytes = 0;
+  absl::Status size_status;
+  if (err != cudaSuccess || attrs.device != device) {
+    size_status = absl::InvalidArgumentError(absl::StrCat(device_field, ": the handle's allocation is on device ",
+                                                          err == cudaSuccess ? attrs.device : -1, ", not ",
+                                                          device));
+  } else {
+    absl::StatusOr<PFN_cuMemGetAddressRange_v3020> range = AddressRangeFn();
+    CUdeviceptr alloc_base = 0;
+    size_t size = 0;
+    if (!range.ok()) {
+      size_status = range.status();
+    } else if ((*range)(&alloc_base, &size, reinterpret_cast<CUdeviceptr>(base)) != CUDA_SUCCESS) {
+      size_status = absl::InvalidArgumentError(
+          absl::StrCat(handle_field, ": the driver cannot size the opened allocation"));
+    } else {
+      alloc_bytes = size - (reinterpret_cast<CUdeviceptr>(base) - alloc_base);
+    }
+  }
+  if (!size_status.ok()) {
+    cudaIpcCloseMemHandle(base);
+    cudaGetLastError();
+    return size_status;
+  }
+  return std::make_shared<IpcMapping>(device, base, alloc_bytes);
 }
 
 IpcRegistry::IpcRegistry(std::vector<int> devices) : devices_(std::move(devices)) {}
@@ -75,45 +133,10 @@ absl::StatusOr<std::string> IpcRegistry::Register(const CudaBufferRegistration& 
   std::shared_ptr<IpcMapping> mapping;
   if (auto it = mappings_.find(reg.ipc_handle); it != mappings_.end()) mapping = it->second.lock();
   if (mapping == nullptr) {
-    cudaIpcMemHandle_t handle;
-    std::memcpy(&handle, reg.ipc_handle.data(), sizeof handle);
-    cudaError_t err = cudaSetDevice(reg.device);
-    void* base = nullptr;
-    if (err == cudaSuccess) err = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
-    if (err != cudaSuccess) {
-      cudaGetLastError();  // IPC open errors are not sticky; clear the per-thread error
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ipc_handle: cannot be opened on device ", reg.device, " (", cudaGetErrorString(err),
-          "); it must come from cudaIpcGetMemHandle in another live process on this host"));
-    }
-    // The handle may name an allocation on a device other than the one claimed; refuse it rather than run
-    // the kernel on memory of another GPU.
-    cudaPointerAttributes attrs{};
-    err = cudaPointerGetAttributes(&attrs, base);
-    uint64_t alloc_bytes = 0;
-    absl::Status size_status;
-    if (err != cudaSuccess || attrs.device != reg.device) {
-      size_status = absl::InvalidArgumentError(absl::StrCat("device: the handle's allocation is on device ",
-                                                            err == cudaSuccess ? attrs.device : -1, ", not ",
-                                                            reg.device));
-    } else {
-      absl::StatusOr<PFN_cuMemGetAddressRange_v3020> range = AddressRangeFn();
-      CUdeviceptr alloc_base = 0;
-      size_t size = 0;
-      if (!range.ok()) {
-        size_status = range.status();
-      } else if ((*range)(&alloc_base, &size, reinterpret_cast<CUdeviceptr>(base)) != CUDA_SUCCESS) {
-        size_status = absl::InvalidArgumentError("ipc_handle: the driver cannot size the opened allocation");
-      } else {
-        alloc_bytes = size - (reinterpret_cast<CUdeviceptr>(base) - alloc_base);
-      }
-    }
-    if (!size_status.ok()) {
-      cudaIpcCloseMemHandle(base);
-      cudaGetLastError();
-      return size_status;
-    }
-    mapping = std::make_shared<IpcMapping>(reg.device, base, alloc_bytes);
+    absl::StatusOr<std::shared_ptr<IpcMapping>> opened = OpenIpcMemHandle(reg.ipc_handle, reg.device, "ipc_handle",
+                                                                           "device");
+    if (!opened.ok()) return opened.status();
+    mapping = *std::move(opened);
     mappings_[reg.ipc_handle] = mapping;
   } else if (mapping->device() != reg.device) {
     return absl::InvalidArgumentError(absl::StrCat("device: this handle is already registered on device ",

@@ -4,6 +4,7 @@
 #include "attnd/server/sequences.h"
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -199,6 +200,43 @@ TEST_F(SequencesTest, AnExportHoldsItsSequenceAndAnImportOpensItWhole) {
   EXPECT_EQ(sequences_->stats().open(), 2u);
   header.lengths = {20};
   ExpectStatus(core->BeginImport("carol", header).status(), absl::StatusCode::kInvalidArgument, "sequence.lengths: ");
+}
+
+// A move on the device needs a GPU: the CPU backend refuses to export rows on one (the sequence is released as
+// before), and an import of device rows is checked (their bytes against the header, then the GPU) and, refused,
+// frees what it took.
+TEST_F(SequencesTest, DeviceRowsAreRefusedOnTheCpuBackendAndLeaveNothing) {
+  Start();
+  const std::vector<std::string> ids = Open(1);
+  for (int layer = 0; layer < kLayers; ++layer) StepAndVerify(ids, {20 + 7 * layer}, layer);
+  Sequences* core = sequences_->core();
+  absl::StatusOr<server::MovingSequence> held = core->BeginExport("alice", ids[0]);
+  ASSERT_TRUE(held.ok()) << held.status();
+  std::shared_ptr<void> hold;
+  ExpectStatus(core->ExportOnDevice(*held, &hold).status(), absl::StatusCode::kFailedPrecondition, "device: ");
+  EXPECT_EQ(hold, nullptr);
+  core->EndExport(*held);
+  StepAndVerify(ids, {1}, 0);  // released
+
+  const uint64_t used = sequences_->stats().pages_used();
+  server::ImportArgs header;
+  header.open.layers = kLayers, header.open.kv_heads = kKvHeads, header.open.head_dim = head_dim_;
+  header.open.dtype = dtype_;
+  header.lengths = held->lengths;
+  absl::StatusOr<server::MovingSequence> in = core->BeginImport("carol", header);
+  ASSERT_TRUE(in.ok()) << in.status();
+  EXPECT_EQ(in->total_bytes(), 2 * (20 + 27 + 34) * in->row_bytes());
+  server::DeviceRows rows;
+  rows.ipc_handle = std::string(64, 'x');
+  rows.device_uuid = "00112233445566778899aabbccddeeff";
+  rows.bytes = in->total_bytes() - in->row_bytes();
+  ExpectStatus(core->ImportOnDevice(*in, rows), absl::StatusCode::kInvalidArgument, "chunk.device_rows.bytes: ");
+  rows.bytes = in->total_bytes();
+  ExpectStatus(core->ImportOnDevice(*in, rows), absl::StatusCode::kFailedPrecondition,
+               "chunk.device_rows.device_uuid: ");
+  EXPECT_FALSE(core->EndImport(*in, false).ok());
+  EXPECT_EQ(sequences_->stats().pages_used(), used);
+  EXPECT_EQ(sequences_->stats().open(), 1u);
 }
 
 TEST_F(SequencesTest, TruncateDropsTokensAndPages) {

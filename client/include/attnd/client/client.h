@@ -229,6 +229,23 @@ struct OpenedSequences {
 
 // One of a Step's Q, K, V: inline bytes of the caller's (copied into the request), a registered CUDA buffer,
 // or neither (absent: no q means append only; no k and v means attend only).
+// How MoveSequence carries a sequence's rows (docs/sequences.md, "Moving a sequence").
+enum class MovePath {
+  kAuto,    // on the device when both servers report the same GPU (ServerInfo.devices[0].uuid), else kBytes
+  kBytes,   // K and V stream through this client over gRPC
+  kDevice,  // one GPU buffer the importer copies from (CUDA IPC); FAILED_PRECONDITION where it cannot be
+};
+const char* MovePathName(MovePath path);  // "auto", "bytes", "device"
+
+struct MoveOptions {
+  MovePath path = MovePath::kAuto;
+};
+
+struct MovedSequence {
+  std::string sequence_id;             // the new id, on `to`
+  MovePath path = MovePath::kBytes;    // the path that carried the rows: kBytes or kDevice
+};
+
 struct StepTensor {
   std::string_view data;
   std::optional<v1::TensorRef> ref;
@@ -333,6 +350,10 @@ class Client {
   // sequence"). A sequence with a step in flight is ABORTED (retry); shared pages arrive as the sequence's own.
   absl::StatusOr<std::string> MoveSequence(const std::string& sequence_id, const std::string& to,
                                            const CallOptions& call = {});
+  // The same with the path chosen (MoveOptions: automatic by default, falling back to bytes when the exporter
+  // refuses the device path FAILED_PRECONDITION); says which path carried the rows.
+  absl::StatusOr<MovedSequence> MoveSequence(const std::string& sequence_id, const std::string& to,
+                                             const MoveOptions& options, const CallOptions& call = {});
 
   // GetServerInfo, cached after the first success unless `refresh`.
   absl::StatusOr<v1::ServerInfo> ServerInfo(bool refresh = false, const CallOptions& call = {});

@@ -209,6 +209,15 @@ struct DeviceDescription {
   int cc_major = 0, cc_minor = 0;
   uint64_t total_memory_bytes = 0;
   int multiprocessor_count = 0;
+  std::string uuid;  // the GPU's UUID as 32 hex digits, the same in every process on the host
+};
+
+// A sequence's rows in a device buffer of their own, for a move between two servers on one GPU
+// (docs/sequences.md, "Moving a sequence"): every layer's K then V rows from token 0, as the byte chunks carry them.
+struct DeviceRows {
+  std::string ipc_handle;  // the buffer's cudaIpcMemHandle_t
+  uint64_t bytes = 0;
+  std::string device_uuid;
 };
 
 // Device memory one served device holds for this server (exported as attnd_device_memory_used_bytes{device}).
@@ -286,6 +295,24 @@ class Backend {
       return absl::InternalError("kv rows: fewer bytes than rows");
     }
     return CopyKvRows(pool, pages, layer, kv, first, rows, false, reinterpret_cast<uint8_t*>(gathered.data()));
+  }
+  // A same-host move on the device. ExportKvRowsOnDevice gathers every row of the sequence (`lengths` per layer)
+  // into one device buffer that holds nothing else and returns its handle; `hold` keeps the buffer until dropped,
+  // which must come after every importer has closed the handle. ImportKvRowsOnDevice opens such a handle, copies
+  // its rows into the pages and closes it before returning. FAILED_PRECONDITION on a backend without a GPU.
+  virtual absl::StatusOr<DeviceRows> ExportKvRowsOnDevice(const KvPool& pool, absl::Span<const int32_t> pages,
+                                                          absl::Span<const int64_t> lengths,
+                                                          std::shared_ptr<void>* hold) {
+    (void)pool, (void)pages, (void)lengths, (void)hold;
+    return absl::FailedPreconditionError(
+        absl::StrCat("device: the ", name(), " backend holds no rows on a GPU; export without `device`"));
+  }
+  virtual absl::Status ImportKvRowsOnDevice(const KvPool& pool, absl::Span<const int32_t> pages,
+                                            absl::Span<const int64_t> lengths, const DeviceRows& rows) {
+    (void)pool, (void)pages, (void)lengths;
+    return absl::FailedPreconditionError(absl::StrCat("chunk.device_rows.device_uuid: '", rows.device_uuid,
+                                                      "' is not this server's GPU (the ", name(),
+                                                      " backend has none); move the sequence by bytes"));
   }
   // Steps ordered on a caller's stream by the device (StepJob::device_order): whether the backend runs them, and
   // the device address of `bytes` of host memory at `page` (page-aligned; a shared-memory channel's header) for

@@ -70,6 +70,12 @@ struct MovingSequence {
   std::shared_ptr<KvPool> pool;
   std::vector<int32_t> pages;
   uint64_t row_bytes() const { return shape.row_bytes(); }
+  // Every row's bytes, K and V of every layer.
+  uint64_t total_bytes() const {
+    uint64_t rows = 0;
+    for (int64_t n : lengths) rows += static_cast<uint64_t>(n);
+    return 2 * rows * row_bytes();
+  }
 };
 
 class Sequences {
@@ -106,6 +112,11 @@ class Sequences {
   // The same from bytes in pieces (a received message's slices), which must hold exactly the rows' bytes.
   absl::Status WriteRows(const MovingSequence& m, int layer, int kv, int64_t first, int64_t rows, HostPieces src);
   absl::StatusOr<OpenedSequences> EndImport(const MovingSequence& m, bool ok) ABSL_LOCKS_EXCLUDED(mu_);
+  // The same move on one GPU (ExportSequenceRequest.device): every row of an exported sequence gathered into a
+  // device buffer of its own, kept by `hold` (drop it after EndExport's caller knows the importer closed it); and
+  // every row of an imported one copied from such a buffer, which must hold exactly the header's rows.
+  absl::StatusOr<DeviceRows> ExportOnDevice(const MovingSequence& m, std::shared_ptr<void>* hold);
+  absl::Status ImportOnDevice(const MovingSequence& m, const DeviceRows& rows);
 
   // Called exactly once per Step: on a backend thread with the finished job, or inline with a null job when the
   // step was refused before it was queued.

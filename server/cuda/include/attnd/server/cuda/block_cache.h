@@ -45,6 +45,11 @@ class BlockCache {
   // A block of at least `bytes` bytes. RESOURCE_EXHAUSTED when the budget cannot hold it.
   absl::StatusOr<Block> Acquire(uint64_t bytes);
   void Release(Block block);
+  // A block of its own allocation, never a cached one, under the same budget; Drop frees it instead of caching it.
+  // For memory another process maps (a move's device rows): it carries no earlier request's bytes out, and no
+  // later request's bytes reach a mapping that outlives it.
+  absl::StatusOr<Block> AcquireFresh(uint64_t bytes);
+  void Drop(Block block);
   // Rounds a request up to the size class that Acquire allocates, so nearby sizes share blocks.
   static uint64_t SizeClass(uint64_t bytes);
 
@@ -52,6 +57,8 @@ class BlockCache {
 
  private:
   void FreeCachedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Room for `size` more bytes held (cached blocks freed first), then a raw allocation of them.
+  absl::StatusOr<Block> AllocateLocked(uint64_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const RawAllocator raw_;
   const uint64_t budget_;

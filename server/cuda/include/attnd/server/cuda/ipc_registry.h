@@ -14,6 +14,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "attnd/server/buffer_registry.h"
 
@@ -29,12 +30,22 @@ class IpcMapping {
   int device() const { return device_; }
   uint8_t* base() const { return static_cast<uint8_t*>(base_); }
   uint64_t allocation_bytes() const { return bytes_; }
+  // Closes the handle now (at most once; the destructor closes it otherwise), for a caller that must know it is
+  // closed before it answers.
+  absl::Status Close();
 
  private:
   const int device_;
   void* const base_;
   const uint64_t bytes_;
+  bool closed_ = false;
 };
+
+// Opens `handle_bytes` (a cudaIpcMemHandle_t of another process's allocation) on `device`: INVALID_ARGUMENT naming
+// `handle_field` when it is not one or does not open, `device_field` when its allocation is on another device.
+absl::StatusOr<std::shared_ptr<IpcMapping>> OpenIpcMemHandle(absl::string_view handle_bytes, int device,
+                                                             absl::string_view handle_field,
+                                                             absl::string_view device_field);
 
 struct IpcRegion {
   std::string id, name;

@@ -1,0 +1,280 @@
+// Same-host sequence moves on one GPU: two `attnd --backend=cuda` processes share the device, and
+// Client::MoveSequence carries each sequence's rows through one CUDA IPC buffer (MovePath::kDevice). Sequences of
+// bf16 and float8 caches, several layers, lengths that are no whole number of pages, and a fork sharing its parent's
+// pages are prefilled with random rows on A, forked there once more (the copy that stays on A), and moved to B. On B
+// each answers a decode step exactly as its copy on A answers the same step (the same kernel over the same rows: bit
+// for bit), and the old id answers NOT_FOUND "moved to". A device_rows chunk whose handle is not one is refused
+// naming the field and leaves nothing on B. Skipped without a usable GPU.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "attnd/client/client.h"
+#include "attnd/client/tensors.h"
+#include "e2e_util.h"
+#include "gpu_test_util.h"
+#include "gtest/gtest.h"
+
+#ifndef ATTND_BINARY
+#error "ATTND_BINARY must name the attnd executable"
+#endif
+
+namespace attnd::gpu {
+namespace {
+
+using e2e::Connect;
+using e2e::FreeLoopbackPort;
+
+// attnd next to this test binary (binaries are carried together to a GPU host), else the build tree's.
+std::string AttndBinary() {
+  char self[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n > 0) {
+    std::string dir(self, static_cast<size_t>(n));
+    const std::string sibling = dir.substr(0, dir.rfind('/')) + "/attnd";
+    if (::access(sibling.c_str(), X_OK) == 0) return sibling;
+  }
+  return ATTND_BINARY;
+}
+
+// One attnd process on the CUDA backend, advertising its loopback address; killed when the test ends.
+struct AttndProcess {
+  pid_t pid = -1;
+  std::string address;
+  ~AttndProcess() {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  }
+  bool Start() {
+    const int port = FreeLoopbackPort();
+    if (port <= 0) return false;
+    address = absl::StrCat("127.0.0.1:", port);
+    const std::vector<std::string> args = {AttndBinary(), "--backend=cuda", "--listen=" + address,
+                                           "--advertise_address=" + address, "--kv_pool_mb=256",
+                                           "--memory_budget_mb=2048", "--log_level=warn"};
+    pid = ::fork();
+    if (pid == 0) {
+      std::vector<char*> argv;
+      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      ::execv(argv[0], argv.data());
+      ::_exit(127);
+    }
+    return pid > 0;
+  }
+};
+
+// ServerInfo of the server at `address` once it answers (up to 60 s: a CUDA server warms up first).
+absl::StatusOr<v1::ServerInfo> AwaitServing(const std::string& address) {
+  auto c = Connect(address);
+  if (c == nullptr) return absl::UnavailableError("no client");
+  const absl::Time end = absl::Now() + absl::Seconds(60);
+  for (;;) {
+    absl::StatusOr<v1::ServerInfo> info = c->ServerInfo(/*refresh=*/true);
+    if (info.ok() || absl::Now() > end) return info;
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+}
+
+class GpuSequenceMoves : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!testing::HaveSupportedGpu()) GTEST_SKIP() << "no supported GPU";
+    for (AttndProcess& p : servers_) ASSERT_TRUE(p.Start());
+    std::string uuid[2];
+    for (int i = 0; i < 2; ++i) {
+      absl::StatusOr<v1::ServerInfo> info = AwaitServing(servers_[i].address);
+      ASSERT_TRUE(info.ok()) << servers_[i].address << ": " << info.status();
+      ASSERT_EQ(info->backend(), "cuda");
+      ASSERT_FALSE(info->devices().empty());
+      uuid[i] = info->devices(0).uuid();
+    }
+    ASSERT_EQ(uuid[0].size(), 32u) << uuid[0];
+    ASSERT_EQ(uuid[0], uuid[1]);
+    uuid_ = uuid[0];
+    client_ = Connect(servers_[0].address);
+    direct_b_ = Connect(servers_[1].address);
+    ASSERT_NE(client_, nullptr);
+    ASSERT_NE(direct_b_, nullptr);
+  }
+
+  // Appends `tokens` random rows to `id` at `layer`.
+  void Append(const client::SequenceShape& shape, const std::string& id, int64_t layer, int64_t tokens,
+              uint64_t seed) {
+    const std::string k = client::RandomTensor(shape.dtype, tokens * shape.kv_heads * shape.head_dim, seed);
+    const std::string v = client::RandomTensor(shape.dtype, tokens * shape.kv_heads * shape.head_dim, seed + 1);
+    client::StepSpec spec;
+    spec.sequences = {{id, tokens}};
+    spec.layer = layer;
+    spec.k.data = k;
+    spec.v.data = v;
+    auto r = client_->Step(spec);
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+
+  // O of one decode step (a token appended and attended) of `id` at `layer`, from seeded inputs.
+  absl::StatusOr<std::string> Decode(const client::SequenceShape& shape, const std::string& id, int64_t layer,
+                                     uint64_t seed) {
+    const int64_t q_heads = 4 * shape.kv_heads;
+    const std::string q = client::RandomTensor(shape.dtype, q_heads * shape.head_dim, seed);
+    const std::string k = client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, seed + 1);
+    const std::string v = client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, seed + 2);
+    client::StepSpec spec;
+    spec.sequences = {{id, 1}};
+    spec.layer = layer;
+    spec.q_heads = q_heads;
+    spec.q.data = q;
+    spec.k.data = k;
+    spec.v.data = v;
+    auto r = client_->Step(spec);
+    if (!r.ok()) return r.status();
+    return r->o;
+  }
+
+  // Moves `id` to B by the device path and checks it against `copy` (a fork of it kept on A) at every layer, then
+  // that the old id says where it went.
+  void MoveAndCompare(const client::SequenceShape& shape, const std::string& id, const std::string& copy,
+                      const std::vector<int64_t>& lengths) {
+    client::MoveOptions automatic;
+    auto moved = client_->MoveSequence(id, servers_[1].address, automatic);
+    ASSERT_TRUE(moved.ok()) << moved.status();
+    EXPECT_EQ(moved->path, client::MovePath::kDevice);
+    EXPECT_EQ(client::SequenceAddress(moved->sequence_id), servers_[1].address);
+    auto info = client_->GetSequence(moved->sequence_id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(std::vector<int64_t>(info->lengths().begin(), info->lengths().end()), lengths);
+    for (int64_t layer = 0; layer < shape.layers; ++layer) {
+      for (int step = 0; step < 2; ++step) {
+        const uint64_t seed = 9000 + 100 * layer + 10 * step;
+        auto on_b = Decode(shape, moved->sequence_id, layer, seed);
+        auto on_a = Decode(shape, copy, layer, seed);
+        ASSERT_TRUE(on_b.ok()) << on_b.status();
+        ASSERT_TRUE(on_a.ok()) << on_a.status();
+        EXPECT_TRUE(*on_b == *on_a) << "layer " << layer << " step " << step << ": O differs after the move";
+      }
+    }
+    auto old = client_->GetSequence(id);
+    EXPECT_EQ(old.status().code(), absl::StatusCode::kNotFound) << old.status();
+    EXPECT_TRUE(absl::StrContains(old.status().message(), "moved to " + moved->sequence_id)) << old.status();
+    EXPECT_TRUE(client_->CloseSequence({moved->sequence_id}).ok());
+    EXPECT_TRUE(client_->CloseSequence({copy}).ok());
+  }
+
+  // A sequence of `shape` on A with `lengths` random rows per layer, a fork of it that shares its pages and takes
+  // one more token at layer 0, and a fork of each kept on A; both sequences move.
+  void PrefillForkAndMove(const client::SequenceShape& shape, const std::vector<int64_t>& lengths, uint64_t seed) {
+    auto opened = client_->OpenSequence(shape);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    const std::string id = opened->ids[0];
+    for (int64_t layer = 0; layer < shape.layers; ++layer) {
+      if (lengths[layer] == 0) continue;  // a layer that holds no token moves as one
+      Append(shape, id, layer, lengths[layer], seed + 10 * layer);
+      ASSERT_FALSE(HasFatalFailure());
+    }
+    auto child = client_->ForkSequence(id);
+    ASSERT_TRUE(child.ok()) << child.status();
+    Append(shape, (*child)[0], 0, 1, seed + 500);  // copy-on-write of its last page at every layer
+    ASSERT_FALSE(HasFatalFailure());
+    std::vector<int64_t> child_lengths = lengths;
+    child_lengths[0] += 1;
+    for (const auto& [seq, lens] : {std::make_pair(id, lengths), std::make_pair((*child)[0], child_lengths)}) {
+      auto copy = client_->ForkSequence(seq);
+      ASSERT_TRUE(copy.ok()) << copy.status();
+      MoveAndCompare(shape, seq, (*copy)[0], lens);
+      ASSERT_FALSE(HasFatalFailure());
+    }
+  }
+
+  AttndProcess servers_[2];
+  std::string uuid_;
+  std::unique_ptr<client::Client> client_, direct_b_;
+};
+
+TEST_F(GpuSequenceMoves, Bf16SequencesAndAForkMoveOnTheDevice) {
+  client::SequenceShape shape;
+  shape.layers = 3;
+  shape.kv_heads = 2;
+  shape.head_dim = 128;
+  shape.dtype = DType::kBF16;
+  PrefillForkAndMove(shape, {37, 70, 5}, 100);
+}
+
+TEST_F(GpuSequenceMoves, Float8CacheMovesOnTheDevice) {
+  client::SequenceShape shape;
+  shape.layers = 4;
+  shape.kv_heads = 4;
+  shape.head_dim = 64;
+  shape.dtype = DType::kBF16;
+  shape.kv_format = KvFormat::kFp8E4M3;
+  shape.k_descale = {0.5f, 0.25f, 1.0f, 0.125f};
+  shape.v_descale = {0.25f, 0.5f, 0.125f, 1.0f};
+  PrefillForkAndMove(shape, {129, 17, 0, 33}, 200);
+}
+
+// The importer opens the handle itself: one that is not a handle is refused naming the field, before anything is
+// copied, and the sequence it took pages for is freed; the sequence stays on A.
+TEST_F(GpuSequenceMoves, AnImportWhoseHandleDoesNotOpenLeavesNothing) {
+  client::SequenceShape shape;
+  shape.layers = 2;
+  shape.kv_heads = 2;
+  shape.head_dim = 128;
+  auto opened = client_->OpenSequence(shape);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  Append(shape, opened->ids[0], 0, 20, 300);
+  ASSERT_FALSE(HasFatalFailure());
+  auto stub_a = v1::Attention::NewStub(client_->channel());
+  auto stub_b = v1::Attention::NewStub(direct_b_->channel());
+  v1::ImportSequenceRequest header;
+  {
+    grpc::ClientContext ctx;
+    v1::ExportSequenceRequest request;
+    request.set_sequence_id(opened->ids[0]);
+    request.set_device(true);
+    auto reader = stub_a->ExportSequence(&ctx, request);
+    v1::ExportSequenceResponse first, device;
+    ASSERT_TRUE(reader->Read(&first));
+    ASSERT_TRUE(reader->Read(&device));
+    ASSERT_TRUE(device.chunk().has_device_rows());
+    EXPECT_EQ(device.chunk().device_rows().device_uuid(), uuid_);
+    EXPECT_EQ(device.chunk().device_rows().bytes(), 2u * 20 * 2 * 128 * 2);
+    *header.mutable_chunk() = first.chunk();
+    ctx.TryCancel();
+    reader->Finish().ok();
+  }
+  grpc::ClientContext ctx;
+  v1::ImportSequenceResponse response;
+  auto writer = stub_b->ImportSequence(&ctx, &response);
+  ASSERT_TRUE(writer->Write(header));
+  v1::ImportSequenceRequest bad;
+  bad.mutable_chunk()->mutable_device_rows()->set_ipc_handle(std::string(64, 'h'));
+  bad.mutable_chunk()->mutable_device_rows()->set_bytes(2u * 20 * 2 * 128 * 2);
+  bad.mutable_chunk()->mutable_device_rows()->set_device_uuid(uuid_);
+  writer->Write(bad);
+  writer->WritesDone();
+  const grpc::Status st = writer->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_TRUE(absl::StartsWith(st.error_message(), "chunk.device_rows.ipc_handle: ")) << st.error_message();
+  auto stats = direct_b_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->sequences().open(), 0u);
+  EXPECT_EQ(stats->sequences().pages_used(), 0u);
+  // The export ended with the cancel: the sequence steps again on A.
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  absl::StatusOr<std::string> o;
+  do {
+    o = Decode(shape, opened->ids[0], 0, 310);
+  } while (absl::IsAborted(o.status()) && absl::Now() < end);
+  EXPECT_TRUE(o.ok()) << o.status();
+}
+
+}  // namespace
+}  // namespace attnd::gpu
