@@ -83,10 +83,18 @@ absl::Status Sequences::WriteRows(const MovingSequence& m, int layer, int kv, in
 }
 
 absl::StatusOr<DeviceRows> Sequences::ExportOnDevice(const MovingSequence& m, std::shared_ptr<void>* hold) {
+  if (!options_.device_moves) {
+    return absl::FailedPreconditionError(
+        "device: this server moves sequences by bytes only (--sequence_device_moves=false)");
+  }
   return backend_->ExportKvRowsOnDevice(*m.pool, m.pages, m.lengths, hold);
 }
 
 absl::Status Sequences::ImportOnDevice(const MovingSequence& m, const DeviceRows& rows) {
+  if (!options_.device_moves) {
+    return absl::FailedPreconditionError(
+        "chunk.device_rows: this server moves sequences by bytes only (--sequence_device_moves=false)");
+  }
   if (rows.bytes != m.total_bytes()) {
     return Invalid("chunk.device_rows.bytes", absl::StrCat(rows.bytes, " bytes, the header's lengths need ",
                                                             m.total_bytes(), " (2 x their sum x ", m.row_bytes(),

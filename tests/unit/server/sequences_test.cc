@@ -239,6 +239,39 @@ TEST_F(SequencesTest, DeviceRowsAreRefusedOnTheCpuBackendAndLeaveNothing) {
   EXPECT_EQ(sequences_->stats().open(), 1u);
 }
 
+// --sequence_device_moves=false: an export on the device and device rows on import are refused before the backend
+// sees them, naming the flag, and the held sequences are as before.
+TEST_F(SequencesTest, DeviceMovesTurnedOffAreRefusedNamingTheFlag) {
+  SequenceOptions options;
+  options.device_moves = false;
+  Start(options);
+  const std::vector<std::string> ids = Open(1);
+  StepAndVerify(ids, {9}, 0);
+  Sequences* core = sequences_->core();
+  absl::StatusOr<server::MovingSequence> held = core->BeginExport("alice", ids[0]);
+  ASSERT_TRUE(held.ok()) << held.status();
+  std::shared_ptr<void> hold;
+  ExpectStatus(core->ExportOnDevice(*held, &hold).status(), absl::StatusCode::kFailedPrecondition,
+               "device: this server moves sequences by bytes only (--sequence_device_moves=false)");
+  EXPECT_EQ(hold, nullptr);
+  core->EndExport(*held);
+
+  server::ImportArgs header;
+  header.open.layers = kLayers, header.open.kv_heads = kKvHeads, header.open.head_dim = head_dim_;
+  header.open.dtype = dtype_;
+  header.lengths = held->lengths;
+  absl::StatusOr<server::MovingSequence> in = core->BeginImport("carol", header);
+  ASSERT_TRUE(in.ok()) << in.status();
+  server::DeviceRows rows;
+  rows.ipc_handle = std::string(64, 'x');
+  rows.bytes = in->total_bytes();
+  ExpectStatus(core->ImportOnDevice(*in, rows), absl::StatusCode::kFailedPrecondition,
+               "chunk.device_rows: this server moves sequences by bytes only");
+  EXPECT_FALSE(core->EndImport(*in, false).ok());
+  EXPECT_EQ(sequences_->stats().open(), 1u);
+  StepAndVerify(ids, {1}, 0);  // the exported sequence steps again
+}
+
 TEST_F(SequencesTest, TruncateDropsTokensAndPages) {
   Start();
   const std::vector<std::string> ids = Open(1);

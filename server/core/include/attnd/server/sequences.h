@@ -56,6 +56,10 @@ struct SequenceOptions {
   // How long a stream-ordered step waits for its caller's stream (StreamOrder in attention.proto; the shared-memory
   // channel waits, this reports it in SequenceLimits).
   absl::Duration order_timeout = absl::Seconds(30);
+  // Same-GPU moves through CUDA IPC (ExportSequenceRequest.device, SequenceChunk.device_rows). False: both are
+  // refused FAILED_PRECONDITION, and movers take the bytes path (docs/security-and-metrics.md says why a server
+  // whose callers are not trusted turns them off).
+  bool device_moves = true;
   std::string advertise_address;     // appended to ids after '@' (the address clients reach this server at)
   size_t tombstones = 4096;          // closed/expired ids remembered for a clear NOT_FOUND reason
 };
