@@ -175,6 +175,15 @@ class SequencesTest : public ::testing::Test {
     if (backend_ != nullptr) backend_->Shutdown();
   }
 
+  // An import's header for a sequence of this fixture's shape holding `lengths` tokens per layer.
+  server::ImportArgs ImportHeader(const std::vector<int64_t>& lengths) const {
+    server::ImportArgs header;
+    header.open.layers = kLayers, header.open.kv_heads = kKvHeads, header.open.head_dim = head_dim_;
+    header.open.dtype = dtype_;
+    header.lengths = lengths;
+    return header;
+  }
+
   std::vector<std::string> Open(int count = 1, const std::string& owner = "alice", int head_dim = kHeadDim,
                                 v1::Dtype dtype = v1::DTYPE_BF16) {
     v1::OpenSequenceRequest r;

@@ -134,10 +134,7 @@ TEST_F(SequencesTest, AnExportHoldsItsSequenceAndAnImportOpensItWhole) {
   StepAndVerify(ids, {1}, 0);  // the parent it shares pages with steps on
 
   // Every row of every layer as the child's history has it, into a new sequence of another owner.
-  server::ImportArgs header;
-  header.open.layers = kLayers, header.open.kv_heads = kKvHeads, header.open.head_dim = head_dim_;
-  header.open.dtype = dtype_;
-  header.lengths = held->lengths;
+  server::ImportArgs header = ImportHeader(held->lengths);
   EXPECT_EQ(held->lengths, std::vector<int64_t>({20, 27, 34}));
   absl::StatusOr<server::MovingSequence> in = core->BeginImport("carol", header);
   ASSERT_TRUE(in.ok()) << in.status();
@@ -219,10 +216,7 @@ TEST_F(SequencesTest, DeviceRowsAreRefusedOnTheCpuBackendAndLeaveNothing) {
   StepAndVerify(ids, {1}, 0);  // released
 
   const uint64_t used = sequences_->stats().pages_used();
-  server::ImportArgs header;
-  header.open.layers = kLayers, header.open.kv_heads = kKvHeads, header.open.head_dim = head_dim_;
-  header.open.dtype = dtype_;
-  header.lengths = held->lengths;
+  server::ImportArgs header = ImportHeader(held->lengths);
   absl::StatusOr<server::MovingSequence> in = core->BeginImport("carol", header);
   ASSERT_TRUE(in.ok()) << in.status();
   EXPECT_EQ(in->total_bytes(), 2 * (20 + 27 + 34) * in->row_bytes());
@@ -256,10 +250,7 @@ TEST_F(SequencesTest, DeviceMovesTurnedOffAreRefusedNamingTheFlag) {
   EXPECT_EQ(hold, nullptr);
   core->EndExport(*held);
 
-  server::ImportArgs header;
-  header.open.layers = kLayers, header.open.kv_heads = kKvHeads, header.open.head_dim = head_dim_;
-  header.open.dtype = dtype_;
-  header.lengths = held->lengths;
+  server::ImportArgs header = ImportHeader(held->lengths);
   absl::StatusOr<server::MovingSequence> in = core->BeginImport("carol", header);
   ASSERT_TRUE(in.ok()) << in.status();
   server::DeviceRows rows;
