@@ -148,6 +148,10 @@ ABSL_FLAG(uint32_t, max_sequences_per_client, 0, "sequences one client may hold 
 ABSL_FLAG(uint64_t, max_pages_per_client, 0, "KV pages one client's sequences may hold (0: no limit)");
 ABSL_FLAG(bool, sequence_device_moves, true,
           "moves between two attnd on one GPU through CUDA IPC (false: refused FAILED_PRECONDITION; see sequences.md)");
+ABSL_FLAG(bool, sequence_device_moves_share_pool, false,
+          "a device export hands out its page pool's CUDA IPC handle and the sequence's pages, read in place by the "
+          "importer (one copy instead of two); whoever gets the handle can read and write every sequence of that pool: "
+          "only for callers trusted with all of them (security-and-metrics.md)");
 ABSL_FLAG(uint32_t, max_step_batch, 256, "sequences in one batched step launch (and in one Step call)");
 ABSL_FLAG(int64_t, step_batch_wait_us, 0,
           "how long the first step of an idle layer waits for others to join its launch (0: launch at once; "
@@ -360,6 +364,7 @@ absl::StatusOr<SequenceOptions> SequenceFlags(const attnd::server::Backend& back
   so.max_per_client = absl::GetFlag(FLAGS_max_sequences_per_client);
   so.max_pages_per_client = absl::GetFlag(FLAGS_max_pages_per_client);
   so.device_moves = absl::GetFlag(FLAGS_sequence_device_moves);
+  so.device_moves_share_pool = absl::GetFlag(FLAGS_sequence_device_moves_share_pool);
   so.max_batch = absl::GetFlag(FLAGS_max_step_batch);
   if (so.max_batch < 1) return absl::InvalidArgumentError("--max_step_batch: must be >= 1");
   so.max_open = so.max_batch;

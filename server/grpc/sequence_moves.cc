@@ -209,6 +209,12 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
     out->set_ipc_handle(rows->ipc_handle);
     out->set_bytes(rows->bytes);
     out->set_device_uuid(rows->device_uuid);
+    if (rows->from_pool) {
+      v1::DevicePool* pool = out->mutable_pool();
+      pool->set_num_pages(rows->pool_num_pages);
+      pool->set_page_tokens(rows->pool_page_tokens);
+      pool->mutable_pages()->Assign(rows->pool_pages.begin(), rows->pool_pages.end());
+    }
     next_ = SerializeSequenceChunk(fields, 0, [](uint8_t*) { return absl::OkStatus(); });
   }
 
@@ -364,6 +370,13 @@ class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
     rows.ipc_handle = chunk.device_rows().ipc_handle();
     rows.bytes = chunk.device_rows().bytes();
     rows.device_uuid = chunk.device_rows().device_uuid();
+    if (chunk.device_rows().has_pool()) {
+      const v1::DevicePool& pool = chunk.device_rows().pool();
+      rows.from_pool = true;
+      rows.pool_num_pages = pool.num_pages();
+      rows.pool_page_tokens = pool.page_tokens();
+      rows.pool_pages.assign(pool.pages().begin(), pool.pages().end());
+    }
     ATTND_RETURN_IF_ERROR(sequences_->ImportOnDevice(moving_, rows));
     cursor_.layer = moving_.shape.layers;  // every row is in
     return absl::OkStatus();

@@ -1,10 +1,13 @@
 // Same-host sequence moves on one GPU: two `attnd --backend=cuda` processes share the device, and
-// Client::MoveSequence carries each sequence's rows through one CUDA IPC buffer (MovePath::kDevice). Sequences of
+// Client::MoveSequence carries each sequence's rows through one CUDA IPC buffer (MovePath::kDevice), or, from an
+// exporter that shares its pool (--sequence_device_moves_share_pool), from the exporter's pages in place into an
+// importer whose pages hold another number of tokens. Sequences of
 // bf16 and float8 caches, several layers, lengths that are no whole number of pages, and a fork sharing its parent's
 // pages are prefilled with random rows on A, forked there once more (the copy that stays on A), and moved to B. On B
 // each answers a decode step exactly as its copy on A answers the same step (the same kernel over the same rows: bit
 // for bit), and the old id answers NOT_FOUND "moved to". A device_rows chunk whose handle is not one is refused
-// naming the field and leaves nothing on B. Skipped without a usable GPU.
+// naming the field and leaves nothing on B, and so is a pool that does not fit its allocation. Skipped without a
+// usable GPU.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -54,13 +57,14 @@ struct AttndProcess {
       ::waitpid(pid, nullptr, 0);
     }
   }
-  bool Start() {
+  bool Start(const std::vector<std::string>& flags) {
     const int port = FreeLoopbackPort();
     if (port <= 0) return false;
     address = absl::StrCat("127.0.0.1:", port);
-    const std::vector<std::string> args = {AttndBinary(), "--backend=cuda", "--listen=" + address,
-                                           "--advertise_address=" + address, "--kv_pool_mb=256",
-                                           "--memory_budget_mb=2048", "--log_level=warn"};
+    std::vector<std::string> args = {AttndBinary(), "--backend=cuda", "--listen=" + address,
+                                     "--advertise_address=" + address, "--kv_pool_mb=256",
+                                     "--memory_budget_mb=2048", "--log_level=warn"};
+    args.insert(args.end(), flags.begin(), flags.end());
     pid = ::fork();
     if (pid == 0) {
       std::vector<char*> argv;
@@ -89,7 +93,7 @@ class GpuSequenceMoves : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!testing::HaveSupportedGpu()) GTEST_SKIP() << "no supported GPU";
-    for (AttndProcess& p : servers_) ASSERT_TRUE(p.Start());
+    for (int i = 0; i < 2; ++i) ASSERT_TRUE(servers_[i].Start(ServerFlags(i)));
     std::string uuid[2];
     for (int i = 0; i < 2; ++i) {
       absl::StatusOr<v1::ServerInfo> info = AwaitServing(servers_[i].address);
@@ -105,6 +109,11 @@ class GpuSequenceMoves : public ::testing::Test {
     direct_b_ = Connect(servers_[1].address);
     ASSERT_NE(client_, nullptr);
     ASSERT_NE(direct_b_, nullptr);
+  }
+
+  virtual std::vector<std::string> ServerFlags(int server) const {
+    (void)server;
+    return {};
   }
 
   // Appends `tokens` random rows to `id` at `layer`.
@@ -274,6 +283,82 @@ TEST_F(GpuSequenceMoves, AnImportWhoseHandleDoesNotOpenLeavesNothing) {
     o = Decode(shape, opened->ids[0], 0, 310);
   } while (absl::IsAborted(o.status()) && absl::Now() < end);
   EXPECT_TRUE(o.ok()) << o.status();
+}
+
+// A's exports hand out its pool's handle; A's pages hold 16 tokens, B's 64, so runs split on both sides' pages.
+class GpuSequenceMovesFromPool : public GpuSequenceMoves {
+ protected:
+  std::vector<std::string> ServerFlags(int server) const override {
+    if (server == 0) return {"--sequence_device_moves_share_pool", "--kv_page_tokens=16"};
+    return {"--kv_page_tokens=64"};
+  }
+};
+
+TEST_F(GpuSequenceMovesFromPool, Bf16SequencesAndAForkMoveFromThePool) {
+  client::SequenceShape shape;
+  shape.layers = 3;
+  shape.kv_heads = 2;
+  shape.head_dim = 128;
+  shape.dtype = DType::kBF16;
+  PrefillForkAndMove(shape, {37, 130, 5}, 400);
+}
+
+TEST_F(GpuSequenceMovesFromPool, Float8CacheMovesFromThePool) {
+  client::SequenceShape shape;
+  shape.layers = 4;
+  shape.kv_heads = 4;
+  shape.head_dim = 64;
+  shape.dtype = DType::kBF16;
+  shape.kv_format = KvFormat::kFp8E4M3;
+  shape.k_descale = {0.5f, 0.25f, 1.0f, 0.125f};
+  shape.v_descale = {0.25f, 0.5f, 0.125f, 1.0f};
+  PrefillForkAndMove(shape, {129, 17, 0, 33}, 500);
+}
+
+// The pool an export names is checked against the allocation its handle opens: a pool claimed larger is refused
+// naming the field, before anything is copied, and leaves nothing on B.
+TEST_F(GpuSequenceMovesFromPool, APoolLargerThanItsAllocationIsRefused) {
+  client::SequenceShape shape;
+  shape.layers = 2;
+  shape.kv_heads = 2;
+  shape.head_dim = 128;
+  auto opened = client_->OpenSequence(shape);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  Append(shape, opened->ids[0], 0, 20, 600);
+  ASSERT_FALSE(HasFatalFailure());
+  auto stub_a = v1::Attention::NewStub(client_->channel());
+  auto stub_b = v1::Attention::NewStub(direct_b_->channel());
+  grpc::ClientContext export_ctx;
+  v1::ExportSequenceRequest request;
+  request.set_sequence_id(opened->ids[0]);
+  request.set_device(true);
+  auto reader = stub_a->ExportSequence(&export_ctx, request);
+  v1::ExportSequenceResponse first, device;
+  ASSERT_TRUE(reader->Read(&first));
+  ASSERT_TRUE(reader->Read(&device));
+  ASSERT_TRUE(device.chunk().device_rows().has_pool());
+  EXPECT_EQ(device.chunk().device_rows().pool().page_tokens(), 16);
+  EXPECT_EQ(device.chunk().device_rows().pool().pages_size(), 2);
+  grpc::ClientContext ctx;
+  v1::ImportSequenceResponse response;
+  auto writer = stub_b->ImportSequence(&ctx, &response);
+  v1::ImportSequenceRequest header, rows;
+  *header.mutable_chunk() = first.chunk();
+  *rows.mutable_chunk() = device.chunk();
+  rows.mutable_chunk()->mutable_device_rows()->mutable_pool()->set_num_pages(1 << 30);
+  rows.mutable_chunk()->mutable_device_rows()->mutable_pool()->set_pages(1, (1 << 30) - 1);
+  ASSERT_TRUE(writer->Write(header));
+  writer->Write(rows);
+  writer->WritesDone();
+  const grpc::Status st = writer->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_TRUE(absl::StartsWith(st.error_message(), "chunk.device_rows.pool.num_pages: ")) << st.error_message();
+  export_ctx.TryCancel();
+  reader->Finish().ok();
+  auto stats = direct_b_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->sequences().open(), 0u);
+  EXPECT_EQ(stats->sequences().pages_used(), 0u);
 }
 
 }  // namespace

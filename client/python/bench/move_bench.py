@@ -10,12 +10,17 @@ name. With --warm, one sequence of the shape stays open on each server for the r
 the sequences move to B and back untimed first, so that the timed moves write pages B has written before: a CPU
 backend's fresh pool faults each page in on its first write, which a GPU's memory does not. --path chooses how the
 rows travel: auto (on the GPU when both servers report the same one, else bytes), bytes (through this client) or
-device (one GPU buffer per sequence that B copies from over CUDA IPC); the report says which path ran.
+device (one GPU buffer per sequence that B copies from over CUDA IPC, or A's pages in place when A shares its pool);
+the report says which path ran. --concurrency moves that many sequences at once (a thread each), as a drain does.
+The prefill's rows cycle through four random blocks per chunk size (generating tens of GB of random numbers would
+take minutes), so the before/after check here is a smoke test; tests/gpu/gpu_sequence_moves_test.cc checks that
+every row lands in place.
 
   python3 client/python/bench/move_bench.py --source 127.0.0.1:50051 --dest 127.0.0.1:50052 --layers 32 \\
       --context 2048 --sequences 8
 """
 import argparse
+import concurrent.futures
 import json
 import statistics
 import time
@@ -67,6 +72,7 @@ def main():
     ap.add_argument("--warm", action="store_true", help="time moves into pages the destination has written before")
     ap.add_argument("--path", choices=("auto", "bytes", "device"), default="auto",
                     help="how the rows travel (Client.move_sequence's path)")
+    ap.add_argument("--concurrency", type=int, default=1, help="sequences moving at once")
     ap.add_argument("--json")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -77,12 +83,15 @@ def main():
         try:
             # Prefill: every layer, all sequences in one append-only step per chunk of at most 64 MiB of K.
             chunk = max(1, min(a.context, (64 << 20) // (2 * kv_row * a.sequences)))
+            blocks = {}  # rows per sequence -> four random blocks, used in turn
             t0 = time.perf_counter()
             for layer in range(a.layers):
-                for done in range(0, a.context, chunk):
+                for i, done in enumerate(range(0, a.context, chunk)):
                     t = min(chunk, a.context - done)
-                    k = bf16(rng, (a.sequences * t, a.kv_heads, a.head_dim))
-                    c.step(layer, seqs, k=k, v=k, tokens=t, dtype="bf16")
+                    if t not in blocks:
+                        blocks[t] = [bf16(rng, (a.sequences * t, a.kv_heads, a.head_dim)) for _ in range(4)]
+                    k, v = blocks[t][(layer + i) % 4], blocks[t][(layer + i + 1) % 4]
+                    c.step(layer, seqs, k=k, v=v, tokens=t, dtype="bf16")
             prefill_s = time.perf_counter() - t0
             q = bf16(rng, (a.sequences, a.q_heads, a.head_dim))
             probe = [0, a.layers - 1]
@@ -97,14 +106,16 @@ def main():
                 for s in seqs:
                     s.move(a.source, path=a.path)
 
-            per, paths = [], set()
-            t0 = time.perf_counter()
-            for s in seqs:
+            def move(s):
                 s0 = time.perf_counter()
                 s.move(a.dest, path=a.path)
-                per.append(time.perf_counter() - s0)
-                paths.add(c.last_move_path)
+                return time.perf_counter() - s0, c.last_move_path
+
+            t0 = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(max(1, a.concurrency)) as pool:
+                done = list(pool.map(move, seqs))
             move_s = time.perf_counter() - t0
+            per, paths = [d[0] for d in done], {d[1] for d in done}
             moved_bytes = 2 * a.context * kv_row * 2 * a.layers * a.sequences
             assert all(s.id.rsplit("@", 1)[-1] == a.dest for s in seqs), "a moved id does not name --dest"
 
@@ -126,7 +137,7 @@ def main():
                 wc.close()
     out = {
         "sequences": a.sequences, "layers": a.layers, "context": a.context, "kv_heads": a.kv_heads,
-        "head_dim": a.head_dim, "path_asked": a.path, "path": ",".join(sorted(paths)), "prefill_s": prefill_s,
+        "head_dim": a.head_dim, "concurrency": a.concurrency, "path_asked": a.path, "path": ",".join(sorted(paths)), "prefill_s": prefill_s,
         "moved_bytes": moved_bytes, "move_s": move_s,
         "move_gb_per_s": moved_bytes / move_s / 1e9, "move_ms_per_sequence_p50": statistics.median(per) * 1e3,
         "same_o_after_move": same, "decode_step_ms_p50_on_dest": statistics.median(lat) * 1e3 if lat else None,
@@ -136,7 +147,8 @@ def main():
     if d2d:
         out["move_over_d2d"] = out["move_gb_per_s"] / d2d
     print(f"prefill on {a.source}: {a.sequences} x {a.context} tokens x {a.layers} layers in {prefill_s:.2f} s")
-    print(f"move {a.source} -> {a.dest} by {out['path']} (--path {a.path}): {moved_bytes / 1e6:.1f} MB in "
+    print(f"move {a.source} -> {a.dest} by {out['path']} (--path {a.path}, {a.concurrency} at once): "
+          f"{moved_bytes / 1e6:.1f} MB in "
           f"{move_s * 1e3:.1f} ms = "
           f"{out['move_gb_per_s']:.2f} GB/s; per sequence p50 {out['move_ms_per_sequence_p50']:.1f} ms; "
           f"O after the move {'identical' if same else 'DIFFERENT'}")

@@ -82,12 +82,44 @@ absl::Status Sequences::WriteRows(const MovingSequence& m, int layer, int kv, in
   return backend_->WriteKvRows(*m.pool, m.pages, layer, kv, first, rows, src);
 }
 
+namespace {
+
+// What the importer can check of an exporter's pool without opening it (the backend checks the pool's size against
+// the allocation it opens): a page size a pool may have, and a page of the pool for every page of the rows.
+absl::Status CheckPoolPages(const MovingSequence& m, const DeviceRows& rows) {
+  const int tokens = rows.pool_page_tokens;
+  if (tokens < 16 || tokens > 256 || (tokens & (tokens - 1)) != 0) {
+    return Invalid("chunk.device_rows.pool.page_tokens", absl::StrCat("must be a power of two from 16 to 256, got ",
+                                                                      tokens));
+  }
+  if (rows.pool_num_pages < 1) {
+    return Invalid("chunk.device_rows.pool.num_pages", absl::StrCat("must be >= 1, got ", rows.pool_num_pages));
+  }
+  const int64_t longest = *std::max_element(m.lengths.begin(), m.lengths.end());
+  const int64_t needed = (longest + tokens - 1) / tokens;
+  if (static_cast<int64_t>(rows.pool_pages.size()) != needed) {
+    return Invalid("chunk.device_rows.pool.pages",
+                   absl::StrCat(rows.pool_pages.size(), " pages, the header's longest layer (", longest,
+                                " tokens) takes ", needed, " of ", tokens, " tokens"));
+  }
+  for (size_t i = 0; i < rows.pool_pages.size(); ++i) {
+    if (rows.pool_pages[i] < 0 || rows.pool_pages[i] >= rows.pool_num_pages) {
+      return Invalid(absl::StrCat("chunk.device_rows.pool.pages[", i, "]"),
+                     absl::StrCat("must be 0..", rows.pool_num_pages - 1, " (pool.num_pages), got ",
+                                  rows.pool_pages[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<DeviceRows> Sequences::ExportOnDevice(const MovingSequence& m, std::shared_ptr<void>* hold) {
   if (!options_.device_moves) {
     return absl::FailedPreconditionError(
         "device: this server moves sequences by bytes only (--sequence_device_moves=false)");
   }
-  return backend_->ExportKvRowsOnDevice(*m.pool, m.pages, m.lengths, hold);
+  return backend_->ExportKvRowsOnDevice(*m.pool, m.pages, m.lengths, options_.device_moves_share_pool, hold);
 }
 
 absl::Status Sequences::ImportOnDevice(const MovingSequence& m, const DeviceRows& rows) {
@@ -100,6 +132,7 @@ absl::Status Sequences::ImportOnDevice(const MovingSequence& m, const DeviceRows
                                                             m.total_bytes(), " (2 x their sum x ", m.row_bytes(),
                                                             " bytes a row)"));
   }
+  if (rows.from_pool) ATTND_RETURN_IF_ERROR(CheckPoolPages(m, rows));
   return backend_->ImportKvRowsOnDevice(*m.pool, m.pages, m.lengths, rows);
 }
 

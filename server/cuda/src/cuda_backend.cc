@@ -193,13 +193,13 @@ class CudaBackendImpl final : public Backend {
     return cuda::WriteKvRows(pool, pages, layer, kv, first, rows, src);
   }
   absl::StatusOr<DeviceRows> ExportKvRowsOnDevice(const KvPool& pool, absl::Span<const int32_t> pages,
-                                                  absl::Span<const int64_t> lengths,
+                                                  absl::Span<const int64_t> lengths, bool share_pool,
                                                   std::shared_ptr<void>* hold) override {
-    return cuda::ExportKvRowsOnDevice(pool, pages, lengths, PoolUuid(pool), hold);
+    return cuda::ExportKvRowsOnDevice(pool, pages, lengths, share_pool, PoolUuid(pool), hold);
   }
   absl::Status ImportKvRowsOnDevice(const KvPool& pool, absl::Span<const int32_t> pages,
                                     absl::Span<const int64_t> lengths, const DeviceRows& rows) override {
-    return cuda::ImportKvRowsOnDevice(pool, pages, lengths, PoolUuid(pool), rows);
+    return cuda::ImportKvRowsOnDevice(pool, pages, lengths, PoolUuid(pool), rows, pool_mappings_);
   }
 
   bool device_order() const override { return device_order_; }
@@ -334,6 +334,7 @@ class CudaBackendImpl final : public Backend {
   std::atomic<uint32_t> queued_total_{0};  // jobs waiting on any device, bounded by max_queue
   std::atomic<size_t> next_inline_{0};     // where the next inline request's least-loaded scan starts
   absl::Mutex shutdown_mu_;
+  cuda::PoolMappings pool_mappings_;  // exporters' pools this server imports from (DeviceRows::from_pool)
 };
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -26,6 +27,7 @@
 #include "attnd/server/copy_pool.h"
 #include "attnd/server/cuda_backend.h"
 #include "attnd/server/cuda/block_cache.h"
+#include "attnd/server/cuda/ipc_registry.h"
 #include "attnd/server/cuda/tensor_map_cache.h"
 #include "attnd/server/queue_expiry.h"
 
@@ -378,14 +380,40 @@ absl::Status CopyKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int
                         int64_t rows, bool to_host, uint8_t* host);
 absl::Status WriteKvRows(const KvPool& pool, absl::Span<const int32_t> pages, int layer, int kv, int64_t first,
                          int64_t rows, HostPieces src);
+// The exporters' pools an importer has opened (DeviceRows::from_pool), kept open between moves: opening one costs
+// about 0.1 ms a GiB of pool, as much as copying a large sequence. A pool no import has used for `idle` is closed
+// by a thread of its own, so the pool of an exporter that has exited is not kept allocated for long.
+class PoolMappings {
+ public:
+  explicit PoolMappings(absl::Duration idle = absl::Seconds(2));
+  ~PoolMappings();
+  PoolMappings(const PoolMappings&) = delete;
+  PoolMappings& operator=(const PoolMappings&) = delete;
+  // The open mapping of `handle` on `device`, opened now if it is not (errors name the DeviceRows fields).
+  absl::StatusOr<std::shared_ptr<IpcMapping>> Open(const std::string& handle, int device);
+
+ private:
+  struct Entry {
+    std::shared_ptr<IpcMapping> mapping;
+    absl::Time used;
+  };
+  void CloseIdle();
+
+  const absl::Duration idle_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Entry> open_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread closer_;  // started with the first mapping
+};
+
 // Backend::ExportKvRowsOnDevice and ImportKvRowsOnDevice on such a pool (kv_device_moves.cc); `device_uuid` is the
 // pool's device's (UuidText).
 absl::StatusOr<DeviceRows> ExportKvRowsOnDevice(const KvPool& pool, absl::Span<const int32_t> pages,
-                                                absl::Span<const int64_t> lengths, const std::string& device_uuid,
-                                                std::shared_ptr<void>* hold);
+                                                absl::Span<const int64_t> lengths, bool share_pool,
+                                                const std::string& device_uuid, std::shared_ptr<void>* hold);
 absl::Status ImportKvRowsOnDevice(const KvPool& pool, absl::Span<const int32_t> pages,
                                   absl::Span<const int64_t> lengths, const std::string& device_uuid,
-                                  const DeviceRows& rows);
+                                  const DeviceRows& rows, PoolMappings& pools);
 // A GPU's UUID as 32 hex digits (DeviceDescription::uuid).
 std::string UuidText(const cudaUUID_t& uuid);
 

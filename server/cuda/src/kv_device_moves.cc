@@ -1,7 +1,9 @@
 // Same-host sequence moves on the device (docs/sequences.md, "Moving a sequence"): the exporter gathers a
 // sequence's rows into a buffer of their own and hands out its CUDA IPC handle; the importer opens the handle,
 // scatters the rows into its pages and closes it. Each side is one kernel launch (kv_rows_copy.cu) over the runs
-// of rows ForEachKvRowRun yields, in the byte chunks' order: layer 0 K, layer 0 V, layer 1 K, ...
+// of rows ForEachKvRowRun yields, in the byte chunks' order: layer 0 K, layer 0 V, layer 1 K, ... An exporter that
+// shares its pool hands out the pool's handle and the sequence's pages instead, and the importer copies the rows
+// from the exporter's pages to its own in one launch (ForEachPoolToPoolRun), keeping the pool open (PoolMappings).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -68,7 +70,64 @@ absl::Status CopyRuns(const CudaKvPool& p, const std::vector<KvRowRun>& runs, co
 
 const CudaKvPool* PoolOf(const KvPool& pool) { return dynamic_cast<const CudaKvPool*>(&pool); }
 
+// The rows copied from the exporter's pages (Sequences::ImportOnDevice checked the page table against the header)
+// once the pool they name is known to fit the allocation the handle opens.
+absl::Status ImportFromPool(const CudaKvPool& p, absl::Span<const int32_t> pages, absl::Span<const int64_t> lengths,
+                            const DeviceRows& rows, PoolMappings& pools) {
+  absl::StatusOr<std::shared_ptr<IpcMapping>> mapping = pools.Open(rows.ipc_handle, p.device());
+  if (!mapping.ok()) return mapping.status();
+  const SequenceShape& shape = p.shape();
+  const uint64_t per_page = 2 * static_cast<uint64_t>(shape.layers) *
+                            static_cast<uint64_t>(shape.page_elems(rows.pool_page_tokens)) * shape.kv_bytes();
+  if (static_cast<uint64_t>(rows.pool_num_pages) > (*mapping)->allocation_bytes() / per_page) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk.device_rows.pool.num_pages: ", rows.pool_num_pages, " pages of ", per_page, " bytes (every layer's K ",
+        "and V) do not fit the handle's allocation of ", (*mapping)->allocation_bytes(), " bytes"));
+  }
+  std::vector<KvRowRun> runs;
+  ForEachPoolToPoolRun(rows.pool_num_pages, rows.pool_page_tokens, rows.pool_pages, p, pages, lengths,
+                       [&](uint64_t from, uint64_t to, uint64_t bytes) { runs.push_back(KvRowRun{from, to, bytes}); });
+  return CopyRuns(p, runs, (*mapping)->base(), p.pool(0, 0));
+}
+
 }  // namespace
+
+PoolMappings::PoolMappings(absl::Duration idle) : idle_(idle) {}
+
+PoolMappings::~PoolMappings() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (closer_.joinable()) closer_.join();
+  absl::MutexLock lock(&mu_);
+  open_.clear();  // each mapping closes when its last user drops it
+}
+
+absl::StatusOr<std::shared_ptr<IpcMapping>> PoolMappings::Open(const std::string& handle, int device) {
+  absl::MutexLock lock(&mu_);
+  if (auto it = open_.find(handle); it != open_.end() && it->second.mapping->device() == device) {
+    it->second.used = absl::Now();
+    return it->second.mapping;
+  }
+  // Opened under the lock: two imports from one pool that arrive together open it once.
+  absl::StatusOr<std::shared_ptr<IpcMapping>> opened =
+      OpenIpcMemHandle(handle, device, "chunk.device_rows.ipc_handle", "chunk.device_rows.device_uuid");
+  if (!opened.ok()) return opened.status();
+  open_[handle] = Entry{*opened, absl::Now()};
+  if (!closer_.joinable()) closer_ = std::thread([this] { CloseIdle(); });
+  return *opened;
+}
+
+void PoolMappings::CloseIdle() {
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), idle_ / 2);
+    const absl::Time now = absl::Now();
+    // An import still copying holds its own reference, so the mapping closes when that import ends.
+    absl::erase_if(open_, [&](const auto& e) { return now - e.second.used > idle_; });
+  }
+}
 
 std::string UuidText(const cudaUUID_t& uuid) {
   std::string out;
@@ -77,8 +136,8 @@ std::string UuidText(const cudaUUID_t& uuid) {
 }
 
 absl::StatusOr<DeviceRows> ExportKvRowsOnDevice(const KvPool& pool, absl::Span<const int32_t> pages,
-                                                absl::Span<const int64_t> lengths, const std::string& device_uuid,
-                                                std::shared_ptr<void>* hold) {
+                                                absl::Span<const int64_t> lengths, bool share_pool,
+                                                const std::string& device_uuid, std::shared_ptr<void>* hold) {
   const CudaKvPool* p = PoolOf(pool);
   if (p == nullptr) return absl::InternalError("device rows: the pool was not made by this backend");
   DeviceRows out;
@@ -86,6 +145,20 @@ absl::StatusOr<DeviceRows> ExportKvRowsOnDevice(const KvPool& pool, absl::Span<c
   for (int64_t n : lengths) out.bytes += 2 * static_cast<uint64_t>(n) * pool.shape().row_bytes();
   if (out.bytes == 0) return out;  // nothing to expose: no buffer, no handle
   ATTND_RETURN_IF_ERROR(CudaStatus("cudaSetDevice", cudaSetDevice(p->device())));
+  if (share_pool) {
+    // The pool is a block of the device's memory budget, and a block is an allocation of its own, so the pool
+    // starts at the first byte of the allocation the handle names. The held export keeps the pages as they are.
+    out.from_pool = true;
+    out.pool_num_pages = pool.num_pages();
+    out.pool_page_tokens = pool.page_tokens();
+    const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+    const int64_t used = (longest + pool.page_tokens() - 1) / pool.page_tokens();
+    out.pool_pages.assign(pages.begin(), pages.begin() + used);
+    cudaIpcMemHandle_t handle;
+    ATTND_RETURN_IF_ERROR(CudaStatus("cudaIpcGetMemHandle", cudaIpcGetMemHandle(&handle, p->pool(0, 0))));
+    out.ipc_handle.assign(reinterpret_cast<const char*>(&handle), sizeof handle);
+    return out;
+  }
   std::shared_ptr<BlockCache> memory = p->memory();
   absl::StatusOr<Block> block = memory->AcquireFresh(std::max(out.bytes, kOwnPages));
   if (!block.ok()) {
@@ -108,7 +181,7 @@ absl::StatusOr<DeviceRows> ExportKvRowsOnDevice(const KvPool& pool, absl::Span<c
 
 absl::Status ImportKvRowsOnDevice(const KvPool& pool, absl::Span<const int32_t> pages,
                                   absl::Span<const int64_t> lengths, const std::string& device_uuid,
-                                  const DeviceRows& rows) {
+                                  const DeviceRows& rows, PoolMappings& pools) {
   const CudaKvPool* p = PoolOf(pool);
   if (p == nullptr) return absl::InternalError("device rows: the pool was not made by this backend");
   if (rows.device_uuid != device_uuid) {
@@ -118,6 +191,7 @@ absl::Status ImportKvRowsOnDevice(const KvPool& pool, absl::Span<const int32_t> 
   }
   if (rows.bytes == 0) return absl::OkStatus();
   ATTND_RETURN_IF_ERROR(CudaStatus("cudaSetDevice", cudaSetDevice(p->device())));
+  if (rows.from_pool) return ImportFromPool(*p, pages, lengths, rows, pools);
   absl::StatusOr<std::shared_ptr<IpcMapping>> mapping =
       OpenIpcMemHandle(rows.ipc_handle, p->device(), "chunk.device_rows.ipc_handle", "chunk.device_rows.device_uuid");
   if (!mapping.ok()) return mapping.status();

@@ -228,6 +228,26 @@ TEST_F(SequencesTest, DeviceRowsAreRefusedOnTheCpuBackendAndLeaveNothing) {
   rows.bytes = in->total_bytes();
   ExpectStatus(core->ImportOnDevice(*in, rows), absl::StatusCode::kFailedPrecondition,
                "chunk.device_rows.device_uuid: ");
+  // An exporter's pool pages: what can be checked without opening the pool is, before the backend sees them.
+  rows.from_pool = true;
+  rows.pool_num_pages = 8;
+  rows.pool_page_tokens = 24;
+  rows.pool_pages = {5, 0, 7};  // 34 tokens in pages of 16
+  ExpectStatus(core->ImportOnDevice(*in, rows), absl::StatusCode::kInvalidArgument,
+               "chunk.device_rows.pool.page_tokens: ");
+  rows.pool_page_tokens = 16;
+  rows.pool_num_pages = 0;
+  ExpectStatus(core->ImportOnDevice(*in, rows), absl::StatusCode::kInvalidArgument,
+               "chunk.device_rows.pool.num_pages: ");
+  rows.pool_num_pages = 8;
+  rows.pool_pages = {5, 0};
+  ExpectStatus(core->ImportOnDevice(*in, rows), absl::StatusCode::kInvalidArgument, "chunk.device_rows.pool.pages: ");
+  rows.pool_pages = {5, 8, 7};
+  ExpectStatus(core->ImportOnDevice(*in, rows), absl::StatusCode::kInvalidArgument,
+               "chunk.device_rows.pool.pages[1]: ");
+  rows.pool_pages = {5, 0, 7};
+  ExpectStatus(core->ImportOnDevice(*in, rows), absl::StatusCode::kFailedPrecondition,
+               "chunk.device_rows.device_uuid: ");
   EXPECT_FALSE(core->EndImport(*in, false).ok());
   EXPECT_EQ(sequences_->stats().pages_used(), used);
   EXPECT_EQ(sequences_->stats().open(), 1u);

@@ -214,10 +214,16 @@ struct DeviceDescription {
 
 // A sequence's rows in a device buffer of their own, for a move between two servers on one GPU
 // (docs/sequences.md, "Moving a sequence"): every layer's K then V rows from token 0, as the byte chunks carry them.
+// With `from_pool`, the handle names the exporter's page pool instead, read in place (one copy): its pages are laid
+// out as KvPool says from the allocation's first byte, token t of every layer in page pool_pages[t / page_tokens].
 struct DeviceRows {
-  std::string ipc_handle;  // the buffer's cudaIpcMemHandle_t
+  std::string ipc_handle;  // the buffer's (or the pool allocation's) cudaIpcMemHandle_t
   uint64_t bytes = 0;
   std::string device_uuid;
+  bool from_pool = false;
+  int32_t pool_num_pages = 0;
+  int pool_page_tokens = 0;
+  std::vector<int32_t> pool_pages;
 };
 
 // Device memory one served device holds for this server (exported as attnd_device_memory_used_bytes{device}).
@@ -298,12 +304,14 @@ class Backend {
   }
   // A same-host move on the device. ExportKvRowsOnDevice gathers every row of the sequence (`lengths` per layer)
   // into one device buffer that holds nothing else and returns its handle; `hold` keeps the buffer until dropped,
-  // which must come after every importer has closed the handle. ImportKvRowsOnDevice opens such a handle, copies
-  // its rows into the pages and closes it before returning. FAILED_PRECONDITION on a backend without a GPU.
+  // which must come after every importer has closed the handle. With `share_pool` it copies nothing and returns
+  // the handle of the pool's allocation and the sequence's pages (DeviceRows::from_pool). ImportKvRowsOnDevice
+  // opens either handle and copies the rows into its pages before returning; it closes a buffer's handle then and
+  // keeps a pool's open while moves from that pool keep coming. FAILED_PRECONDITION on a backend without a GPU.
   virtual absl::StatusOr<DeviceRows> ExportKvRowsOnDevice(const KvPool& pool, absl::Span<const int32_t> pages,
-                                                          absl::Span<const int64_t> lengths,
+                                                          absl::Span<const int64_t> lengths, bool share_pool,
                                                           std::shared_ptr<void>* hold) {
-    (void)pool, (void)pages, (void)lengths, (void)hold;
+    (void)pool, (void)pages, (void)lengths, (void)share_pool, (void)hold;
     return absl::FailedPreconditionError(
         absl::StrCat("device: the ", name(), " backend holds no rows on a GPU; export without `device`"));
   }

@@ -60,6 +60,9 @@ struct SequenceOptions {
   // refused FAILED_PRECONDITION, and movers take the bytes path (docs/security-and-metrics.md says why a server
   // whose callers are not trusted turns them off).
   bool device_moves = true;
+  // A device export hands out its pool's handle and the sequence's pages, which the importer reads in place (one
+  // copy), instead of a buffer of the sequence's rows alone: the importer can then read every page of that pool.
+  bool device_moves_share_pool = false;
   std::string advertise_address;     // appended to ids after '@' (the address clients reach this server at)
   size_t tombstones = 4096;          // closed/expired ids remembered for a clear NOT_FOUND reason
 };
