@@ -137,7 +137,8 @@ def main():
                 wc.close()
     out = {
         "sequences": a.sequences, "layers": a.layers, "context": a.context, "kv_heads": a.kv_heads,
-        "head_dim": a.head_dim, "concurrency": a.concurrency, "path_asked": a.path, "path": ",".join(sorted(paths)), "prefill_s": prefill_s,
+        "head_dim": a.head_dim, "concurrency": a.concurrency, "path_asked": a.path, "path": ",".join(sorted(paths)),
+        "prefill_s": prefill_s,
         "moved_bytes": moved_bytes, "move_s": move_s,
         "move_gb_per_s": moved_bytes / move_s / 1e9, "move_ms_per_sequence_p50": statistics.median(per) * 1e3,
         "same_o_after_move": same, "decode_step_ms_p50_on_dest": statistics.median(lat) * 1e3 if lat else None,

@@ -75,7 +75,8 @@ TEST(PoolToPoolRuns, EveryRowLandsInItsPageWhateverThePageSizes) {
       for (int kv = 0; kv < 2; ++kv) {
         for (int64_t t = 0; t < lengths[layer]; ++t) {
           const uint32_t tag = static_cast<uint32_t>((layer * 2 + kv) << 20 | t) + 1;
-          for (uint64_t b = 0; b < row; b += 4) std::memcpy(&expected[RowAt(dst, dst_pages, layer, kv, t) + b], &tag, 4);
+          const uint64_t at = RowAt(dst, dst_pages, layer, kv, t);
+          for (uint64_t b = 0; b < row; b += 4) std::memcpy(&expected[at + b], &tag, 4);
         }
       }
     }

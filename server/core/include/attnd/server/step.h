@@ -120,9 +120,11 @@ void ForEachPoolToPoolRun(int32_t src_num_pages, int src_page_tokens, absl::Span
       for (int64_t t = 0; t < lengths[layer];) {
         const int64_t in_src = t % sp, in_dst = t % dp;
         const int64_t run = std::min({sp - in_src, dp - in_dst, lengths[layer] - t});
-        fn(src_base + static_cast<uint64_t>(src_pages[t / sp]) * src_page_bytes + static_cast<uint64_t>(in_src) * row_bytes,
-           dst_base + static_cast<uint64_t>(dst_pages[t / dp]) * dst_page_bytes + static_cast<uint64_t>(in_dst) * row_bytes,
-           static_cast<uint64_t>(run) * row_bytes);
+        const uint64_t from = src_base + static_cast<uint64_t>(src_pages[t / sp]) * src_page_bytes +
+                              static_cast<uint64_t>(in_src) * row_bytes;
+        const uint64_t to = dst_base + static_cast<uint64_t>(dst_pages[t / dp]) * dst_page_bytes +
+                            static_cast<uint64_t>(in_dst) * row_bytes;
+        fn(from, to, static_cast<uint64_t>(run) * row_bytes);
         t += run;
       }
     }
