@@ -9,7 +9,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "attnd/client/shm_channel.h"
 #include "client_internal.h"
 
@@ -484,6 +486,7 @@ absl::StatusOr<MovedSequence> Client::MoveSequence(const std::string& sequence_i
     device = !gpu.empty() && gpu == gpu_of(to);
   }
   RelayOutcome relayed;
+  const bool tried_device = device;
   if (device) {
     grpc::ClientContext export_ctx, import_ctx;
     Prepare(&export_ctx, call);
@@ -492,24 +495,35 @@ absl::StatusOr<MovedSequence> Client::MoveSequence(const std::string& sequence_i
     request.set_sequence_id(sequence_id);
     request.set_device(true);
     relayed = RelaySequenceOnDevice(*source, *target, &export_ctx, &import_ctx, request);
-    // The exporter cannot keep the rows on a GPU: it has sent nothing, and the bytes carry them instead.
-    if (options.path == MovePath::kAuto && relayed.exported.code() == absl::StatusCode::kFailedPrecondition) {
-      device = false;
-    }
+    // The exporter cannot keep the rows on a GPU (it has sent nothing), or the importer refused them (its
+    // --sequence_device_moves; it kept nothing): the bytes carry them instead.
+    const bool exporter_refused = relayed.exported.code() == absl::StatusCode::kFailedPrecondition;
+    const bool importer_refused =
+        relayed.import_failed_first && relayed.imported.code() == absl::StatusCode::kFailedPrecondition;
+    if (options.path == MovePath::kAuto && (exporter_refused || importer_refused)) device = false;
   }
   if (!device) {
     absl::StatusOr<std::shared_ptr<grpc::Channel>> source_channel = ChannelFor(from);
     if (!source_channel.ok()) return source_channel.status();
     absl::StatusOr<std::shared_ptr<grpc::Channel>> target_channel = ChannelFor(to);
     if (!target_channel.ok()) return target_channel.status();
-    grpc::ClientContext export_ctx, import_ctx;
-    Prepare(&export_ctx, call);
-    Prepare(&import_ctx, call);
     v1::ExportSequenceRequest request;
     request.set_sequence_id(sequence_id);
     request.set_chunk_bytes(ChunkBytes(0));  // the stream chunk size ClientOptions sets for uploads
-    relayed =
-        RelaySequence(*std::move(source_channel), *std::move(target_channel), &export_ctx, &import_ctx, request);
+    // After a device attempt the exporter lets the sequence go when its cancelled stream ends, which can be a moment
+    // after the cancel: until then a new export is ABORTED "being moved already", and tried again.
+    const absl::Time until = absl::Now() + absl::Seconds(2);
+    for (;;) {
+      grpc::ClientContext export_ctx, import_ctx;
+      Prepare(&export_ctx, call);
+      Prepare(&import_ctx, call);
+      relayed = RelaySequence(*source_channel, *target_channel, &export_ctx, &import_ctx, request);
+      if (!tried_device || relayed.exported.code() != absl::StatusCode::kAborted ||
+          !absl::StrContains(relayed.exported.message(), "being moved already") || absl::Now() > until) {
+        break;
+      }
+      absl::SleepFor(absl::Milliseconds(5));
+    }
   }
   if (!relayed.exported.ok() && !relayed.import_failed_first) {
     return Side("the export from", from_server, relayed.exported);

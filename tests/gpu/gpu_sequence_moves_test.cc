@@ -1,13 +1,12 @@
-// Same-host sequence moves on one GPU: two `attnd --backend=cuda` processes share the device, and
-// Client::MoveSequence carries each sequence's rows through one CUDA IPC buffer (MovePath::kDevice), or, from an
-// exporter that shares its pool (--sequence_device_moves_share_pool), from the exporter's pages in place into an
-// importer whose pages hold another number of tokens. Sequences of
-// bf16 and float8 caches, several layers, lengths that are no whole number of pages, and a fork sharing its parent's
-// pages are prefilled with random rows on A, forked there once more (the copy that stays on A), and moved to B. On B
-// each answers a decode step exactly as its copy on A answers the same step (the same kernel over the same rows: bit
-// for bit), and the old id answers NOT_FOUND "moved to". A device_rows chunk whose handle is not one is refused
-// naming the field and leaves nothing on B, and so is a pool that does not fit its allocation. Skipped without a
-// usable GPU.
+// Same-host sequence moves on one GPU: two `attnd --backend=cuda` processes share the device, and Client::MoveSequence
+// carries each sequence's rows through one CUDA IPC buffer (MovePath::kDevice), or, from an exporter that shares its
+// pool (--sequence_device_moves_share_pool), from the exporter's pages in place into an importer whose pages hold
+// another number of tokens. An importer that refuses the device path gets the bytes. Sequences of bf16 and float8
+// caches, several layers, lengths that are no whole number of pages, and a fork sharing its parent's pages are
+// prefilled with random rows on A, forked there once more (the copy that stays on A), and moved to B. On B each answers
+// a decode step exactly as its copy on A answers the same step (the same kernel over the same rows: bit for bit), and
+// the old id answers NOT_FOUND "moved to". A device_rows chunk whose handle is not one is refused naming the field and
+// leaves nothing on B, and so is a pool that does not fit its allocation. Skipped without a usable GPU.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -149,14 +148,14 @@ class GpuSequenceMoves : public ::testing::Test {
     return r->o;
   }
 
-  // Moves `id` to B by the device path and checks it against `copy` (a fork of it kept on A) at every layer, then
-  // that the old id says where it went.
+  // Moves `id` to B (by the device path unless B refuses it) and checks it against `copy` (a fork of it kept on
+  // A) at every layer, then that the old id says where it went.
   void MoveAndCompare(const client::SequenceShape& shape, const std::string& id, const std::string& copy,
                       const std::vector<int64_t>& lengths) {
     client::MoveOptions automatic;
     auto moved = client_->MoveSequence(id, servers_[1].address, automatic);
     ASSERT_TRUE(moved.ok()) << moved.status();
-    EXPECT_EQ(moved->path, client::MovePath::kDevice);
+    EXPECT_EQ(moved->path, expected_path_);
     EXPECT_EQ(client::SequenceAddress(moved->sequence_id), servers_[1].address);
     auto info = client_->GetSequence(moved->sequence_id);
     ASSERT_TRUE(info.ok()) << info.status();
@@ -204,6 +203,7 @@ class GpuSequenceMoves : public ::testing::Test {
   }
 
   AttndProcess servers_[2];
+  client::MovePath expected_path_ = client::MovePath::kDevice;
   std::string uuid_;
   std::unique_ptr<client::Client> client_, direct_b_;
 };
@@ -313,6 +313,26 @@ TEST_F(GpuSequenceMovesFromPool, Float8CacheMovesFromThePool) {
   shape.k_descale = {0.5f, 0.25f, 1.0f, 0.125f};
   shape.v_descale = {0.25f, 0.5f, 0.125f, 1.0f};
   PrefillForkAndMove(shape, {129, 17, 0, 33}, 500);
+}
+
+// B refuses rows on the device (--sequence_device_moves=false) though both servers report the same GPU: the
+// automatic move falls back to bytes once A has let the sequence go, and every row arrives.
+class GpuSequenceMovesToARefusingImporter : public GpuSequenceMoves {
+ protected:
+  std::vector<std::string> ServerFlags(int server) const override {
+    if (server == 0) return {};
+    return {"--sequence_device_moves=false"};
+  }
+};
+
+TEST_F(GpuSequenceMovesToARefusingImporter, AnAutomaticMoveFallsBackToBytes) {
+  expected_path_ = client::MovePath::kBytes;
+  client::SequenceShape shape;
+  shape.layers = 2;
+  shape.kv_heads = 2;
+  shape.head_dim = 128;
+  shape.dtype = DType::kBF16;
+  PrefillForkAndMove(shape, {45, 16}, 700);
 }
 
 // The pool an export names is checked against the allocation its handle opens: a pool claimed larger is refused
