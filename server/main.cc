@@ -88,6 +88,9 @@ ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA bundle: require client certificates signed by it (mutual TLS)");
 ABSL_FLAG(std::string, auth_token_file, "",
           "file of bearer tokens, one a line: every RPC but grpc.health.v1 needs 'authorization: Bearer <token>'");
+ABSL_FLAG(std::string, peer_secret_file, "",
+          "file holding the secret the fleet's servers share: a call with metadata attnd-peer-secret (it) and "
+          "attnd-owner acts as that owner, without a bearer token; empty: such calls are refused PERMISSION_DENIED");
 ABSL_FLAG(std::string, metrics_listen, "", "host:port of the Prometheus endpoint (HTTP GET /metrics); empty: none");
 ABSL_FLAG(bool, access_log, true, "log one info line per RPC (method, peer, request id, shape, status, times, bytes)");
 ABSL_FLAG(uint32_t, max_calls_per_client, 0,
@@ -331,6 +334,7 @@ void SecurityAndObservabilityFlags(ServerOptions::Security* security, ServerOpti
   security->tls_key = absl::GetFlag(FLAGS_tls_key);
   security->tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   security->auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  security->peer_secret_file = absl::GetFlag(FLAGS_peer_secret_file);
   security->enable_cuda_ipc = absl::GetFlag(FLAGS_enable_cuda_ipc);
   security->ipc_over_tcp = absl::GetFlag(FLAGS_ipc_over_tcp);
   security->reflection = absl::GetFlag(FLAGS_reflection);

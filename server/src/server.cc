@@ -368,14 +368,23 @@ class ServerImpl final : public Server {
       spdlog::info("attnd metrics on http://{}/metrics [port {}]", options_.observability.metrics_listen,
                    metrics_->port());
     }
+    if (!options_.security.peer_secret_file.empty()) {
+      absl::StatusOr<std::string> secret = LoadPeerSecret(options_.security.peer_secret_file);
+      if (!secret.ok()) return secret.status();
+      peer_secret_ = *std::move(secret);
+      service_.set_peer_secret(peer_secret_);
+    }
     if (!options_.security.auth_token_file.empty()) {
       absl::StatusOr<std::vector<std::string>> tokens = LoadAuthTokens(options_.security.auth_token_file);
       if (!tokens.ok()) return tokens.status();
       ServerMetrics* metrics = metrics_.get();
       auth_tokens_ = *tokens;
-      auth_ = std::make_shared<BearerTokenProcessor>(std::move(*tokens), [metrics] {
-        if (metrics != nullptr) metrics->RecordAuthFailure();
-      });
+      auth_ = std::make_shared<BearerTokenProcessor>(
+          std::move(*tokens),
+          [metrics] {
+            if (metrics != nullptr) metrics->RecordAuthFailure();
+          },
+          peer_secret_);
     }
     if (!options_.network.listen.empty()) {
       const TlsFiles tls{options_.security.tls_cert, options_.security.tls_key, options_.security.tls_client_ca};
@@ -401,6 +410,7 @@ class ServerImpl final : public Server {
   IdleHeapTrimmer heap_trimmer_{[this] { return stats_.service_calls(); }, kHeapTrimPeriod};
   DrainTracker drain_;
   std::shared_ptr<BearerTokenProcessor> auth_;
+  std::string peer_secret_;  // --peer_secret_file's; empty without it
   std::shared_ptr<grpc::ServerCredentials> tcp_credentials_;
   std::unique_ptr<BufferRegistry> buffers_;  // cuda-ipc buffers; null unless enable_cuda_ipc on the cuda backend
   Dispatcher dispatcher_;

@@ -1,5 +1,6 @@
 // TLS, mutual TLS and bearer tokens on a live server, with a CA and certificates made by the openssl CLI at
-// test time; the per-connection call limit; the unix socket's permissions; the token file and comparison.
+// test time; the per-connection call limit; the unix socket's permissions; the token file and comparison; the
+// peer secret a fleet's servers act for their callers with.
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -368,6 +369,128 @@ TEST_F(SecurityTest, UnixSocketPermissions) {
     EXPECT_EQ(st.st_mode & 0777, mode);
     EXPECT_TRUE(Call(s.Channel("unix:" + o.network.unix_socket)).ok());
   }
+}
+
+// A fleet's server acts for a caller with the peer secret: the owner it names is the call's owner, admitted without
+// a bearer token. A wrong secret, or a missing owner, is refused naming the key, with or without a token.
+TEST_F(SecurityTest, APeerSecretActsAsTheOwnerItNames) {
+  WriteFile(pki->Path("peer_secret"), "  fleet-secret-42\n");
+  server::ServerOptions o;
+  o.network.listen = "127.0.0.1:0";
+  o.security.auth_token_file = pki->Path("tokens");
+  o.security.peer_secret_file = pki->Path("peer_secret");
+  TestServer s(o);
+  ASSERT_NE(s.server, nullptr);
+  auto client_with = [&](const std::string& token) {
+    client::ClientOptions co;
+    co.target = "127.0.0.1:" + std::to_string(s.server->tcp_port());
+    co.auth_token = token;
+    auto c = client::Client::Create(co);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  };
+  auto alpha = client_with("tok-alpha-0123456789");
+  auto peer = client_with("");
+  ASSERT_TRUE(alpha && peer);
+  client::SequenceShape shape;
+  shape.layers = 1;
+  shape.kv_heads = 2;
+  shape.head_dim = 64;
+  auto opened = alpha->OpenSequence(shape);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->ids[0];
+  auto as = [](const std::string& secret, const std::string& owner) {
+    client::CallOptions call;
+    if (!secret.empty()) call.metadata.emplace_back("attnd-peer-secret", secret);
+    if (!owner.empty()) call.metadata.emplace_back("attnd-owner", owner);
+    return call;
+  };
+  // The first token's owner is "token:0": the peer reads its sequence, another owner's view does not have it.
+  auto info = peer->GetSequence(id, as("fleet-secret-42", "token:0"));
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->sequence_id(), id);
+  EXPECT_EQ(peer->GetSequence(id, as("fleet-secret-42", "token:1")).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(peer->GetSequence(id).status().code(), absl::StatusCode::kUnauthenticated);
+
+  const absl::Status wrong = peer->GetSequence(id, as("fleet-secret-43", "token:0")).status();
+  EXPECT_EQ(wrong.code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_TRUE(absl::StrContains(wrong.message(), "attnd-peer-secret")) << wrong;
+  EXPECT_FALSE(absl::StrContains(wrong.message(), "fleet-secret")) << "the presented secret is never echoed";
+  const absl::Status wrong_with_token = alpha->GetSequence(id, as("fleet-secret-43", "token:0")).status();
+  EXPECT_EQ(wrong_with_token.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(absl::StrContains(wrong_with_token.message(), "attnd-peer-secret")) << wrong_with_token;
+  const absl::Status no_owner = peer->GetSequence(id, as("fleet-secret-42", "")).status();
+  EXPECT_EQ(no_owner.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(absl::StrContains(no_owner.message(), "attnd-owner")) << no_owner;
+  const absl::Status no_secret = alpha->GetSequence(id, as("", "token:1")).status();
+  EXPECT_EQ(no_secret.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(absl::StrContains(no_secret.message(), "attnd-peer-secret")) << no_secret;
+  // Closed as its owner by the peer: the sequence is gone for its caller too.
+  ASSERT_TRUE(peer->CloseSequence({id}, as("fleet-secret-42", "token:0")).ok());
+  EXPECT_EQ(alpha->GetSequence(id).status().code(), absl::StatusCode::kNotFound);
+}
+
+// A server without --peer_secret_file refuses peer metadata on every kind of call, naming the key: a caller that
+// meant to act as someone else must not silently act as itself.
+TEST_F(SecurityTest, PeerMetadataWithoutAPeerSecretIsRefusedNamingTheKey) {
+  server::ServerOptions o;
+  o.network.listen = "127.0.0.1:0";
+  TestServer s(o);
+  ASSERT_NE(s.server, nullptr);
+  auto stub = s.Stub();
+  auto prepare = [](grpc::ClientContext* ctx) {
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    ctx->AddMetadata("attnd-peer-secret", "anything");
+    ctx->AddMetadata("attnd-owner", "token:0");
+  };
+  auto expect_refused = [](const grpc::Status& st, const char* what) {
+    SCOPED_TRACE(what);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED) << st.error_message();
+    EXPECT_TRUE(absl::StrContains(st.error_message(), "attnd-peer-secret")) << st.error_message();
+  };
+  {
+    grpc::ClientContext ctx;
+    prepare(&ctx);
+    v1::ServerInfo info;
+    expect_refused(stub->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info), "GetServerInfo");
+  }
+  {
+    grpc::ClientContext ctx;
+    prepare(&ctx);
+    v1::OpenSequenceRequest open;
+    open.mutable_shape()->set_layers(1);
+    v1::OpenSequenceResponse opened;
+    expect_refused(stub->OpenSequence(&ctx, open, &opened), "OpenSequence");
+  }
+  {
+    grpc::ClientContext ctx;
+    prepare(&ctx);
+    auto stream = stub->StepStream(&ctx);
+    v1::StepStreamResponse answer;
+    EXPECT_FALSE(stream->Read(&answer));
+    expect_refused(stream->Finish(), "StepStream");
+  }
+  {
+    grpc::ClientContext ctx;
+    prepare(&ctx);
+    v1::ExportSequenceRequest request;
+    request.set_sequence_id("x");
+    auto reader = stub->ExportSequence(&ctx, request);
+    v1::ExportSequenceResponse chunk;
+    EXPECT_FALSE(reader->Read(&chunk));
+    expect_refused(reader->Finish(), "ExportSequence");
+  }
+  {
+    grpc::ClientContext ctx;
+    prepare(&ctx);
+    v1::ImportSequenceResponse imported;
+    auto writer = stub->ImportSequence(&ctx, &imported);
+    writer->WritesDone();
+    expect_refused(writer->Finish(), "ImportSequence");
+  }
+  grpc::ClientContext plain;
+  v1::ServerInfo info;
+  EXPECT_TRUE(stub->GetServerInfo(&plain, v1::GetServerInfoRequest(), &info).ok());
 }
 
 TEST(AuthTokensTest, FileParsingAndConstantTimeComparison) {

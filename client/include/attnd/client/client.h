@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -107,6 +108,9 @@ struct CallOptions {
   std::optional<Transport> transport;      // unset: ClientOptions::transport
   bool wait_for_ready = false;             // queue the call while the channel connects instead of failing fast
   std::optional<ForwardOutputs> outputs;   // unset: O and LSE arrive in ForwardResult::o / lse
+  // Sent with each gRPC call this call makes, as (key, value) pairs: a fleet's server acting for a caller
+  // (attnd-peer-secret, attnd-owner; docs/security-and-metrics.md). Not sent over the shared-memory channel.
+  std::vector<std::pair<std::string, std::string>> metadata;
 };
 
 // The shape and semantics of a request, in host form (Problem plus the optional scale).

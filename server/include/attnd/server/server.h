@@ -91,6 +91,9 @@ struct ServerOptions {
     std::string tls_cert, tls_key;  // PEM files: TLS on the TCP listener (the unix socket stays plaintext)
     std::string tls_client_ca;      // PEM CA bundle: require and verify client certificates (mutual TLS)
     std::string auth_token_file;    // tokens, one a line: every RPC but grpc.health.v1 needs "Bearer <token>"
+    // The secret a fleet's servers share: a call carrying it (attnd-peer-secret) and attnd-owner acts as that
+    // owner, admitted without a bearer token (auth.h, PeerOwnerOf). Empty: such metadata is refused.
+    std::string peer_secret_file;
     // cuda-ipc buffers: accept RegisterCudaBuffer and tensor references (cuda backend only).
     bool enable_cuda_ipc = false;
     bool ipc_over_tcp = false;  // accept CUDA IPC registration over TCP too (off: unix socket only)
