@@ -82,6 +82,11 @@ ABSL_FLAG(double, sequence_drain_s, 0,
           "on shutdown, seconds (within --shutdown_grace_s) the open KV sequences keep being served while their "
           "callers close them: health NOT_SERVING, new sequences refused UNAVAILABLE (a fleet client opens them "
           "elsewhere); 0: no drain, open sequences are lost at once");
+ABSL_FLAG(std::string, sequence_drain_to, "",
+          "gRPC target (an address, or the fleet's shared target such as dns:///attnd-headless.ns.svc:50051) the "
+          "drain moves the open KV sequences to, each as its owner, before it waits for the rest; needs "
+          "--sequence_drain_s > 0 and --peer_secret_file; empty: callers close or move their sequences");
+ABSL_FLAG(uint32_t, sequence_drain_moves, 4, "with --sequence_drain_to: sequences moving at once");
 // Security and observability (docs/security-and-metrics.md).
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS on the TCP listener (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
@@ -431,6 +436,8 @@ int main(int argc, char** argv) {
   if (absl::Status s = ShmFlags(&options.shm); !s.ok()) return Fail(s);
   if (absl::Status s = ListenerFlags(&options.network); !s.ok()) return Fail(s);
   SecurityAndObservabilityFlags(&options.security, &options.observability);
+  options.drain.to = absl::GetFlag(FLAGS_sequence_drain_to);
+  options.drain.moves_in_flight = absl::GetFlag(FLAGS_sequence_drain_moves);
   absl::StatusOr<SequenceOptions> sequences = SequenceFlags(**backend);
   if (!sequences.ok()) return Fail(sequences.status());
   options.sequences = *std::move(sequences);

@@ -126,6 +126,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
             : absl::InvalidArgumentError("request: not an ExportSequenceRequest");
     if (!held.ok()) {
       LogOutcome("ExportSequence", "", held.status(), start_);
+      AddStatusTrailers(ctx_, held.status());
       Finish(ToGrpcStatus(held.status()));
       return;
     }

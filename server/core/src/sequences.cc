@@ -89,7 +89,12 @@ absl::StatusOr<Sequences::Seq*> Sequences::Find(const std::string& owner, absl::
   if (it != seqs_.end() && it->second->owner == owner && !it->second->closing) return it->second.get();
   auto tomb = tombstones_.find(id);
   if (tomb != tombstones_.end() && (it == seqs_.end() || it->second->owner == owner)) {
-    return absl::NotFoundError(absl::StrCat(field, ": sequence ", id, " is gone: ", tomb->second));
+    absl::Status gone = absl::NotFoundError(absl::StrCat(field, ": sequence ", id, " is gone: ", tomb->second));
+    if (auto moved = moved_to_.find(id); moved != moved_to_.end()) {
+      gone.SetPayload(kMovedToPayload, absl::Cord(moved->second));
+      expect_follow_.erase(moved->first);
+    }
+    return gone;
   }
   if (!absl::StartsWith(id, absl::StrCat(instance_, "-"))) {
     return absl::NotFoundError(absl::StrCat(
@@ -207,11 +212,13 @@ void Sequences::Free(Seq* seq, std::string reason) {
   if (use.sequences == 0 && use.pages == 0) clients_.erase(seq->owner);
   Pool* pool = seq->pool;
   const std::string id = seq->id;
+  if (!seq->moved_to.empty()) moved_to_[id] = seq->moved_to;
   seqs_.erase(id);
   tombstones_[id] = std::move(reason);
   tombstone_order_.push_back(id);
   while (tombstone_order_.size() > options_.tombstones) {
     tombstones_.erase(tombstone_order_.front());
+    moved_to_.erase(tombstone_order_.front());
     tombstone_order_.pop_front();
   }
   if (--pool->sequences == 0) pools_.erase(pool->memory->shape());
@@ -418,6 +425,7 @@ absl::Status Sequences::Close(const std::string& owner, absl::Span<const absl::s
     found.push_back(*seq);
   }
   for (Seq* seq : found) {
+    seq->moved_to = std::string(moved_to);
     if (seq->busy()) {
       seq->closing = true;  // Finish (or EndExport) frees it
       seq->close_reason = reason;
@@ -502,6 +510,40 @@ absl::Status Sequences::TakesNewSequences() const {
 void Sequences::BeginDrain() {
   absl::MutexLock lock(&mu_);
   draining_ = true;
+}
+
+std::vector<Sequences::HeldSequence> Sequences::OpenSequences() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<HeldSequence> open;
+  open.reserve(seqs_.size());
+  for (const auto& [id, seq] : seqs_) {
+    if (seq->closing) continue;
+    uint64_t rows = 0;
+    for (int32_t len : seq->lengths) rows += static_cast<uint64_t>(len);
+    const SequenceShape& shape = seq->pool->memory->shape();
+    open.push_back(HeldSequence{id, seq->owner, rows * 2 * static_cast<uint64_t>(shape.kv_heads * shape.head_dim) *
+                                            shape.kv_bytes()});
+  }
+  return open;
+}
+
+void Sequences::ExpectFollow(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  expect_follow_.insert(id);
+}
+
+void Sequences::Unexpect(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  expect_follow_.erase(id);
+}
+
+size_t Sequences::AwaitFollowed(absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  const auto none = +[](const Sequences* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+    return self->expect_follow_.empty();
+  };
+  mu_.AwaitWithDeadline(absl::Condition(none, this), deadline);
+  return expect_follow_.size();
 }
 
 size_t Sequences::AwaitClosed(absl::Time deadline) const {

@@ -96,6 +96,7 @@ struct Sequences::Seq {
   bool moving = false;   // held by an export or an import
   bool closing = false;  // closed while busy: freed when the step ends
   std::string close_reason;  // what its tombstone says then
+  std::string moved_to;      // closed with moved_to: its new id
 
   bool busy() const { return steps > 0 || moving; }
   // The tokens a step admitted now finds cached at `layer`: the committed ones and those the steps in flight add.

@@ -493,6 +493,41 @@ TEST_F(SecurityTest, PeerMetadataWithoutAPeerSecretIsRefusedNamingTheKey) {
   EXPECT_TRUE(stub->GetServerInfo(&plain, v1::GetServerInfoRequest(), &info).ok());
 }
 
+TEST_F(SecurityTest, DrainToAndThePeerSecretAreCheckedAtStart) {
+  WriteFile(pki->Path("peer_secret"), "fleet-secret-42\n");
+  WriteFile(pki->Path("empty_secret"), " \n\n");
+  struct Case {
+    std::string drain_to;
+    double drain_s;
+    std::string secret, expect;
+  };
+  const Case cases[] = {
+      {"127.0.0.1:1", 0, pki->Path("peer_secret"), "sequence_drain_to: needs --sequence_drain_s"},
+      {"127.0.0.1:1", 5, "", "sequence_drain_to: needs --peer_secret_file"},
+      {"", 0, pki->Path("empty_secret"), "peer_secret_file: '" + pki->Path("empty_secret") + "' is empty"},
+      {"", 0, pki->Path("no_such_secret"), "peer_secret_file: cannot read"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.expect);
+    server::ServerOptions o;
+    o.network.listen = "127.0.0.1:0";
+    o.drain.to = c.drain_to;
+    o.timeouts.sequence_drain = absl::Seconds(c.drain_s);
+    o.security.peer_secret_file = c.secret;
+    auto created = server::Server::Create(o, std::make_unique<server::CpuBackend>(server::BackendOptions{}));
+    ASSERT_FALSE(created.ok());
+    EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StartsWith(created.status().message(), c.expect)) << created.status();
+  }
+  server::ServerOptions o;
+  o.network.listen = "127.0.0.1:0";
+  o.drain.to = "127.0.0.1:1";
+  o.timeouts.sequence_drain = absl::Seconds(5);
+  o.security.peer_secret_file = pki->Path("peer_secret");
+  TestServer s(o);
+  EXPECT_NE(s.server, nullptr);
+}
+
 TEST(AuthTokensTest, FileParsingAndConstantTimeComparison) {
   char tmpl[] = "/tmp/attnd_tokens_XXXXXX";
   const int fd = ::mkstemp(tmpl);
