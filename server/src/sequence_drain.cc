@@ -91,9 +91,14 @@ class DrainMoves {
     call.metadata = {{kPeerSecretMetadata, options_.peer_secret}, {kPeerOwnerMetadata, p.seq.owner}};
     client::MoveOptions how;
     how.path = p.bytes_only ? client::MovePath::kBytes : client::MovePath::kAuto;
-    // Expected before the close that ends the move: a caller may name the old id the moment it is closed.
-    sequences_.ExpectFollow(p.seq.id);
-    const absl::StatusOr<client::MovedSequence> moved = mover_->MoveSequence(p.seq.id, options_.to, how, call);
+    absl::StatusOr<client::MovedSequence> moved;
+    if (absl::Status held = sequences_.HoldForMove(p.seq.owner, p.seq.id); !held.ok()) {
+      moved = std::move(held);
+    } else {
+      // Expected before the close that ends the move: a caller may name the old id the moment it is closed.
+      sequences_.ExpectFollow(p.seq.id);
+      moved = mover_->MoveSequence(p.seq.id, options_.to, how, call);
+    }
     if (moved.ok()) {
       spdlog::debug("attnd drain: {} moved to {} ({})", p.seq.id, moved->sequence_id, MovePathName(moved->path));
       absl::MutexLock lock(&mu_);
@@ -102,6 +107,7 @@ class DrainMoves {
       return true;
     }
     sequences_.Unexpect(p.seq.id);
+    sequences_.ReleaseHold(p.seq.id);
     const absl::Status& why = moved.status();
     if (why.code() == absl::StatusCode::kNotFound) {  // its caller closed it, or it expired
       absl::MutexLock lock(&mu_);

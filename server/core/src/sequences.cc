@@ -359,8 +359,9 @@ absl::StatusOr<std::vector<std::string>> Sequences::Fork(const std::string& owne
   absl::StatusOr<Seq*> found = Find(owner, sequence_id, "sequence_id");
   if (!found.ok()) return found.status();
   Seq* parent = *found;
-  if (parent->busy()) {
-    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", parent->id, BusyText(parent->moving, "fork")));
+  if (parent->busy() || parent->held_for_move) {
+    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", parent->id,
+                                           BusyText(parent->moving || parent->held_for_move, "fork")));
   }
   ATTND_RETURN_IF_ERROR(CheckClientSequences(owner, *count));
   const ClientUse before = clients_[owner];
@@ -391,8 +392,9 @@ absl::StatusOr<std::vector<int64_t>> Sequences::Truncate(const std::string& owne
   absl::StatusOr<Seq*> found = Find(owner, sequence_id, "sequence_id");
   if (!found.ok()) return found.status();
   Seq* seq = *found;
-  if (seq->busy()) {
-    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", seq->id, BusyText(seq->moving, "truncate")));
+  if (seq->busy() || seq->held_for_move) {
+    return absl::AbortedError(
+        absl::StrCat("sequence_id: sequence ", seq->id, BusyText(seq->moving || seq->held_for_move, "truncate")));
   }
   std::vector<int64_t> lengths;
   for (int32_t& len : seq->lengths) {
@@ -525,6 +527,23 @@ std::vector<Sequences::HeldSequence> Sequences::OpenSequences() const {
                                             shape.kv_bytes()});
   }
   return open;
+}
+
+absl::Status Sequences::HoldForMove(const std::string& owner, const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Seq*> found = Find(owner, id, "sequence_id");
+  if (!found.ok()) return found.status();
+  Seq* seq = *found;
+  if (seq->busy()) {
+    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", seq->id, BusyText(seq->moving, "move")));
+  }
+  seq->held_for_move = true;
+  return absl::OkStatus();
+}
+
+void Sequences::ReleaseHold(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  if (auto it = seqs_.find(id); it != seqs_.end()) it->second->held_for_move = false;
 }
 
 void Sequences::ExpectFollow(const std::string& id) {

@@ -142,6 +142,12 @@ class Sequences {
   };
   // The open sequences, those being closed left out.
   std::vector<HeldSequence> OpenSequences() const;
+  // A drain's move holds `id` from before its export until its close: steps, forks and truncations are refused
+  // ABORTED "is being moved" meanwhile (an export alone holds it only while it streams, and a step between its end
+  // and the close would be lost with the old copy). NOT_FOUND when gone, ABORTED while a step is in flight.
+  // ReleaseHold: the move failed, the sequence serves again.
+  absl::Status HoldForMove(const std::string& owner, const std::string& id);
+  void ReleaseHold(const std::string& id);
   // A drain that moves `id` waits until a call names it once more after its close (the caller has been told
   // where it went), or until AwaitFollowed's deadline. Unexpect: the move failed, nobody needs telling.
   void ExpectFollow(const std::string& id);
