@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -100,6 +101,18 @@ class SecurityTest : public ::testing::Test {
     o.security.tls_key = pki->Path("server.key");
     if (mutual) o.security.tls_client_ca = pki->Path("ca.pem");
     return o;
+  }
+
+  // The client library over the server's plaintext loopback port, presenting `token` (none when empty).
+  static std::unique_ptr<client::Client> ClientWithToken(const TestServer& s, const std::string& token,
+                                                         bool own_connection = false) {
+    client::ClientOptions co;
+    co.target = "127.0.0.1:" + std::to_string(s.server->tcp_port());
+    co.auth_token = token;
+    co.own_connection = own_connection;
+    auto c = client::Client::Create(co);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
   }
 
   // One small Forward; checks the answer when it succeeds.
@@ -199,18 +212,9 @@ TEST_F(SecurityTest, StepStreamsCarryTheTokenAndItsOwnership) {
   // connection the same auth context, so a call's owner must come from its own header, never the connection's.
   for (const bool own_connection : {true, false}) {
     SCOPED_TRACE(own_connection ? "a connection each" : "one shared connection");
-    auto client_with = [&](const std::string& token) {
-      client::ClientOptions co;
-      co.target = "127.0.0.1:" + std::to_string(s.server->tcp_port());
-      co.auth_token = token;
-      co.own_connection = own_connection;
-      auto c = client::Client::Create(co);
-      EXPECT_TRUE(c.ok()) << c.status();
-      return c.ok() ? std::move(*c) : nullptr;
-    };
-    auto alpha = client_with("tok-alpha-0123456789");
-    auto beta = client_with("tok-beta-abcdef");
-    auto none = client_with("");
+    auto alpha = ClientWithToken(s, "tok-alpha-0123456789", own_connection);
+    auto beta = ClientWithToken(s, "tok-beta-abcdef", own_connection);
+    auto none = ClientWithToken(s, "", own_connection);
     ASSERT_TRUE(alpha && beta && none);
     client::SequenceShape shape;
     shape.layers = 1;
@@ -381,16 +385,8 @@ TEST_F(SecurityTest, APeerSecretActsAsTheOwnerItNames) {
   o.security.peer_secret_file = pki->Path("peer_secret");
   TestServer s(o);
   ASSERT_NE(s.server, nullptr);
-  auto client_with = [&](const std::string& token) {
-    client::ClientOptions co;
-    co.target = "127.0.0.1:" + std::to_string(s.server->tcp_port());
-    co.auth_token = token;
-    auto c = client::Client::Create(co);
-    EXPECT_TRUE(c.ok()) << c.status();
-    return c.ok() ? std::move(*c) : nullptr;
-  };
-  auto alpha = client_with("tok-alpha-0123456789");
-  auto peer = client_with("");
+  auto alpha = ClientWithToken(s, "tok-alpha-0123456789");
+  auto peer = ClientWithToken(s, "");
   ASSERT_TRUE(alpha && peer);
   client::SequenceShape shape;
   shape.layers = 1;
@@ -438,56 +434,47 @@ TEST_F(SecurityTest, PeerMetadataWithoutAPeerSecretIsRefusedNamingTheKey) {
   TestServer s(o);
   ASSERT_NE(s.server, nullptr);
   auto stub = s.Stub();
-  auto prepare = [](grpc::ClientContext* ctx) {
-    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-    ctx->AddMetadata("attnd-peer-secret", "anything");
-    ctx->AddMetadata("attnd-owner", "token:0");
-  };
-  auto expect_refused = [](const grpc::Status& st, const char* what) {
+  // Each call with peer metadata on a context of its own; `call` makes the call and returns its status.
+  const auto expect_refused = [](const char* what, const std::function<grpc::Status(grpc::ClientContext*)>& call) {
     SCOPED_TRACE(what);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    ctx.AddMetadata("attnd-peer-secret", "anything");
+    ctx.AddMetadata("attnd-owner", "token:0");
+    const grpc::Status st = call(&ctx);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED) << st.error_message();
     EXPECT_TRUE(absl::StrContains(st.error_message(), "attnd-peer-secret")) << st.error_message();
   };
-  {
-    grpc::ClientContext ctx;
-    prepare(&ctx);
+  expect_refused("GetServerInfo", [&](grpc::ClientContext* ctx) {
     v1::ServerInfo info;
-    expect_refused(stub->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info), "GetServerInfo");
-  }
-  {
-    grpc::ClientContext ctx;
-    prepare(&ctx);
+    return stub->GetServerInfo(ctx, v1::GetServerInfoRequest(), &info);
+  });
+  expect_refused("OpenSequence", [&](grpc::ClientContext* ctx) {
     v1::OpenSequenceRequest open;
     open.mutable_shape()->set_layers(1);
     v1::OpenSequenceResponse opened;
-    expect_refused(stub->OpenSequence(&ctx, open, &opened), "OpenSequence");
-  }
-  {
-    grpc::ClientContext ctx;
-    prepare(&ctx);
-    auto stream = stub->StepStream(&ctx);
+    return stub->OpenSequence(ctx, open, &opened);
+  });
+  expect_refused("StepStream", [&](grpc::ClientContext* ctx) {
+    auto stream = stub->StepStream(ctx);
     v1::StepStreamResponse answer;
     EXPECT_FALSE(stream->Read(&answer));
-    expect_refused(stream->Finish(), "StepStream");
-  }
-  {
-    grpc::ClientContext ctx;
-    prepare(&ctx);
+    return stream->Finish();
+  });
+  expect_refused("ExportSequence", [&](grpc::ClientContext* ctx) {
     v1::ExportSequenceRequest request;
     request.set_sequence_id("x");
-    auto reader = stub->ExportSequence(&ctx, request);
+    auto reader = stub->ExportSequence(ctx, request);
     v1::ExportSequenceResponse chunk;
     EXPECT_FALSE(reader->Read(&chunk));
-    expect_refused(reader->Finish(), "ExportSequence");
-  }
-  {
-    grpc::ClientContext ctx;
-    prepare(&ctx);
+    return reader->Finish();
+  });
+  expect_refused("ImportSequence", [&](grpc::ClientContext* ctx) {
     v1::ImportSequenceResponse imported;
-    auto writer = stub->ImportSequence(&ctx, &imported);
+    auto writer = stub->ImportSequence(ctx, &imported);
     writer->WritesDone();
-    expect_refused(writer->Finish(), "ImportSequence");
-  }
+    return writer->Finish();
+  });
   grpc::ClientContext plain;
   v1::ServerInfo info;
   EXPECT_TRUE(stub->GetServerInfo(&plain, v1::GetServerInfoRequest(), &info).ok());
