@@ -117,8 +117,9 @@ struct CallOptions {
   std::optional<Transport> transport;      // unset: ClientOptions::transport
   bool wait_for_ready = false;             // queue the call while the channel connects instead of failing fast
   std::optional<ForwardOutputs> outputs;   // unset: O and LSE arrive in ForwardResult::o / lse
-  // Sent with each gRPC call this call makes, as (key, value) pairs: a fleet's server acting for a caller
-  // (attnd-peer-secret, attnd-owner; docs/security-and-metrics.md). Not sent over the shared-memory channel.
+  // Sent with each unary or move call this call makes, as (key, value) pairs: a fleet's server acting for a caller
+  // (attnd-peer-secret, attnd-owner; docs/security-and-metrics.md). Not with steps over a StepStream (a stream
+  // serves many calls) or the shared-memory channel: a step that must carry them goes with Transport::kUnary.
   std::vector<std::pair<std::string, std::string>> metadata;
 };
 
