@@ -162,6 +162,7 @@ void Client::Prepare(grpc::ClientContext* ctx, const CallOptions& call) const {
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + d));
   ctx->set_wait_for_ready(call.wait_for_ready);
   if (!options_.auth_token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.auth_token);
+  for (const auto& [key, value] : call.metadata) ctx->AddMetadata(key, value);
 }
 
 std::optional<uint64_t> Client::CachedMaxMessageBytes() const {

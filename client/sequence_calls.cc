@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -150,7 +151,70 @@ absl::Status NameTheServer(const std::string& address, const std::string& target
   return absl::UnavailableError(absl::StrCat("the server holding the sequence (", address, "): ", st.message()));
 }
 
+// The server's trailer naming where a sequence went, kept on the status as a payload of the same name.
+constexpr char kMovedToMetadata[] = "attnd-moved-to";
+// Hops CurrentSequenceId follows (a sequence moved on from where it moved to); more would mean a cycle.
+constexpr int kMaxMoveHops = 8;
+// The backoff of a step whose sequence is being moved, from 1 ms up to this.
+constexpr absl::Duration kMovingBackoffMax = absl::Milliseconds(50);
+
+void KeepMovedTo(const grpc::ClientContext& ctx, absl::Status* st) {
+  const auto& trailers = ctx.GetServerTrailingMetadata();
+  if (auto it = trailers.find(kMovedToMetadata); it != trailers.end()) {
+    st->SetPayload(kMovedToMetadata, absl::Cord(std::string(it->second.data(), it->second.size())));
+  }
+}
+
+// ABORTED because a sequence of the step is held by an export: retryable, the step changed nothing.
+bool BeingMoved(const absl::Status& st) {
+  return st.code() == absl::StatusCode::kAborted && absl::StrContains(st.message(), " is being moved");
+}
+
 }  // namespace
+
+std::string Client::CurrentSequenceId(const std::string& sequence_id) const {
+  absl::MutexLock lock(&moved_mu_);
+  std::string id = sequence_id;
+  for (int hop = 0; hop < kMaxMoveHops; ++hop) {
+    auto it = moved_.find(id);
+    if (it == moved_.end()) break;
+    id = it->second;
+  }
+  return id;
+}
+
+uint64_t Client::moves_followed() const { return moves_followed_.load(std::memory_order_acquire); }
+
+std::optional<std::string> Client::LearnMove(const absl::Status& st, const std::vector<std::string>& ids) {
+  if (st.code() != absl::StatusCode::kNotFound) return std::nullopt;
+  std::string to;
+  if (auto trailer = st.GetPayload(kMovedToMetadata); trailer.has_value()) {
+    to = std::string(*trailer);
+  } else {
+    // A StepStream's answers carry a code and a message, no metadata: the message names the new id the same way.
+    constexpr absl::string_view kMarker = " is gone: moved to ";
+    const size_t at = st.message().find(kMarker);
+    if (at == absl::string_view::npos) return std::nullopt;
+    const absl::string_view rest = st.message().substr(at + kMarker.size());
+    to = std::string(rest.substr(0, rest.find(' ')));
+  }
+  // The message names the sequence that is gone ("sequence <id> is gone"); one id needs no looking.
+  const std::string* from = ids.size() == 1 ? &ids[0] : nullptr;
+  for (size_t i = 0; from == nullptr && i < ids.size(); ++i) {
+    if (absl::StrContains(st.message(), absl::StrCat("sequence ", ids[i], " is gone"))) from = &ids[i];
+  }
+  if (from == nullptr || to.empty() || to == *from) return std::nullopt;
+  absl::MutexLock lock(&moved_mu_);
+  if (options_.moved_ids_remembered > 0 && moved_.emplace(*from, to).second) {
+    moved_order_.push_back(*from);
+    while (moved_order_.size() > options_.moved_ids_remembered) {
+      moved_.erase(moved_order_.front());
+      moved_order_.pop_front();
+    }
+  }
+  moves_followed_.fetch_add(1, std::memory_order_release);
+  return to;
+}
 
 absl::StatusOr<std::string> Client::AddressOf(const std::vector<std::string>& ids, const char* field) {
   std::string address;
@@ -257,7 +321,52 @@ absl::StatusOr<StepResult> Client::Step(const StepSpec& spec, const CallOptions&
   return Step(*request, call);
 }
 
+// Sequences of one call that name two servers once some have been followed: each is asked about once (a
+// GetSequence follows a move of its own), so that a call whose sequences all moved to one server is sent there.
+void Client::LearnMovesOf(const std::vector<std::string>& ids, const CallOptions& call) {
+  if (AddressOf(ids, "sequences").ok()) return;
+  for (const std::string& id : ids) GetSequence(id, call).IgnoreError();
+}
+
+// A step that failed changed nothing: the server finds and checks every sequence it names (NOT_FOUND for a moved
+// one, ABORTED for one being moved) before it touches any (Sequences::FindStepSequences), so it goes again as is.
 absl::StatusOr<StepResult> Client::Step(const v1::StepRequest& request, const CallOptions& call) {
+  std::optional<v1::StepRequest> followed;  // a copy naming the new ids, made only when a sequence moved
+  auto follow = [&] {
+    const v1::StepRequest& now = followed ? *followed : request;
+    for (int i = 0; i < now.sequences_size(); ++i) {
+      std::string id = CurrentSequenceId(now.sequences(i).sequence_id());
+      if (id == now.sequences(i).sequence_id()) continue;
+      if (!followed) followed = request;
+      followed->mutable_sequences(i)->set_sequence_id(std::move(id));
+    }
+  };
+  follow();
+  const absl::Time retry_until = absl::Now() + options_.moving_step_retry;
+  absl::Duration backoff = absl::Milliseconds(1);
+  for (int follows = 0;;) {
+    const v1::StepRequest& sent = followed ? *followed : request;
+    absl::StatusOr<StepResult> result = StepOnce(sent, call);
+    if (result.ok()) return result;
+    std::vector<std::string> ids;
+    for (const auto& s : sent.sequences()) ids.push_back(s.sequence_id());
+    // Each answer names one moved sequence: a step of several follows each in turn.
+    if (follows < sent.sequences_size() && LearnMove(result.status(), ids).has_value()) {
+      ++follows;
+      follow();
+      ids.clear();
+      for (const auto& s : (followed ? *followed : request).sequences()) ids.push_back(s.sequence_id());
+      LearnMovesOf(ids, call);
+      follow();
+      continue;
+    }
+    if (!BeingMoved(result.status()) || absl::Now() + backoff > retry_until) return result;
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, kMovingBackoffMax);
+  }
+}
+
+absl::StatusOr<StepResult> Client::StepOnce(const v1::StepRequest& request, const CallOptions& call) {
   std::vector<std::string> ids;
   ids.reserve(request.sequences_size());
   for (const auto& s : request.sequences()) ids.push_back(s.sequence_id());
@@ -280,6 +389,7 @@ absl::StatusOr<StepResult> Client::Step(const v1::StepRequest& request, const Ca
   const absl::Time start = absl::Now();
   v1::StepResponse resp;
   if (absl::Status st = FromGrpcStatus((*stub)->Step(&ctx, request, &resp)); !st.ok()) {
+    KeepMovedTo(ctx, &st);
     return NameTheServer(*address, options_.target, std::move(st));
   }
   return StepResultOf(request, std::move(resp), Transport::kUnary, start);
@@ -396,6 +506,7 @@ absl::StatusOr<Response> Client::CallOn(const std::string& address,
   Prepare(&ctx, call);
   Response response;
   if (absl::Status st = FromGrpcStatus(((*stub)->*rpc)(&ctx, request, &response)); !st.ok()) {
+    KeepMovedTo(ctx, &st);
     return NameTheServer(address, options_.target, std::move(st));
   }
   return response;
@@ -406,8 +517,14 @@ absl::StatusOr<Response> Client::CallAbout(const std::string& sequence_id,
                                            grpc::Status (v1::Attention::Stub::*rpc)(grpc::ClientContext*,
                                                                                     const Request&, Response*),
                                            Request request, const CallOptions& call) {
-  request.set_sequence_id(sequence_id);
-  return CallOn(SequenceAddress(sequence_id), rpc, request, call);
+  const std::string id = CurrentSequenceId(sequence_id);
+  request.set_sequence_id(id);
+  absl::StatusOr<Response> response = CallOn(SequenceAddress(id), rpc, request, call);
+  if (response.ok()) return response;
+  const std::optional<std::string> moved = LearnMove(response.status(), {id});
+  if (!moved.has_value()) return response;
+  request.set_sequence_id(*moved);
+  return CallOn(SequenceAddress(*moved), rpc, request, call);
 }
 
 absl::StatusOr<std::vector<std::string>> Client::ForkSequence(const std::string& sequence_id, uint32_t count,
@@ -431,11 +548,19 @@ absl::StatusOr<std::vector<int64_t>> Client::TruncateSequence(const std::string&
 }
 
 absl::Status Client::CloseSequence(const std::vector<std::string>& sequence_ids, const CallOptions& call) {
-  absl::StatusOr<std::string> address = AddressOf(sequence_ids, "sequence_ids");
-  if (!address.ok()) return address.status();
-  v1::CloseSequenceRequest req;
-  for (const std::string& id : sequence_ids) req.add_sequence_ids(id);
-  return CallOn(*address, &v1::Attention::Stub::CloseSequence, req, call).status();
+  std::vector<std::string> ids;
+  for (const std::string& id : sequence_ids) ids.push_back(CurrentSequenceId(id));
+  // A close is all or none, so one refused for a moved sequence closed nothing and goes again to the new ids.
+  for (size_t follows = 0;; ++follows) {
+    LearnMovesOf(ids, call);
+    for (std::string& id : ids) id = CurrentSequenceId(id);
+    absl::StatusOr<std::string> address = AddressOf(ids, "sequence_ids");
+    if (!address.ok()) return address.status();
+    v1::CloseSequenceRequest req;
+    for (const std::string& id : ids) req.add_sequence_ids(id);
+    absl::Status st = CallOn(*address, &v1::Attention::Stub::CloseSequence, req, call).status();
+    if (st.ok() || follows >= ids.size() || !LearnMove(st, ids).has_value()) return st;
+  }
 }
 
 namespace {

@@ -82,12 +82,20 @@ ABSL_FLAG(double, sequence_drain_s, 0,
           "on shutdown, seconds (within --shutdown_grace_s) the open KV sequences keep being served while their "
           "callers close them: health NOT_SERVING, new sequences refused UNAVAILABLE (a fleet client opens them "
           "elsewhere); 0: no drain, open sequences are lost at once");
+ABSL_FLAG(std::string, sequence_drain_to, "",
+          "gRPC target (an address, or the fleet's shared target such as dns:///attnd-headless.ns.svc:50051) the "
+          "drain moves the open KV sequences to, each as its owner, before it waits for the rest; needs "
+          "--sequence_drain_s > 0 and --peer_secret_file; empty: callers close or move their sequences");
+ABSL_FLAG(uint32_t, sequence_drain_moves, 4, "with --sequence_drain_to: sequences moving at once");
 // Security and observability (docs/security-and-metrics.md).
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS on the TCP listener (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA bundle: require client certificates signed by it (mutual TLS)");
 ABSL_FLAG(std::string, auth_token_file, "",
           "file of bearer tokens, one a line: every RPC but grpc.health.v1 needs 'authorization: Bearer <token>'");
+ABSL_FLAG(std::string, peer_secret_file, "",
+          "file holding the secret the fleet's servers share: a call with metadata attnd-peer-secret (it) and "
+          "attnd-owner acts as that owner, without a bearer token; empty: such calls are refused PERMISSION_DENIED");
 ABSL_FLAG(std::string, metrics_listen, "", "host:port of the Prometheus endpoint (HTTP GET /metrics); empty: none");
 ABSL_FLAG(bool, access_log, true, "log one info line per RPC (method, peer, request id, shape, status, times, bytes)");
 ABSL_FLAG(uint32_t, max_calls_per_client, 0,
@@ -335,6 +343,7 @@ void SecurityAndObservabilityFlags(ServerOptions::Security* security, ServerOpti
   security->tls_key = absl::GetFlag(FLAGS_tls_key);
   security->tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   security->auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  security->peer_secret_file = absl::GetFlag(FLAGS_peer_secret_file);
   security->enable_cuda_ipc = absl::GetFlag(FLAGS_enable_cuda_ipc);
   security->ipc_over_tcp = absl::GetFlag(FLAGS_ipc_over_tcp);
   security->reflection = absl::GetFlag(FLAGS_reflection);
@@ -432,6 +441,8 @@ int main(int argc, char** argv) {
   if (absl::Status s = ShmFlags(&options.shm); !s.ok()) return Fail(s);
   if (absl::Status s = ListenerFlags(&options.network); !s.ok()) return Fail(s);
   SecurityAndObservabilityFlags(&options.security, &options.observability);
+  options.drain.to = absl::GetFlag(FLAGS_sequence_drain_to);
+  options.drain.moves_in_flight = absl::GetFlag(FLAGS_sequence_drain_moves);
   absl::StatusOr<SequenceOptions> sequences = SequenceFlags(**backend);
   if (!sequences.ok()) return Fail(sequences.status());
   options.sequences = *std::move(sequences);

@@ -257,6 +257,11 @@ char* attnd_sequence_move(attnd_client* client, const char* sequence_id, const c
  * gets the path that carried the rows, 1 bytes or 2 device. */
 char* attnd_sequence_move_path(attnd_client* client, const char* sequence_id, const char* to, int32_t path,
                                int32_t* path_used, attnd_error* err);
+/* The id `sequence_id` goes by for this client now (Client::CurrentSequenceId): itself, or the id a call of this
+ * client followed it to after its server moved it (docs/sequences.md, "Drain"). */
+char* attnd_sequence_current_id(attnd_client* client, const char* sequence_id);
+/* Moves this client has followed (Client::moves_followed): a change says that held ids may have new current ids. */
+uint64_t attnd_client_moves_followed(attnd_client* client);
 
 #ifdef __cplusplus
 }

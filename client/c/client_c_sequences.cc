@@ -351,6 +351,12 @@ ATTND_C_EXPORT char* attnd_sequence_move_path(attnd_client* client, const char* 
   return Dup(moved->sequence_id);
 }
 
+ATTND_C_EXPORT char* attnd_sequence_current_id(attnd_client* client, const char* sequence_id) {
+  return Dup(client->client->CurrentSequenceId(Str(sequence_id)));
+}
+
+ATTND_C_EXPORT uint64_t attnd_client_moves_followed(attnd_client* client) { return client->client->moves_followed(); }
+
 ATTND_C_EXPORT int32_t attnd_sequence_truncate(attnd_client* client, const char* sequence_id, int64_t tokens,
                                                int64_t* lengths, size_t cap, size_t* layers_out, attnd_error* err) {
   auto got = client->client->TruncateSequence(Str(sequence_id), tokens);

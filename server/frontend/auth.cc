@@ -28,6 +28,16 @@ absl::StatusOr<std::vector<std::string>> LoadAuthTokens(const std::string& path)
   return tokens;
 }
 
+absl::StatusOr<std::string> LoadPeerSecret(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("peer_secret_file: cannot read '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string secret(absl::StripAsciiWhitespace(text.str()));
+  if (secret.empty()) return absl::InvalidArgumentError(absl::StrCat("peer_secret_file: '", path, "' is empty"));
+  return secret;
+}
+
 bool ConstantTimeEquals(absl::string_view presented, absl::string_view secret) {
   // Walks all of `presented` whatever the secret's length; a length mismatch is folded into the result
   // instead of returning early.
@@ -61,6 +71,18 @@ grpc::Status BearerTokenProcessor::Process(const InputMetadata& auth_metadata, g
     return grpc::Status::OK;
   }
   if (IndexOf(auth_metadata) >= 0) return grpc::Status::OK;
+  auto peer = auth_metadata.find(kPeerSecretMetadata);
+  if (peer != auth_metadata.end()) {
+    if (!peer_secret_.empty() &&
+        ConstantTimeEquals(absl::string_view(peer->second.data(), peer->second.size()), peer_secret_)) {
+      return grpc::Status::OK;
+    }
+    if (on_reject_) on_reject_();
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        peer_secret_.empty()
+                            ? absl::StrCat(kPeerSecretMetadata, ": this server has no --peer_secret_file")
+                            : absl::StrCat(kPeerSecretMetadata, ": not this fleet's peer secret (--peer_secret_file)"));
+  }
   const bool missing = auth_metadata.find("authorization") == auth_metadata.end();
   if (on_reject_) on_reject_();
   // The message never repeats what was presented: tokens must not reach clients' logs either.

@@ -9,10 +9,12 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "grpcpp/security/auth_metadata_processor.h"
 
@@ -26,11 +28,53 @@ absl::StatusOr<std::vector<std::string>> LoadAuthTokens(const std::string& path)
 // `secret` (a timing side channel would let a client guess a token byte by byte).
 bool ConstantTimeEquals(absl::string_view presented, absl::string_view secret);
 
+// A fleet's servers act for their callers with each other (a drain moves its callers' sequences): such a call
+// carries the secret the servers share (--peer_secret_file) and the owner it acts as (OwnerOf's string).
+inline constexpr char kPeerSecretMetadata[] = "attnd-peer-secret";
+inline constexpr char kPeerOwnerMetadata[] = "attnd-owner";
+// Longest attnd-owner accepted: OwnerOf's strings are a token's index or an address.
+inline constexpr size_t kMaxPeerOwnerBytes = 256;
+
+// The whole file, surrounding whitespace trimmed. INVALID_ARGUMENT naming the flag when unreadable or empty.
+absl::StatusOr<std::string> LoadPeerSecret(const std::string& path);
+
+// The owner a call acts as through the peer metadata: nullopt when it carries neither key (it acts as itself),
+// the attnd-owner value when its attnd-peer-secret equals `secret`. PERMISSION_DENIED naming the key otherwise
+// (no secret configured: `secret` empty; a wrong or missing secret; a missing, empty or overlong owner): metadata
+// meant to change who a call is never passes unnoticed.
+template <typename Metadata>
+absl::StatusOr<std::optional<std::string>> PeerOwnerOf(const Metadata& metadata, absl::string_view secret) {
+  auto presented = metadata.find(kPeerSecretMetadata);
+  auto owner = metadata.find(kPeerOwnerMetadata);
+  if (presented == metadata.end() && owner == metadata.end()) return std::nullopt;
+  if (secret.empty()) {
+    return absl::PermissionDeniedError(absl::StrCat(kPeerSecretMetadata, " / ", kPeerOwnerMetadata,
+                                                    ": this server has no --peer_secret_file, so no call may act "
+                                                    "as another owner"));
+  }
+  if (presented == metadata.end() ||
+      !ConstantTimeEquals(absl::string_view(presented->second.data(), presented->second.size()), secret)) {
+    return absl::PermissionDeniedError(absl::StrCat(kPeerSecretMetadata, ": ",
+                                                    presented == metadata.end() ? "missing" : "not this fleet's",
+                                                    " peer secret (--peer_secret_file)"));
+  }
+  if (owner == metadata.end()) {
+    return absl::PermissionDeniedError(absl::StrCat(kPeerOwnerMetadata, ": missing (a call with ", kPeerSecretMetadata,
+                                                    " names the owner it acts as)"));
+  }
+  if (owner->second.size() == 0 || owner->second.size() > kMaxPeerOwnerBytes) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(kPeerOwnerMetadata, ": empty or longer than ", kMaxPeerOwnerBytes, " bytes"));
+  }
+  return std::optional<std::string>(std::string(owner->second.data(), owner->second.size()));
+}
+
 class BearerTokenProcessor final : public grpc::AuthMetadataProcessor {
  public:
-  // `on_reject` (may be empty) is called for every refused call, for the metrics.
-  BearerTokenProcessor(std::vector<std::string> tokens, std::function<void()> on_reject)
-      : tokens_(std::move(tokens)), on_reject_(std::move(on_reject)) {}
+  // `on_reject` (may be empty) is called for every refused call, for the metrics. A call carrying
+  // `peer_secret` (non-empty) as attnd-peer-secret is admitted without a token: it acts for a fleet's server.
+  BearerTokenProcessor(std::vector<std::string> tokens, std::function<void()> on_reject, std::string peer_secret = {})
+      : tokens_(std::move(tokens)), on_reject_(std::move(on_reject)), peer_secret_(std::move(peer_secret)) {}
 
   // Cheap and non-blocking: runs inline on the transport thread.
   bool IsBlocking() const override { return false; }
@@ -54,6 +98,7 @@ class BearerTokenProcessor final : public grpc::AuthMetadataProcessor {
 
   const std::vector<std::string> tokens_;
   const std::function<void()> on_reject_;
+  const std::string peer_secret_;
 };
 
 }  // namespace attnd::server

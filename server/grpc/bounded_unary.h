@@ -143,6 +143,7 @@ class BoundedUnaryReactor final : public BoundedRequestReactor<Request, Response
     if (status.ok()) {
       this->StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
     } else {
+      AddStatusTrailers(this->context(), status);
       this->Finish(ToGrpcStatus(status));
     }
   }

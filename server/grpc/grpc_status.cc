@@ -1,7 +1,9 @@
 #include "grpc_status.h"
 
+#include <optional>
 #include <string>
 
+#include "attnd/server/sequences.h"
 #include "grpcpp/support/status.h"
 
 namespace attnd::server {
@@ -15,6 +17,12 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
       (code >= 0 && code <= static_cast<int>(grpc::StatusCode::UNAUTHENTICATED)) ? static_cast<grpc::StatusCode>(code)
                                                                                   : grpc::StatusCode::UNKNOWN;
   return grpc::Status(grpc_code, std::string(status.message()));
+}
+
+void AddStatusTrailers(grpc::ServerContextBase* ctx, const absl::Status& status) {
+  if (auto moved = status.GetPayload(kMovedToPayload); moved.has_value()) {
+    ctx->AddTrailingMetadata(kMovedToMetadata, std::string(*moved));
+  }
 }
 
 }  // namespace attnd::server

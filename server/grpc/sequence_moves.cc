@@ -126,6 +126,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
             : absl::InvalidArgumentError("request: not an ExportSequenceRequest");
     if (!held.ok()) {
       LogOutcome("ExportSequence", "", held.status(), start_);
+      AddStatusTrailers(ctx_, held.status());
       Finish(ToGrpcStatus(held.status()));
       return;
     }
@@ -431,13 +432,17 @@ class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* AttentionService::ExportSequence(grpc::CallbackServerContext* ctx,
                                                                             const grpc::ByteBuffer* request) {
-  return new ExportReactor(ctx, sequences_, OwnerOf(ctx), request, stream_chunk_bytes(),
+  absl::StatusOr<std::string> owner = OwnerOf(ctx);
+  if (!owner.ok()) return new RefusedCall<grpc::ServerWriteReactor<grpc::ByteBuffer>>(owner.status());
+  return new ExportReactor(ctx, sequences_, *owner, request, stream_chunk_bytes(),
                            stream_idle_timeout(), absl::Now());
 }
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* AttentionService::ImportSequence(grpc::CallbackServerContext* ctx,
                                                                         grpc::ByteBuffer* response) {
-  return new ImportReactor(ctx, sequences_, OwnerOf(ctx), response, stream_idle_timeout(), upload_timeout(),
+  absl::StatusOr<std::string> owner = OwnerOf(ctx);
+  if (!owner.ok()) return new RefusedCall<grpc::ServerReadReactor<grpc::ByteBuffer>>(owner.status());
+  return new ImportReactor(ctx, sequences_, *std::move(owner), response, stream_idle_timeout(), upload_timeout(),
                            absl::Now());
 }
 

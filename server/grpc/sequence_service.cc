@@ -3,6 +3,7 @@
 // StepStream.
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,19 +20,22 @@
 
 namespace attnd::server {
 
-std::string AttentionService::OwnerOf(grpc::CallbackServerContext* ctx) const {
+absl::StatusOr<std::string> AttentionService::OwnerOf(grpc::CallbackServerContext* ctx) const {
+  absl::StatusOr<std::optional<std::string>> peer = PeerOwnerOf(ctx->client_metadata(), peer_secret_);
+  if (!peer.ok()) return peer.status();
+  if (peer->has_value()) return **std::move(peer);
   if (auth_ != nullptr) {
     // The processor admitted the call, so its header names a token; -1 only for the open health service.
     const int index = auth_->IndexOf(ctx->client_metadata());
     if (index >= 0) return absl::StrCat("token:", index);
   }
   // "ipv4:10.0.0.7:51234" -> "ipv4:10.0.0.7": a client keeps its sequences across reconnects (a new port).
-  const std::string peer = ctx->peer();
-  if (absl::StartsWith(peer, "unix:")) return "local";
-  const size_t colon = peer.rfind(':');
-  const size_t scheme = peer.find(':');
-  if (colon != std::string::npos && colon != scheme) return peer.substr(0, colon);
-  return peer;
+  const std::string address = ctx->peer();
+  if (absl::StartsWith(address, "unix:")) return std::string("local");
+  const size_t colon = address.rfind(':');
+  const size_t scheme = address.find(':');
+  if (colon != std::string::npos && colon != scheme) return address.substr(0, colon);
+  return address;
 }
 
 absl::Status AttentionService::ServeOpenSequence(grpc::CallbackServerContext* ctx,
@@ -39,7 +43,9 @@ absl::Status AttentionService::ServeOpenSequence(grpc::CallbackServerContext* ct
                                                 v1::OpenSequenceResponse* response) {
   absl::StatusOr<OpenArgs> args = OpenArgsFromProto(request);
   if (!args.ok()) return args.status();
-  absl::StatusOr<OpenedSequences> opened = sequences_->Open(OwnerOf(ctx), *args);
+  absl::StatusOr<std::string> owner = OwnerOf(ctx);
+  if (!owner.ok()) return owner.status();
+  absl::StatusOr<OpenedSequences> opened = sequences_->Open(*owner, *args);
   if (!opened.ok()) return opened.status();
   for (std::string& id : opened->sequence_ids) response->add_sequence_ids(std::move(id));
   response->set_max_tokens(opened->max_tokens);
@@ -50,7 +56,9 @@ absl::Status AttentionService::ServeOpenSequence(grpc::CallbackServerContext* ct
 absl::Status AttentionService::ServeForkSequence(grpc::CallbackServerContext* ctx,
                                                 const v1::ForkSequenceRequest& request,
                                                 v1::ForkSequenceResponse* response) {
-  absl::StatusOr<std::vector<std::string>> forked = sequences_->Fork(OwnerOf(ctx), request.sequence_id(), request.count());
+  absl::StatusOr<std::string> owner = OwnerOf(ctx);
+  if (!owner.ok()) return owner.status();
+  absl::StatusOr<std::vector<std::string>> forked = sequences_->Fork(*owner, request.sequence_id(), request.count());
   if (!forked.ok()) return forked.status();
   for (std::string& id : *forked) response->add_sequence_ids(std::move(id));
   return absl::OkStatus();
@@ -59,8 +67,9 @@ absl::Status AttentionService::ServeForkSequence(grpc::CallbackServerContext* ct
 absl::Status AttentionService::ServeTruncateSequence(grpc::CallbackServerContext* ctx,
                                                     const v1::TruncateSequenceRequest& request,
                                                     v1::TruncateSequenceResponse* response) {
-  absl::StatusOr<std::vector<int64_t>> lengths =
-      sequences_->Truncate(OwnerOf(ctx), request.sequence_id(), request.tokens());
+  absl::StatusOr<std::string> owner = OwnerOf(ctx);
+  if (!owner.ok()) return owner.status();
+  absl::StatusOr<std::vector<int64_t>> lengths = sequences_->Truncate(*owner, request.sequence_id(), request.tokens());
   if (!lengths.ok()) return lengths.status();
   for (int64_t len : *lengths) response->add_lengths(len);
   return absl::OkStatus();
@@ -68,13 +77,17 @@ absl::Status AttentionService::ServeTruncateSequence(grpc::CallbackServerContext
 
 absl::Status AttentionService::ServeCloseSequence(grpc::CallbackServerContext* ctx,
                                                  const v1::CloseSequenceRequest& request, v1::CloseSequenceResponse*) {
+  absl::StatusOr<std::string> owner = OwnerOf(ctx);
+  if (!owner.ok()) return owner.status();
   const std::vector<absl::string_view> ids(request.sequence_ids().begin(), request.sequence_ids().end());
-  return sequences_->Close(OwnerOf(ctx), ids, request.moved_to());
+  return sequences_->Close(*owner, ids, request.moved_to());
 }
 
 absl::Status AttentionService::ServeGetSequence(grpc::CallbackServerContext* ctx,
                                                const v1::GetSequenceRequest& request, v1::SequenceInfo* response) {
-  absl::StatusOr<SequenceState> state = sequences_->Get(OwnerOf(ctx), request.sequence_id());
+  absl::StatusOr<std::string> owner = OwnerOf(ctx);
+  if (!owner.ok()) return owner.status();
+  absl::StatusOr<SequenceState> state = sequences_->Get(*owner, request.sequence_id());
   if (!state.ok()) return state.status();
   *response = SequenceInfoToProto(*state);
   return absl::OkStatus();
@@ -88,8 +101,13 @@ void AttentionService::ServeStep(grpc::CallbackServerContext* ctx, absl::Time st
     ctx->AddTrailingMetadata(std::string(kRequestIdMetadata), request_id);
   }
   CallInfo call = CallFor(ctx, start);
+  absl::StatusOr<std::string> owner = OwnerOf(ctx);
+  if (!owner.ok()) {
+    done(owner.status());
+    return;
+  }
   // The request message stays alive until the call finishes: the job's inline tensors point into it.
-  sequences_->Step(OwnerOf(ctx), StepArgsFromProto(*request), call,
+  sequences_->Step(*owner, StepArgsFromProto(*request), call,
                    [this, ctx, response, request_id, start, done = std::move(done)](absl::Status status, StepJob* job) {
                      if (job != nullptr && status.ok()) {
                        FillStepReply(*job, backend()->name(), response);
@@ -287,7 +305,11 @@ class StepStreamReactor final : public grpc::ServerBidiReactor<v1::StepStreamReq
 
 grpc::ServerBidiReactor<v1::StepStreamRequest, v1::StepStreamResponse>* AttentionService::StepStream(
     grpc::CallbackServerContext* ctx) {
-  return new StepStreamReactor(ctx, sequences_, backend()->name(), stats_, CallFor(ctx, absl::Now()), OwnerOf(ctx));
+  absl::StatusOr<std::string> owner = OwnerOf(ctx);
+  if (!owner.ok()) return new RefusedCall<grpc::ServerBidiReactor<v1::StepStreamRequest, v1::StepStreamResponse>>(
+      owner.status());
+  return new StepStreamReactor(ctx, sequences_, backend()->name(), stats_, CallFor(ctx, absl::Now()),
+                               *std::move(owner));
 }
 
 }  // namespace attnd::server

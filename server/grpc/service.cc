@@ -253,7 +253,9 @@ class ForwardStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuff
     call.inputs_follow = true;  // as chunks, which no one message bounds
     call.message_limit = 0;
     ATTND_RETURN_IF_ERROR(service_->dispatcher().Prepare(args, call, job_.get(), &bytes_));
-    uploader_ = service_->UploaderOf(ctx_);
+    absl::StatusOr<std::string> uploader = service_->UploaderOf(ctx_);
+    if (!uploader.ok()) return uploader.status();
+    uploader_ = *std::move(uploader);
     ATTND_RETURN_IF_ERROR(service_->receiving().Acquire(uploader_));
     holds_upload_slot_ = true;
     const TensorSource* sources[3] = {&job_->q, &job_->k, &job_->v};
@@ -469,9 +471,10 @@ AttentionService::AttentionService(const ServerOptions& options, Dispatcher* dis
 absl::Duration AttentionService::stream_idle_timeout() const { return options_.timeouts.stream_idle_timeout; }
 absl::Duration AttentionService::upload_timeout() const { return options_.timeouts.upload_timeout; }
 
-std::string AttentionService::UploaderOf(grpc::CallbackServerContext* ctx) const {
-  std::string owner = OwnerOf(ctx);
-  return owner == "local" ? ConnectionKey(ctx) : owner;
+absl::StatusOr<std::string> AttentionService::UploaderOf(grpc::CallbackServerContext* ctx) const {
+  absl::StatusOr<std::string> owner = OwnerOf(ctx);
+  if (!owner.ok() || *owner != "local") return owner;
+  return ConnectionKey(ctx);
 }
 
 CallInfo AttentionService::CallFor(grpc::CallbackServerContext* ctx, absl::Time start) const {

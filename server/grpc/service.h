@@ -25,6 +25,7 @@
 #include "auth.h"
 #include "bounded_unary.h"
 #include "call_stats.h"
+#include "grpc_status.h"
 
 namespace attnd::server {
 
@@ -58,6 +59,14 @@ class ReceivingSlots {
 using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_ForwardStream<
     v1::Attention::WithCallbackMethod_StepStream<v1::Attention::WithRawCallbackMethod_ExportSequence<
         v1::Attention::WithRawCallbackMethod_ImportSequence<v1::Attention::Service>>>>;
+
+// A streaming call refused as it starts (OwnerOf refused its peer metadata): finished with `why`.
+template <typename Reactor>
+class RefusedCall final : public Reactor {
+ public:
+  explicit RefusedCall(const absl::Status& why) { this->Finish(ToGrpcStatus(why)); }
+  void OnDone() override { delete this; }
+};
 
 class AttentionService final : public AttentionServiceBase {
  public:
@@ -104,14 +113,18 @@ class AttentionService final : public AttentionServiceBase {
                                   v1::CloseSequenceResponse* response);
   absl::Status ServeGetSequence(grpc::CallbackServerContext* ctx, const v1::GetSequenceRequest& request,
                                 v1::SequenceInfo* response);
-  // Who owns what a call creates: the index of the bearer token in the call's own metadata when tokens are
-  // on, else the peer's address without its port ("local" for the unix socket). docs/sequences.md, "ownership".
-  std::string OwnerOf(grpc::CallbackServerContext* ctx) const;
+  // Who owns what a call creates: the attnd-owner a fleet's server names with the peer secret (auth.h,
+  // PeerOwnerOf), else the index of the bearer token in the call's own metadata when tokens are on, else the
+  // peer's address without its port ("local" for the unix socket). docs/sequences.md, "ownership".
+  // PERMISSION_DENIED naming the key for peer metadata this server does not accept.
+  absl::StatusOr<std::string> OwnerOf(grpc::CallbackServerContext* ctx) const;
 
   // Per-connection limit on Forward/ForwardStream calls (call_observer.h); null: none. Set before serving.
   void set_peer_calls(const PeerCalls* peers) { peer_calls_ = peers; }
   // The bearer-token check (--auth_token_file), which names a call's owner; null: tokens off. Set before serving.
   void set_auth(const BearerTokenProcessor* auth) { auth_ = auth; }
+  // The fleet's shared secret (--peer_secret_file); empty: no call may act as another owner. Set before serving.
+  void set_peer_secret(std::string secret) { peer_secret_ = std::move(secret); }
 
   // What the Dispatcher needs to know about a call: its deadline, cancellation and the per-connection limit.
   CallInfo CallFor(grpc::CallbackServerContext* ctx, absl::Time start) const;
@@ -126,7 +139,7 @@ class AttentionService final : public AttentionServiceBase {
   ReceivingSlots& receiving() { return receiving_; }
   // Who an upload slot is counted for: the owner of what a call creates (OwnerOf: its token, or its host), and
   // on the unix socket, where every caller is "local", its connection.
-  std::string UploaderOf(grpc::CallbackServerContext* ctx) const;
+  absl::StatusOr<std::string> UploaderOf(grpc::CallbackServerContext* ctx) const;
   CallStats& stats() { return *stats_; }
   // --stream_idle_timeout_s: a ForwardStream silent this long while it should send is ended (zero: never).
   absl::Duration stream_idle_timeout() const;
@@ -152,9 +165,10 @@ class AttentionService final : public AttentionServiceBase {
       return new grpc::internal::CallbackBidiHandler<Request, Response>(
           [this, shared, refused_while_draining](grpc::CallbackServerContext* ctx) {
             const bool refuse = refused_while_draining && dispatcher_->shutting_down();
-            return new BoundedUnaryReactor<Request, Response>(
-                ctx, options_.timeouts.upload_timeout,
-                refuse ? absl::UnavailableError("the server is shutting down") : absl::OkStatus(), shared);
+            // Peer metadata is checked on every method, also those that own nothing: never silently ignored.
+            absl::Status refusal = OwnerOf(ctx).status();
+            if (refusal.ok() && refuse) refusal = absl::UnavailableError("the server is shutting down");
+            return new BoundedUnaryReactor<Request, Response>(ctx, options_.timeouts.upload_timeout, refusal, shared);
           });
     };
     const int index = MethodIndex(method);
@@ -195,6 +209,7 @@ class AttentionService final : public AttentionServiceBase {
   ReceivingSlots receiving_;
   const PeerCalls* peer_calls_ = nullptr;
   const BearerTokenProcessor* auth_ = nullptr;
+  std::string peer_secret_;
 };
 
 }  // namespace attnd::server

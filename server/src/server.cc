@@ -34,6 +34,7 @@
 #include "grpcpp/impl/server_builder_plugin.h"
 #include "health_service.h"
 #include "metrics.h"
+#include "sequence_drain.h"
 #include "service.h"
 #include "shm_listener.h"
 #include "spdlog/spdlog.h"
@@ -282,13 +283,47 @@ class ServerImpl final : public Server {
     sequences_.BeginDrain();
     const uint64_t open = sequences_.stats().open;
     if (options_.timeouts.sequence_drain <= absl::ZeroDuration() || open == 0) return;
-    spdlog::info("attnd draining {} KV sequences for up to {} (--sequence_drain_s); new ones are refused", open,
-                 absl::FormatDuration(until - absl::Now()));
+    if (!options_.drain.to.empty()) {
+      MoveSequences(until);
+      if (sequences_.stats().open == 0) return;
+    }
+    spdlog::info("attnd draining {} KV sequences for up to {} (--sequence_drain_s); new ones are refused",
+                 sequences_.stats().open, absl::FormatDuration(until - absl::Now()));
     if (const size_t left = sequences_.AwaitClosed(until); left > 0) {
       spdlog::warn("attnd drain over with {} KV sequences still open; they are lost", left);
     } else {
       spdlog::info("attnd drain over: every KV sequence was closed");
     }
+  }
+
+  // --sequence_drain_to: the open sequences move to the target, then their old ids keep answering "moved to" until
+  // each has been named once more (its caller knows where it went) or `until`.
+  void MoveSequences(absl::Time until) {
+    DrainMovesOptions moves;
+    moves.self = SelfTarget();
+    moves.to = options_.drain.to;
+    moves.peer_secret = peer_secret_;
+    moves.in_flight = options_.drain.moves_in_flight;
+    moves.retry = options_.drain.retry;
+    MoveSequencesAway(sequences_, moves, until);
+    const absl::Time start = absl::Now();
+    if (const size_t unfollowed = sequences_.AwaitFollowed(until); unfollowed > 0) {
+      spdlog::info("attnd drain: {} moved KV sequences were not named again before the drain time ran out",
+                   unfollowed);
+    } else {
+      spdlog::info("attnd drain: the callers of every moved KV sequence were told where it went (in {})",
+                   absl::FormatDuration(absl::Trunc(absl::Now() - start, absl::Milliseconds(1))));
+    }
+  }
+
+  // A target that reaches this server from itself, for the drain's exports of ids without '@': the TCP port over
+  // loopback, else the unix socket.
+  std::string SelfTarget() const {
+    if (options_.network.listen.empty()) return absl::StrCat("unix:", options_.network.unix_socket);
+    const std::string& listen = options_.network.listen;
+    const std::string host = listen.substr(0, listen.rfind(':'));
+    const bool any = host.empty() || host == "0.0.0.0" || host == "[::]";
+    return absl::StrCat(!any ? host : host == "[::]" ? "[::1]" : "127.0.0.1", ":", tcp_port_);
   }
 
  private:
@@ -368,14 +403,23 @@ class ServerImpl final : public Server {
       spdlog::info("attnd metrics on http://{}/metrics [port {}]", options_.observability.metrics_listen,
                    metrics_->port());
     }
+    if (!options_.security.peer_secret_file.empty()) {
+      absl::StatusOr<std::string> secret = LoadPeerSecret(options_.security.peer_secret_file);
+      if (!secret.ok()) return secret.status();
+      peer_secret_ = *std::move(secret);
+      service_.set_peer_secret(peer_secret_);
+    }
     if (!options_.security.auth_token_file.empty()) {
       absl::StatusOr<std::vector<std::string>> tokens = LoadAuthTokens(options_.security.auth_token_file);
       if (!tokens.ok()) return tokens.status();
       ServerMetrics* metrics = metrics_.get();
       auth_tokens_ = *tokens;
-      auth_ = std::make_shared<BearerTokenProcessor>(std::move(*tokens), [metrics] {
-        if (metrics != nullptr) metrics->RecordAuthFailure();
-      });
+      auth_ = std::make_shared<BearerTokenProcessor>(
+          std::move(*tokens),
+          [metrics] {
+            if (metrics != nullptr) metrics->RecordAuthFailure();
+          },
+          peer_secret_);
     }
     if (!options_.network.listen.empty()) {
       const TlsFiles tls{options_.security.tls_cert, options_.security.tls_key, options_.security.tls_client_ca};
@@ -401,6 +445,7 @@ class ServerImpl final : public Server {
   IdleHeapTrimmer heap_trimmer_{[this] { return stats_.service_calls(); }, kHeapTrimPeriod};
   DrainTracker drain_;
   std::shared_ptr<BearerTokenProcessor> auth_;
+  std::string peer_secret_;  // --peer_secret_file's; empty without it
   std::shared_ptr<grpc::ServerCredentials> tcp_credentials_;
   std::unique_ptr<BufferRegistry> buffers_;  // cuda-ipc buffers; null unless enable_cuda_ipc on the cuda backend
   Dispatcher dispatcher_;
@@ -422,6 +467,28 @@ class ServerImpl final : public Server {
   absl::Notification done_;
 };
 
+// --sequence_drain_to is refused at startup when the drain it asks for could not happen at shutdown.
+absl::Status CheckDrainOptions(const ServerOptions& options) {
+  if (options.drain.to.empty()) return absl::OkStatus();
+  if (options.timeouts.sequence_drain <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "sequence_drain_to: needs --sequence_drain_s > 0 (the time the moves and the callers' following get)");
+  }
+  if (options.security.peer_secret_file.empty()) {
+    return absl::InvalidArgumentError(
+        "sequence_drain_to: needs --peer_secret_file (the secret the fleet shares; the moves act as each "
+        "sequence's owner on both servers)");
+  }
+  if (!options.security.tls_cert.empty()) {
+    return absl::InvalidArgumentError(
+        "sequence_drain_to: the drain's moves speak plaintext gRPC, so it cannot be used with --tls_cert");
+  }
+  if (options.drain.moves_in_flight == 0) {
+    return absl::InvalidArgumentError("sequence_drain_moves: must be >= 1");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& options, std::unique_ptr<Backend> backend) {
@@ -434,6 +501,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
         absl::StrCat("max_message_bytes: ", options.limits.max_message_bytes, " is below 4096"));
   }
   if (options.limits.max_request_bytes == 0) return absl::InvalidArgumentError("max_request_bytes: must be > 0");
+  ATTND_RETURN_IF_ERROR(CheckDrainOptions(options));
   // gRPC counts message sizes in int: a larger limit would be silently capped by gRPC while validation and
   // GetServerInfo promised more, so the effective value is used everywhere.
   ServerOptions effective = options;

@@ -166,14 +166,69 @@ TEST_F(Moves, ASequenceMovesWithItsTokensAndItsIdFollows) {
     ASSERT_TRUE(o.ok()) << o.status();
     EXPECT_EQ(*o, before[layer]) << "layer " << layer;
   }
-  // The old id says where the sequence went.
-  auto old = client_->GetSequence(id);
-  EXPECT_EQ(old.status().code(), absl::StatusCode::kNotFound) << old.status();
-  EXPECT_TRUE(absl::StrContains(old.status().message(), "moved to " + *moved)) << old.status();
+  // The old id says where the sequence went, in its message and in trailing metadata.
+  grpc::ClientContext ctx;
+  v1::GetSequenceRequest get;
+  get.set_sequence_id(id);
+  v1::SequenceInfo gone;
+  const grpc::Status old = stub_a_->GetSequence(&ctx, get, &gone);
+  EXPECT_EQ(old.error_code(), grpc::StatusCode::NOT_FOUND) << old.error_message();
+  EXPECT_TRUE(absl::StrContains(old.error_message(), "moved to " + *moved)) << old.error_message();
+  const auto trailer = ctx.GetServerTrailingMetadata().find("attnd-moved-to");
+  ASSERT_NE(trailer, ctx.GetServerTrailingMetadata().end());
+  EXPECT_EQ(std::string(trailer->second.data(), trailer->second.size()), *moved);
   // The moved sequence goes on: decode steps over the cache it brought.
   for (int n = 0; n < 3; ++n) DecodeAndCheck(*moved, n % 2, 500 + 10 * n);
   ASSERT_TRUE(client_->CloseSequence({*moved}).ok());
   EXPECT_EQ(Open(1), 0u);
+}
+
+// A caller that still names a moved sequence's old id is followed to the new one, once, and the client remembers
+// where it went: over StepStream (the answer's message names the new id), unary Step and the other calls (the
+// attnd-moved-to trailer), a step of several sequences following each in turn.
+TEST_F(Moves, ACallNamingAMovedIdFollowsItAndTheClientRemembers) {
+  Start();
+  ASSERT_FALSE(HasFatalFailure());
+  const std::string first = OpenOnA(), second = OpenOnA(), third = OpenOnA();
+  ASSERT_FALSE(first.empty() || second.empty() || third.empty());
+  for (const std::string& id : {first, second}) DecodeAndCheck(id, 0, 7);
+  k_[0] = v_[0] = "";
+  auto moved = client_->MoveSequence(first, address_[1]);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  auto moved_too = client_->MoveSequence(second, address_[1]);
+  ASSERT_TRUE(moved_too.ok()) << moved_too.status();
+  for (const client::Transport t : {client::Transport::kStream, client::Transport::kUnary}) {
+    SCOPED_TRACE(client::TransportName(t));
+    auto other = Connect(address_[0], t);  // knows only the ids as opened
+    ASSERT_NE(other, nullptr);
+    EXPECT_EQ(other->CurrentSequenceId(first), first);
+    client::StepSpec attend;
+    attend.sequences = {{first, 1}, {second, 1}};
+    attend.q_heads = kQHeads;
+    const std::string q = client::RandomTensor(shape_.dtype, 2 * kQHeads * shape_.head_dim, 3);
+    attend.q.data = q;
+    auto r = other->Step(attend);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->lengths, std::vector<int64_t>({1, 1}));
+    EXPECT_EQ(other->CurrentSequenceId(first), *moved);
+    EXPECT_EQ(other->CurrentSequenceId(second), *moved_too);
+    EXPECT_EQ(other->moves_followed(), 2u);
+    auto info = other->GetSequence(first);  // remembered: straight to B
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->sequence_id(), *moved);
+    EXPECT_EQ(other->moves_followed(), 2u);
+  }
+  // A fresh client's unary call follows the trailer; a close naming old ids closes the new ones.
+  auto fresh = Connect(address_[0]);
+  ASSERT_NE(fresh, nullptr);
+  auto truncated = fresh->TruncateSequence(second, 0);
+  ASSERT_TRUE(truncated.ok()) << truncated.status();
+  EXPECT_EQ(fresh->CurrentSequenceId(second), *moved_too);
+  ASSERT_TRUE(fresh->CloseSequence({first, second}).ok());
+  EXPECT_EQ(Open(1), 0u);
+  // An id that did not move, and one unknown, answer as before.
+  EXPECT_TRUE(fresh->GetSequence(third).ok());
+  EXPECT_EQ(fresh->GetSequence(first).status().code(), absl::StatusCode::kNotFound);
 }
 
 // Rows travel token by token, not page by page: a server with pages of another size takes them as they were.
@@ -420,9 +475,10 @@ TEST_F(Moves, AStalledMoveIsEndedAfterTheIdleTimeout) {
   auto reader = Export(&ctx, id);
   v1::ExportSequenceResponse header;
   ASSERT_TRUE(reader->Read(&header));
-  EXPECT_EQ(Attend(id, 0, 1, 5).status().code(), absl::StatusCode::kAborted);  // held while the export runs
+  // Held while the export runs: a step is refused ABORTED "is being moved", which the client retries until the
+  // export is ended.
   const absl::Time stalled = absl::Now();
-  const absl::StatusOr<std::string> after = AttendOnceReleased(id);
+  const absl::StatusOr<std::string> after = Attend(id, 0, 1, 5);
   EXPECT_TRUE(after.ok()) << after.status();
   EXPECT_GE(absl::Now() - stalled, absl::Milliseconds(300));
   ctx.TryCancel();
@@ -548,62 +604,28 @@ TEST(FleetRollingRestart, SequencesMovedOffEachDrainingServerSurviveEveryRestart
     return false;
   };
 
-  struct Owned {
-    std::string id, k, v;
-    int moves = 0;
-  };
-  std::atomic<bool> stop{false};
-  std::atomic<int> steps{0}, wrong{0}, failed{0};
-  absl::Mutex mu;
-  std::string first_problem;
-  const auto problem = [&](const std::string& what) {
-    absl::MutexLock lock(&mu);
-    if (first_problem.empty()) first_problem = what;
-  };
-  std::vector<std::vector<Owned>> owned(kCallers);
-  for (int c = 0; c < kCallers; ++c) {
+  VerifiedCallers load(fleet.get(), shape, kCallers);
+  for (auto& mine : load.owned) {
     for (int n = 0; n < kPerCaller; ++n) {
       auto opened = fleet->OpenSequence(shape);
       ASSERT_TRUE(opened.ok()) << opened.status();
-      owned[c].push_back({opened->ids[0], "", "", 0});
+      mine.push_back({opened->ids[0], "", "", 0});
     }
   }
-  const auto caller = [&](int c) {
-    uint64_t seed = 10000 * (c + 1);
-    while (!stop.load()) {
-      for (Owned& o : owned[c]) {
-        const std::string here = client::SequenceAddress(o.id);
-        if (!serving(here)) {
-          for (const std::string& there : addresses) {
-            if (there == here || !serving(there)) continue;
-            auto moved = fleet->MoveSequence(o.id, there);
-            if (moved.ok()) {
-              o.id = *moved;
-              ++o.moves;
-              break;
-            }
-          }
-        }
-        OneTokenStep s(shape, o.id, seed += 3);
-        auto r = fleet->Step(s.spec);
-        if (!r.ok()) {
-          ++failed;
-          problem(absl::StrCat(o.id, ": ", r.status().ToString()));
-          continue;
-        }
-        o.k += s.k;
-        o.v += s.v;
-        const std::string check = CheckRows(shape, kQHeads, s.q, o.k, o.v, r->o, "", false);
-        if (!check.empty()) {
-          ++wrong;
-          problem(absl::StrCat(o.id, ": ", check));
-        }
-        ++steps;
+  // Before each step: a sequence whose server is leaving moves to one still SERVING.
+  load.Start([&](VerifiedCallers::Owned& o) {
+    const std::string here = client::SequenceAddress(o.id);
+    if (serving(here)) return;
+    for (const std::string& there : addresses) {
+      if (there == here || !serving(there)) continue;
+      auto moved = fleet->MoveSequence(o.id, there);
+      if (moved.ok()) {
+        o.id = *moved;
+        ++o.moves;
+        return;
       }
     }
-  };
-  std::vector<std::thread> callers;
-  for (int c = 0; c < kCallers; ++c) callers.emplace_back(caller, c);
+  });
   for (int i = 0; i < kServers; ++i) {
     absl::SleepFor(absl::Milliseconds(200));
     const absl::Time asked = absl::Now();
@@ -617,14 +639,13 @@ TEST(FleetRollingRestart, SequencesMovedOffEachDrainingServerSurviveEveryRestart
     }
   }
   absl::SleepFor(absl::Milliseconds(200));
-  stop = true;
-  for (std::thread& t : callers) t.join();
-  EXPECT_EQ(failed.load(), 0) << first_problem;
-  EXPECT_EQ(wrong.load(), 0) << first_problem;
-  EXPECT_GT(steps.load(), 100);
+  load.Stop();
+  EXPECT_EQ(load.failed.load(), 0) << load.first_problem();
+  EXPECT_EQ(load.wrong.load(), 0) << load.first_problem();
+  EXPECT_GT(load.steps.load(), 100);
   int moves = 0;
-  for (const auto& mine : owned) {
-    for (const Owned& o : mine) {
+  for (const auto& mine : load.owned) {
+    for (const VerifiedCallers::Owned& o : mine) {
       moves += o.moves;
       auto info = fleet->GetSequence(o.id);
       ASSERT_TRUE(info.ok()) << info.status();

@@ -1,17 +1,22 @@
 // Shared pieces of the KV-sequence end-to-end tests: their sequence shape, the reference check of a step's rows,
-// a one-token decode step, and a server of a test's own with given sequence options.
+// a one-token decode step, callers that step their sequences checking every step, and a server of a test's own
+// with given sequence options.
 #pragma once
 
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "e2e_util.h"
 #include "gtest/gtest.h"
 
@@ -62,6 +67,72 @@ struct OneTokenStep {
 
   const std::string q, k, v;
   client::StepSpec spec;
+};
+
+// Callers, a thread each, that step their own sequences in turn until Stop, one token a step, every step checked
+// against the double reference over the sequence's whole history: the load of the fleet tests. A step that fails
+// or answers wrong is counted, the first such named in first_problem.
+struct VerifiedCallers {
+  struct Owned {
+    std::string id, k, v;  // the id the caller names; the K and V rows it has appended
+    int moves = 0;
+  };
+  std::vector<std::vector<Owned>> owned;  // per caller, filled before Start
+  std::atomic<int> steps{0}, wrong{0}, failed{0};
+
+  VerifiedCallers(client::Client* client, const client::SequenceShape& shape, int callers)
+      : owned(callers), client_(client), shape_(shape) {}
+  ~VerifiedCallers() { Stop(); }
+
+  // `before_step` (may be empty) runs before each step of a sequence: a test's own doing (a move).
+  void Start(std::function<void(Owned&)> before_step = nullptr) {
+    for (size_t c = 0; c < owned.size(); ++c) threads_.emplace_back([this, c, before_step] { Call(c, before_step); });
+  }
+  void Stop() {
+    stop_ = true;
+    for (std::thread& t : threads_) t.join();
+    threads_.clear();
+  }
+  std::string first_problem() {
+    absl::MutexLock lock(&mu_);
+    return first_problem_;
+  }
+
+ private:
+  void Call(size_t c, const std::function<void(Owned&)>& before_step) {
+    uint64_t seed = 10000 * (c + 1);
+    while (!stop_.load()) {
+      for (Owned& o : owned[c]) {
+        if (before_step) before_step(o);
+        OneTokenStep s(shape_, o.id, seed += 3);
+        auto r = client_->Step(s.spec);
+        if (!r.ok()) {
+          ++failed;
+          Problem(absl::StrCat(o.id, ": ", r.status().ToString()));
+          continue;
+        }
+        o.k += s.k;
+        o.v += s.v;
+        const std::string check = CheckRows(shape_, kQHeads, s.q, o.k, o.v, r->o, "", false);
+        if (!check.empty()) {
+          ++wrong;
+          Problem(absl::StrCat(o.id, ": ", check));
+        }
+        ++steps;
+      }
+    }
+  }
+  void Problem(const std::string& what) {
+    absl::MutexLock lock(&mu_);
+    if (first_problem_.empty()) first_problem_ = what;
+  }
+
+  client::Client* const client_;
+  const client::SequenceShape shape_;
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> threads_;
+  absl::Mutex mu_;
+  std::string first_problem_;
 };
 
 inline std::string FreshSocketPath() {

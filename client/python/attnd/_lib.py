@@ -243,6 +243,10 @@ def load():
     lib.attnd_sequence_move_path.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int32,
                                              ctypes.POINTER(ctypes.c_int32), err_p]
     lib.attnd_sequence_move_path.restype = ctypes.c_void_p
+    lib.attnd_sequence_current_id.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    lib.attnd_sequence_current_id.restype = ctypes.c_void_p
+    lib.attnd_client_moves_followed.argtypes = [ctypes.c_void_p]
+    lib.attnd_client_moves_followed.restype = ctypes.c_uint64
     lib.attnd_sequence_truncate.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64,
                                             ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t,
                                             ctypes.POINTER(ctypes.c_size_t), err_p]

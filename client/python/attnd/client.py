@@ -897,6 +897,16 @@ class Client:
             sequence._batch = None
         return moved
 
+    def _moves_followed(self):
+        """Moves the C++ client has followed (a call about a moved sequence goes to its new id); see Sequence.id.
+        0 once the client is closed: its Sequence objects keep the ids they had."""
+        return self._lib.attnd_client_moves_followed(self._handle) if self._handle else 0
+
+    def current_sequence_id(self, sequence_id):
+        """The id `sequence_id` goes by now: itself, or the new id after its server moved it (a drain with
+        --sequence_drain_to) and a call of this client followed the move."""
+        return _ids_of(self._lib.attnd_sequence_current_id(self._h(), sequence_id.encode()), self._lib)[0]
+
     def truncate_sequence(self, sequence, tokens):
         """Keeps the first `tokens` of every layer of `sequence`; returns the per-layer lengths after it."""
         if not isinstance(tokens, int) or tokens < 0:
@@ -1109,6 +1119,7 @@ class Sequence:
 
     def __init__(self, client, sequence_id, shape, max_tokens=0, lengths=None):
         self.client = client
+        self._moves_seen = client._moves_followed()
         self.id = sequence_id
         self.shape = shape
         self.max_tokens = max_tokens
@@ -1116,6 +1127,20 @@ class Sequence:
         self.closed = False
         self._c_id = None
         self._batch = None  # a StepBatch of this sequence alone, for steps with CUDA tensors
+
+    @property
+    def id(self):
+        """The sequence's id; once its server has moved it (a drain) and a call of the client followed the move,
+        the new one."""
+        seen = self.client._moves_followed()
+        if seen != self._moves_seen and seen:
+            self._moves_seen = seen
+            self._id = self.client.current_sequence_id(self._id)
+        return self._id
+
+    @id.setter
+    def id(self, value):
+        self._id = value
 
     def _c_ids(self):
         """The id as a one-entry `const char* const*` for StepArgs, made once per id."""

@@ -74,9 +74,9 @@ def test_a_sequence_moves_to_another_server_and_follows(fleet):
         assert seq.info()["lengths"] == [21, 9]
         step_checked(seq, hist, 0, rng, 1)
         step_checked(seq, hist, 1, rng, 2)
-        with pytest.raises(attnd.AttndError) as gone:
-            c.sequence_info(old)
-        assert gone.value.code == attnd.StatusCode.NOT_FOUND and f"moved to {new}" in str(gone.value)
+        # The old id is followed to the new one, and remembered.
+        assert c.sequence_info(old)["sequence_id"] == new
+        assert c.current_sequence_id(old) == new
         with pytest.raises(attnd.AttndError) as again:
             seq.move(there)
         assert again.value.code == attnd.StatusCode.INVALID_ARGUMENT, again.value
@@ -88,4 +88,23 @@ def test_a_sequence_moves_to_another_server_and_follows(fleet):
         with pytest.raises(attnd.AttndError) as bad:
             seq.move(here, path="ipc")
         assert bad.value.code == attnd.StatusCode.INVALID_ARGUMENT, bad.value
+        seq.close()
+
+
+def test_a_sequence_its_server_moved_is_followed_by_its_next_call(fleet):
+    """A Sequence moved by someone else (as a draining server moves its sequences) is followed by its next step:
+    the step runs on the new server over the whole history, and the object's id is the new one."""
+    rng = np.random.default_rng(13)
+    target = "ipv4:" + ",".join(s.target for s in fleet)
+    with attnd.Client(target) as c, attnd.Client(target) as mover:
+        seq = c.open_sequence(layers=1, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+        hist = History(layers=1)
+        step_checked(seq, hist, 0, rng, 5)
+        old, here = seq.id, seq.id.rsplit("@", 1)[1]
+        there = next(s.target for s in fleet if s.target != here)
+        new = mover.move_sequence(old, there)
+        assert seq.id == old  # nothing told this client yet
+        step_checked(seq, hist, 0, rng, 1)
+        assert seq.id == new and c.current_sequence_id(old) == new
+        assert seq.info()["lengths"] == [6]
         seq.close()

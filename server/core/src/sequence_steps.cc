@@ -148,7 +148,8 @@ absl::Status Sequences::FindStepSequences(const std::string& owner, const StepAr
       return Invalid(absl::StrCat(field(), ".sequence_id"), "appears twice in one step");
     }
     // A step in flight: only a caller that pipelines its steps (CallInfo::chain) may queue one more behind it.
-    const char* why = seq->moving     ? " is being moved (ExportSequence); step it once the move is over"
+    const char* why = seq->moving || seq->held_for_move
+                          ? " is being moved (ExportSequence); step it once the move is over"
                       : seq->steps == 0 ? nullptr
                       : !call.chain || !seq->last->chain
                           ? " has a step in flight (a sequence takes one step at a time)"

@@ -89,7 +89,12 @@ absl::StatusOr<Sequences::Seq*> Sequences::Find(const std::string& owner, absl::
   if (it != seqs_.end() && it->second->owner == owner && !it->second->closing) return it->second.get();
   auto tomb = tombstones_.find(id);
   if (tomb != tombstones_.end() && (it == seqs_.end() || it->second->owner == owner)) {
-    return absl::NotFoundError(absl::StrCat(field, ": sequence ", id, " is gone: ", tomb->second));
+    absl::Status gone = absl::NotFoundError(absl::StrCat(field, ": sequence ", id, " is gone: ", tomb->second));
+    if (auto moved = moved_to_.find(id); moved != moved_to_.end()) {
+      gone.SetPayload(kMovedToPayload, absl::Cord(moved->second));
+      expect_follow_.erase(moved->first);
+    }
+    return gone;
   }
   if (!absl::StartsWith(id, absl::StrCat(instance_, "-"))) {
     return absl::NotFoundError(absl::StrCat(
@@ -207,11 +212,13 @@ void Sequences::Free(Seq* seq, std::string reason) {
   if (use.sequences == 0 && use.pages == 0) clients_.erase(seq->owner);
   Pool* pool = seq->pool;
   const std::string id = seq->id;
+  if (!seq->moved_to.empty()) moved_to_[id] = seq->moved_to;
   seqs_.erase(id);
   tombstones_[id] = std::move(reason);
   tombstone_order_.push_back(id);
   while (tombstone_order_.size() > options_.tombstones) {
     tombstones_.erase(tombstone_order_.front());
+    moved_to_.erase(tombstone_order_.front());
     tombstone_order_.pop_front();
   }
   if (--pool->sequences == 0) pools_.erase(pool->memory->shape());
@@ -352,8 +359,9 @@ absl::StatusOr<std::vector<std::string>> Sequences::Fork(const std::string& owne
   absl::StatusOr<Seq*> found = Find(owner, sequence_id, "sequence_id");
   if (!found.ok()) return found.status();
   Seq* parent = *found;
-  if (parent->busy()) {
-    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", parent->id, BusyText(parent->moving, "fork")));
+  if (parent->busy() || parent->held_for_move) {
+    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", parent->id,
+                                           BusyText(parent->moving || parent->held_for_move, "fork")));
   }
   ATTND_RETURN_IF_ERROR(CheckClientSequences(owner, *count));
   const ClientUse before = clients_[owner];
@@ -384,8 +392,9 @@ absl::StatusOr<std::vector<int64_t>> Sequences::Truncate(const std::string& owne
   absl::StatusOr<Seq*> found = Find(owner, sequence_id, "sequence_id");
   if (!found.ok()) return found.status();
   Seq* seq = *found;
-  if (seq->busy()) {
-    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", seq->id, BusyText(seq->moving, "truncate")));
+  if (seq->busy() || seq->held_for_move) {
+    return absl::AbortedError(
+        absl::StrCat("sequence_id: sequence ", seq->id, BusyText(seq->moving || seq->held_for_move, "truncate")));
   }
   std::vector<int64_t> lengths;
   for (int32_t& len : seq->lengths) {
@@ -418,6 +427,7 @@ absl::Status Sequences::Close(const std::string& owner, absl::Span<const absl::s
     found.push_back(*seq);
   }
   for (Seq* seq : found) {
+    seq->moved_to = std::string(moved_to);
     if (seq->busy()) {
       seq->closing = true;  // Finish (or EndExport) frees it
       seq->close_reason = reason;
@@ -502,6 +512,57 @@ absl::Status Sequences::TakesNewSequences() const {
 void Sequences::BeginDrain() {
   absl::MutexLock lock(&mu_);
   draining_ = true;
+}
+
+std::vector<Sequences::HeldSequence> Sequences::OpenSequences() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<HeldSequence> open;
+  open.reserve(seqs_.size());
+  for (const auto& [id, seq] : seqs_) {
+    if (seq->closing) continue;
+    uint64_t rows = 0;
+    for (int32_t len : seq->lengths) rows += static_cast<uint64_t>(len);
+    const SequenceShape& shape = seq->pool->memory->shape();
+    open.push_back(HeldSequence{id, seq->owner, rows * 2 * static_cast<uint64_t>(shape.kv_heads * shape.head_dim) *
+                                            shape.kv_bytes()});
+  }
+  return open;
+}
+
+absl::Status Sequences::HoldForMove(const std::string& owner, const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Seq*> found = Find(owner, id, "sequence_id");
+  if (!found.ok()) return found.status();
+  Seq* seq = *found;
+  if (seq->busy()) {
+    return absl::AbortedError(absl::StrCat("sequence_id: sequence ", seq->id, BusyText(seq->moving, "move")));
+  }
+  seq->held_for_move = true;
+  return absl::OkStatus();
+}
+
+void Sequences::ReleaseHold(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  if (auto it = seqs_.find(id); it != seqs_.end()) it->second->held_for_move = false;
+}
+
+void Sequences::ExpectFollow(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  expect_follow_.insert(id);
+}
+
+void Sequences::Unexpect(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  expect_follow_.erase(id);
+}
+
+size_t Sequences::AwaitFollowed(absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  const auto none = +[](const Sequences* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+    return self->expect_follow_.empty();
+  };
+  mu_.AwaitWithDeadline(absl::Condition(none, this), deadline);
+  return expect_follow_.size();
 }
 
 size_t Sequences::AwaitClosed(absl::Time deadline) const {

@@ -94,8 +94,12 @@ struct Sequences::Seq {
   std::vector<Admitted::Copy> reverts;
   bool trim = false;
   bool moving = false;   // held by an export or an import
+  // Held by a drain that moves it (HoldForMove): refused to steps, forks and truncations like `moving`, from before
+  // its export until its close, so that no step lands between the export's end and the close.
+  bool held_for_move = false;
   bool closing = false;  // closed while busy: freed when the step ends
   std::string close_reason;  // what its tombstone says then
+  std::string moved_to;      // closed with moved_to: its new id
 
   bool busy() const { return steps > 0 || moving; }
   // The tokens a step admitted now finds cached at `layer`: the committed ones and those the steps in flight add.

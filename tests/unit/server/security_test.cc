@@ -1,11 +1,13 @@
 // TLS, mutual TLS and bearer tokens on a live server, with a CA and certificates made by the openssl CLI at
-// test time; the per-connection call limit; the unix socket's permissions; the token file and comparison.
+// test time; the per-connection call limit; the unix socket's permissions; the token file and comparison; the
+// peer secret a fleet's servers act for their callers with.
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -99,6 +101,18 @@ class SecurityTest : public ::testing::Test {
     o.security.tls_key = pki->Path("server.key");
     if (mutual) o.security.tls_client_ca = pki->Path("ca.pem");
     return o;
+  }
+
+  // The client library over the server's plaintext loopback port, presenting `token` (none when empty).
+  static std::unique_ptr<client::Client> ClientWithToken(const TestServer& s, const std::string& token,
+                                                         bool own_connection = false) {
+    client::ClientOptions co;
+    co.target = "127.0.0.1:" + std::to_string(s.server->tcp_port());
+    co.auth_token = token;
+    co.own_connection = own_connection;
+    auto c = client::Client::Create(co);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
   }
 
   // One small Forward; checks the answer when it succeeds.
@@ -198,18 +212,9 @@ TEST_F(SecurityTest, StepStreamsCarryTheTokenAndItsOwnership) {
   // connection the same auth context, so a call's owner must come from its own header, never the connection's.
   for (const bool own_connection : {true, false}) {
     SCOPED_TRACE(own_connection ? "a connection each" : "one shared connection");
-    auto client_with = [&](const std::string& token) {
-      client::ClientOptions co;
-      co.target = "127.0.0.1:" + std::to_string(s.server->tcp_port());
-      co.auth_token = token;
-      co.own_connection = own_connection;
-      auto c = client::Client::Create(co);
-      EXPECT_TRUE(c.ok()) << c.status();
-      return c.ok() ? std::move(*c) : nullptr;
-    };
-    auto alpha = client_with("tok-alpha-0123456789");
-    auto beta = client_with("tok-beta-abcdef");
-    auto none = client_with("");
+    auto alpha = ClientWithToken(s, "tok-alpha-0123456789", own_connection);
+    auto beta = ClientWithToken(s, "tok-beta-abcdef", own_connection);
+    auto none = ClientWithToken(s, "", own_connection);
     ASSERT_TRUE(alpha && beta && none);
     client::SequenceShape shape;
     shape.layers = 1;
@@ -368,6 +373,146 @@ TEST_F(SecurityTest, UnixSocketPermissions) {
     EXPECT_EQ(st.st_mode & 0777, mode);
     EXPECT_TRUE(Call(s.Channel("unix:" + o.network.unix_socket)).ok());
   }
+}
+
+// A fleet's server acts for a caller with the peer secret: the owner it names is the call's owner, admitted without
+// a bearer token. A wrong secret, or a missing owner, is refused naming the key, with or without a token.
+TEST_F(SecurityTest, APeerSecretActsAsTheOwnerItNames) {
+  WriteFile(pki->Path("peer_secret"), "  fleet-secret-42\n");
+  server::ServerOptions o;
+  o.network.listen = "127.0.0.1:0";
+  o.security.auth_token_file = pki->Path("tokens");
+  o.security.peer_secret_file = pki->Path("peer_secret");
+  TestServer s(o);
+  ASSERT_NE(s.server, nullptr);
+  auto alpha = ClientWithToken(s, "tok-alpha-0123456789");
+  auto peer = ClientWithToken(s, "");
+  ASSERT_TRUE(alpha && peer);
+  client::SequenceShape shape;
+  shape.layers = 1;
+  shape.kv_heads = 2;
+  shape.head_dim = 64;
+  auto opened = alpha->OpenSequence(shape);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->ids[0];
+  auto as = [](const std::string& secret, const std::string& owner) {
+    client::CallOptions call;
+    if (!secret.empty()) call.metadata.emplace_back("attnd-peer-secret", secret);
+    if (!owner.empty()) call.metadata.emplace_back("attnd-owner", owner);
+    return call;
+  };
+  // The first token's owner is "token:0": the peer reads its sequence, another owner's view does not have it.
+  auto info = peer->GetSequence(id, as("fleet-secret-42", "token:0"));
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->sequence_id(), id);
+  EXPECT_EQ(peer->GetSequence(id, as("fleet-secret-42", "token:1")).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(peer->GetSequence(id).status().code(), absl::StatusCode::kUnauthenticated);
+
+  const absl::Status wrong = peer->GetSequence(id, as("fleet-secret-43", "token:0")).status();
+  EXPECT_EQ(wrong.code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_TRUE(absl::StrContains(wrong.message(), "attnd-peer-secret")) << wrong;
+  EXPECT_FALSE(absl::StrContains(wrong.message(), "fleet-secret")) << "the presented secret is never echoed";
+  const absl::Status wrong_with_token = alpha->GetSequence(id, as("fleet-secret-43", "token:0")).status();
+  EXPECT_EQ(wrong_with_token.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(absl::StrContains(wrong_with_token.message(), "attnd-peer-secret")) << wrong_with_token;
+  const absl::Status no_owner = peer->GetSequence(id, as("fleet-secret-42", "")).status();
+  EXPECT_EQ(no_owner.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(absl::StrContains(no_owner.message(), "attnd-owner")) << no_owner;
+  const absl::Status no_secret = alpha->GetSequence(id, as("", "token:1")).status();
+  EXPECT_EQ(no_secret.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(absl::StrContains(no_secret.message(), "attnd-peer-secret")) << no_secret;
+  // Closed as its owner by the peer: the sequence is gone for its caller too.
+  ASSERT_TRUE(peer->CloseSequence({id}, as("fleet-secret-42", "token:0")).ok());
+  EXPECT_EQ(alpha->GetSequence(id).status().code(), absl::StatusCode::kNotFound);
+}
+
+// A server without --peer_secret_file refuses peer metadata on every kind of call, naming the key: a caller that
+// meant to act as someone else must not silently act as itself.
+TEST_F(SecurityTest, PeerMetadataWithoutAPeerSecretIsRefusedNamingTheKey) {
+  server::ServerOptions o;
+  o.network.listen = "127.0.0.1:0";
+  TestServer s(o);
+  ASSERT_NE(s.server, nullptr);
+  auto stub = s.Stub();
+  // Each call with peer metadata on a context of its own; `call` makes the call and returns its status.
+  const auto expect_refused = [](const char* what, const std::function<grpc::Status(grpc::ClientContext*)>& call) {
+    SCOPED_TRACE(what);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    ctx.AddMetadata("attnd-peer-secret", "anything");
+    ctx.AddMetadata("attnd-owner", "token:0");
+    const grpc::Status st = call(&ctx);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED) << st.error_message();
+    EXPECT_TRUE(absl::StrContains(st.error_message(), "attnd-peer-secret")) << st.error_message();
+  };
+  expect_refused("GetServerInfo", [&](grpc::ClientContext* ctx) {
+    v1::ServerInfo info;
+    return stub->GetServerInfo(ctx, v1::GetServerInfoRequest(), &info);
+  });
+  expect_refused("OpenSequence", [&](grpc::ClientContext* ctx) {
+    v1::OpenSequenceRequest open;
+    open.mutable_shape()->set_layers(1);
+    v1::OpenSequenceResponse opened;
+    return stub->OpenSequence(ctx, open, &opened);
+  });
+  expect_refused("StepStream", [&](grpc::ClientContext* ctx) {
+    auto stream = stub->StepStream(ctx);
+    v1::StepStreamResponse answer;
+    EXPECT_FALSE(stream->Read(&answer));
+    return stream->Finish();
+  });
+  expect_refused("ExportSequence", [&](grpc::ClientContext* ctx) {
+    v1::ExportSequenceRequest request;
+    request.set_sequence_id("x");
+    auto reader = stub->ExportSequence(ctx, request);
+    v1::ExportSequenceResponse chunk;
+    EXPECT_FALSE(reader->Read(&chunk));
+    return reader->Finish();
+  });
+  expect_refused("ImportSequence", [&](grpc::ClientContext* ctx) {
+    v1::ImportSequenceResponse imported;
+    auto writer = stub->ImportSequence(ctx, &imported);
+    writer->WritesDone();
+    return writer->Finish();
+  });
+  grpc::ClientContext plain;
+  v1::ServerInfo info;
+  EXPECT_TRUE(stub->GetServerInfo(&plain, v1::GetServerInfoRequest(), &info).ok());
+}
+
+TEST_F(SecurityTest, DrainToAndThePeerSecretAreCheckedAtStart) {
+  WriteFile(pki->Path("peer_secret"), "fleet-secret-42\n");
+  WriteFile(pki->Path("empty_secret"), " \n\n");
+  struct Case {
+    std::string drain_to;
+    double drain_s;
+    std::string secret, expect;
+  };
+  const Case cases[] = {
+      {"127.0.0.1:1", 0, pki->Path("peer_secret"), "sequence_drain_to: needs --sequence_drain_s"},
+      {"127.0.0.1:1", 5, "", "sequence_drain_to: needs --peer_secret_file"},
+      {"", 0, pki->Path("empty_secret"), "peer_secret_file: '" + pki->Path("empty_secret") + "' is empty"},
+      {"", 0, pki->Path("no_such_secret"), "peer_secret_file: cannot read"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.expect);
+    server::ServerOptions o;
+    o.network.listen = "127.0.0.1:0";
+    o.drain.to = c.drain_to;
+    o.timeouts.sequence_drain = absl::Seconds(c.drain_s);
+    o.security.peer_secret_file = c.secret;
+    auto created = server::Server::Create(o, std::make_unique<server::CpuBackend>(server::BackendOptions{}));
+    ASSERT_FALSE(created.ok());
+    EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StartsWith(created.status().message(), c.expect)) << created.status();
+  }
+  server::ServerOptions o;
+  o.network.listen = "127.0.0.1:0";
+  o.drain.to = "127.0.0.1:1";
+  o.timeouts.sequence_drain = absl::Seconds(5);
+  o.security.peer_secret_file = pki->Path("peer_secret");
+  TestServer s(o);
+  EXPECT_NE(s.server, nullptr);
 }
 
 TEST(AuthTokensTest, FileParsingAndConstantTimeComparison) {

@@ -3,6 +3,7 @@
 // and bad input naming its field.
 #include "attnd/server/sequences.h"
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
@@ -107,6 +108,47 @@ TEST_F(SequencesTest, ForkSharesPagesAndDiverges) {
   EXPECT_EQ(sequences_->stats().pages_used(), 0u);
   EXPECT_EQ(sequences_->stats().open(), 0u);
   EXPECT_EQ(sequences_->stats().pools(), 0u);
+}
+
+// What a drain that moves the sequences reads, holds and waits on: the open sequences with their owners and bytes;
+// an id closed with moved_to answers NOT_FOUND with the new id as its payload, and counts as followed once named
+// again; a held sequence takes no step until released.
+TEST_F(SequencesTest, AMovedIdNamesItsNewIdAndIsFollowedOnceNamedAgain) {
+  Start();
+  const std::vector<std::string> ids = Open(2);
+  StepAndVerify({ids[0]}, {3}, 0);
+  Sequences* core = sequences_->core();
+  std::vector<Sequences::HeldSequence> held = core->OpenSequences();
+  ASSERT_EQ(held.size(), 2u);
+  if (held[0].id != ids[0]) std::swap(held[0], held[1]);
+  EXPECT_EQ(held[0].id, ids[0]);
+  EXPECT_EQ(held[0].owner, "alice");
+  EXPECT_EQ(held[0].bytes, 3u * 2 * kKvHeads * kHeadDim * 2);  // 3 rows of K and of V, bf16
+  EXPECT_EQ(held[1].bytes, 0u);
+  for (const std::string& id : ids) core->ExpectFollow(id);
+  const absl::string_view first[] = {ids[0]};
+  ASSERT_TRUE(core->Close("alice", first, "elsewhere-1@10.0.0.2:50051").ok());
+  EXPECT_EQ(core->AwaitFollowed(absl::Now()), 2u);
+  const absl::Status gone = core->Get("alice", ids[0]).status();
+  ExpectStatus(gone, absl::StatusCode::kNotFound, "sequence_id: ");
+  EXPECT_TRUE(absl::StrContains(gone.message(), "moved to elsewhere-1@10.0.0.2:50051")) << gone;
+  ASSERT_TRUE(gone.GetPayload(server::kMovedToPayload).has_value());
+  EXPECT_EQ(std::string(*gone.GetPayload(server::kMovedToPayload)), "elsewhere-1@10.0.0.2:50051");
+  EXPECT_EQ(core->AwaitFollowed(absl::Now()), 1u);
+  // A drain's hold refuses steps, forks and truncations as an export does, until it is released (a failed move).
+  ASSERT_TRUE(core->HoldForMove("alice", ids[1]).ok());
+  const absl::Status refused = Run(MakeStep({ids[1]}, {1}, 0)).status;
+  ExpectStatus(refused, absl::StatusCode::kAborted, "sequences[0].sequence_id: ");
+  EXPECT_TRUE(absl::StrContains(refused.message(), " is being moved")) << refused;
+  v1::ForkSequenceRequest fork;
+  fork.set_sequence_id(ids[1]);
+  ExpectStatus(sequences_->Fork("alice", fork).status(), absl::StatusCode::kAborted, "sequence_id: ");
+  ExpectStatus(core->HoldForMove("bob", ids[1]), absl::StatusCode::kNotFound, "sequence_id: ");
+  core->ReleaseHold(ids[1]);
+  core->Unexpect(ids[1]);  // its move failed: it stays, and nobody needs telling
+  StepAndVerify({ids[1]}, {2}, 0);
+  EXPECT_EQ(core->AwaitFollowed(absl::Now()), 0u);
+  EXPECT_EQ(core->OpenSequences().size(), 1u);
 }
 
 // Moving a sequence, in the core: an export holds it (no step, fork or truncate; a close waits for the end) and

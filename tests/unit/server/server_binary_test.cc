@@ -24,6 +24,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "child_process.h"
 #include "gtest/gtest.h"
 #include "server_raw_call.h"
 #include "server_test_util.h"
@@ -35,48 +36,9 @@
 namespace attnd {
 namespace {
 
-// `max_fds` > 0: the child's descriptor limit, soft and hard (so that attnd cannot raise it).
-pid_t Spawn(const std::vector<std::string>& args, rlim_t max_fds = 0) {
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    if (max_fds > 0) {
-      const rlimit rl{max_fds, max_fds};
-      if (::setrlimit(RLIMIT_NOFILE, &rl) != 0) ::_exit(126);
-    }
-    std::vector<char*> argv;
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    ::execv(argv[0], argv.data());
-    ::_exit(127);
-  }
-  return pid;
-}
-
-// Kills the child if the test leaves early (a failed ASSERT), so no server outlives the test.
-struct ChildGuard {
-  pid_t pid;
-  bool reaped = false;
-  ~ChildGuard() {
-    if (!reaped && pid > 0) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, nullptr, 0);
-    }
-  }
-};
-
-// Exit status of `pid`, or -1 if it has not exited within `timeout`.
-int WaitExit(pid_t pid, absl::Duration timeout) {
-  const absl::Time end = absl::Now() + timeout;
-  int status = 0;
-  while (absl::Now() < end) {
-    const pid_t r = ::waitpid(pid, &status, WNOHANG);
-    if (r == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  ::kill(pid, SIGKILL);
-  ::waitpid(pid, &status, 0);
-  return -1;
-}
+using testing::ChildGuard;
+using testing::Spawn;
+using testing::WaitExit;
 
 bool Serving(const std::shared_ptr<grpc::Channel>& channel) {
   const testing::RawResult r = testing::RawCall(channel, "/grpc.health.v1.Health/Check", testing::HealthRequest(""),

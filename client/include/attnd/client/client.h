@@ -3,13 +3,16 @@
 // grpc::Status is translated in exactly one place (FromGrpcStatus).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <future>
 #include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -89,6 +92,13 @@ struct ClientOptions {
   // would take the cores from the server and each other). An answer that comes within the poll spares the
   // caller a wake-up from sleep, as for the shm channel's caller (docs/tuning.md, "Service").
   absl::Duration step_poll = absl::Microseconds(300);
+  // A sequence its server moved away (NOT_FOUND "moved to <new id>", the new id also in trailing metadata
+  // attnd-moved-to; docs/sequences.md "Drain"): a call about it goes once more, to the new id, and old -> new is
+  // remembered for this client's later calls, the latest this many of them.
+  size_t moved_ids_remembered = 4096;
+  // A step refused ABORTED because a sequence of it is being moved goes again after 1 ms, doubling to 50 ms, for
+  // up to this long (the move ends, then the step follows the new id); zero: that ABORTED is the step's answer.
+  absl::Duration moving_step_retry = absl::Seconds(10);
 };
 
 // Memory of the caller's that a call writes O (and LSE) into, instead of fresh strings in its ForwardResult.
@@ -107,6 +117,10 @@ struct CallOptions {
   std::optional<Transport> transport;      // unset: ClientOptions::transport
   bool wait_for_ready = false;             // queue the call while the channel connects instead of failing fast
   std::optional<ForwardOutputs> outputs;   // unset: O and LSE arrive in ForwardResult::o / lse
+  // Sent with each unary or move call this call makes, as (key, value) pairs: a fleet's server acting for a caller
+  // (attnd-peer-secret, attnd-owner; docs/security-and-metrics.md). Not with steps over a StepStream (a stream
+  // serves many calls) or the shared-memory channel: a step that must carry them goes with Transport::kUnary.
+  std::vector<std::pair<std::string, std::string>> metadata;
 };
 
 // The shape and semantics of a request, in host form (Problem plus the optional scale).
@@ -355,6 +369,13 @@ class Client {
   absl::StatusOr<MovedSequence> MoveSequence(const std::string& sequence_id, const std::string& to,
                                              const MoveOptions& options, const CallOptions& call = {});
 
+  // The id `sequence_id` goes by for this client now: itself, or the id its server moved it to once a call of
+  // this client has followed the move (ClientOptions::moved_ids_remembered).
+  std::string CurrentSequenceId(const std::string& sequence_id) const;
+  // Moves this client has followed since it was made (each old -> new remembered): a caller holding ids learns
+  // from a change here that CurrentSequenceId may answer differently.
+  uint64_t moves_followed() const;
+
   // GetServerInfo, cached after the first success unless `refresh`.
   absl::StatusOr<v1::ServerInfo> ServerInfo(bool refresh = false, const CallOptions& call = {});
   absl::StatusOr<v1::ServerStats> Stats(const CallOptions& call = {});
@@ -398,6 +419,12 @@ class Client {
   // The one address of `ids` (INVALID_ARGUMENT naming `field` when they name different servers).
   static absl::StatusOr<std::string> AddressOf(const std::vector<std::string>& ids, const char* field);
   absl::StatusOr<StepResult> StepOverShm(const v1::StepRequest& request, const CallOptions& call);
+  // One step on the server its sequences name, as sent (Step adds following moves and retries).
+  absl::StatusOr<StepResult> StepOnce(const v1::StepRequest& request, const CallOptions& call);
+  // When `st` says that one of `ids` moved (NOT_FOUND naming its new id): remembers old -> new and returns the new.
+  std::optional<std::string> LearnMove(const absl::Status& st, const std::vector<std::string>& ids);
+  // Where `ids` name two servers: the moves of each, learnt by asking about it (see the definition).
+  void LearnMovesOf(const std::vector<std::string>& ids, const CallOptions& call);
   class StepStreamCall;
   // A step over an idle StepStream to `address` (a new one when none is idle); nullopt when that server has no
   // StepStream (the step was not sent).
@@ -431,6 +458,10 @@ class Client {
   std::vector<std::unique_ptr<ShmChannel>> shm_free_ ABSL_GUARDED_BY(shm_mu_);  // idle channels
   mutable absl::Mutex info_mu_;
   std::optional<v1::ServerInfo> info_ ABSL_GUARDED_BY(info_mu_);
+  mutable absl::Mutex moved_mu_;
+  absl::flat_hash_map<std::string, std::string> moved_ ABSL_GUARDED_BY(moved_mu_);  // old id -> new id
+  std::deque<std::string> moved_order_ ABSL_GUARDED_BY(moved_mu_);                  // the oldest first
+  std::atomic<uint64_t> moves_followed_{0};
   // Idle StepStreams by server address ("" for the target), and the addresses whose server has none. Declared
   // last: the streams end before the stubs and channels they were opened on.
   absl::Mutex step_streams_mu_;

@@ -91,6 +91,9 @@ struct ServerOptions {
     std::string tls_cert, tls_key;  // PEM files: TLS on the TCP listener (the unix socket stays plaintext)
     std::string tls_client_ca;      // PEM CA bundle: require and verify client certificates (mutual TLS)
     std::string auth_token_file;    // tokens, one a line: every RPC but grpc.health.v1 needs "Bearer <token>"
+    // The secret a fleet's servers share: a call carrying it (attnd-peer-secret) and attnd-owner acts as that
+    // owner, admitted without a bearer token (auth.h, PeerOwnerOf). Empty: such metadata is refused.
+    std::string peer_secret_file;
     // cuda-ipc buffers: accept RegisterCudaBuffer and tensor references (cuda backend only).
     bool enable_cuda_ipc = false;
     bool ipc_over_tcp = false;  // accept CUDA IPC registration over TCP too (off: unix socket only)
@@ -110,6 +113,18 @@ struct ServerOptions {
   Shm shm;
   Security security;
   Observability observability;
+  // A drain that moves the open sequences itself (docs/sequences.md, "Drain"), to `to`: a gRPC target (an
+  // address, or the fleet's shared target, whose balancer skips this server once it is NOT_SERVING). Needs
+  // timeouts.sequence_drain > 0 and security.peer_secret_file (its calls act as each sequence's owner). Empty: the
+  // drain waits for the callers to close or move their sequences.
+  struct Drain {
+    std::string to;
+    uint32_t moves_in_flight = 4;  // sequences moving at once
+    // A move that failed is tried again this long after (its reason logged), until the drain's time runs out; one
+    // refused because a step was in flight, after a tenth of it.
+    absl::Duration retry = absl::Milliseconds(100);
+  };
+  Drain drain;
   // KV sequences (docs/sequences.md). pool_bytes 0: half the backend's memory budget on CUDA, 1 GiB on CPU.
   SequenceOptions sequences;
 };

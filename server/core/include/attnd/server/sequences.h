@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -30,6 +31,9 @@
 #include "attnd/server/validation.h"
 
 namespace attnd::server {
+
+// The payload (absl::Status::GetPayload) of a NOT_FOUND naming a sequence closed with moved_to: its new id.
+inline constexpr char kMovedToPayload[] = "type.attnd.dev/moved_to";
 
 struct SequenceOptions {
   bool enabled = true;
@@ -134,6 +138,25 @@ class Sequences {
 
   // From here on new sequences (Open, Fork) are refused UNAVAILABLE; the open ones are served as before.
   void BeginDrain();
+  // A sequence a drain may move: its id, its owner and the bytes of its cached K and V.
+  struct HeldSequence {
+    std::string id, owner;
+    uint64_t bytes = 0;
+  };
+  // The open sequences, those being closed left out.
+  std::vector<HeldSequence> OpenSequences() const;
+  // A drain's move holds `id` from before its export until its close: steps, forks and truncations are refused
+  // ABORTED "is being moved" meanwhile (an export alone holds it only while it streams, and a step between its end
+  // and the close would be lost with the old copy). NOT_FOUND when gone, ABORTED while a step is in flight.
+  // ReleaseHold: the move failed, the sequence serves again.
+  absl::Status HoldForMove(const std::string& owner, const std::string& id);
+  void ReleaseHold(const std::string& id);
+  // A drain that moves `id` waits until a call names it once more after its close (the caller has been told
+  // where it went), or until AwaitFollowed's deadline. Unexpect: the move failed, nobody needs telling.
+  void ExpectFollow(const std::string& id);
+  void Unexpect(const std::string& id);
+  // Waits until every expected id has been named, or `deadline`; the number still unnamed.
+  size_t AwaitFollowed(absl::Time deadline) const;
   // Waits until no sequence is open (closed by their callers, or expired) or `deadline`; the number still open.
   size_t AwaitClosed(absl::Time deadline) const;
   // Refuses new steps (UNAVAILABLE) and waits until every admitted step has been answered and every launch has
@@ -279,6 +302,9 @@ class Sequences {
   };
   absl::flat_hash_map<std::string, ClientUse> clients_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::string> tombstones_ ABSL_GUARDED_BY(mu_);
+  // Of the tombstones, those closed with moved_to: their new id, for the NOT_FOUND's kMovedToPayload.
+  absl::flat_hash_map<std::string, std::string> moved_to_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> expect_follow_ ABSL_GUARDED_BY(mu_);  // ExpectFollow, not yet named
   std::deque<std::string> tombstone_order_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<BatchKey, std::unique_ptr<Lane>> lanes_ ABSL_GUARDED_BY(mu_);
   uint32_t waiting_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1,0 +1,156 @@
+#include "sequence_drain.h"
+
+#include <algorithm>
+#include <deque>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "attnd/client/client.h"
+#include "auth.h"
+#include "spdlog/spdlog.h"
+
+namespace attnd::server {
+namespace {
+
+// Progress is logged this often while the moves go on.
+constexpr absl::Duration kProgressPeriod = absl::Seconds(1);
+
+struct Pending {
+  Sequences::HeldSequence seq;
+  absl::Time not_before = absl::InfinitePast();
+  bool bytes_only = false;  // the device path failed once: the rows go by bytes
+};
+
+double MiB(uint64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
+
+class DrainMoves {
+ public:
+  DrainMoves(Sequences& sequences, const DrainMovesOptions& options, client::Client* mover, absl::Time until)
+      : sequences_(sequences), options_(options), mover_(mover), until_(until) {}
+
+  size_t Run(std::vector<Sequences::HeldSequence> open) {
+    const absl::Time start = absl::Now();
+    uint64_t total_bytes = 0;
+    for (Sequences::HeldSequence& seq : open) {
+      total_bytes += seq.bytes;
+      queue_.push_back(Pending{std::move(seq)});
+    }
+    const size_t total = queue_.size();
+    const uint32_t workers = std::max<uint32_t>(1, std::min<uint32_t>(options_.in_flight, total));
+    spdlog::info("attnd drain: moving {} KV sequences ({:.1f} MiB) to {}, {} at a time", total, MiB(total_bytes),
+                 options_.to, workers);
+    std::vector<std::thread> threads;
+    for (uint32_t i = 0; i < workers; ++i) threads.emplace_back([this] { Work(); });
+    {
+      absl::MutexLock lock(&mu_);
+      const auto all_done = [this, workers]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopped_ == workers; };
+      while (!mu_.AwaitWithTimeout(absl::Condition(&all_done), kProgressPeriod)) {
+        spdlog::info("attnd drain: {} of {} KV sequences moved ({:.1f} MiB) in {}", moved_, total, MiB(bytes_),
+                     absl::FormatDuration(absl::Trunc(absl::Now() - start, absl::Milliseconds(1))));
+      }
+    }
+    for (std::thread& t : threads) t.join();
+    absl::MutexLock lock(&mu_);
+    spdlog::info("attnd drain: {} KV sequences moved ({:.1f} MiB) in {}; {} closed by their callers meanwhile, {} "
+                 "not moved",
+                 moved_, MiB(bytes_), absl::FormatDuration(absl::Trunc(absl::Now() - start, absl::Milliseconds(1))),
+                 gone_, queue_.size());
+    return queue_.size();
+  }
+
+ private:
+  void Work() {
+    for (;;) {
+      Pending p;
+      {
+        absl::MutexLock lock(&mu_);
+        if (queue_.empty() || absl::Now() >= until_) {
+          ++stopped_;
+          return;
+        }
+        p = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      if (const absl::Time now = absl::Now(); p.not_before > now) absl::SleepFor(std::min(p.not_before, until_) - now);
+      if (!Move(p)) {
+        absl::MutexLock lock(&mu_);
+        queue_.push_back(std::move(p));
+      }
+    }
+  }
+
+  // True when the sequence is done with: moved, or closed meanwhile.
+  bool Move(Pending& p) {
+    client::CallOptions call;
+    call.deadline = std::max(until_ - absl::Now(), absl::Milliseconds(1));
+    call.metadata = {{kPeerSecretMetadata, options_.peer_secret}, {kPeerOwnerMetadata, p.seq.owner}};
+    client::MoveOptions how;
+    how.path = p.bytes_only ? client::MovePath::kBytes : client::MovePath::kAuto;
+    absl::StatusOr<client::MovedSequence> moved;
+    if (absl::Status held = sequences_.HoldForMove(p.seq.owner, p.seq.id); !held.ok()) {
+      moved = std::move(held);
+    } else {
+      // Expected before the close that ends the move: a caller may name the old id the moment it is closed.
+      sequences_.ExpectFollow(p.seq.id);
+      moved = mover_->MoveSequence(p.seq.id, options_.to, how, call);
+    }
+    if (moved.ok()) {
+      spdlog::debug("attnd drain: {} moved to {} ({})", p.seq.id, moved->sequence_id, MovePathName(moved->path));
+      absl::MutexLock lock(&mu_);
+      ++moved_;
+      bytes_ += p.seq.bytes;
+      return true;
+    }
+    sequences_.Unexpect(p.seq.id);
+    sequences_.ReleaseHold(p.seq.id);
+    const absl::Status& why = moved.status();
+    if (why.code() == absl::StatusCode::kNotFound) {  // its caller closed it, or it expired
+      absl::MutexLock lock(&mu_);
+      ++gone_;
+      return true;
+    }
+    // A step was in flight (the export refuses to wait for it): soon again.
+    const bool busy = why.code() == absl::StatusCode::kAborted;
+    if (busy) {
+      spdlog::debug("attnd drain: {} not moved yet: {}", p.seq.id, std::string(why.message()));
+    } else {
+      spdlog::warn("attnd drain: moving {} to {} failed, it stays here and is tried again: {}", p.seq.id, options_.to,
+                   std::string(why.message()));
+    }
+    if (why.code() == absl::StatusCode::kFailedPrecondition) p.bytes_only = true;
+    p.not_before = absl::Now() + (busy ? options_.retry / 10 : options_.retry);
+    return false;
+  }
+
+  Sequences& sequences_;
+  const DrainMovesOptions& options_;
+  client::Client* const mover_;
+  const absl::Time until_;
+  absl::Mutex mu_;
+  std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
+  uint64_t moved_ ABSL_GUARDED_BY(mu_) = 0, bytes_ ABSL_GUARDED_BY(mu_) = 0, gone_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t stopped_ ABSL_GUARDED_BY(mu_) = 0;  // workers that found nothing more to do
+};
+
+}  // namespace
+
+size_t MoveSequencesAway(Sequences& sequences, const DrainMovesOptions& options, absl::Time until) {
+  std::vector<Sequences::HeldSequence> open = sequences.OpenSequences();
+  if (open.empty()) return 0;
+  client::ClientOptions co;
+  co.target = options.self;
+  absl::StatusOr<std::unique_ptr<client::Client>> mover = client::Client::Create(co);
+  if (!mover.ok()) {
+    spdlog::warn("attnd drain: cannot reach this server at {} to move its sequences: {}", options.self,
+                 std::string(mover.status().message()));
+    return open.size();
+  }
+  return DrainMoves(sequences, options, mover->get(), until).Run(std::move(open));
+}
+
+}  // namespace attnd::server
