@@ -7,6 +7,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -64,28 +66,48 @@ class DrainMoves {
   }
 
  private:
+  // A caller's sequences go where its first one went: a step names sequences of one server, and the fleet's shared
+  // target alone would spread them. Until that first move has answered, the caller's other sequences wait.
   void Work() {
     for (;;) {
       Pending p;
+      std::string to;
       {
         absl::MutexLock lock(&mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return queue_.empty() || absl::Now() >= until_ ||
+                 std::any_of(queue_.begin(), queue_.end(), [this](const Pending& q) { return !Placing(q); });
+        };
+        while (!ready()) mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(5));
         if (queue_.empty() || absl::Now() >= until_) {
           ++stopped_;
           return;
         }
-        p = std::move(queue_.front());
-        queue_.pop_front();
+        auto it = std::find_if(queue_.begin(), queue_.end(), [this](const Pending& q) { return !Placing(q); });
+        p = std::move(*it);
+        queue_.erase(it);
+        if (auto placed = placed_.find(p.seq.owner); placed != placed_.end()) {
+          to = placed->second;
+        } else {
+          placing_.insert(p.seq.owner);
+          to = options_.to;
+        }
       }
       if (const absl::Time now = absl::Now(); p.not_before > now) absl::SleepFor(std::min(p.not_before, until_) - now);
-      if (!Move(p)) {
-        absl::MutexLock lock(&mu_);
-        queue_.push_back(std::move(p));
-      }
+      const bool done = Move(p, to);
+      absl::MutexLock lock(&mu_);
+      placing_.erase(p.seq.owner);
+      if (!done) queue_.push_back(std::move(p));
     }
   }
 
+  // The caller's first sequence is being moved: where the rest go is not known yet.
+  bool Placing(const Pending& p) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !placed_.contains(p.seq.owner) && placing_.contains(p.seq.owner);
+  }
+
   // True when the sequence is done with: moved, or closed meanwhile.
-  bool Move(Pending& p) {
+  bool Move(Pending& p, const std::string& to) {
     client::CallOptions call;
     call.deadline = std::max(until_ - absl::Now(), absl::Milliseconds(1));
     call.metadata = {{kPeerSecretMetadata, options_.peer_secret}, {kPeerOwnerMetadata, p.seq.owner}};
@@ -97,13 +119,14 @@ class DrainMoves {
     } else {
       // Expected before the close that ends the move: a caller may name the old id the moment it is closed.
       sequences_.ExpectFollow(p.seq.id);
-      moved = mover_->MoveSequence(p.seq.id, options_.to, how, call);
+      moved = mover_->MoveSequence(p.seq.id, to, how, call);
     }
     if (moved.ok()) {
       spdlog::debug("attnd drain: {} moved to {} ({})", p.seq.id, moved->sequence_id, MovePathName(moved->path));
       absl::MutexLock lock(&mu_);
       ++moved_;
       bytes_ += p.seq.bytes;
+      placed_.try_emplace(p.seq.owner, client::SequenceAddress(moved->sequence_id));
       return true;
     }
     sequences_.Unexpect(p.seq.id);
@@ -119,10 +142,15 @@ class DrainMoves {
     if (busy) {
       spdlog::debug("attnd drain: {} not moved yet: {}", p.seq.id, std::string(why.message()));
     } else {
-      spdlog::warn("attnd drain: moving {} to {} failed, it stays here and is tried again: {}", p.seq.id, options_.to,
+      spdlog::warn("attnd drain: moving {} to {} failed, it stays here and is tried again: {}", p.seq.id, to,
                    std::string(why.message()));
     }
     if (why.code() == absl::StatusCode::kFailedPrecondition) p.bytes_only = true;
+    if (why.code() == absl::StatusCode::kResourceExhausted && to != options_.to) {
+      // The server that took the caller's first sequences has no room for this one: the fleet chooses again.
+      absl::MutexLock lock(&mu_);
+      placed_.erase(p.seq.owner);
+    }
     p.not_before = absl::Now() + (busy ? options_.retry / 10 : options_.retry);
     return false;
   }
@@ -133,6 +161,8 @@ class DrainMoves {
   const absl::Time until_;
   absl::Mutex mu_;
   std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::string> placed_ ABSL_GUARDED_BY(mu_);  // owner -> the server its first went to
+  absl::flat_hash_set<std::string> placing_ ABSL_GUARDED_BY(mu_);  // owners whose first move is under way
   uint64_t moved_ ABSL_GUARDED_BY(mu_) = 0, bytes_ ABSL_GUARDED_BY(mu_) = 0, gone_ ABSL_GUARDED_BY(mu_) = 0;
   uint32_t stopped_ ABSL_GUARDED_BY(mu_) = 0;  // workers that found nothing more to do
 };
