@@ -35,6 +35,20 @@ def bf16(rng, shape):
     return (rng.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
+def prefill(c, seqs, rng, layers, context, kv_heads, head_dim):
+    """Every layer of `seqs` to `context` tokens: all sequences in one append-only step per chunk of at most 64 MiB
+    of K, the rows cycling through four random blocks per chunk size."""
+    chunk = max(1, min(context, (64 << 20) // (2 * kv_heads * head_dim * len(seqs))))
+    blocks = {}  # rows per sequence -> four random blocks, used in turn
+    for layer in range(layers):
+        for i, done in enumerate(range(0, context, chunk)):
+            t = min(chunk, context - done)
+            if t not in blocks:
+                blocks[t] = [bf16(rng, (len(seqs) * t, kv_heads, head_dim)) for _ in range(4)]
+            k, v = blocks[t][(layer + i) % 4], blocks[t][(layer + i + 1) % 4]
+            c.step(layer, seqs, k=k, v=v, tokens=t, dtype="bf16")
+
+
 def d2d_copy_gb_per_s():
     """The device-to-device copy rate on this machine's GPU (bytes copied per second, 1 GiB copies), the ceiling a
     same-host move is compared with; None without torch or a GPU."""
@@ -81,17 +95,8 @@ def main():
         seqs = c.open_sequence(layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim, count=a.sequences)
         warm = []  # --warm: (client, sequence) keeping each server's pool
         try:
-            # Prefill: every layer, all sequences in one append-only step per chunk of at most 64 MiB of K.
-            chunk = max(1, min(a.context, (64 << 20) // (2 * kv_row * a.sequences)))
-            blocks = {}  # rows per sequence -> four random blocks, used in turn
             t0 = time.perf_counter()
-            for layer in range(a.layers):
-                for i, done in enumerate(range(0, a.context, chunk)):
-                    t = min(chunk, a.context - done)
-                    if t not in blocks:
-                        blocks[t] = [bf16(rng, (a.sequences * t, a.kv_heads, a.head_dim)) for _ in range(4)]
-                    k, v = blocks[t][(layer + i) % 4], blocks[t][(layer + i + 1) % 4]
-                    c.step(layer, seqs, k=k, v=v, tokens=t, dtype="bf16")
+            prefill(c, seqs, rng, a.layers, a.context, a.kv_heads, a.head_dim)
             prefill_s = time.perf_counter() - t0
             q = bf16(rng, (a.sequences, a.q_heads, a.head_dim))
             probe = [0, a.layers - 1]
