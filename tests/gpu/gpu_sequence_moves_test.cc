@@ -108,6 +108,44 @@ class GpuSequenceMoves : public ::testing::Test {
     direct_b_ = Connect(servers_[1].address);
     ASSERT_NE(client_, nullptr);
     ASSERT_NE(direct_b_, nullptr);
+    stub_a_ = v1::Attention::NewStub(client_->channel());
+    stub_b_ = v1::Attention::NewStub(direct_b_->channel());
+  }
+
+  // A device export of `id` from A, read as far as its header and device-rows chunks (as an import's); the export
+  // stays open until `ctx` is cancelled.
+  void ReadDeviceExport(grpc::ClientContext* ctx, const std::string& id, v1::ImportSequenceRequest* header,
+                        v1::ImportSequenceRequest* rows,
+                        std::unique_ptr<grpc::ClientReader<v1::ExportSequenceResponse>>* reader) {
+    v1::ExportSequenceRequest request;
+    request.set_sequence_id(id);
+    request.set_device(true);
+    *reader = stub_a_->ExportSequence(ctx, request);
+    v1::ExportSequenceResponse first, device;
+    ASSERT_TRUE((*reader)->Read(&first));
+    ASSERT_TRUE((*reader)->Read(&device));
+    ASSERT_TRUE(device.chunk().has_device_rows());
+    EXPECT_EQ(device.chunk().device_rows().device_uuid(), uuid_);
+    *header->mutable_chunk() = first.chunk();
+    *rows->mutable_chunk() = device.chunk();
+  }
+
+  // An import on B of `header`, then `rows`: its status, after which B must hold nothing.
+  grpc::Status ImportOnB(const v1::ImportSequenceRequest& header, const v1::ImportSequenceRequest& rows) {
+    grpc::ClientContext ctx;
+    v1::ImportSequenceResponse response;
+    auto writer = stub_b_->ImportSequence(&ctx, &response);
+    writer->Write(header);
+    writer->Write(rows);
+    writer->WritesDone();
+    const grpc::Status st = writer->Finish();
+    auto stats = direct_b_->Stats();
+    EXPECT_TRUE(stats.ok()) << stats.status();
+    if (stats.ok()) {
+      EXPECT_EQ(stats->sequences().open(), 0u);
+      EXPECT_EQ(stats->sequences().pages_used(), 0u);
+    }
+    return st;
   }
 
   virtual std::vector<std::string> ServerFlags(int server) const {
@@ -171,12 +209,11 @@ class GpuSequenceMoves : public ::testing::Test {
       }
     }
     // Asked directly (the client library would follow the old id to the new one).
-    auto stub_a = v1::Attention::NewStub(client_->channel());
     grpc::ClientContext ctx;
     v1::GetSequenceRequest get;
     get.set_sequence_id(id);
     v1::SequenceInfo gone;
-    const grpc::Status old = stub_a->GetSequence(&ctx, get, &gone);
+    const grpc::Status old = stub_a_->GetSequence(&ctx, get, &gone);
     EXPECT_EQ(old.error_code(), grpc::StatusCode::NOT_FOUND) << old.error_message();
     EXPECT_TRUE(absl::StrContains(old.error_message(), "moved to " + moved->sequence_id)) << old.error_message();
     EXPECT_TRUE(client_->CloseSequence({moved->sequence_id}).ok());
@@ -212,6 +249,7 @@ class GpuSequenceMoves : public ::testing::Test {
   client::MovePath expected_path_ = client::MovePath::kDevice;
   std::string uuid_;
   std::unique_ptr<client::Client> client_, direct_b_;
+  std::unique_ptr<v1::Attention::Stub> stub_a_, stub_b_;
 };
 
 TEST_F(GpuSequenceMoves, Bf16SequencesAndAForkMoveOnTheDevice) {
@@ -246,42 +284,20 @@ TEST_F(GpuSequenceMoves, AnImportWhoseHandleDoesNotOpenLeavesNothing) {
   ASSERT_TRUE(opened.ok()) << opened.status();
   Append(shape, opened->ids[0], 0, 20, 300);
   ASSERT_FALSE(HasFatalFailure());
-  auto stub_a = v1::Attention::NewStub(client_->channel());
-  auto stub_b = v1::Attention::NewStub(direct_b_->channel());
-  v1::ImportSequenceRequest header;
+  v1::ImportSequenceRequest header, rows;
   {
     grpc::ClientContext ctx;
-    v1::ExportSequenceRequest request;
-    request.set_sequence_id(opened->ids[0]);
-    request.set_device(true);
-    auto reader = stub_a->ExportSequence(&ctx, request);
-    v1::ExportSequenceResponse first, device;
-    ASSERT_TRUE(reader->Read(&first));
-    ASSERT_TRUE(reader->Read(&device));
-    ASSERT_TRUE(device.chunk().has_device_rows());
-    EXPECT_EQ(device.chunk().device_rows().device_uuid(), uuid_);
-    EXPECT_EQ(device.chunk().device_rows().bytes(), 2u * 20 * 2 * 128 * 2);
-    *header.mutable_chunk() = first.chunk();
+    std::unique_ptr<grpc::ClientReader<v1::ExportSequenceResponse>> reader;
+    ReadDeviceExport(&ctx, opened->ids[0], &header, &rows, &reader);
+    ASSERT_FALSE(HasFatalFailure());
+    EXPECT_EQ(rows.chunk().device_rows().bytes(), 2u * 20 * 2 * 128 * 2);
     ctx.TryCancel();
     reader->Finish().ok();
   }
-  grpc::ClientContext ctx;
-  v1::ImportSequenceResponse response;
-  auto writer = stub_b->ImportSequence(&ctx, &response);
-  ASSERT_TRUE(writer->Write(header));
-  v1::ImportSequenceRequest bad;
-  bad.mutable_chunk()->mutable_device_rows()->set_ipc_handle(std::string(64, 'h'));
-  bad.mutable_chunk()->mutable_device_rows()->set_bytes(2u * 20 * 2 * 128 * 2);
-  bad.mutable_chunk()->mutable_device_rows()->set_device_uuid(uuid_);
-  writer->Write(bad);
-  writer->WritesDone();
-  const grpc::Status st = writer->Finish();
+  rows.mutable_chunk()->mutable_device_rows()->set_ipc_handle(std::string(64, 'h'));
+  const grpc::Status st = ImportOnB(header, rows);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
   EXPECT_TRUE(absl::StartsWith(st.error_message(), "chunk.device_rows.ipc_handle: ")) << st.error_message();
-  auto stats = direct_b_->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
-  EXPECT_EQ(stats->sequences().open(), 0u);
-  EXPECT_EQ(stats->sequences().pages_used(), 0u);
   // The export ended with the cancel: the sequence steps again on A.
   const absl::Time end = absl::Now() + absl::Seconds(10);
   absl::StatusOr<std::string> o;
@@ -352,39 +368,21 @@ TEST_F(GpuSequenceMovesFromPool, APoolLargerThanItsAllocationIsRefused) {
   ASSERT_TRUE(opened.ok()) << opened.status();
   Append(shape, opened->ids[0], 0, 20, 600);
   ASSERT_FALSE(HasFatalFailure());
-  auto stub_a = v1::Attention::NewStub(client_->channel());
-  auto stub_b = v1::Attention::NewStub(direct_b_->channel());
   grpc::ClientContext export_ctx;
-  v1::ExportSequenceRequest request;
-  request.set_sequence_id(opened->ids[0]);
-  request.set_device(true);
-  auto reader = stub_a->ExportSequence(&export_ctx, request);
-  v1::ExportSequenceResponse first, device;
-  ASSERT_TRUE(reader->Read(&first));
-  ASSERT_TRUE(reader->Read(&device));
-  ASSERT_TRUE(device.chunk().device_rows().has_pool());
-  EXPECT_EQ(device.chunk().device_rows().pool().page_tokens(), 16);
-  EXPECT_EQ(device.chunk().device_rows().pool().pages_size(), 2);
-  grpc::ClientContext ctx;
-  v1::ImportSequenceResponse response;
-  auto writer = stub_b->ImportSequence(&ctx, &response);
+  std::unique_ptr<grpc::ClientReader<v1::ExportSequenceResponse>> reader;
   v1::ImportSequenceRequest header, rows;
-  *header.mutable_chunk() = first.chunk();
-  *rows.mutable_chunk() = device.chunk();
+  ReadDeviceExport(&export_ctx, opened->ids[0], &header, &rows, &reader);
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_TRUE(rows.chunk().device_rows().has_pool());
+  EXPECT_EQ(rows.chunk().device_rows().pool().page_tokens(), 16);
+  EXPECT_EQ(rows.chunk().device_rows().pool().pages_size(), 2);
   rows.mutable_chunk()->mutable_device_rows()->mutable_pool()->set_num_pages(1 << 30);
   rows.mutable_chunk()->mutable_device_rows()->mutable_pool()->set_pages(1, (1 << 30) - 1);
-  ASSERT_TRUE(writer->Write(header));
-  writer->Write(rows);
-  writer->WritesDone();
-  const grpc::Status st = writer->Finish();
+  const grpc::Status st = ImportOnB(header, rows);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
   EXPECT_TRUE(absl::StartsWith(st.error_message(), "chunk.device_rows.pool.num_pages: ")) << st.error_message();
   export_ctx.TryCancel();
   reader->Finish().ok();
-  auto stats = direct_b_->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
-  EXPECT_EQ(stats->sequences().open(), 0u);
-  EXPECT_EQ(stats->sequences().pages_used(), 0u);
 }
 
 }  // namespace
