@@ -76,6 +76,29 @@ struct AttndProcess {
   }
 };
 
+// Sequences of `layers` layers of 2 kv heads x 128, bf16.
+client::SequenceShape Bf16Shape(int layers) {
+  client::SequenceShape shape;
+  shape.layers = layers;
+  shape.kv_heads = 2;
+  shape.head_dim = 128;
+  shape.dtype = DType::kBF16;
+  return shape;
+}
+
+// A float8 cache: 4 layers of 4 kv heads x 64, descales per layer and head.
+client::SequenceShape Float8Shape() {
+  client::SequenceShape shape;
+  shape.layers = 4;
+  shape.kv_heads = 4;
+  shape.head_dim = 64;
+  shape.dtype = DType::kBF16;
+  shape.kv_format = KvFormat::kFp8E4M3;
+  shape.k_descale = {0.5f, 0.25f, 1.0f, 0.125f};
+  shape.v_descale = {0.25f, 0.5f, 0.125f, 1.0f};
+  return shape;
+}
+
 // ServerInfo of the server at `address` once it answers (up to 60 s: a CUDA server warms up first).
 absl::StatusOr<v1::ServerInfo> AwaitServing(const std::string& address) {
   auto c = Connect(address);
@@ -253,33 +276,19 @@ class GpuSequenceMoves : public ::testing::Test {
 };
 
 TEST_F(GpuSequenceMoves, Bf16SequencesAndAForkMoveOnTheDevice) {
-  client::SequenceShape shape;
-  shape.layers = 3;
-  shape.kv_heads = 2;
-  shape.head_dim = 128;
-  shape.dtype = DType::kBF16;
+  const client::SequenceShape shape = Bf16Shape(3);
   PrefillForkAndMove(shape, {37, 70, 5}, 100);
 }
 
 TEST_F(GpuSequenceMoves, Float8CacheMovesOnTheDevice) {
-  client::SequenceShape shape;
-  shape.layers = 4;
-  shape.kv_heads = 4;
-  shape.head_dim = 64;
-  shape.dtype = DType::kBF16;
-  shape.kv_format = KvFormat::kFp8E4M3;
-  shape.k_descale = {0.5f, 0.25f, 1.0f, 0.125f};
-  shape.v_descale = {0.25f, 0.5f, 0.125f, 1.0f};
+  const client::SequenceShape shape = Float8Shape();
   PrefillForkAndMove(shape, {129, 17, 0, 33}, 200);
 }
 
 // The importer opens the handle itself: one that is not a handle is refused naming the field, before anything is
 // copied, and the sequence it took pages for is freed; the sequence stays on A.
 TEST_F(GpuSequenceMoves, AnImportWhoseHandleDoesNotOpenLeavesNothing) {
-  client::SequenceShape shape;
-  shape.layers = 2;
-  shape.kv_heads = 2;
-  shape.head_dim = 128;
+  const client::SequenceShape shape = Bf16Shape(2);
   auto opened = client_->OpenSequence(shape);
   ASSERT_TRUE(opened.ok()) << opened.status();
   Append(shape, opened->ids[0], 0, 20, 300);
@@ -317,23 +326,12 @@ class GpuSequenceMovesFromPool : public GpuSequenceMoves {
 };
 
 TEST_F(GpuSequenceMovesFromPool, Bf16SequencesAndAForkMoveFromThePool) {
-  client::SequenceShape shape;
-  shape.layers = 3;
-  shape.kv_heads = 2;
-  shape.head_dim = 128;
-  shape.dtype = DType::kBF16;
+  const client::SequenceShape shape = Bf16Shape(3);
   PrefillForkAndMove(shape, {37, 130, 5}, 400);
 }
 
 TEST_F(GpuSequenceMovesFromPool, Float8CacheMovesFromThePool) {
-  client::SequenceShape shape;
-  shape.layers = 4;
-  shape.kv_heads = 4;
-  shape.head_dim = 64;
-  shape.dtype = DType::kBF16;
-  shape.kv_format = KvFormat::kFp8E4M3;
-  shape.k_descale = {0.5f, 0.25f, 1.0f, 0.125f};
-  shape.v_descale = {0.25f, 0.5f, 0.125f, 1.0f};
+  const client::SequenceShape shape = Float8Shape();
   PrefillForkAndMove(shape, {129, 17, 0, 33}, 500);
 }
 
@@ -349,21 +347,14 @@ class GpuSequenceMovesToARefusingImporter : public GpuSequenceMoves {
 
 TEST_F(GpuSequenceMovesToARefusingImporter, AnAutomaticMoveFallsBackToBytes) {
   expected_path_ = client::MovePath::kBytes;
-  client::SequenceShape shape;
-  shape.layers = 2;
-  shape.kv_heads = 2;
-  shape.head_dim = 128;
-  shape.dtype = DType::kBF16;
+  const client::SequenceShape shape = Bf16Shape(2);
   PrefillForkAndMove(shape, {45, 16}, 700);
 }
 
 // The pool an export names is checked against the allocation its handle opens: a pool claimed larger is refused
 // naming the field, before anything is copied, and leaves nothing on B.
 TEST_F(GpuSequenceMovesFromPool, APoolLargerThanItsAllocationIsRefused) {
-  client::SequenceShape shape;
-  shape.layers = 2;
-  shape.kv_heads = 2;
-  shape.head_dim = 128;
+  const client::SequenceShape shape = Bf16Shape(2);
   auto opened = client_->OpenSequence(shape);
   ASSERT_TRUE(opened.ok()) << opened.status();
   Append(shape, opened->ids[0], 0, 20, 600);
