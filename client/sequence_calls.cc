@@ -565,6 +565,9 @@ absl::Status Client::CloseSequence(const std::vector<std::string>& sequence_ids,
 
 namespace {
 
+// Servers whose GPU GpuOf remembers at most.
+constexpr size_t kGpusRemembered = 1024;
+
 // A move's failure, naming the server and the side that failed.
 absl::Status Side(const char* side, const std::string& server, const absl::Status& s) {
   return absl::Status(s.code(), absl::StrCat(side, " ", server, " failed (the sequence stays where it was): ",
@@ -572,6 +575,27 @@ absl::Status Side(const char* side, const std::string& server, const absl::Statu
 }
 
 }  // namespace
+
+std::string Client::GpuOf(const std::string& address, const CallOptions& call) {
+  {
+    absl::MutexLock lock(&gpus_mu_);
+    if (auto it = gpus_.find(address); it != gpus_.end()) return it->second;
+  }
+  absl::StatusOr<v1::ServerInfo> info =
+      CallOn(address, &v1::Attention::Stub::GetServerInfo, v1::GetServerInfoRequest(), call);
+  if (!info.ok()) return std::string();  // not remembered: the next move asks again
+  std::string gpu = info->devices().empty() ? std::string() : info->devices(0).uuid();
+  absl::MutexLock lock(&gpus_mu_);
+  // A fleet's addresses come and go (pods): what is remembered stays bounded.
+  if (gpus_.size() >= kGpusRemembered) gpus_.clear();
+  gpus_[address] = gpu;
+  return gpu;
+}
+
+void Client::ForgetGpuOf(const std::string& address) {
+  absl::MutexLock lock(&gpus_mu_);
+  gpus_.erase(address);
+}
 
 const char* MovePathName(MovePath path) {
   switch (path) {
@@ -601,14 +625,8 @@ absl::StatusOr<MovedSequence> Client::MoveSequence(const std::string& sequence_i
   if (!target.ok()) return target.status();
   bool device = options.path == MovePath::kDevice;
   if (options.path == MovePath::kAuto) {
-    // The GPU each server keeps its sequences on: its first device's (empty on the CPU backend, or unknown).
-    auto gpu_of = [&](const std::string& address) -> std::string {
-      absl::StatusOr<v1::ServerInfo> info = CallOn(address, &v1::Attention::Stub::GetServerInfo,
-                                                   v1::GetServerInfoRequest(), call);
-      return info.ok() && !info->devices().empty() ? info->devices(0).uuid() : std::string();
-    };
-    const std::string gpu = gpu_of(from);
-    device = !gpu.empty() && gpu == gpu_of(to);
+    const std::string gpu = GpuOf(from, call);
+    device = !gpu.empty() && gpu == GpuOf(to, call);
   }
   RelayOutcome relayed;
   const bool tried_device = device;
@@ -625,7 +643,12 @@ absl::StatusOr<MovedSequence> Client::MoveSequence(const std::string& sequence_i
     const bool exporter_refused = relayed.exported.code() == absl::StatusCode::kFailedPrecondition;
     const bool importer_refused =
         relayed.import_failed_first && relayed.imported.code() == absl::StatusCode::kFailedPrecondition;
-    if (options.path == MovePath::kAuto && (exporter_refused || importer_refused)) device = false;
+    if (options.path == MovePath::kAuto && (exporter_refused || importer_refused)) {
+      device = false;
+      // What either server said of its GPU may be stale (another server at the address): the next move asks again.
+      ForgetGpuOf(from);
+      ForgetGpuOf(to);
+    }
   }
   if (!device) {
     absl::StatusOr<std::shared_ptr<grpc::Channel>> source_channel = ChannelFor(from);

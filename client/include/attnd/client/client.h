@@ -425,6 +425,10 @@ class Client {
   std::optional<std::string> LearnMove(const absl::Status& st, const std::vector<std::string>& ids);
   // Where `ids` name two servers: the moves of each, learnt by asking about it (see the definition).
   void LearnMovesOf(const std::vector<std::string>& ids, const CallOptions& call);
+  // The GPU the server at `address` keeps its sequences on (its first device's UUID; empty on the CPU backend or
+  // when it cannot be asked), asked once and remembered; Forget drops it.
+  std::string GpuOf(const std::string& address, const CallOptions& call);
+  void ForgetGpuOf(const std::string& address);
   class StepStreamCall;
   // A step over an idle StepStream to `address` (a new one when none is idle); nullopt when that server has no
   // StepStream (the step was not sent).
@@ -462,6 +466,8 @@ class Client {
   absl::flat_hash_map<std::string, std::string> moved_ ABSL_GUARDED_BY(moved_mu_);  // old id -> new id
   std::deque<std::string> moved_order_ ABSL_GUARDED_BY(moved_mu_);                  // the oldest first
   std::atomic<uint64_t> moves_followed_{0};
+  absl::Mutex gpus_mu_;
+  absl::flat_hash_map<std::string, std::string> gpus_ ABSL_GUARDED_BY(gpus_mu_);  // address -> GpuOf's answer
   // Idle StepStreams by server address ("" for the target), and the addresses whose server has none. Declared
   // last: the streams end before the stubs and channels they were opened on.
   absl::Mutex step_streams_mu_;
