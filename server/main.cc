@@ -156,10 +156,11 @@ ABSL_FLAG(uint32_t, max_sequences_per_client, 0, "sequences one client may hold 
 ABSL_FLAG(uint64_t, max_pages_per_client, 0, "KV pages one client's sequences may hold (0: no limit)");
 ABSL_FLAG(bool, sequence_device_moves, true,
           "moves between two attnd on one GPU through CUDA IPC (false: refused FAILED_PRECONDITION; see sequences.md)");
-ABSL_FLAG(bool, sequence_device_moves_share_pool, false,
-          "a device export hands out its page pool's CUDA IPC handle and the sequence's pages, read in place by the "
-          "importer (one copy instead of two); whoever gets the handle can read and write every sequence of that pool: "
-          "only for callers trusted with all of them (security-and-metrics.md)");
+ABSL_FLAG(std::string, sequence_device_moves_share_pool, "peers",
+          "whose device exports hand out the page pool's CUDA IPC handle and the sequence's pages, read in place by "
+          "the importer (one copy instead of two): never | peers (the fleet's servers, calls with the "
+          "--peer_secret_file secret: a drain) | always. Whoever gets the handle can read and write every sequence of "
+          "that pool (security-and-metrics.md)");
 ABSL_FLAG(uint32_t, max_step_batch, 256, "sequences in one batched step launch (and in one Step call)");
 ABSL_FLAG(int64_t, step_batch_wait_us, 0,
           "how long the first step of an idle layer waits for others to join its launch (0: launch at once; "
@@ -183,6 +184,7 @@ namespace {
 using attnd::server::BackendOptions;
 using attnd::server::SequenceOptions;
 using attnd::server::ServerOptions;
+using attnd::server::SharePool;
 
 int Fail(const std::string& message) {
   std::fprintf(stderr, "attnd: %s\n", message.c_str());
@@ -373,7 +375,17 @@ absl::StatusOr<SequenceOptions> SequenceFlags(const attnd::server::Backend& back
   so.max_per_client = absl::GetFlag(FLAGS_max_sequences_per_client);
   so.max_pages_per_client = absl::GetFlag(FLAGS_max_pages_per_client);
   so.device_moves = absl::GetFlag(FLAGS_sequence_device_moves);
-  so.device_moves_share_pool = absl::GetFlag(FLAGS_sequence_device_moves_share_pool);
+  const std::string share = absl::GetFlag(FLAGS_sequence_device_moves_share_pool);
+  if (share == "never") {
+    so.device_moves_share_pool = SharePool::kNever;
+  } else if (share == "peers") {
+    so.device_moves_share_pool = SharePool::kPeers;
+  } else if (share == "always") {
+    so.device_moves_share_pool = SharePool::kAlways;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--sequence_device_moves_share_pool: '", share, "' is not never, peers or always"));
+  }
   so.max_batch = absl::GetFlag(FLAGS_max_step_batch);
   if (so.max_batch < 1) return absl::InvalidArgumentError("--max_step_batch: must be >= 1");
   so.max_open = so.max_batch;

@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "attnd/transport/zero_copy.h"
+#include "auth.h"
 #include "call_observer.h"
 #include "core_messages.h"
 #include "grpc_status.h"
@@ -114,10 +115,10 @@ class Bounded {
 // in memory at a time.
 class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public Bounded {
  public:
-  ExportReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, const std::string& owner,
+  ExportReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, const std::string& owner, bool peer,
                 const grpc::ByteBuffer* request_bytes, uint64_t stream_chunk_bytes, absl::Duration idle,
                 absl::Time start)
-      : Bounded(idle, absl::InfiniteFuture()), ctx_(ctx), sequences_(sequences), start_(start) {
+      : Bounded(idle, absl::InfiniteFuture()), ctx_(ctx), sequences_(sequences), peer_(peer), start_(start) {
     v1::ExportSequenceRequest request;
     grpc::ByteBuffer copy(*request_bytes);  // shares the slices; parsing consumes the buffer it is given
     absl::StatusOr<MovingSequence> held =
@@ -199,7 +200,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
   // The rows gathered into a device buffer of their own, and the one chunk that carries its handle, written after
   // the header.
   void ExportOnDevice() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    absl::StatusOr<DeviceRows> rows = sequences_->ExportOnDevice(moving_, &device_rows_);
+    absl::StatusOr<DeviceRows> rows = sequences_->ExportOnDevice(moving_, peer_, &device_rows_);
     more_ = true;
     if (!rows.ok()) {
       next_ = rows.status();
@@ -255,6 +256,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
 
   grpc::CallbackServerContext* const ctx_;
   Sequences* const sequences_;
+  const bool peer_;  // the call carried the fleet's peer secret
   const absl::Time start_;
   MovingSequence moving_;
   absl::Status expired_ ABSL_GUARDED_BY(mu_);
@@ -434,8 +436,10 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* AttentionService::ExportSequence(grp
                                                                             const grpc::ByteBuffer* request) {
   absl::StatusOr<std::string> owner = OwnerOf(ctx);
   if (!owner.ok()) return new RefusedCall<grpc::ServerWriteReactor<grpc::ByteBuffer>>(owner.status());
-  return new ExportReactor(ctx, sequences_, *owner, request, stream_chunk_bytes(),
-                           stream_idle_timeout(), absl::Now());
+  // OwnerOf admitted the call, so a peer secret it carries is this fleet's.
+  const bool peer = ctx->client_metadata().count(kPeerSecretMetadata) > 0;
+  return new ExportReactor(ctx, sequences_, *owner, peer, request, stream_chunk_bytes(), stream_idle_timeout(),
+                           absl::Now());
 }
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* AttentionService::ImportSequence(grpc::CallbackServerContext* ctx,

@@ -1,7 +1,8 @@
 // Same-host sequence moves on one GPU: two `attnd --backend=cuda` processes share the device, and Client::MoveSequence
 // carries each sequence's rows through one CUDA IPC buffer (MovePath::kDevice), or, from an exporter that shares its
-// pool (--sequence_device_moves_share_pool), from the exporter's pages in place into an importer whose pages hold
-// another number of tokens. An importer that refuses the device path gets the bytes. Sequences of bf16 and float8
+// pool (--sequence_device_moves_share_pool=always), from the exporter's pages in place into an importer whose pages
+// hold another number of tokens; by default only an export that carries the fleet's peer secret (a drain's) gets
+// the pool, an ordinary caller's a buffer. An importer that refuses the device path gets the bytes. Sequences of bf16 and float8
 // caches, several layers, lengths that are no whole number of pages, and a fork sharing its parent's pages are
 // prefilled with random rows on A, forked there once more (the copy that stays on A), and moved to B. On B each answers
 // a decode step exactly as its copy on A answers the same step (the same kernel over the same rows: bit for bit), and
@@ -11,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
@@ -190,6 +192,17 @@ class GpuSequenceMoves : public ::testing::Test {
     ASSERT_TRUE(r.ok()) << r.status();
   }
 
+  // A sequence opened on A with `tokens` random rows at layer 0; empty (the failure reported) when that fails.
+  std::string OpenWithRows(const client::SequenceShape& shape, int64_t tokens, uint64_t seed) {
+    auto opened = client_->OpenSequence(shape);
+    if (!opened.ok()) {
+      ADD_FAILURE() << opened.status();
+      return "";
+    }
+    Append(shape, opened->ids[0], 0, tokens, seed);
+    return HasFailure() ? "" : opened->ids[0];
+  }
+
   // O of one decode step (a token appended and attended) of `id` at `layer`, from seeded inputs.
   absl::StatusOr<std::string> Decode(const client::SequenceShape& shape, const std::string& id, int64_t layer,
                                      uint64_t seed) {
@@ -207,6 +220,18 @@ class GpuSequenceMoves : public ::testing::Test {
     auto r = client_->Step(spec);
     if (!r.ok()) return r.status();
     return r->o;
+  }
+
+  // Decode at layer 0 once an export that was cancelled has let the sequence go (ABORTED "being moved" until then,
+  // a moment after the cancel).
+  absl::StatusOr<std::string> DecodeOnceReleased(const client::SequenceShape& shape, const std::string& id,
+                                                 uint64_t seed) {
+    const absl::Time end = absl::Now() + absl::Seconds(10);
+    absl::StatusOr<std::string> o;
+    do {
+      o = Decode(shape, id, 0, seed);
+    } while (absl::IsAborted(o.status()) && absl::Now() < end);
+    return o;
   }
 
   // Moves `id` to B (by the device path unless B refuses it) and checks it against `copy` (a fork of it kept on
@@ -289,15 +314,13 @@ TEST_F(GpuSequenceMoves, Float8CacheMovesOnTheDevice) {
 // copied, and the sequence it took pages for is freed; the sequence stays on A.
 TEST_F(GpuSequenceMoves, AnImportWhoseHandleDoesNotOpenLeavesNothing) {
   const client::SequenceShape shape = Bf16Shape(2);
-  auto opened = client_->OpenSequence(shape);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  Append(shape, opened->ids[0], 0, 20, 300);
-  ASSERT_FALSE(HasFatalFailure());
+  const std::string id = OpenWithRows(shape, 20, 300);
+  ASSERT_FALSE(id.empty());
   v1::ImportSequenceRequest header, rows;
   {
     grpc::ClientContext ctx;
     std::unique_ptr<grpc::ClientReader<v1::ExportSequenceResponse>> reader;
-    ReadDeviceExport(&ctx, opened->ids[0], &header, &rows, &reader);
+    ReadDeviceExport(&ctx, id, &header, &rows, &reader);
     ASSERT_FALSE(HasFatalFailure());
     EXPECT_EQ(rows.chunk().device_rows().bytes(), 2u * 20 * 2 * 128 * 2);
     ctx.TryCancel();
@@ -308,11 +331,7 @@ TEST_F(GpuSequenceMoves, AnImportWhoseHandleDoesNotOpenLeavesNothing) {
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
   EXPECT_TRUE(absl::StartsWith(st.error_message(), "chunk.device_rows.ipc_handle: ")) << st.error_message();
   // The export ended with the cancel: the sequence steps again on A.
-  const absl::Time end = absl::Now() + absl::Seconds(10);
-  absl::StatusOr<std::string> o;
-  do {
-    o = Decode(shape, opened->ids[0], 0, 310);
-  } while (absl::IsAborted(o.status()) && absl::Now() < end);
+  const absl::StatusOr<std::string> o = DecodeOnceReleased(shape, id, 310);
   EXPECT_TRUE(o.ok()) << o.status();
 }
 
@@ -320,7 +339,7 @@ TEST_F(GpuSequenceMoves, AnImportWhoseHandleDoesNotOpenLeavesNothing) {
 class GpuSequenceMovesFromPool : public GpuSequenceMoves {
  protected:
   std::vector<std::string> ServerFlags(int server) const override {
-    if (server == 0) return {"--sequence_device_moves_share_pool", "--kv_page_tokens=16"};
+    if (server == 0) return {"--sequence_device_moves_share_pool=always", "--kv_page_tokens=16"};
     return {"--kv_page_tokens=64"};
   }
 };
@@ -355,14 +374,12 @@ TEST_F(GpuSequenceMovesToARefusingImporter, AnAutomaticMoveFallsBackToBytes) {
 // naming the field, before anything is copied, and leaves nothing on B.
 TEST_F(GpuSequenceMovesFromPool, APoolLargerThanItsAllocationIsRefused) {
   const client::SequenceShape shape = Bf16Shape(2);
-  auto opened = client_->OpenSequence(shape);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  Append(shape, opened->ids[0], 0, 20, 600);
-  ASSERT_FALSE(HasFatalFailure());
+  const std::string id = OpenWithRows(shape, 20, 600);
+  ASSERT_FALSE(id.empty());
   grpc::ClientContext export_ctx;
   std::unique_ptr<grpc::ClientReader<v1::ExportSequenceResponse>> reader;
   v1::ImportSequenceRequest header, rows;
-  ReadDeviceExport(&export_ctx, opened->ids[0], &header, &rows, &reader);
+  ReadDeviceExport(&export_ctx, id, &header, &rows, &reader);
   ASSERT_FALSE(HasFatalFailure());
   ASSERT_TRUE(rows.chunk().device_rows().has_pool());
   EXPECT_EQ(rows.chunk().device_rows().pool().page_tokens(), 16);
@@ -374,6 +391,51 @@ TEST_F(GpuSequenceMovesFromPool, APoolLargerThanItsAllocationIsRefused) {
   EXPECT_TRUE(absl::StartsWith(st.error_message(), "chunk.device_rows.pool.num_pages: ")) << st.error_message();
   export_ctx.TryCancel();
   reader->Finish().ok();
+}
+
+// By default (--sequence_device_moves_share_pool=peers) an export hands out the pool only to a call carrying the
+// fleet's peer secret, as a drain's moves do; an ordinary caller's gets a buffer of the sequence's rows alone.
+class GpuSequenceMovesSharedWithPeers : public GpuSequenceMoves {
+ protected:
+  static constexpr char kSecret[] = "gpu-sequence-moves-peer-secret";
+  void SetUp() override {
+    secret_file_ = absl::StrCat(::testing::TempDir(), "/peer_secret_", ::getpid());
+    FILE* f = std::fopen(secret_file_.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs(kSecret, f);
+    std::fclose(f);
+    GpuSequenceMoves::SetUp();
+  }
+  void TearDown() override { std::remove(secret_file_.c_str()); }
+  std::vector<std::string> ServerFlags(int server) const override {
+    (void)server;
+    return {"--peer_secret_file=" + secret_file_};
+  }
+  std::string secret_file_;
+};
+
+TEST_F(GpuSequenceMovesSharedWithPeers, OnlyAPeersExportGetsThePool) {
+  const client::SequenceShape shape = Bf16Shape(2);
+  const std::string id = OpenWithRows(shape, 20, 800);
+  ASSERT_FALSE(id.empty());
+  for (const bool peer : {false, true}) {
+    SCOPED_TRACE(peer ? "with the peer secret" : "without");
+    grpc::ClientContext ctx;
+    if (peer) {
+      // The owner the client's calls are (its loopback host, OwnerOf), so the export finds the sequence.
+      ctx.AddMetadata("attnd-peer-secret", kSecret);
+      ctx.AddMetadata("attnd-owner", "ipv4:127.0.0.1");
+    }
+    std::unique_ptr<grpc::ClientReader<v1::ExportSequenceResponse>> reader;
+    v1::ImportSequenceRequest header, rows;
+    ReadDeviceExport(&ctx, id, &header, &rows, &reader);
+    ASSERT_FALSE(HasFatalFailure());
+    EXPECT_EQ(rows.chunk().device_rows().has_pool(), peer);
+    ctx.TryCancel();
+    reader->Finish().ok();
+    const absl::StatusOr<std::string> o = DecodeOnceReleased(shape, id, 810);
+    ASSERT_TRUE(o.ok()) << o.status();
+  }
 }
 
 }  // namespace

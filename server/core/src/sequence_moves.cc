@@ -114,12 +114,15 @@ absl::Status CheckPoolPages(const MovingSequence& m, const DeviceRows& rows) {
 
 }  // namespace
 
-absl::StatusOr<DeviceRows> Sequences::ExportOnDevice(const MovingSequence& m, std::shared_ptr<void>* hold) {
+absl::StatusOr<DeviceRows> Sequences::ExportOnDevice(const MovingSequence& m, bool peer,
+                                                     std::shared_ptr<void>* hold) {
   if (!options_.device_moves) {
     return absl::FailedPreconditionError(
         "device: this server moves sequences by bytes only (--sequence_device_moves=false)");
   }
-  return backend_->ExportKvRowsOnDevice(*m.pool, m.pages, m.lengths, options_.device_moves_share_pool, hold);
+  const SharePool share = options_.device_moves_share_pool;
+  const bool share_pool = share == SharePool::kAlways || (share == SharePool::kPeers && peer);
+  return backend_->ExportKvRowsOnDevice(*m.pool, m.pages, m.lengths, share_pool, hold);
 }
 
 absl::Status Sequences::ImportOnDevice(const MovingSequence& m, const DeviceRows& rows) {

@@ -252,7 +252,7 @@ TEST_F(SequencesTest, DeviceRowsAreRefusedOnTheCpuBackendAndLeaveNothing) {
   absl::StatusOr<server::MovingSequence> held = core->BeginExport("alice", ids[0]);
   ASSERT_TRUE(held.ok()) << held.status();
   std::shared_ptr<void> hold;
-  ExpectStatus(core->ExportOnDevice(*held, &hold).status(), absl::StatusCode::kFailedPrecondition, "device: ");
+  ExpectStatus(core->ExportOnDevice(*held, /*peer=*/false, &hold).status(), absl::StatusCode::kFailedPrecondition, "device: ");
   EXPECT_EQ(hold, nullptr);
   core->EndExport(*held);
   StepAndVerify(ids, {1}, 0);  // released
@@ -307,7 +307,7 @@ TEST_F(SequencesTest, DeviceMovesTurnedOffAreRefusedNamingTheFlag) {
   absl::StatusOr<server::MovingSequence> held = core->BeginExport("alice", ids[0]);
   ASSERT_TRUE(held.ok()) << held.status();
   std::shared_ptr<void> hold;
-  ExpectStatus(core->ExportOnDevice(*held, &hold).status(), absl::StatusCode::kFailedPrecondition,
+  ExpectStatus(core->ExportOnDevice(*held, /*peer=*/false, &hold).status(), absl::StatusCode::kFailedPrecondition,
                "device: this server moves sequences by bytes only (--sequence_device_moves=false)");
   EXPECT_EQ(hold, nullptr);
   core->EndExport(*held);

@@ -35,6 +35,10 @@ namespace attnd::server {
 // The payload (absl::Status::GetPayload) of a NOT_FOUND naming a sequence closed with moved_to: its new id.
 inline constexpr char kMovedToPayload[] = "type.attnd.dev/moved_to";
 
+// Whose same-GPU exports read the pool in place (SequenceOptions::device_moves_share_pool): nobody's, the fleet's
+// servers' only, or every caller's.
+enum class SharePool { kNever, kPeers, kAlways };
+
 struct SequenceOptions {
   bool enabled = true;
   // K/V memory of every pool together. Each shape gets pool_bytes / max_pools when its first sequence opens
@@ -64,9 +68,11 @@ struct SequenceOptions {
   // refused FAILED_PRECONDITION, and movers take the bytes path (docs/security-and-metrics.md says why a server
   // whose callers are not trusted turns them off).
   bool device_moves = true;
-  // A device export hands out its pool's handle and the sequence's pages, which the importer reads in place (one
-  // copy), instead of a buffer of the sequence's rows alone: the importer can then read every page of that pool.
-  bool device_moves_share_pool = false;
+  // Which device exports hand out the pool's handle and the sequence's pages, read by the importer in place (one
+  // copy), instead of a buffer of the sequence's rows alone: whoever opens the pool can read every page of it, so
+  // by default only the exports of the fleet's own servers (a drain, acting through the peer secret), which may
+  // export any caller's sequence anyway.
+  SharePool device_moves_share_pool = SharePool::kPeers;
   std::string advertise_address;     // appended to ids after '@' (the address clients reach this server at)
   size_t tombstones = 4096;          // closed/expired ids remembered for a clear NOT_FOUND reason
 };
@@ -126,7 +132,8 @@ class Sequences {
   // The same move on one GPU (ExportSequenceRequest.device): every row of an exported sequence gathered into a
   // device buffer of its own, kept by `hold` (drop it after EndExport's caller knows the importer closed it); and
   // every row of an imported one copied from such a buffer, which must hold exactly the header's rows.
-  absl::StatusOr<DeviceRows> ExportOnDevice(const MovingSequence& m, std::shared_ptr<void>* hold);
+  // `peer`: the export is a fleet server's (its call carried the peer secret), for SequenceOptions' SharePool.
+  absl::StatusOr<DeviceRows> ExportOnDevice(const MovingSequence& m, bool peer, std::shared_ptr<void>* hold);
   absl::Status ImportOnDevice(const MovingSequence& m, const DeviceRows& rows);
 
   // Called exactly once per Step: on a backend thread with the finished job, or inline with a null job when the
