@@ -7,6 +7,9 @@ namespace attnd::server::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+// Loads a thread has in flight before its stores: a run of a 16-token page (32 KiB of bf16 rows at hd128 x 8 heads)
+// is then two rounds of memory latency rather than eight.
+constexpr int kInFlight = 4;
 
 __global__ void __launch_bounds__(kThreads) CopyRuns(const KvRowRun* __restrict__ runs, const uint8_t* __restrict__ src,
                                                      uint8_t* __restrict__ dst) {
@@ -14,7 +17,15 @@ __global__ void __launch_bounds__(kThreads) CopyRuns(const KvRowRun* __restrict_
   const auto* from = reinterpret_cast<const uint4*>(src + run.from);
   auto* to = reinterpret_cast<uint4*>(dst + run.to);
   const uint64_t n = run.bytes / sizeof(uint4);
-  for (uint64_t i = threadIdx.x; i < n; i += kThreads) to[i] = from[i];
+  uint64_t i = threadIdx.x;
+  for (; i + (kInFlight - 1) * kThreads < n; i += kInFlight * kThreads) {
+    uint4 v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) v[u] = from[i + u * kThreads];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) to[i + u * kThreads] = v[u];
+  }
+  for (; i < n; i += kThreads) to[i] = from[i];
 }
 
 }  // namespace
