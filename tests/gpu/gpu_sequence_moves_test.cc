@@ -1,9 +1,9 @@
 // Same-host sequence moves on one GPU: two `attnd --backend=cuda` processes share the device, and Client::MoveSequence
 // carries each sequence's rows through one CUDA IPC buffer (MovePath::kDevice), or, from an exporter that shares its
 // pool (--sequence_device_moves_share_pool=always), from the exporter's pages in place into an importer whose pages
-// hold another number of tokens; by default only an export that carries the fleet's peer secret (a drain's) gets
-// the pool, an ordinary caller's a buffer. An importer that refuses the device path gets the bytes. Sequences of bf16 and float8
-// caches, several layers, lengths that are no whole number of pages, and a fork sharing its parent's pages are
+// hold another number of tokens; by default only an export that carries the fleet's peer secret (a drain's) gets the
+// pool, an ordinary caller's a buffer. An importer that refuses the device path gets the bytes. Sequences of bf16 and
+// float8 caches, several layers, lengths that are no whole number of pages, and a fork sharing its parent's pages are
 // prefilled with random rows on A, forked there once more (the copy that stays on A), and moved to B. On B each answers
 // a decode step exactly as its copy on A answers the same step (the same kernel over the same rows: bit for bit), and
 // the old id answers NOT_FOUND "moved to". A device_rows chunk whose handle is not one is refused naming the field and
