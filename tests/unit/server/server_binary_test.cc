@@ -648,6 +648,7 @@ TEST(BinaryFlags, BadFlagsExitTwo) {
       {ATTND_BINARY, "--grpc_arg=not-a-pair"},
       {ATTND_BINARY, "--stream_idle_timeout_s=-1"},
       {ATTND_BINARY, "--keepalive_time_s=nan"},
+      {ATTND_BINARY, "--sequence_device_moves_share_pool=sometimes"},
   };
   for (const auto& args : bad) {
     SCOPED_TRACE(args.back());
