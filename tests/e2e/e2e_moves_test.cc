@@ -168,10 +168,8 @@ TEST_F(Moves, ASequenceMovesWithItsTokensAndItsIdFollows) {
   }
   // The old id says where the sequence went, in its message and in trailing metadata.
   grpc::ClientContext ctx;
-  v1::GetSequenceRequest get;
-  get.set_sequence_id(id);
   v1::SequenceInfo gone;
-  const grpc::Status old = stub_a_->GetSequence(&ctx, get, &gone);
+  const grpc::Status old = GetSequenceAsSent(stub_a_.get(), id, &ctx, &gone);
   EXPECT_EQ(old.error_code(), grpc::StatusCode::NOT_FOUND) << old.error_message();
   EXPECT_TRUE(absl::StrContains(old.error_message(), "moved to " + *moved)) << old.error_message();
   const auto trailer = ctx.GetServerTrailingMetadata().find("attnd-moved-to");

@@ -244,10 +244,8 @@ TEST_F(StepStreamTest, AStepWaitingForItsLaunchWhenTheStreamIsCancelledIsCommitt
   // A call on the same connection after the cancellation: the server has read the cancellation before it.
   {
     grpc::ClientContext ctx;
-    v1::GetSequenceRequest get;
-    get.set_sequence_id(id_);
     v1::SequenceInfo info;
-    ASSERT_TRUE(stub->GetSequence(&ctx, get, &info).ok());
+    ASSERT_TRUE(GetSequenceAsSent(stub.get(), id_, &ctx, &info).ok());
     EXPECT_TRUE(info.step_in_flight());
     EXPECT_EQ(info.lengths(0), 0);
   }

@@ -258,10 +258,8 @@ class GpuSequenceMoves : public ::testing::Test {
     }
     // Asked directly (the client library would follow the old id to the new one).
     grpc::ClientContext ctx;
-    v1::GetSequenceRequest get;
-    get.set_sequence_id(id);
     v1::SequenceInfo gone;
-    const grpc::Status old = stub_a_->GetSequence(&ctx, get, &gone);
+    const grpc::Status old = e2e::GetSequenceAsSent(stub_a_.get(), id, &ctx, &gone);
     EXPECT_EQ(old.error_code(), grpc::StatusCode::NOT_FOUND) << old.error_message();
     EXPECT_TRUE(absl::StrContains(old.error_message(), "moved to " + moved->sequence_id)) << old.error_message();
     EXPECT_TRUE(client_->CloseSequence({moved->sequence_id}).ok());

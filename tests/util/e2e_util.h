@@ -136,6 +136,15 @@ inline std::unique_ptr<client::Client> Connect(const std::string& target, client
   return c.ok() ? std::move(*c) : nullptr;
 }
 
+// GetSequence of `id` through `stub` itself, as sent: the client library would follow a moved id to its new one,
+// where this returns the NOT_FOUND "moved to" (its trailer in `ctx`).
+inline grpc::Status GetSequenceAsSent(v1::Attention::Stub* stub, const std::string& id, grpc::ClientContext* ctx,
+                                      v1::SequenceInfo* info) {
+  v1::GetSequenceRequest get;
+  get.set_sequence_id(id);
+  return stub->GetSequence(ctx, get, info);
+}
+
 // A request with random inputs (distinct per seed) and the oracle of its answer.
 struct Case {
   client::RequestSpec spec;
