@@ -35,12 +35,18 @@ absl::StatusOr<MovingSequence> Sequences::BeginExport(const std::string& owner, 
   return m;
 }
 
+void Sequences::ExportSent(const MovingSequence& m) {
+  absl::MutexLock lock(&mu_);
+  if (auto it = seqs_.find(m.sequence_id); it != seqs_.end()) it->second->export_sent = true;
+}
+
 void Sequences::EndExport(const MovingSequence& m) {
   absl::MutexLock lock(&mu_);
   auto it = seqs_.find(m.sequence_id);
   if (it == seqs_.end()) return;
   Seq* seq = it->second.get();
   seq->moving = false;
+  seq->export_sent = false;
   seq->last_used = absl::Now();
   if (seq->closing) Free(seq, seq->close_reason);
 }

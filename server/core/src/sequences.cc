@@ -85,16 +85,26 @@ absl::StatusOr<Sequences::Seq*> Sequences::Find(const std::string& owner, absl::
   if (id.empty()) return Invalid(field, "empty");
   if (id.size() > kMaxIdBytes) return Invalid(field, absl::StrCat("longer than ", kMaxIdBytes, " bytes"));
   auto it = seqs_.find(id);
-  // A foreign sequence reads exactly like an unknown one: its existence is not the caller's to learn.
-  if (it != seqs_.end() && it->second->owner == owner && !it->second->closing) return it->second.get();
-  auto tomb = tombstones_.find(id);
-  if (tomb != tombstones_.end() && (it == seqs_.end() || it->second->owner == owner)) {
-    absl::Status gone = absl::NotFoundError(absl::StrCat(field, ": sequence ", id, " is gone: ", tomb->second));
-    if (auto moved = moved_to_.find(id); moved != moved_to_.end()) {
-      gone.SetPayload(kMovedToPayload, absl::Cord(moved->second));
-      expect_follow_.erase(moved->first);
+  const auto gone = [&](absl::string_view reason, absl::string_view moved_to) {
+    absl::Status status = absl::NotFoundError(absl::StrCat(field, ": sequence ", id, " is gone: ", reason));
+    if (!moved_to.empty()) {
+      status.SetPayload(kMovedToPayload, absl::Cord(moved_to));
+      expect_follow_.erase(std::string(id));
     }
-    return gone;
+    return status;
+  };
+  // A foreign sequence reads exactly like an unknown one: its existence is not the caller's to learn.
+  if (it != seqs_.end() && it->second->owner == owner) {
+    const Seq& seq = *it->second;
+    if (!seq.closing) return it->second.get();
+    // Closed while an export or a step still holds it (a mover closes the old copy before it lets the export
+    // go): it reads as its tombstone will, so a caller follows a move from the moment of the close.
+    return gone(seq.close_reason, seq.moved_to);
+  }
+  auto tomb = tombstones_.find(id);
+  if (tomb != tombstones_.end() && it == seqs_.end()) {
+    auto moved = moved_to_.find(id);
+    return gone(tomb->second, moved == moved_to_.end() ? absl::string_view() : absl::string_view(moved->second));
   }
   if (!absl::StartsWith(id, absl::StrCat(instance_, "-"))) {
     return absl::NotFoundError(absl::StrCat(
@@ -428,7 +438,8 @@ absl::Status Sequences::Close(const std::string& owner, absl::Span<const absl::s
   }
   for (Seq* seq : found) {
     seq->moved_to = std::string(moved_to);
-    if (seq->busy()) {
+    // An export that has read every row it sends needs the pages no more: only its hold against steps remains.
+    if (seq->steps > 0 || (seq->moving && !seq->export_sent)) {
       seq->closing = true;  // Finish (or EndExport) frees it
       seq->close_reason = reason;
     } else {

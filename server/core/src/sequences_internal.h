@@ -94,6 +94,9 @@ struct Sequences::Seq {
   std::vector<Admitted::Copy> reverts;
   bool trim = false;
   bool moving = false;   // held by an export or an import
+  // An export has read every row it sends (ExportSent) and holds the sequence only until its mover's close, which
+  // then frees it at once instead of at the export's end.
+  bool export_sent = false;
   // Held by a drain that moves it (HoldForMove): refused to steps, forks and truncations like `moving`, from before
   // its export until its close, so that no step lands between the export's end and the close.
   bool held_for_move = false;

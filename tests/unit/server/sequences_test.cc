@@ -151,6 +151,53 @@ TEST_F(SequencesTest, AMovedIdNamesItsNewIdAndIsFollowedOnceNamedAgain) {
   EXPECT_EQ(core->OpenSequences().size(), 1u);
 }
 
+// A mover closes the old copy while its export still holds it: from that close on, a step, a Get or a second export
+// reads NOT_FOUND naming the new id (what the tombstone says once the export ends), never an unknown id. The pages go
+// at the export's end, or at the close once the export has read every row it sends.
+TEST_F(SequencesTest, AnIdClosedDuringItsExportReadsAsMovedAtOnce) {
+  Start();
+  const std::vector<std::string> ids = Open(1);
+  StepAndVerify(ids, {5}, 0);
+  Sequences* core = sequences_->core();
+  absl::StatusOr<server::MovingSequence> held = core->BeginExport("alice", ids[0]);
+  ASSERT_TRUE(held.ok()) << held.status();
+  const absl::string_view first[] = {ids[0]};
+  ASSERT_TRUE(core->Close("alice", first, "elsewhere-2@10.0.0.2:50051").ok());
+  const auto expect_moved = [&](const absl::Status& status, const std::string& field) {
+    ExpectStatus(status, absl::StatusCode::kNotFound, field);
+    EXPECT_TRUE(absl::StrContains(status.message(), "moved to elsewhere-2@10.0.0.2:50051")) << status;
+    ASSERT_TRUE(status.GetPayload(server::kMovedToPayload).has_value()) << status;
+    EXPECT_EQ(std::string(*status.GetPayload(server::kMovedToPayload)), "elsewhere-2@10.0.0.2:50051");
+  };
+  expect_moved(Run(MakeStep(ids, {1}, 0)).status, "sequences[0].sequence_id: ");
+  expect_moved(core->Get("alice", ids[0]).status(), "sequence_id: ");
+  expect_moved(core->BeginExport("alice", ids[0]).status(), "sequence_id: ");
+  // Another caller still reads it as unknown, as it would any foreign id.
+  const absl::Status foreign = core->Get("bob", ids[0]).status();
+  ExpectStatus(foreign, absl::StatusCode::kNotFound, "sequence_id: ");
+  EXPECT_FALSE(foreign.GetPayload(server::kMovedToPayload).has_value()) << foreign;
+  EXPECT_EQ(sequences_->stats().open(), 1u);  // its pages stay until the export ends: it may still read them
+  core->EndExport(*held);
+  EXPECT_EQ(sequences_->stats().open(), 0u);
+  EXPECT_EQ(sequences_->stats().pages_used(), 0u);
+  expect_moved(core->Get("alice", ids[0]).status(), "sequence_id: ");
+
+  // An export that has read every row it sends (ExportSent) holds against steps, but a close frees it at once.
+  const std::vector<std::string> second = Open(1);
+  StepAndVerify(second, {7}, 0);
+  held = core->BeginExport("alice", second[0]);
+  ASSERT_TRUE(held.ok()) << held.status();
+  core->ExportSent(*held);
+  ExpectStatus(Run(MakeStep(second, {1}, 0)).status, absl::StatusCode::kAborted, "sequences[0].sequence_id: ");
+  const absl::string_view again[] = {second[0]};
+  ASSERT_TRUE(core->Close("alice", again, "elsewhere-2@10.0.0.2:50051").ok());
+  EXPECT_EQ(sequences_->stats().open(), 0u);
+  EXPECT_EQ(sequences_->stats().pages_used(), 0u);
+  expect_moved(Run(MakeStep(second, {1}, 0)).status, "sequences[0].sequence_id: ");
+  core->EndExport(*held);  // finds it gone
+  EXPECT_EQ(sequences_->stats().open(), 0u);
+}
+
 // Moving a sequence, in the core: an export holds it (no step, fork or truncate; a close waits for the end) and
 // reads its rows as they were sent, shared pages included; an import opens it only once it is complete.
 TEST_F(SequencesTest, AnExportHoldsItsSequenceAndAnImportOpensItWhole) {

@@ -124,6 +124,10 @@ class Sequences {
   absl::StatusOr<MovingSequence> BeginExport(const std::string& owner, absl::string_view sequence_id);
   absl::Status ReadRows(const MovingSequence& m, int layer, int kv, int64_t first, int64_t rows, uint8_t* dst);
   void EndExport(const MovingSequence& m) ABSL_LOCKS_EXCLUDED(mu_);
+  // The export has read every row it sends, from pages or into a buffer of its own (not an exporter's pool read in
+  // place): it still holds the sequence against steps, but a close (its mover's, once the import answered) frees
+  // the sequence at once rather than at EndExport.
+  void ExportSent(const MovingSequence& m) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<MovingSequence> BeginImport(const std::string& owner, const ImportArgs& header);
   absl::Status WriteRows(const MovingSequence& m, int layer, int kv, int64_t first, int64_t rows, const uint8_t* src);
   // The same from bytes in pieces (a received message's slices), which must hold exactly the rows' bytes.
