@@ -8,6 +8,7 @@
 #include <string>
 #include <string_view>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -46,13 +47,21 @@ struct RelayOutcome {
 };
 RelayOutcome RelaySequence(std::shared_ptr<grpc::Channel> from, std::shared_ptr<grpc::Channel> to,
                            grpc::ClientContext* export_ctx, grpc::ClientContext* import_ctx,
-                           const v1::ExportSequenceRequest& request);
+                           const v1::ExportSequenceRequest& request,
+                           absl::FunctionRef<void(const v1::ImportSequenceResponse&)> imported);
+// With `request.hold` the exporter keeps the sequence held after its rows and sends `end`, which the relay takes as
+// the end of the rows (half-closing the import) without passing it on; once the import has ended, `imported` runs
+// (when it answered) and then the export is cancelled, so the mover closes the old copy before anything can step it.
+// An exporter that does not hold ends its stream instead, and `imported` does not run: the caller closes after.
 // The same move on one GPU (`request.device` set): the export's header and device_rows chunks go to the import,
 // which is half-closed and answers; only then is the export cancelled, because the exporter frees the buffer the
-// handle names when its stream ends (the importer has closed the handle before answering). A failure on either side
+// handle names when its stream ends (the importer has closed the handle before answering). `imported` runs between
+// the import's answer and that cancel, while the exporter still holds the sequence (a step on it is refused as
+// "being moved"), so the mover can close the old copy before any step can land on it. A failure on either side
 // cancels both.
 RelayOutcome RelaySequenceOnDevice(v1::Attention::Stub* from, v1::Attention::Stub* to, grpc::ClientContext* export_ctx,
-                                   grpc::ClientContext* import_ctx, const v1::ExportSequenceRequest& request);
+                                   grpc::ClientContext* import_ctx, const v1::ExportSequenceRequest& request,
+                                   absl::FunctionRef<void(const v1::ImportSequenceResponse&)> imported);
 
 // What one Forward call sends: every request field but the inline tensor bytes, and those bytes, which
 // go out by reference while `owner` keeps them alive (zero_copy.h) or are copied when it is null.

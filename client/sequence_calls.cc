@@ -628,6 +628,24 @@ absl::StatusOr<MovedSequence> Client::MoveSequence(const std::string& sequence_i
     const std::string gpu = GpuOf(from, call);
     device = !gpu.empty() && gpu == GpuOf(to, call);
   }
+  // Calls naming the new id must find it: one without an address goes to this client's target.
+  const auto reachable = [&](const std::string& id) { return !SequenceAddress(id).empty() || to == options_.target; };
+  // The sequence is on both servers once the import answered: the old copy closes, telling later callers where it
+  // went, while the exporter still holds it (both relays call this before they let the export end): a step another
+  // caller sends meanwhile is refused "being moved", retried, and follows the move, instead of landing on the old
+  // copy after its rows were read. Should the close fail, the old copy stays until its TTL; the move has happened.
+  bool old_closed = false;
+  const auto close_old = [&](const v1::ImportSequenceResponse& imported) {
+    if (!reachable(imported.sequence_id())) return;
+    v1::CloseSequenceRequest close;
+    close.add_sequence_ids(sequence_id);
+    close.set_moved_to(imported.sequence_id());
+    grpc::ClientContext close_ctx;
+    Prepare(&close_ctx, call);
+    v1::CloseSequenceResponse closed;
+    (*source)->CloseSequence(&close_ctx, close, &closed).ok();
+    old_closed = true;
+  };
   RelayOutcome relayed;
   const bool tried_device = device;
   if (device) {
@@ -637,7 +655,7 @@ absl::StatusOr<MovedSequence> Client::MoveSequence(const std::string& sequence_i
     v1::ExportSequenceRequest request;
     request.set_sequence_id(sequence_id);
     request.set_device(true);
-    relayed = RelaySequenceOnDevice(*source, *target, &export_ctx, &import_ctx, request);
+    relayed = RelaySequenceOnDevice(*source, *target, &export_ctx, &import_ctx, request, close_old);
     // The exporter cannot keep the rows on a GPU (it has sent nothing), or the importer refused them (its
     // --sequence_device_moves; it kept nothing): the bytes carry them instead.
     const bool exporter_refused = relayed.exported.code() == absl::StatusCode::kFailedPrecondition;
@@ -658,6 +676,7 @@ absl::StatusOr<MovedSequence> Client::MoveSequence(const std::string& sequence_i
     v1::ExportSequenceRequest request;
     request.set_sequence_id(sequence_id);
     request.set_chunk_bytes(ChunkBytes(0));  // the stream chunk size ClientOptions sets for uploads
+    request.set_hold(true);
     // After a device attempt the exporter lets the sequence go when its cancelled stream ends, which can be a moment
     // after the cancel: until then a new export is ABORTED "being moved already", and tried again.
     const absl::Time until = absl::Now() + absl::Seconds(2);
@@ -665,7 +684,7 @@ absl::StatusOr<MovedSequence> Client::MoveSequence(const std::string& sequence_i
       grpc::ClientContext export_ctx, import_ctx;
       Prepare(&export_ctx, call);
       Prepare(&import_ctx, call);
-      relayed = RelaySequence(*source_channel, *target_channel, &export_ctx, &import_ctx, request);
+      relayed = RelaySequence(*source_channel, *target_channel, &export_ctx, &import_ctx, request, close_old);
       if (!tried_device || relayed.exported.code() != absl::StatusCode::kAborted ||
           !absl::StrContains(relayed.exported.message(), "being moved already") || absl::Now() > until) {
         break;
@@ -679,22 +698,14 @@ absl::StatusOr<MovedSequence> Client::MoveSequence(const std::string& sequence_i
   if (!relayed.imported.ok()) return Side("the import on", to, relayed.imported);
   const v1::ImportSequenceResponse& imported = relayed.response;
   MovedSequence moved{imported.sequence_id(), device ? MovePath::kDevice : MovePath::kBytes};
-  if (SequenceAddress(moved.sequence_id).empty() && to != options_.target) {
+  if (!reachable(moved.sequence_id)) {
     // Calls naming the new id would go to this client's target, not to `to`: undo the import.
     CloseSequence({moved.sequence_id}, call).IgnoreError();
     return absl::FailedPreconditionError(absl::StrCat(
         "to: ", to, " answers ids without an address (start it with --advertise_address), so calls about the moved "
         "sequence could not find it; the sequence stays where it was"));
   }
-  // The sequence is on both servers now: the old one closes, telling later callers where it went. Should the close
-  // fail, the old copy stays until its TTL; the move has happened.
-  v1::CloseSequenceRequest close;
-  close.add_sequence_ids(sequence_id);
-  close.set_moved_to(moved.sequence_id);
-  grpc::ClientContext close_ctx;
-  Prepare(&close_ctx, call);
-  v1::CloseSequenceResponse closed;
-  (*source)->CloseSequence(&close_ctx, close, &closed).ok();
+  if (!old_closed) close_old(imported);
   return moved;
 }
 

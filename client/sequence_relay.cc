@@ -33,7 +33,9 @@ class Relay {
   Relay(grpc::ClientContext* export_ctx, grpc::ClientContext* import_ctx)
       : export_ctx_(export_ctx), import_ctx_(import_ctx), export_(this), import_(this) {}
 
-  RelayOutcome Run(grpc::GenericStub* from, grpc::GenericStub* to, const v1::ExportSequenceRequest& request) {
+  RelayOutcome Run(grpc::GenericStub* from, grpc::GenericStub* to, const v1::ExportSequenceRequest& request,
+                   absl::FunctionRef<void(const v1::ImportSequenceResponse&)> imported) {
+    hold_ = request.hold();
     bool own = false;
     if (!grpc::SerializationTraits<v1::ExportSequenceRequest>::Serialize(request, &request_buf_, &own).ok()) {
       RelayOutcome out;
@@ -49,8 +51,15 @@ class Relay {
     import_.StartRead(&response_buf_);   // comes back when the importer answers, or ends the call early
     export_.StartCall();
     import_.StartCall();
-    export_done_.WaitForNotification();
     import_done_.WaitForNotification();
+    if (HeldToTheEnd()) {
+      // The exporter still holds the sequence: the old copy closes while nothing can step it, then the export ends
+      // (its stream is cancelled whatever the import answered).
+      RelayOutcome answered = Outcome();
+      if (answered.imported.ok()) imported(answered.response);
+      export_ctx_->TryCancel();
+    }
+    export_done_.WaitForNotification();
     return Outcome();
   }
 
@@ -81,11 +90,22 @@ class Relay {
       reading_ = false;
       if (!ok) {
         export_over_ = true;  // its stream has ended: OnDone says how
+      } else if (hold_ && IsEnd(incoming_)) {
+        end_seen_ = true;  // every row is in; the export stays open, the sequence held
       } else if (!Stopped()) {
         chunks_.push_back(std::move(incoming_));
       }
     }
     Step();
+  }
+  // A held export's `end` chunk: a few bytes (a chunk of rows or a header is larger), so only small ones are parsed.
+  static bool IsEnd(const grpc::ByteBuffer& chunk) {
+    constexpr size_t kEndBytes = 16;
+    if (chunk.Length() > kEndBytes) return false;
+    grpc::ByteBuffer copy(chunk);  // shares the slices; parsing consumes the buffer it is given
+    v1::ExportSequenceResponse parsed;
+    return grpc::SerializationTraits<v1::ExportSequenceResponse>::Deserialize(&copy, &parsed).ok() &&
+           parsed.chunk().end();
   }
   void OnWritten(bool ok) {
     {
@@ -102,7 +122,7 @@ class Relay {
       import_ended_ = true;
       import_answered_ = ok;
       // Before the export's end: a refusal (the export is cut short, the sequence stays), or an answer given early.
-      if (!export_over_ && !export_failed_) import_failed_first_ = true;
+      if (!export_over_ && !end_seen_ && !export_failed_) import_failed_first_ = true;
     }
     Step();
   }
@@ -110,7 +130,8 @@ class Relay {
     {
       absl::MutexLock lock(&mu_);
       export_finished_ = true;
-      exported_ = FromGrpcStatus(s);
+      // A held export ends by Run's cancel once every row was relayed, whatever status that reports.
+      exported_ = end_seen_ ? absl::OkStatus() : FromGrpcStatus(s);
       if (!exported_.ok() && !import_failed_first_) export_failed_ = true;  // the importer frees what it took
     }
     Step();
@@ -125,6 +146,11 @@ class Relay {
     import_done_.Notify();
   }
 
+  bool HeldToTheEnd() {
+    absl::MutexLock lock(&mu_);
+    return end_seen_;
+  }
+
   // Nothing more goes to the importer: it has ended the call, or the export failed.
   bool Stopped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return import_ended_ || write_failed_ || export_failed_; }
 
@@ -136,17 +162,20 @@ class Relay {
     {
       absl::MutexLock lock(&mu_);
       const bool stopped = Stopped();
-      if (!reading_ && !export_over_ && !stopped && chunks_.size() < kRelayChunks) read = reading_ = true;
+      const bool rows_over = export_over_ || end_seen_;
+      if (!reading_ && !rows_over && !stopped && chunks_.size() < kRelayChunks) read = reading_ = true;
       if (!writing_ && !chunks_.empty() && !stopped) {
         writing_ = true;
         write = &chunks_.front();  // stays put until its OnWriteDone pops it
       }
-      // The export ended whole and every chunk is written: the import is told so, and its answer follows.
-      if (!half_closed_ && export_finished_ && exported_.ok() && !writing_ && chunks_.empty() && !stopped) {
+      // The export ended whole (or sent `end`) and every chunk is written: the import is told so, and its answer
+      // follows.
+      const bool whole = end_seen_ || (export_finished_ && exported_.ok());
+      if (!half_closed_ && whole && !writing_ && chunks_.empty() && !stopped) {
         half_close = half_closed_ = true;
       }
       if (!import_released_ && (half_closed_ || stopped) && !writing_) release_import = import_released_ = true;
-      if (!export_released_ && (export_over_ || stopped) && !reading_) release_export = export_released_ = true;
+      if (!export_released_ && (rows_over || stopped) && !reading_) release_export = export_released_ = true;
       if (import_failed_first_ && !export_cancelled_) cancel_export = export_cancelled_ = true;
       if (export_failed_ && !import_cancelled_) cancel_import = import_cancelled_ = true;
     }
@@ -170,8 +199,8 @@ class Relay {
     } else if (out.imported.ok() && !export_failed_) {
       if (!import_answered_) {
         out.imported = absl::InternalError("the import ended OK without its answer");
-      } else if (!grpc::SerializationTraits<v1::ImportSequenceResponse>::Deserialize(&response_buf_, &out.response)
-                      .ok()) {
+      } else if (grpc::ByteBuffer answer(response_buf_);  // shares the slices: Outcome may be asked twice
+                 !grpc::SerializationTraits<v1::ImportSequenceResponse>::Deserialize(&answer, &out.response).ok()) {
         out.imported = absl::InternalError("the import's answer did not parse");
       }
     }
@@ -197,6 +226,8 @@ class Relay {
   bool import_ended_ ABSL_GUARDED_BY(mu_) = false;     // the importer answered or ended the call
   bool import_answered_ ABSL_GUARDED_BY(mu_) = false;
   bool import_failed_first_ ABSL_GUARDED_BY(mu_) = false;
+  bool hold_ = false;                            // ExportSequenceRequest.hold
+  bool end_seen_ ABSL_GUARDED_BY(mu_) = false;  // a held export sent `end`: every row is in, the export open
   bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
   bool half_closed_ ABSL_GUARDED_BY(mu_) = false;
   bool export_released_ ABSL_GUARDED_BY(mu_) = false, import_released_ ABSL_GUARDED_BY(mu_) = false;
@@ -208,13 +239,15 @@ class Relay {
 
 RelayOutcome RelaySequence(std::shared_ptr<grpc::Channel> from, std::shared_ptr<grpc::Channel> to,
                            grpc::ClientContext* export_ctx, grpc::ClientContext* import_ctx,
-                           const v1::ExportSequenceRequest& request) {
+                           const v1::ExportSequenceRequest& request,
+                           absl::FunctionRef<void(const v1::ImportSequenceResponse&)> imported) {
   grpc::GenericStub source(std::move(from)), target(std::move(to));
-  return Relay(export_ctx, import_ctx).Run(&source, &target, request);
+  return Relay(export_ctx, import_ctx).Run(&source, &target, request, imported);
 }
 
 RelayOutcome RelaySequenceOnDevice(v1::Attention::Stub* from, v1::Attention::Stub* to, grpc::ClientContext* export_ctx,
-                                   grpc::ClientContext* import_ctx, const v1::ExportSequenceRequest& request) {
+                                   grpc::ClientContext* import_ctx, const v1::ExportSequenceRequest& request,
+                                   absl::FunctionRef<void(const v1::ImportSequenceResponse&)> imported) {
   RelayOutcome out;
   std::unique_ptr<grpc::ClientReader<v1::ExportSequenceResponse>> exporter = from->ExportSequence(export_ctx, request);
   // Two small chunks: the header, then the buffer's handle. The stream stays open after them, the buffer held.
@@ -242,6 +275,7 @@ RelayOutcome RelaySequenceOnDevice(v1::Attention::Stub* from, v1::Attention::Stu
   if (out.imported.ok() && !written) out.imported = absl::InternalError("the import ended OK without its rows");
   // The importer has closed the handle (answered or failed): the exporter may free the buffer now.
   out.import_failed_first = !out.imported.ok();
+  if (out.imported.ok()) imported(out.response);
   // Its end is this cancellation, whatever status it reports: the rows are on `to` or the import failed.
   export_ctx->TryCancel();
   exporter->Finish().ok();

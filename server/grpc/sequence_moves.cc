@@ -133,6 +133,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
     }
     moving_ = *std::move(held);
     device_ = request.device();
+    hold_ = request.hold();
     // Chunks as large as the server's ForwardStream replies at most: those fit a message by construction.
     const uint64_t want = request.chunk_bytes() == 0 ? stream_chunk_bytes
                                                      : std::min<uint64_t>(request.chunk_bytes(), stream_chunk_bytes);
@@ -167,8 +168,22 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
     }
     Progress();
     if (!more_) {
-      if (!device_) return End(absl::OkStatus());
-      // The device rows are out: the buffer stays until the mover, its import answered, cancels the call.
+      if (!device_ && !hold_) return End(absl::OkStatus());
+      if (!device_ && !end_sent_) {
+        // Held: the rows are out, and the chunk saying so goes after them.
+        end_sent_ = true;
+        sequences_->ExportSent(moving_);
+        v1::SequenceChunk end;
+        end.set_end(true);
+        absl::StatusOr<grpc::ByteBuffer> last =
+            SerializeSequenceChunk(end, 0, [](uint8_t*) { return absl::OkStatus(); });
+        if (!last.ok()) return End(last.status());
+        out_ = *std::move(last);
+        StartWrite(&out_);
+        return;
+      }
+      // Everything is out: the sequence (and a device export's buffer) stays held until the mover, its import
+      // answered and the old sequence closed, cancels the call.
       if (cancelled_) return End(absl::OkStatus());
       waiting_ = true;
       return;
@@ -183,8 +198,8 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
     }
   }
 
-  // A device export's normal end: the mover cancels once its import has answered. With a write pending, the write
-  // fails and OnWriteDone ends the stream instead.
+  // A device or held export's normal end: the mover cancels once its import has answered. With a write pending, the
+  // write fails and OnWriteDone ends the stream instead.
   void OnCancel() override {
     absl::MutexLock lock(&mu_);
     cancelled_ = true;
@@ -206,6 +221,8 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
       next_ = rows.status();
       return;
     }
+    // A buffer of its own holds the rows now; an importer reads a shared pool's pages in place, after this.
+    if (!rows->from_pool) sequences_->ExportSent(moving_);
     v1::SequenceChunk fields;
     v1::DeviceRows* out = fields.mutable_device_rows();
     out->set_ipc_handle(rows->ipc_handle);
@@ -266,6 +283,8 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
   absl::StatusOr<grpc::ByteBuffer> next_ ABSL_GUARDED_BY(mu_);  // read ahead (or why it could not be)
   bool more_ ABSL_GUARDED_BY(mu_) = false;                   // next_ holds rows still to send
   bool device_ = false;                                       // ExportSequenceRequest.device
+  bool hold_ = false;                                         // ExportSequenceRequest.hold
+  bool end_sent_ ABSL_GUARDED_BY(mu_) = false;                // a held export's `end` chunk is out
   std::shared_ptr<void> device_rows_ ABSL_GUARDED_BY(mu_);    // the device buffer the handle names
   bool waiting_ ABSL_GUARDED_BY(mu_) = false;                 // every chunk is out; the mover is to cancel
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
@@ -339,6 +358,9 @@ class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
       return absl::OkStatus();
     }
     if (chunk.has_sequence()) return absl::InvalidArgumentError("sequence: only the first chunk carries the header");
+    if (chunk.end()) {
+      return absl::InvalidArgumentError("chunk.end: a held export's last chunk is for the mover; half-close instead");
+    }
     if (chunk.has_device_rows()) return TakeDeviceRows(chunk, data.present);
     if (!cursor_.Settle(moving_)) {
       return absl::InvalidArgumentError("data: a chunk past the last row the header announced");

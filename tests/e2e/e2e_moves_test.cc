@@ -181,6 +181,70 @@ TEST_F(Moves, ASequenceMovesWithItsTokensAndItsIdFollows) {
   EXPECT_EQ(Open(1), 0u);
 }
 
+// A step another caller sends while the sequence moves is either taken before the export or refused ("being moved")
+// until the old copy is closed and then follows the move: never applied to the old copy after its rows were read, to
+// be lost with it. That caller appends and attends a token at a time through its own client, naming the first id
+// throughout, while the sequence moves back and forth; each answer is checked against every row it was answered OK
+// for, and the last copy holds exactly those.
+TEST_F(Moves, StepsSentDuringMovesAreNeverLost) {
+  Start();
+  ASSERT_FALSE(HasFatalFailure());
+  const std::string first = OpenOnA();
+  ASSERT_FALSE(first.empty());
+  Append(first, 0, 64, 70);
+  ASSERT_FALSE(HasFatalFailure());
+  std::unique_ptr<client::Client> stepper = Connect(address_[0]);
+  ASSERT_NE(stepper, nullptr);
+  std::atomic<bool> moving{true};
+  std::string k = k_[0], v = v_[0];  // the stepper's mirror of layer 0
+  int steps = 0;
+  std::string problem;  // the caller's; read once it has joined
+  std::atomic<bool> failed{false};
+  std::thread caller([&] {
+    for (uint64_t seed = 5000; moving.load() && problem.empty(); seed += 10) {
+      OneTokenStep s(shape_, first, seed);
+      absl::StatusOr<client::StepResult> r = stepper->Step(s.spec);
+      if (!r.ok()) {
+        problem = absl::StrCat("step ", steps, ": ", r.status().ToString());
+        break;
+      }
+      k += s.k;
+      v += s.v;
+      ++steps;
+      problem = CheckRows(shape_, kQHeads, s.q, k, v, r->o, "", false);
+      if (!problem.empty()) problem = absl::StrCat("step ", steps, " answered over other rows: ", problem);
+    }
+    failed.store(!problem.empty());
+  });
+  // Six moves: the stepper's client follows at most 8 ids from the first.
+  std::string current = first;
+  for (int move = 0; move < 6 && !failed.load(); ++move) {
+    absl::SleepFor(absl::Milliseconds(15));  // steps land on this copy first
+    absl::StatusOr<std::string> moved;
+    do {  // ABORTED while one of the caller's steps is in flight: nothing moved, tried again
+      moved = client_->MoveSequence(current, address_[(move + 1) % 2]);
+    } while (absl::IsAborted(moved.status()));
+    if (!moved.ok()) {
+      ADD_FAILURE() << "move " << move << ": " << moved.status();
+      break;
+    }
+    current = *moved;
+  }
+  absl::SleepFor(absl::Milliseconds(15));
+  moving.store(false);
+  caller.join();
+  EXPECT_EQ(problem, "");
+  EXPECT_GT(steps, 6);
+  auto info = client_->GetSequence(current);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->lengths(0), 64 + steps) << "steps answered OK are missing from the moved copy";
+  k_[0] = k;
+  v_[0] = v;
+  DecodeAndCheck(current, 0, 7000);
+  EXPECT_TRUE(client_->CloseSequence({current}).ok());
+  EXPECT_EQ(Open(0) + Open(1), 0u);
+}
+
 // A caller that still names a moved sequence's old id is followed to the new one, once, and the client remembers
 // where it went: over StepStream (the answer's message names the new id), unary Step and the other calls (the
 // attnd-moved-to trailer), a step of several sequences following each in turn.

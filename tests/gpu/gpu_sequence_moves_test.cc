@@ -6,15 +6,18 @@
 // float8 caches, several layers, lengths that are no whole number of pages, and a fork sharing its parent's pages are
 // prefilled with random rows on A, forked there once more (the copy that stays on A), and moved to B. On B each answers
 // a decode step exactly as its copy on A answers the same step (the same kernel over the same rows: bit for bit), and
-// the old id answers NOT_FOUND "moved to". A device_rows chunk whose handle is not one is refused naming the field and
-// leaves nothing on B, and so is a pool that does not fit its allocation. Skipped without a usable GPU.
+// the old id answers NOT_FOUND "moved to". Another caller stepping a sequence while it moves back and forth loses no
+// step it was answered OK for. A device_rows chunk whose handle is not one is refused naming the field and leaves
+// nothing on B, and so is a pool that does not fit its allocation. Skipped without a usable GPU.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -306,6 +309,64 @@ TEST_F(GpuSequenceMoves, Bf16SequencesAndAForkMoveOnTheDevice) {
 TEST_F(GpuSequenceMoves, Float8CacheMovesOnTheDevice) {
   const client::SequenceShape shape = Float8Shape();
   PrefillForkAndMove(shape, {129, 17, 0, 33}, 200);
+}
+
+// A step another caller sends while the sequence moves is either refused until the move is over and then follows it,
+// or taken before the export: never applied to the old copy after its rows were copied (it would be lost with it).
+// One caller appends a token at a time through its own client, naming the first id throughout, while the sequence
+// moves between the servers; every step it was answered OK for is in the last copy.
+TEST_F(GpuSequenceMoves, StepsSentDuringMovesAreNeverLost) {
+  const client::SequenceShape shape = Bf16Shape(1);
+  constexpr int64_t kPrefill = 64;
+  const std::string first = OpenWithRows(shape, kPrefill, 900);
+  ASSERT_FALSE(first.empty());
+  std::unique_ptr<client::Client> stepper = Connect(servers_[0].address);
+  ASSERT_NE(stepper, nullptr);
+  std::atomic<bool> moving{true};
+  std::atomic<int64_t> appended{0};
+  absl::Status step_failed;
+  std::thread steps([&] {
+    const std::string k = client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, 910);
+    const std::string v = client::RandomTensor(shape.dtype, shape.kv_heads * shape.head_dim, 911);
+    while (moving.load()) {
+      client::StepSpec spec;
+      spec.sequences = {{first, 1}};
+      spec.layer = 0;
+      spec.k.data = k;
+      spec.v.data = v;
+      absl::StatusOr<client::StepResult> r = stepper->Step(spec);
+      if (!r.ok()) {
+        step_failed = r.status();
+        return;
+      }
+      appended.fetch_add(1);
+    }
+  });
+  // Six moves, A to B and back: the stepper's client follows at most kMaxMoveHops (8) ids from the first.
+  std::string current = first;
+  for (int move = 0; move < 6; ++move) {
+    absl::SleepFor(absl::Milliseconds(30));  // steps land on this copy first
+    absl::StatusOr<client::MovedSequence> moved;
+    do {  // ABORTED while one of the caller's steps is in flight: nothing moved, tried again
+      moved = client_->MoveSequence(current, servers_[(move + 1) % 2].address, client::MoveOptions());
+    } while (absl::IsAborted(moved.status()));
+    if (!moved.ok()) {
+      ADD_FAILURE() << "move " << move << ": " << moved.status();
+      break;
+    }
+    EXPECT_EQ(moved->path, client::MovePath::kDevice);
+    current = moved->sequence_id;
+  }
+  absl::SleepFor(absl::Milliseconds(20));
+  moving.store(false);
+  steps.join();
+  ASSERT_TRUE(step_failed.ok()) << step_failed;
+  EXPECT_GT(appended.load(), 6);
+  auto info = client_->GetSequence(current);
+  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_EQ(info->lengths_size(), 1);
+  EXPECT_EQ(info->lengths(0), kPrefill + appended.load()) << "steps answered OK are missing from the moved copy";
+  EXPECT_TRUE(client_->CloseSequence({current}).ok());
 }
 
 // The importer opens the handle itself: one that is not a handle is refused naming the field, before anything is
