@@ -174,6 +174,7 @@ size_t MoveSequencesAway(Sequences& sequences, const DrainMovesOptions& options,
   if (open.empty()) return 0;
   client::ClientOptions co;
   co.target = options.self;
+  co.grpc_args = options.grpc_args;
   absl::StatusOr<std::unique_ptr<client::Client>> mover = client::Client::Create(co);
   if (!mover.ok()) {
     spdlog::warn("attnd drain: cannot reach this server at {} to move its sequences: {}", options.self,

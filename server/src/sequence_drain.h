@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/time/time.h"
 #include "attnd/server/sequences.h"
@@ -16,6 +17,9 @@ struct DrainMovesOptions {
   std::string self;         // a gRPC target reaching this server, for ids without '@'
   std::string to;           // where the sequences go (--sequence_drain_to)
   std::string peer_secret;  // --peer_secret_file's secret
+  // The server's --grpc_arg, applied to the mover's channels too: what tunes the server's transport (BDP probing
+  // off on one host, say) tunes its moves' streams the same way.
+  std::vector<std::string> grpc_args;
   uint32_t in_flight = 4;
   absl::Duration retry = absl::Milliseconds(100);
 };

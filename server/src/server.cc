@@ -303,6 +303,7 @@ class ServerImpl final : public Server {
     moves.self = SelfTarget();
     moves.to = options_.drain.to;
     moves.peer_secret = peer_secret_;
+    moves.grpc_args = options_.network.grpc_args;
     moves.in_flight = options_.drain.moves_in_flight;
     moves.retry = options_.drain.retry;
     MoveSequencesAway(sequences_, moves, until);
