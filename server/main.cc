@@ -96,6 +96,12 @@ ABSL_FLAG(std::string, auth_token_file, "",
 ABSL_FLAG(std::string, peer_secret_file, "",
           "file holding the secret the fleet's servers share: a call with metadata attnd-peer-secret (it) and "
           "attnd-owner acts as that owner, without a bearer token; empty: such calls are refused PERMISSION_DENIED");
+ABSL_FLAG(std::string, peer_tls_ca, "",
+          "PEM CA bundle the fleet's servers' certificates chain to: with --tls_cert, a drain's moves "
+          "(--sequence_drain_to) speak TLS to them, presenting --tls_cert as their client certificate");
+ABSL_FLAG(std::string, peer_tls_server_name, "",
+          "name the fleet's servers' certificates carry, checked instead of the host a drain's move dials (pods "
+          "are dialled at their addresses); empty: that host");
 ABSL_FLAG(std::string, metrics_listen, "", "host:port of the Prometheus endpoint (HTTP GET /metrics); empty: none");
 ABSL_FLAG(bool, access_log, true, "log one info line per RPC (method, peer, request id, shape, status, times, bytes)");
 ABSL_FLAG(uint32_t, max_calls_per_client, 0,
@@ -346,6 +352,8 @@ void SecurityAndObservabilityFlags(ServerOptions::Security* security, ServerOpti
   security->tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   security->auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   security->peer_secret_file = absl::GetFlag(FLAGS_peer_secret_file);
+  security->peer_tls_ca = absl::GetFlag(FLAGS_peer_tls_ca);
+  security->peer_tls_server_name = absl::GetFlag(FLAGS_peer_tls_server_name);
   security->enable_cuda_ipc = absl::GetFlag(FLAGS_enable_cuda_ipc);
   security->ipc_over_tcp = absl::GetFlag(FLAGS_ipc_over_tcp);
   security->reflection = absl::GetFlag(FLAGS_reflection);

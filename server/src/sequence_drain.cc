@@ -175,6 +175,10 @@ size_t MoveSequencesAway(Sequences& sequences, const DrainMovesOptions& options,
   client::ClientOptions co;
   co.target = options.self;
   co.grpc_args = options.grpc_args;
+  co.tls_ca_file = options.tls_ca_file;
+  co.tls_cert_file = options.tls_cert_file;
+  co.tls_key_file = options.tls_key_file;
+  co.tls_server_name = options.tls_server_name;
   absl::StatusOr<std::unique_ptr<client::Client>> mover = client::Client::Create(co);
   if (!mover.ok()) {
     spdlog::warn("attnd drain: cannot reach this server at {} to move its sequences: {}", options.self,

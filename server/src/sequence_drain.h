@@ -20,6 +20,9 @@ struct DrainMovesOptions {
   // The server's --grpc_arg, applied to the mover's channels too: what tunes the server's transport (BDP probing
   // off on one host, say) tunes its moves' streams the same way.
   std::vector<std::string> grpc_args;
+  // TLS to the fleet's servers (all empty: plaintext): the CA their certificates chain to, this server's own
+  // certificate and key presented as the client's, the name checked instead of the host dialled.
+  std::string tls_ca_file, tls_cert_file, tls_key_file, tls_server_name;
   uint32_t in_flight = 4;
   absl::Duration retry = absl::Milliseconds(100);
 };

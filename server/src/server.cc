@@ -8,6 +8,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <utility>
@@ -304,6 +305,12 @@ class ServerImpl final : public Server {
     moves.to = options_.drain.to;
     moves.peer_secret = peer_secret_;
     moves.grpc_args = options_.network.grpc_args;
+    if (!options_.security.tls_cert.empty()) {
+      moves.tls_ca_file = options_.security.peer_tls_ca;
+      moves.tls_cert_file = options_.security.tls_cert;
+      moves.tls_key_file = options_.security.tls_key;
+      moves.tls_server_name = options_.security.peer_tls_server_name;
+    }
     moves.in_flight = options_.drain.moves_in_flight;
     moves.retry = options_.drain.retry;
     MoveSequencesAway(sequences_, moves, until);
@@ -481,8 +488,15 @@ absl::Status CheckDrainOptions(const ServerOptions& options) {
         "sequence's owner on both servers)");
   }
   if (!options.security.tls_cert.empty()) {
-    return absl::InvalidArgumentError(
-        "sequence_drain_to: the drain's moves speak plaintext gRPC, so it cannot be used with --tls_cert");
+    if (options.security.peer_tls_ca.empty()) {
+      return absl::InvalidArgumentError(
+          "sequence_drain_to: with --tls_cert the drain's moves speak TLS to the fleet's servers: needs --peer_tls_ca "
+          "(the CA their certificates chain to)");
+    }
+    if (std::ifstream ca(options.security.peer_tls_ca); !ca.good()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("peer_tls_ca: cannot read '", options.security.peer_tls_ca, "'"));
+    }
   }
   if (options.drain.moves_in_flight == 0) {
     return absl::InvalidArgumentError("sequence_drain_moves: must be >= 1");

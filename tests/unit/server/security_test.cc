@@ -17,7 +17,9 @@
 #include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
 #include "attnd/client/client.h"
+#include "attnd/client/tensors.h"
 #include "auth.h"
+#include "e2e_util.h"
 #include "server_test_util.h"
 
 namespace attnd::testing {
@@ -54,6 +56,8 @@ class SecurityTest : public ::testing::Test {
     const std::string d = pki->dir;
     WriteFile(d + "/server.ext", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n");
     WriteFile(d + "/client.ext", "extendedKeyUsage=clientAuth\n");
+    // A fleet server's certificate: it serves, and presents it as a client when a drain moves its sequences.
+    WriteFile(d + "/peer.ext", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n");
     const std::string key = " -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes ";
     std::string script = "set -e; cd " + d + "\n";
     for (const char* ca : {"ca", "other_ca"}) {
@@ -67,6 +71,7 @@ class SecurityTest : public ::testing::Test {
     };
     leaf("server", "ca", "localhost", "server.ext");
     leaf("client", "ca", "attnd-client", "client.ext");
+    leaf("peer", "ca", "localhost", "peer.ext");
     leaf("other_client", "other_ca", "intruder", "client.ext");
     WriteFile(d + "/make.sh", script);
     ASSERT_EQ(Shell("bash " + d + "/make.sh > " + d + "/make.log 2>&1"), 0) << ReadAll(d + "/make.log");
@@ -506,6 +511,20 @@ TEST_F(SecurityTest, DrainToAndThePeerSecretAreCheckedAtStart) {
     EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_TRUE(absl::StartsWith(created.status().message(), c.expect)) << created.status();
   }
+  // With TLS the moves speak TLS: they need the CA the fleet's certificates chain to, and a readable one.
+  for (const std::string& ca : {std::string(), pki->Path("no_such_ca.pem")}) {
+    server::ServerOptions o = TlsOptions(false);
+    o.drain.to = "127.0.0.1:1";
+    o.timeouts.sequence_drain = absl::Seconds(5);
+    o.security.peer_secret_file = pki->Path("peer_secret");
+    o.security.peer_tls_ca = ca;
+    auto created = server::Server::Create(o, std::make_unique<server::CpuBackend>(server::BackendOptions{}));
+    ASSERT_FALSE(created.ok());
+    EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StartsWith(created.status().message(), ca.empty() ? "sequence_drain_to: with --tls_cert"
+                                                                        : "peer_tls_ca: cannot read"))
+        << created.status();
+  }
   server::ServerOptions o;
   o.network.listen = "127.0.0.1:0";
   o.drain.to = "127.0.0.1:1";
@@ -513,6 +532,73 @@ TEST_F(SecurityTest, DrainToAndThePeerSecretAreCheckedAtStart) {
   o.security.peer_secret_file = pki->Path("peer_secret");
   TestServer s(o);
   EXPECT_NE(s.server, nullptr);
+}
+
+// A drain between servers that require mutual TLS: A, shut down with --sequence_drain_to B, moves its sequences to
+// B over TLS (verified against --peer_tls_ca, its own certificate presented as the client's) as each one's owner,
+// and the caller, over TLS with its own certificate, follows each old id to B and finds every token there.
+TEST_F(SecurityTest, ADrainMovesSequencesBetweenMutualTlsServers) {
+  WriteFile(pki->Path("peer_secret"), "fleet-secret-42\n");
+  std::string address[2];
+  std::unique_ptr<TestServer> servers[2];
+  for (int i : {1, 0}) {  // B first: A's drain moves to it
+    const int port = e2e::FreeLoopbackPort();
+    ASSERT_GT(port, 0);
+    address[i] = absl::StrCat("127.0.0.1:", port);
+    server::ServerOptions o = TlsOptions(/*mutual=*/true);
+    o.network.listen = address[i];
+    o.security.tls_cert = pki->Path("peer.pem");
+    o.security.tls_key = pki->Path("peer.key");
+    o.security.peer_secret_file = pki->Path("peer_secret");
+    o.sequences.advertise_address = address[i];
+    if (i == 0) {
+      o.drain.to = address[1];
+      o.timeouts.sequence_drain = absl::Seconds(10);
+      o.security.peer_tls_ca = pki->Path("ca.pem");
+    }
+    servers[i] = std::make_unique<TestServer>(o);
+    ASSERT_NE(servers[i]->server, nullptr);
+  }
+  client::ClientOptions co;
+  co.target = address[0];
+  co.tls_ca_file = pki->Path("ca.pem");
+  co.tls_cert_file = pki->Path("client.pem");
+  co.tls_key_file = pki->Path("client.key");
+  auto created = client::Client::Create(co);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<client::Client> caller = std::move(*created);
+  client::SequenceShape shape;
+  shape.layers = 1;
+  shape.kv_heads = 2;
+  shape.head_dim = 64;
+  shape.dtype = DType::kBF16;
+  auto opened = caller->OpenSequence(shape, /*max_tokens=*/0, /*count=*/2);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  for (size_t i = 0; i < opened->ids.size(); ++i) {
+    const int64_t tokens = 5 + 3 * static_cast<int64_t>(i);
+    const std::string k = client::RandomTensor(shape.dtype, tokens * shape.kv_heads * shape.head_dim, 10 + i);
+    client::StepSpec spec;
+    spec.sequences = {{opened->ids[i], tokens}};
+    spec.k.data = k;
+    spec.v.data = k;
+    auto r = caller->Step(spec);
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  std::thread drain([&] { servers[0]->server->Shutdown(); });
+  // Each old id, asked until it answers from B: the caller is told where it went (which lets A's drain end).
+  for (size_t i = 0; i < opened->ids.size(); ++i) {
+    absl::StatusOr<v1::SequenceInfo> info;
+    for (const absl::Time give_up = absl::Now() + absl::Seconds(10);; absl::SleepFor(absl::Milliseconds(20))) {
+      info = caller->GetSequence(opened->ids[i]);
+      if ((info.ok() && client::SequenceAddress(info->sequence_id()) == address[1]) || absl::Now() > give_up) break;
+    }
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(client::SequenceAddress(info->sequence_id()), address[1]);
+    ASSERT_EQ(info->lengths_size(), 1);
+    EXPECT_EQ(info->lengths(0), 5 + 3 * static_cast<int64_t>(i));
+  }
+  drain.join();
+  EXPECT_EQ(caller->moves_followed(), 2u);
 }
 
 TEST(AuthTokensTest, FileParsingAndConstantTimeComparison) {

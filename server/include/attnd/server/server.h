@@ -94,6 +94,11 @@ struct ServerOptions {
     // The secret a fleet's servers share: a call carrying it (attnd-peer-secret) and attnd-owner acts as that
     // owner, admitted without a bearer token (auth.h, PeerOwnerOf). Empty: such metadata is refused.
     std::string peer_secret_file;
+    // With tls_cert, a drain's moves (drain.to) speak TLS to the fleet's servers: their certificates must chain to
+    // peer_tls_ca and carry peer_tls_server_name (empty: the host each is dialled at), and the moves present
+    // tls_cert / tls_key as their client certificate (for servers that require mutual TLS).
+    std::string peer_tls_ca;
+    std::string peer_tls_server_name;
     // cuda-ipc buffers: accept RegisterCudaBuffer and tensor references (cuda backend only).
     bool enable_cuda_ipc = false;
     bool ipc_over_tcp = false;  // accept CUDA IPC registration over TCP too (off: unix socket only)
