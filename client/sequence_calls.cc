@@ -646,16 +646,33 @@ absl::StatusOr<MovedSequence> Client::MoveSequence(const std::string& sequence_i
     (*source)->CloseSequence(&close_ctx, close, &closed).ok();
     old_closed = true;
   };
+  // An export refused ABORTED has sent nothing, so the move goes again: while a step of the sequence is in flight,
+  // for up to moving_step_retry (backing off as a step does), and after a device attempt until the exporter has let
+  // the sequence go (a moment after the cancel).
+  const absl::Time step_until = absl::Now() + options_.moving_step_retry;
+  const absl::Time release_until = absl::Now() + std::max(options_.moving_step_retry, absl::Seconds(2));
+  absl::Duration backoff = absl::Milliseconds(1);
+  const auto again = [&](const RelayOutcome& r, bool after_device) {
+    if (r.import_failed_first || r.exported.code() != absl::StatusCode::kAborted) return false;
+    const bool stepping = absl::StrContains(r.exported.message(), " in flight");
+    if (!stepping && !(after_device && absl::StrContains(r.exported.message(), "being moved already"))) return false;
+    if (absl::Now() + backoff > (stepping ? step_until : release_until)) return false;
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, kMovingBackoffMax);
+    return true;
+  };
   RelayOutcome relayed;
   const bool tried_device = device;
   if (device) {
-    grpc::ClientContext export_ctx, import_ctx;
-    Prepare(&export_ctx, call);
-    Prepare(&import_ctx, call);
-    v1::ExportSequenceRequest request;
-    request.set_sequence_id(sequence_id);
-    request.set_device(true);
-    relayed = RelaySequenceOnDevice(*source, *target, &export_ctx, &import_ctx, request, close_old);
+    do {
+      grpc::ClientContext export_ctx, import_ctx;
+      Prepare(&export_ctx, call);
+      Prepare(&import_ctx, call);
+      v1::ExportSequenceRequest request;
+      request.set_sequence_id(sequence_id);
+      request.set_device(true);
+      relayed = RelaySequenceOnDevice(*source, *target, &export_ctx, &import_ctx, request, close_old);
+    } while (again(relayed, false));
     // The exporter cannot keep the rows on a GPU (it has sent nothing), or the importer refused them (its
     // --sequence_device_moves; it kept nothing): the bytes carry them instead.
     const bool exporter_refused = relayed.exported.code() == absl::StatusCode::kFailedPrecondition;
@@ -677,20 +694,12 @@ absl::StatusOr<MovedSequence> Client::MoveSequence(const std::string& sequence_i
     request.set_sequence_id(sequence_id);
     request.set_chunk_bytes(ChunkBytes(0));  // the stream chunk size ClientOptions sets for uploads
     request.set_hold(true);
-    // After a device attempt the exporter lets the sequence go when its cancelled stream ends, which can be a moment
-    // after the cancel: until then a new export is ABORTED "being moved already", and tried again.
-    const absl::Time until = absl::Now() + absl::Seconds(2);
-    for (;;) {
+    do {
       grpc::ClientContext export_ctx, import_ctx;
       Prepare(&export_ctx, call);
       Prepare(&import_ctx, call);
       relayed = RelaySequence(*source_channel, *target_channel, &export_ctx, &import_ctx, request, close_old);
-      if (!tried_device || relayed.exported.code() != absl::StatusCode::kAborted ||
-          !absl::StrContains(relayed.exported.message(), "being moved already") || absl::Now() > until) {
-        break;
-      }
-      absl::SleepFor(absl::Milliseconds(5));
-    }
+    } while (again(relayed, tried_device));
   }
   if (!relayed.exported.ok() && !relayed.import_failed_first) {
     return Side("the export from", from_server, relayed.exported);

@@ -97,7 +97,8 @@ struct ClientOptions {
   // remembered for this client's later calls, the latest this many of them.
   size_t moved_ids_remembered = 4096;
   // A step refused ABORTED because a sequence of it is being moved goes again after 1 ms, doubling to 50 ms, for
-  // up to this long (the move ends, then the step follows the new id); zero: that ABORTED is the step's answer.
+  // up to this long (the move ends, then the step follows the new id); so does a MoveSequence whose export was
+  // refused because a step of the sequence is in flight. Zero: that ABORTED is the answer.
   absl::Duration moving_step_retry = absl::Seconds(10);
 };
 
