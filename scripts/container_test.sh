@@ -245,11 +245,12 @@ ok "attn bench over dns:/// spread ${requests} calls (every 5th verified) over t
 # --- 5. SIGTERM while a request is in flight, clean exit -------------------------------------------------
 # A call big enough to take seconds on one CPU thread, from its own container (a client inside attnd's
 # container would die with it). SIGTERM is sent only once the server reports it in flight, and the call must
-# still come back verified: an accepted request survives the shutdown. 4096 keys (~4 s of CPU reference): with
-# 2048 (~2 s) the call once ended before a `podman exec` of `attn stats` saw it, on a host busy with other builds.
+# still come back verified: an accepted request survives the shutdown. 8192 keys (~6 s of CPU reference): with
+# 2048 and 4096 (~2 and ~3 s) the call ended before a `podman exec` of `attn stats` saw it, on a host busy with
+# other builds.
 drain_log="$WORKDIR/drain-$$.log"
 timeout 600 "${PODMAN[@]}" run --rm --no-healthcheck --network host "${ULIMITS[@]}" "$IMAGE" \
-  attn call --verify --batch 1 --q_len 1024 --kv_len 4096 --q_heads 8 --head_dim 128 --seed 11 \
+  attn call --verify --batch 1 --q_len 1024 --kv_len 8192 --q_heads 8 --head_dim 128 --seed 11 \
   --target "127.0.0.1:${port}" --request_id ci-drain > "$drain_log" 2>&1 &
 drain_pid=$!
 deadline=$(( $(date +%s) + 180 ))
