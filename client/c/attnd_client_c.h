@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define ATTND_C_ABI_VERSION 7
+#define ATTND_C_ABI_VERSION 8
 
 enum attnd_transport {
   ATTND_TRANSPORT_DEFAULT = -1, /* per call: the client's transport */
@@ -45,6 +45,10 @@ typedef struct attnd_client_options {
   const char* shm_socket;       /* the server's --shm_socket; needed for ATTND_TRANSPORT_SHM */
   double default_timeout_s;     /* <= 0: 120 s */
   uint64_t shm_max_bytes;       /* largest shm request/reply area; 0: 64 MiB (the server's default limit) */
+  /* gRPC channel arguments "name=value" (gRPC's names, e.g. grpc.http2.bdp_probe=0), applied after attnd's own
+   * settings as `attn --grpc_arg` does; the client's every channel takes them, those to a fleet's servers too. */
+  const char* const* grpc_args;
+  int32_t num_grpc_args;
 } attnd_client_options;
 
 typedef struct attnd_client attnd_client;

@@ -22,6 +22,7 @@
 #include "attnd/client/bench.h"
 #include "attnd/client/client.h"
 #include "attnd/client/shm_channel.h"
+#include "attnd/transport/channel_args.h"
 #include "client_c_internal.h"
 
 using namespace attnd::c_abi;  // NOLINT(build/namespaces): this library's own helpers
@@ -259,6 +260,24 @@ void Start(std::shared_ptr<Call> call, std::function<void(absl::StatusOr<Forward
   c->client->ForwardAsync(call->spec, std::move(in), std::move(cb), call->options);
 }
 
+// The options' gRPC channel arguments as the C++ client takes them, checked here so that errors name the C fields.
+absl::StatusOr<std::vector<std::string>> GrpcArgs(const attnd_client_options& options) {
+  if (options.num_grpc_args < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("num_grpc_args: ", options.num_grpc_args, " is negative"));
+  }
+  if (options.num_grpc_args > 0 && options.grpc_args == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("grpc_args: NULL with num_grpc_args ", options.num_grpc_args));
+  }
+  std::vector<std::string> specs;
+  for (int32_t i = 0; i < options.num_grpc_args; ++i) {
+    if (options.grpc_args[i] == nullptr) return absl::InvalidArgumentError(absl::StrCat("grpc_args[", i, "]: NULL"));
+    specs.emplace_back(options.grpc_args[i]);
+  }
+  absl::StatusOr<std::vector<attnd::ChannelArg>> parsed = attnd::ParseChannelArgs(specs, "grpc_args");
+  if (!parsed.ok()) return parsed.status();
+  return specs;
+}
+
 }  // namespace
 
 ATTND_C_EXPORT int32_t attnd_abi_version(void) { return ATTND_C_ABI_VERSION; }
@@ -290,6 +309,12 @@ ATTND_C_EXPORT attnd_client* attnd_client_create(const attnd_client_options* opt
   o.shm_socket = Str(options->shm_socket);
   if (options->shm_max_bytes > 0) o.shm_max_area_bytes = options->shm_max_bytes;
   if (options->default_timeout_s > 0) o.default_deadline = absl::Seconds(options->default_timeout_s);
+  absl::StatusOr<std::vector<std::string>> grpc_args = GrpcArgs(*options);
+  if (!grpc_args.ok()) {
+    Fail(err, grpc_args.status());
+    return nullptr;
+  }
+  o.grpc_args = *std::move(grpc_args);
   auto client = attnd::client::Client::Create(o);
   if (!client.ok()) {
     Fail(err, client.status());

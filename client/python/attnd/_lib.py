@@ -9,7 +9,7 @@ import ctypes
 import os
 import struct
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 TRANSPORTS = {"auto": 0, "unary": 1, "stream": 2, "shm": 3}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
@@ -34,6 +34,8 @@ class ClientOptions(ctypes.Structure):
         ("shm_socket", ctypes.c_char_p),
         ("default_timeout_s", ctypes.c_double),
         ("shm_max_bytes", ctypes.c_uint64),
+        ("grpc_args", ctypes.POINTER(ctypes.c_char_p)),
+        ("num_grpc_args", ctypes.c_int32),
     ]
 
 

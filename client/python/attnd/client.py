@@ -105,6 +105,20 @@ def _mask(causal):
     raise _invalid(f"causal: {causal!r} is not False, True, 'top_left' or 'bottom_right'")
 
 
+def _grpc_args(grpc_args):
+    """Client(grpc_args=...) as the C ABI's "name=value" strings (bytes)."""
+    if grpc_args is None:
+        return []
+    if isinstance(grpc_args, str):
+        raise _invalid("grpc_args: a mapping {name: value} or a list of \"name=value\" strings, not one string")
+    items = grpc_args.items() if hasattr(grpc_args, "items") else None
+    specs = [f"{k}={v}" for k, v in items] if items is not None else list(grpc_args)
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, str):
+            raise _invalid(f"grpc_args[{i}]: {spec!r} is not a \"name=value\" string")
+    return [spec.encode() for spec in specs]
+
+
 def _options(scale, transport, timeout):
     """The options ForwardArgs and StepArgs share: (has_scale, scale, transport, timeout_s)."""
     if transport is None:
@@ -367,13 +381,15 @@ class Client:
     """A connection to an attnd server. Thread-safe; close() (or a `with` block) releases it."""
 
     def __init__(self, target, transport="auto", tls=None, token=None, shm_socket=None, timeout=None,
-                 tls_server_name=None):
+                 tls_server_name=None, grpc_args=None):
         """target: host:port, unix:/path, or a fleet: ipv4:host:port,host:port,... or dns:///name:port (calls
         spread round robin, sequences placed where there is room and followed to their server). transport:
         auto | unary | stream | shm (shm: Forward calls over the server's --shm_socket, given as shm_socket; the
         other RPCs still use target). tls: path of the PEM CA file the server's certificate chains to (the
         channel then speaks TLS). token: the bearer token of a server started with --auth_token_file. timeout:
-        seconds per call (default 120)."""
+        seconds per call (default 120). grpc_args: gRPC channel arguments applied after attnd's own settings, as
+        a mapping {name: value} or strings "name=value" (gRPC's names: {"grpc.http2.bdp_probe": 0} keeps a bulk
+        byte move's HTTP/2 window where attnd sets it, docs/transport.md)."""
         self._lib = _lib.load()
         self.last_move_path = None  # "bytes" or "device": what carried the last move_sequence's rows
         if transport not in _lib.TRANSPORTS:
@@ -387,6 +403,9 @@ class Client:
         opts.shm_socket = shm_socket.encode() if shm_socket else None
         opts.default_timeout_s = float(timeout or 0)
         opts.shm_max_bytes = 0
+        specs = _grpc_args(grpc_args)
+        opts.grpc_args = (ctypes.c_char_p * max(1, len(specs)))(*specs)
+        opts.num_grpc_args = len(specs)
         err = _lib.Error()
         handle = self._lib.attnd_client_create(ctypes.byref(opts), ctypes.byref(err))
         if not handle:

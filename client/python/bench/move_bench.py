@@ -87,11 +87,13 @@ def main():
     ap.add_argument("--path", choices=("auto", "bytes", "device"), default="auto",
                     help="how the rows travel (Client.move_sequence's path)")
     ap.add_argument("--concurrency", type=int, default=1, help="sequences moving at once")
+    ap.add_argument("--grpc-arg", dest="grpc_args", action="append", default=[],
+                    help="a gRPC channel argument name=value for this client's channels (repeatable)")
     ap.add_argument("--json")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     kv_row = a.kv_heads * a.head_dim
-    with attnd.Client(a.source) as c:
+    with attnd.Client(a.source, grpc_args=a.grpc_args) as c:
         seqs = c.open_sequence(layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim, count=a.sequences)
         warm = []  # --warm: (client, sequence) keeping each server's pool
         try:

@@ -228,3 +228,19 @@ def test_read_only_inputs_and_out(client):
     with pytest.raises(attnd.AttndError) as e:
         client.attention(q, k, v, dtype="bf16", out=q)  # read-only: never written by the library
     assert e.value.code == attnd.StatusCode.INVALID_ARGUMENT and "out" in e.value.message
+
+
+def test_grpc_args(server):
+    q, k, v = bf16_inputs(21, 1, 33, 33, 2, 2, 64)
+    # The channel takes the argument: a receive limit below the reply's size refuses the reply.
+    with attnd.Client(server.target, transport="unary", grpc_args={"grpc.max_receive_message_length": 256}) as c:
+        with pytest.raises(attnd.AttndError) as e:
+            c.attention(q, k, v, dtype="bf16")
+        assert e.value.code == attnd.StatusCode.RESOURCE_EXHAUSTED
+    with attnd.Client(server.target, transport="unary", grpc_args=["grpc.http2.bdp_probe=0"]) as c:
+        check(c.attention(q, k, v, dtype="bf16"), None, q, k, v, "none")
+    for bad, field in ((["grpc.http2.bdp_probe"], "grpc_args"), ("grpc.http2.bdp_probe=0", "grpc_args"),
+                       ([7], "grpc_args[0]")):
+        with pytest.raises(attnd.AttndError) as e:
+            attnd.Client(server.target, grpc_args=bad)
+        assert e.value.code == attnd.StatusCode.INVALID_ARGUMENT and field in e.value.message, e.value.message
