@@ -1,9 +1,9 @@
 // Same-host sequence moves on the device (docs/sequences.md, "Moving a sequence"): the exporter gathers a
 // sequence's rows into a buffer of their own and hands out its CUDA IPC handle; the importer opens the handle,
-// scatters the rows into its pages and closes it. Each side is one kernel launch (kv_rows_copy.cu) over the runs
-// of rows ForEachKvRowRun yields, in the byte chunks' order: layer 0 K, layer 0 V, layer 1 K, ... An exporter that
-// shares its pool hands out the pool's handle and the sequence's pages instead, and the importer copies the rows
-// from the exporter's pages to its own in one launch (ForEachPoolToPoolRun), keeping the pool open (PoolMappings).
+// scatters the rows into its pages and closes it. Each side is one kernel launch (kv_rows_copy.cu), the buffer
+// holding the rows in the byte chunks' order: layer 0 K, layer 0 V, layer 1 K, ... An exporter that shares its pool
+// hands out the pool's handle and the sequence's pages instead, and the importer copies the rows from the exporter's
+// pages to its own in one launch, keeping the pool open (PoolMappings).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -26,45 +26,93 @@ namespace {
 // byte of any other allocation; what lies past the rows is zeroed.
 constexpr uint64_t kOwnPages = 2ull << 20;
 
-// Every run of the sequence's rows, `pool_is_src`: pool to buffer (an export), else buffer to pool (an import).
-std::vector<KvRowRun> MoveRuns(const KvPool& pool, absl::Span<const int32_t> pages, absl::Span<const int64_t> lengths,
-                               bool pool_is_src) {
-  std::vector<KvRowRun> runs;
-  uint64_t buffer_at = 0;
-  for (int layer = 0; layer < pool.shape().layers; ++layer) {
-    for (int kv = 0; kv < 2; ++kv) {
-      ForEachKvRowRun(pool, pages, layer, kv, 0, lengths[layer], [&](uint64_t at, uint64_t bytes, uint64_t in_rows) {
-        const uint64_t in_buffer = buffer_at + in_rows;
-        runs.push_back(pool_is_src ? KvRowRun{at, in_buffer, bytes} : KvRowRun{in_buffer, at, bytes});
-      });
-      buffer_at += static_cast<uint64_t>(lengths[layer]) * pool.shape().row_bytes();
-    }
-  }
-  return runs;
+// One side of a move's copy as the host knows it (kv_rows.h's KvRowsSide before its tables are on the device).
+struct Side {
+  absl::Span<const int32_t> pages;  // empty: a buffer of the rows in move order
+  int32_t page_tokens = 0;
+  uint64_t page_bytes = 0, kv_pool_bytes = 0;
+};
+
+Side PoolSide(const SequenceShape& shape, int32_t num_pages, int page_tokens, absl::Span<const int32_t> pages) {
+  Side s;
+  s.pages = pages;
+  s.page_tokens = page_tokens;
+  s.page_bytes = static_cast<uint64_t>(shape.page_elems(page_tokens)) * shape.kv_bytes();
+  s.kv_pool_bytes = static_cast<uint64_t>(num_pages) * s.page_bytes;
+  return s;
 }
 
-// The runs copied from `src` to `dst` in one launch on this thread's stream, waited for. The run table goes through a
-// block of the device's memory that the handle never exposes.
-absl::Status CopyRuns(const CudaKvPool& p, const std::vector<KvRowRun>& runs, const uint8_t* src, uint8_t* dst) {
-  if (runs.empty()) return absl::OkStatus();
-  const uint64_t table_bytes = runs.size() * sizeof(KvRowRun);
-  absl::StatusOr<Block> table = p.memory()->Acquire(table_bytes);
-  if (!table.ok()) {
-    return absl::ResourceExhaustedError(absl::StrCat("the move's table of ", runs.size(), " runs: ",
-                                                     table.status().message()));
+Side PoolSide(const KvPool& pool, absl::Span<const int32_t> pages) {
+  return PoolSide(pool.shape(), pool.num_pages(), pool.page_tokens(), pages);
+}
+
+template <typename T>
+void Append(std::vector<uint8_t>& table, const T* data, size_t count) {
+  const auto* bytes = reinterpret_cast<const uint8_t*>(data);
+  table.insert(table.end(), bytes, bytes + count * sizeof(T));
+}
+
+// Every row of the sequence (`lengths` per layer) from `from` in `src` to `to` in `dst`, in one launch on this
+// thread's stream, waited for. The lengths, the pools' page tables and a buffer's layer offsets reach the kernel in
+// one block of the device's memory that no handle exposes.
+absl::Status CopyRows(const CudaKvPool& p, const Side& from, const Side& to, absl::Span<const int64_t> lengths,
+                      const uint8_t* src, uint8_t* dst) {
+  const SequenceShape& shape = p.shape();
+  const int64_t longest = lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
+  if (longest == 0) return absl::OkStatus();
+  // Laid out 8-byte values first: lengths, a buffer's layer offsets, then each pool's page table.
+  std::vector<uint8_t> table;
+  Append(table, lengths.data(), lengths.size());
+  const size_t layer_at_at = table.size();
+  std::vector<uint64_t> layer_at(lengths.size());
+  for (size_t l = 0, at = 0; l < lengths.size(); at += 2 * static_cast<uint64_t>(lengths[l]) * shape.row_bytes(), ++l) {
+    layer_at[l] = at;
   }
-  absl::Status status = CudaStatus("the move's runs to the device",
-                                   cudaMemcpyAsync(table->ptr, runs.data(), table_bytes, cudaMemcpyHostToDevice,
+  Append(table, layer_at.data(), layer_at.size());
+  size_t pages_at[2] = {0, 0};
+  const Side* sides[2] = {&from, &to};
+  for (int i = 0; i < 2; ++i) {
+    if (sides[i]->pages.empty()) continue;
+    const size_t used = static_cast<size_t>((longest + sides[i]->page_tokens - 1) / sides[i]->page_tokens);
+    if (used > sides[i]->pages.size()) {
+      return absl::InternalError(absl::StrCat("the move's page table holds ", sides[i]->pages.size(), " pages, its ",
+                                              longest, " rows need ", used));
+    }
+    pages_at[i] = table.size();
+    Append(table, sides[i]->pages.data(), used);
+  }
+  absl::StatusOr<Block> block = p.memory()->Acquire(table.size());
+  if (!block.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat("the move's table of ", table.size(), " bytes: ",
+                                                     block.status().message()));
+  }
+  auto* on_device = static_cast<uint8_t*>(block->ptr);
+  KvRowsCopy copy;
+  copy.lengths = reinterpret_cast<const int64_t*>(on_device);
+  copy.layers = static_cast<int>(lengths.size());
+  copy.longest = longest;
+  copy.row_bytes = shape.row_bytes();
+  KvRowsSide* on[2] = {&copy.from, &copy.to};
+  for (int i = 0; i < 2; ++i) {
+    if (sides[i]->pages.empty()) {
+      on[i]->layer_at = reinterpret_cast<const uint64_t*>(on_device + layer_at_at);
+      continue;
+    }
+    on[i]->pages = reinterpret_cast<const int32_t*>(on_device + pages_at[i]);
+    on[i]->page_tokens = sides[i]->page_tokens;
+    on[i]->page_bytes = sides[i]->page_bytes;
+    on[i]->kv_pool_bytes = sides[i]->kv_pool_bytes;
+  }
+  absl::Status status = CudaStatus("the move's table to the device",
+                                   cudaMemcpyAsync(block->ptr, table.data(), table.size(), cudaMemcpyHostToDevice,
                                                    cudaStreamPerThread));
   if (status.ok()) {
-    status = CudaStatus("the move's copy kernel",
-                        LaunchKvRowRuns(static_cast<const KvRowRun*>(table->ptr), static_cast<int>(runs.size()), src,
-                                        dst, cudaStreamPerThread));
+    status = CudaStatus("the move's copy kernel", LaunchKvRowsCopy(copy, src, dst, cudaStreamPerThread));
   }
   const absl::Status synced = CudaStatus("the move's copy", cudaStreamSynchronize(cudaStreamPerThread));
   if (status.ok()) status = synced;
   // After a failed wait the table may still be read: it stays allocated rather than go back to the cache.
-  if (synced.ok()) p.memory()->Release(*table);
+  if (synced.ok()) p.memory()->Release(*block);
   return status;
 }
 
@@ -84,10 +132,8 @@ absl::Status ImportFromPool(const CudaKvPool& p, absl::Span<const int32_t> pages
         "chunk.device_rows.pool.num_pages: ", rows.pool_num_pages, " pages of ", per_page, " bytes (every layer's K ",
         "and V) do not fit the handle's allocation of ", (*mapping)->allocation_bytes(), " bytes"));
   }
-  std::vector<KvRowRun> runs;
-  ForEachPoolToPoolRun(rows.pool_num_pages, rows.pool_page_tokens, rows.pool_pages, p, pages, lengths,
-                       [&](uint64_t from, uint64_t to, uint64_t bytes) { runs.push_back(KvRowRun{from, to, bytes}); });
-  return CopyRuns(p, runs, (*mapping)->base(), p.pool(0, 0));
+  return CopyRows(p, PoolSide(shape, rows.pool_num_pages, rows.pool_page_tokens, rows.pool_pages), PoolSide(p, pages),
+                  lengths, (*mapping)->base(), p.pool(0, 0));
 }
 
 }  // namespace
@@ -171,7 +217,7 @@ absl::StatusOr<DeviceRows> ExportKvRowsOnDevice(const KvPool& pool, absl::Span<c
   ATTND_RETURN_IF_ERROR(CudaStatus("zeroing the moved rows' buffer past the rows",
                                    cudaMemsetAsync(rows + out.bytes, 0, block->size - out.bytes,
                                                    cudaStreamPerThread)));
-  ATTND_RETURN_IF_ERROR(CopyRuns(*p, MoveRuns(pool, pages, lengths, /*pool_is_src=*/true), p->pool(0, 0), rows));
+  ATTND_RETURN_IF_ERROR(CopyRows(*p, PoolSide(pool, pages), Side{}, lengths, p->pool(0, 0), rows));
   cudaIpcMemHandle_t handle;
   ATTND_RETURN_IF_ERROR(CudaStatus("cudaIpcGetMemHandle", cudaIpcGetMemHandle(&handle, rows)));
   out.ipc_handle.assign(reinterpret_cast<const char*>(&handle), sizeof handle);
@@ -200,7 +246,7 @@ absl::Status ImportKvRowsOnDevice(const KvPool& pool, absl::Span<const int32_t> 
                                                    "allocation holds ", (*mapping)->allocation_bytes()));
   }
   const absl::Status copied =
-      CopyRuns(*p, MoveRuns(pool, pages, lengths, /*pool_is_src=*/false), (*mapping)->base(), p->pool(0, 0));
+      CopyRows(*p, Side{}, PoolSide(pool, pages), lengths, (*mapping)->base(), p->pool(0, 0));
   // Closed before the import answers: the exporter frees the buffer only after that answer.
   const absl::Status closed = (*mapping)->Close();
   return copied.ok() ? closed : copied;

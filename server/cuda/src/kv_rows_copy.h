@@ -1,19 +1,28 @@
-// The copy kernel of same-host sequence moves (docs/sequences.md, "Moving a sequence"): runs of whole rows between
-// a KV pool's pages and a move's device buffer, every run of the move in one launch.
+// The copy kernel of same-host sequence moves (docs/sequences.md, "Moving a sequence"): every cached row of a
+// sequence from one side (a page pool or a move's buffer, attnd/server/kv_rows.h) to the other, in one launch that
+// finds each row's place itself, so that the host sends the page tables and lengths (a few KB) rather than a list of
+// runs of rows.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
+#include "attnd/server/kv_rows.h"
+
 namespace attnd::server::cuda {
 
-// `bytes` from byte `from` of the source to byte `to` of the destination; all three multiples of 16.
-struct KvRowRun {
-  uint64_t from = 0, to = 0, bytes = 0;
+// The rows of `layers` layers, `lengths` (a device array) rows each, `row_bytes` a multiple of 16, from `src` to
+// `dst`; the sides' tables are device arrays. `longest`: the largest of the lengths.
+struct KvRowsCopy {
+  KvRowsSide from, to;
+  const int64_t* lengths = nullptr;
+  int layers = 0;
+  int64_t longest = 0;
+  uint64_t row_bytes = 0;
 };
 
-// One block per run of `runs` (a device array of `count`), 16-byte loads and stores; queued on `stream`.
-cudaError_t LaunchKvRowRuns(const KvRowRun* runs, int count, const uint8_t* src, uint8_t* dst, cudaStream_t stream);
+// Queued on `stream`: a block per 16 rows of one layer's K or V, 16-byte loads and stores.
+cudaError_t LaunchKvRowsCopy(const KvRowsCopy& copy, const uint8_t* src, uint8_t* dst, cudaStream_t stream);
 
 }  // namespace attnd::server::cuda

@@ -98,39 +98,6 @@ void ForEachKvRowRun(const KvPool& pool, absl::Span<const int32_t> pages, int la
   }
 }
 
-// Every row of a sequence (`lengths` per layer) from a pool of the same shape in another process, laid out as KvPool
-// says with `src_num_pages` pages of `src_page_tokens` tokens and holding token t in `src_pages[t / src_page_tokens]`,
-// to `dst`'s pages `dst_pages`: fn(byte offset from the source pool's start, byte offset from `dst`'s start, bytes)
-// for each run of rows within one page on both sides, layer 0 K, layer 0 V, layer 1 K, ... Both page tables must
-// cover the rows (Sequences::ImportOnDevice checks the source's).
-template <typename Fn>
-void ForEachPoolToPoolRun(int32_t src_num_pages, int src_page_tokens, absl::Span<const int32_t> src_pages,
-                          const KvPool& dst, absl::Span<const int32_t> dst_pages, absl::Span<const int64_t> lengths,
-                          Fn fn) {
-  const SequenceShape& shape = dst.shape();
-  const uint64_t elem = shape.kv_bytes(), row_bytes = shape.row_bytes();
-  const int64_t sp = src_page_tokens, dp = dst.page_tokens();
-  const uint64_t src_page_bytes = static_cast<uint64_t>(shape.page_elems(src_page_tokens)) * elem;
-  const uint64_t dst_page_bytes = static_cast<uint64_t>(shape.page_elems(dst.page_tokens())) * elem;
-  for (int layer = 0; layer < shape.layers; ++layer) {
-    for (int kv = 0; kv < 2; ++kv) {
-      const uint64_t src_base = static_cast<uint64_t>(2 * layer + kv) * static_cast<uint64_t>(src_num_pages) *
-                                src_page_bytes;
-      const uint64_t dst_base = static_cast<uint64_t>(dst.pool_offset(layer, kv)) * elem;
-      for (int64_t t = 0; t < lengths[layer];) {
-        const int64_t in_src = t % sp, in_dst = t % dp;
-        const int64_t run = std::min({sp - in_src, dp - in_dst, lengths[layer] - t});
-        const uint64_t from = src_base + static_cast<uint64_t>(src_pages[t / sp]) * src_page_bytes +
-                              static_cast<uint64_t>(in_src) * row_bytes;
-        const uint64_t to = dst_base + static_cast<uint64_t>(dst_pages[t / dp]) * dst_page_bytes +
-                            static_cast<uint64_t>(in_dst) * row_bytes;
-        fn(from, to, static_cast<uint64_t>(run) * row_bytes);
-        t += run;
-      }
-    }
-  }
-}
-
 // Host bytes in pieces, in order: an imported chunk's rows where they lie in the message's slices.
 using HostPieces = absl::Span<const absl::Span<const uint8_t>>;
 
