@@ -7,7 +7,7 @@
 // write completed) for --stream_idle_timeout_s ends DEADLINE_EXCEEDED, and an import must arrive whole within
 // --upload_timeout_s, so a stalled mover cannot hold a sequence (export) or pool pages (import) for ever. The
 // checks run on a gRPC alarm; mu_ orders it against the stream's callbacks, and the reactor is deleted by whichever
-// of OnDone and the last alarm callback comes last (refs_).
+// of OnDone, the last alarm callback and an import's device copy comes last (refs_).
 #include <algorithm>
 #include <atomic>
 #include <memory>
@@ -295,11 +295,12 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
 // (ReadSequenceChunk), not parsed into a string first, while the next chunk is read: two chunks are held at a time.
 class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, public Bounded {
  public:
-  ImportReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, std::string owner,
+  ImportReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, WorkQueue* device_copies, std::string owner,
                 grpc::ByteBuffer* response, absl::Duration idle, absl::Duration upload, absl::Time start)
       : Bounded(idle, upload > absl::ZeroDuration() ? start + upload : absl::InfiniteFuture()),
         ctx_(ctx),
         sequences_(sequences),
+        device_copies_(device_copies),
         owner_(std::move(owner)),
         response_(response),
         start_(start) {
@@ -310,7 +311,13 @@ class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
   void OnReadDone(bool ok) override {
     absl::MutexLock lock(&mu_);
     if (finished_) return;  // ended by its bound while this read was pending
-    if (!ok) return Complete();
+    if (!ok) {
+      if (copying_) {
+        half_closed_ = true;  // the copy's end completes the import
+        return;
+      }
+      return Complete();
+    }
     Progress();
     reading_ = false;
     const absl::Status taken = Take();
@@ -358,6 +365,7 @@ class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
       return absl::OkStatus();
     }
     if (chunk.has_sequence()) return absl::InvalidArgumentError("sequence: only the first chunk carries the header");
+    if (device_taken_) return absl::InvalidArgumentError("chunk: nothing follows the chunk with device rows");
     if (chunk.end()) {
       return absl::InvalidArgumentError("chunk.end: a held export's last chunk is for the mover; half-close instead");
     }
@@ -383,9 +391,10 @@ class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
     return absl::OkStatus();
   }
 
-  // Every row at once from the exporter's device buffer (the chunk after the header, and the last): copied into the
-  // pages and the handle closed before this returns, so before the import answers.
-  absl::Status TakeDeviceRows(const v1::SequenceChunk& chunk, bool has_data) {
+  // Every row at once from the exporter's device buffer or pool (the chunk after the header, and the last): copied
+  // into the pages, and the handle closed, on a thread of device_copies_ (the copy waits for the GPU), and the import
+  // answers after that. Until then its pages stay taken, whatever ends the call.
+  absl::Status TakeDeviceRows(const v1::SequenceChunk& chunk, bool has_data) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (device_taken_ || cursor_.layer != 0 || cursor_.kv != 0 || cursor_.next != 0) {
       return absl::InvalidArgumentError("chunk.device_rows: only the chunk after the header carries device rows");
     }
@@ -402,13 +411,30 @@ class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
       rows.pool_page_tokens = pool.page_tokens();
       rows.pool_pages.assign(pool.pages().begin(), pool.pages().end());
     }
-    ATTND_RETURN_IF_ERROR(sequences_->ImportOnDevice(moving_, rows));
-    cursor_.layer = moving_.shape.layers;  // every row is in
+    copying_ = true;
+    Ref();
+    device_copies_->Run([this, rows = std::move(rows)] {
+      const absl::Status copied = sequences_->ImportOnDevice(moving_, rows);
+      {
+        absl::MutexLock lock(&mu_);
+        copying_ = false;
+        if (finished_) {
+          if (held_) sequences_->EndImport(moving_, false).IgnoreError();  // End left the pages to this copy
+          held_ = false;
+        } else if (!copied.ok()) {
+          End(copied);
+        } else {
+          cursor_.layer = moving_.shape.layers;  // every row is in
+          if (half_closed_) Complete();
+        }
+      }
+      Unref();
+    });
     return absl::OkStatus();
   }
 
   // The client half-closed (or the call broke): the sequence opens if every row came.
-  void Complete() {
+  void Complete() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (ctx_->IsCancelled()) return End(absl::CancelledError("the import was cancelled"));
     if (!held_) return End(absl::InvalidArgumentError("sequence: the stream ended without a header"));
     if (cursor_.Settle(moving_)) {
@@ -431,20 +457,26 @@ class ImportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
 
   void End(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     finished_ = true;
-    if (held_) sequences_->EndImport(moving_, false).IgnoreError();
-    held_ = false;
+    // A device copy still writing into the pages frees them when it ends.
+    if (held_ && !copying_) {
+      sequences_->EndImport(moving_, false).IgnoreError();
+      held_ = false;
+    }
     LogOutcome("ImportSequence", "", status, start_);
     Finish(ToGrpcStatus(status));
   }
 
   grpc::CallbackServerContext* const ctx_;
   Sequences* const sequences_;
+  WorkQueue* const device_copies_;
   const std::string owner_;
   grpc::ByteBuffer* const response_;
   const absl::Time start_;
   MovingSequence moving_;
-  bool held_ = false;
+  bool held_ ABSL_GUARDED_BY(mu_) = false;
   bool device_taken_ = false;  // a device_rows chunk came
+  bool copying_ ABSL_GUARDED_BY(mu_) = false;      // its device copy is queued or running
+  bool half_closed_ ABSL_GUARDED_BY(mu_) = false;  // the client half-closed during the copy
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool reading_ ABSL_GUARDED_BY(mu_) = true;  // a read is pending (the constructor's first)
   RowCursor cursor_;
@@ -468,8 +500,8 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* AttentionService::ImportSequence(grpc
                                                                         grpc::ByteBuffer* response) {
   absl::StatusOr<std::string> owner = OwnerOf(ctx);
   if (!owner.ok()) return new RefusedCall<grpc::ServerReadReactor<grpc::ByteBuffer>>(owner.status());
-  return new ImportReactor(ctx, sequences_, *std::move(owner), response, stream_idle_timeout(), upload_timeout(),
-                           absl::Now());
+  return new ImportReactor(ctx, sequences_, &device_imports_, *std::move(owner), response, stream_idle_timeout(),
+                           upload_timeout(), absl::Now());
 }
 
 }  // namespace attnd::server

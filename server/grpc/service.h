@@ -21,6 +21,7 @@
 #include "attnd/server/sequences.h"
 #include "attnd/server/server.h"
 #include "attnd/server/validation.h"
+#include "attnd/server/work_queue.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "auth.h"
 #include "bounded_unary.h"
@@ -210,6 +211,9 @@ class AttentionService final : public AttentionServiceBase {
   const PeerCalls* peer_calls_ = nullptr;
   const BearerTokenProcessor* auth_ = nullptr;
   std::string peer_secret_;
+  // Imports' device copies (sequence_moves.cc), which wait for the GPU. Four keep the copy engine fed: a copy of a
+  // 0.5 GB sequence outlasts the host work of the next three imports.
+  WorkQueue device_imports_{4};
 };
 
 }  // namespace attnd::server
