@@ -11,9 +11,11 @@ the sequences move to B and back untimed first, so that the timed moves write pa
 backend's fresh pool faults each page in on its first write, which a GPU's memory does not. --path chooses how the
 rows travel: auto (on the GPU when both servers report the same one, else bytes), bytes (through this client) or
 device (one GPU buffer per sequence that B copies from over CUDA IPC, or A's pages in place when A shares its pool);
-the report says which path ran. --concurrency moves that many sequences at once (a thread each), as a drain does.
-The prefill's rows cycle through four random blocks per chunk size (generating tens of GB of random numbers would
-take minutes), so the before/after check here is a smoke test; tests/gpu/gpu_sequence_moves_test.cc checks that
+the report says which path ran. --concurrency moves that many sequences at once (a thread each), as a drain does; a
+list (1,8,16) times each in turn over the same sequences. --rounds R moves each sequence to B, back and to B again,
+2R + 1 moves in all, one after another on its thread (B must export on the same path: start it with the same flags),
+so that a rate counts many moves rather than one wave's start and end. The prefill's rows cycle through four random blocks per chunk size (generating tens of GB of random numbers would
+take minutes; with torch and a GPU they are CUDA tensors stepped by reference), so the before/after check here is a smoke test; tests/gpu/gpu_sequence_moves_test.cc checks that
 every row lands in place.
 
   python3 client/python/bench/move_bench.py --source 127.0.0.1:50051 --dest 127.0.0.1:50052 --layers 32 \\
@@ -37,16 +39,34 @@ def bf16(rng, shape):
 
 def prefill(c, seqs, rng, layers, context, kv_heads, head_dim):
     """Every layer of `seqs` to `context` tokens: all sequences in one append-only step per chunk of at most 64 MiB
-    of K, the rows cycling through four random blocks per chunk size."""
+    of K, the rows cycling through four random blocks per chunk size (torch CUDA tensors where the server takes
+    them: the prefill then costs seconds, not minutes)."""
     chunk = max(1, min(context, (64 << 20) // (2 * kv_heads * head_dim * len(seqs))))
+    torch = cuda_torch(c)
     blocks = {}  # rows per sequence -> four random blocks, used in turn
     for layer in range(layers):
         for i, done in enumerate(range(0, context, chunk)):
             t = min(chunk, context - done)
             if t not in blocks:
                 blocks[t] = [bf16(rng, (len(seqs) * t, kv_heads, head_dim)) for _ in range(4)]
+                if torch is not None:
+                    blocks[t] = [torch.from_numpy(b.view(np.int16)).view(torch.bfloat16).cuda() for b in blocks[t]]
             k, v = blocks[t][(layer + i) % 4], blocks[t][(layer + i + 1) % 4]
-            c.step(layer, seqs, k=k, v=v, tokens=t, dtype="bf16")
+            if torch is not None:
+                c.step(layer, seqs, k=k, v=v)  # rows split evenly: t per sequence
+            else:
+                c.step(layer, seqs, k=k, v=v, tokens=t, dtype="bf16")
+    if torch is not None:
+        torch.cuda.synchronize()
+
+
+def cuda_torch(c):
+    """torch, where it sees a GPU and the server steps CUDA tensors by reference; else None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() and c._cuda_path() else None
 
 
 def d2d_copy_gb_per_s():
@@ -86,11 +106,18 @@ def main():
     ap.add_argument("--warm", action="store_true", help="time moves into pages the destination has written before")
     ap.add_argument("--path", choices=("auto", "bytes", "device"), default="auto",
                     help="how the rows travel (Client.move_sequence's path)")
-    ap.add_argument("--concurrency", type=int, default=1, help="sequences moving at once")
+    ap.add_argument("--concurrency", default="1", help="sequences moving at once, or a list of such (1,8,16)")
+    ap.add_argument("--rounds", type=int, default=0, help="each sequence moves 2 x rounds + 1 times, ending on B")
     ap.add_argument("--grpc-arg", dest="grpc_args", action="append", default=[],
                     help="a gRPC channel argument name=value for this client's channels (repeatable)")
     ap.add_argument("--json")
     a = ap.parse_args()
+    try:
+        concurrency = [int(x) for x in a.concurrency.split(",")]
+    except ValueError:
+        ap.error(f"--concurrency: {a.concurrency!r} is not a number or a list of numbers")
+    if min(concurrency) < 1 or a.rounds < 0:
+        ap.error("--concurrency takes numbers >= 1, --rounds a number >= 0")
     rng = np.random.default_rng(0)
     kv_row = a.kv_heads * a.head_dim
     with attnd.Client(a.source, grpc_args=a.grpc_args) as c:
@@ -114,17 +141,31 @@ def main():
                     s.move(a.source, path=a.path)
 
             def move(s):
-                s0 = time.perf_counter()
-                s.move(a.dest, path=a.path)
-                return time.perf_counter() - s0, c.last_move_path
+                """2 x rounds + 1 moves of s, ending on dest: (seconds for each, the paths they took)."""
+                took, used = [], set()
+                for i in range(2 * a.rounds + 1):
+                    s0 = time.perf_counter()
+                    s.move(a.dest if i % 2 == 0 else a.source, path=a.path)
+                    took.append(time.perf_counter() - s0)
+                    used.add(c.last_move_path)
+                return took, used
 
-            t0 = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(max(1, a.concurrency)) as pool:
-                done = list(pool.map(move, seqs))
-            move_s = time.perf_counter() - t0
-            per, paths = [d[0] for d in done], {d[1] for d in done}
-            moved_bytes = 2 * a.context * kv_row * 2 * a.layers * a.sequences
-            assert all(s.id.rsplit("@", 1)[-1] == a.dest for s in seqs), "a moved id does not name --dest"
+            runs, paths = [], set()
+            moved_bytes = 2 * a.context * kv_row * 2 * a.layers * a.sequences * (2 * a.rounds + 1)
+            for n, at_once in enumerate(concurrency):
+                if n > 0:  # back to the source, untimed
+                    for s in seqs:
+                        s.move(a.source, path=a.path)
+                t0 = time.perf_counter()
+                with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
+                    done = list(pool.map(move, seqs))
+                move_s = time.perf_counter() - t0
+                per = [x for d in done for x in d[0]]
+                paths |= set().union(*(d[1] for d in done))
+                runs.append({"concurrency": at_once, "moved_bytes": moved_bytes, "move_s": move_s,
+                             "move_gb_per_s": moved_bytes / move_s / 1e9,
+                             "move_ms_per_sequence_p50": statistics.median(per) * 1e3})
+                assert all(s.id.rsplit("@", 1)[-1] == a.dest for s in seqs), "a moved id does not name --dest"
 
             after = {l: c.step(l, seqs, q=q, q_heads=a.q_heads, dtype="bf16") for l in probe}
             same = all(np.array_equal(np.asarray(before[l]).view(np.uint16), np.asarray(after[l]).view(np.uint16))
@@ -144,24 +185,23 @@ def main():
                 wc.close()
     out = {
         "sequences": a.sequences, "layers": a.layers, "context": a.context, "kv_heads": a.kv_heads,
-        "head_dim": a.head_dim, "concurrency": a.concurrency, "path_asked": a.path, "path": ",".join(sorted(paths)),
-        "prefill_s": prefill_s,
-        "moved_bytes": moved_bytes, "move_s": move_s,
-        "move_gb_per_s": moved_bytes / move_s / 1e9, "move_ms_per_sequence_p50": statistics.median(per) * 1e3,
+        "head_dim": a.head_dim, "rounds": a.rounds, "path_asked": a.path, "path": ",".join(sorted(paths)),
+        "prefill_s": prefill_s, "runs": runs,
         "same_o_after_move": same, "decode_step_ms_p50_on_dest": statistics.median(lat) * 1e3 if lat else None,
     }
     d2d = d2d_copy_gb_per_s()
     out["d2d_copy_gb_per_s"] = d2d
-    if d2d:
-        out["move_over_d2d"] = out["move_gb_per_s"] / d2d
     print(f"prefill on {a.source}: {a.sequences} x {a.context} tokens x {a.layers} layers in {prefill_s:.2f} s")
-    print(f"move {a.source} -> {a.dest} by {out['path']} (--path {a.path}, {a.concurrency} at once): "
-          f"{moved_bytes / 1e6:.1f} MB in "
-          f"{move_s * 1e3:.1f} ms = "
-          f"{out['move_gb_per_s']:.2f} GB/s; per sequence p50 {out['move_ms_per_sequence_p50']:.1f} ms; "
-          f"O after the move {'identical' if same else 'DIFFERENT'}")
+    for r in runs:
+        if d2d:
+            r["move_over_d2d"] = r["move_gb_per_s"] / d2d
+        print(f"move {a.source} -> {a.dest} by {out['path']} (--path {a.path}, {r['concurrency']} at once, "
+              f"{2 * a.rounds + 1} moves each): {r['moved_bytes'] / 1e6:.1f} MB in {r['move_s'] * 1e3:.1f} ms = "
+              f"{r['move_gb_per_s']:.2f} GB/s; per move p50 {r['move_ms_per_sequence_p50']:.1f} ms"
+              + (f"; {r['move_over_d2d']:.3f} of the device-to-device copy" if d2d else ""))
+    print(f"O after the moves {'identical' if same else 'DIFFERENT'}")
     if d2d:
-        print(f"device-to-device copy on this GPU: {d2d:.1f} GB/s; the move reaches {out['move_over_d2d']:.3f} of it")
+        print(f"device-to-device copy on this GPU: {d2d:.1f} GB/s")
     if lat:
         print(f"decode on {a.dest}: {a.sequences} sequences x {a.layers} layers, step p50 "
               f"{out['decode_step_ms_p50_on_dest']:.2f} ms")
