@@ -269,8 +269,9 @@ RelayOutcome RelaySequenceOnDevice(v1::Attention::Stub* from, v1::Attention::Stu
   }
   std::unique_ptr<grpc::ClientWriter<v1::ImportSequenceRequest>> importer =
       to->ImportSequence(import_ctx, &out.response);
-  bool written = importer->Write(chunks[0]) && importer->Write(chunks[1]);
-  if (written) written = importer->WritesDone();
+  // Both chunks and the half-close in one flush: the header is held back (buffer hint) for the last write.
+  const bool written = importer->Write(chunks[0], grpc::WriteOptions().set_buffer_hint()) &&
+                       importer->Write(chunks[1], grpc::WriteOptions().set_last_message());
   out.imported = FromGrpcStatus(importer->Finish());
   if (out.imported.ok() && !written) out.imported = absl::InternalError("the import ended OK without its rows");
   // The importer has closed the handle (answered or failed): the exporter may free the buffer now.
