@@ -916,6 +916,35 @@ class Client:
             sequence._batch = None
         return moved
 
+    def move_sequences(self, sequences, to, path="auto", at_once=8):
+        """Moves every one of `sequences` (Sequence objects or ids) to the server at `to`, `at_once` of them at a
+        time (threads of this client; a same-GPU move spends most of its time in calls between the servers, which
+        moves at once overlap). Returns the new ids in order; each Sequence object follows its move. When some fail,
+        the others still move, and an AttndError (the first failure's code) names each failed `sequences[i]`; those
+        stay where they were. `path` as move_sequence's."""
+        if isinstance(sequences, (Sequence, str)):
+            sequences = [sequences]
+        sequences = list(sequences)
+        if not isinstance(at_once, int) or isinstance(at_once, bool) or at_once < 1:
+            raise _invalid(f"at_once: {at_once!r} is not an int >= 1")
+        for i, s in enumerate(sequences):
+            _seq_id(f"sequences[{i}]", s)
+        if not sequences:
+            return []
+
+        def one(s):
+            try:
+                return self.move_sequence(s, to, path=path), None
+            except AttndError as e:
+                return None, e
+
+        with concurrent.futures.ThreadPoolExecutor(min(at_once, len(sequences))) as pool:
+            done = list(pool.map(one, sequences))
+        failed = [(i, e) for i, (_, e) in enumerate(done) if e is not None]
+        if failed:
+            raise AttndError(failed[0][1].code, "; ".join(f"sequences[{i}]: {e}" for i, e in failed))
+        return [moved for moved, _ in done]
+
     def _moves_followed(self):
         """Moves the C++ client has followed (a call about a moved sequence goes to its new id); see Sequence.id.
         0 once the client is closed: its Sequence objects keep the ids they had."""

@@ -91,6 +91,49 @@ def test_a_sequence_moves_to_another_server_and_follows(fleet):
         seq.close()
 
 
+def test_move_sequences_moves_a_batch_and_names_each_one_that_failed(fleet):
+    """Client.move_sequences: several sequences at once to another server, each Sequence following its move and its
+    steps going on over the whole history there; an id that no server knows fails alone, named by its index."""
+    rng = np.random.default_rng(14)
+    target = "ipv4:" + ",".join(s.target for s in fleet)
+    with attnd.Client(target) as c:
+        probe = c.open_sequence(layers=1, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+        here = probe.id.rsplit("@", 1)[1]
+        probe.close()
+        with attnd.Client(here) as direct:
+            seqs = [direct.open_sequence(layers=2, kv_heads=KV_HEADS, head_dim=HEAD_DIM) for _ in range(5)]
+            hists = [History(layers=2) for _ in seqs]
+            for seq, hist in zip(seqs, hists):
+                step_checked(seq, hist, 0, rng, int(rng.integers(3, 30)))
+                step_checked(seq, hist, 1, rng, int(rng.integers(3, 30)))
+            there = next(s.target for s in fleet if s.target != here)
+            old = [s.id for s in seqs]
+            new = direct.move_sequences(seqs, there, at_once=3)
+            assert new == [s.id for s in seqs] and all(n.rsplit("@", 1)[1] == there for n in new)
+            for seq, hist, o in zip(seqs, hists, old):
+                assert direct.sequence_info(o)["sequence_id"] == seq.id  # the old id says where it went
+                step_checked(seq, hist, 0, rng, 1)
+                step_checked(seq, hist, 1, rng, 2)
+            ghost = f"nosuch@{there}"
+            with pytest.raises(attnd.AttndError) as failed:
+                direct.move_sequences([seqs[0], ghost, seqs[1]], here)
+            assert failed.value.code == attnd.StatusCode.NOT_FOUND, failed.value
+            assert "sequences[1]" in failed.value.message and "sequences[0]" not in failed.value.message
+            assert [s.id.rsplit("@", 1)[1] for s in seqs[:2]] == [here, here]
+            for seq, hist in zip(seqs[:2], hists):
+                step_checked(seq, hist, 1, rng, 1)
+            assert direct.move_sequences([], there) == []
+            for bad in (0, -1, 1.5, True):
+                with pytest.raises(attnd.AttndError) as refused:
+                    direct.move_sequences(seqs, there, at_once=bad)
+                assert refused.value.code == attnd.StatusCode.INVALID_ARGUMENT and "at_once" in refused.value.message
+            with pytest.raises(attnd.AttndError) as refused:
+                direct.move_sequences([seqs[0], ""], there)
+            assert "sequences[1]" in refused.value.message
+            for seq in seqs:  # on two servers now: one close each
+                seq.close()
+
+
 def test_a_sequence_its_server_moved_is_followed_by_its_next_call(fleet):
     """A Sequence moved by someone else (as a draining server moves its sequences) is followed by its next step:
     the step runs on the new server over the whole history, and the object's id is the new one."""
