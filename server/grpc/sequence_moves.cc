@@ -115,10 +115,15 @@ class Bounded {
 // in memory at a time.
 class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public Bounded {
  public:
-  ExportReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, const std::string& owner, bool peer,
-                const grpc::ByteBuffer* request_bytes, uint64_t stream_chunk_bytes, absl::Duration idle,
-                absl::Time start)
-      : Bounded(idle, absl::InfiniteFuture()), ctx_(ctx), sequences_(sequences), peer_(peer), start_(start) {
+  ExportReactor(grpc::CallbackServerContext* ctx, Sequences* sequences, WorkQueue* device_copies,
+                const std::string& owner, bool peer, const grpc::ByteBuffer* request_bytes,
+                uint64_t stream_chunk_bytes, absl::Duration idle, absl::Time start)
+      : Bounded(idle, absl::InfiniteFuture()),
+        ctx_(ctx),
+        sequences_(sequences),
+        device_copies_(device_copies),
+        peer_(peer),
+        start_(start) {
     v1::ExportSequenceRequest request;
     grpc::ByteBuffer copy(*request_bytes);  // shares the slices; parsing consumes the buffer it is given
     absl::StatusOr<MovingSequence> held =
@@ -148,17 +153,33 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
       End(first.status());
       return;
     }
-    if (device_) {
-      // Refused before the header goes out, so a mover that falls back to bytes has read nothing.
-      ExportOnDevice();
-      if (!next_.ok()) {
-        End(next_.status());
-        return;
-      }
-    }
     out_ = *std::move(first);
-    StartWrite(&out_);
-    if (!device_) ReadNext();
+    if (!device_) {
+      StartWrite(&out_);
+      ReadNext();
+      return;
+    }
+    // The header goes out once the device rows are ready, so a refusal (a mover then falls back to bytes) comes
+    // before anything was sent.
+    if (sequences_->ExportSharesPool(peer_)) {
+      std::shared_ptr<void> none;
+      absl::StatusOr<grpc::ByteBuffer> rows = DeviceRowsChunk(&none);
+      SendDeviceRows(std::move(rows), std::move(none));
+      return;
+    }
+    // Gathering the rows into a buffer of their own waits for the GPU: on a thread of device_copies_, not gRPC's.
+    // No write is pending meanwhile, so nothing ends the call before SendDeviceRows: a cancel or an expiry makes the
+    // header's write fail, and OnWriteDone ends the stream.
+    Ref();
+    device_copies_->Run([this] {
+      std::shared_ptr<void> buffer;
+      absl::StatusOr<grpc::ByteBuffer> rows = DeviceRowsChunk(&buffer);
+      {
+        absl::MutexLock lock(&mu_);
+        SendDeviceRows(std::move(rows), std::move(buffer));
+      }
+      Unref();
+    });
   }
 
   void OnWriteDone(bool ok) override {
@@ -212,15 +233,11 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
   }
 
  private:
-  // The rows gathered into a device buffer of their own, and the one chunk that carries its handle, written after
-  // the header.
-  void ExportOnDevice() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    absl::StatusOr<DeviceRows> rows = sequences_->ExportOnDevice(moving_, peer_, &device_rows_);
-    more_ = true;
-    if (!rows.ok()) {
-      next_ = rows.status();
-      return;
-    }
+  // The one chunk that carries the device rows, written after the header: the handle of a buffer the rows are
+  // gathered into (kept by *buffer), or of the pool with the sequence's pages.
+  absl::StatusOr<grpc::ByteBuffer> DeviceRowsChunk(std::shared_ptr<void>* buffer) {
+    absl::StatusOr<DeviceRows> rows = sequences_->ExportOnDevice(moving_, peer_, buffer);
+    if (!rows.ok()) return rows.status();
     // A buffer of its own holds the rows now; an importer reads a shared pool's pages in place, after this.
     if (!rows->from_pool) sequences_->ExportSent(moving_);
     v1::SequenceChunk fields;
@@ -234,7 +251,17 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
       pool->set_page_tokens(rows->pool_page_tokens);
       pool->mutable_pages()->Assign(rows->pool_pages.begin(), rows->pool_pages.end());
     }
-    next_ = SerializeSequenceChunk(fields, 0, [](uint8_t*) { return absl::OkStatus(); });
+    return SerializeSequenceChunk(fields, 0, [](uint8_t*) { return absl::OkStatus(); });
+  }
+
+  // The header (out_) goes out, and the device rows' chunk after it; or the export ends refused.
+  void SendDeviceRows(absl::StatusOr<grpc::ByteBuffer> rows, std::shared_ptr<void> buffer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    device_rows_ = std::move(buffer);
+    if (!rows.ok()) return End(rows.status());
+    next_ = std::move(rows);
+    more_ = true;
+    StartWrite(&out_);
   }
 
   // The chunk after the one being written, from the cursor (more_ false: the rows are all sent).
@@ -273,6 +300,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, p
 
   grpc::CallbackServerContext* const ctx_;
   Sequences* const sequences_;
+  WorkQueue* const device_copies_;
   const bool peer_;  // the call carried the fleet's peer secret
   const absl::Time start_;
   MovingSequence moving_;
@@ -492,15 +520,15 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* AttentionService::ExportSequence(grp
   if (!owner.ok()) return new RefusedCall<grpc::ServerWriteReactor<grpc::ByteBuffer>>(owner.status());
   // OwnerOf admitted the call, so a peer secret it carries is this fleet's.
   const bool peer = ctx->client_metadata().count(kPeerSecretMetadata) > 0;
-  return new ExportReactor(ctx, sequences_, *owner, peer, request, stream_chunk_bytes(), stream_idle_timeout(),
-                           absl::Now());
+  return new ExportReactor(ctx, sequences_, &device_copies_, *owner, peer, request, stream_chunk_bytes(),
+                           stream_idle_timeout(), absl::Now());
 }
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* AttentionService::ImportSequence(grpc::CallbackServerContext* ctx,
                                                                         grpc::ByteBuffer* response) {
   absl::StatusOr<std::string> owner = OwnerOf(ctx);
   if (!owner.ok()) return new RefusedCall<grpc::ServerReadReactor<grpc::ByteBuffer>>(owner.status());
-  return new ImportReactor(ctx, sequences_, &device_imports_, *std::move(owner), response, stream_idle_timeout(),
+  return new ImportReactor(ctx, sequences_, &device_copies_, *std::move(owner), response, stream_idle_timeout(),
                            upload_timeout(), absl::Now());
 }
 

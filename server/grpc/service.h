@@ -211,9 +211,9 @@ class AttentionService final : public AttentionServiceBase {
   const PeerCalls* peer_calls_ = nullptr;
   const BearerTokenProcessor* auth_ = nullptr;
   std::string peer_secret_;
-  // Imports' device copies (sequence_moves.cc), which wait for the GPU. Four keep the copy engine fed: a copy of a
-  // 0.5 GB sequence outlasts the host work of the next three imports.
-  WorkQueue device_imports_{4};
+  // Moves' device copies (sequence_moves.cc: an import's, an export's gather into a buffer), which wait for the
+  // GPU. Four keep the copy engine fed: a copy of a 0.5 GB sequence outlasts the host work of the next three moves.
+  WorkQueue device_copies_{4};
 };
 
 }  // namespace attnd::server

@@ -126,9 +126,12 @@ absl::StatusOr<DeviceRows> Sequences::ExportOnDevice(const MovingSequence& m, bo
     return absl::FailedPreconditionError(
         "device: this server moves sequences by bytes only (--sequence_device_moves=false)");
   }
+  return backend_->ExportKvRowsOnDevice(*m.pool, m.pages, m.lengths, ExportSharesPool(peer), hold);
+}
+
+bool Sequences::ExportSharesPool(bool peer) const {
   const SharePool share = options_.device_moves_share_pool;
-  const bool share_pool = share == SharePool::kAlways || (share == SharePool::kPeers && peer);
-  return backend_->ExportKvRowsOnDevice(*m.pool, m.pages, m.lengths, share_pool, hold);
+  return share == SharePool::kAlways || (share == SharePool::kPeers && peer);
 }
 
 absl::Status Sequences::ImportOnDevice(const MovingSequence& m, const DeviceRows& rows) {

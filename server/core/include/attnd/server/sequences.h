@@ -138,6 +138,8 @@ class Sequences {
   // every row of an imported one copied from such a buffer, which must hold exactly the header's rows.
   // `peer`: the export is a fleet server's (its call carried the peer secret), for SequenceOptions' SharePool.
   absl::StatusOr<DeviceRows> ExportOnDevice(const MovingSequence& m, bool peer, std::shared_ptr<void>* hold);
+  // Whether such an export hands out the pool in place (no copy) rather than a buffer the rows are gathered into.
+  bool ExportSharesPool(bool peer) const;
   absl::Status ImportOnDevice(const MovingSequence& m, const DeviceRows& rows);
 
   // Called exactly once per Step: on a backend thread with the finished job, or inline with a null job when the
