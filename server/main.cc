@@ -86,7 +86,7 @@ ABSL_FLAG(std::string, sequence_drain_to, "",
           "gRPC target (an address, or the fleet's shared target such as dns:///attnd-headless.ns.svc:50051) the "
           "drain moves the open KV sequences to, each as its owner, before it waits for the rest; needs "
           "--sequence_drain_s > 0 and --peer_secret_file; empty: callers close or move their sequences");
-ABSL_FLAG(uint32_t, sequence_drain_moves, 4, "with --sequence_drain_to: sequences moving at once");
+ABSL_FLAG(uint32_t, sequence_drain_moves, 16, "with --sequence_drain_to: sequences moving at once");
 // Security and observability (docs/security-and-metrics.md).
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS on the TCP listener (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");

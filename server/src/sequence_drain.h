@@ -23,7 +23,7 @@ struct DrainMovesOptions {
   // TLS to the fleet's servers (all empty: plaintext): the CA their certificates chain to, this server's own
   // certificate and key presented as the client's, the name checked instead of the host dialled.
   std::string tls_ca_file, tls_cert_file, tls_key_file, tls_server_name;
-  uint32_t in_flight = 4;
+  uint32_t in_flight = 16;
   absl::Duration retry = absl::Milliseconds(100);
 };
 

@@ -124,7 +124,7 @@ struct ServerOptions {
   // drain waits for the callers to close or move their sequences.
   struct Drain {
     std::string to;
-    uint32_t moves_in_flight = 4;  // sequences moving at once
+    uint32_t moves_in_flight = 16;  // sequences moving at once: the calls of one overlap the copies of others
     // A move that failed is tried again this long after (its reason logged), until the drain's time runs out; one
     // refused because a step was in flight, after a tenth of it.
     absl::Duration retry = absl::Milliseconds(100);
