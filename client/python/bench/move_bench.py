@@ -15,7 +15,8 @@ the report says which path ran. --concurrency moves that many sequences at once 
 list (1,8,16) times each in turn over the same sequences. --rounds R moves each sequence to B, back and to B again,
 2R + 1 moves in all, one after another on its thread (B must export on the same path: start it with the same flags),
 so that a rate counts many moves rather than one wave's start and end. The prefill's rows cycle through four random blocks per chunk size (generating tens of GB of random numbers would
-take minutes; with torch and a GPU they are CUDA tensors stepped by reference), so the before/after check here is a smoke test; tests/gpu/gpu_sequence_moves_test.cc checks that
+take minutes; with torch, a GPU and a source started with --enable_cuda_ipc they are CUDA tensors stepped by
+reference), so the before/after check here is a smoke test; tests/gpu/gpu_sequence_moves_test.cc checks that
 every row lands in place.
 
   python3 client/python/bench/move_bench.py --source 127.0.0.1:50051 --dest 127.0.0.1:50052 --layers 32 \\
@@ -40,7 +41,7 @@ def bf16(rng, shape):
 def prefill(c, seqs, rng, layers, context, kv_heads, head_dim):
     """Every layer of `seqs` to `context` tokens: all sequences in one append-only step per chunk of at most 64 MiB
     of K, the rows cycling through four random blocks per chunk size (torch CUDA tensors where the server takes
-    them: the prefill then costs seconds, not minutes)."""
+    them, --enable_cuda_ipc: no host copy of the rows)."""
     chunk = max(1, min(context, (64 << 20) // (2 * kv_heads * head_dim * len(seqs))))
     torch = cuda_torch(c)
     blocks = {}  # rows per sequence -> four random blocks, used in turn
