@@ -14,10 +14,9 @@ device (one GPU buffer per sequence that B copies from over CUDA IPC, or A's pag
 the report says which path ran. --concurrency moves that many sequences at once (a thread each), as a drain does; a
 list (1,8,16) times each in turn over the same sequences. --rounds R moves each sequence to B, back and to B again,
 2R + 1 moves in all, one after another on its thread (B must export on the same path: start it with the same flags),
-so that a rate counts many moves rather than one wave's start and end. The prefill's rows cycle through four random blocks per chunk size (generating tens of GB of random numbers would
-take minutes; with torch, a GPU and a source started with --enable_cuda_ipc they are CUDA tensors stepped by
-reference), so the before/after check here is a smoke test; tests/gpu/gpu_sequence_moves_test.cc checks that
-every row lands in place.
+so that a rate counts many moves rather than one wave's start and end. The prefill's rows cycle through four random
+blocks per chunk size (generating tens of GB of random numbers would take minutes), so the before/after check here is
+a smoke test; tests/gpu/gpu_sequence_moves_test.cc checks that every row lands in place.
 
   python3 client/python/bench/move_bench.py --source 127.0.0.1:50051 --dest 127.0.0.1:50052 --layers 32 \\
       --context 2048 --sequences 8
@@ -40,34 +39,16 @@ def bf16(rng, shape):
 
 def prefill(c, seqs, rng, layers, context, kv_heads, head_dim):
     """Every layer of `seqs` to `context` tokens: all sequences in one append-only step per chunk of at most 64 MiB
-    of K, the rows cycling through four random blocks per chunk size (torch CUDA tensors where the server takes
-    them, --enable_cuda_ipc: no host copy of the rows)."""
+    of K, the rows cycling through four random blocks per chunk size."""
     chunk = max(1, min(context, (64 << 20) // (2 * kv_heads * head_dim * len(seqs))))
-    torch = cuda_torch(c)
     blocks = {}  # rows per sequence -> four random blocks, used in turn
     for layer in range(layers):
         for i, done in enumerate(range(0, context, chunk)):
             t = min(chunk, context - done)
             if t not in blocks:
                 blocks[t] = [bf16(rng, (len(seqs) * t, kv_heads, head_dim)) for _ in range(4)]
-                if torch is not None:
-                    blocks[t] = [torch.from_numpy(b.view(np.int16)).view(torch.bfloat16).cuda() for b in blocks[t]]
             k, v = blocks[t][(layer + i) % 4], blocks[t][(layer + i + 1) % 4]
-            if torch is not None:
-                c.step(layer, seqs, k=k, v=v)  # rows split evenly: t per sequence
-            else:
-                c.step(layer, seqs, k=k, v=v, tokens=t, dtype="bf16")
-    if torch is not None:
-        torch.cuda.synchronize()
-
-
-def cuda_torch(c):
-    """torch, where it sees a GPU and the server steps CUDA tensors by reference; else None."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() and c._cuda_path() else None
+            c.step(layer, seqs, k=k, v=v, tokens=t, dtype="bf16")
 
 
 def d2d_copy_gb_per_s():
