@@ -7,7 +7,7 @@
 // write completed) for --stream_idle_timeout_s ends DEADLINE_EXCEEDED, and an import must arrive whole within
 // --upload_timeout_s, so a stalled mover cannot hold a sequence (export) or pool pages (import) for ever. The
 // checks run on a gRPC alarm; mu_ orders it against the stream's callbacks, and the reactor is deleted by whichever
-// of OnDone, the last alarm callback and an import's device copy comes last (refs_).
+// of OnDone, the last alarm callback and a device copy (an import's, an export's gather) comes last (refs_).
 #include <algorithm>
 #include <atomic>
 #include <memory>
