@@ -46,6 +46,8 @@ ABSL_FLAG(uint64_t, chunk_bytes, 0, "ForwardStream chunk size in bytes (0: 1 MiB
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "transport tuning: gRPC channel arguments, comma-separated name=value (e.g. "
           "grpc.http2.lookahead_bytes=8388608); applied last");
+ABSL_FLAG(int32_t, move_connections, attnd::client::ClientOptions().move_connections,
+          "seq --move_to by bytes: connections of the move's own to each server (0: the calls' connections)");
 ABSL_FLAG(bool, wait_for_ready, false, "wait for the server to come up instead of failing fast");
 ABSL_FLAG(std::string, shm_socket, "",
           "--transport=shm: the server's --shm_socket (a unix socket on this host); call and bench send their Forward "
@@ -172,6 +174,7 @@ absl::StatusOr<std::unique_ptr<Client>> Connect(bool own_connection = false) {
   o.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   o.auth_token = absl::GetFlag(FLAGS_auth_token);
   o.grpc_args = absl::GetFlag(FLAGS_grpc_arg);
+  o.move_connections = absl::GetFlag(FLAGS_move_connections);
   o.shm_socket = absl::GetFlag(FLAGS_shm_socket);
   o.shm_max_area_bytes = absl::GetFlag(FLAGS_shm_max_bytes);
   if (absl::GetFlag(FLAGS_step_poll_us) < 0) return absl::InvalidArgumentError("--step_poll_us: must be >= 0");

@@ -22,6 +22,9 @@
 namespace attnd::client {
 namespace {
 
+// ClientOptions::move_connections' bound: each is a socket and a channel per server moved to or from.
+constexpr int kMaxMoveConnections = 64;
+
 // The channel's credentials: TLS when any tls_* file is given (client.h), plaintext otherwise.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(const ClientOptions& o) {
   if (o.tls_ca_file.empty() && o.tls_cert_file.empty() && o.tls_key_file.empty()) {
@@ -144,6 +147,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
   if (options.default_deadline <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("default_deadline: must be positive");
   }
+  if (options.move_connections < 0 || options.move_connections > kMaxMoveConnections) {
+    return absl::InvalidArgumentError(absl::StrCat("move_connections: ", options.move_connections,
+                                                   " is outside [0, ", kMaxMoveConnections, "]"));
+  }
   absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(options, options.target);
   if (!channel.ok()) return channel.status();
   return std::unique_ptr<Client>(new Client(options, *std::move(channel)));
@@ -156,6 +163,39 @@ Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
       generic_(std::make_unique<grpc::GenericStub>(channel_)) {}
 
 Client::~Client() = default;
+
+absl::StatusOr<Client::MoveChannel> Client::TakeMoveChannel(const std::string& address) {
+  // A fleet target would spread a lane's calls over its servers: such moves stay on the pinned channels.
+  const std::string& server = address.empty() ? options_.target : address;
+  if (options_.move_connections == 0 || IsFleetTarget(server)) {
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> shared = ChannelFor(address);
+    if (!shared.ok()) return shared.status();
+    return MoveChannel{*std::move(shared), -1};
+  }
+  absl::MutexLock lock(&lanes_mu_);
+  std::vector<MoveLane>& lanes = lanes_[server];
+  auto least = std::min_element(lanes.begin(), lanes.end(),
+                                [](const MoveLane& a, const MoveLane& b) { return a.moving < b.moving; });
+  if (least == lanes.end() || (least->moving > 0 && lanes.size() < static_cast<size_t>(options_.move_connections))) {
+    ClientOptions own = options_;
+    own.own_connection = true;  // a subchannel pool of its own: a connection no other channel shares
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(own, server);
+    if (!channel.ok()) {
+      return absl::Status(channel.status().code(),
+                          absl::StrCat("a move's connection to '", server, "': ", channel.status().message()));
+    }
+    lanes.push_back(MoveLane{*std::move(channel), 0});
+    least = lanes.end() - 1;
+  }
+  ++least->moving;
+  return MoveChannel{least->channel, static_cast<int>(least - lanes.begin())};
+}
+
+void Client::ReturnMoveChannel(const std::string& address, const MoveChannel& taken) {
+  if (taken.lane < 0) return;
+  absl::MutexLock lock(&lanes_mu_);
+  --lanes_[address.empty() ? options_.target : address][taken.lane].moving;
+}
 
 void Client::Prepare(grpc::ClientContext* ctx, const CallOptions& call) const {
   const absl::Duration d = call.deadline ? *call.deadline : options_.default_deadline;

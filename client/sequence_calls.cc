@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -686,10 +687,12 @@ absl::StatusOr<MovedSequence> Client::MoveSequence(const std::string& sequence_i
     }
   }
   if (!device) {
-    absl::StatusOr<std::shared_ptr<grpc::Channel>> source_channel = ChannelFor(from);
+    absl::StatusOr<MoveChannel> source_channel = TakeMoveChannel(from);
     if (!source_channel.ok()) return source_channel.status();
-    absl::StatusOr<std::shared_ptr<grpc::Channel>> target_channel = ChannelFor(to);
+    absl::Cleanup give_source = [&] { ReturnMoveChannel(from, *source_channel); };
+    absl::StatusOr<MoveChannel> target_channel = TakeMoveChannel(to);
     if (!target_channel.ok()) return target_channel.status();
+    absl::Cleanup give_target = [&] { ReturnMoveChannel(to, *target_channel); };
     v1::ExportSequenceRequest request;
     request.set_sequence_id(sequence_id);
     request.set_chunk_bytes(ChunkBytes(0));  // the stream chunk size ClientOptions sets for uploads
@@ -698,7 +701,8 @@ absl::StatusOr<MovedSequence> Client::MoveSequence(const std::string& sequence_i
       grpc::ClientContext export_ctx, import_ctx;
       Prepare(&export_ctx, call);
       Prepare(&import_ctx, call);
-      relayed = RelaySequence(*source_channel, *target_channel, &export_ctx, &import_ctx, request, close_old);
+      relayed = RelaySequence(source_channel->channel, target_channel->channel, &export_ctx, &import_ctx, request,
+                              close_old);
     } while (again(relayed, tried_device));
   }
   if (!relayed.exported.ok() && !relayed.import_failed_first) {

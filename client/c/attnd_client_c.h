@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define ATTND_C_ABI_VERSION 8
+#define ATTND_C_ABI_VERSION 9
 
 enum attnd_transport {
   ATTND_TRANSPORT_DEFAULT = -1, /* per call: the client's transport */
@@ -49,6 +49,9 @@ typedef struct attnd_client_options {
    * settings as `attn --grpc_arg` does; the client's every channel takes them, those to a fleet's servers too. */
   const char* const* grpc_args;
   int32_t num_grpc_args;
+  /* connections of its own to each server that moves by bytes take (attnd_sequence_move), up to 64; 0: the
+   * library's default (8); negative: moves share the other calls' connections. */
+  int32_t move_connections;
 } attnd_client_options;
 
 typedef struct attnd_client attnd_client;

@@ -315,6 +315,7 @@ ATTND_C_EXPORT attnd_client* attnd_client_create(const attnd_client_options* opt
     return nullptr;
   }
   o.grpc_args = *std::move(grpc_args);
+  if (options->move_connections != 0) o.move_connections = std::max(options->move_connections, 0);  // Create: <= 64
   auto client = attnd::client::Client::Create(o);
   if (!client.ok()) {
     Fail(err, client.status());

@@ -315,6 +315,64 @@ TEST_F(Moves, ToAServerWithAnotherPageSize) {
   for (int n = 0; n < 2; ++n) DecodeAndCheck(*moved, n, 90 + 10 * n);
 }
 
+// Moves by bytes at once, over the connections the mover keeps for moves (fewer than the moves, so two share one)
+// and over the calls' own: each sequence arrives whole and answers as it did. A count outside [0, 64] is refused.
+TEST_F(Moves, MovesAtOnceGoOverConnectionsOfTheirOwnOrTheCallsOnes) {
+  Start();
+  ASSERT_FALSE(HasFatalFailure());
+  constexpr int kAtOnce = 3;
+  for (const int lanes : {2, 0}) {
+    SCOPED_TRACE(absl::StrCat("move_connections ", lanes));
+    client::ClientOptions o;
+    o.target = address_[0];
+    o.move_connections = lanes;
+    absl::StatusOr<std::unique_ptr<client::Client>> mover = client::Client::Create(o);
+    ASSERT_TRUE(mover.ok()) << mover.status();
+    std::string ids[kAtOnce], before[kAtOnce];
+    for (int i = 0; i < kAtOnce; ++i) {
+      ids[i] = OpenOnA();
+      ASSERT_FALSE(ids[i].empty());
+      Append(ids[i], 0, 40 + 7 * i, 200 + 10 * i);
+      Append(ids[i], 1, 9 + i, 300 + 10 * i);
+      ASSERT_FALSE(HasFatalFailure());
+      auto o0 = Attend(ids[i], 0, 2, 400 + i);
+      ASSERT_TRUE(o0.ok()) << o0.status();
+      before[i] = *o0;
+    }
+    absl::StatusOr<client::MovedSequence> moved[kAtOnce];
+    std::vector<std::thread> threads;
+    client::MoveOptions bytes;
+    bytes.path = client::MovePath::kBytes;
+    for (int i = 0; i < kAtOnce; ++i) {
+      threads.emplace_back([&, i] { moved[i] = (*mover)->MoveSequence(ids[i], address_[1], bytes); });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int i = 0; i < kAtOnce; ++i) {
+      ASSERT_TRUE(moved[i].ok()) << moved[i].status();
+      EXPECT_EQ(moved[i]->path, client::MovePath::kBytes);
+      auto info = client_->GetSequence(moved[i]->sequence_id);
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(std::vector<int64_t>(info->lengths().begin(), info->lengths().end()),
+                std::vector<int64_t>({40 + 7 * i, 9 + i}));
+      auto after = Attend(moved[i]->sequence_id, 0, 2, 400 + i);
+      ASSERT_TRUE(after.ok()) << after.status();
+      EXPECT_EQ(*after, before[i]) << "sequence " << i;
+      ASSERT_TRUE(client_->CloseSequence({moved[i]->sequence_id}).ok());
+    }
+    EXPECT_EQ(Open(0), 0u);
+    EXPECT_EQ(Open(1), 0u);
+  }
+  for (const int bad : {-1, 65}) {
+    client::ClientOptions o;
+    o.target = address_[0];
+    o.move_connections = bad;
+    absl::StatusOr<std::unique_ptr<client::Client>> refused = client::Client::Create(o);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), "move_connections")) << refused.status();
+  }
+}
+
 TEST_F(Moves, AnEmptySequenceAndAForkedOneMove) {
   Start();
   ASSERT_FALSE(HasFatalFailure());

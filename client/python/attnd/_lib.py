@@ -9,7 +9,7 @@ import ctypes
 import os
 import struct
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 TRANSPORTS = {"auto": 0, "unary": 1, "stream": 2, "shm": 3}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
@@ -36,6 +36,7 @@ class ClientOptions(ctypes.Structure):
         ("shm_max_bytes", ctypes.c_uint64),
         ("grpc_args", ctypes.POINTER(ctypes.c_char_p)),
         ("num_grpc_args", ctypes.c_int32),
+        ("move_connections", ctypes.c_int32),
     ]
 
 

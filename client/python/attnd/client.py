@@ -381,7 +381,7 @@ class Client:
     """A connection to an attnd server. Thread-safe; close() (or a `with` block) releases it."""
 
     def __init__(self, target, transport="auto", tls=None, token=None, shm_socket=None, timeout=None,
-                 tls_server_name=None, grpc_args=None):
+                 tls_server_name=None, grpc_args=None, move_connections=None):
         """target: host:port, unix:/path, or a fleet: ipv4:host:port,host:port,... or dns:///name:port (calls
         spread round robin, sequences placed where there is room and followed to their server). transport:
         auto | unary | stream | shm (shm: Forward calls over the server's --shm_socket, given as shm_socket; the
@@ -389,7 +389,9 @@ class Client:
         channel then speaks TLS). token: the bearer token of a server started with --auth_token_file. timeout:
         seconds per call (default 120). grpc_args: gRPC channel arguments applied after attnd's own settings, as
         a mapping {name: value} or strings "name=value" (gRPC's names: {"grpc.http2.bdp_probe": 0} keeps a bulk
-        byte move's HTTP/2 window where attnd sets it, docs/transport.md)."""
+        byte move's HTTP/2 window where attnd sets it, docs/transport.md). move_connections: connections of
+        its own to each server that a move by bytes takes, up to 64 (None: 8; 0: moves share the other calls'
+        connections), so that moves at once each have one and steps do not wait behind a move's bytes."""
         self._lib = _lib.load()
         self.last_move_path = None  # "bytes" or "device": what carried the last move_sequence's rows
         if transport not in _lib.TRANSPORTS:
@@ -406,6 +408,11 @@ class Client:
         specs = _grpc_args(grpc_args)
         opts.grpc_args = (ctypes.c_char_p * max(1, len(specs)))(*specs)
         opts.num_grpc_args = len(specs)
+        if move_connections is not None and (isinstance(move_connections, bool) or
+                                             not isinstance(move_connections, int) or move_connections < 0):
+            raise _invalid(f"move_connections: {move_connections!r} is not an int from 0 to 64")
+        # The ABI's 0 is its default and a negative value no connections of their own.
+        opts.move_connections = 0 if move_connections is None else -1 if move_connections == 0 else move_connections
         err = _lib.Error()
         handle = self._lib.attnd_client_create(ctypes.byref(opts), ctypes.byref(err))
         if not handle:

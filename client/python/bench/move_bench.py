@@ -14,7 +14,9 @@ device (one GPU buffer per sequence that B copies from over CUDA IPC, or A's pag
 the report says which path ran. --concurrency moves that many sequences at once (a thread each), as a drain does; a
 list (1,8,16) times each in turn over the same sequences. --rounds R moves each sequence to B, back and to B again,
 2R + 1 moves in all, one after another on its thread (B must export on the same path: start it with the same flags),
-so that a rate counts many moves rather than one wave's start and end. The prefill's rows cycle through four random
+so that a rate counts many moves rather than one wave's start and end. --move-connections 0,8 times each row with a
+mover of that many connections of its own to each server for moves by bytes (0: over the calls' connections). The
+prefill's rows cycle through four random
 blocks per chunk size (generating tens of GB of random numbers would take minutes), so the before/after check here is
 a smoke test; tests/gpu/gpu_sequence_moves_test.cc checks that every row lands in place.
 
@@ -92,16 +94,24 @@ def main():
     ap.add_argument("--rounds", type=int, default=0, help="each sequence moves 2 x rounds + 1 times, ending on B")
     ap.add_argument("--grpc-arg", dest="grpc_args", action="append", default=[],
                     help="a gRPC channel argument name=value for this client's channels (repeatable)")
+    ap.add_argument("--move-connections", dest="move_connections", default="",
+                    help="the mover's connections of their own for moves by bytes (Client(move_connections)), or a "
+                         "list of such (0,8), each a mover of its own; empty: the client's default")
     ap.add_argument("--json")
     a = ap.parse_args()
     try:
         concurrency = [int(x) for x in a.concurrency.split(",")]
     except ValueError:
         ap.error(f"--concurrency: {a.concurrency!r} is not a number or a list of numbers")
+    try:
+        lanes = [int(x) for x in a.move_connections.split(",")] if a.move_connections else [None]
+    except ValueError:
+        ap.error(f"--move-connections: {a.move_connections!r} is not a number or a list of numbers")
     if min(concurrency) < 1 or a.rounds < 0:
         ap.error("--concurrency takes numbers >= 1, --rounds a number >= 0")
     rng = np.random.default_rng(0)
     kv_row = a.kv_heads * a.head_dim
+    movers = {n: attnd.Client(a.source, grpc_args=a.grpc_args, move_connections=n) for n in lanes}
     with attnd.Client(a.source, grpc_args=a.grpc_args) as c:
         seqs = c.open_sequence(layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim, count=a.sequences)
         warm = []  # --warm: (client, sequence) keeping each server's pool
@@ -122,29 +132,31 @@ def main():
                 for s in seqs:
                     s.move(a.source, path=a.path)
 
-            def move(s):
+            def move(mover, s):
                 """2 x rounds + 1 moves of s, ending on dest: (seconds for each, the paths they took)."""
                 took, used = [], set()
                 for i in range(2 * a.rounds + 1):
                     s0 = time.perf_counter()
-                    s.move(a.dest if i % 2 == 0 else a.source, path=a.path)
+                    mover.move_sequence(s, a.dest if i % 2 == 0 else a.source, path=a.path)
                     took.append(time.perf_counter() - s0)
-                    used.add(c.last_move_path)
+                    used.add(mover.last_move_path)
                 return took, used
 
             runs, paths = [], set()
             moved_bytes = 2 * a.context * kv_row * 2 * a.layers * a.sequences * (2 * a.rounds + 1)
-            for n, at_once in enumerate(concurrency):
+            for n, (lane, at_once) in enumerate((x, y) for x in lanes for y in concurrency):
                 if n > 0:  # back to the source, untimed
                     for s in seqs:
                         s.move(a.source, path=a.path)
+                mover = movers[lane]
                 t0 = time.perf_counter()
                 with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
-                    done = list(pool.map(move, seqs))
+                    done = list(pool.map(lambda s: move(mover, s), seqs))
                 move_s = time.perf_counter() - t0
                 per = [x for d in done for x in d[0]]
                 paths |= set().union(*(d[1] for d in done))
-                runs.append({"concurrency": at_once, "moved_bytes": moved_bytes, "move_s": move_s,
+                runs.append({"move_connections": lane, "concurrency": at_once, "moved_bytes": moved_bytes,
+                             "move_s": move_s,
                              "move_gb_per_s": moved_bytes / move_s / 1e9,
                              "move_ms_per_sequence_p50": statistics.median(per) * 1e3})
                 assert all(s.id.rsplit("@", 1)[-1] == a.dest for s in seqs), "a moved id does not name --dest"
@@ -165,6 +177,8 @@ def main():
             for wc, ws in warm:
                 ws.close()
                 wc.close()
+            for mover in movers.values():
+                mover.close()
     out = {
         "sequences": a.sequences, "layers": a.layers, "context": a.context, "kv_heads": a.kv_heads,
         "head_dim": a.head_dim, "rounds": a.rounds, "path_asked": a.path, "path": ",".join(sorted(paths)),
@@ -177,7 +191,8 @@ def main():
     for r in runs:
         if d2d:
             r["move_over_d2d"] = r["move_gb_per_s"] / d2d
-        print(f"move {a.source} -> {a.dest} by {out['path']} (--path {a.path}, {r['concurrency']} at once, "
+        lane = "" if r["move_connections"] is None else f", move_connections {r['move_connections']}"
+        print(f"move {a.source} -> {a.dest} by {out['path']} (--path {a.path}{lane}, {r['concurrency']} at once, "
               f"{2 * a.rounds + 1} moves each): {r['moved_bytes'] / 1e6:.1f} MB in {r['move_s'] * 1e3:.1f} ms = "
               f"{r['move_gb_per_s']:.2f} GB/s; per move p50 {r['move_ms_per_sequence_p50']:.1f} ms"
               + (f"; {r['move_over_d2d']:.3f} of the device-to-device copy" if d2d else ""))

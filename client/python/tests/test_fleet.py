@@ -134,6 +134,30 @@ def test_move_sequences_moves_a_batch_and_names_each_one_that_failed(fleet):
                 seq.close()
 
 
+def test_moves_go_over_connections_of_their_own_or_the_calls_ones(fleet):
+    """Client(move_connections=...): moves by bytes at once over two connections of their own and over the calls'
+    ones arrive whole; a count that is not an int from 0 to 64 is refused naming the field."""
+    rng = np.random.default_rng(15)
+    here, there = fleet[0].target, fleet[1].target
+    for lanes in (2, 0):
+        with attnd.Client(here, move_connections=lanes) as c:
+            seqs = [c.open_sequence(layers=2, kv_heads=KV_HEADS, head_dim=HEAD_DIM) for _ in range(3)]
+            hists = [History(layers=2) for _ in seqs]
+            for seq, hist in zip(seqs, hists):
+                step_checked(seq, hist, 0, rng, int(rng.integers(3, 30)))
+                step_checked(seq, hist, 1, rng, int(rng.integers(3, 30)))
+            c.move_sequences(seqs, there, path="bytes", at_once=3)
+            assert c.last_move_path == "bytes" and all(s.id.rsplit("@", 1)[1] == there for s in seqs)
+            for seq, hist in zip(seqs, hists):
+                step_checked(seq, hist, 0, rng, 1)
+                step_checked(seq, hist, 1, rng, 2)
+                seq.close()
+    for bad in (-1, 65, 1.5, True, "8"):
+        with pytest.raises(attnd.AttndError) as refused:
+            attnd.Client(here, move_connections=bad)
+        assert refused.value.code == attnd.StatusCode.INVALID_ARGUMENT and "move_connections" in refused.value.message
+
+
 def test_a_sequence_its_server_moved_is_followed_by_its_next_call(fleet):
     """A Sequence moved by someone else (as a draining server moves its sequences) is followed by its next step:
     the step runs on the new server over the whole history, and the object's id is the new one."""

@@ -100,6 +100,11 @@ struct ClientOptions {
   // up to this long (the move ends, then the step follows the new id); so does a MoveSequence whose export was
   // refused because a step of the sequence is in flight. Zero: that ABORTED is the answer.
   absl::Duration moving_step_retry = absl::Seconds(10);
+  // MoveSequence's bytes (MovePath::kBytes) travel over connections of their own to each server, up to this many
+  // per server, a move taking an idle one: one connection carries a stream's bytes on one thread at each end and
+  // shares HTTP/2 flow control, so moves at once on one connection go no faster than one, and the calls that share
+  // it (steps) would wait behind their frames. Zero: moves share the connections of the other calls.
+  int move_connections = 8;
 };
 
 // Memory of the caller's that a call writes O (and LSE) into, instead of fresh strings in its ForwardResult.
@@ -402,6 +407,14 @@ class Client {
   // The stub for calls about sequences pinned to `address` ("" or the target: the main one), and its channel.
   absl::StatusOr<v1::Attention::Stub*> StubFor(const std::string& address);
   absl::StatusOr<std::shared_ptr<grpc::Channel>> ChannelFor(const std::string& address);
+  // A connection of MoveSequence's own to the server at `address` (ClientOptions::move_connections), the one with
+  // the fewest moves on it, held until ReturnMoveChannel; ChannelFor's when moves have none.
+  struct MoveChannel {
+    std::shared_ptr<grpc::Channel> channel;
+    int lane = -1;  // -1: ChannelFor's, nothing to return
+  };
+  absl::StatusOr<MoveChannel> TakeMoveChannel(const std::string& address);
+  void ReturnMoveChannel(const std::string& address, const MoveChannel& taken);
   // OpenSequence on the first server that has room (over a fleet, each RESOURCE_EXHAUSTED tries the next).
   absl::StatusOr<v1::OpenSequenceResponse> PlaceSequences(const v1::OpenSequenceRequest& request,
                                                           const CallOptions& call);
@@ -459,6 +472,12 @@ class Client {
     std::unique_ptr<v1::Attention::Stub> stub;
   };
   absl::flat_hash_map<std::string, Pinned> pinned_ ABSL_GUARDED_BY(pinned_mu_);
+  absl::Mutex lanes_mu_;
+  struct MoveLane {
+    std::shared_ptr<grpc::Channel> channel;
+    int moving = 0;  // moves on it now
+  };
+  absl::flat_hash_map<std::string, std::vector<MoveLane>> lanes_ ABSL_GUARDED_BY(lanes_mu_);  // address -> lanes
   absl::Mutex shm_mu_;
   std::vector<std::unique_ptr<ShmChannel>> shm_free_ ABSL_GUARDED_BY(shm_mu_);  // idle channels
   mutable absl::Mutex info_mu_;
