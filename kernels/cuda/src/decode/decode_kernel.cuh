@@ -35,6 +35,7 @@
 #include "load_kv_decode.cuh"
 #include "merge_decode.cuh"
 #include "mma_decode.cuh"
+#include "tile_size_decode.h"
 
 namespace attnd::kernels::decode {
 
@@ -83,13 +84,19 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocksPerSm) DecodeK
   const int key_begin = split * p.split_keys;
   const int key_end = split == n_splits - 1 ? kv_len : key_begin + p.split_keys;
   const int n_tiles = key_end > key_begin ? (key_end - key_begin + BN - 1) / BN : 0;
+  // A tile of more keys than the plan's split unit (DecodeBlockN) may reach past a split's end, where its keys are
+  // zero-filled: they are masked like keys past kv_len (a zero score would count in the softmax sum).
+  constexpr bool kTilePastSplit = BN != DecodeTileFor<D, 16>::type::kBlockN;  // DecodeBlockN(D), host-only
   // Keys below full_end are visible to every row; tiles reaching past it are masked.
-  const int full_end = p.causal ? kv_len - p.q_len + 1 : kv_len;
+  const int causal_end = p.causal ? kv_len - p.q_len + 1 : kv_len;
+  const int full_end = kTilePastSplit ? min(causal_end, key_end) : causal_end;
 
   // This thread's two rows (g and g + 8 of its warp's m16 tile) and the end of their visible keys.
   const int row0 = mb * R + wm * 16 + g, row1 = row0 + 8;
-  const int end0 = p.causal ? min(kv_len, kv_len - p.q_len + row0 / p.group + 1) : kv_len;
-  const int end1 = p.causal ? min(kv_len, kv_len - p.q_len + row1 / p.group + 1) : kv_len;
+  const int row_end0 = p.causal ? min(kv_len, kv_len - p.q_len + row0 / p.group + 1) : kv_len;
+  const int row_end1 = p.causal ? min(kv_len, kv_len - p.q_len + row1 / p.group + 1) : kv_len;
+  const int end0 = kTilePastSplit ? min(row_end0, key_end) : row_end0;
+  const int end1 = kTilePastSplit ? min(row_end1, key_end) : row_end1;
 
   const uint16_t* q = static_cast<const uint16_t*>(p.q);
   auto q_row = [&](int r) {

@@ -76,9 +76,14 @@ struct DecodeTileFor<256, RowBlock> {
 // wave on batches that fill the GPU once) with 4 stages (64 KB) + 16 KB; 64 rows (capped, they would spill) 5.
 template <int HeadDim, int RowBlock>
 struct DecodeFp8TileFor;
+// d64 float8, 16 and 32 rows: 128 keys a stage (a key costs half the bytes of d128's, so per tile the fixed work -- the
+// copies' addressing, the barrier, the softmax's reductions and rescale -- is spread over twice the keys), 2 stages
+// (32 KB) + 16 KB, registers capped for four blocks an SM (49 KB each with the reserved 1 KB: four fit sm_90's 228 KB).
+// A plan's splits come in 64-key units, so such a tile may reach past its split's end: the kernel masks those keys
+// (kTilePastSplit). 64 rows (whose 128-key slice would not fit 128 registers) keep 64 keys, 5 stages (40 KB) + 8 KB.
 template <int RowBlock>
 struct DecodeFp8TileFor<64, RowBlock> {
-  using type = DecodeTile<64, RowBlock, 64, 5, 1>;
+  using type = DecodeTile<64, RowBlock, RowBlock == 64 ? 64 : 128, RowBlock == 64 ? 5 : 2, 1, 4>;
 };
 template <int RowBlock>
 struct DecodeFp8TileFor<128, RowBlock> {
@@ -95,10 +100,13 @@ constexpr int DecodeBlockN(int head_dim) {
          : head_dim == 128 ? DecodeTileFor<128, 16>::type::kBlockN
                            : DecodeTileFor<256, 16>::type::kBlockN;
 }
-static_assert(DecodeFp8TileFor<64, 16>::type::kBlockN == DecodeBlockN(64) &&
+static_assert(DecodeFp8TileFor<64, 16>::type::kBlockN % DecodeBlockN(64) == 0 &&
+                  DecodeFp8TileFor<64, 32>::type::kBlockN % DecodeBlockN(64) == 0 &&
+                  DecodeFp8TileFor<64, 64>::type::kBlockN % DecodeBlockN(64) == 0 &&
                   DecodeFp8TileFor<128, 16>::type::kBlockN == DecodeBlockN(128) &&
                   DecodeFp8TileFor<256, 16>::type::kBlockN == DecodeBlockN(256),
-              "a plan's split size serves both K/V formats");
+              "a plan's split size serves both K/V formats (d64 float8: tiles of whole split units, masked past a "
+              "split's end)");
 
 // Smallest row block holding `rows` (group * q_len), 64 at most: more rows take several blocks.
 constexpr int DecodeRowBlock(int rows) { return rows <= 16 ? 16 : rows <= 32 ? 32 : 64; }
