@@ -103,7 +103,7 @@ struct ClientOptions {
   // MoveSequence's bytes (MovePath::kBytes) travel over connections of their own to each server, up to this many
   // per server, a move taking an idle one: one connection carries a stream's bytes on one thread at each end and
   // shares HTTP/2 flow control, so moves at once on one connection go no faster than one, and the calls that share
-  // it (steps) would wait behind their frames. Zero: moves share the connections of the other calls.
+  // it (steps) would share that window with their frames. Zero: moves share the connections of the other calls.
   int move_connections = 8;
 };
 
