@@ -92,6 +92,18 @@ std::vector<Fp8Case> Cases() {
     c.q_len = c.append = 4;
     c.page_size = 16;
   }
+  // A d64 tile of 16 or 32 rows holds 128 keys, two of a split's 64-key units: 7 splits of 576 keys (9 units) each
+  // end halfway through a tile, whose keys past the split's end must not count.
+  for (int rows : {16, 32}) {
+    for (int ps : {0, 16}) {
+      Fp8Case& c = add("d64_rows" + std::to_string(rows) + (ps ? "_paged16" : "_contig") + "_splits7", {4000, 2500});
+      c.head_dim = 64;
+      c.q_heads = rows == 16 ? 8 : 16;
+      c.q_len = c.append = 4;
+      c.page_size = ps;
+      c.num_splits = 7;
+    }
+  }
   {
     Fp8Case& c = add("fp16_d128_q16", {16, 40, 700});
     c.dtype = DType::kFP16;
@@ -420,6 +432,9 @@ TEST_P(GpuDecodeFp8Test, MatchesTheDequantizedReference) {
     options.num_splits = num_splits;
     absl::StatusOr<DecodePlan> plan = MakeDecodePlan(l, c.lens, table, options);
     ASSERT_TRUE(plan.ok()) << plan.status();
+    if (c.head_dim == 64 && num_splits == 7) {
+      ASSERT_EQ(plan->split_keys % 128, 64) << "the case must end its splits halfway through a 128-key tile";
+    }
     DeviceBuffer<uint8_t> ws;
     DeviceBuffer<int32_t> counters;
     CUDA_OK(ws.Alloc(plan->workspace_bytes));
