@@ -24,6 +24,9 @@ namespace {
 
 // ClientOptions::move_connections' bound: each is a socket and a channel per server moved to or from.
 constexpr int kMaxMoveConnections = 64;
+// Servers whose move connections are kept: a fleet's addresses come and go (pods), so past this many, those of
+// servers no move is using are dropped.
+constexpr size_t kMoveServersKept = 64;
 
 // The channel's credentials: TLS when any tls_* file is given (client.h), plaintext otherwise.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(const ClientOptions& o) {
@@ -173,6 +176,11 @@ absl::StatusOr<Client::MoveChannel> Client::TakeMoveChannel(const std::string& a
     return MoveChannel{*std::move(shared), -1};
   }
   absl::MutexLock lock(&lanes_mu_);
+  if (lanes_.size() >= kMoveServersKept && !lanes_.contains(server)) {
+    absl::erase_if(lanes_, [](const auto& entry) {
+      return std::all_of(entry.second.begin(), entry.second.end(), [](const MoveLane& l) { return l.moving == 0; });
+    });
+  }
   std::vector<MoveLane>& lanes = lanes_[server];
   auto least = std::min_element(lanes.begin(), lanes.end(),
                                 [](const MoveLane& a, const MoveLane& b) { return a.moving < b.moving; });
