@@ -391,7 +391,7 @@ class Client:
         a mapping {name: value} or strings "name=value" (gRPC's names: {"grpc.http2.bdp_probe": 0} keeps a bulk
         byte move's HTTP/2 window where attnd sets it, docs/transport.md). move_connections: connections of
         its own to each server that a move by bytes takes, up to 64 (None: 8; 0: moves share the other calls'
-        connections), so that moves at once each have one and steps do not wait behind a move's bytes."""
+        connections), so that moves at once do not share one connection's thread and window (docs/sequences.md)."""
         self._lib = _lib.load()
         self.last_move_path = None  # "bytes" or "device": what carried the last move_sequence's rows
         if transport not in _lib.TRANSPORTS:
