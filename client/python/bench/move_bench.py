@@ -16,9 +16,9 @@ list (1,8,16) times each in turn over the same sequences. --rounds R moves each 
 2R + 1 moves in all, one after another on its thread (B must export on the same path: start it with the same flags),
 so that a rate counts many moves rather than one wave's start and end. --move-connections 0,8 times each row with a
 mover of that many connections of its own to each server for moves by bytes (0: over the calls' connections). The
-prefill's rows cycle through four random
-blocks per chunk size (generating tens of GB of random numbers would take minutes), so the before/after check here is
-a smoke test; tests/gpu/gpu_sequence_moves_test.cc checks that every row lands in place.
+prefill's rows cycle through four random blocks per chunk size (generating tens of GB of random numbers would take
+minutes), so the before/after check here is a smoke test; tests/gpu/gpu_sequence_moves_test.cc checks that every row
+lands in place.
 
   python3 client/python/bench/move_bench.py --source 127.0.0.1:50051 --dest 127.0.0.1:50052 --layers 32 \\
       --context 2048 --sequences 8
