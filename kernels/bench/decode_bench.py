@@ -6,14 +6,20 @@ With --kv-formats bf16,fp8 each storage is also timed over an e4m3 copy of the s
 amax / 448), checked against the fp32 reference over the values its codes stand for, its GB/s and ceiling counted in
 the bytes it reads (half).
 
-Each row: batch x kv_len with 32 q heads : 8 kv heads (64 : 8 for 128 x 8k), head_dim 128 (--head-dim), bf16, q_len
-1, 4 or 16 (bottom-right causal when > 1). Our kernels run through libattnd_decode_c.so (ctypes; plan once, launch on
-torch's current stream); the peers get the same data as [B, H, S, D] views of contiguous KV, with GQA. Before
-timing, every output is checked against an fp32 reference in torch on the same inputs. Timing is
-triton.testing.do_bench's median (it flushes the L2 between calls). GB/s count the K and V bytes read once.
+Each row: batch x kv_len with 32 q heads : 8 kv heads (64 : 8 for 128 x 8k; any BxL:Hq:Hkv as --rows), head_dim 128
+(--head-dim), bf16, each q_len of --q-lens (bottom-right causal when > 1). Our kernels run through
+libattnd_decode_c.so (ctypes; plan once, launch on torch's current stream); the peers get the same data as
+[B, H, S, D] views of contiguous KV, with GQA. Before timing, every output is checked against an fp32 reference in
+torch on the same inputs. Timing is triton.testing.do_bench's median (it flushes the L2 between calls). GB/s count
+the K and V bytes read once.
+
+do_bench flushes by writing 256 MB, which leaves the L2 full of dirty lines: the timed call then also writes back
+what its reads evict (about 11 MB for a 34 MB read on the H100), a cost every column pays and that weighs most on the
+small rows. `--l2 clean` flushes by reading 256 MB instead (each call then starts from clean lines), to tell the two
+apart; the tables in docs/benchmarks.md use the default.
 
   python3 kernels/bench/decode_bench.py --lib build/kernels/cuda/libattnd_decode_c.so [--q-lens 1,4,16]
-      [--storages contig,paged16,paged64] [--rows 64x4k,1x32k] [--json out.json]
+      [--storages contig,paged16,paged64] [--rows 64x4k,1x32k,16x32k:8:1] [--json out.json]
 """
 import argparse
 import ctypes
@@ -41,6 +47,23 @@ ROWS = {
     "16x4k": (16, 4096, 32, 8),
 }
 HEAD_DIM = 128  # --head-dim
+
+
+def parse_row(name):
+    """A row of ROWS, or any BxL[:Hq:Hkv] (L in tokens, k = 1024, a multiple of 64 so that every page size divides
+    it; 32:8 heads by default), e.g. 16x32k:8:1."""
+    if name in ROWS:
+        return ROWS[name]
+    shape, _, heads = name.partition(":")
+    try:
+        b, _, l = shape.partition("x")
+        kv_len = int(l[:-1]) * 1024 if l.endswith("k") else int(l)
+        hq, hkv = (int(h) for h in heads.split(":")) if heads else (32, 8)
+        if int(b) < 1 or kv_len < 64 or kv_len % 64 or hkv < 1 or hq % hkv:
+            raise ValueError
+        return int(b), kv_len, hq, hkv
+    except ValueError:
+        raise SystemExit(f"--rows: {name!r} is neither a named row ({', '.join(ROWS)}) nor BxL[:Hq:Hkv]") from None
 TABLE_ORDER = "random"  # --table-order
 
 
@@ -103,6 +126,45 @@ def _read_only_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + tl.program_id(0), tl.sum(x, axis=0))
 
 
+L2_FLUSH = "dirty"  # --l2
+_CLEAN_FLUSH = {}
+
+
+def _read_flush():
+    """Reads 256 MB, evicting the L2 and leaving it full of clean lines."""
+    if not _CLEAN_FLUSH:
+        x = torch.ones(64 << 20, dtype=torch.int32, device="cuda")
+        grid = triton.cdiv(x.numel(), 4096)
+        _CLEAN_FLUSH.update(x=x, out=torch.empty(grid, dtype=torch.int32, device="cuda"), grid=grid)
+    f = _CLEAN_FLUSH
+    _read_only_kernel[(f["grid"],)](f["x"], f["out"], f["x"].numel(), BLOCK=4096, num_warps=8)
+
+
+def time_ms(fn, rep_ms=100):
+    """Median ms of fn: do_bench's, or with --l2 clean the same protocol (events around each call after a flush,
+    about rep_ms of calls) with the flush by reading."""
+    if L2_FLUSH == "dirty":
+        return triton.testing.do_bench(fn, return_mode="median")
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    n = max(10, min(1000, int(rep_ms / max(start.elapsed_time(end) / 5, 1e-3))))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for s, e in events:
+        _read_flush()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in events)
+    return times[len(times) // 2]
+
+
 def read_only_ms(nbytes):
     words = nbytes // 4
     x = torch.empty(words, dtype=torch.int32, device="cuda")
@@ -110,7 +172,7 @@ def read_only_ms(nbytes):
     grid = triton.cdiv(words, block)
     out = torch.empty(grid, dtype=torch.int32, device="cuda")
     fn = lambda: _read_only_kernel[(grid,)](x, out, words, BLOCK=block, num_warps=8)
-    ms = triton.testing.do_bench(fn, return_mode="median")
+    ms = time_ms(fn)
     del x, out
     return ms
 
@@ -187,7 +249,7 @@ def run_case(dec, name, B, L, Hq, Hkv, q_len, storages, num_splits, formats=("bf
             except Exception as e:  # the backend refuses this shape or mask
                 errors.append(str(e).splitlines()[0][:160])
                 continue
-            entry = {"ms": triton.testing.do_bench(call, return_mode="median"),
+            entry = {"ms": time_ms(call),
                      "max_abs_diff": (out.transpose(1, 2).float() - ref).abs().max().item()}
             if causal and "attn_mask" not in kwargs:
                 entry["mask"] = "none"
@@ -248,7 +310,7 @@ def run_case(dec, name, B, L, Hq, Hkv, q_len, storages, num_splits, formats=("bf
         if not math.isfinite(diff) or diff > 2e-2:
             entry["error"] = f"output differs from the fp32 reference by {diff}"
         else:
-            entry["ms"] = triton.testing.do_bench(fn, return_mode="median")
+            entry["ms"] = time_ms(fn)
         row["ours"][key] = entry
         dec.lib.attnd_decode_plan_destroy(plan)
         del kk, vv, ws, counters
@@ -292,7 +354,7 @@ def fmt(row, storages, formats=("bf16",)):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", default="build/kernels/cuda/libattnd_decode_c.so")
-    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--rows", default=",".join(ROWS), help="named rows or BxL[:Hq:Hkv], e.g. 16x32k:8:1")
     ap.add_argument("--q-lens", default="1,4,16")
     ap.add_argument("--storages", default="contig,paged16,paged64")
     ap.add_argument("--num-splits", type=int, default=0, help="0: the plan's heuristic")
@@ -302,25 +364,28 @@ def main():
                     help="every row's head_dim (the table in docs/benchmarks.md is at 128)")
     ap.add_argument("--kv-formats", default="bf16",
                     help="bf16 and/or fp8 (e4m3 K/V, per-kv-head descales; each row then also its fp8 / bf16 speed-up)")
+    ap.add_argument("--l2", choices=("dirty", "clean"), default="dirty",
+                    help="the L2 flush before each timed call: do_bench's write (dirty lines) or a read (clean)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     formats = tuple(args.kv_formats.split(","))
-    global TABLE_ORDER, HEAD_DIM
+    global TABLE_ORDER, HEAD_DIM, L2_FLUSH
     TABLE_ORDER = args.table_order
+    L2_FLUSH = args.l2
     HEAD_DIM = args.head_dim
     dec = Decode(os.path.abspath(args.lib))
     storages = args.storages.split(",")
     dev = torch.cuda.get_device_properties(0)
     print("# env:", json.dumps({"device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
                                 "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-                                "triton": triton.__version__}), flush=True)
+                                "triton": triton.__version__, "l2_flush": L2_FLUSH}), flush=True)
     extra = " x bf16 |" if len(formats) > 1 else ""
     print("| B x kv_len | Hq:Hkv | q_len | KV | attnd µs | GB/s | ceiling GB/s | x ceiling | cuDNN µs | FLASH µs"
           " | x cuDNN | x FLASH | paged / contig |" + extra + " splits |")
     print("|---" * (14 + (len(formats) > 1)) + "|", flush=True)
     rows = []
     for name in args.rows.split(","):
-        B, L, Hq, Hkv = ROWS[name]
+        B, L, Hq, Hkv = parse_row(name)
         for q_len in (int(x) for x in args.q_lens.split(",")):
             row = run_case(dec, name, B, L, Hq, Hkv, q_len, storages, args.num_splits, formats)
             rows.append(row)
