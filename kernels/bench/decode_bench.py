@@ -47,6 +47,7 @@ ROWS = {
     "16x4k": (16, 4096, 32, 8),
 }
 HEAD_DIM = 128  # --head-dim
+TABLE_ORDER = "random"  # --table-order
 
 
 def parse_row(name):
@@ -63,8 +64,8 @@ def parse_row(name):
             raise ValueError
         return int(b), kv_len, hq, hkv
     except ValueError:
-        raise SystemExit(f"--rows: {name!r} is neither a named row ({', '.join(ROWS)}) nor BxL[:Hq:Hkv]") from None
-TABLE_ORDER = "random"  # --table-order
+        raise SystemExit(f"--rows: {name!r} is neither a named row ({', '.join(ROWS)}) nor BxL[:Hq:Hkv] "
+                         "(L a multiple of 64, Hq of Hkv)") from None
 
 
 class Layout(ctypes.Structure):
