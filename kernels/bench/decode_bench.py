@@ -128,17 +128,16 @@ def _read_only_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 L2_FLUSH = "dirty"  # --l2
-_CLEAN_FLUSH = {}
+_CLEAN_FLUSH = []  # the read pass --l2 clean flushes with, made once
 
 
-def _read_flush():
-    """Reads 256 MB, evicting the L2 and leaving it full of clean lines."""
-    if not _CLEAN_FLUSH:
-        x = torch.ones(64 << 20, dtype=torch.int32, device="cuda")
-        grid = triton.cdiv(x.numel(), 4096)
-        _CLEAN_FLUSH.update(x=x, out=torch.empty(grid, dtype=torch.int32, device="cuda"), grid=grid)
-    f = _CLEAN_FLUSH
-    _read_only_kernel[(f["grid"],)](f["x"], f["out"], f["x"].numel(), BLOCK=4096, num_warps=8)
+def read_pass(nbytes):
+    """A call that reads nbytes of a buffer of its own with _read_only_kernel (the buffer lives as long as the call)."""
+    words = nbytes // 4
+    x = torch.empty(words, dtype=torch.int32, device="cuda")
+    grid = triton.cdiv(words, 4096)
+    out = torch.empty(grid, dtype=torch.int32, device="cuda")
+    return lambda: _read_only_kernel[(grid,)](x, out, words, BLOCK=4096, num_warps=8)
 
 
 def time_ms(fn, rep_ms=100):
@@ -156,8 +155,10 @@ def time_ms(fn, rep_ms=100):
     torch.cuda.synchronize()
     n = max(10, min(1000, int(rep_ms / max(start.elapsed_time(end) / 5, 1e-3))))
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    if not _CLEAN_FLUSH:
+        _CLEAN_FLUSH.append(read_pass(256 << 20))  # evicts the L2, leaving it full of clean lines
     for s, e in events:
-        _read_flush()
+        _CLEAN_FLUSH[0]()
         s.record()
         fn()
         e.record()
@@ -167,15 +168,7 @@ def time_ms(fn, rep_ms=100):
 
 
 def read_only_ms(nbytes):
-    words = nbytes // 4
-    x = torch.empty(words, dtype=torch.int32, device="cuda")
-    block = 4096
-    grid = triton.cdiv(words, block)
-    out = torch.empty(grid, dtype=torch.int32, device="cuda")
-    fn = lambda: _read_only_kernel[(grid,)](x, out, words, BLOCK=block, num_warps=8)
-    ms = time_ms(fn)
-    del x, out
-    return ms
+    return time_ms(read_pass(nbytes))
 
 
 def reference(q, k, v, causal):
