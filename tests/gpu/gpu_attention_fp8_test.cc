@@ -166,6 +166,28 @@ bool HaveHopper() {
   return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess && major == 9;
 }
 
+// The bytes of V^T ([batch, kv_heads, head_dim, kv_len rounded up to 32]) that differ from what the layout says
+// (fp8_sm90.cuh): in every 32 keys, position c holds key 16 (c / 16) + 8 ((c % 4) / 2) + 2 ((c % 16) / 4) + c % 2,
+// the order of P's k32 fragment; keys past kv_len are zeros.
+int64_t VTransposeMismatches(const Shape& s, const std::vector<uint8_t>& v8, const std::vector<uint8_t>& vt) {
+  const int64_t D = s.head_dim, padded = (s.kv_len + 31) / 32 * 32;
+  if (static_cast<int64_t>(vt.size()) != s.batch * s.kv_heads * D * padded) return -1;
+  int64_t bad = 0;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      for (int64_t d = 0; d < D; ++d) {
+        for (int64_t c = 0; c < padded; ++c) {
+          const int64_t i = c % 32;
+          const int64_t key = 32 * (c / 32) + 16 * (i / 16) + 8 * ((i % 4) / 2) + 2 * ((i % 16) / 4) + i % 2;
+          const uint8_t want = key < s.kv_len ? v8[((b * s.kv_len + key) * s.kv_heads + h) * D + d] : 0;
+          bad += vt[((b * s.kv_heads + h) * D + d) * padded + c] != want;
+        }
+      }
+    }
+  }
+  return bad;
+}
+
 // One case's inputs (codes, descales, the values they stand for) and reference, shared by the configurations.
 struct Fp8Data {
   std::vector<float> qd, kd, vd;
@@ -284,6 +306,9 @@ TEST_P(GpuAttentionFp8Test, MatchesDoubleReferenceOverTheDequantizedInputs) {
   std::vector<float> lse;
   CUDA_OK(dout.Download(o16));
   CUDA_OK(dlse.Download(lse));
+  std::vector<uint8_t> vt;
+  CUDA_OK(dvt.Download(vt));
+  EXPECT_EQ(VTransposeMismatches(s, v8, vt), 0) << "V^T bytes not as the layout says (fp8_sm90.cuh)";
 
   // Per kv head's max |V| (the bounds' scale), then the errors against the bounds of the file's comment.
   std::vector<double> vmax(s.kv_heads, 0.0);
