@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "attnd/kernels/decode.h"
+#include "decode/tile_size_decode.h"
 
 namespace attnd::kernels::decode {
 namespace {
@@ -171,7 +172,7 @@ TEST(DecodePlanValidation, NamesTheBadOption) {
   o.min_split_keys = 0;
   ExpectRejected(l, {10}, {}, "options.min_split_keys", o);
   o = H200();
-  o.target_blocks_per_sm = 0;
+  o.target_blocks_per_sm = -1;
   ExpectRejected(l, {10}, {}, "options.target_blocks_per_sm", o);
 }
 
@@ -185,7 +186,7 @@ int64_t Blocks(const DecodePlan& plan, const std::vector<int32_t>& lens) {
 }
 
 TEST(DecodeSplitHeuristic, SplitsASmallBatchAcrossTheGpu) {
-  // 1 x 32k, 32 q heads : 8 kv heads: 8 blocks unsplit; the heuristic fills about two blocks per SM.
+  // 1 x 32k, 32 q heads : 8 kv heads: 8 blocks unsplit; the heuristic fills about the tile's blocks per SM.
   const std::vector<int32_t> lens = {32768};
   absl::StatusOr<DecodePlan> plan = MakeDecodePlan(Contiguous(1, 1, 32, 8, 128, 32768), lens, {}, H200());
   ASSERT_TRUE(plan.ok()) << plan.status();
@@ -194,8 +195,9 @@ TEST(DecodeSplitHeuristic, SplitsASmallBatchAcrossTheGpu) {
   EXPECT_GT(plan->max_splits, 1);
   EXPECT_EQ(plan->split_keys % plan->block_n, 0);
   EXPECT_GE(plan->split_keys, DecodeOptions{}.min_split_keys);
-  EXPECT_GE(Blocks(*plan, lens), kH200Sms);
-  EXPECT_LE(Blocks(*plan, lens), 3 * kH200Sms);
+  const int target = DecodeBlocksPerSm(128, false);
+  EXPECT_GE(2 * Blocks(*plan, lens), target * kH200Sms);
+  EXPECT_LE(Blocks(*plan, lens), target * kH200Sms);
   EXPECT_GT(plan->workspace_bytes, 0u);
 }
 
@@ -209,21 +211,42 @@ TEST(DecodeSplitHeuristic, LeavesAFullBatchUnsplit) {
 }
 
 TEST(DecodeSplitHeuristic, UniformBatchesFillOneWaveOfResidentBlocks) {
-  // Decode rows with 32 : 8 heads, q_len 1: at most two blocks per SM, and at least half of that.
-  const int rows[][2] = {{64, 4096}, {8, 32768}, {2, 131072}, {1, 32768}, {16, 4096}};
+  // Decode rows with 32 : 8 heads, q_len 1: at most the tile's blocks per SM, and at least half of that.
+  const int target = DecodeBlocksPerSm(128, false);
+  const int rows[][2] = {{64, 4096}, {8, 32768}, {2, 131072}, {1, 32768}, {16, 4096}, {1, 8192}};
   for (const auto& r : rows) {
     const std::vector<int32_t> lens(r[0], r[1]);
     absl::StatusOr<DecodePlan> plan = MakeDecodePlan(Contiguous(r[0], 1, 32, 8, 128, r[1]), lens, {}, H200());
     ASSERT_TRUE(plan.ok()) << plan.status();
-    if (r[0] * 8 >= 2 * kH200Sms) {  // already a full wave unsplit
+    if (r[0] * 8 >= target * kH200Sms) {  // already a full wave unsplit
       EXPECT_EQ(plan->max_splits, 1) << r[0] << " x " << r[1];
       continue;
     }
-    EXPECT_LE(Blocks(*plan, lens), 2 * kH200Sms) << r[0] << " x " << r[1];
-    EXPECT_GE(Blocks(*plan, lens), kH200Sms) << r[0] << " x " << r[1];
+    EXPECT_LE(Blocks(*plan, lens), target * kH200Sms) << r[0] << " x " << r[1];
+    EXPECT_GE(2 * Blocks(*plan, lens), target * kH200Sms) << r[0] << " x " << r[1];
     // Equal splits: the last one is not a short remainder.
     EXPECT_GT(r[1] - (plan->max_splits - 1) * plan->split_keys, plan->split_keys - plan->block_n);
   }
+}
+
+TEST(DecodeSplitHeuristic, EachTileFillsTheBlocksPerSmItStreamsWith) {
+  // 1 x 32k at d128: 16-bit blocks one an SM, float8 blocks (conversions between the loads) two; the option
+  // overrides the tile's.
+  const std::vector<int32_t> lens = {32768};
+  const BatchLayout bf16 = Contiguous(1, 1, 32, 8, 128, 32768);
+  BatchLayout fp8 = bf16;
+  fp8.kv_format = KvFormat::kFp8E4M3;
+  absl::StatusOr<DecodePlan> one = MakeDecodePlan(bf16, lens, {}, H200());
+  absl::StatusOr<DecodePlan> two = MakeDecodePlan(fp8, lens, {}, H200());
+  ASSERT_TRUE(one.ok() && two.ok());
+  EXPECT_LE(Blocks(*one, lens), kH200Sms);
+  EXPECT_GT(Blocks(*two, lens), kH200Sms);
+  EXPECT_LE(Blocks(*two, lens), 2 * kH200Sms);
+  DecodeOptions o = H200();
+  o.target_blocks_per_sm = 2;
+  absl::StatusOr<DecodePlan> forced = MakeDecodePlan(bf16, lens, {}, o);
+  ASSERT_TRUE(forced.ok()) << forced.status();
+  EXPECT_EQ(forced->max_splits, two->max_splits);
 }
 
 TEST(DecodeSplitHeuristic, SplitsOnlyTheLongSequencesOfARaggedBatch) {

@@ -224,8 +224,8 @@ absl::StatusOr<DecodePlan> MakeDecodePlan(const BatchLayout& layout, absl::Span<
   if (absl::Status st = CheckStrides("layout.o", l.o); !st.ok()) return st;
   if (options.num_splits < 0) return Invalid("options.num_splits", absl::StrCat(options.num_splits, " < 0"));
   if (options.sm_count < 0) return Invalid("options.sm_count", absl::StrCat(options.sm_count, " < 0"));
-  if (options.target_blocks_per_sm < 1) {
-    return Invalid("options.target_blocks_per_sm", absl::StrCat(options.target_blocks_per_sm, " < 1"));
+  if (options.target_blocks_per_sm < 0) {
+    return Invalid("options.target_blocks_per_sm", absl::StrCat(options.target_blocks_per_sm, " < 0"));
   }
   if (options.min_split_keys < 1) return Invalid("options.min_split_keys", absl::StrCat(options.min_split_keys, " < 1"));
   if (absl::Status st = CheckLengthsAndTable(l, kv_lens, block_table, 0, false); !st.ok()) return st;
@@ -270,9 +270,10 @@ absl::StatusOr<DecodePlan> MakeDecodePlan(const BatchLayout& layout, absl::Span<
   }
 
   // Split heuristic: the keys per block that would make the whole batch about target_blocks_per_sm blocks per
-  // SM (each block streams its keys at the bandwidth one block can pull), never fewer than min_split_keys; the
-  // longest sequence gets the whole number of such splits that fits (rounding down keeps a uniform batch within
-  // one wave of resident blocks instead of spilling a short second wave), cut into equal tile-aligned parts.
+  // SM (by default the tile's DecodeBlocksPerSm, each block streaming its keys at the bandwidth one block can pull),
+  // never fewer than min_split_keys; the longest sequence gets the whole number of such splits that fits (rounding
+  // down keeps a uniform batch within one wave of resident blocks instead of spilling a short second wave), cut into
+  // equal tile-aligned parts.
   // Every sequence is cut at the same split size, so a ragged batch splits its long sequences and leaves its
   // short ones whole; a batch that fills the GPU without splitting gets one split.
   int64_t max_len = 0, total_keys = 0;
@@ -285,7 +286,9 @@ absl::StatusOr<DecodePlan> MakeDecodePlan(const BatchLayout& layout, absl::Span<
     splits = options.num_splits;
   } else {
     const int64_t blocks_per_split = static_cast<int64_t>(l.kv_heads) * plan.m_blocks;
-    const int64_t target_blocks = static_cast<int64_t>(plan.sm_count) * options.target_blocks_per_sm;
+    const int per_sm = options.target_blocks_per_sm > 0 ? options.target_blocks_per_sm
+                                                         : DecodeBlocksPerSm(l.head_dim, Fp8Kv(l));
+    const int64_t target_blocks = static_cast<int64_t>(plan.sm_count) * per_sm;
     const int64_t keys_per_block =
         std::max<int64_t>(CeilDiv(total_keys * blocks_per_split, target_blocks), options.min_split_keys);
     splits = max_len / keys_per_block;

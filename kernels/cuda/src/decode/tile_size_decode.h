@@ -108,6 +108,12 @@ static_assert(DecodeFp8TileFor<64, 16>::type::kBlockN % DecodeBlockN(64) == 0 &&
               "a plan's split size serves both K/V formats (d64 float8: tiles of whole split units, masked past a "
               "split's end)");
 
+// The blocks per SM the split heuristic aims for (DecodeOptions::target_blocks_per_sm 0): as many as a tile needs to
+// stream at the bandwidth. A 16-bit d128 block keeps 96 KB of K/V in flight, so one an SM does, and half the splits
+// start, merge and read their partials sooner. Float8 blocks spend instructions on conversions, d64 pages take
+// twice the table reads per byte and d256 holds 64 KB: two (docs/tuning.md, "Decode family").
+constexpr int DecodeBlocksPerSm(int head_dim, bool fp8_kv) { return head_dim == 128 && !fp8_kv ? 1 : 2; }
+
 // Smallest row block holding `rows` (group * q_len), 64 at most: more rows take several blocks.
 constexpr int DecodeRowBlock(int rows) { return rows <= 16 ? 16 : rows <= 32 ? 32 : 64; }
 

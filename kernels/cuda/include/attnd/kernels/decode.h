@@ -77,9 +77,10 @@ struct DecodeOptions {
   // Streaming multiprocessors to plan for: 0 queries `device`; > 0 plans without touching a device.
   int sm_count = 0;
   int device = -1;  // -1: the current device (only read when sm_count is 0)
-  // The heuristic's target: blocks resident per SM it tries to fill, and the fewest keys a split may hold
-  // (a shorter split costs more in its merge than it gains in parallelism).
-  int target_blocks_per_sm = 2;
+  // The heuristic's target: blocks per SM it tries to fill (0: the tile's own, one for 16-bit head_dim 128 and two
+  // otherwise), and the fewest keys a split may hold (a shorter split costs more in its merge than it gains in
+  // parallelism).
+  int target_blocks_per_sm = 0;
   int min_split_keys = 256;
   // The most partial bytes (rows of a block x splits x head_dim x 4) the last block of a split sequence merges
   // itself; above it a merge kernel spreads the merge over the GPU. In the kernel the merge costs no second
