@@ -1,30 +1,54 @@
 #!/usr/bin/env bash
-# SASS of the Hopper kernels without a GPU machine: compiles one head_dim's object (or a single tile shape) to an
+# SASS of the Hopper kernels without a GPU machine: compiles one head_dim's object (or a single configuration) to an
 # sm_90a cubin with this machine's nvcc and disassembles it with nvdisasm from Debian's CUDA 11.8 toolkit, then
-# prints per kernel: instructions, HGMMA, R2UR, LDL/STL. CUDA 13 writes ELF ABI version 8 with a new e_flags layout,
+# prints per kernel: instructions, HGMMA, R2UR, LDL/STL, and the instructions 11.8 cannot decode (it leaves them out
+# of the listing; a float8 kernel's QGMMA are among them). CUDA 13 writes ELF ABI version 8 with a new e_flags layout,
 # which the 11.8 tools refuse; the instruction encoding for sm_90 is the same, so the header is rewritten to the old
 # form (ABI 7, EF_CUDA_SM90 | EF_CUDA_VIRTUAL_SM(90) | 64-bit | unified texmode = 0x5a055a) on a copy. The listing
 # matches the device's cuobjdump in HGMMA, R2UR and LDL/STL counts (its instruction totals run a few percent lower).
 # Read a change's SASS here before spending device time on it.
 #
-# Usage: kernels/bench/local_sass.sh OUT_PREFIX [d64|d128|d256 | TileShapeAlias]
+# Usage: kernels/bench/local_sass.sh OUT_PREFIX [d64|d128|d256 | Configuration] [--same-as REV]
 #   d64 (default), d128, d256: the whole attention_sm90_d<N>.cu object (1-4 minutes).
-#   A TileShape alias from tile_size_sm90.h (e.g. HopperD64N128S6P2): that shape alone, as entry "k" (~20 s).
+#   A configuration from tile_size_sm90.h (e.g. HopperD64M128N128S6P2): that shape alone, as entry "k" (~20 s).
+#   --same-as REV (whole objects only): also compiles the object at revision REV and compares each kernel's machine
+#   code byte for byte, so a change meant to leave some kernels alone (an `if constexpr` feature off in them) can be
+#   shown to. Writes OUT_PREFIX.same: "identical", "differs", "new" or "gone" per kernel; exits 3 if any differs.
 # Writes OUT_PREFIX.sass (the listing) and OUT_PREFIX.counts. The toolkit .deb (84 MB) is fetched once from
 # Debian's non-free component into ${ATTND_SASS_CACHE:-$HOME/.cache/attnd-sass}; that needs root for apt.
 set -euo pipefail
-out=${1:?usage: local_sass.sh OUT_PREFIX [d64|d128|d256|TileShapeAlias]}
-what=${2:-d64}
+usage="usage: local_sass.sh OUT_PREFIX [d64|d128|d256|Configuration] [--same-as REV]"
+out=${1:?$usage}
+what=d64
+base_rev=""
+shift
+while [ $# -gt 0 ]; do
+  case $1 in
+    --same-as) base_rev=${2:?$usage}; shift ;;
+    -*) echo "$usage" >&2; exit 2 ;;
+    *) what=$1 ;;
+  esac
+  shift
+done
 repo=$(cd "$(dirname "$0")/../.." && pwd)
+if [ -n "$base_rev" ]; then
+  case "$what" in d64 | d128 | d256) ;; *) echo "--same-as compares whole objects (d64, d128, d256)" >&2; exit 2 ;; esac
+  if ! git -C "$repo" rev-parse --verify -q "$base_rev^{commit}" > /dev/null; then
+    echo "--same-as: no revision $base_rev" >&2
+    exit 2
+  fi
+fi
 cache=${ATTND_SASS_CACHE:-$HOME/.cache/attnd-sass}
 nvcc=${NVCC:-/usr/local/cuda/bin/nvcc}
 disasm=$cache/x/usr/bin/nvdisasm
 src=""  # the temporary apt source, while it exists
 one=""  # the one-shape translation unit, while it exists
 generated=""  # the generated headers' folder, while it exists
+base_tree=""  # REV's kernels/ (--same-as), while it exists
 cleanup() {
   rm -f "$one"
   [ -z "$generated" ] || rm -rf "$generated"
+  [ -z "$base_tree" ] || rm -rf "$base_tree"
   if [ -n "$src" ]; then
     rm -f "$src"
     apt-get update -qq >/dev/null 2>&1 || true
@@ -42,28 +66,66 @@ if [ ! -x "$disasm" ]; then
   rm -f "$cache"/nvidia-cuda-toolkit_*.deb
 fi
 
-generated=$(mktemp -d)  # wgmma_sm90.h, as the build generates it
-python3 "$repo/kernels/cuda/src/hopper/gen_wgmma_sm90.py" "$generated/wgmma_sm90.h"
-flags=(-I"$repo/kernels/cuda/include" -I"$repo/kernels/cuda/src" -I"$generated" -I"$repo/kernels/reference/include"
-       -O2 -DNDEBUG -std=c++17 "-gencode=arch=compute_90a,code=sm_90a" -cubin -x cu)
-case "$what" in
-  d64 | d128 | d256)
-    "$nvcc" "${flags[@]}" "$repo/kernels/cuda/src/hopper/attention_sm90_$what.cu" -o "$out.cubin" ;;
-  *)
-    # One shape: a translation unit of its own beside the real ones, so that its includes resolve the same way.
-    one=$(mktemp "$repo/kernels/cuda/src/hopper/local_sass_XXXXXX.cu")
-    cat > "$one" <<EOF
+# compile ROOT CUBIN: ROOT's object (or the one configuration) as an sm_90a cubin, with ROOT's generated wgmma_sm90.h.
+compile() {
+  local root=$1 cubin=$2 gen
+  gen=$generated/$(basename "$cubin")
+  mkdir -p "$gen"
+  python3 "$root/kernels/cuda/src/hopper/gen_wgmma_sm90.py" "$gen/wgmma_sm90.h"
+  local flags=(-I"$root/kernels/cuda/include" -I"$root/kernels/cuda/src" -I"$gen" -I"$root/kernels/reference/include"
+               -O2 -DNDEBUG -std=c++17 "-gencode=arch=compute_90a,code=sm_90a" -cubin -x cu)
+  case "$what" in
+    d64 | d128 | d256)
+      "$nvcc" "${flags[@]}" "$root/kernels/cuda/src/hopper/attention_sm90_$what.cu" -o "$cubin" ;;
+    *)
+      # One shape: a translation unit of its own beside the real ones, so that its includes resolve the same way.
+      one=$(mktemp "$root/kernels/cuda/src/hopper/local_sass_XXXXXX.cu")
+      cat > "$one" <<EOF
 #include "flash_fwd_launch_sm90.cuh"
 #include "tile_size_sm90.h"
 namespace attnd::kernels::hopper {
 EntryList Sm90D64Entries() {
-  static const KernelEntry kEntries[] = {Entry<$what>("k")};
+  static const KernelEntry kEntries[] = {Entry<TileShape<$what>>("k")};
   return ListOf(kEntries);
 }
 }  // namespace attnd::kernels::hopper
 EOF
-    "$nvcc" "${flags[@]}" "$one" -o "$out.cubin" ;;
-esac
+      "$nvcc" "${flags[@]}" "$one" -o "$cubin" ;;
+  esac
+}
+
+generated=$(mktemp -d)  # the generated headers, one folder per cubin
+compile "$repo" "$out.cubin"
+same=0
+if [ -n "$base_rev" ]; then
+  base_tree=$(mktemp -d)
+  git -C "$repo" archive "$base_rev" kernels | tar -x -C "$base_tree"
+  compile "$base_tree" "$out.base.cubin"
+  # Each kernel's .text section, byte for byte: the machine code, whatever the listing can decode.
+  python3 - "$out.base.cubin" "$out.cubin" "$base_rev" > "$out.same" <<'EOF' || same=$?
+import struct, sys
+
+def kernels(path):
+    b = open(path, 'rb').read()
+    shoff, = struct.unpack_from('<Q', b, 0x28)
+    size, count, names = struct.unpack_from('<HHH', b, 0x3a)
+    hdrs = [struct.unpack_from('<IIQQQQIIQQ', b, shoff + i * size) for i in range(count)]
+    strtab = hdrs[names][4]
+    def name(off):
+        return b[strtab + off:b.index(b'\0', strtab + off)].decode()
+    return {name(h[0])[6:]: b[h[4]:h[4] + h[5]] for h in hdrs if name(h[0]).startswith('.text.')}
+
+base, new = kernels(sys.argv[1]), kernels(sys.argv[2])
+differ = 0
+for k in sorted(set(base) | set(new)):
+    state = 'new' if k not in base else 'gone' if k not in new else 'identical' if base[k] == new[k] else 'differs'
+    differ += state == 'differs'
+    print(f'{state:9s} {k}')
+print(f"{differ} of {len(set(base) & set(new))} kernels in both differ from {sys.argv[3]}'s", file=sys.stderr)
+sys.exit(3 if differ else 0)
+EOF
+  rm -f "$out.base.cubin"
+fi
 
 python3 - "$out.cubin" <<'EOF'
 import struct, sys
@@ -75,8 +137,21 @@ open(path, 'wb').write(data)
 EOF
 "$disasm" -c "$out.cubin" 2>/dev/null > "$out.sass"
 rm -f "$out.cubin"
-awk '/^\t\.section\t\.text\./ {if (f) print n, h, u, l, f; f = substr($2, 7); n = h = u = l = 0}
-     /^ +\/\*[0-9a-f]+\*\// {n++} /HGMMA/ {h++} /R2UR/ {u++} /LDL|STL/ {l++}
-     END {if (f) print n, h, u, l, f}' "$out.sass" > "$out.counts"
-echo "instructions HGMMA R2UR LDL/STL kernel" >&2
+# Undecoded: the 16-byte slots between a kernel's first and last address that the listing leaves out.
+python3 - "$out.sass" > "$out.counts" <<'EOF'
+import re, sys
+for sec in re.split(r'\n\t\.section\t\.text\.', open(sys.argv[1]).read())[1:]:
+    name = sec.split('\n', 1)[0].split(',')[0]
+    lines = re.findall(r'^ +/\*([0-9a-f]+)\*/ +(.*)$', sec, re.M)
+    if not lines:
+        continue
+    ops = [op for _, op in lines]
+    undecoded = (int(lines[-1][0], 16) - int(lines[0][0], 16)) // 16 + 1 - len(lines)
+    def count(pattern):
+        return sum(1 for op in ops if re.search(pattern, op))
+    print(len(lines), count('HGMMA'), count('R2UR'), count('LDL|STL'), undecoded, name)
+EOF
+echo "instructions HGMMA R2UR LDL/STL undecoded kernel" >&2
 cat "$out.counts"
+[ -z "$base_rev" ] || cat "$out.same"
+exit "$same"
