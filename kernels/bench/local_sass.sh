@@ -13,7 +13,8 @@
 #   A configuration from tile_size_sm90.h (e.g. HopperD64M128N128S6P2): that shape alone, as entry "k" (~20 s).
 #   --same-as REV (whole objects only): also compiles the object at revision REV and compares each kernel's machine
 #   code byte for byte, so a change meant to leave some kernels alone (an `if constexpr` feature off in them) can be
-#   shown to. Writes OUT_PREFIX.same: "identical", "differs", "new" or "gone" per kernel; exits 3 if any differs.
+#   shown to. Writes OUT_PREFIX.same: "identical", "params" (the same instructions with the kernel parameters at
+#   other offsets), "differs", "new" or "gone" per kernel; exits 3 if any differs.
 # Writes OUT_PREFIX.sass (the listing) and OUT_PREFIX.counts. The toolkit .deb (84 MB) is fetched once from
 # Debian's non-free component into ${ATTND_SASS_CACHE:-$HOME/.cache/attnd-sass}; that needs root for apt.
 set -euo pipefail
@@ -96,14 +97,33 @@ EOF
 
 generated=$(mktemp -d)  # the generated headers, one folder per cubin
 compile "$repo" "$out.cubin"
-same=0
 if [ -n "$base_rev" ]; then
   base_tree=$(mktemp -d)
   git -C "$repo" archive "$base_rev" kernels | tar -x -C "$base_tree"
   compile "$base_tree" "$out.base.cubin"
-  # Each kernel's .text section, byte for byte: the machine code, whatever the listing can decode.
-  python3 - "$out.base.cubin" "$out.cubin" "$base_rev" > "$out.same" <<'EOF' || same=$?
+fi
+
+# disassemble CUBIN LISTING: with the header rewritten on a copy (the top of this file says why).
+disassemble() {
+  python3 - "$1" "$1.v7" <<'EOF'
 import struct, sys
+data = bytearray(open(sys.argv[1], 'rb').read())
+data[8] = 7                                   # EI_ABIVERSION
+struct.pack_into('<I', data, 0x30, 0x5a055a)  # e_flags of an ELF64 header
+open(sys.argv[2], 'wb').write(data)
+EOF
+  "$disasm" -c "$1.v7" 2>/dev/null > "$2"
+  rm -f "$1.v7"
+}
+disassemble "$out.cubin" "$out.sass"
+same=0
+if [ -n "$base_rev" ]; then
+  disassemble "$out.base.cubin" "$out.base.sass"
+  # Each kernel's .text section, byte for byte: the machine code, whatever the listing can decode. Where the bytes
+  # differ but the listings agree once the kernel parameters' constant-bank offsets are masked, the change moved
+  # LaunchParams' fields and nothing else: "params".
+  python3 - "$out.base.cubin" "$out.cubin" "$out.base.sass" "$out.sass" "$base_rev" > "$out.same" <<'EOF' || same=$?
+import re, struct, sys
 
 def kernels(path):
     b = open(path, 'rb').read()
@@ -115,27 +135,32 @@ def kernels(path):
         return b[strtab + off:b.index(b'\0', strtab + off)].decode()
     return {name(h[0])[6:]: b[h[4]:h[4] + h[5]] for h in hdrs if name(h[0]).startswith('.text.')}
 
+def listings(path):
+    out = {}
+    for sec in re.split(r'\n\t\.section\t\.text\.', open(path).read())[1:]:
+        ops = re.findall(r'^ +/\*[0-9a-f]+\*/ +(.*)$', sec, re.M)
+        out[sec.split('\n', 1)[0].split(',')[0]] = [re.sub(r'c\[0x0\]\[0x[0-9a-f]+\]', 'c[0x0][param]', o) for o in ops]
+    return out
+
 base, new = kernels(sys.argv[1]), kernels(sys.argv[2])
+base_sass, new_sass = listings(sys.argv[3]), listings(sys.argv[4])
 differ = 0
 for k in sorted(set(base) | set(new)):
-    state = 'new' if k not in base else 'gone' if k not in new else 'identical' if base[k] == new[k] else 'differs'
-    differ += state == 'differs'
+    if k not in base or k not in new:
+        state = 'new' if k not in base else 'gone'
+    elif base[k] == new[k]:
+        state = 'identical'
+    elif base_sass.get(k) is not None and base_sass.get(k) == new_sass.get(k):
+        state = 'params'
+    else:
+        state = 'differs'
+        differ += 1
     print(f'{state:9s} {k}')
-print(f"{differ} of {len(set(base) & set(new))} kernels in both differ from {sys.argv[3]}'s", file=sys.stderr)
+print(f"{differ} of {len(set(base) & set(new))} kernels in both differ from {sys.argv[5]}'s", file=sys.stderr)
 sys.exit(3 if differ else 0)
 EOF
-  rm -f "$out.base.cubin"
+  rm -f "$out.base.cubin" "$out.base.sass"
 fi
-
-python3 - "$out.cubin" <<'EOF'
-import struct, sys
-path = sys.argv[1]
-data = bytearray(open(path, 'rb').read())
-data[8] = 7                                   # EI_ABIVERSION
-struct.pack_into('<I', data, 0x30, 0x5a055a)  # e_flags of an ELF64 header
-open(path, 'wb').write(data)
-EOF
-"$disasm" -c "$out.cubin" 2>/dev/null > "$out.sass"
 rm -f "$out.cubin"
 # Undecoded: the 16-byte slots between a kernel's first and last address that the listing leaves out.
 python3 - "$out.sass" > "$out.counts" <<'EOF'
