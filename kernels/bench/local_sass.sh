@@ -138,9 +138,18 @@ def kernels(path):
 def listings(path):
     out = {}
     for sec in re.split(r'\n\t\.section\t\.text\.', open(path).read())[1:]:
-        ops = re.findall(r'^ +/\*[0-9a-f]+\*/ +(.*)$', sec, re.M)
-        out[sec.split('\n', 1)[0].split(',')[0]] = [re.sub(r'c\[0x0\]\[0x[0-9a-f]+\]', 'c[0x0][param]', o) for o in ops]
+        lines = re.findall(r'^ +/\*([0-9a-f]+)\*/ +(.*)$', sec, re.M)
+        ops = [(int(a, 16), re.sub(r'c\[0x0\]\[0x[0-9a-f]+\]', 'c[0x0][param]', o)) for a, o in lines]
+        out[sec.split('\n', 1)[0].split(',')[0]] = ops
     return out
+
+# The same instructions at the same addresses once parameter offsets are masked, and the slots the listing leaves
+# out (which it cannot compare) the same bytes.
+def only_params(a_bytes, b_bytes, a_ops, b_ops):
+    if len(a_bytes) != len(b_bytes) or a_ops is None or a_ops != b_ops:
+        return False
+    decoded = {addr for addr, _ in a_ops}
+    return all(a_bytes[i:i + 16] == b_bytes[i:i + 16] for i in range(0, len(a_bytes), 16) if i not in decoded)
 
 base, new = kernels(sys.argv[1]), kernels(sys.argv[2])
 base_sass, new_sass = listings(sys.argv[3]), listings(sys.argv[4])
@@ -150,7 +159,7 @@ for k in sorted(set(base) | set(new)):
         state = 'new' if k not in base else 'gone'
     elif base[k] == new[k]:
         state = 'identical'
-    elif base_sass.get(k) is not None and base_sass.get(k) == new_sass.get(k):
+    elif only_params(base[k], new[k], base_sass.get(k), new_sass.get(k)):
         state = 'params'
     else:
         state = 'differs'
