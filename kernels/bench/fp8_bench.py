@@ -181,7 +181,7 @@ def bench(lib, quick, configs):
         # Named float8 configurations beside auto's, each writing its own O (alive while its plan is).
         named_o = {c: torch.empty_like(q) for c in configs if f"_d{d}_" in c}
         named = {c: lib.plan_fp8(q8, k8, v8, o, mask, (qd, kd, vd), c) for c, o in named_o.items()}
-        ms = time_alternating({"": p8, **named}, lambda p: lib.launch(p))
+        ms = time_alternating({"": p8, **named}, lib.launch)
         t8 = ms[""]
         others = {c: flops / ms[c] / 1e9 for c in named}
         for pc in named.values():
